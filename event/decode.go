@@ -1,0 +1,182 @@
+package event
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+)
+
+// Category classifies why a message could not be used. It is the category
+// recorded in quarantine.
+type Category string
+
+// Decode failure categories. Further categories (incompatible, oversized,
+// missing_payload) are assigned by the projector when applying.
+const (
+	CategoryMalformed      Category = "malformed"       // not JSON, or not an object
+	CategoryUnknownVersion Category = "unknown_version" // "v" this code does not know
+	CategoryInvalid        Category = "invalid"         // required fields missing or ill-typed
+)
+
+// DecodeError is a permanent failure to decode a message: retrying the same
+// bytes with the same code gives the same error.
+type DecodeError struct {
+	Category Category
+	Err      error
+}
+
+func (e *DecodeError) Error() string { return "decode event: " + string(e.Category) + ": " + e.Err.Error() }
+func (e *DecodeError) Unwrap() error { return e.Err }
+
+// CategoryOf returns the category of a decode error, and false for any other
+// error.
+func CategoryOf(err error) (Category, bool) {
+	var de *DecodeError
+	if errors.As(err, &de) {
+		return de.Category, true
+	}
+	return "", false
+}
+
+func decodeErr(c Category, format string, args ...any) error {
+	return &DecodeError{Category: c, Err: fmt.Errorf(format, args...)}
+}
+
+// Decoder decodes messages. Its Versions hook lets a newer format be taught
+// to it (tests and future versions register upgraders here).
+type Decoder struct {
+	// Upgraders maps a wire version other than Version to a function that
+	// rewrites such a body into a v1 body.
+	Upgraders map[int]func([]byte) ([]byte, error)
+}
+
+// Decode decodes with the default decoder (v1 only).
+func Decode(data []byte) (*Event, error) { return (&Decoder{}).Decode(data) }
+
+// Decode parses one message body. Every failure is a *DecodeError.
+func (d *Decoder) Decode(data []byte) (*Event, error) {
+	trimmed := bytes.TrimSpace(data)
+	if len(trimmed) == 0 || trimmed[0] != '{' || !json.Valid(trimmed) {
+		return nil, decodeErr(CategoryMalformed, "body is not a JSON object (%d bytes)", len(data))
+	}
+	var probe struct {
+		V json.RawMessage `json:"v"`
+	}
+	if err := json.Unmarshal(trimmed, &probe); err != nil {
+		return nil, decodeErr(CategoryMalformed, "body is not a JSON object: %v", err)
+	}
+	if len(probe.V) == 0 {
+		return nil, decodeErr(CategoryInvalid, "missing \"v\"")
+	}
+	var v int
+	if err := json.Unmarshal(probe.V, &v); err != nil {
+		return nil, decodeErr(CategoryInvalid, "\"v\" is not an integer")
+	}
+	if v != Version {
+		up, ok := d.Upgraders[v]
+		if !ok {
+			return nil, decodeErr(CategoryUnknownVersion, "wire version %d is not known (this build reads %d)", v, Version)
+		}
+		upgraded, err := up(trimmed)
+		if err != nil {
+			return nil, decodeErr(CategoryInvalid, "upgrade from version %d: %v", v, err)
+		}
+		return (&Decoder{}).Decode(upgraded)
+	}
+	var e Event
+	if err := json.Unmarshal(trimmed, &e); err != nil {
+		return nil, decodeErr(CategoryInvalid, "%v", sanitizeJSONErr(err))
+	}
+	if err := e.Validate(); err != nil {
+		return nil, err
+	}
+	return &e, nil
+}
+
+// sanitizeJSONErr keeps the field and type of an unmarshal error but never
+// the offending value, which may be row data.
+func sanitizeJSONErr(err error) error {
+	var te *json.UnmarshalTypeError
+	if errors.As(err, &te) {
+		return fmt.Errorf("field %q: expected %s, got JSON %s", te.Field, te.Type, te.Value)
+	}
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return fmt.Errorf("syntax error at offset %d", se.Offset)
+	}
+	return errors.New("ill-typed field")
+}
+
+// Validate checks the fields each op requires.
+func (e *Event) Validate() error {
+	if e.Source == "" {
+		return decodeErr(CategoryInvalid, "missing \"source\"")
+	}
+	switch e.Op {
+	case OpDelete:
+		if e.Schema == "" || e.Table == "" {
+			return decodeErr(CategoryInvalid, "delete: missing schema or table")
+		}
+		if e.CommitLSN == 0 {
+			return decodeErr(CategoryInvalid, "delete: missing commit_lsn")
+		}
+		if e.Seq < 0 {
+			return decodeErr(CategoryInvalid, "delete: negative seq")
+		}
+		switch e.Identity {
+		case IdentityFull, IdentityKey, IdentityNothing:
+		default:
+			return decodeErr(CategoryInvalid, "delete: identity %q is not full, key or nothing", e.Identity)
+		}
+		if e.RowRef == nil {
+			if !isObject(e.Row) {
+				return decodeErr(CategoryInvalid, "delete: \"row\" must be an object")
+			}
+		} else if e.RowRef.Bucket == "" || e.RowRef.Name == "" {
+			return decodeErr(CategoryInvalid, "delete: row_ref needs bucket and name")
+		}
+		if len(e.Key) > 0 && !isObject(e.Key) && !bytes.Equal(e.Key, []byte("null")) {
+			return decodeErr(CategoryInvalid, "delete: \"key\" must be an object")
+		}
+	case OpTruncate:
+		if e.Schema == "" || e.Table == "" || e.CommitLSN == 0 {
+			return decodeErr(CategoryInvalid, "truncate: missing schema, table or commit_lsn")
+		}
+	case OpCommit:
+		if e.CommitLSN == 0 {
+			return decodeErr(CategoryInvalid, "commit: missing commit_lsn")
+		}
+		if e.Rows < 0 {
+			return decodeErr(CategoryInvalid, "commit: negative rows")
+		}
+		sum := 0
+		for t, n := range e.Tables {
+			if n < 0 {
+				return decodeErr(CategoryInvalid, "commit: negative count for %q", t)
+			}
+			sum += n
+		}
+		if e.Tables != nil && sum != e.Rows {
+			return decodeErr(CategoryInvalid, "commit: table counts add up to %d, rows says %d", sum, e.Rows)
+		}
+	case OpMark:
+		if e.LSN == 0 {
+			return decodeErr(CategoryInvalid, "mark: missing lsn")
+		}
+	case OpGap:
+		if e.ToLSN < e.FromLSN {
+			return decodeErr(CategoryInvalid, "gap: to_lsn before from_lsn")
+		}
+	case "":
+		return decodeErr(CategoryInvalid, "missing \"op\"")
+	default:
+		return decodeErr(CategoryInvalid, "op %q is not known", e.Op)
+	}
+	return nil
+}
+
+func isObject(b json.RawMessage) bool {
+	t := bytes.TrimSpace(b)
+	return len(t) > 0 && t[0] == '{'
+}
