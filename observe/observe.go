@@ -1,0 +1,113 @@
+// Package observe serves a process's operational endpoints: /metrics
+// (Prometheus, from an explicit registry), /healthz and /status (JSON).
+package observe
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Config of the endpoint server.
+type Config struct {
+	// Addr is host:port to listen on; empty disables the server.
+	Addr string
+	// Registry holds the process's metrics.
+	Registry *prometheus.Registry
+	// Status returns the JSON-encodable status document.
+	Status func(ctx context.Context) (any, error)
+	// Healthy returns nil when the process is healthy.
+	Healthy func(ctx context.Context) error
+	Logger  *slog.Logger
+}
+
+// Server serves the endpoints until stopped.
+type Server struct {
+	cfg  Config
+	mux  *http.ServeMux
+	srv  *http.Server
+	addr string
+}
+
+// New builds a server; Handle adds more routes before Start.
+func New(cfg Config) *Server {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	s := &Server{cfg: cfg, mux: http.NewServeMux()}
+	if cfg.Registry != nil {
+		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Registry, promhttp.HandlerOpts{Registry: cfg.Registry}))
+	}
+	s.mux.HandleFunc("GET /healthz", s.healthz)
+	s.mux.HandleFunc("GET /status", s.status)
+	return s
+}
+
+// Handle registers an extra route (for example a human status page).
+func (s *Server) Handle(pattern string, h http.Handler) { s.mux.Handle(pattern, h) }
+
+// Start listens and serves in the background. It returns once listening.
+func (s *Server) Start(ctx context.Context) error {
+	if s.cfg.Addr == "" {
+		return nil
+	}
+	l, err := net.Listen("tcp", s.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("listen for metrics on %s: %w", s.cfg.Addr, err)
+	}
+	s.addr = l.Addr().String()
+	s.srv = &http.Server{Handler: s.mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		if err := s.srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			s.cfg.Logger.Error("metrics server stopped", "err", err)
+		}
+	}()
+	return nil
+}
+
+// Addr is the address actually listened on (useful with port 0).
+func (s *Server) Addr() string { return s.addr }
+
+// Stop shuts the server down.
+func (s *Server) Stop() {
+	if s.srv == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = s.srv.Shutdown(ctx)
+}
+
+func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Healthy != nil {
+		if err := s.cfg.Healthy(r.Context()); err != nil {
+			http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+	}
+	_, _ = w.Write([]byte("ok\n"))
+}
+
+func (s *Server) status(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Status == nil {
+		http.Error(w, "no status", http.StatusNotFound)
+		return
+	}
+	doc, err := s.cfg.Status(r.Context())
+	if err != nil {
+		http.Error(w, "status: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(doc)
+}
