@@ -26,7 +26,9 @@ type DecodeError struct {
 	Err      error
 }
 
-func (e *DecodeError) Error() string { return "decode event: " + string(e.Category) + ": " + e.Err.Error() }
+func (e *DecodeError) Error() string {
+	return "decode event: " + string(e.Category) + ": " + e.Err.Error()
+}
 func (e *DecodeError) Unwrap() error { return e.Err }
 
 // CategoryOf returns the category of a decode error, and false for any other
