@@ -30,19 +30,19 @@ type Category string
 // Quarantine categories. The first three are the decoder's (event.Category);
 // the others are assigned when applying.
 const (
-	Malformed      Category = Category(event.CategoryMalformed)      // not JSON, or not an object
-	UnknownVersion Category = Category(event.CategoryUnknownVersion) // "v" this code does not know
-	Invalid        Category = Category(event.CategoryInvalid)        // required fields missing or ill-typed
-	Incompatible   Category = "incompatible"                         // decodes, but the read model rejects it
-	Oversized      Category = "oversized"                            // a referenced large value is too big to use
-	MissingPayload Category = "missing_payload"                      // a referenced large value cannot be fetched
-	// Held is not a failure of the event itself: in hold mode it waits behind
+	CategoryMalformed      Category = Category(event.CategoryMalformed)      // not JSON, or not an object
+	CategoryUnknownVersion Category = Category(event.CategoryUnknownVersion) // "v" this code does not know
+	CategoryInvalid        Category = Category(event.CategoryInvalid)        // required fields missing or ill-typed
+	CategoryIncompatible   Category = "incompatible"                         // decodes, but the read model rejects it
+	CategoryOversized      Category = "oversized"                            // a referenced large value is too big to use
+	CategoryMissingPayload Category = "missing_payload"                      // a referenced large value cannot be fetched
+	// CategoryHeld is not a failure of the event itself: in hold mode it waits behind
 	// an open entry for the same source row, so order per row is kept.
-	Held Category = "held"
+	CategoryHeld Category = "held"
 )
 
 // Categories lists every category, in a stable order.
-var Categories = []Category{Malformed, UnknownVersion, Invalid, Incompatible, Oversized, MissingPayload, Held}
+var Categories = []Category{CategoryMalformed, CategoryUnknownVersion, CategoryInvalid, CategoryIncompatible, CategoryOversized, CategoryMissingPayload, CategoryHeld}
 
 // Status of an entry.
 type Status string
@@ -97,8 +97,9 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 ON CONFLICT ON CONSTRAINT quarantine_event_once DO UPDATE
 SET attempts        = q.attempts + 1,
     last_attempt_at = now(),
-    category        = EXCLUDED.category,
-    error           = EXCLUDED.error`
+    -- an event re-delivered behind itself in hold mode keeps its own category
+    category        = CASE WHEN EXCLUDED.category = 'held' THEN q.category ELSE EXCLUDED.category END,
+    error           = CASE WHEN EXCLUDED.category = 'held' THEN q.error ELSE EXCLUDED.error END`
 
 // Insert records e in tx, the transaction that advances the cursor past the
 // event. It is idempotent per (projection, version, stream sequence): a
