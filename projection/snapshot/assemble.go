@@ -1,0 +1,345 @@
+package snapshot
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// archiveRow is one archive row of a transaction, as assembly reads it.
+type archiveRow struct {
+	Schema     string
+	Table      string
+	Key        json.RawMessage
+	Row        json.RawMessage
+	Refs       []event.Ref
+	CommitLSN  event.LSN
+	Seq        int
+	ArchivedAt time.Time
+	CommitTime time.Time
+
+	values map[string]json.RawMessage // Row decoded, lazily
+}
+
+func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
+
+// value returns the comparable form of column col, and false when the
+// column is absent or NULL (a NULL foreign key references nothing).
+func (r *archiveRow) value(col string) (string, bool) {
+	if r.values == nil {
+		r.values = map[string]json.RawMessage{}
+		_ = json.Unmarshal(r.Row, &r.values) // a non-object row simply has no values
+	}
+	v, ok := r.values[col]
+	if !ok {
+		return "", false
+	}
+	return matchForm(v)
+}
+
+// matchForm maps a value of the wire encoding to a string equal for equal
+// SQL values of compatible types: a string's content (text forms), a
+// number's exact digits, other JSON compacted. So an integer key matches an
+// integer foreign key, and a numeric "1" one of integer 1.
+func matchForm(v json.RawMessage) (string, bool) {
+	v = bytes.TrimSpace(v)
+	switch {
+	case len(v) == 0 || string(v) == "null":
+		return "", false
+	case v[0] == '"':
+		var s string
+		if err := json.Unmarshal(v, &s); err != nil {
+			return "", false
+		}
+		return s, true
+	default:
+		var buf bytes.Buffer
+		if err := json.Compact(&buf, v); err != nil {
+			return "", false
+		}
+		return buf.String(), true
+	}
+}
+
+// group is the archive rows of one source transaction with the candidate
+// parent -> child edges between them, derived from the rows' foreign key
+// refs.
+type group struct {
+	correlationID string
+	rows          []*archiveRow // by seq
+	children      [][]int       // children[i]: rows whose foreign key points at row i, by seq
+	bySeq         map[int]int
+}
+
+func refKey(table string, cols []string, vals []string) string {
+	var b strings.Builder
+	b.WriteString(strconv.Quote(table))
+	for _, c := range cols {
+		b.WriteByte(' ')
+		b.WriteString(strconv.Quote(c))
+	}
+	b.WriteString(" =")
+	for _, v := range vals {
+		b.WriteByte(' ')
+		b.WriteString(strconv.Quote(v))
+	}
+	return b.String()
+}
+
+func newGroup(correlationID string, rows []*archiveRow) *group {
+	slices.SortFunc(rows, func(a, b *archiveRow) int { return a.Seq - b.Seq })
+	g := &group{correlationID: correlationID, rows: rows, children: make([][]int, len(rows)), bySeq: map[int]int{}}
+	for i, r := range rows {
+		g.bySeq[r.Seq] = i
+	}
+	// Which (table, referenced columns) pairs are referenced at all, so
+	// each row is indexed only under the keys some child looks up.
+	wanted := map[string][][]string{}
+	for _, r := range rows {
+		for _, f := range r.Refs {
+			t := f.Schema + "." + f.Table
+			if !slices.ContainsFunc(wanted[t], func(c []string) bool { return slices.Equal(c, f.RefColumns) }) {
+				wanted[t] = append(wanted[t], f.RefColumns)
+			}
+		}
+	}
+	parents := map[string][]int{}
+	for i, r := range rows {
+		for _, cols := range wanted[r.qualified()] {
+			if vals, ok := valuesOf(r, cols); ok {
+				k := refKey(r.qualified(), cols, vals)
+				parents[k] = append(parents[k], i)
+			}
+		}
+	}
+	for i, r := range rows {
+		for _, f := range r.Refs {
+			if len(f.Columns) == 0 || len(f.Columns) != len(f.RefColumns) {
+				continue
+			}
+			vals, ok := valuesOf(r, f.Columns)
+			if !ok {
+				continue
+			}
+			for _, p := range parents[refKey(f.Schema+"."+f.Table, f.RefColumns, vals)] {
+				// i grows monotonically, so children stay in seq order and
+				// a duplicate (two foreign keys to one parent) is the last.
+				if ch := g.children[p]; p != i && (len(ch) == 0 || ch[len(ch)-1] != i) {
+					g.children[p] = append(ch, i)
+				}
+			}
+		}
+	}
+	return g
+}
+
+func valuesOf(r *archiveRow, cols []string) ([]string, bool) {
+	vals := make([]string, len(cols))
+	for i, c := range cols {
+		v, ok := r.value(c)
+		if !ok {
+			return nil, false
+		}
+		vals[i] = v
+	}
+	return vals, true
+}
+
+// node is one row of a document with its descendants.
+type node struct {
+	Table    string             `json:"table"`
+	Key      json.RawMessage    `json:"key"`
+	Row      json.RawMessage    `json:"row"`
+	Children map[string][]*node `json:"children"`
+}
+
+type rootNode struct {
+	Table string          `json:"table"`
+	Key   json.RawMessage `json:"key"`
+	Row   json.RawMessage `json:"row"`
+}
+
+// Meta is the "meta" object of a document.
+type Meta struct {
+	CorrelationID string `json:"correlation_id"`
+	// ArchivedAt is when the last row of the document was archived.
+	ArchivedAt time.Time `json:"archived_at"`
+	CommitTime time.Time `json:"commit_time"`
+	// EntityCount counts the rows in the document, the root included.
+	EntityCount int `json:"entity_count"`
+	// UnrelatedCount counts the transaction's rows that belong to no
+	// root's document (rows of unrelated tables); they are left out.
+	UnrelatedCount int `json:"unrelated_count"`
+	// TransactionRows counts the transaction's archive rows.
+	TransactionRows int `json:"transaction_rows"`
+}
+
+type document struct {
+	Root     rootNode           `json:"root"`
+	Children map[string][]*node `json:"children"`
+	Meta     Meta               `json:"meta"`
+}
+
+// subtree walks breadth first from row root over the child edges and
+// returns the nested children and the rows reached (root included). Each
+// row appears once, under the parent nearest the root; a row already
+// reached (a cycle, or a second foreign key to a row in the document) is
+// not entered again, so a cycle of self-references terminates.
+func (g *group) subtree(root int) (map[string][]*node, []int) {
+	seen := map[int]bool{root: true}
+	top := map[string][]*node{}
+	type item struct {
+		row  int
+		kids map[string][]*node
+	}
+	queue := []item{{root, top}}
+	members := []int{root}
+	for len(queue) > 0 {
+		it := queue[0]
+		queue = queue[1:]
+		for _, c := range g.children[it.row] {
+			if seen[c] {
+				continue
+			}
+			seen[c] = true
+			members = append(members, c)
+			r := g.rows[c]
+			n := &node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row), Children: map[string][]*node{}}
+			it.kids[n.Table] = append(it.kids[n.Table], n)
+			queue = append(queue, item{c, n.Children})
+		}
+	}
+	return top, members
+}
+
+func orNull(m json.RawMessage) json.RawMessage {
+	if len(bytes.TrimSpace(m)) == 0 {
+		return json.RawMessage("null")
+	}
+	return m
+}
+
+// unrelated counts the rows reached from none of the roots.
+func (g *group) unrelated(roots []int) int {
+	reached := make([]bool, len(g.rows))
+	n := 0
+	for _, r := range roots {
+		if reached[r] {
+			continue // its subtree is inside one already walked
+		}
+		_, members := g.subtree(r)
+		for _, m := range members {
+			if !reached[m] {
+				reached[m] = true
+				n++
+			}
+		}
+	}
+	return len(g.rows) - n
+}
+
+// document builds the payload rooted at row root; unrelated is the count of
+// the transaction's rows in no root's document.
+func (g *group) document(root int, unrelated int) ([]byte, error) {
+	children, members := g.subtree(root)
+	r := g.rows[root]
+	meta := Meta{
+		CorrelationID:   g.correlationID,
+		CommitTime:      r.CommitTime.UTC(),
+		EntityCount:     len(members),
+		UnrelatedCount:  unrelated,
+		TransactionRows: len(g.rows),
+	}
+	for _, m := range members {
+		if t := g.rows[m].ArchivedAt; t.After(meta.ArchivedAt) {
+			meta.ArchivedAt = t
+		}
+	}
+	meta.ArchivedAt = meta.ArchivedAt.UTC()
+	doc := document{
+		Root:     rootNode{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row)},
+		Children: children,
+		Meta:     meta,
+	}
+	b, err := json.Marshal(doc)
+	if err != nil {
+		return nil, fmt.Errorf("encode snapshot document: %w", err)
+	}
+	return b, nil
+}
+
+// fingerprint is the sha256 (hex) of the sorted identities (commit_lsn,
+// seq) of every archive row of the transaction the documents were built
+// from. Any row added to or removed from the group changes it.
+func (g *group) fingerprint() string {
+	ids := make([][2]uint64, len(g.rows))
+	for i, r := range g.rows {
+		ids[i] = [2]uint64{uint64(r.CommitLSN), uint64(r.Seq)}
+	}
+	slices.SortFunc(ids, func(a, b [2]uint64) int {
+		if c := cmpU(a[0], b[0]); c != 0 {
+			return c
+		}
+		return cmpU(a[1], b[1])
+	})
+	h := sha256.New()
+	for _, id := range ids {
+		fmt.Fprintf(h, "%s/%d\n", event.LSN(id[0]), id[1])
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+func cmpU(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// counts returns the number of rows per "schema.table".
+func (g *group) counts() map[string]int {
+	c := map[string]int{}
+	for _, r := range g.rows {
+		c[r.qualified()]++
+	}
+	return c
+}
+
+// missing describes, sorted by table, each table with fewer archive rows
+// than the commit said; empty when the group is complete. Only table names
+// and counts appear: never row values.
+func missing(expected, have map[string]int) string {
+	var parts []string
+	for t, n := range expected {
+		if have[t] < n {
+			parts = append(parts, fmt.Sprintf("%s has %d of %d rows", sanitize(t), have[t], n))
+		}
+	}
+	slices.Sort(parts)
+	return strings.Join(parts, "; ")
+}
+
+// sanitize keeps a reason printable and bounded.
+func sanitize(s string) string {
+	s = strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f {
+			return ' '
+		}
+		return r
+	}, s)
+	if len(s) > 200 {
+		s = s[:200] + "..."
+	}
+	return s
+}

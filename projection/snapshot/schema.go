@@ -1,0 +1,83 @@
+package snapshot
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Job statuses.
+const (
+	StatusPending  = "pending"
+	StatusComplete = "complete"
+	StatusFailed   = "failed"
+)
+
+// snapshotsDDL creates <schema>.snapshots. The first columns are the read
+// model of DESIGN.md section 4; the rest are the job machinery:
+//   - source, commit_lsn: the transaction, matching the archive rows' primary
+//     key prefix so a group is read by index;
+//   - root_seq: the archive row the document is rooted at;
+//   - expected_tables / expected_rows: the commit event's counts, the
+//     completeness check;
+//   - next_attempt_at: NULL means due now (new or invalidated jobs), a time
+//     means a retry waits until then;
+//   - pending_since: when the job last became pending (creation or
+//     invalidation), for the oldest-pending-age metric.
+const snapshotsDDL = `
+CREATE TABLE IF NOT EXISTS %[1]s.snapshots (
+	id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+	correlation_id  text        NOT NULL,
+	root_table      text        NOT NULL,
+	root_key        jsonb       NOT NULL,
+	status          text        NOT NULL DEFAULT 'pending'
+	                CHECK (status IN ('pending', 'complete', 'failed')),
+	payload         jsonb,
+	fingerprint     text,
+	retry_count     integer     NOT NULL DEFAULT 0,
+	failure_reason  text,
+	created_at      timestamptz NOT NULL DEFAULT now(),
+	completed_at    timestamptz,
+	source          text        NOT NULL,
+	commit_lsn      pg_lsn      NOT NULL,
+	root_seq        integer     NOT NULL,
+	expected_tables jsonb       NOT NULL DEFAULT '{}',
+	expected_rows   integer     NOT NULL DEFAULT 0,
+	next_attempt_at timestamptz,
+	pending_since   timestamptz DEFAULT now(),
+	updated_at      timestamptz NOT NULL DEFAULT now(),
+	UNIQUE (correlation_id, root_table, root_key)
+);
+CREATE INDEX IF NOT EXISTS snapshots_due ON %[1]s.snapshots (next_attempt_at NULLS FIRST, id)
+	WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS snapshots_pending_since ON %[1]s.snapshots (pending_since)
+	WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS snapshots_failed ON %[1]s.snapshots (id)
+	WHERE status = 'failed';
+CREATE INDEX IF NOT EXISTS snapshots_tx ON %[1]s.snapshots (source, commit_lsn);
+`
+
+// DDL returns the idempotent statements that create <schema>.snapshots and
+// its indexes. schema is a version schema such as "archive_v1" that also
+// holds the archive's rows table.
+func DDL(schema string) string {
+	return fmt.Sprintf(snapshotsDDL, pgx.Identifier{schema}.Sanitize())
+}
+
+type execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Migrate creates <schema>.snapshots if it does not exist. It is idempotent;
+// db may be a pool, a connection or the transaction that creates the version
+// schema.
+func Migrate(ctx context.Context, db execer, schema string) error {
+	if _, err := db.Exec(ctx, DDL(schema)); err != nil {
+		return fmt.Errorf("create %s.snapshots: %w", schema, err)
+	}
+	return nil
+}
+
+func table(schema, name string) string { return pgx.Identifier{schema, name}.Sanitize() }
