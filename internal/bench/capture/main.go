@@ -1,0 +1,314 @@
+// Command capture is `make bench-capture`: on one throwaway Postgres it
+// drains the same backlog of cascading deletes (REPLICA IDENTITY FULL),
+// retained by two slots, once with pg_recvlogical (pgoutput, the raw limit of
+// logical decoding here) and once with the capture binary into its embedded
+// JetStream, and prints both rates and their ratio. Then it deletes
+// 1,000,000 rows in a single transaction through a running capture and
+// prints the capture's peak RSS.
+//
+// Output lines are "BENCH <name> <value> <unit>" (stable, greppable) and
+// "NOTE <text>".
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+)
+
+func main() {
+	rows := flag.Int("rows", 300_000, "deleted rows in the backlog (at least)")
+	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
+	bigRows := flag.Int("big-tx-rows", 1_000_000, "rows of the single big transaction (0 = skip)")
+	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
+	flag.Parse()
+	if err := run(*rows, *perTx, *bigRows, *keep); err != nil {
+		log.Fatalf("bench-capture: %v", err)
+	}
+}
+
+func run(rows, perTx, bigRows int, keep bool) error {
+	ctx := context.Background()
+	dir, err := bench.TempDir("epitaph-bench-capture-")
+	if err != nil {
+		return err
+	}
+	if keep {
+		bench.Note("work dir %s", dir)
+	} else {
+		defer os.RemoveAll(dir)
+	}
+	bins, err := bench.Build(ctx, dir, "capture")
+	if err != nil {
+		return err
+	}
+	pg, err := testenv.StartPostgres()
+	if err != nil {
+		return err
+	}
+	defer func() {
+		_ = pg.Stop()
+		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
+	}()
+	bench.Note("postgres %s, binaries in %s", pg.BinDir, dir)
+
+	if err := backlog(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
+		return err
+	}
+	if bigRows > 0 {
+		if err := bigTransaction(ctx, pg, bins["capture"], dir, bigRows); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int) error {
+	url, err := bench.CreateDatabase(ctx, pg, "backlog")
+	if err != nil {
+		return err
+	}
+	if err := workload.Setup(ctx, url); err != nil {
+		return err
+	}
+	seed := bench.ShopFor(rows)
+	counts, err := workload.Seed(ctx, url, seed)
+	if err != nil {
+		return err
+	}
+	n := counts.Total() - counts.Customers // deleting every order leaves only customers
+	bench.Note("seeded %d rows; the backlog will be %d deleted rows in transactions of %d orders (%d rows)",
+		counts.Total(), n, perTx, perTx*seed.RowsPerOrder())
+
+	// Slot B and the publication are the capture's own: start it once so it
+	// creates them (and its stream), then stop it before the deletes.
+	listen, err := bench.LocalAddr()
+	if err != nil {
+		return err
+	}
+	metrics, err := bench.LocalAddr()
+	if err != nil {
+		return err
+	}
+	env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "backlog-data"), metrics, "main", "epitaph")
+	watch, err := bench.WatchStream("nats://"+listen, "main")
+	if err != nil {
+		return err
+	}
+	defer watch.Close()
+	if err := startAndStop(ctx, captureBin, env, dir, watch); err != nil {
+		return err
+	}
+	// Slot A, for pg_recvlogical, at the same point.
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "SELECT pg_create_logical_replication_slot('bench_recvlogical', 'pgoutput')"); err != nil {
+		return fmt.Errorf("create slot for pg_recvlogical: %w", err)
+	}
+
+	took, err := bench.DeleteAllOrders(ctx, url, perTx)
+	if err != nil {
+		return err
+	}
+	bench.Figure("capture.backlog_rows", float64(n), "rows")
+	bench.Figure("capture.source_delete_rows_per_sec", float64(n)/took.Seconds(), "rows/s")
+	var endLSN string
+	if err := conn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&endLSN); err != nil {
+		return err
+	}
+	// One more WAL record past the end, so pg_recvlogical sees a position
+	// beyond --endpos and stops.
+	if _, err := conn.Exec(ctx, "SELECT pg_logical_emit_message(false, 'bench.end', '')"); err != nil {
+		return err
+	}
+	var retained int64
+	if err := conn.QueryRow(ctx, "SELECT pg_current_wal_lsn() - restart_lsn FROM pg_replication_slots WHERE slot_name = 'bench_recvlogical'").Scan(&retained); err != nil {
+		return err
+	}
+	bench.Figure("capture.backlog_wal_bytes", float64(retained), "bytes")
+
+	// A: pg_recvlogical, to a file, until the end LSN.
+	out := filepath.Join(dir, "recvlogical.out")
+	cmd := exec.CommandContext(ctx, filepath.Join(pg.BinDir, "pg_recvlogical"),
+		"-d", url, "-S", "bench_recvlogical", "--start", "-E", endLSN, "--no-loop",
+		"-o", "proto_version=1", "-o", "publication_names=epitaph", "-f", out)
+	start := time.Now()
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("pg_recvlogical: %w\n%s", err, b)
+	}
+	recvTook := time.Since(start)
+	st, _ := os.Stat(out)
+	recvRate := float64(n) / recvTook.Seconds()
+	bench.Figure("capture.pg_recvlogical_seconds", recvTook.Seconds(), "s")
+	bench.Figure("capture.pg_recvlogical_rows_per_sec", recvRate, "rows/s")
+	if st != nil {
+		bench.Figure("capture.pg_recvlogical_output_bytes", float64(st.Size()), "bytes")
+	}
+
+	// B: the capture, into its embedded JetStream, until the stream holds
+	// every row.
+	p, err := bench.StartProc("capture", captureBin, env, dir)
+	if err != nil {
+		return err
+	}
+	defer p.Kill()
+	first := time.Time{}
+	alive := func() error {
+		if done, err := p.Exited(); done {
+			return fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
+		}
+		if first.IsZero() {
+			if c, err := watch.Deletes(ctx); err == nil && c > 0 {
+				first = time.Now()
+			}
+		}
+		return nil
+	}
+	end, err := watch.WaitDeletes(ctx, n, 10*time.Minute, alive)
+	if err != nil {
+		return err
+	}
+	capTook := end.Sub(p.Started())
+	capRate := float64(n) / capTook.Seconds()
+	bench.Figure("capture.capture_seconds", capTook.Seconds(), "s")
+	bench.Figure("capture.capture_rows_per_sec", capRate, "rows/s")
+	if !first.IsZero() && end.After(first) {
+		bench.Figure("capture.capture_rows_per_sec_after_first_row", float64(n)/end.Sub(first).Seconds(), "rows/s")
+	}
+	bench.Figure("capture.ratio_capture_to_pg_recvlogical", capRate/recvRate, "x (target >= 0.70)")
+	if rss, err := p.PeakRSS(); err == nil {
+		bench.Figure("capture.backlog_peak_rss_mib", float64(rss)/(1<<20), "MiB")
+	}
+	if err := p.Stop(30 * time.Second); err != nil {
+		bench.Note("capture stop: %v", err)
+	}
+	return nil
+}
+
+// startAndStop runs the capture until its stream exists (it has made its
+// slot, publication and stream), then stops it gracefully.
+func startAndStop(ctx context.Context, bin string, env []string, dir string, watch *bench.StreamWatch) error {
+	p, err := bench.StartProc("capture", bin, env, dir)
+	if err != nil {
+		return err
+	}
+	err = workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		if done, err := p.Exited(); done {
+			return false, fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
+		}
+		return watch.StreamExists(ctx), nil
+	})
+	if err != nil {
+		p.Kill()
+		return fmt.Errorf("capture did not create its stream: %w", err)
+	}
+	if err := p.Stop(30 * time.Second); err != nil {
+		bench.Note("capture stop: %v", err)
+	}
+	return nil
+}
+
+func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows int) error {
+	url, err := bench.CreateDatabase(ctx, pg, "bigtx")
+	if err != nil {
+		return err
+	}
+	if err := workload.Setup(ctx, url); err != nil {
+		return err
+	}
+	// 1,000 orders of 1,000 lines each: one DELETE of every order removes
+	// 1,001,000 rows in one transaction.
+	lines := max(1, rows/1000)
+	counts, err := workload.Seed(ctx, url, workload.SeedConfig{Customers: 1, OrdersPerCustomer: 1000, LinesPerOrder: lines,
+		ShipmentsPerOrder: -1, ItemsPerShipment: -1, NoLedger: true})
+	if err != nil {
+		return err
+	}
+	n := counts.Orders + counts.OrderLines
+	listen, err := bench.LocalAddr()
+	if err != nil {
+		return err
+	}
+	metrics, err := bench.LocalAddr()
+	if err != nil {
+		return err
+	}
+	env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "bigtx-data"), metrics, "main", "epitaph_bigtx")
+	watch, err := bench.WatchStream("nats://"+listen, "main")
+	if err != nil {
+		return err
+	}
+	defer watch.Close()
+	p, err := bench.StartProc("capture-bigtx", captureBin, env, dir)
+	if err != nil {
+		return err
+	}
+	defer p.Kill()
+	err = workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		if done, err := p.Exited(); done {
+			return false, fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
+		}
+		return watch.StreamExists(ctx), nil
+	})
+	if err != nil {
+		return err
+	}
+	idle, err := p.PeakRSS()
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	testConn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer testConn.Close(ctx)
+	if _, err := testConn.Exec(ctx, "DELETE FROM public.orders"); err != nil {
+		return fmt.Errorf("big delete: %w", err)
+	}
+	deleted := time.Since(start)
+	// Sample the current RSS while the transaction streams through.
+	var maxRSS int64
+	alive := func() error {
+		if done, err := p.Exited(); done {
+			return fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
+		}
+		if r, err := p.RSS(); err == nil && r > maxRSS {
+			maxRSS = r
+		}
+		return nil
+	}
+	end, err := watch.WaitDeletes(ctx, n, 20*time.Minute, alive)
+	if err != nil {
+		return err
+	}
+	peak, err := p.PeakRSS()
+	if err != nil {
+		return err
+	}
+	bench.Figure("capture.big_tx_rows", float64(n), "rows")
+	bench.Figure("capture.big_tx_source_delete_seconds", deleted.Seconds(), "s")
+	bench.Figure("capture.big_tx_published_seconds", end.Sub(start).Seconds(), "s (from DELETE start to last row in the stream)")
+	bench.Figure("capture.big_tx_rows_per_sec", float64(n)/end.Sub(start).Seconds(), "rows/s")
+	bench.Figure("capture.big_tx_idle_peak_rss_mib", float64(idle)/(1<<20), "MiB (VmHWM before the transaction)")
+	bench.Figure("capture.big_tx_peak_rss_mib", float64(peak)/(1<<20), "MiB (VmHWM after the transaction)")
+	bench.Figure("capture.big_tx_sampled_max_rss_mib", float64(maxRSS)/(1<<20), "MiB (VmRSS sampled every 25ms)")
+	if err := p.Stop(30 * time.Second); err != nil {
+		bench.Note("capture stop: %v", err)
+	}
+	return nil
+}

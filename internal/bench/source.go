@@ -1,0 +1,127 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+)
+
+// CreateDatabase creates database name on pg and returns its URL.
+func CreateDatabase(ctx context.Context, pg *testenv.Postgres, name string) (string, error) {
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	if err != nil {
+		return "", fmt.Errorf("connect postgres: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return "", fmt.Errorf("create database %s: %w", name, err)
+	}
+	return pg.URL(name), nil
+}
+
+// ShopFor sizes a seed so that deleting every order removes at least rows
+// rows (orders of 7 rows each by cascade, 10 orders per customer).
+func ShopFor(rows int) workload.SeedConfig {
+	cfg := workload.SeedConfig{OrdersPerCustomer: 10, LinesPerOrder: 3, ShipmentsPerOrder: 1, ItemsPerShipment: 2, NoLedger: true}
+	per := cfg.RowsPerOrder() * cfg.OrdersPerCustomer
+	cfg.Customers = (rows + per - 1) / per
+	return cfg
+}
+
+// DeleteAllOrders deletes every order by cascade, perTx orders per
+// transaction (one DELETE .. WHERE id = ANY), in id order.
+func DeleteAllOrders(ctx context.Context, url string, perTx int) (time.Duration, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return 0, fmt.Errorf("connect source: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	rows, err := conn.Query(ctx, "SELECT id FROM public.orders ORDER BY id")
+	if err != nil {
+		return 0, fmt.Errorf("list orders: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, fmt.Errorf("list orders: %w", err)
+	}
+	start := time.Now()
+	for len(ids) > 0 {
+		n := min(perTx, len(ids))
+		if _, err := conn.Exec(ctx, "DELETE FROM public.orders WHERE id = ANY($1)", ids[:n]); err != nil {
+			return 0, fmt.Errorf("delete orders: %w", err)
+		}
+		ids = ids[n:]
+	}
+	return time.Since(start), nil
+}
+
+// CaptureEnv is the environment of a capture process reading sourceURL.
+// natsURL empty = embedded JetStream listening on listen with its store
+// under dataDir.
+func CaptureEnv(sourceURL, natsURL, listen, dataDir, metricsAddr, source, slot string) []string {
+	return []string{
+		"EPITAPH_SOURCE_URL=" + sourceURL,
+		"EPITAPH_NATS_URL=" + natsURL,
+		"EPITAPH_NATS_LISTEN=" + listen,
+		"EPITAPH_DATA_DIR=" + dataDir,
+		"EPITAPH_TABLES=" + strings.Join(workload.Tables, ","),
+		"EPITAPH_PARTITIONS=8",
+		"EPITAPH_METRICS_ADDR=" + metricsAddr,
+		"EPITAPH_SOURCE_NAME=" + source,
+		"EPITAPH_SLOT=" + slot,
+		"EPITAPH_PUBLICATION=" + slot,
+	}
+}
+
+// ProjectorEnv is the environment of a projector worker.
+func ProjectorEnv(targetURL, natsURL, metricsAddr, source, worker string) []string {
+	return []string{
+		"EPITAPH_TARGET_URL=" + targetURL,
+		"EPITAPH_SOURCE_URL=" + targetURL,
+		"EPITAPH_NATS_URL=" + natsURL,
+		"EPITAPH_METRICS_ADDR=" + metricsAddr,
+		"EPITAPH_SOURCE_NAME=" + source,
+		"EPITAPH_WORKER_ID=" + worker,
+	}
+}
+
+// LocalAddr is a free 127.0.0.1:port.
+func LocalAddr() (string, error) {
+	p, err := testenv.FreePort()
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("127.0.0.1:%d", p), nil
+}
+
+// TempDir makes a directory for a run's binaries, logs and stores, readable
+// by the postgres user (the server may run as it).
+func TempDir(prefix string) (string, error) {
+	d, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		return "", err
+	}
+	if err := os.Chmod(d, 0o755); err != nil {
+		return "", err
+	}
+	return filepath.Clean(d), nil
+}
+
+// Figure prints one result line in the stable format of the benchmarks:
+// "BENCH <name> <value> <unit>".
+func Figure(name string, value float64, unit string) {
+	fmt.Printf("BENCH %-44s %14.2f %s\n", name, value, unit)
+}
+
+// Note prints an informational line: "NOTE <text>".
+func Note(format string, args ...any) {
+	fmt.Printf("NOTE  "+format+"\n", args...)
+}

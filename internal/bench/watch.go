@@ -1,0 +1,164 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// StreamWatch counts the delete messages in a source's stream from outside
+// the capture.
+type StreamWatch struct {
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	source string
+}
+
+// WatchStream connects to natsURL (retrying while the server comes up).
+func WatchStream(natsURL, source string) (*StreamWatch, error) {
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.RetryOnFailedConnect(true), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		return nil, fmt.Errorf("connect nats: %w", err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	return &StreamWatch{nc: nc, js: js, source: source}, nil
+}
+
+// Close the connection.
+func (w *StreamWatch) Close() { w.nc.Close() }
+
+// JetStream is the watch's JetStream context.
+func (w *StreamWatch) JetStream() jetstream.JetStream { return w.js }
+
+// Deletes is the number of delete messages in the stream (0 when the stream
+// does not exist yet).
+func (w *StreamWatch) Deletes(ctx context.Context) (int64, error) {
+	s, err := w.js.Stream(ctx, event.StreamName(w.source))
+	if err != nil {
+		if err == jetstream.ErrStreamNotFound {
+			return 0, nil
+		}
+		return 0, err
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(event.SubjectPrefix+"."+w.source+".*.delete.>"))
+	if err != nil {
+		return 0, err
+	}
+	var n uint64
+	for _, c := range info.State.Subjects {
+		n += c
+	}
+	return int64(n), nil
+}
+
+// WaitDeletes polls until the stream holds at least n delete messages and
+// returns when that was first seen. It fails after timeout, or when alive
+// reports the producer dead.
+func (w *StreamWatch) WaitDeletes(ctx context.Context, n int64, timeout time.Duration, alive func() error) (time.Time, error) {
+	deadline := time.Now().Add(timeout)
+	var last int64
+	for {
+		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		got, err := w.Deletes(qctx)
+		cancel()
+		if err == nil {
+			last = got
+			if got >= n {
+				return time.Now(), nil
+			}
+		}
+		if alive != nil {
+			if err := alive(); err != nil {
+				return time.Time{}, fmt.Errorf("waiting for %d deletes in the stream (have %d): %w", n, last, err)
+			}
+		}
+		if time.Now().After(deadline) {
+			return time.Time{}, fmt.Errorf("waiting for %d deletes in the stream: have %d after %s", n, last, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return time.Time{}, ctx.Err()
+		case <-time.After(25 * time.Millisecond):
+		}
+	}
+}
+
+// StreamExists reports whether the source's stream has been created.
+func (w *StreamWatch) StreamExists(ctx context.Context) bool {
+	_, err := w.js.Stream(ctx, event.StreamName(w.source))
+	return err == nil
+}
+
+// Count runs a count query (e.g. of archive.rows) on url; a missing relation
+// counts as 0.
+func Count(ctx context.Context, url, query string, args ...any) (int64, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int64
+	if err := conn.QueryRow(ctx, query, args...).Scan(&n); err != nil {
+		if strings.Contains(err.Error(), "SQLSTATE 42P01") || strings.Contains(err.Error(), "SQLSTATE 3F000") {
+			return 0, nil
+		}
+		return 0, err
+	}
+	return n, nil
+}
+
+// Scrape reads a /metrics endpoint and returns every sample summed by metric
+// name (labels dropped).
+func Scrape(ctx context.Context, addr string) (map[string]float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return nil, fmt.Errorf("scrape %s: %s: %s", addr, resp.Status, b)
+	}
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name := line
+		if i := strings.IndexAny(line, "{ "); i >= 0 {
+			name = line[:i]
+		}
+		j := strings.LastIndexByte(line, ' ')
+		if j < 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(line[j+1:]), 64)
+		if err != nil {
+			continue
+		}
+		out[name] += v
+	}
+	return out, sc.Err()
+}
