@@ -1,0 +1,435 @@
+// Command projector is `make bench-projector`. On one throwaway Postgres and
+// an embedded JetStream server it measures:
+//
+//  1. raw: COPY of N archive rows into a staging table plus one
+//     INSERT .. SELECT into a table shaped like archive_v1.rows (same
+//     indexes): the write limit of the target here;
+//  2. apply: the projector binary applying a stream of the same N delete
+//     events from scratch, until archive.rows holds N rows;
+//  3. end to end: capture and projector running together while the source
+//     deletes N rows, from the first DELETE to the last archived row, with
+//     the bottleneck named.
+//
+// Output lines are "BENCH <name> <value> <unit>" and "NOTE <text>".
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+)
+
+type env struct {
+	pg      *testenv.Postgres
+	dir     string
+	bins    map[string]string
+	natsURL string
+	workers int
+}
+
+func main() {
+	rows := flag.Int("rows", 300_000, "delete events (at least)")
+	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
+	workers := flag.Int("workers", 1, "projector workers")
+	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
+	flag.Parse()
+	if err := run(*rows, *perTx, *workers, *keep); err != nil {
+		log.Fatalf("bench-projector: %v", err)
+	}
+}
+
+func run(rows, perTx, workers int, keep bool) error {
+	ctx := context.Background()
+	dir, err := bench.TempDir("epitaph-bench-projector-")
+	if err != nil {
+		return err
+	}
+	if keep {
+		bench.Note("work dir %s", dir)
+	} else {
+		defer os.RemoveAll(dir)
+	}
+	bins, err := bench.Build(ctx, dir, "capture", "projector")
+	if err != nil {
+		return err
+	}
+	pg, err := testenv.StartPostgres()
+	if err != nil {
+		return err
+	}
+	defer func() {
+		_ = pg.Stop()
+		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
+	}()
+	listen, err := bench.LocalAddr()
+	if err != nil {
+		return err
+	}
+	srv, err := broker.Start(broker.Config{StoreDir: filepath.Join(dir, "jetstream"), Listen: listen})
+	if err != nil {
+		return err
+	}
+	defer srv.Shutdown()
+	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers}
+	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
+
+	// The stream: a backlog of N deletes drained by the capture.
+	n, captureRate, err := e.buildStream(ctx, rows, perTx)
+	if err != nil {
+		return err
+	}
+	// 2. apply from scratch.
+	targetURL, err := bench.CreateDatabase(ctx, pg, "target")
+	if err != nil {
+		return err
+	}
+	applyRate, err := e.apply(ctx, targetURL, "bench", n)
+	if err != nil {
+		return err
+	}
+	// 1. raw writes of the same rows.
+	rawRate, err := e.raw(ctx, targetURL, "bench", n)
+	if err != nil {
+		return err
+	}
+	bench.Figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
+	// 3. end to end.
+	return e.endToEnd(ctx, rows, perTx, captureRate, applyRate)
+}
+
+// buildStream seeds a source, lets the capture create its slot, deletes
+// every order, then drains the backlog into the stream of source "bench".
+func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64, error) {
+	url, err := bench.CreateDatabase(ctx, e.pg, "source")
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := workload.Setup(ctx, url); err != nil {
+		return 0, 0, err
+	}
+	counts, err := workload.Seed(ctx, url, bench.ShopFor(rows))
+	if err != nil {
+		return 0, 0, err
+	}
+	n := counts.Total() - counts.Customers
+	metrics, err := bench.LocalAddr()
+	if err != nil {
+		return 0, 0, err
+	}
+	cenv := bench.CaptureEnv(url, e.natsURL, "", filepath.Join(e.dir, "capture-data"), metrics, "bench", "epitaph_bench")
+	watch, err := bench.WatchStream(e.natsURL, "bench")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer watch.Close()
+	p, err := bench.StartProc("capture", e.bins["capture"], cenv, e.dir)
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := waitStream(ctx, p, watch); err != nil {
+		p.Kill()
+		return 0, 0, err
+	}
+	if err := p.Stop(30 * time.Second); err != nil {
+		bench.Note("capture stop: %v", err)
+	}
+	if _, err := bench.DeleteAllOrders(ctx, url, perTx); err != nil {
+		return 0, 0, err
+	}
+	p, err = bench.StartProc("capture", e.bins["capture"], cenv, e.dir)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer p.Kill()
+	end, err := watch.WaitDeletes(ctx, n, 10*time.Minute, exitedErr(p))
+	if err != nil {
+		return 0, 0, err
+	}
+	rate := float64(n) / end.Sub(p.Started()).Seconds()
+	bench.Figure("projector.stream_delete_events", float64(n), "events")
+	bench.Figure("projector.capture_backlog_rows_per_sec", rate, "rows/s (capture draining the backlog into the stream)")
+	if err := p.Stop(30 * time.Second); err != nil {
+		bench.Note("capture stop: %v", err)
+	}
+	return n, rate, nil
+}
+
+func waitStream(ctx context.Context, p *bench.Proc, watch *bench.StreamWatch) error {
+	return workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		if err := exitedErr(p)(); err != nil {
+			return false, err
+		}
+		return watch.StreamExists(ctx), nil
+	})
+}
+
+func exitedErr(p *bench.Proc) func() error {
+	return func() error {
+		if done, err := p.Exited(); done {
+			return fmt.Errorf("%s exited (%v):\n%s", p.Name, err, p.LogTail(3000))
+		}
+		return nil
+	}
+}
+
+func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]*bench.Proc, error) {
+	var procs []*bench.Proc
+	for i := 0; i < e.workers; i++ {
+		metrics, err := bench.LocalAddr()
+		if err != nil {
+			return procs, err
+		}
+		penv := bench.ProjectorEnv(targetURL, e.natsURL, metrics, source, "bench-"+strconv.Itoa(i))
+		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
+		if err != nil {
+			return procs, err
+		}
+		procs = append(procs, p)
+	}
+	return procs, nil
+}
+
+func (e *env) migrate(ctx context.Context, targetURL, source string) error {
+	p, err := bench.StartProc("projector-migrate", e.bins["projector"], bench.ProjectorEnv(targetURL, e.natsURL, "", source, "migrate"), e.dir, "migrate")
+	if err != nil {
+		return err
+	}
+	<-p.Done()
+	if _, err := p.Exited(); err != nil {
+		return fmt.Errorf("projector migrate: %v\n%s", err, p.LogTail(2000))
+	}
+	return nil
+}
+
+func waitArchive(ctx context.Context, targetURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (time.Time, error) {
+	var last int64
+	var at time.Time
+	err := workload.WaitFor(ctx, timeout, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		for _, p := range procs {
+			if err := exitedErr(p)(); err != nil {
+				return false, err
+			}
+		}
+		c, err := bench.Count(ctx, targetURL, "SELECT count(*) FROM archive.rows WHERE source = $1", source)
+		if err != nil {
+			return false, err
+		}
+		last = c
+		at = time.Now()
+		return c >= n, nil
+	})
+	if err != nil {
+		return time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", last, n, err)
+	}
+	return at, nil
+}
+
+func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (float64, error) {
+	if err := e.migrate(ctx, targetURL, source); err != nil {
+		return 0, err
+	}
+	procs, err := e.startProjectors(ctx, targetURL, source)
+	defer func() {
+		for _, p := range procs {
+			p.Kill()
+		}
+	}()
+	if err != nil {
+		return 0, err
+	}
+	start := procs[0].Started()
+	end, err := waitArchive(ctx, targetURL, source, n, procs, 15*time.Minute)
+	if err != nil {
+		return 0, err
+	}
+	rate := float64(n) / end.Sub(start).Seconds()
+	bench.Figure("projector.apply_seconds", end.Sub(start).Seconds(), "s (from process start to archive count = N)")
+	bench.Figure("projector.apply_rows_per_sec", rate, "rows/s")
+	for _, p := range procs {
+		if rss, err := p.PeakRSS(); err == nil {
+			bench.Figure("projector.apply_peak_rss_mib."+p.Name, float64(rss)/(1<<20), "MiB")
+		}
+		if err := p.Stop(30 * time.Second); err != nil {
+			bench.Note("projector stop: %v", err)
+		}
+	}
+	return rate, nil
+}
+
+// raw writes the same delete events as archive rows with COPY into an
+// unindexed staging table and one INSERT .. SELECT into a copy of the
+// archive table (same constraints and indexes): what Postgres can take here.
+func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float64, error) {
+	events, err := workload.StreamDeletes(ctx, e.natsURL, source)
+	if err != nil {
+		return 0, err
+	}
+	if int64(len(events)) < n {
+		return 0, fmt.Errorf("raw: read %d delete events, want %d", len(events), n)
+	}
+	conn, err := pgx.Connect(ctx, targetURL)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(ctx)
+	var like string
+	if err := conn.QueryRow(ctx, "SELECT coalesce(to_regclass('archive_v1.rows')::text, '')").Scan(&like); err != nil {
+		return 0, err
+	}
+	if like == "" {
+		return 0, fmt.Errorf("raw: archive_v1.rows does not exist in the target to copy its shape")
+	}
+	_, err = conn.Exec(ctx, `CREATE SCHEMA bench_raw;
+		CREATE TABLE bench_raw.rows (LIKE archive_v1.rows INCLUDING ALL);
+		CREATE UNLOGGED TABLE bench_raw.staging (LIKE archive_v1.rows INCLUDING DEFAULTS)`)
+	if err != nil {
+		return 0, fmt.Errorf("raw: create tables: %w", err)
+	}
+	cols := []string{"source", "schema_name", "table_name", "key", "row", "identity", "correlation_id", "is_root",
+		"xid", "commit_lsn", "commit_time", "seq", "refs", "columns"}
+	data := make([][]any, len(events))
+	for i, ev := range events {
+		refs, _ := jsonText(ev.Refs)
+		columns, _ := jsonText(ev.Columns)
+		data[i] = []any{ev.Source, ev.Schema, ev.Table, string(ev.Key), string(ev.Row), ev.Identity, ev.CorrelationID(), false,
+			ev.XID, ev.CommitLSN.String(), ev.CommitTime, ev.Seq, refs, columns}
+	}
+	start := time.Now()
+	if _, err := conn.CopyFrom(ctx, pgx.Identifier{"bench_raw", "staging"}, cols, pgx.CopyFromRows(data)); err != nil {
+		return 0, fmt.Errorf("raw: copy: %w", err)
+	}
+	copied := time.Since(start)
+	if _, err := conn.Exec(ctx, `INSERT INTO bench_raw.rows SELECT * FROM bench_raw.staging ON CONFLICT DO NOTHING`); err != nil {
+		return 0, fmt.Errorf("raw: insert select: %w", err)
+	}
+	took := time.Since(start)
+	rate := float64(len(events)) / took.Seconds()
+	bench.Figure("projector.raw_copy_seconds", copied.Seconds(), "s")
+	bench.Figure("projector.raw_seconds", took.Seconds(), "s (COPY + INSERT..SELECT)")
+	bench.Figure("projector.raw_rows_per_sec", rate, "rows/s")
+	return rate, nil
+}
+
+func jsonText(v any) (string, error) {
+	b, err := json.Marshal(v)
+	return string(b), err
+}
+
+// endToEnd: capture and projector run together from before the first
+// DELETE; the source deletes N rows; the rate is N over the time from the
+// first DELETE to the last archived row.
+func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyRate float64) error {
+	src, err := bench.CreateDatabase(ctx, e.pg, "e2e_source")
+	if err != nil {
+		return err
+	}
+	target, err := bench.CreateDatabase(ctx, e.pg, "e2e_target")
+	if err != nil {
+		return err
+	}
+	if err := workload.Setup(ctx, src); err != nil {
+		return err
+	}
+	counts, err := workload.Seed(ctx, src, bench.ShopFor(rows))
+	if err != nil {
+		return err
+	}
+	n := counts.Total() - counts.Customers
+	metrics, err := bench.LocalAddr()
+	if err != nil {
+		return err
+	}
+	const source = "e2e"
+	cenv := bench.CaptureEnv(src, e.natsURL, "", filepath.Join(e.dir, "e2e-capture-data"), metrics, source, "epitaph_e2e")
+	watch, err := bench.WatchStream(e.natsURL, source)
+	if err != nil {
+		return err
+	}
+	defer watch.Close()
+	capt, err := bench.StartProc("capture-e2e", e.bins["capture"], cenv, e.dir)
+	if err != nil {
+		return err
+	}
+	defer capt.Kill()
+	if err := waitStream(ctx, capt, watch); err != nil {
+		return err
+	}
+	if err := e.migrate(ctx, target, source); err != nil {
+		return err
+	}
+	procs, err := e.startProjectors(ctx, target, source)
+	defer func() {
+		for _, p := range procs {
+			p.Kill()
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	// The projector is up when it owns partitions (progress rows exist).
+	err = workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		for _, p := range procs {
+			if err := exitedErr(p)(); err != nil {
+				return false, err
+			}
+		}
+		c, err := bench.Count(ctx, target, "SELECT count(*) FROM epitaph.progress WHERE owner IS NOT NULL")
+		return c > 0, err
+	})
+	if err != nil {
+		bench.Note("projector ownership not visible (%v); measuring anyway", err)
+	}
+
+	start := time.Now()
+	deleteTook, err := bench.DeleteAllOrders(ctx, src, perTx)
+	if err != nil {
+		return err
+	}
+	streamAt, err := watch.WaitDeletes(ctx, n, 15*time.Minute, exitedErr(capt))
+	if err != nil {
+		return err
+	}
+	archiveAt, err := waitArchive(ctx, target, source, n, procs, 15*time.Minute)
+	if err != nil {
+		return err
+	}
+	total := archiveAt.Sub(start)
+	deletedAt := start.Add(deleteTook)
+	bench.Figure("projector.e2e_rows", float64(n), "rows")
+	bench.Figure("projector.e2e_source_delete_rows_per_sec", float64(n)/deleteTook.Seconds(), "rows/s (the DELETEs themselves)")
+	bench.Figure("projector.e2e_capture_published_rows_per_sec", float64(n)/streamAt.Sub(start).Seconds(), "rows/s (first DELETE to last row in the stream)")
+	bench.Figure("projector.e2e_rows_per_sec", float64(n)/total.Seconds(), "rows/s (first DELETE to last archived row)")
+	bench.Figure("projector.e2e_capture_tail_seconds", streamAt.Sub(deletedAt).Seconds(), "s (last DELETE to last row in the stream)")
+	bench.Figure("projector.e2e_projector_tail_seconds", archiveAt.Sub(streamAt).Seconds(), "s (last row in the stream to last archived row)")
+	// The stage that finishes furthest behind the one feeding it sets the
+	// pace; the standalone rates say which one would at full speed.
+	stage := "source (the DELETEs themselves)"
+	tailCap, tailProj := streamAt.Sub(deletedAt), archiveAt.Sub(streamAt)
+	switch {
+	case tailProj > tailCap && tailProj > time.Second:
+		stage = "projector (apply)"
+	case tailCap > time.Second:
+		stage = "capture (publish)"
+	}
+	bench.Note("end-to-end bottleneck: %s; standalone capture %.0f rows/s vs projector apply %.0f rows/s",
+		stage, captureRate, applyRate)
+	if captureRate < applyRate {
+		bench.Note("at full speed the capture is the slower stage (%.2fx of apply)", captureRate/applyRate)
+	} else {
+		bench.Note("at full speed the projector is the slower stage (%.2fx of capture)", applyRate/captureRate)
+	}
+	return nil
+}
