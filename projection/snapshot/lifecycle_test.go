@@ -299,3 +299,31 @@ func TestConcurrentBatchesNeverAssembleAJobTwice(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, snapshot.Stats{Complete: txs * perTx}, stats)
 }
+
+// An uncommitted Invalidate (a replayed row being applied) holds the job, so
+// a concurrent batch cannot assemble it from a set that misses that row;
+// once it commits, the batch builds from the full set.
+func TestInvalidateInFlightHoldsTheJobFromBatches(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.seedOrder(t, 1, 1)
+	s := e.begin(t)
+	s.deleteOrder(t, 1)
+	late := s.rows[0] // a note, quarantined at first
+	s.commit.Tables["public.line_notes"]--
+	require.Equal(t, 1, s.apply(t, orderRoots, late))
+
+	tx, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	s.archive(t, tx, []*archived{late})
+	n, err := snapshot.Invalidate(e.ctx, tx, e.schema, []string{s.correlationID()})
+	require.NoError(t, err)
+	require.Equal(t, 1, n, "a pending job is held too")
+
+	require.Equal(t, snapshot.Result{}, e.batch(t, snapshot.Config{}), "the held job is skipped, not built without the new row")
+	require.NoError(t, tx.Commit(e.ctx))
+	require.Equal(t, snapshot.Result{Claimed: 1, Completed: 1}, e.batch(t, snapshot.Config{}))
+	d := decodeDoc(t, e.show(t, s.correlationID())[`{"id":1}`])
+	require.Len(t, d.Children["public.lines"][0].Children["public.line_notes"], 2)
+}

@@ -1,0 +1,92 @@
+package snapshot
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+func TestMatchForm(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   string
+		want string
+		ok   bool
+	}{
+		{`42`, `42`, true},
+		{`9007199254740993`, `9007199254740993`, true},
+		{`"42"`, `42`, true}, // numeric text form matches an integer
+		{`"a\"b"`, `a"b`, true},
+		{`true`, `true`, true},
+		{`{"b": 1, "a": [1, 2]}`, `{"b":1,"a":[1,2]}`, true},
+		{`null`, ``, false},
+		{``, ``, false},
+	} {
+		got, ok := matchForm(json.RawMessage(tc.in))
+		require.Equal(t, tc.ok, ok, tc.in)
+		require.Equal(t, tc.want, got, tc.in)
+	}
+}
+
+func row(table string, seq int, key, values string, refs ...event.Ref) *archiveRow {
+	schema, name := "public", table
+	return &archiveRow{Schema: schema, Table: name, Key: json.RawMessage(key), Row: json.RawMessage(values),
+		Refs: refs, CommitLSN: 0x10, Seq: seq, ArchivedAt: time.Unix(int64(seq), 0)}
+}
+
+func ref(cols []string, table string, refCols []string) event.Ref {
+	return event.Ref{Columns: cols, Schema: "public", Table: table, RefColumns: refCols}
+}
+
+func TestGroupEdges(t *testing.T) {
+	t.Parallel()
+	lineRef := ref([]string{"o", "n"}, "lines", []string{"order_id", "line_no"})
+	orderRef := ref([]string{"order_id"}, "orders", []string{"id"})
+	rows := []*archiveRow{
+		row("notes", 5, `{"id":1}`, `{"id":1,"o":1,"n":2}`, lineRef),
+		row("notes", 4, `{"id":2}`, `{"id":2,"o":1,"n":null}`, lineRef), // NULL part: references nothing
+		row("notes", 6, `{"id":3}`, `{"id":3,"o":2,"n":1}`, lineRef),    // other order's line 1 is absent
+		row("lines", 2, `{"order_id":1,"line_no":2}`, `{"order_id":1,"line_no":2}`, orderRef),
+		row("lines", 1, `{"order_id":1,"line_no":1}`, `{"order_id":1,"line_no":1}`, orderRef),
+		row("lines", 3, `{"order_id":2,"line_no":2}`, `{"order_id":"2","line_no":2}`, orderRef), // numeric text
+		row("orders", 0, `{"id":1}`, `{"id":1}`),
+		row("orders", 7, `{"id":2}`, `{"id":2}`),
+	}
+	g := newGroup("main:1:0/10", rows)
+	// Sorted by seq: 0 orders1, 1 line1, 2 line2, 3 line(2,2), 4 note2, 5 note1, 6 note3, 7 orders2.
+	require.Equal(t, []int{1, 2}, g.children[0])
+	require.Equal(t, []int{3}, g.children[7])
+	require.Equal(t, []int{5}, g.children[2], "composite foreign key (1,2)")
+	require.Empty(t, g.children[1])
+	require.Equal(t, 2, g.unrelated([]int{0, 7}), "note 2 (NULL line) and note 3 (line (2,1) absent) belong to no order")
+
+	doc, err := g.document(0, 2)
+	require.NoError(t, err)
+	require.JSONEq(t, `{
+		"root": {"table": "public.orders", "key": {"id": 1}, "row": {"id": 1}},
+		"children": {"public.lines": [
+			{"table": "public.lines", "key": {"order_id": 1, "line_no": 1}, "row": {"order_id": 1, "line_no": 1}, "children": {}},
+			{"table": "public.lines", "key": {"order_id": 1, "line_no": 2}, "row": {"order_id": 1, "line_no": 2}, "children": {
+				"public.notes": [{"table": "public.notes", "key": {"id": 1}, "row": {"id": 1, "o": 1, "n": 2}, "children": {}}]}}]},
+		"meta": {"correlation_id": "main:1:0/10", "archived_at": "1970-01-01T00:00:05Z", "commit_time": "0001-01-01T00:00:00Z",
+			"entity_count": 4, "unrelated_count": 2, "transaction_rows": 8}}`, string(doc))
+	require.Len(t, g.fingerprint(), 64)
+	require.Equal(t, map[string]int{"public.orders": 2, "public.lines": 3, "public.notes": 3}, g.counts())
+}
+
+func TestMissingAndDelay(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "", missing(map[string]int{"public.a": 2}, map[string]int{"public.a": 3}))
+	got := missing(map[string]int{"public.a": 2, "public.b\nx": 1, "public.c": 0}, map[string]int{"public.a": 1})
+	require.Equal(t, "public.a has 1 of 2 rows; public.b x has 0 of 1 rows", got, "control characters are blanked")
+	c := Config{RetryDelay: time.Second, MaxRetryDelay: 5 * time.Second}
+	var delays []time.Duration
+	for i := 1; i <= 5; i++ {
+		delays = append(delays, c.delay(i))
+	}
+	require.Equal(t, []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 5 * time.Second, 5 * time.Second}, delays)
+}
