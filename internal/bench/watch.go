@@ -162,3 +162,39 @@ func Scrape(ctx context.Context, addr string) (map[string]float64, error) {
 	}
 	return out, sc.Err()
 }
+
+// LastSeq is the stream's last sequence (0 when it does not exist).
+func (w *StreamWatch) LastSeq(ctx context.Context) (uint64, error) {
+	s, err := w.js.Stream(ctx, event.StreamName(w.source))
+	if err != nil {
+		if err == jetstream.ErrStreamNotFound {
+			return 0, nil
+		}
+		return 0, err
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, err
+	}
+	return info.State.LastSeq, nil
+}
+
+// WaitProgress waits until the stream's last sequence passes after, e.g. a
+// heartbeat from a restarted capture showing it is streaming again.
+func (w *StreamWatch) WaitProgress(ctx context.Context, after uint64, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		last, err := w.LastSeq(ctx)
+		if err == nil && last > after {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("stream did not move past sequence %d within %s (last %d, err %v)", after, timeout, last, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
