@@ -86,7 +86,8 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	require.NoError(t, out.err)
 	t.Logf("faults: %s", summary(faults))
 	t.Logf("workload: %+v", out.res)
-	for _, s := append([]*supervised{capture}, workers...) {
+	all := append([]*supervised{capture}, workers...)
+	for _, s := range all {
 		t.Logf("%s", s.Stats())
 	}
 
