@@ -45,7 +45,7 @@ type supervised struct {
 	proc     *bench.Proc
 	starts   int
 	kills    int
-	selfExit int       // exits the test did not cause (e.g. Postgres restarted)
+	selfExit int         // exits the test did not cause (e.g. Postgres restarted)
 	killed   *bench.Proc // the process the test last killed
 	stop     chan struct{}
 	done     chan struct{}

@@ -71,9 +71,9 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 		done <- outcome{res, err}
 	}()
 	faults := chaos(ctx, rng, 500*time.Millisecond, 2500*time.Millisecond, map[string]func(){
-		"kill-capture-1":   capture.Kill,
-		"kill-capture-2":   capture.Kill,
-		"kill-capture-3":   capture.Kill,
+		"kill-capture-1":    capture.Kill,
+		"kill-capture-2":    capture.Kill,
+		"kill-capture-3":    capture.Kill,
 		"kill-projector0-1": workers[0].Kill,
 		"kill-projector0-2": workers[0].Kill,
 		"kill-projector0-3": workers[0].Kill,
