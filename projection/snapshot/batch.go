@@ -129,7 +129,10 @@ type job struct {
 
 // RunBatch claims up to BatchSize due pending jobs of cfg.Schema, assembles
 // their documents from the archive and writes the outcome, all in one
-// transaction, and returns. Any host may call it, on any schedule, from any
+// transaction, and returns. When a claimed job's transaction has more
+// roots, the batch takes more of that transaction's due jobs (up to
+// 10*BatchSize jobs in all), so a transaction's rows are read once for many
+// documents. Any host may call it, on any schedule, from any
 // number of processes: jobs are claimed with FOR UPDATE SKIP LOCKED, so
 // concurrent batches never assemble the same job, and a batch that fails
 // part way leaves its jobs pending for the next one.
@@ -167,10 +170,11 @@ func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	res := Result{Claimed: len(jobs)}
+	var res Result
 	groups := map[[2]string]*loadedGroup{}
 	var batch pgx.Batch
-	for _, j := range jobs {
+	for i := 0; i < len(jobs); i++ {
+		j := jobs[i]
 		gk := [2]string{j.source, j.commitLSN}
 		lg, ok := groups[gk]
 		if !ok {
@@ -178,6 +182,23 @@ func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
 				return Result{}, err
 			}
 			groups[gk] = lg
+			// A transaction with many roots: take more of its jobs now,
+			// while its rows are in memory.
+			if room := groupFactor*cfg.BatchSize - len(jobs); lg.roots > 1 && room > 0 {
+				var ids []int64
+				for _, o := range jobs {
+					if o.source == j.source && o.commitLSN == j.commitLSN {
+						ids = append(ids, o.id)
+					}
+				}
+				if room = min(room, lg.roots-len(ids)); room > 0 {
+					more, err := claimGroup(ctx, tx, snapshots, j, ids, now, room)
+					if err != nil {
+						return Result{}, err
+					}
+					jobs = append(jobs, more...)
+				}
+			}
 		}
 		switch out := lg.outcome(j, cfg); out.status {
 		case StatusComplete:
@@ -191,6 +212,7 @@ func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
 			batch.Queue(fmt.Sprintf(retrySQL, snapshots), j.id, out.attempts, now.Add(cfg.delay(out.attempts)), out.reason)
 		}
 	}
+	res.Claimed = len(jobs)
 	if batch.Len() > 0 {
 		if err := tx.SendBatch(ctx, &batch).Close(); err != nil {
 			return Result{}, fmt.Errorf("write snapshot results: %w", err)
@@ -199,20 +221,47 @@ func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
 	return res, nil
 }
 
+// groupFactor bounds a batch that extends its claim with more jobs of one
+// transaction: at most groupFactor * BatchSize jobs.
+const groupFactor = 10
+
 func claim(ctx context.Context, tx pgx.Tx, snapshots string, now time.Time, limit int) ([]job, error) {
 	rows, err := tx.Query(ctx, fmt.Sprintf(claimSQL, snapshots), now, limit)
 	if err != nil {
 		return nil, fmt.Errorf("claim snapshot jobs: %w", err)
 	}
-	jobs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (job, error) {
-		var j job
-		err := r.Scan(&j.id, &j.correlationID, &j.source, &j.commitLSN, &j.rootTable, &j.rootSeq, &j.expected, &j.retryCount)
-		return j, err
-	})
+	jobs, err := pgx.CollectRows(rows, scanJob)
 	if err != nil {
 		return nil, fmt.Errorf("claim snapshot jobs: %w", err)
 	}
 	return jobs, nil
+}
+
+const claimGroupSQL = `
+SELECT id, correlation_id, source, commit_lsn::text, root_table, root_seq, expected_tables, retry_count
+  FROM %s
+ WHERE source = $1 AND commit_lsn = $2::pg_lsn AND id <> ALL ($3)
+   AND status = 'pending' AND (next_attempt_at IS NULL OR next_attempt_at <= $4)
+ ORDER BY id
+ LIMIT $5
+   FOR UPDATE SKIP LOCKED`
+
+func claimGroup(ctx context.Context, tx pgx.Tx, snapshots string, j job, exclude []int64, now time.Time, limit int) ([]job, error) {
+	rows, err := tx.Query(ctx, fmt.Sprintf(claimGroupSQL, snapshots), j.source, j.commitLSN, exclude, now, limit)
+	if err != nil {
+		return nil, fmt.Errorf("claim snapshot jobs of %s: %w", j.correlationID, err)
+	}
+	jobs, err := pgx.CollectRows(rows, scanJob)
+	if err != nil {
+		return nil, fmt.Errorf("claim snapshot jobs of %s: %w", j.correlationID, err)
+	}
+	return jobs, nil
+}
+
+func scanJob(r pgx.CollectableRow) (job, error) {
+	var j job
+	err := r.Scan(&j.id, &j.correlationID, &j.source, &j.commitLSN, &j.rootTable, &j.rootSeq, &j.expected, &j.retryCount)
+	return j, err
 }
 
 // loadedGroup is a transaction's archive rows, read once per batch for all
@@ -222,6 +271,7 @@ type loadedGroup struct {
 	fp        string
 	have      map[string]int
 	unrelated int
+	roots     int // jobs of the transaction, any status
 	// loadErr is a permanent problem with the stored rows (not a database
 	// error): the jobs fail with it.
 	loadErr string
@@ -285,6 +335,7 @@ func loadGroup(ctx context.Context, tx pgx.Tx, schema string, j job) (*loadedGro
 		}
 	}
 	lg.unrelated = lg.g.unrelated(roots)
+	lg.roots = len(rootSeqs)
 	return lg, nil
 }
 

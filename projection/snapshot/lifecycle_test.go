@@ -327,3 +327,21 @@ func TestInvalidateInFlightHoldsTheJobFromBatches(t *testing.T) {
 	d := decodeDoc(t, e.show(t, s.correlationID())[`{"id":1}`])
 	require.Len(t, d.Children["public.lines"][0].Children["public.line_notes"], 2)
 }
+
+func TestBatchTakesMoreJobsOfALoadedTransaction(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	for i := range 30 {
+		e.exec(t, `INSERT INTO orders (id, customer) VALUES ($1, 'c')`, i)
+	}
+	s := e.begin(t)
+	s.del(t, "public.orders", "true")
+	require.Equal(t, 30, s.apply(t, orderRoots))
+	require.Equal(t, snapshot.Result{Claimed: 20, Completed: 20}, e.batch(t, snapshot.Config{BatchSize: 2}))
+	require.Equal(t, snapshot.Result{Claimed: 10, Completed: 10}, e.batch(t, snapshot.Config{BatchSize: 2}))
+	for _, snap := range e.show(t, s.correlationID()) {
+		d := decodeDoc(t, snap)
+		require.Equal(t, 1, d.Meta.EntityCount)
+		require.Equal(t, 30, d.Meta.TransactionRows)
+	}
+}
