@@ -25,6 +25,28 @@ SELECT DISTINCT ON (r.schema_name, r.table_name, r.key)
  ORDER BY r.schema_name, r.table_name, r.key, r.seq
 ON CONFLICT (correlation_id, root_table, root_key) DO NOTHING`
 
+// recordGroupSQL keeps the commit's roots and counts for transactions that
+// counted a root table's rows, for root rows that arrive late.
+const recordGroupSQL = `
+INSERT INTO %s (correlation_id, source, commit_lsn, roots, expected_tables, expected_rows)
+VALUES ($1, $2, $3::pg_lsn, $4, $5, $6)
+ON CONFLICT (correlation_id) DO NOTHING`
+
+// lateJobsSQL creates the missing jobs of recorded transactions from the
+// root rows now in the archive.
+const lateJobsSQL = `
+INSERT INTO %[1]s (correlation_id, source, commit_lsn, root_table, root_key, root_seq,
+                   expected_tables, expected_rows)
+SELECT DISTINCT ON (g.correlation_id, r.schema_name, r.table_name, r.key)
+       g.correlation_id, r.source, r.commit_lsn, r.schema_name || '.' || r.table_name, r.key, r.seq,
+       g.expected_tables, g.expected_rows
+  FROM %[3]s g
+  JOIN %[2]s r ON r.source = g.source AND r.commit_lsn = g.commit_lsn
+ WHERE g.correlation_id = ANY ($1)
+   AND r.schema_name || '.' || r.table_name = ANY (g.roots)
+ ORDER BY g.correlation_id, r.schema_name, r.table_name, r.key, r.seq
+ON CONFLICT (correlation_id, root_table, root_key) DO NOTHING`
+
 // CreateJobs creates, in the caller's transaction, one pending snapshot job
 // per archived row of a root table ("schema.table" in roots) of the
 // transaction that commit ends. Call it when applying the commit event,
@@ -54,7 +76,27 @@ func CreateJobs(ctx context.Context, tx pgx.Tx, schema string, commit *event.Eve
 	if err != nil {
 		return 0, fmt.Errorf("create snapshot jobs for %s: %w", commit.CorrelationID(), err)
 	}
+	if countsRoot(tables, roots) {
+		if _, err := tx.Exec(ctx, fmt.Sprintf(recordGroupSQL, table(schema, "snapshot_groups")),
+			commit.CorrelationID(), commit.Source, commit.CommitLSN.String(), roots, expected, commit.Rows); err != nil {
+			return 0, fmt.Errorf("record snapshot group %s: %w", commit.CorrelationID(), err)
+		}
+	}
 	return int(tag.RowsAffected()), nil
+}
+
+// countsRoot reports whether the commit may have root rows: it counted a
+// root table, or it has no counts at all.
+func countsRoot(tables map[string]int, roots []string) bool {
+	if len(tables) == 0 {
+		return true
+	}
+	for _, r := range roots {
+		if tables[r] > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // invalidateSQL puts the jobs of the transactions back to pending. It also
@@ -77,8 +119,10 @@ UPDATE %s
 // are inserted after that transaction's commit was applied (a replayed
 // event): complete and failed jobs go back to pending with fresh attempts,
 // and the next batch rebuilds them from the new set of rows (so their
-// fingerprint changes). Transactions without jobs are ignored. It returns
-// the number of jobs reset.
+// fingerprint changes). A root row that arrived late gets its job now.
+// Transactions without jobs or root rows are ignored, so calling it for a
+// transaction whose commit is not applied yet is harmless. It returns the
+// number of jobs reset or created.
 func Invalidate(ctx context.Context, tx pgx.Tx, schema string, correlationIDs []string) (int, error) {
 	if len(correlationIDs) == 0 {
 		return 0, nil
@@ -87,5 +131,10 @@ func Invalidate(ctx context.Context, tx pgx.Tx, schema string, correlationIDs []
 	if err != nil {
 		return 0, fmt.Errorf("invalidate snapshot jobs: %w", err)
 	}
-	return int(tag.RowsAffected()), nil
+	late, err := tx.Exec(ctx, fmt.Sprintf(lateJobsSQL, table(schema, "snapshots"), table(schema, "rows"),
+		table(schema, "snapshot_groups")), correlationIDs)
+	if err != nil {
+		return 0, fmt.Errorf("create late snapshot jobs: %w", err)
+	}
+	return int(tag.RowsAffected() + late.RowsAffected()), nil
 }

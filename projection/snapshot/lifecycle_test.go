@@ -345,3 +345,21 @@ func TestBatchTakesMoreJobsOfALoadedTransaction(t *testing.T) {
 		require.Equal(t, 30, d.Meta.TransactionRows)
 	}
 }
+
+func TestRootRowArrivingLateGetsItsJob(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.seedOrder(t, 1, 1)
+	s := e.begin(t)
+	s.deleteOrder(t, 1)
+	root := s.rows[len(s.rows)-1]
+	require.Equal(t, "public.orders", root.Table)
+	require.Zero(t, s.apply(t, orderRoots, root), "the root's event is quarantined: no job yet")
+	require.Equal(t, snapshot.Result{}, e.batch(t, snapshot.Config{}))
+
+	require.Equal(t, 1, s.replay(t, root))
+	require.Equal(t, snapshot.Result{Claimed: 1, Completed: 1}, e.batch(t, snapshot.Config{}))
+	d := decodeDoc(t, e.show(t, s.correlationID())[`{"id":1}`])
+	require.Equal(t, 1+1+2+1, d.Meta.EntityCount)
+	require.Equal(t, 1, s.replay(t), "invalidating again resets the one job, creates none")
+}

@@ -26,6 +26,10 @@ const (
 //     means a retry waits until then;
 //   - pending_since: when the job last became pending (creation or
 //     invalidation), for the oldest-pending-age metric.
+//
+// snapshot_groups remembers, per transaction whose commit counted rows of a
+// root table, the roots and counts, so that a root row arriving after the
+// commit (a replayed event) still gets its job (see Invalidate).
 const snapshotsDDL = `
 CREATE TABLE IF NOT EXISTS %[1]s.snapshots (
 	id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -49,6 +53,15 @@ CREATE TABLE IF NOT EXISTS %[1]s.snapshots (
 	pending_since   timestamptz DEFAULT now(),
 	updated_at      timestamptz NOT NULL DEFAULT now(),
 	UNIQUE (correlation_id, root_table, root_key)
+);
+CREATE TABLE IF NOT EXISTS %[1]s.snapshot_groups (
+	correlation_id  text        PRIMARY KEY,
+	source          text        NOT NULL,
+	commit_lsn      pg_lsn      NOT NULL,
+	roots           text[]      NOT NULL,
+	expected_tables jsonb       NOT NULL,
+	expected_rows   integer     NOT NULL,
+	created_at      timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS snapshots_due ON %[1]s.snapshots (next_attempt_at NULLS FIRST, id)
 	WHERE status = 'pending';
