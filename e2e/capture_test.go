@@ -54,7 +54,7 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 	}
 	done := make(chan outcome, 1)
 	go func() {
-		res, err := workload.Run(wctx, url, workload.Plan{Seed: seed, MaxOrdersPerTx: 10, BigTxRows: 5000, Reinserts: 4,
+		res, err := workload.Run(wctx, url, workload.Plan{Seed: seed, MaxOrdersPerTx: 10, BigTxRows: 5000, BigTxAt: 30 + int(seed%60), Reinserts: 4,
 			Pause: 15 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 		done <- outcome{res, err}
 	}()

@@ -34,7 +34,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	require.NoError(t, workload.Setup(ctx, url))
-	_, err := workload.Seed(ctx, url, workload.SeedConfig{Customers: 1000, OrdersPerCustomer: 10})
+	_, err := workload.Seed(ctx, url, workload.SeedConfig{Customers: 1300, OrdersPerCustomer: 10})
 	require.NoError(t, err)
 
 	listen, err := bench.LocalAddr()
@@ -66,7 +66,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	}
 	done := make(chan outcome, 1)
 	go func() {
-		res, err := workload.Run(wctx, url, workload.Plan{Seed: seed, MaxOrdersPerTx: 20, BigTxRows: 50_000, Reinserts: 5,
+		res, err := workload.Run(wctx, url, workload.Plan{Seed: seed, MaxOrdersPerTx: 20, BigTxRows: 50_000, BigTxAt: 40 + int(seed%40), Reinserts: 5,
 			Pause: 10 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 		done <- outcome{res, err}
 	}()

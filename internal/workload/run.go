@@ -30,8 +30,11 @@ type Plan struct {
 	// orders in one transaction of several statements.
 	SingleFraction float64
 	// BigTxRows, when > 0, runs one transaction deleting about this many
-	// rows (whole orders by cascade), after a tenth of the transactions.
+	// rows (whole orders by cascade), before transaction BigTxAt.
 	BigTxRows int
+	// BigTxAt is the index of the transaction the big one runs before;
+	// default a tenth of Transactions, or 50 when Transactions is 0.
+	BigTxAt int
 	// Reinserts is how many times a deleted order (and its lines) is
 	// inserted again with gen+1 and then deleted again. They are spread
 	// over the run.
@@ -100,12 +103,18 @@ func Run(ctx context.Context, url string, plan Plan) (Result, error) {
 	total := plan.Transactions
 	bigAt, reinsertEvery := -1, 0
 	if plan.BigTxRows > 0 {
-		bigAt = total / 10
+		bigAt = plan.BigTxAt
+		if bigAt <= 0 {
+			bigAt = total / 10
+			if total == 0 {
+				bigAt = 50
+			}
+		}
 	}
 	if plan.Reinserts > 0 {
 		span := total
 		if span == 0 {
-			span = 100 * plan.Reinserts
+			span = 50 * (plan.Reinserts + 1)
 		}
 		reinsertEvery = max(1, span/(plan.Reinserts+1))
 	}
