@@ -43,4 +43,18 @@
 //     document, so any row added or removed changes it.
 //   - Rows archived with replica identity "key"/"nothing" carry only key
 //     columns: they nest only where those columns hold the foreign key.
+//
+// What a host runtime calls (the projector does this):
+//   - creating a version schema: Migrate(ctx, tx, schema) (or exec DDL(schema))
+//     after <schema>.rows exists; the reader view is
+//     CREATE OR REPLACE VIEW archive.snapshots AS SELECT * FROM <schema>.snapshots;
+//   - applying a page, in its target transaction: after inserting archive
+//     rows with INSERT .. ON CONFLICT DO NOTHING RETURNING correlation_id,
+//     Invalidate(ctx, tx, schema, <distinct correlation ids actually
+//     inserted>) (a no-op for transactions whose commit is not applied yet);
+//     then for each commit event, after its rows: CreateJobs(ctx, tx,
+//     schema, commit, roots);
+//   - in the background: a Batcher per process (NewBatcher(pool,
+//     BatcherConfig{Schemas: <version schemas that have snapshots>,
+//     Registerer: reg}), Start, Stop), or RunBatch from any other host.
 package snapshot
