@@ -363,3 +363,31 @@ func TestRootRowArrivingLateGetsItsJob(t *testing.T) {
 	require.Equal(t, 1+1+2+1, d.Meta.EntityCount)
 	require.Equal(t, 1, s.replay(t), "invalidating again resets the one job, creates none")
 }
+
+func TestShowThroughTheReaderView(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.seedOrder(t, 7, 1)
+	s := e.begin(t)
+	s.deleteOrder(t, 7)
+	require.Equal(t, 1, s.apply(t, orderRoots))
+	e.exec(t, `CREATE SCHEMA archive; CREATE VIEW archive.snapshots AS SELECT * FROM archive_v1.snapshots`)
+
+	list, err := snapshot.Show(e.ctx, e.pool, "archive", s.correlationID())
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	require.Equal(t, snapshot.StatusPending, list[0].Status)
+	require.Nil(t, list[0].Payload)
+
+	require.Equal(t, snapshot.Result{Claimed: 1, Completed: 1}, e.batch(t, snapshot.Config{}))
+	list, err = snapshot.Show(e.ctx, e.pool, "archive", s.correlationID())
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	require.Equal(t, "public.orders", list[0].RootTable)
+	require.JSONEq(t, `{"id":7}`, string(list[0].RootKey))
+	require.Equal(t, s.correlationID(), decodeDoc(t, list[0]).Meta.CorrelationID)
+
+	none, err := snapshot.Show(e.ctx, e.pool, "archive", "main:1:0/0")
+	require.NoError(t, err)
+	require.Empty(t, none)
+}
