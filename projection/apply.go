@@ -1,0 +1,243 @@
+package projection
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/quarantine"
+)
+
+// applyResult is what one applied page did.
+type applyResult struct {
+	pos         progress.Position
+	applied     int
+	quarantined map[string]int
+}
+
+// apply writes a page of one partition into version v's read model and
+// advances the cursor in the same transaction. Events that cannot be
+// applied (undecodable, a missing large row, rejected by Postgres) are
+// quarantined in that transaction and the partition moves past them; the
+// failing event is isolated with savepoints so the rest of the page applies.
+// Transient failures return an error and nothing is committed.
+func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item) (applyResult, error) {
+	res := applyResult{quarantined: map[string]int{}}
+	// Large rows live in the object store: read them before the
+	// transaction opens so it is never held across NATS round trips.
+	var rows []*archiveRow
+	for _, it := range items {
+		if it.ev == nil || it.ev.Op != event.OpDelete {
+			continue
+		}
+		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row}
+		if it.ev.RowRef != nil {
+			b, err := s.fetchObject(ctx, it.ev.RowRef)
+			if err != nil {
+				cat, permanent := quarantine.Classify(err)
+				if !permanent {
+					return res, err
+				}
+				it.category, it.failure = string(cat), err
+				continue
+			}
+			r.row = b
+		}
+		if d, ok := s.cfg.ttlFor(it.ev.QualifiedTable()); ok && !it.ev.CommitTime.IsZero() {
+			t := it.ev.CommitTime.Add(d)
+			r.expiresAt = &t
+		}
+		rows = append(rows, r)
+	}
+
+	next := pos
+	var commits []*item
+	for _, it := range items {
+		next.Cursor, next.MsgID, next.Seq = it.seq, it.id, -1
+		if it.ev == nil {
+			continue // undecodable: keep the last known source position
+		}
+		next.CommitLSN = positionLSN(it.ev)
+		switch it.ev.Op {
+		case event.OpDelete:
+			next.Seq = it.ev.Seq
+		case event.OpCommit:
+			commits = append(commits, it)
+			next.SourceLSN = max(next.SourceLSN, it.ev.CommitLSN)
+		case event.OpMark:
+			next.SourceLSN = max(next.SourceLSN, it.ev.LSN)
+		case event.OpTruncate:
+			s.log.Warn("source table was TRUNCATEd: its rows are not in the WAL and were NOT archived",
+				"table", it.ev.QualifiedTable(), "commit_lsn", it.ev.CommitLSN.String(), "version", v.Version)
+		case event.OpGap:
+			s.log.Error("deletes were lost upstream (replication slot dropped or invalidated): the archive misses this range",
+				"from_lsn", it.ev.FromLSN.String(), "to_lsn", it.ev.ToLSN.String(), "reason", it.ev.Reason, "version", v.Version)
+			next.SourceLSN = max(next.SourceLSN, it.ev.ToLSN)
+		}
+	}
+
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return res, fmt.Errorf("begin apply: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+
+	quarantineItem := func(it *item) error {
+		err := quarantine.Insert(ctx, tx, quarantine.Entry{
+			Projection: v.Projection, Version: v.Version, Partition: l.Partition,
+			StreamSeq: it.seq, Subject: it.subject, Headers: it.headers, Data: it.data,
+			Category: it.category, Error: quarantine.Sanitize(it.failure),
+		})
+		if err != nil {
+			return err
+		}
+		res.quarantined[it.category]++
+		s.log.Warn("event quarantined", "projection", v.Projection, "version", v.Version, "partition", l.Partition,
+			"stream_seq", it.seq, "category", it.category, "err", quarantine.Sanitize(it.failure))
+		return nil
+	}
+
+	// Rows, set-based; a rejected row is isolated by bisection.
+	err = isolate(ctx, tx, rows, func(sp pgx.Tx, part []*archiveRow) error {
+		return insertRows(ctx, sp, v.Schema, part)
+	}, func(r *archiveRow, err error) error {
+		cat, _ := quarantine.Classify(err)
+		r.item.category, r.item.failure = string(cat), err
+		return nil
+	})
+	if err != nil {
+		return res, err
+	}
+	// Commits complete their transactions: roots, then snapshot jobs.
+	var lsns []event.LSN
+	for _, c := range commits {
+		lsns = append(lsns, c.ev.CommitLSN)
+	}
+	err = isolate(ctx, tx, commits, func(sp pgx.Tx, part []*item) error {
+		ls := make([]event.LSN, len(part))
+		for i, c := range part {
+			ls[i] = c.ev.CommitLSN
+		}
+		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, ls); err != nil {
+			return err
+		}
+		if s.createJobs == nil || len(s.cfg.SnapshotRoots) == 0 {
+			return nil
+		}
+		for _, c := range part {
+			if _, err := s.createJobs(ctx, sp, v.Schema, c.ev, s.cfg.SnapshotRoots); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, func(c *item, err error) error {
+		cat, _ := quarantine.Classify(err)
+		c.category, c.failure = string(cat), err
+		return nil
+	})
+	if err != nil {
+		return res, err
+	}
+	for _, it := range items {
+		if it.category != "" {
+			if err := quarantineItem(it); err != nil {
+				return res, err
+			}
+			continue
+		}
+		if it.ev != nil {
+			res.applied++
+		}
+	}
+	if err := progress.Advance(ctx, tx, l, pos.Cursor, next, s.cfg.LeaseTTL); err != nil {
+		return res, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return res, fmt.Errorf("commit apply: %w", err)
+	}
+	res.pos = next
+	return res, nil
+}
+
+// isolate runs fn on all of xs in a savepoint; when that fails permanently
+// it bisects, so that only the events that fail on their own are handed to
+// bad (and the rest are applied). Transient errors are returned at once.
+func isolate[T any](ctx context.Context, tx pgx.Tx, xs []T, fn func(pgx.Tx, []T) error, bad func(T, error) error) error {
+	if len(xs) == 0 {
+		return nil
+	}
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("savepoint: %w", err)
+	}
+	err = fn(sp, xs)
+	if err == nil {
+		return sp.Commit(ctx)
+	}
+	if rbErr := sp.Rollback(ctx); rbErr != nil {
+		return fmt.Errorf("rollback savepoint: %w (after %w)", rbErr, err)
+	}
+	if _, permanent := quarantine.Classify(err); !permanent {
+		return err
+	}
+	if len(xs) == 1 {
+		return bad(xs[0], err)
+	}
+	mid := len(xs) / 2
+	if err := isolate(ctx, tx, xs[:mid], fn, bad); err != nil {
+		return err
+	}
+	return isolate(ctx, tx, xs[mid:], fn, bad)
+}
+
+// fetchObject reads a large row from the object store and checks it.
+// A missing bucket or object, a digest mismatch or a body that is not a
+// JSON object are permanent (missing_payload); anything else is transient.
+func (s *Service) fetchObject(ctx context.Context, ref *event.ObjectRef) ([]byte, error) {
+	s.objMu.Lock()
+	obs, ok := s.objStores[ref.Bucket]
+	s.objMu.Unlock()
+	if !ok {
+		var err error
+		obs, err = s.js.ObjectStore(ctx, ref.Bucket)
+		if errors.Is(err, jetstream.ErrBucketNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
+			return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object bucket %q not found", ref.Bucket))
+		}
+		if err != nil {
+			return nil, fmt.Errorf("open object bucket %q: %w", ref.Bucket, err)
+		}
+		s.objMu.Lock()
+		s.objStores[ref.Bucket] = obs
+		s.objMu.Unlock()
+	}
+	c, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	b, err := obs.GetBytes(c, ref.Name)
+	switch {
+	case errors.Is(err, jetstream.ErrObjectNotFound):
+		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s not found", ref.Bucket, ref.Name))
+	case errors.Is(err, jetstream.ErrDigestMismatch):
+		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s is corrupt (digest mismatch)", ref.Bucket, ref.Name))
+	case err != nil:
+		return nil, fmt.Errorf("read object %s/%s: %w", ref.Bucket, ref.Name, err)
+	}
+	if ref.SHA256 != "" {
+		sum := sha256.Sum256(b)
+		if hex.EncodeToString(sum[:]) != ref.SHA256 {
+			return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s: sha256 does not match the event", ref.Bucket, ref.Name))
+		}
+	}
+	if t := bytes.TrimSpace(b); len(t) == 0 || t[0] != '{' {
+		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s is not a JSON object", ref.Bucket, ref.Name))
+	}
+	return b, nil
+}

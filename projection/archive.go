@@ -1,0 +1,266 @@
+package projection
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// ReaderSchema is the reader-facing schema: views onto the live version.
+const ReaderSchema = "archive"
+
+// ArchiveSchema is the schema of version n of the archive: archive_v<n>.
+func ArchiveSchema(n int) string { return fmt.Sprintf("archive_v%d", n) }
+
+func ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
+
+// archiveDDL creates the archive table of one version. Idempotent.
+//
+// is_root is NULL until the transaction's commit event has been applied
+// (the transaction is not complete yet), then true for a row that no other
+// row of the same transaction is a parent of by the events' foreign keys.
+func archiveDDL(schema string) string {
+	s := ident(schema)
+	return `
+CREATE SCHEMA IF NOT EXISTS ` + s + `;
+CREATE TABLE IF NOT EXISTS ` + s + `.rows (
+    source         text        NOT NULL,
+    schema_name    text        NOT NULL,
+    table_name     text        NOT NULL,
+    key            jsonb,
+    row            jsonb,
+    identity       text,
+    correlation_id text        NOT NULL,
+    is_root        boolean,
+    xid            bigint,
+    commit_lsn     pg_lsn      NOT NULL,
+    commit_time    timestamptz,
+    seq            integer     NOT NULL,
+    archived_at    timestamptz NOT NULL DEFAULT now(),
+    expires_at     timestamptz,
+    refs           jsonb,
+    columns        jsonb,
+    PRIMARY KEY (source, commit_lsn, seq)
+);
+CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, table_name, key);
+CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
+CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
+CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
+`
+}
+
+// statusView says, for the reader, whether the archive can be trusted: the
+// live version, how many partitions have an owner, how far into the source
+// every partition reflects (source_lsn: the archive is complete up to it),
+// and the unresolved quarantine. ready is false while any of that is not
+// right, so an empty archive.rows is never mistaken for "nothing deleted".
+const statusView = `
+CREATE OR REPLACE VIEW archive.status AS
+SELECT v.projection, v.version, v.state, v.schema_name,
+       count(p.partition)::int AS partitions,
+       (count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now()))::int AS partitions_owned,
+       (count(p.partition) FILTER (WHERE p.last_advance_at IS NOT NULL))::int AS partitions_started,
+       min(p.source_lsn) AS source_lsn,
+       bool_and(p.source_lsn IS NOT NULL) AS every_partition_has_watermark,
+       max(p.last_advance_at) AS last_advance_at,
+       COALESCE((SELECT count(*) FROM epitaph.quarantine q
+                 WHERE q.projection = v.projection AND q.version = v.version AND q.status = 'open'), 0)::int AS quarantine_open,
+       (v.state = 'live'
+        AND count(p.partition) > 0
+        AND count(p.partition) = count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now())
+        AND bool_and(p.last_advance_at IS NOT NULL)
+        AND NOT EXISTS (SELECT 1 FROM epitaph.quarantine q
+                        WHERE q.projection = v.projection AND q.version = v.version AND q.status = 'open')) AS ready
+FROM epitaph.projection_versions v
+LEFT JOIN epitaph.progress p ON p.projection = v.projection AND p.version = v.version
+WHERE v.projection = 'archive' AND v.state <> 'retired'
+GROUP BY v.projection, v.version, v.state, v.schema_name`
+
+// PointViews re-points the reader views of schema "archive" (archive.rows,
+// and archive.snapshots when that version has a snapshots table) at
+// archive_v<version>, inside tx: readers see the old or the new version,
+// never a mix and never a missing view.
+func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
+	schema := ArchiveSchema(version)
+	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS archive`); err != nil {
+		return fmt.Errorf("create schema archive: %w", err)
+	}
+	for _, table := range []string{"rows", "snapshots"} {
+		var exists bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, ident(schema, table)).Scan(&exists); err != nil {
+			return fmt.Errorf("look up %s.%s: %w", schema, table, err)
+		}
+		if !exists {
+			if _, err := tx.Exec(ctx, `DROP VIEW IF EXISTS `+ident(ReaderSchema, table)); err != nil {
+				return fmt.Errorf("drop view archive.%s: %w", table, err)
+			}
+			continue
+		}
+		if err := replaceView(ctx, tx, ident(ReaderSchema, table), `SELECT * FROM `+ident(schema, table)); err != nil {
+			return fmt.Errorf("point view archive.%s at %s: %w", table, schema, err)
+		}
+		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
+		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+quoteLiteral(comment)); err != nil {
+			return fmt.Errorf("comment view archive.%s: %w", table, err)
+		}
+	}
+	if _, err := tx.Exec(ctx, statusView); err != nil {
+		return fmt.Errorf("create view archive.status: %w", err)
+	}
+	return nil
+}
+
+// replaceView re-points a view in place when the columns allow it (so views
+// that depend on it survive), else drops and recreates it.
+func replaceView(ctx context.Context, tx pgx.Tx, view, query string) error {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	if _, err := sp.Exec(ctx, `CREATE OR REPLACE VIEW `+view+` AS `+query); err == nil {
+		return sp.Commit(ctx)
+	}
+	if err := sp.Rollback(ctx); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, `DROP VIEW IF EXISTS `+view); err != nil {
+		return err
+	}
+	_, err = tx.Exec(ctx, `CREATE VIEW `+view+` AS `+query)
+	return err
+}
+
+func quoteLiteral(s string) string {
+	out := []byte{'\''}
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\'' {
+			out = append(out, '\'')
+		}
+		out = append(out, s[i])
+	}
+	return string(append(out, '\''))
+}
+
+// archiveRow is one delete event ready to insert.
+type archiveRow struct {
+	item      *item
+	ev        *event.Event
+	row       json.RawMessage // the row image (from the event or its object)
+	expiresAt *time.Time
+}
+
+const insertRowsSQL = `
+INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
+                     commit_lsn, commit_time, seq, expires_at, refs, columns)
+SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
+            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[])
+     AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
+          commit_lsn, commit_time, seq, expires_at, refs, columns)
+ON CONFLICT (source, commit_lsn, seq) DO NOTHING`
+
+func nullableJSON(b json.RawMessage) *string {
+	if len(b) == 0 {
+		return nil
+	}
+	s := string(b)
+	return &s
+}
+
+// insertRows writes rows with one set-based statement. Idempotent: a row
+// already archived (same source, commit_lsn, seq) is left as it is.
+func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) error {
+	n := len(rows)
+	var (
+		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		keys, images, refs, cols                      = make([]*string, n), make([]*string, n), make([]*string, n), make([]*string, n)
+		xids                                          = make([]int64, n)
+		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
+		seqs                                          = make([]int32, n)
+	)
+	for i, r := range rows {
+		e := r.ev
+		sources[i], schemas[i], tables[i], idents[i] = e.Source, e.Schema, e.Table, e.Identity
+		corrs[i], lsns[i], xids[i], seqs[i] = e.CorrelationID(), e.CommitLSN.String(), e.XID, int32(e.Seq)
+		keys[i], images[i] = nullableJSON(e.Key), nullableJSON(r.row)
+		if !e.CommitTime.IsZero() {
+			t := e.CommitTime
+			times[i] = &t
+		}
+		expires[i] = r.expiresAt
+		if len(e.Refs) > 0 {
+			b, err := json.Marshal(e.Refs)
+			if err != nil {
+				return fmt.Errorf("encode refs: %w", err)
+			}
+			refs[i] = nullableJSON(b)
+		}
+		if len(e.Columns) > 0 {
+			b, err := json.Marshal(e.Columns)
+			if err != nil {
+				return fmt.Errorf("encode columns: %w", err)
+			}
+			cols[i] = nullableJSON(b)
+		}
+	}
+	_, err := tx.Exec(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
+		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols)
+	if err != nil {
+		return fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+	}
+	return nil
+}
+
+// markRootsSQL sets is_root for every row of the given transactions: a row
+// is not a root when another row of the same transaction is its parent by
+// one of the foreign keys in its refs (all key columns non-null and equal
+// to the parent's referenced columns). It runs when the commit event is
+// applied, when every row of the transaction is archived.
+const markRootsSQL = `
+WITH tx AS (
+    SELECT commit_lsn, seq, schema_name, table_name, row, refs
+    FROM %[1]s.rows WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[])
+), child AS (
+    SELECT t.commit_lsn, t.seq, f->>'schema' AS s, f->>'table' AS tb, f->'ref_columns' AS rc,
+           (SELECT jsonb_agg(t.row -> c ORDER BY o)
+            FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS x(c, o)) AS k
+    FROM tx t
+    CROSS JOIN LATERAL jsonb_array_elements(CASE WHEN jsonb_typeof(t.refs) = 'array' THEN t.refs ELSE '[]'::jsonb END) AS f
+), wanted AS (
+    SELECT DISTINCT commit_lsn, s, tb, rc FROM child
+), parent AS (
+    SELECT w.commit_lsn, w.s, w.tb, w.rc, t.seq,
+           (SELECT jsonb_agg(t.row -> c ORDER BY o)
+            FROM jsonb_array_elements_text(w.rc) WITH ORDINALITY AS x(c, o)) AS k
+    FROM wanted w JOIN tx t ON t.commit_lsn = w.commit_lsn AND t.schema_name = w.s AND t.table_name = w.tb
+), nonroot AS (
+    SELECT DISTINCT c.commit_lsn, c.seq
+    FROM child c
+    JOIN parent p ON p.commit_lsn = c.commit_lsn AND p.s = c.s AND p.tb = c.tb AND p.rc = c.rc
+                 AND p.k = c.k AND p.seq <> c.seq
+    WHERE NOT (c.k @> '[null]'::jsonb)
+)
+UPDATE %[1]s.rows r SET is_root = (n.seq IS NULL)
+FROM tx LEFT JOIN nonroot n ON n.commit_lsn = tx.commit_lsn AND n.seq = tx.seq
+WHERE r.source = $1 AND r.commit_lsn = tx.commit_lsn AND r.seq = tx.seq
+  AND r.is_root IS DISTINCT FROM (n.seq IS NULL)`
+
+func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []event.LSN) error {
+	if len(commits) == 0 {
+		return nil
+	}
+	lsns := make([]string, len(commits))
+	for i, l := range commits {
+		lsns[i] = l.String()
+	}
+	if _, err := tx.Exec(ctx, fmt.Sprintf(markRootsSQL, ident(schema)), source, lsns); err != nil {
+		return fmt.Errorf("mark roots of %d transactions in %s: %w", len(commits), schema, err)
+	}
+	return nil
+}

@@ -1,0 +1,108 @@
+package projection_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+func TestArchiveRowsRootsAndExpiry(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 4)
+	cfg := e.config("w1")
+	cfg.ArchiveTTL = map[string]time.Duration{"public.order_lines": 24 * time.Hour, "*": 48 * time.Hour, "public.keep": 0}
+	delete(cfg.ArchiveTTL, "public.keep")
+	s := e.start(cfg)
+
+	// An order with 3 lines deleted by cascade; the customer it references
+	// is not deleted in the same transaction, so the order is the root.
+	t1 := e.nextTx(orderRows(1, 3)...)
+	e.publish(t1)
+	// A customer deleted together with its order and a line: the customer
+	// is the only root. Plus a self-referencing pair of categories.
+	t2 := e.nextTx(append([]row{{schema: "public", table: "customers", key: `{"id":7}`, image: `{"id":7,"name":"Ada"}`}},
+		append(orderRows(2, 1),
+			row{schema: "public", table: "categories", key: `{"id":1}`, image: `{"id":1,"parent_id":null}`,
+				refs: []event.Ref{{Columns: []string{"parent_id"}, Schema: "public", Table: "categories", RefColumns: []string{"id"}}}},
+			row{schema: "public", table: "categories", key: `{"id":2}`, image: `{"id":2,"parent_id":1}`,
+				refs: []event.Ref{{Columns: []string{"parent_id"}, Schema: "public", Table: "categories", RefColumns: []string{"id"}}}},
+		)...)...)
+	e.publish(t2)
+	hb := e.heartbeat()
+
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root IS NOT NULL`) == 4+5
+	})
+	ctx := context.Background()
+	type got struct {
+		table  string
+		root   bool
+		corr   string
+		expiry *time.Time
+		commit time.Time
+	}
+	rows, err := c.Query(ctx, `SELECT table_name, is_root, correlation_id, expires_at, commit_time FROM archive.rows
+		WHERE commit_lsn = $1::pg_lsn ORDER BY seq`, t1.lsn.String())
+	require.NoError(t, err)
+	var g []got
+	for rows.Next() {
+		var x got
+		require.NoError(t, rows.Scan(&x.table, &x.root, &x.corr, &x.expiry, &x.commit))
+		g = append(g, x)
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, g, 4)
+	require.Equal(t, "orders", g[0].table)
+	require.True(t, g[0].root)
+	for _, x := range g[1:] {
+		require.False(t, x.root, "lines are children of the order deleted with them")
+		require.Equal(t, x.commit.Add(24*time.Hour).UTC(), x.expiry.UTC())
+	}
+	require.Equal(t, g[0].commit.Add(48*time.Hour).UTC(), g[0].expiry.UTC(), "* applies to other tables")
+	require.Equal(t, event.CorrelationID(src, t1.xid, t1.lsn), g[0].corr)
+	require.True(t, g[0].commit.Equal(t1.time))
+
+	var roots []string
+	rs, err := c.Query(ctx, `SELECT table_name || ':' || (key->>'id') FROM archive.rows
+		WHERE commit_lsn = $1::pg_lsn AND is_root ORDER BY seq`, t2.lsn.String())
+	require.NoError(t, err)
+	for rs.Next() {
+		var s string
+		require.NoError(t, rs.Scan(&s))
+		roots = append(roots, s)
+	}
+	require.Equal(t, []string{"customers:7", "categories:1"}, roots)
+
+	// Values are stored as published.
+	var image string
+	require.NoError(t, c.QueryRow(ctx, `SELECT row::text FROM archive_v1.rows WHERE table_name = 'orders' AND key = '{"id":1}'`).Scan(&image))
+	require.JSONEq(t, `{"id":1,"customer_id":7,"total":"12.50"}`, image)
+
+	// Watermark and status: every partition reflects the source up to the
+	// heartbeat; the view says it is ready; no lag.
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn`, hb.String()) == 4
+	})
+	var ready bool
+	var srcLSN string
+	require.NoError(t, c.QueryRow(ctx, `SELECT ready, source_lsn::text FROM archive.status WHERE version = 1`).Scan(&ready, &srcLSN))
+	require.True(t, ready)
+	require.Equal(t, hb.String(), srcLSN)
+	st, err := s.Status(ctx)
+	require.NoError(t, err)
+	require.Len(t, st.Versions, 1)
+	require.Equal(t, "live", st.Versions[0].State)
+	require.Equal(t, "live", st.Versions[0].Health)
+	require.Len(t, st.Versions[0].Partitions, 4)
+	require.Zero(t, st.Versions[0].LagEvents)
+	for _, p := range st.Versions[0].Partitions {
+		require.Equal(t, "w1", p.Owner)
+		require.True(t, p.Leased)
+		require.NotZero(t, p.Cursor)
+	}
+}

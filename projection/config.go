@@ -1,0 +1,192 @@
+package projection
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// ArchiveProjection is the name of the built-in archive projection.
+const ArchiveProjection = "archive"
+
+// MaxBatchSize is the largest page a partition fetches and applies in one
+// transaction.
+const MaxBatchSize = 500
+
+// Config of a projector worker. Zero values take the documented defaults.
+type Config struct {
+	// TargetURL is the Postgres database the read models are written to.
+	TargetURL string
+	// NATSURL is the JetStream server holding the source's stream.
+	NATSURL string
+	// SourceName names the source (stream EPITAPH_<SOURCE>); default "main".
+	SourceName string
+	// WorkerID identifies this worker in leases; required (cmd/ defaults it
+	// to hostname-pid).
+	WorkerID string
+	// LeaseTTL is how long a partition lease lasts without renewal; a dead
+	// worker's partitions are taken over after it. Default 15s.
+	LeaseTTL time.Duration
+	// BalanceInterval is how often leases are renewed and rebalanced.
+	// Default LeaseTTL/3.
+	BalanceInterval time.Duration
+	// BatchSize is the most events fetched and applied in one transaction:
+	// 1..500, default 500.
+	BatchSize int
+	// FetchWait is how long an idle partition waits for events per fetch.
+	// Default 1s.
+	FetchWait time.Duration
+	// ArchiveTTL maps "schema.table" (or "*" for every other table) to how
+	// long archived rows are kept: expires_at = commit_time + TTL. A table
+	// with no entry (and no "*") is kept forever (expires_at NULL).
+	ArchiveTTL map[string]time.Duration
+	// SnapshotRoots are the "schema.table" root tables of snapshot
+	// documents; empty = no snapshots.
+	SnapshotRoots []string
+	// MaxBackoff caps the exponential backoff of transient failures.
+	// Default 30s.
+	MaxBackoff time.Duration
+	// MaxConns bounds the target connection pool. Default 4 + 2 per CPU.
+	MaxConns int32
+	// Decoder decodes messages; nil = the default v1 decoder. Set its
+	// Upgraders to teach the projector a newer wire version.
+	Decoder *event.Decoder
+	// StatusInterval is how often lag metrics are refreshed. Default 5s.
+	StatusInterval time.Duration
+}
+
+func (c *Config) setDefaults() {
+	if c.SourceName == "" {
+		c.SourceName = "main"
+	}
+	if c.LeaseTTL == 0 {
+		c.LeaseTTL = 15 * time.Second
+	}
+	if c.BalanceInterval == 0 {
+		c.BalanceInterval = c.LeaseTTL / 3
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = MaxBatchSize
+	}
+	if c.FetchWait == 0 {
+		c.FetchWait = time.Second
+	}
+	if c.MaxBackoff == 0 {
+		c.MaxBackoff = 30 * time.Second
+	}
+	if c.Decoder == nil {
+		c.Decoder = &event.Decoder{}
+	}
+	if c.StatusInterval == 0 {
+		c.StatusInterval = 5 * time.Second
+	}
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if c.TargetURL == "" {
+		errs = append(errs, errors.New("target URL is required (EPITAPH_TARGET_URL)"))
+	}
+	if c.NATSURL == "" {
+		errs = append(errs, errors.New("NATS URL is required (EPITAPH_NATS_URL)"))
+	}
+	if err := event.ValidateSourceName(c.SourceName); err != nil {
+		errs = append(errs, err)
+	}
+	if c.WorkerID == "" {
+		errs = append(errs, errors.New("worker id is required (EPITAPH_WORKER_ID)"))
+	}
+	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
+		errs = append(errs, fmt.Errorf("batch size %d: must be 1..%d", c.BatchSize, MaxBatchSize))
+	}
+	if c.LeaseTTL < 100*time.Millisecond {
+		errs = append(errs, fmt.Errorf("lease TTL %s is too short", c.LeaseTTL))
+	}
+	if c.BalanceInterval <= 0 || c.BalanceInterval >= c.LeaseTTL {
+		errs = append(errs, fmt.Errorf("balance interval %s must be positive and below the lease TTL %s", c.BalanceInterval, c.LeaseTTL))
+	}
+	if c.FetchWait < 10*time.Millisecond || c.FetchWait >= c.LeaseTTL {
+		errs = append(errs, fmt.Errorf("fetch wait %s must be at least 10ms and below the lease TTL", c.FetchWait))
+	}
+	for k, v := range c.ArchiveTTL {
+		if k != "*" && !strings.Contains(k, ".") {
+			errs = append(errs, fmt.Errorf("archive TTL key %q: use schema.table or *", k))
+		}
+		if v <= 0 {
+			errs = append(errs, fmt.Errorf("archive TTL for %q must be positive", k))
+		}
+	}
+	for _, r := range c.SnapshotRoots {
+		if !strings.Contains(r, ".") {
+			errs = append(errs, fmt.Errorf("snapshot root %q: use schema.table", r))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ttlFor is the archive TTL of a table, and false when rows are kept forever.
+func (c *Config) ttlFor(qualified string) (time.Duration, bool) {
+	if d, ok := c.ArchiveTTL[qualified]; ok {
+		return d, true
+	}
+	d, ok := c.ArchiveTTL["*"]
+	return d, ok
+}
+
+// ParseTTLs parses "public.sessions=720h,*=8760h" (the EPITAPH_ARCHIVE_TTL
+// form); durations also accept a "d" suffix for days.
+func ParseTTLs(s string) (map[string]time.Duration, error) {
+	out := map[string]time.Duration{}
+	for _, part := range strings.Split(s, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(part, "=")
+		if !ok {
+			return nil, fmt.Errorf("archive TTL %q: want table=duration", part)
+		}
+		d, err := parseDuration(strings.TrimSpace(v))
+		if err != nil {
+			return nil, fmt.Errorf("archive TTL %q: %w", part, err)
+		}
+		out[strings.TrimSpace(k)] = d
+	}
+	return out, nil
+}
+
+func parseDuration(s string) (time.Duration, error) {
+	if n, ok := strings.CutSuffix(s, "d"); ok {
+		var days int
+		if _, err := fmt.Sscanf(n, "%d", &days); err != nil || fmt.Sprint(days) != n {
+			return 0, fmt.Errorf("bad day count %q", s)
+		}
+		return time.Duration(days) * 24 * time.Hour, nil
+	}
+	return time.ParseDuration(s)
+}
+
+// Option configures collaborators of a Service.
+type Option func(*options)
+
+type options struct {
+	logger   *slog.Logger
+	registry *prometheus.Registry
+	now      func() time.Time
+}
+
+// WithLogger sets the logger (default slog.Default()).
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
+
+// WithRegistry sets the registry metrics are registered on (default: a
+// private registry, i.e. not exported).
+func WithRegistry(r *prometheus.Registry) Option { return func(o *options) { o.registry = r } }
+
+// WithClock sets the clock used for ages in status and metrics.
+func WithClock(now func() time.Time) Option { return func(o *options) { o.now = now } }

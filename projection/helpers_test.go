@@ -1,0 +1,212 @@
+package projection_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+const src = "main"
+
+// env is one test's target database, JetStream and stream.
+type env struct {
+	t          *testing.T
+	url        string
+	nats       *testenv.NATS
+	js         jetstream.JetStream
+	partitions int
+	lsn        atomic.Uint64
+}
+
+func newEnv(t *testing.T, partitions int) *env {
+	t.Helper()
+	return newEnvWith(t, testenv.NewDatabase(t), partitions)
+}
+
+func newEnvWith(t *testing.T, url string, partitions int) *env {
+	t.Helper()
+	e := &env{t: t, url: url, nats: testenv.NewNATS(t), partitions: partitions}
+	_, e.js = e.nats.Connect(t)
+	e.createStream()
+	e.lsn.Store(0x1000000)
+	return e
+}
+
+func (e *env) createStream() {
+	e.t.Helper()
+	_, err := e.js.CreateStream(context.Background(), jetstream.StreamConfig{
+		Name:     event.StreamName(src),
+		Subjects: []string{event.StreamSubjects(src)},
+		Storage:  jetstream.FileStorage,
+		Metadata: map[string]string{
+			"epitaph.partitions":   strconv.Itoa(e.partitions),
+			"epitaph.source":       src,
+			"epitaph.wire_version": "1",
+		},
+	})
+	require.NoError(e.t, err)
+}
+
+func testLogger(t *testing.T) *slog.Logger {
+	if os.Getenv("EPITAPH_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+func (e *env) config(worker string) projection.Config {
+	return projection.Config{
+		TargetURL:       e.url,
+		NATSURL:         e.nats.URL,
+		SourceName:      src,
+		WorkerID:        worker,
+		LeaseTTL:        3 * time.Second,
+		BalanceInterval: 300 * time.Millisecond,
+		FetchWait:       100 * time.Millisecond,
+		StatusInterval:  300 * time.Millisecond,
+		MaxBackoff:      time.Second,
+	}
+}
+
+func (e *env) start(cfg projection.Config) *projection.Service {
+	e.t.Helper()
+	s, err := projection.New(cfg, projection.WithLogger(testLogger(e.t)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(e.t, err)
+	require.NoError(e.t, s.Start(context.Background()))
+	e.t.Cleanup(s.Stop)
+	return s
+}
+
+// row is one deleted row of a test transaction.
+type row struct {
+	schema, table string
+	key, image    string
+	refs          []event.Ref
+}
+
+// txn is a published source transaction.
+type txn struct {
+	lsn       event.LSN
+	xid       int64
+	partition int
+	rows      []row
+	time      time.Time
+}
+
+func (e *env) nextTx(rows ...row) *txn {
+	lsn := event.LSN(e.lsn.Add(0x100))
+	return &txn{lsn: lsn, xid: int64(lsn) / 16, partition: event.Partition(lsn, e.partitions), rows: rows,
+		time: time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC).Add(time.Duration(lsn) * time.Microsecond)}
+}
+
+// publish publishes the transaction's rows and commit like the capture.
+func (e *env) publish(tx *txn) {
+	e.t.Helper()
+	for _, m := range e.messages(tx) {
+		_, err := e.js.PublishMsg(context.Background(), m)
+		require.NoError(e.t, err)
+	}
+}
+
+func (e *env) messages(tx *txn) []*nats.Msg {
+	e.t.Helper()
+	var out []*nats.Msg
+	tables := map[string]int{}
+	for i, r := range tx.rows {
+		ev := &event.Event{Op: event.OpDelete, Source: src, Schema: r.schema, Table: r.table, XID: tx.xid,
+			CommitLSN: tx.lsn, CommitTime: tx.time, Seq: i, Identity: event.IdentityFull,
+			Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}},
+			Key:     json.RawMessage(r.key), Row: json.RawMessage(r.image), Refs: r.refs}
+		tables[r.schema+"."+r.table]++
+		out = append(out, e.msg(event.DeleteSubject(src, tx.partition, r.schema, r.table), event.MsgID(src, tx.lsn, i), ev))
+	}
+	commit := &event.Event{Op: event.OpCommit, Source: src, XID: tx.xid, CommitLSN: tx.lsn, CommitTime: tx.time,
+		Rows: len(tx.rows), Tables: tables}
+	return append(out, e.msg(event.CommitSubject(src, tx.partition), event.CommitMsgID(src, tx.lsn), commit))
+}
+
+func (e *env) msg(subject, id string, ev *event.Event) *nats.Msg {
+	e.t.Helper()
+	b, err := event.Encode(ev)
+	require.NoError(e.t, err)
+	m := nats.NewMsg(subject)
+	m.Data = b
+	m.Header.Set(event.HeaderMsgID, id)
+	m.Header.Set(event.HeaderVersion, "1")
+	return m
+}
+
+// heartbeat publishes a heartbeat mark to every partition.
+func (e *env) heartbeat() event.LSN {
+	e.t.Helper()
+	lsn := event.LSN(e.lsn.Add(0x100))
+	for p := 0; p < e.partitions; p++ {
+		ev := &event.Event{Op: event.OpMark, Source: src, Partition: p, LSN: lsn, Kind: event.MarkHeartbeat, Time: time.Now()}
+		_, err := e.js.PublishMsg(context.Background(), e.msg(event.MarkSubject(src, p), event.MarkMsgID(src, lsn, p), ev))
+		require.NoError(e.t, err)
+	}
+	return lsn
+}
+
+func (e *env) conn() *pgx.Conn {
+	e.t.Helper()
+	ctx := context.Background()
+	c, err := pgx.Connect(ctx, e.url)
+	require.NoError(e.t, err)
+	e.t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+func count(t *testing.T, c *pgx.Conn, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	err := c.QueryRow(context.Background(), sql, args...).Scan(&n)
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// eventually polls cond until it holds or the deadline passes.
+func eventually(t *testing.T, timeout time.Duration, cond func() bool, msgAndArgs ...any) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			require.FailNow(t, "condition not met in time", msgAndArgs...)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func orderRows(orderID, lines int) []row {
+	rows := []row{{schema: "public", table: "orders", key: fmt.Sprintf(`{"id":%d}`, orderID),
+		image: fmt.Sprintf(`{"id":%d,"customer_id":7,"total":"12.50"}`, orderID),
+		refs:  []event.Ref{{Columns: []string{"customer_id"}, Schema: "public", Table: "customers", RefColumns: []string{"id"}}}}}
+	for i := 0; i < lines; i++ {
+		id := orderID*1000 + i
+		rows = append(rows, row{schema: "public", table: "order_lines", key: fmt.Sprintf(`{"id":%d}`, id),
+			image: fmt.Sprintf(`{"id":%d,"order_id":%d,"qty":%d}`, id, orderID, i+1),
+			refs:  []event.Ref{{Columns: []string{"order_id"}, Schema: "public", Table: "orders", RefColumns: []string{"id"}}}})
+	}
+	return rows
+}

@@ -1,0 +1,106 @@
+package projection
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// metrics are the projector's Prometheus metrics (names fixed by the
+// shared contract).
+type metrics struct {
+	lagEvents        *prometheus.GaugeVec
+	lagSeconds       *prometheus.GaugeVec
+	oldestPending    *prometheus.GaugeVec
+	partitionOldest  *prometheus.GaugeVec
+	applied          *prometheus.CounterVec
+	quarantined      *prometheus.CounterVec
+	versionState     *prometheus.GaugeVec
+	owned            *prometheus.GaugeVec
+	unowned          *prometheus.GaugeVec
+	heartbeatAge     *prometheus.GaugeVec
+	transient        *prometheus.CounterVec
+	rewinds          *prometheus.CounterVec
+	statusRefreshErr prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	pvp := []string{"projection", "version", "partition"}
+	pv := []string{"projection", "version"}
+	m := &metrics{
+		lagEvents: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_lag_events",
+			Help: "Events of the partition in the stream not yet applied."}, pvp),
+		lagSeconds: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_lag_seconds",
+			Help: "How long the oldest unapplied event of the partition has been in the stream (0 when caught up)."}, pvp),
+		oldestPending: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_oldest_pending_age_seconds",
+			Help: "Age of the oldest unapplied event over all partitions of the version."}, pv),
+		partitionOldest: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_partition_oldest_pending_age_seconds",
+			Help: "Age of the oldest unapplied event of the partition (stream timestamp)."}, pvp),
+		applied: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_applied_events_total",
+			Help: "Events applied by this worker."}, pv),
+		quarantined: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_quarantined_events_total",
+			Help: "Events this worker set aside in quarantine, by category."}, []string{"projection", "version", "category"}),
+		versionState: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_version_state",
+			Help: "1 for the current state of each projection version."}, []string{"projection", "version", "state"}),
+		owned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_partitions_owned",
+			Help: "Partitions of the version leased by this worker."}, pv),
+		unowned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_partitions_unowned",
+			Help: "Partitions of the version with no valid lease by any worker."}, pv),
+		heartbeatAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_worker_heartbeat_age_seconds",
+			Help: "Seconds since each registered worker's last heartbeat."}, []string{"worker"}),
+		transient: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_transient_errors_total",
+			Help: "Transient failures retried with backoff, by kind."}, []string{"kind"}),
+		rewinds: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_rewinds_total",
+			Help: "Partitions rewound because the stream lost its tail."}, pv),
+		statusRefreshErr: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_projector_status_errors_total",
+			Help: "Failed refreshes of the lag metrics."}),
+	}
+	reg.MustRegister(m.lagEvents, m.lagSeconds, m.oldestPending, m.partitionOldest, m.applied, m.quarantined,
+		m.versionState, m.owned, m.unowned, m.heartbeatAge, m.transient, m.rewinds, m.statusRefreshErr)
+	return m
+}
+
+// publish sets the gauges from a status document.
+func (m *metrics) publish(st *Status) {
+	m.lagEvents.Reset()
+	m.lagSeconds.Reset()
+	m.partitionOldest.Reset()
+	m.oldestPending.Reset()
+	m.versionState.Reset()
+	m.owned.Reset()
+	m.unowned.Reset()
+	m.heartbeatAge.Reset()
+	for _, v := range st.Versions {
+		ver := itoa(v.Version)
+		for _, s := range States {
+			val := 0.0
+			if s == v.State {
+				val = 1
+			}
+			m.versionState.WithLabelValues(v.Projection, ver, s).Set(val)
+		}
+		if v.State == StateRetired {
+			continue
+		}
+		m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)
+		owned, unowned := 0, 0
+		for _, p := range v.Partitions {
+			part := itoa(p.Partition)
+			m.lagEvents.WithLabelValues(v.Projection, ver, part).Set(float64(p.LagEvents))
+			m.lagSeconds.WithLabelValues(v.Projection, ver, part).Set(p.LagSeconds)
+			m.partitionOldest.WithLabelValues(v.Projection, ver, part).Set(p.OldestPendingAgeSeconds)
+			if !p.Leased {
+				unowned++
+			} else if p.Owner == st.Worker {
+				owned++
+			}
+		}
+		m.owned.WithLabelValues(v.Projection, ver).Set(float64(owned))
+		m.unowned.WithLabelValues(v.Projection, ver).Set(float64(unowned))
+	}
+	for _, w := range st.Workers {
+		m.heartbeatAge.WithLabelValues(w.ID).Set(w.HeartbeatAgeSeconds)
+	}
+}

@@ -1,0 +1,459 @@
+package projection
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/quarantine"
+)
+
+// errReset asks the partition loop to re-read its progress row, verify the
+// stream and reset the consumer to the cursor before fetching again.
+var errReset = errors.New("partition needs a reset to its cursor")
+
+// item is one fetched message.
+type item struct {
+	msg     jetstream.Msg // nil for messages read directly from the stream
+	seq     uint64
+	dseq    uint64
+	subject string
+	headers map[string][]string
+	data    []byte
+	stored  time.Time
+	id      string // Nats-Msg-Id, or a digest of the body
+	ev      *event.Event
+	// quarantine: set when the event cannot be applied (permanent)
+	category string
+	failure  error
+}
+
+func identityOf(headers map[string][]string, data []byte) string {
+	if v := headers[event.HeaderMsgID]; len(v) > 0 && v[0] != "" {
+		return v[0]
+	}
+	sum := sha256.Sum256(data)
+	return "sha256:" + hex.EncodeToString(sum[:16])
+}
+
+// positionLSN is the source position a message stands for.
+func positionLSN(e *event.Event) event.LSN {
+	switch e.Op {
+	case event.OpMark:
+		return e.LSN
+	case event.OpGap:
+		return e.ToLSN
+	default:
+		return e.CommitLSN
+	}
+}
+
+// partitionWorker applies one partition of one version while this worker
+// holds its lease.
+type partitionWorker struct {
+	svc    *Service
+	ver    Version
+	lease  progress.Lease
+	filter string
+	log    *slog.Logger
+
+	stopping chan struct{} // closed: soft stop (finish the batch, then return)
+	done     chan struct{}
+
+	pos     progress.Position
+	stream  jetstream.Stream
+	cons    jetstream.Consumer
+	applied uint64 // events applied by this worker (metrics)
+}
+
+func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
+	return &partitionWorker{
+		svc: s, ver: v, lease: l,
+		filter:   event.PartitionFilter(s.cfg.SourceName, l.Partition),
+		log:      s.log.With("projection", v.Projection, "version", v.Version, "partition", l.Partition),
+		stopping: make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+}
+
+func (w *partitionWorker) stopRequested() bool {
+	select {
+	case <-w.stopping:
+		return true
+	default:
+		return false
+	}
+}
+
+// run is the partition loop. It returns on a soft stop, when ctx is done,
+// or when the lease is lost.
+func (w *partitionWorker) run(ctx context.Context) {
+	defer close(w.done)
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 100 * time.Millisecond
+	bo.MaxInterval = w.svc.cfg.MaxBackoff
+	bo.MaxElapsedTime = 0
+	needInit := true
+	for !w.stopRequested() && ctx.Err() == nil {
+		var err error
+		if needInit {
+			err = w.init(ctx)
+			if err == nil {
+				needInit = false
+			}
+		}
+		if err == nil {
+			err = w.step(ctx)
+		}
+		switch {
+		case err == nil:
+			bo.Reset()
+			continue
+		case errors.Is(err, progress.ErrLostOwnership):
+			w.log.Warn("lost the partition lease to another worker; stopping it", "err", err)
+			w.svc.leaseLost(w)
+			return
+		case errors.Is(err, errReset):
+			needInit = true
+			continue
+		case ctx.Err() != nil:
+			return
+		}
+		needInit = true
+		kind := quarantine.TransientKind(err)
+		w.svc.metrics.transient.WithLabelValues(kind).Inc()
+		wait := bo.NextBackOff()
+		w.log.Warn("transient failure; retrying", "kind", kind, "err", quarantine.Sanitize(err), "retry_in", wait)
+		w.recordFailure(ctx, kind)
+		select {
+		case <-time.After(wait):
+		case <-w.stopping:
+		case <-ctx.Done():
+		}
+	}
+}
+
+func (w *partitionWorker) recordFailure(ctx context.Context, kind string) {
+	c, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	_ = progress.RecordFailure(c, w.svc.pool, w.lease, "transient:"+kind)
+}
+
+// init reads the cursor, checks the stream still holds the last applied
+// message at the cursor (rewinding if it lost its tail) and makes the
+// durable consumer start right after the cursor.
+func (w *partitionWorker) init(ctx context.Context) error {
+	row, err := progress.Get(ctx, w.svc.pool, w.lease.Key)
+	if err != nil {
+		return err
+	}
+	if row.Epoch != w.lease.Epoch {
+		return fmt.Errorf("init %s: epoch is %d, lease has %d: %w", w.lease.Key, row.Epoch, w.lease.Epoch, progress.ErrLostOwnership)
+	}
+	w.pos = row.Position
+	w.stream, err = w.svc.js.Stream(ctx, event.StreamName(w.svc.cfg.SourceName))
+	if err != nil {
+		return fmt.Errorf("open stream: %w", err)
+	}
+	if _, err := w.verify(ctx); err != nil {
+		return err
+	}
+	return w.ensureConsumer(ctx)
+}
+
+// verify checks that the message at the cursor is still the one applied
+// there. When the stream lost its tail (the cursor is past the stream's end,
+// or another message sits at the cursor), it rewinds the cursor so that
+// everything after the last surely-present applied event is applied again
+// (idempotently). A cursor below the stream's first sequence is fine: old
+// messages were purged or aged out.
+func (w *partitionWorker) verify(ctx context.Context) (rewound bool, err error) {
+	if w.pos.Cursor == 0 {
+		return false, nil
+	}
+	raw, err := w.stream.GetMsg(ctx, w.pos.Cursor)
+	if err == nil {
+		if identityOf(raw.Header, raw.Data) == w.pos.MsgID || w.pos.MsgID == "" {
+			return false, nil
+		}
+	} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return false, fmt.Errorf("read message at cursor %d: %w", w.pos.Cursor, err)
+	}
+	info, err := w.stream.Info(ctx)
+	if err != nil {
+		return false, fmt.Errorf("stream info: %w", err)
+	}
+	first, last := info.State.FirstSeq, info.State.LastSeq
+	switch {
+	case w.pos.Cursor > last:
+		return true, w.rewind(ctx, first, last, fmt.Sprintf("cursor %d is past the stream's last sequence %d", w.pos.Cursor, last))
+	case raw != nil:
+		return true, w.rewind(ctx, first, last, fmt.Sprintf("another message sits at cursor %d", w.pos.Cursor))
+	case w.pos.Cursor < first:
+		return false, nil // purged or aged out
+	default:
+		return true, w.rewind(ctx, first, last, fmt.Sprintf("the message at cursor %d is gone", w.pos.Cursor))
+	}
+}
+
+// rewind moves the cursor back to just before the first message of the
+// partition whose source position is at or after the last applied event's
+// commit LSN (messages of a partition are in source order), or to the start
+// of the partition when that cannot be told. Re-applying is idempotent.
+func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why string) error {
+	bound := min(last, w.pos.Cursor)
+	target, err := w.rewindTarget(ctx, first, bound)
+	if err != nil {
+		return err
+	}
+	target = min(target, w.pos.Cursor)
+	next := progress.Position{Cursor: target, CommitLSN: w.pos.CommitLSN, Seq: -1, SourceLSN: w.pos.SourceLSN}
+	if target > 0 {
+		raw, err := w.stream.GetMsg(ctx, target)
+		switch {
+		case err == nil:
+			next.MsgID = identityOf(raw.Header, raw.Data)
+		case errors.Is(err, jetstream.ErrMsgNotFound):
+			// Unknown identity: checked again once a message is applied.
+		default:
+			return fmt.Errorf("read message at %d: %w", target, err)
+		}
+	}
+	tx, err := w.svc.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	if err := progress.Advance(ctx, tx, w.lease, w.pos.Cursor, next, w.svc.cfg.LeaseTTL); err != nil {
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("commit rewind: %w", err)
+	}
+	w.log.Warn("stream lost its tail: rewound the partition to re-apply idempotently",
+		"reason", why, "from", w.pos.Cursor, "to", target, "last_commit_lsn", w.pos.CommitLSN.String())
+	w.svc.metrics.rewinds.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
+	w.pos = next
+	return nil
+}
+
+// rewindTarget binary-searches the stream in [first, bound] for the first
+// partition message whose position is >= the last applied commit LSN and
+// returns the sequence just before it (bound when there is none).
+func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64) (uint64, error) {
+	want := w.pos.CommitLSN
+	if want == 0 || first == 0 || bound < first {
+		if first > 0 {
+			return first - 1, nil
+		}
+		return 0, nil
+	}
+	// next returns the first partition message at or after seq (within
+	// bound), its position, and whether there is one.
+	next := func(seq uint64) (uint64, event.LSN, bool, error) {
+		raw, err := w.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(w.filter))
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return 0, 0, false, nil
+		}
+		if err != nil {
+			return 0, 0, false, fmt.Errorf("search stream from %d: %w", seq, err)
+		}
+		if raw.Sequence > bound {
+			return 0, 0, false, nil
+		}
+		e, err := w.svc.cfg.Decoder.Decode(raw.Data)
+		if err != nil {
+			return raw.Sequence, 0, true, nil // unknown position: treat as "at or after"
+		}
+		return raw.Sequence, positionLSN(e), true, nil
+	}
+	lo, hi := first, bound+1 // invariant: the answer m is in [lo, hi]
+	for lo < hi {
+		mid := lo + (hi-lo)/2
+		_, lsn, ok, err := next(mid)
+		if err != nil {
+			return 0, err
+		}
+		if !ok || lsn >= want {
+			hi = mid
+		} else {
+			lo = mid + 1
+		}
+	}
+	seq, _, ok, err := next(lo)
+	if err != nil {
+		return 0, err
+	}
+	if !ok {
+		return bound, nil
+	}
+	return seq - 1, nil
+}
+
+// ensureConsumer keeps the durable consumer if it stands exactly at the
+// cursor with nothing in flight, else deletes and recreates it to start at
+// cursor+1: the Postgres cursor is the truth.
+func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
+	name := w.lease.ConsumerName()
+	c, err := w.stream.Consumer(ctx, name)
+	if err == nil {
+		info := c.CachedInfo()
+		if info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
+			info.Config.AckPolicy == jetstream.AckAllPolicy {
+			w.cons = c
+			return nil
+		}
+		w.log.Info("resetting consumer to the cursor", "consumer", name, "cursor", w.pos.Cursor,
+			"ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending)
+		if err := w.stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			return fmt.Errorf("delete consumer %s: %w", name, err)
+		}
+	} else if !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return fmt.Errorf("look up consumer %s: %w", name, err)
+	}
+	c, err = w.stream.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		Durable:       name,
+		Description:   "epitaph projector " + name,
+		FilterSubject: w.filter,
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:   w.pos.Cursor + 1,
+		AckPolicy:     jetstream.AckAllPolicy,
+		AckWait:       5 * time.Minute,
+		MaxAckPending: 4 * MaxBatchSize,
+		MaxDeliver:    -1,
+	})
+	if err != nil {
+		return fmt.Errorf("create consumer %s at %d: %w", name, w.pos.Cursor+1, err)
+	}
+	w.cons = c
+	return nil
+}
+
+// step fetches one page and applies it.
+func (w *partitionWorker) step(ctx context.Context) error {
+	batch, err := w.cons.Fetch(w.svc.cfg.BatchSize, jetstream.FetchMaxWait(w.svc.cfg.FetchWait))
+	if err != nil {
+		return fmt.Errorf("fetch: %w", err)
+	}
+	var items []*item
+	for m := range batch.Messages() {
+		md, err := m.Metadata()
+		if err != nil {
+			return fmt.Errorf("message metadata: %w", err)
+		}
+		items = append(items, &item{
+			msg: m, seq: md.Sequence.Stream, dseq: md.Sequence.Consumer, subject: m.Subject(),
+			headers: m.Headers(), data: m.Data(), stored: md.Timestamp,
+		})
+	}
+	if err := batch.Error(); err != nil {
+		if len(items) == 0 {
+			return fmt.Errorf("fetch: %w", err)
+		}
+		w.log.Debug("fetch ended early", "err", err, "got", len(items))
+	}
+	if len(items) == 0 {
+		return w.idle(ctx)
+	}
+	return w.process(ctx, items)
+}
+
+// idle checks, while nothing arrives, that the consumer still exists and
+// that the stream did not lose its tail below the cursor.
+func (w *partitionWorker) idle(ctx context.Context) error {
+	if _, err := w.cons.Info(ctx); err != nil {
+		if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
+			return errReset
+		}
+		return fmt.Errorf("consumer info: %w", err)
+	}
+	info, err := w.stream.Info(ctx)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			return errReset
+		}
+		return fmt.Errorf("stream info: %w", err)
+	}
+	if info.State.LastSeq < w.pos.Cursor {
+		return errReset
+	}
+	return nil
+}
+
+// process applies a fetched page: it drops what was applied already, checks
+// the page continues the cursor exactly (no message of the partition between
+// the cursor and the page, no delivery of this consumer to anyone else in
+// between), decodes, and applies the page in one transaction with the cursor
+// advance, then acks.
+func (w *partitionWorker) process(ctx context.Context, items []*item) error {
+	rewound, err := w.verify(ctx)
+	if err != nil {
+		return err
+	}
+	if rewound {
+		return fmt.Errorf("rewound to %d: %w", w.pos.Cursor, errReset)
+	}
+	fresh := items[:0]
+	var stale *item
+	for _, it := range items {
+		if it.seq <= w.pos.Cursor {
+			stale = it
+			continue
+		}
+		fresh = append(fresh, it)
+	}
+	if stale != nil {
+		// Redelivered, already applied (the cursor is past it and verified).
+		_ = stale.msg.Ack()
+	}
+	if len(fresh) == 0 {
+		return nil
+	}
+	for i := 1; i < len(fresh); i++ {
+		if fresh[i].dseq != fresh[i-1].dseq+1 || fresh[i].seq <= fresh[i-1].seq {
+			return fmt.Errorf("deliveries out of order (another reader on %s?): %w", w.lease.ConsumerName(), errReset)
+		}
+	}
+	raw, err := w.stream.GetMsg(ctx, w.pos.Cursor+1, jetstream.WithGetMsgSubject(w.filter))
+	if err != nil {
+		return fmt.Errorf("check the next message after cursor %d: %w", w.pos.Cursor, err)
+	}
+	if raw.Sequence != fresh[0].seq {
+		return fmt.Errorf("page starts at %d but the partition continues at %d: %w", fresh[0].seq, raw.Sequence, errReset)
+	}
+	for _, it := range fresh {
+		it.id = identityOf(it.headers, it.data)
+		ev, err := w.svc.cfg.Decoder.Decode(it.data)
+		if err != nil {
+			cat, _ := quarantine.Classify(err)
+			it.category, it.failure = string(cat), err
+			continue
+		}
+		it.ev = ev
+	}
+	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh)
+	if err != nil {
+		return err
+	}
+	last := fresh[len(fresh)-1]
+	if err := last.msg.Ack(); err != nil {
+		// The cursor is the truth; the consumer is reset to it if needed.
+		w.log.Debug("ack failed after commit", "seq", last.seq, "err", err)
+	}
+	w.pos = res.pos
+	w.applied += uint64(len(fresh))
+	w.svc.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
+	for cat, n := range res.quarantined {
+		w.svc.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
+	}
+	return nil
+}

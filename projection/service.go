@@ -1,0 +1,433 @@
+// Package projection is the projector runtime: partitioned workers that
+// apply the source's stream to versioned read models in the target
+// Postgres, and the built-in "archive" projection.
+//
+// Guarantees. Per partition of a projection version, a page of at most 500
+// events is applied in one target transaction together with the cursor's
+// compare-and-swap advance (package progress), then acknowledged to
+// JetStream: the Postgres cursor is the truth and the consumer is reset to
+// it whenever they differ. Applying is idempotent (a row's identity is
+// (source, commit_lsn, seq)), so delivery is at-least-once and the read
+// model holds every event exactly once. Transient failures retry with
+// exponential backoff; events that can never be applied are quarantined in
+// the same transaction and the partition moves on. A worker whose lease was
+// taken over cannot commit (fencing epoch) and stops.
+package projection
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/quarantine"
+)
+
+// Service is one projector worker process: it keeps a heartbeat, takes its
+// fair share of partition leases of every active version, and runs a
+// partition worker per lease.
+type Service struct {
+	cfg     Config
+	log     *slog.Logger
+	reg     *prometheus.Registry
+	now     func() time.Time
+	metrics *metrics
+
+	pool   *pgxpool.Pool
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	leaser *progress.Leaser
+
+	// createJobs is snapshot.CreateJobs once the snapshot package provides
+	// it; nil = no snapshot jobs.
+	createJobs func(ctx context.Context, tx pgx.Tx, schema string, commit *event.Event, roots []string) (int, error)
+	// extraDDL adds per-version tables (snapshots) to a version's schema.
+	extraDDL func(schema string) string
+
+	objMu     sync.Mutex
+	objStores map[string]jetstream.ObjectStore
+
+	mu         sync.Mutex
+	workers    map[progress.Key]*partitionWorker
+	partitions int
+	versions   string // fingerprint of the active versions last ensured
+	lastStatus *Status
+
+	runCtx  context.Context
+	cancel  context.CancelFunc
+	stopped chan struct{}
+	stop    sync.Once
+}
+
+// New validates cfg and builds a Service; nothing is connected until Start.
+func New(cfg Config, opts ...Option) (*Service, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("projector config: %w", err)
+	}
+	o := options{logger: slog.Default(), registry: prometheus.NewRegistry(), now: time.Now}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	s := &Service{
+		cfg: cfg, log: o.logger, reg: o.registry, now: o.now,
+		objStores: map[string]jetstream.ObjectStore{},
+		workers:   map[progress.Key]*partitionWorker{},
+		stopped:   make(chan struct{}),
+	}
+	s.metrics = newMetrics(o.registry)
+	s.createJobs, s.extraDDL = snapshotHooks()
+	return s, nil
+}
+
+// Registry is the registry the service's metrics are on.
+func (s *Service) Registry() *prometheus.Registry { return s.reg }
+
+// Pool is the target connection pool (valid after Start).
+func (s *Service) Pool() *pgxpool.Pool { return s.pool }
+
+// Start connects to the target (and applies the control-schema
+// migrations) and to NATS, then runs in the background until Stop or ctx
+// is done. It returns configuration and connection errors at once; a
+// stream that does not exist yet is waited for in the background.
+func (s *Service) Start(ctx context.Context) error {
+	pcfg, err := pgxpool.ParseConfig(s.cfg.TargetURL)
+	if err != nil {
+		return fmt.Errorf("parse target URL: %w", err)
+	}
+	if s.cfg.MaxConns > 0 {
+		pcfg.MaxConns = s.cfg.MaxConns
+	} else {
+		pcfg.MaxConns = max(pcfg.MaxConns, 20)
+	}
+	s.pool, err = pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return fmt.Errorf("connect to target: %w", err)
+	}
+	if err := migrations.Apply(ctx, s.pool); err != nil {
+		s.pool.Close()
+		return fmt.Errorf("target %s: %w", redact(s.cfg.TargetURL), err)
+	}
+	s.leaser, err = progress.NewLeaser(s.pool, s.cfg.WorkerID, s.cfg.LeaseTTL)
+	if err != nil {
+		s.pool.Close()
+		return err
+	}
+	s.nc, err = nats.Connect(s.cfg.NATSURL,
+		nats.Name("epitaph-projector "+s.cfg.WorkerID),
+		nats.MaxReconnects(-1), nats.ReconnectWait(250*time.Millisecond),
+		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1))
+	if err != nil {
+		s.pool.Close()
+		return fmt.Errorf("connect to NATS %s: %w", redact(s.cfg.NATSURL), err)
+	}
+	s.js, err = jetstream.New(s.nc)
+	if err != nil {
+		s.nc.Close()
+		s.pool.Close()
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	if err := s.reg.Register(quarantine.NewCollector(s.pool, s.log)); err != nil {
+		s.log.Warn("quarantine metrics not registered", "err", err)
+	}
+	s.runCtx, s.cancel = context.WithCancel(ctx)
+	go s.run(s.runCtx)
+	return nil
+}
+
+// Stop is the soft stop: every partition finishes its page (applies,
+// commits the cursor, acks), leases are released at once for other workers
+// to take, and the worker deregisters. Cancelling Start's ctx is the hard
+// stop.
+func (s *Service) Stop() {
+	s.stop.Do(func() {
+		if s.cancel == nil {
+			close(s.stopped)
+			return
+		}
+		s.mu.Lock()
+		ws := make([]*partitionWorker, 0, len(s.workers))
+		for _, w := range s.workers {
+			ws = append(ws, w)
+		}
+		s.mu.Unlock()
+		for _, w := range ws {
+			close(w.stopping)
+		}
+		var leases []progress.Lease
+		for _, w := range ws {
+			<-w.done
+			leases = append(leases, w.lease)
+		}
+		s.cancel()
+		<-s.stopped
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := s.leaser.Release(ctx, leases); err != nil {
+			s.log.Warn("release leases on stop", "err", err)
+		}
+		if err := s.leaser.Deregister(ctx); err != nil {
+			s.log.Warn("deregister worker on stop", "err", err)
+		}
+		s.nc.Close()
+		s.pool.Close()
+	})
+}
+
+// Done is closed when the background loop has ended.
+func (s *Service) Done() <-chan struct{} { return s.stopped }
+
+// run is the coordinator: heartbeat, balance leases, start and stop
+// partition workers, refresh status metrics.
+func (s *Service) run(ctx context.Context) {
+	defer close(s.stopped)
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 200 * time.Millisecond
+	bo.MaxInterval = s.cfg.MaxBackoff
+	bo.MaxElapsedTime = 0
+	balance := time.NewTimer(0)
+	defer balance.Stop()
+	status := time.NewTicker(s.cfg.StatusInterval)
+	defer status.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			s.wg()
+			return
+		case <-status.C:
+			s.refreshStatus(ctx)
+		case <-balance.C:
+			if err := s.balance(ctx); err != nil {
+				if ctx.Err() != nil {
+					continue
+				}
+				wait := bo.NextBackOff()
+				s.metrics.transient.WithLabelValues(quarantine.TransientKind(err)).Inc()
+				s.log.Warn("balance partitions; retrying", "err", quarantine.Sanitize(err), "retry_in", wait)
+				balance.Reset(min(wait, s.cfg.BalanceInterval))
+				continue
+			}
+			bo.Reset()
+			balance.Reset(s.cfg.BalanceInterval)
+		}
+	}
+}
+
+// wg waits for every partition worker to end (after a hard stop).
+func (s *Service) wg() {
+	s.mu.Lock()
+	ws := make([]*partitionWorker, 0, len(s.workers))
+	for _, w := range s.workers {
+		ws = append(ws, w)
+	}
+	s.mu.Unlock()
+	for _, w := range ws {
+		<-w.done
+	}
+}
+
+// balance is one coordinator round.
+func (s *Service) balance(ctx context.Context) error {
+	if err := s.leaser.Heartbeat(ctx); err != nil {
+		return err
+	}
+	if s.partitions == 0 {
+		stream, err := s.js.Stream(ctx, event.StreamName(s.cfg.SourceName))
+		if err != nil {
+			return fmt.Errorf("stream %s (is the capture running?): %w", event.StreamName(s.cfg.SourceName), err)
+		}
+		n, err := partitionsOf(stream.CachedInfo())
+		if err != nil {
+			return err
+		}
+		s.partitions = n
+	}
+	vs, err := ListVersions(ctx, s.pool, ArchiveProjection)
+	if err != nil {
+		return err
+	}
+	if fp := fingerprint(vs); fp != s.versions || len(vs) == 0 {
+		if err := EnsureArchive(ctx, s.pool, s.partitions, s.extraDDL); err != nil {
+			return err
+		}
+		if vs, err = ListVersions(ctx, s.pool, ArchiveProjection); err != nil {
+			return err
+		}
+		s.versions = fingerprint(vs)
+	}
+	active := map[[2]any]bool{}
+	for _, v := range vs {
+		if !v.Active() {
+			continue
+		}
+		active[[2]any{v.Projection, v.Version}] = true
+		if err := s.balanceVersion(ctx, v); err != nil {
+			return err
+		}
+	}
+	// Versions retired since: stop their partitions and give them back.
+	var gone []*partitionWorker
+	s.mu.Lock()
+	for k, w := range s.workers {
+		if !active[[2]any{k.Projection, k.Version}] {
+			gone = append(gone, w)
+		}
+	}
+	s.mu.Unlock()
+	return s.stopAndRelease(ctx, gone)
+}
+
+func fingerprint(vs []Version) string {
+	out := ""
+	for _, v := range vs {
+		out += fmt.Sprintf("%s/%d/%s/%s;", v.Projection, v.Version, v.State, v.Schema)
+	}
+	return out
+}
+
+func (s *Service) balanceVersion(ctx context.Context, v Version) error {
+	n := v.Partitions
+	if n == 0 {
+		n = s.partitions
+	}
+	var held []progress.Lease
+	s.mu.Lock()
+	for k, w := range s.workers {
+		if k.Projection == v.Projection && k.Version == v.Version {
+			held = append(held, w.lease)
+		}
+	}
+	s.mu.Unlock()
+	keep, excess, lost, err := s.leaser.Balance(ctx, v.Projection, v.Version, n, held)
+	if err != nil {
+		return err
+	}
+	var stop []*partitionWorker
+	s.mu.Lock()
+	for _, l := range lost {
+		if w, ok := s.workers[l.Key]; ok {
+			s.log.Warn("partition lease taken over by another worker", "partition", l.ConsumerName())
+			stop = append(stop, w)
+		}
+	}
+	for _, l := range excess {
+		if w, ok := s.workers[l.Key]; ok {
+			stop = append(stop, w)
+		}
+	}
+	excessSet := map[progress.Key]bool{}
+	for _, l := range excess {
+		excessSet[l.Key] = true
+	}
+	for _, l := range keep {
+		if excessSet[l.Key] {
+			continue
+		}
+		if w, ok := s.workers[l.Key]; ok {
+			w.lease.ExpiresAt = l.ExpiresAt
+			continue
+		}
+		w := newPartitionWorker(s, v, l)
+		s.workers[l.Key] = w
+		s.log.Info("partition acquired", "partition", l.ConsumerName(), "epoch", l.Epoch)
+		go w.run(s.runCtx)
+	}
+	s.mu.Unlock()
+	return s.stopAndRelease(ctx, stop)
+}
+
+// stopAndRelease soft-stops workers and then gives their leases back.
+func (s *Service) stopAndRelease(ctx context.Context, ws []*partitionWorker) error {
+	if len(ws) == 0 {
+		return nil
+	}
+	for _, w := range ws {
+		select {
+		case <-w.stopping:
+		default:
+			close(w.stopping)
+		}
+	}
+	var leases []progress.Lease
+	for _, w := range ws {
+		<-w.done
+		leases = append(leases, w.lease)
+		s.mu.Lock()
+		if s.workers[w.lease.Key] == w {
+			delete(s.workers, w.lease.Key)
+		}
+		s.mu.Unlock()
+		s.log.Info("partition handed over", "partition", w.lease.ConsumerName())
+	}
+	return s.leaser.Release(ctx, leases)
+}
+
+// leaseLost is called by a partition worker that found its lease gone.
+func (s *Service) leaseLost(w *partitionWorker) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.workers[w.lease.Key] == w {
+		delete(s.workers, w.lease.Key)
+	}
+}
+
+// Owned lists the partitions this worker runs now.
+func (s *Service) Owned() []progress.Key {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]progress.Key, 0, len(s.workers))
+	for k := range s.workers {
+		out = append(out, k)
+	}
+	return out
+}
+
+// Status collects the status document now.
+func (s *Service) Status(ctx context.Context) (*Status, error) {
+	st, err := CollectStatus(ctx, s.pool, s.js, s.cfg.SourceName, s.now())
+	if err != nil {
+		return nil, err
+	}
+	st.Worker = s.cfg.WorkerID
+	return st, nil
+}
+
+// Healthy reports an error when the target cannot be reached.
+func (s *Service) Healthy(ctx context.Context) error {
+	if s.pool == nil {
+		return errors.New("not started")
+	}
+	if err := s.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("target: %w", err)
+	}
+	if !s.nc.IsConnected() {
+		return errors.New("NATS: not connected")
+	}
+	return nil
+}
+
+func (s *Service) refreshStatus(ctx context.Context) {
+	c, cancel := context.WithTimeout(ctx, s.cfg.StatusInterval)
+	defer cancel()
+	st, err := s.Status(c)
+	if err != nil {
+		s.metrics.statusRefreshErr.Inc()
+		return
+	}
+	s.metrics.publish(st)
+	s.mu.Lock()
+	s.lastStatus = st
+	s.mu.Unlock()
+}

@@ -1,0 +1,238 @@
+package projection
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/quarantine"
+)
+
+// Status is the /status document of the projector (and `projector status`).
+type Status struct {
+	// Worker is the worker that produced the document ("" from the CLI).
+	Worker     string          `json:"worker,omitempty"`
+	Source     string          `json:"source"`
+	Stream     string          `json:"stream"`
+	StreamLast uint64          `json:"stream_last_seq"`
+	Partitions int             `json:"partitions"`
+	Versions   []VersionStatus `json:"versions"`
+	Workers    []WorkerStatus  `json:"workers"`
+	// Quarantine holds unresolved quarantine per version and category
+	// (absent when the quarantine table does not exist).
+	Quarantine []QuarantineStatus `json:"quarantine,omitempty"`
+	// StreamError says why stream positions (lag) are missing.
+	StreamError string    `json:"stream_error,omitempty"`
+	At          time.Time `json:"at"`
+}
+
+// VersionStatus is one projection version.
+type VersionStatus struct {
+	Projection string `json:"projection"`
+	Version    int    `json:"version"`
+	State      string `json:"state"`
+	// Health is the state, or "quarantined" (unresolved quarantine) or
+	// "unavailable" (a partition without a live lease) when that is worse.
+	Health                  string            `json:"health"`
+	Schema                  string            `json:"schema"`
+	LagEvents               uint64            `json:"lag_events"`
+	OldestPendingAgeSeconds float64           `json:"oldest_pending_age_seconds"`
+	QuarantineOpen          int               `json:"quarantine_open"`
+	Partitions              []PartitionStatus `json:"partitions"`
+}
+
+// PartitionStatus is one partition of a version.
+type PartitionStatus struct {
+	Partition      int        `json:"partition"`
+	Owner          string     `json:"owner,omitempty"`
+	Epoch          int64      `json:"epoch"`
+	Leased         bool       `json:"leased"`
+	LeaseExpiresAt *time.Time `json:"lease_expires_at,omitempty"`
+	Cursor         uint64     `json:"cursor"`
+	SourceLSN      string     `json:"source_lsn,omitempty"`
+	LagEvents      uint64     `json:"lag_events"`
+	// LagSeconds is how long the oldest unapplied event has been in the
+	// stream (0 when caught up); same as OldestPendingAgeSeconds.
+	LagSeconds              float64    `json:"lag_seconds"`
+	OldestPendingAt         *time.Time `json:"oldest_pending_at,omitempty"`
+	OldestPendingAgeSeconds float64    `json:"oldest_pending_age_seconds"`
+	LastAdvanceAt           *time.Time `json:"last_advance_at,omitempty"`
+	Attempts                int        `json:"attempts"`
+	LastFailureCategory     string     `json:"last_failure_category,omitempty"`
+}
+
+// QuarantineStatus is the unresolved quarantine of one version.
+type QuarantineStatus struct {
+	Projection       string         `json:"projection"`
+	Version          int            `json:"version"`
+	Unresolved       int            `json:"unresolved"`
+	ByCategory       map[string]int `json:"by_category"`
+	OldestAgeSeconds float64        `json:"oldest_age_seconds"`
+}
+
+// WorkerStatus is one registered worker.
+type WorkerStatus struct {
+	ID                  string    `json:"id"`
+	HeartbeatAt         time.Time `json:"heartbeat_at"`
+	HeartbeatAgeSeconds float64   `json:"heartbeat_age_seconds"`
+	Live                bool      `json:"live"`
+}
+
+// CollectStatus reads the status of every version of the projections of
+// source from the target database and the stream. It only reads; without
+// a stream (js nil or unreachable) lags are left zero and StreamError says
+// why.
+func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, source string, now time.Time) (*Status, error) {
+	st := &Status{Source: source, Stream: event.StreamName(source), At: now}
+	vs, err := ListVersions(ctx, db, "")
+	if err != nil {
+		return nil, err
+	}
+	rows, err := db.Query(ctx, `SELECT worker_id, heartbeat_at, heartbeat_at > now() - lease_ttl,
+		extract(epoch FROM now() - heartbeat_at)::float8 FROM epitaph.workers ORDER BY worker_id`)
+	if err != nil {
+		return nil, fmt.Errorf("list workers: %w", err)
+	}
+	st.Workers, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (WorkerStatus, error) {
+		var w WorkerStatus
+		err := r.Scan(&w.ID, &w.HeartbeatAt, &w.Live, &w.HeartbeatAgeSeconds)
+		return w, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list workers: %w", err)
+	}
+	if stats, err := quarantine.Stats(ctx, db); err == nil {
+		for _, q := range stats {
+			qs := QuarantineStatus{Projection: q.Projection, Version: q.Version, Unresolved: q.Unresolved,
+				ByCategory: map[string]int{}, OldestAgeSeconds: q.OldestAge.Seconds()}
+			for c, n := range q.ByCategory {
+				qs.ByCategory[string(c)] = n
+			}
+			st.Quarantine = append(st.Quarantine, qs)
+		}
+	} else if pe := (*pgconn.PgError)(nil); !errors.As(err, &pe) || pe.Code != "42P01" {
+		return nil, fmt.Errorf("quarantine stats: %w", err)
+	}
+	open := map[[2]any]int{}
+	for _, q := range st.Quarantine {
+		open[[2]any{q.Projection, q.Version}] += q.Unresolved
+	}
+
+	var stream jetstream.Stream
+	if js != nil {
+		stream, err = js.Stream(ctx, st.Stream)
+		if err != nil {
+			st.StreamError = err.Error()
+		} else {
+			info := stream.CachedInfo()
+			st.StreamLast = info.State.LastSeq
+			st.Partitions, _ = partitionsOf(info)
+		}
+	} else {
+		st.StreamError = "no stream connection"
+	}
+
+	var dbNow time.Time
+	if err := db.QueryRow(ctx, `SELECT now()`).Scan(&dbNow); err != nil {
+		return nil, fmt.Errorf("read database time: %w", err)
+	}
+	for _, v := range vs {
+		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
+			QuarantineOpen: open[[2]any{v.Projection, v.Version}]}
+		if v.State == StateRetired {
+			st.Versions = append(st.Versions, vst)
+			continue
+		}
+		prs, err := progress.List(ctx, db, v.Projection, v.Version)
+		if err != nil {
+			return nil, err
+		}
+		unavailable := len(prs) == 0
+		for _, r := range prs {
+			ps := PartitionStatus{Partition: r.Partition, Owner: r.Owner, Epoch: r.Epoch, LeaseExpiresAt: r.LeaseExpiresAt,
+				Cursor: r.Cursor, LastAdvanceAt: r.LastAdvanceAt, Attempts: r.Attempts, LastFailureCategory: r.LastFailureCategory}
+			ps.Leased = r.Owner != "" && r.LeaseExpiresAt != nil && r.LeaseExpiresAt.After(dbNow)
+			if r.SourceLSN != 0 {
+				ps.SourceLSN = r.SourceLSN.String()
+			}
+			if !ps.Leased {
+				unavailable = true
+			}
+			if stream != nil {
+				if err := partitionLag(ctx, stream, source, v, r, &ps, now); err != nil {
+					st.StreamError = err.Error()
+				}
+			}
+			vst.LagEvents += ps.LagEvents
+			vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
+			vst.Partitions = append(vst.Partitions, ps)
+		}
+		switch {
+		case unavailable:
+			vst.Health = "unavailable"
+		case vst.QuarantineOpen > 0:
+			vst.Health = "quarantined"
+		}
+		st.Versions = append(st.Versions, vst)
+	}
+	return st, nil
+}
+
+// partitionLag fills the lag of one partition: the first message of the
+// partition after the cursor (its stream time is the oldest pending), and
+// the count of pending messages from the consumer when it stands at the
+// cursor (else from the stream's per-subject counts).
+func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
+	filter := event.PartitionFilter(source, r.Partition)
+	raw, err := stream.GetMsg(ctx, r.Cursor+1, jetstream.WithGetMsgSubject(filter))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return nil // caught up
+	}
+	if err != nil {
+		return fmt.Errorf("oldest pending of partition %d: %w", r.Partition, err)
+	}
+	t := raw.Time
+	ps.OldestPendingAt = &t
+	ps.OldestPendingAgeSeconds = max(0, now.Sub(t).Seconds())
+	ps.LagSeconds = ps.OldestPendingAgeSeconds
+	c, err := stream.Consumer(ctx, r.ConsumerName())
+	if err == nil {
+		info := c.CachedInfo()
+		if info.AckFloor.Stream == r.Cursor {
+			ps.LagEvents = info.NumPending + uint64(info.NumAckPending)
+			return nil
+		}
+	}
+	// No consumer at the cursor: count what the stream holds from the first
+	// pending message on (an upper bound when the cursor is mid-stream).
+	info, err := stream.Info(ctx, jetstream.WithSubjectFilter(filter))
+	if err != nil {
+		return fmt.Errorf("count partition %d: %w", r.Partition, err)
+	}
+	var n uint64
+	for _, c := range info.State.Subjects {
+		n += c
+	}
+	ps.LagEvents = max(n, 1)
+	return nil
+}
+
+// partitionsOf reads P from the stream metadata.
+func partitionsOf(info *jetstream.StreamInfo) (int, error) {
+	s, ok := info.Config.Metadata["epitaph.partitions"]
+	if !ok {
+		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
+	}
+	var n int
+	if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 {
+		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
+	}
+	return n, nil
+}
