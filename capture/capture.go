@@ -1,0 +1,487 @@
+package capture
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"regexp"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/observe"
+)
+
+// Service captures the source's deletes into JetStream. Start it once; Stop
+// (or cancelling Start's context) ends it softly: in-flight publishes are
+// awaited and what is safe is confirmed to the slot.
+type Service struct {
+	cfg Config
+	log *slog.Logger
+	reg *prometheus.Registry
+	now func() time.Time
+	m   *metrics
+
+	pool    *pgxpool.Pool
+	repl    *pgconn.PgConn
+	embed   *broker.Server
+	nc      *nats.Conn
+	natsURL string
+	obsrv   *observe.Server
+	st      *streamer
+
+	cancel   context.CancelFunc
+	done     chan struct{}
+	err      error
+	stopOnce sync.Once
+	bgWG     sync.WaitGroup
+
+	mu          sync.Mutex
+	sel         *tableSelection
+	pubTables   []string
+	confirmed   event.LSN
+	lagSeconds  float64
+	slotStats   slotStats
+	lastHB      atomic.Int64 // unix nanos of the last heartbeat seen
+	activeState atomic.Bool
+}
+
+// New validates cfg and builds a service. It connects to nothing.
+func New(cfg Config, opts ...Option) (*Service, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	s := &Service{cfg: cfg, done: make(chan struct{})}
+	for _, o := range opts {
+		o(s)
+	}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	if s.reg == nil {
+		s.reg = prometheus.NewRegistry()
+	}
+	if s.now == nil {
+		s.now = time.Now
+	}
+	m, err := newMetrics(s.reg, s.heartbeatAge)
+	if err != nil {
+		return nil, fmt.Errorf("register capture metrics: %w", err)
+	}
+	s.m = m
+	return s, nil
+}
+
+// NATSURL is the URL of the JetStream server in use: the embedded server's
+// client URL, or Config.NATSURL. Valid after Start.
+func (s *Service) NATSURL() string { return s.natsURL }
+
+// MetricsAddr is the address the endpoint server listens on, after Start.
+func (s *Service) MetricsAddr() string {
+	if s.obsrv == nil {
+		return ""
+	}
+	return s.obsrv.Addr()
+}
+
+// Start connects, checks the source, sets up the publication, the stream
+// and the slot, and starts streaming in the background. Setup errors are
+// returned here (a *ConfigError when the operator must change something).
+// Cancelling ctx later stops the service softly, like Stop.
+func (s *Service) Start(ctx context.Context) (err error) {
+	defer func() {
+		if err != nil {
+			s.closeAll()
+			s.err = err
+			close(s.done)
+		}
+	}()
+	cfg := &s.cfg
+	s.log.Info("capture starting", "source", RedactURL(cfg.SourceURL), "source_name", cfg.SourceName, "slot", cfg.SlotName, "publication", cfg.PublicationName, "partitions", cfg.Partitions)
+
+	pcfg, err := pgxpool.ParseConfig(cfg.SourceURL)
+	if err != nil {
+		return configErr("source URL %s: %v", RedactURL(cfg.SourceURL), redactErr(err))
+	}
+	pcfg.MaxConns = 3
+	pcfg.ConnConfig.RuntimeParams["application_name"] = "epitaph-capture"
+	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, "SET search_path = pg_catalog")
+		return err
+	}
+	if s.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
+		return fmt.Errorf("connect to source %s: %w", RedactURL(cfg.SourceURL), err)
+	}
+	db, err := checkServer(ctx, s.pool)
+	if err != nil {
+		return fmt.Errorf("check source %s: %w", RedactURL(cfg.SourceURL), err)
+	}
+	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull)
+	if err != nil {
+		return err
+	}
+	for _, sk := range sel.skipped {
+		s.log.Warn("table not captured", "table", sk)
+	}
+	if len(sel.keyOnly) > 0 {
+		s.log.Warn("tables without REPLICA IDENTITY FULL: their delete events carry only the key (\"identity\":\"key\"); use --set-replica-identity-full to archive whole rows", "tables", sel.keyOnly)
+	}
+	s.m.withoutFull.Set(float64(len(sel.keyOnly)))
+	changed, err := syncPublication(ctx, s.pool, cfg.PublicationName, sel)
+	if err != nil {
+		return err
+	}
+	if changed {
+		s.log.Info("publication synced", "publication", cfg.PublicationName, "tables", sel.names())
+	}
+	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
+	if err != nil {
+		return err
+	}
+	if len(pubTables) == 0 {
+		s.log.Warn("publication has no tables: nothing will be captured", "publication", cfg.PublicationName)
+	}
+	s.mu.Lock()
+	s.sel, s.pubTables = sel, pubTables
+	s.mu.Unlock()
+
+	// Broker.
+	if cfg.NATSURL == "" {
+		bc := broker.Config{StoreDir: cfg.embeddedStoreDir(), Listen: cfg.EmbeddedListen}
+		if cfg.BrokerSyncInterval < 0 {
+			bc.SyncAlways = true
+		} else {
+			bc.SyncInterval = cfg.BrokerSyncInterval
+		}
+		if s.embed, err = broker.Start(bc); err != nil {
+			return err
+		}
+		s.natsURL = s.embed.ClientURL()
+		s.log.Info("embedded JetStream started", "url", s.natsURL, "store", bc.StoreDir)
+	} else {
+		s.natsURL = cfg.NATSURL
+	}
+	if s.nc, err = connectNATS(s.natsURL); err != nil {
+		return err
+	}
+	js, err := jetstream.New(s.nc,
+		jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+64),
+		jetstream.WithPublishAsyncTimeout(time.Minute))
+	if err != nil {
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	objJS, err := jetstream.New(s.nc)
+	if err != nil {
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	stream, err := ensureStream(ctx, js, cfg)
+	if err != nil {
+		return err
+	}
+	t, err := readTail(ctx, stream, cfg.SourceName)
+	if err != nil {
+		return err
+	}
+	obs, err := ensureRowBucket(ctx, objJS, cfg)
+	if err != nil {
+		return err
+	}
+
+	// Slot.
+	rcfg, err := pgconn.ParseConfig(cfg.SourceURL)
+	if err != nil {
+		return configErr("source URL %s: %v", RedactURL(cfg.SourceURL), redactErr(err))
+	}
+	rcfg.RuntimeParams["replication"] = "database"
+	rcfg.RuntimeParams["application_name"] = "epitaph-capture"
+	// Text output the inverse casts read back exactly.
+	rcfg.RuntimeParams["DateStyle"] = "ISO, MDY"
+	rcfg.RuntimeParams["IntervalStyle"] = "postgres"
+	rcfg.RuntimeParams["TimeZone"] = "UTC"
+	rcfg.RuntimeParams["extra_float_digits"] = "3"
+	rcfg.RuntimeParams["bytea_output"] = "hex"
+	rcfg.RuntimeParams["client_encoding"] = "UTF8"
+	if s.repl, err = pgconn.ConnectConfig(ctx, rcfg); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && (pgErr.Code == "28000" || pgErr.Code == "42501") {
+			return configErr("open a replication connection to %s: %s (the role needs the REPLICATION privilege and pg_hba.conf a 'replication' entry for it)", RedactURL(cfg.SourceURL), pgErr.Message)
+		}
+		return fmt.Errorf("open a replication connection to %s: %w", RedactURL(cfg.SourceURL), err)
+	}
+	slot, err := readSlot(ctx, s.pool, cfg.SlotName)
+	if err != nil {
+		return err
+	}
+	plan, err := planSlot(slot, cfg.SlotName, db, t, event.StreamName(cfg.SourceName), cfg.RecreateSlot)
+	if err != nil {
+		return err
+	}
+	var startLSN event.LSN
+	if slot.confirmed != nil {
+		startLSN, _ = event.ParseLSN(*slot.confirmed)
+	}
+	if plan.drop {
+		s.log.Warn("dropping invalidated replication slot", "slot", cfg.SlotName)
+		if err := dropSlot(ctx, s.repl, cfg.SlotName); err != nil {
+			return err
+		}
+	}
+	if plan.create {
+		cp, err := createSlot(ctx, s.repl, cfg.SlotName)
+		if err != nil {
+			return err
+		}
+		startLSN = cp
+		s.log.Info("replication slot created", "slot", cfg.SlotName, "consistent_point", cp.String())
+	}
+	s.setConfirmed(startLSN)
+
+	st := &streamer{
+		s: s, conn: s.repl, js: js, obs: obs, cat: newCatalog(s.pool),
+		rels: map[uint32]*relation{}, tr: newTracker(cfg.BrokerSyncInterval, s.now()),
+		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
+		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
+		resuming: t.has, resume: t.pos, lastMsgID: t.msgID,
+	}
+	s.st = st
+	if plan.gap != "" {
+		from := t.pos.lsn
+		if err := st.publishGap(ctx, gapInfo{from: from, to: startLSN, reason: plan.gap}); err != nil {
+			return err
+		}
+		s.log.Warn("gap recorded: deletes in this LSN range were lost upstream", "from", from.String(), "to", startLSN.String(), "reason", plan.gap)
+	}
+
+	err = pglogrepl.StartReplication(ctx, s.repl, cfg.SlotName, 0, pglogrepl.StartReplicationOptions{
+		Mode: pglogrepl.LogicalReplication,
+		PluginArgs: []string{
+			"proto_version '1'",
+			"publication_names " + quoteLiteral(quoteIdent(cfg.PublicationName)),
+			"messages 'true'",
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
+	}
+
+	s.obsrv = observe.New(observe.Config{Addr: cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy, Logger: s.log})
+	if err := s.obsrv.Start(ctx); err != nil {
+		return err
+	}
+
+	loopCtx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	context.AfterFunc(ctx, cancel)
+	s.activeState.Store(true)
+	s.m.active.Set(1)
+	s.bgWG.Add(2)
+	go s.heartbeats(loopCtx)
+	go s.pollSlot(loopCtx)
+	go s.runLoop(loopCtx)
+	s.log.Info("capture streaming", "slot", cfg.SlotName, "from", startLSN.String(), "stream", event.StreamName(cfg.SourceName), "nats", RedactURL(s.natsURL), "tables", len(pubTables))
+	return nil
+}
+
+func (s *Service) runLoop(ctx context.Context) {
+	err := s.st.run(ctx)
+	s.activeState.Store(false)
+	s.m.active.Set(0)
+	if err == nil {
+		err = s.softStop()
+	} else {
+		s.log.Error("capture stopped", "err", err)
+	}
+	s.cancel()
+	s.bgWG.Wait()
+	s.closeAll()
+	s.err = err
+	close(s.done)
+}
+
+// softStop waits for the in-flight publishes and confirms what is safe. An
+// embedded broker is shut down first, which syncs its files, so every
+// acknowledged position becomes safe.
+func (s *Service) softStop() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.st.finish(ctx); err != nil {
+		return fmt.Errorf("stop: %w", err)
+	}
+	if s.embed != nil {
+		s.nc.Close()
+		s.embed.Shutdown()
+		s.embed = nil
+		s.st.tr.trustAll()
+	}
+	if err := s.st.sendStatus(s.now(), s.st.tr.safeLSN(s.now())); err != nil {
+		return fmt.Errorf("stop: %w", err)
+	}
+	if _, err := pglogrepl.SendStandbyCopyDone(ctx, s.repl); err != nil {
+		s.log.Debug("end replication", "err", err)
+	}
+	s.log.Info("capture stopped", "confirmed_lsn", s.st.flushed.String())
+	return nil
+}
+
+// Stop ends the service softly and waits for it. Safe to call more than
+// once, and before or after Start.
+func (s *Service) Stop() {
+	s.stopOnce.Do(func() {
+		if s.cancel != nil {
+			s.cancel()
+		}
+	})
+	if s.cancel != nil {
+		<-s.done
+	}
+}
+
+// Wait blocks until the stream loop ends and returns its error (nil after a
+// soft stop).
+func (s *Service) Wait() error {
+	<-s.done
+	return s.err
+}
+
+func (s *Service) closeAll() {
+	if s.obsrv != nil {
+		s.obsrv.Stop()
+	}
+	if s.repl != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = s.repl.Close(ctx)
+		cancel()
+	}
+	if s.nc != nil {
+		s.nc.Close()
+	}
+	if s.embed != nil {
+		s.embed.Shutdown()
+		s.embed = nil
+	}
+	if s.pool != nil {
+		s.pool.Close()
+	}
+}
+
+// publishGap publishes a gap event to every partition and waits for the
+// acknowledgements, before any row of the new slot is published.
+func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
+	n := 0
+	for p := 0; p < st.parts; p++ {
+		pos := position{lsn: g.to, n: n}
+		n++
+		e := &event.Event{Op: event.OpGap, Source: st.src, Partition: p, FromLSN: g.from, ToLSN: g.to, Reason: g.reason, Time: st.now().UTC(), LSN: g.to}
+		body, err := event.Encode(e)
+		if err != nil {
+			return fmt.Errorf("encode gap: %w", err)
+		}
+		if err := st.publish(ctx, event.GapSubject(st.src, p), event.GapMsgID(st.src, g.from, g.to, p), pos, body, "gap"); err != nil {
+			return err
+		}
+		st.s.m.published.WithLabelValues("", "", string(event.OpGap)).Inc()
+	}
+	st.resuming, st.resume = true, position{lsn: g.to, n: n - 1}
+	return st.tr.drain(ctx, st.now)
+}
+
+func (s *Service) heartbeats(ctx context.Context) {
+	defer s.bgWG.Done()
+	if s.cfg.HeartbeatInterval < 0 {
+		return
+	}
+	t := time.NewTicker(s.cfg.HeartbeatInterval)
+	defer t.Stop()
+	warned := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, PrefixHeartbeat)
+		if err != nil && ctx.Err() == nil && !warned {
+			s.log.Warn("emit heartbeat", "err", err)
+			warned = true
+		} else if err == nil {
+			warned = false
+		}
+	}
+}
+
+func (s *Service) heartbeatSeen(t time.Time) { s.lastHB.Store(s.now().UnixNano()) }
+
+func (s *Service) heartbeatAge() float64 {
+	n := s.lastHB.Load()
+	if n == 0 {
+		return -1
+	}
+	return s.now().Sub(time.Unix(0, n)).Seconds()
+}
+
+func (s *Service) setLag(d time.Duration) {
+	if d < 0 {
+		d = 0
+	}
+	s.m.lagSeconds.Set(d.Seconds())
+	s.mu.Lock()
+	s.lagSeconds = d.Seconds()
+	s.mu.Unlock()
+}
+
+func (s *Service) setConfirmed(l event.LSN) {
+	s.mu.Lock()
+	if l > s.confirmed {
+		s.confirmed = l
+	}
+	s.mu.Unlock()
+	s.m.confirmedLSN.Set(float64(l))
+}
+
+func quoteLiteral(s string) string {
+	out := []byte{'\''}
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\'' {
+			out = append(out, '\'')
+		}
+		out = append(out, s[i])
+	}
+	return string(append(out, '\''))
+}
+
+var passwordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)`)
+
+// RedactURL hides the password of a postgres:// or nats:// URL (or a
+// keyword/value DSN), for logs and errors.
+func RedactURL(s string) string {
+	if u, err := url.Parse(s); err == nil && u.Scheme != "" && u.Host != "" {
+		if _, has := u.User.Password(); has {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+		q := u.Query()
+		if q.Has("password") {
+			q.Set("password", "xxxxx")
+			u.RawQuery = q.Encode()
+		}
+		return u.String()
+	}
+	return passwordRE.ReplaceAllString(s, "${1}xxxxx")
+}
+
+// redactErr strips anything that looks like a password from an error text.
+func redactErr(err error) string {
+	return RedactURL(passwordRE.ReplaceAllString(err.Error(), "${1}xxxxx"))
+}

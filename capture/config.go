@@ -1,0 +1,266 @@
+package capture
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// Config of a capture service. Zero values take the documented defaults.
+type Config struct {
+	// SourceURL is the source database (a normal postgres:// URL; the
+	// replication connection is derived from it). Required.
+	SourceURL string
+	// NATSURL of an external JetStream server. Empty runs an embedded
+	// server with file storage under DataDir/jetstream, listening on
+	// EmbeddedListen.
+	NATSURL string
+	// EmbeddedListen is host:port of the embedded server; default
+	// broker.DefaultListen (127.0.0.1:4222). Port 0 picks a free port.
+	EmbeddedListen string
+	// DataDir holds the embedded server's storage. Required when embedded.
+	DataDir string
+	// SourceName names the source in subjects, message ids and the stream
+	// name; default "main".
+	SourceName string
+	// Tables to capture, "schema.table" (a name without a schema is in
+	// public). Empty: every ordinary or partitioned table outside
+	// Epitaph's own and the system schemas whose deletes can be published
+	// safely.
+	Tables []string
+	// Partitions of the stream; default 8. Fixed when the stream is made:
+	// a different value refuses to start.
+	Partitions int
+	// SlotName and PublicationName default to "epitaph".
+	SlotName        string
+	PublicationName string
+	// SetReplicaIdentityFull runs ALTER TABLE .. REPLICA IDENTITY FULL on
+	// every captured table that is not FULL yet (the opt-in that gives
+	// whole old rows, and makes tables without a key capturable).
+	SetReplicaIdentityFull bool
+	// RecreateSlot allows continuing after a gap: a missing slot while the
+	// stream already holds this source's messages, or an invalidated
+	// (wal_status lost) slot, is (re)created and a gap event is published
+	// to every partition. A healthy slot is never dropped.
+	RecreateSlot bool
+	// HeartbeatInterval between pg_logical_emit_message heartbeats; default
+	// 10s. Negative disables heartbeats.
+	HeartbeatInterval time.Duration
+	// MaxInFlight bounds the un-acknowledged async publishes; default 4096.
+	MaxInFlight int
+	// Replicas of the stream when it is created; default 1.
+	Replicas int
+	// Retention is the stream's MaxAge; 0 keeps messages forever.
+	Retention time.Duration
+	// DuplicateWindow of the stream's Msg-Id dedupe; default 2m.
+	DuplicateWindow time.Duration
+	// BrokerSyncInterval is how long the confirmed LSN trails the
+	// acknowledgements of a 1-replica stream (the broker acknowledges before
+	// it fsyncs). Default: the embedded server's sync interval (10s), or 2m
+	// (the nats-server default) for an external server. Negative: do not
+	// trail (use it when the server runs with sync_always).
+	BrokerSyncInterval time.Duration
+	// MetricsAddr serves /metrics, /healthz and /status; empty: no server.
+	MetricsAddr string
+}
+
+// EmbeddedSyncInterval is the file store sync interval of the embedded
+// JetStream server the capture runs itself.
+const EmbeddedSyncInterval = 10 * time.Second
+
+// externalSyncInterval is nats-server's default sync interval.
+const externalSyncInterval = 2 * time.Minute
+
+// Option sets a collaborator of the service.
+type Option func(*Service)
+
+// WithLogger sets the logger (default slog.Default()).
+func WithLogger(l *slog.Logger) Option { return func(s *Service) { s.log = l } }
+
+// WithRegistry sets the Prometheus registry the metrics are registered on
+// (default: a private registry, served on MetricsAddr).
+func WithRegistry(r *prometheus.Registry) Option { return func(s *Service) { s.reg = r } }
+
+// withClock replaces the clock (tests).
+func withClock(now func() time.Time) Option { return func(s *Service) { s.now = now } }
+
+func (c *Config) setDefaults() {
+	if c.SourceName == "" {
+		c.SourceName = "main"
+	}
+	if c.Partitions == 0 {
+		c.Partitions = 8
+	}
+	if c.SlotName == "" {
+		c.SlotName = "epitaph"
+	}
+	if c.PublicationName == "" {
+		c.PublicationName = "epitaph"
+	}
+	if c.HeartbeatInterval == 0 {
+		c.HeartbeatInterval = 10 * time.Second
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 4096
+	}
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
+	if c.DuplicateWindow == 0 {
+		c.DuplicateWindow = 2 * time.Minute
+	}
+	if c.NATSURL == "" && c.EmbeddedListen == "" {
+		c.EmbeddedListen = broker.DefaultListen
+	}
+	if c.BrokerSyncInterval == 0 {
+		if c.NATSURL == "" {
+			c.BrokerSyncInterval = EmbeddedSyncInterval
+		} else {
+			c.BrokerSyncInterval = externalSyncInterval
+		}
+	}
+}
+
+func (c *Config) validate() error {
+	var errs []string
+	if c.SourceURL == "" {
+		errs = append(errs, "a source database URL is required (EPITAPH_SOURCE_URL)")
+	} else if u, err := url.Parse(c.SourceURL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		if !strings.Contains(c.SourceURL, "=") { // keyword/value DSNs are accepted as they are
+			errs = append(errs, "the source URL must be postgres://user@host:port/db")
+		}
+	}
+	if c.NATSURL == "" && c.DataDir == "" {
+		errs = append(errs, "a data directory is required for the embedded JetStream server (EPITAPH_DATA_DIR)")
+	}
+	if err := event.ValidateSourceName(c.SourceName); err != nil {
+		errs = append(errs, err.Error())
+	}
+	if c.Partitions < 1 || c.Partitions > 1024 {
+		errs = append(errs, fmt.Sprintf("partitions must be 1..1024, got %d", c.Partitions))
+	}
+	if !identRE.MatchString(c.SlotName) {
+		errs = append(errs, fmt.Sprintf("slot name %q: use lower-case letters, digits and '_' (at most 63)", c.SlotName))
+	}
+	if c.PublicationName == "" || len(c.PublicationName) > 63 {
+		errs = append(errs, fmt.Sprintf("publication name %q: 1 to 63 bytes", c.PublicationName))
+	}
+	for _, t := range c.Tables {
+		if _, _, err := splitTable(t); err != nil {
+			errs = append(errs, err.Error())
+		}
+	}
+	if c.MaxInFlight < 1 {
+		errs = append(errs, fmt.Sprintf("max in-flight publishes must be positive, got %d", c.MaxInFlight))
+	}
+	if c.Replicas < 1 || c.Replicas > 5 {
+		errs = append(errs, fmt.Sprintf("stream replicas must be 1..5, got %d", c.Replicas))
+	}
+	if c.Retention < 0 {
+		errs = append(errs, "retention must not be negative")
+	}
+	if c.DuplicateWindow < 0 {
+		errs = append(errs, "duplicate window must not be negative")
+	}
+	if c.Retention > 0 && c.DuplicateWindow > c.Retention {
+		errs = append(errs, "duplicate window must not exceed retention")
+	}
+	if len(errs) > 0 {
+		return &ConfigError{Msg: strings.Join(errs, "; ")}
+	}
+	return nil
+}
+
+// embeddedStoreDir is where the embedded server keeps its files.
+func (c *Config) embeddedStoreDir() string { return filepath.Join(c.DataDir, "jetstream") }
+
+// ConfigError is a configuration or environment problem the operator must
+// fix; retrying without a change gives the same error.
+type ConfigError struct{ Msg string }
+
+func (e *ConfigError) Error() string { return e.Msg }
+
+// IsPermanent reports whether err is a *ConfigError (fix, then restart)
+// rather than a transient failure (restart and it may pass).
+func IsPermanent(err error) bool {
+	var ce *ConfigError
+	return errors.As(err, &ce)
+}
+
+func configErr(format string, args ...any) error {
+	return &ConfigError{Msg: fmt.Sprintf(format, args...)}
+}
+
+// splitTable parses "schema.table" (or "table", in public). Quoted parts
+// ("My Schema"."My.Table") keep their case and dots.
+func splitTable(s string) (schema, table string, err error) {
+	parts, err := splitQualified(strings.TrimSpace(s))
+	if err != nil {
+		return "", "", fmt.Errorf("table %q: %w", s, err)
+	}
+	switch len(parts) {
+	case 1:
+		return "public", parts[0], nil
+	case 2:
+		return parts[0], parts[1], nil
+	default:
+		return "", "", fmt.Errorf("table %q: use schema.table", s)
+	}
+}
+
+func splitQualified(s string) ([]string, error) {
+	var parts []string
+	for len(s) > 0 {
+		var part string
+		if s[0] == '"' {
+			var b strings.Builder
+			i := 1
+			for {
+				if i >= len(s) {
+					return nil, errors.New("unterminated quote")
+				}
+				if s[i] == '"' {
+					if i+1 < len(s) && s[i+1] == '"' {
+						b.WriteByte('"')
+						i += 2
+						continue
+					}
+					i++
+					break
+				}
+				b.WriteByte(s[i])
+				i++
+			}
+			part, s = b.String(), s[i:]
+		} else {
+			j := strings.IndexByte(s, '.')
+			if j < 0 {
+				j = len(s)
+			}
+			part, s = strings.ToLower(s[:j]), s[j:]
+		}
+		if part == "" {
+			return nil, errors.New("empty name")
+		}
+		parts = append(parts, part)
+		if len(s) > 0 {
+			if s[0] != '.' || len(s) == 1 {
+				return nil, errors.New("use schema.table")
+			}
+			s = s[1:]
+		}
+	}
+	if len(parts) == 0 {
+		return nil, errors.New("empty name")
+	}
+	return parts, nil
+}

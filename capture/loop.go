@@ -1,0 +1,423 @@
+package capture
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// Logical decoding message prefixes capture reacts to.
+const (
+	PrefixMark      = "epitaph.mark"
+	PrefixHeartbeat = "epitaph.heartbeat"
+)
+
+const (
+	receiveWait      = 500 * time.Millisecond
+	statusInterval   = 10 * time.Second
+	maxInFlightBytes = 64 << 20 // bytes of un-acknowledged message bodies
+	payloadHeadroom  = 4096     // headers of a message, under the broker's max payload
+)
+
+// streamer is the replication loop's state. It runs on one goroutine.
+type streamer struct {
+	s      *Service
+	conn   *pgconn.PgConn
+	js     jetstream.JetStream
+	obs    jetstream.ObjectStore
+	cat    *catalog
+	rels   map[uint32]*relation
+	tr     *tracker
+	src    string
+	parts  int
+	maxMsg int // largest body published inline
+
+	resuming  bool
+	resume    position
+	lastMsgID string
+
+	inTx   bool
+	tx     txInfo
+	txPart int
+	txN    int // messages of this trigger so far (the position index)
+	seq    int // row/truncate messages so far
+	rows   int
+	tables map[string]int
+
+	img     rowImage
+	buf     []byte
+	written event.LSN // highest LSN sent to Postgres as written
+	flushed event.LSN // highest LSN sent to Postgres as flushed
+	walEnd  event.LSN
+	lastSt  time.Time
+	lastDL  time.Time
+}
+
+func (st *streamer) now() time.Time { return st.s.now() }
+
+// run receives from the slot until ctx ends (a soft stop, returning nil)
+// or anything fails (returning the error; nothing past the acknowledged
+// and synced messages has been confirmed).
+func (st *streamer) run(ctx context.Context) error {
+	for {
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err := st.tick(false); err != nil {
+			return err
+		}
+		if now := st.now(); now.Sub(st.lastDL) > 100*time.Millisecond {
+			if err := st.conn.Conn().SetReadDeadline(now.Add(receiveWait)); err != nil {
+				return fmt.Errorf("set replication read deadline: %w", err)
+			}
+			st.lastDL = now
+		}
+		raw, err := st.conn.ReceiveMessage(context.Background())
+		if err != nil {
+			var ne net.Error
+			if pgconn.Timeout(err) || (errors.As(err, &ne) && ne.Timeout()) {
+				st.lastDL = time.Time{}
+				continue
+			}
+			return fmt.Errorf("receive from replication slot %s: %w", st.s.cfg.SlotName, slotErr(st.s.cfg.SlotName, err))
+		}
+		switch m := raw.(type) {
+		case *pgproto3.CopyData:
+			if err := st.handleCopyData(ctx, m.Data); err != nil {
+				return err
+			}
+		case *pgproto3.ErrorResponse:
+			return fmt.Errorf("replication slot %s: %w", st.s.cfg.SlotName, slotErr(st.s.cfg.SlotName, pgconn.ErrorResponseToPgError(m)))
+		case *pgproto3.CopyDone:
+			return fmt.Errorf("replication slot %s: the server ended replication", st.s.cfg.SlotName)
+		}
+	}
+}
+
+func (st *streamer) handleCopyData(ctx context.Context, data []byte) error {
+	if len(data) == 0 {
+		return nil
+	}
+	switch data[0] {
+	case pglogrepl.PrimaryKeepaliveMessageByteID:
+		ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(data[1:])
+		if err != nil {
+			return fmt.Errorf("parse keepalive: %w", err)
+		}
+		st.walEnd = max(st.walEnd, event.LSN(ka.ServerWALEnd))
+		if !st.inTx {
+			// Everything committed before ServerWALEnd has been sent to us:
+			// once what we published is acknowledged, it may be confirmed,
+			// so an idle publication does not hold WAL.
+			st.tr.mark(event.LSN(ka.ServerWALEnd), st.now())
+		}
+		return st.tick(ka.ReplyRequested)
+	case pglogrepl.XLogDataByteID:
+		xld, err := pglogrepl.ParseXLogData(data[1:])
+		if err != nil {
+			return fmt.Errorf("parse xlogdata: %w", err)
+		}
+		st.walEnd = max(st.walEnd, event.LSN(xld.ServerWALEnd))
+		msg, err := pglogrepl.Parse(xld.WALData)
+		if err != nil {
+			return fmt.Errorf("parse pgoutput message: %w", err)
+		}
+		return st.handle(ctx, msg, xld.ServerTime)
+	}
+	return nil
+}
+
+func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTime time.Time) error {
+	switch m := msg.(type) {
+	case *pglogrepl.BeginMessage:
+		st.inTx = true
+		st.tx = txInfo{xid: m.Xid, commitLSN: event.LSN(m.FinalLSN), commitTime: m.CommitTime.UTC()}
+		st.txPart = event.Partition(st.tx.commitLSN, st.parts)
+		st.txN, st.seq, st.rows = 0, 0, 0
+		clear(st.tables)
+	case *pglogrepl.RelationMessage:
+		r, err := buildRelation(ctx, st.cat, m, st.src, st.parts, st.s.m.published)
+		if err != nil {
+			return err
+		}
+		st.rels[m.RelationID] = r
+	case *pglogrepl.TypeMessage:
+		st.cat.typeNames[m.DataType] = quoteIdent(m.Namespace) + "." + quoteIdent(m.Name)
+	case *pglogrepl.DeleteMessage:
+		return st.handleDelete(ctx, m)
+	case *pglogrepl.TruncateMessage:
+		return st.handleTruncate(ctx, m)
+	case *pglogrepl.LogicalDecodingMessage:
+		return st.handleMessage(ctx, m, serverTime)
+	case *pglogrepl.CommitMessage:
+		return st.handleCommit(ctx, m)
+	}
+	return nil
+}
+
+// nextPos returns the position of the next message of the current trigger
+// and whether it is already in the stream (a re-send after a restart).
+func (st *streamer) nextPos(trigger event.LSN, n *int) (position, bool) {
+	p := position{lsn: trigger, n: *n}
+	*n++
+	if st.resuming {
+		if !p.after(st.resume) {
+			return p, true
+		}
+		st.resuming = false
+	}
+	return p, false
+}
+
+func (st *streamer) relationOf(id uint32) (*relation, error) {
+	r, ok := st.rels[id]
+	if !ok {
+		return nil, fmt.Errorf("change for relation %d before its Relation message", id)
+	}
+	return r, nil
+}
+
+func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage) error {
+	r, err := st.relationOf(m.RelationID)
+	if err != nil {
+		return err
+	}
+	seq := st.seq
+	st.seq++
+	st.rows++
+	st.tables[r.qualified()]++
+	pos, skip := st.nextPos(st.tx.commitLSN, &st.txN)
+	if skip {
+		return nil
+	}
+	if err := r.encodeRow(&st.img, m.OldTupleType, m.OldTuple); err != nil {
+		return err
+	}
+	msgID := event.MsgID(st.src, st.tx.commitLSN, seq)
+	var ref *event.ObjectRef
+	if len(st.img.row)+len(r.columnsJSON)+len(r.refsJSON)+len(st.img.key)+512 > st.maxMsg {
+		ref, err = st.putLargeRow(ctx, msgID, st.img.row)
+		if err != nil {
+			return err
+		}
+		st.s.m.largeRows.Inc()
+	}
+	body := r.encodeDelete(make([]byte, 0, 256+len(r.head)+len(r.columnsJSON)+len(r.refsJSON)+len(st.img.key)+len(st.img.row)), &st.tx, seq, &st.img, ref)
+	if err := st.publish(ctx, r.subjects[st.txPart], msgID, pos, body, "delete "+r.qualified()); err != nil {
+		return err
+	}
+	r.deletes.Inc()
+	return nil
+}
+
+// putLargeRow stores a row too large for one message in the object store,
+// under the message id (a re-send overwrites it with the same bytes).
+func (st *streamer) putLargeRow(ctx context.Context, msgID string, row []byte) (*event.ObjectRef, error) {
+	name := strings.ReplaceAll(msgID, "/", "_")
+	sum := sha256.Sum256(row)
+	if _, err := st.obs.PutBytes(ctx, name, row); err != nil {
+		return nil, fmt.Errorf("store large row %s: %w", name, err)
+	}
+	return &event.ObjectRef{Bucket: rowBucket(st.src), Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}, nil
+}
+
+func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMessage) error {
+	for _, id := range m.RelationIDs {
+		r, err := st.relationOf(id)
+		if err != nil {
+			return err
+		}
+		seq := st.seq
+		st.seq++
+		pos, skip := st.nextPos(st.tx.commitLSN, &st.txN)
+		if skip {
+			continue
+		}
+		st.s.log.Warn("TRUNCATE captured: the truncated rows are not in the WAL and are NOT archived", "table", r.qualified(), "commit_lsn", st.tx.commitLSN.String())
+		e := &event.Event{
+			Op: event.OpTruncate, Source: st.src, Schema: r.schema, Table: r.table,
+			XID: int64(st.tx.xid), CommitLSN: st.tx.commitLSN, CommitTime: st.tx.commitTime, Seq: seq,
+			Cascade:         m.Option&pglogrepl.TruncateOptionCascade != 0,
+			RestartIdentity: m.Option&pglogrepl.TruncateOptionRestartIdentity != 0,
+		}
+		body, err := event.Encode(e)
+		if err != nil {
+			return fmt.Errorf("encode truncate: %w", err)
+		}
+		subject := event.TruncateSubject(st.src, st.txPart, r.schema, r.table)
+		if err := st.publish(ctx, subject, event.MsgID(st.src, st.tx.commitLSN, seq), pos, body, "truncate "+r.qualified()); err != nil {
+			return err
+		}
+		r.truncates.Inc()
+	}
+	return nil
+}
+
+// handleMessage publishes marks and heartbeats to every partition.
+func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecodingMessage, serverTime time.Time) error {
+	var kind string
+	switch {
+	case m.Prefix == PrefixHeartbeat:
+		kind = event.MarkHeartbeat
+	case m.Prefix == PrefixMark || strings.HasPrefix(m.Prefix, PrefixMark+"."):
+		kind = event.MarkUser
+	default:
+		return nil
+	}
+	lsn := event.LSN(m.LSN)
+	trigger, n := lsn, 0
+	counter := &n
+	e := event.Event{Op: event.OpMark, Source: st.src, LSN: lsn, Kind: kind, Time: serverTime.UTC()}
+	if kind == event.MarkUser {
+		e.Content = string(m.Content)
+	}
+	if m.Transactional && st.inTx {
+		trigger, counter = st.tx.commitLSN, &st.txN
+		e.XID, e.CommitLSN, e.CommitTime = int64(st.tx.xid), st.tx.commitLSN, st.tx.commitTime
+	}
+	for p := 0; p < st.parts; p++ {
+		pos, skip := st.nextPos(trigger, counter)
+		if skip {
+			continue
+		}
+		e.Partition = p
+		body, err := event.Encode(&e)
+		if err != nil {
+			return fmt.Errorf("encode mark: %w", err)
+		}
+		if err := st.publish(ctx, event.MarkSubject(st.src, p), event.MarkMsgID(st.src, lsn, p), pos, body, kind); err != nil {
+			return err
+		}
+		st.s.m.published.WithLabelValues("", "", string(event.OpMark)).Inc()
+	}
+	if kind == event.MarkHeartbeat {
+		st.s.heartbeatSeen(serverTime)
+	}
+	if !m.Transactional || !st.inTx {
+		// A non-transactional message is re-sent if its own LSN is
+		// confirmed; the position check skips it then.
+		st.tr.mark(lsn, st.now())
+	}
+	return nil
+}
+
+func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage) error {
+	st.inTx = false
+	if st.seq > 0 {
+		pos, skip := st.nextPos(st.tx.commitLSN, &st.txN)
+		if !skip {
+			e := &event.Event{
+				Op: event.OpCommit, Source: st.src, XID: int64(st.tx.xid),
+				CommitLSN: st.tx.commitLSN, CommitTime: st.tx.commitTime,
+				Rows: st.rows,
+			}
+			if st.rows > 0 {
+				e.Tables = st.tables
+			}
+			body, err := event.Encode(e)
+			if err != nil {
+				return fmt.Errorf("encode commit: %w", err)
+			}
+			if err := st.publish(ctx, event.CommitSubject(st.src, st.txPart), event.CommitMsgID(st.src, st.tx.commitLSN), pos, body, "commit "+st.tx.commitLSN.String()); err != nil {
+				return err
+			}
+			st.s.m.published.WithLabelValues("", "", string(event.OpCommit)).Inc()
+			st.s.m.transactions.Inc()
+		}
+		st.s.setLag(st.now().Sub(st.tx.commitTime))
+	}
+	st.tr.mark(event.LSN(m.TransactionEndLSN), st.now())
+	return nil
+}
+
+// publish sends one message asynchronously, keeping the window of
+// un-acknowledged publishes bounded. Each message expects the previous one
+// as the stream's last message id, so if one is lost the following ones
+// fail too and the stream stays a prefix of what was sent.
+func (st *streamer) publish(ctx context.Context, subject, msgID string, pos position, body []byte, what string) error {
+	for st.tr.futures >= st.s.cfg.MaxInFlight || st.tr.bytes >= maxInFlightBytes {
+		if err := st.tr.waitFront(ctx, st.now); err != nil {
+			st.s.m.publishErrors.Inc()
+			return err
+		}
+	}
+	m := &nats.Msg{Subject: subject, Data: body, Header: nats.Header{
+		event.HeaderVersion: []string{"1"},
+		HeaderPosition:      []string{pos.String()},
+	}}
+	opts := []jetstream.PublishOpt{jetstream.WithMsgID(msgID), jetstream.WithRetryAttempts(0)}
+	if st.lastMsgID != "" {
+		opts = append(opts, jetstream.WithExpectLastMsgID(st.lastMsgID))
+	}
+	fut, err := st.js.PublishMsgAsync(m, opts...)
+	if err != nil {
+		st.s.m.publishErrors.Inc()
+		return fmt.Errorf("publish %s to %s: %w", what, subject, err)
+	}
+	st.tr.add(fut, len(body), what)
+	st.lastMsgID = msgID
+	return nil
+}
+
+// tick collects acknowledgements and sends a standby status update when the
+// confirmable position moved, every statusInterval, or when asked.
+func (st *streamer) tick(force bool) error {
+	now := st.now()
+	if err := st.tr.poll(now); err != nil {
+		st.s.m.publishErrors.Inc()
+		return err
+	}
+	safe := st.tr.safeLSN(now)
+	if !force && safe == st.flushed && st.tr.written == st.written && now.Sub(st.lastSt) < statusInterval {
+		return nil
+	}
+	if !force && now.Sub(st.lastSt) < 200*time.Millisecond && now.Sub(st.lastSt) < statusInterval {
+		return nil // batch confirmations under load
+	}
+	return st.sendStatus(now, safe)
+}
+
+func (st *streamer) sendStatus(now time.Time, safe event.LSN) error {
+	written := max(st.tr.written, safe)
+	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: pglogrepl.LSN(written),
+		WALFlushPosition: pglogrepl.LSN(safe),
+		WALApplyPosition: pglogrepl.LSN(safe),
+		ClientTime:       now,
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status: %w", err)
+	}
+	st.written, st.flushed, st.lastSt = written, safe, now
+	if safe > 0 {
+		st.s.setConfirmed(safe)
+	}
+	return nil
+}
+
+// finish is the soft stop: wait for every in-flight publish, then confirm
+// what is safe. trusted says the broker's files are synced (an embedded
+// server shut down cleanly), making every acknowledged position safe.
+func (st *streamer) finish(ctx context.Context) error {
+	if err := st.tr.drain(ctx, st.now); err != nil {
+		return err
+	}
+	return nil
+}
+
+func quoteIdent(s string) string {
+	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
+}

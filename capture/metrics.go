@@ -1,0 +1,60 @@
+package capture
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+type metrics struct {
+	lagBytes      prometheus.Gauge
+	lagSeconds    prometheus.Gauge
+	retainedWAL   prometheus.Gauge
+	safeWAL       prometheus.Gauge
+	timeToInvalid prometheus.Gauge
+	published     *prometheus.CounterVec
+	publishErrors prometheus.Counter
+	transactions  prometheus.Counter
+	confirmedLSN  prometheus.Gauge
+	withoutFull   prometheus.Gauge
+	heartbeatAge  prometheus.GaugeFunc
+	active        prometheus.Gauge
+	largeRows     prometheus.Counter
+}
+
+func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
+	g := func(name, help string) prometheus.Gauge {
+		return prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help})
+	}
+	c := func(name, help string) prometheus.Counter {
+		return prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help})
+	}
+	m := &metrics{
+		lagBytes:      g("epitaph_capture_replication_lag_bytes", "WAL bytes between the source's current position and the LSN capture confirmed to its slot."),
+		lagSeconds:    g("epitaph_capture_replication_lag_seconds", "Seconds between a source commit (or heartbeat) and its publication, at the last one published."),
+		retainedWAL:   g("epitaph_capture_slot_retained_wal_bytes", "WAL bytes the replication slot keeps on the source (current LSN - restart_lsn)."),
+		safeWAL:       g("epitaph_capture_slot_safe_wal_bytes", "WAL bytes that can still be written before the slot is invalidated (-1: unlimited)."),
+		timeToInvalid: g("epitaph_capture_slot_time_to_invalidation_seconds", "Estimated seconds until the slot is invalidated at the current WAL rate (-1: unlimited or unknown)."),
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "epitaph_capture_events_published_total",
+			Help: "Messages published to JetStream, by table and op (commit, mark and gap have empty schema and table).",
+		}, []string{"schema", "table", "op"}),
+		publishErrors: c("epitaph_capture_publish_errors_total", "Publishes that failed (each stops the capture loop)."),
+		transactions:  c("epitaph_capture_transactions_total", "Source transactions published (with a commit message)."),
+		confirmedLSN:  g("epitaph_capture_confirmed_lsn", "LSN last confirmed to the replication slot, as a number."),
+		withoutFull:   g("epitaph_capture_tables_without_full_identity", "Captured tables whose deletes carry only the key (REPLICA IDENTITY not FULL)."),
+		active:        g("epitaph_capture_active", "1 while capture is streaming, 0 otherwise."),
+		largeRows:     c("epitaph_capture_large_rows_total", "Rows larger than the broker's payload limit, published via the object store."),
+	}
+	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "epitaph_capture_heartbeat_age_seconds",
+		Help: "Seconds since the last heartbeat came back through the replication slot (-1: none yet).",
+	}, heartbeatAge)
+	m.safeWAL.Set(-1)
+	m.timeToInvalid.Set(-1)
+	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows} {
+		if err := reg.Register(col); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}

@@ -1,0 +1,137 @@
+package capture
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+type slotStats struct {
+	At              time.Time `json:"at"`
+	CurrentLSN      string    `json:"current_lsn"`
+	ConfirmedLSN    string    `json:"confirmed_flush_lsn"`
+	RestartLSN      string    `json:"restart_lsn"`
+	WALStatus       string    `json:"wal_status"`
+	RetainedBytes   int64     `json:"retained_wal_bytes"`
+	LagBytes        int64     `json:"lag_bytes"`
+	SafeBytes       int64     `json:"safe_wal_bytes"` // -1: unlimited
+	TimeToInvalidS  float64   `json:"time_to_invalidation_seconds"`
+	currentLSNValue event.LSN
+}
+
+const sqlSlotStats = `
+SELECT pg_current_wal_lsn()::text, coalesce(confirmed_flush_lsn::text, ''), coalesce(restart_lsn::text, ''),
+       coalesce(wal_status, ''), coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint, safe_wal_size
+FROM pg_replication_slots WHERE slot_name = $1`
+
+const slotPollInterval = 5 * time.Second
+
+// pollSlot keeps the slot gauges current.
+func (s *Service) pollSlot(ctx context.Context) {
+	defer s.bgWG.Done()
+	t := time.NewTicker(slotPollInterval)
+	defer t.Stop()
+	for {
+		s.readSlotStats(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (s *Service) readSlotStats(ctx context.Context) {
+	var (
+		st   slotStats
+		safe *int64
+	)
+	err := s.pool.QueryRow(ctx, sqlSlotStats, s.cfg.SlotName).Scan(&st.CurrentLSN, &st.ConfirmedLSN, &st.RestartLSN,
+		&st.WALStatus, &st.RetainedBytes, &st.LagBytes, &safe)
+	if err != nil {
+		if ctx.Err() == nil && !errors.Is(err, pgx.ErrNoRows) {
+			s.log.Debug("read slot statistics", "err", err)
+		}
+		return
+	}
+	st.At = s.now()
+	st.currentLSNValue, _ = event.ParseLSN(st.CurrentLSN)
+	st.SafeBytes, st.TimeToInvalidS = -1, -1
+	s.mu.Lock()
+	prev := s.slotStats
+	if safe != nil {
+		st.SafeBytes = *safe
+		if !prev.At.IsZero() && st.currentLSNValue > prev.currentLSNValue {
+			rate := float64(st.currentLSNValue-prev.currentLSNValue) / st.At.Sub(prev.At).Seconds()
+			if rate > 0 {
+				st.TimeToInvalidS = float64(max(*safe, 0)) / rate
+			}
+		}
+	}
+	s.slotStats = st
+	s.mu.Unlock()
+	s.m.retainedWAL.Set(float64(st.RetainedBytes))
+	s.m.lagBytes.Set(float64(st.LagBytes))
+	s.m.safeWAL.Set(float64(st.SafeBytes))
+	s.m.timeToInvalid.Set(st.TimeToInvalidS)
+}
+
+// Status is the /status document of a capture.
+type Status struct {
+	Source             string    `json:"source"`
+	Slot               string    `json:"slot"`
+	Publication        string    `json:"publication"`
+	Stream             string    `json:"stream"`
+	NATSURL            string    `json:"nats_url"`
+	Partitions         int       `json:"partitions"`
+	Active             bool      `json:"active"`
+	ConfirmedLSN       string    `json:"confirmed_lsn"`
+	LagBytes           int64     `json:"lag_bytes"`
+	LagSeconds         float64   `json:"lag_seconds"`
+	SlotStats          slotStats `json:"slot_stats"`
+	HeartbeatAgeSec    float64   `json:"heartbeat_age_seconds"`
+	PublicationTables  []string  `json:"publication_tables"`
+	SkippedTables      []string  `json:"skipped_tables"`
+	KeyIdentityTables  []string  `json:"key_identity_tables"`
+	Error              string    `json:"error,omitempty"`
+	BrokerSyncInterval string    `json:"broker_sync_interval"`
+}
+
+// CurrentStatus returns what /status serves.
+func (s *Service) CurrentStatus() Status {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := Status{
+		Source: s.cfg.SourceName, Slot: s.cfg.SlotName, Publication: s.cfg.PublicationName,
+		Stream: event.StreamName(s.cfg.SourceName), NATSURL: RedactURL(s.natsURL),
+		Partitions: s.cfg.Partitions, Active: s.activeState.Load(),
+		ConfirmedLSN: s.confirmed.String(), LagBytes: s.slotStats.LagBytes, LagSeconds: s.lagSeconds,
+		SlotStats: s.slotStats, HeartbeatAgeSec: s.heartbeatAge(),
+		PublicationTables: s.pubTables, BrokerSyncInterval: s.cfg.BrokerSyncInterval.String(),
+	}
+	if s.sel != nil {
+		st.SkippedTables, st.KeyIdentityTables = s.sel.skipped, s.sel.keyOnly
+	}
+	select {
+	case <-s.done:
+		if s.err != nil {
+			st.Error = s.err.Error()
+		}
+	default:
+	}
+	return st
+}
+
+func (s *Service) status(context.Context) (any, error) { return s.CurrentStatus(), nil }
+
+func (s *Service) healthy(context.Context) error {
+	if !s.activeState.Load() {
+		return errors.New("capture is not streaming")
+	}
+	return nil
+}

@@ -1,0 +1,185 @@
+package capture
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// HeaderPosition is set on every message the capture publishes: the
+// position of the message in the capture's output, "<trigger lsn>#<n>".
+// The trigger is the commit LSN of the source transaction the message
+// belongs to (or the LSN of a non-transactional logical message, or the
+// new slot's consistent point for a gap), n counts the messages published
+// for that trigger from 0. Output order is strictly increasing in it, so
+// on restart every re-sent message at or before the stream's last position
+// is skipped.
+const HeaderPosition = "Epitaph-Position"
+
+// Stream metadata keys.
+const (
+	MetaPartitions  = "epitaph.partitions"
+	MetaSource      = "epitaph.source"
+	MetaWireVersion = "epitaph.wire_version"
+)
+
+// position orders the capture's output.
+type position struct {
+	lsn event.LSN
+	n   int
+}
+
+func (p position) String() string { return p.lsn.String() + "#" + strconv.Itoa(p.n) }
+
+func (p position) after(q position) bool {
+	return p.lsn > q.lsn || (p.lsn == q.lsn && p.n > q.n)
+}
+
+func parsePosition(s string) (position, error) {
+	l, n, ok := strings.Cut(s, "#")
+	if !ok {
+		return position{}, fmt.Errorf("position %q: missing '#'", s)
+	}
+	lsn, err := event.ParseLSN(l)
+	if err != nil {
+		return position{}, fmt.Errorf("position %q: %w", s, err)
+	}
+	i, err := strconv.Atoi(n)
+	if err != nil || i < 0 {
+		return position{}, fmt.Errorf("position %q: bad index", s)
+	}
+	return position{lsn: lsn, n: i}, nil
+}
+
+// tail is what the stream already holds of this source.
+type tail struct {
+	has   bool
+	pos   position
+	msgID string
+}
+
+// ensureStream creates the source's stream if missing, or checks that an
+// existing one was made for the same partition count.
+func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.Stream, error) {
+	name := event.StreamName(cfg.SourceName)
+	st, err := js.Stream(ctx, name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		sc := jetstream.StreamConfig{
+			Name:        name,
+			Description: "Epitaph: deletes captured from source " + cfg.SourceName,
+			Subjects:    []string{event.StreamSubjects(cfg.SourceName)},
+			Storage:     jetstream.FileStorage,
+			Retention:   jetstream.LimitsPolicy,
+			Discard:     jetstream.DiscardOld,
+			MaxAge:      cfg.Retention,
+			Replicas:    cfg.Replicas,
+			Duplicates:  cfg.DuplicateWindow,
+			Metadata: map[string]string{
+				MetaPartitions:  strconv.Itoa(cfg.Partitions),
+				MetaSource:      cfg.SourceName,
+				MetaWireVersion: strconv.Itoa(event.Version),
+			},
+		}
+		st, err = js.CreateStream(ctx, sc)
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return nil, fmt.Errorf("create stream %s: %w", name, err)
+		}
+		if err != nil {
+			st, err = js.Stream(ctx, name)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open stream %s: %w", name, err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("read stream %s: %w", name, err)
+	}
+	p := info.Config.Metadata[MetaPartitions]
+	if p == "" {
+		return nil, configErr("stream %s has no %s metadata: it was not made by Epitaph; use another --source-name or delete the stream", name, MetaPartitions)
+	}
+	if p != strconv.Itoa(cfg.Partitions) {
+		return nil, configErr("stream %s was made with %s partitions, capture is configured with %d: start with EPITAPH_PARTITIONS=%s (the partition count of a stream never changes)", name, p, cfg.Partitions, p)
+	}
+	if src := info.Config.Metadata[MetaSource]; src != "" && src != cfg.SourceName {
+		return nil, configErr("stream %s belongs to source %q, not %q", name, src, cfg.SourceName)
+	}
+	if cfg.DuplicateWindow != info.Config.Duplicates || cfg.Retention != info.Config.MaxAge {
+		sc := info.Config
+		sc.Duplicates = cfg.DuplicateWindow
+		sc.MaxAge = cfg.Retention
+		if _, err := js.UpdateStream(ctx, sc); err != nil {
+			return nil, fmt.Errorf("update stream %s retention/dedupe window: %w", name, err)
+		}
+	}
+	return st, nil
+}
+
+// readTail reads the last message the stream holds for this source.
+func readTail(ctx context.Context, st jetstream.Stream, src string) (tail, error) {
+	m, err := st.GetLastMsgForSubject(ctx, event.StreamSubjects(src))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return tail{}, nil
+	}
+	if err != nil {
+		return tail{}, fmt.Errorf("read the stream's last message: %w", err)
+	}
+	h := m.Header.Get(HeaderPosition)
+	if h == "" {
+		return tail{}, configErr("the last message of stream %s (sequence %d) has no %s header: it was not published by capture, so capture cannot tell where to resume", event.StreamName(src), m.Sequence, HeaderPosition)
+	}
+	pos, err := parsePosition(h)
+	if err != nil {
+		return tail{}, configErr("the last message of stream %s (sequence %d): %v", event.StreamName(src), m.Sequence, err)
+	}
+	return tail{has: true, pos: pos, msgID: m.Header.Get(nats.MsgIdHdr)}, nil
+}
+
+// rowBucket is the object store bucket holding rows too large for a message.
+func rowBucket(src string) string { return "epitaph_" + src + "_rows" }
+
+func ensureRowBucket(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.ObjectStore, error) {
+	name := rowBucket(cfg.SourceName)
+	obs, err := js.ObjectStore(ctx, name)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		obs, err = js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{
+			Bucket:      name,
+			Description: "Epitaph: rows of source " + cfg.SourceName + " larger than the broker's payload limit",
+			Storage:     jetstream.FileStorage,
+			Replicas:    cfg.Replicas,
+			TTL:         cfg.Retention,
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			obs, err = js.ObjectStore(ctx, name)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open object store %s: %w", name, err)
+	}
+	return obs, nil
+}
+
+// connectNATS connects with no reconnect buffer: while disconnected every
+// publish fails at once instead of being buffered and sent later, so the
+// stream always holds a prefix of what the capture published.
+func connectNATS(url string) (*nats.Conn, error) {
+	nc, err := nats.Connect(url,
+		nats.Name("epitaph-capture"),
+		nats.ReconnectBufSize(-1),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250*time.Millisecond),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("connect to NATS at %s: %w", RedactURL(url), err)
+	}
+	return nc, nil
+}

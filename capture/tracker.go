@@ -1,0 +1,201 @@
+package capture
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// ackFuture is the part of jetstream.PubAckFuture the tracker uses.
+type ackFuture interface {
+	Ok() <-chan *jetstream.PubAck
+	Err() <-chan error
+}
+
+// trackItem is either an in-flight publish (fut != nil) or a position
+// marker: "once everything before me is acknowledged, lsn may be confirmed".
+type trackItem struct {
+	fut  ackFuture
+	size int
+	what string
+	lsn  event.LSN
+}
+
+type safePos struct {
+	lsn    event.LSN
+	safeAt time.Time
+}
+
+// tracker decides which LSN may be confirmed to Postgres. Publishes and
+// position markers are queued in stream order; a marker's LSN becomes
+// "written" when every publish queued before it is acknowledged, and
+// "safe" (confirmable) once those acknowledgements are older than the
+// broker's sync delay, because a 1-replica JetStream acknowledges before it
+// fsyncs. Memory is bounded: at most MaxInFlight futures, consecutive
+// markers coalesce, and safe positions are bucketed per second.
+type tracker struct {
+	q         []trackItem
+	head      int
+	futures   int
+	bytes     int
+	syncDelay time.Duration
+
+	lastAckAt time.Time // when the newest acknowledged publish was acknowledged
+	pending   []safePos // written, not yet safe; ascending
+	written   event.LSN
+	safe      event.LSN
+}
+
+// newTracker starts a tracker at now: the stream's tail, written by an
+// earlier run, may not be synced yet, so nothing is confirmed before
+// now+syncDelay.
+func newTracker(syncDelay time.Duration, now time.Time) *tracker {
+	if syncDelay < 0 {
+		syncDelay = 0
+	}
+	return &tracker{syncDelay: syncDelay, lastAckAt: now}
+}
+
+func (t *tracker) len() int { return len(t.q) - t.head }
+
+// add queues an in-flight publish.
+func (t *tracker) add(fut ackFuture, size int, what string) {
+	t.q = append(t.q, trackItem{fut: fut, size: size, what: what})
+	t.futures++
+	t.bytes += size
+}
+
+// mark queues a position: lsn may be confirmed once everything queued
+// before it is acknowledged (and synced).
+func (t *tracker) mark(lsn event.LSN, now time.Time) {
+	if t.len() == 0 {
+		t.written0(lsn, now)
+		return
+	}
+	if last := &t.q[len(t.q)-1]; last.fut == nil {
+		if lsn > last.lsn {
+			last.lsn = lsn
+		}
+		return
+	}
+	t.q = append(t.q, trackItem{lsn: lsn})
+}
+
+func (t *tracker) written0(lsn event.LSN, _ time.Time) {
+	if lsn <= t.written {
+		return
+	}
+	t.written = lsn
+	safeAt := t.lastAckAt.Add(t.syncDelay)
+	if n := len(t.pending); n > 0 && !safeAt.After(t.pending[n-1].safeAt.Add(time.Second)) {
+		// Coalesce into the previous bucket, keeping the later time: this
+		// can only delay a confirmation, never advance it early.
+		p := &t.pending[n-1]
+		p.lsn = lsn
+		if safeAt.After(p.safeAt) {
+			p.safeAt = safeAt
+		}
+		return
+	}
+	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt})
+}
+
+// poll pops every acknowledged publish and marker at the front of the
+// queue without blocking. It returns the first publish error.
+func (t *tracker) poll(now time.Time) error {
+	for t.len() > 0 {
+		it := t.q[t.head]
+		if it.fut != nil {
+			select {
+			case <-it.fut.Ok():
+			case err := <-it.fut.Err():
+				return fmt.Errorf("publish %s: %w", it.what, err)
+			default:
+				t.compact()
+				return nil
+			}
+			t.lastAckAt = now
+			t.futures--
+			t.bytes -= it.size
+		} else {
+			t.written0(it.lsn, now)
+		}
+		t.q[t.head] = trackItem{}
+		t.head++
+	}
+	t.compact()
+	return nil
+}
+
+// waitFront blocks until the oldest publish is resolved (or ctx ends), then
+// polls.
+func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
+	for t.len() > 0 {
+		it := t.q[t.head]
+		if it.fut == nil {
+			if err := t.poll(now()); err != nil {
+				return err
+			}
+			continue
+		}
+		select {
+		case <-it.fut.Ok():
+			return t.poll(now())
+		case err := <-it.fut.Err():
+			return fmt.Errorf("publish %s: %w", it.what, err)
+		case <-ctx.Done():
+			return fmt.Errorf("wait for publish acknowledgement: %w", ctx.Err())
+		}
+	}
+	return nil
+}
+
+// drain waits until nothing is in flight.
+func (t *tracker) drain(ctx context.Context, now func() time.Time) error {
+	for t.len() > 0 {
+		if err := t.waitFront(ctx, now); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (t *tracker) compact() {
+	if t.head > 1024 && t.head*2 > len(t.q) {
+		n := copy(t.q, t.q[t.head:])
+		clear(t.q[n:])
+		t.q = t.q[:n]
+		t.head = 0
+	}
+	if t.len() == 0 {
+		t.q = t.q[:0]
+		t.head = 0
+	}
+}
+
+// safeLSN returns the highest LSN whose publishes are acknowledged and
+// older than the sync delay.
+func (t *tracker) safeLSN(now time.Time) event.LSN {
+	i := 0
+	for i < len(t.pending) && !t.pending[i].safeAt.After(now) {
+		t.safe = t.pending[i].lsn
+		i++
+	}
+	if i > 0 {
+		t.pending = append(t.pending[:0], t.pending[i:]...)
+	}
+	return t.safe
+}
+
+// trustAll makes every written position safe: used after the broker has
+// been shut down cleanly (its files are synced).
+func (t *tracker) trustAll() {
+	if len(t.pending) > 0 {
+		t.safe = t.pending[len(t.pending)-1].lsn
+		t.pending = t.pending[:0]
+	}
+}

@@ -1,0 +1,187 @@
+package capture
+
+import (
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"unicode/utf8"
+)
+
+var identRE = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+
+// Built-in type OIDs whose text form maps onto a JSON scalar.
+const (
+	oidBool    = 16
+	oidInt8    = 20
+	oidInt2    = 21
+	oidInt4    = 23
+	oidOID     = 26
+	oidFloat4  = 700
+	oidFloat8  = 701
+	oidNumeric = 1700
+	oidJSONB   = 3802
+)
+
+// appendValue appends the JSON form of one column value given in
+// Postgres text form, following the rules of event.Event: booleans and
+// integers as JSON literals, floats as numbers or "NaN"/"Infinity"/
+// "-Infinity", jsonb embedded, everything else (numeric included) as its
+// text form in a JSON string. The mapping is lossless: the text form is
+// recovered exactly from the JSON token (see RestoreSQL).
+func appendValue(dst []byte, typeOID uint32, text []byte) []byte {
+	switch typeOID {
+	case oidBool:
+		switch string(text) {
+		case "t":
+			return append(dst, "true"...)
+		case "f":
+			return append(dst, "false"...)
+		}
+	case oidInt2, oidInt4, oidInt8, oidOID:
+		if isInteger(text) {
+			return append(dst, text...)
+		}
+	case oidFloat4, oidFloat8:
+		if isJSONNumber(text) {
+			return append(dst, text...)
+		}
+	case oidJSONB:
+		if json.Valid(text) {
+			return append(dst, text...)
+		}
+	}
+	return appendString(dst, text)
+}
+
+func isInteger(b []byte) bool {
+	if len(b) > 0 && b[0] == '-' {
+		b = b[1:]
+	}
+	if len(b) == 0 || (b[0] == '0' && len(b) > 1) {
+		return false
+	}
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// isJSONNumber reports whether b is a JSON number whose text Postgres would
+// read back as the same float (Postgres' shortest-exact output, e.g.
+// "1.5", "-0", "1e+100", "4.2e-05").
+func isJSONNumber(b []byte) bool {
+	i := 0
+	if i < len(b) && b[i] == '-' {
+		i++
+	}
+	start := i
+	for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+		i++
+	}
+	if i == start || (b[start] == '0' && i-start > 1) {
+		return false
+	}
+	if i < len(b) && b[i] == '.' {
+		i++
+		s := i
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			i++
+		}
+		if i == s {
+			return false
+		}
+	}
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		s := i
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+			i++
+		}
+		if i == s {
+			return false
+		}
+	}
+	return i == len(b)
+}
+
+const hexDigits = "0123456789abcdef"
+
+// appendString appends b as a JSON string. Invalid UTF-8 cannot come from
+// a UTF8 client encoding, but is escaped byte-wise as \u00XX rather than
+// replaced, so nothing is silently changed.
+func appendString(dst []byte, b []byte) []byte {
+	dst = append(dst, '"')
+	start := 0
+	for i := 0; i < len(b); {
+		c := b[i]
+		if c < utf8.RuneSelf {
+			if c >= 0x20 && c != '"' && c != '\\' && c != '<' && c != '>' && c != '&' {
+				i++
+				continue
+			}
+			dst = append(dst, b[start:i]...)
+			switch c {
+			case '"', '\\':
+				dst = append(dst, '\\', c)
+			case '\n':
+				dst = append(dst, '\\', 'n')
+			case '\r':
+				dst = append(dst, '\\', 'r')
+			case '\t':
+				dst = append(dst, '\\', 't')
+			default:
+				dst = append(dst, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
+			}
+			i++
+			start = i
+			continue
+		}
+		r, size := utf8.DecodeRune(b[i:])
+		if r == utf8.RuneError && size == 1 {
+			dst = append(dst, b[start:i]...)
+			dst = append(dst, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
+			i++
+			start = i
+			continue
+		}
+		if r == '\u2028' || r == '\u2029' {
+			dst = append(dst, b[start:i]...)
+			dst = append(dst, '\\', 'u', '2', '0', '2', hexDigits[r&0xf])
+			i += size
+			start = i
+			continue
+		}
+		i += size
+	}
+	dst = append(dst, b[start:]...)
+	return append(dst, '"')
+}
+
+// ValueText returns the Postgres text form of one JSON value of a row
+// event, and false for JSON null. It is the inverse of the capture's
+// encoding: numbers and jsonb keep their exact JSON text, booleans become
+// "true"/"false" (both accepted by every boolean input), strings are
+// unquoted.
+func ValueText(v json.RawMessage) (string, bool, error) {
+	if len(v) == 0 {
+		return "", false, fmt.Errorf("empty value")
+	}
+	switch v[0] {
+	case 'n':
+		if string(v) == "null" {
+			return "", false, nil
+		}
+	case '"':
+		var out string
+		if err := json.Unmarshal(v, &out); err != nil {
+			return "", false, fmt.Errorf("decode string value: %w", err)
+		}
+		return out, true, nil
+	}
+	return string(v), true, nil
+}

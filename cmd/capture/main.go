@@ -1,0 +1,109 @@
+// Command capture publishes the source database's deletes to JetStream.
+// Every flag has an EPITAPH_* environment variable; see --help.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/epitaph-dev/epitaph/capture"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "capture: "+capture.RedactURL(strings.ReplaceAll(err.Error(), "\n", " ")))
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	var cfg capture.Config
+	var tables, level string
+	fs := flag.NewFlagSet("capture", flag.ContinueOnError)
+	str(fs, &cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)")
+	str(fs, &cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server")
+	str(fs, &cfg.EmbeddedListen, "nats-listen", "EPITAPH_NATS_LISTEN", "127.0.0.1:4222", "listen address of the embedded JetStream server")
+	str(fs, &cfg.DataDir, "data-dir", "EPITAPH_DATA_DIR", "./epitaph-data", "directory of the embedded JetStream server's files")
+	str(fs, &cfg.SourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name (stream EPITAPH_<NAME>)")
+	str(fs, &tables, "tables", "EPITAPH_TABLES", "", "comma-separated schema.table list; empty: every table whose deletes can be published safely")
+	num(fs, &cfg.Partitions, "partitions", "EPITAPH_PARTITIONS", 8, "stream partitions (fixed when the stream is made)")
+	str(fs, &cfg.SlotName, "slot", "EPITAPH_SLOT", "epitaph", "replication slot")
+	str(fs, &cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", "epitaph", "publication")
+	str(fs, &cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /healthz, /status; empty disables")
+	boolean(fs, &cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", "ALTER captured tables to REPLICA IDENTITY FULL")
+	boolean(fs, &cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", "recreate a missing or invalidated slot and record a gap event")
+	dur(fs, &cfg.Retention, "retention", "EPITAPH_RETENTION", 0, "stream retention (0: forever)")
+	dur(fs, &cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval")
+	dur(fs, &cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 2*time.Minute, "JetStream dedupe window")
+	dur(fs, &cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
+	num(fs, &cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "un-acknowledged publishes at most")
+	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
+	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
+	if err := fs.Parse(os.Args[1:]); err != nil {
+		return err
+	}
+	for _, t := range strings.Split(tables, ",") {
+		if t = strings.TrimSpace(t); t != "" {
+			cfg.Tables = append(cfg.Tables, t)
+		}
+	}
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	svc, err := capture.New(cfg, capture.WithLogger(log))
+	if err != nil {
+		return err
+	}
+	if err := svc.Start(ctx); err != nil {
+		return err
+	}
+	err = svc.Wait()
+	svc.Stop()
+	return err
+}
+
+func str(fs *flag.FlagSet, p *string, name, env, def, usage string) {
+	if v, ok := os.LookupEnv(env); ok {
+		def = v
+	}
+	fs.StringVar(p, name, def, usage+" ("+env+")")
+}
+
+func num(fs *flag.FlagSet, p *int, name, env string, def int, usage string) {
+	if v, ok := os.LookupEnv(env); ok {
+		if n, err := strconv.Atoi(v); err == nil {
+			def = n
+		}
+	}
+	fs.IntVar(p, name, def, usage+" ("+env+")")
+}
+
+func dur(fs *flag.FlagSet, p *time.Duration, name, env string, def time.Duration, usage string) {
+	if v, ok := os.LookupEnv(env); ok {
+		if d, err := time.ParseDuration(v); err == nil {
+			def = d
+		}
+	}
+	fs.DurationVar(p, name, def, usage+" ("+env+")")
+}
+
+func boolean(fs *flag.FlagSet, p *bool, name, env, usage string) {
+	def := false
+	if v, ok := os.LookupEnv(env); ok {
+		def, _ = strconv.ParseBool(v)
+	}
+	fs.BoolVar(p, name, def, usage+" ("+env+")")
+}
