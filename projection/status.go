@@ -4,6 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -235,4 +239,76 @@ func partitionsOf(info *jetstream.StreamInfo) (int, error) {
 		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
 	}
 	return n, nil
+}
+
+// WriteTable prints the status as aligned text tables for people.
+func (st *Status) WriteTable(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "source %s\tstream %s\tlast seq %d\tpartitions %d\n", st.Source, st.Stream, st.StreamLast, st.Partitions)
+	if st.StreamError != "" {
+		fmt.Fprintf(tw, "stream: %s\n", st.StreamError)
+	}
+	fmt.Fprintln(tw)
+	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE")
+	for _, v := range st.Versions {
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
+			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen)
+	}
+	for _, v := range st.Versions {
+		if len(v.Partitions) == 0 {
+			continue
+		}
+		fmt.Fprintf(tw, "\n%s v%d\n", v.Projection, v.Version)
+		fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCURSOR\tSOURCE LSN\tLAG EVENTS\tOLDEST PENDING\tLAST ADVANCE\tFAILURE")
+		for _, p := range v.Partitions {
+			owner := p.Owner
+			if !p.Leased {
+				owner = "(none)"
+			}
+			last := "-"
+			if p.LastAdvanceAt != nil {
+				last = p.LastAdvanceAt.UTC().Format(time.RFC3339)
+			}
+			fail := p.LastFailureCategory
+			if fail == "" {
+				fail = "-"
+			} else {
+				fail = fmt.Sprintf("%s (x%d)", fail, p.Attempts)
+			}
+			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
+				orDash(p.SourceLSN), p.LagEvents, seconds(p.OldestPendingAgeSeconds), last, fail)
+		}
+	}
+	if len(st.Workers) > 0 {
+		fmt.Fprintln(tw, "\nWORKER\tLIVE\tHEARTBEAT AGE")
+		for _, wk := range st.Workers {
+			fmt.Fprintf(tw, "%s\t%t\t%s\n", wk.ID, wk.Live, seconds(wk.HeartbeatAgeSeconds))
+		}
+	}
+	if len(st.Quarantine) > 0 {
+		fmt.Fprintln(tw, "\nQUARANTINE\tVERSION\tOPEN\tOLDEST\tBY CATEGORY")
+		for _, q := range st.Quarantine {
+			cats := make([]string, 0, len(q.ByCategory))
+			for c, n := range q.ByCategory {
+				cats = append(cats, fmt.Sprintf("%s=%d", c, n))
+			}
+			sort.Strings(cats)
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\n", q.Projection, q.Version, q.Unresolved, seconds(q.OldestAgeSeconds), strings.Join(cats, " "))
+		}
+	}
+	return tw.Flush()
+}
+
+func seconds(s float64) string {
+	if s == 0 {
+		return "-"
+	}
+	return (time.Duration(s * float64(time.Second))).Round(time.Millisecond).String()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }

@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/epitaph-dev/epitaph/observe"
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+func init() {
+	register("run", Command{Summary: "run a projector worker until SIGINT/SIGTERM", Run: runCmd})
+}
+
+func runCmd(ctx context.Context, args []string, env *Env) error {
+	fs := newFlagSet("run", env)
+	c := commonFlags(fs, env)
+	worker := fs.String("worker-id", envOr(env, "EPITAPH_WORKER_ID", defaultWorkerID()), "worker id in leases (EPITAPH_WORKER_ID)")
+	metrics := fs.String("metrics-addr", envOr(env, "EPITAPH_METRICS_ADDR", "127.0.0.1:9188"), "address of /metrics /healthz /status; empty disables (EPITAPH_METRICS_ADDR)")
+	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), `archive retention per table, e.g. "public.sessions=720h,*=8760h" (EPITAPH_ARCHIVE_TTL)`)
+	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "comma-separated schema.table roots of snapshot documents (EPITAPH_SNAPSHOT_ROOTS)")
+	leaseTTL := fs.Duration("lease-ttl", durationEnv(env, "EPITAPH_LEASE_TTL", 15*time.Second), "partition lease TTL (EPITAPH_LEASE_TTL)")
+	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := c.check(); err != nil {
+		return err
+	}
+	ttlMap, err := projection.ParseTTLs(*ttls)
+	if err != nil {
+		return err
+	}
+	var rootList []string
+	for _, r := range strings.Split(*roots, ",") {
+		if r = strings.TrimSpace(r); r != "" {
+			rootList = append(rootList, r)
+		}
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	svc, err := projection.New(projection.Config{
+		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: *worker,
+		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList,
+	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
+	if err != nil {
+		return err
+	}
+	if err := svc.Start(ctx); err != nil {
+		return err
+	}
+	srv := observe.New(observe.Config{Addr: *metrics, Registry: reg, Logger: env.Logger,
+		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
+		Healthy: svc.Healthy})
+	if err := srv.Start(ctx); err != nil {
+		svc.Stop()
+		return err
+	}
+	env.Logger.Info("projector running", "worker", *worker, "target", redact(c.targetURL), "nats", redact(c.natsURL),
+		"source", c.sourceName, "metrics", srv.Addr())
+	select {
+	case <-ctx.Done():
+		env.Logger.Info("stopping: finishing the current batches and handing partitions over")
+	case <-svc.Done():
+	}
+	svc.Stop()
+	srv.Stop()
+	return nil
+}
+
+func durationEnv(env *Env, key string, def time.Duration) time.Duration {
+	if v := env.Getenv(key); v != "" {
+		if d, err := time.ParseDuration(v); err == nil {
+			return d
+		}
+		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a duration\n", key, v)
+	}
+	return def
+}
+
+func intEnv(env *Env, key string, def int) int {
+	if v := env.Getenv(key); v != "" {
+		if n, err := strconv.Atoi(v); err == nil {
+			return n
+		}
+		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a number\n", key, v)
+	}
+	return def
+}

@@ -1,0 +1,52 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+func init() {
+	register("status", Command{Summary: "show versions, partitions, lag and quarantine (--json for the /status document)", Run: statusCmd})
+}
+
+func statusCmd(ctx context.Context, args []string, env *Env) error {
+	fs := newFlagSet("status", env)
+	c := commonFlags(fs, env)
+	asJSON := fs.Bool("json", false, "print the JSON status document")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := c.check(); err != nil {
+		return err
+	}
+	pool, err := pgxpool.New(ctx, c.targetURL)
+	if err != nil {
+		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
+	}
+	defer pool.Close()
+	var js jetstream.JetStream
+	if nc, err := nats.Connect(c.natsURL, nats.Timeout(3*time.Second)); err == nil {
+		defer nc.Close()
+		js, _ = jetstream.New(nc)
+	} else {
+		fmt.Fprintf(env.Stderr, "projector: NATS %s unreachable (lag unknown): %v\n", redact(c.natsURL), err)
+	}
+	st, err := projection.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		enc := json.NewEncoder(env.Stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(st)
+	}
+	return st.WriteTable(env.Stdout)
+}
