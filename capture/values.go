@@ -25,7 +25,7 @@ const (
 // appendValue appends the JSON form of one column value given in
 // Postgres text form, following the rules of event.Event: booleans and
 // integers as JSON literals, floats as numbers or "NaN"/"Infinity"/
-// "-Infinity", jsonb embedded, everything else (numeric included) as its
+// "-Infinity", jsonb objects and arrays embedded, everything else (numeric included) as its
 // text form in a JSON string. The mapping is lossless: the text form is
 // recovered exactly from the JSON token (see RestoreSQL).
 func appendValue(dst []byte, typeOID uint32, text []byte) []byte {
@@ -46,7 +46,10 @@ func appendValue(dst []byte, typeOID uint32, text []byte) []byte {
 			return append(dst, text...)
 		}
 	case oidJSONB:
-		if json.Valid(text) {
+		// Only objects and arrays are embedded: a top-level JSON null would
+		// read as SQL NULL, and a top-level string as text, so jsonb
+		// scalars travel as their text form in a string.
+		if len(text) > 0 && (text[0] == '{' || text[0] == '[') && json.Valid(text) {
 			return append(dst, text...)
 		}
 	}
