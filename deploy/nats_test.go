@@ -1,0 +1,158 @@
+package deploy_test
+
+import (
+	"context"
+	"fmt"
+	"net/url"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+)
+
+var natsServerModuleRe = regexp.MustCompile(`(?m)^\s*github\.com/nats-io/nats-server/v2 v(\S+)`)
+
+// TestNATSImageMatchesServerModule: the compose cluster runs the NATS
+// version the code is built and tested against (and that loads nats.conf in
+// the test below).
+func TestNATSImageMatchesServerModule(t *testing.T) {
+	t.Parallel()
+	gomod, err := os.ReadFile("../go.mod")
+	require.NoError(t, err)
+	m := natsServerModuleRe.FindStringSubmatch(string(gomod))
+	require.NotNil(t, m, "go.mod requires nats-server/v2")
+	c := loadCompose(t)
+	for _, name := range []string{"nats-1", "nats-2", "nats-3"} {
+		image := c.Services[name].Image
+		tag := strings.TrimPrefix(image, "nats:")
+		require.Equal(t, m[1], strings.TrimSuffix(tag, "-alpine"), "%s image %s vs go.mod nats-server v%s", name, image, m[1])
+	}
+}
+
+// TestNATSConfigFormsJetStreamCluster loads deploy/nats/nats.conf with the
+// real nats-server once per compose node, checks what compose relies on,
+// then starts the three nodes (moved to loopback ports and temporary
+// stores), makes a three-replica stream as the capture does, and reads it
+// back after the stream leader's node is shut down.
+func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
+	// Not parallel: the config reads SERVER_NAME from the environment.
+	c := loadCompose(t)
+	nodes := []string{"nats-1", "nats-2", "nats-3"}
+
+	clusterPorts := map[string]int{}
+	for _, n := range nodes {
+		p, err := testenv.FreePort()
+		require.NoError(t, err)
+		clusterPorts[n] = p
+	}
+
+	var servers []*server.Server
+	var clientURLs []string
+	for _, n := range nodes {
+		t.Setenv("SERVER_NAME", c.Services[n].Environment["SERVER_NAME"])
+		opts, err := server.ProcessConfigFile("nats/nats.conf")
+		require.NoError(t, err)
+
+		require.Equal(t, n, opts.ServerName, "server_name from the node's SERVER_NAME")
+		require.Equal(t, 4222, opts.Port, "clients use 4222 (EPITAPH_NATS_URL)")
+		require.Equal(t, 8222, opts.HTTPPort, "the compose health check calls :8222/healthz")
+		require.True(t, opts.JetStream)
+		require.Equal(t, "/data", opts.StoreDir, "the compose volume is mounted at /data")
+		require.Equal(t, int32(1<<20), opts.MaxPayload)
+		require.Equal(t, "epitaph", opts.Cluster.Name)
+		require.Equal(t, 6222, opts.Cluster.Port)
+		var routeHosts []string
+		for i, r := range opts.Routes {
+			require.Equal(t, "6222", r.Port())
+			routeHosts = append(routeHosts, r.Hostname())
+			// Move the route to the loopback port of the node it names.
+			port, ok := clusterPorts[r.Hostname()]
+			require.True(t, ok, "route to %s, which is not a compose NATS node", r)
+			opts.Routes[i] = &url.URL{Scheme: "nats", Host: fmt.Sprintf("127.0.0.1:%d", port)}
+		}
+		require.ElementsMatch(t, nodes, routeHosts, "every node routes to every node")
+
+		port, err := testenv.FreePort()
+		require.NoError(t, err)
+		opts.Host, opts.Port = "127.0.0.1", port
+		opts.HTTPPort = 0
+		opts.Cluster.Host, opts.Cluster.Port = "127.0.0.1", clusterPorts[n]
+		opts.StoreDir = t.TempDir()
+		// The test machine's disk, not the production volume.
+		opts.JetStreamMaxStore = 256 << 20
+		opts.NoLog, opts.NoSigs = true, true
+
+		s, err := server.NewServer(opts)
+		require.NoError(t, err, n)
+		go s.Start()
+		t.Cleanup(s.Shutdown)
+		require.True(t, s.ReadyForConnections(20*time.Second), "%s ready", n)
+		servers = append(servers, s)
+		clientURLs = append(clientURLs, s.ClientURL())
+	}
+
+	nc, err := nats.Connect(strings.Join(clientURLs, ","), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	// The meta leader is elected after the routes connect: retry until then.
+	var stream jetstream.Stream
+	require.Eventually(t, func() bool {
+		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+		defer ccancel()
+		stream, err = js.CreateStream(cctx, jetstream.StreamConfig{
+			Name:     "EPITAPH_DEPLOYTEST",
+			Subjects: []string{"epitaph.deploytest.>"},
+			Storage:  jetstream.FileStorage,
+			Replicas: 3,
+		})
+		return err == nil
+	}, time.Minute, 250*time.Millisecond, "three-replica stream on the cluster: %v", err)
+
+	for i := range 10 {
+		_, err := js.Publish(ctx, fmt.Sprintf("epitaph.deploytest.%d.delete", i%3), fmt.Appendf(nil, `{"seq":%d}`, i))
+		require.NoError(t, err)
+	}
+	info, err := stream.Info(ctx)
+	require.NoError(t, err)
+	require.NotNil(t, info.Cluster)
+	require.Equal(t, "epitaph", info.Cluster.Name)
+	require.NotEmpty(t, info.Cluster.Leader)
+	require.Len(t, info.Cluster.Replicas, 2, "two followers besides the leader")
+	require.Equal(t, uint64(10), info.State.Msgs)
+
+	// Lose the leader's node: the other two still hold every message.
+	leader := info.Cluster.Leader
+	for _, s := range servers {
+		if s.Name() == leader {
+			s.Shutdown()
+		}
+	}
+	require.Eventually(t, func() bool {
+		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+		defer ccancel()
+		st, err := js.Stream(cctx, "EPITAPH_DEPLOYTEST")
+		if err != nil {
+			return false
+		}
+		info, err := st.Info(cctx)
+		if err != nil || info.Cluster == nil || info.Cluster.Leader == "" || info.Cluster.Leader == leader {
+			return false
+		}
+		msg, err := st.GetMsg(cctx, 10)
+		return err == nil && string(msg.Data) == `{"seq":9}` && info.State.Msgs == 10
+	}, time.Minute, 250*time.Millisecond, "stream readable with a new leader after %s is gone", leader)
+}
