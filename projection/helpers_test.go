@@ -210,3 +210,26 @@ func orderRows(orderID, lines int) []row {
 	}
 	return rows
 }
+
+// metricSum adds up every series of a metric family in the service's
+// registry.
+func metricSum(t *testing.T, s *projection.Service, name string) float64 {
+	t.Helper()
+	mfs, err := s.Registry().Gather()
+	require.NoError(t, err)
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			switch {
+			case m.Counter != nil:
+				sum += m.Counter.GetValue()
+			case m.Gauge != nil:
+				sum += m.Gauge.GetValue()
+			}
+		}
+	}
+	return sum
+}

@@ -180,13 +180,17 @@ func (w *partitionWorker) verify(ctx context.Context) (rewound bool, err error) 
 	if w.pos.Cursor == 0 {
 		return false, nil
 	}
-	raw, err := w.stream.GetMsg(ctx, w.pos.Cursor)
-	if err == nil {
-		if identityOf(raw.Header, raw.Data) == w.pos.MsgID || w.pos.MsgID == "" {
-			return false, nil
+	var raw *jetstream.RawStreamMsg
+	if w.pos.MsgID != "" {
+		var err error
+		raw, err = w.stream.GetMsg(ctx, w.pos.Cursor)
+		if err == nil {
+			if identityOf(raw.Header, raw.Data) == w.pos.MsgID {
+				return false, nil
+			}
+		} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return false, fmt.Errorf("read message at cursor %d: %w", w.pos.Cursor, err)
 		}
-	} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
-		return false, fmt.Errorf("read message at cursor %d: %w", w.pos.Cursor, err)
 	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {
@@ -198,8 +202,10 @@ func (w *partitionWorker) verify(ctx context.Context) (rewound bool, err error) 
 		return true, w.rewind(ctx, first, last, fmt.Sprintf("cursor %d is past the stream's last sequence %d", w.pos.Cursor, last))
 	case raw != nil:
 		return true, w.rewind(ctx, first, last, fmt.Sprintf("another message sits at cursor %d", w.pos.Cursor))
-	case w.pos.Cursor < first:
-		return false, nil // purged or aged out
+	case w.pos.Cursor < first || w.pos.MsgID == "":
+		// Purged or aged out; or the identity at the cursor is unknown
+		// (after a rewind onto a deleted sequence) and cannot be checked.
+		return false, nil
 	default:
 		return true, w.rewind(ctx, first, last, fmt.Sprintf("the message at cursor %d is gone", w.pos.Cursor))
 	}
