@@ -2,12 +2,14 @@ package snapshot_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -84,4 +86,47 @@ func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
 	stats, err := snapshot.GetStats(e.ctx, e.pool, e.schema)
 	require.NoError(t, err)
 	require.Equal(t, int64(2), stats.Pending)
+}
+
+// Versions built side by side: one batcher serves every version schema.
+func TestBatcherServesEveryVersionSchema(t *testing.T) {
+	t.Parallel()
+	e1 := setup(t)
+	testenv.Exec(t, e1.url, fmt.Sprintf(archiveRowsDDL, "archive_v2"))
+	require.NoError(t, snapshot.Migrate(e1.ctx, e1.pool, "archive_v2"))
+	e2 := *e1
+	e2.schema = "archive_v2"
+
+	e1.seedOrder(t, 1, 1)
+	s := e1.begin(t)
+	s.deleteOrder(t, 1)
+	require.Equal(t, 1, s.apply(t, orderRoots))
+	s.e = &e2 // the same transaction, applied by version 2 as well
+	s.tx = nil
+	tx, err := e2.pool.Begin(e2.ctx)
+	require.NoError(t, err)
+	s.archive(t, tx, s.rows)
+	n, err := snapshot.CreateJobs(e2.ctx, tx, "archive_v2", &s.commit, orderRoots)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.NoError(t, tx.Commit(e2.ctx))
+
+	reg := prometheus.NewRegistry()
+	b, err := snapshot.NewBatcher(e1.pool, snapshot.BatcherConfig{
+		Schemas:  func(context.Context) ([]string, error) { return []string{"archive_v1", "archive_v2"}, nil },
+		Interval: 20 * time.Millisecond, StatsInterval: 20 * time.Millisecond, Registerer: reg,
+	})
+	require.NoError(t, err)
+	require.NoError(t, b.Start(e1.ctx))
+	defer b.Stop()
+	require.Eventually(t, func() bool {
+		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 2
+	}, 30*time.Second, 20*time.Millisecond)
+	for _, schema := range []string{"archive_v1", "archive_v2"} {
+		list, err := snapshot.Show(e1.ctx, e1.pool, schema, s.correlationID())
+		require.NoError(t, err)
+		require.Len(t, list, 1)
+		require.Equal(t, snapshot.StatusComplete, list[0].Status, schema)
+	}
+	require.Zero(t, gauge(t, reg, "epitaph_projector_snapshot_oldest_pending_age_seconds", ""))
 }

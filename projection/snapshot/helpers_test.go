@@ -216,7 +216,7 @@ func (s *sourceTx) archive(t *testing.T, tx pgx.Tx, rows []*archived) {
 		require.NoError(t, err)
 		cols, err := json.Marshal(a.Columns)
 		require.NoError(t, err)
-		_, err = tx.Exec(s.e.ctx, `INSERT INTO archive_v1.rows
+		_, err = tx.Exec(s.e.ctx, `INSERT INTO `+pgx.Identifier{s.e.schema, "rows"}.Sanitize()+`
 			(source, schema_name, table_name, key, row, identity, correlation_id, is_root, xid,
 			 commit_lsn, commit_time, seq, refs, columns)
 			VALUES ($1, $2, $3, $4, $5, 'full', $6, false, $7, $8::pg_lsn, $9, $10, $11, $12)`,
