@@ -23,6 +23,7 @@ func TestMain(m *testing.M) { testenv.Main(m) }
 // env is one test's source database and JetStream server.
 type env struct {
 	db   string
+	slot string // slots are per server: one per test database
 	nats *testenv.NATS
 	js   jetstream.JetStream
 }
@@ -30,6 +31,7 @@ type env struct {
 func setup(t *testing.T) *env {
 	t.Helper()
 	e := &env{db: testenv.NewDatabase(t), nats: testenv.NewNATS(t)}
+	e.slot = dbName(t, e.db)
 	_, e.js = e.nats.Connect(t)
 	return e
 }
@@ -48,6 +50,7 @@ func testLogger(t *testing.T) *slog.Logger {
 func (e *env) config() Config {
 	return Config{
 		SourceURL:          e.db,
+		SlotName:           e.slot,
 		NATSURL:            e.nats.URL,
 		Partitions:         4,
 		HeartbeatInterval:  -1,
@@ -220,7 +223,7 @@ func TestDeleteIsPublished(t *testing.T) {
 
 	// The slot is confirmed past the transaction once it is acknowledged.
 	require.Eventually(t, func() bool {
-		l, err := event.ParseLSN(queryString(t, e.db, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'epitaph'`))
+		l, err := event.ParseLSN(queryString(t, e.db, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, e.slot))
 		return err == nil && l > d.CommitLSN
 	}, 30*time.Second, 50*time.Millisecond)
 	st := svc.CurrentStatus()

@@ -120,24 +120,24 @@ func TestSetupErrors(t *testing.T) {
 		requireFix(t, err, "public.nokey has no usable replica identity", "--set-replica-identity-full")
 	})
 	t.Run("slot active elsewhere", func(t *testing.T) {
-		e.start(t, func(c *Config) { c.Tables = []string{"owned_by_postgres"}; c.SlotName = "busy" })
+		e.start(t, func(c *Config) { c.Tables = []string{"owned_by_postgres"}; c.SlotName = e.slot + "_busy" })
 		err := e.startErr(t, func(c *Config) {
 			c.Tables = []string{"owned_by_postgres"}
-			c.SlotName = "busy"
+			c.SlotName = e.slot + "_busy"
 			c.SourceName = "second"
 		})
-		requireFix(t, err, `replication slot "busy" is active in process`, "another --slot")
+		requireFix(t, err, "is active in process", "another --slot")
 	})
 	t.Run("partition count differs", func(t *testing.T) {
 		svc := e.start(t, func(c *Config) {
 			c.Tables = []string{"owned_by_postgres"}
-			c.SlotName = "parts"
+			c.SlotName = e.slot + "_parts"
 			c.SourceName = "parts"
 		})
 		svc.Stop()
 		err := e.startErr(t, func(c *Config) {
 			c.Tables = []string{"owned_by_postgres"}
-			c.SlotName = "parts"
+			c.SlotName = e.slot + "_parts"
 			c.SourceName = "parts"
 			c.Partitions = 8
 		})

@@ -103,16 +103,18 @@ WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p
   AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
 ORDER BY n.nspname, c.relname`
 
-// sqlLeafIdentity returns the replica identity facts of the relations whose
-// old rows are logged for deletes on $1: the table itself, or the leaf
-// partitions of a partitioned table.
+// sqlLeafIdentity returns the replica identity facts of the relations that
+// decide what a delete on $1 publishes: the table itself and, for a
+// partitioned table, its leaf partitions (whose identity decides what the
+// WAL holds; the parent's decides whether pgoutput sends it as a whole row,
+// publish_via_partition_root).
 const sqlLeafIdentity = `
 SELECT n.nspname, c.relname, c.relreplident::text,
   EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
   EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident),
   pg_has_role(c.relowner, 'USAGE')
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE c.oid = $1::oid AND c.relkind = 'r'
+WHERE c.oid = $1::oid
    OR c.oid IN (SELECT relid FROM pg_partition_tree($1::oid::regclass) WHERE isleaf AND relid <> $1::oid)`
 
 func scanTables(rows pgx.Rows) ([]*tableInfo, error) {
@@ -161,9 +163,6 @@ func loadIdentity(ctx context.Context, pool *pgxpool.Pool, t *tableInfo) error {
 	}
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("read replica identity of %s: %w", t.qualified(), err)
-	}
-	if n == 0 && t.kind == 'p' { // a partitioned table with no partitions yet
-		t.identity = "key"
 	}
 	return nil
 }
