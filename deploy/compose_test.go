@@ -201,7 +201,7 @@ func TestComposeWiring(t *testing.T) {
 		require.NotNil(t, s.Build, "%s: built from the repository", name)
 		require.Equal(t, "epitaph:dev", s.Image)
 		for k, v := range s.Environment {
-			require.True(t, strings.HasPrefix(k, "EPITAPH_"), "%s: %s is not an Epitaph setting", name, k)
+			requireReadsEnv(t, s.Command[0], k, name)
 			v = interpolate(v)
 			switch k {
 			case "EPITAPH_SOURCE_URL", "EPITAPH_TARGET_URL":
@@ -250,10 +250,8 @@ func TestComposeWiring(t *testing.T) {
 	require.GreaterOrEqual(t, projectors, 2, "two projector workers")
 	require.Equal(t, "3", c.Services["capture"].Environment["EPITAPH_REPLICAS"])
 	require.Equal(t, "true", c.Services["capture"].Environment["EPITAPH_STANDBY"])
-	require.Len(t, partitions, projectors+1, "capture and every worker set EPITAPH_PARTITIONS")
-	for name, p := range partitions {
-		require.Equal(t, partitions["capture"], p, "%s disagrees with the capture on EPITAPH_PARTITIONS", name)
-	}
+	// P belongs to the capture (the stream keeps it; projectors read it there).
+	require.Equal(t, map[string]string{"capture": "8"}, partitions)
 
 	// Prometheus and Grafana see the files they are configured with.
 	prom := c.Services["prometheus"]
@@ -401,4 +399,54 @@ func TestDockerfile(t *testing.T) {
 	require.Equal(t, want[1:], got[1:], "Dockerfile Go version vs go.mod")
 	require.Contains(t, string(df), "CGO_ENABLED=0", "static binaries for the alpine stage")
 	require.Regexp(t, `(?m)^USER \d+`, string(df), "the image does not run as root")
+}
+
+// pendingEnv are settings the deployment files already use for behaviour
+// issue 7 asks of the code and the code does not have yet. While a binary
+// does not read one, it is ignored; once it does, the entry is harmless.
+var pendingEnv = map[string]string{
+	"EPITAPH_STANDBY": "capture standby: wait for the lease instead of failing when the slot is in use",
+}
+
+var envNameRe = regexp.MustCompile(`"(EPITAPH_[A-Z0-9_]+)"`)
+
+// binaryEnv returns the EPITAPH_* variables a binary's main package names,
+// read from its source (the Dockerfile says which cmd/ directory builds it).
+func binaryEnv(t *testing.T, binary string) map[string]bool {
+	t.Helper()
+	df, err := os.ReadFile("Dockerfile")
+	require.NoError(t, err)
+	var dir string
+	for _, m := range dockerOutRe.FindAllStringSubmatch(string(df), -1) {
+		if m[1] == binary {
+			dir = filepath.Join("..", m[2])
+		}
+	}
+	require.NotEmpty(t, dir, "the Dockerfile does not build %s", binary)
+	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+	require.NoError(t, err)
+	names := map[string]bool{}
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		require.NoError(t, err)
+		for _, m := range envNameRe.FindAllStringSubmatch(string(src), -1) {
+			names[m[1]] = true
+		}
+	}
+	require.NotEmpty(t, names, "%s reads no EPITAPH_* variable?", dir)
+	return names
+}
+
+// requireReadsEnv fails unless binary reads the variable: a setting in a
+// deployment file that the program ignores is a silent misconfiguration.
+func requireReadsEnv(t *testing.T, binary, variable, where string) {
+	t.Helper()
+	require.True(t, strings.HasPrefix(variable, "EPITAPH_"), "%s: %s is not an Epitaph setting", where, variable)
+	if _, pending := pendingEnv[variable]; pending {
+		return
+	}
+	require.True(t, binaryEnv(t, binary)[variable], "%s: %s sets %s, which it does not read", where, binary, variable)
 }

@@ -186,6 +186,8 @@ func TestKubernetesManifests(t *testing.T) {
 		}
 	}
 
+	// ConfigMap key -> binaries that get it through envFrom.
+	configReaders := map[string][]string{}
 	deployments := byKind(objs, "Deployment")
 	require.Len(t, deployments, 2)
 	podLabels := map[string]map[string]string{}
@@ -213,7 +215,7 @@ func TestKubernetesManifests(t *testing.T) {
 				ports[str(pm["name"])] = pm["containerPort"].(int)
 			}
 			for name, e := range containerEnv(c) {
-				require.True(t, strings.HasPrefix(name, "EPITAPH_"), "%s: env %s", d, name)
+				requireReadsEnv(t, str(cmd[0]), name, d.String())
 				if strings.HasSuffix(name, "_URL") && name != "EPITAPH_NATS_URL" {
 					require.Nil(t, e["value"], "%s: %s must come from a Secret, not inline", d, name)
 					require.Equal(t, "epitaph-db", str(dig(e, "valueFrom", "secretKeyRef", "name")), "%s: %s", d, name)
@@ -223,6 +225,9 @@ func TestKubernetesManifests(t *testing.T) {
 			for _, ef := range list(c["envFrom"]) {
 				ref := str(dig(ef, "configMapRef", "name"))
 				require.Contains(t, configMaps, ref, "%s: envFrom an unknown ConfigMap", d)
+				for key := range configMaps[ref] {
+					configReaders[key] = append(configReaders[key], str(cmd[0]))
+				}
 			}
 			if str(c["name"]) != "migrate" {
 				addr := str(dig(containerEnv(c)["EPITAPH_METRICS_ADDR"], "value"))
@@ -236,6 +241,16 @@ func TestKubernetesManifests(t *testing.T) {
 			}
 		}
 		containerPorts[d.name()] = ports
+	}
+
+	// Every shared setting is read by at least one program that gets it.
+	for _, cm := range configMaps {
+		for key := range cm {
+			readers := configReaders[key]
+			require.NotEmpty(t, readers, "config key %s reaches no container", key)
+			read := slices.ContainsFunc(readers, func(b string) bool { return binaryEnv(t, b)[key] })
+			require.True(t, read, "config key %s is read by none of %v", key, readers)
+		}
 	}
 
 	capture := byName(t, objs, "Deployment", "epitaph-capture")
