@@ -14,6 +14,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -108,7 +109,14 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 
 	// Rows, set-based; a rejected row is isolated by bisection.
 	err = isolate(ctx, tx, rows, func(sp pgx.Tx, part []*archiveRow) error {
-		return insertRows(ctx, sp, v.Schema, part)
+		inserted, err := insertRows(ctx, sp, v.Schema, part)
+		if err != nil || len(inserted) == 0 || s.extraDDL == nil {
+			return err
+		}
+		// Rows arriving for a transaction whose snapshot jobs exist (a
+		// replayed or re-published event): rebuild those snapshots.
+		_, err = snapshot.Invalidate(ctx, sp, v.Schema, inserted)
+		return err
 	}, func(r *archiveRow, err error) error {
 		cat, _ := quarantine.Classify(err)
 		r.item.category, r.item.failure = string(cat), err

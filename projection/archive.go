@@ -163,7 +163,8 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text
             $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
           commit_lsn, commit_time, seq, expires_at, refs, columns)
-ON CONFLICT (source, commit_lsn, seq) DO NOTHING`
+ON CONFLICT (source, commit_lsn, seq) DO NOTHING
+RETURNING correlation_id`
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -173,9 +174,10 @@ func nullableJSON(b json.RawMessage) *string {
 	return &s
 }
 
-// insertRows writes rows with one set-based statement. Idempotent: a row
+// insertRows writes rows with one set-based statement and returns the
+// distinct correlation ids of the rows actually inserted. Idempotent: a row
 // already archived (same source, commit_lsn, seq) is left as it is.
-func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) error {
+func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]string, error) {
 	n := len(rows)
 	var (
 		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -197,24 +199,36 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		if len(e.Refs) > 0 {
 			b, err := json.Marshal(e.Refs)
 			if err != nil {
-				return fmt.Errorf("encode refs: %w", err)
+				return nil, fmt.Errorf("encode refs: %w", err)
 			}
 			refs[i] = nullableJSON(b)
 		}
 		if len(e.Columns) > 0 {
 			b, err := json.Marshal(e.Columns)
 			if err != nil {
-				return fmt.Errorf("encode columns: %w", err)
+				return nil, fmt.Errorf("encode columns: %w", err)
 			}
 			cols[i] = nullableJSON(b)
 		}
 	}
-	_, err := tx.Exec(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
+	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
 		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols)
 	if err != nil {
-		return fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
-	return nil
+	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+	}
+	seen := map[string]bool{}
+	var out []string
+	for _, c := range inserted {
+		if !seen[c] {
+			seen[c] = true
+			out = append(out, c)
+		}
+	}
+	return out, nil
 }
 
 // markRootsSQL sets is_root for every row of the given transactions: a row

@@ -106,3 +106,26 @@ func TestArchiveRowsRootsAndExpiry(t *testing.T) {
 		require.NotZero(t, p.Cursor)
 	}
 }
+
+// The runtime creates snapshot jobs when it applies a commit, and the
+// batcher it runs completes them; archive.snapshots shows the live
+// version's documents.
+func TestSnapshotJobsThroughRuntime(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	cfg := e.config("w1")
+	cfg.SnapshotRoots = []string{"public.orders"}
+	e.start(cfg)
+	t1 := e.nextTx(append(orderRows(1, 2), orderRows(2, 1)...)...)
+	e.publish(t1)
+	c := e.conn()
+	eventually(t, 30*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive.snapshots WHERE status = 'complete'`) == 2
+	})
+	var lines int
+	require.NoError(t, c.QueryRow(context.Background(), `SELECT jsonb_array_length(payload->'children'->'public.order_lines')
+		FROM archive.snapshots WHERE root_key = '{"id":1}'`).Scan(&lines))
+	require.Equal(t, 2, lines)
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.snapshots WHERE correlation_id = $1 AND root_key = '{"id":2}'`,
+		event.CorrelationID(src, t1.xid, t1.lsn)))
+}

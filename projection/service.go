@@ -32,6 +32,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -55,6 +56,8 @@ type Service struct {
 	createJobs func(ctx context.Context, tx pgx.Tx, schema string, commit *event.Event, roots []string) (int, error)
 	// extraDDL adds per-version tables (snapshots) to a version's schema.
 	extraDDL func(schema string) string
+
+	batcher *snapshot.Batcher
 
 	objMu     sync.Mutex
 	objStores map[string]jetstream.ObjectStore
@@ -143,6 +146,12 @@ func (s *Service) Start(ctx context.Context) error {
 		s.log.Warn("quarantine metrics not registered", "err", err)
 	}
 	s.runCtx, s.cancel = context.WithCancel(ctx)
+	if err := s.startSnapshots(s.runCtx); err != nil {
+		s.cancel()
+		s.nc.Close()
+		s.pool.Close()
+		return fmt.Errorf("snapshot batcher: %w", err)
+	}
 	go s.run(s.runCtx)
 	return nil
 }
@@ -171,6 +180,7 @@ func (s *Service) Stop() {
 			<-w.done
 			leases = append(leases, w.lease)
 		}
+		s.batcher.Stop()
 		s.cancel()
 		<-s.stopped
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
