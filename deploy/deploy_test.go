@@ -262,3 +262,41 @@ func sortedKeys[V any](m map[string]V) []string {
 	sort.Strings(keys)
 	return keys
 }
+
+// TestExportedMetricsAreInTheCode: each metric of the contract is named in
+// the code of the module (outside deploy/ and tests), so a rename there
+// fails here instead of silently emptying an alert or a panel. A scrape of
+// a running system would also check labels; this catches renames.
+func TestExportedMetricsAreInTheCode(t *testing.T) {
+	t.Parallel()
+	found := map[string]bool{}
+	err := filepath.WalkDir("..", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			switch d.Name() {
+			case ".git", "deploy", "testdata", "node_modules":
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		src, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, m := range quotedMetricRe.FindAllStringSubmatch(string(src), -1) {
+			found[m[1]] = true
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	for _, m := range exportedMetrics {
+		require.True(t, found[m.name], "no Go code registers %s", m.name)
+	}
+}
+
+var quotedMetricRe = regexp.MustCompile(`"(epitaph_[a-z0-9_]+)"`)
