@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -42,7 +43,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 		}
 		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row}
 		if it.ev.RowRef != nil {
-			b, err := s.fetchObject(ctx, it.ev.RowRef)
+			b, err := s.objects.fetch(ctx, it.ev.RowRef)
 			if err != nil {
 				cat, permanent := quarantine.Classify(err)
 				if !permanent {
@@ -207,25 +208,40 @@ func isolate[T any](ctx context.Context, tx pgx.Tx, xs []T, fn func(pgx.Tx, []T)
 	return isolate(ctx, tx, xs[mid:], fn, bad)
 }
 
+// objectReader reads large rows from JetStream object stores, keeping the
+// bucket handles.
+type objectReader struct {
+	js     jetstream.JetStream
+	mu     sync.Mutex
+	stores map[string]jetstream.ObjectStore
+}
+
+func newObjectReader(js jetstream.JetStream) *objectReader {
+	return &objectReader{js: js, stores: map[string]jetstream.ObjectStore{}}
+}
+
 // fetchObject reads a large row from the object store and checks it.
 // A missing bucket or object, a digest mismatch or a body that is not a
 // JSON object are permanent (missing_payload); anything else is transient.
-func (s *Service) fetchObject(ctx context.Context, ref *event.ObjectRef) ([]byte, error) {
-	s.objMu.Lock()
-	obs, ok := s.objStores[ref.Bucket]
-	s.objMu.Unlock()
+func (o *objectReader) fetch(ctx context.Context, ref *event.ObjectRef) ([]byte, error) {
+	if o.js == nil {
+		return nil, fmt.Errorf("read object %s/%s: no JetStream connection", ref.Bucket, ref.Name)
+	}
+	o.mu.Lock()
+	obs, ok := o.stores[ref.Bucket]
+	o.mu.Unlock()
 	if !ok {
 		var err error
-		obs, err = s.js.ObjectStore(ctx, ref.Bucket)
+		obs, err = o.js.ObjectStore(ctx, ref.Bucket)
 		if errors.Is(err, jetstream.ErrBucketNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
 			return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object bucket %q not found", ref.Bucket))
 		}
 		if err != nil {
 			return nil, fmt.Errorf("open object bucket %q: %w", ref.Bucket, err)
 		}
-		s.objMu.Lock()
-		s.objStores[ref.Bucket] = obs
-		s.objMu.Unlock()
+		o.mu.Lock()
+		o.stores[ref.Bucket] = obs
+		o.mu.Unlock()
 	}
 	c, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()

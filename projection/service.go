@@ -59,8 +59,7 @@ type Service struct {
 
 	batcher *snapshot.Batcher
 
-	objMu     sync.Mutex
-	objStores map[string]jetstream.ObjectStore
+	objects *objectReader
 
 	mu         sync.Mutex
 	workers    map[progress.Key]*partitionWorker
@@ -86,9 +85,8 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	}
 	s := &Service{
 		cfg: cfg, log: o.logger, reg: o.registry, now: o.now,
-		objStores: map[string]jetstream.ObjectStore{},
-		workers:   map[progress.Key]*partitionWorker{},
-		stopped:   make(chan struct{}),
+		workers: map[progress.Key]*partitionWorker{},
+		stopped: make(chan struct{}),
 	}
 	s.metrics = newMetrics(o.registry)
 	s.createJobs, s.extraDDL = snapshotHooks()
@@ -142,6 +140,7 @@ func (s *Service) Start(ctx context.Context) error {
 		s.pool.Close()
 		return fmt.Errorf("jetstream: %w", err)
 	}
+	s.objects = newObjectReader(s.js)
 	if err := s.reg.Register(quarantine.NewCollector(s.pool, s.log)); err != nil {
 		s.log.Warn("quarantine metrics not registered", "err", err)
 	}
