@@ -14,7 +14,10 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -28,7 +31,7 @@ func init() {
 const quarantineUsage = `usage:
   projector quarantine list [--projection P] [--version N] [--category C] [--status open|replayed|discarded|all] [--limit N] [--json]
   projector quarantine show <id> [--payload] [--json]
-  projector quarantine replay <id> | --all [--projection P] [--version N] [--category C]
+  projector quarantine replay <id> | --all [--projection P] [--version N] [--category C] [--archive-ttl ..] [--snapshot-roots ..]
   projector quarantine discard <id> --reason R`
 
 func quarantineCmd(ctx context.Context, args []string, env *Env) error {
@@ -248,6 +251,7 @@ func quarantineReplay(ctx context.Context, args []string, env *Env) error {
 	c := commonFlags(fs, env)
 	f := filterFlags(fs)
 	all := fs.Bool("all", false, "replay every open entry (matching --projection/--version/--category)")
+	applier := replayApplier(fs, env)
 	pos, err := parseInterspersed(fs, args)
 	if err != nil {
 		return err
@@ -268,7 +272,7 @@ func quarantineReplay(ctx context.Context, args []string, env *Env) error {
 		return err
 	}
 	defer pool.Close()
-	apply, closeApply, err := replayApplier(ctx, c, env)
+	apply, closeApply, err := applier(ctx, c)
 	if err != nil {
 		return err
 	}
@@ -289,10 +293,34 @@ func quarantineReplay(ctx context.Context, args []string, env *Env) error {
 }
 
 // replayApplier returns the projector runtime's apply for replay: decode
-// with the current code and apply into the entry's version read model.
-// The runtime does not export one yet (see the quarantine helper's report:
-// projection must provide a quarantine.ApplyFunc built from a Config).
-func replayApplier(ctx context.Context, c *common, env *Env) (quarantine.ApplyFunc, func(), error) {
-	_, _, _ = ctx, c, env
-	return nil, nil, errors.New("replay is not available in this build: the projector runtime does not provide a replay apply yet")
+// with this build's decoder and apply into the entry's version read model
+// (archive rows, roots, snapshot jobs), with the same retention and
+// snapshot roots as `projector run`. JetStream is used only for large rows.
+func replayApplier(fs *flag.FlagSet, env *Env) func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
+	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), "archive retention per table, as for run (EPITAPH_ARCHIVE_TTL)")
+	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "snapshot roots, as for run (EPITAPH_SNAPSHOT_ROOTS)")
+	return func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
+		ttlMap, err := projection.ParseTTLs(*ttls)
+		if err != nil {
+			return nil, nil, err
+		}
+		var rootList []string
+		for _, r := range strings.Split(*roots, ",") {
+			if r = strings.TrimSpace(r); r != "" {
+				rootList = append(rootList, r)
+			}
+		}
+		cfg := projection.ReplayConfig{ArchiveTTL: ttlMap, SnapshotRoots: rootList}
+		closeFn := func() {}
+		nc, err := nats.Connect(c.natsURL, nats.Name("epitaph-projector quarantine replay"), nats.Timeout(5*time.Second))
+		if err != nil {
+			env.Logger.Warn("no JetStream connection: events with large rows (row_ref) cannot be replayed",
+				"nats", redact(c.natsURL), "err", err)
+		} else if js, err := jetstream.New(nc); err == nil {
+			cfg.JetStream, closeFn = js, nc.Close
+		} else {
+			nc.Close()
+		}
+		return projection.ReplayFunc(cfg), closeFn, nil
+	}
 }
