@@ -109,3 +109,52 @@ func TestSanitize(t *testing.T) {
 	require.LessOrEqual(t, len(long), 2010)
 	require.True(t, utf8.ValidString(long))
 }
+
+// Real server errors for bad row values: classified incompatible, and the
+// sanitized text keeps the SQLSTATE and the names but never the value.
+func TestSanitizeRealErrors(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := setup(t)
+	_, err := pool.Exec(ctx, `
+CREATE TYPE public.mood AS ENUM ('ok');
+CREATE TABLE public.t (
+    id   integer PRIMARY KEY,
+    n    integer NOT NULL DEFAULT 0 CHECK (n < 100),
+    m    public.mood,
+    d    date,
+    j    jsonb,
+    v    varchar(3)
+);
+INSERT INTO public.t (id) VALUES (1);`)
+	require.NoError(t, err)
+	cases := []struct{ sql, code string }{
+		{`INSERT INTO public.t (id) VALUES ('s3cr3t')`, "22P02"},
+		{`INSERT INTO public.t (id) VALUES (77777777777)`, "22003"},
+		{`INSERT INTO public.t (id, n) VALUES (2, NULL)`, "23502"},
+		{`INSERT INTO public.t (id, n) VALUES (77777, 555)`, "23514"},
+		{`INSERT INTO public.t (id) VALUES (1)`, "23505"},
+		{`INSERT INTO public.t (id, m) VALUES (3, 's3cr3t')`, "22P02"},
+		{`INSERT INTO public.t (id, d) VALUES (4, 's3cr3t')`, "22007"},
+		{`INSERT INTO public.t (id, j) VALUES (5, '{"a":"s3cr3t\u0000"}')`, "22P05"},
+		{`INSERT INTO public.t (id, v) VALUES (6, 's3cr3t')`, "22001"},
+		{`INSERT INTO public.t (id) VALUES ('s3"cr"3t')`, "22P02"},
+	}
+	for _, c := range cases {
+		_, err := pool.Exec(ctx, c.sql)
+		require.Error(t, err, c.sql)
+		wrapped := fmt.Errorf("apply public.t: %w", err)
+		cat, permanent := quarantine.Classify(wrapped)
+		require.True(t, permanent, c.sql)
+		require.Equal(t, quarantine.CategoryIncompatible, cat, c.sql)
+		s := quarantine.Sanitize(wrapped)
+		require.Contains(t, s, "(SQLSTATE "+c.code+")", c.sql)
+		require.True(t, strings.HasPrefix(s, "apply public.t: ERROR: "), s)
+		for _, secret := range []string{"s3cr3t", "cr", "77777", "555"} {
+			require.NotContains(t, s, secret, "%s -> %s", c.sql, s)
+		}
+		if c.code == "23502" {
+			require.Contains(t, s, `"n"`, "identifiers the server names are kept")
+		}
+	}
+}
