@@ -22,9 +22,10 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
-// publish sends the source transaction's deletes and commit to JetStream as
-// the capture does (subjects, message ids, headers).
-func (s *sourceTx) publish(t *testing.T, js jetstream.JetStream, partitions int) {
+// publish sends the given deletes of the source transaction (all when
+// none are given), then its commit, to JetStream as the capture does
+// (subjects, message ids, headers); withCommit false sends rows only.
+func (s *sourceTx) publish(t *testing.T, js jetstream.JetStream, partitions int, withCommit bool, rows ...*archived) {
 	t.Helper()
 	p := event.Partition(s.commit.CommitLSN, partitions)
 	send := func(subject, id string, ev *event.Event) {
@@ -37,19 +38,27 @@ func (s *sourceTx) publish(t *testing.T, js jetstream.JetStream, partitions int)
 		_, err = js.PublishMsg(s.e.ctx, m)
 		require.NoError(t, err)
 	}
-	for _, a := range s.rows {
+	if len(rows) == 0 {
+		rows = s.rows
+	}
+	for _, a := range rows {
 		send(event.DeleteSubject(s.commit.Source, p, a.Schema, a.Name), event.MsgID(s.commit.Source, s.commit.CommitLSN, a.Seq),
 			&event.Event{Op: event.OpDelete, Source: s.commit.Source, Schema: a.Schema, Table: a.Name,
 				XID: s.commit.XID, CommitLSN: s.commit.CommitLSN, CommitTime: s.commit.CommitTime, Seq: a.Seq,
 				Identity: event.IdentityFull, Columns: a.Columns, Key: a.Key, Row: a.Row, Refs: a.Refs})
 	}
+	if !withCommit {
+		return
+	}
 	commit := s.commit
 	send(event.CommitSubject(commit.Source, p), event.CommitMsgID(commit.Source, commit.CommitLSN), &commit)
 }
 
-// Real deletes, published as events, applied by the real projector runtime:
-// the snapshot is built from the archive rows the runtime wrote, and every
-// row in it restores to the deleted row.
+// Real deletes, published as events, applied by the real projector runtime,
+// which creates the jobs and runs the batcher: a transaction missing one
+// event stays pending (retried, no partial document); when the event
+// arrives after the commit the runtime invalidates the job and it is
+// rebuilt complete; every row in the documents restores to the deleted row.
 func TestThroughTheProjectorRuntime(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -71,10 +80,11 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	})
 	require.NoError(t, err)
 
+	reg := prometheus.NewRegistry()
 	svc, err := projection.New(projection.Config{
 		TargetURL: url, NATSURL: n.URL, SourceName: "main", WorkerID: "w1", SnapshotRoots: orderRoots,
 		LeaseTTL: 3 * time.Second, FetchWait: 100 * time.Millisecond,
-	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))), projection.WithRegistry(prometheus.NewRegistry()))
+	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))), projection.WithRegistry(reg))
 	require.NoError(t, err)
 	require.NoError(t, svc.Start(ctx))
 	defer svc.Stop()
@@ -87,36 +97,42 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	s.deleteOrder(t, 2)
 	s.del(t, "public.audit", "true")
 	require.NoError(t, s.tx.Commit(ctx))
-	s.publish(t, js, partitions)
+	late := s.rows[0] // a note of order 1: its event is held back
+	require.Equal(t, "public.line_notes", late.Table)
+	s.publish(t, js, partitions, true, s.rows[1:]...)
 
-	// The commit is applied once the runtime has marked the transaction's roots.
-	require.Eventually(t, func() bool {
-		var marked int
-		err := pool.QueryRow(ctx, `SELECT count(*) FROM archive_v1.rows WHERE correlation_id = $1 AND is_root IS NOT NULL`,
-			s.correlationID()).Scan(&marked)
-		return err == nil && marked == len(s.rows)
-	}, time.Minute, 50*time.Millisecond)
-
-	// What the runtime does when it applies the commit; idempotent if it
-	// already did.
-	require.NoError(t, snapshot.Migrate(ctx, pool, "archive_v1"))
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	_, err = snapshot.CreateJobs(ctx, tx, "archive_v1", &s.commit, orderRoots)
-	require.NoError(t, err)
-	require.NoError(t, tx.Commit(ctx))
-
-	require.Eventually(t, func() bool {
-		if _, err := snapshot.RunBatch(ctx, pool, snapshot.Config{Schema: "archive_v1"}); err != nil {
-			return false
+	snaps := func() map[string]snapshot.Snapshot {
+		list, err := snapshot.Show(ctx, pool, "archive", s.correlationID())
+		if err != nil {
+			return nil
 		}
-		snaps := e.show(t, s.correlationID())
-		return len(snaps) == 2 && snaps[`{"id":1}`].Status == snapshot.StatusComplete && snaps[`{"id":2}`].Status == snapshot.StatusComplete
+		out := map[string]snapshot.Snapshot{}
+		for _, x := range list {
+			out[compact(t, x.RootKey)] = x
+		}
+		return out
+	}
+	// The runtime made both jobs at the commit; its batcher tried them and
+	// found the group short.
+	require.Eventually(t, func() bool {
+		m := snaps()
+		return len(m) == 2 && m[`{"id":1}`].RetryCount >= 1
+	}, time.Minute, 50*time.Millisecond)
+	short := snaps()[`{"id":1}`]
+	require.Equal(t, snapshot.StatusPending, short.Status)
+	require.Nil(t, short.Payload)
+	require.Contains(t, short.FailureReason, "public.line_notes has 4 of 5 rows", "the group is the whole transaction")
+
+	// The held-back event arrives after the commit.
+	s.publish(t, js, partitions, false, late)
+	require.Eventually(t, func() bool {
+		m := snaps()
+		return len(m) == 2 && m[`{"id":1}`].Status == snapshot.StatusComplete && m[`{"id":2}`].Status == snapshot.StatusComplete
 	}, time.Minute, 50*time.Millisecond)
 
-	snaps := e.show(t, s.correlationID())
+	got := snaps()
 	for id, lines := range map[string]int{`{"id":1}`: 2, `{"id":2}`: 1} {
-		d := decodeDoc(t, snaps[id])
+		d := decodeDoc(t, got[id])
 		require.Len(t, d.Children["public.lines"], lines, id)
 		require.Len(t, d.Children["public.shipments"], 1, id)
 		require.Equal(t, 1+lines+(lines+1)+1, d.Meta.EntityCount, id)
@@ -142,4 +158,8 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 		}
 		walk(d.Root.Table, d.Root.Key, d.Root.Row, d.Children)
 	}
+	// The worker's registry carries the snapshot metrics.
+	require.Eventually(t, func() bool {
+		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 2
+	}, time.Minute, 100*time.Millisecond)
 }
