@@ -87,6 +87,27 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 		}
 	}
 
+	// Transactions complete in this page get their roots computed here and
+	// inserted with the rows (no second write); the others are marked in
+	// SQL when their commit is applied.
+	inPage := rootsInPage(rows, commits)
+
+	var err error
+	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, false)
+	if errors.Is(err, errCareful) {
+		// Something in the page is rejected: apply again, isolating it.
+		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, true)
+	}
+	return res, err
+}
+
+// errCareful says a page failed permanently without savepoints and must be
+// applied again with isolation.
+var errCareful = errors.New("page needs isolation")
+
+func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos, next progress.Position, items []*item,
+	rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, careful bool) (applyResult, error) {
+	res := applyResult{quarantined: map[string]int{}}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return res, fmt.Errorf("begin apply: %w", err)
@@ -109,7 +130,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	}
 
 	// Rows, set-based; a rejected row is isolated by bisection.
-	err = isolate(ctx, tx, rows, func(sp pgx.Tx, part []*archiveRow) error {
+	err = isolate(ctx, tx, careful, rows, func(sp pgx.Tx, part []*archiveRow) error {
 		inserted, err := insertRows(ctx, sp, v.Schema, part)
 		if err != nil || len(inserted) == 0 || s.extraDDL == nil {
 			return err
@@ -126,15 +147,20 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	if err != nil {
 		return res, err
 	}
-	// Commits complete their transactions: roots, then snapshot jobs.
-	var lsns []event.LSN
-	for _, c := range commits {
-		lsns = append(lsns, c.ev.CommitLSN)
+	// A row of a transaction complete in this page was rejected: its
+	// roots are recomputed in SQL from what is archived.
+	for _, r := range rows {
+		if r.item.category != "" && inPage[r.ev.CommitLSN] {
+			inPage[r.ev.CommitLSN] = false
+		}
 	}
-	err = isolate(ctx, tx, commits, func(sp pgx.Tx, part []*item) error {
-		ls := make([]event.LSN, len(part))
-		for i, c := range part {
-			ls[i] = c.ev.CommitLSN
+	// Commits complete their transactions: roots, then snapshot jobs.
+	err = isolate(ctx, tx, careful, commits, func(sp pgx.Tx, part []*item) error {
+		var ls []event.LSN
+		for _, c := range part {
+			if !inPage[c.ev.CommitLSN] {
+				ls = append(ls, c.ev.CommitLSN)
+			}
 		}
 		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, ls); err != nil {
 			return err
@@ -180,9 +206,18 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 // isolate runs fn on all of xs in a savepoint; when that fails permanently
 // it bisects, so that only the events that fail on their own are handed to
 // bad (and the rest are applied). Transient errors are returned at once.
-func isolate[T any](ctx context.Context, tx pgx.Tx, xs []T, fn func(pgx.Tx, []T) error, bad func(T, error) error) error {
+func isolate[T any](ctx context.Context, tx pgx.Tx, careful bool, xs []T, fn func(pgx.Tx, []T) error, bad func(T, error) error) error {
 	if len(xs) == 0 {
 		return nil
+	}
+	if !careful {
+		// Optimistic: no savepoint round trips; a permanent failure makes
+		// the caller redo the page carefully.
+		err := fn(tx, xs)
+		if _, permanent := quarantine.Classify(err); err != nil && permanent {
+			return fmt.Errorf("%w: %w", errCareful, err)
+		}
+		return err
 	}
 	sp, err := tx.Begin(ctx)
 	if err != nil {
@@ -202,10 +237,10 @@ func isolate[T any](ctx context.Context, tx pgx.Tx, xs []T, fn func(pgx.Tx, []T)
 		return bad(xs[0], err)
 	}
 	mid := len(xs) / 2
-	if err := isolate(ctx, tx, xs[:mid], fn, bad); err != nil {
+	if err := isolate(ctx, tx, true, xs[:mid], fn, bad); err != nil {
 		return err
 	}
-	return isolate(ctx, tx, xs[mid:], fn, bad)
+	return isolate(ctx, tx, true, xs[mid:], fn, bad)
 }
 
 // objectReader reads large rows from JetStream object stores, keeping the

@@ -152,17 +152,18 @@ type archiveRow struct {
 	ev        *event.Event
 	row       json.RawMessage // the row image (from the event or its object)
 	expiresAt *time.Time
+	isRoot    *bool // known when the whole transaction is in the page
 }
 
 const insertRowsSQL = `
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
-                     commit_lsn, commit_time, seq, expires_at, refs, columns)
+                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
-       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
-            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[])
+            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
-          commit_lsn, commit_time, seq, expires_at, refs, columns)
+          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
 RETURNING correlation_id`
 
@@ -185,6 +186,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		xids                                          = make([]int64, n)
 		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
 		seqs                                          = make([]int32, n)
+		roots                                         = make([]*bool, n)
 	)
 	for i, r := range rows {
 		e := r.ev
@@ -196,6 +198,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 			times[i] = &t
 		}
 		expires[i] = r.expiresAt
+		roots[i] = r.isRoot
 		if len(e.Refs) > 0 {
 			b, err := json.Marshal(e.Refs)
 			if err != nil {
@@ -212,7 +215,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 	}
 	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols)
+		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots)
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}

@@ -2,6 +2,7 @@ package projection_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -10,10 +11,22 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
+// Roots are computed in memory when a whole transaction is in one page,
+// and in SQL at its commit when it spans pages (batch size 2): the same.
 func TestArchiveRowsRootsAndExpiry(t *testing.T) {
 	t.Parallel()
+	for _, batch := range []int{500, 2} {
+		t.Run(fmt.Sprintf("batch=%d", batch), func(t *testing.T) {
+			t.Parallel()
+			testArchiveRowsRootsAndExpiry(t, batch)
+		})
+	}
+}
+
+func testArchiveRowsRootsAndExpiry(t *testing.T, batch int) {
 	e := newEnv(t, 4)
 	cfg := e.config("w1")
+	cfg.BatchSize = batch
 	cfg.ArchiveTTL = map[string]time.Duration{"public.order_lines": 24 * time.Hour, "*": 48 * time.Hour, "public.keep": 0}
 	delete(cfg.ArchiveTTL, "public.keep")
 	s := e.start(cfg)

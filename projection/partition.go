@@ -72,7 +72,8 @@ type partitionWorker struct {
 	pos     progress.Position
 	stream  jetstream.Stream
 	cons    jetstream.Consumer
-	applied uint64 // events applied by this worker (metrics)
+	next    chan page // the page being fetched in the background, if any
+	applied uint64    // events applied by this worker (metrics)
 }
 
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
@@ -98,6 +99,7 @@ func (w *partitionWorker) stopRequested() bool {
 // or when the lease is lost.
 func (w *partitionWorker) run(ctx context.Context) {
 	defer close(w.done)
+	defer w.dropPrefetch()
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 100 * time.Millisecond
 	bo.MaxInterval = w.svc.cfg.MaxBackoff
@@ -113,6 +115,9 @@ func (w *partitionWorker) run(ctx context.Context) {
 		}
 		if err == nil {
 			err = w.step(ctx)
+		}
+		if err != nil {
+			w.dropPrefetch()
 		}
 		switch {
 		case err == nil:
@@ -344,33 +349,77 @@ func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
 	return nil
 }
 
-// step fetches one page and applies it.
-func (w *partitionWorker) step(ctx context.Context) error {
+// page is one fetched and decoded page.
+type page struct {
+	items []*item
+	err   error
+}
+
+// fetchPage fetches up to a batch and decodes it.
+func (w *partitionWorker) fetchPage() page {
 	batch, err := w.cons.Fetch(w.svc.cfg.BatchSize, jetstream.FetchMaxWait(w.svc.cfg.FetchWait))
 	if err != nil {
-		return fmt.Errorf("fetch: %w", err)
+		return page{err: fmt.Errorf("fetch: %w", err)}
 	}
 	var items []*item
 	for m := range batch.Messages() {
 		md, err := m.Metadata()
 		if err != nil {
-			return fmt.Errorf("message metadata: %w", err)
+			return page{err: fmt.Errorf("message metadata: %w", err)}
 		}
-		items = append(items, &item{
+		it := &item{
 			msg: m, seq: md.Sequence.Stream, dseq: md.Sequence.Consumer, subject: m.Subject(),
 			headers: m.Headers(), data: m.Data(), stored: md.Timestamp,
-		})
+		}
+		it.id = identityOf(it.headers, it.data)
+		if ev, err := w.svc.cfg.Decoder.Decode(it.data); err != nil {
+			cat, _ := quarantine.Classify(err)
+			it.category, it.failure = string(cat), err
+		} else {
+			it.ev = ev
+		}
+		items = append(items, it)
 	}
 	if err := batch.Error(); err != nil {
 		if len(items) == 0 {
-			return fmt.Errorf("fetch: %w", err)
+			return page{err: fmt.Errorf("fetch: %w", err)}
 		}
 		w.log.Debug("fetch ended early", "err", err, "got", len(items))
 	}
-	if len(items) == 0 {
+	return page{items: items}
+}
+
+// step applies one page. While it is applied, the next page is fetched and
+// decoded in the background (it stays unacknowledged until applied; when
+// the partition resets, it is dropped and the consumer recreated).
+func (w *partitionWorker) step(ctx context.Context) error {
+	var p page
+	if w.next != nil {
+		p = <-w.next
+		w.next = nil
+	} else {
+		p = w.fetchPage()
+	}
+	if p.err != nil {
+		return p.err
+	}
+	if len(p.items) == 0 {
 		return w.idle(ctx)
 	}
-	return w.process(ctx, items)
+	if !w.stopRequested() {
+		next := make(chan page, 1)
+		w.next = next
+		go func() { next <- w.fetchPage() }()
+	}
+	return w.process(ctx, p.items)
+}
+
+// dropPrefetch waits for a background fetch and forgets its page.
+func (w *partitionWorker) dropPrefetch() {
+	if w.next != nil {
+		<-w.next
+		w.next = nil
+	}
 }
 
 // idle checks, while nothing arrives, that the consumer still exists and
@@ -435,16 +484,6 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	}
 	if raw.Sequence != fresh[0].seq {
 		return fmt.Errorf("page starts at %d but the partition continues at %d: %w", fresh[0].seq, raw.Sequence, errReset)
-	}
-	for _, it := range fresh {
-		it.id = identityOf(it.headers, it.data)
-		ev, err := w.svc.cfg.Decoder.Decode(it.data)
-		if err != nil {
-			cat, _ := quarantine.Classify(err)
-			it.category, it.failure = string(cat), err
-			continue
-		}
-		it.ev = ev
 	}
 	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh)
 	if err != nil {
