@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 )
 
 // Category classifies why a message could not be used. It is the category
@@ -123,8 +124,8 @@ func (e *Event) Validate() error {
 		if e.CommitLSN == 0 {
 			return decodeErr(CategoryInvalid, "delete: missing commit_lsn")
 		}
-		if e.Seq < 0 {
-			return decodeErr(CategoryInvalid, "delete: negative seq")
+		if e.Seq < 0 || e.Seq > math.MaxInt32 {
+			return decodeErr(CategoryInvalid, "delete: seq out of range")
 		}
 		switch e.Identity {
 		case IdentityFull, IdentityKey, IdentityNothing:
@@ -144,6 +145,9 @@ func (e *Event) Validate() error {
 	case OpTruncate:
 		if e.Schema == "" || e.Table == "" || e.CommitLSN == 0 {
 			return decodeErr(CategoryInvalid, "truncate: missing schema, table or commit_lsn")
+		}
+		if e.Seq < 0 || e.Seq > math.MaxInt32 {
+			return decodeErr(CategoryInvalid, "truncate: seq out of range")
 		}
 	case OpCommit:
 		if e.CommitLSN == 0 {

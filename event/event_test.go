@@ -136,6 +136,8 @@ func TestDecodeClassifies(t *testing.T) {
 		{"xid type", strings.Replace(valid, `"seq":0`, `"seq":0,"xid":"abc"`, 1), event.CategoryInvalid},
 		{"row not object", strings.Replace(valid, `{"id":1}`, `[1]`, 1), event.CategoryInvalid},
 		{"unknown op", strings.Replace(valid, `"delete"`, `"update"`, 1), event.CategoryInvalid},
+		{"seq beyond int32", strings.Replace(valid, `"seq":0`, `"seq":4294967296`, 1), event.CategoryInvalid},
+		{"negative seq", strings.Replace(valid, `"seq":0`, `"seq":-1`, 1), event.CategoryInvalid},
 		{"bad identity", strings.Replace(valid, `"full"`, `"most"`, 1), event.CategoryInvalid},
 		{"commit sums", `{"v":1,"op":"commit","source":"m","commit_lsn":"0/1","rows":3,"tables":{"a.b":1}}`, event.CategoryInvalid},
 	}
