@@ -344,8 +344,7 @@ func (s *Service) balanceVersion(ctx context.Context, v Version) error {
 		if excessSet[l.Key] {
 			continue
 		}
-		if w, ok := s.workers[l.Key]; ok {
-			w.lease.ExpiresAt = l.ExpiresAt
+		if _, ok := s.workers[l.Key]; ok {
 			continue
 		}
 		w := newPartitionWorker(s, v, l)
