@@ -1,17 +1,3 @@
-// Package projection is the projector runtime: partitioned workers that
-// apply the source's stream to versioned read models in the target
-// Postgres, and the built-in "archive" projection.
-//
-// Guarantees. Per partition of a projection version, a page of at most 500
-// events is applied in one target transaction together with the cursor's
-// compare-and-swap advance (package progress), then acknowledged to
-// JetStream: the Postgres cursor is the truth and the consumer is reset to
-// it whenever they differ. Applying is idempotent (a row's identity is
-// (source, commit_lsn, seq)), so delivery is at-least-once and the read
-// model holds every event exactly once. Transient failures retry with
-// exponential backoff; events that can never be applied are quarantined in
-// the same transaction and the partition moves on. A worker whose lease was
-// taken over cannot commit (fencing epoch) and stops.
 package projection
 
 import (
@@ -208,15 +194,28 @@ func (s *Service) run(ctx context.Context) {
 	bo.MaxElapsedTime = 0
 	balance := time.NewTimer(0)
 	defer balance.Stop()
-	status := time.NewTicker(s.cfg.StatusInterval)
-	defer status.Stop()
+	// Lag metrics are refreshed on their own goroutine: a slow stream or
+	// database must never delay lease renewal.
+	statusDone := make(chan struct{})
+	go func() {
+		defer close(statusDone)
+		t := time.NewTicker(s.cfg.StatusInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				s.refreshStatus(ctx)
+			}
+		}
+	}()
 	for {
 		select {
 		case <-ctx.Done():
 			s.wg()
+			<-statusDone
 			return
-		case <-status.C:
-			s.refreshStatus(ctx)
 		case <-balance.C:
 			if err := s.balance(ctx); err != nil {
 				if ctx.Err() != nil {

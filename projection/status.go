@@ -43,7 +43,8 @@ type VersionStatus struct {
 	Version    int    `json:"version"`
 	State      string `json:"state"`
 	// Health is the state, or "quarantined" (unresolved quarantine) or
-	// "unavailable" (a partition without a live lease) when that is worse.
+	// "unavailable" (a partition without a live lease, or failing 3 times
+	// in a row) when that is worse.
 	Health                  string            `json:"health"`
 	Schema                  string            `json:"schema"`
 	LagEvents               uint64            `json:"lag_events"`
@@ -88,6 +89,10 @@ type WorkerStatus struct {
 	HeartbeatAgeSeconds float64   `json:"heartbeat_age_seconds"`
 	Live                bool      `json:"live"`
 }
+
+// failingAttempts is how many consecutive failed attempts make a partition
+// count as failing (health "unavailable").
+const failingAttempts = 3
 
 // CollectStatus reads the status of every version of the projections of
 // source from the target database and the stream. It only reads; without
@@ -166,7 +171,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 			if r.SourceLSN != 0 {
 				ps.SourceLSN = r.SourceLSN.String()
 			}
-			if !ps.Leased {
+			if !ps.Leased || r.Attempts >= failingAttempts {
 				unavailable = true
 			}
 			if stream != nil {
