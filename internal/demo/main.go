@@ -1,0 +1,351 @@
+// Command demo is `make demo`: a throwaway PostgreSQL (or EPITAPH_SOURCE_URL),
+// the capture with its embedded JetStream, one projector, a small shop whose
+// application deletes through cascades and plain SQL, and then what a user
+// came for: the archived rows grouped by transaction, a snapshot document,
+// and the status. It stops everything it started.
+package main
+
+import (
+	"bytes"
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+)
+
+//go:embed shop.sql
+var shopSQL string
+
+// The application's deletes: what an ORM, a cascade or a batch job does.
+var workload = []struct{ what, sql string }{
+	{"cancel order 7 (cascades to its lines and shipment)", `DELETE FROM orders WHERE id = 7`},
+	{"remove one order line", `DELETE FROM order_lines WHERE id = 42`},
+	{"close customer 3 (cascades to its orders, their lines and shipments)", `DELETE FROM customers WHERE id = 3`},
+	{"purge unpaid orders placed before Nov 3", `DELETE FROM orders WHERE status = 'placed' AND placed_at < '2026-11-03'`},
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "demo:", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context) error {
+	dir, err := filepath.Abs(".demo")
+	if err != nil {
+		return err
+	}
+	_ = os.RemoveAll(dir)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	url := os.Getenv("EPITAPH_SOURCE_URL")
+	if url == "" {
+		step("starting a throwaway PostgreSQL (wal_level=logical)")
+		pg, err := testenv.StartPostgres()
+		if err != nil {
+			return err
+		}
+		defer func() { _ = pg.Stop(); _ = os.RemoveAll(filepath.Dir(pg.DataDir)) }()
+		if err := exec1(ctx, pg.URL("postgres"), "CREATE DATABASE shop"); err != nil {
+			return err
+		}
+		url = pg.URL("shop")
+	}
+	step("creating the shop schema and data (customers, orders, order_lines, shipments; ON DELETE CASCADE)")
+	if err := exec1(ctx, url, shopSQL); err != nil {
+		return fmt.Errorf("create shop (use an empty database): %w", err)
+	}
+
+	natsPort, _ := testenv.FreePort()
+	capMetrics, _ := testenv.FreePort()
+	projMetrics, _ := testenv.FreePort()
+	natsListen := fmt.Sprintf("127.0.0.1:%d", natsPort)
+	env := append(os.Environ(),
+		"EPITAPH_SOURCE_URL="+url, "EPITAPH_TARGET_URL="+url,
+		"EPITAPH_NATS_LISTEN="+natsListen, "EPITAPH_DATA_DIR="+filepath.Join(dir, "data"),
+		"EPITAPH_SNAPSHOT_ROOTS=public.orders,public.customers")
+
+	step("starting capture (embedded JetStream on " + natsListen + ")")
+	capture, err := startProc(ctx, dir, "capture", append(env, "EPITAPH_NATS_URL=", fmt.Sprintf("EPITAPH_METRICS_ADDR=127.0.0.1:%d", capMetrics)))
+	if err != nil {
+		return err
+	}
+	defer capture.stop()
+	if err := waitHTTP(ctx, fmt.Sprintf("http://127.0.0.1:%d/healthz", capMetrics), capture); err != nil {
+		return err
+	}
+	step("starting a projector worker")
+	projector, err := startProc(ctx, dir, "projector", append(env, "EPITAPH_NATS_URL=nats://"+natsListen,
+		fmt.Sprintf("EPITAPH_METRICS_ADDR=127.0.0.1:%d", projMetrics), "EPITAPH_WORKER_ID=demo-worker"), "run")
+	if err != nil {
+		return err
+	}
+	defer projector.stop()
+	if err := waitHTTP(ctx, fmt.Sprintf("http://127.0.0.1:%d/healthz", projMetrics), projector); err != nil {
+		return err
+	}
+
+	step("the application deletes (plain SQL; cascades do the rest)")
+	seeded, err := countShop(ctx, url)
+	if err != nil {
+		return err
+	}
+	for _, w := range workload {
+		n, err := execCount(ctx, url, w.sql)
+		if err != nil {
+			return fmt.Errorf("%s: %w", w.sql, err)
+		}
+		fmt.Printf("    %-70s DELETE %d\n", w.what, n)
+	}
+	left, err := countShop(ctx, url)
+	if err != nil {
+		return err
+	}
+	deleted := seeded - left
+
+	step(fmt.Sprintf("waiting for the archive to hold all %d deleted rows", deleted))
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		var n int64
+		err := queryRow(ctx, url, `SELECT count(*) FROM archive.rows`, &n)
+		if err == nil && n == deleted {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("archive holds %d rows after 2 minutes, want %d (logs in %s)", n, deleted, dir)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+
+	step("archived rows, grouped by the transaction that deleted them")
+	if err := printQuery(ctx, url, `
+SELECT correlation_id, to_char(commit_time, 'HH24:MI:SS.MS') AS committed, count(*) AS rows,
+       string_agg(DISTINCT table_name, ', ' ORDER BY table_name) AS tables,
+       count(*) FILTER (WHERE is_root) AS roots
+FROM archive.rows GROUP BY correlation_id, commit_time ORDER BY commit_time`); err != nil {
+		return err
+	}
+	step("one deleted order, restored from the archive as it was")
+	if err := printQuery(ctx, url, `
+SELECT table_name, key::text, row::text FROM archive.rows
+WHERE correlation_id = (SELECT correlation_id FROM archive.rows ORDER BY commit_time LIMIT 1)
+ORDER BY seq`); err != nil {
+		return err
+	}
+	step("the same order as a snapshot document (order with its lines and shipment)")
+	if err := waitSnapshot(ctx, url); err != nil {
+		return err
+	}
+	step("projector status")
+	out, err := exec.CommandContext(ctx, filepath.Join("bin", "projector"), "status", "--target-url", url, "--nats-url", "nats://"+natsListen).CombinedOutput()
+	fmt.Print(indent(string(out)))
+	if err != nil {
+		return fmt.Errorf("projector status: %w", err)
+	}
+	step(fmt.Sprintf("done: %d deleted rows archived; capture and projector stopped, database removed (logs were in %s)", deleted, dir))
+	return nil
+}
+
+func waitSnapshot(ctx context.Context, url string) error {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		var doc []byte
+		err := queryRow(ctx, url, `SELECT jsonb_pretty(payload)::bytea FROM archive.snapshots
+			WHERE status = 'complete' AND root_table = 'public.orders' AND root_key = '{"id":7}'`, &doc)
+		if err == nil {
+			fmt.Println(indent(string(doc)))
+			return nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) || time.Now().After(deadline) {
+			return fmt.Errorf("snapshot of order 7: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(300 * time.Millisecond):
+		}
+	}
+}
+
+type proc struct {
+	cmd  *exec.Cmd
+	name string
+	log  string
+	done chan error
+}
+
+func startProc(ctx context.Context, dir, name string, env []string, args ...string) (*proc, error) {
+	logPath := filepath.Join(dir, name+".log")
+	f, err := os.Create(logPath)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(filepath.Join("bin", name), args...)
+	cmd.Env = env
+	cmd.Stdout, cmd.Stderr = f, f
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s (run `make build` first): %w", name, err)
+	}
+	p := &proc{cmd: cmd, name: name, log: logPath, done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait(); f.Close() }()
+	return p, nil
+}
+
+func (p *proc) stop() {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(20 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+func waitHTTP(ctx context.Context, url string, p *proc) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case err := <-p.done:
+			log, _ := os.ReadFile(p.log)
+			return fmt.Errorf("%s exited: %v\n%s", p.name, err, log)
+		default:
+		}
+		if resp, err := http.Get(url); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	log, _ := os.ReadFile(p.log)
+	return fmt.Errorf("%s not healthy after 30s:\n%s", p.name, log)
+}
+
+func step(s string) { fmt.Printf("\n==> %s\n", s) }
+
+func indent(s string) string {
+	return "    " + strings.ReplaceAll(strings.TrimRight(s, "\n"), "\n", "\n    ") + "\n"
+}
+
+func exec1(ctx context.Context, url, sql string) error {
+	_, err := execCount(ctx, url, sql)
+	return err
+}
+
+func execCount(ctx context.Context, url, sql string) (int64, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return 0, fmt.Errorf("connect: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	tag, err := conn.Exec(ctx, sql)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
+}
+
+func queryRow(ctx context.Context, url, sql string, dst ...any) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	return conn.QueryRow(ctx, sql).Scan(dst...)
+}
+
+func countShop(ctx context.Context, url string) (int64, error) {
+	var n int64
+	err := queryRow(ctx, url, `SELECT (SELECT count(*) FROM customers) + (SELECT count(*) FROM orders)
+		+ (SELECT count(*) FROM order_lines) + (SELECT count(*) FROM shipments)`, &n)
+	return n, err
+}
+
+// printQuery prints a result set as an aligned table.
+func printQuery(ctx context.Context, url, sql string) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	rows, err := conn.Query(ctx, sql)
+	if err != nil {
+		return err
+	}
+	var table [][]string
+	var head []string
+	for _, f := range rows.FieldDescriptions() {
+		head = append(head, f.Name)
+	}
+	table = append(table, head)
+	for rows.Next() {
+		vals, err := rows.Values()
+		if err != nil {
+			return err
+		}
+		var r []string
+		for _, v := range vals {
+			s := fmt.Sprint(v)
+			if b, ok := v.([]byte); ok {
+				s = string(b)
+			}
+			if len(s) > 110 {
+				s = s[:107] + "..."
+			}
+			r = append(r, s)
+		}
+		table = append(table, r)
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	widths := make([]int, len(head))
+	for _, r := range table {
+		for i, c := range r {
+			widths[i] = max(widths[i], len(c))
+		}
+	}
+	var b bytes.Buffer
+	for i, r := range table {
+		b.WriteString("    ")
+		for j, c := range r {
+			fmt.Fprintf(&b, "%-*s  ", widths[j], c)
+		}
+		b.WriteString("\n")
+		if i == 0 {
+			b.WriteString("    ")
+			for j := range r {
+				b.WriteString(strings.Repeat("-", widths[j]) + "  ")
+			}
+			b.WriteString("\n")
+		}
+	}
+	fmt.Print(b.String())
+	return nil
+}
