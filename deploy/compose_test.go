@@ -307,18 +307,11 @@ func TestComposeConfigWithDockerCompose(t *testing.T) {
 // or invalid setting fails here instead of at `docker compose up`.
 func TestComposePostgresSettings(t *testing.T) {
 	t.Parallel()
-	c := loadCompose(t)
-	cmd := c.Services["postgres"].Command
-	require.Equal(t, "postgres", cmd[0])
+	lines := composePostgresSettings(t)
 	settings := map[string]string{}
-	var lines []string
-	for i := 1; i < len(cmd); i++ {
-		require.Equal(t, "-c", cmd[i], "postgres arguments are -c name=value pairs")
-		i++
-		name, value, ok := strings.Cut(cmd[i], "=")
-		require.True(t, ok, cmd[i])
-		settings[name] = value
-		lines = append(lines, fmt.Sprintf("%s = '%s'", name, value))
+	for _, l := range lines {
+		name, value, _ := strings.Cut(l, " = ")
+		settings[name] = strings.Trim(value, "'")
 	}
 	require.Equal(t, "logical", settings["wal_level"])
 	require.NotEmpty(t, settings["max_slot_wal_keep_size"], "the slot alerts need a limit to estimate invalidation")
@@ -355,6 +348,23 @@ func TestComposePostgresSettings(t *testing.T) {
 	// Drop it again so the private server's cleanup is not surprised.
 	_, err = conn.Exec(ctx, `DROP DATABASE archive`)
 	require.NoError(t, err)
+}
+
+// composePostgresSettings are the compose Postgres's `-c name=value`
+// arguments as postgresql.conf lines.
+func composePostgresSettings(t *testing.T) []string {
+	t.Helper()
+	cmd := loadCompose(t).Services["postgres"].Command
+	require.Equal(t, "postgres", cmd[0])
+	var lines []string
+	for i := 1; i < len(cmd); i++ {
+		require.Equal(t, "-c", cmd[i], "postgres arguments are -c name=value pairs")
+		i++
+		name, value, ok := strings.Cut(cmd[i], "=")
+		require.True(t, ok, cmd[i])
+		lines = append(lines, fmt.Sprintf("%s = '%s'", name, value))
+	}
+	return lines
 }
 
 var (

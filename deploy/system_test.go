@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	neturl "net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -58,7 +59,12 @@ func TestAlertRulesOnARunningSystem(t *testing.T) {
 	bcancel()
 	require.NoError(t, err)
 
-	url := testenv.NewDatabase(t) // source and target, the default setup
+	// A private Postgres with the compose file's settings, so the slot has
+	// the max_slot_wal_keep_size the slot alerts and panels need.
+	pg := testenv.NewPostgres(t)
+	require.NoError(t, pg.SetConfig(composePostgresSettings(t)...))
+	require.NoError(t, pg.Restart())
+	url := pg.NewDatabase(t) // source and target, the default setup
 	js := testenv.NewNATS(t)
 	testenv.Exec(t, url, `
 CREATE TABLE public.things (id integer PRIMARY KEY, name text NOT NULL);
@@ -204,6 +210,8 @@ INSERT INTO public.things SELECT i, 'thing ' || i FROM generate_series(1, 50) i;
 	require.NotEmpty(t, alerts[0].Labels["projection"])
 	require.NotEmpty(t, alerts[0].Labels["version"])
 	require.Contains(t, alerts[0].Annotations["summary"], alerts[0].Labels["projection"]+" v"+alerts[0].Labels["version"]+" is quarantining events")
+
+	checkDashboardQueries(t, ctx, prom)
 
 	// The capture dies.
 	capture.Kill()
@@ -378,4 +386,50 @@ func scrapeLabelNames(t *testing.T, ctx context.Context, addr string) map[string
 		out[name] = labels
 	}
 	return out
+}
+
+// emptyOnAHealthySystem are dashboard queries that rightly return nothing
+// on the system of TestAlertRulesOnARunningSystem.
+var emptyOnAHealthySystem = map[string]string{
+	"Transient errors": "no transient failure happened (the counter has no series yet)",
+}
+
+// checkDashboardQueries runs every query of the dashboard, as Grafana would
+// with "All" selected, against the running system's Prometheus: each must
+// succeed and show data, unless listed in emptyOnAHealthySystem.
+func checkDashboardQueries(t *testing.T, ctx context.Context, prom string) {
+	t.Helper()
+	d := loadDashboard(t)
+	type query struct{ panel, expr string }
+	var queries []query
+	for _, p := range allPanels(d.Panels) {
+		for _, tg := range p.Targets {
+			queries = append(queries, query{p.Title, concreteQuery(t, tg.Expr)})
+		}
+	}
+	require.NotEmpty(t, queries)
+	var empty []string
+	// Rates need two scrapes inside their window: retry for a while.
+	err := workload.WaitFor(ctx, 30*time.Second, time.Second, func(ctx context.Context) (bool, error) {
+		empty = empty[:0]
+		for _, q := range queries {
+			var resp struct {
+				Status string `json:"status"`
+				Data   struct {
+					Result []json.RawMessage `json:"result"`
+				} `json:"data"`
+			}
+			if err := promGet(ctx, prom, "/api/v1/query?query="+neturl.QueryEscape(q.expr), &resp); err != nil {
+				return false, fmt.Errorf("%s: %s: %w", q.panel, q.expr, err)
+			}
+			if resp.Status != "success" {
+				return false, fmt.Errorf("%s: %s: status %s", q.panel, q.expr, resp.Status)
+			}
+			if _, excused := emptyOnAHealthySystem[q.panel]; len(resp.Data.Result) == 0 && !excused {
+				empty = append(empty, q.panel+": "+q.expr)
+			}
+		}
+		return len(empty) == 0, nil
+	})
+	require.NoError(t, err, "dashboard queries without data on a running system:\n%s", strings.Join(empty, "\n"))
 }
