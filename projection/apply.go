@@ -24,6 +24,7 @@ type applyResult struct {
 	pos         progress.Position
 	applied     int
 	quarantined map[string]int
+	open        *openTx // the partition's transaction still open after the page
 }
 
 // apply writes a page of one partition into version v's read model and
@@ -32,7 +33,7 @@ type applyResult struct {
 // quarantined in that transaction and the partition moves past them; the
 // failing event is isolated with savepoints so the rest of the page applies.
 // Transient failures return an error and nothing is committed.
-func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item) (applyResult, error) {
+func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx) (applyResult, error) {
 	res := applyResult{quarantined: map[string]int{}}
 	// Large rows live in the object store: read them before the
 	// transaction opens so it is never held across NATS round trips.
@@ -91,12 +92,31 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	// inserted with the rows (no second write); the others are marked in
 	// SQL when their commit is applied.
 	inPage := rootsInPage(rows, commits)
+	// Rows of transactions spanning pages: decide what is certain now, the
+	// rest at their commit.
+	before := open
+	after := decideEarly(rows, inPage, open)
+	continuing := map[event.LSN]*openTx{}
+	if before != nil {
+		continuing[before.lsn] = before
+	}
+	if after != nil {
+		continuing[after.lsn] = after
+	}
 
 	var err error
-	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, false)
+	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, false)
 	if errors.Is(err, errCareful) {
 		// Something in the page is rejected: apply again, isolating it.
-		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, true)
+		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, true)
+	}
+	if err == nil {
+		res.open = after
+		for _, c := range commits {
+			if after != nil && c.ev.CommitLSN == after.lsn {
+				res.open = nil
+			}
+		}
 	}
 	return res, err
 }
@@ -106,7 +126,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 var errCareful = errors.New("page needs isolation")
 
 func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos, next progress.Position, items []*item,
-	rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, careful bool) (applyResult, error) {
+	rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, open map[event.LSN]*openTx, careful bool) (applyResult, error) {
 	res := applyResult{quarantined: map[string]int{}}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
@@ -149,20 +169,36 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	}
 	// A row of a transaction complete in this page was rejected: its
 	// roots are recomputed in SQL from what is archived.
+	full := map[event.LSN]bool{}
 	for _, r := range rows {
-		if r.item.category != "" && inPage[r.ev.CommitLSN] {
-			inPage[r.ev.CommitLSN] = false
+		if r.item.category == "" {
+			continue
+		}
+		inPage[r.ev.CommitLSN] = false
+		full[r.ev.CommitLSN] = true
+		if o := open[r.ev.CommitLSN]; o != nil {
+			o.full = true
 		}
 	}
 	// Commits complete their transactions: roots, then snapshot jobs.
 	err = isolate(ctx, tx, careful, commits, func(sp pgx.Tx, part []*item) error {
-		var ls []event.LSN
+		var undecided, all []event.LSN
 		for _, c := range part {
-			if !inPage[c.ev.CommitLSN] {
-				ls = append(ls, c.ev.CommitLSN)
+			lsn := c.ev.CommitLSN
+			switch o := open[lsn]; {
+			case inPage[lsn]:
+			case full[lsn] || o == nil || o.full:
+				// Started before this worker saw it, or a row of it was
+				// quarantined: decide every row again.
+				all = append(all, lsn)
+			default:
+				undecided = append(undecided, lsn)
 			}
 		}
-		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, ls); err != nil {
+		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, all, false); err != nil {
+			return err
+		}
+		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, undecided, true); err != nil {
 			return err
 		}
 		if s.createJobs == nil || len(s.cfg.SnapshotRoots) == 0 {

@@ -266,9 +266,12 @@ WITH tx AS (
 UPDATE %[1]s.rows r SET is_root = (n.seq IS NULL)
 FROM tx LEFT JOIN nonroot n ON n.commit_lsn = tx.commit_lsn AND n.seq = tx.seq
 WHERE r.source = $1 AND r.commit_lsn = tx.commit_lsn AND r.seq = tx.seq
-  AND r.is_root IS DISTINCT FROM (n.seq IS NULL)`
+  AND r.is_root IS DISTINCT FROM (n.seq IS NULL)
+  AND (NOT $3 OR r.is_root IS NULL)`
 
-func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []event.LSN) error {
+// markRoots decides is_root for the rows of the given transactions; with
+// onlyUndecided it leaves rows already decided on insert alone.
+func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []event.LSN, onlyUndecided bool) error {
 	if len(commits) == 0 {
 		return nil
 	}
@@ -276,7 +279,7 @@ func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []
 	for i, l := range commits {
 		lsns[i] = l.String()
 	}
-	if _, err := tx.Exec(ctx, fmt.Sprintf(markRootsSQL, ident(schema)), source, lsns); err != nil {
+	if _, err := tx.Exec(ctx, fmt.Sprintf(markRootsSQL, ident(schema)), source, lsns, onlyUndecided); err != nil {
 		return fmt.Errorf("mark roots of %d transactions in %s: %w", len(commits), schema, err)
 	}
 	return nil

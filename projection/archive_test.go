@@ -45,12 +45,18 @@ func testArchiveRowsRootsAndExpiry(t *testing.T, batch int) {
 				refs: []event.Ref{{Columns: []string{"parent_id"}, Schema: "public", Table: "categories", RefColumns: []string{"id"}}}},
 		)...)...)
 	e.publish(t2)
+	// Children before their parent (explicit deletes in that order).
+	rs3 := orderRows(3, 2)
+	t3 := e.nextTx(rs3[1], rs3[2], rs3[0])
+	e.publish(t3)
 	hb := e.heartbeat()
 
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool {
-		return count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root IS NOT NULL`) == 4+5
+		return count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root IS NOT NULL`) == 4+5+3
 	})
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.rows WHERE commit_lsn = $1::pg_lsn AND is_root`, t3.lsn.String()))
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.rows WHERE commit_lsn = $1::pg_lsn AND is_root AND table_name = 'orders'`, t3.lsn.String()))
 	ctx := context.Background()
 	type got struct {
 		table  string

@@ -73,6 +73,7 @@ type partitionWorker struct {
 	stream  jetstream.Stream
 	cons    jetstream.Consumer
 	next    chan page // the page being fetched in the background, if any
+	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
 }
 
@@ -165,6 +166,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 		return fmt.Errorf("init %s: epoch is %d, lease has %d: %w", w.lease.Key, row.Epoch, w.lease.Epoch, progress.ErrLostOwnership)
 	}
 	w.pos = row.Position
+	w.open = nil
 	w.stream, err = w.svc.js.Stream(ctx, event.StreamName(w.svc.cfg.SourceName))
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
@@ -485,10 +487,12 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	if raw.Sequence != fresh[0].seq {
 		return fmt.Errorf("page starts at %d but the partition continues at %d: %w", fresh[0].seq, raw.Sequence, errReset)
 	}
-	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh)
+	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh, w.open)
 	if err != nil {
+		w.open = nil
 		return err
 	}
+	w.open = res.open
 	last := fresh[len(fresh)-1]
 	if err := last.msg.Ack(); err != nil {
 		// The cursor is the truth; the consumer is reset to it if needed.

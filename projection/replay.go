@@ -81,14 +81,14 @@ func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 				return fmt.Errorf("replay: look up transaction: %w", err)
 			}
 			if committed {
-				if err := markRoots(ctx, tx, schema, ev.Source, []event.LSN{ev.CommitLSN}); err != nil {
+				if err := markRoots(ctx, tx, schema, ev.Source, []event.LSN{ev.CommitLSN}, false); err != nil {
 					return err
 				}
 			}
 			_, err = snapshot.Invalidate(ctx, tx, schema, inserted)
 			return err
 		case event.OpCommit:
-			if err := markRoots(ctx, tx, schema, ev.Source, []event.LSN{ev.CommitLSN}); err != nil {
+			if err := markRoots(ctx, tx, schema, ev.Source, []event.LSN{ev.CommitLSN}, false); err != nil {
 				return err
 			}
 			_, err := snapshot.CreateJobs(ctx, tx, schema, ev, cfg.SnapshotRoots)

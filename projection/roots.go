@@ -139,3 +139,93 @@ func keyOf(values map[string]json.RawMessage, cols []string) (string, bool) {
 	}
 	return b.String(), true
 }
+
+// openTx remembers, across pages, the primary keys of the rows already
+// applied of the partition's transaction that is not committed yet, so a
+// child whose parent came earlier is known to be no root when inserted. It
+// is an optimization only: what is not decided on insert (is_root NULL) is
+// decided in SQL when the commit is applied. It is dropped on any failure.
+type openTx struct {
+	lsn  event.LSN
+	keys map[string]struct{}
+	// full: decisions made so far may be wrong (a row of the transaction
+	// was quarantined); recompute every row at the commit.
+	full bool
+}
+
+// maxOpenKeys bounds the memory of one open transaction's keys.
+const maxOpenKeys = 200_000
+
+// decideEarly sets is_root on the rows of transactions not settled in the
+// page where that is already certain: true for a row without foreign keys,
+// false for a row whose parent (by primary key) came earlier in its
+// transaction. It returns the open transaction after the page (nil when the
+// page ends with a commit).
+func decideEarly(rows []*archiveRow, settled map[event.LSN]bool, open *openTx) *openTx {
+	yes, no := true, false
+	for _, r := range rows {
+		lsn := r.ev.CommitLSN
+		if settled[lsn] {
+			continue
+		}
+		if open == nil || open.lsn != lsn {
+			open = &openTx{lsn: lsn, keys: map[string]struct{}{}}
+		}
+		if len(r.ev.Refs) == 0 {
+			r.isRoot = &yes
+		} else if parentSeen(r, open) {
+			r.isRoot = &no
+		}
+		if len(open.keys) < maxOpenKeys {
+			if k, ok := pkKey(r); ok {
+				open.keys[k] = struct{}{}
+			}
+		}
+	}
+	return open
+}
+
+// pkKey is the row's identity under its primary key columns, in the form a
+// child's foreign key is looked up with.
+func pkKey(r *archiveRow) (string, bool) {
+	var cols []string
+	for _, c := range r.ev.Columns {
+		if c.PK {
+			cols = append(cols, c.Name)
+		}
+	}
+	if len(cols) == 0 || len(r.ev.Key) == 0 {
+		return "", false
+	}
+	var key map[string]json.RawMessage
+	if err := json.Unmarshal(r.ev.Key, &key); err != nil {
+		return "", false
+	}
+	k, ok := keyOf(key, cols)
+	if !ok {
+		return "", false
+	}
+	return specKey(r.ev.Schema, r.ev.Table, cols) + "\x01" + k, true
+}
+
+func parentSeen(r *archiveRow, open *openTx) bool {
+	if len(open.keys) == 0 {
+		return false
+	}
+	var values map[string]json.RawMessage
+	if err := json.Unmarshal(r.row, &values); err != nil {
+		return false
+	}
+	own, _ := pkKey(r)
+	for _, f := range r.ev.Refs {
+		k, ok := keyOf(values, f.Columns)
+		if !ok {
+			continue
+		}
+		pk := specKey(f.Schema, f.Table, f.RefColumns) + "\x01" + k
+		if _, found := open.keys[pk]; found && pk != own {
+			return true
+		}
+	}
+	return false
+}
