@@ -233,3 +233,12 @@ func TestDeleteIsPublished(t *testing.T) {
 	require.NoError(t, svc.Wait())
 	_ = json.Valid
 }
+
+func queryRow(t *testing.T, url, sql string, args []any, dest ...any) error {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	return conn.QueryRow(ctx, sql, args...).Scan(dest...)
+}

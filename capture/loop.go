@@ -97,6 +97,9 @@ func (st *streamer) run(ctx context.Context) error {
 		switch m := raw.(type) {
 		case *pgproto3.CopyData:
 			if err := st.handleCopyData(ctx, m.Data); err != nil {
+				if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+					return nil // stopped while waiting for the window: a soft stop
+				}
 				return err
 			}
 		case *pgproto3.ErrorResponse:

@@ -118,12 +118,10 @@ func (t *tracker) poll(now time.Time) error {
 				t.compact()
 				return nil
 			}
-			t.lastAckAt = now
-			t.futures--
-			t.bytes -= it.size
-		} else {
-			t.written0(it.lsn, now)
+			t.popFuture(now)
+			continue
 		}
+		t.written0(it.lsn, now)
 		t.q[t.head] = trackItem{}
 		t.head++
 	}
@@ -131,8 +129,8 @@ func (t *tracker) poll(now time.Time) error {
 	return nil
 }
 
-// waitFront blocks until the oldest publish is resolved (or ctx ends), then
-// polls.
+// waitFront blocks until the oldest publish is resolved (or ctx ends),
+// pops it, then polls the rest.
 func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 	for t.len() > 0 {
 		it := t.q[t.head]
@@ -144,6 +142,9 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 		}
 		select {
 		case <-it.fut.Ok():
+			// The ack is consumed from the channel here: pop the item now,
+			// poll would not see it again.
+			t.popFuture(now())
 			return t.poll(now())
 		case err := <-it.fut.Err():
 			return fmt.Errorf("publish %s: %w", it.what, err)
@@ -152,6 +153,15 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 		}
 	}
 	return nil
+}
+
+func (t *tracker) popFuture(now time.Time) {
+	it := t.q[t.head]
+	t.lastAckAt = now
+	t.futures--
+	t.bytes -= it.size
+	t.q[t.head] = trackItem{}
+	t.head++
 }
 
 // drain waits until nothing is in flight.
