@@ -256,6 +256,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
 		resuming: t.has, resume: t.pos, lastMsgID: t.msgID,
 	}
+	st.tr.safe, st.flushed = startLSN, startLSN
 	s.st = st
 	if plan.gap != "" {
 		from := t.pos.lsn

@@ -395,6 +395,11 @@ func (st *streamer) tick(force bool) error {
 
 func (st *streamer) sendStatus(now time.Time, safe event.LSN) error {
 	written := max(st.tr.written, safe)
+	if safe == 0 {
+		// pglogrepl sends the write position as flush when flush is 0, which
+		// would confirm what is not safe yet.
+		written = 0
+	}
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: pglogrepl.LSN(written),
 		WALFlushPosition: pglogrepl.LSN(safe),

@@ -192,7 +192,7 @@ func (t *tracker) compact() {
 func (t *tracker) safeLSN(now time.Time) event.LSN {
 	i := 0
 	for i < len(t.pending) && !t.pending[i].safeAt.After(now) {
-		t.safe = t.pending[i].lsn
+		t.safe = max(t.safe, t.pending[i].lsn)
 		i++
 	}
 	if i > 0 {
@@ -205,7 +205,7 @@ func (t *tracker) safeLSN(now time.Time) event.LSN {
 // been shut down cleanly (its files are synced).
 func (t *tracker) trustAll() {
 	if len(t.pending) > 0 {
-		t.safe = t.pending[len(t.pending)-1].lsn
+		t.safe = max(t.safe, t.pending[len(t.pending)-1].lsn)
 		t.pending = t.pending[:0]
 	}
 }
