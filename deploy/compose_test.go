@@ -409,6 +409,40 @@ func TestDockerfile(t *testing.T) {
 	require.Equal(t, want[1:], got[1:], "Dockerfile Go version vs go.mod")
 	require.Contains(t, string(df), "CGO_ENABLED=0", "static binaries for the alpine stage")
 	require.Regexp(t, `(?m)^USER \d+`, string(df), "the image does not run as root")
+
+	// The ignore file keeps nothing out that the build needs: go.mod,
+	// go.sum and every directory with Go code of the binaries.
+	ignore, err := os.ReadFile("Dockerfile.dockerignore")
+	require.NoError(t, err)
+	var patterns []string
+	for _, l := range strings.Split(string(ignore), "\n") {
+		if l = strings.TrimSpace(l); l != "" && !strings.HasPrefix(l, "#") {
+			patterns = append(patterns, l)
+		}
+	}
+	require.Contains(t, patterns, ".git")
+	needed := []string{"go.mod", "go.sum"}
+	out, err := exec.Command("go", "list", "-deps", "-f", "{{if not .Standard}}{{.Dir}}{{end}}", "../cmd/capture", "../cmd/projector").Output()
+	require.NoError(t, err)
+	root, err := filepath.Abs("..")
+	require.NoError(t, err)
+	for _, dir := range strings.Fields(string(out)) {
+		if rel, err := filepath.Rel(root, dir); err == nil && !strings.HasPrefix(rel, "..") {
+			needed = append(needed, filepath.ToSlash(rel))
+		}
+	}
+	require.Contains(t, needed, "cmd/capture")
+	for _, path := range needed {
+		parts := strings.Split(path, "/")
+		for i := range parts {
+			prefix := strings.Join(parts[:i+1], "/")
+			for _, p := range patterns {
+				matched, err := filepath.Match(strings.TrimPrefix(p, "**/"), prefix)
+				require.NoError(t, err)
+				require.False(t, matched, "Dockerfile.dockerignore pattern %q excludes %s, which the build needs", p, path)
+			}
+		}
+	}
 }
 
 // pendingEnv are settings the deployment files already use for behaviour
