@@ -199,8 +199,24 @@ func TestKubernetesManifests(t *testing.T) {
 		podLabels[d.name()] = labels
 		require.Equal(t, true, dig(d.doc, "spec", "template", "spec", "securityContext", "runAsNonRoot"), "%s", d)
 
+		volumes := map[string]bool{}
+		for _, v := range list(dig(d.doc, "spec", "template", "spec", "volumes")) {
+			volumes[str(dig(v, "name"))] = false
+		}
+		defer func() {
+			for v, used := range volumes {
+				require.True(t, used, "%s: volume %s is not mounted", d, v)
+			}
+		}()
+
 		ports := map[string]int{}
 		for _, c := range containers(d) {
+			for _, m := range list(c["volumeMounts"]) {
+				name := str(dig(m, "name"))
+				_, ok := volumes[name]
+				require.True(t, ok, "%s: mount of undeclared volume %s", d, name)
+				volumes[name] = true
+			}
 			image := str(c["image"])
 			require.True(t, slices.ContainsFunc(k.Images, func(i kustomizeImage) bool {
 				return strings.HasPrefix(image, i.Name+":")
