@@ -158,7 +158,7 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		}
 		st.rels[m.RelationID] = r
 	case *pglogrepl.TypeMessage:
-		st.cat.typeNames[m.DataType] = quoteIdent(m.Namespace) + "." + quoteIdent(m.Name)
+		st.cat.typeNames[m.DataType] = typeIdent(m.Namespace) + "." + typeIdent(m.Name)
 	case *pglogrepl.DeleteMessage:
 		return st.handleDelete(ctx, m)
 	case *pglogrepl.TruncateMessage:
@@ -428,4 +428,18 @@ func (st *streamer) finish(ctx context.Context) error {
 
 func quoteIdent(s string) string {
 	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
+}
+
+// typeIdent quotes an identifier only when needed, like format_type.
+func typeIdent(s string) string {
+	if s == "" {
+		return quoteIdent(s)
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c == '_' || i > 0 && (c >= '0' && c <= '9' || c == '$')) {
+			return quoteIdent(s)
+		}
+	}
+	return s
 }
