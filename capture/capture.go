@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net/url"
+	"os"
+	"path/filepath"
 	"regexp"
 	"sync"
 	"sync/atomic"
@@ -313,7 +316,7 @@ func (s *Service) runLoop(ctx context.Context) {
 }
 
 // softStop waits for the in-flight publishes and confirms what is safe. An
-// embedded broker is shut down first, which syncs its files, so every
+// embedded broker is shut down first and its files fsynced, so every
 // acknowledged position becomes safe.
 func (s *Service) softStop() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -325,7 +328,13 @@ func (s *Service) softStop() error {
 		s.nc.Close()
 		s.embed.Shutdown()
 		s.embed = nil
-		s.st.tr.trustAll()
+		// The server closes its files without fsync: sync them here, then
+		// everything acknowledged is durable and may be confirmed.
+		if err := syncTree(s.cfg.embeddedStoreDir()); err != nil {
+			s.log.Warn("sync embedded JetStream files; confirming only what is older than the sync interval", "err", err)
+		} else {
+			s.st.tr.trustAll()
+		}
 	}
 	if err := s.st.sendStatus(s.now(), s.st.tr.safeLSN(s.now())); err != nil {
 		return fmt.Errorf("stop: %w", err)
@@ -485,4 +494,25 @@ func RedactURL(s string) string {
 // redactErr strips anything that looks like a password from an error text.
 func redactErr(err error) string {
 	return RedactURL(passwordRE.ReplaceAllString(err.Error(), "${1}xxxxx"))
+}
+
+// syncTree fsyncs every file and directory under dir.
+func syncTree(dir string) error {
+	return filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if !d.IsDir() && !d.Type().IsRegular() {
+			return nil
+		}
+		f, err := os.Open(path)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := f.Sync(); err != nil {
+			return fmt.Errorf("fsync %s: %w", path, err)
+		}
+		return nil
+	})
 }

@@ -42,9 +42,9 @@
 // acknowledgements is older than BrokerSyncInterval: JetStream acknowledges
 // before it fsyncs, so a power loss can drop acknowledged messages, and the
 // slot must still hold them. The price is that the slot retains that much
-// more WAL and a restart re-reads up to that much. A clean stop of the
-// embedded broker syncs it, after which everything acknowledged is
-// confirmed. Any publish error stops the loop (Wait returns it): the
+// more WAL and a restart re-reads up to that much. On a clean stop the
+// embedded broker is shut down and its files fsynced, after which
+// everything acknowledged is confirmed. Any publish error stops the loop (Wait returns it): the
 // process restarts and nothing is skipped.
 //
 // NATS is connected with no reconnect buffer, and every message carries
