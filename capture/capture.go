@@ -474,8 +474,9 @@ func quoteLiteral(s string) string {
 
 var passwordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)`)
 
-// RedactURL hides the password of a postgres:// or nats:// URL (or a
-// keyword/value DSN), for logs and errors.
+// RedactURL hides the password of a postgres:// or nats:// URL, of a
+// keyword/value DSN, or of any URL inside a longer text (an error message),
+// for logs and errors.
 func RedactURL(s string) string {
 	if u, err := url.Parse(s); err == nil && u.Scheme != "" && u.Host != "" {
 		if _, has := u.User.Password(); has {
@@ -488,8 +489,11 @@ func RedactURL(s string) string {
 		}
 		return u.String()
 	}
+	s = urlPasswordRE.ReplaceAllString(s, "${1}xxxxx@")
 	return passwordRE.ReplaceAllString(s, "${1}xxxxx")
 }
+
+var urlPasswordRE = regexp.MustCompile(`([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)\S*@`)
 
 // redactErr strips anything that looks like a password from an error text.
 func redactErr(err error) string {

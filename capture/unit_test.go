@@ -212,6 +212,7 @@ func TestRedactURL(t *testing.T) {
 	require.Equal(t, "host=h password=xxxxx dbname=d", RedactURL("host=h password=s3cret dbname=d"))
 	require.Equal(t, "host=h password=xxxxx dbname=d", RedactURL("host=h password='s3 cret' dbname=d"))
 	require.Equal(t, "nats://u:xxxxx@n:4222", RedactURL("nats://u:pw@n:4222"))
+	require.Equal(t, "connect postgres://bob:xxxxx@h/db: refused", RedactURL("connect postgres://bob:p@ss@h/db: refused"))
 }
 
 func TestPositions(t *testing.T) {

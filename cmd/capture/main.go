@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -18,13 +19,16 @@ import (
 )
 
 func main() {
-	if err := run(); err != nil {
+	if err := run(os.Args[1:]); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
 		fmt.Fprintln(os.Stderr, "capture: "+capture.RedactURL(strings.ReplaceAll(err.Error(), "\n", " ")))
 		os.Exit(1)
 	}
 }
 
-func run() error {
+func run(args []string) error {
 	var cfg capture.Config
 	var tables, level string
 	fs := flag.NewFlagSet("capture", flag.ContinueOnError)
@@ -47,7 +51,7 @@ func run() error {
 	num(fs, &cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "un-acknowledged publishes at most")
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
-	if err := fs.Parse(os.Args[1:]); err != nil {
+	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	for _, t := range strings.Split(tables, ",") {
