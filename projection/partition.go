@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -67,6 +68,7 @@ type partitionWorker struct {
 	log    *slog.Logger
 
 	stopping chan struct{} // closed: soft stop (finish the batch, then return)
+	stopOnce sync.Once
 	done     chan struct{}
 
 	pos     progress.Position
@@ -85,6 +87,17 @@ func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorke
 		stopping: make(chan struct{}),
 		done:     make(chan struct{}),
 	}
+}
+
+// requestStop asks for a soft stop (idempotent).
+func (w *partitionWorker) requestStop() {
+	w.stopOnce.Do(func() {
+		select {
+		case <-w.stopping:
+		default:
+			close(w.stopping)
+		}
+	})
 }
 
 func (w *partitionWorker) stopRequested() bool {

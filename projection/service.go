@@ -48,6 +48,7 @@ type Service struct {
 	objects *objectReader
 
 	mu         sync.Mutex
+	closing    bool
 	workers    map[progress.Key]*partitionWorker
 	partitions int
 	versions   string // fingerprint of the active versions last ensured
@@ -152,13 +153,14 @@ func (s *Service) Stop() {
 			return
 		}
 		s.mu.Lock()
+		s.closing = true // the coordinator starts no more partitions
 		ws := make([]*partitionWorker, 0, len(s.workers))
 		for _, w := range s.workers {
 			ws = append(ws, w)
 		}
 		s.mu.Unlock()
 		for _, w := range ws {
-			close(w.stopping)
+			w.requestStop()
 		}
 		var leases []progress.Lease
 		for _, w := range ws {
@@ -346,6 +348,10 @@ func (s *Service) balanceVersion(ctx context.Context, v Version) error {
 		if _, ok := s.workers[l.Key]; ok {
 			continue
 		}
+		if s.closing {
+			stop = append(stop, &partitionWorker{lease: l, done: closedChan, stopping: closedChan})
+			continue
+		}
 		w := newPartitionWorker(s, v, l)
 		s.workers[l.Key] = w
 		s.log.Info("partition acquired", "partition", l.ConsumerName(), "epoch", l.Epoch)
@@ -355,17 +361,15 @@ func (s *Service) balanceVersion(ctx context.Context, v Version) error {
 	return s.stopAndRelease(ctx, stop)
 }
 
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
 // stopAndRelease soft-stops workers and then gives their leases back.
 func (s *Service) stopAndRelease(ctx context.Context, ws []*partitionWorker) error {
 	if len(ws) == 0 {
 		return nil
 	}
 	for _, w := range ws {
-		select {
-		case <-w.stopping:
-		default:
-			close(w.stopping)
-		}
+		w.requestStop()
 	}
 	var leases []progress.Lease
 	for _, w := range ws {
