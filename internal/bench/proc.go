@@ -122,6 +122,17 @@ func (p *Proc) Kill() {
 	<-p.done
 }
 
+// Quit sends SIGQUIT, which makes a Go program print every goroutine's
+// stack to its log and exit, and waits for it: the diagnosis of a stall.
+func (p *Proc) Quit() {
+	_ = p.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		p.Kill()
+	}
+}
+
 // Stop sends SIGTERM and waits up to timeout, then SIGKILL. It returns the
 // process's exit error of a graceful stop (nil for exit status 0).
 func (p *Proc) Stop(timeout time.Duration) error {

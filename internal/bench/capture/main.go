@@ -18,6 +18,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -28,7 +30,7 @@ import (
 )
 
 func main() {
-	rows := flag.Int("rows", 300_000, "deleted rows in the backlog (at least)")
+	rows := flag.Int("rows", 300_000, "deleted rows in the backlog (at least; 0 = skip)")
 	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
 	bigRows := flag.Int("big-tx-rows", 1_000_000, "rows of the single big transaction (0 = skip)")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
@@ -63,8 +65,10 @@ func run(rows, perTx, bigRows int, keep bool) error {
 	}()
 	bench.Note("postgres %s, binaries in %s", pg.BinDir, dir)
 
-	if err := backlog(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
-		return err
+	if rows > 0 {
+		if err := backlog(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
+			return err
+		}
 	}
 	if bigRows > 0 {
 		if err := bigTransaction(ctx, pg, bins["capture"], dir, bigRows); err != nil {
@@ -178,9 +182,9 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 		}
 		return nil
 	}
-	end, err := watch.WaitDeletes(ctx, n, 10*time.Minute, alive)
+	end, err := watch.WaitDeletes(ctx, n, 5*time.Minute, alive)
 	if err != nil {
-		return err
+		return stalled(ctx, p, metrics, err)
 	}
 	capTook := end.Sub(p.Started())
 	capRate := float64(n) / capTook.Seconds()
@@ -292,9 +296,9 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 		}
 		return nil
 	}
-	end, err := watch.WaitDeletes(ctx, n, 20*time.Minute, alive)
+	end, err := watch.WaitDeletes(ctx, n, 10*time.Minute, alive)
 	if err != nil {
-		return err
+		return stalled(ctx, p, metrics, err)
 	}
 	peak, err := p.PeakRSS()
 	if err != nil {
@@ -311,4 +315,24 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 		bench.Note("capture stop: %v", err)
 	}
 	return nil
+}
+
+// stalled adds the capture's metrics and goroutine stacks (SIGQUIT, into its
+// log) to a wait that timed out.
+func stalled(ctx context.Context, p *bench.Proc, metricsAddr string, err error) error {
+	var b strings.Builder
+	if m, serr := bench.Scrape(ctx, metricsAddr); serr == nil {
+		names := make([]string, 0, len(m))
+		for k := range m {
+			if strings.HasPrefix(k, "epitaph_") {
+				names = append(names, k)
+			}
+		}
+		sort.Strings(names)
+		for _, k := range names {
+			fmt.Fprintf(&b, "\n  %s %g", k, m[k])
+		}
+	}
+	p.Quit()
+	return fmt.Errorf("%w\ncapture metrics:%s\ncapture goroutines are in %s", err, b.String(), p.LogPath)
 }
