@@ -80,8 +80,10 @@ type ObjectRef struct {
 // Values in Key and Row are lossless: a Postgres text representation as a
 // JSON string, except booleans (JSON true/false), smallint/integer/bigint/oid
 // (JSON numbers, exact digits), real/double precision (JSON numbers, or the
-// strings "NaN", "Infinity", "-Infinity"), jsonb (embedded JSON) and NULL
-// (null). Numeric is always a string. Key and Row are kept as raw JSON so a
+// strings "NaN", "Infinity", "-Infinity"), jsonb objects and arrays
+// (embedded JSON) and SQL NULL (null). Numeric is always a string, and so is
+// a jsonb scalar (its JSON text, so that a jsonb null stays distinct from a
+// SQL NULL). Key and Row are kept as raw JSON so a
 // projector can store them without re-encoding.
 type Event struct {
 	V          int       `json:"v"`
