@@ -7,7 +7,7 @@ PKGS      := ./...
 TEST_P    ?= 2
 FUZZTIME  ?= 20s
 
-.PHONY: all build demo test vet fmt-check fuzz bench-capture bench-projector clean
+.PHONY: all build demo test test-deps vet fmt-check fuzz bench-capture bench-projector clean
 
 all: build
 
@@ -19,9 +19,13 @@ demo: build
 	$(GO) run ./internal/demo
 
 ## test: every test against a real PostgreSQL and a real JetStream server, then a bounded fuzz run.
-test: vet fmt-check
+test: test-deps vet fmt-check
 	$(GO) test -p $(TEST_P) -count=1 -timeout 45m $(PKGS)
 	$(MAKE) fuzz
+
+## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose), installed if missing.
+test-deps:
+	@bash scripts/test-deps.sh
 
 vet:
 	$(GO) vet $(PKGS)
