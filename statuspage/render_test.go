@@ -1,0 +1,150 @@
+package statuspage_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/statuspage"
+)
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+// sampleStatus is a status document as a projector with one live version,
+// two partitions (one without an owner, behind) and quarantine would
+// collect it. Names carry markup to prove it is escaped.
+func sampleStatus() *projection.Status {
+	at := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
+	exp := at.Add(10 * time.Second)
+	adv := at.Add(-3 * time.Second)
+	return &projection.Status{
+		Worker: `w1<script>alert(1)</script>`, Source: "main", Stream: "EPITAPH_MAIN", StreamLast: 1234, Partitions: 2, At: at,
+		Versions: []projection.VersionStatus{{
+			Projection: "archive", Version: 1, State: "live", Health: "quarantined", Schema: "archive_v1",
+			LagEvents: 40, OldestPendingAgeSeconds: 75, QuarantineOpen: 3,
+			Partitions: []projection.PartitionStatus{
+				{Partition: 0, Owner: `w1<script>alert(1)</script>`, Epoch: 2, Leased: true, LeaseExpiresAt: &exp, Cursor: 900,
+					SourceLSN: "0/1A2B3C", LastAdvanceAt: &adv},
+				{Partition: 1, Owner: "w-gone", Epoch: 5, Cursor: 300, LagEvents: 40, LagSeconds: 75, OldestPendingAgeSeconds: 75,
+					Attempts: 3, LastFailureCategory: "transient"},
+			},
+		}, {Projection: "archive", Version: 0, State: "retired", Health: "retired", Schema: "archive_v0"}},
+		Quarantine: []projection.QuarantineStatus{{Projection: "archive", Version: 1, Unresolved: 3,
+			ByCategory: map[string]int{"malformed": 2, "invalid": 1}, OldestAgeSeconds: 4000}},
+		Workers: []projection.WorkerStatus{{ID: `w1<script>alert(1)</script>`, HeartbeatAt: at, HeartbeatAgeSeconds: 0.4, Live: true},
+			{ID: "w-gone", HeartbeatAt: at.Add(-time.Minute), HeartbeatAgeSeconds: 60, Live: false}},
+	}
+}
+
+func get(t *testing.T, h http.Handler, target string) (int, http.Header, string) {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, target, nil))
+	b, err := io.ReadAll(rec.Result().Body)
+	require.NoError(t, err)
+	return rec.Code, rec.Result().Header, string(b)
+}
+
+// The page renders every part of the document, escapes what comes from
+// outside, loads nothing from elsewhere and refreshes itself (by script,
+// or by meta refresh without scripts).
+func TestRenderPage(t *testing.T) {
+	t.Parallel()
+	st := sampleStatus()
+	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil })
+	code, hdr, body := get(t, h, "/")
+	require.Equal(t, http.StatusOK, code)
+	require.Equal(t, "text/html; charset=utf-8", hdr.Get("Content-Type"))
+	require.Contains(t, hdr.Get("Content-Security-Policy"), "default-src 'none'")
+
+	require.NotContains(t, body, "<script>alert(1)")
+	require.Contains(t, body, "w1&lt;script&gt;alert(1)&lt;/script&gt;")
+	for _, want := range []string{
+		`data-testid="version-state">live<`, `data-testid="version-health">quarantined<`,
+		`data-testid="version-quarantine">3<`, `data-testid="quarantine-unresolved">3<`, "invalid 1, malformed 2",
+		`data-testid="lag">40<`, `style="width:100%"`, `<span class="none">no owner</span>`, "(was w-gone)",
+		"transient ×3", "1m15s", "1h06m", `data-testid="stream-last">1234<`, "0/1A2B3C", "3s ago",
+		"EPITAPH_CAPTURE_STATUS_URL", "snapshot jobs", "not shown", `<span class="badge no">dead</span>`,
+		`<noscript><meta http-equiv="refresh" content="2"></noscript>`,
+	} {
+		require.Contains(t, strings.ToLower(body), strings.ToLower(want))
+	}
+	require.Regexp(t, `var every = +2000 *;`, body)
+	// The retired version is listed but has no partition table.
+	require.Contains(t, body, `data-version="0"`)
+	require.NotContains(t, body, `data-testid="partitions" data-version="0"`)
+	// Nothing external: no src= or href= to another origin.
+	for _, bad := range []string{"http://", "https://", "src=", "@import", "url("} {
+		require.NotContains(t, body, bad)
+	}
+
+	// The fragment is the body alone, what the script swaps in.
+	code, _, frag := get(t, h, "/?fragment=1")
+	require.Equal(t, http.StatusOK, code)
+	require.True(t, strings.HasPrefix(frag, `<div data-fragment="body"`), frag[:min(80, len(frag))])
+	require.NotContains(t, frag, "<html")
+	require.Contains(t, frag, `data-testid="lag">40<`)
+}
+
+// A status that cannot be collected is a 503 page that says why, in a
+// fragment the refresh can swap in; the page keeps refreshing.
+func TestRenderStatusError(t *testing.T) {
+	t.Parallel()
+	h := statuspage.Handler(func(context.Context) (*projection.Status, error) {
+		return nil, errors.New("read versions: <connection refused>")
+	})
+	code, _, body := get(t, h, "/")
+	require.Equal(t, http.StatusServiceUnavailable, code)
+	require.Contains(t, body, "read versions: &lt;connection refused&gt;")
+	require.Contains(t, body, `data-fragment="body"`)
+	require.Contains(t, body, "var every")
+}
+
+// The capture's own /status document (capture.Status, JSON) is read by
+// field name: what the capture serves is what the page shows.
+func TestCaptureSection(t *testing.T) {
+	t.Parallel()
+	cs := capture.Status{Source: "main", Slot: "epitaph", Active: true, ConfirmedLSN: "0/5000060", LagBytes: 3 << 20, LagSeconds: 1.5,
+		HeartbeatAgeSec: 4}
+	cs.SlotStats.WALStatus = "reserved"
+	cs.SlotStats.RetainedBytes = 48 << 20
+	cs.SlotStats.SafeBytes = 16 << 20
+	cs.SlotStats.TimeToInvalidS = 1800
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		require.NoError(t, json.NewEncoder(w).Encode(cs))
+	}))
+	t.Cleanup(srv.Close)
+	st := sampleStatus()
+	src := func(context.Context) (*projection.Status, error) { return st, nil }
+
+	_, _, body := get(t, statuspage.Handler(src, statuspage.WithCaptureStatusURL(srv.URL+"/status")), "/")
+	for _, want := range []string{
+		`data-testid="capture-lag">3.0 MiB<`, `data-testid="capture-lag-seconds">1.5s<`, "48.0 MiB", "16.0 MiB",
+		`style="width:75%"`, "30m00s", `<span class="badge streaming">streaming</span>`, "0/5000060",
+		`<span class="bar danger"`, // less than an hour left
+	} {
+		require.Contains(t, body, want)
+	}
+
+	// Unlimited WAL: no danger, no estimate.
+	cs.SlotStats.SafeBytes, cs.SlotStats.TimeToInvalidS = -1, -1
+	_, _, body = get(t, statuspage.Handler(src, statuspage.WithCaptureStatusURL(srv.URL+"/status")), "/")
+	require.Contains(t, body, "unlimited")
+	require.Contains(t, body, "no limit")
+	require.NotContains(t, body, "bar danger")
+
+	// A capture that does not answer: the slot lag is unknown and says why.
+	_, _, body = get(t, statuspage.Handler(src, statuspage.WithCaptureStatusURL("http://127.0.0.1:1/status")), "/")
+	require.Regexp(t, `data-testid="capture-lag">unknown: read capture status: .*connection refused`, body)
+}

@@ -1,0 +1,276 @@
+// Package statuspage serves the projector's human status page: the
+// projection versions and their states, every partition with its owner,
+// lag and oldest pending age (small CSS bars), the unresolved quarantine,
+// the snapshot jobs by status, the workers and, when the projector knows
+// where the capture serves its /status, the capture's slot lag.
+//
+// The page is one self-contained HTML document (inline CSS and a few lines
+// of inline script, no external assets) rendered with html/template, so
+// every name that comes from a database or a flag is escaped. With
+// scripting on, the page fetches a fresh copy of its own body every
+// RefreshInterval and swaps it in place (keeping the last good copy, marked
+// stale, when a fetch fails); with scripting off a meta refresh reloads the
+// page instead.
+//
+// The page only reads. Each request collects the status once; the
+// snapshot job counts, which count whole tables, are read at most once per
+// SnapshotStatsInterval however many people watch the page.
+package statuspage
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
+)
+
+// Defaults of the options.
+const (
+	DefaultRefreshInterval       = 2 * time.Second
+	DefaultSnapshotStatsInterval = 10 * time.Second
+	DefaultCaptureTimeout        = time.Second
+)
+
+// fragmentParam asks for the page's body only (what the refresh script
+// swaps in).
+const fragmentParam = "fragment"
+
+// Option configures the handler.
+type Option func(*options)
+
+type options struct {
+	captureURL    string
+	client        *http.Client
+	captureTO     time.Duration
+	snapshots     snapshot.Querier
+	snapInterval  time.Duration
+	refresh       time.Duration
+	now           func() time.Time
+	log           *slog.Logger
+	title         string
+	captureHidden bool
+}
+
+// WithCaptureStatusURL is the capture's /status URL (for example
+// http://capture:9187/status). Without it the page says the capture's slot
+// lag is unknown.
+func WithCaptureStatusURL(url string) Option { return func(o *options) { o.captureURL = url } }
+
+// WithHTTPClient is the client that reads the capture's /status; default a
+// client with a DefaultCaptureTimeout timeout.
+func WithHTTPClient(c *http.Client) Option { return func(o *options) { o.client = c } }
+
+// WithSnapshotStats reads the snapshot job counts of the active archive
+// versions through db (the projector's target pool), at most once per
+// interval (0: DefaultSnapshotStatsInterval). Without it the page says the
+// snapshot jobs are not shown.
+func WithSnapshotStats(db snapshot.Querier, interval time.Duration) Option {
+	return func(o *options) { o.snapshots, o.snapInterval = db, interval }
+}
+
+// WithRefreshInterval is how often the page refreshes itself; default
+// DefaultRefreshInterval.
+func WithRefreshInterval(d time.Duration) Option { return func(o *options) { o.refresh = d } }
+
+// WithClock is the clock of the snapshot statistics cache; default time.Now.
+func WithClock(now func() time.Time) Option { return func(o *options) { o.now = now } }
+
+// WithLogger logs failures to collect the page's data; default slog.Default().
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
+
+// StatusFunc returns the projector's status document (projection.Service.Status).
+type StatusFunc func(ctx context.Context) (*projection.Status, error)
+
+// Handler serves the status page as HTML for GET requests on any path it
+// is mounted on (mount it on "GET /{$}"). "?fragment=1" serves the body
+// alone, for the in-place refresh. A status that cannot be collected gives
+// a 503 page saying why (the refresh keeps trying).
+func Handler(src StatusFunc, opts ...Option) http.Handler {
+	o := options{refresh: DefaultRefreshInterval, captureTO: DefaultCaptureTimeout, now: time.Now, log: slog.Default()}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.refresh <= 0 {
+		o.refresh = DefaultRefreshInterval
+	}
+	if o.snapInterval <= 0 {
+		o.snapInterval = DefaultSnapshotStatsInterval
+	}
+	if o.client == nil {
+		o.client = &http.Client{Timeout: o.captureTO}
+	}
+	return &handler{src: src, o: o}
+}
+
+type handler struct {
+	src StatusFunc
+	o   options
+
+	mu      sync.Mutex // guards the snapshot statistics cache
+	snapAt  time.Time
+	snap    []snapshotRow
+	snapErr string
+}
+
+func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodGet && r.Method != http.MethodHead {
+		w.Header().Set("Allow", "GET, HEAD")
+		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
+		return
+	}
+	ctx := r.Context()
+	var (
+		wg  sync.WaitGroup
+		cap captureView
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		cap = h.capture(ctx)
+	}()
+	st, err := h.src(ctx)
+	wg.Wait()
+
+	p := &page{Refresh: h.o.refresh, RefreshMillis: h.o.refresh.Milliseconds(), RefreshSeconds: max(1, int(math.Ceil(h.o.refresh.Seconds()))),
+		Capture: cap}
+	code := http.StatusOK
+	if err != nil {
+		code = http.StatusServiceUnavailable
+		p.Error = fmt.Sprintf("status: %v", err)
+		h.o.log.Warn("status page: collect status", "err", err)
+	} else {
+		p.fill(st)
+		p.Snapshots, p.SnapshotsNote = h.snapshotStats(ctx, st)
+	}
+
+	hdr := w.Header()
+	hdr.Set("Content-Type", "text/html; charset=utf-8")
+	hdr.Set("Cache-Control", "no-store")
+	hdr.Set("X-Content-Type-Options", "nosniff")
+	// Nothing is loaded from anywhere: inline style and script only, and
+	// fetches of the page itself.
+	hdr.Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+	name := "page"
+	if r.URL.Query().Get(fragmentParam) != "" {
+		name = "body"
+	}
+	w.WriteHeader(code)
+	if r.Method == http.MethodHead {
+		return
+	}
+	if err := pageTemplate.ExecuteTemplate(w, name, p); err != nil {
+		h.o.log.Warn("status page: render", "err", err)
+	}
+}
+
+// captureStatus is the part of the capture's /status document
+// (capture.Status) the page shows. It is decoded by field name so the
+// projector does not link the capture.
+type captureStatus struct {
+	Source       string  `json:"source"`
+	Slot         string  `json:"slot"`
+	Active       bool    `json:"active"`
+	ConfirmedLSN string  `json:"confirmed_lsn"`
+	LagBytes     int64   `json:"lag_bytes"`
+	LagSeconds   float64 `json:"lag_seconds"`
+	SlotStats    struct {
+		CurrentLSN     string    `json:"current_lsn"`
+		WALStatus      string    `json:"wal_status"`
+		RetainedBytes  int64     `json:"retained_wal_bytes"`
+		LagBytes       int64     `json:"lag_bytes"`
+		SafeBytes      int64     `json:"safe_wal_bytes"`
+		TimeToInvalidS float64   `json:"time_to_invalidation_seconds"`
+		At             time.Time `json:"at"`
+	} `json:"slot_stats"`
+	HeartbeatAgeSec float64 `json:"heartbeat_age_seconds"`
+	Error           string  `json:"error"`
+}
+
+// maxCaptureStatus bounds the capture document read (it lists tables).
+const maxCaptureStatus = 4 << 20
+
+func (h *handler) capture(ctx context.Context) captureView {
+	if h.o.captureURL == "" {
+		return captureView{Note: "unknown: the projector was not told where the capture serves /status (EPITAPH_CAPTURE_STATUS_URL)"}
+	}
+	cs, err := h.fetchCapture(ctx)
+	if err != nil {
+		return captureView{Note: "unknown: " + err.Error()}
+	}
+	return newCaptureView(cs)
+}
+
+func (h *handler) fetchCapture(ctx context.Context) (*captureStatus, error) {
+	ctx, cancel := context.WithTimeout(ctx, h.o.captureTO)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, h.o.captureURL, nil)
+	if err != nil {
+		return nil, fmt.Errorf("capture status URL: %w", err)
+	}
+	req.Header.Set("Accept", "application/json")
+	resp, err := h.o.client.Do(req)
+	if err != nil {
+		// net/http strips a password from the URL in this error.
+		return nil, fmt.Errorf("read capture status: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("read capture status: HTTP %d", resp.StatusCode)
+	}
+	var cs captureStatus
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxCaptureStatus)).Decode(&cs); err != nil {
+		return nil, fmt.Errorf("decode capture status: %w", err)
+	}
+	return &cs, nil
+}
+
+// snapshotStats returns the snapshot job counts of the active archive
+// versions, read at most once per interval.
+func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]snapshotRow, string) {
+	if h.o.snapshots == nil {
+		return nil, "not shown: this page was not given the target database"
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := h.o.now()
+	if !h.snapAt.IsZero() && now.Sub(h.snapAt) < h.o.snapInterval {
+		return h.snap, h.snapErr
+	}
+	var rows []snapshotRow
+	note := ""
+	for _, v := range st.Versions {
+		if v.Projection != projection.ArchiveProjection || v.State == projection.StateRetired || v.Schema == "" {
+			continue
+		}
+		s, err := snapshot.GetStats(ctx, h.o.snapshots, v.Schema)
+		if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "42P01" {
+			continue // a version made before snapshots existed
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return h.snap, h.snapErr // the viewer left; keep the cache
+			}
+			note = "unknown: " + err.Error()
+			h.o.log.Warn("status page: snapshot stats", "schema", v.Schema, "err", err)
+			rows = nil
+			break
+		}
+		rows = append(rows, newSnapshotRow(v, s))
+	}
+	if note == "" && len(rows) == 0 {
+		note = "no version has a snapshots table"
+	}
+	h.snap, h.snapErr, h.snapAt = rows, note, now
+	return rows, note
+}
