@@ -59,6 +59,11 @@ type Service struct {
 	slotStats   slotStats
 	lastHB      atomic.Int64 // unix nanos of the last heartbeat seen
 	activeState atomic.Bool
+	role        string
+	standby     *StandbyStatus
+
+	lease    *lease // with Config.Standby
+	leaseErr atomic.Pointer[LeaseLostError]
 }
 
 // New validates cfg and builds a service. It connects to nothing.
@@ -67,7 +72,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Service{cfg: cfg, done: make(chan struct{})}
+	s := &Service{cfg: cfg, done: make(chan struct{}), role: RoleStarting}
 	for _, o := range opts {
 		o(s)
 	}
@@ -104,23 +109,32 @@ func (s *Service) MetricsAddr() string {
 // and the slot, and starts streaming in the background. Setup errors are
 // returned here (a *ConfigError when the operator must change something).
 // Cancelling ctx later stops the service softly, like Stop.
+//
+// With Config.Standby, Start returns once the source is checked and the
+// endpoints are served: the capture waits for the lease in the background,
+// and errors of the setup that follows are returned by Wait.
 func (s *Service) Start(ctx context.Context) (err error) {
 	defer func() {
 		if err != nil {
 			s.closeAll()
 			s.err = err
+			s.setRole(RoleStopped, nil)
 			close(s.done)
 		}
 	}()
 	cfg := &s.cfg
-	s.log.Info("capture starting", "source", RedactURL(cfg.SourceURL), "source_name", cfg.SourceName, "slot", cfg.SlotName, "publication", cfg.PublicationName, "partitions", cfg.Partitions)
+	s.log.Info("capture starting", "source", RedactURL(cfg.SourceURL), "source_name", cfg.SourceName, "slot", cfg.SlotName,
+		"publication", cfg.PublicationName, "partitions", cfg.Partitions, "standby", cfg.Standby, "application_name", cfg.ApplicationName)
+	if cfg.NATSURL != "" {
+		s.natsURL = cfg.NATSURL
+	}
 
 	pcfg, err := pgxpool.ParseConfig(cfg.SourceURL)
 	if err != nil {
 		return configErr("source URL %s: %v", RedactURL(cfg.SourceURL), redactErr(err))
 	}
 	pcfg.MaxConns = 3
-	pcfg.ConnConfig.RuntimeParams["application_name"] = "epitaph-capture"
+	pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
 	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
 		_, err := c.Exec(ctx, "SET search_path = pg_catalog")
 		return err
@@ -132,6 +146,66 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("check source %s: %w", RedactURL(cfg.SourceURL), err)
 	}
+
+	if !cfg.Standby {
+		if err := s.setup(ctx, db); err != nil {
+			return err
+		}
+		if err := s.startEndpoints(ctx); err != nil {
+			return err
+		}
+		loopCtx, cancel := context.WithCancel(context.Background())
+		s.cancel = cancel
+		context.AfterFunc(ctx, cancel)
+		go s.runLoop(loopCtx)
+		return nil
+	}
+
+	if s.lease, err = newLease(cfg.SourceURL, cfg.ApplicationName, db, cfg.SlotName); err != nil {
+		return err
+	}
+	s.setRole(RoleStandby, &StandbyStatus{Since: s.now().UTC(), WaitingFor: "lease"})
+	if err := s.startEndpoints(ctx); err != nil {
+		return err
+	}
+	loopCtx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	context.AfterFunc(ctx, cancel)
+	go s.runStandby(loopCtx, db)
+	return nil
+}
+
+func (s *Service) startEndpoints(ctx context.Context) error {
+	s.obsrv = observe.New(observe.Config{Addr: s.cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy, Logger: s.log})
+	return s.obsrv.Start(ctx)
+}
+
+// runStandby waits for the lease and the slot, sets up and streams. A
+// stop while waiting ends it without error.
+func (s *Service) runStandby(ctx context.Context, db string) {
+	err := s.acquire(ctx)
+	if err == nil {
+		err = s.setup(ctx, db)
+	}
+	if err != nil {
+		if lost := s.lostLease(); lost != nil {
+			err = lost
+		} else if ctx.Err() != nil {
+			err = nil // stopped while waiting
+		}
+		if err != nil {
+			s.log.Error("capture stopped", "err", redactErr(err))
+		}
+		s.finish(err)
+		return
+	}
+	s.runLoop(ctx)
+}
+
+// setup checks and sets up the tables, the publication, the stream and the
+// slot, and starts replication.
+func (s *Service) setup(ctx context.Context, db string) (err error) {
+	cfg := &s.cfg
 	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull)
 	if err != nil {
 		return err
@@ -174,10 +248,8 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		}
 		s.natsURL = s.embed.ClientURL()
 		s.log.Info("embedded JetStream started", "url", s.natsURL, "store", bc.StoreDir)
-	} else {
-		s.natsURL = cfg.NATSURL
 	}
-	if s.nc, err = connectNATS(s.natsURL); err != nil {
+	if s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName); err != nil {
 		return err
 	}
 	js, err := jetstream.New(s.nc,
@@ -209,7 +281,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		return configErr("source URL %s: %v", RedactURL(cfg.SourceURL), redactErr(err))
 	}
 	rcfg.RuntimeParams["replication"] = "database"
-	rcfg.RuntimeParams["application_name"] = "epitaph-capture"
+	rcfg.RuntimeParams["application_name"] = cfg.ApplicationName
 	// Text output the inverse casts read back exactly.
 	rcfg.RuntimeParams["DateStyle"] = "ISO, MDY"
 	rcfg.RuntimeParams["IntervalStyle"] = "postgres"
@@ -280,38 +352,44 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
 	}
-
-	s.obsrv = observe.New(observe.Config{Addr: cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy, Logger: s.log})
-	if err := s.obsrv.Start(ctx); err != nil {
-		return err
-	}
-
-	loopCtx, cancel := context.WithCancel(context.Background())
-	s.cancel = cancel
-	context.AfterFunc(ctx, cancel)
-	s.activeState.Store(true)
-	s.m.active.Set(1)
-	s.bgWG.Add(2)
-	go s.heartbeats(loopCtx)
-	go s.pollSlot(loopCtx)
-	go s.runLoop(loopCtx)
-	s.log.Info("capture streaming", "slot", cfg.SlotName, "from", startLSN.String(), "stream", event.StreamName(cfg.SourceName), "nats", RedactURL(s.natsURL), "tables", len(pubTables))
 	return nil
 }
 
+// runLoop streams until stopped or failed, then ends the service.
 func (s *Service) runLoop(ctx context.Context) {
+	s.activeState.Store(true)
+	s.setRole(RoleActive, nil)
+	s.m.active.Set(1)
+	s.bgWG.Add(2)
+	go s.heartbeats(ctx)
+	go s.pollSlot(ctx)
+	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
+		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
 	err := s.st.run(ctx)
 	s.activeState.Store(false)
 	s.m.active.Set(0)
-	if err == nil {
+	if lost := s.lostLease(); lost != nil {
+		// Fail closed: no soft stop, nothing more confirmed.
+		if err != nil {
+			s.log.Error("capture loop ended after the lease was lost", "err", err)
+		}
+		err = lost
+	} else if err == nil {
 		err = s.softStop()
 	} else {
 		s.log.Error("capture stopped", "err", err)
 	}
+	s.finish(err)
+}
+
+// finish stops the background work, closes everything and ends the service
+// with err.
+func (s *Service) finish(err error) {
 	s.cancel()
 	s.bgWG.Wait()
 	s.closeAll()
 	s.err = err
+	s.setRole(RoleStopped, nil)
 	close(s.done)
 }
 
@@ -381,6 +459,9 @@ func (s *Service) closeAll() {
 	if s.embed != nil {
 		s.embed.Shutdown()
 		s.embed = nil
+	}
+	if s.lease != nil {
+		s.lease.close()
 	}
 	if s.pool != nil {
 		s.pool.Close()

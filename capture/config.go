@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -71,6 +73,19 @@ type Config struct {
 	BrokerSyncInterval time.Duration
 	// MetricsAddr serves /metrics, /healthz and /status; empty: no server.
 	MetricsAddr string
+	// Standby makes several captures of one slot safe: each takes a lease
+	// (a session advisory lock on the source keyed by database and slot
+	// name, on a dedicated connection) before it touches the publication
+	// or the slot, and waits for it otherwise (see the package doc, "Standby").
+	// Needs an external JetStream server (NATSURL).
+	Standby bool
+	// StandbyPoll is how often a standby tries to take the lease, and how
+	// often the holder checks it still has it; default 1s.
+	StandbyPoll time.Duration
+	// ApplicationName is set on every connection to the source, so
+	// operators see who holds the slot and the lease in pg_stat_activity;
+	// default "epitaph-capture:<hostname>-<pid>".
+	ApplicationName string
 }
 
 // EmbeddedSyncInterval is the file store sync interval of the embedded
@@ -120,6 +135,12 @@ func (c *Config) setDefaults() {
 	}
 	if c.NATSURL == "" && c.EmbeddedListen == "" {
 		c.EmbeddedListen = broker.DefaultListen
+	}
+	if c.StandbyPoll == 0 {
+		c.StandbyPoll = time.Second
+	}
+	if c.ApplicationName == "" {
+		c.ApplicationName = defaultApplicationName()
 	}
 	if c.BrokerSyncInterval == 0 {
 		if c.NATSURL == "" {
@@ -174,10 +195,26 @@ func (c *Config) validate() error {
 	if c.Retention > 0 && c.DuplicateWindow > c.Retention {
 		errs = append(errs, "duplicate window must not exceed retention")
 	}
+	if c.Standby && c.NATSURL == "" {
+		errs = append(errs, "standby needs an external JetStream server (EPITAPH_NATS_URL): with the embedded broker every capture would have a stream of its own")
+	}
+	if c.StandbyPoll < 0 {
+		errs = append(errs, "standby poll interval must be positive")
+	}
 	if len(errs) > 0 {
 		return &ConfigError{Msg: strings.Join(errs, "; ")}
 	}
 	return nil
+}
+
+// defaultApplicationName names this process: "epitaph-capture:<host>-<pid>"
+// (PostgreSQL keeps the first 63 bytes).
+func defaultApplicationName() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown"
+	}
+	return "epitaph-capture:" + host + "-" + strconv.Itoa(os.Getpid())
 }
 
 // embeddedStoreDir is where the embedded server keeps its files.

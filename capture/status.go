@@ -83,13 +83,19 @@ func (s *Service) readSlotStats(ctx context.Context) {
 
 // Status is the /status document of a capture.
 type Status struct {
-	Source             string    `json:"source"`
-	Slot               string    `json:"slot"`
-	Publication        string    `json:"publication"`
-	Stream             string    `json:"stream"`
-	NATSURL            string    `json:"nats_url"`
-	Partitions         int       `json:"partitions"`
-	Active             bool      `json:"active"`
+	Source      string `json:"source"`
+	Slot        string `json:"slot"`
+	Publication string `json:"publication"`
+	Stream      string `json:"stream"`
+	NATSURL     string `json:"nats_url"`
+	Partitions  int    `json:"partitions"`
+	Active      bool   `json:"active"`
+	// Role is starting, standby, taking_over, active or stopped.
+	Role string `json:"role"`
+	// Standby says what a waiting standby waits for, and who holds it.
+	Standby *StandbyStatus `json:"standby,omitempty"`
+	// ApplicationName of this capture's connections to the source.
+	ApplicationName    string    `json:"application_name"`
 	ConfirmedLSN       string    `json:"confirmed_lsn"`
 	LagBytes           int64     `json:"lag_bytes"`
 	LagSeconds         float64   `json:"lag_seconds"`
@@ -110,6 +116,7 @@ func (s *Service) CurrentStatus() Status {
 		Source: s.cfg.SourceName, Slot: s.cfg.SlotName, Publication: s.cfg.PublicationName,
 		Stream: event.StreamName(s.cfg.SourceName), NATSURL: RedactURL(s.natsURL),
 		Partitions: s.cfg.Partitions, Active: s.activeState.Load(),
+		Role: s.role, Standby: s.standby, ApplicationName: s.cfg.ApplicationName,
 		ConfirmedLSN: s.confirmed.String(), LagBytes: s.slotStats.LagBytes, LagSeconds: s.lagSeconds,
 		SlotStats: s.slotStats, HeartbeatAgeSec: s.heartbeatAge(),
 		PublicationTables: s.pubTables, BrokerSyncInterval: s.cfg.BrokerSyncInterval.String(),
@@ -129,9 +136,17 @@ func (s *Service) CurrentStatus() Status {
 
 func (s *Service) status(context.Context) (any, error) { return s.CurrentStatus(), nil }
 
+// healthy: streaming, or waiting as a standby (or taking over) is healthy;
+// starting and stopped are not.
 func (s *Service) healthy(context.Context) error {
-	if !s.activeState.Load() {
-		return errors.New("capture is not streaming")
+	if s.activeState.Load() {
+		return nil
 	}
-	return nil
+	s.mu.Lock()
+	role := s.role
+	s.mu.Unlock()
+	if role == RoleStandby || role == RoleTakingOver {
+		return nil
+	}
+	return errors.New("capture is not streaming")
 }

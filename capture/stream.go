@@ -171,9 +171,9 @@ func ensureRowBucket(ctx context.Context, js jetstream.JetStream, cfg *Config) (
 // connectNATS connects with no reconnect buffer: while disconnected every
 // publish fails at once instead of being buffered and sent later, so the
 // stream always holds a prefix of what the capture published.
-func connectNATS(url string) (*nats.Conn, error) {
+func connectNATS(url, name string) (*nats.Conn, error) {
 	nc, err := nats.Connect(url,
-		nats.Name("epitaph-capture"),
+		nats.Name(name),
 		nats.ReconnectBufSize(-1),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(250*time.Millisecond),

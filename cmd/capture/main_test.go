@@ -20,3 +20,11 @@ func TestFlagsFromEnv(t *testing.T) {
 	require.ErrorContains(t, err, "partitions must be 1..1024, got -1")
 	require.NotContains(t, err.Error(), "secret")
 }
+
+func TestStandbyNeedsExternalBroker(t *testing.T) {
+	t.Setenv("EPITAPH_SOURCE_URL", "postgres://u:secret@127.0.0.1:1/db")
+	t.Setenv("EPITAPH_NATS_URL", "")
+	t.Setenv("EPITAPH_STANDBY", "true")
+	err := run([]string{"--metrics-addr", ""})
+	require.ErrorContains(t, err, "standby needs an external JetStream server (EPITAPH_NATS_URL)")
+}
