@@ -1,0 +1,247 @@
+package statuspage_test
+
+import (
+	"context"
+	"fmt"
+	"image/png"
+	"io"
+	"log/slog"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+	"github.com/epitaph-dev/epitaph/observe"
+	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/statuspage"
+)
+
+const source = "main"
+
+// chromium returns the path of Debian's chromium, failing the test (never
+// skipping) when it is not installed.
+func chromium(t *testing.T) string {
+	t.Helper()
+	for _, name := range []string{"chromium", "chromium-browser"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	t.Fatal("chromium is not installed: the status page is tested in a real headless browser; run `apt-get install -y chromium`")
+	return ""
+}
+
+// browse runs headless chromium on url with extra flags and returns its
+// standard output.
+func browse(t *testing.T, bin, target string, extra ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
+	defer cancel()
+	args := []string{"--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+		"--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+		"--user-data-dir=" + t.TempDir(), "--window-size=1280,900"}
+	args = append(append(args, extra...), target)
+	cmd := exec.CommandContext(ctx, bin, args...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	require.NoError(t, err, "chromium %s: %s", strings.Join(extra, " "), tail(stderr.String(), 2000))
+	return string(out)
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// A running system: a real capture of the shop workload (its own /status
+// server), two projector workers sharing the 8 partitions of the stream,
+// one event that goes to quarantine, snapshot jobs for the deleted orders.
+// Headless chromium loads the page: it shows the live version, both
+// owners, the lags, the quarantine count, the snapshot jobs and the
+// capture's slot lag; the script refreshes the page in place; a
+// screenshot is taken.
+func TestPageInBrowser(t *testing.T) {
+	t.Parallel()
+	bin := chromium(t)
+	ctx := t.Context()
+
+	// Source with the shop workload, captured for real.
+	srcURL := testenv.NewDatabase(t)
+	require.NoError(t, workload.Setup(ctx, srcURL))
+	_, err := workload.Seed(ctx, srcURL, workload.SeedConfig{Customers: 4, OrdersPerCustomer: 5})
+	require.NoError(t, err)
+	u, err := url.Parse(srcURL)
+	require.NoError(t, err)
+	n := testenv.NewNATS(t)
+	capSvc, err := capture.New(capture.Config{
+		SourceURL: srcURL, NATSURL: n.URL, SourceName: source, Tables: workload.Tables, Partitions: 8,
+		SlotName: strings.TrimPrefix(u.Path, "/"), PublicationName: "statuspage", HeartbeatInterval: time.Second,
+		BrokerSyncInterval: -1, MetricsAddr: "127.0.0.1:0",
+	}, capture.WithLogger(quietLogger()), capture.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(t, err)
+	require.NoError(t, capSvc.Start(ctx))
+	t.Cleanup(capSvc.Stop)
+	res, err := workload.Run(ctx, srcURL, workload.Plan{Seed: 7, Transactions: 12, MaxOrdersPerTx: 3})
+	require.NoError(t, err)
+	require.Positive(t, res.Deleted)
+
+	// One event no projector can read: it goes to quarantine.
+	_, js := n.Connect(t)
+	m := nats.NewMsg(event.CommitSubject(source, 3))
+	m.Data = []byte("this is not an event")
+	m.Header.Set(event.HeaderMsgID, "statuspage-garbage")
+	_, err = js.PublishMsg(ctx, m)
+	require.NoError(t, err)
+
+	// Two projector workers; the first serves the page.
+	target := testenv.NewDatabase(t)
+	cfg := func(worker string) projection.Config {
+		return projection.Config{TargetURL: target, NATSURL: n.URL, SourceName: source, WorkerID: worker,
+			LeaseTTL: 3 * time.Second, BalanceInterval: 300 * time.Millisecond, FetchWait: 100 * time.Millisecond,
+			StatusInterval: 500 * time.Millisecond, SnapshotRoots: []string{"public.orders"}}
+	}
+	var workers []*projection.Service
+	for _, id := range []string{"page-w1", "page-w2"} {
+		s, err := projection.New(cfg(id), projection.WithLogger(quietLogger()), projection.WithRegistry(prometheus.NewRegistry()))
+		require.NoError(t, err)
+		require.NoError(t, s.Start(ctx))
+		t.Cleanup(s.Stop)
+		workers = append(workers, s)
+	}
+	svc := workers[0]
+	srv := observe.New(observe.Config{Addr: "127.0.0.1:0", Registry: svc.Registry(), Logger: quietLogger(),
+		Status: func(ctx context.Context) (any, error) { return svc.Status(ctx) }, Healthy: svc.Healthy})
+	srv.Handle("GET /{$}", statuspage.Handler(svc.Status,
+		statuspage.WithCaptureStatusURL("http://"+capSvc.MetricsAddr()+"/status"),
+		statuspage.WithSnapshotStats(svc.Pool(), time.Second), statuspage.WithLogger(quietLogger())))
+	require.NoError(t, srv.Start(ctx))
+	t.Cleanup(srv.Stop)
+	pageURL := "http://" + srv.Addr() + "/"
+
+	// Wait for the system to settle: every partition owned by one of the
+	// two workers, caught up, the bad event in quarantine, the snapshots
+	// built.
+	var st *projection.Status
+	owners := map[string]int{}
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		st, err = svc.Status(ctx)
+		settled := err == nil && len(st.Versions) == 1 && st.Versions[0].State == "live" &&
+			len(st.Versions[0].Partitions) == 8 && st.Versions[0].LagEvents == 0 && st.Versions[0].QuarantineOpen == 1
+		if settled {
+			clear(owners)
+			for _, p := range st.Versions[0].Partitions {
+				if p.Leased {
+					owners[p.Owner]++
+				}
+			}
+			settled = owners["page-w1"] > 0 && owners["page-w2"] > 0 && owners["page-w1"]+owners["page-w2"] == 8 &&
+				snapshotsDone(t, target, st.Versions[0].Schema)
+		}
+		if settled {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("system did not settle: err=%v status=%+v", err, st)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	require.Equal(t, 8, st.Partitions)
+	require.Positive(t, st.StreamLast)
+
+	// The DOM as the browser rendered it, after the script refreshed the
+	// page in place at least once (virtual time runs its 2s timer).
+	dom := browse(t, bin, pageURL, "--virtual-time-budget=6000", "--dump-dom")
+	require.Contains(t, dom, `data-fragment="body"`, "page did not render:\n%s", tail(dom, 3000))
+	require.Regexp(t, `<div id="page" data-refreshed="[1-9]`, dom, "the script did not refresh the page in place")
+	require.Contains(t, dom, `data-testid="version-state">live<`)
+	require.Contains(t, dom, `data-testid="version-quarantine">1<`)
+	require.Contains(t, dom, `data-testid="quarantine-unresolved">1<`)
+	require.Contains(t, dom, "malformed 1")
+	last := regexp.MustCompile(`data-testid="stream-last">(\d+)<`).FindStringSubmatch(dom)
+	require.NotNil(t, last, "the stream's last sequence")
+	lastSeq, err := strconv.ParseUint(last[1], 10, 64)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, lastSeq, st.StreamLast, "the stream's last sequence (heartbeats keep adding)")
+	owned := regexp.MustCompile(`data-testid="owner">(page-w[12])<`).FindAllStringSubmatch(dom, -1)
+	require.Len(t, owned, 8, "one owner per partition")
+	seen := map[string]int{}
+	for _, o := range owned {
+		seen[o[1]]++
+	}
+	require.Equal(t, owners, seen, "the owners the status reports")
+	require.Len(t, regexp.MustCompile(`data-testid="lag">0<`).FindAllString(dom, -1), 8, "every partition caught up")
+	require.Regexp(t, `data-testid="capture-lag">\d+(\.\d)? (B|KiB|MiB)<`, dom, "the capture's slot lag")
+	require.Contains(t, dom, `<span class="badge streaming">streaming</span>`)
+	m2 := regexp.MustCompile(`data-testid="snapshots-complete">(\d+)<`).FindStringSubmatch(dom)
+	require.NotNil(t, m2, "snapshot jobs")
+	require.NotEqual(t, "0", m2[1])
+	require.Contains(t, dom, `data-testid="snapshots-pending">0<`)
+	require.Contains(t, dom, `data-testid="snapshots-failed">0<`)
+	require.Contains(t, dom, "page-w1")
+	require.Contains(t, dom, `<p id="stale" class="stale" hidden=""></p>`, "no refresh failed")
+
+	// Without scripts the page still loads and shows the data.
+	noJS := browse(t, bin, pageURL, "--disable-javascript", "--dump-dom")
+	require.Contains(t, noJS, `data-testid="version-state">live<`)
+	require.Contains(t, noJS, `http-equiv="refresh"`)
+	require.Contains(t, noJS, `<div id="page"><div data-fragment="body"`, "no script ran")
+
+	shot := filepath.Join(t.TempDir(), "statuspage.png")
+	browse(t, bin, pageURL, "--screenshot="+shot, "--hide-scrollbars")
+	f, err := os.Open(shot)
+	require.NoError(t, err)
+	defer f.Close()
+	img, err := png.Decode(f)
+	require.NoError(t, err)
+	b := img.Bounds()
+	require.Equal(t, 1280, b.Dx())
+	require.Equal(t, 900, b.Dy())
+	// Not a blank page: many distinct colours (text, badges, bars).
+	colours := map[uint32]bool{}
+	for y := b.Min.Y; y < b.Max.Y; y += 3 {
+		for x := b.Min.X; x < b.Max.X; x += 3 {
+			r, g, bl, _ := img.At(x, y).RGBA()
+			colours[r>>8<<16|g>>8<<8|bl>>8] = true
+		}
+	}
+	require.Greater(t, len(colours), 50, "screenshot looks blank")
+	t.Logf("screenshot: %s (%d distinct colours)", shot, len(colours))
+	if dir := os.Getenv("EPITAPH_STATUSPAGE_SCREENSHOT_DIR"); dir != "" {
+		data, err := os.ReadFile(shot)
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "statuspage.png"), data, 0o644))
+	}
+}
+
+// snapshotsDone reports whether the version has snapshot jobs and none is
+// pending.
+func snapshotsDone(t *testing.T, target, schema string) bool {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), target)
+	require.NoError(t, err)
+	defer conn.Close(context.WithoutCancel(t.Context()))
+	var pending, total int
+	err = conn.QueryRow(t.Context(), fmt.Sprintf(`SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FROM %s`,
+		pgx.Identifier{schema, "snapshots"}.Sanitize())).Scan(&pending, &total)
+	return err == nil && total > 0 && pending == 0
+}
