@@ -6,6 +6,8 @@ import (
 	"image/png"
 	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"os/exec"
@@ -244,4 +246,25 @@ func snapshotsDone(t *testing.T, target, schema string) bool {
 	err = conn.QueryRow(t.Context(), fmt.Sprintf(`SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FROM %s`,
 		pgx.Identifier{schema, "snapshots"}.Sanitize())).Scan(&pending, &total)
 	return err == nil && total > 0 && pending == 0
+}
+
+// When a refresh fails (here a proxy in front answers 502), the page keeps
+// the last good copy and says the refresh failed.
+func TestPageKeepsLastCopyWhenRefreshFails(t *testing.T) {
+	t.Parallel()
+	bin := chromium(t)
+	st := sampleStatus()
+	page := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil })
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("fragment") != "" {
+			http.Error(w, "bad gateway", http.StatusBadGateway)
+			return
+		}
+		page.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	dom := browse(t, bin, srv.URL+"/", "--virtual-time-budget=5000", "--dump-dom")
+	require.Contains(t, dom, `<p id="stale" class="stale">Refresh failed (HTTP 502): showing the copy from before.</p>`)
+	require.Contains(t, dom, `data-testid="lag">40<`, "the last good copy is still shown")
+	require.Contains(t, dom, `<div id="page"><div data-fragment="body"`, "nothing was swapped in")
 }

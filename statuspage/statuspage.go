@@ -131,19 +131,19 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx := r.Context()
 	var (
-		wg  sync.WaitGroup
-		cap captureView
+		wg      sync.WaitGroup
+		capView captureView
 	)
 	wg.Add(1)
-	go func() {
+	go func() { // the capture answers while the status is collected
 		defer wg.Done()
-		cap = h.capture(ctx)
+		capView = h.capture(ctx)
 	}()
 	st, err := h.src(ctx)
 	wg.Wait()
 
 	p := &page{Refresh: h.o.refresh, RefreshMillis: h.o.refresh.Milliseconds(), RefreshSeconds: max(1, int(math.Ceil(h.o.refresh.Seconds()))),
-		Capture: cap}
+		Capture: capView}
 	code := http.StatusOK
 	if err != nil {
 		code = http.StatusServiceUnavailable
