@@ -1,0 +1,404 @@
+package capture
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+)
+
+// buildCapture builds cmd/capture into a temporary directory.
+func buildCapture(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "epitaph-capture")
+	cmd := exec.Command("go", "build", "-o", bin, "github.com/epitaph-dev/epitaph/cmd/capture")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return bin
+}
+
+// capProc is one capture process under a small supervisor: a process that
+// exits by itself is restarted (as Kubernetes would); one the test kills
+// stays down until the test revives it.
+type capProc struct {
+	t    *testing.T
+	name string
+	bin  string
+	env  []string
+	port int
+	log  string
+
+	mu       sync.Mutex
+	cmd      *exec.Cmd
+	exited   chan struct{} // closed when the current process has exited
+	killed   bool
+	stopping bool
+	selfExit int // exits the test did not cause
+	revive   chan struct{}
+	gone     chan struct{}
+}
+
+func captureEnv(extra map[string]string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "EPITAPH_") {
+			env = append(env, kv)
+		}
+	}
+	for k, v := range extra {
+		env = append(env, k+"="+v)
+	}
+	return env
+}
+
+func startCapProc(t *testing.T, name, bin string, env map[string]string) *capProc {
+	t.Helper()
+	port, err := testenv.FreePort()
+	require.NoError(t, err)
+	env["EPITAPH_METRICS_ADDR"] = "127.0.0.1:" + strconv.Itoa(port)
+	p := &capProc{t: t, name: name, bin: bin, env: captureEnv(env), port: port,
+		log: filepath.Join(t.TempDir(), name+".log"), revive: make(chan struct{}), gone: make(chan struct{})}
+	started := make(chan error, 1)
+	go p.supervise(started)
+	require.NoError(t, <-started)
+	t.Cleanup(func() {
+		p.mu.Lock()
+		p.stopping = true
+		cmd := p.cmd
+		p.mu.Unlock()
+		if cmd != nil && cmd.Process != nil {
+			_ = cmd.Process.Kill()
+		}
+		select {
+		case p.revive <- struct{}{}:
+		default:
+		}
+		<-p.gone
+		if t.Failed() {
+			p.dumpLog()
+		}
+	})
+	return p
+}
+
+func (p *capProc) launch() error {
+	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	cmd := exec.Command(p.bin)
+	cmd.Env = p.env
+	cmd.Stdout, cmd.Stderr = f, f
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	p.cmd, p.exited = cmd, make(chan struct{})
+	p.mu.Unlock()
+	return nil
+}
+
+func (p *capProc) supervise(started chan<- error) {
+	defer close(p.gone)
+	first := true
+	for {
+		err := p.launch()
+		if first {
+			started <- err
+			first = false
+		}
+		if err != nil {
+			return
+		}
+		p.mu.Lock()
+		cmd, exited := p.cmd, p.exited
+		p.mu.Unlock()
+		werr := cmd.Wait()
+		close(exited)
+		p.mu.Lock()
+		stopping, killed := p.stopping, p.killed
+		if !stopping && !killed {
+			p.selfExit++
+		}
+		p.mu.Unlock()
+		if stopping {
+			return
+		}
+		if killed {
+			<-p.revive
+			p.mu.Lock()
+			p.killed, stopping = false, p.stopping
+			p.mu.Unlock()
+			if stopping {
+				return
+			}
+			continue
+		}
+		p.t.Logf("%s (pid %d) exited by itself (%v): restarting it", p.name, cmd.Process.Pid, werr)
+		time.Sleep(500 * time.Millisecond) // a supervisor's restart delay
+	}
+}
+
+// kill SIGKILLs the current process and waits until it is gone.
+func (p *capProc) kill() {
+	p.mu.Lock()
+	p.killed = true
+	cmd, exited := p.cmd, p.exited
+	p.mu.Unlock()
+	require.NoError(p.t, cmd.Process.Signal(syscall.SIGKILL))
+	<-exited
+}
+
+// start revives a killed process.
+func (p *capProc) start() { p.revive <- struct{}{} }
+
+func (p *capProc) pid() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cmd.Process.Pid
+}
+
+func (p *capProc) url(path string) string {
+	return "http://127.0.0.1:" + strconv.Itoa(p.port) + path
+}
+
+// active scrapes epitaph_capture_active; ok is false when the process does
+// not answer.
+func (p *capProc) active() (v int, ok bool) {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get(p.url("/metrics"))
+	if err != nil {
+		return 0, false
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if s, found := strings.CutPrefix(sc.Text(), "epitaph_capture_active "); found {
+			n, err := strconv.Atoi(s)
+			return n, err == nil
+		}
+	}
+	return 0, false
+}
+
+func (p *capProc) healthz() int {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get(p.url("/healthz"))
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func (p *capProc) dumpLog() {
+	b, _ := os.ReadFile(p.log)
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > 60 {
+		lines = lines[len(lines)-60:]
+	}
+	p.t.Logf("---- %s log (last %d lines) ----\n%s", p.name, len(lines), strings.Join(lines, "\n"))
+}
+
+// slotHolderApp is the application_name of the session streaming the slot,
+// or "" when the slot is inactive.
+func slotHolderApp(t *testing.T, db, slot string) string {
+	return queryString(t, db, `SELECT coalesce((SELECT a.application_name FROM pg_replication_slots s
+		JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1), '')`, slot)
+}
+
+// TestStandbyTakeoverAfterSIGKILL runs two capture processes with
+// --standby on one slot against an external JetStream, under a delete
+// workload. The streaming one is SIGKILLed three times; each time the other
+// takes over within the bound, the killed one comes back as the standby,
+// and at the end the stream holds every deleted row exactly once.
+func TestStandbyTakeoverAfterSIGKILL(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs capture processes")
+	}
+	t.Parallel()
+	const takeoverBound = 30 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	db := testenv.NewDatabase(t)
+	slot := dbName(t, db)
+	nats := testenv.NewNATS(t)
+	require.NoError(t, workload.Setup(ctx, db))
+	_, err := workload.Seed(ctx, db, workload.SeedConfig{Customers: 150, OrdersPerCustomer: 10})
+	require.NoError(t, err)
+
+	bin := buildCapture(t)
+	env := func() map[string]string {
+		return map[string]string{
+			"EPITAPH_SOURCE_URL":         db,
+			"EPITAPH_NATS_URL":           nats.URL,
+			"EPITAPH_SLOT":               slot,
+			"EPITAPH_PUBLICATION":        slot,
+			"EPITAPH_TABLES":             strings.Join(workload.Tables, ","),
+			"EPITAPH_PARTITIONS":         "4",
+			"EPITAPH_STANDBY":            "true",
+			"EPITAPH_HEARTBEAT_INTERVAL": "1s",
+		}
+	}
+	procs := []*capProc{startCapProc(t, "capture-a", bin, env())}
+	// a streams before b starts, so the publication and slot exist.
+	require.Eventually(t, func() bool { v, ok := procs[0].active(); return ok && v == 1 }, 60*time.Second, 100*time.Millisecond)
+	procs = append(procs, startCapProc(t, "capture-b", bin, env()))
+
+	// Never two streaming at once, sampled throughout.
+	var (
+		sampleMu   sync.Mutex
+		bothActive int
+		samples    int
+	)
+	sampleCtx, stopSampling := context.WithCancel(ctx)
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for sampleCtx.Err() == nil {
+			a, _ := procs[0].active()
+			b, _ := procs[1].active()
+			sampleMu.Lock()
+			samples++
+			if a == 1 && b == 1 {
+				bothActive++
+			}
+			sampleMu.Unlock()
+			time.Sleep(50 * time.Millisecond)
+		}
+	}()
+
+	// whoStreams waits until exactly one process reports active=1 and the
+	// other answers with 0, and returns their indexes.
+	whoStreams := func(timeout time.Duration) (active, standby int) {
+		t.Helper()
+		deadline := time.Now().Add(timeout)
+		for {
+			a, okA := procs[0].active()
+			b, okB := procs[1].active()
+			switch {
+			case okA && okB && a == 1 && b == 0:
+				return 0, 1
+			case okA && okB && a == 0 && b == 1:
+				return 1, 0
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no single streaming capture within %s (a: %d %v, b: %d %v)", timeout, a, okA, b, okB)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	act, sb := whoStreams(60 * time.Second)
+	require.Equal(t, http.StatusOK, procs[sb].healthz(), "a waiting standby is healthy")
+	var st Status
+	code, body := httpGet(t, procs[sb].url("/status"))
+	require.Equal(t, http.StatusOK, code)
+	require.NoError(t, json.Unmarshal([]byte(body), &st))
+	require.Equal(t, RoleStandby, st.Role)
+	require.False(t, st.Active)
+	require.Eventually(t, func() bool {
+		_, body := httpGet(t, procs[sb].url("/status"))
+		st = Status{}
+		return json.Unmarshal([]byte(body), &st) == nil && st.Standby != nil && st.Standby.Holder != nil &&
+			strings.HasSuffix(st.Standby.Holder.ApplicationName, "-"+strconv.Itoa(procs[act].pid()))
+	}, 10*time.Second, 100*time.Millisecond, "the standby names the holder of the lease")
+
+	// The delete workload runs throughout.
+	runCtx, stopRun := context.WithCancel(ctx)
+	type runOut struct {
+		res workload.Result
+		err error
+	}
+	ran := make(chan runOut, 1)
+	go func() {
+		res, err := workload.Run(runCtx, db, workload.Plan{Seed: 7, MaxOrdersPerTx: 6, BigTxRows: 1500, BigTxAt: 60, Reinserts: 6, Pause: 20 * time.Millisecond})
+		ran <- runOut{res, err}
+	}()
+
+	_, js := nats.Connect(t)
+	stream, err := js.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	published := func() uint64 {
+		info, err := stream.Info(ctx)
+		require.NoError(t, err)
+		return info.State.Msgs
+	}
+	for kill := 1; kill <= 3; kill++ {
+		// Let the active capture publish some of the workload first.
+		before := published()
+		require.Eventually(t, func() bool { return published() > before+200 }, 60*time.Second, 50*time.Millisecond)
+		select {
+		case out := <-ran:
+			t.Fatalf("the workload ended before kill %d: %+v", kill, out)
+		default:
+		}
+		victim := procs[act]
+		victimPID := victim.pid()
+		require.True(t, strings.HasSuffix(slotHolderApp(t, db, slot), "-"+strconv.Itoa(victimPID)),
+			"the streaming process holds the slot: %q, pid %d", slotHolderApp(t, db, slot), victimPID)
+		killedAt := time.Now()
+		victim.kill()
+		require.Eventually(t, func() bool { v, ok := procs[sb].active(); return ok && v == 1 }, takeoverBound, 20*time.Millisecond,
+			"kill %d: the standby did not take over within %s", kill, takeoverBound)
+		took := time.Since(killedAt)
+		t.Logf("kill %d: %s SIGKILLed (pid %d) with %d messages in the stream; %s took over in %s",
+			kill, victim.name, victimPID, published(), procs[sb].name, took.Round(time.Millisecond))
+		require.Contains(t, slotHolderApp(t, db, slot), "-"+strconv.Itoa(procs[sb].pid()))
+		victim.start()
+		act, sb = whoStreams(60 * time.Second)
+		require.Equal(t, victim, procs[sb], "the killed capture came back as the standby")
+		require.Equal(t, http.StatusOK, procs[sb].healthz())
+	}
+	stopRun()
+	out := <-ran
+	require.NoError(t, out.err)
+	require.Greater(t, out.res.Deleted, int64(1500), "the workload deleted rows during the kills")
+	t.Logf("workload: %d transactions, %d rows deleted, %d reinserts", out.res.Transactions, out.res.Deleted, out.res.Reinserted)
+
+	expected, err := workload.Expected(ctx, db)
+	require.NoError(t, err)
+	require.EqualValues(t, out.res.Deleted, len(expected))
+	var rep workload.Report
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		events, err := workload.StreamDeletes(ctx, nats.URL, "main")
+		require.NoError(t, err)
+		if len(events) >= len(expected) || time.Now().After(deadline) {
+			rep, err = workload.VerifyStream(ctx, db, expected, events)
+			require.NoError(t, err)
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	require.True(t, rep.OK(), rep.String())
+	t.Logf("stream: %s", rep.String())
+
+	stopSampling()
+	<-sampled
+	sampleMu.Lock()
+	defer sampleMu.Unlock()
+	require.Zero(t, bothActive, "two captures reported epitaph_capture_active=1 at once (%d samples)", samples)
+	for _, p := range procs {
+		p.mu.Lock()
+		t.Logf("%s exited by itself %d times", p.name, p.selfExit)
+		p.mu.Unlock()
+	}
+}
+
