@@ -401,4 +401,3 @@ func TestStandbyTakeoverAfterSIGKILL(t *testing.T) {
 		p.mu.Unlock()
 	}
 }
-
