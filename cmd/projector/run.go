@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 func init() {
@@ -26,6 +27,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), `archive retention per table, e.g. "public.sessions=720h,*=8760h" (EPITAPH_ARCHIVE_TTL)`)
 	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "comma-separated schema.table roots of snapshot documents (EPITAPH_SNAPSHOT_ROOTS)")
 	leaseTTL := fs.Duration("lease-ttl", durationEnv(env, "EPITAPH_LEASE_TTL", 15*time.Second), "partition lease TTL (EPITAPH_LEASE_TTL)")
+	captureStatus := fs.String("capture-status-url", env.Getenv("EPITAPH_CAPTURE_STATUS_URL"), "the capture's /status URL, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
 	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -58,6 +60,8 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	srv := observe.New(observe.Config{Addr: *metrics, Registry: reg, Logger: env.Logger,
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy})
+	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(*captureStatus),
+		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
 	if err := srv.Start(ctx); err != nil {
 		svc.Stop()
 		return err
