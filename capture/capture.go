@@ -157,6 +157,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		loopCtx, cancel := context.WithCancel(context.Background())
 		s.cancel = cancel
 		context.AfterFunc(ctx, cancel)
+		s.activate(loopCtx)
 		go s.runLoop(loopCtx)
 		return nil
 	}
@@ -199,6 +200,7 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 		s.finish(err)
 		return
 	}
+	s.activate(ctx)
 	s.runLoop(ctx)
 }
 
@@ -355,8 +357,8 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	return nil
 }
 
-// runLoop streams until stopped or failed, then ends the service.
-func (s *Service) runLoop(ctx context.Context) {
+// activate marks the capture active and starts its background work.
+func (s *Service) activate(ctx context.Context) {
 	s.activeState.Store(true)
 	s.setRole(RoleActive, nil)
 	s.m.active.Set(1)
@@ -365,6 +367,10 @@ func (s *Service) runLoop(ctx context.Context) {
 	go s.pollSlot(ctx)
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
+}
+
+// runLoop streams until stopped or failed, then ends the service.
+func (s *Service) runLoop(ctx context.Context) {
 	err := s.st.run(ctx)
 	s.activeState.Store(false)
 	s.m.active.Set(0)
