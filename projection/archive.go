@@ -241,17 +241,19 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 // applied, when every row of the transaction is archived.
 const markRootsSQL = `
 WITH tx AS (
-    SELECT commit_lsn, seq, schema_name, table_name, row, refs
+    SELECT commit_lsn, seq, schema_name, table_name, row, refs, is_root
     FROM %[1]s.rows WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[])
+), undecided AS MATERIALIZED (
+    SELECT * FROM tx WHERE NOT $3 OR is_root IS NULL
 ), child AS (
     SELECT t.commit_lsn, t.seq, f->>'schema' AS s, f->>'table' AS tb, f->'ref_columns' AS rc,
            (SELECT jsonb_agg(t.row -> c ORDER BY o)
             FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS x(c, o)) AS k
-    FROM tx t
+    FROM undecided t
     CROSS JOIN LATERAL jsonb_array_elements(CASE WHEN jsonb_typeof(t.refs) = 'array' THEN t.refs ELSE '[]'::jsonb END) AS f
 ), wanted AS (
     SELECT DISTINCT commit_lsn, s, tb, rc FROM child
-), parent AS (
+), parent AS MATERIALIZED (
     SELECT w.commit_lsn, w.s, w.tb, w.rc, t.seq,
            (SELECT jsonb_agg(t.row -> c ORDER BY o)
             FROM jsonb_array_elements_text(w.rc) WITH ORDINALITY AS x(c, o)) AS k
@@ -264,10 +266,9 @@ WITH tx AS (
     WHERE NOT (c.k @> '[null]'::jsonb)
 )
 UPDATE %[1]s.rows r SET is_root = (n.seq IS NULL)
-FROM tx LEFT JOIN nonroot n ON n.commit_lsn = tx.commit_lsn AND n.seq = tx.seq
-WHERE r.source = $1 AND r.commit_lsn = tx.commit_lsn AND r.seq = tx.seq
-  AND r.is_root IS DISTINCT FROM (n.seq IS NULL)
-  AND (NOT $3 OR r.is_root IS NULL)`
+FROM undecided u LEFT JOIN nonroot n ON n.commit_lsn = u.commit_lsn AND n.seq = u.seq
+WHERE r.source = $1 AND r.commit_lsn = u.commit_lsn AND r.seq = u.seq
+  AND r.is_root IS DISTINCT FROM (n.seq IS NULL)`
 
 // markRoots decides is_root for the rows of the given transactions; with
 // onlyUndecided it leaves rows already decided on insert alone.

@@ -95,6 +95,11 @@ func (s *Service) Start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("parse target URL: %w", err)
 	}
+	// Pages are short statements; JIT compilation would cost more than it
+	// saves (it was measured at ~250ms on a 700-row commit).
+	if _, set := pcfg.ConnConfig.RuntimeParams["jit"]; !set {
+		pcfg.ConnConfig.RuntimeParams["jit"] = "off"
+	}
 	if s.cfg.MaxConns > 0 {
 		pcfg.MaxConns = s.cfg.MaxConns
 	} else {
