@@ -148,3 +148,28 @@ func TestSnapshotJobsThroughRuntime(t *testing.T) {
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.snapshots WHERE correlation_id = $1 AND root_key = '{"id":2}'`,
 		event.CorrelationID(src, t1.xid, t1.lsn)))
 }
+
+// A transaction much larger than a page (40 pages): every row archived
+// once, roots decided across pages (orders root, every line not).
+func TestLargeTransactionAcrossPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	var rows []row
+	for o := 0; o < 2000; o++ {
+		rows = append(rows, orderRows(o+1, 9)...)
+	}
+	tx := e.nextTx(rows...)
+	for _, m := range e.messages(tx) {
+		_, err := e.js.PublishMsgAsync(m)
+		require.NoError(t, err)
+	}
+	<-e.js.PublishAsyncComplete()
+	e.start(e.config("w1"))
+	c := e.conn()
+	eventually(t, 60*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root IS NOT NULL`) == 20000
+	})
+	require.Equal(t, 2000, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root`))
+	require.Equal(t, 2000, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root AND table_name = 'orders'`))
+	require.Equal(t, 1, count(t, c, `SELECT count(DISTINCT correlation_id) FROM archive.rows`))
+}

@@ -40,7 +40,7 @@ type Config struct {
 	// 1..500, default 500.
 	BatchSize int
 	// FetchWait is how long an idle partition waits for events per fetch.
-	// Default 1s.
+	// Default 1s (at most LeaseTTL/3).
 	FetchWait time.Duration
 	// ArchiveTTL maps "schema.table" (or "*" for every other table) to how
 	// long archived rows are kept: expires_at = commit_time + TTL. A table
@@ -75,7 +75,7 @@ func (c *Config) setDefaults() {
 		c.BatchSize = MaxBatchSize
 	}
 	if c.FetchWait == 0 {
-		c.FetchWait = time.Second
+		c.FetchWait = min(time.Second, c.LeaseTTL/3)
 	}
 	if c.MaxBackoff == 0 {
 		c.MaxBackoff = 30 * time.Second
