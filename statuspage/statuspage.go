@@ -269,7 +269,9 @@ func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]s
 		rows = append(rows, newSnapshotRow(v, s))
 	}
 	if note == "" && len(rows) == 0 {
-		note = "no version has a snapshots table"
+		// Nothing counted (no table yet: cheap to ask again); not cached,
+		// so a new version's jobs show at once.
+		return nil, "no version has a snapshots table"
 	}
 	h.snap, h.snapErr, h.snapAt = rows, note, now
 	return rows, note
