@@ -159,11 +159,7 @@ func TestLargeTransactionAcrossPages(t *testing.T) {
 		rows = append(rows, orderRows(o+1, 9)...)
 	}
 	tx := e.nextTx(rows...)
-	for _, m := range e.messages(tx) {
-		_, err := e.js.PublishMsgAsync(m)
-		require.NoError(t, err)
-	}
-	<-e.js.PublishAsyncComplete()
+	e.publishAll(e.messages(tx))
 	e.start(e.config("w1"))
 	c := e.conn()
 	eventually(t, 60*time.Second, func() bool {

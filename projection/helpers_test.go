@@ -233,3 +233,19 @@ func metricSum(t *testing.T, s *projection.Service, name string) float64 {
 	}
 	return sum
 }
+
+// publishAll publishes many messages asynchronously in bounded windows.
+func (e *env) publishAll(msgs []*nats.Msg) {
+	e.t.Helper()
+	for i, m := range msgs {
+		_, err := e.js.PublishMsgAsync(m)
+		require.NoError(e.t, err)
+		if i%1000 == 999 || i == len(msgs)-1 {
+			select {
+			case <-e.js.PublishAsyncComplete():
+			case <-time.After(30 * time.Second):
+				e.t.Fatal("publish did not complete")
+			}
+		}
+	}
+}

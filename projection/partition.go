@@ -118,7 +118,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 	bo.InitialInterval = 100 * time.Millisecond
 	bo.MaxInterval = w.svc.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
-	needInit := true
+	needInit, resets := true, 0
 	for !w.stopRequested() && ctx.Err() == nil {
 		var err error
 		if needInit {
@@ -136,6 +136,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 		switch {
 		case err == nil:
 			bo.Reset()
+			resets = 0
 			continue
 		case errors.Is(err, progress.ErrLostOwnership):
 			w.log.Warn("lost the partition lease to another worker; stopping it", "err", err)
@@ -143,6 +144,13 @@ func (w *partitionWorker) run(ctx context.Context) {
 			return
 		case errors.Is(err, errReset):
 			needInit = true
+			resets++
+			if resets <= 3 {
+				continue
+			}
+			// Resetting again and again: back off rather than spin.
+			w.log.Warn("partition keeps resetting", "err", err)
+			w.wait(ctx, bo.NextBackOff())
 			continue
 		case ctx.Err() != nil:
 			return
@@ -153,11 +161,18 @@ func (w *partitionWorker) run(ctx context.Context) {
 		wait := bo.NextBackOff()
 		w.log.Warn("transient failure; retrying", "kind", kind, "err", quarantine.Sanitize(err), "retry_in", wait)
 		w.recordFailure(ctx, kind)
-		select {
-		case <-time.After(wait):
-		case <-w.stopping:
-		case <-ctx.Done():
-		}
+		w.wait(ctx, wait)
+	}
+}
+
+// wait sleeps for d unless the worker is stopped first.
+func (w *partitionWorker) wait(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-w.stopping:
+	case <-ctx.Done():
 	}
 }
 
@@ -437,14 +452,22 @@ func (w *partitionWorker) dropPrefetch() {
 	}
 }
 
-// idle checks, while nothing arrives, that the consumer still exists and
-// that the stream did not lose its tail below the cursor.
+// idle checks, while nothing arrives, that the consumer still exists, that
+// no other reader holds deliveries of it, and that the stream did not lose
+// its tail below the cursor.
 func (w *partitionWorker) idle(ctx context.Context) error {
-	if _, err := w.cons.Info(ctx); err != nil {
+	ci, err := w.cons.Info(ctx)
+	if err != nil {
 		if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
 			return errReset
 		}
 		return fmt.Errorf("consumer info: %w", err)
+	}
+	if ci.NumAckPending > 0 {
+		// This worker has acknowledged everything it was given, so these
+		// deliveries went to another reader (a worker that lost its lease):
+		// reset rather than wait for their ack timeout.
+		return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
 	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {

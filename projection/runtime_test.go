@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -149,15 +150,7 @@ func TestSetBasedApply10k(t *testing.T) {
 		}
 		msgs = append(msgs, e.messages(e.nextTx(rows...))...)
 	}
-	for _, m := range msgs {
-		_, err := e.js.PublishMsgAsync(m)
-		require.NoError(t, err)
-	}
-	select {
-	case <-e.js.PublishAsyncComplete():
-	case <-time.After(30 * time.Second):
-		t.Fatal("publish did not complete")
-	}
+	e.publishAll(msgs)
 	c := e.conn()
 	var before int64
 	require.NoError(t, c.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&before))
@@ -171,4 +164,56 @@ func TestSetBasedApply10k(t *testing.T) {
 	var after int64
 	require.NoError(t, c.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&after))
 	require.Less(t, after-before, int64(txs*per/10), "transactions committed while applying")
+}
+
+// Another reader takes deliveries from the partition's durable consumer (a
+// stale worker still fetching before it dies): the pages the worker gets
+// then skip messages of the partition, or nothing arrives while the stolen
+// deliveries wait for their ack timeout. The worker notices, resets the
+// consumer to its cursor and archives everything, without waiting.
+func TestStolenDeliveriesAreNotSkipped(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	cfg := e.config("w1")
+	cfg.BatchSize = 5
+	s := e.start(cfg)
+	eventually(t, 10*time.Second, func() bool { return len(owned(s)) == 1 })
+	ctx := context.Background()
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	var cons jetstream.Consumer
+	eventually(t, 10*time.Second, func() bool {
+		cons, err = stream.Consumer(ctx, "archive-v1-p0")
+		return err == nil
+	})
+	stop := make(chan struct{})
+	stolen := make(chan int, 1)
+	go func() {
+		n := 0
+		defer func() { stolen <- n }()
+		for n < 10 { // like a stale worker: it reads a little, then dies
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			b, err := cons.Fetch(3, jetstream.FetchMaxWait(50*time.Millisecond))
+			if err != nil {
+				continue
+			}
+			for range b.Messages() {
+				n++ // taken, never acked
+			}
+		}
+	}()
+	for i := 0; i < 30; i++ {
+		e.publish(e.nextTx(orderRows(i+1, 1)...))
+	}
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 60 },
+		"rows: %d", count(t, c, `SELECT count(*) FROM archive.rows`))
+	close(stop)
+	require.GreaterOrEqual(t, <-stolen, 1, "the other reader took deliveries")
+	require.Equal(t, 30, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root`))
+	eventually(t, 10*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 90 })
 }
