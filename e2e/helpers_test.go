@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/bench"
@@ -60,7 +62,12 @@ func supervise(t *testing.T, name, bin string, env []string, seed uint64, args .
 	t.Cleanup(func() {
 		s.Stop()
 		if t.Failed() {
-			t.Logf("---- log of %s (last 6000 bytes) ----\n%s", s.name, s.logTail(6000))
+			// Keep the whole log past the test's temp dir for diagnosis.
+			kept := filepath.Join(os.TempDir(), fmt.Sprintf("epitaph-e2e-%s-%s-%d.log", t.Name(), s.name, os.Getpid()))
+			if b, err := os.ReadFile(filepath.Join(s.dir, s.name+".log")); err == nil {
+				_ = os.WriteFile(kept, b, 0o644)
+			}
+			t.Logf("---- log of %s (whole log kept in %s; last 3000 bytes) ----\n%s", s.name, kept, s.logTail(3000))
 		}
 	})
 	return s
@@ -120,6 +127,19 @@ func (s *supervised) Kill() {
 	s.killed = p
 	s.mu.Unlock()
 	p.Kill()
+}
+
+// Quit ends supervision and SIGQUITs the process: its goroutine stacks go
+// to its log (a stall's diagnosis).
+func (s *supervised) Quit() {
+	select {
+	case <-s.stop:
+		return
+	default:
+	}
+	close(s.stop)
+	<-s.done
+	s.current().Quit()
 }
 
 // Stop ends supervision and stops the process (SIGTERM, then SIGKILL).
@@ -190,3 +210,59 @@ func joinEnv(env []string, extra ...string) []string {
 }
 
 func summary(lines []string) string { return strings.Join(lines, ", ") }
+
+// pipelineState describes where rows are when the archive falls short:
+// deletes in the stream per partition, each partition's progress row, the
+// quarantine, and archived rows per table.
+func pipelineState(ctx context.Context, url string, watch *bench.StreamWatch) string {
+	var b strings.Builder
+	if n, err := watch.Deletes(ctx); err == nil {
+		fmt.Fprintf(&b, "stream deletes: %d\n", n)
+	}
+	if s, err := watch.JetStream().Stream(ctx, "EPITAPH_MAIN"); err == nil {
+		if info, err := s.Info(ctx); err == nil {
+			fmt.Fprintf(&b, "stream: msgs=%d first=%d last=%d\n", info.State.Msgs, info.State.FirstSeq, info.State.LastSeq)
+		}
+		for p := 0; p < 8; p++ {
+			info, err := s.Info(ctx, jetstream.WithSubjectFilter(fmt.Sprintf("epitaph.main.%d.>", p)))
+			if err != nil {
+				continue
+			}
+			var n uint64
+			for _, c := range info.State.Subjects {
+				n += c
+			}
+			fmt.Fprintf(&b, "  partition %d: %d messages\n", p, n)
+		}
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return b.String()
+	}
+	defer conn.Close(ctx)
+	for _, q := range []string{
+		`SELECT format('progress p%s cursor=%s last=%s/%s owner=%s epoch=%s expires=%s attempts=%s failure=%s',
+			partition, cursor, last_commit_lsn, last_seq, owner, epoch, lease_expires_at, attempts, last_failure_category)
+			FROM epitaph.progress ORDER BY partition`,
+		`SELECT format('quarantine %s %s: %s', partition, category, left(error, 200)) FROM epitaph.quarantine`,
+		`SELECT format('archived %s: %s', t, n) FROM (SELECT schema_name || '.' || table_name AS t, count(*) AS n
+			FROM archive.rows GROUP BY 1) x ORDER BY 1`,
+		`SELECT format('backend pid=%s app=%s state=%s wait=%s/%s running=%s query=%s', pid, application_name, state,
+			wait_event_type, wait_event, now() - query_start, left(regexp_replace(query, '\s+', ' ', 'g'), 100))
+			FROM pg_stat_activity WHERE datname = current_database() AND state <> 'idle' AND pid <> pg_backend_pid()`,
+	} {
+		rows, err := conn.Query(ctx, q)
+		if err != nil {
+			fmt.Fprintf(&b, "%v\n", err)
+			continue
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			fmt.Fprintf(&b, "%v\n", err)
+		}
+		for _, l := range lines {
+			b.WriteString(l + "\n")
+		}
+	}
+	return b.String()
+}
