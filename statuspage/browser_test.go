@@ -1,6 +1,7 @@
 package statuspage_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"image/png"
@@ -15,6 +16,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -74,6 +76,30 @@ func tail(s string, n int) string {
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
+// failureLogger keeps a component's log and prints it if the test fails.
+func failureLogger(t *testing.T, name string) *slog.Logger {
+	var (
+		mu  sync.Mutex
+		buf bytes.Buffer
+	)
+	t.Cleanup(func() {
+		if t.Failed() {
+			mu.Lock()
+			defer mu.Unlock()
+			t.Logf("---- log of %s (last 8000 bytes) ----\n%s", name, tail(buf.String(), 8000))
+		}
+	})
+	return slog.New(slog.NewTextHandler(writerFunc(func(p []byte) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return buf.Write(p)
+	}), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
 // A running system: a real capture of the shop workload (its own /status
 // server), two projector workers sharing the 8 partitions of the stream,
 // one event that goes to quarantine, snapshot jobs for the deleted orders.
@@ -96,23 +122,32 @@ func TestPageInBrowser(t *testing.T) {
 	n := testenv.NewNATS(t)
 	capSvc, err := capture.New(capture.Config{
 		SourceURL: srcURL, NATSURL: n.URL, SourceName: source, Tables: workload.Tables, Partitions: 8,
-		SlotName: strings.TrimPrefix(u.Path, "/"), PublicationName: "statuspage", HeartbeatInterval: time.Second,
+		SlotName: strings.TrimPrefix(u.Path, "/"), PublicationName: "statuspage", HeartbeatInterval: -1,
 		BrokerSyncInterval: -1, MetricsAddr: "127.0.0.1:0",
-	}, capture.WithLogger(quietLogger()), capture.WithRegistry(prometheus.NewRegistry()))
+	}, capture.WithLogger(failureLogger(t, "capture")), capture.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(t, err)
 	require.NoError(t, capSvc.Start(ctx))
 	t.Cleanup(capSvc.Stop)
-	res, err := workload.Run(ctx, srcURL, workload.Plan{Seed: 7, Transactions: 12, MaxOrdersPerTx: 3})
-	require.NoError(t, err)
-	require.Positive(t, res.Deleted)
-
-	// One event no projector can read: it goes to quarantine.
+	// One event no projector can read, which goes to quarantine. The
+	// capture is the stream's only writer (each publish expects its own
+	// previous message last), so it goes in first, while the stream is
+	// still empty: with heartbeats off the capture has published nothing
+	// before the first delete.
 	_, js := n.Connect(t)
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	require.NoError(t, err)
+	info, err := stream.Info(ctx)
+	require.NoError(t, err)
+	require.Zero(t, info.State.LastSeq, "the capture published before any delete")
 	m := nats.NewMsg(event.CommitSubject(source, 3))
 	m.Data = []byte("this is not an event")
 	m.Header.Set(event.HeaderMsgID, "statuspage-garbage")
 	_, err = js.PublishMsg(ctx, m)
 	require.NoError(t, err)
+
+	res, err := workload.Run(ctx, srcURL, workload.Plan{Seed: 7, Transactions: 12, MaxOrdersPerTx: 3})
+	require.NoError(t, err)
+	require.Positive(t, res.Deleted)
 
 	// Two projector workers; the first serves the page.
 	target := testenv.NewDatabase(t)
@@ -157,13 +192,16 @@ func TestPageInBrowser(t *testing.T) {
 				}
 			}
 			settled = owners["page-w1"] > 0 && owners["page-w2"] > 0 && owners["page-w1"]+owners["page-w2"] == 8 &&
-				snapshotsDone(t, target, st.Versions[0].Schema)
+				archived(t, target) == res.Deleted && snapshotsDone(t, target, st.Versions[0].Schema)
 		}
 		if settled {
 			break
 		}
+		if cs := capSvc.CurrentStatus(); cs.Error != "" {
+			t.Fatalf("capture stopped: %s", cs.Error)
+		}
 		if time.Now().After(deadline) {
-			t.Fatalf("system did not settle: err=%v status=%+v", err, st)
+			t.Fatalf("system did not settle: err=%v status=%+v\ncapture: %+v", err, st, capSvc.CurrentStatus())
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
@@ -233,6 +271,19 @@ func TestPageInBrowser(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, os.WriteFile(filepath.Join(dir, "statuspage.png"), data, 0o644))
 	}
+}
+
+// archived counts the archived rows.
+func archived(t *testing.T, target string) int64 {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), target)
+	require.NoError(t, err)
+	defer conn.Close(context.WithoutCancel(t.Context()))
+	var n int64
+	if err := conn.QueryRow(t.Context(), `SELECT count(*) FROM archive.rows`).Scan(&n); err != nil {
+		return -1
+	}
+	return n
 }
 
 // snapshotsDone reports whether the version has snapshot jobs and none is
