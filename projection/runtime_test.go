@@ -9,6 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -216,4 +217,37 @@ func TestStolenDeliveriesAreNotSkipped(t *testing.T) {
 	require.GreaterOrEqual(t, <-stolen, 1, "the other reader took deliveries")
 	require.Equal(t, 30, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root`))
 	eventually(t, 10*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 90 })
+}
+
+// A worker that dies without handing over (hard stop: its context is
+// cancelled, nothing is released) loses its partitions to the survivor once
+// its leases expire; the survivor takes them with higher epochs and goes on.
+func TestTakeoverAfterHardStop(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 4)
+	ctx, cancel := context.WithCancel(context.Background())
+	cfgA := e.config("a")
+	cfgA.LeaseTTL = 1500 * time.Millisecond
+	a, err := projection.New(cfgA, projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(t, err)
+	require.NoError(t, a.Start(ctx))
+	t.Cleanup(a.Stop) // closes its connections; its leases are fenced by then
+	eventually(t, 10*time.Second, func() bool { return len(owned(a)) == 4 })
+	cfgB := e.config("b")
+	cfgB.LeaseTTL = 1500 * time.Millisecond
+	b := e.start(cfgB)
+	eventually(t, 10*time.Second, func() bool { return len(owned(a)) == 2 && len(owned(b)) == 2 })
+	c := e.conn()
+	epochs := count(t, c, `SELECT sum(epoch) FROM epitaph.progress`)
+
+	cancel() // a dies
+	<-a.Done()
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE owner = 'a'`), "nothing released")
+	for i := 0; i < 20; i++ {
+		e.publish(e.nextTx(orderRows(i+1, 1)...))
+	}
+	eventually(t, 15*time.Second, func() bool { return len(owned(b)) == 4 })
+	eventually(t, 15*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 40 })
+	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE owner = 'b'`))
+	require.Equal(t, epochs+2, count(t, c, `SELECT sum(epoch) FROM epitaph.progress`), "each takeover raised the epoch")
 }
