@@ -150,7 +150,8 @@ func (s *Service) Start(ctx context.Context) error {
 // Stop is the soft stop: every partition finishes its page (applies,
 // commits the cursor, acks), leases are released at once for other workers
 // to take, and the worker deregisters. Cancelling Start's ctx is the hard
-// stop.
+// stop (pages in flight roll back, leases are left to expire); call Stop
+// afterwards all the same to close the connections.
 func (s *Service) Stop() {
 	s.stop.Do(func() {
 		if s.cancel == nil {
