@@ -292,9 +292,13 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float
 	if like == "" {
 		return 0, fmt.Errorf("raw: archive_v1.rows does not exist in the target to copy its shape")
 	}
+	// The staging table takes the LSN as text (as the projector sends it);
+	// the INSERT .. SELECT casts it.
 	_, err = conn.Exec(ctx, `CREATE SCHEMA bench_raw;
 		CREATE TABLE bench_raw.rows (LIKE archive_v1.rows INCLUDING ALL);
-		CREATE UNLOGGED TABLE bench_raw.staging (LIKE archive_v1.rows INCLUDING DEFAULTS)`)
+		CREATE UNLOGGED TABLE bench_raw.staging (source text, schema_name text, table_name text, key jsonb, row jsonb,
+			identity text, correlation_id text, is_root boolean, xid bigint, commit_lsn text, commit_time timestamptz,
+			seq integer, refs jsonb, columns jsonb)`)
 	if err != nil {
 		return 0, fmt.Errorf("raw: create tables: %w", err)
 	}
@@ -312,7 +316,10 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float
 		return 0, fmt.Errorf("raw: copy: %w", err)
 	}
 	copied := time.Since(start)
-	if _, err := conn.Exec(ctx, `INSERT INTO bench_raw.rows SELECT * FROM bench_raw.staging ON CONFLICT DO NOTHING`); err != nil {
+	if _, err := conn.Exec(ctx, `INSERT INTO bench_raw.rows (source, schema_name, table_name, key, row, identity,
+			correlation_id, is_root, xid, commit_lsn, commit_time, seq, refs, columns)
+		SELECT source, schema_name, table_name, key, row, identity, correlation_id, is_root, xid, commit_lsn::pg_lsn,
+			commit_time, seq, refs, columns FROM bench_raw.staging ON CONFLICT DO NOTHING`); err != nil {
 		return 0, fmt.Errorf("raw: insert select: %w", err)
 	}
 	took := time.Since(start)
