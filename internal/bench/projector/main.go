@@ -308,7 +308,7 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float
 	for i, ev := range events {
 		refs, _ := jsonText(ev.Refs)
 		columns, _ := jsonText(ev.Columns)
-		data[i] = []any{ev.Source, ev.Schema, ev.Table, string(ev.Key), string(ev.Row), ev.Identity, ev.CorrelationID(), false,
+		data[i] = []any{ev.Source, ev.Schema, ev.Table, nullable(ev.Key), nullable(ev.Row), ev.Identity, ev.CorrelationID(), false,
 			ev.XID, ev.CommitLSN.String(), ev.CommitTime, ev.Seq, refs, columns}
 	}
 	start := time.Now()
@@ -328,6 +328,13 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float
 	bench.Figure("projector.raw_seconds", took.Seconds(), "s (COPY + INSERT..SELECT)")
 	bench.Figure("projector.raw_rows_per_sec", rate, "rows/s")
 	return rate, nil
+}
+
+func nullable(b json.RawMessage) any {
+	if len(b) == 0 {
+		return nil
+	}
+	return string(b)
 }
 
 func jsonText(v any) (string, error) {
