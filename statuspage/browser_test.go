@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -115,7 +116,7 @@ func TestPageInBrowser(t *testing.T) {
 	// Source with the shop workload, captured for real.
 	srcURL := testenv.NewDatabase(t)
 	require.NoError(t, workload.Setup(ctx, srcURL))
-	_, err := workload.Seed(ctx, srcURL, workload.SeedConfig{Customers: 4, OrdersPerCustomer: 5})
+	_, err := workload.Seed(ctx, srcURL, workload.SeedConfig{Customers: 8, OrdersPerCustomer: 6})
 	require.NoError(t, err)
 	u, err := url.Parse(srcURL)
 	require.NoError(t, err)
@@ -246,8 +247,58 @@ func TestPageInBrowser(t *testing.T) {
 	require.Contains(t, noJS, `http-equiv="refresh"`)
 	require.Contains(t, noJS, `<div id="page"><div data-fragment="body"`, "no script ran")
 
-	shot := filepath.Join(t.TempDir(), "statuspage.png")
-	browse(t, bin, pageURL, "--screenshot="+shot, "--hide-scrollbars")
+	screenshot(t, bin, pageURL, "statuspage.png")
+
+	// The workers stop; the capture goes on. Read as `projector status`
+	// does (straight from the target and the stream), the page shows the
+	// partitions without owners and the lag building up behind them.
+	for _, w := range workers {
+		w.Stop()
+	}
+	more, err := workload.Run(ctx, srcURL, workload.Plan{Seed: 8, Transactions: 10, MaxOrdersPerTx: 2})
+	require.NoError(t, err)
+	require.Positive(t, more.Deleted)
+	pool, err := pgxpool.New(ctx, target)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	collect := func(ctx context.Context) (*projection.Status, error) {
+		return projection.CollectStatus(ctx, pool, js, source, time.Now())
+	}
+	deadline = time.Now().Add(60 * time.Second)
+	for {
+		st, err = collect(ctx)
+		if err == nil && st.Versions[0].LagEvents >= uint64(more.Deleted) {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "lag never built up: err=%v status=%+v", err, st)
+		time.Sleep(200 * time.Millisecond)
+	}
+	cli := httptest.NewServer(statuspage.Handler(collect, statuspage.WithCaptureStatusURL("http://"+capSvc.MetricsAddr()+"/status"),
+		statuspage.WithSnapshotStats(pool, time.Second), statuspage.WithLogger(quietLogger())))
+	t.Cleanup(cli.Close)
+	dom = browse(t, bin, cli.URL+"/", "--dump-dom")
+	require.Contains(t, dom, `data-testid="version-health">unavailable<`)
+	require.Len(t, regexp.MustCompile(`data-testid="owner"><span class="none">no owner</span>`).FindAllString(dom, -1), 8)
+	lags := regexp.MustCompile(`data-testid="lag">(\d+)<`).FindAllStringSubmatch(dom, -1)
+	require.Len(t, lags, 8)
+	var total uint64
+	for _, l := range lags {
+		n, err := strconv.ParseUint(l[1], 10, 64)
+		require.NoError(t, err)
+		total += n
+	}
+	require.GreaterOrEqual(t, total, uint64(more.Deleted), "lag of every partition, summed")
+	require.Contains(t, dom, `style="width:100%"`, "the longest lag bar")
+	screenshot(t, bin, cli.URL+"/", "statuspage-lagging.png")
+}
+
+// screenshot takes a 1280x900 screenshot of the page, checks it is not
+// blank and logs where it is (copied to $EPITAPH_STATUSPAGE_SCREENSHOT_DIR
+// when set).
+func screenshot(t *testing.T, bin, target, name string) {
+	t.Helper()
+	shot := filepath.Join(t.TempDir(), name)
+	browse(t, bin, target, "--screenshot="+shot, "--hide-scrollbars")
 	f, err := os.Open(shot)
 	require.NoError(t, err)
 	defer f.Close()
@@ -269,7 +320,7 @@ func TestPageInBrowser(t *testing.T) {
 	if dir := os.Getenv("EPITAPH_STATUSPAGE_SCREENSHOT_DIR"); dir != "" {
 		data, err := os.ReadFile(shot)
 		require.NoError(t, err)
-		require.NoError(t, os.WriteFile(filepath.Join(dir, "statuspage.png"), data, 0o644))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), data, 0o644))
 	}
 }
 
