@@ -8,9 +8,9 @@
 // of inline script, no external assets) rendered with html/template, so
 // every name that comes from a database or a flag is escaped. With
 // scripting on, the page fetches a fresh copy of its own body every
-// refresh interval (WithRefreshInterval, default 2s) and swaps it in place (keeping the last good copy, marked
-// stale, when a fetch fails); with scripting off a meta refresh reloads the
-// page instead.
+// refresh interval (WithRefreshInterval, default 2s) and swaps it in place,
+// keeping the last good copy, marked stale, when a fetch fails; with
+// scripting off a meta refresh reloads the page instead.
 //
 // The page only reads. Each request collects the status once; the
 // snapshot job counts, which count whole tables, are read at most once per
