@@ -196,8 +196,8 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 
 // partitionLag fills the lag of one partition: the first message of the
 // partition after the cursor (its stream time is the oldest pending), and
-// the count of pending messages from the consumer when it stands at the
-// cursor (else from the stream's per-subject counts).
+// the count of pending messages from the consumer (from the stream's
+// per-subject counts when there is no consumer yet).
 func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
 	filter := event.PartitionFilter(source, r.Partition)
 	raw, err := stream.GetMsg(ctx, r.Cursor+1, jetstream.WithGetMsgSubject(filter))
@@ -213,14 +213,14 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	ps.LagSeconds = ps.OldestPendingAgeSeconds
 	c, err := stream.Consumer(ctx, r.ConsumerName())
 	if err == nil {
+		// The consumer trails the cursor by at most the page in flight:
+		// what it has not had acknowledged is the lag.
 		info := c.CachedInfo()
-		if info.AckFloor.Stream == r.Cursor {
-			ps.LagEvents = info.NumPending + uint64(info.NumAckPending)
-			return nil
-		}
+		ps.LagEvents = max(info.NumPending+uint64(info.NumAckPending), 1)
+		return nil
 	}
-	// No consumer at the cursor: count what the stream holds from the first
-	// pending message on (an upper bound when the cursor is mid-stream).
+	// No consumer yet: count what the stream holds of the partition (exact
+	// for a partition never applied, an upper bound otherwise).
 	info, err := stream.Info(ctx, jetstream.WithSubjectFilter(filter))
 	if err != nil {
 		return fmt.Errorf("count partition %d: %w", r.Partition, err)
