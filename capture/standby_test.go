@@ -158,3 +158,27 @@ func TestLeaseKeyParts(t *testing.T) {
 	require.Equal(t, uint64(k), uint64(hi)<<32|uint64(lo))
 	require.Less(t, lo, int64(1)<<32)
 }
+
+// TestStandbyWaitsForSlotHeldWithoutLease: a capture started without
+// --standby streams without the lease; a standby takes the lease, waits for
+// the slot (naming its holder) and streams once that capture stops.
+func TestStandbyWaitsForSlotHeldWithoutLease(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE s (id int PRIMARY KEY); INSERT INTO s VALUES (1), (2)`)
+	a := e.start(t, func(c *Config) { c.ApplicationName = "epitaph-capture:plain" })
+	b := e.start(t, e.standbyConfig("epitaph-capture:sb"))
+	var st Status
+	require.Eventually(t, func() bool {
+		st = b.CurrentStatus()
+		return st.Role == RoleStandby && st.Standby != nil && st.Standby.WaitingFor == "slot" && st.Standby.Holder != nil
+	}, 30*time.Second, 20*time.Millisecond, "status %+v", st)
+	require.Equal(t, "epitaph-capture:plain", st.Standby.Holder.ApplicationName)
+	e.exec(t, `DELETE FROM s WHERE id = 1`)
+	e.deletes(t, "main", 1)
+	a.Stop()
+	require.NoError(t, a.Wait())
+	waitRole(t, b, RoleActive)
+	e.exec(t, `DELETE FROM s WHERE id = 2`)
+	requireOnce(t, e.deletes(t, "main", 2), 2)
+}
