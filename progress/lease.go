@@ -53,6 +53,17 @@ func (l *Leaser) Heartbeat(ctx context.Context) error {
 	return nil
 }
 
+// PruneWorkers forgets workers whose last heartbeat is older than age
+// (processes that died without deregistering). It returns how many.
+func (l *Leaser) PruneWorkers(ctx context.Context, age time.Duration) (int64, error) {
+	tag, err := l.db.Exec(ctx, `DELETE FROM epitaph.workers WHERE heartbeat_at < now() - $1 * interval '1 microsecond'`,
+		age.Microseconds())
+	if err != nil {
+		return 0, fmt.Errorf("prune workers: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
 // Deregister removes the worker's heartbeat so the others' fair share grows
 // at once (used on a graceful stop, after Release).
 func (l *Leaser) Deregister(ctx context.Context) error {

@@ -245,4 +245,14 @@ func TestHandoverOnStop(t *testing.T) {
 	heldB, _, _, err = b.Balance(ctx, "archive", 1, 8, heldB)
 	require.NoError(t, err)
 	require.Equal(t, []int{0, 1, 2, 3, 4, 5, 6, 7}, owned(heldB))
+
+	// A worker that died long ago without deregistering is forgotten.
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.workers (worker_id, heartbeat_at) VALUES ('ghost', now() - interval '2 hours')`)
+	require.NoError(t, err)
+	n, err := b.PruneWorkers(ctx, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	live, err := b.LiveWorkers(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, live)
 }

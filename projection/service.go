@@ -60,6 +60,10 @@ type Service struct {
 	stop    sync.Once
 }
 
+// workerRetention is how long a worker that stopped heartbeating stays in
+// epitaph.workers (and in the status) before it is forgotten.
+const workerRetention = time.Hour
+
 // New validates cfg and builds a Service; nothing is connected until Start.
 func New(cfg Config, opts ...Option) (*Service, error) {
 	cfg.setDefaults()
@@ -257,6 +261,9 @@ func (s *Service) wg() {
 // balance is one coordinator round.
 func (s *Service) balance(ctx context.Context) error {
 	if err := s.leaser.Heartbeat(ctx); err != nil {
+		return err
+	}
+	if _, err := s.leaser.PruneWorkers(ctx, workerRetention); err != nil {
 		return err
 	}
 	if s.partitions == 0 {
