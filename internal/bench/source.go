@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -124,4 +125,17 @@ func Figure(name string, value float64, unit string) {
 // Note prints an informational line: "NOTE <text>".
 func Note(format string, args ...any) {
 	fmt.Printf("NOTE  "+format+"\n", args...)
+}
+
+// LoadNote prints the machine's load average and CPU count: figures taken on
+// a busy machine are not comparable.
+func LoadNote(when string) {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return
+	}
+	f := strings.Fields(string(b))
+	if len(f) >= 3 {
+		Note("load average %s: %s %s %s on %d CPUs", when, f[0], f[1], f[2], runtime.NumCPU())
+	}
 }

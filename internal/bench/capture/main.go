@@ -42,6 +42,8 @@ func main() {
 
 func run(rows, perTx, bigRows int, keep bool) error {
 	ctx := context.Background()
+	bench.LoadNote("at start")
+	defer bench.LoadNote("at end")
 	dir, err := bench.TempDir("epitaph-bench-capture-")
 	if err != nil {
 		return err

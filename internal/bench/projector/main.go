@@ -53,6 +53,8 @@ func main() {
 
 func run(rows, perTx, workers int, keep bool) error {
 	ctx := context.Background()
+	bench.LoadNote("at start")
+	defer bench.LoadNote("at end")
 	dir, err := bench.TempDir("epitaph-bench-projector-")
 	if err != nil {
 		return err
