@@ -182,3 +182,39 @@ func TestStandbyWaitsForSlotHeldWithoutLease(t *testing.T) {
 	e.exec(t, `DELETE FROM s WHERE id = 2`)
 	requireOnce(t, e.deletes(t, "main", 2), 2)
 }
+
+// TestLeaseSession: one session holds the lock, pg_locks names it, a
+// second cannot take it until the first closes; the lease session asks for
+// short TCP keepalives.
+func TestLeaseSession(t *testing.T) {
+	t.Parallel()
+	db := setup(t).db
+	ctx := t.Context()
+	a, err := newLease(db, "epitaph-capture:lease-a", "somedb", "slot")
+	require.NoError(t, err)
+	defer a.close()
+	b, err := newLease(db, "epitaph-capture:lease-b", "somedb", "slot")
+	require.NoError(t, err)
+	defer b.close()
+	got, err := a.try(ctx)
+	require.NoError(t, err)
+	require.True(t, got)
+	require.NoError(t, a.check(ctx))
+	got, err = b.try(ctx)
+	require.NoError(t, err)
+	require.False(t, got)
+	h, err := b.holder(ctx)
+	require.NoError(t, err)
+	require.NotNil(t, h)
+	require.Equal(t, "epitaph-capture:lease-a", h.ApplicationName)
+	require.EqualValues(t, a.conn.PgConn().PID(), h.PID)
+	for k, v := range map[string]string{"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5", "tcp_keepalives_count": "3", "tcp_user_timeout": "20000"} {
+		var got string
+		require.NoError(t, a.conn.QueryRow(ctx, "SELECT current_setting($1)", k).Scan(&got))
+		require.Equal(t, v, got, k)
+	}
+	require.Error(t, b.check(ctx), "b does not hold it")
+	a.close()
+	require.Eventually(t, func() bool { got, err := b.try(ctx); return err == nil && got }, 10*time.Second, 50*time.Millisecond)
+	require.NoError(t, b.check(ctx))
+}
