@@ -450,10 +450,9 @@ func (s *Service) Wait() error {
 	return s.err
 }
 
+// closeAll closes the replication connection first, so the slot is free
+// for a standby as soon as possible, and the endpoints last.
 func (s *Service) closeAll() {
-	if s.obsrv != nil {
-		s.obsrv.Stop()
-	}
 	if s.repl != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		_ = s.repl.Close(ctx)
@@ -471,6 +470,9 @@ func (s *Service) closeAll() {
 	}
 	if s.pool != nil {
 		s.pool.Close()
+	}
+	if s.obsrv != nil {
+		s.obsrv.Stop()
 	}
 }
 
