@@ -58,16 +58,40 @@ type Decoder struct {
 func Decode(data []byte) (*Event, error) { return (&Decoder{}).Decode(data) }
 
 // Decode parses one message body. Every failure is a *DecodeError.
+//
+// A v1 body is parsed in one pass; only a body that fails it, or carries
+// another version, is probed again for its version, so that a newer
+// format's differently typed fields are reported as unknown_version rather
+// than invalid.
 func (d *Decoder) Decode(data []byte) (*Event, error) {
 	trimmed := bytes.TrimSpace(data)
-	if len(trimmed) == 0 || trimmed[0] != '{' || !json.Valid(trimmed) {
+	if len(trimmed) == 0 || trimmed[0] != '{' {
 		return nil, decodeErr(CategoryMalformed, "body is not a JSON object (%d bytes)", len(data))
 	}
+	var e Event
+	err := json.Unmarshal(trimmed, &e)
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return nil, decodeErr(CategoryMalformed, "body is not a JSON object: syntax error at offset %d", se.Offset)
+	}
+	if err != nil || e.V != Version {
+		return d.decodeOther(trimmed, err)
+	}
+	if err := e.Validate(); err != nil {
+		return nil, err
+	}
+	return &e, nil
+}
+
+// decodeOther handles a syntactically valid object that is not a clean v1
+// event: a missing or ill-typed "v", another version (upgraded when taught),
+// or a v1 body with ill-typed fields (v1err).
+func (d *Decoder) decodeOther(body []byte, v1err error) (*Event, error) {
 	var probe struct {
 		V json.RawMessage `json:"v"`
 	}
-	if err := json.Unmarshal(trimmed, &probe); err != nil {
-		return nil, decodeErr(CategoryMalformed, "body is not a JSON object: %v", err)
+	if err := json.Unmarshal(body, &probe); err != nil {
+		return nil, decodeErr(CategoryMalformed, "body is not a JSON object")
 	}
 	if len(probe.V) == 0 {
 		return nil, decodeErr(CategoryInvalid, "missing \"v\"")
@@ -76,25 +100,18 @@ func (d *Decoder) Decode(data []byte) (*Event, error) {
 	if err := json.Unmarshal(probe.V, &v); err != nil {
 		return nil, decodeErr(CategoryInvalid, "\"v\" is not an integer")
 	}
-	if v != Version {
-		up, ok := d.Upgraders[v]
-		if !ok {
-			return nil, decodeErr(CategoryUnknownVersion, "wire version %d is not known (this build reads %d)", v, Version)
-		}
-		upgraded, err := up(trimmed)
-		if err != nil {
-			return nil, decodeErr(CategoryInvalid, "upgrade from version %d: %v", v, err)
-		}
-		return (&Decoder{}).Decode(upgraded)
+	if v == Version {
+		return nil, decodeErr(CategoryInvalid, "%v", sanitizeJSONErr(v1err))
 	}
-	var e Event
-	if err := json.Unmarshal(trimmed, &e); err != nil {
-		return nil, decodeErr(CategoryInvalid, "%v", sanitizeJSONErr(err))
+	up, ok := d.Upgraders[v]
+	if !ok {
+		return nil, decodeErr(CategoryUnknownVersion, "wire version %d is not known (this build reads %d)", v, Version)
 	}
-	if err := e.Validate(); err != nil {
-		return nil, err
+	upgraded, err := up(body)
+	if err != nil {
+		return nil, decodeErr(CategoryInvalid, "upgrade from version %d: %v", v, err)
 	}
-	return &e, nil
+	return (&Decoder{}).Decode(upgraded)
 }
 
 // sanitizeJSONErr keeps the field and type of an unmarshal error but never
