@@ -109,7 +109,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 		t.Fatalf("%v\n%s", err, pipelineState(ctx, url, watch))
 	}
 	var archived int64
-	err = workload.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
+	err = workload.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
 		n, err := bench.Count(ctx, url, "SELECT count(*) FROM archive.rows WHERE source = 'main'")
 		archived = n
 		return n >= int64(len(expected)), err
