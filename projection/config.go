@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -59,6 +60,31 @@ type Config struct {
 	Decoder *event.Decoder
 	// StatusInterval is how often lag metrics are refreshed. Default 5s.
 	StatusInterval time.Duration
+	// RebuildShare bounds what versions other than the live one (rebuilds,
+	// and a previous live version kept for rollback) may use of this
+	// worker, so a rebuild never starves the live version: at most
+	// ceil(RebuildShare x P) of their pages (P: the stream's partitions)
+	// are applied at once; pages of the live version never wait. 0 < share
+	// <= 1; default 0.5.
+	RebuildShare float64
+	// ReadyMaxLag and ReadyMaxPendingAge are when a catching_up version
+	// becomes ready: its events not yet applied (over all partitions) at
+	// most ReadyMaxLag (default 1000) and its oldest unapplied event at
+	// most ReadyMaxPendingAge old (default 30s), with no unresolved
+	// quarantine. A ready version that falls behind twice as far goes back
+	// to catching_up.
+	ReadyMaxLag        uint64
+	ReadyMaxPendingAge time.Duration
+	// SideEffects, when set, is called after each page of the LIVE version
+	// is committed, with the events the page applied. It is the one hook
+	// for anything acting outside the read model (notifications, calls to
+	// other systems): it is never called for a version being built, caught
+	// up or kept ready for rollback, so a rebuild replays history without
+	// acting on it again. At most once per page (the page is committed
+	// before the call; a worker that dies in between does not call it
+	// again); a version promoted or demoted is seen as such within a
+	// BalanceInterval. An error is logged and counted, not retried.
+	SideEffects func(ctx context.Context, page SideEffectPage) error
 }
 
 func (c *Config) setDefaults() {
@@ -85,6 +111,15 @@ func (c *Config) setDefaults() {
 	}
 	if c.StatusInterval == 0 {
 		c.StatusInterval = 5 * time.Second
+	}
+	if c.RebuildShare == 0 {
+		c.RebuildShare = 0.5
+	}
+	if c.ReadyMaxLag == 0 {
+		c.ReadyMaxLag = 1000
+	}
+	if c.ReadyMaxPendingAge == 0 {
+		c.ReadyMaxPendingAge = 30 * time.Second
 	}
 }
 
@@ -113,6 +148,12 @@ func (c *Config) validate() error {
 	}
 	if c.FetchWait < 10*time.Millisecond || c.FetchWait >= c.LeaseTTL {
 		errs = append(errs, fmt.Errorf("fetch wait %s must be at least 10ms and below the lease TTL", c.FetchWait))
+	}
+	if c.RebuildShare <= 0 || c.RebuildShare > 1 {
+		errs = append(errs, fmt.Errorf("rebuild share %g: must be in (0, 1]", c.RebuildShare))
+	}
+	if c.ReadyMaxPendingAge < 0 {
+		errs = append(errs, fmt.Errorf("ready max pending age %s must not be negative", c.ReadyMaxPendingAge))
 	}
 	for k, v := range c.ArchiveTTL {
 		if k != "*" && !strings.Contains(k, ".") {

@@ -523,7 +523,12 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	if raw.Sequence != fresh[0].seq {
 		return fmt.Errorf("page starts at %d but the partition continues at %d: %w", fresh[0].seq, raw.Sequence, errReset)
 	}
+	release, err := w.svc.admit(ctx, w.ver) // rebuild share (lifecycle_worker.go)
+	if err != nil {
+		return err
+	}
 	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh, w.open)
+	release()
 	if err != nil {
 		w.open = nil
 		return err
@@ -535,6 +540,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		w.log.Debug("ack failed after commit", "seq", last.seq, "err", err)
 	}
 	w.pos = res.pos
+	w.svc.afterPage(ctx, w.ver, w.lease.Partition, fresh) // side effects: live version only
 	w.applied += uint64(len(fresh))
 	w.svc.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
 	for cat, n := range res.quarantined {

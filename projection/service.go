@@ -51,8 +51,12 @@ type Service struct {
 	closing    bool
 	workers    map[progress.Key]*partitionWorker
 	partitions int
-	versions   string // fingerprint of the active versions last ensured
-	lastStatus *Status
+	versions   string         // fingerprint of the active versions last ensured
+	live       map[string]int // live version per projection, as of the last balance
+	// rebuildGate bounds the pages of non-live versions applied at once
+	// (Config.RebuildShare); nil until the partition count is known.
+	rebuildGate chan struct{}
+	lastStatus  *Status
 
 	runCtx  context.Context
 	cancel  context.CancelFunc
@@ -289,6 +293,11 @@ func (s *Service) balance(ctx context.Context) error {
 			return err
 		}
 		s.versions = fingerprint(vs)
+	}
+	s.setLive(vs)
+	if err := s.advanceStates(ctx, vs); err != nil {
+		// The state machine waits for the next round; leases must not.
+		s.log.Warn("advance version states", "err", quarantine.Sanitize(err))
 	}
 	active := map[[2]any]bool{}
 	for _, v := range vs {

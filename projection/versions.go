@@ -7,41 +7,67 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
-// Version states (DESIGN.md section 4).
+// Version states (DESIGN.md section 4). A version moves
+// building -> catching_up -> ready -> live -> retired; promotion turns the
+// previous live version back to ready (it keeps consuming, so a rollback is
+// instant and current). failed: its schema could not be created; workers
+// do not run it; retire it.
 const (
 	StateBuilding   = "building"
 	StateCatchingUp = "catching_up"
 	StateReady      = "ready"
 	StateLive       = "live"
 	StateRetired    = "retired"
+	StateFailed     = "failed"
 )
 
 // States lists every version state in lifecycle order.
-var States = []string{StateBuilding, StateCatchingUp, StateReady, StateLive, StateRetired}
+var States = []string{StateBuilding, StateCatchingUp, StateReady, StateLive, StateRetired, StateFailed}
 
 // Version is one row of epitaph.projection_versions.
 type Version struct {
-	Projection  string
-	Version     int
-	State       string
-	Schema      string
-	Partitions  int
+	Projection string
+	Version    int
+	State      string
+	Schema     string
+	Partitions int
+	// BoundarySeq is the stream's last sequence when the version was
+	// created: the version is building until every partition has applied
+	// its messages up to it.
 	BoundarySeq *int64
-	CreatedAt   time.Time
+	// BoundaryLSN is the source position of the message at BoundarySeq.
+	BoundaryLSN event.LSN
+	// FromTime is set for a partial rebuild (from the first message of
+	// each partition stored at or after it).
+	FromTime     *time.Time
+	CreatedAt    time.Time
+	BuildingAt   *time.Time
+	CatchingUpAt *time.Time
+	ReadyAt      *time.Time
+	LiveAt       *time.Time
+	RetiredAt    *time.Time
+	FailedAt     *time.Time
+	FailedReason string
 }
 
-// Active reports whether workers run the version (every state but retired).
-func (v Version) Active() bool { return v.State != StateRetired }
+// Active reports whether workers run the version (every state but retired
+// and failed).
+func (v Version) Active() bool { return v.State != StateRetired && v.State != StateFailed }
 
 // ListVersions returns the versions of a projection (all projections when
 // projection is ""), by projection and version.
 func ListVersions(ctx context.Context, db progress.DB, projection string) ([]Version, error) {
 	rows, err := db.Query(ctx, `
-		SELECT projection, version, state, schema_name, COALESCE(partitions, 0), boundary_seq, created_at
+		SELECT projection, version, state, schema_name, COALESCE(partitions, 0), boundary_seq, boundary_lsn::text,
+		       from_time, created_at, building_at, catching_up_at, ready_at, live_at, retired_at, failed_at,
+		       COALESCE(failed_reason, '')
 		FROM epitaph.projection_versions
 		WHERE $1 = '' OR projection = $1
 		ORDER BY projection, version`, projection)
@@ -51,9 +77,19 @@ func ListVersions(ctx context.Context, db progress.DB, projection string) ([]Ver
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Version, error) {
 		var v Version
 		var n, p int32
-		err := r.Scan(&v.Projection, &n, &v.State, &v.Schema, &p, &v.BoundarySeq, &v.CreatedAt)
+		var lsn *string
+		err := r.Scan(&v.Projection, &n, &v.State, &v.Schema, &p, &v.BoundarySeq, &lsn, &v.FromTime, &v.CreatedAt,
+			&v.BuildingAt, &v.CatchingUpAt, &v.ReadyAt, &v.LiveAt, &v.RetiredAt, &v.FailedAt, &v.FailedReason)
+		if err != nil {
+			return v, err
+		}
 		v.Version, v.Partitions = int(n), int(p)
-		return v, err
+		if lsn != nil {
+			if v.BoundaryLSN, err = event.ParseLSN(*lsn); err != nil {
+				return v, err
+			}
+		}
+		return v, nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list versions: %w", err)
@@ -61,20 +97,47 @@ func ListVersions(ctx context.Context, db progress.DB, projection string) ([]Ver
 	return out, nil
 }
 
-// versionLockKey serializes creation of versions across workers.
+// GetVersion returns one version; ErrNoVersion when it does not exist.
+func GetVersion(ctx context.Context, db progress.DB, projection string, version int) (Version, error) {
+	vs, err := ListVersions(ctx, db, projection)
+	if err != nil {
+		return Version{}, err
+	}
+	for _, v := range vs {
+		if v.Version == version {
+			return v, nil
+		}
+	}
+	return Version{}, fmt.Errorf("%s v%d: %w", projection, version, ErrNoVersion)
+}
+
+// ErrNoVersion is returned for a version that does not exist.
+var ErrNoVersion = errors.New("no such version")
+
+// versionLockKey serializes creation of versions and every state change
+// that re-points the reader views across workers and operators.
 const versionLockKey int64 = 0x65706974617069
+
+func lockVersions(ctx context.Context, tx pgx.Tx) error {
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, versionLockKey); err != nil {
+		return fmt.Errorf("lock versions: %w", err)
+	}
+	return nil
+}
 
 // EnsureArchive makes sure the archive projection has a version: when none
 // exists, version 1 is created live (schema archive_v1, its progress rows,
 // the reader views) in one transaction. For every active version it
-// (re)creates the version's tables idempotently. Safe to run from several
-// workers at once.
+// (re)creates the version's tables idempotently; a version other than the
+// live one whose tables cannot be created (the DDL is rejected) is marked
+// failed rather than blocking the others. Safe to run from several workers
+// at once.
 func EnsureArchive(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, versionLockKey); err != nil {
-			return fmt.Errorf("lock versions: %w", err)
+		if err := lockVersions(ctx, tx); err != nil {
+			return err
 		}
 		vs, err := ListVersions(ctx, tx, ArchiveProjection)
 		if err != nil {
@@ -102,12 +165,16 @@ func EnsureArchive(ctx context.Context, db interface {
 			if !v.Active() {
 				continue
 			}
-			ddl := archiveDDL(v.Schema)
-			if extraDDL != nil {
-				ddl += extraDDL(v.Schema)
-			}
-			if _, err := tx.Exec(ctx, ddl); err != nil {
-				return fmt.Errorf("create tables of %s: %w", v.Schema, err)
+			if err := createVersionTables(ctx, tx, v, extraDDL); err != nil {
+				if !ddlRejected(err) || v.State == StateLive {
+					return err
+				}
+				if _, err := tx.Exec(ctx, `UPDATE epitaph.projection_versions
+					SET state = 'failed', failed_at = now(), failed_reason = $3
+					WHERE projection = $1 AND version = $2`, v.Projection, v.Version, quarantine.Sanitize(err)); err != nil {
+					return fmt.Errorf("mark %s v%d failed: %w", v.Projection, v.Version, err)
+				}
+				continue
 			}
 			n := v.Partitions
 			if n == 0 {
@@ -125,4 +192,37 @@ func EnsureArchive(ctx context.Context, db interface {
 		}
 		return nil
 	})
+}
+
+// createVersionTables runs the projection's DDL for the version's schema
+// in a savepoint (so a rejected DDL leaves tx usable).
+func createVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL func(schema string) string) error {
+	ddl := archiveDDL(v.Schema)
+	if extraDDL != nil {
+		ddl += extraDDL(v.Schema)
+	}
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("savepoint: %w", err)
+	}
+	if _, err := sp.Exec(ctx, ddl); err != nil {
+		_ = sp.Rollback(ctx)
+		return fmt.Errorf("create tables of %s: %w", v.Schema, err)
+	}
+	return sp.Commit(ctx)
+}
+
+// ddlRejected reports whether the server rejected the DDL itself (syntax,
+// undefined or duplicate object, privileges, data or constraint errors), as
+// opposed to a connection or concurrency failure worth retrying.
+func ddlRejected(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || len(pg.Code) != 5 {
+		return false
+	}
+	switch pg.Code[:2] {
+	case "42", "22", "23", "54", "2B", "0A":
+		return true
+	}
+	return false
 }
