@@ -119,7 +119,7 @@ func TempDir(prefix string) (string, error) {
 // Figure prints one result line in the stable format of the benchmarks:
 // "BENCH <name> <value> <unit>".
 func Figure(name string, value float64, unit string) {
-	fmt.Printf("BENCH %-44s %14.2f %s\n", name, value, unit)
+	fmt.Printf("BENCH %-52s %14.2f %s\n", name, value, unit)
 }
 
 // Note prints an informational line: "NOTE <text>".

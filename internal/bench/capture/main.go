@@ -6,6 +6,10 @@
 // 1,000,000 rows in a single transaction through a running capture and
 // prints the capture's peak RSS.
 //
+// The big transaction runs twice: with the capture's embedded JetStream (the
+// single-machine default, whose broker memory counts in the process) and with
+// an external server (the capture alone).
+//
 // Output lines are "BENCH <name> <value> <unit>" (stable, greppable) and
 // "NOTE <text>".
 package main
@@ -24,6 +28,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
@@ -73,8 +78,13 @@ func run(rows, perTx, bigRows int, keep bool) error {
 		}
 	}
 	if bigRows > 0 {
-		if err := bigTransaction(ctx, pg, bins["capture"], dir, bigRows); err != nil {
-			return err
+		// Embedded JetStream (the single-machine default: the broker's
+		// memory counts in the process), then an external server (the
+		// capture alone).
+		for _, external := range []bool{false, true} {
+			if err := bigTransaction(ctx, pg, bins["capture"], dir, bigRows, external); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -228,8 +238,12 @@ func startAndStop(ctx context.Context, bin string, env []string, dir string, wat
 	return nil
 }
 
-func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows int) error {
-	url, err := bench.CreateDatabase(ctx, pg, "bigtx")
+func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows int, external bool) error {
+	name, prefix := "bigtx", "capture.big_tx_"
+	if external {
+		name, prefix = "bigtx_external", "capture.big_tx_external_nats_"
+	}
+	url, err := bench.CreateDatabase(ctx, pg, name)
 	if err != nil {
 		return err
 	}
@@ -253,13 +267,22 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 	if err != nil {
 		return err
 	}
-	env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "bigtx-data"), metrics, "main", "epitaph_bigtx")
+	natsURL := ""
+	if external {
+		srv, err := broker.Start(broker.Config{StoreDir: filepath.Join(dir, name+"-jetstream"), Listen: listen})
+		if err != nil {
+			return err
+		}
+		defer srv.Shutdown()
+		natsURL = "nats://" + listen
+	}
+	env := bench.CaptureEnv(url, natsURL, listen, filepath.Join(dir, name+"-data"), metrics, "main", "epitaph_"+name)
 	watch, err := bench.WatchStream("nats://"+listen, "main")
 	if err != nil {
 		return err
 	}
 	defer watch.Close()
-	p, err := bench.StartProc("capture-bigtx", captureBin, env, dir)
+	p, err := bench.StartProc("capture-"+name, captureBin, env, dir)
 	if err != nil {
 		return err
 	}
@@ -306,13 +329,13 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 	if err != nil {
 		return err
 	}
-	bench.Figure("capture.big_tx_rows", float64(n), "rows")
-	bench.Figure("capture.big_tx_source_delete_seconds", deleted.Seconds(), "s")
-	bench.Figure("capture.big_tx_published_seconds", end.Sub(start).Seconds(), "s (from DELETE start to last row in the stream)")
-	bench.Figure("capture.big_tx_rows_per_sec", float64(n)/end.Sub(start).Seconds(), "rows/s")
-	bench.Figure("capture.big_tx_idle_peak_rss_mib", float64(idle)/(1<<20), "MiB (VmHWM before the transaction)")
-	bench.Figure("capture.big_tx_peak_rss_mib", float64(peak)/(1<<20), "MiB (VmHWM after the transaction)")
-	bench.Figure("capture.big_tx_sampled_max_rss_mib", float64(maxRSS)/(1<<20), "MiB (VmRSS sampled every 25ms)")
+	bench.Figure(prefix+"rows", float64(n), "rows")
+	bench.Figure(prefix+"source_delete_seconds", deleted.Seconds(), "s")
+	bench.Figure(prefix+"published_seconds", end.Sub(start).Seconds(), "s (from DELETE start to last row in the stream)")
+	bench.Figure(prefix+"rows_per_sec", float64(n)/end.Sub(start).Seconds(), "rows/s")
+	bench.Figure(prefix+"idle_peak_rss_mib", float64(idle)/(1<<20), "MiB (VmHWM before the transaction)")
+	bench.Figure(prefix+"peak_rss_mib", float64(peak)/(1<<20), "MiB (VmHWM after the transaction)")
+	bench.Figure(prefix+"sampled_max_rss_mib", float64(maxRSS)/(1<<20), "MiB (VmRSS sampled every 25ms)")
 	if err := p.Stop(30 * time.Second); err != nil {
 		bench.Note("capture stop: %v", err)
 	}
