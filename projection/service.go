@@ -434,6 +434,9 @@ func (s *Service) Status(ctx context.Context) (*Status, error) {
 		return nil, err
 	}
 	st.Worker = s.cfg.WorkerID
+	s.mu.Lock()
+	st.FillRates(s.lastStatus)
+	s.mu.Unlock()
 	return st, nil
 }
 

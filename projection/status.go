@@ -51,6 +51,8 @@ type VersionStatus struct {
 	OldestPendingAgeSeconds float64           `json:"oldest_pending_age_seconds"`
 	QuarantineOpen          int               `json:"quarantine_open"`
 	Partitions              []PartitionStatus `json:"partitions"`
+	// Lifecycle: boundary, transitions, rebuild progress (status_versions.go).
+	Lifecycle *VersionLifecycle `json:"lifecycle,omitempty"`
 }
 
 // PartitionStatus is one partition of a version.
@@ -71,6 +73,12 @@ type PartitionStatus struct {
 	LastAdvanceAt           *time.Time `json:"last_advance_at,omitempty"`
 	Attempts                int        `json:"attempts"`
 	LastFailureCategory     string     `json:"last_failure_category,omitempty"`
+	// NextSeq is the stream sequence of the partition's oldest unapplied
+	// message (0 when caught up).
+	NextSeq uint64 `json:"next_seq,omitempty"`
+	// ReachedBoundary: the partition applied all its messages up to the
+	// version's boundary.
+	ReachedBoundary bool `json:"reached_boundary"`
 }
 
 // QuarantineStatus is the unresolved quarantine of one version.
@@ -183,6 +191,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 			vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
 			vst.Partitions = append(vst.Partitions, ps)
 		}
+		vst.Lifecycle = lifecycleOf(v, &vst, stream)
 		switch {
 		case unavailable:
 			vst.Health = "unavailable"
@@ -208,6 +217,7 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 		return fmt.Errorf("oldest pending of partition %d: %w", r.Partition, err)
 	}
 	t := raw.Time
+	ps.NextSeq = raw.Sequence
 	ps.OldestPendingAt = &t
 	ps.OldestPendingAgeSeconds = max(0, now.Sub(t).Seconds())
 	ps.LagSeconds = ps.OldestPendingAgeSeconds
@@ -284,6 +294,7 @@ func (st *Status) WriteTable(w io.Writer) error {
 				orDash(p.SourceLSN), p.LagEvents, seconds(p.OldestPendingAgeSeconds), last, fail)
 		}
 	}
+	writeLifecycle(tw, st)
 	if len(st.Workers) > 0 {
 		fmt.Fprintln(tw, "\nWORKER\tLIVE\tHEARTBEAT AGE")
 		for _, wk := range st.Workers {

@@ -1,0 +1,168 @@
+package projection
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// VersionLifecycle is the lifecycle part of a version's status: its
+// boundary, transition times, and how far a rebuild has come.
+type VersionLifecycle struct {
+	BoundarySeq  int64      `json:"boundary_seq"`
+	BoundaryLSN  string     `json:"boundary_lsn,omitempty"`
+	FromTime     *time.Time `json:"from_time,omitempty"`
+	CreatedAt    time.Time  `json:"created_at"`
+	BuildingAt   *time.Time `json:"building_at,omitempty"`
+	CatchingUpAt *time.Time `json:"catching_up_at,omitempty"`
+	ReadyAt      *time.Time `json:"ready_at,omitempty"`
+	LiveAt       *time.Time `json:"live_at,omitempty"`
+	FailedReason string     `json:"failed_reason,omitempty"`
+	// PartitionsAtBoundary counts partitions that applied everything up to
+	// the boundary.
+	PartitionsAtBoundary int `json:"partitions_at_boundary"`
+	// EventsDone is how many of the stream's messages the version has
+	// applied (the stream's messages minus the version's unapplied ones);
+	// EventsToBoundary is how many the stream held at the boundary.
+	EventsDone       uint64 `json:"events_done"`
+	EventsToBoundary uint64 `json:"events_to_boundary"`
+	// Progress is EventsDone / EventsToBoundary while building (1 after).
+	Progress float64 `json:"progress"`
+	// EventsPerSecond is the apply rate between two status samples (0
+	// until there are two); ETASeconds the time to the boundary while
+	// building, to no lag after (-1 unknown).
+	EventsPerSecond float64 `json:"events_per_second"`
+	ETASeconds      float64 `json:"eta_seconds"`
+}
+
+func lifecycleOf(v Version, vst *VersionStatus, stream jetstream.Stream) *VersionLifecycle {
+	lc := &VersionLifecycle{FromTime: v.FromTime, CreatedAt: v.CreatedAt, BuildingAt: v.BuildingAt, CatchingUpAt: v.CatchingUpAt,
+		ReadyAt: v.ReadyAt, LiveAt: v.LiveAt, FailedReason: v.FailedReason, ETASeconds: -1}
+	if v.BoundarySeq != nil {
+		lc.BoundarySeq = *v.BoundarySeq
+	}
+	if v.BoundaryLSN != 0 {
+		lc.BoundaryLSN = v.BoundaryLSN.String()
+	}
+	boundary := uint64(max(lc.BoundarySeq, 0))
+	for i := range vst.Partitions {
+		p := &vst.Partitions[i]
+		p.ReachedBoundary = p.Cursor >= boundary || (stream != nil && (p.NextSeq == 0 || p.NextSeq > boundary))
+		if p.ReachedBoundary {
+			lc.PartitionsAtBoundary++
+		}
+	}
+	if stream == nil {
+		return lc
+	}
+	state := stream.CachedInfo().State
+	if state.Msgs > vst.LagEvents {
+		lc.EventsDone = state.Msgs - vst.LagEvents
+	}
+	if boundary >= state.FirstSeq && state.FirstSeq > 0 {
+		lc.EventsToBoundary = min(boundary-state.FirstSeq+1, state.Msgs)
+	}
+	lc.Progress = 1
+	if v.State == StateBuilding && lc.EventsToBoundary > 0 {
+		lc.Progress = min(1, float64(lc.EventsDone)/float64(lc.EventsToBoundary))
+	}
+	return lc
+}
+
+// FillRates sets each version's events/s and ETA from an earlier sample
+// of the status (from the same source), e.g. the previous refresh.
+func (st *Status) FillRates(prev *Status) {
+	if prev == nil {
+		return
+	}
+	dt := st.At.Sub(prev.At).Seconds()
+	before := map[[2]any]*VersionLifecycle{}
+	for _, v := range prev.Versions {
+		before[[2]any{v.Projection, v.Version}] = v.Lifecycle
+	}
+	for i := range st.Versions {
+		v := &st.Versions[i]
+		lc, was := v.Lifecycle, before[[2]any{v.Projection, v.Version}]
+		if lc == nil || was == nil {
+			continue
+		}
+		if dt < 0.2 {
+			lc.EventsPerSecond = was.EventsPerSecond
+		} else if lc.EventsDone >= was.EventsDone {
+			lc.EventsPerSecond = float64(lc.EventsDone-was.EventsDone) / dt
+		}
+		remaining := float64(v.LagEvents)
+		if v.State == StateBuilding {
+			remaining = float64(lc.EventsToBoundary) - float64(lc.EventsDone)
+		}
+		switch {
+		case remaining <= 0:
+			lc.ETASeconds = 0
+		case lc.EventsPerSecond > 0:
+			lc.ETASeconds = math.Round(remaining / lc.EventsPerSecond)
+		}
+	}
+}
+
+// writeLifecycle prints the lifecycle of every version that is not simply
+// live: boundary, state times, progress, rate, ETA and per-partition
+// positions against the boundary.
+func writeLifecycle(w io.Writer, st *Status) {
+	for _, v := range st.Versions {
+		lc := v.Lifecycle
+		if lc == nil || v.State == StateRetired {
+			continue
+		}
+		fmt.Fprintf(w, "\n%s v%d %s: boundary seq %d (lsn %s)", v.Projection, v.Version, v.State, lc.BoundarySeq, orDash(lc.BoundaryLSN))
+		if lc.FromTime != nil {
+			fmt.Fprintf(w, ", partial rebuild from %s", lc.FromTime.UTC().Format(time.RFC3339))
+		}
+		fmt.Fprintln(w)
+		var times []string
+		for _, t := range []struct {
+			name string
+			at   *time.Time
+		}{{"building", lc.BuildingAt}, {"catching_up", lc.CatchingUpAt}, {"ready", lc.ReadyAt}, {"live", lc.LiveAt}} {
+			if t.at != nil {
+				times = append(times, t.name+" "+t.at.UTC().Format(time.RFC3339))
+			}
+		}
+		if len(times) > 0 {
+			fmt.Fprintf(w, "  since: %s\n", strings.Join(times, ", "))
+		}
+		if lc.FailedReason != "" {
+			fmt.Fprintf(w, "  failed: %s\n", lc.FailedReason)
+		}
+		fmt.Fprintf(w, "  %s  %d/%d events  %.0f events/s  ETA %s  partitions at boundary %d/%d\n",
+			Bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary, lc.EventsPerSecond, eta(lc.ETASeconds),
+			lc.PartitionsAtBoundary, len(v.Partitions))
+		if v.State == StateLive {
+			continue
+		}
+		fmt.Fprintln(w, "  PARTITION\tCURSOR\tNEXT\tBOUNDARY\tREACHED")
+		for _, p := range v.Partitions {
+			fmt.Fprintf(w, "  %d\t%d\t%d\t%d\t%t\n", p.Partition, p.Cursor, p.NextSeq, lc.BoundarySeq, p.ReachedBoundary)
+		}
+	}
+}
+
+// Bar draws a progress bar of width cells for a fraction in [0, 1].
+func Bar(fraction float64, width int) string {
+	fraction = min(max(fraction, 0), 1)
+	n := int(fraction * float64(width))
+	return fmt.Sprintf("[%s%s] %5.1f%%", strings.Repeat("#", n), strings.Repeat("-", width-n), fraction*100)
+}
+
+func eta(s float64) string {
+	switch {
+	case s < 0:
+		return "?"
+	case s == 0:
+		return "now"
+	}
+	return (time.Duration(s) * time.Second).String()
+}
