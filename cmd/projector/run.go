@@ -29,6 +29,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	leaseTTL := fs.Duration("lease-ttl", durationEnv(env, "EPITAPH_LEASE_TTL", 15*time.Second), "partition lease TTL (EPITAPH_LEASE_TTL)")
 	captureStatus := fs.String("capture-status-url", env.Getenv("EPITAPH_CAPTURE_STATUS_URL"), "the capture's /status URL, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
 	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
+	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "most of this worker (a fraction of P concurrent pages) that versions other than the live one may use (EPITAPH_REBUILD_SHARE)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -49,7 +50,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	svc, err := projection.New(projection.Config{
 		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: *worker,
-		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList,
+		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList, RebuildShare: *share,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -62,6 +63,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 		Healthy: svc.Healthy})
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(*captureStatus),
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
+	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	if err := srv.Start(ctx); err != nil {
 		svc.Stop()
 		return err
@@ -92,6 +94,16 @@ func intEnv(env *Env, key string, def int) int {
 	if v := env.Getenv(key); v != "" {
 		if n, err := strconv.Atoi(v); err == nil {
 			return n
+		}
+		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a number\n", key, v)
+	}
+	return def
+}
+
+func floatEnv(env *Env, key string, def float64) float64 {
+	if v := env.Getenv(key); v != "" {
+		if f, err := strconv.ParseFloat(v, 64); err == nil {
+			return f
 		}
 		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a number\n", key, v)
 	}
