@@ -137,6 +137,9 @@ func writeLifecycle(w io.Writer, st *Status) {
 		if lc.FailedReason != "" {
 			fmt.Fprintf(w, "  failed: %s\n", lc.FailedReason)
 		}
+		if lc.BoundarySeq == 0 && v.State == StateLive {
+			continue // the first version: nothing was rebuilt
+		}
 		fmt.Fprintf(w, "  %s  %d/%d events  %.0f events/s  ETA %s  partitions at boundary %d/%d\n",
 			Bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary, lc.EventsPerSecond, eta(lc.ETASeconds),
 			lc.PartitionsAtBoundary, len(v.Partitions))

@@ -21,6 +21,7 @@ func statusCmd(ctx context.Context, args []string, env *Env) error {
 	fs := newFlagSet("status", env)
 	c := commonFlags(fs, env)
 	asJSON := fs.Bool("json", false, "print the JSON status document")
+	sample := fs.Duration("sample", time.Second, "while a version is being rebuilt, sample twice this far apart for events/s and ETA (0: once)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -41,6 +42,9 @@ func statusCmd(ctx context.Context, args []string, env *Env) error {
 	}
 	st, err := projection.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
 	if err != nil {
+		return err
+	}
+	if st, err = sampleRates(ctx, pool, js, c.sourceName, st, *sample); err != nil {
 		return err
 	}
 	if *asJSON {

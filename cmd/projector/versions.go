@@ -416,3 +416,26 @@ func waitCmd(ctx context.Context, args []string, env *Env) error {
 	fmt.Fprintf(env.Stdout, "%s reflects the source up to %s (asked %s)\n", *proj, at, lsn)
 	return nil
 }
+
+// sampleRates takes a second status sample after d when a version is
+// being built or caught up, so events/s and the ETA can be shown.
+func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, source string, first *projection.Status, d time.Duration) (*projection.Status, error) {
+	busy := false
+	for _, v := range first.Versions {
+		busy = busy || v.State == projection.StateBuilding || v.State == projection.StateCatchingUp
+	}
+	if !busy || d <= 0 || js == nil {
+		return first, nil
+	}
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-time.After(d):
+	}
+	st, err := projection.CollectStatus(ctx, db, js, source, time.Now())
+	if err != nil {
+		return nil, err
+	}
+	st.FillRates(first)
+	return st, nil
+}
