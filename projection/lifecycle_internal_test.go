@@ -1,0 +1,57 @@
+package projection
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// The rebuild share: pages of non-live versions take one of
+// ceil(share x P) slots; live pages never wait. Side effects run for the
+// live version only.
+func TestRebuildGateAndSideEffects(t *testing.T) {
+	var calls []int
+	s, err := New(Config{TargetURL: "postgres://x", NATSURL: "nats://x", WorkerID: "w", RebuildShare: 0.25,
+		SideEffects: func(_ context.Context, p SideEffectPage) error {
+			calls = append(calls, p.Version)
+			return nil
+		}})
+	require.NoError(t, err)
+	s.partitions = 8
+	live, building := Version{Projection: "archive", Version: 1, State: StateLive}, Version{Projection: "archive", Version: 2, State: StateBuilding}
+	s.setLive([]Version{live, building})
+	require.Equal(t, 2, cap(s.rebuildGate))
+
+	ctx := context.Background()
+	r1, err := s.admit(ctx, building)
+	require.NoError(t, err)
+	r2, err := s.admit(ctx, building)
+	require.NoError(t, err)
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	_, err = s.admit(short, building)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "a third rebuild page waits")
+	rl, err := s.admit(short, live)
+	require.NoError(t, err, "live pages never wait")
+	rl()
+	r1()
+	r3, err := s.admit(ctx, building)
+	require.NoError(t, err)
+	r2()
+	r3()
+
+	items := []*item{{ev: &event.Event{Op: event.OpDelete}}, {ev: &event.Event{Op: event.OpCommit}}, {category: "malformed"}}
+	s.afterPage(ctx, building, 0, items)
+	require.Empty(t, calls, "never for a version being built")
+	s.afterPage(ctx, live, 0, items)
+	require.Equal(t, []int{1}, calls)
+	// Promoted: the next balance sees v2 live, and only v2 acts.
+	s.setLive([]Version{{Projection: "archive", Version: 1, State: StateReady}, {Projection: "archive", Version: 2, State: StateLive}})
+	s.afterPage(ctx, live, 0, items)
+	s.afterPage(ctx, building, 0, items)
+	require.Equal(t, []int{1, 2}, calls)
+}

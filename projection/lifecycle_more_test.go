@@ -1,0 +1,108 @@
+package projection_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+// --from-time: a partial rebuild holds only what the stream stored at or
+// after the time, and still moves to ready.
+func TestPartialRebuildFromTime(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 3)
+	ctx := context.Background()
+	e.start(e.config("w1"))
+	for i := 0; i < 10; i++ {
+		e.publish(e.nextTx(orderRows(i+1, 1)...))
+	}
+	c := e.conn()
+	pool := e.pool()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 20 })
+	time.Sleep(20 * time.Millisecond) // stream timestamps: strictly after the first ten
+	from := time.Now()
+	for i := 10; i < 16; i++ {
+		e.publish(e.nextTx(orderRows(i+1, 1)...))
+	}
+	e.heartbeat()
+	v, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src, FromTime: from})
+	require.NoError(t, err)
+	require.NotNil(t, v.FromTime)
+	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
+	require.Equal(t, 12, count(t, c, `SELECT count(*) FROM archive_v2.rows`))
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v2.rows WHERE key->>'id' IN ('1','2','3','10')`))
+	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2})
+	require.NoError(t, err)
+	require.False(t, cmp.Equal, "a partial rebuild lacks the older rows")
+	for _, d := range cmp.DifferingKeys {
+		require.Equal(t, "only_a", d.What)
+	}
+}
+
+// A version whose schema cannot be created by the projection's DDL is
+// marked failed (with the reason), is not run, and does not disturb the
+// live version.
+func TestVersionFailsWhenItsSchemaCannotBeCreated(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	s := e.start(e.config("w1"))
+	c := e.conn()
+	pool := e.pool()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM epitaph.progress`) == 2 })
+	_, err := c.Exec(ctx, `CREATE SCHEMA archive_v2; CREATE VIEW archive_v2.rows AS SELECT 1 AS x;
+		INSERT INTO epitaph.projection_versions (projection, version, state, schema_name, partitions, boundary_seq)
+		VALUES ('archive', 2, 'building', 'archive_v2', 2, 0)`)
+	require.NoError(t, err)
+	eventually(t, 20*time.Second, func() bool { return state(t, pool, 2) == projection.StateFailed })
+	v, err := projection.GetVersion(ctx, pool, projection.ArchiveProjection, 2)
+	require.NoError(t, err)
+	require.NotEmpty(t, v.FailedReason)
+	require.NotNil(t, v.FailedAt)
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+	for _, k := range s.Owned() {
+		require.Equal(t, 1, k.Version, "a failed version is not run")
+	}
+	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, 2, true)
+	require.Error(t, err)
+	require.NoError(t, projection.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, projection.RetireOptions{Source: src, Drop: true}))
+	require.Equal(t, projection.StateRetired, state(t, pool, 2))
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v2'`))
+}
+
+// A rebuild does not starve the live version: with a rebuild share of one
+// page at a time, a delete published while a long rebuild runs is archived
+// by the live version promptly, long before the rebuild ends.
+func TestRebuildDoesNotStarveLive(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 4)
+	ctx := context.Background()
+	for i := 0; i < 1500; i++ {
+		e.publishAll(e.messages(e.nextTx(orderRows(i+1, 2)...)))
+	}
+	cfg := e.config("w1")
+	cfg.BatchSize = 10
+	cfg.RebuildShare = 0.25 // one page of a non-live version at a time
+	e.start(cfg)
+	c := e.conn()
+	pool := e.pool()
+	eventually(t, 120*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4500 })
+	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	require.NoError(t, err)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v2.rows`) > 0 })
+	tx := e.nextTx(orderRows(99999, 0)...)
+	e.publish(tx)
+	began := time.Now()
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, tx.lsn.String()) == 1
+	})
+	took := time.Since(began)
+	require.Less(t, count(t, c, `SELECT count(*) FROM archive_v2.rows`), 4500, "the rebuild is still running")
+	require.Less(t, took, 5*time.Second)
+	t.Logf("live delete archived in %s during the rebuild", took)
+}
