@@ -121,6 +121,15 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 		t.Fatalf("archive has %d of %d rows: %v\n%s", archived, len(expected), err, pipelineState(ctx, url, watch))
 	}
 
+	// The embedded JetStream died with every capture kill: the stream, too,
+	// holds each deleted row exactly once.
+	events, err := workload.StreamDeletes(ctx, natsURL, "main")
+	require.NoError(t, err)
+	srep, err := workload.VerifyStream(ctx, url, expected, events)
+	require.NoError(t, err)
+	t.Logf("stream verification: %s", srep.String())
+	require.True(t, srep.OK(), srep.String())
+
 	rep, err := workload.VerifyArchive(ctx, url, expected)
 	require.NoError(t, err)
 	t.Logf("archive verification: %s", rep.String())
