@@ -62,10 +62,12 @@ type Config struct {
 	StatusInterval time.Duration
 	// RebuildShare bounds what versions other than the live one (rebuilds,
 	// and a previous live version kept for rollback) may use of this
-	// worker, so a rebuild never starves the live version: at most
+	// worker while the live version is busy (applied a page within the
+	// last second), so a rebuild never starves it: at most
 	// ceil(RebuildShare x P) of their pages (P: the stream's partitions)
-	// are applied at once; pages of the live version never wait. 0 < share
-	// <= 1; default 0.5.
+	// are applied at once; pages of the live version never wait. While the
+	// live version is idle, a rebuild runs unbounded. 0 < share <= 1;
+	// default 0.5.
 	RebuildShare float64
 	// ReadyMaxLag and ReadyMaxPendingAge are when a catching_up version
 	// becomes ready: its events not yet applied (over all partitions) at

@@ -27,6 +27,15 @@ func TestRebuildGateAndSideEffects(t *testing.T) {
 	require.Equal(t, 2, cap(s.rebuildGate))
 
 	ctx := context.Background()
+	clock := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+	s.now = func() time.Time { return clock }
+	idle, err := s.admit(ctx, building)
+	require.NoError(t, err)
+	require.Len(t, s.rebuildGate, 0, "live idle: a rebuild page takes no slot")
+	idle()
+	rl0, err := s.admit(ctx, live) // the live version is busy from now
+	require.NoError(t, err)
+	rl0()
 	r1, err := s.admit(ctx, building)
 	require.NoError(t, err)
 	r2, err := s.admit(ctx, building)
@@ -43,6 +52,16 @@ func TestRebuildGateAndSideEffects(t *testing.T) {
 	require.NoError(t, err)
 	r2()
 	r3()
+	clock = clock.Add(2 * liveIdle)
+	var rs []func()
+	for i := 0; i < 5; i++ {
+		r, err := s.admit(ctx, building)
+		require.NoError(t, err, "live idle again: rebuild pages are not limited")
+		rs = append(rs, r)
+	}
+	for _, r := range rs {
+		r()
+	}
 
 	items := []*item{{ev: &event.Event{Op: event.OpDelete}}, {ev: &event.Event{Op: event.OpCommit}}, {category: "malformed"}}
 	s.afterPage(ctx, building, 0, items)

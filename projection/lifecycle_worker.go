@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -48,15 +49,26 @@ func (s *Service) setLive(vs []Version) {
 	s.mu.Unlock()
 }
 
+// liveIdle is how long after the last page of a live version the live
+// work counts as idle: then pages of other versions are not limited by
+// the rebuild share (a rebuild runs at full speed while nothing else does).
+const liveIdle = time.Second
+
 // admit waits, for a page of a version other than the live one, for a
-// slot of the rebuild share; pages of the live version pass at once. The
-// returned release must be called after the page.
+// slot of the rebuild share while the live version is busy; pages of the
+// live version pass at once. The returned release must be called after
+// the page.
 func (s *Service) admit(ctx context.Context, v Version) (release func(), err error) {
+	now := s.now()
 	s.mu.Lock()
 	gate := s.rebuildGate
 	live := s.live[v.Projection] == v.Version
+	if live {
+		s.lastLivePage = now
+	}
+	idle := now.Sub(s.lastLivePage) > liveIdle
 	s.mu.Unlock()
-	if live || gate == nil {
+	if live || gate == nil || idle {
 		return func() {}, nil
 	}
 	select {

@@ -55,8 +55,9 @@ type Service struct {
 	live       map[string]int // live version per projection, as of the last balance
 	// rebuildGate bounds the pages of non-live versions applied at once
 	// (Config.RebuildShare); nil until the partition count is known.
-	rebuildGate chan struct{}
-	lastStatus  *Status
+	rebuildGate  chan struct{}
+	lastLivePage time.Time // when a page of a live version was last admitted
+	lastStatus   *Status
 
 	runCtx  context.Context
 	cancel  context.CancelFunc
