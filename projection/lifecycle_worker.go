@@ -101,6 +101,29 @@ func (s *Service) afterPage(ctx context.Context, v Version, partition int, items
 	}
 }
 
+// lifecycleLoop advances the version states every BalanceInterval until
+// ctx is done.
+func (s *Service) lifecycleLoop(ctx context.Context) {
+	t := time.NewTicker(s.cfg.BalanceInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		c, cancel := context.WithTimeout(ctx, max(s.cfg.BalanceInterval, 5*time.Second))
+		vs, err := ListVersions(c, s.pool, "")
+		if err == nil {
+			err = s.advanceStates(c, vs)
+		}
+		cancel()
+		if err != nil && ctx.Err() == nil {
+			s.log.Warn("advance version states; retrying", "err", quarantine.Sanitize(err))
+		}
+	}
+}
+
 // advanceStates moves the versions being built along the state machine,
 // one step per version per round (so every state is observable):
 //

@@ -213,6 +213,13 @@ func (s *Service) run(ctx context.Context) {
 	defer balance.Stop()
 	// Lag metrics are refreshed on their own goroutine: a slow stream or
 	// database must never delay lease renewal.
+	// The version state machine also runs on its own goroutine (it reads
+	// the stream), for the same reason.
+	lifecycleDone := make(chan struct{})
+	go func() {
+		defer close(lifecycleDone)
+		s.lifecycleLoop(ctx)
+	}()
 	statusDone := make(chan struct{})
 	go func() {
 		defer close(statusDone)
@@ -232,6 +239,7 @@ func (s *Service) run(ctx context.Context) {
 		case <-ctx.Done():
 			s.wg()
 			<-statusDone
+			<-lifecycleDone
 			return
 		case <-balance.C:
 			if err := s.balance(ctx); err != nil {
@@ -296,10 +304,6 @@ func (s *Service) balance(ctx context.Context) error {
 		s.versions = fingerprint(vs)
 	}
 	s.setLive(vs)
-	if err := s.advanceStates(ctx, vs); err != nil {
-		// The state machine waits for the next round; leases must not.
-		s.log.Warn("advance version states", "err", quarantine.Sanitize(err))
-	}
 	active := map[[2]any]bool{}
 	for _, v := range vs {
 		if !v.Active() {
