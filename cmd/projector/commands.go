@@ -20,6 +20,22 @@ type Env struct {
 	Stdout io.Writer
 	Stderr io.Writer
 	Logger *slog.Logger
+
+	// bad collects environment variables whose values do not parse; a
+	// subcommand refuses to run with any (never silently uses a default).
+	bad []string
+}
+
+func (e *Env) badEnv(key, value, want string) {
+	e.bad = append(e.bad, fmt.Sprintf("%s=%q is not %s", key, value, want))
+}
+
+// envErr reports every unparseable EPITAPH_* variable seen so far.
+func (e *Env) envErr() error {
+	if len(e.bad) == 0 {
+		return nil
+	}
+	return errors.New("bad environment: " + strings.Join(e.bad, "; "))
 }
 
 // Command is one subcommand. Adding a subcommand is one file whose init()

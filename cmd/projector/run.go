@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -31,6 +30,9 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
 	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "most of this worker (a fraction of P concurrent pages) that versions other than the live one may use (EPITAPH_REBUILD_SHARE)")
 	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := env.envErr(); err != nil {
 		return err
 	}
 	if err := c.check(); err != nil {
@@ -85,7 +87,7 @@ func durationEnv(env *Env, key string, def time.Duration) time.Duration {
 		if d, err := time.ParseDuration(v); err == nil {
 			return d
 		}
-		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a duration\n", key, v)
+		env.badEnv(key, v, "a duration such as 15s or 2m")
 	}
 	return def
 }
@@ -95,7 +97,7 @@ func intEnv(env *Env, key string, def int) int {
 		if n, err := strconv.Atoi(v); err == nil {
 			return n
 		}
-		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a number\n", key, v)
+		env.badEnv(key, v, "an integer")
 	}
 	return def
 }
@@ -105,7 +107,7 @@ func floatEnv(env *Env, key string, def float64) float64 {
 		if f, err := strconv.ParseFloat(v, 64); err == nil {
 			return f
 		}
-		fmt.Fprintf(env.Stderr, "projector: ignoring %s=%q: not a number\n", key, v)
+		env.badEnv(key, v, "a number")
 	}
 	return def
 }

@@ -97,6 +97,9 @@ func snapshotsBatch(ctx context.Context, args []string, env *Env) error {
 	if _, err := parseInterspersed(fs, args); err != nil {
 		return err
 	}
+	if err := env.envErr(); err != nil {
+		return err
+	}
 	if err := c.check(); err != nil {
 		return err
 	}

@@ -1,0 +1,40 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A malformed setting is refused with a message naming it, never replaced
+// by a default (which would hide the misconfiguration).
+func TestBadEnvironmentIsRefused(t *testing.T) {
+	t.Parallel()
+	vars := map[string]string{
+		"EPITAPH_TARGET_URL":    "postgres://nobody@127.0.0.1:1/none",
+		"EPITAPH_LEASE_TTL":     "fifteen seconds",
+		"EPITAPH_BATCH_SIZE":    "lots",
+		"EPITAPH_REBUILD_SHARE": "half",
+	}
+	var stderr bytes.Buffer
+	env := &Env{Getenv: func(k string) string { return vars[k] }, Stdout: io.Discard, Stderr: &stderr,
+		Logger: slog.New(slog.DiscardHandler)}
+	err := dispatch(context.Background(), []string{"run"}, env)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), `EPITAPH_LEASE_TTL="fifteen seconds" is not a duration`)
+	require.Contains(t, err.Error(), `EPITAPH_BATCH_SIZE="lots" is not an integer`)
+	require.Contains(t, err.Error(), `EPITAPH_REBUILD_SHARE="half" is not a number`)
+
+	env = &Env{Getenv: func(k string) string {
+		if k == "EPITAPH_SNAPSHOT_MAX_ATTEMPTS" {
+			return "8x"
+		}
+		return vars[k]
+	}, Stdout: io.Discard, Stderr: &stderr, Logger: slog.New(slog.DiscardHandler)}
+	err = dispatch(context.Background(), []string{"snapshots", "batch"}, env)
+	require.ErrorContains(t, err, `EPITAPH_SNAPSHOT_MAX_ATTEMPTS="8x" is not an integer`)
+}
