@@ -57,12 +57,33 @@
 //     partition has no live lease or has never advanced, or quarantine is
 //     open; an empty archive.rows is never to be read as "nothing was
 //     deleted" without it.
-//   - Versions. Every version not retired is applied side by side; a new
-//     version (a row in epitaph.projection_versions) gets its schema,
-//     tables and progress rows on the next balance round and is built from
-//     the start of the stream. Version 1 of "archive" is created live on
-//     the first run. PointViews re-points the reader views in the caller's
-//     transaction (promotion, rollback).
+//   - Versions. Every version not retired (or failed) is applied side by
+//     side; a new version (a row in epitaph.projection_versions) gets its
+//     schema, tables and progress rows on the next balance round and is
+//     built from the start of the stream. Version 1 of "archive" is created
+//     live on the first run. PointViews re-points the reader views in the
+//     caller's transaction (promotion, rollback).
+//   - Lifecycle (lifecycle.go, lifecycle_worker.go). CreateVersion
+//     (`projector rebuild`) makes version N+1, building, with a new schema
+//     from the projection's own DDL, new consumers and progress rows, and
+//     the boundary: the stream's last sequence and its source LSN. It is
+//     built by the workers' CURRENT code and configuration (TTL policy,
+//     snapshot roots apply to all history). Workers move it building ->
+//     catching_up (every partition applied its messages up to the
+//     boundary) -> ready (lag and oldest pending below Config.ReadyMaxLag
+//     and ReadyMaxPendingAge, no open quarantine; back to catching_up when
+//     twice as far behind). Promote (one transaction: the old live version
+//     becomes ready and keeps consuming, the new one live, views
+//     re-pointed), Rollback (the most recently live active version is live
+//     again), Retire (not the live one: workers stop it on their next
+//     balance, its consumers and progress rows are deleted, quarantine rows
+//     kept, Drop drops its schema). A version whose DDL is rejected is
+//     failed and not run. Pages of non-live versions share
+//     Config.RebuildShare of a worker while the live version is busy; the
+//     side-effect hook Config.SideEffects runs for the live version only.
+//     WaitLSN (`projector wait --lsn`, GET /wait) returns once every
+//     partition of the live version has a watermark at or past an LSN.
+//     Compare compares two versions up to the watermark both reflect.
 //   - Fair sharing: a worker claims up to ceil(P / live workers) partitions
 //     of each version (live = heartbeat within its lease TTL); a worker over
 //     its share soft-stops and releases the excess; a graceful Stop releases
