@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -53,6 +52,9 @@ func run(args []string) error {
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
+	if err := applyEnv(fs); err != nil {
+		return err
+	}
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -81,35 +83,56 @@ func run(args []string) error {
 	return err
 }
 
+// envOf maps each flag to its environment variable. Values from the
+// environment go through the flag's own parser (applyEnv), so a malformed
+// one is an error, never silently the default.
+var envOf = map[string]envVar{}
+
+type envVar struct {
+	name string
+	text bool // an empty value is meaningful (EPITAPH_NATS_URL= : embedded)
+}
+
 func str(fs *flag.FlagSet, p *string, name, env, def, usage string) {
-	if v, ok := os.LookupEnv(env); ok {
-		def = v
-	}
+	envOf[name] = envVar{env, true}
 	fs.StringVar(p, name, def, usage+" ("+env+")")
 }
 
 func num(fs *flag.FlagSet, p *int, name, env string, def int, usage string) {
-	if v, ok := os.LookupEnv(env); ok {
-		if n, err := strconv.Atoi(v); err == nil {
-			def = n
-		}
-	}
+	envOf[name] = envVar{name: env}
 	fs.IntVar(p, name, def, usage+" ("+env+")")
 }
 
 func dur(fs *flag.FlagSet, p *time.Duration, name, env string, def time.Duration, usage string) {
-	if v, ok := os.LookupEnv(env); ok {
-		if d, err := time.ParseDuration(v); err == nil {
-			def = d
-		}
-	}
+	envOf[name] = envVar{name: env}
 	fs.DurationVar(p, name, def, usage+" ("+env+")")
 }
 
 func boolean(fs *flag.FlagSet, p *bool, name, env, usage string) {
-	def := false
-	if v, ok := os.LookupEnv(env); ok {
-		def, _ = strconv.ParseBool(v)
+	envOf[name] = envVar{name: env}
+	fs.BoolVar(p, name, false, usage+" ("+env+")")
+}
+
+// applyEnv sets every flag whose variable is in the environment (an empty
+// value counts only for text flags); flags on the command line, parsed
+// afterwards, override them.
+func applyEnv(fs *flag.FlagSet) error {
+	var bad []string
+	fs.VisitAll(func(f *flag.Flag) {
+		ev, ok := envOf[f.Name]
+		if !ok {
+			return
+		}
+		v, ok := os.LookupEnv(ev.name)
+		if !ok || (v == "" && !ev.text) {
+			return
+		}
+		if err := fs.Set(f.Name, v); err != nil {
+			bad = append(bad, fmt.Sprintf("%s=%q: %v", ev.name, v, err))
+		}
+	})
+	if len(bad) > 0 {
+		return errors.New("bad environment: " + strings.Join(bad, "; "))
 	}
-	fs.BoolVar(p, name, def, usage+" ("+env+")")
+	return nil
 }

@@ -28,3 +28,22 @@ func TestStandbyNeedsExternalBroker(t *testing.T) {
 	err := run([]string{"--metrics-addr", ""})
 	require.ErrorContains(t, err, "standby needs an external JetStream server (EPITAPH_NATS_URL)")
 }
+
+// A malformed setting is refused, naming it, never replaced by the default.
+func TestBadEnvironmentIsRefused(t *testing.T) {
+	t.Setenv("EPITAPH_SOURCE_URL", "postgres://u:secret@127.0.0.1:1/db")
+	t.Setenv("EPITAPH_PARTITIONS", "eight")
+	t.Setenv("EPITAPH_HEARTBEAT_INTERVAL", "10")
+	t.Setenv("EPITAPH_STANDBY", "yes please")
+	err := run([]string{"--metrics-addr", ""})
+	require.ErrorContains(t, err, `EPITAPH_PARTITIONS="eight"`)
+	require.ErrorContains(t, err, `EPITAPH_HEARTBEAT_INTERVAL="10"`)
+	require.ErrorContains(t, err, `EPITAPH_STANDBY="yes please"`)
+
+	// The command line overrides the environment.
+	t.Setenv("EPITAPH_PARTITIONS", "3")
+	t.Setenv("EPITAPH_HEARTBEAT_INTERVAL", "")
+	t.Setenv("EPITAPH_STANDBY", "")
+	err = run([]string{"--metrics-addr", "", "--partitions", "-5", "--nats-url", "nats://127.0.0.1:1"})
+	require.ErrorContains(t, err, "partitions must be 1..1024, got -5")
+}
