@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -20,6 +21,9 @@ type CompareOptions struct {
 	// policy change): it is still counted and reported, but does not make
 	// the versions differ.
 	IgnoreExpiresAt bool
+	// IgnoreSnapshots accepts a difference of the snapshot jobs (an
+	// intended change of the snapshot roots): still reported.
+	IgnoreSnapshots bool
 	// MaxKeys bounds the list of differing keys (default 20).
 	MaxKeys int
 	// All compares every archived row. By default only transactions both
@@ -75,15 +79,19 @@ type Comparison struct {
 	// UpTo is the commit LSN bound of the compared rows ("" = all rows).
 	UpTo            string               `json:"up_to,omitempty"`
 	IgnoreExpiresAt bool                 `json:"ignore_expires_at"`
+	IgnoreSnapshots bool                 `json:"ignore_snapshots"`
 	Tables          []TableComparison    `json:"tables"`
 	Snapshots       []SnapshotComparison `json:"snapshots"`
 	DifferingKeys   []KeyDifference      `json:"differing_keys"`
-	// ContentEqual: same rows with the same content in every table, the
-	// same snapshot jobs per root table and the same failed jobs.
+	// ContentEqual: the same rows with the same content in every table.
 	ContentEqual bool `json:"content_equal"`
+	// SnapshotsEqual: the same number of snapshot jobs per root table, and
+	// of failed ones (pending vs complete is progress, not a difference).
+	SnapshotsEqual bool `json:"snapshots_equal"`
 	// ExpiresAtDiffers counts rows whose expires_at differs.
 	ExpiresAtDiffers int64 `json:"expires_at_differs"`
-	// Equal is ContentEqual and, unless ignored, no expires_at difference.
+	// Equal is ContentEqual and, unless ignored, SnapshotsEqual and no
+	// expires_at difference.
 	Equal bool `json:"equal"`
 }
 
@@ -114,7 +122,7 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 	if err != nil {
 		return nil, err
 	}
-	c := &Comparison{Projection: o.Projection, A: o.A, B: o.B, IgnoreExpiresAt: o.IgnoreExpiresAt}
+	c := &Comparison{Projection: o.Projection, A: o.A, B: o.B, IgnoreExpiresAt: o.IgnoreExpiresAt, IgnoreSnapshots: o.IgnoreSnapshots}
 	var bound any // nil: every row
 	if !o.All {
 		upTo, err := commonWatermark(ctx, db, o.Projection, o.A, o.B)
@@ -226,6 +234,7 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 	if c.Snapshots, err = compareSnapshots(ctx, db, va.Schema, vb.Schema, bound); err != nil {
 		return nil, err
 	}
+	c.SnapshotsEqual = true
 	totals := map[string][2]int64{}
 	for _, s := range c.Snapshots {
 		t := totals[s.RootTable]
@@ -233,15 +242,15 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 		t[1] += s.B
 		totals[s.RootTable] = t
 		if s.Status == "failed" && s.A != s.B {
-			c.ContentEqual = false
+			c.SnapshotsEqual = false
 		}
 	}
 	for _, t := range totals {
 		if t[0] != t[1] {
-			c.ContentEqual = false
+			c.SnapshotsEqual = false
 		}
 	}
-	c.Equal = c.ContentEqual && (o.IgnoreExpiresAt || c.ExpiresAtDiffers == 0)
+	c.Equal = c.ContentEqual && (o.IgnoreSnapshots || c.SnapshotsEqual) && (o.IgnoreExpiresAt || c.ExpiresAtDiffers == 0)
 	return c, nil
 }
 
@@ -336,15 +345,27 @@ func (c *Comparison) WriteText(w io.Writer) error {
 			fmt.Fprintf(tw, "%s.%s\t%s\t%s\t%d\t%s\n", d.Schema, d.Table, string(d.Key), d.CommitLSN, d.Seq, d.What)
 		}
 	}
-	verdict := "EQUAL"
+	var verdict []string
 	switch {
 	case !c.ContentEqual:
-		verdict = "DIFFERENT content"
-	case c.ExpiresAtDiffers > 0 && c.IgnoreExpiresAt:
-		verdict = fmt.Sprintf("EQUAL content; expires_at differs on %d rows (accepted: --ignore expires_at)", c.ExpiresAtDiffers)
-	case c.ExpiresAtDiffers > 0:
-		verdict = fmt.Sprintf("DIFFERENT: expires_at differs on %d rows (pass --ignore expires_at if the TTL change is intended)", c.ExpiresAtDiffers)
+		verdict = append(verdict, "DIFFERENT content")
+	case c.Equal:
+		verdict = append(verdict, "EQUAL content")
+	default:
+		verdict = append(verdict, "EQUAL content, but DIFFERENT")
 	}
-	fmt.Fprintf(tw, "\n%s\n", verdict)
+	switch {
+	case c.ExpiresAtDiffers > 0 && c.IgnoreExpiresAt:
+		verdict = append(verdict, fmt.Sprintf("expires_at differs on %d rows (accepted: --ignore expires_at)", c.ExpiresAtDiffers))
+	case c.ExpiresAtDiffers > 0:
+		verdict = append(verdict, fmt.Sprintf("expires_at differs on %d rows (pass --ignore expires_at if the TTL change is intended)", c.ExpiresAtDiffers))
+	}
+	switch {
+	case !c.SnapshotsEqual && c.IgnoreSnapshots:
+		verdict = append(verdict, "snapshot jobs differ (accepted: --ignore snapshots)")
+	case !c.SnapshotsEqual:
+		verdict = append(verdict, "snapshot jobs differ (pass --ignore snapshots if the change of snapshot roots is intended)")
+	}
+	fmt.Fprintf(tw, "\n%s\n", strings.Join(verdict, "; "))
 	return tw.Flush()
 }

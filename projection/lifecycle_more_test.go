@@ -106,3 +106,40 @@ func TestRebuildDoesNotStarveLive(t *testing.T) {
 	require.Less(t, took, 5*time.Second)
 	t.Logf("live delete archived in %s during the rebuild", took)
 }
+
+// A rebuild applies the current snapshot roots to all history: v2 has a
+// snapshot job for every root row, v1 (built without roots) none; compare
+// reports it, and accepts it only when told.
+func TestRebuildWithNewSnapshotRoots(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	s1 := e.start(e.config("w1"))
+	for i := 0; i < 6; i++ {
+		e.publish(e.nextTx(orderRows(i+1, 2)...))
+	}
+	e.heartbeat()
+	c := e.conn()
+	pool := e.pool()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 18 })
+	s1.Stop()
+	cfg := e.config("w2")
+	cfg.SnapshotRoots = []string{"public.orders"}
+	e.start(cfg)
+	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	require.NoError(t, err)
+	eventually(t, 30*time.Second, func() bool {
+		return state(t, pool, 2) == projection.StateReady &&
+			count(t, c, `SELECT count(*) FROM archive_v2.snapshots WHERE status = 'complete'`) == 6
+	})
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.snapshots`))
+	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2})
+	require.NoError(t, err)
+	require.True(t, cmp.ContentEqual)
+	require.False(t, cmp.SnapshotsEqual)
+	require.False(t, cmp.Equal)
+	require.Equal(t, []projection.SnapshotComparison{{RootTable: "public.orders", Status: "complete", A: 0, B: 6}}, cmp.Snapshots)
+	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true})
+	require.NoError(t, err)
+	require.True(t, cmp.Equal)
+}

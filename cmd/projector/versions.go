@@ -202,21 +202,25 @@ func etaText(s float64) string {
 	return (time.Duration(s) * time.Second).String()
 }
 
-// ignoreFlag is --ignore expires_at (repeatable; only expires_at exists).
-type ignoreFlag struct{ expiresAt bool }
+// ignoreFlag is --ignore expires_at|snapshots (repeatable).
+type ignoreFlag struct{ expiresAt, snapshots bool }
 
 func (f *ignoreFlag) String() string { return "" }
 func (f *ignoreFlag) Set(s string) error {
-	if s != "expires_at" {
-		return fmt.Errorf("can only ignore expires_at (an intended TTL change), not %q", s)
+	switch s {
+	case "expires_at":
+		f.expiresAt = true
+	case "snapshots":
+		f.snapshots = true
+	default:
+		return fmt.Errorf("can ignore expires_at (an intended TTL change) or snapshots (an intended change of snapshot roots), not %q", s)
 	}
-	f.expiresAt = true
 	return nil
 }
 
 func compareFlags(fs *flag.FlagSet) (*ignoreFlag, *int, *bool) {
 	ig := &ignoreFlag{}
-	fs.Var(ig, "ignore", "accept a difference of this column: expires_at (a TTL policy change is intended)")
+	fs.Var(ig, "ignore", "accept an intended difference: expires_at (a TTL policy change) or snapshots (a change of snapshot roots); repeatable")
 	maxKeys := fs.Int("max-keys", 20, "list at most this many differing rows")
 	all := fs.Bool("all", false, "compare every archived row, not only the transactions both versions reflect")
 	return ig, maxKeys, all
@@ -248,7 +252,7 @@ func compareCmd(ctx context.Context, args []string, env *Env) error {
 	}
 	defer pool.Close()
 	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: a, B: b,
-		IgnoreExpiresAt: ig.expiresAt, MaxKeys: *maxKeys, All: *all})
+		IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
 	if err != nil {
 		return err
 	}
@@ -297,7 +301,7 @@ func promoteCmd(ctx context.Context, args []string, env *Env) error {
 				continue
 			}
 			cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: v.Version, B: n,
-				IgnoreExpiresAt: ig.expiresAt, MaxKeys: *maxKeys, All: *all})
+				IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
 			if err != nil {
 				return err
 			}

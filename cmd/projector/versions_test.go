@@ -224,7 +224,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	// compare: the TTL change is the only difference.
 	cmpOut, err := runBin(bin, env, "compare", "archive", "1", "2")
 	require.Error(t, err, "expires_at differs: exit status 1")
-	require.Contains(t, cmpOut, "DIFFERENT: expires_at differs on")
+	require.Contains(t, cmpOut, "EQUAL content, but DIFFERENT; expires_at differs on")
 	cmpOut, err = runBin(bin, env, "compare", "archive", "1", "2", "--ignore", "expires_at")
 	require.NoError(t, err, cmpOut)
 	require.Contains(t, cmpOut, "EQUAL content; expires_at differs on")
