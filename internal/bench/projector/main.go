@@ -18,10 +18,14 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"log"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,6 +34,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
+	"github.com/epitaph-dev/epitaph/projection"
 )
 
 type env struct {
@@ -38,6 +43,9 @@ type env struct {
 	bins    map[string]string
 	natsURL string
 	workers int
+
+	inProcess  bool
+	cpuProfile string
 }
 
 func main() {
@@ -45,13 +53,26 @@ func main() {
 	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
 	workers := flag.Int("workers", 1, "projector workers")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
+	batch := flag.Int("batch", 500, "rows per raw COPY + INSERT..SELECT transaction (the projector's page size)")
+	skipE2E := flag.Bool("skip-e2e", false, "measure raw and apply only")
+	inProcess := flag.Bool("in-process", false, "run the projector inside the bench (one worker) instead of the binary")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	flag.Parse()
-	if err := run(*rows, *perTx, *workers, *keep); err != nil {
+	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
+		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile}
+	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
 }
 
-func run(rows, perTx, workers int, keep bool) error {
+type opts struct {
+	rows, perTx, workers, batch int
+	keep, skipE2E, inProcess    bool
+	cpuProfile                  string
+}
+
+func run(o opts) error {
+	rows, perTx, workers, keep := o.rows, o.perTx, o.workers, o.keep
 	ctx := context.Background()
 	bench.LoadNote("at start")
 	defer bench.LoadNote("at end")
@@ -85,7 +106,8 @@ func run(rows, perTx, workers int, keep bool) error {
 		return err
 	}
 	defer srv.Shutdown()
-	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers}
+	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers,
+		inProcess: o.inProcess, cpuProfile: o.cpuProfile}
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
 
 	// The stream: a backlog of N deletes drained by the capture.
@@ -103,11 +125,14 @@ func run(rows, perTx, workers int, keep bool) error {
 		return err
 	}
 	// 1. raw writes of the same rows.
-	rawRate, err := e.raw(ctx, targetURL, "bench", n)
+	rawRate, err := e.raw(ctx, targetURL, "bench", n, o.batch)
 	if err != nil {
 		return err
 	}
 	bench.Figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
+	if o.skipE2E {
+		return nil
+	}
 	// 3. end to end.
 	return e.endToEnd(ctx, rows, perTx, captureRate, applyRate)
 }
@@ -141,7 +166,7 @@ func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64,
 	if err != nil {
 		return 0, 0, err
 	}
-	if err := waitStream(ctx, p, watch); err != nil {
+	if err := waitStream(ctx, p, watch, url, "epitaph_bench"); err != nil {
 		p.Kill()
 		return 0, 0, err
 	}
@@ -169,12 +194,20 @@ func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64,
 	return n, rate, nil
 }
 
-func waitStream(ctx context.Context, p *bench.Proc, watch *bench.StreamWatch) error {
+// waitStream waits until the capture has created the stream and its
+// replication slot on the source: deletes made before the slot exists are
+// not in the WAL it reads (the capture creates the stream first, so the
+// stream alone is not enough).
+func waitStream(ctx context.Context, p *bench.Proc, watch *bench.StreamWatch, sourceURL, slot string) error {
 	return workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
 		if err := exitedErr(p)(); err != nil {
 			return false, err
 		}
-		return watch.StreamExists(ctx), nil
+		if !watch.StreamExists(ctx) {
+			return false, nil
+		}
+		c, err := bench.Count(ctx, sourceURL, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", slot)
+		return c > 0, err
 	})
 }
 
@@ -243,6 +276,9 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	if err := e.migrate(ctx, targetURL, source); err != nil {
 		return 0, err
 	}
+	if e.inProcess {
+		return e.applyInProcess(ctx, targetURL, source, n)
+	}
 	procs, err := e.startProjectors(ctx, targetURL, source)
 	defer func() {
 		for _, p := range procs {
@@ -253,13 +289,13 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 		return 0, err
 	}
 	start := procs[0].Started()
+	cpu0 := e.cpu(procs[0].Pid())
 	end, err := waitArchive(ctx, targetURL, source, n, procs, 15*time.Minute)
 	if err != nil {
 		return 0, err
 	}
-	rate := float64(n) / end.Sub(start).Seconds()
-	bench.Figure("projector.apply_seconds", end.Sub(start).Seconds(), "s (from process start to archive count = N)")
-	bench.Figure("projector.apply_rows_per_sec", rate, "rows/s")
+	cpu := e.cpu(procs[0].Pid()).sub(cpu0)
+	rate := e.applyFigures(n, start, end, cpu)
 	for _, p := range procs {
 		if rss, err := p.PeakRSS(); err == nil {
 			bench.Figure("projector.apply_peak_rss_mib."+p.Name, float64(rss)/(1<<20), "MiB")
@@ -271,10 +307,128 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	return rate, nil
 }
 
-// raw writes the same delete events as archive rows with COPY into an
-// unindexed staging table and one INSERT .. SELECT into a copy of the
-// archive table (same constraints and indexes): what Postgres can take here.
-func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float64, error) {
+func (e *env) applyFigures(n int64, start, end time.Time, cpu cpuTimes) float64 {
+	took := end.Sub(start).Seconds()
+	rate := float64(n) / took
+	bench.Figure("projector.apply_seconds", took, "s (from projector start to archive count = N)")
+	bench.Figure("projector.apply_rows_per_sec", rate, "rows/s")
+	bench.Figure("projector.apply_postgres_cpu_seconds", cpu.postgres, "s")
+	bench.Figure("projector.apply_projector_cpu_seconds", cpu.proc, "s (projector process; in-process: projector + JetStream server)")
+	return rate
+}
+
+// applyInProcess runs the projector service inside the bench (with the
+// JetStream server), so that -cpuprofile sees where its time goes.
+func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n int64) (float64, error) {
+	svc, err := projection.New(projection.Config{
+		TargetURL: targetURL, NATSURL: e.natsURL, SourceName: source, WorkerID: "bench-inprocess",
+	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
+	if err != nil {
+		return 0, err
+	}
+	if e.cpuProfile != "" {
+		f, err := os.Create(e.cpuProfile)
+		if err != nil {
+			return 0, err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return 0, err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	cpu0 := e.cpu(os.Getpid())
+	start := time.Now()
+	if err := svc.Start(ctx); err != nil {
+		return 0, err
+	}
+	defer svc.Stop()
+	end, err := waitArchive(ctx, targetURL, source, n, nil, 15*time.Minute)
+	if err != nil {
+		return 0, err
+	}
+	return e.applyFigures(n, start, end, e.cpu(os.Getpid()).sub(cpu0)), nil
+}
+
+// cpuTimes are CPU seconds used: by a process (user+system, with its
+// reaped children) and by the Postgres server (postmaster, its reaped
+// children and the live backends).
+type cpuTimes struct{ proc, postgres float64 }
+
+func (a cpuTimes) sub(b cpuTimes) cpuTimes { return cpuTimes{a.proc - b.proc, a.postgres - b.postgres} }
+
+func (e *env) cpu(pid int) cpuTimes {
+	var t cpuTimes
+	if pid > 0 {
+		t.proc, _ = procCPU(pid)
+	}
+	b, err := os.ReadFile(filepath.Join(e.pg.DataDir, "postmaster.pid"))
+	if err != nil {
+		return t
+	}
+	pm, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	if err != nil {
+		return t
+	}
+	t.postgres, _ = procCPU(pm)
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		child, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if ppid, _ := procPPID(child); ppid == pm {
+			c, _ := procCPU(child)
+			t.postgres += c
+		}
+	}
+	return t
+}
+
+func procStat(pid int) ([]string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil, err
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return nil, fmt.Errorf("bad /proc/%d/stat", pid)
+	}
+	return strings.Fields(s[i+1:]), nil // fields from 3 (state) on
+}
+
+// procCPU is utime+stime+cutime+cstime in seconds (clock ticks of 1/100 s).
+func procCPU(pid int) (float64, error) {
+	f, err := procStat(pid)
+	if err != nil || len(f) < 15 {
+		return 0, err
+	}
+	var ticks int64
+	for _, x := range f[11:15] {
+		v, _ := strconv.ParseInt(x, 10, 64)
+		ticks += v
+	}
+	return float64(ticks) / 100, nil
+}
+
+func procPPID(pid int) (int, error) {
+	f, err := procStat(pid)
+	if err != nil || len(f) < 2 {
+		return 0, err
+	}
+	return strconv.Atoi(f[1])
+}
+
+// raw writes the same delete events as archive rows the way a hand-written
+// loader would, on ONE connection: per batch of the projector's page size,
+// a transaction with a COPY into an unlogged staging table and one
+// INSERT .. SELECT .. ON CONFLICT DO NOTHING into bench_raw.rows, a table
+// created LIKE archive_v1.rows INCLUDING ALL (same columns, defaults,
+// primary key and indexes). The staging columns are text where the
+// projector sends text (JSON, LSN) and the INSERT casts them, as the
+// projector's statement does. This is what Postgres can take here.
+func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch int) (float64, error) {
 	events, err := workload.StreamDeletes(ctx, e.natsURL, source)
 	if err != nil {
 		return 0, err
@@ -294,13 +448,11 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float
 	if like == "" {
 		return 0, fmt.Errorf("raw: archive_v1.rows does not exist in the target to copy its shape")
 	}
-	// The staging table takes the LSN as text (as the projector sends it);
-	// the INSERT .. SELECT casts it.
-	_, err = conn.Exec(ctx, `CREATE SCHEMA bench_raw;
+	_, err = conn.Exec(ctx, `DROP SCHEMA IF EXISTS bench_raw CASCADE; CREATE SCHEMA bench_raw;
 		CREATE TABLE bench_raw.rows (LIKE archive_v1.rows INCLUDING ALL);
-		CREATE UNLOGGED TABLE bench_raw.staging (source text, schema_name text, table_name text, key jsonb, row jsonb,
+		CREATE UNLOGGED TABLE bench_raw.staging (source text, schema_name text, table_name text, key text, row text,
 			identity text, correlation_id text, is_root boolean, xid bigint, commit_lsn text, commit_time timestamptz,
-			seq integer, refs jsonb, columns jsonb)`)
+			seq integer, refs text, columns text)`)
 	if err != nil {
 		return 0, fmt.Errorf("raw: create tables: %w", err)
 	}
@@ -308,27 +460,58 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64) (float
 		"xid", "commit_lsn", "commit_time", "seq", "refs", "columns"}
 	data := make([][]any, len(events))
 	for i, ev := range events {
-		refs, _ := jsonText(ev.Refs)
-		columns, _ := jsonText(ev.Columns)
-		data[i] = []any{ev.Source, ev.Schema, ev.Table, nullable(ev.Key), nullable(ev.Row), ev.Identity, ev.CorrelationID(), false,
-			ev.XID, ev.CommitLSN.String(), ev.CommitTime, ev.Seq, refs, columns}
+		var commitTime any
+		if !ev.CommitTime.IsZero() {
+			commitTime = ev.CommitTime
+		}
+		data[i] = []any{ev.Source, ev.Schema, ev.Table, nullable(ev.Key), nullable(ev.Row), ev.Identity, ev.CorrelationID(), true,
+			ev.XID, ev.CommitLSN.String(), commitTime, int32(ev.Seq), jsonText(ev.Refs), jsonText(ev.Columns)}
 	}
+	cpu0 := e.cpu(0)
 	start := time.Now()
-	if _, err := conn.CopyFrom(ctx, pgx.Identifier{"bench_raw", "staging"}, cols, pgx.CopyFromRows(data)); err != nil {
-		return 0, fmt.Errorf("raw: copy: %w", err)
-	}
-	copied := time.Since(start)
-	if _, err := conn.Exec(ctx, `INSERT INTO bench_raw.rows (source, schema_name, table_name, key, row, identity,
-			correlation_id, is_root, xid, commit_lsn, commit_time, seq, refs, columns)
-		SELECT source, schema_name, table_name, key, row, identity, correlation_id, is_root, xid, commit_lsn::pg_lsn,
-			commit_time, seq, refs, columns FROM bench_raw.staging ON CONFLICT DO NOTHING`); err != nil {
-		return 0, fmt.Errorf("raw: insert select: %w", err)
+	var copyTook time.Duration
+	for off := 0; off < len(data); off += batch {
+		part := data[off:min(off+batch, len(data))]
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			return 0, err
+		}
+		c0 := time.Now()
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"bench_raw", "staging"}, cols, pgx.CopyFromRows(part)); err != nil {
+			_ = tx.Rollback(ctx)
+			return 0, fmt.Errorf("raw: copy: %w", err)
+		}
+		copyTook += time.Since(c0)
+		if _, err := tx.Exec(ctx, `INSERT INTO bench_raw.rows (source, schema_name, table_name, key, row, identity,
+				correlation_id, is_root, xid, commit_lsn, commit_time, seq, refs, columns)
+			SELECT source, schema_name, table_name, key::jsonb, row::jsonb, identity, correlation_id, is_root, xid,
+				commit_lsn::pg_lsn, commit_time, seq, refs::jsonb, columns::jsonb FROM bench_raw.staging
+			ON CONFLICT DO NOTHING`); err != nil {
+			_ = tx.Rollback(ctx)
+			return 0, fmt.Errorf("raw: insert select: %w", err)
+		}
+		if _, err := tx.Exec(ctx, `TRUNCATE bench_raw.staging`); err != nil {
+			_ = tx.Rollback(ctx)
+			return 0, fmt.Errorf("raw: truncate staging: %w", err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return 0, fmt.Errorf("raw: commit: %w", err)
+		}
 	}
 	took := time.Since(start)
+	cpu := e.cpu(0).sub(cpu0)
+	var got int64
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM bench_raw.rows").Scan(&got); err != nil {
+		return 0, err
+	}
+	if got != int64(len(events)) {
+		return 0, fmt.Errorf("raw: wrote %d rows, want %d", got, len(events))
+	}
 	rate := float64(len(events)) / took.Seconds()
-	bench.Figure("projector.raw_copy_seconds", copied.Seconds(), "s")
-	bench.Figure("projector.raw_seconds", took.Seconds(), "s (COPY + INSERT..SELECT)")
+	bench.Figure("projector.raw_copy_seconds", copyTook.Seconds(), "s (the COPYs)")
+	bench.Figure("projector.raw_seconds", took.Seconds(), fmt.Sprintf("s (%d transactions of COPY %d rows + INSERT..SELECT, one connection)", (len(data)+batch-1)/batch, batch))
 	bench.Figure("projector.raw_rows_per_sec", rate, "rows/s")
+	bench.Figure("projector.raw_postgres_cpu_seconds", cpu.postgres, "s")
 	return rate, nil
 }
 
@@ -339,9 +522,17 @@ func nullable(b json.RawMessage) any {
 	return string(b)
 }
 
-func jsonText(v any) (string, error) {
+// jsonText is v as JSON text, nil for an empty slice (as the projector
+// stores it).
+func jsonText[T any](v []T) any {
+	if len(v) == 0 {
+		return nil
+	}
 	b, err := json.Marshal(v)
-	return string(b), err
+	if err != nil {
+		return nil
+	}
+	return string(b)
 }
 
 // endToEnd: capture and projector run together from before the first
@@ -380,7 +571,7 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 		return err
 	}
 	defer capt.Kill()
-	if err := waitStream(ctx, capt, watch); err != nil {
+	if err := waitStream(ctx, capt, watch, src, "epitaph_e2e"); err != nil {
 		return err
 	}
 	if err := e.migrate(ctx, target, source); err != nil {
