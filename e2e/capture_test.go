@@ -51,15 +51,15 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 		return watch.StreamExists(ctx), nil
 	}), "the capture creates its stream")
 
-	// The workload runs until the faults are done.
-	wctx, stopWorkload := context.WithCancel(ctx)
+	// A workload of a fixed size runs while the faults happen (those after
+	// its end test recovery with nothing new to read).
 	type outcome struct {
 		res workload.Result
 		err error
 	}
 	done := make(chan outcome, 1)
 	go func() {
-		res, err := workload.Run(wctx, url, workload.Plan{Seed: seed, MaxOrdersPerTx: 10, BigTxRows: 5000, BigTxAt: 30 + int(seed%60), Reinserts: 4,
+		res, err := workload.Run(ctx, url, workload.Plan{Seed: seed, Transactions: 350, MaxOrdersPerTx: 10, BigTxRows: 5000, BigTxAt: 30 + int(seed%60), Reinserts: 4,
 			Pause: 15 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 		done <- outcome{res, err}
 	}()
@@ -73,8 +73,6 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 		},
 		"restart-jetstream": nats.Restart,
 	})
-	time.Sleep(500 * time.Millisecond) // let the workload run past the last fault
-	stopWorkload()
 	out := <-done
 	require.NoError(t, out.err)
 	t.Logf("faults: %s", summary(faults))

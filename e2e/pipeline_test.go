@@ -59,14 +59,14 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bins["projector"], env, seed+uint64(i)+1, "run"))
 	}
 
-	wctx, stopWorkload := context.WithCancel(ctx)
 	type outcome struct {
 		res workload.Result
 		err error
 	}
+	// A workload of a fixed size runs while the faults happen.
 	done := make(chan outcome, 1)
 	go func() {
-		res, err := workload.Run(wctx, url, workload.Plan{Seed: seed, MaxOrdersPerTx: 20, BigTxRows: 50_000, BigTxAt: 40 + int(seed%40), Reinserts: 5,
+		res, err := workload.Run(ctx, url, workload.Plan{Seed: seed, Transactions: 800, MaxOrdersPerTx: 20, BigTxRows: 50_000, BigTxAt: 40 + int(seed%40), Reinserts: 5,
 			Pause: 10 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 		done <- outcome{res, err}
 	}()
@@ -81,7 +81,6 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 		"kill-projector1-2": workers[1].Kill,
 		"kill-projector1-3": workers[1].Kill,
 	})
-	stopWorkload()
 	out := <-done
 	require.NoError(t, out.err)
 	t.Logf("faults: %s", summary(faults))
