@@ -380,6 +380,12 @@ func Reflects(ctx context.Context, db progress.DB, projection string) (event.LSN
 // source transaction committed at or before lsn (every partition's
 // watermark is at or past it), or ctx's error (with how far it got) when
 // ctx ends first. Polls every interval (default 50ms).
+//
+// To read your own deletes, take lsn = pg_current_wal_insert_lsn() in the
+// source session after the deleting transaction committed: every record
+// written later (the capture's next heartbeat) is at or past it. Do not
+// use pg_current_wal_lsn() (the WAL write position): with
+// synchronous_commit = off it can be behind your own commit.
 func WaitLSN(ctx context.Context, db progress.DB, projection string, lsn event.LSN, interval time.Duration) (event.LSN, error) {
 	if interval <= 0 {
 		interval = 50 * time.Millisecond

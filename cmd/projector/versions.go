@@ -396,7 +396,7 @@ func retireCmd(ctx context.Context, args []string, env *Env) error {
 func waitCmd(ctx context.Context, args []string, env *Env) error {
 	fs := newFlagSet("wait", env)
 	c := commonFlags(fs, env)
-	lsnText := fs.String("lsn", "", "source LSN (e.g. from SELECT pg_current_wal_lsn() after your delete)")
+	lsnText := fs.String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
 	timeout := fs.Duration("timeout", 30*time.Second, "give up after this long (exit status 1)")
 	proj := fs.String("projection", projection.ArchiveProjection, "projection")
 	if err := fs.Parse(args); err != nil {
