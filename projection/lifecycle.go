@@ -271,8 +271,9 @@ type RetireOptions struct {
 // marks the version retired (workers stop its partitions on their next
 // balance), waits for its leases to be given back or expire, deletes its
 // JetStream consumers, deletes its progress rows (the consumer identity is
-// never reused, so there is nothing to resume; quarantine rows are kept
-// as an audit record), and with Drop drops its schema. Retiring a retired
+// never reused, so there is nothing to resume), resolves its open
+// quarantine as discarded ("version retired"; the rows are kept as the
+// audit record), and with Drop drops its schema. Retiring a retired
 // version again finishes the cleanup.
 func Retire(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, projection string, version int, opts RetireOptions) error {
 	if opts.Source == "" {
@@ -343,6 +344,14 @@ func Retire(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, pro
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `DELETE FROM epitaph.progress WHERE projection = $1 AND version = $2`, projection, version); err != nil {
 			return fmt.Errorf("retire %s v%d: delete progress: %w", projection, version, err)
+		}
+		// Nothing can replay into a retired version: its open quarantine
+		// is resolved (kept as the audit record) so it stops counting as
+		// unresolved.
+		if _, err := tx.Exec(ctx, `UPDATE epitaph.quarantine
+			SET status = 'discarded', resolved_at = now(), resolution_reason = 'version retired'
+			WHERE projection = $1 AND version = $2 AND status = 'open'`, projection, version); err != nil {
+			return fmt.Errorf("retire %s v%d: resolve its quarantine: %w", projection, version, err)
 		}
 		if opts.Drop {
 			if _, err := tx.Exec(ctx, `DROP SCHEMA IF EXISTS `+ident(v.Schema)+` CASCADE`); err != nil {

@@ -70,7 +70,11 @@ func TestVersionFailsWhenItsSchemaCannotBeCreated(t *testing.T) {
 	}
 	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, 2, true)
 	require.Error(t, err)
+	_, err = c.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, data, category, error)
+		VALUES ('archive', 2, 0, 1, 'x', '\x00', 'malformed', 'test')`)
+	require.NoError(t, err)
 	require.NoError(t, projection.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, projection.RetireOptions{Source: src, Drop: true}))
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE version = 2 AND status = 'discarded' AND resolution_reason = 'version retired'`))
 	require.Equal(t, projection.StateRetired, state(t, pool, 2))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v2'`))
 }
