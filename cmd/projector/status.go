@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -21,6 +22,7 @@ func statusCmd(ctx context.Context, args []string, env *Env) error {
 	fs := newFlagSet("status", env)
 	c := commonFlags(fs, env)
 	asJSON := fs.Bool("json", false, "print the JSON status document")
+	follow := fs.Bool("wait", false, "follow every version being built until it is ready, with a progress bar on a terminal")
 	sample := fs.Duration("sample", time.Second, "while a version is being rebuilt, sample twice this far apart for events/s and ETA (0: once)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -39,6 +41,12 @@ func statusCmd(ctx context.Context, args []string, env *Env) error {
 		js, _ = jetstream.New(nc)
 	} else {
 		fmt.Fprintf(env.Stderr, "projector: NATS %s unreachable (lag unknown): %v\n", redact(c.natsURL), err)
+	}
+	if *follow {
+		if js == nil {
+			return errors.New("status --wait needs NATS")
+		}
+		return followVersions(ctx, pool, js, c.sourceName, env.Stdout)
 	}
 	st, err := projection.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
 	if err != nil {

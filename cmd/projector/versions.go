@@ -443,3 +443,26 @@ func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, 
 	st.FillRates(first)
 	return st, nil
 }
+
+// followVersions waits, one after the other, for every version that is
+// building or catching up to become ready (`projector status --wait`).
+func followVersions(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, w io.Writer) error {
+	vs, err := projection.ListVersions(ctx, pool, "")
+	if err != nil {
+		return err
+	}
+	followed := 0
+	for _, v := range vs {
+		if v.State != projection.StateBuilding && v.State != projection.StateCatchingUp {
+			continue
+		}
+		followed++
+		if err := waitReady(ctx, pool, js, source, v, w); err != nil {
+			return err
+		}
+	}
+	if followed == 0 {
+		fmt.Fprintln(w, "no version is being built")
+	}
+	return nil
+}

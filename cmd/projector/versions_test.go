@@ -186,6 +186,13 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	// SIGKILL the worker during the rebuild; restart it: it resumes v2
 	// from its cursors.
 	eventually(30*time.Second, func() bool { return q(`SELECT count(*) FROM archive_v2.rows`) > 200 }, "v2 started")
+	follow := exec.Command(bin, "status", "--wait")
+	follow.Env = env
+	var followOut bytes.Buffer
+	follow.Stdout, follow.Stderr = &followOut, &followOut
+	require.NoError(t, follow.Start())
+	followDone := make(chan error, 1)
+	go func() { followDone <- follow.Wait() }()
 	require.NoError(t, w.Process.Signal(syscall.SIGKILL))
 	_ = w.Wait()
 	atKill := q(`SELECT count(*) FROM archive_v2.rows`)
@@ -203,6 +210,13 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	case <-time.After(3 * time.Minute):
 		t.Fatalf("rebuild --wait did not finish: %s\nworker: %s", rebuildOut.String(), wlogs.String())
 	}
+	select {
+	case err := <-followDone:
+		require.NoError(t, err, followOut.String())
+	case <-time.After(time.Minute):
+		t.Fatalf("status --wait did not finish: %s", followOut.String())
+	}
+	require.Contains(t, followOut.String(), "archive v2 is ready")
 	out := rebuildOut.String()
 	t.Logf("rebuild --wait:\n%s", out)
 	require.Contains(t, out, "created archive v2 (schema archive_v2, state building")
