@@ -82,11 +82,14 @@ func CreateVersion(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStre
 			return Version{}, err
 		}
 	}
-	cfg, _ := json.Marshal(map[string]any{"created": "rebuild", "note": opts.Note,
-		"from": map[bool]string{true: "start", false: "time"}[opts.FromTime.IsZero()]})
+	from := "start"
 	var fromTime *time.Time
 	if !opts.FromTime.IsZero() {
-		fromTime = &opts.FromTime
+		from, fromTime = "time", &opts.FromTime
+	}
+	cfg, err := json.Marshal(map[string]any{"created": "rebuild", "note": opts.Note, "from": from})
+	if err != nil {
+		return Version{}, fmt.Errorf("encode version config: %w", err)
 	}
 	var v Version
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
