@@ -349,7 +349,7 @@ func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
 	if err == nil {
 		info := c.CachedInfo()
 		if info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
-			info.Config.AckPolicy == jetstream.AckAllPolicy {
+			info.Config.AckPolicy == jetstream.AckAllPolicy && info.Config.MaxAckPending >= maxAckPending {
 			w.cons = c
 			return nil
 		}
@@ -369,7 +369,7 @@ func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
 		OptStartSeq:   w.pos.Cursor + 1,
 		AckPolicy:     jetstream.AckAllPolicy,
 		AckWait:       5 * time.Minute,
-		MaxAckPending: 4 * MaxBatchSize,
+		MaxAckPending: maxAckPending,
 		MaxDeliver:    -1,
 	})
 	if err != nil {
@@ -385,36 +385,75 @@ type page struct {
 	err   error
 }
 
-// fetchPage fetches up to a batch and decodes it.
+// pagesPerTx is how many fetched pages (of at most Config.BatchSize events
+// each) one target transaction may apply. A fetch stays bounded by the
+// batch size; while a partition is behind (a rebuild, a backlog) every
+// fetch comes back full, and the pages that are already waiting are
+// fetched at once (no wait) and applied together: fewer transactions,
+// cursor advances and acks per event, and more source transactions whole
+// in one transaction (their roots are decided in memory on insert instead
+// of in SQL at the commit). A partition that is caught up gets one short
+// page per transaction, as before. The cursor still advances by CAS in the
+// transaction, and the last message is acked after the commit. Only with
+// the default (largest) batch size: a smaller Config.BatchSize is taken
+// as the most events per transaction.
+const pagesPerTx = 4
+
+// maxAckPending is the consumer's limit of unacknowledged deliveries: the
+// group being applied plus the one fetched in the background.
+const maxAckPending = 2 * pagesPerTx * MaxBatchSize
+
+// fetchPage fetches a group of pages (see pagesPerTx) and decodes it.
 func (w *partitionWorker) fetchPage() page {
-	batch, err := w.cons.Fetch(w.svc.cfg.BatchSize, jetstream.FetchMaxWait(w.svc.cfg.FetchWait))
-	if err != nil {
-		return page{err: fmt.Errorf("fetch: %w", err)}
+	size, pages := w.svc.cfg.BatchSize, 1
+	if size == MaxBatchSize {
+		pages = pagesPerTx
 	}
 	var items []*item
-	for m := range batch.Messages() {
-		md, err := m.Metadata()
-		if err != nil {
-			return page{err: fmt.Errorf("message metadata: %w", err)}
-		}
-		it := &item{
-			msg: m, seq: md.Sequence.Stream, dseq: md.Sequence.Consumer, subject: m.Subject(),
-			headers: m.Headers(), data: m.Data(), stored: md.Timestamp,
-		}
-		it.id = identityOf(it.headers, it.data)
-		if ev, err := w.svc.cfg.Decoder.Decode(it.data); err != nil {
-			cat, _ := quarantine.Classify(err)
-			it.category, it.failure = string(cat), err
+	for n := 0; n < pages; n++ {
+		var batch jetstream.MessageBatch
+		var err error
+		if n == 0 {
+			batch, err = w.cons.Fetch(size, jetstream.FetchMaxWait(w.svc.cfg.FetchWait))
 		} else {
-			it.ev = ev
+			batch, err = w.cons.FetchNoWait(size)
 		}
-		items = append(items, it)
-	}
-	if err := batch.Error(); err != nil {
-		if len(items) == 0 {
+		if err != nil {
+			if len(items) > 0 {
+				break
+			}
 			return page{err: fmt.Errorf("fetch: %w", err)}
 		}
-		w.log.Debug("fetch ended early", "err", err, "got", len(items))
+		got := 0
+		for m := range batch.Messages() {
+			md, err := m.Metadata()
+			if err != nil {
+				return page{err: fmt.Errorf("message metadata: %w", err)}
+			}
+			it := &item{
+				msg: m, seq: md.Sequence.Stream, dseq: md.Sequence.Consumer, subject: m.Subject(),
+				headers: m.Headers(), data: m.Data(), stored: md.Timestamp,
+			}
+			it.id = identityOf(it.headers, it.data)
+			if ev, err := w.svc.cfg.Decoder.Decode(it.data); err != nil {
+				cat, _ := quarantine.Classify(err)
+				it.category, it.failure = string(cat), err
+			} else {
+				it.ev = ev
+			}
+			items = append(items, it)
+			got++
+		}
+		if err := batch.Error(); err != nil {
+			if len(items) == 0 {
+				return page{err: fmt.Errorf("fetch: %w", err)}
+			}
+			w.log.Debug("fetch ended early", "err", err, "got", len(items))
+			break
+		}
+		if got < size {
+			break // the partition is drained: do not wait for more
+		}
 	}
 	return page{items: items}
 }
