@@ -60,9 +60,8 @@ type Config struct {
 	Decoder *event.Decoder
 	// StatusInterval is how often lag metrics are refreshed. Default 5s.
 	StatusInterval time.Duration
-	// RebuildShare bounds what versions other than the live one (rebuilds,
-	// and a previous live version kept for rollback) may use of this
-	// worker while the live version is busy (applied a page within the
+	// RebuildShare bounds what versions being built or caught up may use
+	// of this worker while the live version is busy (applied a page within the
 	// last second), so a rebuild never starves it: at most
 	// ceil(RebuildShare x P) of their pages (P: the stream's partitions)
 	// are applied at once; pages of the live version never wait. While the

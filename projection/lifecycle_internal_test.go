@@ -73,4 +73,30 @@ func TestRebuildGateAndSideEffects(t *testing.T) {
 	s.afterPage(ctx, live, 0, items)
 	s.afterPage(ctx, building, 0, items)
 	require.Equal(t, []int{1, 2}, calls)
+
+	// The previous live version, now ready, is kept current: not throttled.
+	rl0, err = s.admit(ctx, building) // v2 is live: the live version is busy
+	require.NoError(t, err)
+	rl0()
+	s.setLive([]Version{{Projection: "archive", Version: 1, State: StateReady}, {Projection: "archive", Version: 2, State: StateLive},
+		{Projection: "archive", Version: 3, State: StateCatchingUp}})
+	catching := Version{Projection: "archive", Version: 3, State: StateCatchingUp}
+	var held []func()
+	for i := 0; i < cap(s.rebuildGate); i++ {
+		r, err := s.admit(ctx, catching)
+		require.NoError(t, err)
+		held = append(held, r)
+	}
+	short2, cancel2 := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel2()
+	_, err = s.admit(short2, catching)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "catching_up is throttled")
+	for i := 0; i < 5; i++ {
+		r, err := s.admit(short2, live) // v1, ready
+		require.NoError(t, err, "a ready version is never throttled")
+		r()
+	}
+	for _, r := range held {
+		r()
+	}
 }

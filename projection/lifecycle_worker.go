@@ -36,13 +36,17 @@ func (s *Service) isLive(v Version) bool {
 // rebuild gate once the partition count is known.
 func (s *Service) setLive(vs []Version) {
 	live := map[string]int{}
+	throttled := map[[2]any]bool{}
 	for _, v := range vs {
-		if v.State == StateLive {
+		switch v.State {
+		case StateLive:
 			live[v.Projection] = v.Version
+		case StateBuilding, StateCatchingUp:
+			throttled[[2]any{v.Projection, v.Version}] = true
 		}
 	}
 	s.mu.Lock()
-	s.live = live
+	s.live, s.throttled = live, throttled
 	if s.rebuildGate == nil && s.partitions > 0 {
 		s.rebuildGate = make(chan struct{}, max(1, int(math.Ceil(s.cfg.RebuildShare*float64(s.partitions)))))
 	}
@@ -54,10 +58,11 @@ func (s *Service) setLive(vs []Version) {
 // the rebuild share (a rebuild runs at full speed while nothing else does).
 const liveIdle = time.Second
 
-// admit waits, for a page of a version other than the live one, for a
+// admit waits, for a page of a version being built or caught up, for a
 // slot of the rebuild share while the live version is busy; pages of the
-// live version pass at once. The returned release must be called after
-// the page.
+// live version, and of a ready one (the previous live version kept
+// current for a rollback), pass at once. The returned release must be
+// called after the page.
 func (s *Service) admit(ctx context.Context, v Version) (release func(), err error) {
 	now := s.now()
 	s.mu.Lock()
@@ -67,8 +72,9 @@ func (s *Service) admit(ctx context.Context, v Version) (release func(), err err
 		s.lastLivePage = now
 	}
 	idle := now.Sub(s.lastLivePage) > liveIdle
+	throttled := s.throttled[[2]any{v.Projection, v.Version}]
 	s.mu.Unlock()
-	if live || gate == nil || idle {
+	if !throttled || gate == nil || idle {
 		return func() {}, nil
 	}
 	select {

@@ -51,8 +51,9 @@ type Service struct {
 	closing    bool
 	workers    map[progress.Key]*partitionWorker
 	partitions int
-	versions   string         // fingerprint of the active versions last ensured
-	live       map[string]int // live version per projection, as of the last balance
+	versions   string          // fingerprint of the active versions last ensured
+	live       map[string]int  // live version per projection, as of the last balance
+	throttled  map[[2]any]bool // versions building or catching up (RebuildShare applies)
 	// rebuildGate bounds the pages of non-live versions applied at once
 	// (Config.RebuildShare); nil until the partition count is known.
 	rebuildGate  chan struct{}
