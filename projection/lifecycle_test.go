@@ -121,7 +121,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	cfg = e.config("w2")
 	cfg.SideEffects = fx.hook
 	cfg.ArchiveTTL = map[string]time.Duration{"public.order_lines": 30 * 24 * time.Hour}
-	e.start(cfg)
+	s2 := e.start(cfg)
 	trafficCtx, stopTrafficCtx := context.WithCancel(ctx)
 	defer stopTrafficCtx()
 	stopTraffic := e.traffic(trafficCtx, 20*time.Millisecond)
@@ -149,6 +149,12 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	require.False(t, v2.ReadyAt.Before(*v2.CatchingUpAt))
 	require.False(t, v2.CatchingUpAt.Before(*v2.BuildingAt))
 	require.Zero(t, fx.calls(2), "no side effects for a version being built")
+	eventually(t, 10*time.Second, func() bool {
+		return gauge(t, s2, "epitaph_projector_version_state", map[string]string{"version": "2", "state": "ready"}) == 1 &&
+			gauge(t, s2, "epitaph_projector_version_progress_ratio", map[string]string{"version": "2"}) == 1 &&
+			gauge(t, s2, "epitaph_projector_version_partitions_at_boundary", map[string]string{"version": "2"}) == 4 &&
+			gauge(t, s2, "epitaph_projector_version_boundary_seq", map[string]string{"version": "2"}) == float64(*v2.BoundarySeq)
+	}, "lifecycle metrics")
 	require.Positive(t, fx.calls(1))
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
 
@@ -382,4 +388,33 @@ func metricSumLabel(t *testing.T, s *projection.Service, name, label, value stri
 		}
 	}
 	return sum
+}
+
+// gauge reads the gauge series of a metric whose labels include want
+// (-1 when there is none).
+func gauge(t *testing.T, s *projection.Service, name string, want map[string]string) float64 {
+	t.Helper()
+	mfs, err := s.Registry().Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for k, v := range want {
+				if have[k] != v {
+					continue series
+				}
+			}
+			if m.Gauge != nil {
+				return m.Gauge.GetValue()
+			}
+		}
+	}
+	return -1
 }

@@ -31,6 +31,8 @@ type Service struct {
 	reg     *prometheus.Registry
 	now     func() time.Time
 	metrics *metrics
+	// lifecycle: rebuild progress gauges (lifecycle_metrics.go)
+	lifecycle *lifecycleMetrics
 
 	pool   *pgxpool.Pool
 	nc     *nats.Conn
@@ -86,6 +88,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 		stopped: make(chan struct{}),
 	}
 	s.metrics = newMetrics(o.registry)
+	s.lifecycle = newLifecycleMetrics(o.registry)
 	s.createJobs, s.extraDDL = snapshotHooks()
 	return s, nil
 }
@@ -469,6 +472,7 @@ func (s *Service) refreshStatus(ctx context.Context) {
 		return
 	}
 	s.metrics.publish(st)
+	s.lifecycle.publish(st)
 	s.mu.Lock()
 	s.lastStatus = st
 	s.mu.Unlock()
