@@ -28,7 +28,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	leaseTTL := fs.Duration("lease-ttl", durationEnv(env, "EPITAPH_LEASE_TTL", 15*time.Second), "partition lease TTL (EPITAPH_LEASE_TTL)")
 	captureStatus := fs.String("capture-status-url", env.Getenv("EPITAPH_CAPTURE_STATUS_URL"), "the capture's /status URL, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
 	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
-	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "most of this worker (a fraction of P concurrent pages) that versions other than the live one may use (EPITAPH_REBUILD_SHARE)")
+	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use (EPITAPH_REBUILD_SHARE)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
