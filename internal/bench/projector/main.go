@@ -31,6 +31,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/broker"
@@ -38,6 +39,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
+	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
@@ -50,7 +52,6 @@ type env struct {
 
 	inProcess  bool
 	cpuProfile string
-	rawEmpty   string // "DELETE FROM" or "TRUNCATE"
 }
 
 func main() {
@@ -61,12 +62,12 @@ func main() {
 	batch := flag.Int("batch", 500, "rows per raw COPY + INSERT..SELECT transaction (the projector's page size)")
 	skipE2E := flag.Bool("skip-e2e", false, "measure raw and apply only")
 	inProcess := flag.Bool("in-process", false, "run the projector inside the bench (one worker) instead of the binary")
-	rawTruncate := flag.Bool("raw-truncate", false, "empty the raw staging table with TRUNCATE instead of DELETE")
+	projectorBin := flag.String("projector-bin", "", "use this projector binary instead of building ./cmd/projector (e.g. an older build to compare)")
 	pgStats := flag.Bool("pgstats", false, "load pg_stat_statements and print the statements that took the most time during apply and raw")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, rawTruncate: *rawTruncate}
+		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
@@ -75,8 +76,8 @@ func main() {
 type opts struct {
 	rows, perTx, workers, batch int
 	keep, skipE2E, inProcess    bool
-	pgStats, rawTruncate        bool
-	cpuProfile                  string
+	pgStats                     bool
+	cpuProfile, projectorBin    string
 }
 
 func run(o opts) error {
@@ -96,6 +97,9 @@ func run(o opts) error {
 	bins, err := bench.Build(ctx, dir, "capture", "projector")
 	if err != nil {
 		return err
+	}
+	if o.projectorBin != "" {
+		bins["projector"] = o.projectorBin
 	}
 	pg, err := testenv.StartPostgres()
 	if err != nil {
@@ -123,10 +127,7 @@ func run(o opts) error {
 	}
 	defer srv.Shutdown()
 	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers,
-		inProcess: o.inProcess, cpuProfile: o.cpuProfile, rawEmpty: "DELETE FROM"}
-	if o.rawTruncate {
-		e.rawEmpty = "TRUNCATE"
-	}
+		inProcess: o.inProcess, cpuProfile: o.cpuProfile}
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
 
 	// The stream: a backlog of N deletes drained by the capture.
@@ -134,11 +135,31 @@ func run(o opts) error {
 	if err != nil {
 		return err
 	}
-	// 2. apply from scratch.
+	// The apply's target database.
 	targetURL, err := bench.CreateDatabase(ctx, pg, "target")
 	if err != nil {
 		return err
 	}
+	// 1. raw writes of the same rows, into a database of their own.
+	rawURL, err := bench.CreateDatabase(ctx, pg, "raw")
+	if err != nil {
+		return err
+	}
+	if o.pgStats {
+		if err := pgStatsReset(ctx, rawURL); err != nil {
+			return err
+		}
+	}
+	rawRate, err := e.raw(ctx, rawURL, "bench", n, o.batch)
+	if err != nil {
+		return err
+	}
+	if o.pgStats {
+		if err := pgStatsPrint(ctx, rawURL, "raw"); err != nil {
+			return err
+		}
+	}
+	// 2. apply from scratch.
 	if o.pgStats {
 		if err := pgStatsReset(ctx, targetURL); err != nil {
 			return err
@@ -150,16 +171,6 @@ func run(o opts) error {
 	}
 	if o.pgStats {
 		if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
-			return err
-		}
-	}
-	// 1. raw writes of the same rows.
-	rawRate, err := e.raw(ctx, targetURL, "bench", n, o.batch)
-	if err != nil {
-		return err
-	}
-	if o.pgStats {
-		if err := pgStatsPrint(ctx, targetURL, "raw"); err != nil {
 			return err
 		}
 	}
@@ -560,16 +571,15 @@ func procPPID(pid int) (int, error) {
 }
 
 // raw writes the same delete events as archive rows the way a hand-written
-// loader would, on ONE connection: per batch of the projector's page size,
-// a transaction with a COPY into an unlogged staging table and one
-// INSERT .. SELECT .. ON CONFLICT DO NOTHING into bench_raw.rows, a table
-// created LIKE archive_v1.rows INCLUDING ALL (same columns, defaults,
-// primary key and indexes). The staging columns are text where the
-// projector sends text (JSON, LSN) and the INSERT casts them, as the
-// projector's statement does. The staging table is emptied with DELETE in
-// the same transaction (cheaper than TRUNCATE, which costs file operations
-// per batch: ~25% of the raw time when measured). This is what Postgres can
-// take here.
+// loader would, on ONE connection, into archive_v1.rows of a fresh database
+// created by the projector's own code (same DDL, primary key and indexes):
+// per batch of the projector's page size, one transaction with a COPY into
+// a temporary staging table (ON COMMIT DELETE ROWS: no WAL, emptied at
+// commit) and one INSERT .. SELECT .. ON CONFLICT DO NOTHING. The staging
+// columns are text where the projector sends text (JSON, LSN) and the
+// INSERT casts them, as the projector's statement does. It runs before the
+// apply, on an empty table like the apply's. This is what Postgres can take
+// here.
 func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch int) (float64, error) {
 	events, err := workload.StreamDeletes(ctx, e.natsURL, source)
 	if err != nil {
@@ -578,25 +588,31 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch 
 	if int64(len(events)) < n {
 		return 0, fmt.Errorf("raw: read %d delete events, want %d", len(events), n)
 	}
+	// The table: archive_v1.rows of a fresh database, created by the
+	// projector's own code (same DDL, primary key and indexes).
+	pool, err := pgxpool.New(ctx, targetURL)
+	if err != nil {
+		return 0, err
+	}
+	if err := migrations.Apply(ctx, pool); err != nil {
+		pool.Close()
+		return 0, fmt.Errorf("raw: migrate: %w", err)
+	}
+	if err := projection.EnsureArchive(ctx, pool, 8, nil); err != nil {
+		pool.Close()
+		return 0, fmt.Errorf("raw: create archive_v1: %w", err)
+	}
+	pool.Close()
 	conn, err := pgx.Connect(ctx, targetURL)
 	if err != nil {
 		return 0, err
 	}
 	defer conn.Close(ctx)
-	var like string
-	if err := conn.QueryRow(ctx, "SELECT coalesce(to_regclass('archive_v1.rows')::text, '')").Scan(&like); err != nil {
-		return 0, err
-	}
-	if like == "" {
-		return 0, fmt.Errorf("raw: archive_v1.rows does not exist in the target to copy its shape")
-	}
-	_, err = conn.Exec(ctx, `DROP SCHEMA IF EXISTS bench_raw CASCADE; CREATE SCHEMA bench_raw;
-		CREATE TABLE bench_raw.rows (LIKE archive_v1.rows INCLUDING ALL);
-		CREATE UNLOGGED TABLE bench_raw.staging (source text, schema_name text, table_name text, key text, row text,
+	_, err = conn.Exec(ctx, `CREATE TEMP TABLE staging (source text, schema_name text, table_name text, key text, row text,
 			identity text, correlation_id text, is_root boolean, xid bigint, commit_lsn text, commit_time timestamptz,
-			seq integer, refs text, columns text)`)
+			seq integer, refs text, columns text) ON COMMIT DELETE ROWS`)
 	if err != nil {
-		return 0, fmt.Errorf("raw: create tables: %w", err)
+		return 0, fmt.Errorf("raw: create staging: %w", err)
 	}
 	cols := []string{"source", "schema_name", "table_name", "key", "row", "identity", "correlation_id", "is_root",
 		"xid", "commit_lsn", "commit_time", "seq", "refs", "columns"}
@@ -619,22 +635,18 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch 
 			return 0, err
 		}
 		c0 := time.Now()
-		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"bench_raw", "staging"}, cols, pgx.CopyFromRows(part)); err != nil {
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"staging"}, cols, pgx.CopyFromRows(part)); err != nil {
 			_ = tx.Rollback(ctx)
 			return 0, fmt.Errorf("raw: copy: %w", err)
 		}
 		copyTook += time.Since(c0)
-		if _, err := tx.Exec(ctx, `INSERT INTO bench_raw.rows (source, schema_name, table_name, key, row, identity,
+		if _, err := tx.Exec(ctx, `INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, identity,
 				correlation_id, is_root, xid, commit_lsn, commit_time, seq, refs, columns)
 			SELECT source, schema_name, table_name, key::jsonb, row::jsonb, identity, correlation_id, is_root, xid,
-				commit_lsn::pg_lsn, commit_time, seq, refs::jsonb, columns::jsonb FROM bench_raw.staging
+				commit_lsn::pg_lsn, commit_time, seq, refs::jsonb, columns::jsonb FROM staging
 			ON CONFLICT DO NOTHING`); err != nil {
 			_ = tx.Rollback(ctx)
 			return 0, fmt.Errorf("raw: insert select: %w", err)
-		}
-		if _, err := tx.Exec(ctx, e.rawEmpty+` bench_raw.staging`); err != nil {
-			_ = tx.Rollback(ctx)
-			return 0, fmt.Errorf("raw: empty staging: %w", err)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			return 0, fmt.Errorf("raw: commit: %w", err)
@@ -643,7 +655,7 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch 
 	took := time.Since(start)
 	cpu := e.cpu(0).sub(cpu0)
 	var got int64
-	if err := conn.QueryRow(ctx, "SELECT count(*) FROM bench_raw.rows").Scan(&got); err != nil {
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM archive_v1.rows").Scan(&got); err != nil {
 		return 0, err
 	}
 	if got != int64(len(events)) {
@@ -803,7 +815,8 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 	defer conn.Close(ctx)
 	rows, err := conn.Query(ctx, `SELECT calls, total_exec_time, total_plan_time, rows,
 			regexp_replace(left(query, 110), '\s+', ' ', 'g')
-		FROM pg_stat_statements ORDER BY total_exec_time + total_plan_time DESC LIMIT 14`)
+		FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+		ORDER BY total_exec_time + total_plan_time DESC LIMIT 14`)
 	if err != nil {
 		return err
 	}
