@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -188,6 +189,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		seqs                                          = make([]int32, n)
 		roots                                         = make([]*bool, n)
 	)
+	var enc schemaEncoder
 	for i, r := range rows {
 		e := r.ev
 		sources[i], schemas[i], tables[i], idents[i] = e.Source, e.Schema, e.Table, e.Identity
@@ -199,19 +201,12 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 		expires[i] = r.expiresAt
 		roots[i] = r.isRoot
-		if len(e.Refs) > 0 {
-			b, err := json.Marshal(e.Refs)
-			if err != nil {
-				return nil, fmt.Errorf("encode refs: %w", err)
-			}
-			refs[i] = nullableJSON(b)
+		var err error
+		if refs[i], err = enc.refs(e.Refs); err != nil {
+			return nil, err
 		}
-		if len(e.Columns) > 0 {
-			b, err := json.Marshal(e.Columns)
-			if err != nil {
-				return nil, fmt.Errorf("encode columns: %w", err)
-			}
-			cols[i] = nullableJSON(b)
+		if cols[i], err = enc.columns(e.Columns); err != nil {
+			return nil, err
 		}
 	}
 	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
@@ -232,6 +227,60 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 	}
 	return out, nil
+}
+
+// schemaEncoder encodes the refs and columns of rows as JSON, reusing the
+// previous encoding while consecutive rows carry the same ones (rows of a
+// table in a page almost always do): they are the same for every row of a
+// table, and encoding them again for each row was a visible share of the
+// apply's CPU.
+type schemaEncoder struct {
+	lastRefs []event.Ref
+	refsJSON *string
+	lastCols []event.Column
+	colsJSON *string
+}
+
+// refFields must stay event.Ref field for field (the conversion below does
+// not compile otherwise), so that the comparison in refs sees every field.
+type refFields struct {
+	Columns       []string
+	Schema, Table string
+	RefColumns    []string
+}
+
+var _ = refFields(event.Ref{})
+
+func (c *schemaEncoder) refs(v []event.Ref) (*string, error) {
+	if len(v) == 0 {
+		return nil, nil
+	}
+	if c.refsJSON != nil && slices.EqualFunc(v, c.lastRefs, func(a, b event.Ref) bool {
+		return a.Schema == b.Schema && a.Table == b.Table && slices.Equal(a.Columns, b.Columns) && slices.Equal(a.RefColumns, b.RefColumns)
+	}) {
+		return c.refsJSON, nil
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("encode refs: %w", err)
+	}
+	c.lastRefs, c.refsJSON = v, nullableJSON(b)
+	return c.refsJSON, nil
+}
+
+func (c *schemaEncoder) columns(v []event.Column) (*string, error) {
+	if len(v) == 0 {
+		return nil, nil
+	}
+	if c.colsJSON != nil && slices.Equal(v, c.lastCols) {
+		return c.colsJSON, nil
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("encode columns: %w", err)
+	}
+	c.lastCols, c.colsJSON = v, nullableJSON(b)
+	return c.colsJSON, nil
 }
 
 // markRootsSQL sets is_root for every row of the given transactions: a row

@@ -75,6 +75,7 @@ type partitionWorker struct {
 	stream  jetstream.Stream
 	cons    jetstream.Consumer
 	next    chan page // the page being fetched in the background, if any
+	carry   []*item   // fetched, not applied: the next group starts with them (splitAtCommit)
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
 }
@@ -379,9 +380,10 @@ func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
 	return nil
 }
 
-// page is one fetched and decoded page.
+// page is one fetched and decoded group of pages.
 type page struct {
 	items []*item
+	full  bool // every fetch came back full: the partition is behind
 	err   error
 }
 
@@ -400,8 +402,9 @@ type page struct {
 const pagesPerTx = 4
 
 // maxAckPending is the consumer's limit of unacknowledged deliveries: the
-// group being applied plus the one fetched in the background.
-const maxAckPending = 2 * pagesPerTx * MaxBatchSize
+// group being applied (with a carried tail) plus the one fetched in the
+// background.
+const maxAckPending = 4 * pagesPerTx * MaxBatchSize
 
 // fetchPage fetches a group of pages (see pagesPerTx) and decodes it.
 func (w *partitionWorker) fetchPage() page {
@@ -452,10 +455,29 @@ func (w *partitionWorker) fetchPage() page {
 			break
 		}
 		if got < size {
-			break // the partition is drained: do not wait for more
+			return page{items: items} // the partition is drained: do not wait for more
 		}
 	}
-	return page{items: items}
+	return page{items: items, full: true}
+}
+
+// maxCarry bounds the events held back after a group's last commit (see
+// splitAtCommit).
+const maxCarry = 3 * MaxBatchSize
+
+// splitAtCommit cuts a group that the partition is behind on after its
+// last commit event when what follows is short: the tail (a transaction
+// whose commit has not been fetched yet) is carried into the next group,
+// so that source transactions are applied whole and their roots are
+// decided in memory on insert. The tail stays delivered and unacked; the
+// next group continues with it, so pages stay contiguous from the cursor.
+func splitAtCommit(items []*item) (apply, carry []*item) {
+	for i := len(items) - 1; i >= 0 && len(items)-1-i <= maxCarry; i-- {
+		if ev := items[i].ev; ev != nil && ev.Op == event.OpCommit {
+			return items[:i+1], items[i+1:]
+		}
+	}
+	return items, nil
 }
 
 // step applies one page. While it is applied, the next page is fetched and
@@ -472,23 +494,33 @@ func (w *partitionWorker) step(ctx context.Context) error {
 	if p.err != nil {
 		return p.err
 	}
-	if len(p.items) == 0 {
+	items := p.items
+	if len(w.carry) > 0 {
+		items = append(w.carry, items...)
+		w.carry = nil
+	}
+	if len(items) == 0 {
 		return w.idle(ctx)
+	}
+	if p.full && w.svc.cfg.BatchSize == MaxBatchSize {
+		items, w.carry = splitAtCommit(items)
 	}
 	if !w.stopRequested() {
 		next := make(chan page, 1)
 		w.next = next
 		go func() { next <- w.fetchPage() }()
 	}
-	return w.process(ctx, p.items)
+	return w.process(ctx, items)
 }
 
-// dropPrefetch waits for a background fetch and forgets its page.
+// dropPrefetch waits for a background fetch and forgets its page and the
+// carried tail (the consumer is reset to the cursor after this).
 func (w *partitionWorker) dropPrefetch() {
 	if w.next != nil {
 		<-w.next
 		w.next = nil
 	}
+	w.carry = nil
 }
 
 // idle checks, while nothing arrives, that the consumer still exists, that
