@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -197,4 +198,27 @@ func (w *StreamWatch) WaitProgress(ctx context.Context, after uint64, timeout ti
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// Stalled adds a process's epitaph_ metrics and the tail of its log to a wait
+// that timed out, after SIGQUIT (a Go program's goroutine stacks go to its
+// log).
+func Stalled(ctx context.Context, p *Proc, metricsAddr string, err error) error {
+	var b strings.Builder
+	if m, serr := Scrape(ctx, metricsAddr); serr == nil {
+		names := make([]string, 0, len(m))
+		for k := range m {
+			if strings.HasPrefix(k, "epitaph_") {
+				names = append(names, k)
+			}
+		}
+		sort.Strings(names)
+		for _, k := range names {
+			fmt.Fprintf(&b, "\n  %s %g", k, m[k])
+		}
+	}
+	tail := p.LogTail(4000)
+	p.Quit()
+	return fmt.Errorf("%w\n%s metrics:%s\n%s log before SIGQUIT (whole log with stacks in %s):\n%s",
+		err, p.Name, b.String(), p.Name, p.LogPath, tail)
 }

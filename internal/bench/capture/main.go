@@ -22,8 +22,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -45,7 +43,7 @@ func main() {
 	}
 }
 
-func run(rows, perTx, bigRows int, keep bool) error {
+func run(rows, perTx, bigRows int, keep bool) (err error) {
 	ctx := context.Background()
 	bench.LoadNote("at start")
 	defer bench.LoadNote("at end")
@@ -53,11 +51,13 @@ func run(rows, perTx, bigRows int, keep bool) error {
 	if err != nil {
 		return err
 	}
-	if keep {
-		bench.Note("work dir %s", dir)
-	} else {
-		defer os.RemoveAll(dir)
-	}
+	defer func() {
+		if keep || err != nil {
+			bench.Note("work dir kept: %s", dir)
+			return
+		}
+		os.RemoveAll(dir)
+	}()
 	bins, err := bench.Build(ctx, dir, "capture")
 	if err != nil {
 		return err
@@ -196,7 +196,7 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 	}
 	end, err := watch.WaitDeletes(ctx, n, 5*time.Minute, alive)
 	if err != nil {
-		return stalled(ctx, p, metrics, err)
+		return bench.Stalled(ctx, p, metrics, err)
 	}
 	capTook := end.Sub(p.Started())
 	capRate := float64(n) / capTook.Seconds()
@@ -323,7 +323,7 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 	}
 	end, err := watch.WaitDeletes(ctx, n, 10*time.Minute, alive)
 	if err != nil {
-		return stalled(ctx, p, metrics, err)
+		return bench.Stalled(ctx, p, metrics, err)
 	}
 	peak, err := p.PeakRSS()
 	if err != nil {
@@ -340,24 +340,4 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 		bench.Note("capture stop: %v", err)
 	}
 	return nil
-}
-
-// stalled adds the capture's metrics and goroutine stacks (SIGQUIT, into its
-// log) to a wait that timed out.
-func stalled(ctx context.Context, p *bench.Proc, metricsAddr string, err error) error {
-	var b strings.Builder
-	if m, serr := bench.Scrape(ctx, metricsAddr); serr == nil {
-		names := make([]string, 0, len(m))
-		for k := range m {
-			if strings.HasPrefix(k, "epitaph_") {
-				names = append(names, k)
-			}
-		}
-		sort.Strings(names)
-		for _, k := range names {
-			fmt.Fprintf(&b, "\n  %s %g", k, m[k])
-		}
-	}
-	p.Quit()
-	return fmt.Errorf("%w\ncapture metrics:%s\ncapture goroutines are in %s", err, b.String(), p.LogPath)
 }

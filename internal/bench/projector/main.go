@@ -89,11 +89,13 @@ func run(o opts) error {
 	if err != nil {
 		return err
 	}
-	if keep {
-		bench.Note("work dir %s", dir)
-	} else {
-		defer os.RemoveAll(dir)
-	}
+	defer func() {
+		if keep || err != nil {
+			bench.Note("work dir kept: %s", dir)
+			return
+		}
+		os.RemoveAll(dir)
+	}()
 	bins, err := bench.Build(ctx, dir, "capture", "projector")
 	if err != nil {
 		return err
@@ -226,9 +228,9 @@ func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64,
 		return 0, 0, err
 	}
 	defer p.Kill()
-	end, err := watch.WaitDeletes(ctx, n, 10*time.Minute, exitedErr(p))
+	end, err := watch.WaitDeletes(ctx, n, 5*time.Minute, exitedErr(p))
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, bench.Stalled(ctx, p, metrics, err)
 	}
 	rate := float64(n) / end.Sub(p.Started()).Seconds()
 	bench.Figure("projector.stream_delete_events", float64(n), "events")
@@ -759,9 +761,9 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 	if err != nil {
 		return err
 	}
-	streamAt, err := watch.WaitDeletes(ctx, n, 15*time.Minute, exitedErr(capt))
+	streamAt, err := watch.WaitDeletes(ctx, n, 10*time.Minute, exitedErr(capt))
 	if err != nil {
-		return err
+		return bench.Stalled(ctx, capt, metrics, err)
 	}
 	archiveAt, err := waitArchive(ctx, target, e.natsURL, source, n, procs, 15*time.Minute)
 	if err != nil {
