@@ -80,7 +80,7 @@ type opts struct {
 	cpuProfile, projectorBin    string
 }
 
-func run(o opts) error {
+func run(o opts) (err error) {
 	rows, perTx, workers, keep := o.rows, o.perTx, o.workers, o.keep
 	ctx := context.Background()
 	bench.LoadNote("at start")
