@@ -47,9 +47,8 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 	watch, err := bench.WatchStream(nats.URL, "main")
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, workload.WaitFor(ctx, time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
-		return watch.StreamExists(ctx), nil
-	}), "the capture creates its stream")
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_capture", time.Minute, nil),
+		"the capture makes its stream and slot before the first delete")
 
 	// A workload of a fixed size runs while the faults happen (those after
 	// its end test recovery with nothing new to read).

@@ -47,9 +47,8 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main")
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, workload.WaitFor(ctx, time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
-		return watch.StreamExists(ctx), nil
-	}), "the capture creates its stream")
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_pipeline", time.Minute, nil),
+		"the capture makes its stream and slot before the first delete")
 
 	var workers []*supervised
 	for i := range 2 {

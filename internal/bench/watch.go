@@ -222,3 +222,31 @@ func Stalled(ctx context.Context, p *Proc, metricsAddr string, err error) error 
 	return fmt.Errorf("%w\n%s metrics:%s\n%s log before SIGQUIT (whole log with stacks in %s):\n%s",
 		err, p.Name, b.String(), p.Name, p.LogPath, tail)
 }
+
+// WaitCaptureReady waits until a capture has made both its stream and its
+// replication slot: only deletes after the slot exists reach the stream.
+// alive, when set, reports the capture's death.
+func WaitCaptureReady(ctx context.Context, watch *StreamWatch, sourceURL, slot string, timeout time.Duration, alive func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		if alive != nil {
+			if err := alive(); err != nil {
+				return err
+			}
+		}
+		if watch.StreamExists(ctx) {
+			c, err := Count(ctx, sourceURL, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", slot)
+			if err == nil && c > 0 {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("capture made no stream and slot %q within %s", slot, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}

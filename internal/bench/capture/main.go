@@ -123,7 +123,7 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 		return err
 	}
 	defer watch.Close()
-	if err := startAndStop(ctx, captureBin, env, dir, watch); err != nil {
+	if err := startAndStop(ctx, captureBin, env, dir, watch, url, "epitaph"); err != nil {
 		return err
 	}
 	// Slot A, for pg_recvlogical, at the same point.
@@ -215,19 +215,14 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 	return nil
 }
 
-// startAndStop runs the capture until its stream exists (it has made its
-// slot, publication and stream), then stops it gracefully.
-func startAndStop(ctx context.Context, bin string, env []string, dir string, watch *bench.StreamWatch) error {
+// startAndStop runs the capture until it has made its stream and slot,
+// then stops it gracefully.
+func startAndStop(ctx context.Context, bin string, env []string, dir string, watch *bench.StreamWatch, url, slot string) error {
 	p, err := bench.StartProc("capture", bin, env, dir)
 	if err != nil {
 		return err
 	}
-	err = workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
-		if done, err := p.Exited(); done {
-			return false, fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
-		}
-		return watch.StreamExists(ctx), nil
-	})
+	err = bench.WaitCaptureReady(ctx, watch, url, slot, 2*time.Minute, exited(p))
 	if err != nil {
 		p.Kill()
 		return fmt.Errorf("capture did not create its stream: %w", err)
@@ -287,13 +282,7 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 		return err
 	}
 	defer p.Kill()
-	err = workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
-		if done, err := p.Exited(); done {
-			return false, fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
-		}
-		return watch.StreamExists(ctx), nil
-	})
-	if err != nil {
+	if err := bench.WaitCaptureReady(ctx, watch, url, "epitaph_"+name, 2*time.Minute, exited(p)); err != nil {
 		return err
 	}
 	idle, err := p.PeakRSS()
@@ -340,4 +329,13 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 		bench.Note("capture stop: %v", err)
 	}
 	return nil
+}
+
+func exited(p *bench.Proc) func() error {
+	return func() error {
+		if done, err := p.Exited(); done {
+			return fmt.Errorf("%s exited (%v):\n%s", p.Name, err, p.LogTail(2000))
+		}
+		return nil
+	}
 }
