@@ -14,6 +14,7 @@ func TestSplitAtCommit(t *testing.T) {
 	del := func() *item { return &item{ev: &event.Event{Op: event.OpDelete}} }
 	commit := func() *item { return &item{ev: &event.Event{Op: event.OpCommit}} }
 	bad := func() *item { return &item{} } // undecodable
+	big := func(n int) *item { return &item{ev: &event.Event{Op: event.OpDelete}, data: make([]byte, n)} }
 	many := func(n int, f func() *item) []*item {
 		out := make([]*item, n)
 		for i := range out {
@@ -34,6 +35,10 @@ func TestSplitAtCommit(t *testing.T) {
 		{"tail at the carry limit is carried",
 			append([]*item{del(), commit()}, many(maxCarry, del)...), 2, maxCarry},
 		{"empty", nil, 0, 0},
+		{"tail larger than the carry byte limit: applied as it is",
+			[]*item{del(), commit(), big(maxCarryBytes / 2), big(maxCarryBytes/2 + 1)}, 4, 0},
+		{"tail at the carry byte limit is carried",
+			[]*item{del(), commit(), big(maxCarryBytes / 2), big(maxCarryBytes / 2)}, 2, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

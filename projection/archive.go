@@ -157,6 +157,7 @@ type archiveRow struct {
 }
 
 const insertRowsSQL = `
+WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
                      commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
@@ -166,7 +167,9 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
           commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
-RETURNING correlation_id`
+RETURNING correlation_id
+)
+SELECT DISTINCT correlation_id FROM ins`
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -214,19 +217,12 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
+	// The statement returns each transaction once (not a row per row).
 	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
-	seen := map[string]bool{}
-	var out []string
-	for _, c := range inserted {
-		if !seen[c] {
-			seen[c] = true
-			out = append(out, c)
-		}
-	}
-	return out, nil
+	return inserted, nil
 }
 
 // schemaEncoder encodes the refs and columns of rows as JSON, reusing the

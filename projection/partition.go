@@ -401,6 +401,11 @@ type page struct {
 // as the most events per transaction.
 const pagesPerTx = 4
 
+// maxGroupBytes bounds the message bytes of a group: no further page is
+// fetched into a group once it holds this much (the first page is always
+// fetched whole), so that groups of large rows stay near one page.
+const maxGroupBytes = 4 << 20
+
 // maxAckPending is the consumer's limit of unacknowledged deliveries: the
 // group being applied (with a carried tail) plus the one fetched in the
 // background.
@@ -413,6 +418,7 @@ func (w *partitionWorker) fetchPage() page {
 		pages = pagesPerTx
 	}
 	var items []*item
+	bytes := 0
 	for n := 0; n < pages; n++ {
 		var batch jetstream.MessageBatch
 		var err error
@@ -423,7 +429,7 @@ func (w *partitionWorker) fetchPage() page {
 		}
 		if err != nil {
 			if len(items) > 0 {
-				break
+				return page{items: items}
 			}
 			return page{err: fmt.Errorf("fetch: %w", err)}
 		}
@@ -445,6 +451,7 @@ func (w *partitionWorker) fetchPage() page {
 				it.ev = ev
 			}
 			items = append(items, it)
+			bytes += len(it.data)
 			got++
 		}
 		if err := batch.Error(); err != nil {
@@ -452,18 +459,24 @@ func (w *partitionWorker) fetchPage() page {
 				return page{err: fmt.Errorf("fetch: %w", err)}
 			}
 			w.log.Debug("fetch ended early", "err", err, "got", len(items))
-			break
+			return page{items: items}
 		}
 		if got < size {
 			return page{items: items} // the partition is drained: do not wait for more
+		}
+		if bytes >= maxGroupBytes {
+			break
 		}
 	}
 	return page{items: items, full: true}
 }
 
-// maxCarry bounds the events held back after a group's last commit (see
-// splitAtCommit).
-const maxCarry = 3 * MaxBatchSize
+// maxCarry bounds the events and bytes held back after a group's last
+// commit (see splitAtCommit).
+const (
+	maxCarry      = 3 * MaxBatchSize
+	maxCarryBytes = maxGroupBytes / 2
+)
 
 // splitAtCommit cuts a group that the partition is behind on after its
 // last commit event when what follows is short: the tail (a transaction
@@ -472,10 +485,12 @@ const maxCarry = 3 * MaxBatchSize
 // decided in memory on insert. The tail stays delivered and unacked; the
 // next group continues with it, so pages stay contiguous from the cursor.
 func splitAtCommit(items []*item) (apply, carry []*item) {
-	for i := len(items) - 1; i >= 0 && len(items)-1-i <= maxCarry; i-- {
+	bytes := 0
+	for i := len(items) - 1; i >= 0 && len(items)-1-i <= maxCarry && bytes <= maxCarryBytes; i-- {
 		if ev := items[i].ev; ev != nil && ev.Op == event.OpCommit {
 			return items[:i+1], items[i+1:]
 		}
+		bytes += len(items[i].data)
 	}
 	return items, nil
 }

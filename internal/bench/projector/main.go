@@ -24,6 +24,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -756,6 +757,7 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 		bench.Note("projector ownership not visible (%v); measuring anyway", err)
 	}
 
+	capCPU0, projCPU0, all0 := e.cpu(capt.Pid()), e.cpu(procs[0].Pid()), e.cpu(os.Getpid())
 	start := time.Now()
 	deleteTook, err := bench.DeleteAllOrders(ctx, src, perTx)
 	if err != nil {
@@ -769,6 +771,7 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 	if err != nil {
 		return err
 	}
+	capCPU, projCPU, all := e.cpu(capt.Pid()).sub(capCPU0), e.cpu(procs[0].Pid()).sub(projCPU0), e.cpu(os.Getpid()).sub(all0)
 	total := archiveAt.Sub(start)
 	deletedAt := start.Add(deleteTook)
 	bench.Figure("projector.e2e_rows", float64(n), "rows")
@@ -787,6 +790,13 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 	case tailCap > time.Second:
 		stage = "capture (publish)"
 	}
+	wall := total.Seconds()
+	bench.Figure("projector.e2e_cpu_seconds.postgres", all.postgres, "s (source and target: DELETEs, WAL decoding, archive writes)")
+	bench.Figure("projector.e2e_cpu_seconds.capture", capCPU.proc, "s")
+	bench.Figure("projector.e2e_cpu_seconds.projector", projCPU.proc, "s")
+	bench.Figure("projector.e2e_cpu_seconds.bench_and_jetstream", all.proc, "s (this process: the JetStream server and the bench)")
+	used := all.postgres + capCPU.proc + projCPU.proc + all.proc
+	bench.Figure("projector.e2e_cpu_busy", used/(wall*float64(runtime.NumCPU())), fmt.Sprintf("of %d CPUs over %.1f s (the rest: other load on the machine, idle)", runtime.NumCPU(), wall))
 	bench.Note("end-to-end bottleneck: %s; standalone capture %.0f rows/s vs projector apply %.0f rows/s",
 		stage, captureRate, applyRate)
 	if captureRate < applyRate {
