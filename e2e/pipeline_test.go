@@ -102,16 +102,24 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	require.Positive(t, reinserted, "re-inserted rows were deleted again")
 
 	// First the stream, then the archive: a shortfall says which side lost
-	// rows.
+	// rows. A slow catch-up is logged with the pipeline's state.
+	ended := time.Now()
 	if _, err := watch.WaitDeletes(ctx, int64(len(expected)), 3*time.Minute, nil); err != nil {
 		t.Fatalf("%v\n%s", err, pipelineState(ctx, url, watch))
 	}
+	t.Logf("stream complete %.1fs after the workload ended", time.Since(ended).Seconds())
 	var archived int64
+	slowLogged := false
 	err = workload.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
 		n, err := bench.Count(ctx, url, "SELECT count(*) FROM archive.rows WHERE source = 'main'")
 		archived = n
+		if n < int64(len(expected)) && !slowLogged && time.Since(ended) > 45*time.Second {
+			slowLogged = true
+			t.Logf("archive slow to catch up (%d of %d):\n%s", n, len(expected), pipelineState(ctx, url, watch))
+		}
 		return n >= int64(len(expected)), err
 	})
+	t.Logf("archive complete %.1fs after the workload ended", time.Since(ended).Seconds())
 	if err != nil {
 		for _, w := range workers {
 			w.Quit()
