@@ -399,7 +399,7 @@ type page struct {
 // transaction, and the last message is acked after the commit. Only with
 // the default (largest) batch size: a smaller Config.BatchSize is taken
 // as the most events per transaction.
-const pagesPerTx = 4
+const pagesPerTx = 2
 
 // maxGroupBytes bounds the message bytes of a group: no further page is
 // fetched into a group once it holds this much (the first page is always

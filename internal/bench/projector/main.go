@@ -26,6 +26,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -53,6 +54,21 @@ type env struct {
 
 	inProcess  bool
 	cpuProfile string
+	suffix     string // of figure names: the round
+}
+
+// figure prints a figure of the current round.
+func (e *env) figure(name string, value float64, unit string) {
+	bench.Figure(name+e.suffix, value, unit)
+}
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 func main() {
@@ -61,6 +77,7 @@ func main() {
 	workers := flag.Int("workers", 1, "projector workers")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
 	batch := flag.Int("batch", 500, "rows per raw COPY + INSERT..SELECT transaction (the projector's page size)")
+	rounds := flag.Int("rounds", 3, "rounds of raw + apply (each into fresh databases); the medians are reported")
 	skipE2E := flag.Bool("skip-e2e", false, "measure raw and apply only")
 	inProcess := flag.Bool("in-process", false, "run the projector inside the bench (one worker) instead of the binary")
 	projectorBin := flag.String("projector-bin", "", "use this projector binary instead of building ./cmd/projector (e.g. an older build to compare)")
@@ -68,7 +85,7 @@ func main() {
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin}
+		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, rounds: max(1, *rounds)}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
@@ -76,6 +93,7 @@ func main() {
 
 type opts struct {
 	rows, perTx, workers, batch int
+	rounds                      int
 	keep, skipE2E, inProcess    bool
 	pgStats                     bool
 	cpuProfile, projectorBin    string
@@ -138,46 +156,64 @@ func run(o opts) (err error) {
 	if err != nil {
 		return err
 	}
-	// The apply's target database.
-	targetURL, err := bench.CreateDatabase(ctx, pg, "target")
+	events, err := workload.StreamDeletes(ctx, e.natsURL, "bench")
 	if err != nil {
 		return err
 	}
-	// 1. raw writes of the same rows, into a database of their own.
-	rawURL, err := bench.CreateDatabase(ctx, pg, "raw")
-	if err != nil {
-		return err
+	if int64(len(events)) < n {
+		return fmt.Errorf("read %d delete events from the stream, want %d", len(events), n)
 	}
-	if o.pgStats {
-		if err := pgStatsReset(ctx, rawURL); err != nil {
+	// Rounds of 1. raw writes and 2. apply of the same rows, each into a
+	// fresh database; on a shared machine the median is the figure.
+	var raws, applies, ratios []float64
+	for r := 1; r <= o.rounds; r++ {
+		if o.rounds > 1 {
+			e.suffix = fmt.Sprintf(".round%d", r)
+		}
+		rawURL, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("raw_%d", r))
+		if err != nil {
 			return err
 		}
-	}
-	rawRate, err := e.raw(ctx, rawURL, "bench", n, o.batch)
-	if err != nil {
-		return err
-	}
-	if o.pgStats {
-		if err := pgStatsPrint(ctx, rawURL, "raw"); err != nil {
+		targetURL, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("target_%d", r))
+		if err != nil {
 			return err
 		}
-	}
-	// 2. apply from scratch.
-	if o.pgStats {
-		if err := pgStatsReset(ctx, targetURL); err != nil {
+		if o.pgStats {
+			if err := pgStatsReset(ctx, rawURL); err != nil {
+				return err
+			}
+		}
+		rawRate, err := e.raw(ctx, rawURL, events, o.batch)
+		if err != nil {
 			return err
 		}
-	}
-	applyRate, err := e.apply(ctx, targetURL, "bench", n)
-	if err != nil {
-		return err
-	}
-	if o.pgStats {
-		if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
+		if o.pgStats {
+			if err := pgStatsPrint(ctx, rawURL, "raw"); err != nil {
+				return err
+			}
+			if err := pgStatsReset(ctx, targetURL); err != nil {
+				return err
+			}
+		}
+		applyRate, err := e.apply(ctx, targetURL, "bench", n)
+		if err != nil {
 			return err
 		}
+		if o.pgStats {
+			if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
+				return err
+			}
+		}
+		e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
+		raws, applies, ratios = append(raws, rawRate), append(applies, applyRate), append(ratios, applyRate/rawRate)
 	}
-	bench.Figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
+	e.suffix = ""
+	applyRate := median(applies)
+	if o.rounds > 1 {
+		e.figure("projector.raw_rows_per_sec", median(raws), fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
+		e.figure("projector.apply_rows_per_sec", applyRate, fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
+		bench.Figure("projector.ratio_apply_to_raw", median(ratios), fmt.Sprintf("x (median of the rounds' ratios; min %.2f, max %.2f; target >= 0.70)", slices.Min(ratios), slices.Max(ratios)))
+	}
 	if o.skipE2E {
 		return nil
 	}
@@ -305,6 +341,13 @@ func (e *env) migrate(ctx context.Context, targetURL, source string) error {
 // lookups, and then confirms with one count(*); on a shortfall it falls
 // back to polling the count.
 func waitArchive(ctx context.Context, targetURL, natsURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (time.Time, error) {
+	_, at, err := waitArchiveFirst(ctx, targetURL, natsURL, source, n, procs, timeout)
+	return at, err
+}
+
+// waitArchiveFirst is waitArchive that also returns when the first row of
+// source was seen in the archive.
+func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (first, last time.Time, err error) {
 	alive := func() error {
 		for _, p := range procs {
 			if err := exitedErr(p)(); err != nil {
@@ -315,17 +358,28 @@ func waitArchive(ctx context.Context, targetURL, natsURL, source string, n int64
 	}
 	lsns, seqs, err := lastRows(ctx, natsURL, source)
 	if err != nil {
-		return time.Time{}, err
+		return time.Time{}, time.Time{}, err
 	}
 	conn, err := pgx.Connect(ctx, targetURL)
 	if err != nil {
-		return time.Time{}, err
+		return time.Time{}, time.Time{}, err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var at time.Time
 	err = workload.WaitFor(ctx, timeout, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
 		if err := alive(); err != nil {
 			return false, err
+		}
+		if first.IsZero() {
+			var seen bool
+			err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1)`, source).Scan(&seen)
+			if err != nil && !isUndefinedTable(err) {
+				return false, err
+			}
+			if !seen {
+				return false, nil
+			}
+			first = time.Now()
 		}
 		// One primary-key lookup per partition, pipelined.
 		b := &pgx.Batch{}
@@ -355,17 +409,17 @@ func waitArchive(ctx context.Context, targetURL, natsURL, source string, n int64
 		return have == len(lsns), nil
 	})
 	if err != nil {
-		return time.Time{}, fmt.Errorf("waiting for the last rows of each partition: %w", err)
+		return time.Time{}, time.Time{}, fmt.Errorf("waiting for the last rows of each partition: %w", err)
 	}
 	count := func(ctx context.Context) (int64, error) {
 		return bench.Count(ctx, targetURL, "SELECT count(*) FROM archive.rows WHERE source = $1", source)
 	}
 	c, err := count(ctx)
 	if err != nil {
-		return time.Time{}, err
+		return time.Time{}, time.Time{}, err
 	}
 	if c >= n {
-		return at, nil
+		return first, at, nil
 	}
 	bench.Note("archive had %d of %d rows when each partition's last row was in; polling the count", c, n)
 	err = workload.WaitFor(ctx, timeout, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
@@ -377,9 +431,9 @@ func waitArchive(ctx context.Context, targetURL, natsURL, source string, n int64
 		return c >= n, err
 	})
 	if err != nil {
-		return time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", c, n, err)
+		return time.Time{}, time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", c, n, err)
 	}
-	return at, nil
+	return first, at, nil
 }
 
 func isUndefinedTable(err error) bool {
@@ -443,15 +497,15 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	}
 	start := procs[0].Started()
 	cpu0 := e.cpu(procs[0].Pid())
-	end, err := waitArchive(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
+	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
 	if err != nil {
 		return 0, err
 	}
 	cpu := e.cpu(procs[0].Pid()).sub(cpu0)
-	rate := e.applyFigures(n, start, end, cpu)
+	rate := e.applyFigures(n, start, first, end, cpu)
 	for _, p := range procs {
 		if rss, err := p.PeakRSS(); err == nil {
-			bench.Figure("projector.apply_peak_rss_mib."+p.Name, float64(rss)/(1<<20), "MiB")
+			e.figure("projector.apply_peak_rss_mib."+p.Name, float64(rss)/(1<<20), "MiB")
 		}
 		if err := p.Stop(30 * time.Second); err != nil {
 			bench.Note("projector stop: %v", err)
@@ -460,13 +514,15 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	return rate, nil
 }
 
-func (e *env) applyFigures(n int64, start, end time.Time, cpu cpuTimes) float64 {
+func (e *env) applyFigures(n int64, start, first, end time.Time, cpu cpuTimes) float64 {
 	took := end.Sub(start).Seconds()
 	rate := float64(n) / took
-	bench.Figure("projector.apply_seconds", took, "s (from projector start to archive count = N)")
-	bench.Figure("projector.apply_rows_per_sec", rate, "rows/s")
-	bench.Figure("projector.apply_postgres_cpu_seconds", cpu.postgres, "s")
-	bench.Figure("projector.apply_projector_cpu_seconds", cpu.proc, "s (projector process; in-process: projector + JetStream server)")
+	e.figure("projector.apply_seconds", took, "s (from projector start to archive count = N)")
+	e.figure("projector.apply_startup_seconds", first.Sub(start).Seconds(), "s (from projector start to the first archived row)")
+	e.figure("projector.apply_rows_per_sec", rate, "rows/s (from projector start)")
+	e.figure("projector.apply_rows_per_sec_after_first_row", float64(n)/end.Sub(first).Seconds(), "rows/s")
+	e.figure("projector.apply_postgres_cpu_seconds", cpu.postgres, "s")
+	e.figure("projector.apply_projector_cpu_seconds", cpu.proc, "s (projector process; in-process: projector + JetStream server)")
 	return rate
 }
 
@@ -496,11 +552,11 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 		return 0, err
 	}
 	defer svc.Stop()
-	end, err := waitArchive(ctx, targetURL, e.natsURL, source, n, nil, 15*time.Minute)
+	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, nil, 15*time.Minute)
 	if err != nil {
 		return 0, err
 	}
-	return e.applyFigures(n, start, end, e.cpu(os.Getpid()).sub(cpu0)), nil
+	return e.applyFigures(n, start, first, end, e.cpu(os.Getpid()).sub(cpu0)), nil
 }
 
 // cpuTimes are CPU seconds used: by a process (user+system, with its
@@ -583,14 +639,7 @@ func procPPID(pid int) (int, error) {
 // INSERT casts them, as the projector's statement does. It runs before the
 // apply, on an empty table like the apply's. This is what Postgres can take
 // here.
-func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch int) (float64, error) {
-	events, err := workload.StreamDeletes(ctx, e.natsURL, source)
-	if err != nil {
-		return 0, err
-	}
-	if int64(len(events)) < n {
-		return 0, fmt.Errorf("raw: read %d delete events, want %d", len(events), n)
-	}
+func (e *env) raw(ctx context.Context, targetURL string, events []*event.Event, batch int) (float64, error) {
 	// The table: archive_v1.rows of a fresh database, created by the
 	// projector's own code (same DDL, primary key and indexes).
 	pool, err := pgxpool.New(ctx, targetURL)
@@ -665,10 +714,10 @@ func (e *env) raw(ctx context.Context, targetURL, source string, n int64, batch 
 		return 0, fmt.Errorf("raw: wrote %d rows, want %d", got, len(events))
 	}
 	rate := float64(len(events)) / took.Seconds()
-	bench.Figure("projector.raw_copy_seconds", copyTook.Seconds(), "s (the COPYs)")
-	bench.Figure("projector.raw_seconds", took.Seconds(), fmt.Sprintf("s (%d transactions of COPY %d rows + INSERT..SELECT, one connection)", (len(data)+batch-1)/batch, batch))
-	bench.Figure("projector.raw_rows_per_sec", rate, "rows/s")
-	bench.Figure("projector.raw_postgres_cpu_seconds", cpu.postgres, "s")
+	e.figure("projector.raw_copy_seconds", copyTook.Seconds(), "s (the COPYs)")
+	e.figure("projector.raw_seconds", took.Seconds(), fmt.Sprintf("s (%d transactions of COPY %d rows + INSERT..SELECT, one connection)", (len(data)+batch-1)/batch, batch))
+	e.figure("projector.raw_rows_per_sec", rate, "rows/s")
+	e.figure("projector.raw_postgres_cpu_seconds", cpu.postgres, "s")
 	return rate, nil
 }
 
