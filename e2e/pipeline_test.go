@@ -31,7 +31,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	rng := rand.New(rand.NewPCG(seed, 3))
 
 	url := testenv.NewDatabase(t) // source and target: the default setup
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	require.NoError(t, workload.Setup(ctx, url))
 	_, err := workload.Seed(ctx, url, workload.SeedConfig{Customers: 1300, OrdersPerCustomer: 10})
@@ -110,7 +110,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	t.Logf("stream complete %.1fs after the workload ended", time.Since(ended).Seconds())
 	var archived int64
 	slowLogged := false
-	err = workload.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
+	err = workload.WaitFor(ctx, 5*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
 		n, err := bench.Count(ctx, url, "SELECT count(*) FROM archive.rows WHERE source = 'main'")
 		archived = n
 		if n < int64(len(expected)) && !slowLogged && time.Since(ended) > 45*time.Second {
