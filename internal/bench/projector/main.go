@@ -80,12 +80,13 @@ func main() {
 	rounds := flag.Int("rounds", 3, "rounds of raw + apply (each into fresh databases); the medians are reported")
 	skipE2E := flag.Bool("skip-e2e", false, "measure raw and apply only")
 	inProcess := flag.Bool("in-process", false, "run the projector inside the bench (one worker) instead of the binary")
+	compareBin := flag.String("compare-bin", "", "also apply with this projector binary in every round (after the main one), to compare builds on the same rows and load")
 	projectorBin := flag.String("projector-bin", "", "use this projector binary instead of building ./cmd/projector (e.g. an older build to compare)")
 	pgStats := flag.Bool("pgstats", false, "load pg_stat_statements and print the statements that took the most time during apply and raw")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, rounds: max(1, *rounds)}
+		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
@@ -97,6 +98,7 @@ type opts struct {
 	keep, skipE2E, inProcess    bool
 	pgStats                     bool
 	cpuProfile, projectorBin    string
+	compareBin                  string
 }
 
 func run(o opts) (err error) {
@@ -165,7 +167,7 @@ func run(o opts) (err error) {
 	}
 	// Rounds of 1. raw writes and 2. apply of the same rows, each into a
 	// fresh database; on a shared machine the median is the figure.
-	var raws, applies, ratios []float64
+	var raws, applies, ratios, compares []float64
 	for r := 1; r <= o.rounds; r++ {
 		if o.rounds > 1 {
 			e.suffix = fmt.Sprintf(".round%d", r)
@@ -195,6 +197,11 @@ func run(o opts) (err error) {
 				return err
 			}
 		}
+		// A finished phase's database is dropped: its autovacuum and its
+		// pages in shared buffers would be charged to the next phase.
+		if err := dropDatabase(ctx, pg, rawURL); err != nil {
+			return err
+		}
 		applyRate, err := e.apply(ctx, targetURL, "bench", n)
 		if err != nil {
 			return err
@@ -204,8 +211,33 @@ func run(o opts) (err error) {
 				return err
 			}
 		}
+		if err := dropDatabase(ctx, pg, targetURL); err != nil {
+			return err
+		}
 		e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
 		raws, applies, ratios = append(raws, rawRate), append(applies, applyRate), append(ratios, applyRate/rawRate)
+		if o.compareBin != "" {
+			// The same round with another projector build.
+			url, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("target_b_%d", r))
+			if err != nil {
+				return err
+			}
+			own := e.bins["projector"]
+			e.bins["projector"], e.suffix = o.compareBin, e.suffix+".compare"
+			rate, err := e.apply(ctx, url, "bench", n)
+			e.bins["projector"], e.suffix = own, strings.TrimSuffix(e.suffix, ".compare")
+			if err != nil {
+				return err
+			}
+			if err := dropDatabase(ctx, pg, url); err != nil {
+				return err
+			}
+			e.figure("projector.ratio_apply_to_raw.compare", rate/rawRate, "x (the -compare-bin build)")
+			compares = append(compares, rate/rawRate)
+		}
+	}
+	if len(compares) > 0 {
+		bench.Figure("projector.ratio_apply_to_raw.compare", median(compares), fmt.Sprintf("x (median; the -compare-bin build; min %.2f, max %.2f)", slices.Min(compares), slices.Max(compares)))
 	}
 	e.suffix = ""
 	applyRate := median(applies)
@@ -852,6 +884,23 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 		bench.Note("at full speed the capture is the slower stage (%.2fx of apply)", captureRate/applyRate)
 	} else {
 		bench.Note("at full speed the projector is the slower stage (%.2fx of capture)", applyRate/captureRate)
+	}
+	return nil
+}
+
+// dropDatabase drops the database of url (closing its sessions).
+func dropDatabase(ctx context.Context, pg *testenv.Postgres, url string) error {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return err
+	}
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "DROP DATABASE "+pgx.Identifier{cfg.Database}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop database %s: %w", cfg.Database, err)
 	}
 	return nil
 }
