@@ -78,7 +78,10 @@ func StartProc(name, bin string, env []string, logDir string, args ...string) (*
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout = f
 	cmd.Stderr = f
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Its own process group (a signal to the test's group does not reach
+	// it), and killed if the test or bench process dies first (a go test
+	// timeout), so nothing is left running.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
