@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 )
 
 // Category classifies why a message could not be used. It is the category
@@ -68,19 +69,103 @@ func (d *Decoder) Decode(data []byte) (*Event, error) {
 	if len(trimmed) == 0 || trimmed[0] != '{' {
 		return nil, decodeErr(CategoryMalformed, "body is not a JSON object (%d bytes)", len(data))
 	}
-	var e Event
-	err := json.Unmarshal(trimmed, &e)
+	var w wireEvent
+	err := json.Unmarshal(trimmed, &w)
 	var se *json.SyntaxError
 	if errors.As(err, &se) {
 		return nil, decodeErr(CategoryMalformed, "body is not a JSON object: syntax error at offset %d", se.Offset)
 	}
+	if err == nil {
+		w.Event.Columns, err = shapes.columns(w.Columns)
+	}
+	if err == nil {
+		w.Event.Refs, err = shapes.refs(w.Refs)
+	}
+	e := &w.Event
 	if err != nil || e.V != Version {
 		return d.decodeOther(trimmed, err)
 	}
 	if err := e.Validate(); err != nil {
 		return nil, err
 	}
-	return &e, nil
+	return e, nil
+}
+
+// wireEvent reads "columns" and "refs" as raw bytes: every event of a table
+// repeats them, so they are decoded once per distinct shape (shapeCache)
+// instead of once per event.
+type wireEvent struct {
+	Event
+	Columns json.RawMessage `json:"columns,omitempty"`
+	Refs    json.RawMessage `json:"refs,omitempty"`
+}
+
+// shapes caches decoded column and foreign-key lists by their exact bytes.
+// Decoded events share these slices: treat Event.Columns and Event.Refs as
+// read-only.
+var shapes = &shapeCache{cols: map[string][]Column{}, refMap: map[string][]Ref{}}
+
+// maxShapes bounds the cache; past it the cache starts again empty.
+const maxShapes = 4096
+
+type shapeCache struct {
+	mu     sync.Mutex
+	cols   map[string][]Column
+	refMap map[string][]Ref
+}
+
+func (c *shapeCache) columns(raw json.RawMessage) ([]Column, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, nil
+	}
+	c.mu.Lock()
+	v, ok := c.cols[string(raw)]
+	c.mu.Unlock()
+	if ok {
+		return v, nil
+	}
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, fieldErr("columns", err)
+	}
+	c.mu.Lock()
+	if len(c.cols) >= maxShapes {
+		clear(c.cols)
+	}
+	c.cols[string(raw)] = v
+	c.mu.Unlock()
+	return v, nil
+}
+
+func (c *shapeCache) refs(raw json.RawMessage) ([]Ref, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, nil
+	}
+	c.mu.Lock()
+	v, ok := c.refMap[string(raw)]
+	c.mu.Unlock()
+	if ok {
+		return v, nil
+	}
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, fieldErr("refs", err)
+	}
+	c.mu.Lock()
+	if len(c.refMap) >= maxShapes {
+		clear(c.refMap)
+	}
+	c.refMap[string(raw)] = v
+	c.mu.Unlock()
+	return v, nil
+}
+
+// fieldErr names the top-level field of a nested unmarshal error.
+func fieldErr(field string, err error) error {
+	var te *json.UnmarshalTypeError
+	if errors.As(err, &te) {
+		te.Field = field + "." + te.Field
+		return te
+	}
+	return fmt.Errorf("field %q: %w", field, err)
 }
 
 // decodeOther handles a syntactically valid object that is not a clean v1

@@ -175,3 +175,24 @@ func TestUpgraderTeachesNewVersion(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, event.OpCommit, e.Op)
 }
+
+func BenchmarkDecodeDelete(b *testing.B) {
+	in := &event.Event{
+		Op: event.OpDelete, Source: "main", Schema: "public", Table: "order_lines", XID: 7431,
+		CommitLSN: 0x1A2B3C8, CommitTime: time.Now().UTC(), Seq: 3, Identity: event.IdentityFull,
+		Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "order_id", Type: "bigint"},
+			{Name: "sku", Type: "text"}, {Name: "qty", Type: "integer"}, {Name: "unit_price", Type: "numeric(12,2)"},
+			{Name: "weight", Type: "double precision"}, {Name: "gen", Type: "integer"}},
+		Key:  json.RawMessage(`{"id":42}`),
+		Row:  json.RawMessage(`{"id":42,"order_id":7,"sku":"SKU-42","qty":3,"unit_price":"10.50","weight":1.25,"gen":0}`),
+		Refs: []event.Ref{{Columns: []string{"order_id"}, Schema: "public", Table: "orders", RefColumns: []string{"id"}}},
+	}
+	data, err := event.Encode(in)
+	require.NoError(b, err)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := event.Decode(data); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
