@@ -7,10 +7,14 @@
 // The work unit is partition p of version N of a projection. Its durable
 // consumer is <name>-v<N>-p<p> (filtered on event.PartitionFilter) and its
 // progress row (package progress) is never shared with another version. A
-// worker holds a lease on the unit; it fetches a page of at most 500 events,
-// applies it in ONE target transaction together with the cursor's
+// worker holds a lease on the unit; it fetches pages of at most 500 events
+// and applies them in ONE target transaction together with the cursor's
 // compare-and-swap advance (WHERE cursor = old AND epoch = lease epoch),
-// commits, then acknowledges to JetStream. The Postgres cursor is the truth:
+// commits, then acknowledges to JetStream. While the partition is behind, a
+// transaction takes up to two fetches already waiting (at most 4 MiB) and
+// ends at its last commit event; the unfinished source transaction after it
+// stays delivered, unacknowledged, and starts the next transaction, so a
+// source transaction of up to 1,500 events is applied whole. The Postgres cursor is the truth:
 // the consumer is deleted and recreated at cursor+1 whenever it does not
 // stand exactly there. A worker whose CAS fails lost its lease and stops the
 // partition. Applying is idempotent (a row's identity is (source,
