@@ -44,7 +44,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 		}
 		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row}
 		if it.ev.RowRef != nil {
-			b, err := s.objects.fetch(ctx, it.ev.RowRef)
+			b, err := s.fetchRow(ctx, it.ev.RowRef) // oversized.go: size limit
 			if err != nil {
 				cat, permanent := quarantine.Classify(err)
 				if !permanent {
@@ -106,8 +106,9 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 
 	var err error
 	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, false)
-	if errors.Is(err, errCareful) {
-		// Something in the page is rejected: apply again, isolating it.
+	for errors.Is(err, errCareful) {
+		// Something in the page is rejected: apply again, isolating it
+		// (again when hold mode holds more rows behind it: hold.go).
 		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, true)
 	}
 	if err == nil {
@@ -149,8 +150,13 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		return nil
 	}
 
+	// Hold mode (hold.go): rows waiting behind a quarantined one are left out.
+	hold, ins, err := s.holdBefore(ctx, tx, v, items, rows)
+	if err != nil {
+		return res, err
+	}
 	// Rows, set-based; a rejected row is isolated by bisection.
-	err = isolate(ctx, tx, careful, rows, func(sp pgx.Tx, part []*archiveRow) error {
+	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
 		inserted, err := insertRows(ctx, sp, v.Schema, part)
 		if err != nil || len(inserted) == 0 || s.extraDDL == nil {
 			return err
@@ -164,6 +170,9 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		r.item.category, r.item.failure = string(cat), err
 		return nil
 	})
+	if err == nil {
+		err = hold.holdAfter(items)
+	}
 	if err != nil {
 		return res, err
 	}

@@ -86,6 +86,16 @@ type Config struct {
 	// again); a version promoted or demoted is seen as such within a
 	// BalanceInterval. An error is logged and counted, not retried.
 	SideEffects func(ctx context.Context, page SideEffectPage) error
+	// HoldOnQuarantine turns on hold mode (hold.go): a delete event whose
+	// source row (schema, table, key) has an open quarantine entry, or an
+	// earlier event in the same page being quarantined, is quarantined as
+	// "held" instead of applied, so the order per row is kept; replay
+	// releases held entries in stream order. Off (default): no extra work.
+	HoldOnQuarantine bool
+	// MaxRowBytes is the largest large-row object (event.ObjectRef.Size)
+	// that is fetched; a bigger one is quarantined as "oversized" without
+	// being read. Default DefaultMaxRowBytes (256 MiB).
+	MaxRowBytes int64
 }
 
 func (c *Config) setDefaults() {
@@ -122,6 +132,9 @@ func (c *Config) setDefaults() {
 	if c.ReadyMaxPendingAge == 0 {
 		c.ReadyMaxPendingAge = 30 * time.Second
 	}
+	if c.MaxRowBytes == 0 {
+		c.MaxRowBytes = DefaultMaxRowBytes
+	}
 }
 
 func (c *Config) validate() error {
@@ -155,6 +168,9 @@ func (c *Config) validate() error {
 	}
 	if c.ReadyMaxPendingAge < 0 {
 		errs = append(errs, fmt.Errorf("ready max pending age %s must not be negative", c.ReadyMaxPendingAge))
+	}
+	if c.MaxRowBytes < 0 {
+		errs = append(errs, fmt.Errorf("max row bytes %d must not be negative", c.MaxRowBytes))
 	}
 	for k, v := range c.ArchiveTTL {
 		if k != "*" && !strings.Contains(k, ".") {
