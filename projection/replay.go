@@ -24,6 +24,8 @@ type ReplayConfig struct {
 	// JetStream reads large rows (row_ref); nil makes such events fail
 	// (they stay in quarantine).
 	JetStream jetstream.JetStream
+	// MaxRowBytes as in Config: a larger row stays quarantined (oversized).
+	MaxRowBytes int64
 }
 
 // ReplayFunc returns the quarantine.ApplyFunc that applies a quarantined
@@ -58,7 +60,7 @@ func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 		case event.OpDelete:
 			r := &archiveRow{ev: ev, row: ev.Row}
 			if ev.RowRef != nil {
-				if r.row, err = objects.fetch(ctx, ev.RowRef); err != nil {
+				if r.row, err = fetchLimited(ctx, objects, ev.RowRef, cfg.MaxRowBytes); err != nil {
 					return err
 				}
 			}

@@ -19,6 +19,9 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 		"EPITAPH_LEASE_TTL":     "fifteen seconds",
 		"EPITAPH_BATCH_SIZE":    "lots",
 		"EPITAPH_REBUILD_SHARE": "half",
+
+		"EPITAPH_HOLD_ON_QUARANTINE": "sometimes",
+		"EPITAPH_MAX_ROW_BYTES":      "1GB",
 	}
 	var stderr bytes.Buffer
 	env := &Env{Getenv: func(k string) string { return vars[k] }, Stdout: io.Discard, Stderr: &stderr,
@@ -28,6 +31,8 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 	require.Contains(t, err.Error(), `EPITAPH_LEASE_TTL="fifteen seconds" is not a duration`)
 	require.Contains(t, err.Error(), `EPITAPH_BATCH_SIZE="lots" is not an integer`)
 	require.Contains(t, err.Error(), `EPITAPH_REBUILD_SHARE="half" is not a number`)
+	require.Contains(t, err.Error(), `EPITAPH_HOLD_ON_QUARANTINE="sometimes" is not a boolean (true or false)`)
+	require.Contains(t, err.Error(), `EPITAPH_MAX_ROW_BYTES="1GB" is not an integer`)
 
 	env = &Env{Getenv: func(k string) string {
 		if k == "EPITAPH_SNAPSHOT_MAX_ATTEMPTS" {

@@ -299,7 +299,11 @@ func quarantineReplay(ctx context.Context, args []string, env *Env) error {
 func replayApplier(fs *flag.FlagSet, env *Env) func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
 	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), "archive retention per table, as for run (EPITAPH_ARCHIVE_TTL)")
 	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "snapshot roots, as for run (EPITAPH_SNAPSHOT_ROOTS)")
+	maxRow := fs.Int64("max-row-bytes", int64Env(env, "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes), "largest large-row object fetched, as for run (EPITAPH_MAX_ROW_BYTES)")
 	return func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
+		if err := env.envErr(); err != nil {
+			return nil, nil, err
+		}
 		ttlMap, err := projection.ParseTTLs(*ttls)
 		if err != nil {
 			return nil, nil, err
@@ -310,7 +314,7 @@ func replayApplier(fs *flag.FlagSet, env *Env) func(ctx context.Context, c *comm
 				rootList = append(rootList, r)
 			}
 		}
-		cfg := projection.ReplayConfig{ArchiveTTL: ttlMap, SnapshotRoots: rootList}
+		cfg := projection.ReplayConfig{ArchiveTTL: ttlMap, SnapshotRoots: rootList, MaxRowBytes: *maxRow}
 		closeFn := func() {}
 		nc, err := nats.Connect(c.natsURL, nats.Name("epitaph-projector quarantine replay"), nats.Timeout(5*time.Second))
 		if err != nil {

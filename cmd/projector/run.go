@@ -29,6 +29,8 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	captureStatus := fs.String("capture-status-url", env.Getenv("EPITAPH_CAPTURE_STATUS_URL"), "the capture's /status URL, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
 	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
 	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use (EPITAPH_REBUILD_SHARE)")
+	hold := fs.Bool("hold-on-quarantine", boolEnv(env, "EPITAPH_HOLD_ON_QUARANTINE", false), "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied (EPITAPH_HOLD_ON_QUARANTINE)")
+	maxRow := fs.Int64("max-row-bytes", int64Env(env, "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes), "largest large-row object fetched; a bigger one is quarantined as oversized (EPITAPH_MAX_ROW_BYTES)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -53,6 +55,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	svc, err := projection.New(projection.Config{
 		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: *worker,
 		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList, RebuildShare: *share,
+		HoldOnQuarantine: *hold, MaxRowBytes: *maxRow,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -108,6 +111,26 @@ func floatEnv(env *Env, key string, def float64) float64 {
 			return f
 		}
 		env.badEnv(key, v, "a number")
+	}
+	return def
+}
+
+func int64Env(env *Env, key string, def int64) int64 {
+	if v := env.Getenv(key); v != "" {
+		if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+			return n
+		}
+		env.badEnv(key, v, "an integer")
+	}
+	return def
+}
+
+func boolEnv(env *Env, key string, def bool) bool {
+	if v := env.Getenv(key); v != "" {
+		if b, err := strconv.ParseBool(v); err == nil {
+			return b
+		}
+		env.badEnv(key, v, "a boolean (true or false)")
 	}
 	return def
 }
