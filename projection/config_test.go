@@ -49,6 +49,7 @@ func TestConfigValidation(t *testing.T) {
 		"ttl negative":    func(c *projection.Config) { c.ArchiveTTL = map[string]time.Duration{"*": -time.Hour} },
 		"root":            func(c *projection.Config) { c.SnapshotRoots = []string{"orders"} },
 		"balance >= ttl":  func(c *projection.Config) { c.LeaseTTL, c.BalanceInterval = time.Second, time.Second },
+		"max row bytes":   func(c *projection.Config) { c.MaxRowBytes = -1 },
 	} {
 		c := ok
 		mutate(&c)

@@ -43,6 +43,17 @@
 //     only the failing events are set aside. Everything else is transient:
 //     exponential backoff (capped by Config.MaxBackoff), re-read the cursor,
 //     reset the consumer, fetch again. Never quarantined.
+//   - Large rows above Config.MaxRowBytes (default 256 MiB, by the
+//     event's ObjectRef.Size) are quarantined as oversized and never
+//     fetched.
+//   - Hold mode (Config.HoldOnQuarantine, hold.go; off by default, then no
+//     extra query): a delete whose source row (schema, table, key) has an
+//     open quarantine entry of its version, or an earlier event in the same
+//     page being quarantined, is quarantined as held instead of applied, so
+//     the order per row is kept; quarantine.Replay releases held entries in
+//     stream order once the entry in front is replayed or discarded. Exact
+//     within a partition; across partitions (a row deleted in transactions
+//     of different partitions) only behind entries committed before the page.
 //   - is_root is NULL while the transaction's commit has not been applied
 //     (the transaction may still be incomplete), then true for a row no
 //     other row of its transaction is a parent of by the event's refs (all
