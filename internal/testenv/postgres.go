@@ -150,8 +150,12 @@ func StartPostgres() (*Postgres, error) {
 	if err != nil {
 		return nil, err
 	}
+	reapOrphans(bin)
 	root, err := os.MkdirTemp("", "epitaph-pg-")
 	if err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(root, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
 		return nil, err
 	}
 	pg := &Postgres{BinDir: bin, DataDir: filepath.Join(root, "data"), Host: "127.0.0.1", logFile: filepath.Join(root, "postgres.log")}
@@ -335,4 +339,44 @@ func truncate(s string, n int) string {
 		return s
 	}
 	return s[:n] + "..."
+}
+
+// ownerFile records the pid of the process that started a server, so a
+// later run can stop servers whose owner was killed (a test binary killed by
+// its timeout cannot run its cleanup).
+const ownerFile = "owner.pid"
+
+var reapOnce sync.Once
+
+// reapOrphans stops and removes the servers of earlier test processes that
+// no longer exist. It runs once per process.
+func reapOrphans(bin string) {
+	reapOnce.Do(func() {
+		roots, _ := filepath.Glob(filepath.Join(os.TempDir(), "epitaph-pg-*"))
+		for _, root := range roots {
+			b, err := os.ReadFile(filepath.Join(root, ownerFile))
+			if err != nil {
+				continue // not ours, or still being set up
+			}
+			pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+			if err != nil || pid <= 0 || pid == os.Getpid() {
+				continue
+			}
+			if err := syscall.Kill(pid, 0); err == nil || errors.Is(err, syscall.EPERM) {
+				continue // the owner is alive: leave its server alone
+			}
+			pg := &Postgres{BinDir: bin, DataDir: filepath.Join(root, "data"), running: true}
+			if os.Geteuid() == 0 {
+				if u, err := user.Lookup("postgres"); err == nil {
+					uid, _ := strconv.Atoi(u.Uid)
+					gid, _ := strconv.Atoi(u.Gid)
+					pg.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+				}
+			}
+			if _, err := os.Stat(filepath.Join(pg.DataDir, "postmaster.pid")); err == nil {
+				_, _ = pg.run("pg_ctl", "-D", pg.DataDir, "-m", "immediate", "-w", "-t", "30", "stop")
+			}
+			_ = os.RemoveAll(root)
+		}
+	})
 }
