@@ -59,6 +59,8 @@ type streamer struct {
 
 	img     rowImage
 	buf     []byte
+	body    []byte // a delete's message body, reused
+	opts    []jetstream.PublishOpt
 	written event.LSN // highest LSN sent to Postgres as written
 	flushed event.LSN // highest LSN sent to Postgres as flushed
 	walEnd  event.LSN
@@ -218,8 +220,11 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 		}
 		st.s.m.largeRows.Inc()
 	}
-	body := r.encodeDelete(make([]byte, 0, 256+len(r.head)+len(r.columnsJSON)+len(r.refsJSON)+len(st.img.key)+len(st.img.row)), &st.tx, seq, &st.img, ref)
-	if err := st.publish(ctx, r.subjects[st.txPart], msgID, pos, body, "delete "+r.qualified()); err != nil {
+	// The body buffer is reused: PublishMsgAsync copies it into the
+	// connection's write buffer before it returns, and with no retries
+	// (WithRetryAttempts(0)) it is never sent again.
+	st.body = r.encodeDelete(st.body[:0], &st.tx, seq, &st.img, ref)
+	if err := st.publish(ctx, r.subjects[st.txPart], msgID, pos, st.body, r.what); err != nil {
 		return err
 	}
 	r.deletes.Inc()
@@ -346,6 +351,11 @@ func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage
 	return nil
 }
 
+var (
+	headerVersion1 = []string{"1"} // shared, never modified
+	noRetries      = jetstream.WithRetryAttempts(0)
+)
+
 // publish sends one message asynchronously, keeping the window of
 // un-acknowledged publishes bounded. Each message expects the previous one
 // as the stream's last message id, so if one is lost the following ones
@@ -357,14 +367,17 @@ func (st *streamer) publish(ctx context.Context, subject, msgID string, pos posi
 			return err
 		}
 	}
-	m := &nats.Msg{Subject: subject, Data: body, Header: nats.Header{
-		event.HeaderVersion: []string{"1"},
-		HeaderPosition:      []string{pos.String()},
-	}}
-	opts := []jetstream.PublishOpt{jetstream.WithMsgID(msgID), jetstream.WithRetryAttempts(0)}
+	// Room for the two headers set here and the two PublishMsgAsync adds
+	// (Nats-Msg-Id, Nats-Expected-Last-Msg-Id).
+	h := make(nats.Header, 4)
+	h[event.HeaderVersion] = headerVersion1
+	h[HeaderPosition] = []string{pos.String()}
+	m := &nats.Msg{Subject: subject, Data: body, Header: h}
+	opts := append(st.opts[:0], jetstream.WithMsgID(msgID), noRetries)
 	if st.lastMsgID != "" {
 		opts = append(opts, jetstream.WithExpectLastMsgID(st.lastMsgID))
 	}
+	st.opts = opts
 	fut, err := st.js.PublishMsgAsync(m, opts...)
 	if err != nil {
 		st.s.m.publishErrors.Inc()

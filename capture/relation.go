@@ -24,6 +24,8 @@ type relation struct {
 	pkIdx  []int // indexes into cols of the primary key, in key order
 	keyIdx []int // indexes of the replica identity key columns
 
+	name        string // schema.table
+	what        string // "delete schema.table", for errors
 	head        []byte // ,"source":..,"schema":..,"table":..
 	columnsJSON []byte // [{"name":..,"type":..,"pk":true},..]
 	refsJSON    []byte // [..] or nil
@@ -39,12 +41,13 @@ type relColumn struct {
 	label   []byte // "name":
 }
 
-func (r *relation) qualified() string { return r.schema + "." + r.table }
+func (r *relation) qualified() string { return r.name }
 
 // buildRelation combines a Relation message with the catalog's primary key,
 // foreign keys and type names.
 func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessage, src string, partitions int, published *prometheus.CounterVec) (*relation, error) {
-	r := &relation{id: m.RelationID, schema: m.Namespace, table: m.RelationName}
+	r := &relation{id: m.RelationID, schema: m.Namespace, table: m.RelationName, name: m.Namespace + "." + m.RelationName}
+	r.what = "delete " + r.name
 	oids := make([]uint32, len(m.Columns))
 	mods := make([]int32, len(m.Columns))
 	for i, c := range m.Columns {

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strings"
 	"syscall"
 	"time"
@@ -29,7 +30,7 @@ func main() {
 
 func run(args []string) error {
 	var cfg capture.Config
-	var tables, level string
+	var tables, level, cpuProfile string
 	fs := flag.NewFlagSet("capture", flag.ContinueOnError)
 	str(fs, &cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)")
 	str(fs, &cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server")
@@ -51,6 +52,7 @@ func run(args []string) error {
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
+	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
 	if err := applyEnv(fs); err != nil {
 		return err
@@ -68,6 +70,20 @@ func run(args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))
+	if cpuProfile != "" {
+		f, err := os.Create(cpuProfile)
+		if err != nil {
+			return fmt.Errorf("--cpu-profile: %w", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return fmt.Errorf("--cpu-profile: %w", err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
