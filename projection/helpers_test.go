@@ -187,9 +187,13 @@ func count(t *testing.T, c *pgx.Conn, sql string, args ...any) int {
 }
 
 // eventually polls cond until it holds or the deadline passes.
+// eventually polls cond until it holds. timeout is what the condition needs
+// on an idle machine; the deadline is three times that, because these are
+// waits for correctness, not speed assertions, and CI shares two cores
+// between two test binaries and their Postgres servers.
 func eventually(t *testing.T, timeout time.Duration, cond func() bool, msgAndArgs ...any) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
+	deadline := time.Now().Add(3 * timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
 			require.FailNow(t, "condition not met in time", msgAndArgs...)
