@@ -169,7 +169,12 @@ func decideEarly(rows []*archiveRow, settled map[event.LSN]bool, open *openTx) *
 			continue
 		}
 		if open == nil || open.lsn != lsn {
-			open = &openTx{lsn: lsn, keys: map[string]struct{}{}}
+			// Joined after the transaction's first row (another worker,
+			// or this one before a failure, applied the beginning): what
+			// was decided then is unknown (a quarantined parent makes its
+			// children's early decisions wrong), so every row is decided
+			// again at the commit.
+			open = &openTx{lsn: lsn, keys: map[string]struct{}{}, full: r.ev.Seq != 0}
 		}
 		if len(r.ev.Refs) == 0 {
 			r.isRoot = &yes

@@ -121,3 +121,15 @@ func slicesIndex(xs []event.LSN, x event.LSN) bool {
 	}
 	return false
 }
+
+// A worker that joins a transaction after its first row (it took the
+// partition over, or failed and re-read its cursor) does not know what was
+// decided before it: the commit decides every row again.
+func TestDecideEarlyJoinedMidTransaction(t *testing.T) {
+	t.Parallel()
+	toOrder := fk([]string{"order_id"}, "orders", []string{"id"})
+	fromStart := decideEarly([]*archiveRow{mkRow(0, "orders", `{"id":1}`, `{"id":1}`)}, map[event.LSN]bool{}, nil)
+	require.False(t, fromStart.full)
+	joined := decideEarly([]*archiveRow{mkRow(5, "lines", `{"id":10}`, `{"id":10,"order_id":1}`, toOrder)}, map[event.LSN]bool{}, nil)
+	require.True(t, joined.full)
+}
