@@ -61,6 +61,7 @@ type streamer struct {
 	buf     []byte
 	body    []byte // a delete's message body, reused
 	opts    []jetstream.PublishOpt
+	del     deleteDecoder
 	written event.LSN // highest LSN sent to Postgres as written
 	flushed event.LSN // highest LSN sent to Postgres as flushed
 	walEnd  event.LSN
@@ -136,6 +137,13 @@ func (st *streamer) handleCopyData(ctx context.Context, data []byte) error {
 			return fmt.Errorf("parse xlogdata: %w", err)
 		}
 		st.walEnd = max(st.walEnd, event.LSN(xld.ServerWALEnd))
+		if len(xld.WALData) > 0 && xld.WALData[0] == byte(pglogrepl.MessageTypeDelete) {
+			d, err := st.del.decode(xld.WALData)
+			if err != nil {
+				return fmt.Errorf("parse pgoutput message: %w", err)
+			}
+			return st.handleDelete(ctx, d)
+		}
 		msg, err := pglogrepl.Parse(xld.WALData)
 		if err != nil {
 			return fmt.Errorf("parse pgoutput message: %w", err)
@@ -149,7 +157,7 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 	switch m := msg.(type) {
 	case *pglogrepl.BeginMessage:
 		st.inTx = true
-		st.tx = txInfo{xid: m.Xid, commitLSN: event.LSN(m.FinalLSN), commitTime: m.CommitTime.UTC()}
+		st.tx = newTxInfo(st.src, m.Xid, event.LSN(m.FinalLSN), m.CommitTime.UTC())
 		st.txPart = event.Partition(st.tx.commitLSN, st.parts)
 		st.txN, st.seq, st.rows = 0, 0, 0
 		clear(st.tables)
@@ -211,7 +219,7 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 	if err := r.encodeRow(&st.img, m.OldTupleType, m.OldTuple); err != nil {
 		return err
 	}
-	msgID := event.MsgID(st.src, st.tx.commitLSN, seq)
+	msgID := st.tx.msgID(seq)
 	var ref *event.ObjectRef
 	if len(st.img.row)+len(r.columnsJSON)+len(r.refsJSON)+len(st.img.key)+512 > st.maxMsg {
 		ref, err = st.putLargeRow(ctx, msgID, st.img.row)
@@ -224,7 +232,7 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 	// connection's write buffer before it returns, and with no retries
 	// (WithRetryAttempts(0)) it is never sent again.
 	st.body = r.encodeDelete(st.body[:0], &st.tx, seq, &st.img, ref)
-	if err := st.publish(ctx, r.subjects[st.txPart], msgID, pos, st.body, r.what); err != nil {
+	if err := st.publishPos(ctx, r.subjects[st.txPart], msgID, st.tx.position(pos.n), st.body, r.what); err != nil {
 		return err
 	}
 	r.deletes.Inc()
@@ -361,6 +369,11 @@ var (
 // as the stream's last message id, so if one is lost the following ones
 // fail too and the stream stays a prefix of what was sent.
 func (st *streamer) publish(ctx context.Context, subject, msgID string, pos position, body []byte, what string) error {
+	return st.publishPos(ctx, subject, msgID, pos.String(), body, what)
+}
+
+// publishPos is publish with the position header already formatted.
+func (st *streamer) publishPos(ctx context.Context, subject, msgID, pos string, body []byte, what string) error {
 	for st.tr.futures >= st.s.cfg.MaxInFlight || st.tr.bytes >= maxInFlightBytes {
 		if err := st.tr.waitFront(ctx, st.now); err != nil {
 			st.s.m.publishErrors.Inc()
@@ -371,7 +384,7 @@ func (st *streamer) publish(ctx context.Context, subject, msgID string, pos posi
 	// (Nats-Msg-Id, Nats-Expected-Last-Msg-Id).
 	h := make(nats.Header, 4)
 	h[event.HeaderVersion] = headerVersion1
-	h[HeaderPosition] = []string{pos.String()}
+	h[HeaderPosition] = []string{pos}
 	m := &nats.Msg{Subject: subject, Data: body, Header: h}
 	opts := append(st.opts[:0], jetstream.WithMsgID(msgID), noRetries)
 	if st.lastMsgID != "" {

@@ -180,12 +180,29 @@ func appendColumn(dst []byte, typeOID uint32, c *pglogrepl.TupleDataColumn) []by
 	return appendValue(dst, typeOID, c.Data)
 }
 
-// txInfo is the source transaction a row belongs to.
+// txInfo is the source transaction a row belongs to, with the text forms
+// every row of it repeats formatted once.
 type txInfo struct {
 	xid        uint32
 	commitLSN  event.LSN
 	commitTime time.Time
+	lsnText    string // commitLSN.String()
+	timeText   string // commitTime in RFC 3339 with nanoseconds
+	idPrefix   string // event.MsgID(src, commitLSN, seq) without the seq
 }
+
+func newTxInfo(src string, xid uint32, commitLSN event.LSN, commitTime time.Time) txInfo {
+	tx := txInfo{xid: xid, commitLSN: commitLSN, commitTime: commitTime, lsnText: commitLSN.String()}
+	tx.timeText = commitTime.Format(time.RFC3339Nano)
+	tx.idPrefix = src + "/" + tx.lsnText + "/"
+	return tx
+}
+
+// msgID is event.MsgID(src, tx.commitLSN, seq) (tested).
+func (tx *txInfo) msgID(seq int) string { return tx.idPrefix + strconv.Itoa(seq) }
+
+// position is position{tx.commitLSN, n}.String() (tested).
+func (tx *txInfo) position(n int) string { return tx.lsnText + "#" + strconv.Itoa(n) }
 
 // encodeDelete writes a delete event, field for field what event.Encode
 // would write for the same event (tested), without re-encoding the parts
@@ -196,9 +213,9 @@ func (r *relation) encodeDelete(dst []byte, tx *txInfo, seq int, img *rowImage, 
 	dst = append(dst, `,"xid":`...)
 	dst = strconv.AppendUint(dst, uint64(tx.xid), 10)
 	dst = append(dst, `,"commit_lsn":"`...)
-	dst = append(dst, tx.commitLSN.String()...)
+	dst = append(dst, tx.lsnText...)
 	dst = append(dst, `","commit_time":"`...)
-	dst = tx.commitTime.AppendFormat(dst, time.RFC3339Nano)
+	dst = append(dst, tx.timeText...)
 	dst = append(dst, `","seq":`...)
 	dst = strconv.AppendInt(dst, int64(seq), 10)
 	dst = append(dst, `,"identity":"`...)

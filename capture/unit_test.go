@@ -166,7 +166,8 @@ func TestEncodeDeleteMatchesEventEncode(t *testing.T) {
 		{DataType: pglogrepl.TupleDataTypeNull},
 	}}
 	require.NoError(t, r.encodeRow(&img, pglogrepl.DeleteMessageTupleTypeOld, tup))
-	tx := &txInfo{xid: 7431, commitLSN: 0x1A2B3C8, commitTime: time.Date(2026, 11, 30, 9, 0, 0, 123456000, time.UTC)}
+	txi := newTxInfo("main", 7431, 0x1A2B3C8, time.Date(2026, 11, 30, 9, 0, 0, 123456000, time.UTC))
+	tx := &txi
 	got := r.encodeDelete(nil, tx, 3, &img, nil)
 	want, err := event.Encode(&event.Event{
 		Op: event.OpDelete, Source: "main", Schema: "public", Table: "orders", XID: 7431,
