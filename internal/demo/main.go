@@ -146,7 +146,7 @@ SELECT correlation_id, to_char(commit_time, 'HH24:MI:SS.MS') AS committed, count
 FROM archive.rows GROUP BY correlation_id, commit_time ORDER BY commit_time`); err != nil {
 		return err
 	}
-	step("one deleted order, restored from the archive as it was")
+	step("one deleted order with its lines and shipment, as the archive keeps them")
 	if err := printQuery(ctx, url, `
 SELECT table_name, key::text, row::text FROM archive.rows
 WHERE correlation_id = (SELECT correlation_id FROM archive.rows ORDER BY commit_time LIMIT 1)
