@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
-	"net/url"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,6 +23,7 @@ import (
 	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/observe"
+	"github.com/epitaph-dev/epitaph/redact"
 )
 
 // Service captures the source's deletes into JetStream. Start it once; Stop
@@ -561,33 +560,12 @@ func quoteLiteral(s string) string {
 	return string(append(out, '\''))
 }
 
-var passwordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)`)
-
-// RedactURL hides the password of a postgres:// or nats:// URL, of a
-// keyword/value DSN, or of any URL inside a longer text (an error message),
-// for logs and errors.
-func RedactURL(s string) string {
-	if u, err := url.Parse(s); err == nil && u.Scheme != "" && u.Host != "" {
-		if _, has := u.User.Password(); has {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
-		}
-		q := u.Query()
-		if q.Has("password") {
-			q.Set("password", "xxxxx")
-			u.RawQuery = q.Encode()
-		}
-		return u.String()
-	}
-	s = urlPasswordRE.ReplaceAllString(s, "${1}xxxxx@")
-	return passwordRE.ReplaceAllString(s, "${1}xxxxx")
-}
-
-var urlPasswordRE = regexp.MustCompile(`([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)\S*@`)
+// RedactURL hides the password of a connection URL or string; see
+// redact.URL.
+func RedactURL(s string) string { return redact.URL(s) }
 
 // redactErr strips anything that looks like a password from an error text.
-func redactErr(err error) string {
-	return RedactURL(passwordRE.ReplaceAllString(err.Error(), "${1}xxxxx"))
-}
+func redactErr(err error) string { return redact.Text(err.Error()) }
 
 // syncTree fsyncs every file and directory under dir.
 func syncTree(dir string) error {

@@ -124,7 +124,7 @@ func (s *Service) Start(ctx context.Context) error {
 	}
 	if err := migrations.Apply(ctx, s.pool); err != nil {
 		s.pool.Close()
-		return fmt.Errorf("target %s: %w", redact(s.cfg.TargetURL), err)
+		return fmt.Errorf("target %s: %w", redactURL(s.cfg.TargetURL), err)
 	}
 	s.leaser, err = progress.NewLeaser(s.pool, s.cfg.WorkerID, s.cfg.LeaseTTL)
 	if err != nil {
@@ -137,7 +137,7 @@ func (s *Service) Start(ctx context.Context) error {
 		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1))
 	if err != nil {
 		s.pool.Close()
-		return fmt.Errorf("connect to NATS %s: %w", redact(s.cfg.NATSURL), err)
+		return fmt.Errorf("connect to NATS %s: %w", redactURL(s.cfg.NATSURL), err)
 	}
 	s.js, err = jetstream.New(s.nc)
 	if err != nil {

@@ -7,10 +7,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/url"
 	"os"
 	"sort"
 	"strings"
+
+	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
 // Env is what a subcommand gets from the process: environment, output and
@@ -140,13 +141,4 @@ func logLevel(s string) slog.Level {
 }
 
 // redact hides a URL's password for messages.
-func redact(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(unparseable URL)"
-	}
-	if _, ok := u.User.Password(); ok {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
-	}
-	return u.String()
-}
+func redact(raw string) string { return redactpkg.URL(raw) }

@@ -1,0 +1,40 @@
+// Package redact hides secrets in connection strings and error texts before
+// they reach a log line, an error message or a status page.
+package redact
+
+import (
+	"net/url"
+	"regexp"
+)
+
+// passwordRE matches a password keyword value (key=value DSNs, query
+// parameters, server error texts).
+var passwordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)`)
+
+// urlPasswordRE matches the userinfo password of any URL inside a text.
+var urlPasswordRE = regexp.MustCompile(`([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)\S*@`)
+
+// URL hides the password of a postgres:// or nats:// URL (userinfo or a
+// password= query parameter), or of a key=value connection string; any
+// other text has every URL password and password=value hidden.
+func URL(s string) string {
+	if u, err := url.Parse(s); err == nil && u.Scheme != "" && u.Host != "" {
+		if _, has := u.User.Password(); has {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+		q := u.Query()
+		if q.Has("password") {
+			q.Set("password", "xxxxx")
+			u.RawQuery = q.Encode()
+		}
+		return u.String()
+	}
+	return Text(s)
+}
+
+// Text hides every URL password and password=value in a free text, such as
+// an error message that quotes a connection string.
+func Text(s string) string {
+	s = urlPasswordRE.ReplaceAllString(s, "${1}xxxxx@")
+	return passwordRE.ReplaceAllString(s, "${1}xxxxx")
+}

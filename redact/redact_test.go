@@ -1,0 +1,27 @@
+package redact_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/redact"
+)
+
+func TestURL(t *testing.T) {
+	t.Parallel()
+	cases := []struct{ in, want string }{
+		{"postgres://u:s3cret@db:5432/app?sslmode=disable", "postgres://u:xxxxx@db:5432/app?sslmode=disable"},
+		{"postgres://u@db/app?password=s3cret", "postgres://u@db/app?password=xxxxx"},
+		{"nats://n:s3cret@127.0.0.1:4222", "nats://n:xxxxx@127.0.0.1:4222"},
+		{"host=db user=u password=s3cret dbname=app", "host=db user=u password=xxxxx dbname=app"},
+		{"host=db password='s3 cret' dbname=app", "host=db password=xxxxx dbname=app"},
+		{"postgres://u@db/app", "postgres://u@db/app"},
+	}
+	for _, c := range cases {
+		require.Equal(t, c.want, redact.URL(c.in), c.in)
+		require.NotContains(t, redact.URL(c.in), "s3")
+	}
+	msg := `connect postgres://u:s3cret@db/app: failed (password=s3cret)`
+	require.NotContains(t, redact.Text(msg), "s3cret")
+}
