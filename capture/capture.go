@@ -326,7 +326,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	s.setConfirmed(startLSN)
 
 	st := &streamer{
-		s: s, conn: s.repl, js: js, obs: obs, cat: newCatalog(s.pool),
+		s: s, conn: s.repl, js: js, nc: s.nc, obs: obs, cat: newCatalog(s.pool),
 		rels: map[uint32]*relation{}, tr: newTracker(cfg.BrokerSyncInterval, s.now()),
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,

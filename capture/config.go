@@ -71,6 +71,17 @@ type Config struct {
 	// (the nats-server default) for an external server. Negative: do not
 	// trail (use it when the server runs with sync_always).
 	BrokerSyncInterval time.Duration
+	// StreamPersist is the persist mode of the stream when it is created:
+	// "async" (JetStream acknowledges a message once it is in the server's
+	// write buffer, and writes buffered messages a few milliseconds later)
+	// or "default" (the server writes every message to its file before it
+	// acknowledges). Empty ("auto"): async for the embedded server with one
+	// replica and a trailing confirmation, default otherwise. Async is safe
+	// only because confirmations trail the acknowledgements (a killed server
+	// loses at most its unwritten buffer, which the source sends again) and
+	// projectors detect a lost tail; it needs BrokerSyncInterval > 0 and one
+	// replica. An existing stream keeps the mode it was made with.
+	StreamPersist string
 	// MetricsAddr serves /metrics, /healthz and /status; empty: no server.
 	MetricsAddr string
 	// Standby makes several captures of one slot safe: each takes a lease
@@ -149,7 +160,20 @@ func (c *Config) setDefaults() {
 			c.BrokerSyncInterval = externalSyncInterval
 		}
 	}
+	if c.StreamPersist == "" || c.StreamPersist == PersistAuto {
+		c.StreamPersist = PersistDefault
+		if c.NATSURL == "" && c.Replicas == 1 && c.BrokerSyncInterval > 0 {
+			c.StreamPersist = PersistAsync
+		}
+	}
 }
+
+// Stream persist modes (Config.StreamPersist).
+const (
+	PersistAuto    = "auto"
+	PersistAsync   = "async"
+	PersistDefault = "default"
+)
 
 func (c *Config) validate() error {
 	var errs []string
@@ -194,6 +218,18 @@ func (c *Config) validate() error {
 	}
 	if c.Retention > 0 && c.DuplicateWindow > c.Retention {
 		errs = append(errs, "duplicate window must not exceed retention")
+	}
+	switch c.StreamPersist {
+	case PersistDefault:
+	case PersistAsync:
+		if c.Replicas > 1 {
+			errs = append(errs, "stream persist mode async needs a 1-replica stream (JetStream refuses it on replicated streams): use --stream-persist default")
+		}
+		if c.BrokerSyncInterval < 0 {
+			errs = append(errs, "stream persist mode async needs confirmations that trail the broker (a positive --broker-sync-interval): a killed server loses its unwritten buffer, which only a trailing confirmation sends again")
+		}
+	default:
+		errs = append(errs, fmt.Sprintf("stream persist mode %q: use auto, async or default", c.StreamPersist))
 	}
 	if c.Standby && c.NATSURL == "" {
 		errs = append(errs, "standby needs an external JetStream server (EPITAPH_NATS_URL): with the embedded broker every capture would have a stream of its own")

@@ -49,7 +49,22 @@
 //
 // NATS is connected with no reconnect buffer, and every message carries
 // Nats-Expected-Last-Msg-Id = the previous message's id, so the stream always
-// holds a prefix of what the capture sent. Every message also carries the
+// holds a prefix of what the capture sent. That chain also lets most row
+// messages go without an acknowledgement: up to 64 rows (1 MiB) in a row
+// are published as plain NATS messages with no reply subject, and the next
+// message asks for one. Its acknowledgement proves every message before it
+// stored, in order; a refused message makes every later one fail, so the
+// acknowledged one fails too and the loop stops. Commits, marks, gaps and
+// truncates always ask. JetStream then builds one acknowledgement per batch
+// instead of one per row, and the client tracks one future per batch.
+//
+// The stream is made with persist mode async when the broker is embedded
+// (StreamPersist): the server acknowledges a message once it is in its
+// write buffer and writes the buffer a few milliseconds later, instead of a
+// write per message. A kill of the process can lose that buffer; the
+// trailing confirmation means the source sends it again, and projectors
+// check the message at their cursor and rewind over a lost tail
+// (projection package). Every message also carries the
 // header Epitaph-Position ("<trigger lsn>#<n>", strictly increasing in
 // output order). On start the stream's last message is read and every
 // re-sent message at or before its position is skipped; Nats-Msg-Id dedupe

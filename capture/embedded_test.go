@@ -66,6 +66,7 @@ func TestEmbeddedBrokerAndEndpoints(t *testing.T) {
 	require.Equal(t, "main", info.Config.Metadata[MetaSource])
 	require.Equal(t, "1", info.Config.Metadata[MetaWireVersion])
 	require.Equal(t, jetstream.FileStorage, info.Config.Storage)
+	require.Equal(t, jetstream.AsyncPersistMode, info.Config.PersistMode, "auto: async with the embedded broker")
 	nc.Close()
 
 	base := "http://" + svc.MetricsAddr()

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -84,4 +85,67 @@ func TestSourceRestartMidStream(t *testing.T) {
 	ms := e.messages(t, "main", 40000+1)
 	require.Len(t, ms, 40000+1)
 	requireOnce(t, ms, 40000)
+}
+
+// TestRefusedUnacknowledgedMessageKeepsAPrefix: most row messages are
+// published without asking for an acknowledgement. When the stream refuses
+// one of them (here: at most 500 messages per subject, new ones discarded,
+// so the 501st row of table a is refused while table b's subject would
+// still take messages), every later message is refused on its expected last
+// message id, the next acknowledged one fails and the capture stops with an
+// error naming what it covered: the stream holds exactly the first 500
+// messages, in order, and none of b's. Once the limit is lifted a restarted
+// capture completes the stream with every row exactly once.
+func TestRefusedUnacknowledgedMessageKeepsAPrefix(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE a (id int PRIMARY KEY, pad text); ALTER TABLE a REPLICA IDENTITY FULL;
+		CREATE TABLE b (id int PRIMARY KEY, pad text); ALTER TABLE b REPLICA IDENTITY FULL;
+		INSERT INTO a SELECT i, repeat('p', 50) FROM generate_series(1, 600) i;
+		INSERT INTO b SELECT i, repeat('p', 50) FROM generate_series(1, 400) i`)
+	ctx := context.Background()
+	sc := jetstream.StreamConfig{
+		Name:                 event.StreamName("main"),
+		Subjects:             []string{event.StreamSubjects("main")},
+		Storage:              jetstream.FileStorage,
+		Duplicates:           2 * time.Minute,
+		MaxMsgsPerSubject:    500,
+		Discard:              jetstream.DiscardNew,
+		DiscardNewPerSubject: true,
+		Metadata:             map[string]string{MetaPartitions: "4", MetaSource: "main", MetaWireVersion: "1"},
+	}
+	st, err := e.js.CreateStream(ctx, sc)
+	require.NoError(t, err)
+
+	svc := e.start(t, nil)
+	e.exec(t, `BEGIN; DELETE FROM a; DELETE FROM b; COMMIT`) // one transaction: 1000 rows and a commit
+	err = waitEnded(t, svc)
+	require.Error(t, err)
+	t.Logf("capture stopped with: %v", err)
+	require.Regexp(t, `acknowledging it and the \d+ messages before it`, err.Error())
+
+	info, err := st.Info(ctx)
+	require.NoError(t, err)
+	require.Equal(t, uint64(500), info.State.Msgs, "nothing after the refused message, not even b's rows")
+	ms := e.messages(t, "main", 500)
+	require.Len(t, ms, 500)
+	for i, m := range ms {
+		require.Equal(t, uint64(i+1), m.seq)
+		require.Equal(t, "public.a", m.ev.QualifiedTable())
+		require.Equal(t, i, m.ev.Seq, "the stream is a prefix of what was sent, in order")
+	}
+
+	sc.MaxMsgsPerSubject = -1
+	sc.DiscardNewPerSubject = false
+	sc.Discard = jetstream.DiscardOld
+	_, err = e.js.UpdateStream(ctx, sc)
+	require.NoError(t, err)
+	e.start(t, nil)
+	ms = e.messages(t, "main", 1000+1)
+	require.Len(t, ms, 1000+1)
+	requireOnce(t, ms, 1000)
+	for i, m := range ms[:1000] {
+		require.Equal(t, i, m.ev.Seq)
+	}
+	require.Equal(t, event.OpCommit, ms[1000].ev.Op)
 }

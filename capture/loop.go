@@ -60,7 +60,9 @@ type streamer struct {
 	img     rowImage
 	buf     []byte
 	body    []byte // a delete's message body, reused
-	opts    []jetstream.PublishOpt
+	hdr     nats.Header
+	hdrVals []string
+	nc      *nats.Conn
 	del     deleteDecoder
 	written event.LSN // highest LSN sent to Postgres as written
 	flushed event.LSN // highest LSN sent to Postgres as flushed
@@ -228,11 +230,11 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 		}
 		st.s.m.largeRows.Inc()
 	}
-	// The body buffer is reused: PublishMsgAsync copies it into the
+	// The body buffer is reused: publishMsg copies it into the
 	// connection's write buffer before it returns, and with no retries
 	// (WithRetryAttempts(0)) it is never sent again.
 	st.body = r.encodeDelete(st.body[:0], &st.tx, seq, &st.img, ref)
-	if err := st.publishPos(ctx, r.subjects[st.txPart], msgID, st.tx.position(pos.n), st.body, r.what); err != nil {
+	if err := st.publishMsg(ctx, r.subjects[st.txPart], msgID, st.tx.position(pos.n), st.body, r.what, ref != nil); err != nil {
 		return err
 	}
 	r.deletes.Inc()
@@ -364,39 +366,73 @@ var (
 	noRetries      = jetstream.WithRetryAttempts(0)
 )
 
-// publish sends one message asynchronously, keeping the window of
-// un-acknowledged publishes bounded. Each message expects the previous one
-// as the stream's last message id, so if one is lost the following ones
-// fail too and the stream stays a prefix of what was sent.
+const (
+	// ackEvery: at most this many row messages are published in a row
+	// without asking for an acknowledgement (bounded by MaxInFlight/4);
+	// ackBytes bounds their bodies. Commits, marks, gaps and truncates
+	// always ask.
+	ackEvery = 64
+	ackBytes = 1 << 20
+)
+
+// publish sends one message asynchronously and asks for its
+// acknowledgement, keeping the window of un-acknowledged publishes bounded.
 func (st *streamer) publish(ctx context.Context, subject, msgID string, pos position, body []byte, what string) error {
-	return st.publishPos(ctx, subject, msgID, pos.String(), body, what)
+	return st.publishMsg(ctx, subject, msgID, pos.String(), body, what, true)
 }
 
-// publishPos is publish with the position header already formatted.
-func (st *streamer) publishPos(ctx context.Context, subject, msgID, pos string, body []byte, what string) error {
-	for st.tr.futures >= st.s.cfg.MaxInFlight || st.tr.bytes >= maxInFlightBytes {
+// publishMsg sends one message. Each message expects the previous one as
+// the stream's last message id, so if one is lost or refused every
+// following one is refused too and the stream stays a prefix of what was
+// sent. That is also why most row messages are published without asking
+// for an acknowledgement (core NATS, no reply subject): the next
+// acknowledged message proves them stored, in order (see tracker), and
+// JetStream builds no acknowledgement for them, the client tracks no
+// future for them.
+func (st *streamer) publishMsg(ctx context.Context, subject, msgID, pos string, body []byte, what string, ack bool) error {
+	for st.tr.len() > 0 && (st.tr.msgs >= st.s.cfg.MaxInFlight || st.tr.bytes >= maxInFlightBytes) {
 		if err := st.tr.waitFront(ctx, st.now); err != nil {
 			st.s.m.publishErrors.Inc()
 			return err
 		}
 	}
-	// Room for the two headers set here and the two PublishMsgAsync adds
-	// (Nats-Msg-Id, Nats-Expected-Last-Msg-Id).
-	h := make(nats.Header, 4)
-	h[event.HeaderVersion] = headerVersion1
-	h[HeaderPosition] = []string{pos}
-	m := &nats.Msg{Subject: subject, Data: body, Header: h}
-	opts := append(st.opts[:0], jetstream.WithMsgID(msgID), noRetries)
+	if !ack {
+		every := min(ackEvery, max(1, st.s.cfg.MaxInFlight/4))
+		ack = st.tr.looseMsgs+1 >= every || st.tr.looseSize+len(body) >= ackBytes
+	}
+	// One header map, reused: both publish paths encode it into the
+	// connection's buffer before they return, and with no retries
+	// (WithRetryAttempts(0)) nothing is sent again from it.
+	h := st.hdr
+	if h == nil {
+		h = make(nats.Header, 4)
+		h[event.HeaderVersion] = headerVersion1
+		st.hdr = h
+		st.hdrVals = make([]string, 3)
+	}
+	st.hdrVals[0], st.hdrVals[1], st.hdrVals[2] = pos, msgID, st.lastMsgID
+	h[HeaderPosition] = st.hdrVals[0:1:1]
+	h[jetstream.MsgIDHeader] = st.hdrVals[1:2:2]
 	if st.lastMsgID != "" {
-		opts = append(opts, jetstream.WithExpectLastMsgID(st.lastMsgID))
+		h[jetstream.ExpectedLastMsgIDHeader] = st.hdrVals[2:3:3]
+	} else {
+		delete(h, jetstream.ExpectedLastMsgIDHeader)
 	}
-	st.opts = opts
-	fut, err := st.js.PublishMsgAsync(m, opts...)
-	if err != nil {
-		st.s.m.publishErrors.Inc()
-		return fmt.Errorf("publish %s to %s: %w", what, subject, err)
+	m := &nats.Msg{Subject: subject, Data: body, Header: h}
+	if ack {
+		fut, err := st.js.PublishMsgAsync(m, noRetries)
+		if err != nil {
+			st.s.m.publishErrors.Inc()
+			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
+		}
+		st.tr.add(fut, len(body), what)
+	} else {
+		if err := st.nc.PublishMsg(m); err != nil {
+			st.s.m.publishErrors.Inc()
+			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
+		}
+		st.tr.loose(len(body))
 	}
-	st.tr.add(fut, len(body), what)
 	st.lastMsgID = msgID
 	return nil
 }

@@ -49,6 +49,9 @@ func TestConfigErrors(t *testing.T) {
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", Partitions: -1}, "partitions"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", SlotName: "Bad-Slot"}, "slot name"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", Tables: []string{"a.b.c"}}, "schema.table"},
+		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "fast"}, "use auto, async or default"},
+		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", Replicas: 3}, "1-replica stream"},
+		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", BrokerSyncInterval: -1}, "positive --broker-sync-interval"},
 	} {
 		_, err := New(tc.cfg)
 		requireFix(t, err, tc.want)

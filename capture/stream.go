@@ -82,6 +82,7 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jet
 			MaxAge:      cfg.Retention,
 			Replicas:    cfg.Replicas,
 			Duplicates:  cfg.DuplicateWindow,
+			PersistMode: persistMode(cfg.StreamPersist),
 			Metadata: map[string]string{
 				MetaPartitions:  strconv.Itoa(cfg.Partitions),
 				MetaSource:      cfg.SourceName,
@@ -113,6 +114,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jet
 	if src := info.Config.Metadata[MetaSource]; src != "" && src != cfg.SourceName {
 		return nil, configErr("stream %s belongs to source %q, not %q", name, src, cfg.SourceName)
 	}
+	if info.Config.PersistMode == jetstream.AsyncPersistMode && cfg.BrokerSyncInterval < 0 {
+		return nil, configErr("stream %s was made with persist mode async: its server may lose acknowledged messages it has not written yet, so confirmations must trail it (a positive --broker-sync-interval)", name)
+	}
 	if cfg.DuplicateWindow != info.Config.Duplicates || cfg.Retention != info.Config.MaxAge {
 		sc := info.Config
 		sc.Duplicates = cfg.DuplicateWindow
@@ -122,6 +126,13 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jet
 		}
 	}
 	return st, nil
+}
+
+func persistMode(s string) jetstream.PersistModeType {
+	if s == PersistAsync {
+		return jetstream.AsyncPersistMode
+	}
+	return jetstream.DefaultPersistMode
 }
 
 // readTail reads the last message the stream holds for this source.

@@ -16,10 +16,13 @@ type ackFuture interface {
 	Err() <-chan error
 }
 
-// trackItem is either an in-flight publish (fut != nil) or a position
-// marker: "once everything before me is acknowledged, lsn may be confirmed".
+// trackItem is either an in-flight acknowledged publish (fut != nil),
+// covering msgs messages (itself and the unacknowledged ones published
+// before it), or a position marker: "once everything before me is
+// acknowledged, lsn may be confirmed".
 type trackItem struct {
 	fut  ackFuture
+	msgs int
 	size int
 	what string
 	lsn  event.LSN
@@ -35,13 +38,22 @@ type safePos struct {
 // "written" when every publish queued before it is acknowledged, and
 // "safe" (confirmable) once those acknowledgements are older than the
 // broker's sync delay, because a 1-replica JetStream acknowledges before it
-// fsyncs. Memory is bounded: at most MaxInFlight futures, consecutive
+// fsyncs. Memory is bounded: at most MaxInFlight messages, consecutive
 // markers coalesce, and safe positions are bucketed per second.
+//
+// Not every message asks for an acknowledgement: a message published
+// without one is "loose" until the next acknowledged publish, which covers
+// it, because every message expects its predecessor as the stream's last
+// message id: an acknowledged message proves every message before it
+// stored, in order, and a refused loose message makes every later one fail.
 type tracker struct {
 	q         []trackItem
 	head      int
-	futures   int
+	msgs      int // in flight: loose and acknowledged publishes
 	bytes     int
+	looseMsgs int // published without acknowledgement, not yet covered
+	looseSize int
+	deferred  event.LSN // a mark made while messages were loose
 	syncDelay time.Duration
 
 	lastAckAt time.Time // when the newest acknowledged publish was acknowledged
@@ -62,16 +74,36 @@ func newTracker(syncDelay time.Duration, now time.Time) *tracker {
 
 func (t *tracker) len() int { return len(t.q) - t.head }
 
-// add queues an in-flight publish.
-func (t *tracker) add(fut ackFuture, size int, what string) {
-	t.q = append(t.q, trackItem{fut: fut, size: size, what: what})
-	t.futures++
+// loose counts a message published without an acknowledgement: the next
+// acknowledged publish covers it.
+func (t *tracker) loose(size int) {
+	t.looseMsgs++
+	t.looseSize += size
+	t.msgs++
 	t.bytes += size
 }
 
+// add queues an in-flight acknowledged publish, covering the loose
+// messages before it.
+func (t *tracker) add(fut ackFuture, size int, what string) {
+	t.q = append(t.q, trackItem{fut: fut, msgs: t.looseMsgs + 1, size: t.looseSize + size, what: what})
+	t.msgs++
+	t.bytes += size
+	t.looseMsgs, t.looseSize = 0, 0
+	if t.deferred != 0 {
+		t.q = append(t.q, trackItem{lsn: t.deferred})
+		t.deferred = 0
+	}
+}
+
 // mark queues a position: lsn may be confirmed once everything queued
-// before it is acknowledged (and synced).
+// before it is acknowledged (and synced). While messages are loose the
+// mark waits for the acknowledged publish that covers them.
 func (t *tracker) mark(lsn event.LSN, now time.Time) {
+	if t.looseMsgs > 0 {
+		t.deferred = max(t.deferred, lsn)
+		return
+	}
 	if t.len() == 0 {
 		t.written0(lsn, now)
 		return
@@ -113,7 +145,7 @@ func (t *tracker) poll(now time.Time) error {
 			select {
 			case <-it.fut.Ok():
 			case err := <-it.fut.Err():
-				return fmt.Errorf("publish %s: %w", it.what, err)
+				return it.err(err)
 			default:
 				t.compact()
 				return nil
@@ -147,7 +179,7 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 			t.popFuture(now())
 			return t.poll(now())
 		case err := <-it.fut.Err():
-			return fmt.Errorf("publish %s: %w", it.what, err)
+			return it.err(err)
 		case <-ctx.Done():
 			return fmt.Errorf("wait for publish acknowledgement: %w", ctx.Err())
 		}
@@ -155,17 +187,30 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 	return nil
 }
 
+func (it trackItem) err(err error) error {
+	if it.msgs > 1 {
+		// A refused message fails every later one on its expected last
+		// message id: the first cause may be one of the loose messages.
+		return fmt.Errorf("publish %s (acknowledging it and the %d messages before it): %w", it.what, it.msgs-1, err)
+	}
+	return fmt.Errorf("publish %s: %w", it.what, err)
+}
+
 func (t *tracker) popFuture(now time.Time) {
 	it := t.q[t.head]
 	t.lastAckAt = now
-	t.futures--
+	t.msgs -= it.msgs
 	t.bytes -= it.size
 	t.q[t.head] = trackItem{}
 	t.head++
 }
 
-// drain waits until nothing is in flight.
+// drain waits until nothing is in flight. Loose messages must have been
+// covered by an acknowledged publish first.
 func (t *tracker) drain(ctx context.Context, now func() time.Time) error {
+	if t.looseMsgs > 0 {
+		return fmt.Errorf("internal error: %d messages published without an acknowledged publish after them", t.looseMsgs)
+	}
 	for t.len() > 0 {
 		if err := t.waitFront(ctx, now); err != nil {
 			return err

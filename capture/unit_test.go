@@ -69,6 +69,46 @@ func TestTrackerConfirmsOnlyAckedAndSynced(t *testing.T) {
 	require.Equal(t, event.LSN(400), tr.safeLSN(t0.Add(time.Hour)))
 }
 
+// TestTrackerLooseMessagesCoveredByNextAck: messages published without an
+// acknowledgement count in the window and are confirmed only by the
+// acknowledged publish after them; a mark made while they are loose waits
+// for it; its failure names how many messages it covered.
+func TestTrackerLooseMessagesCoveredByNextAck(t *testing.T) {
+	t.Parallel()
+	t0 := time.Unix(1000, 0)
+	tr := newTracker(0, t0)
+	tr.loose(10)
+	tr.loose(20)
+	tr.mark(100, t0) // must not confirm the loose messages
+	require.Equal(t, event.LSN(0), tr.written)
+	require.Equal(t, 2, tr.msgs)
+	require.Equal(t, 30, tr.bytes)
+	require.ErrorContains(t, tr.drain(context.Background(), func() time.Time { return t0 }), "without an acknowledged publish")
+
+	a := newFake()
+	tr.add(a, 5, "row 3")
+	require.Equal(t, 3, tr.msgs)
+	require.Equal(t, 35, tr.bytes)
+	require.Equal(t, 0, tr.looseMsgs)
+	require.NoError(t, tr.poll(t0))
+	require.Equal(t, event.LSN(0), tr.written, "nothing acknowledged yet")
+	a.ack()
+	require.NoError(t, tr.poll(t0))
+	require.Equal(t, event.LSN(100), tr.written, "the deferred mark follows its covering ack")
+	require.Equal(t, 0, tr.msgs)
+	require.Equal(t, 0, tr.bytes)
+
+	tr.loose(1)
+	tr.loose(1)
+	b := newFake()
+	tr.add(b, 1, "commit 0/200")
+	tr.mark(200, t0)
+	b.err <- errors.New("wrong last msg ID")
+	err := tr.poll(t0)
+	require.ErrorContains(t, err, "publish commit 0/200 (acknowledging it and the 2 messages before it): wrong last msg ID")
+	require.Equal(t, event.LSN(100), tr.safeLSN(t0.Add(time.Hour)))
+}
+
 func TestTrackerWaitFrontPopsConsumedAck(t *testing.T) {
 	t.Parallel()
 	now := func() time.Time { return time.Unix(0, 0) }
@@ -88,7 +128,7 @@ func TestTrackerWaitFrontPopsConsumedAck(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	require.NoError(t, tr.drain(ctx, now))
-	require.Equal(t, 0, tr.futures)
+	require.Equal(t, 0, tr.msgs)
 	require.Equal(t, event.LSN(10), tr.safeLSN(now()))
 
 	tr.add(newFake(), 1, "never")

@@ -162,6 +162,15 @@ func (s *supervised) Stats() string {
 	return fmt.Sprintf("%s: starts=%d kills=%d self_exits=%d", s.name, s.starts, s.kills, s.selfExit)
 }
 
+// LogCount counts the lines of the process's log (every run) containing sub.
+func (s *supervised) LogCount(sub string) int {
+	b, err := os.ReadFile(filepath.Join(s.dir, s.name+".log"))
+	if err != nil {
+		return 0
+	}
+	return strings.Count(string(b), sub)
+}
+
 func (s *supervised) logTail(n int) string {
 	b, err := os.ReadFile(filepath.Join(s.dir, s.name+".log"))
 	if err != nil {
