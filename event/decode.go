@@ -69,6 +69,18 @@ func (d *Decoder) Decode(data []byte) (*Event, error) {
 	if len(trimmed) == 0 || trimmed[0] != '{' {
 		return nil, decodeErr(CategoryMalformed, "body is not a JSON object (%d bytes)", len(data))
 	}
+	if e, ok := decodeFast(trimmed); ok {
+		if err := e.Validate(); err != nil {
+			return nil, err
+		}
+		return e, nil
+	}
+	return d.decodeSlow(trimmed)
+}
+
+// decodeSlow is Decode with encoding/json: the reference the fast path
+// must agree with, and the only path that reports errors.
+func (d *Decoder) decodeSlow(trimmed []byte) (*Event, error) {
 	var w wireEvent
 	err := json.Unmarshal(trimmed, &w)
 	var se *json.SyntaxError
@@ -76,10 +88,10 @@ func (d *Decoder) Decode(data []byte) (*Event, error) {
 		return nil, decodeErr(CategoryMalformed, "body is not a JSON object: syntax error at offset %d", se.Offset)
 	}
 	if err == nil {
-		w.Event.Columns, err = shapes.columns(w.Columns)
+		w.Event.Columns, err = shapes.columns(string(w.Columns))
 	}
 	if err == nil {
-		w.Event.Refs, err = shapes.refs(w.Refs)
+		w.Event.Refs, err = shapes.refs(string(w.Refs))
 	}
 	e := &w.Event
 	if err != nil || e.V != Version {
@@ -114,46 +126,46 @@ type shapeCache struct {
 	refMap map[string][]Ref
 }
 
-func (c *shapeCache) columns(raw json.RawMessage) ([]Column, error) {
-	if len(raw) == 0 || string(raw) == "null" {
+func (c *shapeCache) columns(raw string) ([]Column, error) {
+	if len(raw) == 0 || raw == "null" {
 		return nil, nil
 	}
 	c.mu.Lock()
-	v, ok := c.cols[string(raw)]
+	v, ok := c.cols[raw]
 	c.mu.Unlock()
 	if ok {
 		return v, nil
 	}
-	if err := json.Unmarshal(raw, &v); err != nil {
+	if err := json.Unmarshal([]byte(raw), &v); err != nil {
 		return nil, fieldErr("columns", err)
 	}
 	c.mu.Lock()
 	if len(c.cols) >= maxShapes {
 		clear(c.cols)
 	}
-	c.cols[string(raw)] = v
+	c.cols[raw] = v
 	c.mu.Unlock()
 	return v, nil
 }
 
-func (c *shapeCache) refs(raw json.RawMessage) ([]Ref, error) {
-	if len(raw) == 0 || string(raw) == "null" {
+func (c *shapeCache) refs(raw string) ([]Ref, error) {
+	if len(raw) == 0 || raw == "null" {
 		return nil, nil
 	}
 	c.mu.Lock()
-	v, ok := c.refMap[string(raw)]
+	v, ok := c.refMap[raw]
 	c.mu.Unlock()
 	if ok {
 		return v, nil
 	}
-	if err := json.Unmarshal(raw, &v); err != nil {
+	if err := json.Unmarshal([]byte(raw), &v); err != nil {
 		return nil, fieldErr("refs", err)
 	}
 	c.mu.Lock()
 	if len(c.refMap) >= maxShapes {
 		clear(c.refMap)
 	}
-	c.refMap[string(raw)] = v
+	c.refMap[raw] = v
 	c.mu.Unlock()
 	return v, nil
 }

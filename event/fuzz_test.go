@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,7 +15,9 @@ import (
 
 // FuzzDecode: no input panics, and every input either decodes — and then
 // encodes to a body that decodes to an equal event (encoding is a fixpoint)
-// — or fails with a classified *event.DecodeError. The seed corpus in
+// — or fails with a classified *event.DecodeError. Whenever the fast path
+// accepts a body, the encoding/json path gives the same event or the same
+// error. The seed corpus in
 // testdata/fuzz/FuzzDecode holds a valid event of every op, v2 bodies,
 // wrong types and garbage. Both the default decoder and one taught a v2
 // format are exercised.
@@ -22,13 +25,38 @@ func FuzzDecode(f *testing.F) {
 	f.Add([]byte(`{"v":1,"op":"commit","source":"main","xid":1,"commit_lsn":"0/10","rows":1,"tables":{"public.t":1}}`))
 	f.Add([]byte(`{"v":2,"op":"delete"}`))
 	f.Add([]byte("garbage"))
+	f.Add([]byte(`{"v":1,"op":"delete","source":"m\u0061in","schema":"p\u00e9","table":"t\ud800","xid":7,"commit_lsn":"0/1A","commit_time":"2026-11-30T09:00:00.123456Z","seq":0,"identity":"full","columns":[{"name":"id","type":"int8","pk":true}],"key":{"id":1},"row":{"id":1, "v" : [1, {"a":null}]},"refs":[]}`))
+	f.Add([]byte(`{"v":1,"OP":"commit","source":"main","commit_lsn":"0/10","rows":1.0,"tables":{"public.t":1}}`))
+	f.Add([]byte(`{"v":1,"op":"mark","source":"main","lsn":"0/10","kind":null,"time":null,"partition":-0,"content":"é"}`))
 
 	taught := &event.Decoder{Upgraders: map[int]func([]byte) ([]byte, error){2: upgradeV2}}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		for _, d := range []*event.Decoder{{}, taught} {
 			checkDecode(t, d, data)
 		}
+		checkFastMatchesSlow(t, data)
 	})
+}
+
+func checkFastMatchesSlow(t *testing.T, data []byte) {
+	trimmed := bytes.TrimSpace(data)
+	fast, ok := event.DecodeFast(trimmed)
+	if !ok {
+		return
+	}
+	slow, err := event.DecodeSlow(trimmed)
+	if ferr := fast.Validate(); ferr != nil {
+		if err == nil || err.Error() != ferr.Error() {
+			t.Fatalf("fast path: %v; encoding/json path: %v", ferr, err)
+		}
+		return
+	}
+	if err != nil {
+		t.Fatalf("fast path accepted what encoding/json refuses (%v):\n%q", err, data)
+	}
+	if !reflect.DeepEqual(fast, slow) {
+		t.Fatalf("fast and encoding/json paths differ:\n%+v\n%+v", fast, slow)
+	}
 }
 
 func checkDecode(t *testing.T, d *event.Decoder, data []byte) {
@@ -108,6 +136,9 @@ func TestSeedCorpus(t *testing.T) {
 		e, err := event.Decode(read(name))
 		if err != nil || e.Op != op {
 			t.Fatalf("%s: want a %s event, got %v, %v", name, op, e, err)
+		}
+		if _, ok := event.DecodeFast(read(name)); !ok {
+			t.Fatalf("%s: the fast path does not take what the capture writes", name)
 		}
 	}
 	bad := map[string]event.Category{

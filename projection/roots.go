@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"strings"
 
+	"github.com/tidwall/gjson"
+
 	"github.com/epitaph-dev/epitaph/event"
 )
 
@@ -64,17 +66,24 @@ func markRootsInMemory(rows []*archiveRow) {
 		}
 		return
 	}
-	values := make([]map[string]json.RawMessage, len(rows))
-	for i, r := range rows {
-		_ = json.Unmarshal(r.row, &values[i]) // unreadable: no values, so neither parent nor child
-	}
 	// Index the candidate parents under every (table, columns) some ref
-	// points at.
+	// points at. Only the columns some ref names are read from the rows.
 	wanted := map[string]bool{}
+	cols := map[string]bool{}
 	for _, r := range rows {
 		for _, f := range r.ev.Refs {
 			wanted[specKey(f.Schema, f.Table, f.RefColumns)] = true
+			for _, c := range f.Columns {
+				cols[c] = true
+			}
+			for _, c := range f.RefColumns {
+				cols[c] = true
+			}
 		}
+	}
+	values := make([]map[string]json.RawMessage, len(rows))
+	for i, r := range rows {
+		values[i] = columnValues(r.row, cols) // unreadable: no values, so neither parent nor child
 	}
 	parents := map[string][]int{}
 	for i, r := range rows {
@@ -116,6 +125,28 @@ func specKey(schema, table string, cols []string) string {
 func splitSpec(spec string) (schema, table string, cols []string) {
 	parts := strings.Split(spec, "\x00")
 	return parts[0], parts[1], parts[2:]
+}
+
+// columnValues returns the raw values of the columns in want of a row image
+// (a JSON object), reading only its top level; nil when row is not a JSON
+// object. As with encoding/json, a repeated name keeps its last value.
+func columnValues(row []byte, want map[string]bool) map[string]json.RawMessage {
+	s := string(row)
+	if !gjson.Valid(s) {
+		return nil
+	}
+	obj := gjson.Parse(s)
+	if !obj.IsObject() {
+		return nil
+	}
+	values := make(map[string]json.RawMessage, len(want))
+	obj.ForEach(func(k, v gjson.Result) bool {
+		if want[k.Str] {
+			values[k.Str] = json.RawMessage(v.Raw)
+		}
+		return true
+	})
+	return values
 }
 
 // keyOf is the values of cols in compact JSON, and false when one is
@@ -194,19 +225,17 @@ func decideEarly(rows []*archiveRow, settled map[event.LSN]bool, open *openTx) *
 // child's foreign key is looked up with.
 func pkKey(r *archiveRow) (string, bool) {
 	var cols []string
+	want := map[string]bool{}
 	for _, c := range r.ev.Columns {
 		if c.PK {
 			cols = append(cols, c.Name)
+			want[c.Name] = true
 		}
 	}
 	if len(cols) == 0 || len(r.ev.Key) == 0 {
 		return "", false
 	}
-	var key map[string]json.RawMessage
-	if err := json.Unmarshal(r.ev.Key, &key); err != nil {
-		return "", false
-	}
-	k, ok := keyOf(key, cols)
+	k, ok := keyOf(columnValues(r.ev.Key, want), cols)
 	if !ok {
 		return "", false
 	}
@@ -217,8 +246,14 @@ func parentSeen(r *archiveRow, open *openTx) bool {
 	if len(open.keys) == 0 {
 		return false
 	}
-	var values map[string]json.RawMessage
-	if err := json.Unmarshal(r.row, &values); err != nil {
+	cols := map[string]bool{}
+	for _, f := range r.ev.Refs {
+		for _, c := range f.Columns {
+			cols[c] = true
+		}
+	}
+	values := columnValues(r.row, cols)
+	if values == nil {
 		return false
 	}
 	own, _ := pkKey(r)
