@@ -85,8 +85,13 @@ GROUP BY v.projection, v.version, v.state, v.schema_name`
 // PointViews re-points the reader views of schema "archive" (archive.rows,
 // and archive.snapshots when that version has a snapshots table) at
 // archive_v<version>, inside tx: readers see the old or the new version,
-// never a mix and never a missing view.
+// never a mix and never a missing view. It takes the version lock (held to
+// the end of tx, re-entrant), so a worker re-pointing the views from the
+// versions it read cannot undo a caller that changed the states itself.
 func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
+	if err := lockVersions(ctx, tx); err != nil {
+		return err
+	}
 	schema := ArchiveSchema(version)
 	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS archive`); err != nil {
 		return fmt.Errorf("create schema archive: %w", err)
