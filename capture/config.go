@@ -57,7 +57,8 @@ type Config struct {
 	// HeartbeatInterval between pg_logical_emit_message heartbeats; default
 	// 10s. Negative disables heartbeats.
 	HeartbeatInterval time.Duration
-	// MaxInFlight bounds the un-acknowledged async publishes; default 4096.
+	// MaxInFlight bounds the messages in flight (published, not yet proven
+	// stored by an acknowledgement); default 4096.
 	MaxInFlight int
 	// Replicas of the stream when it is created; default 1.
 	Replicas int

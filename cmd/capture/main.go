@@ -50,7 +50,7 @@ func run(args []string) error {
 	dur(fs, &cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 2*time.Minute, "JetStream dedupe window")
 	dur(fs, &cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
 	str(fs, &cfg.StreamPersist, "stream-persist", "EPITAPH_STREAM_PERSIST", "auto", "persist mode of a new stream: async (acknowledge before the write; safe with the trailing confirmation), default (write, then acknowledge) or auto (async with the embedded broker)")
-	num(fs, &cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "un-acknowledged publishes at most")
+	num(fs, &cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "messages in flight (published, not yet acknowledged) at most")
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
