@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
@@ -484,4 +486,84 @@ func TestPeakRSSOneMillionRowDelete(t *testing.T) {
 		n, deleted.Round(time.Millisecond), took.Round(time.Millisecond), float64(n)/took.Seconds(),
 		float64(idle)/(1<<20), float64(peak)/(1<<20), PeakRSSBound>>20)
 	require.Less(t, peak, int64(PeakRSSBound))
+}
+
+// TestEmbeddedBrokerLosesAcknowledgedTail: the capture with its embedded
+// broker (persist mode async) is SIGKILLed right after its messages were
+// acknowledged, and its stream then loses an acknowledged tail, as after a
+// crash that tore the last writes (the last message block is cut short and
+// the stream's index removed, so the server recovers from the blocks). The
+// confirmed LSN trailed the acknowledgements, so the restarted capture gets
+// the lost rows from the slot again: the stream ends with every row exactly
+// once.
+func TestEmbeddedBrokerLosesAcknowledgedTail(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs a capture process")
+	}
+	t.Parallel()
+	ctx := context.Background()
+	db := testenv.NewDatabase(t)
+	testenv.Exec(t, db, `CREATE TABLE items (id int PRIMARY KEY, pad text); ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT i, repeat('p', 300) FROM generate_series(1, 5000) i`)
+	port, err := testenv.FreePort()
+	require.NoError(t, err)
+	listen := "127.0.0.1:" + strconv.Itoa(port)
+	dataDir := t.TempDir()
+	p := startCapProc(t, "capture-embedded", buildCapture(t), map[string]string{
+		"EPITAPH_SOURCE_URL":         db,
+		"EPITAPH_DATA_DIR":           dataDir,
+		"EPITAPH_NATS_LISTEN":        listen,
+		"EPITAPH_SLOT":               dbName(t, db),
+		"EPITAPH_PUBLICATION":        dbName(t, db),
+		"EPITAPH_TABLES":             "items",
+		"EPITAPH_PARTITIONS":         "2",
+		"EPITAPH_HEARTBEAT_INTERVAL": "-1s",
+	})
+	require.Eventually(t, func() bool { v, ok := p.active(); return ok && v == 1 }, 60*time.Second, 100*time.Millisecond)
+	const rows, txs = 5000, 5
+	for i := range txs {
+		testenv.Exec(t, db, `DELETE FROM items WHERE id > $1 AND id <= $2`, i*rows/txs, (i+1)*rows/txs)
+	}
+	e := &env{nats: &testenv.NATS{URL: "nats://" + listen}}
+	nc, js := e.nats.Connect(t)
+	e.js = js
+	require.Len(t, e.messages(t, "main", rows+txs), rows+txs)
+	nc.Close()
+	p.kill()
+
+	// The crash tore the tail: cut the last block and drop the index.
+	blocks, err := filepath.Glob(filepath.Join(dataDir, "jetstream", "jetstream", "*", "streams", "EPITAPH_MAIN", "msgs", "*.blk"))
+	require.NoError(t, err)
+	require.NotEmpty(t, blocks, "message blocks under %s", dataDir)
+	last := blocks[len(blocks)-1]
+	st, err := os.Stat(last)
+	require.NoError(t, err)
+	require.NoError(t, os.Truncate(last, st.Size()*6/10))
+	if err := os.Remove(filepath.Join(filepath.Dir(last), "index.db")); !errors.Is(err, os.ErrNotExist) {
+		require.NoError(t, err)
+	}
+
+	// What the broker holds after the crash: fewer messages than it acknowledged.
+	b, err := broker.Start(broker.Config{StoreDir: filepath.Join(dataDir, "jetstream"), Listen: "127.0.0.1:0"})
+	require.NoError(t, err)
+	probe := &env{nats: &testenv.NATS{URL: b.ClientURL()}}
+	pnc, pjs := probe.nats.Connect(t)
+	stream, err := pjs.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	info, err := stream.Info(ctx)
+	require.NoError(t, err)
+	kept := info.State.Msgs
+	pnc.Close()
+	b.Shutdown()
+	t.Logf("the stream kept %d of %d acknowledged messages", kept, rows+txs)
+	require.Less(t, kept, uint64(rows+txs), "the tail was lost")
+
+	p.start()
+	require.Eventually(t, func() bool { v, ok := p.active(); return ok && v == 1 }, 60*time.Second, 100*time.Millisecond)
+	nc, js = e.nats.Connect(t)
+	defer nc.Close()
+	e.js = js
+	ms := e.messages(t, "main", rows+txs)
+	require.Len(t, ms, rows+txs)
+	requireOnce(t, ms, rows)
 }
