@@ -6,6 +6,10 @@
 // 1,000,000 rows in a single transaction through a running capture and
 // prints the capture's peak RSS.
 //
+// Then it measures what archiving costs the source: the same deletes with
+// nothing archiving them, with a trigger-based archive, and while the
+// capture streams them.
+//
 // The big transaction runs twice: with the capture's embedded JetStream (the
 // single-machine default, whose broker memory counts in the process) and with
 // an external server (the capture alone).
@@ -38,13 +42,14 @@ func main() {
 	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
 	bigRows := flag.Int("big-tx-rows", 1_000_000, "rows of the single big transaction (0 = skip)")
 	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
+	cost := flag.Bool("source-cost", true, "also measure the source's DELETE rate plain, with a trigger-based archive and while the capture streams (-rows rows each)")
 	flag.Parse()
-	if err := run(*rows, *perTx, *bigRows, *keep); err != nil {
+	if err := run(*rows, *perTx, *bigRows, *keep, *cost); err != nil {
 		log.Fatalf("bench-capture: %v", err)
 	}
 }
 
-func run(rows, perTx, bigRows int, keep bool) (err error) {
+func run(rows, perTx, bigRows int, keep, cost bool) (err error) {
 	ctx := context.Background()
 	bench.LoadNote("at start")
 	defer bench.LoadNote("at end")
@@ -75,6 +80,11 @@ func run(rows, perTx, bigRows int, keep bool) (err error) {
 
 	if rows > 0 {
 		if err := backlog(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
+			return err
+		}
+	}
+	if rows > 0 && cost {
+		if err := sourceCost(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,197 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+)
+
+// triggerArchiveSQL is the usual trigger-based archive, the alternative to
+// reading the WAL: every deleted row copied as JSON, in the deleting
+// transaction, into a table of its own.
+const triggerArchiveSQL = `
+CREATE SCHEMA trigger_archive;
+CREATE TABLE trigger_archive.rows (
+    id bigserial PRIMARY KEY,
+    schema_name text NOT NULL,
+    table_name text NOT NULL,
+    row jsonb NOT NULL,
+    xid bigint NOT NULL,
+    deleted_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE FUNCTION trigger_archive.keep() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO trigger_archive.rows (schema_name, table_name, row, xid)
+    VALUES (TG_TABLE_SCHEMA, TG_TABLE_NAME, to_jsonb(OLD), txid_current());
+    RETURN OLD;
+END $$;
+`
+
+// sourceCost measures what archiving costs the application's DELETEs: the
+// same cascading deletes (fresh databases, same seed) with nothing
+// archiving them, with a trigger-based archive, and while the capture (with
+// its embedded broker) streams them from the WAL on the same two cores,
+// and while pg_recvlogical decodes them (the walsender's share).
+// The plain run goes first and last; the faster is the baseline.
+func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int) error {
+	seed := bench.ShopFor(rows)
+	prepare := func(name string) (url string, n int64, err error) {
+		url, err = bench.CreateDatabase(ctx, pg, name)
+		if err != nil {
+			return "", 0, err
+		}
+		if err := workload.Setup(ctx, url); err != nil {
+			return "", 0, err
+		}
+		counts, err := workload.Seed(ctx, url, seed)
+		if err != nil {
+			return "", 0, err
+		}
+		return url, int64(counts.Total() - counts.Customers), nil
+	}
+	run := func(name string, setup func(url string) (stop func() error, err error)) (float64, error) {
+		url, n, err := prepare("source_cost_" + name)
+		if err != nil {
+			return 0, err
+		}
+		stop := func() error { return nil }
+		if setup != nil {
+			if stop, err = setup(url); err != nil {
+				return 0, err
+			}
+		}
+		took, err := bench.DeleteAllOrders(ctx, url, perTx)
+		if err != nil {
+			return 0, err
+		}
+		if err := stop(); err != nil {
+			return 0, err
+		}
+		rate := float64(n) / took.Seconds()
+		bench.Figure("capture.source_cost."+name+"_delete_rows_per_sec", rate, fmt.Sprintf("rows/s (%d rows)", n))
+		return rate, nil
+	}
+
+	plain1, err := run("plain_first", nil)
+	if err != nil {
+		return err
+	}
+	trigger, err := run("trigger", func(url string) (func() error, error) {
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			return nil, err
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, triggerArchiveSQL); err != nil {
+			return nil, fmt.Errorf("trigger archive: %w", err)
+		}
+		for _, t := range workload.Tables {
+			if _, err := conn.Exec(ctx, `CREATE TRIGGER keep_deleted AFTER DELETE ON `+t+
+				` FOR EACH ROW EXECUTE FUNCTION trigger_archive.keep()`); err != nil {
+				return nil, fmt.Errorf("trigger on %s: %w", t, err)
+			}
+		}
+		return func() error {
+			// The trigger archive must have kept every row, or the
+			// comparison is void.
+			n, err := bench.Count(ctx, url, `SELECT count(*) FROM trigger_archive.rows`)
+			if err == nil && n == 0 {
+				err = fmt.Errorf("the trigger archive kept nothing")
+			}
+			return err
+		}, nil
+	})
+	if err != nil {
+		return err
+	}
+	withCapture, err := run("with_capture", func(url string) (func() error, error) {
+		listen, err := bench.LocalAddr()
+		if err != nil {
+			return nil, err
+		}
+		metrics, err := bench.LocalAddr()
+		if err != nil {
+			return nil, err
+		}
+		env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "source-cost-data"), metrics, "main", "epitaph_source_cost")
+		watch, err := bench.WatchStream("nats://"+listen, "main")
+		if err != nil {
+			return nil, err
+		}
+		p, err := bench.StartProc("capture-source-cost", captureBin, env, dir)
+		if err != nil {
+			watch.Close()
+			return nil, err
+		}
+		if err := bench.WaitCaptureReady(ctx, watch, url, "epitaph_source_cost", 2*time.Minute, exited(p)); err != nil {
+			p.Kill()
+			watch.Close()
+			return nil, fmt.Errorf("capture did not start: %w", err)
+		}
+		return func() error {
+			defer watch.Close()
+			defer p.Kill()
+			n, err := bench.Count(ctx, url, `SELECT count(*) FROM public.order_lines`)
+			if err != nil {
+				return err
+			}
+			if n != 0 {
+				return fmt.Errorf("%d order lines left", n)
+			}
+			return p.Stop(30 * time.Second)
+		}, nil
+	})
+	if err != nil {
+		return err
+	}
+	// The share of that which is logical decoding itself (the walsender on
+	// the source, what any WAL-based tool costs): pg_recvlogical reading the
+	// deletes as they happen.
+	withRecv, err := run("with_pg_recvlogical", func(url string) (func() error, error) {
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			return nil, err
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, `CREATE PUBLICATION source_cost FOR TABLE `+strings.Join(workload.Tables, ", ")+
+			` WITH (publish = 'delete, truncate')`); err != nil {
+			return nil, err
+		}
+		if _, err := conn.Exec(ctx, `SELECT pg_create_logical_replication_slot('source_cost', 'pgoutput')`); err != nil {
+			return nil, err
+		}
+		cmd := exec.CommandContext(ctx, filepath.Join(pg.BinDir, "pg_recvlogical"),
+			"-d", url, "-S", "source_cost", "--start", "-o", "proto_version=1", "-o", "publication_names=source_cost",
+			"-f", filepath.Join(dir, "source-cost.out"))
+		if err := cmd.Start(); err != nil {
+			return nil, err
+		}
+		return func() error {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return nil
+		}, nil
+	})
+	if err != nil {
+		return err
+	}
+	plain2, err := run("plain_last", nil)
+	if err != nil {
+		return err
+	}
+	plain := max(plain1, plain2)
+	bench.Figure("capture.source_cost.plain_delete_rows_per_sec", plain, "rows/s (the faster plain run: the baseline)")
+	bench.Figure("capture.source_cost.trigger_slowdown", plain/trigger, "x (DELETE time with a trigger-based archive / without)")
+	bench.Figure("capture.source_cost.capture_slowdown", plain/withCapture, "x (DELETE time while the capture and its broker stream them on the same cores / without)")
+	bench.Figure("capture.source_cost.decoding_slowdown", plain/withRecv, "x (DELETE time while pg_recvlogical decodes them / without: the walsender's share)")
+	return nil
+}
