@@ -122,3 +122,7 @@ func (s *Server) Shutdown() {
 	s.ns.Shutdown()
 	s.ns.WaitForShutdown()
 }
+
+// InProcessConn is a connection to the server without a socket (for
+// nats.InProcessServer).
+func (s *Server) InProcessConn() (net.Conn, error) { return s.ns.InProcessConn() }

@@ -182,13 +182,14 @@ func ensureRowBucket(ctx context.Context, js jetstream.JetStream, cfg *Config) (
 // connectNATS connects with no reconnect buffer: while disconnected every
 // publish fails at once instead of being buffered and sent later, so the
 // stream always holds a prefix of what the capture published.
-func connectNATS(url, name string) (*nats.Conn, error) {
-	nc, err := nats.Connect(url,
+func connectNATS(url, name string, extra ...nats.Option) (*nats.Conn, error) {
+	opts := append([]nats.Option{
 		nats.Name(name),
 		nats.ReconnectBufSize(-1),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(250*time.Millisecond),
-	)
+	}, extra...)
+	nc, err := nats.Connect(url, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to NATS at %s: %w", RedactURL(url), err)
 	}
