@@ -187,7 +187,7 @@ func connectNATS(url, name string, extra ...nats.Option) (*nats.Conn, error) {
 		nats.Name(name),
 		nats.ReconnectBufSize(-1),
 		nats.MaxReconnects(-1),
-		nats.ReconnectWait(250*time.Millisecond),
+		nats.ReconnectWait(250 * time.Millisecond),
 	}, extra...)
 	nc, err := nats.Connect(url, opts...)
 	if err != nil {
