@@ -88,10 +88,10 @@ func (d *Decoder) decodeSlow(trimmed []byte) (*Event, error) {
 		return nil, decodeErr(CategoryMalformed, "body is not a JSON object: syntax error at offset %d", se.Offset)
 	}
 	if err == nil {
-		w.Event.Columns, err = shapes.columns(string(w.Columns))
+		w.Event.Columns, err = shapes.columns.get(string(w.Columns))
 	}
 	if err == nil {
-		w.Event.Refs, err = shapes.refs(string(w.Refs))
+		w.Event.Refs, err = shapes.refs.get(string(w.Refs))
 	}
 	e := &w.Event
 	if err != nil || e.V != Version {
@@ -115,57 +115,39 @@ type wireEvent struct {
 // shapes caches decoded column and foreign-key lists by their exact bytes.
 // Decoded events share these slices: treat Event.Columns and Event.Refs as
 // read-only.
-var shapes = &shapeCache{cols: map[string][]Column{}, refMap: map[string][]Ref{}}
+var shapes = struct {
+	columns shapeCache[Column]
+	refs    shapeCache[Ref]
+}{shapeCache[Column]{field: "columns"}, shapeCache[Ref]{field: "refs"}}
 
-// maxShapes bounds the cache; past it the cache starts again empty.
+// maxShapes bounds each cache; past it the cache starts again empty.
 const maxShapes = 4096
 
-type shapeCache struct {
-	mu     sync.Mutex
-	cols   map[string][]Column
-	refMap map[string][]Ref
+// shapeCache decodes the JSON array of one field, once per distinct text.
+type shapeCache[T any] struct {
+	field string
+	mu    sync.Mutex
+	m     map[string][]T
 }
 
-func (c *shapeCache) columns(raw string) ([]Column, error) {
+func (c *shapeCache[T]) get(raw string) ([]T, error) {
 	if len(raw) == 0 || raw == "null" {
 		return nil, nil
 	}
 	c.mu.Lock()
-	v, ok := c.cols[raw]
+	v, ok := c.m[raw]
 	c.mu.Unlock()
 	if ok {
 		return v, nil
 	}
 	if err := json.Unmarshal([]byte(raw), &v); err != nil {
-		return nil, fieldErr("columns", err)
+		return nil, fieldErr(c.field, err)
 	}
 	c.mu.Lock()
-	if len(c.cols) >= maxShapes {
-		clear(c.cols)
+	if c.m == nil || len(c.m) >= maxShapes {
+		c.m = map[string][]T{}
 	}
-	c.cols[raw] = v
-	c.mu.Unlock()
-	return v, nil
-}
-
-func (c *shapeCache) refs(raw string) ([]Ref, error) {
-	if len(raw) == 0 || raw == "null" {
-		return nil, nil
-	}
-	c.mu.Lock()
-	v, ok := c.refMap[raw]
-	c.mu.Unlock()
-	if ok {
-		return v, nil
-	}
-	if err := json.Unmarshal([]byte(raw), &v); err != nil {
-		return nil, fieldErr("refs", err)
-	}
-	c.mu.Lock()
-	if len(c.refMap) >= maxShapes {
-		clear(c.refMap)
-	}
-	c.refMap[raw] = v
+	c.m[raw] = v
 	c.mu.Unlock()
 	return v, nil
 }

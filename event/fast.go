@@ -103,10 +103,10 @@ func decodeFast(data []byte) (e *Event, ok bool) {
 		return nil, false
 	}
 	var err error
-	if e.Columns, err = shapes.columns(cols); err != nil {
+	if e.Columns, err = shapes.columns.get(cols); err != nil {
 		return nil, false
 	}
-	if e.Refs, err = shapes.refs(refs); err != nil {
+	if e.Refs, err = shapes.refs.get(refs); err != nil {
 		return nil, false
 	}
 	return e, true

@@ -1,12 +1,10 @@
 package projection
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 
@@ -172,36 +170,9 @@ func itemRowKey(it *item) (rowKey, bool) {
 	if schema == "" || table == "" {
 		return rowKey{}, false
 	}
-	k := normalizeRowKey(key)
-	if k == nil {
+	s, t, k, ok := quarantine.SourceRow(schema, table, key)
+	if !ok {
 		return rowKey{}, false
 	}
-	return rowKey{schema: storableText(schema), table: storableText(table), key: string(k)}, true
-}
-
-// normalizeRowKey returns key as JSON jsonb accepts (numbers keep their
-// digits), or nil when it is not an object or holds a NUL character: such
-// a key is never held, as in package quarantine.
-func normalizeRowKey(key []byte) []byte {
-	t := bytes.TrimSpace(key)
-	if len(t) == 0 || t[0] != '{' {
-		return nil
-	}
-	dec := json.NewDecoder(bytes.NewReader(t))
-	dec.UseNumber()
-	var v map[string]any
-	if dec.Decode(&v) != nil {
-		return nil
-	}
-	out, err := json.Marshal(v)
-	if err != nil || bytes.Contains(out, []byte(`\u0000`)) {
-		return nil
-	}
-	return out
-}
-
-// storableText is s as Postgres text stores it in the quarantine: valid
-// UTF-8, no NUL.
-func storableText(s string) string {
-	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "")
+	return rowKey{schema: s, table: t, key: string(k)}, true
 }

@@ -7,6 +7,18 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// SourceRow is the identity the quarantine records for a source row, the
+// one Held matches: schema and table as stored text and the key normalized
+// as jsonb accepts it. ok is false when the key is not a JSON object or
+// cannot be stored: such a row is never held.
+func SourceRow(schema, table string, key []byte) (storedSchema, storedTable string, storedKey []byte, ok bool) {
+	k := normalizeKey(key)
+	if k == nil {
+		return "", "", nil, false
+	}
+	return cleanText(schema), cleanText(table), k, true
+}
+
 // Held reports whether an open entry exists for the source row (schema,
 // table, key) in (projection, version). In hold mode the runtime then
 // quarantines the event with category Held instead of applying it, so the

@@ -1,14 +1,15 @@
 // Command capture is `make bench-capture`: on one throwaway Postgres it
 // drains the same backlog of cascading deletes (REPLICA IDENTITY FULL),
-// retained by two slots, once with pg_recvlogical (pgoutput, the raw limit of
-// logical decoding here) and once with the capture binary into its embedded
-// JetStream, and prints both rates and their ratio. Then it deletes
-// 1,000,000 rows in a single transaction through a running capture and
-// prints the capture's peak RSS.
-//
-// Then it measures what archiving costs the source: the same deletes with
-// nothing archiving them, with a trigger-based archive, and while the
-// capture streams them.
+// retained by four slots: with pg_recvlogical (pgoutput, the raw limit of
+// logical decoding here) before and after the captures, the faster run
+// being the limit; with the capture binary into its embedded JetStream; and
+// with a capture whose stream has persist mode "default". It prints the
+// rates and the ratios to pg_recvlogical. Then it measures what archiving
+// costs the source (source.go): the same deletes with nothing archiving
+// them, with a trigger-based archive, while pg_recvlogical decodes them and
+// while the capture streams them. Last it deletes 1,000,000 rows in a
+// single transaction through a running capture and prints the capture's
+// peak RSS.
 //
 // The big transaction runs twice: with the capture's embedded JetStream (the
 // single-machine default, whose broker memory counts in the process) and with
@@ -26,7 +27,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -202,7 +202,7 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 
 	// B: the capture, into its embedded JetStream, until the stream holds
 	// every row.
-	capRate, rss, err := drain(ctx, captureBin, env, dir, watch, metrics, n)
+	capRate, rss, err := drain(ctx, "capture", captureBin, env, dir, watch, metrics, n)
 	if err != nil {
 		return err
 	}
@@ -212,7 +212,7 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 
 	// C: the same with the stream's persist mode "default" (a write per
 	// message before its acknowledgement), as with an external broker.
-	drate, _, err := drain(ctx, captureBin, envDefault, dir, watchDefault, metricsDefault, n)
+	drate, _, err := drain(ctx, "persist_default", captureBin, envDefault, dir, watchDefault, metricsDefault, n)
 	if err != nil {
 		return err
 	}
@@ -249,9 +249,10 @@ func recvlogical(ctx context.Context, pg *testenv.Postgres, dir, url, slot, endL
 	return float64(n) / took.Seconds(), nil
 }
 
-// drain runs the capture until the stream holds n delete events and
-// returns its rate from process start and its peak RSS.
-func drain(ctx context.Context, captureBin string, env []string, dir string, watch *bench.StreamWatch, metrics string, n int64) (rate float64, rss int64, err error) {
+// drain runs the capture until the stream holds n delete events, prints
+// its figures under capture.<label>_* and returns its rate from process
+// start and its peak RSS.
+func drain(ctx context.Context, label, captureBin string, env []string, dir string, watch *bench.StreamWatch, metrics string, n int64) (rate float64, rss int64, err error) {
 	p, err := bench.StartProc("capture", captureBin, env, dir)
 	if err != nil {
 		return 0, 0, err
@@ -275,10 +276,6 @@ func drain(ctx context.Context, captureBin string, env []string, dir string, wat
 	}
 	took := end.Sub(p.Started())
 	rate = float64(n) / took.Seconds()
-	label := "capture"
-	if slices.Contains(env, "EPITAPH_STREAM_PERSIST=default") {
-		label = "persist_default"
-	}
 	bench.Figure("capture."+label+"_seconds", took.Seconds(), "s")
 	bench.Figure("capture."+label+"_rows_per_sec", rate, "rows/s")
 	if !first.IsZero() && end.After(first) {
