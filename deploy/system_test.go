@@ -94,10 +94,15 @@ INSERT INTO public.things SELECT i, 'thing ' || i FROM generate_series(1, 50) i;
 	t.Cleanup(nc.Close)
 	jsc, err := jetstream.New(nc)
 	require.NoError(t, err)
+	// The capture makes its stream before its replication slot, and only
+	// deletes after the slot exists are in the WAL it reads: wait for both.
 	require.NoError(t, workload.WaitFor(ctx, time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
-		_, err := jsc.Stream(ctx, event.StreamName("main"))
-		return err == nil, nil
-	}), "the capture creates its stream\n%s", capture.LogTail(4000))
+		if _, err := jsc.Stream(ctx, event.StreamName("main")); err != nil {
+			return false, nil
+		}
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'epitaph_deploy'`)
+		return n == 1, err
+	}), "the capture creates its stream and slot\n%s", capture.LogTail(4000))
 	projector := startProc(t, "projector", bins["projector"], logs, []string{
 		"EPITAPH_TARGET_URL=" + url,
 		"EPITAPH_NATS_URL=" + js.URL,
