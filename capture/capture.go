@@ -22,6 +22,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/pgquote"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/redact"
 )
@@ -353,7 +354,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		Mode: pglogrepl.LogicalReplication,
 		PluginArgs: []string{
 			"proto_version '1'",
-			"publication_names " + quoteLiteral(quoteIdent(cfg.PublicationName)),
+			"publication_names " + pgquote.Literal(quoteIdent(cfg.PublicationName)),
 			"messages 'true'",
 		},
 	})
@@ -554,17 +555,6 @@ func (s *Service) setConfirmed(l event.LSN) {
 	}
 	s.mu.Unlock()
 	s.m.confirmedLSN.Set(float64(l))
-}
-
-func quoteLiteral(s string) string {
-	out := []byte{'\''}
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\'' {
-			out = append(out, '\'')
-		}
-		out = append(out, s[i])
-	}
-	return string(append(out, '\''))
 }
 
 // RedactURL hides the password of a connection URL or string; see

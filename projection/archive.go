@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/pgquote"
 )
 
 // ReaderSchema is the reader-facing schema: views onto the live version.
@@ -111,7 +112,7 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 			return fmt.Errorf("point view archive.%s at %s: %w", table, schema, err)
 		}
 		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
-		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+quoteLiteral(comment)); err != nil {
+		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+pgquote.Literal(comment)); err != nil {
 			return fmt.Errorf("comment view archive.%s: %w", table, err)
 		}
 	}
@@ -139,17 +140,6 @@ func replaceView(ctx context.Context, tx pgx.Tx, view, query string) error {
 	}
 	_, err = tx.Exec(ctx, `CREATE VIEW `+view+` AS `+query)
 	return err
-}
-
-func quoteLiteral(s string) string {
-	out := []byte{'\''}
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\'' {
-			out = append(out, '\'')
-		}
-		out = append(out, s[i])
-	}
-	return string(append(out, '\''))
 }
 
 // archiveRow is one delete event ready to insert.
