@@ -204,8 +204,8 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 	s.runLoop(ctx)
 }
 
-// setup checks and sets up the tables, the publication, the stream and the
-// slot, and starts replication.
+// setup checks and sets up the tables, the publication, the slot and the
+// stream, and starts replication.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
 	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull)
@@ -271,13 +271,19 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
-	stream, err := ensureStream(ctx, js, cfg)
+	// The stream is read now (where to resume, whether a missing slot means
+	// a gap) but, on a first start, created only after the slot: once the
+	// stream exists, so does the slot, and every delete committed from then
+	// on reaches the stream.
+	stream, err := openStream(ctx, js, cfg)
 	if err != nil {
 		return err
 	}
-	t, err := readTail(ctx, stream, cfg.SourceName)
-	if err != nil {
-		return err
+	var t tail
+	if stream != nil {
+		if t, err = readTail(ctx, stream, cfg.SourceName); err != nil {
+			return err
+		}
 	}
 	obs, err := ensureRowBucket(ctx, objJS, cfg)
 	if err != nil {
@@ -332,6 +338,17 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		s.log.Info("replication slot created", "slot", cfg.SlotName, "consistent_point", cp.String())
 	}
 	s.setConfirmed(startLSN)
+	if stream == nil {
+		if _, err := ensureStream(ctx, js, cfg); err != nil {
+			if plan.create {
+				// A first start that fails leaves no slot holding WAL.
+				if derr := dropSlot(ctx, s.repl, cfg.SlotName); derr != nil {
+					s.log.Warn("could not drop the slot this start created", "slot", cfg.SlotName, "err", redactErr(derr))
+				}
+			}
+			return err
+		}
+	}
 
 	st := &streamer{
 		s: s, conn: s.repl, js: js, nc: s.nc, obs: obs, cat: newCatalog(s.pool),

@@ -75,6 +75,14 @@
 // transaction's seq counter (event.MsgID); the commit message counts only
 // deletes in rows and tables.
 //
+// # First start
+//
+// The slot is created before the stream: whoever sees the stream can rely on
+// every delete committed from then on reaching it. The stream is read first
+// (where to resume, whether a missing slot means a gap) and created last; a
+// first start that cannot create it drops the slot it just made, so a
+// misconfigured start leaves nothing holding WAL on the source.
+//
 // # Gaps
 //
 // A missing slot while the stream already holds this source's messages, or
@@ -82,7 +90,8 @@
 // deletes were lost upstream: capture refuses to start and names
 // --recreate-slot. With RecreateSlot it creates the slot and publishes a gap
 // event (from the stream's last LSN to the new slot's consistent point) to
-// every partition before streaming. A healthy slot is never dropped.
+// every partition before streaming. A healthy slot is never dropped (except
+// the one a failed first start just made, above).
 // If the process dies between creating the slot and the gap being
 // acknowledged, the next start sees a healthy slot and does not publish the
 // gap again: recreate with the operator watching.

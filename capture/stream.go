@@ -66,66 +66,88 @@ type tail struct {
 	msgID string
 }
 
-// ensureStream creates the source's stream if missing, or checks that an
-// existing one was made for the same partition count.
-func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.Stream, error) {
+// openStream opens the source's stream and checks it was made for this
+// configuration (see checkStream); it returns nil, nil when the stream does
+// not exist yet.
+func openStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.Stream, error) {
 	name := event.StreamName(cfg.SourceName)
 	st, err := js.Stream(ctx, name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		sc := jetstream.StreamConfig{
-			Name:        name,
-			Description: "Epitaph: deletes captured from source " + cfg.SourceName,
-			Subjects:    []string{event.StreamSubjects(cfg.SourceName)},
-			Storage:     jetstream.FileStorage,
-			Retention:   jetstream.LimitsPolicy,
-			Discard:     jetstream.DiscardOld,
-			MaxAge:      cfg.Retention,
-			Replicas:    cfg.Replicas,
-			Duplicates:  cfg.DuplicateWindow,
-			PersistMode: persistMode(cfg.StreamPersist),
-			Metadata: map[string]string{
-				MetaPartitions:  strconv.Itoa(cfg.Partitions),
-				MetaSource:      cfg.SourceName,
-				MetaWireVersion: strconv.Itoa(event.Version),
-			},
-		}
-		st, err = js.CreateStream(ctx, sc)
-		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-			return nil, fmt.Errorf("create stream %s: %w", name, err)
-		}
-		if err != nil {
-			st, err = js.Stream(ctx, name)
-		}
+		return nil, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("open stream %s: %w", name, err)
 	}
+	return st, checkStream(ctx, js, st, cfg)
+}
+
+// ensureStream creates the source's stream if missing, or checks an
+// existing one as openStream does.
+func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.Stream, error) {
+	if st, err := openStream(ctx, js, cfg); st != nil || err != nil {
+		return st, err
+	}
+	name := event.StreamName(cfg.SourceName)
+	st, err := js.CreateStream(ctx, jetstream.StreamConfig{
+		Name:        name,
+		Description: "Epitaph: deletes captured from source " + cfg.SourceName,
+		Subjects:    []string{event.StreamSubjects(cfg.SourceName)},
+		Storage:     jetstream.FileStorage,
+		Retention:   jetstream.LimitsPolicy,
+		Discard:     jetstream.DiscardOld,
+		MaxAge:      cfg.Retention,
+		Replicas:    cfg.Replicas,
+		Duplicates:  cfg.DuplicateWindow,
+		PersistMode: persistMode(cfg.StreamPersist),
+		Metadata: map[string]string{
+			MetaPartitions:  strconv.Itoa(cfg.Partitions),
+			MetaSource:      cfg.SourceName,
+			MetaWireVersion: strconv.Itoa(event.Version),
+		},
+	})
+	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		// Made by someone else meanwhile: check theirs.
+		if st, err = openStream(ctx, js, cfg); st == nil && err == nil {
+			err = fmt.Errorf("stream %s was created and deleted while capture started", name)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("create stream %s: %w", name, err)
+	}
+	return st, nil
+}
+
+// checkStream checks that an existing stream was made by Epitaph for this
+// source and partition count, and brings its retention and dedupe window to
+// the configured ones.
+func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Stream, cfg *Config) error {
+	name := event.StreamName(cfg.SourceName)
 	info, err := st.Info(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("read stream %s: %w", name, err)
+		return fmt.Errorf("read stream %s: %w", name, err)
 	}
 	p := info.Config.Metadata[MetaPartitions]
 	if p == "" {
-		return nil, configErr("stream %s has no %s metadata: it was not made by Epitaph; use another --source-name or delete the stream", name, MetaPartitions)
+		return configErr("stream %s has no %s metadata: it was not made by Epitaph; use another --source-name or delete the stream", name, MetaPartitions)
 	}
 	if p != strconv.Itoa(cfg.Partitions) {
-		return nil, configErr("stream %s was made with %s partitions, capture is configured with %d: start with EPITAPH_PARTITIONS=%s (the partition count of a stream never changes)", name, p, cfg.Partitions, p)
+		return configErr("stream %s was made with %s partitions, capture is configured with %d: start with EPITAPH_PARTITIONS=%s (the partition count of a stream never changes)", name, p, cfg.Partitions, p)
 	}
 	if src := info.Config.Metadata[MetaSource]; src != "" && src != cfg.SourceName {
-		return nil, configErr("stream %s belongs to source %q, not %q", name, src, cfg.SourceName)
+		return configErr("stream %s belongs to source %q, not %q", name, src, cfg.SourceName)
 	}
 	if info.Config.PersistMode == jetstream.AsyncPersistMode && cfg.BrokerSyncInterval < 0 {
-		return nil, configErr("stream %s was made with persist mode async: its server may lose acknowledged messages it has not written yet, so confirmations must trail it (a positive --broker-sync-interval)", name)
+		return configErr("stream %s was made with persist mode async: its server may lose acknowledged messages it has not written yet, so confirmations must trail it (a positive --broker-sync-interval)", name)
 	}
 	if cfg.DuplicateWindow != info.Config.Duplicates || cfg.Retention != info.Config.MaxAge {
 		sc := info.Config
 		sc.Duplicates = cfg.DuplicateWindow
 		sc.MaxAge = cfg.Retention
 		if _, err := js.UpdateStream(ctx, sc); err != nil {
-			return nil, fmt.Errorf("update stream %s retention/dedupe window: %w", name, err)
+			return fmt.Errorf("update stream %s retention/dedupe window: %w", name, err)
 		}
 	}
-	return st, nil
+	return nil
 }
 
 func persistMode(s string) jetstream.PersistModeType {
