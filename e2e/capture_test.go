@@ -85,8 +85,16 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 
 	// Wait for the stream to hold as many deletes as were made, then give a
 	// restarted capture the chance to add any duplicate before checking.
-	_, err = watch.WaitDeletes(ctx, int64(len(expected)), 3*time.Minute, nil)
-	require.NoError(t, err)
+	if _, err = watch.WaitDeletes(ctx, int64(len(expected)), 3*time.Minute, nil); err != nil {
+		// Say which rows, and keep the stream for diagnosis.
+		report := "(no report)"
+		if events, serr := workload.StreamDeletes(ctx, nats.URL, "main"); serr == nil {
+			if rep, verr := workload.VerifyStream(ctx, url, expected, events); verr == nil {
+				report = rep.String()
+			}
+		}
+		t.Fatalf("%v\nstream verification: %s\nstream dump: %s", err, report, keepStreamDump(t, nats.URL, "main"))
+	}
 	// One more SIGKILL at the very end: the restarted capture must not
 	// republish what the stream has. Its next heartbeat shows it streaming
 	// again past the point where a re-send would have appeared.

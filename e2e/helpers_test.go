@@ -13,9 +13,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
@@ -274,4 +277,50 @@ func pipelineState(ctx context.Context, url string, watch *bench.StreamWatch) st
 		}
 	}
 	return b.String()
+}
+
+// keepStreamDump writes every message of the source's stream (sequence,
+// subject, Nats-Msg-Id, Epitaph-Position, expected last id, and the event's
+// op, xid, commit LSN, table and key) to a file that outlives the test, for
+// diagnosing a failure, and returns its path.
+func keepStreamDump(t *testing.T, natsURL, source string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	path := filepath.Join(os.TempDir(), fmt.Sprintf("epitaph-e2e-%s-stream-%d.txt", t.Name(), os.Getpid()))
+	nc, err := natsgo.Connect(natsURL)
+	if err != nil {
+		return fmt.Sprintf("(no dump: %v)", err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return fmt.Sprintf("(no dump: %v)", err)
+	}
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return fmt.Sprintf("(no dump: %v)", err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		return fmt.Sprintf("(no dump: %v)", err)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "first %d last %d msgs %d\n", info.State.FirstSeq, info.State.LastSeq, info.State.Msgs)
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && seq > 0; seq++ {
+		m, err := stream.GetMsg(ctx, seq)
+		if err != nil {
+			fmt.Fprintf(&b, "%d: %v\n", seq, err)
+			continue
+		}
+		line := fmt.Sprintf("%d %s id=%s pos=%s", seq, m.Subject, m.Header.Get(jetstream.MsgIDHeader), m.Header.Get(capture.HeaderPosition))
+		if e, err := event.Decode(m.Data); err == nil {
+			line += fmt.Sprintf(" op=%s xid=%d commit=%s lsn=%s %s key=%s", e.Op, e.XID, e.CommitLSN, e.LSN, e.QualifiedTable(), e.Key)
+		}
+		b.WriteString(line + "\n")
+	}
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		return fmt.Sprintf("(no dump: %v)", err)
+	}
+	return path
 }
