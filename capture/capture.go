@@ -505,7 +505,7 @@ func (s *Service) closeAll() {
 func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 	n := 0
 	for p := 0; p < st.parts; p++ {
-		pos := position{lsn: g.to, n: n}
+		pos := position{lsn: endTrigger(g.to), n: n}
 		n++
 		e := &event.Event{Op: event.OpGap, Source: st.src, Partition: p, FromLSN: g.from, ToLSN: g.to, Reason: g.reason, Time: st.now().UTC(), LSN: g.to}
 		body, err := event.Encode(e)
@@ -517,7 +517,7 @@ func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpGap)).Inc()
 	}
-	st.resuming, st.resume = true, position{lsn: g.to, n: n - 1}
+	st.resuming, st.resume = true, position{lsn: endTrigger(g.to), n: n - 1}
 	return st.tr.drain(ctx, st.now)
 }
 

@@ -64,11 +64,15 @@
 // write per message. A kill of the process can lose that buffer; the
 // trailing confirmation means the source sends it again, and projectors
 // check the message at their cursor and rewind over a lost tail
-// (projection package). Every message also carries the
-// header Epitaph-Position ("<trigger lsn>#<n>", strictly increasing in
-// output order). On start the stream's last message is read and every
-// re-sent message at or before its position is skipped; Nats-Msg-Id dedupe
-// covers the rest. A re-send is therefore never stored twice, even after an
+// (projection package).
+//
+// Every message also carries the header Epitaph-Position ("<trigger
+// lsn>#<n>", strictly increasing in output order; the trigger of a
+// transaction's messages is its commit LSN, of a non-transactional message
+// or a gap the LSN just before the end of its record, since the next commit
+// may start exactly there). On start the stream's last message is read and
+// every re-sent message at or before its position is skipped; Nats-Msg-Id
+// dedupe covers the rest. A re-send is therefore never stored twice, even after an
 // outage longer than the dedupe window.
 //
 // Message ids and numbering: delete and truncate messages share the

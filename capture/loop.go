@@ -296,7 +296,7 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		return nil
 	}
 	lsn := event.LSN(m.LSN)
-	trigger, n := lsn, 0
+	trigger, n := endTrigger(lsn), 0
 	counter := &n
 	e := event.Event{Op: event.OpMark, Source: st.src, LSN: lsn, Kind: kind, Time: serverTime.UTC()}
 	if kind == event.MarkUser {
@@ -331,6 +331,17 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 	}
 	return nil
 }
+
+// endTrigger is the position LSN of messages that stand for an LSN where a
+// WAL record ends: a non-transactional message (pgoutput reports the end of
+// its record) or a gap (ending at the new slot's consistent point). That is
+// where the next record may start, and a transaction whose commit record
+// directly follows reports the same LSN as its commit LSN: with equal
+// LSNs, positions would not be strictly increasing in output order, and a
+// capture resuming after such a message would take the transaction's first
+// messages for re-sends and skip them. The LSN just before, inside the
+// record, orders them correctly.
+func endTrigger(end event.LSN) event.LSN { return end - 1 }
 
 func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage) error {
 	st.inTx = false

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -323,4 +324,17 @@ func keepStreamDump(t *testing.T, natsURL, source string) string {
 		return fmt.Sprintf("(no dump: %v)", err)
 	}
 	return path
+}
+
+// testSeed is the seed of a randomized test: EPITAPH_E2E_SEED when set (to
+// replay a failure: the workload and the order and spacing of the faults
+// follow from it), else the clock.
+func testSeed(t *testing.T) uint64 {
+	t.Helper()
+	if v := os.Getenv("EPITAPH_E2E_SEED"); v != "" {
+		seed, err := strconv.ParseUint(v, 10, 64)
+		require.NoError(t, err, "EPITAPH_E2E_SEED")
+		return seed
+	}
+	return uint64(time.Now().UnixNano())
 }

@@ -26,7 +26,7 @@ import (
 func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	t.Parallel()
 	bins := binaries(t)
-	seed := uint64(time.Now().UnixNano())
+	seed := testSeed(t)
 	t.Logf("seed %d", seed)
 	rng := rand.New(rand.NewPCG(seed, 3))
 
