@@ -253,3 +253,15 @@ func (e *env) publishAll(msgs []*nats.Msg) {
 		}
 	}
 }
+
+// refRow replaces the row image of the delete event in m by a reference to
+// an object (as the capture does for a row too large for one message).
+func refRow(t *testing.T, m *nats.Msg, ref *event.ObjectRef) {
+	t.Helper()
+	var ev event.Event
+	require.NoError(t, json.Unmarshal(m.Data, &ev))
+	ev.Row, ev.RowRef = nil, ref
+	data, err := event.Encode(&ev)
+	require.NoError(t, err)
+	m.Data = data
+}

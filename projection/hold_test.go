@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"testing"
 	"time"
 
@@ -192,15 +191,8 @@ func TestOversizedRowIsQuarantined(t *testing.T) {
 		row{schema: "public", table: "blobs", key: `{"id":2}`, image: `{"id":2}`},
 	)
 	msgs := e.messages(tx)
-	var ev event.Event
-	require.NoError(t, json.Unmarshal(msgs[0].Data, &ev))
-	ev.Row, ev.RowRef = nil, &event.ObjectRef{Bucket: "no_such_bucket", Name: "huge-1", Size: 4096}
-	msgs[0].Data, err = event.Encode(&ev)
-	require.NoError(t, err)
-	require.NoError(t, json.Unmarshal(msgs[1].Data, &ev))
-	ev.Row, ev.RowRef = nil, &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "small-2", Size: int64(len(small)), SHA256: hex.EncodeToString(sum[:])}
-	msgs[1].Data, err = event.Encode(&ev)
-	require.NoError(t, err)
+	refRow(t, msgs[0], &event.ObjectRef{Bucket: "no_such_bucket", Name: "huge-1", Size: 4096})
+	refRow(t, msgs[1], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "small-2", Size: int64(len(small)), SHA256: hex.EncodeToString(sum[:])})
 	for _, m := range msgs {
 		_, err := e.js.PublishMsg(ctx, m)
 		require.NoError(t, err)

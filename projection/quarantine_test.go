@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"testing"
 	"time"
 
@@ -56,15 +55,8 @@ func TestPermanentFailuresAreQuarantined(t *testing.T) {
 		row{schema: "public", table: "notes", key: `{"id":5}`, image: `{"id":5}`},
 	)
 	msgs := e.messages(tx)
-	var ev event.Event
-	require.NoError(t, json.Unmarshal(msgs[2].Data, &ev))
-	ev.Row, ev.RowRef = nil, &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "gone", Size: 10}
-	msgs[2].Data, err = event.Encode(&ev)
-	require.NoError(t, err)
-	require.NoError(t, json.Unmarshal(msgs[3].Data, &ev))
-	ev.Row, ev.RowRef = nil, &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "big-5", Size: int64(len(big)), SHA256: hex.EncodeToString(sum[:])}
-	msgs[3].Data, err = event.Encode(&ev)
-	require.NoError(t, err)
+	refRow(t, msgs[2], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "gone", Size: 10})
+	refRow(t, msgs[3], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "big-5", Size: int64(len(big)), SHA256: hex.EncodeToString(sum[:])})
 	for _, m := range msgs {
 		_, err := e.js.PublishMsg(ctx, m)
 		require.NoError(t, err)
