@@ -2,6 +2,8 @@ package projection_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -264,4 +266,14 @@ func refRow(t *testing.T, m *nats.Msg, ref *event.ObjectRef) {
 	data, err := event.Encode(&ev)
 	require.NoError(t, err)
 	m.Data = data
+}
+
+// storeRow puts a row image under name into obs (the bucket
+// epitaph_main_rows) and returns the reference an event carries for it.
+func storeRow(t *testing.T, obs jetstream.ObjectStore, name string, row []byte) *event.ObjectRef {
+	t.Helper()
+	_, err := obs.PutBytes(context.Background(), name, row)
+	require.NoError(t, err)
+	sum := sha256.Sum256(row)
+	return &event.ObjectRef{Bucket: "epitaph_main_rows", Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}
 }

@@ -3,8 +3,6 @@ package projection_test
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"testing"
 	"time"
 
@@ -182,9 +180,7 @@ func TestOversizedRowIsQuarantined(t *testing.T) {
 	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
 	require.NoError(t, err)
 	small := []byte(`{"id":2,"blob":"fits"}`)
-	_, err = obs.PutBytes(ctx, "small-2", small)
-	require.NoError(t, err)
-	sum := sha256.Sum256(small)
+	smallRef := storeRow(t, obs, "small-2", small)
 
 	tx := e.nextTx(
 		row{schema: "public", table: "blobs", key: `{"id":1}`, image: `{"id":1}`},
@@ -192,7 +188,7 @@ func TestOversizedRowIsQuarantined(t *testing.T) {
 	)
 	msgs := e.messages(tx)
 	refRow(t, msgs[0], &event.ObjectRef{Bucket: "no_such_bucket", Name: "huge-1", Size: 4096})
-	refRow(t, msgs[1], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "small-2", Size: int64(len(small)), SHA256: hex.EncodeToString(sum[:])})
+	refRow(t, msgs[1], smallRef)
 	for _, m := range msgs {
 		_, err := e.js.PublishMsg(ctx, m)
 		require.NoError(t, err)

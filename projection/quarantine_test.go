@@ -3,8 +3,6 @@ package projection_test
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"testing"
 	"time"
 
@@ -30,9 +28,7 @@ func TestPermanentFailuresAreQuarantined(t *testing.T) {
 	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
 	require.NoError(t, err)
 	big := []byte(`{"id":5,"blob":"large"}`)
-	_, err = obs.PutBytes(ctx, "big-5", big)
-	require.NoError(t, err)
-	sum := sha256.Sum256(big)
+	bigRef := storeRow(t, obs, "big-5", big)
 
 	publishRaw := func(subject, id string, data []byte) {
 		m := nats.NewMsg(subject)
@@ -56,7 +52,7 @@ func TestPermanentFailuresAreQuarantined(t *testing.T) {
 	)
 	msgs := e.messages(tx)
 	refRow(t, msgs[2], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "gone", Size: 10})
-	refRow(t, msgs[3], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "big-5", Size: int64(len(big)), SHA256: hex.EncodeToString(sum[:])})
+	refRow(t, msgs[3], bigRef)
 	for _, m := range msgs {
 		_, err := e.js.PublishMsg(ctx, m)
 		require.NoError(t, err)
