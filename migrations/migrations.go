@@ -31,9 +31,9 @@ const LockKey int64 = 0x65706974617068
 
 // Migration is one embedded SQL file.
 type Migration struct {
-	Version int
-	Name    string
-	SQL     string
+	Version int    `json:"version"`
+	Name    string `json:"name"`
+	SQL     string `json:"-"`
 }
 
 // All returns the embedded migrations in version order.
@@ -114,6 +114,9 @@ func Apply(ctx context.Context, pool *pgxpool.Pool) error {
 	for _, v := range vs {
 		applied[int(v)] = true
 	}
+	if err := checkNotNewer(all, applied); err != nil {
+		return err
+	}
 	for _, m := range all {
 		if applied[m.Version] {
 			continue
@@ -154,4 +157,85 @@ func Applied(ctx context.Context, db interface {
 		out[i] = int(v)
 	}
 	return out, nil
+}
+
+// NewerSchemaError: the target's control schema has migrations this binary
+// does not know (a newer binary migrated it). Running an older binary
+// against it, or migrating it, is refused: upgrade the binary.
+type NewerSchemaError struct {
+	// Unknown are the applied versions this binary does not have.
+	Unknown []int
+	// Latest is the newest version this binary knows.
+	Latest int
+}
+
+func (e *NewerSchemaError) Error() string {
+	return fmt.Sprintf("the epitaph schema is newer than this binary: migration(s) %v applied, this binary knows up to %d; use a newer binary", e.Unknown, e.Latest)
+}
+
+func checkNotNewer(all []Migration, applied map[int]bool) error {
+	known := map[int]bool{}
+	latest := 0
+	for _, m := range all {
+		known[m.Version] = true
+		latest = max(latest, m.Version)
+	}
+	var unknown []int
+	for v := range applied {
+		if !known[v] {
+			unknown = append(unknown, v)
+		}
+	}
+	if len(unknown) == 0 {
+		return nil
+	}
+	sort.Ints(unknown)
+	return &NewerSchemaError{Unknown: unknown, Latest: latest}
+}
+
+// State is where a target's control schema stands against this binary.
+type State struct {
+	// Applied versions, in order (empty: the schema does not exist yet).
+	Applied []int `json:"applied"`
+	// Pending are the embedded migrations not applied yet, in order.
+	Pending []Migration `json:"pending"`
+	// Unknown are applied versions this binary does not have (the schema
+	// is newer than the binary; Apply refuses).
+	Unknown []int `json:"unknown"`
+	// Latest is the newest version this binary knows.
+	Latest int `json:"latest"`
+}
+
+// Status reads the applied migrations and compares them with the embedded
+// ones. It changes nothing.
+func Status(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}) (State, error) {
+	all, err := All()
+	if err != nil {
+		return State{}, err
+	}
+	applied, err := Applied(ctx, db)
+	if err != nil {
+		return State{}, err
+	}
+	st := State{Applied: applied, Pending: []Migration{}, Unknown: []int{}}
+	done := map[int]bool{}
+	for _, v := range applied {
+		done[v] = true
+	}
+	for _, m := range all {
+		st.Latest = max(st.Latest, m.Version)
+		if !done[m.Version] {
+			st.Pending = append(st.Pending, m)
+		}
+	}
+	var nerr *NewerSchemaError
+	if errors.As(checkNotNewer(all, done), &nerr) {
+		st.Unknown = nerr.Unknown
+	}
+	if st.Applied == nil {
+		st.Applied = []int{}
+	}
+	return st, nil
 }

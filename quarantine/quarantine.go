@@ -58,32 +58,33 @@ const (
 // was in the stream, the message itself, and why it was set aside. Error
 // must already be sanitized (see Sanitize); Insert sanitizes it again.
 type Entry struct {
-	Projection string
-	Version    int
-	Partition  int
-	StreamSeq  uint64
-	Subject    string
-	Headers    map[string][]string
-	Data       []byte
-	Category   string
-	Error      string
+	Projection string              `json:"projection"`
+	Version    int                 `json:"version"`
+	Partition  int                 `json:"partition"`
+	StreamSeq  uint64              `json:"stream_seq"`
+	Subject    string              `json:"subject"`
+	Headers    map[string][]string `json:"headers,omitempty"`
+	// Data is the raw message (base64 in JSON); nil unless asked for.
+	Data     []byte `json:"data,omitempty"`
+	Category string `json:"category"`
+	Error    string `json:"error"`
 }
 
 // Record is a stored entry with its bookkeeping.
 type Record struct {
-	ID int64
+	ID int64 `json:"id"`
 	Entry
 	// Size is len(Data) even when Data was not loaded.
-	Size             int
-	SourceSchema     string
-	SourceTable      string
-	SourceKey        json.RawMessage
-	FirstSeen        time.Time
-	LastAttemptAt    time.Time
-	Attempts         int
-	Status           Status
-	ResolvedAt       *time.Time
-	ResolutionReason string
+	Size             int             `json:"size"`
+	SourceSchema     string          `json:"source_schema,omitempty"`
+	SourceTable      string          `json:"source_table,omitempty"`
+	SourceKey        json.RawMessage `json:"source_key,omitempty"`
+	FirstSeen        time.Time       `json:"first_seen"`
+	LastAttemptAt    time.Time       `json:"last_attempt_at"`
+	Attempts         int             `json:"attempts"`
+	Status           Status          `json:"status"`
+	ResolvedAt       *time.Time      `json:"resolved_at,omitempty"`
+	ResolutionReason string          `json:"resolution_reason,omitempty"`
 }
 
 // maxErrorLen bounds the stored error text.

@@ -29,9 +29,9 @@ type Selection struct {
 // ReplayResult lists the entries replayed, still failing, and still held
 // behind an open entry for the same source row.
 type ReplayResult struct {
-	Replayed []int64
-	Failed   []int64
-	Held     []int64
+	Replayed []int64 `json:"replayed"`
+	Failed   []int64 `json:"failed"`
+	Held     []int64 `json:"held"`
 }
 
 // Replay applies open entries again with the current code, in stream

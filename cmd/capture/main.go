@@ -4,10 +4,8 @@ package main
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
-	"log/slog"
+	"io"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -16,151 +14,133 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/spf13/cobra"
+
 	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return
-		}
-		fmt.Fprintln(os.Stderr, "capture: "+capture.RedactURL(strings.ReplaceAll(err.Error(), "\n", " ")))
-		os.Exit(1)
-	}
+	os.Exit(cli.Report(os.Stderr, "capture", run(os.Args[1:])))
 }
 
+// run runs the capture with the process's environment.
 func run(args []string) error {
-	var cfg capture.Config
-	var tables, level, cpuProfile string
-	fs := flag.NewFlagSet("capture", flag.ContinueOnError)
-	str(fs, &cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)")
-	str(fs, &cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server")
-	str(fs, &cfg.EmbeddedListen, "nats-listen", "EPITAPH_NATS_LISTEN", "127.0.0.1:4222", "listen address of the embedded JetStream server")
-	str(fs, &cfg.DataDir, "data-dir", "EPITAPH_DATA_DIR", "./epitaph-data", "directory of the embedded JetStream server's files")
-	str(fs, &cfg.SourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name (stream EPITAPH_<NAME>)")
-	str(fs, &tables, "tables", "EPITAPH_TABLES", "", "comma-separated schema.table list; empty: every table whose deletes can be published safely")
-	num(fs, &cfg.Partitions, "partitions", "EPITAPH_PARTITIONS", 8, "stream partitions (fixed when the stream is made)")
-	str(fs, &cfg.SlotName, "slot", "EPITAPH_SLOT", "epitaph", "replication slot")
-	str(fs, &cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", "epitaph", "publication")
-	str(fs, &cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /healthz, /status; empty disables")
-	boolean(fs, &cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", "ALTER captured tables to REPLICA IDENTITY FULL")
-	boolean(fs, &cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", "recreate a missing or invalidated slot and record a gap event")
-	dur(fs, &cfg.Retention, "retention", "EPITAPH_RETENTION", 0, "stream retention (0: forever)")
-	dur(fs, &cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval")
-	dur(fs, &cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 2*time.Minute, "JetStream dedupe window")
-	dur(fs, &cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
-	str(fs, &cfg.StreamPersist, "stream-persist", "EPITAPH_STREAM_PERSIST", "auto", "persist mode of a new stream: async (acknowledge before the write; safe with the trailing confirmation), default (write, then acknowledge) or auto (async with the embedded broker)")
-	num(fs, &cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "messages in flight (published, not yet acknowledged) at most")
-	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
-	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
-	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
-	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
-	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
-	if err := applyEnv(fs); err != nil {
-		return err
-	}
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	for _, t := range strings.Split(tables, ",") {
-		if t = strings.TrimSpace(t); t != "" {
-			cfg.Tables = append(cfg.Tables, t)
-		}
-	}
-	var lv slog.Level
-	if err := lv.UnmarshalText([]byte(level)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
-	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))
-	if _, set := os.LookupEnv("GOGC"); !set && cfg.NATSURL == "" {
-		// The embedded JetStream server allocates per message in this
-		// process: a larger GC target costs heap (bounded by the in-flight
-		// window) but saves CPU on a busy drain. GOGC in the environment wins.
-		debug.SetGCPercent(embeddedGOGC)
-	}
-	if cpuProfile != "" {
-		f, err := os.Create(cpuProfile)
-		if err != nil {
-			return fmt.Errorf("--cpu-profile: %w", err)
-		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			f.Close()
-			return fmt.Errorf("--cpu-profile: %w", err)
-		}
-		defer func() {
-			pprof.StopCPUProfile()
-			f.Close()
-		}()
-	}
+	return execute(context.Background(), args, os.LookupEnv, os.Stdout, os.Stderr)
+}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	svc, err := capture.New(cfg, capture.WithLogger(log))
-	if err != nil {
+func execute(ctx context.Context, args []string, lookup func(string) (string, bool), stdout, stderr io.Writer) error {
+	root := newCommand(lookup, stderr)
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	return root.ExecuteContext(ctx)
+}
+
+// newCommand is the capture's command line; logs go to logs.
+func newCommand(lookup func(string) (string, bool), logs io.Writer) *cobra.Command {
+	var cfg capture.Config
+	var tables, cpuProfile string
+	root := &cobra.Command{
+		Use:   "capture [flags]",
+		Short: "publish the source database's deletes to JetStream",
+		Long: `capture reads the DELETEs (and TRUNCATEs) of a PostgreSQL database from a
+logical replication slot and publishes them to the JetStream stream
+EPITAPH_<SOURCE-NAME>. With no --nats-url it runs an embedded JetStream server.
+
+Every flag has an EPITAPH_* environment variable (named in its help); the
+command line overrides the environment. A malformed or out-of-range value is
+refused, never replaced by the default.`,
+		Example: `  # one machine, embedded broker
+  EPITAPH_SOURCE_URL=postgres://epitaph@db:5432/app capture
+
+  # an external JetStream cluster, standby for takeover
+  capture --source-url postgres://epitaph@db:5432/app --nats-url nats://nats:4222 --standby`,
+		Args: cli.NoArgs,
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			return cli.ApplyEnv(cmd, lookup)
+		},
+	}
+	logging := cli.LogFlags(root)
+	f := cli.Local(root)
+	f.String(&cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)", cli.KeepEmpty())
+	f.String(&cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server", cli.KeepEmpty())
+	f.String(&cfg.EmbeddedListen, "nats-listen", "EPITAPH_NATS_LISTEN", "127.0.0.1:4222", "listen address of the embedded JetStream server", cli.KeepEmpty())
+	f.String(&cfg.DataDir, "data-dir", "EPITAPH_DATA_DIR", "./epitaph-data", "directory of the embedded JetStream server's files", cli.KeepEmpty())
+	f.String(&cfg.SourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name (stream EPITAPH_<NAME>)", cli.KeepEmpty())
+	f.String(&tables, "tables", "EPITAPH_TABLES", "", "comma-separated schema.table list; empty: every table whose deletes can be published safely", cli.KeepEmpty())
+	f.Int(&cfg.Partitions, "partitions", "EPITAPH_PARTITIONS", 8, "stream partitions (fixed when the stream is made)", cli.Min(1), cli.Max(1024))
+	f.String(&cfg.SlotName, "slot", "EPITAPH_SLOT", "epitaph", "replication slot", cli.KeepEmpty())
+	f.String(&cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", "epitaph", "publication", cli.KeepEmpty())
+	f.String(&cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /livez, /readyz, /healthz, /status; empty disables", cli.KeepEmpty())
+	f.Bool(&cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", false, "ALTER captured tables to REPLICA IDENTITY FULL")
+	f.Bool(&cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", false, "recreate a missing or invalidated slot and record a gap event")
+	f.Duration(&cfg.Retention, "retention", "EPITAPH_RETENTION", 0, "stream retention (0: forever)", cli.NotNegative())
+	f.Duration(&cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval (negative: no heartbeats)", cli.NotZero())
+	f.Duration(&cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 2*time.Minute, "JetStream dedupe window", cli.Positive())
+	f.Duration(&cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
+	f.Enum(&cfg.StreamPersist, "stream-persist", "EPITAPH_STREAM_PERSIST", capture.PersistAuto,
+		[]string{capture.PersistAuto, capture.PersistAsync, capture.PersistDefault},
+		"persist mode of a new stream: async (acknowledge before the write; safe with the trailing confirmation), default (write, then acknowledge) or auto (async with the embedded broker)")
+	f.Int(&cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "messages in flight (published, not yet acknowledged) at most", cli.Positive())
+	f.Int(&cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created", cli.Min(1), cli.Max(5))
+	f.Bool(&cfg.Standby, "standby", "EPITAPH_STANDBY", false, "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
+	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it", cli.Positive())
+	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
+	cli.SetVersion(root)
+	cli.Prepare(root)
+
+	root.RunE = func(cmd *cobra.Command, _ []string) error {
+		for _, t := range strings.Split(tables, ",") {
+			if t = strings.TrimSpace(t); t != "" {
+				cfg.Tables = append(cfg.Tables, t)
+			}
+		}
+		log := logging.Logger(logs)
+		if _, set := lookup("GOGC"); !set && cfg.NATSURL == "" {
+			// The embedded JetStream server allocates per message in this
+			// process: a larger GC target costs heap (bounded by the in-flight
+			// window) but saves CPU on a busy drain. GOGC in the environment wins.
+			debug.SetGCPercent(embeddedGOGC)
+		}
+		if cpuProfile != "" {
+			f, err := os.Create(cpuProfile)
+			if err != nil {
+				return fmt.Errorf("--cpu-profile: %w", err)
+			}
+			if err := pprof.StartCPUProfile(f); err != nil {
+				f.Close()
+				return fmt.Errorf("--cpu-profile: %w", err)
+			}
+			defer func() {
+				pprof.StopCPUProfile()
+				f.Close()
+			}()
+		}
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		if err := cli.RegisterBuildInfo(reg, cli.BuildInfo()); err != nil {
+			return err
+		}
+
+		ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+		defer stop()
+		svc, err := capture.New(cfg, capture.WithLogger(log), capture.WithRegistry(reg))
+		if err != nil {
+			return err
+		}
+		if err := svc.Start(ctx); err != nil {
+			return err
+		}
+		err = svc.Wait()
+		svc.Stop()
 		return err
 	}
-	if err := svc.Start(ctx); err != nil {
-		return err
-	}
-	err = svc.Wait()
-	svc.Stop()
-	return err
+	return root
 }
 
 // embeddedGOGC is the GC target percentage with the embedded broker
 // (unless GOGC is set).
 const embeddedGOGC = 200
-
-// envOf maps each flag to its environment variable. Values from the
-// environment go through the flag's own parser (applyEnv), so a malformed
-// one is an error, never silently the default.
-var envOf = map[string]envVar{}
-
-type envVar struct {
-	name string
-	text bool // an empty value is meaningful (EPITAPH_NATS_URL= : embedded)
-}
-
-func str(fs *flag.FlagSet, p *string, name, env, def, usage string) {
-	envOf[name] = envVar{env, true}
-	fs.StringVar(p, name, def, usage+" ("+env+")")
-}
-
-func num(fs *flag.FlagSet, p *int, name, env string, def int, usage string) {
-	envOf[name] = envVar{name: env}
-	fs.IntVar(p, name, def, usage+" ("+env+")")
-}
-
-func dur(fs *flag.FlagSet, p *time.Duration, name, env string, def time.Duration, usage string) {
-	envOf[name] = envVar{name: env}
-	fs.DurationVar(p, name, def, usage+" ("+env+")")
-}
-
-func boolean(fs *flag.FlagSet, p *bool, name, env, usage string) {
-	envOf[name] = envVar{name: env}
-	fs.BoolVar(p, name, false, usage+" ("+env+")")
-}
-
-// applyEnv sets every flag whose variable is in the environment (an empty
-// value counts only for text flags); flags on the command line, parsed
-// afterwards, override them.
-func applyEnv(fs *flag.FlagSet) error {
-	var bad []string
-	fs.VisitAll(func(f *flag.Flag) {
-		ev, ok := envOf[f.Name]
-		if !ok {
-			return
-		}
-		v, ok := os.LookupEnv(ev.name)
-		if !ok || (v == "" && !ev.text) {
-			return
-		}
-		if err := fs.Set(f.Name, v); err != nil {
-			bad = append(bad, fmt.Sprintf("%s=%q: %v", ev.name, v, err))
-		}
-	})
-	if len(bad) > 0 {
-		return errors.New("bad environment: " + strings.Join(bad, "; "))
-	}
-	return nil
-}

@@ -3,84 +3,101 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"sort"
-	"strings"
 
+	"github.com/spf13/cobra"
+
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
-// Env is what a subcommand gets from the process: environment, output and
-// logger (so subcommands are testable without globals).
+// Env is what a subcommand gets from the process: environment, terminal,
+// output and logger (so subcommands are testable without globals).
 type Env struct {
-	Getenv func(string) string
+	// Getenv reads a variable; an empty value counts as unset unless
+	// LookupEnv is given.
+	Getenv    func(string) string
+	LookupEnv func(string) (string, bool)
+	// Stdin answers confirmation prompts (retire --drop) when it is a
+	// terminal.
+	Stdin  io.Reader
 	Stdout io.Writer
 	Stderr io.Writer
+	// Logger, when nil, is built from --log-level and --log-format.
 	Logger *slog.Logger
-
-	// bad collects environment variables whose values do not parse; a
-	// subcommand refuses to run with any (never silently uses a default).
-	bad []string
 }
 
-func (e *Env) badEnv(key, value, want string) {
-	e.bad = append(e.bad, fmt.Sprintf("%s=%q is not %s", key, value, want))
-}
-
-// envErr reports every unparseable EPITAPH_* variable seen so far.
-func (e *Env) envErr() error {
-	if len(e.bad) == 0 {
-		return nil
+func (e *Env) lookup(key string) (string, bool) {
+	if e.LookupEnv != nil {
+		return e.LookupEnv(key)
 	}
-	return errors.New("bad environment: " + strings.Join(e.bad, "; "))
-}
-
-// Command is one subcommand. Adding a subcommand is one file whose init()
-// calls register.
-type Command struct {
-	Summary string
-	Run     func(ctx context.Context, args []string, env *Env) error
-}
-
-var commands = map[string]Command{}
-
-func register(name string, c Command) {
-	if _, dup := commands[name]; dup {
-		panic("projector: subcommand registered twice: " + name)
+	if e.Getenv == nil {
+		return "", false
 	}
-	commands[name] = c
+	v := e.Getenv(key)
+	return v, v != ""
 }
 
-func dispatch(ctx context.Context, args []string, env *Env) error {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		usage(env.Stderr)
-		if len(args) == 0 {
-			return errors.New("a subcommand is required")
+// builders make the subcommands. Adding a subcommand is one file whose
+// init() calls register.
+var builders []func(env *Env) *cobra.Command
+
+func register(b func(env *Env) *cobra.Command) { builders = append(builders, b) }
+
+// newRoot is the projector's command tree.
+func newRoot(env *Env) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "projector",
+		Short: "apply a source's Epitaph stream to read models in a target Postgres",
+		Long: `projector applies a source's Epitaph stream (JetStream EPITAPH_<SOURCE>) to
+versioned read models in a target PostgreSQL: the archive of deleted rows and
+snapshot documents. ` + "`projector run`" + ` is the worker; the other commands
+inspect and operate it.
+
+Every flag has an EPITAPH_* environment variable (named in its help); the
+command line overrides the environment. A malformed or out-of-range value is
+refused, never replaced by the default.
+
+Exit status: 0 success, 1 error, 2 usage (unknown command or flag, bad value,
+wrong arguments), 3 "no" (compare found differences, a status check failed;
+wait: see its help).`,
+		Example: `  projector migrate
+  projector run
+  projector status --wait
+  projector rebuild archive --wait && projector compare archive 1 2 && projector promote archive 2`,
+	}
+	cli.Group(root)
+	logging := cli.LogFlags(root)
+	root.PersistentPreRunE = func(cmd *cobra.Command, _ []string) error {
+		if err := cli.ApplyEnv(cmd, env.lookup); err != nil {
+			return err
+		}
+		if env.Logger == nil {
+			env.Logger = logging.Logger(env.Stderr)
 		}
 		return nil
 	}
-	c, ok := commands[args[0]]
-	if !ok {
-		usage(env.Stderr)
-		return fmt.Errorf("unknown subcommand %q", args[0])
+	for _, b := range builders {
+		root.AddCommand(b(env))
 	}
-	return c.Run(ctx, args[1:], env)
+	cli.SetVersion(root)
+	cli.Prepare(root)
+	return root
 }
 
-func usage(w io.Writer) {
-	fmt.Fprintln(w, "usage: projector <subcommand> [flags]")
-	names := make([]string, 0, len(commands))
-	for n := range commands {
-		names = append(names, n)
+// dispatch runs the command line args.
+func dispatch(ctx context.Context, args []string, env *Env) error {
+	if env.Stdin == nil {
+		env.Stdin = os.Stdin
 	}
-	sort.Strings(names)
-	for _, n := range names {
-		fmt.Fprintf(w, "  %-12s %s\n", n, commands[n].Summary)
-	}
+	root := newRoot(env)
+	root.SetArgs(args)
+	root.SetOut(env.Stdout)
+	root.SetErr(env.Stderr)
+	return root.ExecuteContext(ctx)
 }
 
 // common holds the connection settings every subcommand shares.
@@ -88,40 +105,34 @@ type common struct {
 	targetURL  string
 	natsURL    string
 	sourceName string
+	env        *Env
 }
 
-// commonFlags registers --target-url, --nats-url and --source-name with
-// their EPITAPH_* defaults on fs.
-func commonFlags(fs *flag.FlagSet, env *Env) *common {
-	c := &common{}
-	target := env.Getenv("EPITAPH_TARGET_URL")
-	if target == "" {
-		target = env.Getenv("EPITAPH_SOURCE_URL")
-	}
-	fs.StringVar(&c.targetURL, "target-url", target, "target Postgres URL (EPITAPH_TARGET_URL, default EPITAPH_SOURCE_URL)")
-	fs.StringVar(&c.natsURL, "nats-url", envOr(env, "EPITAPH_NATS_URL", "nats://127.0.0.1:4222"), "JetStream URL (EPITAPH_NATS_URL)")
-	fs.StringVar(&c.sourceName, "source-name", envOr(env, "EPITAPH_SOURCE_NAME", "main"), "source name (EPITAPH_SOURCE_NAME)")
+// commonFlags registers --target-url, --nats-url and --source-name.
+func commonFlags(cmd *cobra.Command, env *Env) *common {
+	c := &common{env: env}
+	f := cli.Local(cmd)
+	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: EPITAPH_SOURCE_URL)")
+	f.String(&c.natsURL, "nats-url", "EPITAPH_NATS_URL", "nats://127.0.0.1:4222", "JetStream URL")
+	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name")
 	return c
 }
 
 func (c *common) check() error {
 	if c.targetURL == "" {
-		return errors.New("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
+		c.targetURL, _ = c.env.lookup("EPITAPH_SOURCE_URL")
+	}
+	if c.targetURL == "" {
+		return cli.Usage("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
 	}
 	return nil
 }
 
-func envOr(env *Env, key, def string) string {
-	if v := env.Getenv(key); v != "" {
-		return v
-	}
-	return def
-}
-
-func newFlagSet(name string, env *Env) *flag.FlagSet {
-	fs := flag.NewFlagSet("projector "+name, flag.ContinueOnError)
-	fs.SetOutput(env.Stderr)
-	return fs
+// jsonFlag registers --json.
+func jsonFlag(cmd *cobra.Command, what string) *bool {
+	p := new(bool)
+	cmd.Flags().BoolVar(p, "json", false, "print "+what+" as JSON (snake_case; see docs/cli)")
+	return p
 }
 
 func defaultWorkerID() string {
@@ -132,13 +143,7 @@ func defaultWorkerID() string {
 	return fmt.Sprintf("%s-%d", h, os.Getpid())
 }
 
-func logLevel(s string) slog.Level {
-	var l slog.Level
-	if err := l.UnmarshalText([]byte(strings.ToUpper(s))); err != nil {
-		return slog.LevelInfo
-	}
-	return l
-}
-
 // redact hides a URL's password for messages.
 func redact(raw string) string { return redactpkg.URL(raw) }
+
+var errNeedTerminal = errors.New("refusing without confirmation: stdin is not a terminal (pass --yes)")

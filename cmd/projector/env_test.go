@@ -3,43 +3,66 @@ package main
 import (
 	"bytes"
 	"context"
-	"io"
 	"log/slog"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 )
 
-// A malformed setting is refused with a message naming it, never replaced
-// by a default (which would hide the misconfiguration).
+// A malformed or out-of-range setting is refused with one line naming it,
+// never replaced by a default (which would hide the misconfiguration).
 func TestBadEnvironmentIsRefused(t *testing.T) {
 	t.Parallel()
 	vars := map[string]string{
-		"EPITAPH_TARGET_URL":    "postgres://nobody@127.0.0.1:1/none",
+		"EPITAPH_TARGET_URL":    "postgres://nobody:secret@127.0.0.1:1/none",
 		"EPITAPH_LEASE_TTL":     "fifteen seconds",
 		"EPITAPH_BATCH_SIZE":    "lots",
 		"EPITAPH_REBUILD_SHARE": "half",
 
 		"EPITAPH_HOLD_ON_QUARANTINE": "sometimes",
 		"EPITAPH_MAX_ROW_BYTES":      "1GB",
+		"EPITAPH_LOG_LEVEL":          "loud",
 	}
-	var stderr bytes.Buffer
-	env := &Env{Getenv: func(k string) string { return vars[k] }, Stdout: io.Discard, Stderr: &stderr,
-		Logger: slog.New(slog.DiscardHandler)}
-	err := dispatch(context.Background(), []string{"run"}, env)
-	require.Error(t, err)
-	require.Contains(t, err.Error(), `EPITAPH_LEASE_TTL="fifteen seconds" is not a duration`)
-	require.Contains(t, err.Error(), `EPITAPH_BATCH_SIZE="lots" is not an integer`)
-	require.Contains(t, err.Error(), `EPITAPH_REBUILD_SHARE="half" is not a number`)
-	require.Contains(t, err.Error(), `EPITAPH_HOLD_ON_QUARANTINE="sometimes" is not a boolean (true or false)`)
-	require.Contains(t, err.Error(), `EPITAPH_MAX_ROW_BYTES="1GB" is not an integer`)
+	code, _, stderr := projector(t, vars, "run")
+	require.Equal(t, 2, code)
+	require.Equal(t, 1, strings.Count(stderr, "\n"), stderr)
+	require.Contains(t, stderr, `EPITAPH_LEASE_TTL="fifteen seconds": not a duration`)
+	require.Contains(t, stderr, `EPITAPH_BATCH_SIZE="lots": not an integer`)
+	require.Contains(t, stderr, `EPITAPH_REBUILD_SHARE="half": not a number`)
+	require.Contains(t, stderr, `EPITAPH_HOLD_ON_QUARANTINE="sometimes": not a boolean (true or false)`)
+	require.Contains(t, stderr, `EPITAPH_MAX_ROW_BYTES="1GB": not an integer`)
+	require.Contains(t, stderr, `EPITAPH_LOG_LEVEL="loud": want one of debug, info, warn, error`)
 
-	env = &Env{Getenv: func(k string) string {
-		if k == "EPITAPH_SNAPSHOT_MAX_ATTEMPTS" {
-			return "8x"
-		}
-		return vars[k]
-	}, Stdout: io.Discard, Stderr: &stderr, Logger: slog.New(slog.DiscardHandler)}
-	err = dispatch(context.Background(), []string{"snapshots", "batch"}, env)
-	require.ErrorContains(t, err, `EPITAPH_SNAPSHOT_MAX_ATTEMPTS="8x" is not an integer`)
+	// Values that used to become defaults silently are refused.
+	code, _, stderr = projector(t, map[string]string{"EPITAPH_TARGET_URL": vars["EPITAPH_TARGET_URL"],
+		"EPITAPH_BATCH_SIZE": "0", "EPITAPH_LEASE_TTL": "0s", "EPITAPH_REBUILD_SHARE": "1.5"}, "run")
+	require.Equal(t, 2, code)
+	require.Contains(t, stderr, `EPITAPH_BATCH_SIZE="0": must be at least 1`)
+	require.Contains(t, stderr, `EPITAPH_LEASE_TTL="0s": must be positive`)
+	require.Contains(t, stderr, `EPITAPH_REBUILD_SHARE="1.5": must be at most 1`)
+	require.NotContains(t, stderr, "secret")
+
+	code, _, stderr = projector(t, map[string]string{"EPITAPH_SNAPSHOT_MAX_ATTEMPTS": "8x"}, "snapshots", "batch")
+	require.Equal(t, 2, code)
+	require.Contains(t, stderr, `EPITAPH_SNAPSHOT_MAX_ATTEMPTS="8x": not an integer`)
+
+	// The command line is checked the same way.
+	code, _, stderr = projector(t, nil, "run", "--batch-size", "501")
+	require.Equal(t, 2, code)
+	require.Contains(t, stderr, `invalid argument "501" for "--batch-size" flag: must be at most 500`)
+}
+
+// projector runs the command line in process with exactly vars as the
+// environment; it returns the exit code, stdout and stderr.
+func projector(t *testing.T, vars map[string]string, args ...string) (int, string, string) {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	env := &Env{LookupEnv: func(k string) (string, bool) { v, ok := vars[k]; return v, ok },
+		Stdin: strings.NewReader(""), Stdout: &stdout, Stderr: &stderr, Logger: slog.New(slog.DiscardHandler)}
+	err := dispatch(context.Background(), args, env)
+	code := cli.Report(&stderr, "projector", err)
+	return code, stdout.String(), stderr.String()
 }

@@ -5,21 +5,17 @@ package main
 
 import (
 	"context"
-	"fmt"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	env := &Env{Getenv: os.Getenv, Stdout: os.Stdout, Stderr: os.Stderr,
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel(os.Getenv("EPITAPH_LOG_LEVEL"))}))}
-	if err := dispatch(ctx, os.Args[1:], env); err != nil {
-		fmt.Fprintln(os.Stderr, "projector:", err)
-		stop()
-		os.Exit(1)
-	}
+	env := &Env{LookupEnv: os.LookupEnv, Stdin: os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr}
+	code := cli.Report(os.Stderr, "projector", dispatch(ctx, os.Args[1:], env))
+	stop()
+	os.Exit(code)
 }

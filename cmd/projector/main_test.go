@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -154,6 +155,18 @@ func TestBinaryRunKillRestartStatus(t *testing.T) {
 	var owned int
 	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.progress WHERE owner IS NOT NULL`).Scan(&owned))
 	require.Zero(t, owned)
+}
+
+// exitCode is the exit status of a finished command (0 for a nil error).
+func exitCode(err error) int {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode()
+	}
+	if err != nil {
+		return -1
+	}
+	return 0
 }
 
 func runBin(bin string, env []string, args ...string) (string, error) {

@@ -2,9 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strconv"
@@ -13,43 +10,40 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
 
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
-func init() {
-	register("quarantine", Command{
-		Summary: "events set aside: list | show <id> [--payload] | replay <id>|--all | discard <id> --reason R",
-		Run:     quarantineCmd,
+func init() { register(quarantineCommand) }
+
+func quarantineCommand(env *Env) *cobra.Command {
+	cmd := cli.Group(&cobra.Command{
+		Use:   "quarantine <list | show | replay | discard>",
+		Short: "events set aside: list | show <id> [--payload] | replay <id>|--all | discard <id> --reason R",
+		Long: `An event that cannot be decoded or applied is set aside in epitaph.quarantine
+with its category, in the same transaction that moves the partition on.
+These commands list and show entries, replay them with this build's decoder
+(exactly once), or give them up with a reason kept in the audit record.`,
+		Example: `  projector quarantine list --category malformed
+  projector quarantine show 42 --payload
+  projector quarantine replay --all --projection archive
+  projector quarantine discard 42 --reason "hand-published by mistake"`,
 	})
-}
-
-const quarantineUsage = `usage:
-  projector quarantine list [--projection P] [--version N] [--category C] [--status open|replayed|discarded|all] [--limit N] [--json]
-  projector quarantine show <id> [--payload] [--json]
-  projector quarantine replay <id> | --all [--projection P] [--version N] [--category C] [--archive-ttl ..] [--snapshot-roots ..]
-  projector quarantine discard <id> --reason R`
-
-func quarantineCmd(ctx context.Context, args []string, env *Env) error {
-	if len(args) == 0 {
-		return errors.New(quarantineUsage)
-	}
-	run := map[string]func(context.Context, []string, *Env) error{
-		"list": quarantineList, "show": quarantineShow, "replay": quarantineReplay, "discard": quarantineDiscard,
-	}[args[0]]
-	if run == nil {
-		return fmt.Errorf("unknown quarantine subcommand %q\n%s", args[0], quarantineUsage)
-	}
-	return run(ctx, args[1:], env)
+	cmd.AddCommand(quarantineListCommand(env), quarantineShowCommand(env), quarantineReplayCommand(env), quarantineDiscardCommand(env))
+	return cmd
 }
 
 // filterFlags registers --projection, --version and --category.
-func filterFlags(fs *flag.FlagSet) *quarantine.Filter {
+func filterFlags(cmd *cobra.Command) *quarantine.Filter {
 	f := &quarantine.Filter{}
+	fs := cmd.Flags()
 	fs.StringVar(&f.Projection, "projection", "", "only this projection (e.g. archive)")
 	fs.IntVar(&f.Version, "version", 0, "only this projection version")
 	fs.Func("category", "only this category: "+categoryNames(), func(s string) error {
@@ -61,6 +55,11 @@ func filterFlags(fs *flag.FlagSet) *quarantine.Filter {
 		}
 		return fmt.Errorf("unknown category %q (want one of %s)", s, categoryNames())
 	})
+	names := make([]string, len(quarantine.Categories))
+	for i, c := range quarantine.Categories {
+		names[i] = string(c)
+	}
+	_ = cmd.RegisterFlagCompletionFunc("category", cobra.FixedCompletions(names, cobra.ShellCompDirectiveNoFileComp))
 	return f
 }
 
@@ -83,48 +82,51 @@ func targetPool(ctx context.Context, c *common) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-func oneID(pos []string, usage string) (int64, error) {
-	if len(pos) != 1 {
-		return 0, errors.New("usage: " + usage)
-	}
-	id, err := strconv.ParseInt(pos[0], 10, 64)
+func entryID(s string) (int64, error) {
+	id, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || id <= 0 {
-		return 0, fmt.Errorf("quarantine entry id %q: want a positive number", pos[0])
+		return 0, cli.Usage("quarantine entry id %q: want a positive number", s)
 	}
 	return id, nil
 }
 
-func quarantineList(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("quarantine list", env)
-	c := commonFlags(fs, env)
-	f := filterFlags(fs)
-	status := fs.String("status", "open", "open, replayed, discarded or all")
-	fs.IntVar(&f.Limit, "limit", 1000, "at most this many entries (0: all)")
-	asJSON := fs.Bool("json", false, "JSON output")
-	if _, err := parseInterspersed(fs, args); err != nil {
-		return err
+func quarantineListCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "list",
+		Short:   "list quarantine entries (open ones by default), without payloads",
+		Example: "  projector quarantine list --status all --projection archive --version 2 --json",
+		Args:    cli.NoArgs,
 	}
-	switch *status {
-	case "all":
-	case string(quarantine.StatusOpen), string(quarantine.StatusReplayed), string(quarantine.StatusDiscarded):
-		f.Status = quarantine.Status(*status)
-	default:
-		return fmt.Errorf("--status %q: want open, replayed, discarded or all", *status)
+	c := commonFlags(cmd, env)
+	f := filterFlags(cmd)
+	var status string
+	cli.Local(cmd).Enum(&status, "status", "", "open", []string{"open", "replayed", "discarded", "all"}, "open, replayed, discarded or all")
+	cmd.Flags().IntVar(&f.Limit, "limit", 1000, "at most this many entries (0: all)")
+	asJSON := jsonFlag(cmd, "the entries")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		if status != "all" {
+			f.Status = quarantine.Status(status)
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		recs, err := quarantine.List(ctx, pool, *f)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			if recs == nil {
+				recs = []quarantine.Record{}
+			}
+			return cli.WriteJSON(env.Stdout, recs)
+		}
+		writeList(env.Stdout, recs, time.Now())
+		return nil
 	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	recs, err := quarantine.List(ctx, pool, *f)
-	if err != nil {
-		return err
-	}
-	if *asJSON {
-		return writeJSON(env.Stdout, recs)
-	}
-	writeList(env.Stdout, recs, time.Now())
-	return nil
+	return cmd
 }
 
 func writeList(w io.Writer, recs []quarantine.Record, now time.Time) {
@@ -149,39 +151,40 @@ func oneLine(s string, n int) string {
 	return s
 }
 
-func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
-}
+func writeJSON(w io.Writer, v any) error { return cli.WriteJSON(w, v) }
 
-func quarantineShow(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("quarantine show", env)
-	c := commonFlags(fs, env)
-	payload := fs.Bool("payload", false, "also print the raw message (it holds row values)")
-	asJSON := fs.Bool("json", false, "JSON output (the payload base64-encoded)")
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
+func quarantineShowCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "show <id>",
+		Short:   "show one entry; the payload (it holds row values) only with --payload",
+		Example: "  projector quarantine show 42\n  projector quarantine show 42 --payload --json",
+		Args:    cli.Args(1),
 	}
-	id, err := oneID(pos, "projector quarantine show <id> [--payload] [--json]")
-	if err != nil {
-		return err
+	c := commonFlags(cmd, env)
+	payload := cmd.Flags().Bool("payload", false, "also print the raw message (it holds row values)")
+	asJSON := jsonFlag(cmd, "the entry (the payload base64-encoded in \"data\")")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		id, err := entryID(args[0])
+		if err != nil {
+			return err
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		r, err := quarantine.Show(ctx, pool, id, *payload)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, r)
+		}
+		writeRecord(env.Stdout, r)
+		return nil
 	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	r, err := quarantine.Show(ctx, pool, id, *payload)
-	if err != nil {
-		return err
-	}
-	if *asJSON {
-		return writeJSON(env.Stdout, r)
-	}
-	writeRecord(env.Stdout, r)
-	return nil
+	return cmd
 }
 
 func writeRecord(w io.Writer, r quarantine.Record) {
@@ -219,102 +222,202 @@ func writeRecord(w io.Writer, r quarantine.Record) {
 	}
 }
 
-func quarantineDiscard(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("quarantine discard", env)
-	c := commonFlags(fs, env)
-	reason := fs.String("reason", "", "why the event is given up (required; kept in the audit record)")
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
+func quarantineDiscardCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "discard <id> --reason R",
+		Short:   "give an entry up, with a reason kept in the audit record",
+		Example: `  projector quarantine discard 42 --reason "hand-published by mistake"`,
+		Args:    cli.Args(1),
 	}
-	id, err := oneID(pos, "projector quarantine discard <id> --reason R")
-	if err != nil {
-		return err
-	}
-	if strings.TrimSpace(*reason) == "" {
-		return errors.New("discard needs --reason (kept in the audit record)")
-	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if err := quarantine.Discard(ctx, pool, id, *reason); err != nil {
-		return err
-	}
-	fmt.Fprintf(env.Stdout, "entry %d discarded\n", id)
-	return nil
-}
-
-func quarantineReplay(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("quarantine replay", env)
-	c := commonFlags(fs, env)
-	f := filterFlags(fs)
-	all := fs.Bool("all", false, "replay every open entry (matching --projection/--version/--category)")
-	applier := replayApplier(fs, env)
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
-	}
-	var sel quarantine.Selection
-	switch {
-	case *all && len(pos) == 0:
-		sel.Filter = *f
-	case !*all && len(pos) == 1:
-		if sel.ID, err = oneID(pos, ""); err != nil {
+	c := commonFlags(cmd, env)
+	reason := cmd.Flags().String("reason", "", "why the event is given up (required; kept in the audit record)")
+	asJSON := jsonFlag(cmd, "the outcome")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		id, err := entryID(args[0])
+		if err != nil {
 			return err
 		}
-	default:
-		return errors.New("usage: projector quarantine replay <id> | --all [--projection P] [--version N] [--category C]")
+		if strings.TrimSpace(*reason) == "" {
+			return cli.Usage("discard needs --reason (kept in the audit record)")
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		if err := quarantine.Discard(ctx, pool, id, *reason); err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, map[string]any{"id": id, "status": quarantine.StatusDiscarded, "reason": *reason})
+		}
+		fmt.Fprintf(env.Stdout, "entry %d discarded\n", id)
+		return nil
 	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	apply, closeApply, err := applier(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer closeApply()
-	res, err := quarantine.Replay(ctx, pool, sel, apply)
-	fmt.Fprintf(env.Stdout, "replayed %d, still failing %d, held behind an open entry %d\n",
-		len(res.Replayed), len(res.Failed), len(res.Held))
-	for _, id := range res.Failed {
-		fmt.Fprintf(env.Stdout, "  still failing: %d (projector quarantine show %d)\n", id, id)
-	}
-	if err != nil {
-		return err
-	}
-	if len(res.Failed) > 0 {
-		return fmt.Errorf("%d entries still fail", len(res.Failed))
-	}
-	return nil
+	return cmd
 }
+
+func quarantineReplayCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "replay <id> | --all",
+		Short: "apply entries again with this build's decoder, exactly once; progress on stderr",
+		Long: `replay applies open entries again, in stream order, one transaction each: an
+entry is marked replayed in the transaction that applied it, so it is applied
+once even when replays race. With --all, progress (entries done of the total,
+rate, ETA) is shown on stderr: a bar on a terminal, a line every 2s otherwise.
+Exit status 1 when entries still fail.`,
+		Example: "  projector quarantine replay 42\n  projector quarantine replay --all --projection archive --category incompatible",
+		Args:    cli.RangeArgs(0, 1),
+	}
+	c := commonFlags(cmd, env)
+	f := filterFlags(cmd)
+	all := cmd.Flags().Bool("all", false, "replay every open entry (matching --projection/--version/--category)")
+	asJSON := jsonFlag(cmd, "the outcome (replayed, failed and held entry ids)")
+	applier := replayApplier(cmd, env)
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		var sel quarantine.Selection
+		var err error
+		switch {
+		case *all && len(pos) == 0:
+			sel.Filter = *f
+		case !*all && len(pos) == 1:
+			if sel.ID, err = entryID(pos[0]); err != nil {
+				return err
+			}
+		default:
+			return cli.Usage("usage: %s (an id or --all, not both)", cmd.UseLine())
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		apply, closeApply, err := applier(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer closeApply()
+		if sel.ID == 0 {
+			open := sel.Filter
+			open.Status, open.Limit = quarantine.StatusOpen, 0
+			recs, err := quarantine.List(ctx, pool, open)
+			if err != nil {
+				return err
+			}
+			p := newReplayProgress(env.Stderr, len(recs))
+			apply = p.wrap(apply)
+			defer p.done()
+		}
+		res, err := quarantine.Replay(ctx, pool, sel, apply)
+		if *asJSON {
+			if res.Replayed == nil {
+				res.Replayed = []int64{}
+			}
+			if res.Failed == nil {
+				res.Failed = []int64{}
+			}
+			if res.Held == nil {
+				res.Held = []int64{}
+			}
+			if jerr := writeJSON(env.Stdout, res); jerr != nil {
+				return jerr
+			}
+		} else {
+			fmt.Fprintf(env.Stdout, "replayed %d, still failing %d, held behind an open entry %d\n",
+				len(res.Replayed), len(res.Failed), len(res.Held))
+			for _, id := range res.Failed {
+				fmt.Fprintf(env.Stdout, "  still failing: %d (projector quarantine show %d)\n", id, id)
+			}
+		}
+		if err != nil {
+			return err
+		}
+		if len(res.Failed) > 0 {
+			return fmt.Errorf("%d entries still fail", len(res.Failed))
+		}
+		return nil
+	}
+	return cmd
+}
+
+// replayProgress shows how far a replay --all is: a bar redrawn in place
+// on a terminal, a line every 2 s otherwise.
+type replayProgress struct {
+	w        io.Writer
+	tty      bool
+	total    int
+	n        int
+	start    time.Time
+	lastLine time.Time
+}
+
+func newReplayProgress(w io.Writer, total int) *replayProgress {
+	return &replayProgress{w: w, tty: isTerminal(w), total: total, start: time.Now()}
+}
+
+func (p *replayProgress) wrap(apply quarantine.ApplyFunc) quarantine.ApplyFunc {
+	return func(ctx context.Context, tx pgx.Tx, e quarantine.Entry) error {
+		err := apply(ctx, tx, e)
+		p.n++
+		p.show(false)
+		return err
+	}
+}
+
+func (p *replayProgress) show(final bool) {
+	if p.total == 0 {
+		return
+	}
+	now := time.Now()
+	if !final && !p.tty && now.Sub(p.lastLine) < 2*time.Second {
+		return
+	}
+	if !final && p.tty && now.Sub(p.lastLine) < 100*time.Millisecond {
+		return
+	}
+	p.lastLine = now
+	elapsed := now.Sub(p.start).Seconds()
+	rate := 0.0
+	if elapsed > 0 {
+		rate = float64(p.n) / elapsed
+	}
+	eta := -1.0
+	if rate > 0 {
+		eta = float64(max(p.total-p.n, 0)) / rate
+	}
+	line := fmt.Sprintf("replaying %s %d/%d entries %6.0f/s ETA %s", projection.Bar(float64(p.n)/float64(p.total), 30),
+		p.n, p.total, rate, etaText(eta))
+	if p.tty {
+		fmt.Fprintf(p.w, "\r%s\033[K", line)
+		if final {
+			fmt.Fprintln(p.w)
+		}
+	} else {
+		fmt.Fprintln(p.w, line)
+	}
+}
+
+func (p *replayProgress) done() { p.show(true) }
 
 // replayApplier returns the projector runtime's apply for replay: decode
 // with this build's decoder and apply into the entry's version read model
 // (archive rows, roots, snapshot jobs), with the same retention and
 // snapshot roots as `projector run`. JetStream is used only for large rows.
-func replayApplier(fs *flag.FlagSet, env *Env) func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
-	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), "archive retention per table, as for run (EPITAPH_ARCHIVE_TTL)")
-	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "snapshot roots, as for run (EPITAPH_SNAPSHOT_ROOTS)")
-	maxRow := fs.Int64("max-row-bytes", int64Env(env, "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes), "largest large-row object fetched, as for run (EPITAPH_MAX_ROW_BYTES)")
+func replayApplier(cmd *cobra.Command, env *Env) func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
+	var ttls, roots string
+	var maxRow int64
+	f := cli.Local(cmd)
+	f.String(&ttls, "archive-ttl", "EPITAPH_ARCHIVE_TTL", "", "archive retention per table, as for run")
+	f.String(&roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "snapshot roots, as for run")
+	f.Int64(&maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched, as for run", cli.Positive())
 	return func(ctx context.Context, c *common) (quarantine.ApplyFunc, func(), error) {
-		if err := env.envErr(); err != nil {
-			return nil, nil, err
-		}
-		ttlMap, err := projection.ParseTTLs(*ttls)
+		ttlMap, err := projection.ParseTTLs(ttls)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, cli.Usage("--archive-ttl: %w", err)
 		}
-		var rootList []string
-		for _, r := range strings.Split(*roots, ",") {
-			if r = strings.TrimSpace(r); r != "" {
-				rootList = append(rootList, r)
-			}
-		}
-		cfg := projection.ReplayConfig{ArchiveTTL: ttlMap, SnapshotRoots: rootList, MaxRowBytes: *maxRow}
+		cfg := projection.ReplayConfig{ArchiveTTL: ttlMap, SnapshotRoots: splitList(roots), MaxRowBytes: maxRow}
 		closeFn := func() {}
 		nc, err := nats.Connect(c.natsURL, nats.Name("epitaph-projector quarantine replay"), nats.Timeout(5*time.Second))
 		if err != nil {

@@ -70,6 +70,13 @@ func TestQuarantineCommands(t *testing.T) {
 	require.NoError(t, err)
 	var recs []quarantine.Record
 	require.NoError(t, json.Unmarshal([]byte(out), &recs))
+	// One snake_case schema, as the other --json outputs.
+	var raw []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &raw))
+	require.Len(t, raw, 1)
+	require.EqualValues(t, 6, raw[0]["stream_seq"], out)
+	require.Equal(t, "malformed", raw[0]["category"], out)
+	require.NotContains(t, out, "StreamSeq")
 	require.Len(t, recs, 1)
 	require.Equal(t, garbage, recs[0].ID)
 	_, err = run("list", "--category", "nope")

@@ -2,60 +2,79 @@ package main
 
 import (
 	"context"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/spf13/cobra"
 
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
-func init() {
-	register("run", Command{Summary: "run a projector worker until SIGINT/SIGTERM", Run: runCmd})
+func init() { register(runCommand) }
+
+type runOptions struct {
+	worker, metrics, ttls, roots, captureStatus string
+	leaseTTL                                    time.Duration
+	batch                                       int
+	share                                       float64
+	hold                                        bool
+	maxRow                                      int64
 }
 
-func runCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("run", env)
-	c := commonFlags(fs, env)
-	worker := fs.String("worker-id", envOr(env, "EPITAPH_WORKER_ID", defaultWorkerID()), "worker id in leases (EPITAPH_WORKER_ID)")
-	metrics := fs.String("metrics-addr", envOr(env, "EPITAPH_METRICS_ADDR", "127.0.0.1:9188"), "address of /metrics /healthz /status; empty disables (EPITAPH_METRICS_ADDR)")
-	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), `archive retention per table, e.g. "public.sessions=720h,*=8760h" (EPITAPH_ARCHIVE_TTL)`)
-	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "comma-separated schema.table roots of snapshot documents (EPITAPH_SNAPSHOT_ROOTS)")
-	leaseTTL := fs.Duration("lease-ttl", durationEnv(env, "EPITAPH_LEASE_TTL", 15*time.Second), "partition lease TTL (EPITAPH_LEASE_TTL)")
-	captureStatus := fs.String("capture-status-url", env.Getenv("EPITAPH_CAPTURE_STATUS_URL"), "the capture's /status URL, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
-	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
-	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use (EPITAPH_REBUILD_SHARE)")
-	hold := fs.Bool("hold-on-quarantine", boolEnv(env, "EPITAPH_HOLD_ON_QUARANTINE", false), "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied (EPITAPH_HOLD_ON_QUARANTINE)")
-	maxRow := fs.Int64("max-row-bytes", int64Env(env, "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes), "largest large-row object fetched; a bigger one is quarantined as oversized (EPITAPH_MAX_ROW_BYTES)")
-	if err := fs.Parse(args); err != nil {
-		return err
+func runCommand(env *Env) *cobra.Command {
+	var o runOptions
+	cmd := &cobra.Command{
+		Use:   "run",
+		Short: "run a projector worker until SIGINT/SIGTERM",
+		Long: `run is a projector worker: it leases partitions of every projection version,
+applies their events to the target and serves /metrics, /livez, /readyz,
+/healthz, /status and the status page at / on --metrics-addr. Run as many as
+you like: partitions are spread by leases held in the target.`,
+		Example: `  EPITAPH_TARGET_URL=postgres://epitaph@archive:5432/archive projector run
+  projector run --snapshot-roots public.orders --archive-ttl 'public.sessions=720h,*=8760h'`,
+		Args: cli.NoArgs,
 	}
-	if err := env.envErr(); err != nil {
-		return err
-	}
+	c := commonFlags(cmd, env)
+	f := cli.Local(cmd)
+	f.String(&o.worker, "worker-id", "EPITAPH_WORKER_ID", "", "worker id in leases (default: <hostname>-<pid>)")
+	f.String(&o.metrics, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9188", "address of /metrics /livez /readyz /healthz /status; empty disables", cli.KeepEmpty())
+	f.String(&o.ttls, "archive-ttl", "EPITAPH_ARCHIVE_TTL", "", `archive retention per table, e.g. "public.sessions=720h,*=8760h"`)
+	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
+	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", 15*time.Second, "partition lease TTL", cli.Positive())
+	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
+	f.Int(&o.batch, "batch-size", "EPITAPH_BATCH_SIZE", projection.MaxBatchSize, "events per applied page", cli.Min(1), cli.Max(projection.MaxBatchSize))
+	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", 0.5, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
+	f.Bool(&o.hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false, "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied")
+	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
+	return cmd
+}
+
+func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err := c.check(); err != nil {
 		return err
 	}
-	ttlMap, err := projection.ParseTTLs(*ttls)
-	if err != nil {
-		return err
+	if o.worker == "" {
+		o.worker = defaultWorkerID()
 	}
-	var rootList []string
-	for _, r := range strings.Split(*roots, ",") {
-		if r = strings.TrimSpace(r); r != "" {
-			rootList = append(rootList, r)
-		}
+	ttlMap, err := projection.ParseTTLs(o.ttls)
+	if err != nil {
+		return cli.Usage("--archive-ttl: %w", err)
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if err := cli.RegisterBuildInfo(reg, cli.BuildInfo()); err != nil {
+		return err
+	}
 	svc, err := projection.New(projection.Config{
-		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: *worker,
-		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList, RebuildShare: *share,
-		HoldOnQuarantine: *hold, MaxRowBytes: *maxRow,
+		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: o.worker,
+		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
+		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -63,17 +82,17 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	if err := svc.Start(ctx); err != nil {
 		return err
 	}
-	srv := observe.New(observe.Config{Addr: *metrics, Registry: reg, Logger: env.Logger,
+	srv := observe.New(observe.Config{Addr: o.metrics, Registry: reg, Logger: env.Logger,
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy})
-	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(*captureStatus),
+	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	if err := srv.Start(ctx); err != nil {
 		svc.Stop()
 		return err
 	}
-	env.Logger.Info("projector running", "worker", *worker, "target", redact(c.targetURL), "nats", redact(c.natsURL),
+	env.Logger.Info("projector running", "worker", o.worker, "target", redact(c.targetURL), "nats", redact(c.natsURL),
 		"source", c.sourceName, "metrics", srv.Addr())
 	select {
 	case <-ctx.Done():
@@ -85,52 +104,13 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	return nil
 }
 
-func durationEnv(env *Env, key string, def time.Duration) time.Duration {
-	if v := env.Getenv(key); v != "" {
-		if d, err := time.ParseDuration(v); err == nil {
-			return d
+// splitList splits a comma-separated list, dropping empty items.
+func splitList(s string) []string {
+	var out []string
+	for _, r := range strings.Split(s, ",") {
+		if r = strings.TrimSpace(r); r != "" {
+			out = append(out, r)
 		}
-		env.badEnv(key, v, "a duration such as 15s or 2m")
 	}
-	return def
-}
-
-func intEnv(env *Env, key string, def int) int {
-	if v := env.Getenv(key); v != "" {
-		if n, err := strconv.Atoi(v); err == nil {
-			return n
-		}
-		env.badEnv(key, v, "an integer")
-	}
-	return def
-}
-
-func floatEnv(env *Env, key string, def float64) float64 {
-	if v := env.Getenv(key); v != "" {
-		if f, err := strconv.ParseFloat(v, 64); err == nil {
-			return f
-		}
-		env.badEnv(key, v, "a number")
-	}
-	return def
-}
-
-func int64Env(env *Env, key string, def int64) int64 {
-	if v := env.Getenv(key); v != "" {
-		if n, err := strconv.ParseInt(v, 10, 64); err == nil {
-			return n
-		}
-		env.badEnv(key, v, "an integer")
-	}
-	return def
-}
-
-func boolEnv(env *Env, key string, def bool) bool {
-	if v := env.Getenv(key); v != "" {
-		if b, err := strconv.ParseBool(v); err == nil {
-			return b
-		}
-		env.badEnv(key, v, "a boolean (true or false)")
-	}
-	return def
+	return out
 }

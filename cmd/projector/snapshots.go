@@ -2,135 +2,116 @@ package main
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
-	"flag"
 	"fmt"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
 
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
-func init() {
-	register("snapshots", Command{
-		Summary: "snapshot documents: show <correlation-id> | batch (run batches until none is due)",
-		Run:     snapshotsCmd,
+func init() { register(snapshotsCommand) }
+
+func snapshotsCommand(env *Env) *cobra.Command {
+	cmd := cli.Group(&cobra.Command{
+		Use:   "snapshots <show | batch>",
+		Short: "snapshot documents: show <correlation-id> | batch (run batches until none is due)",
 	})
+	cmd.AddCommand(snapshotsShowCommand(env), snapshotsBatchCommand(env))
+	return cmd
 }
 
-func snapshotsCmd(ctx context.Context, args []string, env *Env) error {
-	if len(args) == 0 {
-		return errors.New("usage: projector snapshots show <correlation-id> | projector snapshots batch")
+func snapshotsShowCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "show <correlation-id>",
+		Short: "print the snapshot documents of a source transaction (JSON)",
+		Long: `show prints, as JSON, the snapshot documents of the transaction
+"<src>:<xid>:<commit_lsn>" from archive.snapshots (the live version), or from
+archive_v<N> with --version.`,
+		Example: `  projector snapshots show main:7431:0/1A2B3C8`,
+		Args:    cli.Args(1),
 	}
-	switch args[0] {
-	case "show":
-		return snapshotsShow(ctx, args[1:], env)
-	case "batch":
-		return snapshotsBatch(ctx, args[1:], env)
-	default:
-		return fmt.Errorf("unknown snapshots subcommand %q (want show or batch)", args[0])
-	}
-}
-
-// parseInterspersed parses flags that may come before or after positional
-// arguments ("show <id> --version 2").
-func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		if fs.NArg() == 0 {
-			return pos, nil
-		}
-		pos = append(pos, fs.Arg(0))
-		args = fs.Args()[1:]
-	}
-}
-
-func snapshotsShow(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("snapshots show", env)
-	c := commonFlags(fs, env)
-	version := fs.Int("version", 0, "read archive_v<N> instead of the live version (the archive.snapshots view)")
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
-	}
-	if len(pos) != 1 {
-		return errors.New("usage: projector snapshots show [--version N] <correlation-id> (\"<src>:<xid>:<commit_lsn>\")")
-	}
-	if err := c.check(); err != nil {
-		return err
-	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
-	if err != nil {
-		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
-	}
-	defer pool.Close()
-	schema := projection.ReaderSchema
-	if *version > 0 {
-		schema = projection.ArchiveSchema(*version)
-	}
-	list, err := snapshot.Show(ctx, pool, schema, pos[0])
-	if err != nil {
-		return err
-	}
-	if len(list) == 0 {
-		return fmt.Errorf("no snapshots for %q in %s (not a transaction that deleted a root row, or not applied yet)", pos[0], schema)
-	}
-	enc := json.NewEncoder(env.Stdout)
-	enc.SetIndent("", "  ")
-	return enc.Encode(list)
-}
-
-func snapshotsBatch(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("snapshots batch", env)
-	c := commonFlags(fs, env)
-	version := fs.Int("version", 0, "work on archive_v<N> (default: the live version)")
-	size := fs.Int("batch-size", intEnv(env, "EPITAPH_SNAPSHOT_BATCH_SIZE", 50), "jobs per batch (EPITAPH_SNAPSHOT_BATCH_SIZE)")
-	attempts := fs.Int("max-attempts", intEnv(env, "EPITAPH_SNAPSHOT_MAX_ATTEMPTS", 8), "attempts before an incomplete group fails (EPITAPH_SNAPSHOT_MAX_ATTEMPTS)")
-	delay := fs.Duration("retry-delay", durationEnv(env, "EPITAPH_SNAPSHOT_RETRY_DELAY", 5*time.Second), "first retry delay, doubling (EPITAPH_SNAPSHOT_RETRY_DELAY)")
-	if _, err := parseInterspersed(fs, args); err != nil {
-		return err
-	}
-	if err := env.envErr(); err != nil {
-		return err
-	}
-	if err := c.check(); err != nil {
-		return err
-	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
-	if err != nil {
-		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
-	}
-	defer pool.Close()
-	schema, err := snapshotSchema(ctx, pool, *version)
-	if err != nil {
-		return err
-	}
-	cfg := snapshot.Config{Schema: schema, BatchSize: *size, MaxAttempts: *attempts, RetryDelay: *delay,
-		MaxRetryDelay: max(*delay, 5*time.Minute)}
-	var total snapshot.Result
-	for {
-		res, err := snapshot.RunBatch(ctx, pool, cfg)
+	c := commonFlags(cmd, env)
+	version := cmd.Flags().Int("version", 0, "read archive_v<N> instead of the live version (the archive.snapshots view)")
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		pool, err := targetPool(ctx, c)
 		if err != nil {
 			return err
 		}
-		total.Claimed += res.Claimed
-		total.Completed += res.Completed
-		total.Retried += res.Retried
-		total.Failed += res.Failed
-		if res.Claimed < *size {
-			break
+		defer pool.Close()
+		schema := projection.ReaderSchema
+		if *version > 0 {
+			schema = projection.ArchiveSchema(*version)
 		}
+		list, err := snapshot.Show(ctx, pool, schema, pos[0])
+		if err != nil {
+			return err
+		}
+		if len(list) == 0 {
+			return fmt.Errorf("no snapshots for %q in %s (not a transaction that deleted a root row, or not applied yet)", pos[0], schema)
+		}
+		return writeJSON(env.Stdout, list)
 	}
-	fmt.Fprintf(env.Stdout, "%s: claimed %d, complete %d, retry later %d, failed %d\n",
-		schema, total.Claimed, total.Completed, total.Retried, total.Failed)
-	return nil
+	return cmd
+}
+
+func snapshotsBatchCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "batch",
+		Short:   "run snapshot batches until none is due, then exit (for a cron job)",
+		Example: `  projector snapshots batch --batch-size 100`,
+		Args:    cli.NoArgs,
+	}
+	c := commonFlags(cmd, env)
+	version := cmd.Flags().Int("version", 0, "work on archive_v<N> (default: the live version)")
+	var size, attempts int
+	var delay time.Duration
+	f := cli.Local(cmd)
+	f.Int(&size, "batch-size", "EPITAPH_SNAPSHOT_BATCH_SIZE", 50, "jobs per batch", cli.Positive())
+	f.Int(&attempts, "max-attempts", "EPITAPH_SNAPSHOT_MAX_ATTEMPTS", 8, "attempts before an incomplete group fails", cli.Positive())
+	f.Duration(&delay, "retry-delay", "EPITAPH_SNAPSHOT_RETRY_DELAY", 5*time.Second, "first retry delay, doubling", cli.Positive())
+	asJSON := jsonFlag(cmd, "the totals")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		schema, err := snapshotSchema(ctx, pool, *version)
+		if err != nil {
+			return err
+		}
+		cfg := snapshot.Config{Schema: schema, BatchSize: size, MaxAttempts: attempts, RetryDelay: delay,
+			MaxRetryDelay: max(delay, 5*time.Minute)}
+		var total snapshot.Result
+		for {
+			res, err := snapshot.RunBatch(ctx, pool, cfg)
+			if err != nil {
+				return err
+			}
+			total.Claimed += res.Claimed
+			total.Completed += res.Completed
+			total.Retried += res.Retried
+			total.Failed += res.Failed
+			if res.Claimed < size {
+				break
+			}
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, map[string]any{"schema": schema, "claimed": total.Claimed, "completed": total.Completed,
+				"retried": total.Retried, "failed": total.Failed})
+		}
+		fmt.Fprintf(env.Stdout, "%s: claimed %d, complete %d, retry later %d, failed %d\n",
+			schema, total.Claimed, total.Completed, total.Retried, total.Failed)
+		return nil
+	}
+	return cmd
 }
 
 // snapshotSchema is archive_v<version>, or the live version's schema.

@@ -1,64 +1,105 @@
 package main
 
 import (
-	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
 
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
-func init() {
-	register("status", Command{Summary: "show versions, partitions, lag and quarantine (--json for the /status document)", Run: statusCmd})
+func init() { register(statusCommand) }
+
+func statusCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "show versions, partitions, lag and quarantine (--json for the /status document)",
+		Long: `status prints every projection version with its state and health, each
+partition's owner, cursor and lag, the workers and unresolved quarantine.
+--json prints the same document as GET /status. --check exits 3 unless every
+live version is healthy (health "live": leased, not failing, nothing in
+quarantine).`,
+		Example: `  projector status
+  projector status --json | jq '.versions[] | {projection, version, state, lag_events}'
+  projector status --check || echo "needs attention"
+  projector status --wait   # follow rebuilds until they are ready`,
+		Args: cli.NoArgs,
+	}
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, "the status document")
+	follow := cmd.Flags().Bool("wait", false, "follow every version being built until it is ready, with a progress bar on a terminal")
+	check := cmd.Flags().Bool("check", false, "exit 3 unless there is a live version and every live version is healthy")
+	var sample time.Duration
+	cli.Local(cmd).Duration(&sample, "sample", "", time.Second, "while a version is being rebuilt, sample twice this far apart for events/s and ETA (0: once)", cli.NotNegative())
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		if err := c.check(); err != nil {
+			return err
+		}
+		pool, err := pgxpool.New(ctx, c.targetURL)
+		if err != nil {
+			return cli.Usage("target URL %s: %w", redact(c.targetURL), err)
+		}
+		defer pool.Close()
+		var js jetstream.JetStream
+		if nc, err := nats.Connect(c.natsURL, nats.Timeout(3*time.Second)); err == nil {
+			defer nc.Close()
+			js, _ = jetstream.New(nc)
+		} else {
+			fmt.Fprintf(env.Stderr, "projector: NATS %s unreachable (lag unknown): %v\n", redact(c.natsURL), err)
+		}
+		if *follow {
+			if js == nil {
+				return errors.New("status --wait needs NATS")
+			}
+			return followVersions(ctx, pool, js, c.sourceName, env.Stdout)
+		}
+		st, err := projection.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
+		if err != nil {
+			return err
+		}
+		if st, err = sampleRates(ctx, pool, js, c.sourceName, st, sample); err != nil {
+			return err
+		}
+		if *asJSON {
+			err = cli.WriteJSON(env.Stdout, st)
+		} else {
+			err = st.WriteTable(env.Stdout)
+		}
+		if err != nil || !*check {
+			return err
+		}
+		return statusCheck(st)
+	}
+	return cmd
 }
 
-func statusCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("status", env)
-	c := commonFlags(fs, env)
-	asJSON := fs.Bool("json", false, "print the JSON status document")
-	follow := fs.Bool("wait", false, "follow every version being built until it is ready, with a progress bar on a terminal")
-	sample := fs.Duration("sample", time.Second, "while a version is being rebuilt, sample twice this far apart for events/s and ETA (0: once)")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if err := c.check(); err != nil {
-		return err
-	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
-	if err != nil {
-		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
-	}
-	defer pool.Close()
-	var js jetstream.JetStream
-	if nc, err := nats.Connect(c.natsURL, nats.Timeout(3*time.Second)); err == nil {
-		defer nc.Close()
-		js, _ = jetstream.New(nc)
-	} else {
-		fmt.Fprintf(env.Stderr, "projector: NATS %s unreachable (lag unknown): %v\n", redact(c.natsURL), err)
-	}
-	if *follow {
-		if js == nil {
-			return errors.New("status --wait needs NATS")
+// statusCheck is --check: a live version exists and every live version's
+// health is "live".
+func statusCheck(st *projection.Status) error {
+	var bad []string
+	live := 0
+	for _, v := range st.Versions {
+		if v.State != projection.StateLive {
+			continue
 		}
-		return followVersions(ctx, pool, js, c.sourceName, env.Stdout)
+		live++
+		if v.Health != projection.StateLive {
+			bad = append(bad, fmt.Sprintf("%s v%d is %s", v.Projection, v.Version, v.Health))
+		}
 	}
-	st, err := projection.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
-	if err != nil {
-		return err
+	if live == 0 {
+		bad = append(bad, "no live version")
 	}
-	if st, err = sampleRates(ctx, pool, js, c.sourceName, st, *sample); err != nil {
-		return err
+	if len(bad) > 0 {
+		return cli.WithCode(cli.ExitNotEqual, errors.New("status check failed: "+strings.Join(bad, "; ")))
 	}
-	if *asJSON {
-		enc := json.NewEncoder(env.Stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(st)
-	}
-	return st.WriteTable(env.Stdout)
+	return nil
 }

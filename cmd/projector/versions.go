@@ -1,9 +1,9 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -14,21 +14,23 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
 
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
 func init() {
-	register("rebuild", Command{Summary: "create the next version of a projection, built beside the live one (--wait shows progress)", Run: rebuildCmd})
-	register("compare", Command{Summary: "compare two versions: rows, checksums, snapshots, differing keys (exit 1 on difference)", Run: compareCmd})
-	register("promote", Command{Summary: "make a ready version live (re-points the archive.* views in one transaction)", Run: promoteCmd})
-	register("rollback", Command{Summary: "make the previous live version live again (it kept consuming)", Run: rollbackCmd})
-	register("retire", Command{Summary: "stop a version, delete its consumers (--drop: and its schema)", Run: retireCmd})
-	register("wait", Command{Summary: "wait until the live version reflects the source up to --lsn (read your deletes)", Run: waitCmd})
+	register(rebuildCommand)
+	register(compareCommand)
+	register(promoteCommand)
+	register(rollbackCommand)
+	register(retireCommand)
+	register(waitCommand)
 }
 
-// errDiffer makes compare (and a refused promote) exit non-zero.
+// errDiffer makes compare (and a refused promote) exit 3.
 var errDiffer = errors.New("the versions differ")
 
 // connectBoth opens the target pool and JetStream for a subcommand.
@@ -54,55 +56,85 @@ func connectBoth(ctx context.Context, c *common) (*pgxpool.Pool, jetstream.JetSt
 func versionArg(s string) (int, error) {
 	n, err := strconv.Atoi(strings.TrimPrefix(s, "v"))
 	if err != nil || n < 1 {
-		return 0, fmt.Errorf("version %q: want a number such as 2", s)
+		return 0, cli.Usage("version %q: want a number such as 2", s)
 	}
 	return n, nil
 }
 
-func rebuildCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("rebuild", env)
-	c := commonFlags(fs, env)
-	fs.Bool("from-start", true, "rebuild from the start of the stream (the default)")
-	fromTime := fs.String("from-time", "", "PARTIAL rebuild: start every partition at its first message stored at or after this RFC 3339 time; older deletes are not in the new version")
-	wait := fs.Bool("wait", false, "wait until the version is ready, showing progress (a bar on a terminal, lines otherwise)")
-	note := fs.String("note", "", "why, recorded in the version's config")
-	const usage = "projector rebuild <projection> [--from-start | --from-time T] [--wait]"
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
+func rebuildCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "rebuild <projection>",
+		Short: "create the next version of a projection, built beside the live one (--wait shows progress)",
+		Long: `rebuild creates the next version of a projection (schema archive_v<N+1>) with
+its own consumers; running workers build it from the start of the stream (or,
+PARTIAL, from --from-time) beside the live version, which keeps serving.`,
+		Example: `  projector rebuild archive --wait
+  projector rebuild archive --from-time 2026-11-01T00:00:00Z --note "TTL change"`,
+		Args: cli.Args(1),
 	}
-	if len(pos) != 1 {
-		return errors.New("usage: " + usage)
-	}
-	opts := projection.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note}
-	if *fromTime != "" {
-		if opts.FromTime, err = time.Parse(time.RFC3339, *fromTime); err != nil {
-			return fmt.Errorf("--from-time: %w", err)
+	c := commonFlags(cmd, env)
+	cmd.Flags().Bool("from-start", true, "rebuild from the start of the stream (the default)")
+	fromTime := cmd.Flags().String("from-time", "", "PARTIAL rebuild: start every partition at its first message stored at or after this RFC 3339 time; older deletes are not in the new version")
+	wait := cmd.Flags().Bool("wait", false, "wait until the version is ready, showing progress (a bar on a terminal, lines otherwise)")
+	note := cmd.Flags().String("note", "", "why, recorded in the version's config")
+	asJSON := jsonFlag(cmd, "the created version")
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		opts := projection.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note}
+		if *fromTime != "" {
+			t, err := time.Parse(time.RFC3339, *fromTime)
+			if err != nil {
+				return cli.Usage("--from-time %q: want an RFC 3339 time such as 2026-11-01T00:00:00Z", *fromTime)
+			}
+			opts.FromTime = t
 		}
+		pool, js, closeAll, err := connectBoth(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer closeAll()
+		v, err := projection.CreateVersion(ctx, pool, js, opts)
+		if err != nil {
+			return err
+		}
+		boundary := int64(0)
+		if v.BoundarySeq != nil {
+			boundary = *v.BoundarySeq
+		}
+		if *asJSON {
+			if err := writeJSON(env.Stdout, versionJSON{Projection: v.Projection, Version: v.Version, Schema: v.Schema,
+				State: v.State, BoundarySeq: boundary, BoundaryLSN: v.BoundaryLSN.String(), FromTime: v.FromTime}); err != nil {
+				return err
+			}
+		} else {
+			fmt.Fprintf(env.Stdout, "created %s v%d (schema %s, state %s, boundary seq %d, lsn %s)", v.Projection, v.Version, v.Schema, v.State,
+				boundary, v.BoundaryLSN)
+			if v.FromTime != nil {
+				fmt.Fprintf(env.Stdout, "; partial rebuild from %s", v.FromTime.UTC().Format(time.RFC3339))
+			}
+			fmt.Fprintln(env.Stdout, "\nrunning projector workers build it in the background; watch it with `projector status`")
+		}
+		if !*wait {
+			return nil
+		}
+		out := env.Stdout
+		if *asJSON {
+			out = env.Stderr // stdout holds the JSON document alone
+		}
+		return waitReady(ctx, pool, js, c.sourceName, v, out)
 	}
-	pool, js, closeAll, err := connectBoth(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer closeAll()
-	v, err := projection.CreateVersion(ctx, pool, js, opts)
-	if err != nil {
-		return err
-	}
-	boundary := int64(0)
-	if v.BoundarySeq != nil {
-		boundary = *v.BoundarySeq
-	}
-	fmt.Fprintf(env.Stdout, "created %s v%d (schema %s, state %s, boundary seq %d, lsn %s)", v.Projection, v.Version, v.Schema, v.State,
-		boundary, v.BoundaryLSN)
-	if v.FromTime != nil {
-		fmt.Fprintf(env.Stdout, "; partial rebuild from %s", v.FromTime.UTC().Format(time.RFC3339))
-	}
-	fmt.Fprintln(env.Stdout, "\nrunning projector workers build it in the background; watch it with `projector status`")
-	if !*wait {
-		return nil
-	}
-	return waitReady(ctx, pool, js, c.sourceName, v, env.Stdout)
+	return cmd
+}
+
+// versionJSON is a created version in --json output.
+type versionJSON struct {
+	Projection  string     `json:"projection"`
+	Version     int        `json:"version"`
+	Schema      string     `json:"schema"`
+	State       string     `json:"state"`
+	BoundarySeq int64      `json:"boundary_seq"`
+	BoundaryLSN string     `json:"boundary_lsn"`
+	FromTime    *time.Time `json:"from_time,omitempty"`
 }
 
 func isTerminal(w io.Writer) bool {
@@ -206,6 +238,7 @@ func etaText(s float64) string {
 type ignoreFlag struct{ expiresAt, snapshots bool }
 
 func (f *ignoreFlag) String() string { return "" }
+func (f *ignoreFlag) Type() string   { return "expires_at|snapshots" }
 func (f *ignoreFlag) Set(s string) error {
 	switch s {
 	case "expires_at":
@@ -218,116 +251,147 @@ func (f *ignoreFlag) Set(s string) error {
 	return nil
 }
 
-func compareFlags(fs *flag.FlagSet) (*ignoreFlag, *int, *bool) {
+func compareFlags(cmd *cobra.Command) (*ignoreFlag, *int, *bool) {
 	ig := &ignoreFlag{}
+	fs := cmd.Flags()
 	fs.Var(ig, "ignore", "accept an intended difference: expires_at (a TTL policy change) or snapshots (a change of snapshot roots); repeatable")
+	_ = cmd.RegisterFlagCompletionFunc("ignore", cobra.FixedCompletions([]string{"expires_at", "snapshots"}, cobra.ShellCompDirectiveNoFileComp))
 	maxKeys := fs.Int("max-keys", 20, "list at most this many differing rows")
 	all := fs.Bool("all", false, "compare every archived row, not only the transactions both versions reflect")
 	return ig, maxKeys, all
 }
 
-func compareCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("compare", env)
-	c := commonFlags(fs, env)
-	ig, maxKeys, all := compareFlags(fs)
-	asJSON := fs.Bool("json", false, "print the comparison as JSON")
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
+func compareCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "compare <projection> <a> <b>",
+		Short: "compare two versions: rows, checksums, snapshots, differing keys (exit 3 on difference)",
+		Long: `compare checks two versions of a projection row by row (checksums per table,
+snapshot fingerprints) over the transactions both reflect, and lists the
+differing keys. Exit status 0 when equal, 3 when they differ, 1 on error.`,
+		Example: `  projector compare archive 1 2
+  projector compare archive v1 v2 --ignore expires_at --json`,
+		Args: cli.Args(3),
 	}
-	if len(pos) != 3 {
-		return errors.New("usage: projector compare <projection> <a> <b> [--ignore expires_at] [--all] [--json]")
-	}
-	a, err := versionArg(pos[1])
-	if err != nil {
-		return err
-	}
-	b, err := versionArg(pos[2])
-	if err != nil {
-		return err
-	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: a, B: b,
-		IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
-	if err != nil {
-		return err
-	}
-	if *asJSON {
-		err = writeJSON(env.Stdout, cmp)
-	} else {
-		err = cmp.WriteText(env.Stdout)
-	}
-	if err != nil {
-		return err
-	}
-	if !cmp.Equal {
-		return errDiffer
-	}
-	return nil
-}
-
-func promoteCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("promote", env)
-	c := commonFlags(fs, env)
-	force := fs.Bool("force", false, "promote even if the version is not ready or differs from the live one")
-	ig, maxKeys, all := compareFlags(fs)
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
-	}
-	if len(pos) != 2 {
-		return errors.New("usage: projector promote <projection> <version> [--ignore expires_at] [--force]")
-	}
-	n, err := versionArg(pos[1])
-	if err != nil {
-		return err
-	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if !*force {
-		vs, err := projection.ListVersions(ctx, pool, pos[0])
+	c := commonFlags(cmd, env)
+	ig, maxKeys, all := compareFlags(cmd)
+	asJSON := jsonFlag(cmd, "the comparison")
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		a, err := versionArg(pos[1])
 		if err != nil {
 			return err
 		}
-		for _, v := range vs {
-			if v.State != projection.StateLive || v.Version == n {
-				continue
-			}
-			cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: v.Version, B: n,
-				IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
+		b, err := versionArg(pos[2])
+		if err != nil {
+			return err
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: a, B: b,
+			IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			err = writeJSON(env.Stdout, cmp)
+		} else {
+			err = cmp.WriteText(env.Stdout)
+		}
+		if err != nil {
+			return err
+		}
+		if !cmp.Equal {
+			return cli.WithCode(cli.ExitNotEqual, fmt.Errorf("%s v%d and v%d: %w", pos[0], a, b, errDiffer))
+		}
+		return nil
+	}
+	return cmd
+}
+
+func promoteCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "promote <projection> <version>",
+		Short: "make a ready version live (re-points the archive.* views in one transaction)",
+		Long: `promote compares the version with the live one first and refuses (exit 3) when
+they differ, unless the difference is accepted with --ignore or --force is
+given; then it re-points the reader views in one transaction. The previous
+live version stays ready and keeps consuming, so rollback is instant.`,
+		Example: `  projector promote archive 2
+  projector promote archive 2 --ignore expires_at`,
+		Args: cli.Args(2),
+	}
+	c := commonFlags(cmd, env)
+	force := cmd.Flags().Bool("force", false, "promote even if the version is not ready or differs from the live one")
+	ig, maxKeys, all := compareFlags(cmd)
+	asJSON := jsonFlag(cmd, "the outcome")
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		n, err := versionArg(pos[1])
+		if err != nil {
+			return err
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		out := env.Stdout
+		if *asJSON {
+			out = env.Stderr
+		}
+		if !*force {
+			vs, err := projection.ListVersions(ctx, pool, pos[0])
 			if err != nil {
 				return err
 			}
-			if !cmp.Equal {
-				_ = cmp.WriteText(env.Stderr)
-				return fmt.Errorf("refusing to promote %s v%d: it differs from the live v%d (--ignore expires_at accepts a TTL change; --force promotes anyway): %w",
-					pos[0], n, v.Version, errDiffer)
+			for _, v := range vs {
+				if v.State != projection.StateLive || v.Version == n {
+					continue
+				}
+				cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: v.Version, B: n,
+					IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
+				if err != nil {
+					return err
+				}
+				if !cmp.Equal {
+					_ = cmp.WriteText(env.Stderr)
+					return cli.WithCode(cli.ExitNotEqual, fmt.Errorf("refusing to promote %s v%d: it differs from the live v%d (--ignore expires_at accepts a TTL change; --force promotes anyway): %w",
+						pos[0], n, v.Version, errDiffer))
+				}
+				fmt.Fprintf(out, "compare v%d v%d: %d tables equal up to %s", v.Version, n, len(cmp.Tables), orDashText(cmp.UpTo))
+				if cmp.ExpiresAtDiffers > 0 {
+					fmt.Fprintf(out, " (expires_at differs on %d rows: accepted)", cmp.ExpiresAtDiffers)
+				}
+				fmt.Fprintln(out)
 			}
-			fmt.Fprintf(env.Stdout, "compare v%d v%d: %d tables equal up to %s", v.Version, n, len(cmp.Tables), orDashText(cmp.UpTo))
-			if cmp.ExpiresAtDiffers > 0 {
-				fmt.Fprintf(env.Stdout, " (expires_at differs on %d rows: accepted)", cmp.ExpiresAtDiffers)
-			}
-			fmt.Fprintln(env.Stdout)
 		}
+		prev, err := projection.Promote(ctx, pool, pos[0], n, *force)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, liveJSON{Projection: pos[0], Live: n, Previous: prev})
+		}
+		if prev > 0 {
+			fmt.Fprintf(env.Stdout, "%s v%d is live (archive.* views re-pointed); v%d is ready and keeps consuming: `projector rollback %s` switches back\n",
+				pos[0], n, prev, pos[0])
+		} else {
+			fmt.Fprintf(env.Stdout, "%s v%d is live (archive.* views re-pointed)\n", pos[0], n)
+		}
+		return nil
 	}
-	prev, err := projection.Promote(ctx, pool, pos[0], n, *force)
-	if err != nil {
-		return err
-	}
-	if prev > 0 {
-		fmt.Fprintf(env.Stdout, "%s v%d is live (archive.* views re-pointed); v%d is ready and keeps consuming: `projector rollback %s` switches back\n",
-			pos[0], n, prev, pos[0])
-	} else {
-		fmt.Fprintf(env.Stdout, "%s v%d is live (archive.* views re-pointed)\n", pos[0], n)
-	}
-	return nil
+	return cmd
+}
+
+// liveJSON is the outcome of promote and rollback in --json output.
+type liveJSON struct {
+	Projection string `json:"projection"`
+	Live       int    `json:"live"`
+	// Previous is the version that was live before (0: none).
+	Previous int `json:"previous"`
 }
 
 func orDashText(s string) string {
@@ -337,88 +401,155 @@ func orDashText(s string) string {
 	return s
 }
 
-func rollbackCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("rollback", env)
-	c := commonFlags(fs, env)
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
+func rollbackCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "rollback <projection>",
+		Short:   "make the previous live version live again (it kept consuming)",
+		Example: "  projector rollback archive",
+		Args:    cli.Args(1),
 	}
-	if len(pos) != 1 {
-		return errors.New("usage: projector rollback <projection>")
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, "the outcome")
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		from, to, err := projection.Rollback(ctx, pool, pos[0])
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, liveJSON{Projection: pos[0], Live: to, Previous: from})
+		}
+		fmt.Fprintf(env.Stdout, "%s v%d is live again (archive.* views re-pointed); v%d is ready\n", pos[0], to, from)
+		return nil
 	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
+	return cmd
+}
+
+func retireCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "retire <projection> <version>",
+		Short: "stop a version, delete its consumers (--drop: and its schema, after confirmation)",
+		Long: `retire stops a version: workers hand its partitions back, its consumers and
+progress rows are deleted. The schema archive_v<N> is kept unless --drop is
+given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
+		Example: `  projector retire archive 1
+  projector retire archive 1 --drop --yes`,
+		Args: cli.Args(2),
 	}
-	defer pool.Close()
-	from, to, err := projection.Rollback(ctx, pool, pos[0])
-	if err != nil {
-		return err
+	c := commonFlags(cmd, env)
+	drop := cmd.Flags().Bool("drop", false, "also drop the version's schema (its rows and snapshots); asks for confirmation")
+	yes := cmd.Flags().BoolP("yes", "y", false, "do not ask for confirmation (scripts)")
+	var waitReleased time.Duration
+	cli.Local(cmd).Duration(&waitReleased, "wait-released", "", 30*time.Second, "how long to wait for workers to hand the version's partitions back", cli.Positive())
+	asJSON := jsonFlag(cmd, "the outcome")
+	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
+		ctx := cmd.Context()
+		n, err := versionArg(pos[1])
+		if err != nil {
+			return err
+		}
+		if *drop && !*yes {
+			if err := confirm(env, fmt.Sprintf("drop schema %s (every row and snapshot of %s v%d)?", projection.ArchiveSchema(n), pos[0], n),
+				projection.ArchiveSchema(n)); err != nil {
+				return err
+			}
+		}
+		pool, js, closeAll, err := connectBoth(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer closeAll()
+		if err := projection.Retire(ctx, pool, js, pos[0], n, projection.RetireOptions{Source: c.sourceName, Drop: *drop,
+			WaitReleased: waitReleased}); err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, map[string]any{"projection": pos[0], "version": n, "state": projection.StateRetired, "dropped": *drop})
+		}
+		what := "its consumers and progress rows deleted; schema kept"
+		if *drop {
+			what = "its consumers, progress rows and schema dropped"
+		}
+		fmt.Fprintf(env.Stdout, "%s v%d retired: %s\n", pos[0], n, what)
+		return nil
 	}
-	fmt.Fprintf(env.Stdout, "%s v%d is live again (archive.* views re-pointed); v%d is ready\n", pos[0], to, from)
+	return cmd
+}
+
+// confirm asks on a terminal to type want; off a terminal it refuses
+// (the caller offers --yes).
+func confirm(env *Env, question, want string) error {
+	if !isTerminalReader(env.Stdin) {
+		return cli.Usage("%v", errNeedTerminal)
+	}
+	fmt.Fprintf(env.Stderr, "%s\ntype %q to confirm: ", question, want)
+	line, err := bufio.NewReader(env.Stdin).ReadString('\n')
+	if err != nil && line == "" {
+		return fmt.Errorf("read confirmation: %w", err)
+	}
+	if strings.TrimSpace(line) != want {
+		return errors.New("not confirmed: nothing changed")
+	}
 	return nil
 }
 
-func retireCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("retire", env)
-	c := commonFlags(fs, env)
-	drop := fs.Bool("drop", false, "also drop the version's schema (its rows and snapshots)")
-	waitReleased := fs.Duration("wait-released", 30*time.Second, "how long to wait for workers to hand the version's partitions back")
-	pos, err := parseInterspersed(fs, args)
-	if err != nil {
-		return err
+func isTerminalReader(r io.Reader) bool {
+	f, ok := r.(*os.File)
+	if !ok {
+		return false
 	}
-	if len(pos) != 2 {
-		return errors.New("usage: projector retire <projection> <version> [--drop]")
-	}
-	n, err := versionArg(pos[1])
-	if err != nil {
-		return err
-	}
-	pool, js, closeAll, err := connectBoth(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer closeAll()
-	if err := projection.Retire(ctx, pool, js, pos[0], n, projection.RetireOptions{Source: c.sourceName, Drop: *drop,
-		WaitReleased: *waitReleased}); err != nil {
-		return err
-	}
-	what := "its consumers and progress rows deleted; schema kept"
-	if *drop {
-		what = "its consumers, progress rows and schema dropped"
-	}
-	fmt.Fprintf(env.Stdout, "%s v%d retired: %s\n", pos[0], n, what)
-	return nil
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
 }
 
-func waitCmd(ctx context.Context, args []string, env *Env) error {
-	fs := newFlagSet("wait", env)
-	c := commonFlags(fs, env)
-	lsnText := fs.String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
-	timeout := fs.Duration("timeout", 30*time.Second, "give up after this long (exit status 1)")
-	proj := fs.String("projection", projection.ArchiveProjection, "projection")
-	if err := fs.Parse(args); err != nil {
-		return err
+func waitCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "wait --lsn <source LSN>",
+		Short: "wait until the live version reflects the source up to --lsn (read your deletes)",
+		Long: `wait blocks until the live archive reflects the source up to an LSN: take
+SELECT pg_current_wal_insert_lsn() in the session after your delete committed.
+Exit status 0 when reflected, 2 on timeout, 1 on error.`,
+		Example: `  projector wait --lsn 0/1A2B3C8 --timeout 10s`,
+		Args:    cli.NoArgs,
 	}
-	lsn, err := event.ParseLSN(*lsnText)
-	if err != nil || lsn == 0 {
-		return errors.New("usage: projector wait --lsn <source LSN> [--timeout 30s]")
+	c := commonFlags(cmd, env)
+	lsnText := cmd.Flags().String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
+	var timeout time.Duration
+	cli.Local(cmd).Duration(&timeout, "timeout", "", 30*time.Second, "give up after this long (exit status 2)", cli.Positive())
+	proj := cmd.Flags().String("projection", projection.ArchiveProjection, "projection")
+	asJSON := jsonFlag(cmd, "the outcome")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		lsn, err := event.ParseLSN(*lsnText)
+		if err != nil || lsn == 0 {
+			return cli.Usage("usage: %s", cmd.UseLine())
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		wctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
+		at, err := projection.WaitLSN(wctx, pool, *proj, lsn, 0)
+		if err != nil {
+			if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+				return cli.WithCode(cli.ExitTimeout, fmt.Errorf("%s does not reflect the source up to %s after %s: %w", *proj, lsn, timeout, err))
+			}
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, map[string]any{"projection": *proj, "lsn": lsn.String(), "reflected_up_to": at.String()})
+		}
+		fmt.Fprintf(env.Stdout, "%s reflects the source up to %s (asked %s)\n", *proj, at, lsn)
+		return nil
 	}
-	pool, err := targetPool(ctx, c)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	wctx, cancel := context.WithTimeout(ctx, *timeout)
-	defer cancel()
-	at, err := projection.WaitLSN(wctx, pool, *proj, lsn, 0)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(env.Stdout, "%s reflects the source up to %s (asked %s)\n", *proj, at, lsn)
-	return nil
+	return cmd
 }
 
 // sampleRates takes a second status sample after d when a version is

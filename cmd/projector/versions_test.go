@@ -237,7 +237,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 
 	// compare: the TTL change is the only difference.
 	cmpOut, err := runBin(bin, env, "compare", "archive", "1", "2")
-	require.Error(t, err, "expires_at differs: exit status 1")
+	require.Equal(t, 3, exitCode(err), "expires_at differs: exit status 3: %s", cmpOut)
 	require.Contains(t, cmpOut, "EQUAL content, but DIFFERENT; expires_at differs on")
 	cmpOut, err = runBin(bin, env, "compare", "archive", "1", "2", "--ignore", "expires_at")
 	require.NoError(t, err, cmpOut)
@@ -248,7 +248,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	// promote: refused without accepting the difference; then, with a
 	// reader in a loop, the views switch atomically.
 	pout, err := runBin(bin, env, "promote", "archive", "2")
-	require.Error(t, err, pout)
+	require.Equal(t, 3, exitCode(err), pout)
 	require.Contains(t, pout, "refusing to promote")
 	var upTo string
 	require.NoError(t, conn.QueryRow(ctx, `SELECT min(source_lsn)::text FROM epitaph.progress`).Scan(&upTo))
@@ -329,7 +329,12 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Error(t, err, rout)
 	stopTraffic()
 	<-trafficDone
+	// --drop asks for confirmation; without a terminal it needs --yes.
 	rout, err = runBin(bin, env, "retire", "archive", "1", "--drop")
+	require.Equal(t, 2, exitCode(err), rout)
+	require.Contains(t, rout, "pass --yes")
+	require.Equal(t, 1, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
+	rout, err = runBin(bin, env, "retire", "archive", "1", "--drop", "--yes")
 	require.NoError(t, err, rout)
 	require.Contains(t, rout, "archive v1 retired")
 	require.Equal(t, 0, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))

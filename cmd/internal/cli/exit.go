@@ -1,0 +1,162 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/epitaph-dev/epitaph/redact"
+)
+
+// Exit codes of both binaries.
+const (
+	ExitOK    = 0
+	ExitError = 1
+	// ExitUsage: the command line or the environment is wrong (unknown
+	// command or flag, a bad value, missing or extra arguments).
+	ExitUsage = 2
+	// ExitTimeout: `projector wait` gave up (DESIGN section 6 fixes 2 for
+	// it; the same number as a usage error).
+	ExitTimeout = 2
+	// ExitNotEqual: the command worked and the answer is "no": compare
+	// found differences, wait timed out or cannot complete, a status check
+	// failed.
+	ExitNotEqual = 3
+)
+
+// UsageError is a mistake on the command line or in the environment
+// (exit 2).
+type UsageError struct{ Err error }
+
+func (e *UsageError) Error() string { return e.Err.Error() }
+func (e *UsageError) Unwrap() error { return e.Err }
+
+// Usage makes a UsageError.
+func Usage(format string, args ...any) error {
+	return &UsageError{Err: fmt.Errorf(format, args...)}
+}
+
+// CodeError carries an exit code other than 1 (ExitNotEqual).
+type CodeError struct {
+	Code int
+	Err  error
+}
+
+func (e *CodeError) Error() string { return e.Err.Error() }
+func (e *CodeError) Unwrap() error { return e.Err }
+
+// WithCode makes err exit with code.
+func WithCode(code int, err error) error { return &CodeError{Code: code, Err: err} }
+
+// Code is the exit code for the error a command returned.
+func Code(err error) int {
+	var ue *UsageError
+	var ce *CodeError
+	switch {
+	case err == nil:
+		return ExitOK
+	case errors.As(err, &ce):
+		return ce.Code
+	case errors.As(err, &ue):
+		return ExitUsage
+	}
+	return ExitError
+}
+
+// Report prints err as one line "<name>: <message>" on w, passwords
+// hidden, and returns the exit code.
+func Report(w io.Writer, name string, err error) int {
+	if err == nil {
+		return ExitOK
+	}
+	msg := strings.Join(strings.Fields(strings.ReplaceAll(err.Error(), "\n", " ")), " ")
+	fmt.Fprintln(w, name+": "+redact.Text(msg))
+	return Code(err)
+}
+
+// Args requires exactly n positional arguments (extra ones are refused,
+// never ignored).
+func Args(n int) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) != n {
+			return usageArgs(cmd, fmt.Sprintf("want %d argument(s), got %d", n, len(args)))
+		}
+		return nil
+	}
+}
+
+// RangeArgs requires between lo and hi positional arguments.
+func RangeArgs(lo, hi int) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) < lo || len(args) > hi {
+			return usageArgs(cmd, fmt.Sprintf("want %d to %d arguments, got %d", lo, hi, len(args)))
+		}
+		return nil
+	}
+}
+
+// NoArgs refuses any positional argument.
+func NoArgs(cmd *cobra.Command, args []string) error {
+	if len(args) > 0 {
+		if cmd.HasSubCommands() {
+			return unknownCommand(cmd, args[0])
+		}
+		return usageArgs(cmd, fmt.Sprintf("takes no arguments, got %q", strings.Join(args, " ")))
+	}
+	return nil
+}
+
+func usageArgs(cmd *cobra.Command, what string) error {
+	return Usage("%s: %s (usage: %s)", cmd.CommandPath(), what, cmd.UseLine())
+}
+
+func unknownCommand(cmd *cobra.Command, name string) error {
+	msg := fmt.Sprintf("unknown command %q for %q", name, cmd.CommandPath())
+	if s := cmd.SuggestionsFor(name); len(s) > 0 {
+		msg += "; did you mean " + strings.Join(s, " or ") + "?"
+	}
+	return Usage("%s (see '%s --help')", msg, cmd.CommandPath())
+}
+
+// Group makes cmd a command that only holds subcommands: run alone it is
+// a usage error naming them, and an unknown subcommand is refused.
+func Group(cmd *cobra.Command) *cobra.Command {
+	cmd.Args = cobra.ArbitraryArgs
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		if len(args) > 0 {
+			return unknownCommand(cmd, args[0])
+		}
+		var names []string
+		for _, c := range cmd.Commands() {
+			if c.IsAvailableCommand() {
+				names = append(names, c.Name())
+			}
+		}
+		return Usage("%s needs a subcommand: %s (see '%s --help')", cmd.CommandPath(), strings.Join(names, ", "), cmd.CommandPath())
+	}
+	return cmd
+}
+
+// Prepare readies a command tree: flag errors are usage errors, errors
+// and usage are printed by Report (once, on one line), and every runnable
+// command without an argument rule refuses extra arguments.
+func Prepare(root *cobra.Command) {
+	root.SilenceErrors = true
+	root.SilenceUsage = true
+	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error {
+		return Usage("%v (see '%s --help')", err, cmd.CommandPath())
+	})
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		if c.Args == nil && c.Runnable() {
+			c.Args = NoArgs
+		}
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(root)
+}
