@@ -177,7 +177,8 @@ func (s *Service) Start(ctx context.Context) (err error) {
 }
 
 func (s *Service) startEndpoints(ctx context.Context) error {
-	s.obsrv = observe.New(observe.Config{Addr: s.cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy, Logger: s.log})
+	s.obsrv = observe.New(observe.Config{Addr: s.cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy,
+		Live: s.live, Logger: s.log})
 	return s.obsrv.Start(ctx)
 }
 

@@ -138,6 +138,16 @@ func (s *Service) status(context.Context) (any, error) { return s.CurrentStatus(
 
 // healthy: streaming, or waiting as a standby (or taking over) is healthy;
 // starting and stopped are not.
+// live is /livez: the stream (or standby) loop has not ended.
+func (s *Service) live(context.Context) error {
+	select {
+	case <-s.done:
+		return errors.New("capture loop ended")
+	default:
+		return nil
+	}
+}
+
 func (s *Service) healthy(context.Context) error {
 	if s.activeState.Load() {
 		return nil

@@ -1,5 +1,12 @@
 // Package observe serves a process's operational endpoints: /metrics
-// (Prometheus, from an explicit registry), /healthz and /status (JSON).
+// (Prometheus, from an explicit registry), /livez (the process runs its
+// loops: a liveness probe), /readyz (its dependencies are reachable and it
+// serves: a readiness probe), /healthz (kept for compatibility: the same
+// check as /readyz unless Healthy says otherwise) and /status (JSON).
+//
+// Liveness is kept apart from readiness so that a dependency's outage makes
+// pods unready (out of the load balancer) without getting them killed and
+// restarted, which would not make the dependency come back any sooner.
 package observe
 
 import (
@@ -24,8 +31,15 @@ type Config struct {
 	Registry *prometheus.Registry
 	// Status returns the JSON-encodable status document.
 	Status func(ctx context.Context) (any, error)
-	// Healthy returns nil when the process is healthy.
+	// Healthy returns nil when the process is healthy (/healthz; the
+	// readiness check when Ready is nil).
 	Healthy func(ctx context.Context) error
+	// Live returns nil while the process runs its loops, also while it
+	// retries an unreachable dependency (/livez; nil: always live).
+	Live func(ctx context.Context) error
+	// Ready returns nil when the dependencies are reachable and the process
+	// does its work (/readyz; nil: Healthy).
+	Ready func(ctx context.Context) error
 	Logger  *slog.Logger
 }
 
@@ -46,7 +60,13 @@ func New(cfg Config) *Server {
 	if cfg.Registry != nil {
 		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Registry, promhttp.HandlerOpts{Registry: cfg.Registry}))
 	}
-	s.mux.HandleFunc("GET /healthz", s.healthz)
+	s.mux.HandleFunc("GET /healthz", probe(cfg.Healthy))
+	s.mux.HandleFunc("GET /livez", probe(cfg.Live))
+	ready := cfg.Ready
+	if ready == nil {
+		ready = cfg.Healthy
+	}
+	s.mux.HandleFunc("GET /readyz", probe(ready))
 	s.mux.HandleFunc("GET /status", s.status)
 	return s
 }
@@ -86,14 +106,20 @@ func (s *Server) Stop() {
 	_ = s.srv.Shutdown(ctx)
 }
 
-func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
-	if s.cfg.Healthy != nil {
-		if err := s.cfg.Healthy(r.Context()); err != nil {
-			http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
-			return
+// probe answers 200 "ok" when check passes (or is nil), 503 with the
+// reason otherwise. A probe never waits longer than 5 s for its check.
+func probe(check func(ctx context.Context) error) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if check != nil {
+			ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+			defer cancel()
+			if err := check(ctx); err != nil {
+				http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
+				return
+			}
 		}
+		_, _ = w.Write([]byte("ok\n"))
 	}
-	_, _ = w.Write([]byte("ok\n"))
 }
 
 func (s *Server) status(w http.ResponseWriter, r *http.Request) {

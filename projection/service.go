@@ -449,6 +449,20 @@ func (s *Service) Status(ctx context.Context) (*Status, error) {
 	return st, nil
 }
 
+// Live reports an error once the service's loops have ended (Stop, or a
+// fatal error); while it retries an unreachable target or NATS it is live.
+func (s *Service) Live(context.Context) error {
+	if s.pool == nil {
+		return errors.New("not started")
+	}
+	select {
+	case <-s.stopped:
+		return errors.New("stopped")
+	default:
+		return nil
+	}
+}
+
 // Healthy reports an error when the target cannot be reached.
 func (s *Service) Healthy(ctx context.Context) error {
 	if s.pool == nil {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -137,14 +136,7 @@ type versionJSON struct {
 	FromTime    *time.Time `json:"from_time,omitempty"`
 }
 
-func isTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
-	if !ok {
-		return false
-	}
-	fi, err := f.Stat()
-	return err == nil && fi.Mode()&os.ModeCharDevice != 0
-}
+func isTerminal(w io.Writer) bool { return cli.IsTerminal(w) }
 
 // waitReady follows a version until it is ready (or live): a progress bar
 // redrawn in place on a terminal, a line every few seconds otherwise. When
@@ -484,7 +476,7 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 // confirm asks on a terminal to type want; off a terminal it refuses
 // (the caller offers --yes).
 func confirm(env *Env, question, want string) error {
-	if !isTerminalReader(env.Stdin) {
+	if !cli.IsTerminal(env.Stdin) {
 		return cli.Usage("%v", errNeedTerminal)
 	}
 	fmt.Fprintf(env.Stderr, "%s\ntype %q to confirm: ", question, want)
@@ -496,15 +488,6 @@ func confirm(env *Env, question, want string) error {
 		return errors.New("not confirmed: nothing changed")
 	}
 	return nil
-}
-
-func isTerminalReader(r io.Reader) bool {
-	f, ok := r.(*os.File)
-	if !ok {
-		return false
-	}
-	fi, err := f.Stat()
-	return err == nil && fi.Mode()&os.ModeCharDevice != 0
 }
 
 func waitCommand(env *Env) *cobra.Command {
