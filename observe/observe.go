@@ -39,8 +39,8 @@ type Config struct {
 	Live func(ctx context.Context) error
 	// Ready returns nil when the dependencies are reachable and the process
 	// does its work (/readyz; nil: Healthy).
-	Ready func(ctx context.Context) error
-	Logger  *slog.Logger
+	Ready  func(ctx context.Context) error
+	Logger *slog.Logger
 }
 
 // Server serves the endpoints until stopped.

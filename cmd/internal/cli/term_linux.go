@@ -16,4 +16,3 @@ func IsTerminal(v any) bool {
 	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
 	return err == nil
 }
-
