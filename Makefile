@@ -7,12 +7,23 @@ PKGS      := ./...
 TEST_P    ?= 2
 FUZZTIME  ?= 20s
 
-.PHONY: all build demo test test-deps vet fmt-check fuzz bench-capture bench-projector clean
+.PHONY: all build docs demo test test-deps vet fmt-check fuzz bench-capture bench-projector clean
 
 all: build
 
+# What --version and the epitaph_build_info gauge report.
+VERSION    ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+COMMIT     ?= $(shell git rev-parse HEAD 2>/dev/null)
+BUILD_TIME ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
+CLI_PKG    := github.com/epitaph-dev/epitaph/cmd/internal/cli
+LDFLAGS    := -X $(CLI_PKG).version=$(VERSION) -X $(CLI_PKG).commit=$(COMMIT) -X $(CLI_PKG).buildTime=$(BUILD_TIME)
+
 build:
-	$(GO) build -o $(BIN)/ ./cmd/capture ./cmd/projector
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/capture ./cmd/projector
+
+## docs: regenerate the CLI reference (docs/cli) from the command trees; a test fails when it is stale.
+docs:
+	$(GO) test ./cmd/capture ./cmd/projector -run '^TestCLIReferenceIsCurrent$$' -count=1 -update-docs
 
 ## demo: throwaway Postgres + capture (embedded JetStream) + projector, a shop workload, the archive.
 demo: build

@@ -239,7 +239,7 @@ func TestComposeWiring(t *testing.T) {
 					job = "epitaph-projector"
 				}
 				require.Contains(t, targets[job], name+":"+port, "Prometheus scrapes %s on %s", name, port)
-				require.Contains(t, strings.Join(s.Healthcheck.Test, " "), ":"+port+"/healthz", "%s: healthcheck port", name)
+				require.Contains(t, strings.Join(s.Healthcheck.Test, " "), ":"+port+"/readyz", "%s: healthcheck port", name)
 			}
 		}
 		if s.Command[0] == "epitaph-projector" && s.Command[1] == "run" {
@@ -467,6 +467,10 @@ func binaryEnv(t *testing.T, binary string) map[string]bool {
 	require.NotEmpty(t, dir, "the Dockerfile does not build %s", binary)
 	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
 	require.NoError(t, err)
+	// The flags both binaries share (--log-level, --log-format) live in cmd/internal/cli.
+	shared, err := filepath.Glob(filepath.Join("..", "cmd", "internal", "cli", "*.go"))
+	require.NoError(t, err)
+	files = append(files, shared...)
 	names := map[string]bool{}
 	for _, f := range files {
 		if strings.HasSuffix(f, "_test.go") {

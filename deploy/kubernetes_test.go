@@ -252,8 +252,10 @@ func TestKubernetesManifests(t *testing.T) {
 				_, port, err := net.SplitHostPort(addr)
 				require.NoError(t, err, "%s: EPITAPH_METRICS_ADDR", d)
 				require.Equal(t, port, strconv.Itoa(ports["metrics"]), "%s: the metrics port is where the process listens", d)
-				for _, probe := range []string{"startupProbe", "livenessProbe", "readinessProbe"} {
-					require.Equal(t, "/healthz", str(dig(c, probe, "httpGet", "path")), "%s: %s", d, probe)
+				// Liveness never depends on the database or NATS (an outage must
+				// not get pods killed); readiness does.
+				for probe, path := range map[string]string{"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"} {
+					require.Equal(t, path, str(dig(c, probe, "httpGet", "path")), "%s: %s", d, probe)
 					require.Equal(t, "metrics", str(dig(c, probe, "httpGet", "port")), "%s: %s port", d, probe)
 				}
 			}

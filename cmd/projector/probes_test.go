@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -115,7 +117,7 @@ func TestProbesDuringTargetOutage(t *testing.T) {
 	require.NoError(t, err)
 	addr := "127.0.0.1:" + strconv.Itoa(port)
 	env := append(os.Environ(), "EPITAPH_TARGET_URL="+u.String(), "EPITAPH_NATS_URL="+n.URL, "EPITAPH_WORKER_ID=probe-1",
-		"EPITAPH_LEASE_TTL=2s", "EPITAPH_METRICS_ADDR="+addr)
+		"EPITAPH_LEASE_TTL=2s", "EPITAPH_METRICS_ADDR="+addr, "EPITAPH_LOG_FORMAT=json")
 	out, err := runBin(bin, env, "migrate")
 	require.NoError(t, err, out)
 
@@ -137,6 +139,28 @@ func TestProbesDuringTargetOutage(t *testing.T) {
 	waitFor("ready", func() bool { return probeStatus(addr, "/readyz") == 200 })
 	require.Equal(t, 200, probeStatus(addr, "/livez"))
 	require.Equal(t, 200, probeStatus(addr, "/healthz"))
+
+	// The registry has the build, Go runtime and process collectors.
+	resp, err := http.Get("http://" + addr + "/metrics")
+	require.NoError(t, err)
+	metrics, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	require.Regexp(t, `(?m)^epitaph_build_info\{commit="[^"]+",go_version="go1\.[^"]+",version="[^"]+"\} 1$`, string(metrics))
+	require.Regexp(t, `(?m)^go_goroutines \d+`, string(metrics))
+	require.Regexp(t, `(?m)^process_cpu_seconds_total `, string(metrics))
+
+	// EPITAPH_LOG_FORMAT=json: every log line is one JSON object.
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	require.NotEmpty(t, lines)
+	running := false
+	for _, l := range lines {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(l), &rec), "a log line that is not JSON: %s", l)
+		require.Contains(t, rec, "level")
+		running = running || rec["msg"] == "projector running"
+	}
+	require.True(t, running, logs.String())
 
 	proxy.cut()
 	waitFor("unready during the outage", func() bool { return probeStatus(addr, "/readyz") == 503 })

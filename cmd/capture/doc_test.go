@@ -1,0 +1,19 @@
+package main
+
+import (
+	"flag"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+)
+
+var updateDocs = flag.Bool("update-docs", false, "rewrite docs/cli from the command tree (make docs)")
+
+// docs/cli is generated from the command tree; it must be current.
+func TestCLIReferenceIsCurrent(t *testing.T) {
+	stale, err := cli.CheckReference(newCommand(nil, nil), "../../docs/cli", *updateDocs)
+	require.NoError(t, err)
+	require.Empty(t, stale, "docs/cli is stale: run `make docs`")
+}
