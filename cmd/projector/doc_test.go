@@ -7,7 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/cmd/internal/clidoc"
 )
 
 var updateDocs = flag.Bool("update-docs", false, "rewrite docs/cli from the command tree (make docs)")
@@ -15,7 +15,7 @@ var updateDocs = flag.Bool("update-docs", false, "rewrite docs/cli from the comm
 // docs/cli is generated from the command tree; it must be current.
 func TestCLIReferenceIsCurrent(t *testing.T) {
 	t.Parallel()
-	stale, err := cli.CheckReference(newRoot(&Env{Logger: slog.New(slog.DiscardHandler)}), "../../docs/cli", *updateDocs)
+	stale, err := clidoc.CheckReference(newRoot(&Env{Logger: slog.New(slog.DiscardHandler)}), "../../docs/cli", *updateDocs)
 	require.NoError(t, err)
 	require.Empty(t, stale, "docs/cli is stale: run `make docs`")
 }
