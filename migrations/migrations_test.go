@@ -77,3 +77,39 @@ func TestApplyTwiceIsIdempotent(t *testing.T) {
 	_, err = pool.Exec(ctx, `UPDATE epitaph.projection_versions SET state = 'live' WHERE version = 2`)
 	require.Error(t, err)
 }
+
+// A control schema migrated by a newer binary (a version this one does not
+// know) is never migrated by this one; Status names the unknown versions.
+func TestNewerSchemaIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	require.NoError(t, err)
+	defer pool.Close()
+	all, err := migrations.All()
+	require.NoError(t, err)
+
+	st, err := migrations.Status(ctx, pool)
+	require.NoError(t, err)
+	require.Empty(t, st.Applied)
+	require.Len(t, st.Pending, len(all))
+	require.Equal(t, all[len(all)-1].Version, st.Latest)
+
+	require.NoError(t, migrations.Apply(ctx, pool))
+	st, err = migrations.Status(ctx, pool)
+	require.NoError(t, err)
+	require.Len(t, st.Applied, len(all))
+	require.Empty(t, st.Pending)
+	require.Empty(t, st.Unknown)
+
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.schema_migrations (version, name) VALUES (9999, 'from_the_future')`)
+	require.NoError(t, err)
+	err = migrations.Apply(ctx, pool)
+	var newer *migrations.NewerSchemaError
+	require.ErrorAs(t, err, &newer)
+	require.Equal(t, []int{9999}, newer.Unknown)
+	require.Contains(t, err.Error(), "newer than this binary")
+	st, err = migrations.Status(ctx, pool)
+	require.NoError(t, err)
+	require.Equal(t, []int{9999}, st.Unknown)
+}

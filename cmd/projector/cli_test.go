@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/projection"
 )
 
 // every runnable command of the tree, by path without "projector ".
@@ -151,5 +152,31 @@ func TestVersionAndCompletion(t *testing.T) {
 	require.Equal(t, 0, code)
 	for _, v := range []string{"open", "replayed", "discarded", "all"} {
 		require.Contains(t, stdout, v+"\n")
+	}
+}
+
+func TestStatusCheckRule(t *testing.T) {
+	t.Parallel()
+	v := func(state, health string) projection.VersionStatus {
+		return projection.VersionStatus{Projection: "archive", Version: 1, State: state, Health: health}
+	}
+	for _, tc := range []struct {
+		versions []projection.VersionStatus
+		fail     string
+	}{
+		{nil, "no live version"},
+		{[]projection.VersionStatus{v("building", "building")}, "no live version"},
+		{[]projection.VersionStatus{v("live", "live")}, ""},
+		{[]projection.VersionStatus{v("live", "live"), v("building", "unavailable")}, ""},
+		{[]projection.VersionStatus{v("live", "quarantined")}, "archive v1 is quarantined"},
+		{[]projection.VersionStatus{v("live", "unavailable")}, "archive v1 is unavailable"},
+	} {
+		err := statusCheck(&projection.Status{Versions: tc.versions})
+		if tc.fail == "" {
+			require.NoError(t, err)
+			continue
+		}
+		require.ErrorContains(t, err, tc.fail)
+		require.Equal(t, 3, cli.Code(err))
 	}
 }

@@ -52,8 +52,10 @@ func TestQuarantineCommands(t *testing.T) {
 	fixed := insert(5, quarantine.CategoryIncompatible, good)
 	garbage := insert(6, quarantine.CategoryMalformed, []byte("garbage"))
 
+	var lastStderr string
 	run := func(args ...string) (string, error) {
 		var out, errOut bytes.Buffer
+		defer func() { lastStderr = errOut.String() }()
 		env := &Env{Getenv: func(k string) string {
 			return map[string]string{"EPITAPH_TARGET_URL": url, "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}[k]
 		}, Stdout: &out, Stderr: &errOut, Logger: slog.New(slog.DiscardHandler)}
@@ -96,11 +98,23 @@ func TestQuarantineCommands(t *testing.T) {
 	out, err = run("replay", "--all")
 	require.Error(t, err, "an entry still fails")
 	require.Contains(t, out, "replayed 1, still failing 1")
+	// Progress on stderr (lines, not a terminal), ending at the total.
+	require.Regexp(t, `replaying \[[#-]*\]\s+[\d.]+%\s+2/2 entries`, lastStderr)
 	var n int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM archive_v1.rows WHERE key = '{"id":9}'`).Scan(&n))
 	require.Equal(t, 1, n)
 	_, err = run("replay", id(fixed))
 	require.ErrorIs(t, err, quarantine.ErrNotOpen, "replayed exactly once")
+	out, err = run("replay", id(garbage), "--json")
+	require.Error(t, err, "still failing")
+	var res struct {
+		Replayed []int64 `json:"replayed"`
+		Failed   []int64 `json:"failed"`
+		Held     []int64 `json:"held"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &res), out)
+	require.Equal(t, []int64{garbage}, res.Failed)
+	require.Empty(t, res.Replayed)
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM archive_v1.rows`).Scan(&n))
 	require.Equal(t, 1, n)
 
