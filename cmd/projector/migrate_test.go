@@ -126,7 +126,6 @@ func TestMigrateRetriesWhileTheTargetIsDown(t *testing.T) {
 	require.Contains(t, logs.String(), "epitaph schema at version")
 }
 
-
 // status --check exits 3 when there is no healthy live version.
 func TestStatusCheck(t *testing.T) {
 	t.Parallel()
