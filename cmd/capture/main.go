@@ -32,15 +32,13 @@ func run(args []string) error {
 }
 
 func execute(ctx context.Context, args []string, lookup func(string) (string, bool), stdout, stderr io.Writer) error {
-	root := newCommand(lookup, stderr)
+	root := newCommand(lookup, stdout, stderr)
 	root.SetArgs(args)
-	root.SetOut(stdout)
-	root.SetErr(stderr)
 	return root.ExecuteContext(ctx)
 }
 
-// newCommand is the capture's command line; logs go to logs.
-func newCommand(lookup func(string) (string, bool), logs io.Writer) *cobra.Command {
+// newCommand is the capture's command line; logs and errors go to stderr.
+func newCommand(lookup func(string) (string, bool), stdout, stderr io.Writer) *cobra.Command {
 	var cfg capture.Config
 	var tables, cpuProfile string
 	root := &cobra.Command{
@@ -89,14 +87,15 @@ refused, never replaced by the default.`,
 	f.Bool(&cfg.Standby, "standby", "EPITAPH_STANDBY", false, "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it", cli.Positive())
 	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
-	cli.SetVersion(root)
-	cli.Prepare(root)
-
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
 		for _, t := range strings.Split(tables, ",") {
 			if t = strings.TrimSpace(t); t != "" {
 				cfg.Tables = append(cfg.Tables, t)
 			}
+		}
+		logs := stderr
+		if logs == nil {
+			logs = os.Stderr
 		}
 		log := logging.Logger(logs)
 		if _, set := lookup("GOGC"); !set && cfg.NATSURL == "" {
@@ -138,6 +137,8 @@ refused, never replaced by the default.`,
 		svc.Stop()
 		return err
 	}
+	cli.SetVersion(root)
+	cli.Prepare(root, stdout, stderr)
 	return root
 }
 

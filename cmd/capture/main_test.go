@@ -87,7 +87,7 @@ func TestEveryFlagHasItsVariable(t *testing.T) {
 	stdout, _, code := exec(vars, "--help")
 	require.Equal(t, 0, code)
 	require.NotContains(t, stdout, "hunter2")
-	root := newCommand(nil, nil)
+	root := newCommand(nil, nil, nil)
 	n := 0
 	root.Flags().VisitAll(func(f *pflag.Flag) {
 		if f.Name == "help" {

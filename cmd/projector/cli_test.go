@@ -83,6 +83,8 @@ func TestHelpAndArguments(t *testing.T) {
 		{"quarantine", "replay", "1", "--all"},
 		{"snapshots", "batch", "extra"},
 		{"version", "extra"},
+		{"completion", "bash", "extra"},
+		{"completion", "tcsh"},
 		{"compare", "archive", "one", "2"},
 		{"status", "--no-such-flag"},
 		{"wait"},

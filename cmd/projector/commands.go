@@ -84,7 +84,7 @@ wait: see its help).`,
 		root.AddCommand(b(env))
 	}
 	cli.SetVersion(root)
-	cli.Prepare(root)
+	cli.Prepare(root, env.Stdout, env.Stderr)
 	return root
 }
 
@@ -95,8 +95,6 @@ func dispatch(ctx context.Context, args []string, env *Env) error {
 	}
 	root := newRoot(env)
 	root.SetArgs(args)
-	root.SetOut(env.Stdout)
-	root.SetErr(env.Stderr)
 	return root.ExecuteContext(ctx)
 }
 

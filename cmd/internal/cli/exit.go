@@ -140,19 +140,45 @@ func Group(cmd *cobra.Command) *cobra.Command {
 	return cmd
 }
 
-// Prepare readies a command tree: flag errors are usage errors, errors
-// and usage are printed by Report (once, on one line), and every runnable
-// command without an argument rule refuses extra arguments.
-func Prepare(root *cobra.Command) {
+// Prepare readies a command tree writing to stdout and stderr (nil: the
+// process's): flag errors are usage errors, errors and usage are printed by
+// Report (once, on one line), and every runnable command without an
+// argument rule refuses extra arguments.
+func Prepare(root *cobra.Command, stdout, stderr io.Writer) {
+	if stdout != nil {
+		root.SetOut(stdout)
+	}
+	if stderr != nil {
+		root.SetErr(stderr)
+	}
 	root.SilenceErrors = true
 	root.SilenceUsage = true
 	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error {
 		return Usage("%v (see '%s --help')", err, cmd.CommandPath())
 	})
+	root.InitDefaultHelpCmd()
+	root.InitDefaultCompletionCmd() // after SetOut: it keeps the writer it finds
 	var walk func(c *cobra.Command)
 	walk = func(c *cobra.Command) {
-		if c.Args == nil && c.Runnable() {
+		switch {
+		case c.Name() == "help" && c.Parent() == root:
+			// cobra's help command takes a command path.
+		case !c.Runnable() && c.HasSubCommands():
+			Group(c) // completion: an unknown shell is refused
+		case c.Args == nil && c.Runnable():
 			c.Args = NoArgs
+		case c.Args != nil:
+			// Arguments that do not fit are a usage error, also for the
+			// commands cobra adds (completion).
+			check := c.Args
+			c.Args = func(cmd *cobra.Command, args []string) error {
+				err := check(cmd, args)
+				var ue *UsageError
+				if err != nil && !errors.As(err, &ue) {
+					return Usage("%v (see '%s --help')", err, cmd.CommandPath())
+				}
+				return err
+			}
 		}
 		for _, sub := range c.Commands() {
 			walk(sub)
