@@ -143,7 +143,8 @@ func Group(cmd *cobra.Command) *cobra.Command {
 // Prepare readies a command tree writing to stdout and stderr (nil: the
 // process's): flag errors are usage errors, errors and usage are printed by
 // Report (once, on one line), and every runnable command without an
-// argument rule refuses extra arguments.
+// argument rule refuses extra arguments. Call it last, once every command
+// has its Run (a command without one is taken for a group).
 func Prepare(root *cobra.Command, stdout, stderr io.Writer) {
 	if stdout != nil {
 		root.SetOut(stdout)
