@@ -266,7 +266,7 @@ func (e *IncompleteError) Error() string {
 // TimeoutError is WaitComplete's answer when ctx ended first: it says where
 // the archive is.
 type TimeoutError struct {
-	LSN      event.LSN
+	LSN    event.LSN
 	Status *Readiness // nil when the live version could not be read
 	Err    error
 }
