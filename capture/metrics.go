@@ -18,6 +18,9 @@ type metrics struct {
 	heartbeatAge  prometheus.GaugeFunc
 	active        prometheus.Gauge
 	largeRows     prometheus.Counter
+	// limitsRestored counts stream limits restored after a change behind
+	// the capture's back, by limit ("failed": could not be restored).
+	limitsRestored *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
@@ -43,6 +46,10 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		withoutFull:   g("epitaph_capture_tables_without_full_identity", "Captured tables whose deletes carry only the key (REPLICA IDENTITY not FULL)."),
 		active:        g("epitaph_capture_active", "1 while capture is streaming, 0 otherwise."),
 		largeRows:     c("epitaph_capture_large_rows_total", "Rows larger than the broker's payload limit, published via the object store."),
+		limitsRestored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "epitaph_capture_stream_limits_restored_total",
+			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit (limit=\"failed\": could not be restored, the capture stopped).",
+		}, []string{"limit"}),
 	}
 	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "epitaph_capture_heartbeat_age_seconds",
@@ -51,7 +58,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
-		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows} {
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}
