@@ -55,6 +55,10 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		Name: "epitaph_capture_heartbeat_age_seconds",
 		Help: "Seconds since the last heartbeat came back through the replication slot (-1: none yet).",
 	}, heartbeatAge)
+	// Every label exists from the start, so increase() sees the first restore.
+	for _, l := range append(append([]string{}, limitNames...), "failed") {
+		m.limitsRestored.WithLabelValues(l)
+	}
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
