@@ -34,7 +34,7 @@ func run(args []string) error {
 func execute(ctx context.Context, args []string, lookup func(string) (string, bool), stdout, stderr io.Writer) error {
 	root := newCommand(lookup, stdout, stderr)
 	root.SetArgs(args)
-	return root.ExecuteContext(ctx)
+	return cli.Execute(ctx, root)
 }
 
 // newCommand is the capture's command line; logs and errors go to stderr.
@@ -75,7 +75,8 @@ refused, never replaced by the default.`,
 	f.String(&cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /livez, /readyz, /healthz, /status; empty disables", cli.KeepEmpty())
 	f.Bool(&cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", false, "ALTER captured tables to REPLICA IDENTITY FULL")
 	f.Bool(&cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", false, "recreate a missing or invalidated slot and record a gap event")
-	f.Duration(&cfg.Retention, "retention", "EPITAPH_RETENTION", 0, "stream retention (0: forever)", cli.NotNegative())
+	f.Var(&retentionValue{cfg: &cfg}, "retention", "EPITAPH_RETENTION", "the stream limits that may discard events (default none: every event kept, rebuilds need them): a max age such as 720h, or max-age=D,max-bytes=N[K|M|G|T],max-msgs=N,max-msgs-per-subject=N. Any other discarding limit on the stream makes the capture refuse to start; one changed while it streams is restored")
+	f.Duration(&cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", 10*time.Second, "how often the stream's limits are checked (and restored) while streaming; negative: only at start", cli.NotZero())
 	f.Duration(&cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval (negative: no heartbeats)", cli.NotZero())
 	f.Duration(&cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 2*time.Minute, "JetStream dedupe window", cli.Positive())
 	f.Duration(&cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
@@ -86,6 +87,8 @@ refused, never replaced by the default.`,
 	f.Int(&cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created", cli.Min(1), cli.Max(5))
 	f.Bool(&cfg.Standby, "standby", "EPITAPH_STANDBY", false, "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it", cli.Positive())
+	// Trust: the key the capture signs with.
+	f.String(&cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
 	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
 		for _, t := range strings.Split(tables, ",") {
@@ -140,6 +143,25 @@ refused, never replaced by the default.`,
 	cli.SetVersion(root)
 	cli.Prepare(root, stdout, stderr)
 	return root
+}
+
+// retentionValue is --retention (capture.ParseRetention): it sets the
+// stream's four discarding limits at once.
+type retentionValue struct {
+	cfg  *capture.Config
+	text string
+}
+
+func (r *retentionValue) String() string { return r.text }
+func (r *retentionValue) Type() string   { return "limits" }
+func (r *retentionValue) Set(s string) error {
+	l, err := capture.ParseRetention(s)
+	if err != nil {
+		return err
+	}
+	r.text = s
+	r.cfg.Retention, r.cfg.RetentionMaxBytes, r.cfg.RetentionMaxMsgs, r.cfg.RetentionMaxMsgsPerSubject = l.MaxAge, l.MaxBytes, l.MaxMsgs, l.MaxMsgsPerSubject
+	return nil
 }
 
 // embeddedGOGC is the GC target percentage with the embedded broker

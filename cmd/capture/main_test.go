@@ -55,6 +55,7 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 		"EPITAPH_MAX_IN_FLIGHT":      "0",
 		"EPITAPH_STANDBY_POLL":       "0s",
 		"EPITAPH_STREAM_PERSIST":     "sometimes",
+		"EPITAPH_RETENTION":          "max-bytes=lots",
 	}
 	_, stderr, code := exec(vars, "--metrics-addr", "")
 	require.Equal(t, 2, code)
@@ -68,13 +69,15 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 		`EPITAPH_MAX_IN_FLIGHT="0": must be positive`,
 		`EPITAPH_STANDBY_POLL="0s": must be positive`,
 		`EPITAPH_STREAM_PERSIST="sometimes": want one of auto, async, default`,
+		`EPITAPH_RETENTION="max-bytes=lots"`,
 	} {
 		require.Contains(t, stderr, want)
 	}
 	require.NotContains(t, stderr, "secret")
 
 	// The command line overrides the environment, and is checked the same way.
-	_, stderr, code = exec(map[string]string{"EPITAPH_SOURCE_URL": "postgres://u@127.0.0.1:1/db", "EPITAPH_PARTITIONS": "3"},
+	_, stderr, code = exec(map[string]string{"EPITAPH_SOURCE_URL": "postgres://u@127.0.0.1:1/db", "EPITAPH_PARTITIONS": "3",
+		"EPITAPH_RETENTION": "max-age=720h,max-bytes=50G"},
 		"--metrics-addr", "", "--partitions", "0", "--nats-url", "nats://127.0.0.1:1")
 	require.Equal(t, 2, code)
 	require.Contains(t, stderr, `invalid argument "0" for "--partitions" flag: must be at least 1`)

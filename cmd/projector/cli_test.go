@@ -87,12 +87,24 @@ func TestHelpAndArguments(t *testing.T) {
 		{"completion", "tcsh"},
 		{"compare", "archive", "one", "2"},
 		{"status", "--no-such-flag"},
-		{"wait"},
+		{"gaps", "extra"},
+		{"gaps", "ack"},
+		{"gaps", "ack", "1"}, // --reason is required
 	} {
 		code, _, stderr := projector(t, map[string]string{"EPITAPH_TARGET_URL": "postgres://u@127.0.0.1:1/db"}, args...)
 		require.Equal(t, 2, code, "%q: %s", args, stderr)
 		require.Equal(t, 1, strings.Count(stderr, "\n"), "%q: one line: %s", args, stderr)
 		require.True(t, strings.HasPrefix(stderr, "projector: "), stderr)
+	}
+}
+
+// wait keeps DESIGN section 6's codes: 2 is a timeout, so its usage
+// errors exit 1.
+func TestWaitUsageExitsOne(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{{"wait"}, {"wait", "--lsn", "nonsense"}, {"wait", "--lsn", "0/1", "extra"}, {"wait", "--bogus"}} {
+		code, _, stderr := projector(t, map[string]string{"EPITAPH_TARGET_URL": "postgres://u@127.0.0.1:1/db"}, args...)
+		require.Equal(t, 1, code, "%q: %s", args, stderr)
 	}
 }
 

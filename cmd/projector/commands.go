@@ -95,7 +95,7 @@ func dispatch(ctx context.Context, args []string, env *Env) error {
 	}
 	root := newRoot(env)
 	root.SetArgs(args)
-	return root.ExecuteContext(ctx)
+	return cli.Execute(ctx, root)
 }
 
 // common holds the connection settings every subcommand shares.

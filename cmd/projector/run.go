@@ -24,6 +24,8 @@ type runOptions struct {
 	share                                       float64
 	hold                                        bool
 	maxRow                                      int64
+	readyLag                                    int64
+	readyAge                                    time.Duration
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -51,6 +53,8 @@ you like: partitions are spread by leases held in the target.`,
 	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", 0.5, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
 	f.Bool(&o.hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false, "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied")
 	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
+	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", 1000, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
+	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -74,7 +78,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	svc, err := projection.New(projection.Config{
 		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: o.worker,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
-		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow,
+		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err

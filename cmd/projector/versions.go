@@ -493,24 +493,28 @@ func confirm(env *Env, question, want string) error {
 func waitCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "wait --lsn <source LSN>",
-		Short: "wait until the live version reflects the source up to --lsn (read your deletes)",
-		Long: `wait blocks until the live archive reflects the source up to an LSN: take
+		Short: "wait until the live archive is complete up to --lsn (read your deletes)",
+		Long: `wait blocks until the live archive is complete up to an LSN: take
 SELECT pg_current_wal_insert_lsn() in the session after your delete committed.
-Exit status 0 when reflected, 2 on timeout, 1 on error.`,
+Exit status 0 when complete, 1 on error (a usage error too), 2 on timeout (naming where the
+archive is), 3 when it cannot be complete up to the LSN: an event at or
+before it is quarantined, or an unacknowledged gap starts at or before it
+(naming them).`,
 		Example: `  projector wait --lsn 0/1A2B3C8 --timeout 10s`,
 		Args:    cli.NoArgs,
 	}
+	cli.UsageExit(cmd, cli.ExitError) // 2 is a timeout here (DESIGN section 6)
 	c := commonFlags(cmd, env)
 	lsnText := cmd.Flags().String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
 	var timeout time.Duration
 	cli.Local(cmd).Duration(&timeout, "timeout", "", 30*time.Second, "give up after this long (exit status 2)", cli.Positive())
 	proj := cmd.Flags().String("projection", projection.ArchiveProjection, "projection")
-	asJSON := jsonFlag(cmd, "the outcome")
+	asJSON := jsonFlag(cmd, "the live version's readiness (archive.status) once complete")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
 		lsn, err := event.ParseLSN(*lsnText)
 		if err != nil || lsn == 0 {
-			return cli.Usage("usage: %s", cmd.UseLine())
+			return cli.Usage("--lsn %q: want a source LSN such as 0/1A2B3C8 (usage: %s)", *lsnText, cmd.UseLine())
 		}
 		pool, err := targetPool(ctx, c)
 		if err != nil {
@@ -519,17 +523,21 @@ Exit status 0 when reflected, 2 on timeout, 1 on error.`,
 		defer pool.Close()
 		wctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		at, err := projection.WaitLSN(wctx, pool, *proj, lsn, 0)
-		if err != nil {
-			if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-				return cli.WithCode(cli.ExitTimeout, fmt.Errorf("%s does not reflect the source up to %s after %s: %w", *proj, lsn, timeout, err))
-			}
+		r, err := projection.WaitComplete(wctx, pool, *proj, lsn, 0)
+		var ie *projection.IncompleteError
+		var te *projection.TimeoutError
+		switch {
+		case errors.As(err, &ie):
+			return cli.WithCode(cli.ExitNotEqual, err)
+		case errors.As(err, &te) && ctx.Err() == nil:
+			return cli.WithCode(cli.ExitTimeout, err)
+		case err != nil:
 			return err
 		}
 		if *asJSON {
-			return writeJSON(env.Stdout, map[string]any{"projection": *proj, "lsn": lsn.String(), "reflected_up_to": at.String()})
+			return writeJSON(env.Stdout, r)
 		}
-		fmt.Fprintf(env.Stdout, "%s reflects the source up to %s (asked %s)\n", *proj, at, lsn)
+		fmt.Fprintf(env.Stdout, "%s v%d is complete up to %s (asked %s)\n", r.Projection, r.Version, r.CompleteUpToLSN, lsn)
 		return nil
 	}
 	return cmd

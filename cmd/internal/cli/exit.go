@@ -1,9 +1,11 @@
 package cli
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -75,6 +77,33 @@ func Report(w io.Writer, name string, err error) int {
 	msg := strings.Join(strings.Fields(strings.ReplaceAll(err.Error(), "\n", " ")), " ")
 	fmt.Fprintln(w, name+": "+redact.Text(msg))
 	return Code(err)
+}
+
+// annotationUsageExit on a command replaces ExitUsage for its usage errors
+// (wait: DESIGN section 6 gives 2 to a timeout, so a usage error is 1).
+const annotationUsageExit = "epitaph_usage_exit"
+
+// UsageExit makes cmd's usage errors exit with code instead of ExitUsage.
+func UsageExit(cmd *cobra.Command, code int) {
+	if cmd.Annotations == nil {
+		cmd.Annotations = map[string]string{}
+	}
+	cmd.Annotations[annotationUsageExit] = strconv.Itoa(code)
+}
+
+// Execute runs root and returns the error of the command that ran, with
+// that command's own exit code for usage errors (UsageExit).
+func Execute(ctx context.Context, root *cobra.Command) error {
+	cmd, err := root.ExecuteContextC(ctx)
+	var ue *UsageError
+	var ce *CodeError
+	if err == nil || cmd == nil || !errors.As(err, &ue) || errors.As(err, &ce) {
+		return err
+	}
+	if code, convErr := strconv.Atoi(cmd.Annotations[annotationUsageExit]); convErr == nil {
+		return WithCode(code, err)
+	}
+	return err
 }
 
 // Args requires exactly n positional arguments (extra ones are refused,
