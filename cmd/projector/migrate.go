@@ -46,18 +46,20 @@ during a database outage) instead of failing at once.`,
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return migrateUp(cmd.Context(), c, o, env) }
 
 	up := &cobra.Command{
-		Use:   "up",
-		Short: "apply the pending migrations (--dry-run: list them)",
-		Args:  cli.NoArgs,
+		Use:     "up",
+		Short:   "apply the pending migrations (--dry-run: list them)",
+		Example: "  projector migrate up --dry-run\n  projector migrate up --retry-for 10m",
+		Args:    cli.NoArgs,
 	}
 	cu := commonFlags(up, env)
 	ou := migrateUpFlags(up)
 	up.RunE = func(cmd *cobra.Command, _ []string) error { return migrateUp(cmd.Context(), cu, ou, env) }
 
 	status := &cobra.Command{
-		Use:   "status",
-		Short: "show the applied, pending and unknown (newer) migrations (--check: exit 3 unless up to date)",
-		Args:  cli.NoArgs,
+		Use:     "status",
+		Short:   "show the applied, pending and unknown (newer) migrations (--check: exit 3 unless up to date)",
+		Example: "  projector migrate status\n  projector migrate status --check || projector migrate up",
+		Args:    cli.NoArgs,
 	}
 	cs := commonFlags(status, env)
 	asJSON := jsonFlag(status, "the migration state")
