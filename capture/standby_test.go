@@ -66,6 +66,11 @@ func TestStandbyWaitsAndTakesOver(t *testing.T) {
 	base := "http://" + b.MetricsAddr()
 	code, body := httpGet(t, base+"/healthz")
 	require.Equal(t, http.StatusOK, code, body)
+	// A waiting standby is live and ready: it must not be restarted.
+	for _, p := range []string{"/livez", "/readyz"} {
+		code, body = httpGet(t, base+p)
+		require.Equal(t, http.StatusOK, code, "%s: %s", p, body)
+	}
 	_, body = httpGet(t, base+"/metrics")
 	require.Equal(t, "0", scrapedValue(t, body, "epitaph_capture_active"))
 	_, body = httpGet(t, base+"/status")
