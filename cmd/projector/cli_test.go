@@ -130,6 +130,10 @@ func TestEveryFlagHasItsVariable(t *testing.T) {
 		})
 	}
 	require.Greater(t, with, 40)
+	// Nor values given on the command line before --help.
+	code, stdout, _ := projector(t, nil, "run", "--target-url", "postgres://u:hunter2@db/app", "--help")
+	require.Equal(t, 0, code)
+	require.NotContains(t, stdout, "hunter2")
 	// The settings shared by the commands have one variable each.
 	run := leaves(t)["run"]
 	for flag, env := range map[string]string{"target-url": "EPITAPH_TARGET_URL", "nats-url": "EPITAPH_NATS_URL",
