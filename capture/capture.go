@@ -62,6 +62,9 @@ type Service struct {
 	role        string
 	standby     *StandbyStatus
 
+	catalogKick chan struct{}   // a Relation message arrived: check the catalog
+	ownerWarned map[string]bool // tables warned about as not owned, under mu
+
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
 }
@@ -72,7 +75,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Service{cfg: cfg, done: make(chan struct{}), role: RoleStarting}
+	s := &Service{cfg: cfg, done: make(chan struct{}), role: RoleStarting, catalogKick: make(chan struct{}, 1)}
 	for _, o := range opts {
 		o(s)
 	}
@@ -208,9 +211,13 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 // stream, and starts replication.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
-	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull)
+	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, false)
 	if err != nil {
 		return err
+	}
+	if len(sel.madeFull) > 0 {
+		s.log.Info("set REPLICA IDENTITY FULL (--set-replica-identity-full)", "tables", sel.madeFull)
+		s.m.madeFull.Add(float64(len(sel.madeFull)))
 	}
 	for _, sk := range sel.skipped {
 		s.log.Warn("table not captured", "table", sk)
@@ -236,6 +243,12 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	s.mu.Lock()
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
+	if cfg.InstallDDLGuard {
+		if err := installDDLGuard(ctx, s.pool, cfg); err != nil {
+			return err
+		}
+		s.log.Info("DDL guard installed: the publication rules apply at the end of every DDL command", "event_trigger", guardTriggerName(cfg.PublicationName))
+	}
 
 	// Broker.
 	if cfg.NATSURL == "" {
@@ -386,9 +399,10 @@ func (s *Service) activate(ctx context.Context) {
 	s.activeState.Store(true)
 	s.setRole(RoleActive, nil)
 	s.m.active.Set(1)
-	s.bgWG.Add(2)
+	s.bgWG.Add(3)
 	go s.heartbeats(ctx)
 	go s.pollSlot(ctx)
+	go s.watchCatalog(ctx)
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
 }

@@ -18,6 +18,11 @@ type metrics struct {
 	heartbeatAge  prometheus.GaugeFunc
 	active        prometheus.Gauge
 	largeRows     prometheus.Counter
+	// Following the source's schema.
+	tablesAdded   prometheus.Counter
+	tablesRemoved prometheus.Counter
+	madeFull      prometheus.Counter
+	catalogErrors prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
@@ -43,6 +48,10 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		withoutFull:   g("epitaph_capture_tables_without_full_identity", "Captured tables whose deletes carry only the key (REPLICA IDENTITY not FULL)."),
 		active:        g("epitaph_capture_active", "1 while capture is streaming, 0 otherwise."),
 		largeRows:     c("epitaph_capture_large_rows_total", "Rows larger than the broker's payload limit, published via the object store."),
+		tablesAdded:   c("epitaph_capture_tables_added_total", "Tables added to the publication while streaming (new tables, or tables safe again)."),
+		tablesRemoved: c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
+		madeFull:      c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
+		catalogErrors: c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
 	}
 	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "epitaph_capture_heartbeat_age_seconds",
@@ -51,7 +60,8 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
-		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows} {
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows,
+		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}

@@ -54,6 +54,9 @@ func run(args []string) error {
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
+	// Following the source's schema while streaming (issue 12).
+	dur(fs, &cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)")
+	boolean(fs, &cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
 	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
 	if err := applyEnv(fs); err != nil {
