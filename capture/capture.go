@@ -62,6 +62,7 @@ type Service struct {
 	role        string
 	standby     *StandbyStatus
 
+	cat         *catalog        // shared by the streamer and the catalog watch
 	catalogKick chan struct{}   // a Relation message arrived: check the catalog
 	ownerWarned map[string]bool // tables warned about as not owned, under mu
 
@@ -243,6 +244,10 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	s.mu.Lock()
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
+	s.cat = newCatalog(s.pool)
+	if err := s.cat.remember(ctx, sel.oids()); err != nil {
+		return err
+	}
 	if cfg.InstallDDLGuard {
 		if err := installDDLGuard(ctx, s.pool, cfg); err != nil {
 			return err
@@ -364,7 +369,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	}
 
 	st := &streamer{
-		s: s, conn: s.repl, js: js, nc: s.nc, obs: obs, cat: newCatalog(s.pool),
+		s: s, conn: s.repl, js: js, nc: s.nc, obs: obs, cat: s.cat,
 		rels: map[uint32]*relation{}, tr: newTracker(cfg.BrokerSyncInterval, s.now()),
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,

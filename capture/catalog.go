@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -22,7 +23,9 @@ type catalog struct {
 	typeNames map[uint32]string
 	// known are the last facts read of each relation that existed then: a
 	// relation dropped (or whose key column was renamed) with deletes still
-	// in the slot keeps the keys and foreign keys it had.
+	// in the slot keeps the keys and foreign keys it had. Read by the
+	// streamer and filled by the catalog watch too (remember), under mu.
+	mu    sync.Mutex
 	known map[uint32]tableFacts
 }
 
@@ -158,11 +161,36 @@ func (c *catalog) table(ctx context.Context, relID uint32) (tableFacts, error) {
 	if err != nil {
 		return f, err
 	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	if !f.exists {
 		return c.known[relID], nil
 	}
 	c.known[relID] = f
 	return f, nil
+}
+
+// remember reads the facts of the relations not known yet, so a table
+// dropped before its deletes are decoded still has its keys.
+func (c *catalog) remember(ctx context.Context, relIDs []uint32) error {
+	for _, id := range relIDs {
+		c.mu.Lock()
+		_, ok := c.known[id]
+		c.mu.Unlock()
+		if ok {
+			continue
+		}
+		f, err := c.read(ctx, id)
+		if err != nil {
+			return err
+		}
+		if f.exists {
+			c.mu.Lock()
+			c.known[id] = f
+			c.mu.Unlock()
+		}
+	}
+	return nil
 }
 
 func (c *catalog) read(ctx context.Context, relID uint32) (tableFacts, error) {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // Tests of following the source's schema while streaming (issue 12).
@@ -317,4 +318,44 @@ func TestGeneratedColumns(t *testing.T) {
 	require.NoError(t, err)
 	e.exec(t, sql, args...)
 	require.Equal(t, "(1,2.5,5.0,n)", queryString(t, e.db, `SELECT g::text FROM g`))
+}
+
+// TestCaptureRoleRecipe is the README's recipe for the capture's role:
+// REPLICATION, CREATE on the database, and membership in the role that owns
+// the tables (not ownership: the application keeps owning them and its
+// migrations keep working).
+func TestCaptureRoleRecipe(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	db := dbName(t, e.db)
+	pg := testenv.SharedPostgres(t)
+	app, capRole := db+"_app", db+"_capture"
+	e.exec(t, `CREATE ROLE `+app+` LOGIN;
+		GRANT CREATE ON SCHEMA public TO `+app+`;
+		CREATE ROLE `+capRole+` LOGIN REPLICATION;
+		GRANT CREATE ON DATABASE `+db+` TO `+capRole+`;
+		GRANT `+app+` TO `+capRole)
+	t.Cleanup(func() {
+		testenv.Exec(t, pg.URL("postgres"), `DROP OWNED BY `+app+`, `+capRole+` CASCADE`)
+	})
+	appURL := pg.UserURL(app, db)
+	testenv.Exec(t, appURL, `CREATE TABLE orders (id int PRIMARY KEY, note text); INSERT INTO orders VALUES (1, 'one'), (2, 'two')`)
+	e.start(t, func(c *Config) {
+		c.SourceURL = pg.UserURL(capRole, db)
+		c.SetReplicaIdentityFull = true
+		fastPoll(c)
+	})
+	require.Equal(t, app, queryString(t, e.db, `SELECT relowner::regrole::text FROM pg_class WHERE relname = 'orders'`), "the application still owns its table")
+	require.Equal(t, "f", queryString(t, e.db, `SELECT relreplident::text FROM pg_class WHERE relname = 'orders'`))
+
+	// The application's migrations and deletes work; a new table is captured.
+	testenv.Exec(t, appURL, `ALTER TABLE orders ADD COLUMN total numeric; DELETE FROM orders WHERE id = 1;
+		CREATE TABLE lines (id int PRIMARY KEY, v text); INSERT INTO lines VALUES (7, 'seven')`)
+	e.waitPublication(t, e.slotPub(), "lines", "orders")
+	testenv.Exec(t, appURL, `DELETE FROM lines; DELETE FROM orders`)
+	ms := e.deletes(t, "main", 3)
+	require.JSONEq(t, `{"id":1,"note":"one","total":null}`, string(ms[0].ev.Row))
+	require.JSONEq(t, `{"id":7,"v":"seven"}`, string(ms[1].ev.Row))
+	require.Equal(t, event.IdentityFull, ms[1].ev.Identity)
+	require.JSONEq(t, `{"id":2,"note":"two","total":null}`, string(ms[2].ev.Row))
 }

@@ -203,6 +203,16 @@ type tableSelection struct {
 	madeFull []string
 }
 
+// oids are the relations the selection publishes: the tables and, for a
+// partitioned table, its leaves are not needed (events name the root).
+func (s *tableSelection) oids() []uint32 {
+	out := make([]uint32, len(s.tables))
+	for i, t := range s.tables {
+		out[i] = t.oid
+	}
+	return out
+}
+
 func (s *tableSelection) names() []string {
 	out := make([]string, len(s.tables))
 	for i, t := range s.tables {

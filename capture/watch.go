@@ -126,6 +126,9 @@ func (s *Service) reconcile(ctx context.Context) error {
 		s.m.tablesAdded.Inc()
 		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
 	}
+	if err := s.cat.remember(ctx, sel.oids()); err != nil {
+		return err
+	}
 	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
 	if err != nil {
 		return err
