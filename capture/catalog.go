@@ -154,20 +154,24 @@ SELECT name, typ, COALESCE(after, '') FROM (
 WHERE gen`
 
 // table reads the current keys, foreign keys and generated columns of a
-// relation. A relation dropped since gives the facts last read of it, or
-// empty ones (the event still carries its columns and values).
-func (c *catalog) table(ctx context.Context, relID uint32) (tableFacts, error) {
+// relation, and returns with them the facts read of it before (zero when
+// none): a key dropped or renamed since its deletes were written is still
+// known there. A relation dropped since gives the facts last read of it
+// as the current ones, or empty ones (the event still carries its columns
+// and values).
+func (c *catalog) table(ctx context.Context, relID uint32) (cur, before tableFacts, err error) {
 	f, err := c.read(ctx, relID)
 	if err != nil {
-		return f, err
+		return f, before, err
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	before = c.known[relID]
 	if !f.exists {
-		return c.known[relID], nil
+		return before, before, nil
 	}
 	c.known[relID] = f
-	return f, nil
+	return f, before, nil
 }
 
 // remember reads the facts of the relations not known yet, so a table

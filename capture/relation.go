@@ -96,7 +96,7 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 	if err != nil {
 		return nil, fmt.Errorf("relation %s.%s: %w", m.Namespace, m.RelationName, err)
 	}
-	facts, err := cat.table(ctx, m.RelationID)
+	facts, before, err := cat.table(ctx, m.RelationID)
 	if err != nil {
 		return nil, fmt.Errorf("relation %s.%s: %w", m.Namespace, m.RelationName, err)
 	}
@@ -113,10 +113,14 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 		}
 	}
 	// The primary key: by name; else by position (a column renamed since,
-	// none added or dropped); else as the relation before this one knew it.
+	// none added or dropped); else as the catalog was read before (a key
+	// dropped since), or as the relation before this one knew it.
 	r.pkIdx = indexesOf(m, facts.pk)
 	if r.pkIdx == nil && len(facts.pkPos) > 0 && facts.ncols == len(m.Columns) {
 		r.pkIdx = slices.Clone(facts.pkPos)
+	}
+	if r.pkIdx == nil {
+		r.pkIdx = indexesOf(m, before.pk)
 	}
 	if r.pkIdx == nil && prev != nil {
 		r.pkIdx = indexesOf(m, prev.pkNames())

@@ -271,3 +271,93 @@ func jsonEqual(a, b json.RawMessage) bool {
 	jb, _ := json.Marshal(y)
 	return string(ja) == string(jb)
 }
+
+// TestLostIdentityIsAGapInTheArchive: through the real binaries, a table
+// whose primary key a migration drops is removed from the publication (the
+// application's DELETE succeeds), and archive.gaps gets one lost_upstream
+// row naming that table, which makes the archive not ready until it is
+// acknowledged. Once the key is back the table's deletes are archived again.
+func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
+	t.Parallel()
+	bins := binaries(t)
+	seed := testSeed(t)
+	url := testenv.NewDatabase(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, `CREATE TABLE items (id bigint PRIMARY KEY, v text); ALTER TABLE items REPLICA IDENTITY FULL;
+		CREATE TABLE other (id bigint PRIMARY KEY); INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 5) g`)
+	require.NoError(t, err)
+
+	listen, err := bench.LocalAddr()
+	require.NoError(t, err)
+	natsURL := "nats://" + listen
+	metrics, err := bench.LocalAddr()
+	require.NoError(t, err)
+	cenv := joinEnv(bench.CaptureEnv(url, "", listen, t.TempDir(), metrics, "main", "epitaph_e2e_lost"),
+		"EPITAPH_TABLES=", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s")
+	supervise(t, "capture", bins["capture"], cenv, seed)
+	watch, err := bench.WatchStream(natsURL, "main")
+	require.NoError(t, err)
+	defer watch.Close()
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_lost", time.Minute, nil))
+	m, err := bench.LocalAddr()
+	require.NoError(t, err)
+	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s"), seed+1, "run")
+
+	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 1`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `ALTER TABLE items DROP CONSTRAINT items_pkey, REPLICA IDENTITY DEFAULT`)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_publication_tables WHERE pubname = 'epitaph_e2e_lost' AND tablename = 'items'`)
+		return n == 0, err
+	}), "removed from the publication")
+	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 2`)
+	require.NoError(t, err, "the application's DELETE succeeds")
+
+	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive'`)
+		if err != nil || n == 0 {
+			return false, err
+		}
+		n, err = bench.Count(ctx, url, `SELECT count(*) FROM archive.gaps`)
+		return n > 0, err
+	}), "a gap reaches archive.gaps")
+	var kind, schema, table string
+	var partition *int
+	var from, to string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT kind, schema_name, table_name, partition, from_lsn::text, to_lsn::text FROM archive.gaps`).
+		Scan(&kind, &schema, &table, &partition, &from, &to))
+	require.Equal(t, "lost_upstream", kind)
+	require.Equal(t, "public", schema)
+	require.Equal(t, "items", table)
+	require.Nil(t, partition, "one row for the gap published to every partition")
+	require.Equal(t, from, to)
+	n, err := bench.Count(ctx, url, `SELECT count(*) FROM archive.gaps`)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	var ready bool
+	require.NoError(t, conn.QueryRow(ctx, `SELECT ready FROM archive.status WHERE state = 'live'`).Scan(&ready))
+	require.False(t, ready, "an unacknowledged gap: not ready")
+
+	// The key back: the table is published again and its deletes archived.
+	_, err = conn.Exec(ctx, `ALTER TABLE items ADD PRIMARY KEY (id)`)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_publication_tables WHERE pubname = 'epitaph_e2e_lost' AND tablename = 'items'`)
+		return n == 1, err
+	}), "published again")
+	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 3`)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM archive.rows WHERE table_name = 'items'`)
+		return n == 2, err
+	}))
+	var got string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT string_agg(format('%s:%s:%s', identity, key, row), ' ' ORDER BY commit_lsn, seq) FROM archive.rows WHERE table_name = 'items'`).Scan(&got))
+	require.Equal(t, `full:{"id": 1}:{"v": "v1", "id": 1} key:{"id": 3}:{"id": 3}`, got,
+		"rows 1 and 3 archived; row 2 was deleted while the table was not published (the gap)")
+}
