@@ -169,7 +169,9 @@ func TestMigrationsUnderKills(t *testing.T) {
 					},
 					func() error { return waitReady(pt) },
 					func() error { return del("public."+pt, pt, "id <= 25 OR id BETWEEN 100 AND 120", false) },
-					func() error { return del("public.base", "base", fmt.Sprintf("id BETWEEN %d AND %d", i*10+1, i*10+5), false) },
+					func() error {
+						return del("public.base", "base", fmt.Sprintf("id BETWEEN %d AND %d", i*10+1, i*10+5), false)
+					},
 					// Dropped right after their last deletes.
 					func() error { return del("public."+mt, mt, "true", true) },
 					func() error { return del("public."+pt, pt, "true", true) },
