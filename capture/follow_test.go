@@ -1,9 +1,13 @@
 package capture
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"log/slog"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -153,12 +157,21 @@ func TestNewTablesWhileStreaming(t *testing.T) {
 	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY, v text);
 		CREATE TABLE p (id int PRIMARY KEY, v text) PARTITION BY LIST (id);
 		CREATE TABLE p1 PARTITION OF p FOR VALUES IN (1, 2)`)
-	svc := e.start(t, func(c *Config) { fastPoll(c); c.SetReplicaIdentityFull = true })
+	var logs lockedBuffer
+	cfg := e.config()
+	fastPoll(&cfg)
+	cfg.SetReplicaIdentityFull = true
+	svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+	require.NoError(t, err)
+	t.Cleanup(svc.Stop)
+	require.NoError(t, svc.Start(context.Background()))
 	require.Equal(t, []string{"public.base", "public.p"}, svc.CurrentStatus().PublicationTables)
+	require.Contains(t, logs.String(), `msg="set REPLICA IDENTITY FULL (--set-replica-identity-full)" tables="[\"public\".\"base\" \"public\".\"p\" \"public\".\"p1\"]"`)
 
 	e.exec(t, `CREATE TABLE fresh (id int PRIMARY KEY, v text); INSERT INTO fresh VALUES (1, 'a'), (2, 'b'), (3, 'c');
 		CREATE TABLE p2 PARTITION OF p FOR VALUES IN (3, 4); INSERT INTO p VALUES (3, 'three'), (4, 'four')`)
 	e.waitPublication(t, e.slotPub(), "base", "fresh", "p")
+	require.Eventually(t, func() bool { return metricValue(t, svc.m.tablesAdded) == 1 }, 60*time.Second, 50*time.Millisecond)
 	require.Eventually(t, func() bool {
 		return queryString(t, e.db, `SELECT string_agg(relname || '=' || relreplident::text, ',' ORDER BY relname) FROM pg_class WHERE relname IN ('fresh', 'p2')`) == "fresh=f,p2=f"
 	}, 60*time.Second, 50*time.Millisecond, "new table and new leaf are set FULL")
@@ -176,6 +189,27 @@ func TestNewTablesWhileStreaming(t *testing.T) {
 	require.JSONEq(t, `{"id":3,"v":"three"}`, string(leaf[0].Row))
 	require.JSONEq(t, `{"id":4,"v":"four"}`, string(leaf[1].Row))
 	require.Equal(t, event.IdentityFull, leaf[1].Identity)
+	require.Equal(t, 5.0, metricValue(t, svc.m.madeFull), "base, p and p1 at start, fresh and p2 later")
+	require.Contains(t, logs.String(), `\"public\".\"fresh\"`)
+	require.Contains(t, logs.String(), `\"public\".\"p2\"`)
+	require.Contains(t, logs.String(), `msg="table added to the publication: its deletes are captured from now on" table=public.fresh`)
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // slotPub is the publication the tests' captures use (the default).
@@ -216,6 +250,8 @@ func TestIdentityLostWhileStreaming(t *testing.T) {
 	slices.Sort(named)
 	require.Equal(t, []string{"public.nothing", "public.r", "public.t"}, named)
 	require.Len(t, gaps, 3*4, "one copy per partition")
+	require.Equal(t, 3.0, metricValue(t, svc.m.tablesRemoved))
+	require.Equal(t, []string{"public.keep"}, svc.CurrentStatus().PublicationTables)
 
 	// Safe again: added again, deletes captured again.
 	e.exec(t, `ALTER TABLE t ADD PRIMARY KEY (id)`)

@@ -249,20 +249,32 @@ BEGIN
       WHERE r.oid = t.oid OR r.oid IN (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf)
     LOOP
       IF l.relreplident <> 'f' AND set_full THEN
-        EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
-        RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
-      ELSIF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
+        BEGIN
+          EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
+          RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
+          CONTINUE;
+        EXCEPTION WHEN OTHERS THEN
+          RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
+        END;
+      END IF;
+      IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
         unsafe := true;
       END IF;
     END LOOP;
-    IF unsafe AND t.published THEN
-      EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
-      PERFORM pg_logical_emit_message(true, %[4]s,
-        json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
-      RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
-    ELSIF NOT unsafe AND NOT t.published THEN
-      EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
-    END IF;
+    -- The application's DDL never fails because of the guard: a step
+    -- that fails is a warning, and the catalog poll tries again.
+    BEGIN
+      IF unsafe AND t.published THEN
+        EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+        PERFORM pg_logical_emit_message(true, %[4]s,
+          json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
+        RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
+      ELSIF NOT unsafe AND NOT t.published THEN
+        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+      END IF;
+    EXCEPTION WHEN OTHERS THEN
+      RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
+    END;
   END LOOP;
   PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
 END
