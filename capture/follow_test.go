@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
@@ -394,4 +395,56 @@ func TestCaptureRoleRecipe(t *testing.T) {
 	require.JSONEq(t, `{"id":7,"v":"seven"}`, string(ms[1].ev.Row))
 	require.Equal(t, event.IdentityFull, ms[1].ev.Identity)
 	require.JSONEq(t, `{"id":2,"note":"two","total":null}`, string(ms[2].ev.Row))
+}
+
+// TestEncodeRowIdentityAndKeys: the pure rules of encodeRow, from
+// hand-built tuples.
+func TestEncodeRowIdentityAndKeys(t *testing.T) {
+	t.Parallel()
+	text := func(s string) *pglogrepl.TupleDataColumn {
+		return &pglogrepl.TupleDataColumn{DataType: pglogrepl.TupleDataTypeText, Data: []byte(s)}
+	}
+	null := &pglogrepl.TupleDataColumn{DataType: pglogrepl.TupleDataTypeNull}
+	rel := func(names []string, keys ...int) *relation {
+		r := &relation{name: "public.t"}
+		for i, n := range names {
+			label, _ := json.Marshal(n)
+			r.cols = append(r.cols, relColumn{name: n, typeOID: 25, key: slices.Contains(keys, i), label: append(label, ':')})
+		}
+		r.keyIdx = keys
+		return r
+	}
+	type out struct{ identity, key, row string }
+	encode := func(r *relation, tt uint8, cols ...*pglogrepl.TupleDataColumn) out {
+		var img rowImage
+		require.NoError(t, r.encodeRow(&img, tt, &pglogrepl.TupleData{Columns: cols}))
+		return out{img.identity, string(img.key), string(img.row)}
+	}
+	O, K := uint8(pglogrepl.DeleteMessageTupleTypeOld), uint8(pglogrepl.DeleteMessageTupleTypeKey)
+
+	// A partitioned FULL root: a tuple NULL outside the key is a key-only
+	// leaf's; one with a value is whole.
+	p := rel([]string{"id", "v", "w"}, 0, 1, 2)
+	p.pkIdx, p.partitioned = []int{0}, true
+	require.Equal(t, out{"key", `{"id":"1"}`, `{"id":"1"}`}, encode(p, O, text("1"), null, null))
+	require.Equal(t, out{"full", `{"id":"2"}`, `{"id":"2","v":null,"w":"x"}`}, encode(p, O, text("2"), null, text("x")))
+	// Not partitioned: the tuple type is exact.
+	p.partitioned = false
+	require.Equal(t, out{"full", `{"id":"1"}`, `{"id":"1","v":null,"w":null}`}, encode(p, O, text("1"), null, null))
+	// Partitioned without a primary key and a weak leaf: any NULL is doubt.
+	np := rel([]string{"a", "b"}, 0, 1)
+	np.partitioned, np.weakLeaves = true, true
+	require.Equal(t, out{"key", ``, `{"a":"1"}`}, encode(np, O, text("1"), null))
+	require.Equal(t, out{"full", ``, `{"a":"1","b":"2"}`}, encode(np, O, text("1"), text("2")))
+
+	// USING INDEX on code, primary key id: a key tuple lacks id.
+	ui := rel([]string{"id", "code", "v"}, 1)
+	ui.pkIdx, ui.identIdx = []int{0}, []int{1}
+	require.Equal(t, out{"key", `{"code":"A"}`, `{"code":"A"}`}, encode(ui, K, null, text("A"), null))
+	// The same table FULL: the primary key.
+	require.Equal(t, out{"full", `{"id":"1"}`, `{"id":"1","code":"A","v":"x"}`}, encode(ui, O, text("1"), text("A"), text("x")))
+	// Default identity: the primary key is the identity.
+	d := rel([]string{"id", "v"}, 0)
+	d.pkIdx, d.identIdx = []int{0}, []int{0}
+	require.Equal(t, out{"key", `{"id":"9"}`, `{"id":"9"}`}, encode(d, K, text("9"), null))
 }
