@@ -395,6 +395,14 @@ func TestCaptureRoleRecipe(t *testing.T) {
 	require.JSONEq(t, `{"id":7,"v":"seven"}`, string(ms[1].ev.Row))
 	require.Equal(t, event.IdentityFull, ms[1].ev.Identity)
 	require.JSONEq(t, `{"id":2,"note":"two","total":null}`, string(ms[2].ev.Row))
+
+	// What removing a table that lost its identity takes (without
+	// --set-replica-identity-full, which makes it FULL instead): dropping it
+	// from the publication and writing the gap message in one transaction.
+	capURL := pg.UserURL(capRole, db)
+	testenv.Exec(t, appURL, `ALTER TABLE lines DROP CONSTRAINT lines_pkey, REPLICA IDENTITY DEFAULT`)
+	testenv.Exec(t, capURL, `BEGIN; ALTER PUBLICATION epitaph DROP TABLE public.lines;
+		SELECT pg_logical_emit_message(true, 'epitaph.test', 'x'); COMMIT`)
 }
 
 // TestEncodeRowIdentityAndKeys: the pure rules of encodeRow, from
