@@ -456,3 +456,32 @@ func TestEncodeRowIdentityAndKeys(t *testing.T) {
 	d.pkIdx, d.identIdx = []int{0}, []int{0}
 	require.Equal(t, out{"key", `{"id":"9"}`, `{"id":"9"}`}, encode(d, K, text("9"), null))
 }
+
+// TestWindowBeforeThePoll is the window the README names: a delete
+// committed after CREATE TABLE but before the table is added to the
+// publication is not captured; one committed after the add is, although
+// the slot decodes both after the add (pgoutput decides by the publication
+// as of each change's WAL position).
+func TestWindowBeforeThePoll(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY)`)
+	svc := e.start(t, func(c *Config) { c.CatalogPoll = -1 })
+	e.exec(t, `CREATE TABLE fresh (id int PRIMARY KEY); INSERT INTO fresh VALUES (1), (2)`)
+	e.exec(t, `DELETE FROM fresh WHERE id = 1`)
+	require.NoError(t, svc.reconcile(context.Background())) // what the next poll does
+	e.exec(t, `DELETE FROM fresh WHERE id = 2; INSERT INTO base VALUES (1); DELETE FROM base`)
+	ms := e.deletes(t, "main", 2)
+	require.Equal(t, []string{"delete public.fresh", "delete public.base"}, ops(deletesOnly(ms)))
+	require.JSONEq(t, `{"id":2}`, string(ms[0].ev.Key), "the delete before the add is not captured")
+}
+
+func deletesOnly(ms []msg) []msg {
+	var out []msg
+	for _, m := range ms {
+		if m.ev.Op == event.OpDelete {
+			out = append(out, m)
+		}
+	}
+	return out
+}
