@@ -65,6 +65,7 @@ type Service struct {
 	cat         *catalog        // shared by the streamer and the catalog watch
 	catalogKick chan struct{}   // a Relation message arrived: check the catalog
 	ownerWarned map[string]bool // tables warned about as not owned, under mu
+	catalogFP   string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
