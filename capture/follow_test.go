@@ -485,3 +485,28 @@ func deletesOnly(ms []msg) []msg {
 	}
 	return out
 }
+
+// TestDDLGuardForAnApplicationRole: the guard acts for the application's
+// own (non-superuser) role, which owns neither the publication nor the
+// guard: its migration creates a table (published at once) and drops a key
+// (removed at once), and its DDL and DELETEs succeed.
+func TestDDLGuardForAnApplicationRole(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	db := dbName(t, e.db)
+	pg := testenv.SharedPostgres(t)
+	app := db + "_guarded"
+	e.exec(t, `CREATE ROLE `+app+` LOGIN; GRANT CREATE ON SCHEMA public TO `+app)
+	t.Cleanup(func() { testenv.Exec(t, pg.URL("postgres"), `DROP OWNED BY `+app+` CASCADE`) })
+	appURL := pg.UserURL(app, db)
+	testenv.Exec(t, appURL, `CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2)`)
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true })
+	testenv.Exec(t, appURL, `CREATE TABLE fresh (id int PRIMARY KEY); INSERT INTO fresh VALUES (1); DELETE FROM fresh`)
+	testenv.Exec(t, appURL, `ALTER TABLE t DROP CONSTRAINT t_pkey; DELETE FROM t WHERE id = 1`)
+	e.waitPublication(t, e.slotPub(), "fresh")
+	ms := e.messages(t, "main", 2+4) // fresh's delete and commit, t's gap
+	require.Len(t, deletesOf(ms, "public.fresh"), 1)
+	gaps := gapsOf(ms)
+	require.Len(t, gaps, 4)
+	require.Equal(t, "public.t", gaps[0].QualifiedTable())
+}
