@@ -572,6 +572,9 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 	if info.State.LastSeq < w.pos.Cursor {
 		return errReset
 	}
+	if first := info.State.FirstSeq; first > w.pos.Cursor+1 && w.pos.Cursor >= w.legacy && w.pos.Trust.PartSeq > 0 {
+		return w.recordSuspectedGap(ctx, first) // trust.go
+	}
 	return nil
 }
 

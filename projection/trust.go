@@ -414,6 +414,13 @@ type gapRow struct {
 	fromLSN, toLSN event.LSN
 }
 
+// A suspected gap (recordSuspectedGap) has no to_lsn: the stream's first
+// sequence moved past the cursor while nothing else of the partition was
+// there to tell whether its messages were among those removed. The next
+// verified message tells: a partition sequence that continues acknowledges
+// it with this reason; one that skips fills in its end.
+const suspectedGapCleared = "the partition sequence continued: no message of this partition was removed"
+
 // verdict is what verification decided for a page, applied in the page's
 // transaction.
 type verdict struct {
@@ -422,11 +429,13 @@ type verdict struct {
 	promote []event.LSN    // transactions whose rows of earlier pages become visible
 	// The slow path: unverified rows of earlier pages to delete, the chosen
 	// ones to insert again (verified) and the refused ones to quarantine.
-	drop       []rowID
-	extraRows  []*item
-	extraQuar  []*item
-	gaps       []gapRow
-	refusedLog int
+	drop      []rowID
+	extraRows []*item
+	extraQuar []*item
+	gaps      []gapRow
+	// continued: the partition sequence continued from this stream
+	// sequence + 1 (a suspected gap starting there is cleared).
+	continued []uint64
 }
 
 // verifyPage verifies a page (see the comment at the top of this file). It
@@ -498,20 +507,25 @@ func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdi
 					break
 				}
 			}
-			rows, err := w.closeWindow(ctx, it, kind, st, d, broken, page, inPage, vd)
+			rows, short, err := w.closeWindow(ctx, it, kind, st, d, broken, page, inPage, vd)
 			if err != nil {
 				return nil, err
 			}
-			if ps := partSeqOf(it); ps > 0 {
-				if st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows) {
+			if ps := partSeqOf(it); ps > 0 || short {
+				if short || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
 					to := it.seq - 1
 					if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 						to = st.TxFirst - 1
 					}
 					vd.gaps = append(vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: w.pos.SourceLSN, toLSN: positionLSN(it.ev)})
 					w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
-						"missing", ps-st.PartSeq-1-uint64(rows), "from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps)
+						"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
+				} else if st.PartSeq > 0 {
+					vd.continued = append(vd.continued, st.TxStart)
 				}
+				st.PartSeq = ps
+			}
+			if ps := partSeqOf(it); ps > 0 {
 				st.PartSeq = ps
 			}
 			reset(it)
@@ -551,9 +565,11 @@ func (w *partitionWorker) streamKey(ctx context.Context) string {
 }
 
 // closeWindow settles the pending row messages at a verified boundary b and
-// returns how many of them are b's transaction (0 for a marker).
+// returns how many of them are b's transaction (0 for a marker), and
+// whether the stream holds fewer of its rows than its signed commit counts
+// (rows were removed).
 func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind, st progress.Trust, d *event.Digest,
-	broken bool, page []*item, inPage map[uint64]*item, vd *verdict) (int, error) {
+	broken bool, page []*item, inPage map[uint64]*item, vd *verdict) (int, bool, error) {
 	want := header(b, event.HeaderDigest)
 	if kind == kindCommit && st.Pending > 0 && !broken && want != "" && d.Sum() == want {
 		// Fast path: the pending messages are exactly the transaction.
@@ -563,17 +579,18 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 		if st.Pending > len(page) {
 			vd.promote = append(vd.promote, b.ev.CommitLSN)
 		}
-		return st.Pending, nil
+		return st.Pending, false, nil
 	}
 	if st.Pending == 0 {
 		if kind == kindCommit {
 			w.refuse(b, "commit of a transaction none of whose rows is in the stream")
+			return 0, b.ev.Rows > 0, nil
 		}
-		return 0, nil
+		return 0, false, nil
 	}
 	window, err := w.readWindow(ctx, st.TxStart+1, b.seq-1, inPage)
 	if err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	var chosen map[*item]bool
 	if kind == kindCommit {
@@ -611,17 +628,21 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 			}
 		}
 	}
+	short := false
 	if chosen == nil && kind == kindCommit {
 		// How many distinct rows the stream still holds, for the gap check.
-		seen := map[int]bool{}
+		seen, deletes := map[int]bool{}, map[int]bool{}
 		for _, it := range window {
 			if it.ev != nil && it.ev.CommitLSN == b.ev.CommitLSN {
 				seen[it.ev.Seq] = true
+				if it.ev.Op == event.OpDelete {
+					deletes[it.ev.Seq] = true
+				}
 			}
 		}
-		n = len(seen)
+		n, short = len(seen), len(deletes) < b.ev.Rows
 	}
-	return n, nil
+	return n, short, nil
 }
 
 // readWindow reads the partition's messages with stream sequences in
@@ -782,12 +803,72 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		}
 	}
 	for _, g := range vd.gaps {
-		if _, err := tx.Exec(ctx, `INSERT INTO `+ident(v.Schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
-			VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
-			l.Partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
-			return fmt.Errorf("record removed_from_stream gap: %w", err)
+		if err := recordGap(ctx, tx, v.Schema, l.Partition, g); err != nil {
+			return err
 		}
 	}
+	for _, from := range vd.continued {
+		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
+			WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND to_lsn IS NULL AND acknowledged_at IS NULL`,
+			l.Partition, int64(from+1), suspectedGapCleared); err != nil {
+			return fmt.Errorf("clear suspected gap: %w", err)
+		}
+	}
+	return nil
+}
+
+// recordGap records a removed_from_stream gap of a partition, or completes
+// the open one that starts at the same stream sequence (a suspected gap).
+func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g gapRow) error {
+	tag, err := tx.Exec(ctx, `UPDATE `+ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
+		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND acknowledged_at IS NULL`,
+		partition, int64(g.fromSeq), int64(g.toSeq), nullLSNText(g.toLSN))
+	if err != nil {
+		return fmt.Errorf("record removed_from_stream gap: %w", err)
+	}
+	if tag.RowsAffected() > 0 {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
+		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
+		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
+		return fmt.Errorf("record removed_from_stream gap: %w", err)
+	}
+	return nil
+}
+
+// recordSuspectedGap is called while the partition is idle and the
+// stream's first sequence is past cursor + 1: the messages in between were
+// removed (purged, aged out, discarded by a limit, or the stream made
+// anew) without this version seeing them, and whether any was this
+// partition's is not known until its next verified message. The gap is
+// recorded now (to_lsn NULL) so readers are told at once; it is cleared or
+// completed by that message.
+func (w *partitionWorker) recordSuspectedGap(ctx context.Context, first uint64) error {
+	from := w.pos.Cursor + 1
+	tx, err := w.svc.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var exists bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+ident(w.ver.Schema, "gaps")+`
+		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2)`, w.lease.Partition, int64(from)).Scan(&exists); err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	if exists {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn, from_seq, to_seq)
+		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3, $4)`,
+		w.lease.Partition, nullLSNText(w.pos.SourceLSN), int64(from), int64(first-1)); err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	w.log.Error("the stream's first sequence moved past this partition's cursor: messages it had not applied may have been removed (recorded a removed_from_stream gap; the partition's next verified message confirms or clears it)",
+		"cursor", w.pos.Cursor, "stream_first_seq", first)
 	return nil
 }
 
