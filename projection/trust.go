@@ -61,15 +61,12 @@ import (
 // verification.
 const CategoryUnauthenticated = "unauthenticated"
 
-// HeaderPublicKey is where a projector meeting its first key may find the
-// public key (event.PublicKeyString) on a signed message; the stream's
-// metadata key MetaSigningKey is the other place. Either is only believed
-// for a message whose signature it verifies, and only while no key is
-// trusted yet (trust on first use).
-const (
-	HeaderPublicKey = "Epitaph-Public-Key"
-	MetaSigningKey  = "epitaph.signing_key"
-)
+// MetaSigningKey is the stream metadata key where a projector meeting its
+// first key may also find the public key (event.PublicKeyString), besides
+// the message's event.HeaderPublicKey. Either is only believed for a
+// message whose signature it verifies, and only while no key is trusted
+// yet (trust on first use).
+const MetaSigningKey = "epitaph.signing_key"
 
 // maxChoices bounds the slow path: how many combinations of candidates
 // (messages claiming the same commit LSN and seq) are hashed against a
@@ -258,7 +255,7 @@ func (k *keyring) verify(ctx context.Context, it *item, streamKey func(context.C
 // metadata, and is trusted only when it verifies the message.
 func (k *keyring) firstUse(ctx context.Context, it *item, id string, streamKey func(context.Context) string) (ed25519.PublicKey, bool, error) {
 	h := nats.Header(it.headers)
-	for _, text := range []string{h.Get(HeaderPublicKey), streamKey(ctx)} {
+	for _, text := range []string{h.Get(event.HeaderPublicKey), streamKey(ctx)} {
 		if text == "" {
 			continue
 		}

@@ -86,7 +86,7 @@ func (s *Signer) Sign(m *nats.Msg) {
 func (s *Signer) SignOnly(m *nats.Msg) {
 	pub := s.Public()
 	m.Header.Set(event.HeaderKeyID, event.KeyID(pub))
-	m.Header.Set("Epitaph-Public-Key", event.PublicKeyString(pub))
+	m.Header.Set(event.HeaderPublicKey, event.PublicKeyString(pub))
 	m.Header.Set(event.HeaderSignature, event.Sign(s.Key, event.MessageSigningInput(m.Subject, m.Header, m.Data)))
 }
 
