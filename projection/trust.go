@@ -59,7 +59,7 @@ import (
 
 // CategoryUnauthenticated is the quarantine category of messages that fail
 // verification.
-const CategoryUnauthenticated = "unauthenticated"
+const CategoryUnauthenticated = string(quarantine.CategoryUnauthenticated)
 
 // MetaSigningKey is the stream metadata key where a projector meeting its
 // first key may also find the public key (event.PublicKeyString), besides
