@@ -58,7 +58,15 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
-ALTER TABLE ` + s + `.rows ADD COLUMN IF NOT EXISTS verified boolean NOT NULL DEFAULT true;
+DO $$ BEGIN
+    -- Not ALTER TABLE .. IF NOT EXISTS: that takes an exclusive lock even
+    -- when the column exists, and this runs whenever version states change
+    -- (readers of archive.rows deadlocked with it).
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
+                   AND attname = 'verified' AND NOT attisdropped) THEN
+        ALTER TABLE ` + s + `.rows ADD COLUMN verified boolean NOT NULL DEFAULT true;
+    END IF;
+END $$;
 ` + gapsDDL(s)
 }
 
