@@ -240,7 +240,7 @@ func (k *keyring) verify(ctx context.Context, it *item, streamKey func(context.C
 		if warn {
 			k.log.Error("a message is signed by a key this target does not trust: it is quarantined as unauthenticated; "+
 				"if the capture's signing key changed, trust the new one with `projector trust-key --key-file <the capture's signing.pub>` "+
-				"and replay the quarantine", "key_id", id, "stream_seq", it.seq, "subject", it.subject)
+				"and rebuild the version (projector rebuild archive), which verifies the stream again", "key_id", id, "stream_seq", it.seq, "subject", it.subject)
 		}
 		return refuse("signed with key %q, which this target does not trust", id)
 	}
@@ -364,6 +364,14 @@ func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
 	return uint64(seq), nil
 }
 
+// findLegacyBoundary looks back from the partition's end (at most
+// legacyScan messages) for the first message of the signing era (one that
+// carries a partition sequence or a signature) and returns the last
+// unsigned message before it. Unsigned messages after the signing era began
+// are not legacy (a foreign client published them), so a forgery that
+// arrives before a projector's first run does not become believed. When the
+// whole scanned range is unsigned, the partition's last message is the
+// boundary; when it is all signing era, 0.
 func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error) {
 	last, err := w.stream.GetLastMsgForSubject(ctx, w.filter)
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -372,14 +380,21 @@ func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error
 	if err != nil {
 		return 0, fmt.Errorf("read the partition's last message: %w", err)
 	}
-	if last.Header.Get(event.HeaderSignature) == "" && last.Header.Get(event.HeaderPartitionSeq) == "" {
-		return last.Sequence, nil
-	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("stream info: %w", err)
 	}
+	signed := func(h nats.Header) bool {
+		return h.Get(event.HeaderPartitionSeq) != "" || h.Get(event.HeaderSignature) != ""
+	}
 	prefix := strings.TrimSuffix(w.filter, ">")
+	var unsigned []uint64 // newest first
+	firstSigned := uint64(0)
+	if signed(last.Header) {
+		firstSigned = last.Sequence
+	} else {
+		unsigned = append(unsigned, last.Sequence)
+	}
 	for seq, n := last.Sequence, 0; seq > info.State.FirstSeq && n < legacyScan; n++ {
 		seq--
 		m, err := w.stream.GetMsg(ctx, seq)
@@ -392,8 +407,18 @@ func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error
 		if !strings.HasPrefix(m.Subject, prefix) {
 			continue
 		}
-		if m.Header.Get(event.HeaderPartitionSeq) == "" && m.Header.Get(event.HeaderSignature) == "" {
-			return m.Sequence, nil
+		if signed(m.Header) {
+			firstSigned = m.Sequence
+		} else {
+			unsigned = append(unsigned, m.Sequence)
+		}
+	}
+	if firstSigned == 0 {
+		return last.Sequence, nil
+	}
+	for _, u := range unsigned {
+		if u < firstSigned {
+			return u, nil
 		}
 	}
 	return 0, nil
@@ -591,7 +616,7 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 	}
 	var chosen map[*item]bool
 	if kind == kindCommit {
-		chosen = chooseCandidates(window, b.ev.CommitLSN, want)
+		chosen = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want)
 		if chosen == nil {
 			w.refuse(b, "the transaction's rows do not match its signed digest")
 			w.log.Error("a transaction failed verification: its rows and commit are quarantined as unauthenticated",
@@ -713,52 +738,59 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 }
 
 // chooseCandidates picks, among the decodable row messages of the window
-// that claim commit LSN lsn, one per seq 0..n-1 such that their digest in
-// seq order is want; nil when there is no such choice within maxChoices.
-func chooseCandidates(window []*item, lsn event.LSN, want string) map[*item]bool {
+// that claim commit LSN lsn, one per seq 0..k-1 such that their digest in
+// seq order is want, for the smallest k >= rows (the commit's count of
+// deletes; truncates add to it) that has one; nil when there is no such
+// choice within maxChoices digests. Candidates with a seq beyond the
+// transaction's (forged) are never chosen.
+func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[*item]bool {
 	if want == "" {
 		return nil
 	}
 	bySeq := map[int][]*item{}
 	maxSeq := -1
 	for _, it := range window {
-		if it.ev == nil || it.category != "" || it.ev.CommitLSN != lsn {
+		if it.ev == nil || it.category != "" || it.ev.CommitLSN != lsn || it.ev.Seq < 0 {
 			continue
 		}
 		bySeq[it.ev.Seq] = append(bySeq[it.ev.Seq], it)
 		maxSeq = max(maxSeq, it.ev.Seq)
 	}
-	if maxSeq < 0 || len(bySeq) != maxSeq+1 {
-		return nil
-	}
-	choices := 1
-	for _, c := range bySeq {
-		choices *= len(c)
-		if choices > maxChoices {
+	budget := maxChoices
+	d := event.NewDigest()
+	for k := max(rows, 1); k <= maxSeq+1 && budget > 0; k++ {
+		choices := 1
+		for s := 0; s < k && choices <= budget; s++ {
+			choices *= len(bySeq[s])
+		}
+		if choices == 0 {
+			return nil // a seq below k is missing: so it is for every larger k
+		}
+		if choices > budget {
 			return nil
 		}
-	}
-	pick := make([]int, maxSeq+1)
-	d := event.NewDigest()
-	for n := 0; n < choices; n++ {
-		d.Reset()
-		for s := 0; s <= maxSeq; s++ {
-			it := bySeq[s][pick[s]]
-			d.Add(partSeqOf(it), it.data)
-		}
-		if d.Sum() == want {
-			out := make(map[*item]bool, maxSeq+1)
-			for s := 0; s <= maxSeq; s++ {
-				out[bySeq[s][pick[s]]] = true
+		budget -= choices
+		pick := make([]int, k)
+		for n := 0; n < choices; n++ {
+			d.Reset()
+			for s := 0; s < k; s++ {
+				it := bySeq[s][pick[s]]
+				d.Add(partSeqOf(it), it.data)
 			}
-			return out
-		}
-		for s := 0; s <= maxSeq; s++ { // next combination
-			pick[s]++
-			if pick[s] < len(bySeq[s]) {
-				break
+			if d.Sum() == want {
+				out := make(map[*item]bool, k)
+				for s := 0; s < k; s++ {
+					out[bySeq[s][pick[s]]] = true
+				}
+				return out
 			}
-			pick[s] = 0
+			for s := 0; s < k; s++ { // next combination
+				pick[s]++
+				if pick[s] < len(bySeq[s]) {
+					break
+				}
+				pick[s] = 0
+			}
 		}
 	}
 	return nil

@@ -199,14 +199,23 @@ func TestForgedRowPreemptingARealOneLoses(t *testing.T) {
 			real2.Header.Set(event.HeaderMsgID, event.RepublishedMsgID(real2.Header.Get(event.HeaderMsgID), 1))
 			e.pubMsg(context.Background(), real2) // seq 4
 			e.pubMsg(context.Background(), msgs[3])
-			e.pubMsg(context.Background(), msgs[4]) // the commit, seq 6
+			// And one claiming a seq beyond the transaction's last.
+			ev.Seq = 4
+			extra := nats.NewMsg(msgs[3].Subject)
+			extra.Data, _ = event.Encode(&ev)
+			extra.Header.Set(event.HeaderMsgID, event.MsgID(src, tx.lsn, 4))
+			e.foreign(extra)                        // seq 6
+			e.pubMsg(context.Background(), msgs[4]) // the commit, seq 7
 			after := e.nextTx(orderRows(2, 1)...)
 			e.publish(after)
 
-			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
+			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 10 })
 			require.Equal(t, expected(t, c, tx, after), archived(t, c, "archive.rows"))
 			require.Equal(t, expected(t, c, tx, after), archived(t, c, "archive_v1.rows"))
-			require.Equal(t, []qrow{{seq: 3, subject: forged.Subject, category: projection.CategoryUnauthenticated}}, quarantined(t, c))
+			require.Equal(t, []qrow{
+				{seq: 3, subject: forged.Subject, category: projection.CategoryUnauthenticated},
+				{seq: 6, subject: extra.Subject, category: projection.CategoryUnauthenticated},
+			}, quarantined(t, c))
 			require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.gaps`))
 		})
 	}

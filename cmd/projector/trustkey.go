@@ -76,7 +76,7 @@ func trustKeyCmd(ctx context.Context, args []string, env *Env) error {
 			return err
 		}
 		if added {
-			fmt.Fprintf(env.Stdout, "trusted key %s (%s); messages it signs are verified from now on; replay what was quarantined as unauthenticated for it with `projector quarantine`\n",
+			fmt.Fprintf(env.Stdout, "trusted key %s (%s); messages it signs are verified from now on (to recover what it signed before, which was quarantined as unauthenticated, rebuild the version: projector rebuild archive)\n",
 				event.KeyID(pub), event.PublicKeyString(pub))
 		} else {
 			fmt.Fprintf(env.Stdout, "key %s is trusted already\n", event.KeyID(pub))
