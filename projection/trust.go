@@ -748,12 +748,25 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 		return nil
 	}
 	bySeq := map[int][]*item{}
+	// Copies of one message (the capture sent it again: same partition
+	// sequence and body) are one candidate; all copies go with it.
+	copies := map[*item][]*item{}
 	maxSeq := -1
 	for _, it := range window {
 		if it.ev == nil || it.category != "" || it.ev.CommitLSN != lsn || it.ev.Seq < 0 {
 			continue
 		}
-		bySeq[it.ev.Seq] = append(bySeq[it.ev.Seq], it)
+		dup := false
+		for _, c := range bySeq[it.ev.Seq] {
+			if partSeqOf(c) == partSeqOf(it) && string(c.data) == string(it.data) {
+				copies[c] = append(copies[c], it)
+				dup = true
+				break
+			}
+		}
+		if !dup {
+			bySeq[it.ev.Seq] = append(bySeq[it.ev.Seq], it)
+		}
 		maxSeq = max(maxSeq, it.ev.Seq)
 	}
 	budget := maxChoices
@@ -780,7 +793,11 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 			if d.Sum() == want {
 				out := make(map[*item]bool, k)
 				for s := 0; s < k; s++ {
-					out[bySeq[s][pick[s]]] = true
+					c := bySeq[s][pick[s]]
+					out[c] = true
+					for _, cp := range copies[c] {
+						out[cp] = true
+					}
 				}
 				return out
 			}
