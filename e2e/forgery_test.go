@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -78,10 +79,11 @@ func (f *forger) run(ctx context.Context, nc *nats.Conn) error {
 		return err
 	}
 	defer sub.Unsubscribe()
-	tick := time.NewTicker(150 * time.Millisecond)
+	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	preempted := map[event.LSN]bool{}
-	for i := 0; ; i++ {
+	i := 0
+	for {
 		select {
 		case <-ctx.Done():
 			return nil
@@ -96,6 +98,7 @@ func (f *forger) run(ctx context.Context, nc *nats.Conn) error {
 				f.publish(ctx, "pre-empting", forgedDelete(ev.CommitLSN, seq, p, event.MsgID("main", ev.CommitLSN, seq)))
 			}
 		case <-tick.C:
+			i++
 			p := f.rng.IntN(8)
 			switch i % 5 {
 			case 0:
@@ -162,7 +165,8 @@ func TestForgeriesNeverReachTheArchive(t *testing.T) {
 	nc, js := broker.Connect(t)
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	cenv := bench.CaptureEnv(url, broker.URL, "", t.TempDir(), metrics, "main", "epitaph_e2e_forgery")
+	dataDir := t.TempDir()
+	cenv := bench.CaptureEnv(url, broker.URL, "", dataDir, metrics, "main", "epitaph_e2e_forgery")
 	capture := supervise(t, "capture", bins["capture"], joinEnv(cenv, "EPITAPH_HEARTBEAT_INTERVAL=1s"), seed)
 	watch, err := bench.WatchStream(broker.URL, "main")
 	require.NoError(t, err)
@@ -219,6 +223,24 @@ func TestForgeriesNeverReachTheArchive(t *testing.T) {
 	expected, err := workload.Expected(ctx, url)
 	require.NoError(t, err)
 	require.Equal(t, out.res.Deleted, int64(len(expected)))
+
+	// First the stream, as a projector must see it: every deleted row a
+	// member of a transaction signed with the capture's key. A shortfall
+	// here is the capture's (a real row the forgeries displaced).
+	pubPEM, err := os.ReadFile(filepath.Join(dataDir, "signing.pub"))
+	require.NoError(t, err)
+	pub, err := event.ParsePublicKey(pubPEM)
+	require.NoError(t, err)
+	var srep workload.Report
+	err = workload.WaitFor(ctx, 2*time.Minute, time.Second, func(ctx context.Context) (bool, error) {
+		verified, err := workload.VerifiedDeletes(ctx, broker.URL, "main", pub)
+		if err != nil {
+			return false, err
+		}
+		srep, err = workload.VerifyStream(ctx, url, expected, verified)
+		return err == nil && srep.OK(), err
+	})
+	require.NoError(t, err, "the stream's verified deletes (capture side): %s", srep.String())
 
 	// A last signed heartbeat settles rows no commit claimed.
 	var archived int64
