@@ -90,13 +90,20 @@ const (
 )
 
 // kindOf classifies by subject (a body may not decode):
-// epitaph.<src>.<p>.<kind>[...].
+// epitaph.<src>.<p>.<kind>[...]. It does not allocate (it runs per message).
 func kindOf(subject string) msgKind {
-	parts := strings.SplitN(subject, ".", 5)
-	if len(parts) < 4 {
-		return kindOther
+	tok := subject
+	for i := 0; i < 3; i++ {
+		j := strings.IndexByte(tok, '.')
+		if j < 0 {
+			return kindOther
+		}
+		tok = tok[j+1:]
 	}
-	switch parts[3] {
+	if j := strings.IndexByte(tok, '.'); j >= 0 {
+		tok = tok[:j]
+	}
+	switch tok {
 	case "delete", "truncate":
 		return kindRow
 	case "commit":
@@ -107,7 +114,14 @@ func kindOf(subject string) msgKind {
 	return kindOther
 }
 
-func header(it *item, key string) string { return nats.Header(it.headers).Get(key) }
+// header reads a header; the names Epitaph uses are canonical already, so
+// the map is read directly first (nats.Header.Get canonicalizes).
+func header(it *item, key string) string {
+	if v := it.headers[key]; len(v) > 0 {
+		return v[0]
+	}
+	return nats.Header(it.headers).Get(key)
+}
 
 func partSeqOf(it *item) uint64 {
 	n, err := strconv.ParseUint(header(it, event.HeaderPartitionSeq), 10, 64)
@@ -387,6 +401,13 @@ func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error
 	signed := func(h nats.Header) bool {
 		return h.Get(event.HeaderPartitionSeq) != "" || h.Get(event.HeaderSignature) != ""
 	}
+	// The common case, a stream signed from its start: the partition's
+	// first message says so in one read.
+	if first, err := w.stream.GetMsg(ctx, info.State.FirstSeq, jetstream.WithGetMsgSubject(w.filter)); err == nil && signed(first.Header) {
+		return 0, nil
+	} else if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0, fmt.Errorf("read the partition's first message: %w", err)
+	}
 	prefix := strings.TrimSuffix(w.filter, ">")
 	var unsigned []uint64 // newest first
 	firstSigned := uint64(0)
@@ -475,9 +496,15 @@ func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdi
 		st.TxStart, st.TxFirst, st.Digest = w.pos.Cursor, 0, nil
 	}
 	vd := &verdict{pending: map[*item]bool{}}
-	inPage := make(map[uint64]*item, len(items))
-	for _, it := range items {
-		inPage[it.seq] = it
+	var inPage map[uint64]*item // built when the slow path needs it
+	pageIndex := func() map[uint64]*item {
+		if inPage == nil {
+			inPage = make(map[uint64]*item, len(items))
+			for _, it := range items {
+				inPage[it.seq] = it
+			}
+		}
+		return inPage
 	}
 	var page []*item // this page's pending rows
 	reset := func(it *item) {
@@ -529,7 +556,7 @@ func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdi
 					break
 				}
 			}
-			rows, short, err := w.closeWindow(ctx, it, kind, st, d, broken, page, inPage, vd)
+			rows, short, err := w.closeWindow(ctx, it, kind, st, d, broken, page, pageIndex, vd)
 			if err != nil {
 				return nil, err
 			}
@@ -591,7 +618,7 @@ func (w *partitionWorker) streamKey(ctx context.Context) string {
 // whether the stream holds fewer of its rows than its signed commit counts
 // (rows were removed).
 func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind, st progress.Trust, d *event.Digest,
-	broken bool, page []*item, inPage map[uint64]*item, vd *verdict) (int, bool, error) {
+	broken bool, page []*item, pageIndex func() map[uint64]*item, vd *verdict) (int, bool, error) {
 	want := header(b, event.HeaderDigest)
 	if kind == kindCommit && st.Pending > 0 && !broken && want != "" && d.Sum() == want {
 		// Fast path: the pending messages are exactly the transaction.
@@ -610,6 +637,7 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 		}
 		return 0, false, nil
 	}
+	inPage := pageIndex()
 	window, err := w.readWindow(ctx, st.TxStart+1, b.seq-1, inPage)
 	if err != nil {
 		return 0, false, err

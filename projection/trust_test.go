@@ -402,6 +402,17 @@ func removal(t *testing.T, limits func(*jetstream.StreamConfig), remove func(e *
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows WHERE key = '{"id":4}'`) == 1 })
 	last := streamLast(t, e)
 	require.Equal(t, []gap{{partition: 1, fromSeq: 4, toSeq: int64(last - 3), toLSN: ptr(tx4.lsn.String())}}, gaps(t, c, 1))
+	// Readers are told: not ready, and waiting for tx4 cannot succeed.
+	rs, err := projection.ReadReadiness(ctx, c, projection.ArchiveProjection)
+	require.NoError(t, err)
+	require.Len(t, rs, 1)
+	require.False(t, rs[0].Ready)
+	require.GreaterOrEqual(t, rs[0].GapsUnacknowledged, 1)
+	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
+	defer wcancel()
+	_, err = projection.WaitComplete(wctx, c, projection.ArchiveProjection, tx4.lsn, 0)
+	var incomplete *projection.IncompleteError
+	require.ErrorAs(t, err, &incomplete, "wait --lsn exits 3")
 	require.Equal(t, expected(t, c, tx1, tx4), archived(t, c, "(SELECT * FROM archive.rows WHERE commit_lsn IN ('"+tx1.lsn.String()+"', '"+tx2.lsn.String()+"', '"+tx3.lsn.String()+"', '"+tx4.lsn.String()+"')) r"))
 	for _, q := range quarantined(t, c) {
 		// Partition 0 may hold the rest of a transaction whose first rows
