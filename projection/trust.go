@@ -652,11 +652,15 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 		}
 	}
 	n := 0
+	counted := map[int]bool{} // copies of one message count once
 	for _, it := range window {
 		_, here := inPage[it.seq]
 		switch {
 		case chosen[it]:
-			n++
+			if !counted[it.ev.Seq] {
+				counted[it.ev.Seq] = true
+				n++
+			}
 			if here {
 				delete(vd.pending, it)
 				continue
