@@ -456,7 +456,7 @@ func TestMaxBytesDiscardIsAGap(t *testing.T) {
 func TestMaxAgeIsAGap(t *testing.T) {
 	t.Parallel()
 	removal(t, func(c *jetstream.StreamConfig) {
-		c.MaxAge = 4 * time.Second
+		c.MaxAge = 8 * time.Second // long enough for tx4 to be applied under load
 		c.Duplicates = time.Second
 	}, func(e *env, s jetstream.Stream) {
 		eventually(t, 10*time.Second, func() bool {
