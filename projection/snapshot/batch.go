@@ -97,7 +97,7 @@ SELECT id, correlation_id, source, commit_lsn::text, root_table, root_seq, expec
 const groupRowsSQL = `
 SELECT schema_name, table_name, key, row, refs, commit_lsn::text, seq, archived_at, commit_time
   FROM %s
- WHERE source = $1 AND commit_lsn = $2::pg_lsn
+ WHERE source = $1 AND commit_lsn = $2::pg_lsn AND verified
  ORDER BY seq`
 
 const groupRootsSQL = `SELECT root_seq FROM %s WHERE source = $1 AND commit_lsn = $2::pg_lsn`
