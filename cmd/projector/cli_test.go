@@ -40,7 +40,7 @@ func TestHelpAndArguments(t *testing.T) {
 	require.Equal(t, 0, code, stderr)
 	require.Contains(t, stdout, "Available Commands:")
 	for _, want := range []string{"run", "migrate", "status", "rebuild", "compare", "promote", "rollback", "retire", "wait",
-		"quarantine", "snapshots", "completion", "version"} {
+		"quarantine", "snapshots", "gaps", "trust-key", "completion", "version"} {
 		require.Regexp(t, `(?m)^  `+want+`\s`, stdout)
 	}
 	cmds := leaves(t)
