@@ -18,6 +18,7 @@ import (
 type archiveRow struct {
 	Schema     string
 	Table      string
+	Identity   string // full, key or nothing
 	Key        json.RawMessage
 	Row        json.RawMessage
 	Refs       []event.Ref

@@ -13,28 +13,34 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
-// gauge reads one gauge value from the registry (label status when given).
-func gauge(t *testing.T, reg *prometheus.Registry, name, status string) float64 {
+// gauge sums the series of gauge name whose labels include the given
+// name/value pairs ("status", "pending", "version", "1"); 0 when the
+// batcher has exported none yet (its first stats are read at start). A
+// name the registry does not have at all fails the test.
+func gauge(t *testing.T, reg *prometheus.Registry, name string, labels ...string) float64 {
 	t.Helper()
 	families, err := reg.Gather()
 	require.NoError(t, err)
+	sum := 0.0
 	for _, f := range families {
 		if f.GetName() != name {
 			continue
 		}
+	series:
 		for _, m := range f.GetMetric() {
-			if status == "" {
-				return m.GetGauge().GetValue()
-			}
+			have := map[string]string{}
 			for _, l := range m.GetLabel() {
-				if l.GetName() == "status" && l.GetValue() == status {
-					return m.GetGauge().GetValue()
+				have[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i+1 < len(labels); i += 2 {
+				if have[labels[i]] != labels[i+1] {
+					continue series
 				}
 			}
+			sum += m.GetGauge().GetValue()
 		}
 	}
-	t.Fatalf("metric %s{status=%q} not found", name, status)
-	return 0
+	return sum
 }
 
 func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
@@ -67,11 +73,11 @@ func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
 		return found && s.Status == snapshot.StatusComplete
 	}, 30*time.Second, 20*time.Millisecond)
 	require.Eventually(t, func() bool {
-		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 1
+		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "complete") == 1
 	}, 30*time.Second, 20*time.Millisecond)
-	require.Equal(t, 1.0, gauge(t, reg, "epitaph_projector_snapshot_jobs", "pending"))
-	require.Equal(t, 0.0, gauge(t, reg, "epitaph_projector_snapshot_jobs", "failed"))
-	require.Greater(t, gauge(t, reg, "epitaph_projector_snapshot_oldest_pending_age_seconds", ""), 0.0)
+	require.Equal(t, 1.0, gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "pending"))
+	require.Equal(t, 0.0, gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "failed"))
+	require.Greater(t, gauge(t, reg, "epitaph_projector_snapshot_oldest_pending_age_seconds"), 0.0)
 	st := b.Stats()
 	require.Equal(t, int64(1), st.Pending)
 	require.Equal(t, int64(1), st.Complete)
@@ -120,13 +126,16 @@ func TestBatcherServesEveryVersionSchema(t *testing.T) {
 	require.NoError(t, b.Start(e1.ctx))
 	defer b.Stop()
 	require.Eventually(t, func() bool {
-		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 2
+		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "complete") == 2
 	}, 30*time.Second, 20*time.Millisecond)
+	for _, v := range []string{"1", "2"} {
+		require.Equal(t, 1.0, gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "complete", "version", v), "version %s", v)
+	}
 	for _, schema := range []string{"archive_v1", "archive_v2"} {
 		list, err := snapshot.Show(e1.ctx, e1.pool, schema, s.correlationID())
 		require.NoError(t, err)
 		require.Len(t, list, 1)
 		require.Equal(t, snapshot.StatusComplete, list[0].Status, schema)
 	}
-	require.Zero(t, gauge(t, reg, "epitaph_projector_snapshot_oldest_pending_age_seconds", ""))
+	require.Zero(t, gauge(t, reg, "epitaph_projector_snapshot_oldest_pending_age_seconds"))
 }

@@ -160,6 +160,6 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	}
 	// The worker's registry carries the snapshot metrics.
 	require.Eventually(t, func() bool {
-		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 2
+		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "complete", "projection", "archive", "version", "1") == 2
 	}, time.Minute, 100*time.Millisecond)
 }
