@@ -8,7 +8,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/projection")
+	"github.com/epitaph-dev/epitaph/projection"
+)
 
 // The cutover never serves a worse read model: a rebuilt version whose
 // snapshot document is still pending (a retry scheduled later) while the
