@@ -700,8 +700,8 @@ func (e *env) snapshotRound(ctx context.Context, round int, source string, n, or
 	e.suffix = ".snapshots." + source + ".with" + suffix
 	e.snapshotRoots = "public.orders"
 	var docs documentFigures
-	e.afterArchive = func(ctx context.Context, url string, end time.Time) error {
-		docs, err = waitDocuments(ctx, url, orders, end)
+	e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
+		docs, err = waitDocuments(ctx, url, orders)
 		return err
 	}
 	with, err := e.apply(ctx, url, source, n)
@@ -713,7 +713,7 @@ func (e *env) snapshotRound(ctx context.Context, round int, source string, n, or
 	}
 	e.suffix = suffix
 	record("apply_ratio", with/without, "x of the apply without snapshots (target >= 0.80)")
-	record("last_document_age_seconds", docs.lastAge.Seconds(), "s after the last archived row, until every document is complete")
+	record("last_document_age_seconds", docs.lastAge.Seconds(), "s from the last archived row to the last document complete")
 	record("document_delay_max_seconds", docs.maxDelay, "s from a commit applied to its documents complete, the slowest (target <= 2)")
 	record("document_delay_p99_seconds", docs.p99Delay, "s, 99th percentile")
 	record("in_page_share", docs.inPage, "of the documents assembled in the apply transaction")
@@ -727,10 +727,10 @@ type documentFigures struct {
 }
 
 // waitDocuments waits until archive.snapshots holds want complete
-// documents and says when, after end (the last archived row), that was,
-// and how long each document took from its commit being applied (the
-// job's created_at) to complete.
-func waitDocuments(ctx context.Context, targetURL string, want int64, end time.Time) (documentFigures, error) {
+// documents and says how long after the last archived row the last one
+// was complete, and how long each document took from its commit being
+// applied (the job's created_at) to complete.
+func waitDocuments(ctx context.Context, targetURL string, want int64) (documentFigures, error) {
 	var f documentFigures
 	conn, err := pgx.Connect(ctx, targetURL)
 	if err != nil {
@@ -752,7 +752,15 @@ func waitDocuments(ctx context.Context, targetURL string, want int64, end time.T
 	if err != nil {
 		return f, fmt.Errorf("snapshots: %d of %d documents complete: %w", complete, want, err)
 	}
-	f.lastAge = max(time.Since(end), 0)
+	// When the last row was archived, how long the last document still
+	// took (by the servers' clocks, not this poll's).
+	var age float64
+	err = conn.QueryRow(ctx, `SELECT greatest(0, extract(epoch FROM (SELECT max(completed_at) FROM archive.snapshots)
+		- (SELECT max(archived_at) FROM archive.rows)))::float8`).Scan(&age)
+	if err != nil {
+		return f, err
+	}
+	f.lastAge = time.Duration(age * float64(time.Second))
 	err = conn.QueryRow(ctx, `SELECT max(d), percentile_cont(0.99) WITHIN GROUP (ORDER BY d), avg(in_page)
 		FROM (SELECT extract(epoch FROM completed_at - created_at)::float8 AS d, (completed_at = created_at)::int::float8 AS in_page
 		      FROM archive.snapshots) s`).Scan(&f.maxDelay, &f.p99Delay, &f.inPage)
