@@ -269,14 +269,12 @@ func (b *Batcher) loop(ctx context.Context) {
 }
 
 // statsLoop refreshes the stats every StatsInterval, from the start,
-// whatever the drain is doing.
+// whatever the drain is doing. Until a refresh has found a version (a
+// first start creates version 1 a moment later), it tries every Interval.
 func (b *Batcher) statsLoop(ctx context.Context) {
-	t := time.NewTicker(b.cfg.StatsInterval)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
-		if err := b.RefreshStats(ctx); err != nil && ctx.Err() == nil {
-			b.cfg.Logger.Warn("read snapshot stats; retrying", "component", "snapshot-batcher", "err", err)
-		}
 		select {
 		case <-ctx.Done():
 			return
@@ -284,6 +282,17 @@ func (b *Batcher) statsLoop(ctx context.Context) {
 			return
 		case <-t.C:
 		}
+		err := b.RefreshStats(ctx)
+		if err != nil && ctx.Err() == nil {
+			b.cfg.Logger.Warn("read snapshot stats; retrying", "component", "snapshot-batcher", "err", err)
+		}
+		wait := b.cfg.StatsInterval
+		b.mu.Lock()
+		if err != nil || len(b.stats) == 0 {
+			wait = min(wait, b.cfg.Interval)
+		}
+		b.mu.Unlock()
+		t.Reset(wait)
 	}
 }
 
