@@ -7,13 +7,16 @@
 //  2. apply: the projector binary applying a stream of the same N delete
 //     events from scratch, until archive.rows holds N rows;
 //  3. snapshots: the apply again with public.orders as snapshot root, on
-//     the same stream (transactions of -orders-per-tx orders: they span
-//     pages, so the batcher assembles them) and on a stream of
-//     -snapshot-orders-per-tx orders per transaction (mostly assembled in
-//     the apply transaction), each against an apply without snapshots in
-//     the same round: the rate ratio, how long after the last archived row
-//     the last document is complete, and per document the time from its
-//     commit being applied (the job's created_at) to complete;
+//     the same stream (transactions of -orders-per-tx orders, 701 events:
+//     a partition that is behind applies up to two pages cut at a commit,
+//     so they are assembled in the apply transaction), on a stream of
+//     -snapshot-orders-per-tx orders per transaction (the same, many more
+//     commits), and on the same stream with 400-event pages (every
+//     transaction spans pages: the batcher assembles them), each against an
+//     apply without snapshots in the same round and page size: the rate
+//     ratio, how long after the last archived row the last document is
+//     complete, and per document the time from its commit being applied
+//     (the job's created_at) to complete;
 //  4. end to end: capture and projector running together while the source
 //     deletes N rows, from the first DELETE to the last archived row, with
 //     the bottleneck named.
@@ -66,6 +69,8 @@ type env struct {
 	suffix     string // of figure names: the round
 	// snapshotRoots, when set, is EPITAPH_SNAPSHOT_ROOTS of the projectors.
 	snapshotRoots string
+	// pageSize, when set, is EPITAPH_BATCH_SIZE of the projectors.
+	pageSize int
 	// afterArchive, when set, runs once the archive holds every row, with
 	// the projectors still running.
 	afterArchive func(ctx context.Context, targetURL string, end time.Time) error
@@ -245,10 +250,13 @@ func run(o opts) (err error) {
 		e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
 		raws, applies, ratios = append(raws, rawRate), append(applies, applyRate), append(ratios, applyRate/rawRate)
 		if !o.skipSnapshots {
-			if err := e.snapshotRound(ctx, r, "bench", n, orders, applyRate, snaps); err != nil {
+			if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, snaps); err != nil {
 				return err
 			}
-			if err := e.snapshotRound(ctx, r, "snap", snapN, orders, 0, snaps); err != nil {
+			if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, snaps); err != nil {
+				return err
+			}
+			if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
 				return err
 			}
 		}
@@ -392,6 +400,9 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		penv := bench.ProjectorEnv(targetURL, e.natsURL, metrics, source, "bench-"+strconv.Itoa(i))
 		if e.snapshotRoots != "" {
 			penv = append(penv, "EPITAPH_SNAPSHOT_ROOTS="+e.snapshotRoots)
+		}
+		if e.pageSize > 0 {
+			penv = append(penv, "EPITAPH_BATCH_SIZE="+strconv.Itoa(e.pageSize))
 		}
 		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
 		if err != nil {
@@ -621,6 +632,7 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 	}
 	svc, err := projection.New(projection.Config{
 		TargetURL: targetURL, NATSURL: e.natsURL, SourceName: source, WorkerID: "bench-inprocess", SnapshotRoots: roots,
+		BatchSize: e.pageSize,
 	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	if err != nil {
 		return 0, err
@@ -655,6 +667,11 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 	return rate, nil
 }
 
+// spanningPage is the page size of the snapshot phase's batcher case:
+// below the default, pages are not grouped and cut at commits, so every
+// 701-event transaction spans pages.
+const spanningPage = 400
+
 // rootRows counts the delete events of public.orders, the snapshot root:
 // one document each.
 func rootRows(events []*event.Event) int64 {
@@ -672,20 +689,21 @@ func rootRows(events []*event.Event) int64 {
 // the rate without (applied first into another fresh database when without
 // is 0). The figures of the round are printed and added to snaps (by
 // "name|unit") for the medians.
-func (e *env) snapshotRound(ctx context.Context, round int, source string, n, orders int64, without float64, snaps map[string][]float64) error {
+func (e *env) snapshotRound(ctx context.Context, round int, source, label string, pageSize int, n, orders int64, without float64, snaps map[string][]float64) error {
 	suffix := e.suffix
-	defer func() { e.suffix, e.snapshotRoots, e.afterArchive = suffix, "", nil }()
-	name := "projector.snapshots." + source + "."
+	e.pageSize = pageSize
+	defer func() { e.suffix, e.snapshotRoots, e.afterArchive, e.pageSize = suffix, "", nil, 0 }()
+	name := "projector.snapshots." + label + "."
 	record := func(figure string, v float64, unit string) {
 		e.figure(name+figure, v, unit)
 		snaps[name+figure+"|"+unit] = append(snaps[name+figure+"|"+unit], v)
 	}
 	if without == 0 {
-		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_plain_%d", source, round))
+		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_plain_%d", label, round))
 		if err != nil {
 			return err
 		}
-		e.suffix = ".snapshots." + source + ".without" + suffix
+		e.suffix = ".snapshots." + label + ".without" + suffix
 		if without, err = e.apply(ctx, url, source, n); err != nil {
 			return err
 		}
@@ -693,11 +711,11 @@ func (e *env) snapshotRound(ctx context.Context, round int, source string, n, or
 			return err
 		}
 	}
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_snap_%d", source, round))
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_snap_%d", label, round))
 	if err != nil {
 		return err
 	}
-	e.suffix = ".snapshots." + source + ".with" + suffix
+	e.suffix = ".snapshots." + label + ".with" + suffix
 	e.snapshotRoots = "public.orders"
 	var docs documentFigures
 	e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
