@@ -22,7 +22,9 @@ type Config struct {
 	// Schema is the version schema (e.g. "archive_v1") holding both the
 	// archive's rows table and the snapshots table. Required.
 	Schema string
-	// BatchSize is the most jobs claimed by one batch. Default 50.
+	// BatchSize is how many due jobs (oldest first) a batch claims; with
+	// each it takes the other due jobs of the same transaction, up to
+	// 100 x BatchSize jobs (and at most 10,000) in all. Default 500.
 	BatchSize int
 	// MaxAttempts is how many times an incomplete group is tried before
 	// the job is parked as failed. Default 8.
@@ -39,7 +41,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
-		c.BatchSize = 50
+		c.BatchSize = 500
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 8
@@ -154,7 +156,7 @@ type job struct {
 // RunBatch claims up to BatchSize due pending jobs of cfg.Schema, assembles
 // their documents from the archive and writes the outcome, all in one
 // transaction, and returns. With each claimed job it takes the other due
-// jobs of the same transaction (up to groupFactor*BatchSize jobs in all),
+// jobs of the same transaction (see Config.BatchSize for the bound),
 // so a transaction's rows are read once for all of its documents. It is
 // set-based: one query claims, one reads the rows of every claimed
 // transaction, one their roots, one writes every outcome, whatever the
@@ -195,7 +197,7 @@ type txKey [2]string
 func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
 	snapshots := table(cfg.Schema, "snapshots")
 	now := cfg.Clock()
-	jobs, err := claim(ctx, tx, snapshots, now, cfg.BatchSize, groupFactor*cfg.BatchSize)
+	jobs, err := claim(ctx, tx, snapshots, now, cfg.BatchSize, max(cfg.BatchSize, min(groupFactor*cfg.BatchSize, maxClaim)))
 	if err != nil || len(jobs) == 0 {
 		return Result{}, err
 	}
@@ -256,10 +258,14 @@ func (w *outcomes) add(id int64, out outcome, fp string) {
 	w.next = append(w.next, out.next)
 }
 
-// groupFactor bounds a batch that extends its claim with more jobs of the
-// transactions it claimed: at most groupFactor * BatchSize jobs. A large
+// groupFactor and maxClaim bound a batch that extends its claim with more
+// jobs of the transactions it claimed: at most groupFactor * BatchSize
+// jobs, and at most maxClaim (unless BatchSize is larger). A large
 // transaction's rows are read once per batch, so the bound is generous.
-const groupFactor = 100
+const (
+	groupFactor = 100
+	maxClaim    = 10_000
+)
 
 func claim(ctx context.Context, tx pgx.Tx, snapshots string, now time.Time, first, limit int) ([]job, error) {
 	rows, err := tx.Query(ctx, fmt.Sprintf(claimSQL, snapshots), now, first, limit)
