@@ -90,8 +90,10 @@ type Result struct {
 
 // claimSQL claims up to $2 due jobs (oldest first), then every other due
 // job of the same transactions up to $3 jobs in all, so a transaction's
-// rows are read once for all of its documents. The first jobs come first
-// so the limit never drops them.
+// rows are read once for all of its documents; the transactions of the
+// oldest jobs come first. Each transaction's jobs are read by index (a
+// lateral lookup per transaction: joined as a set, the planner scanned the
+// whole table per batch).
 const claimSQL = `
 WITH first AS MATERIALIZED (
 SELECT id, source, commit_lsn
@@ -100,14 +102,21 @@ SELECT id, source, commit_lsn
  ORDER BY next_attempt_at NULLS FIRST, id
  LIMIT $2
    FOR UPDATE SKIP LOCKED
+), txs AS MATERIALIZED (
+SELECT source, commit_lsn, min(id) AS first_id FROM first GROUP BY source, commit_lsn
 )
-SELECT s.id, s.correlation_id, s.source, s.commit_lsn::text, s.root_table, s.root_seq, s.expected_tables, s.retry_count
-  FROM %[1]s s
- WHERE (s.source, s.commit_lsn) IN (SELECT DISTINCT source, commit_lsn FROM first)
-   AND s.status = 'pending' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= $1)
- ORDER BY s.id NOT IN (SELECT id FROM first), s.id
- LIMIT $3
-   FOR UPDATE OF s SKIP LOCKED`
+SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.root_seq, j.expected_tables, j.retry_count
+  FROM txs t
+ CROSS JOIN LATERAL (
+       SELECT s.id, s.correlation_id, s.source, s.commit_lsn, s.root_table, s.root_seq, s.expected_tables, s.retry_count
+         FROM %[1]s s
+        WHERE s.source = t.source AND s.commit_lsn = t.commit_lsn
+          AND s.status = 'pending' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= $1)
+        ORDER BY s.id
+        LIMIT $3
+          FOR UPDATE SKIP LOCKED) j
+ ORDER BY t.first_id, j.id
+ LIMIT $3`
 
 // groupRowsSQL reads the archive rows of many transactions at once.
 const groupRowsSQL = `
