@@ -30,8 +30,10 @@ type archiveRow struct {
 	CommitTime time.Time
 
 	// values: the match forms of the row's columns some foreign key of the
-	// group names (parse), absent when missing or NULL.
-	values map[string]string
+	// group names (parse), absent when missing or NULL; present: those of
+	// them the image holds, NULL included.
+	values  map[string]string
+	present map[string]bool
 }
 
 func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
@@ -40,7 +42,7 @@ func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
 // its top level. A row that is not a JSON object has no values; as with
 // encoding/json, a repeated name keeps its last value.
 func (r *archiveRow) parse(want map[string]bool) {
-	r.values = map[string]string{}
+	r.values, r.present = map[string]string{}, map[string]bool{}
 	s := string(r.Row)
 	if !gjson.Valid(s) {
 		return
@@ -51,6 +53,7 @@ func (r *archiveRow) parse(want map[string]bool) {
 	}
 	obj.ForEach(func(k, v gjson.Result) bool {
 		if want[k.Str] {
+			r.present[k.Str] = true
 			if f, ok := matchForm(v); ok {
 				r.values[k.Str] = f
 			} else {
@@ -60,6 +63,10 @@ func (r *archiveRow) parse(want map[string]bool) {
 		return true
 	})
 }
+
+// has reports whether the row image holds column col (NULL included); col
+// must be one parse was asked for (a column some foreign key names).
+func (r *archiveRow) has(col string) bool { return r.present[col] }
 
 // value returns the comparable form of column col, and false when the
 // column is absent or NULL (a NULL foreign key references nothing).

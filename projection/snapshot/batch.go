@@ -123,7 +123,7 @@ const groupRowsSQL = `
 SELECT r.source, r.commit_lsn::text, r.schema_name, r.table_name, r.identity, r.key, r.row, r.refs, r.seq,
        r.archived_at, r.commit_time
   FROM %s r
- WHERE (r.source, r.commit_lsn) IN (SELECT * FROM unnest($1::text[], $2::pg_lsn[]))
+ WHERE (r.source, r.commit_lsn) IN (SELECT * FROM unnest($1::text[], $2::pg_lsn[])) AND r.verified
  ORDER BY r.source, r.commit_lsn, r.seq`
 
 // groupRootsSQL reads the root rows (jobs of any status) of many
@@ -380,7 +380,9 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 	out := make(map[txKey]*loadedGroup, len(corr))
 	for k, id := range corr {
 		lg := newLoadedGroup(newGroup(id, lists[k]), rootSeqs[k])
-		lg.loadErr = loadErr[k]
+		if loadErr[k] != "" {
+			lg.loadErr = loadErr[k]
+		}
 		out[k] = lg
 	}
 	return out, nil
@@ -391,6 +393,9 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 // group's root rows (by seq).
 func newLoadedGroup(g *group, rootSeqs []int) *loadedGroup {
 	lg := &loadedGroup{g: g, fp: g.fingerprint(), have: g.counts()}
+	if keyOnlyRefs(g.rows) {
+		lg.loadErr = ReasonKeyOnly
+	}
 	var roots []int
 	for _, s := range rootSeqs {
 		if i, ok := g.bySeq[s]; ok {
@@ -399,6 +404,40 @@ func newLoadedGroup(g *group, rootSeqs []int) *loadedGroup {
 	}
 	lg.unrelated = g.unrelated(roots)
 	return lg
+}
+
+// ReasonKeyOnly is the failure_reason of a snapshot job whose group cannot
+// be nested: rows archived with a key-only replica identity lack the
+// columns their foreign keys name, so which row is whose child is unknown.
+// Nesting by guesswork would present a partial document as complete.
+const ReasonKeyOnly = "key-only identity: foreign keys not captured"
+
+// keyOnlyRefs reports whether a row of the group lacks (not NULL: absent
+// from its image) a column one of its foreign keys names, or a row of a
+// referenced table lacks a referenced column.
+func keyOnlyRefs(rows []*archiveRow) bool {
+	referenced := map[string][][]string{}
+	for _, r := range rows {
+		for _, f := range r.Refs {
+			for _, c := range f.Columns {
+				if !r.has(c) {
+					return true
+				}
+			}
+			t := f.Schema + "." + f.Table
+			referenced[t] = append(referenced[t], f.RefColumns)
+		}
+	}
+	for _, r := range rows {
+		for _, cols := range referenced[r.qualified()] {
+			for _, c := range cols {
+				if !r.has(c) {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 type outcome struct {
