@@ -65,6 +65,8 @@ type Service struct {
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
+	// limitsErr: the stream's limits could not be kept (limits.go).
+	limitsErr atomic.Pointer[LimitsError]
 
 	// Trust (trust.go): the signing key, and the foreign and implausible
 	// messages already reported (by stream sequence).
@@ -306,7 +308,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	// a gap) but, on a first start, created only after the slot: once the
 	// stream exists, so does the slot, and every delete committed from then
 	// on reaches the stream.
-	stream, err := openStream(ctx, js, cfg)
+	stream, err := openStream(ctx, js, cfg, s.startLimits)
 	if err != nil {
 		return err
 	}
@@ -383,7 +385,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	}
 	s.setConfirmed(startLSN)
 	if stream == nil {
-		if stream, err = ensureStream(ctx, js, cfg); err != nil {
+		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
 			if plan.create {
 				// A first start that fails leaves no slot holding WAL.
 				if derr := dropSlot(ctx, s.repl, cfg.SlotName); derr != nil {
@@ -459,9 +461,10 @@ func (s *Service) activate(ctx context.Context) {
 	s.activeState.Store(true)
 	s.setRole(RoleActive, nil)
 	s.m.active.Set(1)
-	s.bgWG.Add(2)
+	s.bgWG.Add(3)
 	go s.heartbeats(ctx)
 	go s.pollSlot(ctx)
+	go s.watchLimits(ctx, s.st.js)
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
 }
@@ -503,6 +506,9 @@ func (s *Service) runLoop(ctx context.Context) {
 			err = lost
 		} else if err == nil {
 			err = s.softStop()
+			if le := s.limitsErr.Load(); le != nil && err == nil {
+				err = le
+			}
 		} else {
 			s.log.Error("capture stopped", "err", err)
 		}

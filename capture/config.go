@@ -63,7 +63,18 @@ type Config struct {
 	// Replicas of the stream when it is created; default 1.
 	Replicas int
 	// Retention is the stream's MaxAge; 0 keeps messages forever.
-	Retention time.Duration
+	// RetentionMaxBytes, RetentionMaxMsgs and RetentionMaxMsgsPerSubject
+	// are the stream's other discarding limits; 0 is none. These are the
+	// only limits the capture accepts on its stream (limits.go): another
+	// limit that would discard events makes it refuse to start, and one
+	// changed while it streams is restored.
+	Retention                  time.Duration
+	RetentionMaxBytes          int64
+	RetentionMaxMsgs           int64
+	RetentionMaxMsgsPerSubject int64
+	// StreamCheckInterval is how often the stream's limits are checked
+	// while streaming; default 10s; negative: only at start.
+	StreamCheckInterval time.Duration
 	// DuplicateWindow of the stream's Msg-Id dedupe; default 2m.
 	DuplicateWindow time.Duration
 	// BrokerSyncInterval is how long the confirmed LSN trails the
@@ -137,6 +148,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.PublicationName == "" {
 		c.PublicationName = "epitaph"
+	}
+	if c.StreamCheckInterval == 0 {
+		c.StreamCheckInterval = 10 * time.Second
 	}
 	if c.HeartbeatInterval == 0 {
 		c.HeartbeatInterval = 10 * time.Second
@@ -218,8 +232,8 @@ func (c *Config) validate() error {
 	if c.Replicas < 1 || c.Replicas > 5 {
 		errs = append(errs, fmt.Sprintf("stream replicas must be 1..5, got %d", c.Replicas))
 	}
-	if c.Retention < 0 {
-		errs = append(errs, "retention must not be negative")
+	if c.Retention < 0 || c.RetentionMaxBytes < 0 || c.RetentionMaxMsgs < 0 || c.RetentionMaxMsgsPerSubject < 0 {
+		errs = append(errs, "retention limits must not be negative")
 	}
 	if c.DuplicateWindow < 0 {
 		errs = append(errs, "duplicate window must not be negative")
