@@ -219,7 +219,6 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	// each of them is ours (or absent) and plausible, they give every
 	// partition's sequence, and the latest of them is the last own signed
 	// message.
-	needWalk := make([]bool, parts)
 	known := make([]bool, parts)
 	var best ownMsg
 	walk := false
@@ -235,12 +234,12 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 			om, why := s.verifyOwn(m, parts)
 			if why != "" {
 				s.foreign(m.Sequence, m.Subject, why)
-				needWalk[p], walk = true, true
+				walk = true
 				continue
 			}
 			if om.pos.lsn > current {
 				s.implausible(om, current)
-				needWalk[p], walk = true, true
+				walk = true
 				continue
 			}
 			known[p] = true
@@ -258,14 +257,13 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 		v = best
 	} else {
 		// Walk back from the end, one message at a time, until the last
-		// own plausible boundary is found and every partition whose fast
-		// path failed has its last own message.
-		pending := 0
-		for p := range needWalk {
-			if needWalk[p] {
-				pending++
-				known[p], rp.partSeq[p] = false, 0
-			}
+		// own plausible boundary V is found and then every partition's
+		// last own message at or before it: own messages after V (the
+		// open transaction's, a transactional mark's copies) are adopted
+		// on replay, which counts them again.
+		pending := parts
+		for p := range known {
+			known[p], rp.partSeq[p] = false, 0
 		}
 		for seq := last; seq >= first && seq > 0; seq-- {
 			if v.seq != 0 && pending == 0 {
@@ -298,12 +296,12 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 				s.implausible(om, current)
 				continue
 			}
-			if needWalk[om.part] && !known[om.part] {
-				known[om.part], rp.partSeq[om.part] = true, om.partSeq
-				pending--
-			}
 			if v.seq == 0 && om.boundary {
 				v = om
+			}
+			if v.seq != 0 && !known[om.part] {
+				known[om.part], rp.partSeq[om.part] = true, om.partSeq
+				pending--
 			}
 		}
 	}
