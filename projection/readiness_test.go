@@ -2,7 +2,10 @@ package projection_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -282,6 +285,35 @@ func TestWaitQuarantineAndTimeout(t *testing.T) {
 	require.NotZero(t, ie.Blockers[0].Quarantine)
 	require.Contains(t, err.Error(), "malformed")
 	require.Contains(t, err.Error(), "after "+hb.String())
+
+	// GET /wait answers the same: 200 before the quarantined event, 409
+	// after it naming it, 504 on a timeout naming where the archive is.
+	srv := httptest.NewServer(projection.WaitHandler(s.Pool(), projection.ArchiveProjection))
+	defer srv.Close()
+	getWait := func(lsn event.LSN, timeout string) (int, map[string]any) {
+		resp, err := http.Get(srv.URL + "?lsn=" + lsn.String() + "&timeout=" + timeout)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var body map[string]any
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
+		return resp.StatusCode, body
+	}
+	code, body := getWait(hb, "10s")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Equal(t, true, body["done"])
+	require.Equal(t, hb.String(), body["complete_up_to"])
+	code, body = getWait(hb2, "10s")
+	require.Equal(t, http.StatusConflict, code, body)
+	require.Len(t, body["blockers"], 1)
+	require.Contains(t, body["blockers"].([]any)[0], "malformed")
+	// Discarded, the entry no longer blocks: the same LSN is complete.
+	_, err = c.Exec(ctx, `UPDATE epitaph.quarantine SET status = 'discarded', resolved_at = now(), resolution_reason = 'test'`)
+	require.NoError(t, err)
+	code, body = getWait(hb2, "10s")
+	require.Equal(t, http.StatusOK, code, body)
+	code, body = getWait(hb2+0x100000, "300ms")
+	require.Equal(t, http.StatusGatewayTimeout, code, body)
+	require.Contains(t, body["error"], "complete up to "+hb2.String())
 }
 
 // gapMetric reads epitaph_projector_gaps for the live version 1.
