@@ -105,6 +105,11 @@ type Config struct {
 	// StandbyPoll is how often a standby tries to take the lease, and how
 	// often the holder checks it still has it; default 1s.
 	StandbyPoll time.Duration
+	// SigningKey is the Ed25519 key file the capture signs its commits,
+	// marks, heartbeats and gaps with (PEM PKCS#8 or a raw 32-byte seed,
+	// mode 0600). Empty: DataDir/signing.key, generated on first start.
+	// The public key is written beside it (signing.pub) and logged.
+	SigningKey string
 	// ApplicationName is set on every connection to the source, so
 	// operators see who holds the slot and the lease in pg_stat_activity;
 	// default "epitaph-capture:<hostname>-<pid>".
@@ -201,6 +206,8 @@ func (c *Config) validate() error {
 	}
 	if c.NATSURL == "" && c.DataDir == "" {
 		errs = append(errs, "a data directory is required for the embedded JetStream server (EPITAPH_DATA_DIR)")
+	} else if c.DataDir == "" && c.SigningKey == "" {
+		errs = append(errs, "a data directory (EPITAPH_DATA_DIR) or a signing key file (EPITAPH_SIGNING_KEY) is required: the capture signs what it publishes")
 	}
 	if err := event.ValidateSourceName(c.SourceName); err != nil {
 		errs = append(errs, err.Error())

@@ -54,11 +54,10 @@ func parsePosition(s string) (position, error) {
 	return position{lsn: lsn, n: i}, nil
 }
 
-// tail is what the stream already holds of this source.
+// tail is what the stream proves the capture published (see findResume).
 type tail struct {
-	has   bool
-	pos   position
-	msgID string
+	has bool
+	pos position
 }
 
 // openStream opens the source's stream and checks it was made for this
@@ -161,26 +160,6 @@ func persistMode(s string) jetstream.PersistModeType {
 		return jetstream.AsyncPersistMode
 	}
 	return jetstream.DefaultPersistMode
-}
-
-// readTail reads the last message the stream holds for this source.
-func readTail(ctx context.Context, st jetstream.Stream, src string) (tail, error) {
-	m, err := st.GetLastMsgForSubject(ctx, event.StreamSubjects(src))
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return tail{}, nil
-	}
-	if err != nil {
-		return tail{}, fmt.Errorf("read the stream's last message: %w", err)
-	}
-	h := m.Header.Get(HeaderPosition)
-	if h == "" {
-		return tail{}, configErr("the last message of stream %s (sequence %d) has no %s header: it was not published by capture, so capture cannot tell where to resume", event.StreamName(src), m.Sequence, HeaderPosition)
-	}
-	pos, err := parsePosition(h)
-	if err != nil {
-		return tail{}, configErr("the last message of stream %s (sequence %d): %v", event.StreamName(src), m.Sequence, err)
-	}
-	return tail{has: true, pos: pos, msgID: m.Header.Get(nats.MsgIdHdr)}, nil
 }
 
 // rowBucket is the object store bucket holding rows too large for a message.

@@ -122,7 +122,7 @@ func TestPageInBrowser(t *testing.T) {
 	require.NoError(t, err)
 	n := testenv.NewNATS(t)
 	capSvc, err := capture.New(capture.Config{
-		SourceURL: srcURL, NATSURL: n.URL, SourceName: source, Tables: workload.Tables, Partitions: 8,
+		SourceURL: srcURL, NATSURL: n.URL, DataDir: t.TempDir(), SourceName: source, Tables: workload.Tables, Partitions: 8,
 		SlotName: strings.TrimPrefix(u.Path, "/"), PublicationName: "statuspage", HeartbeatInterval: -1,
 		BrokerSyncInterval: -1, MetricsAddr: "127.0.0.1:0",
 	}, capture.WithLogger(failureLogger(t, "capture")), capture.WithRegistry(prometheus.NewRegistry()))

@@ -55,6 +55,9 @@ func run(args []string) error {
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
+	// Trust: the key the capture signs with.
+	str(fs, &cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
+
 	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
 	if err := applyEnv(fs); err != nil {
