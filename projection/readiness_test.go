@@ -10,10 +10,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
@@ -336,4 +338,20 @@ func gapMetric(t *testing.T, s *projection.Service, kind, acked string) float64 
 		}
 	}
 	return 0
+}
+
+// Waiting on a target no projector has set up yet is a timeout (exit 2),
+// not an error: the projector may be starting.
+func TestWaitBeforeTheTargetIsSetUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = projection.WaitComplete(wctx, pool, projection.ArchiveProjection, 0x1000, 0)
+	var te *projection.TimeoutError
+	require.ErrorAs(t, err, &te)
+	require.Contains(t, err.Error(), "no live version")
 }
