@@ -355,3 +355,24 @@ func TestWaitBeforeTheTargetIsSetUp(t *testing.T) {
 	require.ErrorAs(t, err, &te)
 	require.Contains(t, err.Error(), "no live version")
 }
+
+// Lag the workers have not sampled is unknown, never "caught up": with no
+// sample every partition is leased and started, yet the archive is not
+// ready and says why.
+func TestNotReadyWithoutALagSample(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	cfg := e.config("w1")
+	cfg.StatusInterval = time.Hour // no sample during the test
+	e.start(cfg)
+	c := e.conn()
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	hb := e.heartbeat()
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn AND owner = 'w1'`, hb.String()) == 2
+	})
+	st := readStatus(t, c)
+	require.False(t, st.ready)
+	require.Equal(t, []string{"lag not sampled recently for 2 of 2 partitions"}, st.reasons)
+	require.Equal(t, hb.String(), *st.complete, "completeness does not depend on the lag")
+}
