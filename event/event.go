@@ -64,6 +64,11 @@ type Column struct {
 	// "bigint", "numeric(12,2)", "text[]", "public.mood".
 	Type string `json:"type"`
 	PK   bool   `json:"pk,omitempty"`
+	// Generated is a generated column (GENERATED ALWAYS AS ... STORED):
+	// PostgreSQL computes it, pgoutput does not send it (before
+	// PostgreSQL 18), so it is never in Row or Key, and a restore leaves it
+	// to the server.
+	Generated bool `json:"generated,omitempty"`
 }
 
 // Ref is one foreign key of the table: Columns of this table reference

@@ -28,7 +28,10 @@ func ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
 //
 // is_root is NULL until the transaction's commit event has been applied
 // (the transaction is not complete yet), then true for a row that no other
-// row of the same transaction is a parent of by the events' foreign keys.
+// row of the same transaction is a parent of by the events' foreign keys;
+// it stays NULL where that cannot be told: a key-only row whose image lacks
+// a column of its foreign key, or whose would-be parents' images lack the
+// referenced columns (and no other parent is known).
 func archiveDDL(schema string) string {
 	s := ident(schema)
 	return `
@@ -332,7 +335,9 @@ WITH tx AS MATERIALIZED (
 ), child AS MATERIALIZED (
     SELECT t.commit_lsn, t.seq, f->>'schema' AS s, f->>'table' AS tb, f->'ref_columns' AS rc,
            (SELECT jsonb_agg(t.row -> c ORDER BY o)
-            FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS x(c, o)) AS k
+            FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS x(c, o)) AS k,
+           (jsonb_typeof(t.row) <> 'object' OR (SELECT COALESCE(bool_and(t.row ? c), true)
+            FROM jsonb_array_elements_text(f->'columns') AS x(c))) AS has
     FROM undecided t
     CROSS JOIN LATERAL jsonb_array_elements(CASE WHEN jsonb_typeof(t.refs) = 'array' THEN t.refs ELSE '[]'::jsonb END) AS f
 ), wanted AS (
@@ -340,11 +345,15 @@ WITH tx AS MATERIALIZED (
 ), parent AS (
     SELECT w.commit_lsn, w.s, w.tb, w.rc, t.seq,
            (SELECT jsonb_agg(t.row -> c ORDER BY o)
-            FROM jsonb_array_elements_text(w.rc) WITH ORDINALITY AS x(c, o)) AS k
+            FROM jsonb_array_elements_text(w.rc) WITH ORDINALITY AS x(c, o)) AS k,
+           (jsonb_typeof(t.row) <> 'object' OR (SELECT COALESCE(bool_and(t.row ? c), true)
+            FROM jsonb_array_elements_text(w.rc) AS x(c))) AS has
     FROM wanted w JOIN tx t ON t.commit_lsn = w.commit_lsn AND t.schema_name = w.s AND t.table_name = w.tb
+), blind AS MATERIALIZED (
+    SELECT DISTINCT commit_lsn, s, tb, rc FROM parent WHERE NOT has
 ), keyed AS (
     SELECT commit_lsn, s, tb, rc, k, seq AS cseq, NULL::integer AS pseq
-    FROM child WHERE k IS NOT NULL AND NOT (k @> '[null]'::jsonb)
+    FROM child WHERE has AND k IS NOT NULL AND NOT (k @> '[null]'::jsonb)
     UNION ALL
     SELECT commit_lsn, s, tb, rc, k, NULL::integer, seq FROM parent WHERE k IS NOT NULL
 ), flagged AS (
@@ -352,11 +361,18 @@ WITH tx AS MATERIALIZED (
     FROM keyed
     WINDOW w AS (PARTITION BY commit_lsn, s, tb, rc, k)
 ), decision AS (
-    SELECT commit_lsn, seq, bool_and(root) AS root
+    SELECT commit_lsn, seq,
+           CASE WHEN bool_or(root IS FALSE) THEN false WHEN bool_or(root IS NULL) THEN NULL ELSE true END AS root
     FROM (SELECT commit_lsn, seq, true AS root FROM undecided
           UNION ALL
           SELECT commit_lsn, cseq, false FROM flagged
-          WHERE cseq IS NOT NULL AND lo IS NOT NULL AND (lo <> cseq OR hi <> cseq)) d
+          WHERE cseq IS NOT NULL AND lo IS NOT NULL AND (lo <> cseq OR hi <> cseq)
+          UNION ALL
+          SELECT commit_lsn, seq, NULL::boolean FROM child WHERE NOT has
+          UNION ALL
+          SELECT c.commit_lsn, c.seq, NULL::boolean FROM child c
+          JOIN blind b ON b.commit_lsn = c.commit_lsn AND b.s = c.s AND b.tb = c.tb AND b.rc = c.rc
+          WHERE c.has AND c.k IS NOT NULL AND NOT (c.k @> '[null]'::jsonb)) d
     GROUP BY commit_lsn, seq
 )
 UPDATE %[1]s.rows r SET is_root = d.root
