@@ -59,6 +59,7 @@ type streamer struct {
 	// are published one at a time, each acknowledged.
 	priv    ed25519.PrivateKey
 	keyID   string
+	pubText string // event.HeaderPublicKey: lets a projector trust the key on first use
 	partSeq []uint64
 	digest  *event.Digest
 	adopt   *adopter
@@ -546,6 +547,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			jetstream.MsgIDHeader:    {msgID},
 			event.HeaderPartitionSeq: {seqText},
 			event.HeaderKeyID:        {st.keyID},
+			event.HeaderPublicKey:    {st.pubText},
 		}
 		if digest != "" {
 			h[event.HeaderDigest] = []string{digest}

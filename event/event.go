@@ -21,6 +21,13 @@ const (
 	HeaderVersion = "Epitaph-Version"
 )
 
+// HeaderPublicKey is on signed messages beside Epitaph-Key-Id: the signing
+// public key (PublicKeyString). It is not believed for itself: a projector
+// that trusts no key yet trusts it on first use when it verifies the
+// message's signature (DESIGN section 6); after that only keys recorded in
+// its target count.
+const HeaderPublicKey = "Epitaph-Public-Key"
+
 // Op is the kind of message.
 type Op string
 

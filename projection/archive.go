@@ -32,6 +32,11 @@ func ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
 // it stays NULL where that cannot be told: a key-only row whose image lacks
 // a column of its foreign key, or whose would-be parents' images lack the
 // referenced columns (and no other parent is known).
+//
+// verified is false while the row's transaction has not been verified
+// against its signed commit (a transaction spanning pages, applied before
+// its commit arrives); archive.rows shows only verified rows, so readers
+// see whole, authenticated transactions.
 func archiveDDL(schema string) string {
 	s := ident(schema)
 	return `
@@ -59,6 +64,15 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
+DO $$ BEGIN
+    -- Not ALTER TABLE .. IF NOT EXISTS: that takes an exclusive lock even
+    -- when the column exists, and this runs whenever version states change
+    -- (readers of archive.rows deadlocked with it).
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
+                   AND attname = 'verified' AND NOT attisdropped) THEN
+        ALTER TABLE ` + s + `.rows ADD COLUMN verified boolean NOT NULL DEFAULT true;
+    END IF;
+END $$;
 ` + gapsDDL(s)
 }
 
@@ -109,6 +123,13 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 			continue
 		}
 		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
+		query := `SELECT * FROM ` + ident(schema, table)
+		if table == "rows" {
+			// trust.go: rows of unverified transactions stay invisible. The
+			// comment says so, so a view made before is re-pointed once.
+			query += ` WHERE verified`
+			comment = fmt.Sprintf("live version: %s (verified transactions only). Check archive.status before trusting an empty result.", schema)
+		}
 		current, err := viewCurrent(ctx, tx, ident(ReaderSchema, table), comment, ident(schema, table))
 		if err != nil {
 			return err
@@ -116,7 +137,7 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 		if current {
 			continue
 		}
-		if err := replaceView(ctx, tx, ident(ReaderSchema, table), `SELECT * FROM `+ident(schema, table)); err != nil {
+		if err := replaceView(ctx, tx, ident(ReaderSchema, table), query); err != nil {
 			return fmt.Errorf("point view archive.%s at %s: %w", table, schema, err)
 		}
 		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+pgquote.Literal(comment)); err != nil {
@@ -185,22 +206,26 @@ type archiveRow struct {
 	row       json.RawMessage // the row image (from the event or its object)
 	expiresAt *time.Time
 	isRoot    *bool // known when the whole transaction is in the page
+	// pending: the row's transaction is not verified yet (its commit is in
+	// a later page); inserted invisible, made visible at the commit.
+	pending bool
 }
 
 const insertRowsSQL = `
 WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
-                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
+                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
-       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
-            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[])
+            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[],
+            $16::boolean[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
-          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
+          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
-RETURNING correlation_id
+RETURNING correlation_id, archived_at, verified
 )
-SELECT DISTINCT correlation_id FROM ins`
+SELECT correlation_id, count(*), max(archived_at) FROM ins WHERE verified GROUP BY correlation_id`
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -211,9 +236,32 @@ func nullableJSON(b json.RawMessage) *string {
 }
 
 // insertRows writes rows with one set-based statement and returns the
-// distinct correlation ids of the rows actually inserted. Idempotent: a row
+// distinct correlation ids of the verified rows actually inserted. Idempotent: a row
 // already archived (same source, commit_lsn, seq) is left as it is.
 func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]string, error) {
+	inserted, err := insertRowsCounted(ctx, tx, schema, rows)
+	if err != nil {
+		return nil, err
+	}
+	ids := make([]string, len(inserted))
+	for i, t := range inserted {
+		ids[i] = t.correlationID
+	}
+	return ids, nil
+}
+
+// insertedTx is what one insert archived of a transaction: how many rows,
+// and the archived_at they got (the inserting transaction's now()).
+type insertedTx struct {
+	correlationID string
+	rows          int
+	archivedAt    time.Time
+}
+
+// insertRowsCounted is insertRows saying, per transaction, how many
+// verified rows were actually inserted and with which archived_at (rows
+// of transactions not verified yet are not counted).
+func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]insertedTx, error) {
 	n := len(rows)
 	var (
 		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -222,6 +270,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
 		seqs                                          = make([]int32, n)
 		roots                                         = make([]*bool, n)
+		verified                                      = make([]bool, n)
 	)
 	var enc schemaEncoder
 	for i, r := range rows {
@@ -235,6 +284,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 		expires[i] = r.expiresAt
 		roots[i] = r.isRoot
+		verified[i] = !r.pending
 		var err error
 		if refs[i], err = enc.refs(e.Refs); err != nil {
 			return nil, err
@@ -244,12 +294,15 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 	}
 	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots)
+		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified)
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
 	// The statement returns each transaction once (not a row per row).
-	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
+	inserted, err := pgx.CollectRows(res, func(r pgx.CollectableRow) (insertedTx, error) {
+		var t insertedTx
+		return t, r.Scan(&t.correlationID, &t.rows, &t.archivedAt)
+	})
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
