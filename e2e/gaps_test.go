@@ -27,8 +27,11 @@ import (
 // not ready, `projector wait --lsn` for an LSN inside the gap exits 3 naming
 // the gap, a far LSN exits 2 naming where the archive is; `projector gaps
 // ack` makes it ready again and the same wait exits 0.
+//
+// Not parallel: it stops and starts the capture itself (no supervisor), and
+// TestCaptureExactlyOnceUnderKills restarts the shared Postgres, which would
+// end a capture no one restarts (seen under `go test ./e2e`).
 func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
-	t.Parallel()
 	bins := binaries(t)
 	url := testenv.NewDatabase(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -113,7 +116,9 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 		for !cond() {
 			if time.Now().After(deadline) {
 				st, err := readStatus()
-				t.Fatalf("%s: not within 120s (archive.status %+v, %v)\n%s\n%s", what, st, err, capture.LogTail(2000), proj.LogTail(2000))
+				inStream, serr := watch.Deletes(ctx)
+				t.Fatalf("%s: not within 120s (archive.status %+v, %v; %d rows archived, %d deletes in the stream (%v))\n%s\n%s\n%s",
+					what, st, err, archived(), inStream, serr, pipelineState(ctx, url, watch), capture.LogTail(4000), proj.LogTail(4000))
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
