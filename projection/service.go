@@ -131,10 +131,15 @@ func (s *Service) Start(ctx context.Context) error {
 		s.pool.Close()
 		return err
 	}
-	s.nc, err = nats.Connect(s.cfg.NATSURL,
-		nats.Name("epitaph-projector "+s.cfg.WorkerID),
-		nats.MaxReconnects(-1), nats.ReconnectWait(250*time.Millisecond),
-		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1))
+	auth, err := s.cfg.NATSAuth.Options(s.cfg.NATSURL)
+	if err != nil {
+		s.pool.Close()
+		return err
+	}
+	s.nc, err = nats.Connect(s.cfg.NATSURL, append([]nats.Option{
+		nats.Name("epitaph-projector " + s.cfg.WorkerID),
+		nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond),
+		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1)}, auth...)...)
 	if err != nil {
 		s.pool.Close()
 		return fmt.Errorf("connect to NATS %s: %w", redactURL(s.cfg.NATSURL), err)

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 func main() {
@@ -54,6 +55,10 @@ func run(args []string) error {
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
+	// NATS authentication (issue 11): the flags both binaries share.
+	for _, f := range natsconn.Flags {
+		str(fs, f.Field(&cfg.NATSAuth), f.Name, f.Env, "", f.Usage+"; external server only")
+	}
 	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
 	if err := applyEnv(fs); err != nil {
