@@ -10,7 +10,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
@@ -80,6 +82,13 @@ func CaptureEnv(sourceURL, natsURL, listen, dataDir, metricsAddr, source, slot s
 		"EPITAPH_SLOT=" + slot,
 		"EPITAPH_PUBLICATION=" + slot,
 	}
+}
+
+// EmbeddedCreds authenticates as the projector role to the embedded broker
+// of a capture with dataDir (its credentials are written before the broker
+// listens, so a client retrying its connection finds them).
+func EmbeddedCreds(dataDir string) nats.Option {
+	return nats.UserCredentials(broker.ProjectorCreds(filepath.Join(dataDir, "nats")))
 }
 
 // ProjectorEnv is the environment of a projector worker.
