@@ -112,6 +112,25 @@ func TestEmbeddedBrokerRefusesOutsideWriters(t *testing.T) {
 	pcancel()
 	require.Error(t, err, "the projector's credentials publish to the stream")
 
+	// A projector without the credentials stops with a line that says why.
+	nm, err := bench.LocalAddr()
+	require.NoError(t, err)
+	np, err := bench.StartProc("projector-nocreds", bins["projector"], []string{"EPITAPH_TARGET_URL=" + url, "EPITAPH_NATS_URL=" + natsURL,
+		"EPITAPH_METRICS_ADDR=" + nm, "EPITAPH_WORKER_ID=auth-0"}, logs, "run")
+	require.NoError(t, err)
+	defer np.Kill()
+	select {
+	case <-np.Done():
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("a projector without credentials keeps running:\n%s", np.LogTail(3000))
+	}
+	exited, perr := np.Exited()
+	require.True(t, exited)
+	require.Error(t, perr, "it exits non-zero")
+	tail := np.LogTail(3000)
+	require.Contains(t, tail, "projector: NATS connection to nats://"+listen+" closed: nats: Authorization Violation", tail)
+	require.Contains(t, tail, "--nats-creds <its data dir>/nats/projector.creds", tail)
+
 	testenv.Exec(t, url, `DELETE FROM items WHERE id <= 10`)
 	testenv.Exec(t, url, `DELETE FROM items WHERE id > 15`)
 

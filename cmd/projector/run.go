@@ -84,7 +84,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	}
 	svc.Stop()
 	srv.Stop()
-	return nil
+	return svc.Err()
 }
 
 func durationEnv(env *Env, key string, def time.Duration) time.Duration {
