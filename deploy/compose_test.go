@@ -24,10 +24,10 @@ import (
 // uses. It is decoded strictly: a key not declared here (a typo such as
 // `enviroment`, or a feature this test does not know) fails the test.
 type composeFile struct {
-	Name       string                    `yaml:"name"`
-	Services   map[string]composeService `yaml:"services"`
-	Volumes    map[string]any            `yaml:"volumes"`
-	Secrets    map[string]struct {
+	Name     string                    `yaml:"name"`
+	Services map[string]composeService `yaml:"services"`
+	Volumes  map[string]any            `yaml:"volumes"`
+	Secrets  map[string]struct {
 		File string `yaml:"file"`
 	} `yaml:"secrets"`
 	Extensions map[string]any `yaml:",inline"`
