@@ -14,21 +14,16 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// HeaderPosition is set on every message the capture publishes: the
-// position of the message in the capture's output, "<trigger lsn>#<n>".
-// The trigger is the commit LSN of the source transaction the message
-// belongs to (or the LSN of a non-transactional logical message, or the
-// new slot's consistent point for a gap), n counts the messages published
-// for that trigger from 0. Output order is strictly increasing in it, so
-// on restart every re-sent message at or before the stream's last position
-// is skipped.
-const HeaderPosition = "Epitaph-Position"
+// HeaderPosition is set on every message the capture publishes; see
+// event.HeaderPosition. On restart every re-sent message at or before the
+// resume position is skipped.
+const HeaderPosition = event.HeaderPosition
 
-// Stream metadata keys.
+// Stream metadata keys (wire contract: see event).
 const (
-	MetaPartitions  = "epitaph.partitions"
-	MetaSource      = "epitaph.source"
-	MetaWireVersion = "epitaph.wire_version"
+	MetaPartitions  = event.MetaPartitions
+	MetaSource      = event.MetaSource
+	MetaWireVersion = event.MetaWireVersion
 )
 
 // position orders the capture's output.

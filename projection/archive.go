@@ -53,6 +53,21 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
+` + gapsDDL(s)
+}
+
+// gapsDDL creates the version's gaps table (DESIGN section 6): what the
+// archive is known to miss. partition is NULL for a gap that concerns every
+// partition (a loss upstream, published to each of them, is one row); the
+// unique index makes the partitions that apply its copies record it once.
+func gapsDDL(s string) string {
+	return `
+CREATE TABLE IF NOT EXISTS ` + s + `.gaps (id bigserial PRIMARY KEY, kind text NOT NULL
+  CHECK (kind IN ('lost_upstream','removed_from_stream','truncate')), schema_name text, table_name text,
+  partition int, from_lsn pg_lsn, to_lsn pg_lsn, from_seq bigint, to_seq bigint,
+  detected_at timestamptz NOT NULL DEFAULT now(), acknowledged_at timestamptz, ack_reason text);
+CREATE UNIQUE INDEX IF NOT EXISTS gaps_source_wide_idx ON ` + s + `.gaps
+  (kind, COALESCE(schema_name, ''), COALESCE(table_name, ''), from_lsn, to_lsn) WHERE partition IS NULL;
 `
 }
 
@@ -84,7 +99,7 @@ WHERE v.projection = 'archive' AND v.state <> 'retired'
 GROUP BY v.projection, v.version, v.state, v.schema_name`
 
 // PointViews re-points the reader views of schema "archive" (archive.rows,
-// and archive.snapshots when that version has a snapshots table) at
+// archive.gaps, and archive.snapshots when that version has a snapshots table) at
 // archive_v<version>, inside tx: readers see the old or the new version,
 // never a mix and never a missing view. It takes the version lock (held to
 // the end of tx, re-entrant), so a worker re-pointing the views from the
@@ -97,7 +112,7 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS archive`); err != nil {
 		return fmt.Errorf("create schema archive: %w", err)
 	}
-	for _, table := range []string{"rows", "snapshots"} {
+	for _, table := range []string{"rows", "snapshots", "gaps"} {
 		var exists bool
 		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, ident(schema, table)).Scan(&exists); err != nil {
 			return fmt.Errorf("look up %s.%s: %w", schema, table, err)
@@ -344,6 +359,54 @@ func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []
 	}
 	if _, err := tx.Exec(ctx, fmt.Sprintf(markRootsSQL, ident(schema)), source, lsns, onlyUndecided); err != nil {
 		return fmt.Errorf("mark roots of %d transactions in %s: %w", len(commits), schema, err)
+	}
+	return nil
+}
+
+// Gap is one row of a version's gaps table (archive.gaps for the live
+// version): a range the archive is known to miss. Nil fields are unknown or
+// not specific (Schema and Table nil: every table; Partition nil: every
+// partition).
+type Gap struct {
+	ID             int64
+	Kind           string
+	Schema, Table  *string
+	Partition      *int
+	FromLSN, ToLSN *event.LSN
+	FromSeq, ToSeq *int64
+	DetectedAt     time.Time
+	AcknowledgedAt *time.Time
+	AckReason      *string
+}
+
+// Blocking reports whether the gap keeps the archive from being complete
+// (lost_upstream and removed_from_stream do until acknowledged; a truncate
+// is informational).
+func (g Gap) Blocking() bool {
+	return g.Kind != event.GapTruncate && g.AcknowledgedAt == nil
+}
+
+const insertGapSQL = `
+INSERT INTO %s.gaps (kind, schema_name, table_name, partition, from_lsn, to_lsn, from_seq, to_seq)
+VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6::text::pg_lsn, $7, $8)
+ON CONFLICT (kind, COALESCE(schema_name, ''), COALESCE(table_name, ''), from_lsn, to_lsn) WHERE partition IS NULL
+DO NOTHING`
+
+// insertGap records g in the gaps table of schema, inside tx (the apply
+// transaction that met it, so a gap is recorded exactly when the partition
+// moves past it). A gap without a partition (one that concerns every
+// partition) is recorded once however many partitions meet a copy of it.
+func insertGap(ctx context.Context, tx pgx.Tx, schema string, g Gap) error {
+	lsn := func(l *event.LSN) *string {
+		if l == nil {
+			return nil
+		}
+		s := l.String()
+		return &s
+	}
+	if _, err := tx.Exec(ctx, fmt.Sprintf(insertGapSQL, ident(schema)),
+		g.Kind, g.Schema, g.Table, g.Partition, lsn(g.FromLSN), lsn(g.ToLSN), g.FromSeq, g.ToSeq); err != nil {
+		return fmt.Errorf("record %s gap in %s: %w", g.Kind, schema, err)
 	}
 	return nil
 }
