@@ -2,9 +2,12 @@ package projection
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -71,32 +74,11 @@ CREATE UNIQUE INDEX IF NOT EXISTS gaps_source_wide_idx ON ` + s + `.gaps
 `
 }
 
-// statusView says, for the reader, whether the archive can be trusted: the
-// live version, how many partitions have an owner, how far into the source
-// every partition reflects (source_lsn: the archive is complete up to it),
-// and the unresolved quarantine. ready is false while any of that is not
-// right, so an empty archive.rows is never mistaken for "nothing deleted".
-const statusView = `
-CREATE OR REPLACE VIEW archive.status AS
-SELECT v.projection, v.version, v.state, v.schema_name,
-       count(p.partition)::int AS partitions,
-       (count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now()))::int AS partitions_owned,
-       (count(p.partition) FILTER (WHERE p.last_advance_at IS NOT NULL))::int AS partitions_started,
-       min(p.source_lsn) AS source_lsn,
-       bool_and(p.source_lsn IS NOT NULL) AS every_partition_has_watermark,
-       max(p.last_advance_at) AS last_advance_at,
-       COALESCE((SELECT count(*) FROM epitaph.quarantine q
-                 WHERE q.projection = v.projection AND q.version = v.version AND q.status = 'open'), 0)::int AS quarantine_open,
-       (v.state = 'live'
-        AND count(p.partition) > 0
-        AND count(p.partition) = count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now())
-        AND bool_and(p.last_advance_at IS NOT NULL)
-        AND NOT EXISTS (SELECT 1 FROM epitaph.quarantine q
-                        WHERE q.projection = v.projection AND q.version = v.version AND q.status = 'open')) AS ready
-FROM epitaph.projection_versions v
-LEFT JOIN epitaph.progress p ON p.projection = v.projection AND p.version = v.version
-WHERE v.projection = 'archive' AND v.state <> 'retired'
-GROUP BY v.projection, v.version, v.state, v.schema_name`
+// statusView says, for the reader, whether the archive can be trusted
+// (statusQuery, readiness.go) for every version of the archive projection.
+var statusView = statusViewPrefix + statusQuery(`v.projection = 'archive'`)
+
+const statusViewPrefix = `CREATE OR REPLACE VIEW archive.status AS`
 
 // PointViews re-points the reader views of schema "archive" (archive.rows,
 // archive.gaps, and archive.snapshots when that version has a snapshots table) at
@@ -123,18 +105,54 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 			}
 			continue
 		}
+		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
+		current, err := viewCurrent(ctx, tx, ident(ReaderSchema, table), comment, ident(schema, table))
+		if err != nil {
+			return err
+		}
+		if current {
+			continue
+		}
 		if err := replaceView(ctx, tx, ident(ReaderSchema, table), `SELECT * FROM `+ident(schema, table)); err != nil {
 			return fmt.Errorf("point view archive.%s at %s: %w", table, schema, err)
 		}
-		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
 		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+pgquote.Literal(comment)); err != nil {
 			return fmt.Errorf("comment view archive.%s: %w", table, err)
 		}
 	}
-	if _, err := tx.Exec(ctx, statusView); err != nil {
+	sum := sha256.Sum256([]byte(statusView))
+	comment := "Is the archive ready, and complete up to where? (definition " + hex.EncodeToString(sum[:6]) + ")"
+	current, err := viewCurrent(ctx, tx, "archive.status", comment, "")
+	if err != nil || current {
+		return err
+	}
+	if err := replaceView(ctx, tx, "archive.status", strings.TrimPrefix(statusView, statusViewPrefix)); err != nil {
 		return fmt.Errorf("create view archive.status: %w", err)
 	}
+	if _, err := tx.Exec(ctx, `COMMENT ON VIEW archive.status IS `+pgquote.Literal(comment)); err != nil {
+		return fmt.Errorf("comment view archive.status: %w", err)
+	}
 	return nil
+}
+
+// viewCurrent reports whether view exists with the given comment (which
+// names what it shows) and, when table is set, the same columns as table:
+// then it is left alone. Readers never fail because of the projector: a
+// projector starting up must not replace (lock) reader views that already
+// show the live version; this looks only at the catalogs.
+func viewCurrent(ctx context.Context, tx pgx.Tx, view, comment, table string) (bool, error) {
+	var current bool
+	err := tx.QueryRow(ctx, `
+		SELECT COALESCE(obj_description(to_regclass($1), 'pg_class') = $2, false)
+		   AND ($3 = '' OR (SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute
+		                    WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped)
+		                 = (SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute
+		                    WHERE attrelid = to_regclass($3) AND attnum > 0 AND NOT attisdropped))`,
+		view, comment, table).Scan(&current)
+	if err != nil {
+		return false, fmt.Errorf("look up view %s: %w", view, err)
+	}
+	return current, nil
 }
 
 // replaceView re-points a view in place when the columns allow it (so views
@@ -368,15 +386,18 @@ func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []
 // not specific (Schema and Table nil: every table; Partition nil: every
 // partition).
 type Gap struct {
-	ID             int64
-	Kind           string
-	Schema, Table  *string
-	Partition      *int
-	FromLSN, ToLSN *event.LSN
-	FromSeq, ToSeq *int64
-	DetectedAt     time.Time
-	AcknowledgedAt *time.Time
-	AckReason      *string
+	ID             int64      `json:"id"`
+	Kind           string     `json:"kind"`
+	Schema         *string    `json:"schema_name"`
+	Table          *string    `json:"table_name"`
+	Partition      *int       `json:"partition"`
+	FromLSN        *event.LSN `json:"from_lsn"`
+	ToLSN          *event.LSN `json:"to_lsn"`
+	FromSeq        *int64     `json:"from_seq"`
+	ToSeq          *int64     `json:"to_seq"`
+	DetectedAt     time.Time  `json:"detected_at"`
+	AcknowledgedAt *time.Time `json:"acknowledged_at"`
+	AckReason      *string    `json:"ack_reason"`
 }
 
 // Blocking reports whether the gap keeps the archive from being complete

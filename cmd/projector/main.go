@@ -22,6 +22,6 @@ func main() {
 	if err := dispatch(ctx, os.Args[1:], env); err != nil {
 		fmt.Fprintln(os.Stderr, "projector:", redactpkg.Text(err.Error()))
 		stop()
-		os.Exit(1)
+		os.Exit(ExitCode(err))
 	}
 }
