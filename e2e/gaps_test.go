@@ -73,6 +73,8 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 	proj, err := bench.StartProc("projector", bins["projector"], penv, logDir, "run")
 	require.NoError(t, err)
 	t.Cleanup(proj.Kill)
+	// Its control schema exists once it is healthy (wait reads it).
+	waitHealthy(t, "http://"+pmetrics+"/healthz", proj)
 
 	projector := func(args ...string) (string, int) {
 		cmd := exec.Command(bins["projector"], args...)
