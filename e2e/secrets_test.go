@@ -57,7 +57,8 @@ func TestSecretsAppearInNoOutput(t *testing.T) {
 	testenv.Exec(t, url, `CREATE TABLE items (id int PRIMARY KEY); ALTER TABLE items REPLICA IDENTITY FULL; INSERT INTO items VALUES (1), (2)`)
 	listen := tokenServer(t)
 	natsURL := "nats://" + plantedToken + "@" + listen
-	secretEnv := []string{"EPITAPH_SOURCE_URL=" + withPassword(url), "EPITAPH_TARGET_URL=" + withPassword(url), "EPITAPH_NATS_URL=" + natsURL}
+	secretEnv := []string{"EPITAPH_SOURCE_URL=" + withPassword(url), "EPITAPH_TARGET_URL=" + withPassword(url), "EPITAPH_NATS_URL=" + natsURL,
+		"EPITAPH_DATA_DIR=" + t.TempDir()}
 
 	outputs := map[string]string{} // what -> text
 	check := func(what, text, mustContain string) {
