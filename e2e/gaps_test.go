@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -61,17 +62,22 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 		return p
 	}
 	capture := startCapture()
-	watch, err := bench.WatchStream(natsURL, "main")
+	// The embedded broker requires credentials: the test and the projector
+	// connect as the projector role the capture made.
+	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, time.Minute, nil), "capture ready")
 
 	pmetrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	penv := joinEnv(bench.ProjectorEnv(url, natsURL, pmetrics, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s")
+	penv := joinEnv(bench.ProjectorEnv(url, natsURL, pmetrics, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s",
+		"EPITAPH_NATS_CREDS="+filepath.Join(dataDir, "nats", "projector.creds"))
 	proj, err := bench.StartProc("projector", bins["projector"], penv, logDir, "run")
 	require.NoError(t, err)
 	t.Cleanup(proj.Kill)
+	// Its control schema exists once it is healthy (wait reads it).
+	waitHealthy(t, "http://"+pmetrics+"/healthz", proj)
 
 	projector := func(args ...string) (string, int) {
 		cmd := exec.Command(bins["projector"], args...)

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 func main() {
@@ -55,6 +56,10 @@ func run(args []string) error {
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
+	// NATS authentication (issue 11): the flags both binaries share.
+	for _, f := range natsconn.Flags {
+		str(fs, f.Field(&cfg.NATSAuth), f.Name, f.Env, "", f.Usage+"; external server only")
+	}
 	// Trust: the key the capture signs with.
 	str(fs, &cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
 

@@ -11,6 +11,9 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/nats-io/nats.go"
+
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
@@ -112,19 +115,32 @@ type common struct {
 	targetURL  string
 	natsURL    string
 	sourceName string
+	natsAuth   natsconn.Auth
 }
 
-// commonFlags registers --target-url, --nats-url and --source-name with
-// their EPITAPH_* defaults on fs.
+// commonFlags registers --target-url, --nats-url, --source-name and the
+// NATS authentication flags with their EPITAPH_* defaults on fs.
 func commonFlags(fs *flag.FlagSet, env *Env) *common {
 	c := &common{}
 	target := env.Getenv("EPITAPH_TARGET_URL")
 	if target == "" {
 		target = env.Getenv("EPITAPH_SOURCE_URL")
 	}
-	fs.StringVar(&c.targetURL, "target-url", target, "target Postgres URL (EPITAPH_TARGET_URL, default EPITAPH_SOURCE_URL)")
-	fs.StringVar(&c.natsURL, "nats-url", envOr(env, "EPITAPH_NATS_URL", "nats://127.0.0.1:4222"), "JetStream URL (EPITAPH_NATS_URL)")
+	// URLs may carry a password or a token: their defaults (from the
+	// environment) are shown redacted in the usage text.
+	c.targetURL = target
+	fs.Var(redactedString{&c.targetURL}, "target-url", "target Postgres `URL` (EPITAPH_TARGET_URL, default EPITAPH_SOURCE_URL)")
+	c.natsURL = envOr(env, "EPITAPH_NATS_URL", "nats://127.0.0.1:4222")
+	fs.Var(redactedString{&c.natsURL}, "nats-url", "JetStream `URL` (EPITAPH_NATS_URL)")
 	fs.StringVar(&c.sourceName, "source-name", envOr(env, "EPITAPH_SOURCE_NAME", "main"), "source name (EPITAPH_SOURCE_NAME)")
+	// NATS authentication (issue 11): the flags both binaries share.
+	for _, f := range natsconn.Flags {
+		usage := f.Usage
+		if f.Name == "nats-creds" {
+			usage += "; with the capture's embedded broker: <its data dir>/nats/projector.creds"
+		}
+		fs.StringVar(f.Field(&c.natsAuth), f.Name, env.Getenv(f.Env), usage+" ("+f.Env+")")
+	}
 	return c
 }
 
@@ -132,8 +148,30 @@ func (c *common) check() error {
 	if c.targetURL == "" {
 		return errors.New("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
 	}
-	return nil
+	return c.natsAuth.Validate(c.natsURL)
 }
+
+// natsConnect connects to NATS with the authentication flags.
+func (c *common) natsConnect(opts ...nats.Option) (*nats.Conn, error) {
+	auth, err := c.natsAuth.Options(c.natsURL)
+	if err != nil {
+		return nil, err
+	}
+	return nats.Connect(c.natsURL, append(opts, auth...)...)
+}
+
+// redactedString is a string flag whose value is shown (as the default in
+// the usage text) with its password or token hidden.
+type redactedString struct{ p *string }
+
+func (r redactedString) String() string {
+	if r.p == nil {
+		return ""
+	}
+	return redact(*r.p)
+}
+
+func (r redactedString) Set(v string) error { *r.p = v; return nil }
 
 func envOr(env *Env, key, def string) string {
 	if v := env.Getenv(key); v != "" {

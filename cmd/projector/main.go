@@ -10,6 +10,8 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
 func main() {
@@ -18,7 +20,7 @@ func main() {
 	env := &Env{Getenv: os.Getenv, Stdout: os.Stdout, Stderr: os.Stderr,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel(os.Getenv("EPITAPH_LOG_LEVEL"))}))}
 	if err := dispatch(ctx, os.Args[1:], env); err != nil {
-		fmt.Fprintln(os.Stderr, "projector:", err)
+		fmt.Fprintln(os.Stderr, "projector:", redactpkg.Text(err.Error()))
 		stop()
 		os.Exit(ExitCode(err))
 	}

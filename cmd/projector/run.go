@@ -27,7 +27,9 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	ttls := fs.String("archive-ttl", env.Getenv("EPITAPH_ARCHIVE_TTL"), `archive retention per table, e.g. "public.sessions=720h,*=8760h" (EPITAPH_ARCHIVE_TTL)`)
 	roots := fs.String("snapshot-roots", env.Getenv("EPITAPH_SNAPSHOT_ROOTS"), "comma-separated schema.table roots of snapshot documents (EPITAPH_SNAPSHOT_ROOTS)")
 	leaseTTL := fs.Duration("lease-ttl", durationEnv(env, "EPITAPH_LEASE_TTL", 15*time.Second), "partition lease TTL (EPITAPH_LEASE_TTL)")
-	captureStatus := fs.String("capture-status-url", env.Getenv("EPITAPH_CAPTURE_STATUS_URL"), "the capture's /status URL, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
+	captureStatus := new(string)
+	*captureStatus = env.Getenv("EPITAPH_CAPTURE_STATUS_URL")
+	fs.Var(redactedString{captureStatus}, "capture-status-url", "the capture's /status `URL`, for its slot lag on the status page at / (EPITAPH_CAPTURE_STATUS_URL)")
 	batch := fs.Int("batch-size", intEnv(env, "EPITAPH_BATCH_SIZE", projection.MaxBatchSize), "events per applied page, at most 500 (EPITAPH_BATCH_SIZE)")
 	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use (EPITAPH_REBUILD_SHARE)")
 	hold := fs.Bool("hold-on-quarantine", boolEnv(env, "EPITAPH_HOLD_ON_QUARANTINE", false), "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied (EPITAPH_HOLD_ON_QUARANTINE)")
@@ -59,7 +61,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	svc, err := projection.New(projection.Config{
-		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: *worker,
+		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: *worker,
 		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList, RebuildShare: *share,
 		HoldOnQuarantine: *hold, MaxRowBytes: *maxRow, ReadyMaxLag: uint64(*readyLag), ReadyMaxPendingAge: *readyAge,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
@@ -88,7 +90,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	}
 	svc.Stop()
 	srv.Stop()
-	return nil
+	return svc.Err()
 }
 
 func durationEnv(env *Env, key string, def time.Duration) time.Duration {
