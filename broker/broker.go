@@ -30,6 +30,10 @@ type Config struct {
 	MaxPayload int32
 	// ServerName; default "epitaph".
 	ServerName string
+	// Auth, when set, makes the server require credentials: the capture's
+	// and the projector's roles (see Auth). Nil accepts any client (a test
+	// stand-in for an external server; the capture always sets it).
+	Auth *Auth
 }
 
 // Server is a running embedded JetStream server.
@@ -79,6 +83,15 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.SyncInterval > 0 {
 		opts.SyncInterval = cfg.SyncInterval
 	}
+	if cfg.Auth != nil {
+		account, err := ensureAuth(*cfg.Auth, opts)
+		if err != nil {
+			return nil, err
+		}
+		if err := migrateGlobalAccount(cfg.StoreDir, account); err != nil {
+			return nil, err
+		}
+	}
 	ns, err := server.NewServer(opts)
 	if err != nil {
 		return nil, fmt.Errorf("embedded jetstream: %w", err)
@@ -93,6 +106,22 @@ func Start(cfg Config) (*Server, error) {
 		return nil, errors.New("embedded jetstream: JetStream did not start (check the store directory)")
 	}
 	return &Server{ns: ns, cfg: cfg}, nil
+}
+
+// CaptureCreds and ProjectorCreds are the paths of the roles' credentials
+// files (empty without Config.Auth).
+func (s *Server) CaptureCreds() string {
+	if s.cfg.Auth == nil {
+		return ""
+	}
+	return CaptureCreds(s.cfg.Auth.Dir)
+}
+
+func (s *Server) ProjectorCreds() string {
+	if s.cfg.Auth == nil {
+		return ""
+	}
+	return ProjectorCreds(s.cfg.Auth.Dir)
 }
 
 // ClientURL is the nats:// URL clients connect to.

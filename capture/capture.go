@@ -278,7 +278,8 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 
 	// Broker.
 	if cfg.NATSURL == "" {
-		bc := broker.Config{StoreDir: cfg.embeddedStoreDir(), Listen: cfg.EmbeddedListen}
+		bc := broker.Config{StoreDir: cfg.embeddedStoreDir(), Listen: cfg.EmbeddedListen,
+			Auth: &broker.Auth{Dir: EmbeddedCredsDir(cfg.DataDir), Source: cfg.SourceName}}
 		if cfg.BrokerSyncInterval < 0 {
 			bc.SyncAlways = true
 		} else {
@@ -288,14 +289,22 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 			return err
 		}
 		s.natsURL = s.embed.ClientURL()
-		s.log.Info("embedded JetStream started", "url", s.natsURL, "store", bc.StoreDir)
+		s.log.Info("embedded JetStream started", "url", s.natsURL, "store", bc.StoreDir,
+			"projector_creds", s.embed.ProjectorCreds())
 	}
 	var extra []nats.Option
 	if s.embed != nil {
 		// The capture's own connection to its embedded server needs no
 		// socket: ~20% more rows/s in bench-capture. Other processes
-		// (projectors) connect to its listen address.
-		extra = append(extra, nats.InProcessServer(s.embed))
+		// (projectors) connect to its listen address. It authenticates as
+		// the capture role all the same.
+		extra = append(extra, nats.InProcessServer(s.embed), nats.UserCredentials(s.embed.CaptureCreds()))
+	} else {
+		auth, err := cfg.NATSAuth.Options(s.natsURL)
+		if err != nil {
+			return configErr("%v", err)
+		}
+		extra = append(extra, auth...)
 	}
 	if s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName, extra...); err != nil {
 		return err
@@ -510,7 +519,11 @@ func (s *Service) runLoop(ctx context.Context) {
 			restarted = true
 		}
 		if restarted && err == nil && ctx.Err() != nil {
-			s.finish(nil) // stopped between sessions: nothing in flight
+			// Stopped between sessions: nothing in flight.
+			if le := s.limitsErr.Load(); le != nil {
+				err = le
+			}
+			s.finish(err)
 			return
 		}
 		if restarted && err == nil && s.lostLease() == nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 // Config of a capture service. Zero values take the documented defaults.
@@ -26,6 +27,11 @@ type Config struct {
 	// server with file storage under DataDir/jetstream, listening on
 	// EmbeddedListen.
 	NATSURL string
+	// NATSAuth authenticates to the external server (NATSURL): a creds
+	// file, an nkey seed file, a user with a password file, TLS files.
+	// The embedded server needs none of it: it makes its own credentials
+	// under DataDir/nats, and the capture connects as its capture role.
+	NATSAuth natsconn.Auth
 	// EmbeddedListen is host:port of the embedded server; default
 	// broker.DefaultListen (127.0.0.1:4222). Port 0 picks a free port.
 	EmbeddedListen string
@@ -229,6 +235,12 @@ func (c *Config) validate() error {
 	} else if c.DataDir == "" && c.SigningKey == "" {
 		errs = append(errs, "a data directory (EPITAPH_DATA_DIR) or a signing key file (EPITAPH_SIGNING_KEY) is required: the capture signs what it publishes")
 	}
+	// NATS authentication (issue 11).
+	if c.NATSURL == "" && !c.NATSAuth.IsZero() {
+		errs = append(errs, "--nats-creds, --nats-nkey, --nats-user and --nats-tls-* are for an external JetStream server (EPITAPH_NATS_URL): the embedded one makes its own credentials under <data-dir>/nats")
+	} else if err := c.NATSAuth.Validate(c.NATSURL); err != nil {
+		errs = append(errs, err.Error())
+	}
 	if err := event.ValidateSourceName(c.SourceName); err != nil {
 		errs = append(errs, err.Error())
 	}
@@ -297,6 +309,11 @@ func defaultApplicationName() string {
 
 // embeddedStoreDir is where the embedded server keeps its files.
 func (c *Config) embeddedStoreDir() string { return filepath.Join(c.DataDir, "jetstream") }
+
+// EmbeddedCredsDir is where the embedded server of a capture with dataDir
+// keeps its keys and the roles' credentials (capture.creds,
+// projector.creds).
+func EmbeddedCredsDir(dataDir string) string { return filepath.Join(dataDir, "nats") }
 
 // ConfigError is a configuration or environment problem the operator must
 // fix; retrying without a change gives the same error.

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
@@ -47,7 +48,10 @@ func TestEmbeddedBrokerAndEndpoints(t *testing.T) {
 	require.True(t, strings.HasPrefix(svc.NATSURL(), "nats://127.0.0.1:"))
 	testenv.Exec(t, db, `DELETE FROM t WHERE id = 1`)
 
-	nc, err := nats.Connect(svc.NATSURL())
+	_, err := nats.Connect(svc.NATSURL())
+	require.ErrorIs(t, err, nats.ErrAuthorization, "the embedded broker requires credentials")
+	creds := nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dir)))
+	nc, err := nats.Connect(svc.NATSURL(), creds)
 	require.NoError(t, err)
 	defer nc.Close()
 	js, err := jetstream.New(nc)
@@ -111,7 +115,7 @@ func TestEmbeddedBrokerAndEndpoints(t *testing.T) {
 	svc = newService(t, cfg)
 	require.NoError(t, svc.Start(context.Background()))
 	testenv.Exec(t, db, `DELETE FROM t WHERE id = 2`)
-	nc, err = nats.Connect(svc.NATSURL())
+	nc, err = nats.Connect(svc.NATSURL(), creds)
 	require.NoError(t, err)
 	defer nc.Close()
 	js, err = jetstream.New(nc)

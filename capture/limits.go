@@ -14,8 +14,9 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// Limits are the stream limits that discard stored messages (with
-// DiscardOld, the capture's policy): a message removed before every
+// Limits are the stream limits that discard stored messages (max-age
+// always; the others with DiscardOld, the capture's policy): a message
+// removed before every
 // projector version applied it is lost to the archive. The capture sets
 // exactly the limits --retention asks for (none by default: rebuilds need
 // the whole history) and keeps them so. Zero means no limit.
@@ -175,7 +176,14 @@ func limitsOf(sc jetstream.StreamConfig) Limits {
 	return Limits{MaxAge: max(sc.MaxAge, 0), MaxBytes: pos(sc.MaxBytes), MaxMsgs: pos(sc.MaxMsgs), MaxMsgsPerSubject: pos(sc.MaxMsgsPerSubject)}
 }
 
-// applyLimits sets l on sc, with the record of them in its metadata.
+// discardsByCount reports whether the size and count limits of a stream
+// remove stored messages (discard old); with discard new they refuse new
+// ones instead (the capture stops and retries: nothing is lost), so they
+// are left as they are. max-age removes messages under either policy.
+func discardsByCount(sc jetstream.StreamConfig) bool { return sc.Discard == jetstream.DiscardOld }
+
+// applyLimits sets l on sc, with the record of them in its metadata (the
+// size and count limits only under discard old, see discardsByCount).
 func applyLimits(sc *jetstream.StreamConfig, l Limits) {
 	unlimited := func(n int64) int64 {
 		if n == 0 {
@@ -183,7 +191,10 @@ func applyLimits(sc *jetstream.StreamConfig, l Limits) {
 		}
 		return n
 	}
-	sc.MaxAge, sc.MaxBytes, sc.MaxMsgs, sc.MaxMsgsPerSubject = l.MaxAge, unlimited(l.MaxBytes), unlimited(l.MaxMsgs), unlimited(l.MaxMsgsPerSubject)
+	sc.MaxAge = l.MaxAge
+	if discardsByCount(*sc) {
+		sc.MaxBytes, sc.MaxMsgs, sc.MaxMsgsPerSubject = unlimited(l.MaxBytes), unlimited(l.MaxMsgs), unlimited(l.MaxMsgsPerSubject)
+	}
 	md := make(map[string]string, len(sc.Metadata)+1)
 	for k, v := range sc.Metadata {
 		md[k] = v
@@ -224,11 +235,11 @@ func limitsPlan(sc jetstream.StreamConfig, want Limits) (changes []limitChange, 
 	}
 	for _, k := range limitNames {
 		c, w := cur.value(k), want.value(k)
-		if c == w {
+		if c == w || (k != limitMaxAge && !discardsByCount(sc)) {
 			continue
 		}
 		ch := limitChange{name: k, now: cur.format(k), want: want.format(k), foreign: c != rec.value(k)}
-		ch.discards = sc.Discard == jetstream.DiscardOld && c != 0 && (w == 0 || c < w)
+		ch.discards = c != 0 && (w == 0 || c < w)
 		changes = append(changes, ch)
 	}
 	return changes, sc.Metadata[MetaLimits] == want.String()
@@ -248,7 +259,7 @@ func refuseLimits(stream string, cs []limitChange, want Limits) error {
 		fix = append(fix, flag)
 	}
 	sort.Strings(names)
-	return configErr("stream %s has %s with discard old, not asked by --retention (%s): it would discard events before every projector applied them, and the archive would miss them; remove it (nats stream edit %s %s) or ask for it with --retention %s",
+	return configErr("stream %s has %s, not asked by --retention (%s): it would discard events before every projector applied them, and the archive would miss them; remove it (nats stream edit %s %s) or ask for it with --retention %s",
 		stream, strings.Join(names, ", "), want, stream, strings.Join(fix, " "), askFor(cs, want))
 }
 

@@ -64,9 +64,16 @@ func TestLimitsPlan(t *testing.T) {
 	// A max-bytes nobody asked for, with discard old: foreign and discarding.
 	cs, _ = limitsPlan(sc(jetstream.DiscardOld, Limits{MaxBytes: 1 << 20}, "none"), Limits{})
 	require.Equal(t, []limitChange{{name: limitMaxBytes, now: "1048576", want: "unlimited", foreign: true, discards: true}}, cs)
-	// The same with discard new discards nothing (publishes fail instead).
+	// The same with discard new discards nothing (publishes fail instead):
+	// left alone. Its max age still removes messages.
 	cs, _ = limitsPlan(sc(jetstream.DiscardNew, Limits{MaxBytes: 1 << 20}, "none"), Limits{})
-	require.False(t, cs[0].discards)
+	require.Empty(t, cs)
+	dn := jetstream.StreamConfig{Discard: jetstream.DiscardNew, MaxBytes: 1 << 20, MaxAge: time.Hour, Metadata: map[string]string{MetaLimits: "none"}}
+	cs, _ = limitsPlan(dn, Limits{})
+	require.Equal(t, []limitChange{{name: limitMaxAge, now: "1h0m0s", want: "unlimited", foreign: true, discards: true}}, cs)
+	applyLimits(&dn, Limits{})
+	require.Equal(t, int64(1<<20), dn.MaxBytes, "a discard new limit is kept")
+	require.Zero(t, dn.MaxAge)
 	// The operator changed --retention: the old value is the capture's own.
 	cs, _ = limitsPlan(sc(jetstream.DiscardOld, Limits{MaxAge: time.Hour}, "max-age=1h0m0s"), Limits{})
 	require.Equal(t, []limitChange{{name: limitMaxAge, now: "1h0m0s", want: "unlimited", discards: true}}, cs)
@@ -135,7 +142,7 @@ func TestStreamLimits(t *testing.T) {
 	// both fixes; the stream is left as it is.
 	edit(func(sc *jetstream.StreamConfig) { sc.MaxBytes = 1 << 20 })
 	err := e.startErr(t, fast)
-	requireFix(t, err, "stream EPITAPH_MAIN has max-bytes=1048576 with discard old", "not asked by --retention (none)",
+	requireFix(t, err, "stream EPITAPH_MAIN has max-bytes=1048576, not asked by --retention (none)",
 		"nats stream edit EPITAPH_MAIN --max-bytes=-1", "--retention max-bytes=1048576")
 	require.Equal(t, int64(1<<20), streamConfig().MaxBytes)
 

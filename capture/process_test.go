@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/broker"
@@ -538,7 +539,8 @@ func TestEmbeddedBrokerLosesAcknowledgedTail(t *testing.T) {
 	for i := range txs {
 		testenv.Exec(t, db, `DELETE FROM items WHERE id > $1 AND id <= $2`, i*rows/txs, (i+1)*rows/txs)
 	}
-	e := &env{nats: &testenv.NATS{URL: "nats://" + listen}}
+	creds := nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
+	e := &env{nats: &testenv.NATS{URL: "nats://" + listen, Opts: []nats.Option{creds}}}
 	nc, js := e.nats.Connect(t)
 	e.js = js
 	require.Len(t, e.messages(t, "main", rows+txs), rows+txs)
@@ -558,9 +560,10 @@ func TestEmbeddedBrokerLosesAcknowledgedTail(t *testing.T) {
 	}
 
 	// What the broker holds after the crash: fewer messages than it acknowledged.
-	b, err := broker.Start(broker.Config{StoreDir: filepath.Join(dataDir, "jetstream"), Listen: "127.0.0.1:0"})
+	b, err := broker.Start(broker.Config{StoreDir: filepath.Join(dataDir, "jetstream"), Listen: "127.0.0.1:0",
+		Auth: &broker.Auth{Dir: EmbeddedCredsDir(dataDir), Source: "main"}})
 	require.NoError(t, err)
-	probe := &env{nats: &testenv.NATS{URL: b.ClientURL()}}
+	probe := &env{nats: &testenv.NATS{URL: b.ClientURL(), Opts: []nats.Option{creds}}}
 	pnc, pjs := probe.nats.Connect(t)
 	stream, err := pjs.Stream(ctx, event.StreamName("main"))
 	require.NoError(t, err)

@@ -24,10 +24,13 @@ import (
 // uses. It is decoded strictly: a key not declared here (a typo such as
 // `enviroment`, or a feature this test does not know) fails the test.
 type composeFile struct {
-	Name       string                    `yaml:"name"`
-	Services   map[string]composeService `yaml:"services"`
-	Volumes    map[string]any            `yaml:"volumes"`
-	Extensions map[string]any            `yaml:",inline"`
+	Name     string                    `yaml:"name"`
+	Services map[string]composeService `yaml:"services"`
+	Volumes  map[string]any            `yaml:"volumes"`
+	Secrets  map[string]struct {
+		File string `yaml:"file"`
+	} `yaml:"secrets"`
+	Extensions map[string]any `yaml:",inline"`
 }
 
 type composeService struct {
@@ -36,7 +39,9 @@ type composeService struct {
 		Context    string `yaml:"context"`
 		Dockerfile string `yaml:"dockerfile"`
 	} `yaml:"build"`
+	Entrypoint  []string          `yaml:"entrypoint"`
 	Command     []string          `yaml:"command"`
+	Secrets     []string          `yaml:"secrets"`
 	Hostname    string            `yaml:"hostname"`
 	Environment map[string]string `yaml:"environment"`
 	Ports       []string          `yaml:"ports"`
@@ -62,14 +67,17 @@ func loadCompose(t *testing.T) composeFile {
 }
 
 var (
-	// Compose interpolation: $$ is a literal $, otherwise ${NAME} or ${NAME:-default}.
-	interpolationRe = regexp.MustCompile(`\$\$|\$\{[A-Z_][A-Z0-9_]*(:?-[^}]*)?\}`)
+	// Compose interpolation: $$ is a literal $, otherwise ${NAME},
+	// ${NAME:-default} or ${NAME:?error} (required).
+	interpolationRe = regexp.MustCompile(`\$\$|\$\{[A-Z_][A-Z0-9_]*(:?[-?][^}]*)?\}`)
 	interpolateRe   = regexp.MustCompile(`\$\{([A-Z_][A-Z0-9_]*)(?::?-([^}]*))?\}`)
+	requiredRe      = regexp.MustCompile(`\$\{([A-Z_][A-Z0-9_]*):?\?[^}]*\}`)
 )
 
 // interpolate resolves ${NAME:-default} to its default, as compose does
-// with NAME unset.
+// with NAME unset, and a required ${NAME:?error} to "required-NAME".
 func interpolate(s string) string {
+	s = requiredRe.ReplaceAllString(s, "required-$1")
 	return interpolateRe.ReplaceAllString(s, "$2")
 }
 
@@ -90,12 +98,18 @@ func TestComposeStructure(t *testing.T) {
 	t.Parallel()
 	raw, err := os.ReadFile("compose.yaml")
 	require.NoError(t, err)
-	for _, m := range regexp.MustCompile(`\$[^$]?[^\n]{0,40}`).FindAllString(string(raw), -1) {
+	for _, m := range regexp.MustCompile(`\$[^$]?[^\n]{0,80}`).FindAllString(string(raw), -1) {
 		if strings.HasPrefix(m, "$$") {
 			continue
 		}
 		require.Regexp(t, `^`+interpolationRe.String(), m, "bad interpolation")
 	}
+
+	// No default password: every *PASSWORD* value is required (${NAME:?...}).
+	for _, m := range regexp.MustCompile(`\$\{[A-Z_]*PASSWORD[A-Z_]*(:?[-?])?`).FindAllStringSubmatch(string(raw), -1) {
+		require.Contains(t, m[1], "?", "a password with a default: %s", m[0])
+	}
+	require.NotContains(t, string(raw), "admin/admin")
 
 	c := loadCompose(t)
 	require.Equal(t, "epitaph", c.Name)
@@ -138,9 +152,15 @@ func TestComposeStructure(t *testing.T) {
 		}
 		for _, p := range s.Ports {
 			p = interpolate(p)
-			host := strings.Split(p, ":")[0]
+			parts := strings.Split(p, ":")
+			require.Len(t, parts, 3, "%s: port %q names the host address", name, p)
+			require.Equal(t, "127.0.0.1", parts[0], "%s: port %q is published on every interface", name, p)
+			host := parts[1]
 			require.NotContains(t, hostPorts, host, "host port %s used by %s and %s", host, hostPorts[host], name)
 			hostPorts[host] = name
+		}
+		for _, sec := range s.Secrets {
+			require.Contains(t, c.Secrets, sec, "%s: secret %s is not declared", name, sec)
 		}
 		if s.Healthcheck != nil {
 			require.Contains(t, []string{"CMD", "CMD-SHELL"}, s.Healthcheck.Test[0], "%s: healthcheck", name)
@@ -248,6 +268,28 @@ func TestComposeWiring(t *testing.T) {
 		}
 	}
 	require.GreaterOrEqual(t, projectors, 2, "two projector workers")
+
+	// One writer: the capture and the projectors authenticate as their
+	// roles of nats/nats.conf, with the password from a secret file that
+	// every NATS node reads too.
+	for _, name := range epitaph {
+		s := c.Services[name]
+		if _, uses := s.Environment["EPITAPH_NATS_URL"]; !uses {
+			continue
+		}
+		role := "projector"
+		if s.Command[0] == "epitaph-capture" {
+			role = "capture"
+		}
+		require.Equal(t, role, s.Environment["EPITAPH_NATS_USER"], "%s: NATS user", name)
+		secret := "nats-" + role + "-password"
+		require.Equal(t, "/run/secrets/"+secret, s.Environment["EPITAPH_NATS_PASSWORD_FILE"], "%s", name)
+		require.Equal(t, []string{secret}, s.Secrets, "%s mounts its own role's secret only", name)
+		for _, n := range natsNodes {
+			require.Contains(t, c.Services[n].Secrets, secret, "%s reads %s", n, secret)
+			require.Contains(t, strings.Join(c.Services[n].Command, " "), "/run/secrets/"+secret, "%s sets its password from the file", n)
+		}
+	}
 	require.Equal(t, "3", c.Services["capture"].Environment["EPITAPH_REPLICAS"])
 	require.Equal(t, "true", c.Services["capture"].Environment["EPITAPH_STANDBY"])
 	// P belongs to the capture (the stream keeps it; projectors read it there).
@@ -258,6 +300,8 @@ func TestComposeWiring(t *testing.T) {
 	require.Contains(t, prom.Volumes, "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro")
 	require.Contains(t, prom.Volumes, "./prometheus/alerts.yaml:/etc/prometheus/alerts.yaml:ro")
 	require.Contains(t, prom.Command, "--config.file=/etc/prometheus/prometheus.yml")
+	require.NotContains(t, prom.Command, "--web.enable-lifecycle", "no one stops Prometheus over HTTP")
+	require.NotContains(t, prom.Command, "--web.enable-admin-api", "no one deletes Prometheus data over HTTP")
 	for _, targetList := range targets {
 		for _, target := range targetList {
 			host, _, err := net.SplitHostPort(target)
@@ -298,6 +342,8 @@ func TestComposeConfigWithDockerCompose(t *testing.T) {
 		t.Skip("no Compose implementation installed (docker compose plugin, or Debian's docker-compose); references checked by TestComposeStructure")
 	}
 	cmd.Dir = dir
+	// The required passwords (${NAME:?...}) as an operator sets them.
+	cmd.Env = append(os.Environ(), "POSTGRES_PASSWORD=compose-test", "GRAFANA_ADMIN_PASSWORD=compose-test")
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
 }
@@ -467,8 +513,12 @@ func binaryEnv(t *testing.T, binary string) map[string]bool {
 	require.NotEmpty(t, dir, "the Dockerfile does not build %s", binary)
 	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
 	require.NoError(t, err)
-	// The flags both binaries share (--log-level, --log-format) live in cmd/internal/cli.
+	// The flags both binaries share live in cmd/internal/cli (--log-level,
+	// --log-format) and internal/natsconn (NATS authentication, one table).
 	shared, err := filepath.Glob(filepath.Join("..", "cmd", "internal", "cli", "*.go"))
+	require.NoError(t, err)
+	files = append(files, shared...)
+	shared, err = filepath.Glob(filepath.Join("..", "internal", "natsconn", "*.go"))
 	require.NoError(t, err)
 	files = append(files, shared...)
 	names := map[string]bool{}

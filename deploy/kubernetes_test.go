@@ -1,6 +1,7 @@
 package deploy_test
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -110,6 +111,7 @@ var k8sAPIVersions = map[string]string{
 	"Service":             "v1",
 	"Deployment":          "apps/v1",
 	"PodDisruptionBudget": "policy/v1",
+	"NetworkPolicy":       "networking.k8s.io/v1",
 	"ServiceMonitor":      "monitoring.coreos.com/v1",
 	"PrometheusRule":      "monitoring.coreos.com/v1",
 }
@@ -388,4 +390,72 @@ func TestSecretIsDocumented(t *testing.T) {
 		require.Contains(t, string(readme), "--from-literal="+key+"=", "README tells how to create the Secret key %s", key)
 	}
 	require.Contains(t, string(readme), "create secret generic epitaph-db")
+}
+
+// TestKubernetesNATSRolesAndNetworkPolicy: each workload authenticates as
+// its NATS role with a password mounted as a file from the Secret
+// epitaph-nats (its own key only, read-only), and a NetworkPolicy selects
+// every Epitaph pod, admitting only the metrics ports.
+func TestKubernetesNATSRolesAndNetworkPolicy(t *testing.T) {
+	t.Parallel()
+	_, objs := loadKubernetes(t)
+	roles := map[string]string{"epitaph-capture": "capture", "epitaph-projector": "projector"}
+	for _, d := range byKind(objs, "Deployment") {
+		role, ok := roles[d.name()]
+		require.True(t, ok, "%s: which NATS role?", d)
+		var mounted string
+		for _, v := range list(dig(d.doc, "spec", "template", "spec", "volumes")) {
+			if str(dig(v, "secret", "secretName")) == "epitaph-nats" {
+				items := list(dig(v, "secret", "items"))
+				require.Len(t, items, 1, "%s mounts its own password only", d)
+				require.Equal(t, role+"-password", str(dig(items[0], "key")), "%s", d)
+				mounted = str(dig(v, "name"))
+			}
+		}
+		require.NotEmpty(t, mounted, "%s mounts the Secret epitaph-nats", d)
+		for _, c := range list(dig(d.doc, "spec", "template", "spec", "containers")) {
+			cm := c.(map[string]any)
+			env := containerEnv(cm)
+			require.Equal(t, role, str(dig(env["EPITAPH_NATS_USER"], "value")), "%s: NATS user", d)
+			file := str(dig(env["EPITAPH_NATS_PASSWORD_FILE"], "value"))
+			var dir string
+			for _, m := range list(cm["volumeMounts"]) {
+				if str(dig(m, "name")) == mounted {
+					dir = str(dig(m, "mountPath"))
+					require.Equal(t, true, dig(m, "readOnly"), "%s: read-only mount", d)
+				}
+			}
+			require.Equal(t, dir+"/password", file, "%s: the password file is the mounted one", d)
+		}
+	}
+
+	policies := byKind(objs, "NetworkPolicy")
+	require.Len(t, policies, 1)
+	p := policies[0]
+	sel := map[string]string{}
+	for k, v := range dig(p.doc, "spec", "podSelector", "matchLabels").(map[string]any) {
+		sel[k] = str(v)
+	}
+	for _, d := range byKind(objs, "Deployment") {
+		labels := map[string]string{}
+		for k, v := range dig(d.doc, "spec", "template", "metadata", "labels").(map[string]any) {
+			labels[k] = str(v)
+		}
+		require.True(t, selects(sel, labels), "the NetworkPolicy does not cover %s", d)
+	}
+	require.ElementsMatch(t, []any{"Ingress", "Egress"}, list(dig(p.doc, "spec", "policyTypes")))
+	var ports []string
+	for _, rule := range list(dig(p.doc, "spec", "ingress")) {
+		for _, port := range list(dig(rule, "ports")) {
+			ports = append(ports, fmt.Sprint(dig(port, "port")))
+		}
+	}
+	require.ElementsMatch(t, []string{"9187", "9188"}, ports, "only the metrics ports are reachable")
+
+	readme, err := os.ReadFile("README.md")
+	require.NoError(t, err)
+	require.Contains(t, string(readme), "create secret generic epitaph-nats")
+	for _, key := range []string{"capture-password", "projector-password"} {
+		require.Contains(t, string(readme), "--from-file="+key+"=", "README tells how to create the Secret key %s", key)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -15,8 +16,31 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
+
+// requireRolePermissions: the config's users are the embedded broker's
+// roles with the same permissions (the capture's for every source).
+func requireRolePermissions(t *testing.T, opts *server.Options) {
+	t.Helper()
+	users := map[string]*server.User{}
+	for _, u := range opts.Users {
+		users[u.Username] = u
+		require.Equal(t, "EPITAPH", u.Account.Name, "user %s", u.Username)
+	}
+	require.Len(t, users, 2, "the capture and projector roles")
+	proj := broker.ProjectorPermissions()
+	require.Equal(t, []string(proj.Pub.Allow), users["projector"].Permissions.Publish.Allow)
+	require.Equal(t, []string(proj.Pub.Deny), users["projector"].Permissions.Publish.Deny)
+	require.Equal(t, []string(proj.Sub.Allow), users["projector"].Permissions.Subscribe.Allow)
+	capt := broker.CapturePermissions("main")
+	want := append([]string{"epitaph.>"}, capt.Pub.Allow[1:]...)
+	require.Equal(t, want, users["capture"].Permissions.Publish.Allow)
+	require.Equal(t, []string(capt.Sub.Allow), users["capture"].Permissions.Subscribe.Allow)
+	require.Equal(t, "SYS", opts.SystemAccount)
+}
 
 var natsServerModuleRe = regexp.MustCompile(`(?m)^\s*github\.com/nats-io/nats-server/v2 v(\S+)`)
 
@@ -54,12 +78,21 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		clusterPorts[n] = p
 	}
 
+	// The roles' passwords, as compose gives them to every node.
+	secrets := t.TempDir()
+	passwords := map[string]string{"capture": "capture-pw-1", "projector": "projector-pw-2"}
+	for role, pw := range passwords {
+		t.Setenv("EPITAPH_NATS_"+strings.ToUpper(role)+"_PASSWORD", pw)
+		require.NoError(t, os.WriteFile(filepath.Join(secrets, role), []byte(pw+"\n"), 0o600))
+	}
+
 	var servers []*server.Server
 	var clientURLs []string
 	for _, n := range nodes {
 		t.Setenv("SERVER_NAME", c.Services[n].Environment["SERVER_NAME"])
 		opts, err := server.ProcessConfigFile("nats/nats.conf")
 		require.NoError(t, err)
+		requireRolePermissions(t, opts)
 
 		require.Equal(t, n, opts.ServerName, "server_name from the node's SERVER_NAME")
 		require.Equal(t, 4222, opts.Port, "clients use 4222 (EPITAPH_NATS_URL)")
@@ -99,7 +132,15 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		clientURLs = append(clientURLs, s.ClientURL())
 	}
 
-	nc, err := nats.Connect(strings.Join(clientURLs, ","), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	urls := strings.Join(clientURLs, ",")
+	role := func(name string) []nats.Option {
+		opts, err := natsconn.Auth{User: name, PasswordFile: filepath.Join(secrets, name)}.Options(urls)
+		require.NoError(t, err)
+		return opts
+	}
+	_, err := nats.Connect(urls)
+	require.ErrorIs(t, err, nats.ErrAuthorization, "a client without credentials")
+	nc, err := nats.Connect(urls, append(role("capture"), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))...)
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
@@ -126,6 +167,27 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		_, err := js.Publish(ctx, fmt.Sprintf("epitaph.deploytest.%d.delete", i%3), fmt.Appendf(nil, `{"seq":%d}`, i))
 		require.NoError(t, err)
 	}
+
+	// The projector's user reads the stream and is refused a publish to it.
+	pnc, err := nats.Connect(urls, role("projector")...)
+	require.NoError(t, err)
+	t.Cleanup(pnc.Close)
+	pjs, err := jetstream.New(pnc)
+	require.NoError(t, err)
+	pstream, err := pjs.Stream(ctx, "EPITAPH_DEPLOYTEST")
+	require.NoError(t, err)
+	m, err := pstream.GetMsg(ctx, 1)
+	require.NoError(t, err)
+	require.Equal(t, `{"seq":0}`, string(m.Data))
+	pctx, pcancel := context.WithTimeout(ctx, 3*time.Second)
+	_, err = pjs.Publish(pctx, "epitaph.deploytest.0.delete", []byte(`{"seq":"forged"}`))
+	pcancel()
+	require.Error(t, err, "the projector publishes to the stream")
+	pctx, pcancel = context.WithTimeout(ctx, 3*time.Second)
+	err = pjs.DeleteStream(pctx, "EPITAPH_DEPLOYTEST")
+	pcancel()
+	require.Error(t, err, "the projector deletes the stream")
+
 	info, err := stream.Info(ctx)
 	require.NoError(t, err)
 	require.NotNil(t, info.Cluster)

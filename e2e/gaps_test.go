@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -27,8 +28,11 @@ import (
 // not ready, `projector wait --lsn` for an LSN inside the gap exits 3 naming
 // the gap, a far LSN exits 2 naming where the archive is; `projector gaps
 // ack` makes it ready again and the same wait exits 0.
+//
+// Not parallel: it stops and starts the capture itself (no supervisor), and
+// TestCaptureExactlyOnceUnderKills restarts the shared Postgres, which would
+// end a capture no one restarts (seen under `go test ./e2e`).
 func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
-	t.Parallel()
 	bins := binaries(t)
 	url := testenv.NewDatabase(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -58,17 +62,22 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 		return p
 	}
 	capture := startCapture()
-	watch, err := bench.WatchStream(natsURL, "main")
+	// The embedded broker requires credentials: the test and the projector
+	// connect as the projector role the capture made.
+	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, time.Minute, nil), "capture ready")
 
 	pmetrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	penv := joinEnv(bench.ProjectorEnv(url, natsURL, pmetrics, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s")
+	penv := joinEnv(bench.ProjectorEnv(url, natsURL, pmetrics, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s",
+		"EPITAPH_NATS_CREDS="+filepath.Join(dataDir, "nats", "projector.creds"))
 	proj, err := bench.StartProc("projector", bins["projector"], penv, logDir, "run")
 	require.NoError(t, err)
 	t.Cleanup(proj.Kill)
+	// Its control schema exists once it is healthy (wait reads it).
+	waitHealthy(t, "http://"+pmetrics+"/healthz", proj)
 
 	projector := func(args ...string) (string, int) {
 		cmd := exec.Command(bins["projector"], args...)
@@ -113,7 +122,9 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 		for !cond() {
 			if time.Now().After(deadline) {
 				st, err := readStatus()
-				t.Fatalf("%s: not within 120s (archive.status %+v, %v)\n%s\n%s", what, st, err, capture.LogTail(2000), proj.LogTail(2000))
+				inStream, serr := watch.Deletes(ctx)
+				t.Fatalf("%s: not within 120s (archive.status %+v, %v; %d rows archived, %d deletes in the stream (%v))\n%s\n%s\n%s",
+					what, st, err, archived(), inStream, serr, pipelineState(ctx, url, watch), capture.LogTail(4000), proj.LogTail(4000))
 			}
 			time.Sleep(100 * time.Millisecond)
 		}

@@ -11,6 +11,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/broker"
+	capturepkg "github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
@@ -42,9 +44,15 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	natsURL := "nats://" + listen
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	cenv := bench.CaptureEnv(url, "", listen, t.TempDir(), metrics, "main", "epitaph_e2e_pipeline")
+	dataDir := t.TempDir()
+	cenv := bench.CaptureEnv(url, "", listen, dataDir, metrics, "main", "epitaph_e2e_pipeline")
 	capture := supervise(t, "capture", bins["capture"], joinEnv(cenv, "EPITAPH_HEARTBEAT_INTERVAL=1s"), seed)
-	watch, err := bench.WatchStream(natsURL, "main")
+	// The embedded broker requires credentials: everything else connects
+	// as the projector role the capture made.
+	projectorCreds := broker.ProjectorCreds(capturepkg.EmbeddedCredsDir(dataDir))
+	creds, err := bench.WaitCreds(ctx, projectorCreds, time.Minute)
+	require.NoError(t, err)
+	watch, err := bench.WatchStream(natsURL, "main", creds)
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_pipeline", time.Minute, nil),
@@ -54,7 +62,8 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	for i := range 2 {
 		m, err := bench.LocalAddr()
 		require.NoError(t, err)
-		env := joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", fmt.Sprintf("worker-%d", i)), "EPITAPH_LEASE_TTL=3s")
+		env := joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", fmt.Sprintf("worker-%d", i)), "EPITAPH_LEASE_TTL=3s",
+			"EPITAPH_NATS_CREDS="+projectorCreds)
 		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bins["projector"], env, seed+uint64(i)+1, "run"))
 	}
 
@@ -138,7 +147,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 
 	// The embedded JetStream died with every capture kill: the stream, too,
 	// holds each deleted row exactly once.
-	events, err := workload.StreamDeletes(ctx, natsURL, "main")
+	events, err := workload.StreamDeletes(ctx, natsURL, "main", creds)
 	require.NoError(t, err)
 	srep, err := workload.VerifyStream(ctx, url, expected, events)
 	require.NoError(t, err)

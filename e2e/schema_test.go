@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"path/filepath"
 	"sort"
 	"sync"
 	"testing"
@@ -90,18 +91,20 @@ func TestMigrationsUnderKills(t *testing.T) {
 	listen, err := bench.LocalAddr()
 	require.NoError(t, err)
 	natsURL := "nats://" + listen
+	dataDir := t.TempDir() // the embedded broker's credentials: <dataDir>/nats
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	cenv := joinEnv(bench.CaptureEnv(url, "", listen, t.TempDir(), metrics, "main", "epitaph_e2e_schema"),
+	cenv := joinEnv(bench.CaptureEnv(url, "", listen, dataDir, metrics, "main", "epitaph_e2e_schema"),
 		"EPITAPH_TABLES=", "EPITAPH_SET_REPLICA_IDENTITY_FULL=true", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s")
 	capture := supervise(t, "capture", bins["capture"], cenv, seed)
-	watch, err := bench.WatchStream(natsURL, "main")
+	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_schema", time.Minute, nil))
 	m, err := bench.LocalAddr()
 	require.NoError(t, err)
-	projector := supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s"), seed+1, "run")
+	projector := supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s",
+		"EPITAPH_NATS_CREDS="+filepath.Join(dataDir, "nats", "projector.creds")), seed+1, "run")
 
 	// waitReady polls until every relation of the table (the table or its
 	// leaves) is REPLICA IDENTITY FULL and the table is published.
@@ -314,18 +317,20 @@ func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
 	listen, err := bench.LocalAddr()
 	require.NoError(t, err)
 	natsURL := "nats://" + listen
+	dataDir := t.TempDir() // the embedded broker's credentials: <dataDir>/nats
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	cenv := joinEnv(bench.CaptureEnv(url, "", listen, t.TempDir(), metrics, "main", "epitaph_e2e_lost"),
+	cenv := joinEnv(bench.CaptureEnv(url, "", listen, dataDir, metrics, "main", "epitaph_e2e_lost"),
 		"EPITAPH_TABLES=", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s")
 	supervise(t, "capture", bins["capture"], cenv, seed)
-	watch, err := bench.WatchStream(natsURL, "main")
+	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_lost", time.Minute, nil))
 	m, err := bench.LocalAddr()
 	require.NoError(t, err)
-	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s"), seed+1, "run")
+	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s",
+		"EPITAPH_NATS_CREDS="+filepath.Join(dataDir, "nats", "projector.creds")), seed+1, "run")
 
 	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 1`)
 	require.NoError(t, err)

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 // ArchiveProjection is the name of the built-in archive projection.
@@ -26,6 +27,10 @@ type Config struct {
 	TargetURL string
 	// NATSURL is the JetStream server holding the source's stream.
 	NATSURL string
+	// NATSAuth authenticates to it: a creds file (the capture's embedded
+	// broker writes <data-dir>/nats/projector.creds), an nkey seed file, a
+	// user with a password file, TLS files.
+	NATSAuth natsconn.Auth
 	// SourceName names the source (stream EPITAPH_<SOURCE>); default "main".
 	SourceName string
 	// WorkerID identifies this worker in leases; required (cmd/ defaults it
@@ -144,6 +149,9 @@ func (c *Config) validate() error {
 	}
 	if c.NATSURL == "" {
 		errs = append(errs, errors.New("NATS URL is required (EPITAPH_NATS_URL)"))
+	}
+	if err := c.NATSAuth.Validate(c.NATSURL); err != nil {
+		errs = append(errs, err)
 	}
 	if err := event.ValidateSourceName(c.SourceName); err != nil {
 		errs = append(errs, err)

@@ -98,9 +98,18 @@
 //     failed and not run. Pages of non-live versions share
 //     Config.RebuildShare of a worker while the live version is busy; the
 //     side-effect hook Config.SideEffects runs for the live version only.
-//     WaitLSN (`projector wait --lsn`, GET /wait) returns once every
-//     partition of the live version has a watermark at or past an LSN.
-//     Compare compares two versions up to the watermark both reflect.
+//     WaitComplete (`projector wait --lsn`, GET /wait) returns once the
+//     live version is complete up to an LSN, and fails at once naming the
+//     gaps and quarantined events that keep it from ever being (WaitLSN
+//     only compares the watermarks). Compare compares two versions up to
+//     the watermark both reflect.
+//   - Readers are told (readiness.go, gaps.go, archive.go): gap and
+//     truncate events become rows of the version's gaps table
+//     (archive.gaps) in the transaction that applies them; archive.status
+//     says whether a version is ready (leased, advancing, lag sampled by
+//     the workers within the thresholds, no open quarantine, no
+//     unacknowledged blocking gap), why not, and how far it is complete;
+//     AckGap acknowledges a gap with a reason.
 //   - Fair sharing: a worker claims up to ceil(P / live workers) partitions
 //     of each version (live = heartbeat within its lease TTL); a worker over
 //     its share soft-stops and releases the excess; a graceful Stop releases

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -234,6 +235,13 @@ func Blockers(ctx context.Context, db progress.DB, projection string, lsn event.
 	return append(out, qs...), nil
 }
 
+// notMigrated reports an error of a target the projector has not set up
+// yet (its tables do not exist): a wait keeps waiting for it.
+func notMigrated(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && (pg.Code == "42P01" || pg.Code == "3F000" || pg.Code == "42883")
+}
+
 func liveVersion(ctx context.Context, db progress.DB, projection string) (*Version, error) {
 	vs, err := ListVersions(ctx, db, projection)
 	if err != nil {
@@ -290,8 +298,9 @@ func (e *TimeoutError) Unwrap() error { return e.Err }
 // no gap or quarantine before it), with its readiness row. It returns an
 // *IncompleteError at once when an unacknowledged blocking gap or an open
 // quarantined event lies before lsn (waiting cannot help), and a
-// *TimeoutError naming where the archive is when ctx ends first. Polls
-// every interval (default 50ms).
+// *TimeoutError naming where the archive is when ctx ends first (also
+// while the target is not set up yet: no projector has run). Polls every
+// interval (default 50ms).
 func WaitComplete(ctx context.Context, db progress.DB, projection string, lsn event.LSN, interval time.Duration) (*Readiness, error) {
 	if interval <= 0 {
 		interval = 50 * time.Millisecond
@@ -322,7 +331,7 @@ func WaitComplete(ctx context.Context, db progress.DB, projection string, lsn ev
 			if err != nil && ctx.Err() == nil {
 				return last, err
 			}
-		} else if ctx.Err() == nil {
+		} else if ctx.Err() == nil && !notMigrated(err) {
 			return nil, err
 		}
 		select {

@@ -2,15 +2,20 @@ package projection_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
@@ -282,6 +287,35 @@ func TestWaitQuarantineAndTimeout(t *testing.T) {
 	require.NotZero(t, ie.Blockers[0].Quarantine)
 	require.Contains(t, err.Error(), "malformed")
 	require.Contains(t, err.Error(), "after "+hb.String())
+
+	// GET /wait answers the same: 200 before the quarantined event, 409
+	// after it naming it, 504 on a timeout naming where the archive is.
+	srv := httptest.NewServer(projection.WaitHandler(s.Pool(), projection.ArchiveProjection))
+	defer srv.Close()
+	getWait := func(lsn event.LSN, timeout string) (int, map[string]any) {
+		resp, err := http.Get(srv.URL + "?lsn=" + lsn.String() + "&timeout=" + timeout)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var body map[string]any
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
+		return resp.StatusCode, body
+	}
+	code, body := getWait(hb, "10s")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Equal(t, true, body["done"])
+	require.Equal(t, hb.String(), body["complete_up_to"])
+	code, body = getWait(hb2, "10s")
+	require.Equal(t, http.StatusConflict, code, body)
+	require.Len(t, body["blockers"], 1)
+	require.Contains(t, body["blockers"].([]any)[0], "malformed")
+	// Discarded, the entry no longer blocks: the same LSN is complete.
+	_, err = c.Exec(ctx, `UPDATE epitaph.quarantine SET status = 'discarded', resolved_at = now(), resolution_reason = 'test'`)
+	require.NoError(t, err)
+	code, body = getWait(hb2, "10s")
+	require.Equal(t, http.StatusOK, code, body)
+	code, body = getWait(hb2+0x100000, "300ms")
+	require.Equal(t, http.StatusGatewayTimeout, code, body)
+	require.Contains(t, body["error"], "complete up to "+hb2.String())
 }
 
 // gapMetric reads epitaph_projector_gaps for the live version 1.
@@ -304,4 +338,41 @@ func gapMetric(t *testing.T, s *projection.Service, kind, acked string) float64 
 		}
 	}
 	return 0
+}
+
+// Waiting on a target no projector has set up yet is a timeout (exit 2),
+// not an error: the projector may be starting.
+func TestWaitBeforeTheTargetIsSetUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = projection.WaitComplete(wctx, pool, projection.ArchiveProjection, 0x1000, 0)
+	var te *projection.TimeoutError
+	require.ErrorAs(t, err, &te)
+	require.Contains(t, err.Error(), "no live version")
+}
+
+// Lag the workers have not sampled is unknown, never "caught up": with no
+// sample every partition is leased and started, yet the archive is not
+// ready and says why.
+func TestNotReadyWithoutALagSample(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	cfg := e.config("w1")
+	cfg.StatusInterval = time.Hour // no sample during the test
+	e.start(cfg)
+	c := e.conn()
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	hb := e.heartbeat()
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn AND owner = 'w1'`, hb.String()) == 2
+	})
+	st := readStatus(t, c)
+	require.False(t, st.ready)
+	require.Equal(t, []string{"lag not sampled recently for 2 of 2 partitions"}, st.reasons)
+	require.Equal(t, hb.String(), *st.complete, "completeness does not depend on the lag")
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -67,6 +68,7 @@ type Service struct {
 	cancel  context.CancelFunc
 	stopped chan struct{}
 	stop    sync.Once
+	failed  atomic.Pointer[error] // why it stopped on its own (Err)
 }
 
 // workerRetention is how long a worker that stopped heartbeating stays in
@@ -132,10 +134,16 @@ func (s *Service) Start(ctx context.Context) error {
 		s.pool.Close()
 		return err
 	}
-	s.nc, err = nats.Connect(s.cfg.NATSURL,
-		nats.Name("epitaph-projector "+s.cfg.WorkerID),
-		nats.MaxReconnects(-1), nats.ReconnectWait(250*time.Millisecond),
-		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1))
+	auth, err := s.cfg.NATSAuth.Options(s.cfg.NATSURL)
+	if err != nil {
+		s.pool.Close()
+		return err
+	}
+	s.nc, err = nats.Connect(s.cfg.NATSURL, append([]nats.Option{
+		nats.Name("epitaph-projector " + s.cfg.WorkerID),
+		nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond),
+		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1),
+		nats.ClosedHandler(s.natsClosed)}, auth...)...)
 	if err != nil {
 		s.pool.Close()
 		return fmt.Errorf("connect to NATS %s: %w", redactURL(s.cfg.NATSURL), err)
@@ -206,6 +214,41 @@ func (s *Service) Stop() {
 
 // Done is closed when the background loop has ended.
 func (s *Service) Done() <-chan struct{} { return s.stopped }
+
+// Err is why the service stopped on its own (its NATS connection was
+// closed for good, as when the server refuses the credentials); nil when
+// it was stopped.
+func (s *Service) Err() error {
+	if e := s.failed.Load(); e != nil {
+		return *e
+	}
+	return nil
+}
+
+// natsClosed stops the service when its NATS connection is closed for good
+// (nats.go gives up after the server refused the credentials twice): the
+// worker would otherwise keep its partitions' leases, renewed in Postgres,
+// without ever applying an event.
+func (s *Service) natsClosed(nc *nats.Conn) {
+	s.mu.Lock()
+	closing := s.closing
+	s.mu.Unlock()
+	if closing {
+		return
+	}
+	cause := nc.LastError()
+	if cause == nil {
+		cause = nats.ErrConnectionClosed
+	}
+	err := fmt.Errorf("NATS connection to %s closed: %w", redactURL(s.cfg.NATSURL), cause)
+	if errors.Is(cause, nats.ErrAuthorization) || errors.Is(cause, nats.ErrAuthExpired) || errors.Is(cause, nats.ErrAuthRevoked) ||
+		errors.Is(cause, nats.ErrAccountAuthExpired) {
+		err = fmt.Errorf("%w (give the projector's credentials: --nats-creds FILE, or --nats-nkey, --nats-user; with the capture's embedded broker: --nats-creds <its data dir>/nats/projector.creds)", err)
+	}
+	s.failed.CompareAndSwap(nil, &err)
+	s.log.Error("stopping: the NATS connection is closed for good", "err", err)
+	go s.Stop()
+}
 
 // run is the coordinator: heartbeat, balance leases, start and stop
 // partition workers, refresh status metrics.

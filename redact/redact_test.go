@@ -17,6 +17,10 @@ func TestURL(t *testing.T) {
 		{"host=db user=u password=s3cret dbname=app", "host=db user=u password=xxxxx dbname=app"},
 		{"host=db password='s3 cret' dbname=app", "host=db password=xxxxx dbname=app"},
 		{"postgres://u@db/app", "postgres://u@db/app"},
+		{"nats://s3cret@127.0.0.1:4222", "nats://xxxxx@127.0.0.1:4222"},
+		{"tls://s3cret@nats:4222", "tls://xxxxx@nats:4222"},
+		{"nats://s3cret@a:4222,nats://n:s3cret@b:4222", "nats://xxxxx@a:4222,nats://n:xxxxx@b:4222"},
+		{"nats://a:4222,nats://b:4222", "nats://a:4222,nats://b:4222"},
 	}
 	for _, c := range cases {
 		require.Equal(t, c.want, redact.URL(c.in), c.in)
@@ -24,4 +28,6 @@ func TestURL(t *testing.T) {
 	}
 	msg := `connect postgres://u:s3cret@db/app: failed (password=s3cret)`
 	require.NotContains(t, redact.Text(msg), "s3cret")
+	msg = `connect to NATS at nats://s3cret@127.0.0.1:4222: refused; also nats://n:s3cret@b:4222`
+	require.Equal(t, `connect to NATS at nats://xxxxx@127.0.0.1:4222: refused; also nats://n:xxxxx@b:4222`, redact.Text(msg))
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 func main() {
@@ -87,6 +88,10 @@ refused, never replaced by the default.`,
 	f.Int(&cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created", cli.Min(1), cli.Max(5))
 	f.Bool(&cfg.Standby, "standby", "EPITAPH_STANDBY", false, "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it", cli.Positive())
+	// NATS authentication (issue 11): the flags both binaries share.
+	for _, nf := range natsconn.Flags {
+		f.String(nf.Field(&cfg.NATSAuth), nf.Name, nf.Env, "", nf.Usage+"; external server only")
+	}
 	// Trust: the key the capture signs with.
 	f.String(&cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
 	// Following the source's schema while streaming (issue 12).

@@ -127,3 +127,21 @@ func TestConventions(t *testing.T) {
 	require.Equal(t, 0, code)
 	require.Contains(t, stdout, "__start_capture")
 }
+
+// NATS credentials go with an external server only; contradictory ones
+// are refused in one line.
+func TestNATSAuthFlagsAreChecked(t *testing.T) {
+	t.Setenv("EPITAPH_SOURCE_URL", "postgres://u:secret@127.0.0.1:1/db")
+	t.Setenv("EPITAPH_NATS_URL", "")
+	err := run([]string{"--metrics-addr", "", "--nats-creds", "/x/projector.creds"})
+	require.ErrorContains(t, err, "are for an external JetStream server (EPITAPH_NATS_URL): the embedded one makes its own credentials under <data-dir>/nats")
+
+	t.Setenv("EPITAPH_NATS_URL", "nats://127.0.0.1:1")
+	t.Setenv("EPITAPH_NATS_USER", "capture")
+	err = run([]string{"--metrics-addr", ""})
+	require.ErrorContains(t, err, "--nats-user needs --nats-password-file (EPITAPH_NATS_PASSWORD_FILE)")
+	err = run([]string{"--metrics-addr", "", "--nats-password-file", "/x/pw", "--nats-creds", "/x/c.creds"})
+	require.ErrorContains(t, err, "NATS credentials given twice (--nats-creds, --nats-user)")
+	require.NotContains(t, err.Error(), "\n")
+	require.NotContains(t, err.Error(), "secret")
+}

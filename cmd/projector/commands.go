@@ -8,9 +8,11 @@ import (
 	"log/slog"
 	"os"
 
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
@@ -103,6 +105,7 @@ type common struct {
 	targetURL  string
 	natsURL    string
 	sourceName string
+	natsAuth   natsconn.Auth
 	env        *Env
 }
 
@@ -113,6 +116,14 @@ func commonFlags(cmd *cobra.Command, env *Env) *common {
 	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: EPITAPH_SOURCE_URL)")
 	f.String(&c.natsURL, "nats-url", "EPITAPH_NATS_URL", "nats://127.0.0.1:4222", "JetStream URL")
 	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name")
+	// NATS authentication (issue 11): the flags both binaries share.
+	for _, nf := range natsconn.Flags {
+		usage := nf.Usage
+		if nf.Name == "nats-creds" {
+			usage += "; with the capture's embedded broker: <its data dir>/nats/projector.creds"
+		}
+		f.String(nf.Field(&c.natsAuth), nf.Name, nf.Env, "", usage)
+	}
 	return c
 }
 
@@ -123,7 +134,19 @@ func (c *common) check() error {
 	if c.targetURL == "" {
 		return cli.Usage("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
 	}
+	if err := c.natsAuth.Validate(c.natsURL); err != nil {
+		return cli.Usage("%w", err)
+	}
 	return nil
+}
+
+// natsConnect connects to NATS with the authentication flags.
+func (c *common) natsConnect(opts ...nats.Option) (*nats.Conn, error) {
+	auth, err := c.natsAuth.Options(c.natsURL)
+	if err != nil {
+		return nil, err
+	}
+	return nats.Connect(c.natsURL, append(opts, auth...)...)
 }
 
 // jsonFlag registers --json.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"log/slog"
 	"strings"
 	"testing"
@@ -65,4 +66,15 @@ func projector(t *testing.T, vars map[string]string, args ...string) (int, strin
 	err := dispatch(context.Background(), args, env)
 	code := cli.Report(&stderr, "projector", err)
 	return code, stdout.String(), stderr.String()
+}
+
+// Contradictory NATS credentials are refused before anything connects.
+func TestNATSAuthFlagsAreChecked(t *testing.T) {
+	t.Parallel()
+	vars := map[string]string{"EPITAPH_TARGET_URL": "postgres://nobody@127.0.0.1:1/none", "EPITAPH_NATS_NKEY": "/x/seed"}
+	env := &Env{Getenv: func(k string) string { return vars[k] }, Stdout: io.Discard, Stderr: io.Discard, Logger: slog.New(slog.DiscardHandler)}
+	for _, cmd := range [][]string{{"run", "--nats-creds", "/x/c.creds"}, {"status", "--nats-creds", "/x/c.creds"}, {"quarantine", "list", "--nats-creds", "/x/c.creds"}} {
+		err := dispatch(context.Background(), cmd, env)
+		require.ErrorContains(t, err, "NATS credentials given twice (--nats-creds, --nats-nkey)", "%v", cmd)
+	}
 }

@@ -419,7 +419,7 @@ func replayApplier(cmd *cobra.Command, env *Env) func(ctx context.Context, c *co
 		}
 		cfg := projection.ReplayConfig{ArchiveTTL: ttlMap, SnapshotRoots: splitList(roots), MaxRowBytes: maxRow}
 		closeFn := func() {}
-		nc, err := nats.Connect(c.natsURL, nats.Name("epitaph-projector quarantine replay"), nats.Timeout(5*time.Second))
+		nc, err := c.natsConnect(nats.Name("epitaph-projector quarantine replay"), nats.Timeout(5*time.Second))
 		if err != nil {
 			env.Logger.Warn("no JetStream connection: events with large rows (row_ref) cannot be replayed",
 				"nats", redact(c.natsURL), "err", err)

@@ -76,7 +76,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		return err
 	}
 	svc, err := projection.New(projection.Config{
-		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: o.worker,
+		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
@@ -105,7 +105,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	svc.Stop()
 	srv.Stop()
-	return nil
+	return svc.Err()
 }
 
 // splitList splits a comma-separated list, dropping empty items.

@@ -49,7 +49,7 @@ quarantine).`,
 		}
 		defer pool.Close()
 		var js jetstream.JetStream
-		if nc, err := nats.Connect(c.natsURL, nats.Timeout(3*time.Second)); err == nil {
+		if nc, err := c.natsConnect(nats.Timeout(3 * time.Second)); err == nil {
 			defer nc.Close()
 			js, _ = jetstream.New(nc)
 		} else {

@@ -38,7 +38,7 @@ func connectBoth(ctx context.Context, c *common) (*pgxpool.Pool, jetstream.JetSt
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	nc, err := nats.Connect(c.natsURL, nats.Name("epitaph-projector cli"), nats.Timeout(5*time.Second))
+	nc, err := c.natsConnect(nats.Name("epitaph-projector cli"), nats.Timeout(5*time.Second))
 	if err != nil {
 		pool.Close()
 		return nil, nil, nil, fmt.Errorf("connect to NATS %s: %w", redact(c.natsURL), err)

@@ -2,7 +2,9 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -10,7 +12,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nats.go"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
@@ -80,6 +85,36 @@ func CaptureEnv(sourceURL, natsURL, listen, dataDir, metricsAddr, source, slot s
 		"EPITAPH_SLOT=" + slot,
 		"EPITAPH_PUBLICATION=" + slot,
 	}
+}
+
+// EmbeddedCreds authenticates as the projector role to the embedded broker
+// of a capture with dataDir, reading its credentials file at each connect:
+// the capture writes it before its broker listens, so a client made before
+// the capture starts (retrying its connection) finds it when it gets in.
+// (nats.UserCredentials would refuse the option while the file is missing.)
+func EmbeddedCreds(dataDir string) nats.Option {
+	path := broker.ProjectorCreds(filepath.Join(dataDir, "nats"))
+	return nats.UserJWT(func() (string, error) {
+		raw, err := os.ReadFile(path)
+		if errors.Is(err, fs.ErrNotExist) {
+			return "", nil // not yet: no credentials, the server refuses and the client retries
+		}
+		if err != nil {
+			return "", fmt.Errorf("read %s: %w", path, err)
+		}
+		return jwt.ParseDecoratedJWT(raw)
+	}, func(nonce []byte) ([]byte, error) {
+		raw, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", path, err)
+		}
+		kp, err := jwt.ParseDecoratedNKey(raw)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		defer kp.Wipe()
+		return kp.Sign(nonce)
+	})
 }
 
 // ProjectorEnv is the environment of a projector worker.

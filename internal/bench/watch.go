@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"sort"
 	"strconv"
 	"strings"
@@ -26,9 +27,10 @@ type StreamWatch struct {
 	source string
 }
 
-// WatchStream connects to natsURL (retrying while the server comes up).
-func WatchStream(natsURL, source string) (*StreamWatch, error) {
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.RetryOnFailedConnect(true), nats.ReconnectWait(100*time.Millisecond))
+// WatchStream connects to natsURL (retrying while the server comes up);
+// opts add credentials (see WaitCreds).
+func WatchStream(natsURL, source string, opts ...nats.Option) (*StreamWatch, error) {
+	nc, err := nats.Connect(natsURL, append([]nats.Option{nats.MaxReconnects(-1), nats.RetryOnFailedConnect(true), nats.ReconnectWait(100 * time.Millisecond)}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("connect nats: %w", err)
 	}
@@ -246,6 +248,26 @@ func WaitCaptureReady(ctx context.Context, watch *StreamWatch, sourceURL, slot s
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// WaitCreds waits until the credentials file a capture's embedded broker
+// writes on its first start exists (the capture's data dir, nats/), and
+// returns the option that authenticates with it.
+func WaitCreds(ctx context.Context, path string, timeout time.Duration) (nats.Option, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		if st, err := os.Stat(path); err == nil && st.Size() > 0 {
+			return nats.UserCredentials(path), nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("no credentials file %s after %s", path, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
 		case <-time.After(50 * time.Millisecond):
 		}
 	}

@@ -91,8 +91,11 @@ func run(ctx context.Context) error {
 	if err := waitHTTP(ctx, fmt.Sprintf("http://127.0.0.1:%d/healthz", capMetrics), capture); err != nil {
 		return err
 	}
-	step("starting a projector worker")
-	projector, err := startProc(ctx, dir, "projector", append(env, "EPITAPH_NATS_URL=nats://"+natsListen,
+	// The embedded broker requires credentials; the capture made the
+	// projector's on its first start.
+	projectorCreds := filepath.Join(dir, "data", "nats", "projector.creds")
+	step("starting a projector worker (--nats-creds " + projectorCreds + ")")
+	projector, err := startProc(ctx, dir, "projector", append(env, "EPITAPH_NATS_URL=nats://"+natsListen, "EPITAPH_NATS_CREDS="+projectorCreds,
 		fmt.Sprintf("EPITAPH_METRICS_ADDR=127.0.0.1:%d", projMetrics), "EPITAPH_WORKER_ID=demo-worker"), "run")
 	if err != nil {
 		return err
@@ -158,7 +161,7 @@ ORDER BY seq`); err != nil {
 		return err
 	}
 	step("projector status")
-	out, err := exec.CommandContext(ctx, filepath.Join("bin", "projector"), "status", "--target-url", url, "--nats-url", "nats://"+natsListen).CombinedOutput()
+	out, err := exec.CommandContext(ctx, filepath.Join("bin", "projector"), "status", "--target-url", url, "--nats-url", "nats://"+natsListen, "--nats-creds", projectorCreds).CombinedOutput()
 	fmt.Print(indent(string(out)))
 	if err != nil {
 		return fmt.Errorf("projector status: %w", err)

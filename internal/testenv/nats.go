@@ -19,6 +19,9 @@ type NATS struct {
 	srv    *broker.Server
 	URL    string
 	Listen string
+	// Opts are added to Connect's options (credentials for a server that
+	// requires them, such as a capture's embedded broker).
+	Opts []nats.Option
 }
 
 // NewNATS starts a JetStream server with file storage in a temp dir on a
@@ -87,7 +90,7 @@ func (n *NATS) StoreDir() string { return n.cfg.StoreDir }
 // test ends.
 func (n *NATS) Connect(tb testing.TB) (*nats.Conn, jetstream.JetStream) {
 	tb.Helper()
-	nc, err := nats.Connect(n.URL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	nc, err := nats.Connect(n.URL, append([]nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(100 * time.Millisecond)}, n.Opts...)...)
 	if err != nil {
 		tb.Fatalf("testenv: connect nats: %v", err)
 	}

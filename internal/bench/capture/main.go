@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 
 	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/internal/bench"
@@ -129,7 +130,7 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 		return err
 	}
 	env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "backlog-data"), metrics, "main", "epitaph")
-	watch, err := bench.WatchStream("nats://"+listen, "main")
+	watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(filepath.Join(dir, "backlog-data")))
 	if err != nil {
 		return err
 	}
@@ -149,7 +150,7 @@ func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, 
 	}
 	envDefault := append(bench.CaptureEnv(url, "", listenDefault, filepath.Join(dir, "backlog-data-default"), metricsDefault, "main", "epitaph_default"),
 		"EPITAPH_STREAM_PERSIST=default")
-	watchDefault, err := bench.WatchStream("nats://"+listenDefault, "main")
+	watchDefault, err := bench.WatchStream("nats://"+listenDefault, "main", bench.EmbeddedCreds(filepath.Join(dir, "backlog-data-default")))
 	if err != nil {
 		return err
 	}
@@ -347,7 +348,11 @@ func bigTransaction(ctx context.Context, pg *testenv.Postgres, captureBin, dir s
 		natsURL = "nats://" + listen
 	}
 	env := bench.CaptureEnv(url, natsURL, listen, filepath.Join(dir, name+"-data"), metrics, "main", "epitaph_"+name)
-	watch, err := bench.WatchStream("nats://"+listen, "main")
+	var creds []nats.Option
+	if !external {
+		creds = append(creds, bench.EmbeddedCreds(filepath.Join(dir, name+"-data")))
+	}
+	watch, err := bench.WatchStream("nats://"+listen, "main", creds...)
 	if err != nil {
 		return err
 	}

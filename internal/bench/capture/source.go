@@ -123,7 +123,7 @@ func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir strin
 			return nil, err
 		}
 		env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "source-cost-data"), metrics, "main", "epitaph_source_cost")
-		watch, err := bench.WatchStream("nats://"+listen, "main")
+		watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(filepath.Join(dir, "source-cost-data")))
 		if err != nil {
 			return nil, err
 		}

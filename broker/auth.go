@@ -1,0 +1,288 @@
+package broker
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nkeys"
+)
+
+// Auth makes an embedded server require credentials (DESIGN section 6,
+// "One writer"). The server runs in operator mode with an in-memory account
+// resolver: one operator, a system account and one account with JetStream,
+// whose two users are the roles
+//
+//   - capture: publishes the source's subjects (epitaph.<source>.>), manages
+//     its stream and object store (the JetStream API, $O.>);
+//   - projector: consumes (creates, reads and deletes its consumers, fetches
+//     and acknowledges), reads stream information, messages and the object
+//     store; it cannot publish to epitaph.> or write objects.
+//
+// The keys live in Dir and are made on the first start, so every restart
+// keeps the same identities; the users' credentials are Dir/capture.creds
+// and Dir/projector.creds in the standard NATS format (nats.UserCredentials
+// reads them). Dir is 0700, every file in it 0600.
+type Auth struct {
+	// Dir holds the keys and the credentials files. Required.
+	Dir string
+	// Source is the source name: the capture may publish epitaph.<Source>.>.
+	Source string
+}
+
+// Credentials file names in Auth.Dir.
+const (
+	CaptureCredsFile   = "capture.creds"
+	ProjectorCredsFile = "projector.creds"
+)
+
+// CaptureCreds and ProjectorCreds are the paths of the roles' credentials
+// under dir (an Auth.Dir).
+func CaptureCreds(dir string) string   { return filepath.Join(dir, CaptureCredsFile) }
+func ProjectorCreds(dir string) string { return filepath.Join(dir, ProjectorCredsFile) }
+
+// Key seed files in Auth.Dir (never shown; only the server's process reads them).
+const (
+	operatorSeedFile = "operator.nk"
+	systemSeedFile   = "system-account.nk"
+	accountSeedFile  = "account.nk"
+)
+
+// AccountName is the name in the JWT of the account the roles share.
+const AccountName = "EPITAPH"
+
+// CapturePermissions are what the capture role may do.
+func CapturePermissions(source string) jwt.Permissions {
+	return jwt.Permissions{
+		Pub: jwt.Permission{Allow: jwt.StringList{
+			"epitaph." + source + ".>",
+			"$JS.API.>", // its stream and object store: create, update, info, get
+			"$O.>",      // object store puts (rows larger than a message)
+			"$JS.ACK.>", "$JS.FC.>",
+		}},
+		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
+	}
+}
+
+// ProjectorPermissions are what the projector role may do: exactly what the
+// projector (run, status, versions, quarantine replay, wait) uses.
+func ProjectorPermissions() jwt.Permissions {
+	return jwt.Permissions{
+		Pub: jwt.Permission{
+			Allow: jwt.StringList{
+				"$JS.API.INFO",
+				"$JS.API.STREAM.INFO.*",
+				"$JS.API.STREAM.NAMES",
+				"$JS.API.STREAM.LIST",
+				"$JS.API.STREAM.MSG.GET.*",
+				"$JS.API.DIRECT.GET.>",
+				"$JS.API.CONSUMER.>", // create, info, delete its consumers; fetch (MSG.NEXT)
+				"$JS.ACK.>",          // acknowledge what it applied
+				"$JS.FC.>",           // flow control of the object store's ordered consumer
+			},
+			// Stated for whoever reads the JWT: never the stream, never objects.
+			Deny: jwt.StringList{"epitaph.>", "$O.>"},
+		},
+		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
+	}
+}
+
+// identities are the keys of an embedded server's operator mode.
+type identities struct {
+	operator, system, account nkeys.KeyPair
+	opClaims                  *jwt.OperatorClaims
+	accountJWT, systemJWT     string
+}
+
+// ensureAuth makes (or loads) the keys and credentials under a.Dir and
+// sets the server options that enforce them. It returns the account's
+// public key (the name of its JetStream directory).
+func ensureAuth(a Auth, opts *server.Options) (string, error) {
+	if a.Dir == "" {
+		return "", errors.New("embedded jetstream: a credentials directory is required")
+	}
+	if err := os.MkdirAll(a.Dir, 0o700); err != nil {
+		return "", fmt.Errorf("embedded jetstream: credentials directory: %w", err)
+	}
+	if err := os.Chmod(a.Dir, 0o700); err != nil {
+		return "", fmt.Errorf("embedded jetstream: credentials directory: %w", err)
+	}
+	var id identities
+	var err error
+	if id.operator, err = loadOrMakeSeed(filepath.Join(a.Dir, operatorSeedFile), nkeys.CreateOperator); err != nil {
+		return "", err
+	}
+	if id.system, err = loadOrMakeSeed(filepath.Join(a.Dir, systemSeedFile), nkeys.CreateAccount); err != nil {
+		return "", err
+	}
+	if id.account, err = loadOrMakeSeed(filepath.Join(a.Dir, accountSeedFile), nkeys.CreateAccount); err != nil {
+		return "", err
+	}
+	opPub, _ := id.operator.PublicKey()
+	sysPub, _ := id.system.PublicKey()
+	accPub, _ := id.account.PublicKey()
+
+	id.opClaims = jwt.NewOperatorClaims(opPub)
+	id.opClaims.Name = "epitaph"
+	id.opClaims.SystemAccount = sysPub
+	if _, err := id.opClaims.Encode(id.operator); err != nil {
+		return "", fmt.Errorf("embedded jetstream: operator: %w", err)
+	}
+	sys := jwt.NewAccountClaims(sysPub)
+	sys.Name = "SYS"
+	if id.systemJWT, err = sys.Encode(id.operator); err != nil {
+		return "", fmt.Errorf("embedded jetstream: system account: %w", err)
+	}
+	acc := jwt.NewAccountClaims(accPub)
+	acc.Name = AccountName
+	acc.Limits.JetStreamLimits = jwt.JetStreamLimits{MemoryStorage: -1, DiskStorage: -1, Streams: -1, Consumer: -1}
+	if id.accountJWT, err = acc.Encode(id.operator); err != nil {
+		return "", fmt.Errorf("embedded jetstream: account: %w", err)
+	}
+
+	if err := ensureCreds(CaptureCreds(a.Dir), "capture", id.account, CapturePermissions(a.Source)); err != nil {
+		return "", err
+	}
+	if err := ensureCreds(ProjectorCreds(a.Dir), "projector", id.account, ProjectorPermissions()); err != nil {
+		return "", err
+	}
+
+	res := &server.MemAccResolver{}
+	if err := res.Store(sysPub, id.systemJWT); err != nil {
+		return "", fmt.Errorf("embedded jetstream: system account: %w", err)
+	}
+	if err := res.Store(accPub, id.accountJWT); err != nil {
+		return "", fmt.Errorf("embedded jetstream: account: %w", err)
+	}
+	opts.TrustedOperators = []*jwt.OperatorClaims{id.opClaims}
+	opts.AccountResolver = res
+	opts.SystemAccount = sysPub
+	return accPub, nil
+}
+
+// loadOrMakeSeed reads an nkey seed file, or makes the key and writes it
+// (0600) when the file does not exist.
+func loadOrMakeSeed(path string, create func() (nkeys.KeyPair, error)) (nkeys.KeyPair, error) {
+	raw, err := os.ReadFile(path)
+	if err == nil {
+		kp, err := nkeys.FromSeed(bytes.TrimSpace(raw))
+		if err != nil {
+			return nil, fmt.Errorf("embedded jetstream: key %s is not an nkey seed (remove the credentials directory to make new keys: every client then needs the new .creds files)", path)
+		}
+		if err := os.Chmod(path, 0o600); err != nil {
+			return nil, fmt.Errorf("embedded jetstream: key %s: %w", path, err)
+		}
+		return kp, nil
+	}
+	if !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("embedded jetstream: read key: %w", err)
+	}
+	kp, err := create()
+	if err != nil {
+		return nil, fmt.Errorf("embedded jetstream: make key: %w", err)
+	}
+	seed, _ := kp.Seed()
+	if err := writeFileAtomic(path, append(seed, '\n')); err != nil {
+		return nil, err
+	}
+	return kp, nil
+}
+
+// ensureCreds keeps the user of an existing credentials file (its key) and
+// writes a new JWT only when the file is missing, not issued by this
+// account, or grants other permissions than perms; so a restart neither
+// changes a role's identity nor rewrites a file a client may be reading.
+func ensureCreds(path, name string, account nkeys.KeyPair, perms jwt.Permissions) error {
+	accPub, _ := account.PublicKey()
+	var user nkeys.KeyPair
+	if raw, err := os.ReadFile(path); err == nil {
+		if kp, err := jwt.ParseDecoratedNKey(raw); err == nil {
+			if tok, err := jwt.ParseDecoratedJWT(raw); err == nil {
+				if uc, err := jwt.DecodeUserClaims(tok); err == nil && uc.Issuer == accPub && samePermissions(uc.Permissions, perms) {
+					if pub, _ := kp.PublicKey(); pub == uc.Subject {
+						return os.Chmod(path, 0o600)
+					}
+				}
+			}
+			user = kp
+		}
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("embedded jetstream: read %s: %w", path, err)
+	}
+	if user == nil {
+		kp, err := nkeys.CreateUser()
+		if err != nil {
+			return fmt.Errorf("embedded jetstream: make user key: %w", err)
+		}
+		user = kp
+	}
+	pub, _ := user.PublicKey()
+	uc := jwt.NewUserClaims(pub)
+	uc.Name = name
+	uc.Permissions = perms
+	tok, err := uc.Encode(account)
+	if err != nil {
+		return fmt.Errorf("embedded jetstream: %s credentials: %w", name, err)
+	}
+	seed, _ := user.Seed()
+	creds, err := jwt.FormatUserConfig(tok, seed)
+	if err != nil {
+		return fmt.Errorf("embedded jetstream: %s credentials: %w", name, err)
+	}
+	return writeFileAtomic(path, creds)
+}
+
+func samePermissions(a, b jwt.Permissions) bool {
+	ja, _ := json.Marshal(a)
+	jb, _ := json.Marshal(b)
+	return bytes.Equal(ja, jb)
+}
+
+// writeFileAtomic writes a 0600 file by renaming a complete temporary one
+// over it.
+func writeFileAtomic(path string, data []byte) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
+	if err != nil {
+		return fmt.Errorf("embedded jetstream: write %s: %w", path, err)
+	}
+	defer os.Remove(tmp.Name()) // after the rename, a no-op
+	if err := tmp.Chmod(0o600); err == nil {
+		if _, err = tmp.Write(data); err == nil {
+			err = tmp.Sync()
+		}
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), path)
+	}
+	if err != nil {
+		return fmt.Errorf("embedded jetstream: write %s: %w", path, err)
+	}
+	return nil
+}
+
+// migrateGlobalAccount moves JetStream data written by an embedded server
+// without authentication (account $G) to the account the roles use, so a
+// capture upgraded in place keeps its stream.
+func migrateGlobalAccount(storeDir, accountDir string) error {
+	js := filepath.Join(storeDir, "jetstream")
+	from, to := filepath.Join(js, server.DEFAULT_GLOBAL_ACCOUNT), filepath.Join(js, accountDir)
+	if _, err := os.Stat(from); err != nil {
+		return nil
+	}
+	if _, err := os.Stat(to); err == nil {
+		return nil
+	}
+	if err := os.Rename(from, to); err != nil {
+		return fmt.Errorf("embedded jetstream: move the unauthenticated server's data to account %s: %w", AccountName, err)
+	}
+	return nil
+}

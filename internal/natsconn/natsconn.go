@@ -1,0 +1,183 @@
+// Package natsconn turns the NATS authentication settings both binaries
+// take (--nats-creds, --nats-nkey, --nats-user with --nats-password-file,
+// --nats-tls-ca, --nats-tls-cert with --nats-tls-key) into nats.Options,
+// in one place. Secrets are read from files and never printed: errors name
+// the flag and the file, never its content.
+package natsconn
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
+)
+
+// Auth is how a client authenticates to a NATS server. The zero value
+// authenticates with what the URL carries (nothing, a token or user:pass).
+type Auth struct {
+	// CredsFile is a .creds file (user JWT and nkey seed), such as the
+	// projector.creds the capture's embedded broker writes.
+	CredsFile string
+	// NkeyFile is a file holding a user nkey seed (SU...).
+	NkeyFile string
+	// User and PasswordFile: a user and the file holding its password
+	// (one line; a trailing newline is ignored).
+	User         string
+	PasswordFile string
+	// TLSCA verifies the server's certificate (PEM); TLSCert and TLSKey are
+	// a client certificate and its key, for servers that verify clients.
+	TLSCA   string
+	TLSCert string
+	TLSKey  string
+}
+
+// Flag is one of the settings' command-line flag and environment variable.
+type Flag struct {
+	Name, Env, Usage string
+	Field            func(*Auth) *string
+}
+
+// Flags are the flags of Auth, the same in every binary.
+var Flags = []Flag{
+	{"nats-creds", "EPITAPH_NATS_CREDS", "NATS credentials file (JWT and nkey seed), e.g. <capture data dir>/nats/projector.creds", func(a *Auth) *string { return &a.CredsFile }},
+	{"nats-nkey", "EPITAPH_NATS_NKEY", "file holding a NATS user nkey seed", func(a *Auth) *string { return &a.NkeyFile }},
+	{"nats-user", "EPITAPH_NATS_USER", "NATS user (with --nats-password-file)", func(a *Auth) *string { return &a.User }},
+	{"nats-password-file", "EPITAPH_NATS_PASSWORD_FILE", "file holding the NATS user's password", func(a *Auth) *string { return &a.PasswordFile }},
+	{"nats-tls-ca", "EPITAPH_NATS_TLS_CA", "CA certificate (PEM) that verifies the NATS server", func(a *Auth) *string { return &a.TLSCA }},
+	{"nats-tls-cert", "EPITAPH_NATS_TLS_CERT", "client certificate (PEM) for NATS, with --nats-tls-key", func(a *Auth) *string { return &a.TLSCert }},
+	{"nats-tls-key", "EPITAPH_NATS_TLS_KEY", "client certificate key (PEM) for NATS", func(a *Auth) *string { return &a.TLSKey }},
+}
+
+// IsZero reports whether no setting is given.
+func (a Auth) IsZero() bool { return a == Auth{} }
+
+// HasCredentials reports whether a credential (creds, nkey or user) is given.
+func (a Auth) HasCredentials() bool { return a.CredsFile != "" || a.NkeyFile != "" || a.User != "" }
+
+// Validate refuses contradictory settings with one line naming the flags.
+// url is the server URL the settings go with (a credential in it and one in
+// a flag contradict).
+func (a Auth) Validate(url string) error {
+	var given []string
+	if a.CredsFile != "" {
+		given = append(given, "--nats-creds")
+	}
+	if a.NkeyFile != "" {
+		given = append(given, "--nats-nkey")
+	}
+	if a.User != "" || a.PasswordFile != "" {
+		given = append(given, "--nats-user")
+	}
+	var errs []string
+	if len(given) > 1 {
+		errs = append(errs, "NATS credentials given twice ("+strings.Join(given, ", ")+"): use one of --nats-creds, --nats-nkey, --nats-user")
+	}
+	if a.User != "" && a.PasswordFile == "" {
+		errs = append(errs, "--nats-user needs --nats-password-file (EPITAPH_NATS_PASSWORD_FILE)")
+	}
+	if a.PasswordFile != "" && a.User == "" {
+		errs = append(errs, "--nats-password-file needs --nats-user (EPITAPH_NATS_USER)")
+	}
+	if (a.TLSCert == "") != (a.TLSKey == "") {
+		errs = append(errs, "--nats-tls-cert and --nats-tls-key go together")
+	}
+	if len(given) > 0 && urlHasCredentials(url) {
+		errs = append(errs, "the NATS URL carries credentials and "+given[0]+" gives others: use one")
+	}
+	if len(errs) > 0 {
+		return errors.New(strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+// urlHasCredentials reports whether any URL of a comma-separated list has
+// userinfo (a token or user:password).
+func urlHasCredentials(url string) bool {
+	for _, u := range strings.Split(url, ",") {
+		u = strings.TrimSpace(u)
+		if i := strings.Index(u, "://"); i >= 0 {
+			u = u[i+3:]
+		}
+		if j := strings.IndexAny(u, "/?"); j >= 0 {
+			u = u[:j]
+		}
+		if strings.Contains(u, "@") {
+			return true
+		}
+	}
+	return false
+}
+
+// Options validates the settings, reads the secret files and returns the
+// nats.Options that authenticate with them. Every file is checked now, so
+// a missing or unreadable one is one clear error at start, not a refused
+// connection later.
+func (a Auth) Options(url string) ([]nats.Option, error) {
+	if err := a.Validate(url); err != nil {
+		return nil, err
+	}
+	var opts []nats.Option
+	switch {
+	case a.CredsFile != "":
+		if err := readable("--nats-creds", a.CredsFile); err != nil {
+			return nil, err
+		}
+		opts = append(opts, nats.UserCredentials(a.CredsFile))
+	case a.NkeyFile != "":
+		raw, err := os.ReadFile(a.NkeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-nkey: %w", err)
+		}
+		kp, err := nkeys.FromSeed([]byte(strings.TrimSpace(string(raw))))
+		if err != nil {
+			return nil, fmt.Errorf("--nats-nkey %s: not an nkey seed", a.NkeyFile)
+		}
+		pub, err := kp.PublicKey()
+		if err != nil || !nkeys.IsValidPublicUserKey(pub) {
+			return nil, fmt.Errorf("--nats-nkey %s: not a user nkey seed (SU...)", a.NkeyFile)
+		}
+		kp.Wipe()
+		opt, err := nats.NkeyOptionFromSeed(a.NkeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-nkey %s: not a user nkey seed", a.NkeyFile)
+		}
+		opts = append(opts, opt)
+	case a.User != "":
+		raw, err := os.ReadFile(a.PasswordFile)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-password-file: %w", err)
+		}
+		pw := strings.TrimRight(string(raw), "\r\n")
+		if pw == "" {
+			return nil, fmt.Errorf("--nats-password-file %s is empty", a.PasswordFile)
+		}
+		opts = append(opts, nats.UserInfo(a.User, pw))
+	}
+	if a.TLSCA != "" {
+		if err := readable("--nats-tls-ca", a.TLSCA); err != nil {
+			return nil, err
+		}
+		opts = append(opts, nats.RootCAs(a.TLSCA))
+	}
+	if a.TLSCert != "" {
+		if err := readable("--nats-tls-cert", a.TLSCert); err != nil {
+			return nil, err
+		}
+		if err := readable("--nats-tls-key", a.TLSKey); err != nil {
+			return nil, err
+		}
+		opts = append(opts, nats.ClientCert(a.TLSCert, a.TLSKey))
+	}
+	return opts, nil
+}
+
+func readable(flag, path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return fmt.Errorf("%s: %w", flag, err)
+	}
+	return f.Close()
+}
