@@ -79,7 +79,7 @@ func TestRestartNeverDuplicates(t *testing.T) {
 	require.Less(t, c, ms[0].ev.CommitLSN, "nothing was confirmed: the restart re-read everything")
 
 	// A third run with more deletes after the stream's tail.
-	svc = e.start(t, cfg)
+	e.start(t, cfg)
 	e.exec(t, `INSERT INTO items VALUES (1, 'again'); DELETE FROM items`)
 	ms = e.messages(t, "main", 30000+2+4+2)
 	require.Len(t, ms, 30000+2+4+2)
