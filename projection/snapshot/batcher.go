@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -166,7 +167,13 @@ func (b *Batcher) loop(ctx context.Context) {
 	log := b.cfg.Logger.With("component", "snapshot-batcher")
 	timer := time.NewTimer(0)
 	defer timer.Stop()
-	failures := 0
+	// Transient failures (database down): back off with jitter, up to a
+	// minute.
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 2 * b.cfg.Interval
+	bo.MaxInterval = max(time.Minute, bo.InitialInterval)
+	bo.MaxElapsedTime = 0 // never backoff.Stop
+	bo.Reset()
 	for {
 		select {
 		case <-ctx.Done():
@@ -178,12 +185,10 @@ func (b *Batcher) loop(ctx context.Context) {
 		err := b.tick(ctx)
 		wait := b.cfg.Interval
 		if err != nil && ctx.Err() == nil {
-			failures++
-			// Transient (database down): back off, up to a minute.
-			wait = min(b.cfg.Interval<<min(failures, 6), time.Minute)
+			wait = bo.NextBackOff()
 			log.Warn("snapshot batch failed; retrying", "err", err, "retry_in", wait)
 		} else {
-			failures = 0
+			bo.Reset()
 		}
 		timer.Reset(wait)
 	}
