@@ -77,7 +77,7 @@ func testLogger(t *testing.T) *slog.Logger {
 
 func (e *env) config(worker string) projection.Config {
 	return projection.Config{
-		TargetURL:       e.url,
+		TargetURL:       testenv.NoSearchPath(e.url), // a missing schema qualifier fails
 		NATSURL:         e.nats.URL,
 		SourceName:      src,
 		WorkerID:        worker,

@@ -287,6 +287,19 @@ func (pg *Postgres) UserURL(user, db string) string {
 	return fmt.Sprintf("postgres://%s@%s:%d/%s?sslmode=disable", user, pg.Host, pg.Port, db)
 }
 
+// NoSearchPath returns url with an empty search_path for every connection
+// made from it (a startup parameter), so that SQL of the code under test
+// that forgets a schema qualifier fails loudly instead of finding public.
+// Give it to the component under test; test setup that creates unqualified
+// tables keeps the plain URL.
+func NoSearchPath(url string) string {
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	return url + sep + "search_path="
+}
+
 // NewDatabase creates a fresh database and returns its URL. The database
 // (and any replication slot in it) is dropped when the test ends.
 func (pg *Postgres) NewDatabase(tb testing.TB) string {
