@@ -63,7 +63,7 @@ func newService(t *testing.T, cfg Config) *Service {
 	t.Helper()
 	svc, err := New(cfg, WithLogger(testLogger(t)))
 	require.NoError(t, err)
-	t.Cleanup(svc.Stop)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	return svc
 }
 
@@ -229,7 +229,7 @@ func TestDeleteIsPublished(t *testing.T) {
 	st := svc.CurrentStatus()
 	require.True(t, st.Active)
 	require.Equal(t, []string{"public.customers", "public.orders"}, st.PublicationTables)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	_ = json.Valid
 }

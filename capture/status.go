@@ -125,9 +125,9 @@ func (s *Service) CurrentStatus() Status {
 		st.SkippedTables, st.KeyIdentityTables = s.sel.skipped, s.sel.keyOnly
 	}
 	select {
-	case <-s.done:
-		if s.err != nil {
-			st.Error = s.err.Error()
+	case <-s.ss.Done():
+		if err := s.ss.Wait(); err != nil {
+			st.Error = err.Error()
 		}
 	default:
 	}

@@ -169,7 +169,7 @@ func TestBigShopTransaction(t *testing.T) {
 				// alone and decides every row of the transaction in SQL.
 				e.publishAll(msgs[smallMsgs : len(msgs)-1])
 				eventually(t, 5*time.Minute, func() bool { return archived() == total }, "archived %d of %d", archived(), total)
-				svc.Stop()
+				require.NoError(t, svc.Stop(context.Background()))
 				e.start(e.config("w2"))
 				e.publishAll(msgs[len(msgs)-1:])
 			} else {

@@ -94,7 +94,7 @@ func (e *env) start(cfg projection.Config) *projection.Service {
 	s, err := projection.New(cfg, projection.WithLogger(testLogger(e.t)), projection.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(e.t, err)
 	require.NoError(e.t, s.Start(context.Background()))
-	e.t.Cleanup(s.Stop)
+	e.t.Cleanup(func() { require.NoError(e.t, s.Stop(context.Background())) })
 	return s
 }
 

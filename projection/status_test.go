@@ -31,7 +31,7 @@ func TestStatusLagAndMetrics(t *testing.T) {
 			metricSum(t, s, "epitaph_projector_lag_events") == 0
 	})
 	require.Equal(t, 1.0, metricSum(t, s, "epitaph_projector_version_state"))
-	s.Stop()
+	require.NoError(t, s.Stop(context.Background()))
 
 	published := time.Now()
 	for i := 0; i < 4; i++ {

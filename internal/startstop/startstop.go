@@ -62,12 +62,20 @@ func (b *Base) StartInit(ctx context.Context) (soft, hard context.Context, ok bo
 
 // Finish records the end of the component with err (nil after a stop) and
 // releases Stop and Wait. Only the first call counts. A Start that fails
-// after StartInit calls it with its error.
+// after StartInit calls it with its error; called before StartInit, it
+// ends a component that will never run (Start then fails).
 func (b *Base) Finish(err error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !b.started || b.finished {
+	if b.finished {
 		return
+	}
+	if !b.started {
+		b.started = true
+		hard, cancel := context.WithCancel(context.Background())
+		b.hardCancel = cancel
+		b.soft, b.softCancel = context.WithCancel(hard)
+		b.done = make(chan struct{})
 	}
 	b.finished, b.err = true, err
 	b.hardCancel()

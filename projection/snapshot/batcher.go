@@ -10,6 +10,8 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/internal/startstop"
 )
 
 // DB is what the Batcher needs: a *pgxpool.Pool.
@@ -68,7 +70,8 @@ func (c *BatcherConfig) validate() error {
 }
 
 // Batcher runs RunBatch on an interval over one or more version schemas
-// and exports the job metrics. It is a service: Start, then Stop.
+// and exports the job metrics. It is a service (internal/startstop):
+// Start, then Stop.
 type Batcher struct {
 	db  DB
 	cfg BatcherConfig
@@ -81,9 +84,7 @@ type Batcher struct {
 	statsAt   time.Time // local time the stats were read
 	statsRead bool
 
-	stop    chan struct{}
-	done    chan struct{}
-	started bool
+	ss startstop.Base
 }
 
 // NewBatcher builds a batcher and registers its metrics.
@@ -118,28 +119,20 @@ func NewBatcher(db DB, cfg BatcherConfig) (*Batcher, error) {
 // cancelled (a hard stop: the batch in flight is rolled back and its jobs
 // stay pending).
 func (b *Batcher) Start(ctx context.Context) error {
-	if b.started {
+	soft, hard, ok := b.ss.StartInit(ctx)
+	if !ok {
 		return errors.New("snapshot batcher already started")
 	}
-	b.started = true
-	b.stop = make(chan struct{})
-	b.done = make(chan struct{})
-	go b.loop(ctx)
+	go b.loop(soft, hard)
 	return nil
 }
 
-// Stop is the soft stop: it lets the batch in flight commit, then returns.
-func (b *Batcher) Stop() {
-	if !b.started {
-		return
-	}
-	select {
-	case <-b.stop:
-	default:
-		close(b.stop)
-	}
-	<-b.done
-}
+// Stop is the soft stop: it lets the batch in flight commit, then returns;
+// when ctx ends first, the batch is rolled back (the hard stop).
+func (b *Batcher) Stop(ctx context.Context) error { return b.ss.Stop(ctx) }
+
+// Wait blocks until the batcher has stopped.
+func (b *Batcher) Wait() error { return b.ss.Wait() }
 
 // Stats returns the job counts last read, with the oldest pending age
 // advanced to now.
@@ -153,17 +146,11 @@ func (b *Batcher) Stats() Stats {
 	return s
 }
 
-func (b *Batcher) stopping() bool {
-	select {
-	case <-b.stop:
-		return true
-	default:
-		return false
-	}
-}
+func (b *Batcher) stopping() bool { return b.ss.StopRequested() }
 
-func (b *Batcher) loop(ctx context.Context) {
-	defer close(b.done)
+// loop runs ticks until soft is done; batches run on ctx (the hard stop).
+func (b *Batcher) loop(soft, ctx context.Context) {
+	defer b.ss.Finish(nil)
 	log := b.cfg.Logger.With("component", "snapshot-batcher")
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -176,9 +163,7 @@ func (b *Batcher) loop(ctx context.Context) {
 	bo.Reset()
 	for {
 		select {
-		case <-ctx.Done():
-			return
-		case <-b.stop:
+		case <-soft.Done():
 			return
 		case <-timer.C:
 		}

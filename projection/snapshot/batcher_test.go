@@ -56,7 +56,7 @@ func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, b.Start(e.ctx))
-	defer b.Stop()
+	defer func() { require.NoError(t, b.Stop(context.Background())) }()
 
 	ok := e.begin(t)
 	ok.deleteOrder(t, 2)
@@ -76,8 +76,8 @@ func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
 	require.Equal(t, int64(1), st.Pending)
 	require.Equal(t, int64(1), st.Complete)
 
-	b.Stop()
-	b.Stop() // idempotent
+	require.NoError(t, b.Stop(context.Background()))
+	require.NoError(t, b.Stop(context.Background())) // idempotent
 	// Stopped: a new job stays pending.
 	late := e.begin(t)
 	e.exec(t, `INSERT INTO orders (id, customer) VALUES (3, 'c')`)
@@ -118,7 +118,7 @@ func TestBatcherServesEveryVersionSchema(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, b.Start(e1.ctx))
-	defer b.Stop()
+	defer func() { require.NoError(t, b.Stop(context.Background())) }()
 	require.Eventually(t, func() bool {
 		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 2
 	}, 30*time.Second, 20*time.Millisecond)

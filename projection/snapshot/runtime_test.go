@@ -87,7 +87,7 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))), projection.WithRegistry(reg))
 	require.NoError(t, err)
 	require.NoError(t, svc.Start(ctx))
-	defer svc.Stop()
+	defer func() { require.NoError(t, svc.Stop(context.Background())) }()
 
 	e.seedOrder(t, 1, 2)
 	e.seedOrder(t, 2, 1)
