@@ -18,7 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // env is one test's source database and JetStream server.
 type env struct {

@@ -17,7 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/progress"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 func setup(t *testing.T, partitions int) *pgxpool.Pool {
 	t.Helper()

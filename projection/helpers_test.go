@@ -25,7 +25,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 const src = "main"
 

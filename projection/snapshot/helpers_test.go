@@ -18,7 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // archiveRowsDDL is the archive read model's rows table exactly as the
 // projector creates it (COMMON.md), for tests that do not run the projector.
