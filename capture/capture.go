@@ -2,6 +2,7 @@ package capture
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -66,6 +67,21 @@ type Service struct {
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
+	// limitsErr: the stream's limits could not be kept (limits.go).
+	limitsErr atomic.Pointer[LimitsError]
+
+	// Trust (trust.go): the signing key, and the foreign and implausible
+	// messages already reported (by stream sequence).
+	priv            ed25519.PrivateKey
+	pub             ed25519.PublicKey
+	keyID, pubPath  string
+	foreignSeen     map[uint64]struct{}
+	implausibleSeen map[uint64]struct{}
+
+	// The session's collaborators, kept for the next session.
+	db  string
+	js  jetstream.JetStream
+	obs jetstream.ObjectStore
 }
 
 // New validates cfg and builds a service. It connects to nothing.
@@ -151,6 +167,9 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	db, err := checkServer(ctx, s.pool)
 	if err != nil {
 		return fmt.Errorf("check source %s: %w", RedactURL(cfg.SourceURL), err)
+	}
+	if err := s.loadKey(); err != nil {
+		return err
 	}
 
 	if !cfg.Standby {
@@ -275,24 +294,40 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
-	// The stream is read now (where to resume, whether a missing slot means
-	// a gap) but, on a first start, created only after the slot: once the
-	// stream exists, so does the slot, and every delete committed from then
-	// on reaches the stream.
-	stream, err := openStream(ctx, js, cfg)
-	if err != nil {
-		return err
-	}
-	var t tail
-	if stream != nil {
-		if t, err = readTail(ctx, stream, cfg.SourceName); err != nil {
-			return err
-		}
-	}
 	obs, err := ensureRowBucket(ctx, objJS, cfg)
 	if err != nil {
 		return err
 	}
+	s.db, s.js, s.obs = db, js, obs
+	return s.startSession(ctx, true)
+}
+
+// startSession reads where to resume, opens the replication connection,
+// checks (or makes) the slot and the stream, and starts replication. A
+// later session (after another writer got in the way, see runLoop) does the
+// same from the slot's confirmed position.
+func (s *Service) startSession(ctx context.Context, first bool) (err error) {
+	cfg, js := &s.cfg, s.js
+	// The stream is read now (where to resume, whether a missing slot means
+	// a gap) but, on a first start, created only after the slot: once the
+	// stream exists, so does the slot, and every delete committed from then
+	// on reaches the stream.
+	stream, err := openStream(ctx, js, cfg, s.startLimits)
+	if err != nil {
+		return err
+	}
+	var rp resumePoint
+	rp.partSeq = make([]uint64, cfg.Partitions)
+	if stream != nil {
+		current, err := sourceWALPosition(ctx, s.pool)
+		if err != nil {
+			return err
+		}
+		if rp, err = s.findResume(ctx, stream, cfg.Partitions, current); err != nil {
+			return fmt.Errorf("find where to resume in stream %s: %w", event.StreamName(cfg.SourceName), err)
+		}
+	}
+	t := tail{has: rp.has, pos: rp.pos}
 
 	// Slot.
 	rcfg, err := pgconn.ParseConfig(cfg.SourceURL)
@@ -319,7 +354,18 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if err != nil {
 		return err
 	}
-	plan, err := planSlot(slot, cfg.SlotName, db, t, event.StreamName(cfg.SourceName), cfg.RecreateSlot)
+	for deadline := s.now().Add(time.Minute); !first && slot.activePID != nil && s.now().Before(deadline); {
+		// The previous session's walsender may not have gone yet.
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+		if slot, err = readSlot(ctx, s.pool, cfg.SlotName); err != nil {
+			return err
+		}
+	}
+	plan, err := planSlot(slot, cfg.SlotName, s.db, t, event.StreamName(cfg.SourceName), cfg.RecreateSlot)
 	if err != nil {
 		return err
 	}
@@ -343,7 +389,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	}
 	s.setConfirmed(startLSN)
 	if stream == nil {
-		if _, err := ensureStream(ctx, js, cfg); err != nil {
+		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
 			if plan.create {
 				// A first start that fails leaves no slot holding WAL.
 				if derr := dropSlot(ctx, s.repl, cfg.SlotName); derr != nil {
@@ -355,14 +401,32 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	}
 
 	st := &streamer{
-		s: s, conn: s.repl, js: js, nc: s.nc, obs: obs, cat: newCatalog(s.pool),
+		s: s, conn: s.repl, js: js, nc: s.nc, obs: s.obs, cat: newCatalog(s.pool),
 		rels: map[uint32]*relation{}, tr: newTracker(cfg.BrokerSyncInterval, s.now()),
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
-		resuming: t.has, resume: t.pos, lastMsgID: t.msgID,
+		resuming: rp.has, resume: rp.pos,
+		priv: s.priv, keyID: s.keyID, partSeq: rp.partSeq, digest: event.NewDigest(),
+	}
+	if rp.adoptFrom != 0 {
+		st.adopt = &adopter{s: s, st: stream, next: rp.adoptFrom, to: rp.adoptTo}
+	}
+	if !first || rp.adoptFrom != 0 {
+		// Another writer got in the way, or the stream holds messages
+		// after the proven ones: one of them may hold the id of a message
+		// about to be published (trust.go).
+		st.careful = carefulMsgs
 	}
 	st.tr.safe, st.flushed = startLSN, startLSN
 	s.st = st
+	if rp.has {
+		var after uint64
+		if rp.adoptFrom != 0 {
+			after = rp.adoptTo - rp.adoptFrom + 1
+		}
+		s.log.Info("resuming after the last message this capture can prove it published", "position", rp.pos.String(),
+			"stored_after_it", after, "slot_confirmed_lsn", startLSN.String())
+	}
 	if plan.gap != "" {
 		from := t.pos.lsn
 		if err := st.publishGap(ctx, gapInfo{from: from, to: startLSN, reason: plan.gap}); err != nil {
@@ -385,37 +449,107 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	return nil
 }
 
+// sourceWALPosition is where the source's WAL ends now: no message the
+// capture published can stand for a later position.
+func sourceWALPosition(ctx context.Context, pool *pgxpool.Pool) (event.LSN, error) {
+	var text string
+	err := pool.QueryRow(ctx, `SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END)::text`).Scan(&text)
+	if err != nil {
+		return 0, fmt.Errorf("read the source's current WAL position: %w", err)
+	}
+	return event.ParseLSN(text)
+}
+
 // activate marks the capture active and starts its background work.
 func (s *Service) activate(ctx context.Context) {
 	s.activeState.Store(true)
 	s.setRole(RoleActive, nil)
 	s.m.active.Set(1)
-	s.bgWG.Add(2)
+	s.bgWG.Add(3)
 	go s.heartbeats(ctx)
 	go s.pollSlot(ctx)
+	go s.watchLimits(ctx, s.st.js)
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
 }
 
-// runLoop streams until stopped or failed, then ends the service.
+// runLoop streams until stopped or failed, then ends the service. When
+// another writer got in the way of a session (a foreign message broke the
+// chain, or took one of the capture's message ids), the capture is not
+// streaming until a new session, started here from the slot's confirmed
+// position, resumes after what the stream proves (trust.go).
 func (s *Service) runLoop(ctx context.Context) {
-	err := s.st.run(ctx)
-	s.activeState.Store(false)
-	s.m.active.Set(0)
-	if lost := s.lostLease(); lost != nil {
-		// Fail closed: no soft stop, nothing more confirmed.
-		if err != nil {
-			s.log.Error("capture loop ended after the lease was lost", "err", err)
+	backoff := 100 * time.Millisecond
+	for {
+		err := s.st.run(ctx)
+		s.activeState.Store(false)
+		s.m.active.Set(0)
+		restarted := false
+		for err != nil && interference(err) && ctx.Err() == nil && s.lostLease() == nil {
+			s.m.sessions.Inc()
+			s.log.Warn("another writer got in the way of the capture's messages: starting a new session from the slot's confirmed position", "err", err)
+			err = s.restartSession(ctx, backoff)
+			backoff = min(2*backoff, 5*time.Second)
+			restarted = true
 		}
-		err = lost
-	} else if err == nil && s.hardCtx.Err() != nil {
-		s.log.Info("capture stopped hard", "confirmed_lsn", s.st.flushed.String())
-	} else if err == nil {
-		err = s.softStop()
-	} else {
-		s.log.Error("capture stopped", "err", err)
+		if restarted && err == nil && ctx.Err() != nil {
+			s.finish(nil) // stopped between sessions: nothing in flight
+			return
+		}
+		if restarted && err == nil && s.lostLease() == nil {
+			s.activeState.Store(true)
+			s.m.active.Set(1)
+			s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName), "session", "restarted")
+			continue
+		}
+		if lost := s.lostLease(); lost != nil {
+			// Fail closed: no soft stop, nothing more confirmed.
+			if err != nil {
+				s.log.Error("capture loop ended after the lease was lost", "err", err)
+			}
+			err = lost
+		} else if err == nil && s.hardCtx.Err() != nil {
+			s.log.Info("capture stopped hard", "confirmed_lsn", s.st.flushed.String())
+		} else if err == nil {
+			err = s.softStop()
+			if le := s.limitsErr.Load(); le != nil && err == nil {
+				err = le
+			}
+		} else {
+			s.log.Error("capture stopped", "err", err)
+		}
+		s.finish(err)
+		return
 	}
-	s.finish(err)
+}
+
+// restartSession ends the current session (its publishes are answered or
+// abandoned, the replication connection closed) and starts the next one.
+func (s *Service) restartSession(ctx context.Context, wait time.Duration) error {
+	select {
+	case <-s.js.PublishAsyncComplete():
+	case <-time.After(30 * time.Second):
+	case <-ctx.Done():
+		return nil
+	}
+	if s.repl != nil {
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = s.repl.Close(cctx)
+		cancel()
+		s.repl = nil
+	}
+	select {
+	case <-time.After(wait):
+	case <-ctx.Done():
+		return nil
+	}
+	if err := s.startSession(ctx, false); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	return nil
 }
 
 // finish stops the background work, closes everything and ends the service
@@ -499,6 +633,9 @@ func (s *Service) closeAll() {
 // publishGap publishes a gap event to every partition and waits for the
 // acknowledgements, before any row of the new slot is published.
 func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
+	// A new slot: what the stream holds after the resume point was
+	// published from the old one and is never replayed.
+	st.adopt = nil
 	n := 0
 	for p := 0; p < st.parts; p++ {
 		pos := position{lsn: endTrigger(g.to), n: n}
@@ -508,7 +645,7 @@ func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 		if err != nil {
 			return fmt.Errorf("encode gap: %w", err)
 		}
-		if err := st.publish(ctx, event.GapSubject(st.src, p), event.GapMsgID(st.src, g.from, g.to, p), pos, body, "gap"); err != nil {
+		if err := st.publish(ctx, event.GapSubject(st.src, p), p, event.GapMsgID(st.src, g.from, g.to, p), pos, body, "gap", kindSigned); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpGap)).Inc()

@@ -26,11 +26,12 @@ type env struct {
 	slot string // slots are per server: one per test database
 	nats *testenv.NATS
 	js   jetstream.JetStream
+	dir  string // data dir: the signing key
 }
 
 func setup(t *testing.T) *env {
 	t.Helper()
-	e := &env{db: testenv.NewDatabase(t), nats: testenv.NewNATS(t)}
+	e := &env{db: testenv.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
 	e.slot = dbName(t, e.db)
 	_, e.js = e.nats.Connect(t)
 	return e
@@ -50,6 +51,7 @@ func testLogger(t *testing.T) *slog.Logger {
 func (e *env) config() Config {
 	return Config{
 		SourceURL:          e.db,
+		DataDir:            e.dir, // the signing key
 		SlotName:           e.slot,
 		NATSURL:            e.nats.URL,
 		Partitions:         4,

@@ -63,7 +63,18 @@ type Config struct {
 	// Replicas of the stream when it is created; default 1.
 	Replicas int
 	// Retention is the stream's MaxAge; 0 keeps messages forever.
-	Retention time.Duration
+	// RetentionMaxBytes, RetentionMaxMsgs and RetentionMaxMsgsPerSubject
+	// are the stream's other discarding limits; 0 is none. These are the
+	// only limits the capture accepts on its stream (limits.go): another
+	// limit that would discard events makes it refuse to start, and one
+	// changed while it streams is restored.
+	Retention                  time.Duration
+	RetentionMaxBytes          int64
+	RetentionMaxMsgs           int64
+	RetentionMaxMsgsPerSubject int64
+	// StreamCheckInterval is how often the stream's limits are checked
+	// while streaming; default 10s; negative: only at start.
+	StreamCheckInterval time.Duration
 	// DuplicateWindow of the stream's Msg-Id dedupe; default 2m.
 	DuplicateWindow time.Duration
 	// BrokerSyncInterval is how long the confirmed LSN trails the
@@ -94,6 +105,11 @@ type Config struct {
 	// StandbyPoll is how often a standby tries to take the lease, and how
 	// often the holder checks it still has it; default 1s.
 	StandbyPoll time.Duration
+	// SigningKey is the Ed25519 key file the capture signs its commits,
+	// marks, heartbeats and gaps with (PEM PKCS#8 or a raw 32-byte seed,
+	// mode 0600). Empty: DataDir/signing.key, generated on first start.
+	// The public key is written beside it (signing.pub) and logged.
+	SigningKey string
 	// ApplicationName is set on every connection to the source, so
 	// operators see who holds the slot and the lease in pg_stat_activity;
 	// default "epitaph-capture:<hostname>-<pid>".
@@ -129,6 +145,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.PublicationName == "" {
 		c.PublicationName = "epitaph"
+	}
+	if c.StreamCheckInterval == 0 {
+		c.StreamCheckInterval = 10 * time.Second
 	}
 	if c.HeartbeatInterval == 0 {
 		c.HeartbeatInterval = 10 * time.Second
@@ -184,6 +203,8 @@ func (c *Config) validate() error {
 	}
 	if c.NATSURL == "" && c.DataDir == "" {
 		errs = append(errs, "a data directory is required for the embedded JetStream server (EPITAPH_DATA_DIR)")
+	} else if c.DataDir == "" && c.SigningKey == "" {
+		errs = append(errs, "a data directory (EPITAPH_DATA_DIR) or a signing key file (EPITAPH_SIGNING_KEY) is required: the capture signs what it publishes")
 	}
 	if err := event.ValidateSourceName(c.SourceName); err != nil {
 		errs = append(errs, err.Error())
@@ -208,8 +229,8 @@ func (c *Config) validate() error {
 	if c.Replicas < 1 || c.Replicas > 5 {
 		errs = append(errs, fmt.Sprintf("stream replicas must be 1..5, got %d", c.Replicas))
 	}
-	if c.Retention < 0 {
-		errs = append(errs, "retention must not be negative")
+	if c.Retention < 0 || c.RetentionMaxBytes < 0 || c.RetentionMaxMsgs < 0 || c.RetentionMaxMsgsPerSubject < 0 {
+		errs = append(errs, "retention limits must not be negative")
 	}
 	if c.DuplicateWindow < 0 {
 		errs = append(errs, "duplicate window must not be negative")

@@ -70,10 +70,17 @@
 // lsn>#<n>", strictly increasing in output order; the trigger of a
 // transaction's messages is its commit LSN, of a non-transactional message
 // or a gap the LSN just before the end of its record, since the next commit
-// may start exactly there). On start the stream's last message is read and
-// every re-sent message at or before its position is skipped; Nats-Msg-Id
-// dedupe covers the rest. A re-send is therefore never stored twice, even after an
-// outage longer than the dedupe window.
+// may start exactly there). On start the stream is read back to the last
+// message the capture can prove it published (signed with its key, at a
+// plausible position, a transaction boundary; trust.go) and every re-sent
+// message at or before its position is skipped; the rows stored after it
+// are adopted when the replay finds itself there byte for byte. A re-send
+// is therefore never stored twice, even after an outage longer than the
+// dedupe window, and nothing another writer put in the stream is believed.
+//
+// Every message also carries Epitaph-Partition-Seq; commits carry the
+// transaction's Epitaph-Digest; commits, marks, heartbeats and gaps are
+// signed (Epitaph-Key-Id, Epitaph-Signature; see package event).
 //
 // Message ids and numbering: delete and truncate messages share the
 // transaction's seq counter (event.MsgID); the commit message counts only

@@ -62,7 +62,7 @@ func TestSourceRestartMidStream(t *testing.T) {
 	t.Parallel()
 	pg := testenv.NewPostgres(t)
 	db := pg.NewDatabase(t)
-	e := &env{db: db, slot: "epitaph", nats: testenv.NewNATS(t)}
+	e := &env{db: db, slot: "epitaph", nats: testenv.NewNATS(t), dir: t.TempDir()}
 	_, e.js = e.nats.Connect(t)
 	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY, pad text); ALTER TABLE items REPLICA IDENTITY FULL;
 		INSERT INTO items SELECT i, repeat('p', 200) FROM generate_series(1, 40000) i`)
@@ -122,7 +122,12 @@ func TestRefusedUnacknowledgedMessageKeepsAPrefix(t *testing.T) {
 	err = waitEnded(t, svc)
 	require.Error(t, err)
 	t.Logf("capture stopped with: %v", err)
-	require.Regexp(t, `acknowledging it and the \d+ messages before it`, err.Error())
+	// Either the acknowledged message that covered the refused one fails
+	// on the broken chain, and names what it covered; or (the broken chain
+	// looks like another writer's message, so the capture starts a new
+	// session, adopts the stored prefix and publishes one at a time) the
+	// refused message itself fails with the limit.
+	require.Regexp(t, `acknowledging it and the \d+ messages before it|maximum messages per subject exceeded`, err.Error())
 
 	info, err := st.Info(ctx)
 	require.NoError(t, err)

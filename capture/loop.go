@@ -2,13 +2,16 @@ package capture
 
 import (
 	"context"
+	"crypto/ed25519"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -47,7 +50,20 @@ type streamer struct {
 
 	resuming  bool
 	resume    position
-	lastMsgID string
+	lastMsgID string // "" for the first message of a session: expect nothing
+
+	// Trust (see trust.go): the signing key, each partition's last
+	// Epitaph-Partition-Seq, the open transaction's digest, the stored
+	// messages the replay may find itself in, and how many more messages
+	// are published one at a time, each acknowledged.
+	priv    ed25519.PrivateKey
+	keyID   string
+	partSeq []uint64
+	digest  *event.Digest
+	adopt   *adopter
+	careful int
+	seqBuf  [20]byte
+	sigBuf  []byte
 
 	inTx   bool
 	tx     txInfo
@@ -162,6 +178,7 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		st.txPart = event.Partition(st.tx.commitLSN, st.parts)
 		st.txN, st.seq, st.rows = 0, 0, 0
 		clear(st.tables)
+		st.digest.Reset()
 	case *pglogrepl.RelationMessage:
 		r, err := buildRelation(ctx, st.cat, m, st.src, st.parts, st.s.m.published)
 		if err != nil {
@@ -233,7 +250,7 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 	// connection's write buffer before it returns, and with no retries
 	// (WithRetryAttempts(0)) it is never sent again.
 	st.body = r.encodeDelete(st.body[:0], &st.tx, seq, &st.img, ref)
-	if err := st.publishMsg(ctx, r.subjects[st.txPart], msgID, st.tx.position(pos.n), st.body, r.what, ref != nil); err != nil {
+	if err := st.publishMsg(ctx, r.subjects[st.txPart], st.txPart, msgID, st.tx.position(pos.n), st.body, r.what, ref != nil, kindRow); err != nil {
 		return err
 	}
 	r.deletes.Inc()
@@ -275,7 +292,7 @@ func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMes
 			return fmt.Errorf("encode truncate: %w", err)
 		}
 		subject := event.TruncateSubject(st.src, st.txPart, r.schema, r.table)
-		if err := st.publish(ctx, subject, event.MsgID(st.src, st.tx.commitLSN, seq), pos, body, "truncate "+r.qualified()); err != nil {
+		if err := st.publish(ctx, subject, st.txPart, event.MsgID(st.src, st.tx.commitLSN, seq), pos, body, "truncate "+r.qualified(), kindRow); err != nil {
 			return err
 		}
 		r.truncates.Inc()
@@ -315,7 +332,7 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		if err != nil {
 			return fmt.Errorf("encode mark: %w", err)
 		}
-		if err := st.publish(ctx, event.MarkSubject(st.src, p), event.MarkMsgID(st.src, lsn, p), pos, body, kind); err != nil {
+		if err := st.publish(ctx, event.MarkSubject(st.src, p), p, event.MarkMsgID(st.src, lsn, p), pos, body, kind, kindSigned); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpMark)).Inc()
@@ -359,7 +376,7 @@ func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage
 			if err != nil {
 				return fmt.Errorf("encode commit: %w", err)
 			}
-			if err := st.publish(ctx, event.CommitSubject(st.src, st.txPart), event.CommitMsgID(st.src, st.tx.commitLSN), pos, body, "commit "+st.tx.commitLSN.String()); err != nil {
+			if err := st.publish(ctx, event.CommitSubject(st.src, st.txPart), st.txPart, event.CommitMsgID(st.src, st.tx.commitLSN), pos, body, "commit "+st.tx.commitLSN.String(), kindCommit); err != nil {
 				return err
 			}
 			st.s.m.published.WithLabelValues("", "", string(event.OpCommit)).Inc()
@@ -385,21 +402,61 @@ const (
 	ackBytes = 1 << 20
 )
 
+// msgKind says how a message is authenticated.
+type msgKind uint8
+
+const (
+	kindRow    msgKind = iota // a row or truncate: hashed into its transaction's digest
+	kindSigned                // a mark, heartbeat or gap: signed
+	kindCommit                // a commit: signed, with the transaction's digest
+)
+
+// carefulMsgs: a session publishes its first messages one at a time, each
+// acknowledged, until this many in a row were not duplicates, so that a
+// message whose id a foreign message took is noticed and republished under
+// another id (see trust.go).
+const carefulMsgs = 256
+
 // publish sends one message asynchronously and asks for its
 // acknowledgement, keeping the window of un-acknowledged publishes bounded.
-func (st *streamer) publish(ctx context.Context, subject, msgID string, pos position, body []byte, what string) error {
-	return st.publishMsg(ctx, subject, msgID, pos.String(), body, what, true)
+func (st *streamer) publish(ctx context.Context, subject string, part int, msgID string, pos position, body []byte, what string, kind msgKind) error {
+	return st.publishMsg(ctx, subject, part, msgID, pos.String(), body, what, true, kind)
 }
 
-// publishMsg sends one message. Each message expects the previous one as
-// the stream's last message id, so if one is lost or refused every
-// following one is refused too and the stream stays a prefix of what was
-// sent. That is also why most row messages are published without asking
-// for an acknowledgement (core NATS, no reply subject): the next
-// acknowledged message proves them stored, in order (see tracker), and
+// publishMsg sends one message of partition part. Each message expects the
+// previous one as the stream's last message id, so if one is lost or
+// refused every following one is refused too and the stream stays a prefix
+// of what was sent. That is also why most row messages are published
+// without asking for an acknowledgement (core NATS, no reply subject): the
+// next acknowledged message proves them stored, in order (see tracker), and
 // JetStream builds no acknowledgement for them, the client tracks no
 // future for them.
-func (st *streamer) publishMsg(ctx context.Context, subject, msgID, pos string, body []byte, what string, ack bool) error {
+//
+// Every message carries the partition's next Epitaph-Partition-Seq; a row
+// or truncate is hashed into the transaction's digest (one hash update, no
+// allocation); a commit carries the digest, and commits, marks, heartbeats
+// and gaps are signed.
+func (st *streamer) publishMsg(ctx context.Context, subject string, part int, msgID, pos string, body []byte, what string, ack bool, kind msgKind) error {
+	partSeq := st.partSeq[part] + 1
+	digest := ""
+	if kind == kindCommit {
+		digest = st.digest.Sum()
+	}
+	if st.adopt != nil {
+		found, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest)
+		if err != nil {
+			return err
+		}
+		if found {
+			// Already in the stream, exactly: counted, hashed, not sent.
+			st.partSeq[part] = partSeq
+			if kind == kindRow {
+				st.digest.Add(partSeq, body)
+			}
+			return nil
+		}
+		st.adopt = nil
+	}
 	for st.tr.len() > 0 && (st.tr.msgs >= st.s.cfg.MaxInFlight || st.tr.bytes >= maxInFlightBytes) {
 		if err := st.tr.waitFront(ctx, st.now); err != nil {
 			st.s.m.publishErrors.Inc()
@@ -410,25 +467,64 @@ func (st *streamer) publishMsg(ctx context.Context, subject, msgID, pos string, 
 		every := min(ackEvery, max(1, st.s.cfg.MaxInFlight/4))
 		ack = st.tr.looseMsgs+1 >= every || st.tr.looseSize+len(body) >= ackBytes
 	}
-	// One header map, reused: both publish paths encode it into the
-	// connection's buffer before they return, and with no retries
-	// (WithRetryAttempts(0)) nothing is sent again from it.
-	h := st.hdr
-	if h == nil {
-		h = make(nats.Header, 4)
-		h[event.HeaderVersion] = headerVersion1
-		st.hdr = h
-		st.hdrVals = make([]string, 3)
+	// The partition sequence as text without an allocation: the header
+	// value is read only while the message is encoded into the
+	// connection's buffer, before publishMsg returns, and never again
+	// (no retries), so it may point into a buffer reused by the next one.
+	n := len(strconv.AppendUint(st.seqBuf[:0], partSeq, 10))
+	seqText := unsafe.String(&st.seqBuf[0], n)
+	if kind == kindRow {
+		st.digest.Add(partSeq, body)
 	}
-	st.hdrVals[0], st.hdrVals[1], st.hdrVals[2] = pos, msgID, st.lastMsgID
-	h[HeaderPosition] = st.hdrVals[0:1:1]
-	h[jetstream.MsgIDHeader] = st.hdrVals[1:2:2]
-	if st.lastMsgID != "" {
-		h[jetstream.ExpectedLastMsgIDHeader] = st.hdrVals[2:3:3]
+	// One header map for rows, reused: both publish paths encode it into
+	// the connection's buffer before they return, and with no retries
+	// (WithRetryAttempts(0)) nothing is sent again from it. Signed
+	// messages get their own.
+	var h nats.Header
+	if kind == kindRow {
+		h = st.hdr
+		if h == nil {
+			h = make(nats.Header, 5)
+			h[event.HeaderVersion] = headerVersion1
+			st.hdr = h
+			st.hdrVals = make([]string, 4)
+		}
+		st.hdrVals[0], st.hdrVals[1], st.hdrVals[2], st.hdrVals[3] = pos, msgID, st.lastMsgID, seqText
+		h[HeaderPosition] = st.hdrVals[0:1:1]
+		h[jetstream.MsgIDHeader] = st.hdrVals[1:2:2]
+		h[event.HeaderPartitionSeq] = st.hdrVals[3:4:4]
 	} else {
+		h = nats.Header{
+			event.HeaderVersion:      headerVersion1,
+			HeaderPosition:           {pos},
+			jetstream.MsgIDHeader:    {msgID},
+			event.HeaderPartitionSeq: {seqText},
+			event.HeaderKeyID:        {st.keyID},
+		}
+		if digest != "" {
+			h[event.HeaderDigest] = []string{digest}
+		}
+		st.sign(h, subject, msgID, pos, seqText, digest, body)
+	}
+	switch {
+	case st.lastMsgID != "" && kind == kindRow:
+		h[jetstream.ExpectedLastMsgIDHeader] = st.hdrVals[2:3:3]
+	case st.lastMsgID != "":
+		h[jetstream.ExpectedLastMsgIDHeader] = []string{st.lastMsgID}
+	default:
 		delete(h, jetstream.ExpectedLastMsgIDHeader)
 	}
 	m := &nats.Msg{Subject: subject, Data: body, Header: h}
+	if st.careful > 0 {
+		id, err := st.publishCareful(ctx, m, msgID, pos, seqText, digest, kind, what)
+		if err != nil {
+			st.s.m.publishErrors.Inc()
+			return err
+		}
+		st.partSeq[part] = partSeq
+		st.lastMsgID = id
+		return nil
+	}
 	if ack {
 		fut, err := st.js.PublishMsgAsync(m, noRetries)
 		if err != nil {
@@ -443,9 +539,76 @@ func (st *streamer) publishMsg(ctx context.Context, subject, msgID, pos string, 
 		}
 		st.tr.loose(len(body))
 	}
+	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
 }
+
+// sign sets the Epitaph-Signature header of a signed message.
+func (st *streamer) sign(h nats.Header, subject, msgID, pos, seqText, digest string, body []byte) {
+	st.sigBuf = event.AppendSigningInput(st.sigBuf[:0], subject, msgID, pos, seqText, digest, body)
+	h[event.HeaderSignature] = []string{event.Sign(st.priv, st.sigBuf)}
+}
+
+// publishCareful publishes m and waits for its acknowledgement. A
+// duplicate means a message the capture did not publish holds its id: m is
+// published again under event.RepublishedMsgID (re-signed: the signature
+// covers the id) until it is stored. It returns the id it was stored under.
+func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, msgID, pos, seqText, digest string, kind msgKind, what string) (string, error) {
+	if err := st.tr.drain(ctx, st.now); err != nil {
+		return "", err
+	}
+	id := msgID
+	for n := 1; ; n++ {
+		ack, err := st.js.PublishMsg(ctx, m, noRetries)
+		if err != nil {
+			return "", fmt.Errorf("publish %s to %s: %w", what, m.Subject, err)
+		}
+		if !ack.Duplicate {
+			st.careful--
+			st.tr.add(doneFuture(ack), len(m.Data), what)
+			return id, nil
+		}
+		st.careful = carefulMsgs
+		st.s.m.collisions.Inc()
+		if n > maxRepublish {
+			return "", fmt.Errorf("publish %s: %w", what, &collisionError{what: what, msgID: id, seq: ack.Sequence})
+		}
+		next := event.RepublishedMsgID(msgID, n)
+		st.s.log.Warn("message id taken by a foreign message: publishing the capture's message under another id", "msg_id", id, "taken_by_stream_seq", ack.Sequence, "new_msg_id", next, "what", what)
+		id = next
+		if kind == kindRow {
+			// The row header map is reused: give this message its own.
+			h := make(nats.Header, len(m.Header))
+			for k, v := range m.Header {
+				h[k] = append([]string(nil), v...)
+			}
+			m.Header = h
+		}
+		m.Header[jetstream.MsgIDHeader] = []string{id}
+		if kind != kindRow {
+			st.sign(m.Header, m.Subject, id, pos, seqText, digest, m.Data)
+		}
+	}
+}
+
+// maxRepublish bounds the ids tried for one message.
+const maxRepublish = 100
+
+// resolved is an acknowledgement already received, for the tracker.
+type resolved struct {
+	ok  chan *jetstream.PubAck
+	err chan error
+}
+
+func doneFuture(a *jetstream.PubAck) resolved {
+	r := resolved{ok: make(chan *jetstream.PubAck, 1), err: make(chan error)}
+	r.ok <- a
+	return r
+}
+
+func (r resolved) Ok() <-chan *jetstream.PubAck { return r.ok }
+func (r resolved) Err() <-chan error            { return r.err }
 
 // tick collects acknowledgements and sends a standby status update when the
 // confirmable position moved, every statusInterval, or when asked.

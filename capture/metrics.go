@@ -18,6 +18,13 @@ type metrics struct {
 	heartbeatAge  prometheus.GaugeFunc
 	active        prometheus.Gauge
 	largeRows     prometheus.Counter
+	// limitsRestored counts stream limits restored after a change behind
+	// the capture's back, by limit ("failed": could not be restored).
+	limitsRestored *prometheus.CounterVec
+	foreign        prometheus.Counter
+	implausible    prometheus.Counter
+	collisions     prometheus.Counter
+	sessions       prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
@@ -43,15 +50,28 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		withoutFull:   g("epitaph_capture_tables_without_full_identity", "Captured tables whose deletes carry only the key (REPLICA IDENTITY not FULL)."),
 		active:        g("epitaph_capture_active", "1 while capture is streaming, 0 otherwise."),
 		largeRows:     c("epitaph_capture_large_rows_total", "Rows larger than the broker's payload limit, published via the object store."),
+		limitsRestored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "epitaph_capture_stream_limits_restored_total",
+			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit (limit=\"failed\": could not be restored, the capture stopped).",
+		}, []string{"limit"}),
+		foreign:     c("epitaph_capture_foreign_messages_total", "Messages found in the stream that this capture did not publish (ignored for the resume), each counted once."),
+		implausible: c("epitaph_capture_implausible_positions_total", "Messages signed with this capture's key whose position is beyond the source's current WAL, refused as resume positions."),
+		collisions:  c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
+		sessions:    c("epitaph_capture_session_restarts_total", "Streaming sessions restarted in the same process because another writer got in the way (chain broken, id taken)."),
 	}
 	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "epitaph_capture_heartbeat_age_seconds",
 		Help: "Seconds since the last heartbeat came back through the replication slot (-1: none yet).",
 	}, heartbeatAge)
+	// Every label exists from the start, so increase() sees the first restore.
+	for _, l := range append(append([]string{}, limitNames...), "failed") {
+		m.limitsRestored.WithLabelValues(l)
+	}
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
-		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows} {
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
+		m.foreign, m.implausible, m.collisions, m.sessions} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}

@@ -28,7 +28,7 @@ import (
 func TestMessageRightBeforeACommitKeepsPositionsIncreasing(t *testing.T) {
 	t.Parallel()
 	pg := testenv.NewPostgres(t)
-	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t)}
+	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
 	e.slot = dbName(t, e.db)
 	_, e.js = e.nats.Connect(t)
 	ctx := context.Background()

@@ -69,11 +69,25 @@ func captureEnv(extra map[string]string) []string {
 	return env
 }
 
+var signingKeys sync.Map // top-level test name -> key file
+
+func testSigningKey(t *testing.T) string {
+	root, _, _ := strings.Cut(t.Name(), "/")
+	k, _ := signingKeys.LoadOrStore(root, filepath.Join(t.TempDir(), "signing.key"))
+	return k.(string)
+}
+
 func startCapProc(t *testing.T, name, bin string, env map[string]string) *capProc {
 	t.Helper()
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	env["EPITAPH_METRICS_ADDR"] = "127.0.0.1:" + strconv.Itoa(port)
+	if env["EPITAPH_DATA_DIR"] == "" && env["EPITAPH_SIGNING_KEY"] == "" {
+		// Every capture of one test signs with one key, as captures of
+		// one source (an active one and its standbys) must; not in the
+		// working directory's default data dir.
+		env["EPITAPH_SIGNING_KEY"] = testSigningKey(t)
+	}
 	p := &capProc{t: t, name: name, bin: bin, env: captureEnv(env), port: port,
 		log: filepath.Join(t.TempDir(), name+".log"), revive: make(chan struct{}), gone: make(chan struct{})}
 	started := make(chan error, 1)

@@ -155,7 +155,7 @@ func TestWalLevelNotLogical(t *testing.T) {
 	require.NoError(t, pg.SetConfig("wal_level = replica"))
 	require.NoError(t, pg.Restart())
 	n := testenv.NewNATS(t)
-	svc := newService(t, Config{SourceURL: pg.URL("postgres"), NATSURL: n.URL})
+	svc := newService(t, Config{SourceURL: pg.URL("postgres"), NATSURL: n.URL, DataDir: t.TempDir()})
 	err := svc.Start(t.Context())
 	requireFix(t, err, `wal_level is "replica"`, "ALTER SYSTEM SET wal_level = logical", "restart PostgreSQL")
 	require.Error(t, svc.Wait())

@@ -106,6 +106,11 @@ type Status struct {
 	KeyIdentityTables  []string  `json:"key_identity_tables"`
 	Error              string    `json:"error,omitempty"`
 	BrokerSyncInterval string    `json:"broker_sync_interval"`
+	// The key the capture signs with (public half only), so an operator
+	// can pin it in projectors (projector trust-key).
+	SigningKeyID         string `json:"signing_key_id,omitempty"`
+	SigningPublicKey     string `json:"signing_public_key,omitempty"`
+	SigningPublicKeyFile string `json:"signing_public_key_file,omitempty"`
 }
 
 // CurrentStatus returns what /status serves.
@@ -120,6 +125,10 @@ func (s *Service) CurrentStatus() Status {
 		ConfirmedLSN: s.confirmed.String(), LagBytes: s.slotStats.LagBytes, LagSeconds: s.lagSeconds,
 		SlotStats: s.slotStats, HeartbeatAgeSec: s.heartbeatAge(),
 		PublicationTables: s.pubTables, BrokerSyncInterval: s.cfg.BrokerSyncInterval.String(),
+		SigningKeyID: s.keyID, SigningPublicKeyFile: s.pubPath,
+	}
+	if s.pub != nil {
+		st.SigningPublicKey = event.PublicKeyString(s.pub)
 	}
 	if s.sel != nil {
 		st.SkippedTables, st.KeyIdentityTables = s.sel.skipped, s.sel.keyOnly

@@ -14,21 +14,16 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// HeaderPosition is set on every message the capture publishes: the
-// position of the message in the capture's output, "<trigger lsn>#<n>".
-// The trigger is the commit LSN of the source transaction the message
-// belongs to (or the LSN of a non-transactional logical message, or the
-// new slot's consistent point for a gap), n counts the messages published
-// for that trigger from 0. Output order is strictly increasing in it, so
-// on restart every re-sent message at or before the stream's last position
-// is skipped.
-const HeaderPosition = "Epitaph-Position"
+// HeaderPosition is set on every message the capture publishes; see
+// event.HeaderPosition. On restart every re-sent message at or before the
+// resume position is skipped.
+const HeaderPosition = event.HeaderPosition
 
-// Stream metadata keys.
+// Stream metadata keys (wire contract: see event).
 const (
-	MetaPartitions  = "epitaph.partitions"
-	MetaSource      = "epitaph.source"
-	MetaWireVersion = "epitaph.wire_version"
+	MetaPartitions  = event.MetaPartitions
+	MetaSource      = event.MetaSource
+	MetaWireVersion = event.MetaWireVersion
 )
 
 // position orders the capture's output.
@@ -59,17 +54,19 @@ func parsePosition(s string) (position, error) {
 	return position{lsn: lsn, n: i}, nil
 }
 
-// tail is what the stream already holds of this source.
+// tail is what the stream proves the capture published (see findResume).
 type tail struct {
-	has   bool
-	pos   position
-	msgID string
+	has bool
+	pos position
 }
 
 // openStream opens the source's stream and checks it was made for this
 // configuration (see checkStream); it returns nil, nil when the stream does
 // not exist yet.
-func openStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.Stream, error) {
+//
+// enforce, when set, checks and corrects the stream's limits
+// (Service.enforceLimits); nil leaves them alone.
+func openStream(ctx context.Context, js jetstream.JetStream, cfg *Config, enforce limitsEnforcer) (jetstream.Stream, error) {
 	name := event.StreamName(cfg.SourceName)
 	st, err := js.Stream(ctx, name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -78,24 +75,23 @@ func openStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetst
 	if err != nil {
 		return nil, fmt.Errorf("open stream %s: %w", name, err)
 	}
-	return st, checkStream(ctx, js, st, cfg)
+	return st, checkStream(ctx, js, st, cfg, enforce)
 }
 
 // ensureStream creates the source's stream if missing, or checks an
 // existing one as openStream does.
-func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.Stream, error) {
-	if st, err := openStream(ctx, js, cfg); st != nil || err != nil {
+func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config, enforce limitsEnforcer) (jetstream.Stream, error) {
+	if st, err := openStream(ctx, js, cfg, enforce); st != nil || err != nil {
 		return st, err
 	}
 	name := event.StreamName(cfg.SourceName)
-	st, err := js.CreateStream(ctx, jetstream.StreamConfig{
+	sc := jetstream.StreamConfig{
 		Name:        name,
 		Description: "Epitaph: deletes captured from source " + cfg.SourceName,
 		Subjects:    []string{event.StreamSubjects(cfg.SourceName)},
 		Storage:     jetstream.FileStorage,
 		Retention:   jetstream.LimitsPolicy,
 		Discard:     jetstream.DiscardOld,
-		MaxAge:      cfg.Retention,
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
 		PersistMode: persistMode(cfg.StreamPersist),
@@ -104,10 +100,12 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jet
 			MetaSource:      cfg.SourceName,
 			MetaWireVersion: strconv.Itoa(event.Version),
 		},
-	})
+	}
+	applyLimits(&sc, cfg.limits())
+	st, err := js.CreateStream(ctx, sc)
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		// Made by someone else meanwhile: check theirs.
-		if st, err = openStream(ctx, js, cfg); st == nil && err == nil {
+		if st, err = openStream(ctx, js, cfg, enforce); st == nil && err == nil {
 			err = fmt.Errorf("stream %s was created and deleted while capture started", name)
 		}
 	}
@@ -117,10 +115,13 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config) (jet
 	return st, nil
 }
 
+// limitsEnforcer checks and corrects a stream's limits at start.
+type limitsEnforcer func(ctx context.Context, js jetstream.JetStream, sc jetstream.StreamConfig) error
+
 // checkStream checks that an existing stream was made by Epitaph for this
-// source and partition count, and brings its retention and dedupe window to
-// the configured ones.
-func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Stream, cfg *Config) error {
+// source and partition count, brings its dedupe window to the configured
+// one, and has enforce check its limits.
+func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Stream, cfg *Config, enforce limitsEnforcer) error {
 	name := event.StreamName(cfg.SourceName)
 	info, err := st.Info(ctx)
 	if err != nil {
@@ -139,13 +140,17 @@ func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Strea
 	if info.Config.PersistMode == jetstream.AsyncPersistMode && cfg.BrokerSyncInterval < 0 {
 		return configErr("stream %s was made with persist mode async: its server may lose acknowledged messages it has not written yet, so confirmations must trail it (a positive --broker-sync-interval)", name)
 	}
-	if cfg.DuplicateWindow != info.Config.Duplicates || cfg.Retention != info.Config.MaxAge {
-		sc := info.Config
+	sc := info.Config
+	if cfg.DuplicateWindow != sc.Duplicates {
 		sc.Duplicates = cfg.DuplicateWindow
-		sc.MaxAge = cfg.Retention
-		if _, err := js.UpdateStream(ctx, sc); err != nil {
-			return fmt.Errorf("update stream %s retention/dedupe window: %w", name, err)
+		updated, err := js.UpdateStream(ctx, sc)
+		if err != nil {
+			return fmt.Errorf("update stream %s dedupe window: %w", name, err)
 		}
+		sc = updated.CachedInfo().Config
+	}
+	if enforce != nil {
+		return enforce(ctx, js, sc)
 	}
 	return nil
 }
@@ -155,26 +160,6 @@ func persistMode(s string) jetstream.PersistModeType {
 		return jetstream.AsyncPersistMode
 	}
 	return jetstream.DefaultPersistMode
-}
-
-// readTail reads the last message the stream holds for this source.
-func readTail(ctx context.Context, st jetstream.Stream, src string) (tail, error) {
-	m, err := st.GetLastMsgForSubject(ctx, event.StreamSubjects(src))
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return tail{}, nil
-	}
-	if err != nil {
-		return tail{}, fmt.Errorf("read the stream's last message: %w", err)
-	}
-	h := m.Header.Get(HeaderPosition)
-	if h == "" {
-		return tail{}, configErr("the last message of stream %s (sequence %d) has no %s header: it was not published by capture, so capture cannot tell where to resume", event.StreamName(src), m.Sequence, HeaderPosition)
-	}
-	pos, err := parsePosition(h)
-	if err != nil {
-		return tail{}, configErr("the last message of stream %s (sequence %d): %v", event.StreamName(src), m.Sequence, err)
-	}
-	return tail{has: true, pos: pos, msgID: m.Header.Get(nats.MsgIdHdr)}, nil
 }
 
 // rowBucket is the object store bucket holding rows too large for a message.

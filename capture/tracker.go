@@ -143,7 +143,10 @@ func (t *tracker) poll(now time.Time) error {
 		it := t.q[t.head]
 		if it.fut != nil {
 			select {
-			case <-it.fut.Ok():
+			case a := <-it.fut.Ok():
+				if err := it.duplicate(a); err != nil {
+					return err
+				}
 			case err := <-it.fut.Err():
 				return it.err(err)
 			default:
@@ -173,7 +176,10 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 			continue
 		}
 		select {
-		case <-it.fut.Ok():
+		case a := <-it.fut.Ok():
+			if err := it.duplicate(a); err != nil {
+				return err
+			}
 			// The ack is consumed from the channel here: pop the item now,
 			// poll would not see it again.
 			t.popFuture(now())
@@ -194,6 +200,17 @@ func (it trackItem) err(err error) error {
 		return fmt.Errorf("publish %s (acknowledging it and the %d messages before it): %w", it.what, it.msgs-1, err)
 	}
 	return fmt.Errorf("publish %s: %w", it.what, err)
+}
+
+// duplicate: JetStream acknowledges a message dropped as a duplicate of a
+// stored one as if it were stored. The capture never publishes a message
+// twice in a session (re-sends are skipped by position or adopted), so the
+// stored one is not ours: nothing after it is proven.
+func (it trackItem) duplicate(a *jetstream.PubAck) error {
+	if a == nil || !a.Duplicate {
+		return nil
+	}
+	return fmt.Errorf("publish %s: %w", it.what, &collisionError{what: it.what, seq: a.Sequence})
 }
 
 func (t *tracker) popFuture(now time.Time) {

@@ -53,6 +53,7 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_capture_heartbeat_age_seconds", nil},
 	{"epitaph_capture_active", nil},
 	{"epitaph_capture_large_rows_total", nil},
+	{"epitaph_capture_stream_limits_restored_total", []string{"limit"}},
 
 	{"epitaph_projector_lag_events", []string{"projection", "version", "partition"}},
 	{"epitaph_projector_lag_seconds", []string{"projection", "version", "partition"}},
@@ -69,6 +70,7 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_partitions_unowned", []string{"projection", "version"}},
 	{"epitaph_projector_worker_heartbeat_age_seconds", []string{"worker"}},
 	{"epitaph_projector_transient_errors_total", []string{"kind"}},
+	{"epitaph_projector_gaps", []string{"version", "kind", "acknowledged"}},
 }
 
 // scrapeLabels are added to every series by Prometheus (job, instance) or by

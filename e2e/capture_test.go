@@ -5,11 +5,13 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
@@ -37,7 +39,8 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
-	env := bench.CaptureEnv(url, nats.URL, "", t.TempDir(), metrics, "main", "epitaph_e2e_capture")
+	dataDir := t.TempDir() // the signing key, kept across the kills
+	env := bench.CaptureEnv(url, nats.URL, "", dataDir, metrics, "main", "epitaph_e2e_capture")
 	// A Postgres fast shutdown waits for every logical walsender's client to
 	// confirm all sent WAL; a capture trailing its confirmations by the
 	// external server's default sync interval (2m) would hold the shutdown
@@ -113,4 +116,18 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 	t.Logf("stream verification: %s", rep.String())
 	require.True(t, rep.OK(), rep.String())
 	require.Equal(t, len(expected), len(events))
+
+	// And as a projector checks it: every delete is a member of a
+	// transaction signed with the capture's key, its rows matching the
+	// signed digest.
+	pubPEM, err := os.ReadFile(filepath.Join(dataDir, "signing.pub"))
+	require.NoError(t, err)
+	pub, err := event.ParsePublicKey(pubPEM)
+	require.NoError(t, err)
+	verified, err := workload.VerifiedDeletes(ctx, nats.URL, "main", pub)
+	require.NoError(t, err)
+	rep, err = workload.VerifyStream(ctx, url, expected, verified)
+	require.NoError(t, err)
+	require.True(t, rep.OK(), "verified deletes: %s", rep.String())
+	require.Equal(t, len(expected), len(verified))
 }

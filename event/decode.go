@@ -270,6 +270,14 @@ func (e *Event) Validate() error {
 		if e.ToLSN < e.FromLSN {
 			return decodeErr(CategoryInvalid, "gap: to_lsn before from_lsn")
 		}
+		// Only a loss upstream is published; removals and truncates are
+		// recorded by the projector, never believed from the stream.
+		if e.GapKind() != GapLostUpstream {
+			return decodeErr(CategoryInvalid, "gap: kind %q is not %s", e.Kind, GapLostUpstream)
+		}
+		if (e.Schema == "") != (e.Table == "") {
+			return decodeErr(CategoryInvalid, "gap: schema and table go together (got schema %q, table %q)", e.Schema, e.Table)
+		}
 	case "":
 		return decodeErr(CategoryInvalid, "missing \"op\"")
 	default:

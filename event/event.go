@@ -46,6 +46,17 @@ const (
 	MarkUser      = "mark"      // pg_logical_emit_message with prefix epitaph.mark
 )
 
+// Gap kinds: what a gap says was lost. A gap event carries GapLostUpstream
+// (its default when "kind" is absent, as in streams written before kinds
+// existed); the projector records the others itself in archive.gaps
+// (GapRemovedFromStream: events removed from the stream before a version
+// applied them; GapTruncate: a TRUNCATE, whose rows are not in the WAL).
+const (
+	GapLostUpstream      = "lost_upstream"
+	GapRemovedFromStream = "removed_from_stream"
+	GapTruncate          = "truncate"
+)
+
 // Column describes one column of a row event, in table order.
 type Column struct {
 	Name string `json:"name"`
@@ -113,7 +124,10 @@ type Event struct {
 	Tables map[string]int `json:"tables,omitempty"`
 
 	// Mark, heartbeat and gap: the partition the copy was published to and
-	// the source position it stands for.
+	// the source position it stands for. Kind is the mark's kind, or the
+	// gap's (GapKind). A gap that concerns one table only (a table that lost
+	// its replica identity) names it in Schema and Table; a gap without them
+	// concerns every table.
 	Partition int       `json:"partition,omitempty"`
 	LSN       LSN       `json:"lsn,omitempty"`
 	Kind      string    `json:"kind,omitempty"`
@@ -123,6 +137,15 @@ type Event struct {
 	FromLSN LSN    `json:"from_lsn,omitempty"`
 	ToLSN   LSN    `json:"to_lsn,omitempty"`
 	Reason  string `json:"reason,omitempty"`
+}
+
+// GapKind is the kind of a gap event: Kind, or GapLostUpstream when the
+// event has none.
+func (e *Event) GapKind() string {
+	if e.Kind == "" {
+		return GapLostUpstream
+	}
+	return e.Kind
 }
 
 // QualifiedTable is "schema.table", the form used in commit counts and refs.

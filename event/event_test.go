@@ -153,6 +153,49 @@ func TestDecodeClassifies(t *testing.T) {
 	require.Equal(t, "public.t", e.QualifiedTable())
 }
 
+func TestGapEvents(t *testing.T) {
+	t.Parallel()
+	// A gap from a capture that predates kinds: lost upstream, every table.
+	old := `{"v":1,"op":"gap","source":"main","seq":0,"partition":1,"from_lsn":"0/60","to_lsn":"0/9000","reason":"slot invalidated"}`
+	e, err := event.Decode([]byte(old))
+	require.NoError(t, err)
+	require.Equal(t, event.GapLostUpstream, e.GapKind())
+	require.Empty(t, e.Schema)
+	require.Empty(t, e.Table)
+
+	// A gap for one table (it lost its replica identity) round-trips.
+	in := &event.Event{Op: event.OpGap, Source: "main", Kind: event.GapLostUpstream, Schema: "public", Table: "order.lines",
+		Partition: 3, FromLSN: 0x60, ToLSN: 0x9000, LSN: 0x9000, Reason: "replica identity lost"}
+	b, err := event.Encode(in)
+	require.NoError(t, err)
+	require.Contains(t, string(b), `"kind":"lost_upstream"`)
+	require.Contains(t, string(b), `"schema":"public","table":"order.lines"`)
+	out, err := event.Decode(b)
+	require.NoError(t, err)
+	require.Equal(t, in, out)
+	_, fast := event.DecodeFast(b)
+	require.True(t, fast, "the fast path takes a table gap")
+
+	bad := map[string]string{
+		"to before from":      strings.Replace(old, `"0/9000"`, `"0/50"`, 1),
+		"removal from stream": strings.Replace(old, `"seq":0`, `"seq":0,"kind":"removed_from_stream"`, 1),
+		"truncate kind":       strings.Replace(old, `"seq":0`, `"seq":0,"kind":"truncate"`, 1),
+		"unknown kind":        strings.Replace(old, `"seq":0`, `"seq":0,"kind":"mystery"`, 1),
+		"schema alone":        strings.Replace(old, `"seq":0`, `"seq":0,"schema":"public"`, 1),
+		"table alone":         strings.Replace(old, `"seq":0`, `"seq":0,"table":"t"`, 1),
+	}
+	for name, body := range bad {
+		_, err := event.Decode([]byte(body))
+		cat, ok := event.CategoryOf(err)
+		require.True(t, ok, "%s: %v", name, err)
+		require.Equal(t, event.CategoryInvalid, cat, name)
+	}
+
+	require.Equal(t, "main/gap/0/60-0/9000/3", event.GapMsgID("main", 0x60, 0x9000, 3))
+	require.Equal(t, "main/gap/public.order%2Elines/0/60-0/9000/3", event.TableGapMsgID("main", "public", "order.lines", 0x60, 0x9000, 3))
+	require.NotEqual(t, event.TableGapMsgID("main", "a", "b.c", 1, 2, 0), event.TableGapMsgID("main", "a.b", "c", 1, 2, 0))
+}
+
 func TestDecodeErrorsCarryNoRowValues(t *testing.T) {
 	t.Parallel()
 	secret := "s3cr3t-value"

@@ -130,7 +130,7 @@ func TestSeedCorpus(t *testing.T) {
 	ops := map[string]event.Op{
 		"delete_full": event.OpDelete, "delete_key": event.OpDelete, "delete_nothing": event.OpDelete,
 		"delete_rowref": event.OpDelete, "truncate": event.OpTruncate, "commit": event.OpCommit,
-		"mark": event.OpMark, "heartbeat": event.OpMark, "gap": event.OpGap,
+		"mark": event.OpMark, "heartbeat": event.OpMark, "gap": event.OpGap, "gap_table": event.OpGap,
 	}
 	for name, op := range ops {
 		e, err := event.Decode(read(name))
@@ -146,6 +146,7 @@ func TestSeedCorpus(t *testing.T) {
 		"array": event.CategoryMalformed, "binary": event.CategoryMalformed, "seq_string": event.CategoryInvalid,
 		"lsn_bad": event.CategoryInvalid, "row_string": event.CategoryInvalid, "op_unknown": event.CategoryInvalid,
 		"tables_mismatch": event.CategoryInvalid, "trailing": event.CategoryMalformed,
+		"gap_kind_unknown": event.CategoryInvalid,
 	}
 	for name, want := range bad {
 		_, err := event.Decode(read(name))

@@ -147,3 +147,10 @@ func MarkMsgID(src string, lsn LSN, p int) string {
 func GapMsgID(src string, from, to LSN, p int) string {
 	return src + "/gap/" + from.String() + "-" + to.String() + "/" + strconv.Itoa(p)
 }
+
+// TableGapMsgID is the Nats-Msg-Id of a gap copy for partition p that
+// concerns one table only, distinct from the whole-source gap of the same
+// range and from another table's.
+func TableGapMsgID(src, schema, table string, from, to LSN, p int) string {
+	return src + "/gap/" + EscapeToken(schema) + "." + EscapeToken(table) + "/" + from.String() + "-" + to.String() + "/" + strconv.Itoa(p)
+}

@@ -62,6 +62,9 @@ type Position struct {
 	// SourceLSN is the watermark: the partition reflects the source up to
 	// this LSN. It never moves backwards.
 	SourceLSN event.LSN
+	// SourceTime is the source time of the watermark (commit time, or the
+	// mark's time); zero when unknown. It never moves backwards.
+	SourceTime time.Time
 }
 
 // Row is a progress row as stored.
@@ -183,6 +186,13 @@ func nullLSN(l event.LSN) any {
 	return l.String()
 }
 
+func nullTime(t time.Time) any {
+	if t.IsZero() {
+		return nil
+	}
+	return t
+}
+
 func nullSeq(s int) any {
 	if s < 0 {
 		return nil
@@ -202,7 +212,7 @@ func Advance(ctx context.Context, tx pgx.Tx, l Lease, old uint64, next Position,
 	tag, err := tx.Exec(ctx, `
 		UPDATE epitaph.progress
 		SET cursor = $5, last_commit_lsn = $6::pg_lsn, last_seq = $7, last_msg_id = $8,
-		    source_lsn = GREATEST(source_lsn, $9::pg_lsn),
+		    source_lsn = GREATEST(source_lsn, $9::pg_lsn), source_time = GREATEST(source_time, $13::timestamptz),
 		    attempts = 0, last_advance_at = now(),
 		    lease_expires_at = CASE WHEN $11::bigint > 0 AND owner = $12
 		                            THEN now() + $11::bigint * interval '1 microsecond'
@@ -210,7 +220,7 @@ func Advance(ctx context.Context, tx pgx.Tx, l Lease, old uint64, next Position,
 		WHERE projection = $1 AND version = $2 AND partition = $3 AND cursor = $4 AND epoch = $10`,
 		l.Projection, l.Version, l.Partition, int64(old), int64(next.Cursor),
 		nullLSN(next.CommitLSN), nullSeq(next.Seq), next.MsgID, nullLSN(next.SourceLSN), l.Epoch,
-		ttl.Microseconds(), l.Owner)
+		ttl.Microseconds(), l.Owner, nullTime(next.SourceTime))
 	if err != nil {
 		return fmt.Errorf("advance cursor of %s to %d: %w", l.Key, next.Cursor, err)
 	}

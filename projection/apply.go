@@ -65,6 +65,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	next := pos
 	var commits []*item
 	for _, it := range items {
+		it.after = next.SourceLSN
 		next.Cursor, next.MsgID, next.Seq = it.seq, it.id, -1
 		if it.ev == nil {
 			continue // undecodable: keep the last known source position
@@ -76,8 +77,10 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 		case event.OpCommit:
 			commits = append(commits, it)
 			next.SourceLSN = max(next.SourceLSN, it.ev.CommitLSN)
+			next.SourceTime = laterTime(next.SourceTime, it.ev.CommitTime)
 		case event.OpMark:
 			next.SourceLSN = max(next.SourceLSN, it.ev.LSN)
+			next.SourceTime = laterTime(next.SourceTime, it.ev.Time)
 		case event.OpTruncate:
 			s.log.Warn("source table was TRUNCATEd: its rows are not in the WAL and were NOT archived",
 				"table", it.ev.QualifiedTable(), "commit_lsn", it.ev.CommitLSN.String(), "version", v.Version)
@@ -85,6 +88,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 			s.log.Error("deletes were lost upstream (replication slot dropped or invalidated): the archive misses this range",
 				"from_lsn", it.ev.FromLSN.String(), "to_lsn", it.ev.ToLSN.String(), "reason", it.ev.Reason, "version", v.Version)
 			next.SourceLSN = max(next.SourceLSN, it.ev.ToLSN)
+			next.SourceTime = laterTime(next.SourceTime, it.ev.Time)
 		}
 	}
 
@@ -122,6 +126,30 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	return res, err
 }
 
+func laterTime(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
+// gapOf is the gap row an applied gap or truncate event records. A gap
+// event is published to every partition and concerns them all (partition
+// NULL, recorded once); a truncate is its partition's.
+func gapOf(e *event.Event, partition int) Gap {
+	g := Gap{Kind: e.GapKind()}
+	if e.Schema != "" {
+		g.Schema, g.Table = &e.Schema, &e.Table
+	}
+	if e.Op == event.OpTruncate {
+		g.Kind, g.Partition = event.GapTruncate, &partition
+		g.FromLSN, g.ToLSN = &e.CommitLSN, &e.CommitLSN
+		return g
+	}
+	g.FromLSN, g.ToLSN = &e.FromLSN, &e.ToLSN
+	return g
+}
+
 // errCareful says a page failed permanently without savepoints and must be
 // applied again with isolation.
 var errCareful = errors.New("page needs isolation")
@@ -139,7 +167,7 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		err := quarantine.Insert(ctx, tx, quarantine.Entry{
 			Projection: v.Projection, Version: v.Version, Partition: l.Partition,
 			StreamSeq: it.seq, Subject: it.subject, Headers: it.headers, Data: it.data,
-			Category: it.category, Error: quarantine.Sanitize(it.failure),
+			Category: it.category, Error: quarantine.Sanitize(it.failure), After: it.after,
 		})
 		if err != nil {
 			return err
@@ -222,6 +250,29 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	}, func(c *item, err error) error {
 		cat, _ := quarantine.Classify(err)
 		c.category, c.failure = string(cat), err
+		return nil
+	})
+	if err != nil {
+		return res, err
+	}
+	// Gaps and truncates are recorded for readers (archive.gaps) in this
+	// transaction: the partition is never seen past one without it.
+	var gaps []*item
+	for _, it := range items {
+		if it.ev != nil && it.category == "" && (it.ev.Op == event.OpGap || it.ev.Op == event.OpTruncate) {
+			gaps = append(gaps, it)
+		}
+	}
+	err = isolate(ctx, tx, careful, gaps, func(sp pgx.Tx, part []*item) error {
+		for _, it := range part {
+			if err := insertGap(ctx, sp, v.Schema, gapOf(it.ev, l.Partition)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, func(it *item, err error) error {
+		cat, _ := quarantine.Classify(err)
+		it.category, it.failure = string(cat), err
 		return nil
 	})
 	if err != nil {

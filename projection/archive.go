@@ -2,9 +2,12 @@ package projection
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -53,38 +56,32 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
+` + gapsDDL(s)
+}
+
+// gapsDDL creates the version's gaps table (DESIGN section 6): what the
+// archive is known to miss. partition is NULL for a gap that concerns every
+// partition (a loss upstream, published to each of them, is one row); the
+// unique index makes the partitions that apply its copies record it once.
+func gapsDDL(s string) string {
+	return `
+CREATE TABLE IF NOT EXISTS ` + s + `.gaps (id bigserial PRIMARY KEY, kind text NOT NULL
+  CHECK (kind IN ('lost_upstream','removed_from_stream','truncate')), schema_name text, table_name text,
+  partition int, from_lsn pg_lsn, to_lsn pg_lsn, from_seq bigint, to_seq bigint,
+  detected_at timestamptz NOT NULL DEFAULT now(), acknowledged_at timestamptz, ack_reason text);
+CREATE UNIQUE INDEX IF NOT EXISTS gaps_source_wide_idx ON ` + s + `.gaps
+  (kind, COALESCE(schema_name, ''), COALESCE(table_name, ''), from_lsn, to_lsn) WHERE partition IS NULL;
 `
 }
 
-// statusView says, for the reader, whether the archive can be trusted: the
-// live version, how many partitions have an owner, how far into the source
-// every partition reflects (source_lsn: the archive is complete up to it),
-// and the unresolved quarantine. ready is false while any of that is not
-// right, so an empty archive.rows is never mistaken for "nothing deleted".
-const statusView = `
-CREATE OR REPLACE VIEW archive.status AS
-SELECT v.projection, v.version, v.state, v.schema_name,
-       count(p.partition)::int AS partitions,
-       (count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now()))::int AS partitions_owned,
-       (count(p.partition) FILTER (WHERE p.last_advance_at IS NOT NULL))::int AS partitions_started,
-       min(p.source_lsn) AS source_lsn,
-       bool_and(p.source_lsn IS NOT NULL) AS every_partition_has_watermark,
-       max(p.last_advance_at) AS last_advance_at,
-       COALESCE((SELECT count(*) FROM epitaph.quarantine q
-                 WHERE q.projection = v.projection AND q.version = v.version AND q.status = 'open'), 0)::int AS quarantine_open,
-       (v.state = 'live'
-        AND count(p.partition) > 0
-        AND count(p.partition) = count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now())
-        AND bool_and(p.last_advance_at IS NOT NULL)
-        AND NOT EXISTS (SELECT 1 FROM epitaph.quarantine q
-                        WHERE q.projection = v.projection AND q.version = v.version AND q.status = 'open')) AS ready
-FROM epitaph.projection_versions v
-LEFT JOIN epitaph.progress p ON p.projection = v.projection AND p.version = v.version
-WHERE v.projection = 'archive' AND v.state <> 'retired'
-GROUP BY v.projection, v.version, v.state, v.schema_name`
+// statusView says, for the reader, whether the archive can be trusted
+// (statusQuery, readiness.go) for every version of the archive projection.
+var statusView = statusViewPrefix + statusQuery(`v.projection = 'archive'`)
+
+const statusViewPrefix = `CREATE OR REPLACE VIEW archive.status AS`
 
 // PointViews re-points the reader views of schema "archive" (archive.rows,
-// and archive.snapshots when that version has a snapshots table) at
+// archive.gaps, and archive.snapshots when that version has a snapshots table) at
 // archive_v<version>, inside tx: readers see the old or the new version,
 // never a mix and never a missing view. It takes the version lock (held to
 // the end of tx, re-entrant), so a worker re-pointing the views from the
@@ -97,7 +94,7 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS archive`); err != nil {
 		return fmt.Errorf("create schema archive: %w", err)
 	}
-	for _, table := range []string{"rows", "snapshots"} {
+	for _, table := range []string{"rows", "snapshots", "gaps"} {
 		var exists bool
 		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, ident(schema, table)).Scan(&exists); err != nil {
 			return fmt.Errorf("look up %s.%s: %w", schema, table, err)
@@ -108,18 +105,54 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 			}
 			continue
 		}
+		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
+		current, err := viewCurrent(ctx, tx, ident(ReaderSchema, table), comment, ident(schema, table))
+		if err != nil {
+			return err
+		}
+		if current {
+			continue
+		}
 		if err := replaceView(ctx, tx, ident(ReaderSchema, table), `SELECT * FROM `+ident(schema, table)); err != nil {
 			return fmt.Errorf("point view archive.%s at %s: %w", table, schema, err)
 		}
-		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
 		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+pgquote.Literal(comment)); err != nil {
 			return fmt.Errorf("comment view archive.%s: %w", table, err)
 		}
 	}
-	if _, err := tx.Exec(ctx, statusView); err != nil {
+	sum := sha256.Sum256([]byte(statusView))
+	comment := "Is the archive ready, and complete up to where? (definition " + hex.EncodeToString(sum[:6]) + ")"
+	current, err := viewCurrent(ctx, tx, "archive.status", comment, "")
+	if err != nil || current {
+		return err
+	}
+	if err := replaceView(ctx, tx, "archive.status", strings.TrimPrefix(statusView, statusViewPrefix)); err != nil {
 		return fmt.Errorf("create view archive.status: %w", err)
 	}
+	if _, err := tx.Exec(ctx, `COMMENT ON VIEW archive.status IS `+pgquote.Literal(comment)); err != nil {
+		return fmt.Errorf("comment view archive.status: %w", err)
+	}
 	return nil
+}
+
+// viewCurrent reports whether view exists with the given comment (which
+// names what it shows) and, when table is set, the same columns as table:
+// then it is left alone. Readers never fail because of the projector: a
+// projector starting up must not replace (lock) reader views that already
+// show the live version; this looks only at the catalogs.
+func viewCurrent(ctx context.Context, tx pgx.Tx, view, comment, table string) (bool, error) {
+	var current bool
+	err := tx.QueryRow(ctx, `
+		SELECT COALESCE(obj_description(to_regclass($1), 'pg_class') = $2, false)
+		   AND ($3 = '' OR (SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute
+		                    WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped)
+		                 = (SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute
+		                    WHERE attrelid = to_regclass($3) AND attnum > 0 AND NOT attisdropped))`,
+		view, comment, table).Scan(&current)
+	if err != nil {
+		return false, fmt.Errorf("look up view %s: %w", view, err)
+	}
+	return current, nil
 }
 
 // replaceView re-points a view in place when the columns allow it (so views
@@ -344,6 +377,57 @@ func markRoots(ctx context.Context, tx pgx.Tx, schema, source string, commits []
 	}
 	if _, err := tx.Exec(ctx, fmt.Sprintf(markRootsSQL, ident(schema)), source, lsns, onlyUndecided); err != nil {
 		return fmt.Errorf("mark roots of %d transactions in %s: %w", len(commits), schema, err)
+	}
+	return nil
+}
+
+// Gap is one row of a version's gaps table (archive.gaps for the live
+// version): a range the archive is known to miss. Nil fields are unknown or
+// not specific (Schema and Table nil: every table; Partition nil: every
+// partition).
+type Gap struct {
+	ID             int64      `json:"id"`
+	Kind           string     `json:"kind"`
+	Schema         *string    `json:"schema_name"`
+	Table          *string    `json:"table_name"`
+	Partition      *int       `json:"partition"`
+	FromLSN        *event.LSN `json:"from_lsn"`
+	ToLSN          *event.LSN `json:"to_lsn"`
+	FromSeq        *int64     `json:"from_seq"`
+	ToSeq          *int64     `json:"to_seq"`
+	DetectedAt     time.Time  `json:"detected_at"`
+	AcknowledgedAt *time.Time `json:"acknowledged_at"`
+	AckReason      *string    `json:"ack_reason"`
+}
+
+// Blocking reports whether the gap keeps the archive from being complete
+// (lost_upstream and removed_from_stream do until acknowledged; a truncate
+// is informational).
+func (g Gap) Blocking() bool {
+	return g.Kind != event.GapTruncate && g.AcknowledgedAt == nil
+}
+
+const insertGapSQL = `
+INSERT INTO %s.gaps (kind, schema_name, table_name, partition, from_lsn, to_lsn, from_seq, to_seq)
+VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6::text::pg_lsn, $7, $8)
+ON CONFLICT (kind, COALESCE(schema_name, ''), COALESCE(table_name, ''), from_lsn, to_lsn) WHERE partition IS NULL
+DO NOTHING`
+
+// insertGap records g in the gaps table of schema, inside tx (the apply
+// transaction that met it, so a gap is recorded exactly when the partition
+// moves past it). A gap without a partition (one that concerns every
+// partition) is recorded once however many partitions meet a copy of it.
+func insertGap(ctx context.Context, tx pgx.Tx, schema string, g Gap) error {
+	lsn := func(l *event.LSN) *string {
+		if l == nil {
+			return nil
+		}
+		s := l.String()
+		return &s
+	}
+	if _, err := tx.Exec(ctx, fmt.Sprintf(insertGapSQL, ident(schema)),
+		g.Kind, g.Schema, g.Table, g.Partition, lsn(g.FromLSN), lsn(g.ToLSN), g.FromSeq, g.ToSeq); err != nil {
+		return fmt.Errorf("record %s gap in %s: %w", g.Kind, schema, err)
 	}
 	return nil
 }

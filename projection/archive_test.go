@@ -107,11 +107,15 @@ func testArchiveRowsRootsAndExpiry(t *testing.T, batch int) {
 	eventually(t, 10*time.Second, func() bool {
 		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn`, hb.String()) == 4
 	})
+	// Ready once a worker has sampled the lag (every StatusInterval).
 	var ready bool
-	var srcLSN string
-	require.NoError(t, c.QueryRow(ctx, `SELECT ready, source_lsn::text FROM archive.status WHERE version = 1`).Scan(&ready, &srcLSN))
-	require.True(t, ready)
+	var srcLSN, complete string
+	eventually(t, 10*time.Second, func() bool {
+		require.NoError(t, c.QueryRow(ctx, `SELECT ready, source_lsn::text, complete_up_to_lsn::text FROM archive.status WHERE version = 1`).Scan(&ready, &srcLSN, &complete))
+		return ready
+	})
 	require.Equal(t, hb.String(), srcLSN)
+	require.Equal(t, hb.String(), complete)
 	st, err := s.Status(ctx)
 	require.NoError(t, err)
 	require.Len(t, st.Versions, 1)

@@ -404,6 +404,7 @@ func WaitLSN(ctx context.Context, db progress.DB, projection string, lsn event.L
 	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
+	var last event.LSN // from the last read that the deadline did not cut short
 	for {
 		at, all, err := Reflects(ctx, db, projection)
 		if err == nil && all && at >= lsn {
@@ -412,9 +413,12 @@ func WaitLSN(ctx context.Context, db progress.DB, projection string, lsn event.L
 		if err != nil && ctx.Err() == nil {
 			return at, err
 		}
+		if err == nil {
+			last = at
+		}
 		select {
 		case <-ctx.Done():
-			return at, fmt.Errorf("wait for %s to reflect %s (it reflects %s): %w", projection, lsn, at, ctx.Err())
+			return last, fmt.Errorf("wait for %s to reflect %s (it reflects %s): %w", projection, lsn, last, ctx.Err())
 		case <-t.C:
 		}
 	}

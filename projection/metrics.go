@@ -4,6 +4,8 @@ import (
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/event"
 )
 
 func itoa(i int) string { return strconv.Itoa(i) }
@@ -24,6 +26,7 @@ type metrics struct {
 	transient        *prometheus.CounterVec
 	rewinds          *prometheus.CounterVec
 	statusRefreshErr prometheus.Counter
+	gaps             *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -56,9 +59,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Partitions rewound because the stream lost its tail."}, pv),
 		statusRefreshErr: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_projector_status_errors_total",
 			Help: "Failed refreshes of the lag metrics."}),
+		gaps: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_gaps",
+			Help: "Rows of the version's gaps table (archive.gaps for the live version) by kind and acknowledgement: lost_upstream and removed_from_stream keep the archive from being ready until acknowledged; truncate is informational."},
+			[]string{"version", "kind", "acknowledged"}),
 	}
 	reg.MustRegister(m.lagEvents, m.lagSeconds, m.oldestPending, m.partitionOldest, m.applied, m.quarantined,
-		m.versionState, m.owned, m.unowned, m.heartbeatAge, m.transient, m.rewinds, m.statusRefreshErr)
+		m.versionState, m.owned, m.unowned, m.heartbeatAge, m.transient, m.rewinds, m.statusRefreshErr, m.gaps)
 	return m
 }
 
@@ -72,6 +78,7 @@ func (m *metrics) publish(st *Status) {
 	m.owned.Reset()
 	m.unowned.Reset()
 	m.heartbeatAge.Reset()
+	m.gaps.Reset()
 	for _, v := range st.Versions {
 		ver := itoa(v.Version)
 		for _, s := range States {
@@ -85,6 +92,16 @@ func (m *metrics) publish(st *Status) {
 			continue
 		}
 		m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)
+		if v.Projection == ArchiveProjection {
+			// Every kind is exported, 0 when there is none, so alerts see it.
+			for _, k := range []string{event.GapLostUpstream, event.GapRemovedFromStream, event.GapTruncate} {
+				m.gaps.WithLabelValues(ver, k, "false").Set(0)
+				m.gaps.WithLabelValues(ver, k, "true").Set(0)
+			}
+			for _, c := range v.GapCounts {
+				m.gaps.WithLabelValues(ver, c.Kind, strconv.FormatBool(c.Acknowledged)).Set(float64(c.Count))
+			}
+		}
 		owned, unowned := 0, 0
 		for _, p := range v.Partitions {
 			part := itoa(p.Partition)

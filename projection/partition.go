@@ -33,6 +33,9 @@ type item struct {
 	stored  time.Time
 	id      string // Nats-Msg-Id, or a digest of the body
 	ev      *event.Event
+	// after is the partition's watermark before this message: a
+	// quarantined message lies after it (archive.status, wait).
+	after event.LSN
 	// quarantine: set when the event cannot be applied (permanent)
 	category string
 	failure  error

@@ -36,7 +36,7 @@ func TestReadYourDeletesWithCapture(t *testing.T) {
 	require.NoError(t, err)
 	n := testenv.NewNATS(t)
 	capSvc, err := capture.New(capture.Config{
-		SourceURL: srcURL, NATSURL: n.URL, SourceName: src, Tables: []string{"public.items"}, Partitions: 4,
+		SourceURL: srcURL, NATSURL: n.URL, DataDir: t.TempDir(), SourceName: src, Tables: []string{"public.items"}, Partitions: 4,
 		SlotName: strings.TrimPrefix(u.Path, "/"), PublicationName: "ryd", HeartbeatInterval: 200 * time.Millisecond,
 		BrokerSyncInterval: -1, MetricsAddr: "127.0.0.1:0",
 	}, capture.WithLogger(testLogger(t)), capture.WithRegistry(prometheus.NewRegistry()))

@@ -483,6 +483,10 @@ func (s *Service) refreshStatus(ctx context.Context) {
 		s.metrics.statusRefreshErr.Inc()
 		return
 	}
+	if err := s.recordLag(c, st); err != nil {
+		s.metrics.statusRefreshErr.Inc()
+		s.log.Warn("record lag for archive.status", "err", quarantine.Sanitize(err))
+	}
 	s.metrics.publish(st)
 	s.lifecycle.publish(st)
 	s.mu.Lock()

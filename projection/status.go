@@ -53,7 +53,28 @@ type VersionStatus struct {
 	Partitions              []PartitionStatus `json:"partitions"`
 	// Lifecycle: boundary, transitions, rebuild progress (status_versions.go).
 	Lifecycle *VersionLifecycle `json:"lifecycle,omitempty"`
+	// Readiness as archive.status says it (readiness.go): ready, why not,
+	// and how far into the source the version is complete.
+	Ready            bool       `json:"ready"`
+	NotReadyReasons  []string   `json:"not_ready_reasons,omitempty"`
+	CompleteUpToLSN  string     `json:"complete_up_to_lsn,omitempty"`
+	CompleteUpToTime *time.Time `json:"complete_up_to_time,omitempty"`
+	// Gaps: what the version is known to miss (archive_v<N>.gaps): the
+	// unacknowledged blocking ones and the most recent others, at most
+	// maxStatusGaps; GapCounts counts them all.
+	Gaps      []Gap      `json:"gaps"`
+	GapCounts []GapCount `json:"gap_counts"`
 }
+
+// GapCount is how many gaps of a kind a version has, acknowledged or not.
+type GapCount struct {
+	Kind         string `json:"kind"`
+	Acknowledged bool   `json:"acknowledged"`
+	Count        int    `json:"count"`
+}
+
+// maxStatusGaps bounds the gaps listed per version in the status document.
+const maxStatusGaps = 50
 
 // PartitionStatus is one partition of a version.
 type PartitionStatus struct {
@@ -192,6 +213,9 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 			vst.Partitions = append(vst.Partitions, ps)
 		}
 		vst.Lifecycle = lifecycleOf(v, &vst, stream)
+		if err := gapStatus(ctx, db, v, &vst); err != nil {
+			return nil, err
+		}
 		switch {
 		case unavailable:
 			vst.Health = "unavailable"
@@ -200,7 +224,43 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 		}
 		st.Versions = append(st.Versions, vst)
 	}
+	rs, err := ReadReadiness(ctx, db, "")
+	if err != nil {
+		return nil, err
+	}
+	for _, r := range rs {
+		for i := range st.Versions {
+			if vst := &st.Versions[i]; vst.Projection == r.Projection && vst.Version == r.Version {
+				vst.Ready, vst.NotReadyReasons = r.Ready, r.NotReadyReasons
+				vst.CompleteUpToLSN, vst.CompleteUpToTime = r.CompleteUpToLSN, r.CompleteUpToTime
+			}
+		}
+	}
 	return st, nil
+}
+
+// gapStatus fills the gaps of one version.
+func gapStatus(ctx context.Context, db progress.DB, v Version, vst *VersionStatus) error {
+	gs, err := listGaps(ctx, db, v.Schema, `id IN (SELECT id FROM `+ident(v.Schema, "gaps")+`
+		ORDER BY (acknowledged_at IS NULL AND kind <> 'truncate') DESC, id DESC LIMIT $1)`, 0, maxStatusGaps)
+	if err != nil {
+		return err
+	}
+	vst.Gaps = append([]Gap{}, gs...)
+	vst.GapCounts = []GapCount{}
+	if len(gs) == 0 {
+		return nil
+	}
+	rows, err := db.Query(ctx, `SELECT kind, acknowledged_at IS NOT NULL, count(*)::int FROM `+ident(v.Schema, "gaps")+`
+		GROUP BY 1, 2 ORDER BY 1, 2`)
+	if err != nil {
+		return fmt.Errorf("count gaps of %s: %w", v.Schema, err)
+	}
+	vst.GapCounts, err = pgx.CollectRows(rows, pgx.RowToStructByPos[GapCount])
+	if err != nil {
+		return fmt.Errorf("count gaps of %s: %w", v.Schema, err)
+	}
+	return nil
 }
 
 // partitionLag fills the lag of one partition: the first message of the
@@ -264,10 +324,31 @@ func (st *Status) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "stream: %s\n", st.StreamError)
 	}
 	fmt.Fprintln(tw)
-	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE")
+	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
 	for _, v := range st.Versions {
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
-			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen)
+		open := 0
+		for _, c := range v.GapCounts {
+			if !c.Acknowledged && c.Kind != event.GapTruncate {
+				open += c.Count
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
+			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
+	}
+	for _, v := range st.Versions {
+		if v.State == StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
+			fmt.Fprintf(tw, "\n%s v%d is not ready: %s\n", v.Projection, v.Version, strings.Join(v.NotReadyReasons, "; "))
+		}
+	}
+	for _, v := range st.Versions {
+		if len(v.Gaps) == 0 {
+			continue
+		}
+		fmt.Fprintf(tw, "\n%s v%d gaps\n", v.Projection, v.Version)
+		fmt.Fprintln(tw, "GAP\tKIND\tTABLE\tPARTITION\tFROM LSN\tTO LSN\tSTREAM SEQ\tDETECTED\tACKNOWLEDGED")
+		for _, g := range v.Gaps {
+			writeGapRow(tw, g)
+		}
 	}
 	for _, v := range st.Versions {
 		if len(v.Partitions) == 0 {
@@ -327,4 +408,48 @@ func orDash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+// writeGapRow prints one gap as a row of the gaps table (status and
+// `projector gaps`).
+func writeGapRow(w io.Writer, g Gap) {
+	table, part := "(all)", "(all)"
+	if g.Schema != nil && g.Table != nil {
+		table = *g.Schema + "." + *g.Table
+	}
+	if g.Partition != nil {
+		part = fmt.Sprint(*g.Partition)
+	}
+	seqs := "-"
+	if g.FromSeq != nil || g.ToSeq != nil {
+		seqs = seqOrUnknown(g.FromSeq) + "-" + seqOrUnknown(g.ToSeq)
+	}
+	ack := "no"
+	if g.Kind == event.GapTruncate && g.AcknowledgedAt == nil {
+		ack = "(informational)"
+	}
+	if g.AcknowledgedAt != nil {
+		ack = g.AcknowledgedAt.UTC().Format(time.RFC3339) + ": " + deref(g.AckReason)
+	}
+	fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Kind, table, part, lsnOrUnknown(g.FromLSN),
+		lsnOrUnknown(g.ToLSN), seqs, g.DetectedAt.UTC().Format(time.RFC3339), ack)
+}
+
+// WriteGaps prints the gaps of versions as text tables (`projector gaps`).
+func WriteGaps(w io.Writer, vgs []VersionGaps) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	for i, vg := range vgs {
+		if i > 0 {
+			fmt.Fprintln(tw)
+		}
+		fmt.Fprintf(tw, "%s v%d (%s): %d gaps\n", vg.Projection, vg.Version, vg.State, len(vg.Gaps))
+		if len(vg.Gaps) == 0 {
+			continue
+		}
+		fmt.Fprintln(tw, "GAP\tKIND\tTABLE\tPARTITION\tFROM LSN\tTO LSN\tSTREAM SEQ\tDETECTED\tACKNOWLEDGED")
+		for _, g := range vg.Gaps {
+			writeGapRow(tw, g)
+		}
+	}
+	return tw.Flush()
 }

@@ -67,6 +67,11 @@ type Entry struct {
 	Data       []byte
 	Category   string
 	Error      string
+	// After is the partition's watermark (source LSN) when it met the
+	// message: the message lies after it, so readers are told the archive
+	// is complete at most up to After while the entry is open. Zero when
+	// the partition had none (nothing can be claimed complete then).
+	After event.LSN
 }
 
 // Record is a stored entry with its bookkeeping.
@@ -92,8 +97,8 @@ const maxErrorLen = 2000
 const insertSQL = `
 INSERT INTO epitaph.quarantine AS q
     (projection, version, partition, stream_seq, subject, headers, data,
-     category, error, source_schema, source_table, source_key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+     category, error, source_schema, source_table, source_key, after_lsn)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13::text::pg_lsn)
 ON CONFLICT ON CONSTRAINT quarantine_event_once DO UPDATE
 SET attempts        = q.attempts + 1,
     last_attempt_at = now(),
@@ -125,7 +130,7 @@ func Insert(ctx context.Context, tx pgx.Tx, e Entry) error {
 	_, err = tx.Exec(ctx, insertSQL,
 		cleanText(e.Projection), e.Version, e.Partition, int64(e.StreamSeq), cleanText(e.Subject),
 		headers, data, cleanText(e.Category), truncate(cleanText(e.Error), maxErrorLen),
-		src.schema, src.table, src.key)
+		src.schema, src.table, src.key, e.After.String())
 	if err != nil {
 		return fmt.Errorf("quarantine insert %s v%d seq %d: %w", e.Projection, e.Version, e.StreamSeq, err)
 	}

@@ -122,7 +122,7 @@ func TestPageInBrowser(t *testing.T) {
 	require.NoError(t, err)
 	n := testenv.NewNATS(t)
 	capSvc, err := capture.New(capture.Config{
-		SourceURL: srcURL, NATSURL: n.URL, SourceName: source, Tables: workload.Tables, Partitions: 8,
+		SourceURL: srcURL, NATSURL: n.URL, DataDir: t.TempDir(), SourceName: source, Tables: workload.Tables, Partitions: 8,
 		SlotName: strings.TrimPrefix(u.Path, "/"), PublicationName: "statuspage", HeartbeatInterval: -1,
 		BrokerSyncInterval: -1, MetricsAddr: "127.0.0.1:0",
 	}, capture.WithLogger(failureLogger(t, "capture")), capture.WithRegistry(prometheus.NewRegistry()))
@@ -209,6 +209,16 @@ func TestPageInBrowser(t *testing.T) {
 	require.Equal(t, 8, st.Partitions)
 	require.Positive(t, st.StreamLast)
 
+	// What the archive is known to miss: a slot recreated upstream (the
+	// row the apply records for a gap event) and a truncate.
+	tconn, err := pgx.Connect(ctx, target)
+	require.NoError(t, err)
+	t.Cleanup(func() { tconn.Close(context.WithoutCancel(ctx)) })
+	_, err = tconn.Exec(ctx, fmt.Sprintf(`INSERT INTO %[1]s (kind, from_lsn, to_lsn) VALUES ('lost_upstream', '0/16B3748', '0/2000000');
+		INSERT INTO %[1]s (kind, schema_name, table_name, partition, from_lsn, to_lsn) VALUES ('truncate', 'public', 'sessions', 3, '0/2100000', '0/2100000')`,
+		pgx.Identifier{st.Versions[0].Schema, "gaps"}.Sanitize()))
+	require.NoError(t, err)
+
 	// The DOM as the browser rendered it, after the script refreshed the
 	// page in place at least once (virtual time runs its 2s timer).
 	dom := browse(t, bin, pageURL, "--virtual-time-budget=6000", "--dump-dom")
@@ -240,6 +250,37 @@ func TestPageInBrowser(t *testing.T) {
 	require.Contains(t, dom, `data-testid="snapshots-failed">0<`)
 	require.Contains(t, dom, "page-w1")
 	require.Contains(t, dom, `<p id="stale" class="stale" hidden=""></p>`, "no refresh failed")
+	// Readiness and gaps: not ready (the quarantine and the gap), complete
+	// only up to where the gap starts, both rows listed.
+	require.Contains(t, dom, `data-testid="version-gaps"><span class="none">1</span><`)
+	// (With heartbeats off a partition no transaction went to has not
+	// started: it may be named first.)
+	require.Regexp(t, `data-testid="version-ready" title="[^"]*1 quarantined events open; 1 unacknowledged gaps">not ready<`, dom)
+	require.Regexp(t, `archive v1 is not ready: [^<]*1 quarantined events open; 1 unacknowledged gaps<`, dom)
+	require.Contains(t, dom, `data-testid="gap-row" data-kind="lost_upstream"`)
+	require.Contains(t, dom, `<span class="badge danger">lost_upstream</span>`)
+	require.Contains(t, dom, `data-testid="gap-row" data-kind="truncate"`)
+	require.Contains(t, dom, "public.sessions")
+	// Complete up to nowhere: the quarantined event came first in its
+	// partition, and with heartbeats off some partitions have no watermark.
+	require.Regexp(t, `data-testid="version-complete">(–|0/0)<`, dom, "not complete past the quarantine or the gap")
+
+	// Acknowledged, the gap says so and no longer counts as open.
+	vg, err := projection.ListGaps(ctx, svc.Pool(), projection.ArchiveProjection)
+	require.NoError(t, err)
+	require.Len(t, vg, 1)
+	var gapID int64
+	for _, g := range vg[0].Gaps {
+		if g.Kind == event.GapLostUpstream {
+			gapID = g.ID
+		}
+	}
+	_, err = projection.AckGap(ctx, svc.Pool(), projection.ArchiveProjection, 0, gapID, "known: slot recreated in the test")
+	require.NoError(t, err)
+	dom = browse(t, bin, pageURL, "--dump-dom")
+	require.Contains(t, dom, `data-testid="version-gaps">0<`)
+	require.Regexp(t, `data-testid="gap-ack">\d{4}-\d\d-\d\d \d\d:\d\d UTC: known: slot recreated in the test<`, dom)
+	require.Regexp(t, `data-testid="version-ready" title="[^"]*1 quarantined events open">not ready<`, dom)
 
 	// Without scripts the page still loads and shows the data.
 	noJS := browse(t, bin, pageURL, "--disable-javascript", "--dump-dom")

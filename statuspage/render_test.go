@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/capture"
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/statuspage"
@@ -28,11 +29,21 @@ func sampleStatus() *projection.Status {
 	at := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
 	exp := at.Add(10 * time.Second)
 	adv := at.Add(-3 * time.Second)
+	lsn := func(l event.LSN) *event.LSN { return &l }
+	str := func(s string) *string { return &s }
+	p1 := 1
 	return &projection.Status{
 		Worker: `w1<script>alert(1)</script>`, Source: "main", Stream: "EPITAPH_MAIN", StreamLast: 1234, Partitions: 2, At: at,
 		Versions: []projection.VersionStatus{{
 			Projection: "archive", Version: 1, State: "live", Health: "quarantined", Schema: "archive_v1",
 			LagEvents: 40, OldestPendingAgeSeconds: 75, QuarantineOpen: 3,
+			NotReadyReasons: []string{"3 quarantined events open", "1 unacknowledged gaps"}, CompleteUpToLSN: "0/16B3748",
+			Gaps: []projection.Gap{
+				{ID: 7, Kind: event.GapLostUpstream, FromLSN: lsn(0x16B3748), ToLSN: lsn(0x2000000), DetectedAt: at},
+				{ID: 8, Kind: event.GapTruncate, Schema: str("public"), Table: str("<sessions>"), Partition: &p1,
+					FromLSN: lsn(0x2100000), ToLSN: lsn(0x2100000), DetectedAt: at},
+			},
+			GapCounts: []projection.GapCount{{Kind: event.GapLostUpstream, Count: 1}, {Kind: event.GapTruncate, Count: 1}},
 			Partitions: []projection.PartitionStatus{
 				{Partition: 0, Owner: `w1<script>alert(1)</script>`, Epoch: 2, Leased: true, LeaseExpiresAt: &exp, Cursor: 900,
 					SourceLSN: "0/1A2B3C", LastAdvanceAt: &adv},
@@ -77,6 +88,14 @@ func TestRenderPage(t *testing.T) {
 		"transient ×3", "1m15s", "1h06m", `data-testid="stream-last">1234<`, "0/1A2B3C", "3s ago",
 		"EPITAPH_CAPTURE_STATUS_URL", "snapshot jobs", "not shown", `<span class="badge no">dead</span>`,
 		`<noscript><meta http-equiv="refresh" content="2"></noscript>`,
+		// Readiness and gaps.
+		`data-testid="version-gaps"><span class="none">1</span><`, `data-testid="version-complete">0/16B3748<`,
+		`data-testid="version-ready" title="3 quarantined events open; 1 unacknowledged gaps">not ready<`,
+		`archive v1 is not ready: 3 quarantined events open; 1 unacknowledged gaps`,
+		`data-testid="gap-row" data-kind="lost_upstream" data-gap="7"`, `<span class="badge danger">lost_upstream</span>`,
+		"every table", "0/16B3748</td><td>0/2000000", `data-testid="gap-ack"><span class="none">no</span>`,
+		`data-testid="gap-row" data-kind="truncate" data-gap="8"`, "public.&lt;sessions&gt;", "informational",
+		"projector gaps ack ID --reason TEXT",
 	} {
 		require.Contains(t, strings.ToLower(body), strings.ToLower(want))
 	}

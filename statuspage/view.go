@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
@@ -55,6 +56,24 @@ type versionView struct {
 	QuarantineOpen int
 	Retired        bool
 	Partitions     []partitionView
+	// Readiness (archive.status) and what the version is known to miss.
+	Ready        bool
+	NotReady     string
+	CompleteUpTo string
+	GapsOpen     int
+	Gaps         []gapView
+}
+
+type gapView struct {
+	ID           int64
+	Kind         string
+	Table        string
+	Partition    string
+	From, To     string
+	Seqs         string
+	Detected     string
+	Blocking     bool
+	Acknowledged string
 }
 
 type partitionView struct {
@@ -127,7 +146,19 @@ func (p *page) fill(st *projection.Status) {
 	for _, v := range st.Versions {
 		vv := versionView{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.Health, Schema: v.Schema,
 			LagEvents: v.LagEvents, OldestPending: age(v.OldestPendingAgeSeconds), QuarantineOpen: v.QuarantineOpen,
-			Retired: v.State == projection.StateRetired}
+			Retired: v.State == projection.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
+			CompleteUpTo: v.CompleteUpToLSN}
+		if vv.CompleteUpTo == "" {
+			vv.CompleteUpTo = "–"
+		}
+		for _, c := range v.GapCounts {
+			if !c.Acknowledged && c.Kind != event.GapTruncate {
+				vv.GapsOpen += c.Count
+			}
+		}
+		for _, g := range v.Gaps {
+			vv.Gaps = append(vv.Gaps, newGapView(g))
+		}
 		var maxLag uint64
 		var maxAge float64
 		for _, ps := range v.Partitions {
@@ -161,6 +192,40 @@ func (p *page) fill(st *projection.Status) {
 		p.Workers = append(p.Workers, workerView{ID: w.ID, Live: w.Live, Heartbeat: age(w.HeartbeatAgeSeconds) + " ago",
 			This: w.ID == st.Worker})
 	}
+}
+
+func newGapView(g projection.Gap) gapView {
+	v := gapView{ID: g.ID, Kind: g.Kind, Table: "every table", Partition: "every", From: "?", To: "?", Seqs: "–",
+		Detected: g.DetectedAt.UTC().Format("2006-01-02 15:04:05 UTC"), Blocking: g.Blocking()}
+	if g.Schema != nil && g.Table != nil {
+		v.Table = *g.Schema + "." + *g.Table
+	}
+	if g.Partition != nil {
+		v.Partition = fmt.Sprint(*g.Partition)
+	}
+	if g.FromLSN != nil {
+		v.From = g.FromLSN.String()
+	}
+	if g.ToLSN != nil {
+		v.To = g.ToLSN.String()
+	}
+	if g.FromSeq != nil || g.ToSeq != nil {
+		v.Seqs = fmt.Sprintf("%s–%s", seqText(g.FromSeq), seqText(g.ToSeq))
+	}
+	if g.AcknowledgedAt != nil {
+		v.Acknowledged = g.AcknowledgedAt.UTC().Format("2006-01-02 15:04 UTC")
+		if g.AckReason != nil {
+			v.Acknowledged += ": " + *g.AckReason
+		}
+	}
+	return v
+}
+
+func seqText(n *int64) string {
+	if n == nil {
+		return "?"
+	}
+	return fmt.Sprint(*n)
 }
 
 // dangerSeconds: a slot this close to invalidation is shown in red.

@@ -45,7 +45,8 @@ func run(args []string) error {
 	str(fs, &cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /healthz, /status; empty disables")
 	boolean(fs, &cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", "ALTER captured tables to REPLICA IDENTITY FULL")
 	boolean(fs, &cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", "recreate a missing or invalidated slot and record a gap event")
-	dur(fs, &cfg.Retention, "retention", "EPITAPH_RETENTION", 0, "stream retention (0: forever)")
+	retention(fs, &cfg, "retention", "EPITAPH_RETENTION", "the stream limits that may discard events (default none: every event kept, rebuilds need them): a max age such as 720h, or max-age=D,max-bytes=N[K|M|G|T],max-msgs=N,max-msgs-per-subject=N. Any other discarding limit on the stream makes the capture refuse to start; one changed while it streams is restored")
+	dur(fs, &cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", 10*time.Second, "how often the stream's limits are checked (and restored) while streaming; negative: only at start")
 	dur(fs, &cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval")
 	dur(fs, &cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 2*time.Minute, "JetStream dedupe window")
 	dur(fs, &cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
@@ -54,6 +55,9 @@ func run(args []string) error {
 	num(fs, &cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created")
 	boolean(fs, &cfg.Standby, "standby", "EPITAPH_STANDBY", "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	dur(fs, &cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it")
+	// Trust: the key the capture signs with.
+	str(fs, &cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
+
 	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
 	if err := applyEnv(fs); err != nil {
@@ -158,6 +162,19 @@ func num(fs *flag.FlagSet, p *int, name, env string, def int, usage string) {
 func dur(fs *flag.FlagSet, p *time.Duration, name, env string, def time.Duration, usage string) {
 	envOf[name] = envVar{name: env}
 	fs.DurationVar(p, name, def, usage+" ("+env+")")
+}
+
+// retention registers --retention (capture.ParseRetention).
+func retention(fs *flag.FlagSet, cfg *capture.Config, name, env, usage string) {
+	envOf[name] = envVar{name: env}
+	fs.Func(name, usage+" ("+env+")", func(s string) error {
+		l, err := capture.ParseRetention(s)
+		if err != nil {
+			return err
+		}
+		cfg.Retention, cfg.RetentionMaxBytes, cfg.RetentionMaxMsgs, cfg.RetentionMaxMsgsPerSubject = l.MaxAge, l.MaxBytes, l.MaxMsgs, l.MaxMsgsPerSubject
+		return nil
+	})
 }
 
 func boolean(fs *flag.FlagSet, p *bool, name, env, usage string) {

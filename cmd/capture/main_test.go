@@ -35,7 +35,9 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 	t.Setenv("EPITAPH_PARTITIONS", "eight")
 	t.Setenv("EPITAPH_HEARTBEAT_INTERVAL", "10")
 	t.Setenv("EPITAPH_STANDBY", "yes please")
+	t.Setenv("EPITAPH_RETENTION", "max-bytes=lots")
 	err := run([]string{"--metrics-addr", ""})
+	require.ErrorContains(t, err, `EPITAPH_RETENTION="max-bytes=lots"`)
 	require.ErrorContains(t, err, `EPITAPH_PARTITIONS="eight"`)
 	require.ErrorContains(t, err, `EPITAPH_HEARTBEAT_INTERVAL="10"`)
 	require.ErrorContains(t, err, `EPITAPH_STANDBY="yes please"`)
@@ -44,6 +46,7 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 	t.Setenv("EPITAPH_PARTITIONS", "3")
 	t.Setenv("EPITAPH_HEARTBEAT_INTERVAL", "")
 	t.Setenv("EPITAPH_STANDBY", "")
+	t.Setenv("EPITAPH_RETENTION", "max-age=720h,max-bytes=50G")
 	err = run([]string{"--metrics-addr", "", "--partitions", "-5", "--nats-url", "nats://127.0.0.1:1"})
 	require.ErrorContains(t, err, "partitions must be 1..1024, got -5")
 }

@@ -48,6 +48,30 @@ type Command struct {
 
 var commands = map[string]Command{}
 
+// exitError is an error that ends the process with a status other than 1
+// (wait: 2 timeout, 3 cannot be complete).
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+// ExitCode is the process exit status for err: 0 for nil, the code of an
+// exitError, else 1.
+func ExitCode(err error) int {
+	var ee *exitError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &ee):
+		return ee.code
+	default:
+		return 1
+	}
+}
+
 func register(name string, c Command) {
 	if _, dup := commands[name]; dup {
 		panic("projector: subcommand registered twice: " + name)

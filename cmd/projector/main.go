@@ -20,6 +20,6 @@ func main() {
 	if err := dispatch(ctx, os.Args[1:], env); err != nil {
 		fmt.Fprintln(os.Stderr, "projector:", err)
 		stop()
-		os.Exit(1)
+		os.Exit(ExitCode(err))
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"time"
@@ -31,8 +32,13 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	share := fs.Float64("rebuild-share", floatEnv(env, "EPITAPH_REBUILD_SHARE", 0.5), "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use (EPITAPH_REBUILD_SHARE)")
 	hold := fs.Bool("hold-on-quarantine", boolEnv(env, "EPITAPH_HOLD_ON_QUARANTINE", false), "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied (EPITAPH_HOLD_ON_QUARANTINE)")
 	maxRow := fs.Int64("max-row-bytes", int64Env(env, "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes), "largest large-row object fetched; a bigger one is quarantined as oversized (EPITAPH_MAX_ROW_BYTES)")
+	readyLag := fs.Int64("ready-max-lag", int64Env(env, "EPITAPH_READY_MAX_LAG", 1000), "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied (EPITAPH_READY_MAX_LAG)")
+	readyAge := fs.Duration("ready-max-pending-age", durationEnv(env, "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second), "... and its oldest unapplied event at most this old (EPITAPH_READY_MAX_PENDING_AGE)")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *readyLag < 1 || *readyAge <= 0 {
+		return errors.New("--ready-max-lag must be at least 1 and --ready-max-pending-age positive")
 	}
 	if err := env.envErr(); err != nil {
 		return err
@@ -55,7 +61,7 @@ func runCmd(ctx context.Context, args []string, env *Env) error {
 	svc, err := projection.New(projection.Config{
 		TargetURL: c.targetURL, NATSURL: c.natsURL, SourceName: c.sourceName, WorkerID: *worker,
 		LeaseTTL: *leaseTTL, BatchSize: *batch, ArchiveTTL: ttlMap, SnapshotRoots: rootList, RebuildShare: *share,
-		HoldOnQuarantine: *hold, MaxRowBytes: *maxRow,
+		HoldOnQuarantine: *hold, MaxRowBytes: *maxRow, ReadyMaxLag: uint64(*readyLag), ReadyMaxPendingAge: *readyAge,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err

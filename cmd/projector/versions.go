@@ -397,14 +397,14 @@ func waitCmd(ctx context.Context, args []string, env *Env) error {
 	fs := newFlagSet("wait", env)
 	c := commonFlags(fs, env)
 	lsnText := fs.String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
-	timeout := fs.Duration("timeout", 30*time.Second, "give up after this long (exit status 1)")
+	timeout := fs.Duration("timeout", 30*time.Second, "give up after this long (exit status 2)")
 	proj := fs.String("projection", projection.ArchiveProjection, "projection")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	lsn, err := event.ParseLSN(*lsnText)
-	if err != nil || lsn == 0 {
-		return errors.New("usage: projector wait --lsn <source LSN> [--timeout 30s]")
+	if err != nil || lsn == 0 || fs.NArg() > 0 {
+		return errors.New("usage: projector wait --lsn <source LSN> [--timeout 30s]  (exit 0 complete, 1 error, 2 timeout, 3 quarantined or in a gap)")
 	}
 	pool, err := targetPool(ctx, c)
 	if err != nil {
@@ -413,11 +413,18 @@ func waitCmd(ctx context.Context, args []string, env *Env) error {
 	defer pool.Close()
 	wctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
-	at, err := projection.WaitLSN(wctx, pool, *proj, lsn, 0)
-	if err != nil {
+	r, err := projection.WaitComplete(wctx, pool, *proj, lsn, 0)
+	var ie *projection.IncompleteError
+	var te *projection.TimeoutError
+	switch {
+	case errors.As(err, &ie):
+		return &exitError{code: 3, err: err}
+	case errors.As(err, &te) && ctx.Err() == nil:
+		return &exitError{code: 2, err: err}
+	case err != nil:
 		return err
 	}
-	fmt.Fprintf(env.Stdout, "%s reflects the source up to %s (asked %s)\n", *proj, at, lsn)
+	fmt.Fprintf(env.Stdout, "%s v%d is complete up to %s (asked %s)\n", r.Projection, r.Version, r.CompleteUpToLSN, lsn)
 	return nil
 }
 

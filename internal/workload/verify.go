@@ -2,6 +2,7 @@ package workload
 
 import (
 	"context"
+	"crypto/ed25519"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -9,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -424,4 +426,149 @@ func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func(con
 		case <-time.After(interval):
 		}
 	}
+}
+
+// VerifiedDeletes reads the whole stream of source, as StreamDeletes does,
+// and returns the delete events of the transactions whose commit is signed
+// with pub and whose Epitaph-Digest is matched by their stored row and
+// truncate messages (one per seq, among all stored candidates with that
+// commit LSN and seq in the commit's partition: a forgery or a copy
+// republished under another id may sit beside the real one), in stream
+// order of their commits. Messages of no verified transaction are left out;
+// a signed commit that no choice of candidates matches is an error.
+func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.PublicKey) ([]*event.Event, error) {
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
+	if err != nil {
+		return nil, fmt.Errorf("connect nats: %w", err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", event.StreamName(source), err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("stream info: %w", err)
+	}
+	if info.State.Msgs == 0 {
+		return nil, nil
+	}
+	last := info.State.LastSeq
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{event.StreamSubjects(source)},
+		DeliverPolicy:  jetstream.DeliverAllPolicy,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ordered consumer: %w", err)
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(2000))
+	if err != nil {
+		return nil, fmt.Errorf("consume: %w", err)
+	}
+	defer it.Stop()
+	type cand struct {
+		partSeq uint64
+		body    []byte
+		ev      *event.Event
+	}
+	type commit struct {
+		key    string
+		digest string
+		seq    uint64
+	}
+	rows := map[string]map[int][]cand{} // "<partition>/<commit lsn>" -> seq -> candidates
+	var commits []commit
+	for {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		msg, err := it.Next()
+		if err != nil {
+			return nil, fmt.Errorf("read stream: %w", err)
+		}
+		md, err := msg.Metadata()
+		if err != nil {
+			return nil, fmt.Errorf("message metadata: %w", err)
+		}
+		subject := msg.Subject()
+		p, perr := event.PartitionOf(subject)
+		switch {
+		case perr != nil:
+		case strings.HasSuffix(subject, ".commit"):
+			if event.VerifyMessage(pub, subject, msg.Headers(), msg.Data()) == nil {
+				e, err := event.Decode(msg.Data())
+				if err != nil {
+					return nil, fmt.Errorf("stream seq %d: a signed commit that does not decode: %w", md.Sequence.Stream, err)
+				}
+				commits = append(commits, commit{key: fmt.Sprintf("%d/%s", p, e.CommitLSN), digest: msg.Headers().Get(event.HeaderDigest), seq: md.Sequence.Stream})
+			}
+		case strings.Contains(subject, ".delete.") || strings.Contains(subject, ".truncate."):
+			ps, err := strconv.ParseUint(msg.Headers().Get(event.HeaderPartitionSeq), 10, 64)
+			if err != nil {
+				break
+			}
+			e, err := event.Decode(msg.Data())
+			if err != nil {
+				break
+			}
+			k := fmt.Sprintf("%d/%s", p, e.CommitLSN)
+			if rows[k] == nil {
+				rows[k] = map[int][]cand{}
+			}
+			rows[k][e.Seq] = append(rows[k][e.Seq], cand{partSeq: ps, body: append([]byte(nil), msg.Data()...), ev: e})
+		}
+		if md.Sequence.Stream >= last {
+			break
+		}
+	}
+	stores := map[string]jetstream.ObjectStore{}
+	var out []*event.Event
+	for _, c := range commits {
+		byseq := rows[c.key]
+		var chosen []*event.Event
+		var try func(seq int, d *event.Digest) bool
+		try = func(seq int, d *event.Digest) bool {
+			// The digest decides how many seqs there are: a forgery
+			// with another seq must not hide the real transaction.
+			if seq > 0 && d.Sum() == c.digest {
+				return true
+			}
+			state, err := d.MarshalBinary()
+			if err != nil {
+				return false
+			}
+			for _, cd := range byseq[seq] {
+				var next event.Digest
+				if next.UnmarshalBinary(state) != nil {
+					return false
+				}
+				next.Add(cd.partSeq, cd.body)
+				chosen = append(chosen, cd.ev)
+				if try(seq+1, &next) {
+					return true
+				}
+				chosen = chosen[:len(chosen)-1]
+			}
+			return false
+		}
+		if !try(0, event.NewDigest()) {
+			return nil, fmt.Errorf("signed commit at stream seq %d (%s): no choice of its stored rows matches its digest", c.seq, c.key)
+		}
+		for _, e := range chosen {
+			if e.Op != event.OpDelete {
+				continue
+			}
+			if e.RowRef != nil {
+				if e.Row, err = readRowRef(ctx, js, stores, e.RowRef); err != nil {
+					return nil, fmt.Errorf("commit at stream seq %d: %w", c.seq, err)
+				}
+			}
+			out = append(out, e)
+		}
+	}
+	return out, nil
 }

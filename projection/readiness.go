@@ -1,0 +1,384 @@
+package projection
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/progress"
+)
+
+// statusQuery is archive.status for the versions that cond (SQL over v, a
+// row of epitaph.projection_versions) selects. A version is ready only when
+// it is live, every partition is leased, started and not failing, the lag
+// sampled by the workers is fresh and within their thresholds, no
+// quarantine is open and no blocking gap is unacknowledged; not_ready_reasons
+// says which of these fails. complete_up_to_lsn is how far into the source
+// the archive is complete: the lowest partition watermark, and not past the
+// first unacknowledged blocking gap nor any open quarantine (NULL while a
+// partition has no watermark); complete_up_to_time is the source time of
+// that position when it is a watermark (NULL when a gap or a quarantined
+// event caps it: its time is not known).
+//
+// It reads only epitaph tables and the versions' gaps tables (through
+// epitaph.version_gaps), never locks anything a worker holds, so readers
+// never wait on the projector.
+func statusQuery(cond string) string {
+	return `
+SELECT s.projection, s.version, s.state, s.schema_name, s.partitions, s.partitions_owned, s.partitions_started,
+       s.source_lsn, s.every_partition_has_watermark, s.last_advance_at, q.open AS quarantine_open,
+       (cardinality(r.reasons) = 0) AS ready,
+       s.lag_events, s.oldest_pending_age_seconds,
+       g.unacknowledged AS gaps_unacknowledged, g.truncates,
+       c.lsn AS complete_up_to_lsn,
+       CASE WHEN c.lsn IS NOT NULL AND c.lsn = s.source_lsn THEN s.source_time END AS complete_up_to_time,
+       r.reasons AS not_ready_reasons
+FROM (
+    SELECT v.projection, v.version, v.state, v.schema_name,
+           count(p.partition)::int AS partitions,
+           (count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now()))::int AS partitions_owned,
+           (count(p.partition) FILTER (WHERE p.last_advance_at IS NOT NULL))::int AS partitions_started,
+           (count(p.partition) FILTER (WHERE p.attempts >= ` + fmt.Sprint(failingAttempts) + `))::int AS partitions_failing,
+           min(p.source_lsn) AS source_lsn,
+           min(p.source_time) AS source_time,
+           bool_and(p.source_lsn IS NOT NULL) AS every_partition_has_watermark,
+           max(p.last_advance_at) AS last_advance_at,
+           COALESCE(sum(l.lag_events), 0)::bigint AS lag_events,
+           COALESCE(max(extract(epoch FROM now() - l.oldest_pending_at)), 0)::float8 AS oldest_pending_age_seconds,
+           (count(l.partition) FILTER (WHERE l.fresh_until > now()))::int AS lag_fresh,
+           min(l.max_lag_events) AS max_lag_events,
+           min(l.max_pending_seconds) AS max_pending_seconds
+    FROM epitaph.projection_versions v
+    LEFT JOIN epitaph.progress p ON p.projection = v.projection AND p.version = v.version
+    LEFT JOIN epitaph.partition_lag l ON l.projection = p.projection AND l.version = p.version AND l.partition = p.partition
+    WHERE ` + cond + ` AND v.state <> 'retired'
+    GROUP BY v.projection, v.version, v.state, v.schema_name
+) s
+CROSS JOIN LATERAL epitaph.version_gaps(s.schema_name) g
+CROSS JOIN LATERAL (
+    SELECT count(*)::int AS open, min(COALESCE(qq.after_lsn, '0/0'::pg_lsn)) AS first_lsn
+    FROM epitaph.quarantine qq
+    WHERE qq.projection = s.projection AND qq.version = s.version AND qq.status = 'open'
+) q
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN s.every_partition_has_watermark THEN LEAST(s.source_lsn, g.first_lsn, q.first_lsn) END AS lsn
+) c
+CROSS JOIN LATERAL (
+    SELECT array_remove(ARRAY[
+        CASE WHEN s.state <> 'live' THEN 'version is ' || s.state || ', not live' END,
+        CASE WHEN s.partitions = 0 THEN 'no partitions' END,
+        CASE WHEN s.partitions_owned < s.partitions
+             THEN format('%s of %s partitions leased', s.partitions_owned, s.partitions) END,
+        CASE WHEN s.partitions_started < s.partitions
+             THEN format('%s of %s partitions started', s.partitions_started, s.partitions) END,
+        CASE WHEN s.partitions_failing > 0 THEN format('%s partitions failing', s.partitions_failing) END,
+        CASE WHEN s.partitions > 0 AND s.lag_fresh < s.partitions
+             THEN format('lag not sampled recently for %s of %s partitions', s.partitions - s.lag_fresh, s.partitions) END,
+        CASE WHEN s.lag_events > s.max_lag_events
+             THEN format('lag %s events (ready at most %s)', s.lag_events, s.max_lag_events) END,
+        CASE WHEN s.oldest_pending_age_seconds > s.max_pending_seconds
+             THEN format('oldest pending event %ss old (ready at most %ss)', round(s.oldest_pending_age_seconds::numeric, 1), s.max_pending_seconds) END,
+        CASE WHEN q.open > 0 THEN format('%s quarantined events open', q.open) END,
+        CASE WHEN g.unacknowledged > 0 THEN format('%s unacknowledged gaps', g.unacknowledged) END
+    ]::text[], NULL) AS reasons
+) r`
+}
+
+// Readiness is one version's row of archive.status.
+type Readiness struct {
+	Projection         string     `json:"projection"`
+	Version            int        `json:"version"`
+	State              string     `json:"state"`
+	Ready              bool       `json:"ready"`
+	NotReadyReasons    []string   `json:"not_ready_reasons,omitempty"`
+	SourceLSN          string     `json:"source_lsn,omitempty"`
+	CompleteUpToLSN    string     `json:"complete_up_to_lsn,omitempty"`
+	CompleteUpToTime   *time.Time `json:"complete_up_to_time,omitempty"`
+	GapsUnacknowledged int        `json:"gaps_unacknowledged"`
+	Truncates          int        `json:"truncates"`
+	QuarantineOpen     int        `json:"quarantine_open"`
+	completeUpTo       *event.LSN
+}
+
+// ReadReadiness returns archive.status for every non-retired version of
+// projection (all projections when ""), computed from the same query as the
+// view, so it works before the view exists.
+func ReadReadiness(ctx context.Context, db progress.DB, projection string) ([]Readiness, error) {
+	rows, err := db.Query(ctx, `SELECT projection, version, state, ready, not_ready_reasons, source_lsn::text,
+		complete_up_to_lsn::text, complete_up_to_time, gaps_unacknowledged, truncates, quarantine_open
+		FROM (`+statusQuery(`($1 = '' OR v.projection = $1)`)+`) st ORDER BY projection, version`, projection)
+	if err != nil {
+		return nil, fmt.Errorf("read readiness: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Readiness, error) {
+		var x Readiness
+		var src, complete *string
+		if err := r.Scan(&x.Projection, &x.Version, &x.State, &x.Ready, &x.NotReadyReasons, &src, &complete,
+			&x.CompleteUpToTime, &x.GapsUnacknowledged, &x.Truncates, &x.QuarantineOpen); err != nil {
+			return x, err
+		}
+		if src != nil {
+			x.SourceLSN = *src
+		}
+		if complete != nil {
+			l, err := event.ParseLSN(*complete)
+			if err != nil {
+				return x, err
+			}
+			x.CompleteUpToLSN, x.completeUpTo = *complete, &l
+		}
+		return x, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read readiness: %w", err)
+	}
+	return out, nil
+}
+
+// Blocker is what keeps a version from being complete up to an LSN: an
+// unacknowledged blocking gap or an open quarantined event.
+type Blocker struct {
+	// Gap is set for a gap, Quarantine (its id) for a quarantined event.
+	Gap        *Gap
+	Quarantine int64
+	Partition  int
+	StreamSeq  int64
+	Category   string
+	After      event.LSN // the quarantined event lies after this position
+}
+
+func (b Blocker) String() string {
+	if b.Gap != nil {
+		return b.Gap.String()
+	}
+	return fmt.Sprintf("quarantined event %d (partition %d, stream seq %d, %s) after %s", b.Quarantine, b.Partition, b.StreamSeq, b.Category, b.After)
+}
+
+// String names a gap for people: id, kind, table, partition and range.
+func (g Gap) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "gap %d (%s", g.ID, g.Kind)
+	if g.Schema != nil && g.Table != nil {
+		fmt.Fprintf(&b, ", table %s.%s", *g.Schema, *g.Table)
+	}
+	if g.Partition != nil {
+		fmt.Fprintf(&b, ", partition %d", *g.Partition)
+	}
+	b.WriteString(")")
+	if g.FromLSN != nil || g.ToLSN != nil {
+		fmt.Fprintf(&b, " after %s up to %s", lsnOrUnknown(g.FromLSN), lsnOrUnknown(g.ToLSN))
+	}
+	if g.FromSeq != nil || g.ToSeq != nil {
+		fmt.Fprintf(&b, " stream seq %s-%s", seqOrUnknown(g.FromSeq), seqOrUnknown(g.ToSeq))
+	}
+	return b.String()
+}
+
+func lsnOrUnknown(l *event.LSN) string {
+	if l == nil {
+		return "?"
+	}
+	return l.String()
+}
+
+func seqOrUnknown(n *int64) string {
+	if n == nil {
+		return "?"
+	}
+	return fmt.Sprint(*n)
+}
+
+// Blockers lists what keeps the live version of projection from being
+// complete up to lsn: unacknowledged blocking gaps that start before it
+// (from_lsn, the last position known complete, below lsn; unknown counts as
+// 0/0) and open quarantined events that lie before it (their partition's
+// watermark when met below lsn). At most limit of each.
+func Blockers(ctx context.Context, db progress.DB, projection string, lsn event.LSN, limit int) ([]Blocker, error) {
+	live, err := liveVersion(ctx, db, projection)
+	if err != nil || live == nil {
+		return nil, err
+	}
+	var out []Blocker
+	gaps, err := listGaps(ctx, db, live.Schema, `acknowledged_at IS NULL AND kind <> 'truncate'
+		AND COALESCE(from_lsn, '0/0'::pg_lsn) < $1::text::pg_lsn`, limit, lsn.String())
+	if err != nil {
+		return nil, err
+	}
+	for i := range gaps {
+		out = append(out, Blocker{Gap: &gaps[i]})
+	}
+	rows, err := db.Query(ctx, `SELECT id, partition, stream_seq, category, COALESCE(after_lsn, '0/0')::text
+		FROM epitaph.quarantine
+		WHERE projection = $1 AND version = $2 AND status = 'open' AND COALESCE(after_lsn, '0/0'::pg_lsn) < $3::text::pg_lsn
+		ORDER BY COALESCE(after_lsn, '0/0'::pg_lsn), id LIMIT $4`, live.Projection, live.Version, lsn.String(), limit)
+	if err != nil {
+		return nil, fmt.Errorf("list quarantine before %s: %w", lsn, err)
+	}
+	qs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Blocker, error) {
+		var b Blocker
+		var after string
+		if err := r.Scan(&b.Quarantine, &b.Partition, &b.StreamSeq, &b.Category, &after); err != nil {
+			return b, err
+		}
+		b.After, err = event.ParseLSN(after)
+		return b, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list quarantine before %s: %w", lsn, err)
+	}
+	return append(out, qs...), nil
+}
+
+func liveVersion(ctx context.Context, db progress.DB, projection string) (*Version, error) {
+	vs, err := ListVersions(ctx, db, projection)
+	if err != nil {
+		return nil, err
+	}
+	for _, v := range vs {
+		if v.State == StateLive {
+			return &v, nil
+		}
+	}
+	return nil, nil
+}
+
+// IncompleteError is WaitComplete's answer when the archive cannot become
+// complete up to the LSN without an operator: it names what is in the way.
+type IncompleteError struct {
+	LSN          event.LSN
+	CompleteUpTo string
+	Blockers     []Blocker
+}
+
+func (e *IncompleteError) Error() string {
+	names := make([]string, len(e.Blockers))
+	for i, b := range e.Blockers {
+		names[i] = b.String()
+	}
+	return fmt.Sprintf("the archive cannot be complete up to %s (complete up to %s): %s", e.LSN, orDash(e.CompleteUpTo), strings.Join(names, "; "))
+}
+
+// TimeoutError is WaitComplete's answer when ctx ended first: it says where
+// the archive is.
+type TimeoutError struct {
+	LSN    event.LSN
+	Status *Readiness // nil when the live version could not be read
+	Err    error
+}
+
+func (e *TimeoutError) Error() string {
+	if e.Status == nil {
+		return fmt.Sprintf("timed out waiting for the archive to be complete up to %s: no live version could be read (%v)", e.LSN, e.Err)
+	}
+	s := fmt.Sprintf("timed out waiting for %s v%d to be complete up to %s: it is complete up to %s",
+		e.Status.Projection, e.Status.Version, e.LSN, orDash(e.Status.CompleteUpToLSN))
+	if len(e.Status.NotReadyReasons) > 0 {
+		s += " (not ready: " + strings.Join(e.Status.NotReadyReasons, "; ") + ")"
+	}
+	return s
+}
+
+func (e *TimeoutError) Unwrap() error { return e.Err }
+
+// WaitComplete returns when the live version of projection is complete up
+// to lsn (every source transaction committed at or before lsn is applied,
+// no gap or quarantine before it), with its readiness row. It returns an
+// *IncompleteError at once when an unacknowledged blocking gap or an open
+// quarantined event lies before lsn (waiting cannot help), and a
+// *TimeoutError naming where the archive is when ctx ends first. Polls
+// every interval (default 50ms).
+func WaitComplete(ctx context.Context, db progress.DB, projection string, lsn event.LSN, interval time.Duration) (*Readiness, error) {
+	if interval <= 0 {
+		interval = 50 * time.Millisecond
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	var last *Readiness
+	for {
+		rs, err := ReadReadiness(ctx, db, projection)
+		if err == nil {
+			last = nil
+			for i := range rs {
+				if rs[i].State == StateLive {
+					last = &rs[i]
+				}
+			}
+			if last != nil && last.completeUpTo != nil && *last.completeUpTo >= lsn {
+				return last, nil
+			}
+			bs, err := Blockers(ctx, db, projection, lsn, 10)
+			if err == nil && len(bs) > 0 {
+				ie := &IncompleteError{LSN: lsn, Blockers: bs}
+				if last != nil {
+					ie.CompleteUpTo = last.CompleteUpToLSN
+				}
+				return last, ie
+			}
+			if err != nil && ctx.Err() == nil {
+				return last, err
+			}
+		} else if ctx.Err() == nil {
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			err := ctx.Err()
+			if last == nil {
+				err = errors.Join(err, errors.New("no live version"))
+			}
+			return last, &TimeoutError{LSN: lsn, Status: last, Err: err}
+		case <-t.C:
+		}
+	}
+}
+
+const recordLagSQL = `
+INSERT INTO epitaph.partition_lag AS l (projection, version, partition, lag_events, oldest_pending_at,
+    sampled_at, fresh_until, max_lag_events, max_pending_seconds)
+SELECT u.projection, u.version, u.partition, u.lag, u.oldest, now(), now() + $6::bigint * interval '1 microsecond', $7, $8
+FROM unnest($1::text[], $2::int[], $3::int[], $4::bigint[], $5::timestamptz[]) AS u(projection, version, partition, lag, oldest)
+ON CONFLICT (projection, version, partition) DO UPDATE
+SET lag_events = EXCLUDED.lag_events, oldest_pending_at = EXCLUDED.oldest_pending_at, sampled_at = EXCLUDED.sampled_at,
+    fresh_until = EXCLUDED.fresh_until, max_lag_events = EXCLUDED.max_lag_events,
+    max_pending_seconds = EXCLUDED.max_pending_seconds`
+
+// recordLag writes the lag of the partitions this worker leases, as st
+// measured it from the stream, for archive.status (the database cannot see
+// the stream). A sample is believed for three status intervals; a worker
+// that stops sampling makes its partitions' lag unknown, never "caught up".
+// Nothing is written when the stream could not be read.
+func (s *Service) recordLag(ctx context.Context, st *Status) error {
+	if st.StreamError != "" {
+		return nil
+	}
+	var projs []string
+	var vers, parts []int32
+	var lags []int64
+	var oldest []*time.Time
+	for _, v := range st.Versions {
+		if v.State == StateRetired {
+			continue
+		}
+		for _, p := range v.Partitions {
+			if !p.Leased || p.Owner != s.cfg.WorkerID {
+				continue
+			}
+			projs, vers, parts = append(projs, v.Projection), append(vers, int32(v.Version)), append(parts, int32(p.Partition))
+			lags, oldest = append(lags, int64(p.LagEvents)), append(oldest, p.OldestPendingAt)
+		}
+	}
+	if len(projs) == 0 {
+		return nil
+	}
+	fresh := 3 * s.cfg.StatusInterval
+	if _, err := s.pool.Exec(ctx, recordLagSQL, projs, vers, parts, lags, oldest, fresh.Microseconds(),
+		int64(s.cfg.ReadyMaxLag), s.cfg.ReadyMaxPendingAge.Seconds()); err != nil {
+		return fmt.Errorf("record lag of %d partitions: %w", len(projs), err)
+	}
+	return nil
+}

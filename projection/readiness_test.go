@@ -1,0 +1,307 @@
+package projection_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+// statusRow is the reader's view of archive.status for the live version.
+type statusRow struct {
+	ready      bool
+	complete   *string
+	gapsOpen   int
+	truncates  int
+	quarantine int
+	reasons    []string
+}
+
+func readStatus(t *testing.T, c *pgx.Conn) statusRow {
+	t.Helper()
+	s, err := tryStatus(c)
+	require.NoError(t, err)
+	return s
+}
+
+func tryStatus(c *pgx.Conn) (statusRow, error) {
+	var s statusRow
+	err := c.QueryRow(context.Background(), `SELECT ready, complete_up_to_lsn::text, gaps_unacknowledged,
+		truncates, quarantine_open, not_ready_reasons FROM archive.status WHERE state = 'live'`).
+		Scan(&s.ready, &s.complete, &s.gapsOpen, &s.truncates, &s.quarantine, &s.reasons)
+	return s, err
+}
+
+// readyNow reports whether archive.status says ready (false while the
+// view does not exist yet).
+func readyNow(c *pgx.Conn) bool {
+	s, err := tryStatus(c)
+	return err == nil && s.ready
+}
+
+// gap publishes a gap event (deletes lost upstream between from and to) to
+// every partition, as the capture does after --recreate-slot.
+func (e *env) gap(from, to event.LSN) {
+	e.t.Helper()
+	for p := 0; p < e.partitions; p++ {
+		ev := &event.Event{Op: event.OpGap, Source: src, Partition: p, FromLSN: from, ToLSN: to, LSN: to,
+			Reason: "slot recreated", Time: time.Now().UTC()}
+		_, err := e.js.PublishMsg(context.Background(), e.msg(event.GapSubject(src, p), event.GapMsgID(src, from, to, p), ev))
+		require.NoError(e.t, err)
+	}
+}
+
+// A gap from a recreated slot is one lost_upstream row in archive.gaps; the
+// archive is then not ready, complete only up to where the gap starts, and
+// waiting for an LSN inside it fails at once naming the gap; acknowledging it
+// makes the archive ready and complete again.
+func TestGapMakesArchiveNotReadyUntilAcknowledged(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 3)
+	s := e.start(e.config("w1"))
+	c := e.conn()
+	ctx := context.Background()
+
+	e.publish(e.nextTx(orderRows(1, 2)...))
+	before := e.heartbeat()
+	eventually(t, 10*time.Second, func() bool { return readyNow(c) }, "ready before the gap")
+
+	to := event.LSN(e.lsn.Add(0x10000))
+	e.gap(before, to)
+	e.publish(e.nextTx(orderRows(2, 1)...))
+	after := e.heartbeat()
+
+	// The three copies make one row (it concerns every partition).
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn`, after.String()) == 3
+	})
+	type gapRow struct {
+		Kind               string
+		Schema, Table      *string
+		Partition          *int
+		From, To           string
+		Acknowledged       bool
+		DetectedAtRecently bool
+	}
+	rows, err := c.Query(ctx, `SELECT kind, schema_name, table_name, partition, from_lsn::text, to_lsn::text,
+		acknowledged_at IS NOT NULL, detected_at > now() - interval '1 minute' FROM archive.gaps`)
+	require.NoError(t, err)
+	gaps, err := pgx.CollectRows(rows, pgx.RowToStructByPos[gapRow])
+	require.NoError(t, err)
+	require.Equal(t, []gapRow{{Kind: "lost_upstream", From: before.String(), To: to.String(), DetectedAtRecently: true}}, gaps)
+	require.Equal(t, 5, count(t, c, `SELECT count(*) FROM archive.rows`), "rows on both sides of the gap are archived")
+
+	st := readStatus(t, c)
+	require.False(t, st.ready)
+	require.Equal(t, 1, st.gapsOpen)
+	require.Contains(t, st.reasons, "1 unacknowledged gaps")
+	require.NotNil(t, st.complete)
+	require.Equal(t, before.String(), *st.complete, "complete up to where the gap starts, not the watermark")
+
+	// Up to the gap's start the archive is complete; inside it, it cannot be.
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	_, err = projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, before, 0)
+	require.NoError(t, err)
+	_, err = projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, before+0x100, 0)
+	var ie *projection.IncompleteError
+	require.ErrorAs(t, err, &ie)
+	require.Len(t, ie.Blockers, 1)
+	require.NotNil(t, ie.Blockers[0].Gap)
+	require.Contains(t, err.Error(), "lost_upstream")
+	require.Contains(t, err.Error(), "after "+before.String()+" up to "+to.String())
+
+	// Acknowledging needs a reason; then the archive is ready and complete.
+	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	require.NoError(t, err)
+	require.Len(t, vg, 1)
+	require.Len(t, vg[0].Gaps, 1)
+	id := vg[0].Gaps[0].ID
+	_, err = projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id, "  ")
+	require.ErrorContains(t, err, "reason is required")
+	g, err := projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id, "slot dropped by the DBA on purpose")
+	require.NoError(t, err)
+	require.NotNil(t, g.AcknowledgedAt)
+	require.Equal(t, "slot dropped by the DBA on purpose", *g.AckReason)
+	_, err = projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id, "again")
+	require.ErrorContains(t, err, "already acknowledged")
+	_, err = projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id+100, "no such")
+	require.ErrorIs(t, err, projection.ErrGapNotFound)
+
+	eventually(t, 10*time.Second, func() bool { return readyNow(c) }, "ready after the ack")
+	st = readStatus(t, c)
+	require.Equal(t, after.String(), *st.complete)
+	require.Zero(t, st.gapsOpen)
+	r, err := projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, before+0x100, 0)
+	require.NoError(t, err)
+	require.Equal(t, after.String(), r.CompleteUpToLSN)
+
+	// The status document and metrics say the same.
+	sd, err := s.Status(ctx)
+	require.NoError(t, err)
+	require.Len(t, sd.Versions, 1)
+	require.Len(t, sd.Versions[0].Gaps, 1)
+	require.NotNil(t, sd.Versions[0].Gaps[0].AcknowledgedAt)
+	eventually(t, 10*time.Second, func() bool {
+		return gapMetric(t, s, "lost_upstream", "true") == 1 && gapMetric(t, s, "lost_upstream", "false") == 0
+	})
+}
+
+// A TRUNCATE is recorded as an informational gap row of its table and
+// partition; it does not make the archive not ready.
+func TestTruncateIsAGapRowThatDoesNotBlock(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.start(e.config("w1"))
+	c := e.conn()
+	ctx := context.Background()
+
+	tx := e.nextTx(orderRows(1, 1)...)
+	msgs := e.messages(tx)
+	trunc := &event.Event{Op: event.OpTruncate, Source: src, Schema: "public", Table: "order_lines", XID: tx.xid,
+		CommitLSN: tx.lsn, CommitTime: tx.time, Seq: 2}
+	commit := msgs[len(msgs)-1]
+	msgs = append(msgs[:len(msgs)-1], e.msg(event.TruncateSubject(src, tx.partition, "public", "order_lines"),
+		event.MsgID(src, tx.lsn, 2), trunc), commit)
+	for _, m := range msgs {
+		_, err := e.js.PublishMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	hb := e.heartbeat()
+	eventually(t, 10*time.Second, func() bool {
+		st, err := tryStatus(c)
+		return err == nil && st.ready && st.complete != nil && *st.complete == hb.String()
+	})
+	var kind, schema, table, from, to string
+	var partition int
+	require.NoError(t, c.QueryRow(ctx, `SELECT kind, schema_name, table_name, partition, from_lsn::text, to_lsn::text
+		FROM archive.gaps`).Scan(&kind, &schema, &table, &partition, &from, &to))
+	require.Equal(t, []any{"truncate", "public", "order_lines", tx.partition, tx.lsn.String(), tx.lsn.String()},
+		[]any{kind, schema, table, partition, from, to})
+	st := readStatus(t, c)
+	require.Equal(t, 1, st.truncates)
+	require.Zero(t, st.gapsOpen)
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive.rows`))
+}
+
+// While the projector lags (its apply blocked behind a lock, 1,200 events
+// pending), archive.status is not ready and says why, though every
+// partition is leased and had advanced; once caught up it is ready.
+func TestNotReadyWhileLagging(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	cfg := e.config("w1")
+	cfg.BatchSize = 20
+	e.start(cfg)
+	c := e.conn()
+	ctx := context.Background()
+	e.publish(e.nextTx(orderRows(1, 0)...))
+	e.heartbeat()
+	eventually(t, 10*time.Second, func() bool { return readyNow(c) }, "ready when caught up")
+
+	// Hold the archive table so the apply waits, then publish 1,200 rows.
+	lock, err := pgx.Connect(ctx, e.url)
+	require.NoError(t, err)
+	defer lock.Close(ctx)
+	ltx, err := lock.Begin(ctx)
+	require.NoError(t, err)
+	_, err = ltx.Exec(ctx, `LOCK TABLE archive_v1.rows IN EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	var msgs []*nats.Msg
+	for i := 0; i < 120; i++ {
+		msgs = append(msgs, e.messages(e.nextTx(orderRows(100+i, 9)...))...)
+	}
+	e.publishAll(msgs)
+	eventually(t, 20*time.Second, func() bool {
+		st := readStatus(t, c)
+		return !st.ready && len(st.reasons) == 1 && st.reasons[0] != "" && st.reasons[0][:4] == "lag "
+	}, "not ready, because of the lag")
+	require.Less(t, count(t, c, `SELECT count(*) FROM archive.rows`), 1200, "still behind")
+	require.NoError(t, ltx.Rollback(ctx))
+
+	eventually(t, 60*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive.rows`) == 1201 && readyNow(c)
+	}, "ready once caught up")
+}
+
+// An open quarantined event makes waiting for an LSN after it fail at once
+// (naming the entry), while an LSN before it is complete; a timeout names
+// where the archive is (not 0/0).
+func TestWaitQuarantineAndTimeout(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	s := e.start(e.config("w1"))
+	c := e.conn()
+	ctx := context.Background()
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	hb := e.heartbeat()
+	eventually(t, 10*time.Second, func() bool {
+		st, err := tryStatus(c)
+		return err == nil && st.complete != nil && *st.complete == hb.String()
+	})
+
+	// Timeout: an LSN far ahead; the error names where the archive is.
+	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	_, err := projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, hb+0x100000, 0)
+	var te *projection.TimeoutError
+	require.ErrorAs(t, err, &te)
+	require.True(t, errors.Is(err, context.DeadlineExceeded))
+	require.Contains(t, err.Error(), "complete up to "+hb.String())
+
+	// Garbage in the partition, then more traffic.
+	m := nats.NewMsg(event.CommitSubject(src, 0))
+	m.Data = []byte("not json")
+	_, err = e.js.PublishMsg(ctx, m)
+	require.NoError(t, err)
+	e.publish(e.nextTx(orderRows(2, 1)...))
+	hb2 := e.heartbeat()
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn`, hb2.String()) == 1
+	})
+	st := readStatus(t, c)
+	require.False(t, st.ready)
+	require.Equal(t, 1, st.quarantine)
+	require.Equal(t, hb.String(), *st.complete, "complete only up to where the quarantined event was met")
+
+	wctx2, cancel2 := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel2()
+	_, err = projection.WaitComplete(wctx2, s.Pool(), projection.ArchiveProjection, hb, 0)
+	require.NoError(t, err)
+	_, err = projection.WaitComplete(wctx2, s.Pool(), projection.ArchiveProjection, hb2, 0)
+	var ie *projection.IncompleteError
+	require.ErrorAs(t, err, &ie)
+	require.Len(t, ie.Blockers, 1)
+	require.NotZero(t, ie.Blockers[0].Quarantine)
+	require.Contains(t, err.Error(), "malformed")
+	require.Contains(t, err.Error(), "after "+hb.String())
+}
+
+// gapMetric reads epitaph_projector_gaps for the live version 1.
+func gapMetric(t *testing.T, s *projection.Service, kind, acked string) float64 {
+	t.Helper()
+	mfs, err := s.Registry().Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != "epitaph_projector_gaps" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["version"] == "1" && labels["kind"] == kind && labels["acknowledged"] == acked {
+				return m.GetGauge().GetValue()
+			}
+		}
+	}
+	return 0
+}
