@@ -65,6 +65,11 @@ type Service struct {
 	role        string
 	standby     *StandbyStatus
 
+	cat         *catalog        // shared by the streamer and the catalog watch
+	catalogKick chan struct{}   // a Relation message arrived: check the catalog
+	ownerWarned map[string]bool // tables warned about as not owned, under mu
+	catalogFP   string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
+
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
 	// limitsErr: the stream's limits could not be kept (limits.go).
@@ -90,7 +95,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Service{cfg: cfg, role: RoleStarting}
+	s := &Service{cfg: cfg, role: RoleStarting, catalogKick: make(chan struct{}, 1)}
 	for _, o := range opts {
 		o(s)
 	}
@@ -231,9 +236,13 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 // stream, and starts replication.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
-	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull)
+	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, false)
 	if err != nil {
 		return err
+	}
+	if len(sel.madeFull) > 0 {
+		s.log.Info("set REPLICA IDENTITY FULL (--set-replica-identity-full)", "tables", sel.madeFull)
+		s.m.madeFull.Add(float64(len(sel.madeFull)))
 	}
 	for _, sk := range sel.skipped {
 		s.log.Warn("table not captured", "table", sk)
@@ -259,6 +268,16 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	s.mu.Lock()
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
+	s.cat = newCatalog(s.pool)
+	if err := s.cat.remember(ctx, sel.oids()); err != nil {
+		return err
+	}
+	if cfg.InstallDDLGuard {
+		if err := installDDLGuard(ctx, s.pool, cfg); err != nil {
+			return err
+		}
+		s.log.Info("DDL guard installed: the publication rules apply at the end of every DDL command", "event_trigger", guardTriggerName(cfg.PublicationName))
+	}
 
 	// Broker.
 	if cfg.NATSURL == "" {
@@ -401,12 +420,12 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	}
 
 	st := &streamer{
-		s: s, conn: s.repl, js: js, nc: s.nc, obs: s.obs, cat: newCatalog(s.pool),
+		s: s, conn: s.repl, js: js, nc: s.nc, obs: s.obs, cat: s.cat,
 		rels: map[uint32]*relation{}, tr: newTracker(cfg.BrokerSyncInterval, s.now()),
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
 		resuming: rp.has, resume: rp.pos,
-		priv: s.priv, keyID: s.keyID, partSeq: rp.partSeq, digest: event.NewDigest(),
+		priv: s.priv, keyID: s.keyID, pubText: event.PublicKeyString(s.pub), partSeq: rp.partSeq, digest: event.NewDigest(),
 	}
 	if rp.adoptFrom != 0 {
 		st.adopt = &adopter{s: s, st: stream, next: rp.adoptFrom, to: rp.adoptTo}
@@ -465,9 +484,10 @@ func (s *Service) activate(ctx context.Context) {
 	s.activeState.Store(true)
 	s.setRole(RoleActive, nil)
 	s.m.active.Set(1)
-	s.bgWG.Add(3)
+	s.bgWG.Add(4)
 	go s.heartbeats(ctx)
 	go s.pollSlot(ctx)
+	go s.watchCatalog(ctx)
 	go s.watchLimits(ctx, s.st.js)
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)

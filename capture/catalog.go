@@ -2,8 +2,11 @@ package capture
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -18,15 +21,47 @@ type catalog struct {
 	// typeNames are the names pgoutput sent in Type messages, a fallback
 	// for a type dropped since.
 	typeNames map[uint32]string
+	// known are the last facts read of each relation that existed then: a
+	// relation dropped (or whose key column was renamed) with deletes still
+	// in the slot keeps the keys and foreign keys it had. Read by the
+	// streamer and filled by the catalog watch too (remember), under mu.
+	mu    sync.Mutex
+	known map[uint32]tableFacts
 }
 
 type tableFacts struct {
-	pk   []string
-	refs []event.Ref
+	exists bool
+	pk     []string
+	// replIdx are the columns of the replica identity index
+	// (REPLICA IDENTITY USING INDEX), in index order.
+	replIdx []string
+	refs    []event.Ref
+	// generated are the table's generated columns, which pgoutput does not
+	// send (before PostgreSQL 18).
+	generated []generatedColumn
+	// partitioned: a partitioned table published via its root, whose rows
+	// come from leaves that may have a weaker replica identity than the
+	// root's (pgoutput labels the old tuple by the root's).
+	partitioned bool
+	// weakLeaves: partitioned, and a leaf is not REPLICA IDENTITY FULL.
+	weakLeaves bool
+	// pkPos are the positions of the primary key columns among the columns
+	// pgoutput sends today (not dropped, not generated, attnum order), and
+	// ncols how many those are: a key column renamed since a delete was
+	// written is still found by position when no column was added or
+	// dropped.
+	pkPos []int
+	ncols int
+}
+
+// generatedColumn is a generated column and the column before it, so it is
+// listed where the table has it.
+type generatedColumn struct {
+	name, typ, after string
 }
 
 func newCatalog(pool *pgxpool.Pool) *catalog {
-	return &catalog{pool: pool, typeNames: map[uint32]string{}}
+	return &catalog{pool: pool, typeNames: map[uint32]string{}, known: map[uint32]tableFacts{}}
 }
 
 const sqlFormatTypes = `
@@ -92,12 +127,102 @@ JOIN pg_namespace n ON n.oid = r.relnamespace
 WHERE c.conrelid = $1::oid AND c.contype = 'f' AND c.conparentid = 0
 ORDER BY c.conname`
 
-// table reads the current primary key and foreign keys of a relation. A
-// relation dropped since gives empty facts (the event still carries its
-// columns and values).
-func (c *catalog) table(ctx context.Context, relID uint32) (tableFacts, error) {
+const sqlRelationFacts = `
+WITH cols AS (
+  SELECT a.attnum, (row_number() OVER (ORDER BY a.attnum))::int - 1 AS pos
+  FROM pg_attribute a WHERE a.attrelid = $1::oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+)
+SELECT c.relkind = 'p',
+  ARRAY(SELECT a.attname FROM pg_index i CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, ord)
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+        WHERE i.indrelid = c.oid AND i.indisreplident AND c.relreplident = 'i' ORDER BY k.ord),
+  ARRAY(SELECT cols.pos FROM pg_index i CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, ord)
+        JOIN cols ON cols.attnum = k.attnum
+        WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord),
+  (SELECT count(*)::int FROM cols),
+  c.relkind = 'p' AND EXISTS (SELECT 1 FROM pg_partition_tree(c.oid) t JOIN pg_class l ON l.oid = t.relid
+                               WHERE t.isleaf AND l.relreplident <> 'f')
+FROM pg_class c WHERE c.oid = $1::oid`
+
+// sqlGenerated lists the generated columns, each with the name of the
+// column before it (attnum order, dropped columns skipped).
+const sqlGenerated = `
+SELECT name, typ, COALESCE(after, '') FROM (
+  SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS typ, a.attgenerated <> '' AS gen,
+         lag(a.attname) OVER (ORDER BY a.attnum) AS after
+  FROM pg_attribute a WHERE a.attrelid = $1::oid AND a.attnum > 0 AND NOT a.attisdropped) x
+WHERE gen`
+
+// table reads the current keys, foreign keys and generated columns of a
+// relation, and returns with them the facts read of it before (zero when
+// none): a key dropped or renamed since its deletes were written is still
+// known there. A relation dropped since gives the facts last read of it
+// as the current ones, or empty ones (the event still carries its columns
+// and values).
+func (c *catalog) table(ctx context.Context, relID uint32) (cur, before tableFacts, err error) {
+	f, err := c.read(ctx, relID)
+	if err != nil {
+		return f, before, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	before = c.known[relID]
+	if !f.exists {
+		return before, before, nil
+	}
+	c.known[relID] = f
+	return f, before, nil
+}
+
+// remember reads the facts of the relations not known yet, so a table
+// dropped before its deletes are decoded still has its keys.
+func (c *catalog) remember(ctx context.Context, relIDs []uint32) error {
+	for _, id := range relIDs {
+		c.mu.Lock()
+		_, ok := c.known[id]
+		c.mu.Unlock()
+		if ok {
+			continue
+		}
+		f, err := c.read(ctx, id)
+		if err != nil {
+			return err
+		}
+		if f.exists {
+			c.mu.Lock()
+			c.known[id] = f
+			c.mu.Unlock()
+		}
+	}
+	return nil
+}
+
+func (c *catalog) read(ctx context.Context, relID uint32) (tableFacts, error) {
 	var f tableFacts
-	rows, err := c.pool.Query(ctx, sqlPrimaryKey, relID)
+	err := c.pool.QueryRow(ctx, sqlRelationFacts, relID).Scan(&f.partitioned, &f.replIdx, &f.pkPos, &f.ncols, &f.weakLeaves)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return f, nil
+	}
+	if err != nil {
+		return f, fmt.Errorf("read relation %d: %w", relID, err)
+	}
+	f.exists = true
+	rows, err := c.pool.Query(ctx, sqlGenerated, relID)
+	if err != nil {
+		return f, fmt.Errorf("read generated columns of relation %d: %w", relID, err)
+	}
+	for rows.Next() {
+		var g generatedColumn
+		if err := rows.Scan(&g.name, &g.typ, &g.after); err != nil {
+			rows.Close()
+			return f, fmt.Errorf("read generated columns of relation %d: %w", relID, err)
+		}
+		f.generated = append(f.generated, g)
+	}
+	if err := rows.Err(); err != nil {
+		return f, fmt.Errorf("read generated columns of relation %d: %w", relID, err)
+	}
+	rows, err = c.pool.Query(ctx, sqlPrimaryKey, relID)
 	if err != nil {
 		return f, fmt.Errorf("read primary key of relation %d: %w", relID, err)
 	}

@@ -114,6 +114,23 @@ type Config struct {
 	// operators see who holds the slot and the lease in pg_stat_activity;
 	// default "epitaph-capture:<hostname>-<pid>".
 	ApplicationName string
+
+	// Following the source's schema while streaming.
+
+	// CatalogPoll is how often the capture checks the catalog while it
+	// streams (and it checks after every Relation message too): a new table
+	// or partition that fits Tables (or, when Tables is empty, any table
+	// whose deletes can be published safely) is added to the publication; a
+	// published table that loses its usable replica identity is removed
+	// (and a gap recorded) so the application's DELETEs never fail, and
+	// added again once it is safe. Default 5s; negative: never (the
+	// publication is synced at start only).
+	CatalogPoll time.Duration
+	// InstallDDLGuard installs an event trigger on the source (it needs a
+	// superuser) that applies the same rules at the end of every DDL
+	// command, so no DELETE can fail inside the poll window and a new table
+	// is published from the CREATE TABLE on.
+	InstallDDLGuard bool
 }
 
 // EmbeddedSyncInterval is the file store sync interval of the embedded
@@ -163,6 +180,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.NATSURL == "" && c.EmbeddedListen == "" {
 		c.EmbeddedListen = broker.DefaultListen
+	}
+	if c.CatalogPoll == 0 {
+		c.CatalogPoll = 5 * time.Second
 	}
 	if c.StandbyPoll == 0 {
 		c.StandbyPoll = time.Second

@@ -12,13 +12,21 @@
 //     publish = 'delete, truncate', publish_via_partition_root = true (events
 //     name the partitioned parent). With no table list, every ordinary or
 //     partitioned table outside pg_catalog, information_schema and Epitaph's
-//     own schemas (epitaph, archive, archive_v*) is published, except tables
+//     own schemas (exactly epitaph, archive, archive_v<digits>) is published, except tables
 //     whose deletes would fail once published (no key and REPLICA IDENTITY
 //     DEFAULT, or NOTHING): those are named in a warning and skipped, or
 //     refused when named explicitly, unless SetReplicaIdentityFull makes them
 //     FULL. Key-only tables are reported; their events carry
 //     "identity":"key" and only the key columns. The publication follows the
-//     configuration at every start (ALTER PUBLICATION .. SET TABLE).
+//     configuration at every start (ALTER PUBLICATION .. SET TABLE), and the
+//     catalog while streaming (watch.go: every CatalogPoll and after every
+//     Relation message, new safe tables are added, tables that lose their
+//     usable identity are removed with a table gap in the same transaction,
+//     PrefixGap; InstallDDLGuard applies the same rules at DDL time).
+//   - A row's identity is its own: a partitioned table's "full" tuple that
+//     is NULL outside the primary key may be a key-only leaf's and is
+//     labelled key (relation.encodeRow). The key is the primary key when the
+//     tuple holds it, else the replica identity index's columns.
 //   - Values are read in text form on a replication connection pinned to
 //     DateStyle ISO, IntervalStyle postgres, TimeZone UTC,
 //     extra_float_digits 3, bytea_output hex, UTF8, and mapped to JSON

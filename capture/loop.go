@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -58,6 +59,7 @@ type streamer struct {
 	// are published one at a time, each acknowledged.
 	priv    ed25519.PrivateKey
 	keyID   string
+	pubText string // event.HeaderPublicKey: lets a projector trust the key on first use
 	partSeq []uint64
 	digest  *event.Digest
 	adopt   *adopter
@@ -180,11 +182,12 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		clear(st.tables)
 		st.digest.Reset()
 	case *pglogrepl.RelationMessage:
-		r, err := buildRelation(ctx, st.cat, m, st.src, st.parts, st.s.m.published)
+		r, err := buildRelation(ctx, st.cat, m, st.rels[m.RelationID], st.src, st.parts, st.s.m.published)
 		if err != nil {
 			return err
 		}
 		st.rels[m.RelationID] = r
+		st.s.kickCatalog()
 	case *pglogrepl.TypeMessage:
 		st.cat.typeNames[m.DataType] = typeIdent(m.Namespace) + "." + typeIdent(m.Name)
 	case *pglogrepl.DeleteMessage:
@@ -308,6 +311,8 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		kind = event.MarkHeartbeat
 	case m.Prefix == PrefixMark || strings.HasPrefix(m.Prefix, PrefixMark+"."):
 		kind = event.MarkUser
+	case m.Prefix == PrefixGap:
+		return st.handleTableGap(ctx, m, serverTime)
 	default:
 		return nil
 	}
@@ -343,6 +348,47 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 	if !m.Transactional || !st.inTx {
 		// A non-transactional message is re-sent if its own LSN is
 		// confirmed; the position check skips it then.
+		st.tr.mark(lsn, st.now())
+	}
+	return nil
+}
+
+// handleTableGap publishes the gap of a table removed from the
+// publication (see PrefixGap) to every partition: from the removal on, the
+// table's deletes are not captured until it is added again. A message whose
+// content is not a table gap is ignored: anyone may write one, and a gap is
+// not believed unless it names a table.
+func (st *streamer) handleTableGap(ctx context.Context, m *pglogrepl.LogicalDecodingMessage, serverTime time.Time) error {
+	var g tableGap
+	if err := json.Unmarshal(m.Content, &g); err != nil || g.Schema == "" || g.Table == "" {
+		st.s.log.Warn("ignored a malformed epitaph.gap message", "lsn", event.LSN(m.LSN).String())
+		return nil
+	}
+	lsn := event.LSN(m.LSN)
+	trigger, n := endTrigger(lsn), 0
+	counter := &n
+	if m.Transactional && st.inTx {
+		trigger, counter = st.tx.commitLSN, &st.txN
+	}
+	for p := 0; p < st.parts; p++ {
+		pos, skip := st.nextPos(trigger, counter)
+		if skip {
+			continue
+		}
+		e := &event.Event{Op: event.OpGap, Source: st.src, Partition: p, Kind: event.GapLostUpstream, Schema: g.Schema, Table: g.Table,
+			FromLSN: lsn, ToLSN: lsn, LSN: lsn, Reason: g.Reason, Time: serverTime.UTC()}
+		body, err := event.Encode(e)
+		if err != nil {
+			return fmt.Errorf("encode gap: %w", err)
+		}
+		if err := st.publish(ctx, event.GapSubject(st.src, p), p, event.TableGapMsgID(st.src, g.Schema, g.Table, lsn, lsn, p), pos, body, "gap "+g.Schema+"."+g.Table, kindSigned); err != nil {
+			return err
+		}
+		st.s.m.published.WithLabelValues(g.Schema, g.Table, string(event.OpGap)).Inc()
+	}
+	st.s.log.Warn("gap recorded: the table was removed from the publication, its deletes are not captured until it is added again",
+		"table", g.Schema+"."+g.Table, "lsn", lsn.String())
+	if !m.Transactional || !st.inTx {
 		st.tr.mark(lsn, st.now())
 	}
 	return nil
@@ -500,6 +546,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			jetstream.MsgIDHeader:    {msgID},
 			event.HeaderPartitionSeq: {seqText},
 			event.HeaderKeyID:        {st.keyID},
+			event.HeaderPublicKey:    {st.pubText},
 		}
 		if digest != "" {
 			h[event.HeaderDigest] = []string{digest}

@@ -25,6 +25,11 @@ type metrics struct {
 	implausible    prometheus.Counter
 	collisions     prometheus.Counter
 	sessions       prometheus.Counter
+	// Following the source's schema.
+	tablesAdded   prometheus.Counter
+	tablesRemoved prometheus.Counter
+	madeFull      prometheus.Counter
+	catalogErrors prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
@@ -54,10 +59,14 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 			Name: "epitaph_capture_stream_limits_restored_total",
 			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit (limit=\"failed\": could not be restored, the capture stopped).",
 		}, []string{"limit"}),
-		foreign:     c("epitaph_capture_foreign_messages_total", "Messages found in the stream that this capture did not publish (ignored for the resume), each counted once."),
-		implausible: c("epitaph_capture_implausible_positions_total", "Messages signed with this capture's key whose position is beyond the source's current WAL, refused as resume positions."),
-		collisions:  c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
-		sessions:    c("epitaph_capture_session_restarts_total", "Streaming sessions restarted in the same process because another writer got in the way (chain broken, id taken)."),
+		foreign:       c("epitaph_capture_foreign_messages_total", "Messages found in the stream that this capture did not publish (ignored for the resume), each counted once."),
+		implausible:   c("epitaph_capture_implausible_positions_total", "Messages signed with this capture's key whose position is beyond the source's current WAL, refused as resume positions."),
+		collisions:    c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
+		sessions:      c("epitaph_capture_session_restarts_total", "Streaming sessions restarted in the same process because another writer got in the way (chain broken, id taken)."),
+		tablesAdded:   c("epitaph_capture_tables_added_total", "Tables added to the publication while streaming (new tables, or tables safe again)."),
+		tablesRemoved: c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
+		madeFull:      c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
+		catalogErrors: c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
 	}
 	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "epitaph_capture_heartbeat_age_seconds",
@@ -71,7 +80,8 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
-		m.foreign, m.implausible, m.collisions, m.sessions} {
+		m.foreign, m.implausible, m.collisions, m.sessions,
+		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
@@ -22,7 +23,15 @@ type relation struct {
 	table  string
 	cols   []relColumn
 	pkIdx  []int // indexes into cols of the primary key, in key order
-	keyIdx []int // indexes of the replica identity key columns
+	keyIdx []int // indexes of the replica identity key columns (the message's flags)
+	// identIdx are the columns that identify a row when the table has no
+	// primary key the tuple holds: the replica identity index's columns.
+	identIdx []int
+	// partitioned: a partitioned table published via its root, whose rows
+	// come from leaves that may have a weaker replica identity than the
+	// root's, while pgoutput labels every old tuple by the root's.
+	partitioned bool
+	weakLeaves  bool
 
 	name        string // schema.table
 	what        string // "delete schema.table", for errors
@@ -43,9 +52,39 @@ type relColumn struct {
 
 func (r *relation) qualified() string { return r.name }
 
+// pkNames are the names of the primary key columns the relation found.
+func (r *relation) pkNames() []string {
+	out := make([]string, len(r.pkIdx))
+	for i, j := range r.pkIdx {
+		out[i] = r.cols[j].name
+	}
+	return out
+}
+
+// indexesOf returns the positions in m's columns of names, or nil unless
+// every name is there.
+func indexesOf(m *pglogrepl.RelationMessage, names []string) []int {
+	if len(names) == 0 {
+		return nil
+	}
+	out := make([]int, 0, len(names))
+	for _, n := range names {
+		i := slices.IndexFunc(m.Columns, func(c *pglogrepl.RelationMessageColumn) bool { return c.Name == n })
+		if i < 0 {
+			return nil
+		}
+		out = append(out, i)
+	}
+	return out
+}
+
 // buildRelation combines a Relation message with the catalog's primary key,
-// foreign keys and type names.
-func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessage, src string, partitions int, published *prometheus.CounterVec) (*relation, error) {
+// foreign keys and type names. The message describes the table as it was
+// when the rows that follow were deleted; where the current catalog
+// disagrees (a key column renamed since, a table dropped), the message's
+// own names, the catalog's column positions, and what prev (the relation
+// this one replaces) knew decide the key.
+func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessage, prev *relation, src string, partitions int, published *prometheus.CounterVec) (*relation, error) {
 	r := &relation{id: m.RelationID, schema: m.Namespace, table: m.RelationName, name: m.Namespace + "." + m.RelationName}
 	r.what = "delete " + r.name
 	oids := make([]uint32, len(m.Columns))
@@ -57,34 +96,54 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 	if err != nil {
 		return nil, fmt.Errorf("relation %s.%s: %w", m.Namespace, m.RelationName, err)
 	}
-	facts, err := cat.table(ctx, m.RelationID)
+	facts, before, err := cat.table(ctx, m.RelationID)
 	if err != nil {
 		return nil, fmt.Errorf("relation %s.%s: %w", m.Namespace, m.RelationName, err)
 	}
-	pk := map[string]int{}
-	for i, n := range facts.pk {
-		pk[n] = i
-	}
-	cols := make([]event.Column, len(m.Columns))
-	r.pkIdx = make([]int, 0, len(facts.pk))
-	pkPos := make([]int, len(facts.pk))
-	found := 0
+	r.partitioned, r.weakLeaves = facts.partitioned, facts.weakLeaves
+	allFlagged := len(m.Columns) > 0
 	for i, c := range m.Columns {
 		label, _ := json.Marshal(c.Name)
-		r.cols = append(r.cols, relColumn{name: c.Name, typeOID: c.DataType, key: c.Flags&1 != 0, label: append(label, ':')})
-		_, isPK := pk[c.Name]
-		cols[i] = event.Column{Name: c.Name, Type: types[i], PK: isPK}
-		if isPK {
-			pkPos[pk[c.Name]] = i
-			found++
-		}
-		if c.Flags&1 != 0 {
+		key := c.Flags&1 != 0
+		r.cols = append(r.cols, relColumn{name: c.Name, typeOID: c.DataType, key: key, label: append(label, ':')})
+		if key {
 			r.keyIdx = append(r.keyIdx, i)
+		} else {
+			allFlagged = false
 		}
 	}
-	if found == len(facts.pk) {
-		r.pkIdx = append(r.pkIdx, pkPos...)
+	// The primary key: by name; else by position (a column renamed since,
+	// none added or dropped); else as the catalog was read before (a key
+	// dropped since), or as the relation before this one knew it.
+	r.pkIdx = indexesOf(m, facts.pk)
+	if r.pkIdx == nil && len(facts.pkPos) > 0 && facts.ncols == len(m.Columns) {
+		r.pkIdx = slices.Clone(facts.pkPos)
 	}
+	if r.pkIdx == nil {
+		r.pkIdx = indexesOf(m, before.pk)
+	}
+	if r.pkIdx == nil && prev != nil {
+		r.pkIdx = indexesOf(m, prev.pkNames())
+	}
+	// Without a primary key: the replica identity index's columns, which
+	// the message flags itself unless the identity is FULL (every column
+	// flagged).
+	r.identIdx = indexesOf(m, facts.replIdx)
+	if r.identIdx == nil && !allFlagged {
+		r.identIdx = r.keyIdx
+	}
+	if r.identIdx == nil && prev != nil {
+		r.identIdx = indexesOf(m, prev.identNames())
+	}
+	isPK := make([]bool, len(m.Columns))
+	for _, i := range r.pkIdx {
+		isPK[i] = true
+	}
+	cols := make([]event.Column, 0, len(m.Columns)+len(facts.generated))
+	for i, c := range m.Columns {
+		cols = append(cols, event.Column{Name: c.Name, Type: types[i], PK: isPK[i]})
+	}
+	cols = withGenerated(cols, facts.generated)
 	if r.columnsJSON, err = json.Marshal(cols); err != nil {
 		return nil, fmt.Errorf("relation %s: encode columns: %w", r.qualified(), err)
 	}
@@ -108,6 +167,33 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 	return r, nil
 }
 
+func (r *relation) identNames() []string {
+	out := make([]string, len(r.identIdx))
+	for i, j := range r.identIdx {
+		out[i] = r.cols[j].name
+	}
+	return out
+}
+
+// withGenerated inserts the generated columns (which pgoutput does not
+// send) after the column the table has before each, or at the end when
+// that column is not in the message.
+func withGenerated(cols []event.Column, gen []generatedColumn) []event.Column {
+	for _, g := range gen {
+		if slices.ContainsFunc(cols, func(c event.Column) bool { return c.Name == g.name }) {
+			continue // sent after all (PostgreSQL 18 with publish_generated_columns)
+		}
+		at := len(cols)
+		if g.after == "" {
+			at = 0
+		} else if i := slices.IndexFunc(cols, func(c event.Column) bool { return c.Name == g.after }); i >= 0 {
+			at = i + 1
+		}
+		cols = slices.Insert(cols, at, event.Column{Name: g.name, Type: g.typ, Generated: true})
+	}
+	return cols
+}
+
 // rowImage holds the JSON of one deleted row.
 type rowImage struct {
 	identity string
@@ -115,9 +201,19 @@ type rowImage struct {
 	row      []byte
 }
 
-// encodeRow turns the old tuple of a delete into key and row JSON. For a
-// key-only identity the row holds the key columns only (the others are not
-// in the WAL).
+// encodeRow turns the old tuple of a delete into key and row JSON.
+//
+// The identity is the row's own: "full" only when the tuple holds the whole
+// row. pgoutput labels the tuple by the published relation's identity, and
+// a partitioned table is published via its root: a row of a leaf whose
+// identity is weaker than the root's FULL comes as a "full" tuple with NULL
+// in every column the leaf's key does not cover. Such a row (every column
+// outside the primary key NULL, or, without a primary key and with a weak
+// leaf, any column NULL) cannot be told from a whole row and is labelled
+// "key" with only its non-NULL columns: never a guess labelled whole.
+//
+// The key is the primary key when the tuple holds it, else the replica
+// identity index's columns; nil when neither is known.
 func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.TupleData) error {
 	if tup == nil {
 		return fmt.Errorf("delete on %s without an old tuple", r.qualified())
@@ -126,6 +222,10 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 		return fmt.Errorf("delete on %s: tuple has %d columns, relation %d", r.qualified(), len(tup.Columns), len(r.cols))
 	}
 	full := tupleType == pglogrepl.DeleteMessageTupleTypeOld
+	partial := full && r.partitioned && r.leafKeyOnly(tup)
+	if partial {
+		full = false
+	}
 	img.identity = event.IdentityKey
 	if full {
 		img.identity = event.IdentityFull
@@ -133,7 +233,10 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 	row := append(img.row[:0], '{')
 	first := true
 	for i, c := range tup.Columns {
-		if !full && !r.cols[i].key {
+		if !full && !partial && !r.cols[i].key {
+			continue
+		}
+		if partial && c.DataType == pglogrepl.TupleDataTypeNull {
 			continue
 		}
 		if c.DataType == pglogrepl.TupleDataTypeToast {
@@ -148,8 +251,11 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 	}
 	img.row = append(row, '}')
 	idx := r.pkIdx
-	if len(idx) == 0 && !full {
-		idx = r.keyIdx
+	if !full && !partial && !r.allKey(idx) {
+		idx = r.identIdx // a key-only tuple without the primary key (USING INDEX)
+	}
+	if len(idx) == 0 {
+		idx = r.identIdx
 	}
 	img.key = img.key[:0]
 	if len(idx) == 0 {
@@ -159,7 +265,7 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 	key := append(img.key, '{')
 	for j, i := range idx {
 		c := tup.Columns[i]
-		if c.DataType == pglogrepl.TupleDataTypeToast {
+		if c.DataType == pglogrepl.TupleDataTypeToast || (partial && c.DataType == pglogrepl.TupleDataTypeNull) {
 			img.key = nil
 			return nil
 		}
@@ -171,6 +277,41 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 	}
 	img.key = append(key, '}')
 	return nil
+}
+
+// allKey says whether every column of idx is in the replica identity.
+func (r *relation) allKey(idx []int) bool {
+	if len(idx) == 0 {
+		return false
+	}
+	for _, i := range idx {
+		if !r.cols[i].key {
+			return false
+		}
+	}
+	return true
+}
+
+// leafKeyOnly says whether a "full" tuple of a partitioned table may be a
+// leaf's key-only one: NULL in every column outside the primary key (a
+// table with other columns), or, without a primary key and with a leaf
+// that is not FULL, NULL in any column.
+func (r *relation) leafKeyOnly(tup *pglogrepl.TupleData) bool {
+	if len(r.pkIdx) > 0 {
+		if len(r.pkIdx) == len(r.cols) {
+			return false
+		}
+		for i, c := range tup.Columns {
+			if c.DataType != pglogrepl.TupleDataTypeNull && !slices.Contains(r.pkIdx, i) {
+				return false
+			}
+		}
+		return true
+	}
+	if !r.weakLeaves {
+		return false
+	}
+	return slices.ContainsFunc(tup.Columns, func(c *pglogrepl.TupleDataColumn) bool { return c.DataType == pglogrepl.TupleDataTypeNull })
 }
 
 func appendColumn(dst []byte, typeOID uint32, c *pglogrepl.TupleDataColumn) []byte {

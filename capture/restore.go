@@ -16,7 +16,8 @@ import (
 // alone: every value's text form (see ValueText) is cast to the column's
 // type as the event names it, `$n::text::<type>`, so the restored row is
 // equal to the deleted one by row::text. Only the columns present in the
-// row are inserted (a key-identity event carries its key columns only).
+// row are inserted (a key-identity event carries its key columns only), and
+// never a generated one.
 // For an event with RowRef, set e.Row to the object's bytes first.
 // The column types come from the event, so they are checked to be type
 // names (identifiers, typmods, array brackets) and nothing else.
@@ -32,12 +33,17 @@ func RestoreSQL(e *event.Event) (string, []any, error) {
 		return "", nil, fmt.Errorf("restore %s: %w", e.QualifiedTable(), err)
 	}
 	types := make(map[string]string, len(e.Columns))
+	generated := map[string]bool{}
 	for _, c := range e.Columns {
 		types[c.Name] = c.Type
+		generated[c.Name] = c.Generated
 	}
 	var cols, vals []string
 	var args []any
 	for _, name := range order {
+		if generated[name] {
+			continue // the server computes it (and refuses a value)
+		}
 		typ, ok := types[name]
 		if !ok {
 			return "", nil, fmt.Errorf("restore %s: column %q has no type in the event", e.QualifiedTable(), name)

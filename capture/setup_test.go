@@ -109,7 +109,7 @@ func TestSetupErrors(t *testing.T) {
 			c.SourceURL = pg.UserURL(owner, db)
 			c.Tables = []string{"public.owned_by_postgres"}
 		})
-		requireFix(t, err, "must own table public.owned_by_postgres", "OWNER TO")
+		requireFix(t, err, "must own table public.owned_by_postgres", "GRANT <owner role of")
 	})
 	t.Run("table does not exist", func(t *testing.T) {
 		err := e.startErr(t, func(c *Config) { c.Tables = []string{"public.nope"} })

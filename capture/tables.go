@@ -55,12 +55,15 @@ func checkServer(ctx context.Context, pool *pgxpool.Pool) (db string, err error)
 }
 
 // ownSchema reports whether a schema is Epitaph's own: never published,
-// so a target that is also the source does not feed itself.
+// so a target that is also the source does not feed itself. Exactly
+// epitaph, archive and archive_v<digits> (a version schema); a user's
+// archive_vendors is not ours.
 func ownSchema(s string) bool {
-	if s == "epitaph" || s == "archive" || strings.HasPrefix(s, "archive_v") {
+	if s == "epitaph" || s == "archive" {
 		return true
 	}
-	return false
+	v, ok := strings.CutPrefix(s, "archive_v")
+	return ok && v != "" && strings.Trim(v, "0123456789") == ""
 }
 
 func systemSchema(s string) bool {
@@ -99,7 +102,7 @@ SELECT c.oid, n.nspname, c.relname, c.relkind::text, c.relpersistence::text, pg_
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
   AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive')
-  AND n.nspname NOT LIKE 'pg\_%' AND n.nspname NOT LIKE 'archive\_v%'
+  AND n.nspname NOT LIKE 'pg\_%' AND n.nspname !~ '^archive_v[0-9]+$'
   AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
 ORDER BY n.nspname, c.relname`
 
@@ -191,6 +194,23 @@ type tableSelection struct {
 	tables  []*tableInfo
 	skipped []string // "schema.table: reason"
 	keyOnly []string
+	// unsafe are the tables that fit the configuration but whose deletes
+	// would fail once published (no usable replica identity on the table or
+	// one of its leaves): never in the publication.
+	unsafe []*tableInfo
+	// madeFull are the relations --set-replica-identity-full changed,
+	// "schema"."name".
+	madeFull []string
+}
+
+// oids are the relations the selection publishes: the tables and, for a
+// partitioned table, its leaves are not needed (events name the root).
+func (s *tableSelection) oids() []uint32 {
+	out := make([]uint32, len(s.tables))
+	for i, t := range s.tables {
+		out[i] = t.oid
+	}
+	return out
 }
 
 func (s *tableSelection) names() []string {
@@ -204,7 +224,11 @@ func (s *tableSelection) names() []string {
 // selectTables resolves the configured tables (or every eligible one),
 // checking identity; with setFull it makes every selected table REPLICA
 // IDENTITY FULL.
-func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFull bool) (*tableSelection, error) {
+//
+// While streaming (watching), nothing in the catalog is an error: a named
+// table that is gone or unlogged is left out, one without usable identity
+// (or that cannot be set FULL) is listed in unsafe.
+func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFull, watching bool) (*tableSelection, error) {
 	sel := &tableSelection{}
 	var cands []*tableInfo
 	if len(names) == 0 {
@@ -234,10 +258,17 @@ func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFu
 			if err != nil {
 				return nil, fmt.Errorf("look up table %s.%s: %w", schema, table, err)
 			}
+			if len(found) == 0 && watching {
+				continue
+			}
 			if len(found) == 0 {
 				return nil, configErr("table %s.%s does not exist (check EPITAPH_TABLES)", schema, table)
 			}
 			t := found[0]
+			if t.persistence != 'p' && watching {
+				sel.skipped = append(sel.skipped, t.qualified()+": unlogged or temporary")
+				continue
+			}
 			if t.persistence != 'p' {
 				return nil, configErr("table %s is unlogged or temporary: its deletes are not in the WAL, remove it from EPITAPH_TABLES", t.qualified())
 			}
@@ -255,20 +286,32 @@ func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFu
 			sel.tables = append(sel.tables, t)
 			continue
 		}
-		if setFull {
+		if setFull && !t.notFullOwned && watching {
+			if t.identity == "" {
+				sel.unsafe = append(sel.unsafe, t)
+				sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity, and the capture role cannot set it FULL (not a member of the owner role)")
+				continue
+			}
+		} else if setFull {
 			if !t.notFullOwned {
-				return nil, configErr("must own table %s to set REPLICA IDENTITY FULL on it: run ALTER TABLE %s OWNER TO the capture role, or ALTER TABLE %s REPLICA IDENTITY FULL as its owner", t.qualified(), t.sanitized(), t.sanitized())
+				return nil, configErr("must own table %s to set REPLICA IDENTITY FULL on it: as a superuser, run GRANT <owner role> TO <capture role> (membership in the owner role is enough), or run ALTER TABLE %s REPLICA IDENTITY FULL as its owner", t.qualified(), t.sanitized())
 			}
 			for _, rel := range t.notFull {
 				if _, err := pool.Exec(ctx, "ALTER TABLE "+rel+" REPLICA IDENTITY FULL"); err != nil {
 					return nil, fmt.Errorf("set replica identity full on %s: %w", rel, err)
 				}
 			}
+			sel.madeFull = append(sel.madeFull, t.notFull...)
 			t.identity, t.notFull = "full", nil
 			sel.tables = append(sel.tables, t)
 			continue
 		}
 		if t.identity == "" {
+			if watching {
+				sel.unsafe = append(sel.unsafe, t)
+				sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
+				continue
+			}
 			if len(names) > 0 {
 				return nil, configErr("table %s has no usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, or NOTHING): its deletes would fail once published. Add a primary key, run ALTER TABLE %s REPLICA IDENTITY FULL, or start with --set-replica-identity-full", t.qualified(), t.sanitized())
 			}
@@ -329,7 +372,7 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 		want[t.oid] = true
 		list = append(list, t.sanitized())
 		if !current[t.oid] && !t.owned {
-			return false, configErr("must own table %s to add it to publication %q: run ALTER TABLE %s OWNER TO the capture role, or have its owner run ALTER PUBLICATION %s ADD TABLE %s", t.qualified(), name, t.sanitized(), pub, t.sanitized())
+			return false, configErr("must own table %s to publish it: as a superuser, run GRANT <owner role of %s> TO <capture role> (membership is enough; ALTER TABLE .. OWNER TO would break the application's migrations), then start again", t.qualified(), t.sanitized())
 		}
 	}
 	sameTables := len(current) == len(want)

@@ -21,6 +21,13 @@ const (
 	HeaderVersion = "Epitaph-Version"
 )
 
+// HeaderPublicKey is on signed messages beside Epitaph-Key-Id: the signing
+// public key (PublicKeyString). It is not believed for itself: a projector
+// that trusts no key yet trusts it on first use when it verifies the
+// message's signature (DESIGN section 6); after that only keys recorded in
+// its target count.
+const HeaderPublicKey = "Epitaph-Public-Key"
+
 // Op is the kind of message.
 type Op string
 
@@ -64,6 +71,11 @@ type Column struct {
 	// "bigint", "numeric(12,2)", "text[]", "public.mood".
 	Type string `json:"type"`
 	PK   bool   `json:"pk,omitempty"`
+	// Generated is a generated column (GENERATED ALWAYS AS ... STORED):
+	// PostgreSQL computes it, pgoutput does not send it (before
+	// PostgreSQL 18), so it is never in Row or Key, and a restore leaves it
+	// to the server.
+	Generated bool `json:"generated,omitempty"`
 }
 
 // Ref is one foreign key of the table: Columns of this table reference

@@ -239,3 +239,27 @@ func BenchmarkDecodeDelete(b *testing.B) {
 		}
 	}
 }
+
+// TestGeneratedColumn: a generated column is marked in the event's columns
+// and survives decode and re-encode, on both decode paths; an event without
+// the flag decodes as before.
+func TestGeneratedColumn(t *testing.T) {
+	t.Parallel()
+	body := []byte(`{"v":1,"op":"delete","source":"main","schema":"public","table":"items","xid":7,"commit_lsn":"0/1A","commit_time":"2026-11-30T09:00:00Z","seq":0,"identity":"full",` +
+		`"columns":[{"name":"id","type":"integer","pk":true},{"name":"price","type":"numeric"},{"name":"total","type":"numeric","generated":true}],` +
+		`"key":{"id":1},"row":{"id":1,"price":"2.50"}}`)
+	e, err := event.Decode(body)
+	require.NoError(t, err)
+	require.Equal(t, []event.Column{{Name: "id", Type: "integer", PK: true}, {Name: "price", Type: "numeric"}, {Name: "total", Type: "numeric", Generated: true}}, e.Columns)
+	slow, err := event.DecodeSlow(body)
+	require.NoError(t, err)
+	require.Equal(t, e.Columns, slow.Columns)
+	enc, err := event.Encode(e)
+	require.NoError(t, err)
+	require.Contains(t, string(enc), `{"name":"total","type":"numeric","generated":true}`)
+	require.Contains(t, string(enc), `{"name":"price","type":"numeric"}`, "the flag is omitted when false")
+
+	plain, err := event.Decode([]byte(strings.Replace(string(body), `,"generated":true`, ``, 1)))
+	require.NoError(t, err)
+	require.False(t, plain.Columns[2].Generated)
+}

@@ -65,6 +65,25 @@ type Position struct {
 	// SourceTime is the source time of the watermark (commit time, or the
 	// mark's time); zero when unknown. It never moves backwards.
 	SourceTime time.Time
+
+	// Trust is what the partition has verified (projection/trust.go),
+	// moved with the cursor.
+	Trust Trust
+}
+
+// Trust is a partition's verification state at its cursor.
+type Trust struct {
+	// PartSeq is the Epitaph-Partition-Seq of the last verified message
+	// applied; 0 when not known (a new partition, after a rewind).
+	PartSeq uint64
+	// TxStart is the stream sequence after which the row messages not yet
+	// verified begin (the last verified boundary, or the cursor when none
+	// is pending); TxFirst is the first of them, Pending how many.
+	TxStart, TxFirst uint64
+	Pending          int
+	// Digest is the event.Digest state over the pending row messages in
+	// stream order (nil when none).
+	Digest []byte
 }
 
 // Row is a progress row as stored.
@@ -110,7 +129,8 @@ func Ensure(ctx context.Context, db DB, projection string, version, partitions i
 }
 
 const rowColumns = `projection, version, partition, cursor, last_commit_lsn::text, last_seq, last_msg_id,
-	source_lsn::text, attempts, last_advance_at, last_failure_category, last_failure_at, owner, epoch, lease_expires_at`
+	source_lsn::text, attempts, last_advance_at, last_failure_category, last_failure_at, owner, epoch, lease_expires_at,
+	part_seq, tx_start, tx_first, tx_pending, tx_digest`
 
 func scanRow(r pgx.Row) (Row, error) {
 	var (
@@ -120,12 +140,17 @@ func scanRow(r pgx.Row) (Row, error) {
 		lastSeq                   *int32
 		msgID, failCat, owner     *string
 		version, partition, tries int32
+		partSeq, txStart, txFirst *int64
+		pending                   int32
 	)
 	err := r.Scan(&row.Projection, &version, &partition, &cursor, &lastLSN, &lastSeq, &msgID,
-		&srcLSN, &tries, &row.LastAdvanceAt, &failCat, &row.LastFailureAt, &owner, &row.Epoch, &row.LeaseExpiresAt)
+		&srcLSN, &tries, &row.LastAdvanceAt, &failCat, &row.LastFailureAt, &owner, &row.Epoch, &row.LeaseExpiresAt,
+		&partSeq, &txStart, &txFirst, &pending, &row.Trust.Digest)
 	if err != nil {
 		return Row{}, err
 	}
+	row.Trust.PartSeq, row.Trust.TxStart, row.Trust.TxFirst = derefU(partSeq), derefU(txStart), derefU(txFirst)
+	row.Trust.Pending = int(pending)
 	row.Version, row.Partition, row.Attempts = int(version), int(partition), int(tries)
 	row.Cursor = uint64(cursor)
 	row.Seq = -1
@@ -146,6 +171,20 @@ func scanRow(r pgx.Row) (Row, error) {
 	row.LastFailureCategory = deref(failCat)
 	row.Owner = deref(owner)
 	return row, nil
+}
+
+func derefU(v *int64) uint64 {
+	if v == nil || *v < 0 {
+		return 0
+	}
+	return uint64(*v)
+}
+
+func nullU(v uint64) any {
+	if v == 0 {
+		return nil
+	}
+	return int64(v)
 }
 
 func deref(s *string) string {
@@ -207,20 +246,23 @@ func nullSeq(s int) any {
 // and stop). The same call rewinds (next.Cursor < old). It also records the
 // identity of the message at the new cursor, raises the source watermark
 // (never lowers it), clears the failure count and extends the lease by ttl
-// (0 leaves the expiry alone).
+// (0 leaves the expiry alone). The partition's verification state
+// (next.Trust) is stored as given.
 func Advance(ctx context.Context, tx pgx.Tx, l Lease, old uint64, next Position, ttl time.Duration) error {
 	tag, err := tx.Exec(ctx, `
 		UPDATE epitaph.progress
 		SET cursor = $5, last_commit_lsn = $6::pg_lsn, last_seq = $7, last_msg_id = $8,
 		    source_lsn = GREATEST(source_lsn, $9::pg_lsn), source_time = GREATEST(source_time, $13::timestamptz),
 		    attempts = 0, last_advance_at = now(),
+		    part_seq = $14, tx_start = $15, tx_first = $16, tx_pending = $17, tx_digest = $18,
 		    lease_expires_at = CASE WHEN $11::bigint > 0 AND owner = $12
 		                            THEN now() + $11::bigint * interval '1 microsecond'
 		                            ELSE lease_expires_at END
 		WHERE projection = $1 AND version = $2 AND partition = $3 AND cursor = $4 AND epoch = $10`,
 		l.Projection, l.Version, l.Partition, int64(old), int64(next.Cursor),
 		nullLSN(next.CommitLSN), nullSeq(next.Seq), next.MsgID, nullLSN(next.SourceLSN), l.Epoch,
-		ttl.Microseconds(), l.Owner, nullTime(next.SourceTime))
+		ttl.Microseconds(), l.Owner, nullTime(next.SourceTime),
+		nullU(next.Trust.PartSeq), nullU(next.Trust.TxStart), nullU(next.Trust.TxFirst), next.Trust.Pending, next.Trust.Digest)
 	if err != nil {
 		return fmt.Errorf("advance cursor of %s to %d: %w", l.Key, next.Cursor, err)
 	}

@@ -32,17 +32,22 @@ type applyResult struct {
 // applied (undecodable, a missing large row, rejected by Postgres) are
 // quarantined in that transaction and the partition moves past them; the
 // failing event is isolated with savepoints so the rest of the page applies.
-// Transient failures return an error and nothing is committed.
-func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx) (applyResult, error) {
+// Transient failures return an error and nothing is committed. vd is the
+// page's verification (trust.go): refused items carry their category
+// already, rows of transactions not verified yet are inserted invisible.
+func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
 	res := applyResult{quarantined: map[string]int{}}
+	if vd == nil {
+		vd = &verdict{trust: pos.Trust}
+	}
 	// Large rows live in the object store: read them before the
 	// transaction opens so it is never held across NATS round trips.
 	var rows []*archiveRow
-	for _, it := range items {
-		if it.ev == nil || it.ev.Op != event.OpDelete {
+	for _, it := range append(vd.extraRows[:len(vd.extraRows):len(vd.extraRows)], items...) {
+		if it.ev == nil || it.ev.Op != event.OpDelete || it.category != "" {
 			continue
 		}
-		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row}
+		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row, pending: vd.pending[it]}
 		if it.ev.RowRef != nil {
 			b, err := s.fetchRow(ctx, it.ev.RowRef) // oversized.go: size limit
 			if err != nil {
@@ -63,12 +68,13 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	}
 
 	next := pos
+	next.Trust = vd.trust
 	var commits []*item
 	for _, it := range items {
 		it.after = next.SourceLSN
 		next.Cursor, next.MsgID, next.Seq = it.seq, it.id, -1
-		if it.ev == nil {
-			continue // undecodable: keep the last known source position
+		if it.ev == nil || it.category == CategoryUnauthenticated {
+			continue // undecodable or not authentic: keep the last known source position
 		}
 		next.CommitLSN = positionLSN(it.ev)
 		switch it.ev.Op {
@@ -109,11 +115,11 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	}
 
 	var err error
-	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, false)
+	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, false)
 	for errors.Is(err, errCareful) {
 		// Something in the page is rejected: apply again, isolating it
 		// (again when hold mode holds more rows behind it: hold.go).
-		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, true)
+		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, true)
 	}
 	if err == nil {
 		res.open = after
@@ -155,7 +161,7 @@ func gapOf(e *event.Event, partition int) Gap {
 var errCareful = errors.New("page needs isolation")
 
 func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos, next progress.Position, items []*item,
-	rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, open map[event.LSN]*openTx, careful bool) (applyResult, error) {
+	rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, open map[event.LSN]*openTx, vd *verdict, careful bool) (applyResult, error) {
 	res := applyResult{quarantined: map[string]int{}}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
@@ -178,6 +184,13 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		return nil
 	}
 
+	// Verification's decisions about earlier pages and its gaps (trust.go).
+	if err := s.applyVerdict(ctx, tx, v, l, vd); err != nil {
+		return res, err
+	}
+	for _, it := range vd.extraQuar {
+		res.quarantined[it.category]++
+	}
 	// Hold mode (hold.go): rows waiting behind a quarantined one are left out.
 	hold, ins, err := s.holdBefore(ctx, tx, v, items, rows)
 	if err != nil {
@@ -257,9 +270,11 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	}
 	// Gaps and truncates are recorded for readers (archive.gaps) in this
 	// transaction: the partition is never seen past one without it.
+	// A truncate of a transaction not verified yet (its commit is in a later
+	// page) is not recorded: it may be a forgery (trust.go).
 	var gaps []*item
 	for _, it := range items {
-		if it.ev != nil && it.category == "" && (it.ev.Op == event.OpGap || it.ev.Op == event.OpTruncate) {
+		if it.ev != nil && it.category == "" && !vd.pending[it] && (it.ev.Op == event.OpGap || it.ev.Op == event.OpTruncate) {
 			gaps = append(gaps, it)
 		}
 	}

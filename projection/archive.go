@@ -28,7 +28,15 @@ func ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
 //
 // is_root is NULL until the transaction's commit event has been applied
 // (the transaction is not complete yet), then true for a row that no other
-// row of the same transaction is a parent of by the events' foreign keys.
+// row of the same transaction is a parent of by the events' foreign keys;
+// it stays NULL where that cannot be told: a key-only row whose image lacks
+// a column of its foreign key, or whose would-be parents' images lack the
+// referenced columns (and no other parent is known).
+//
+// verified is false while the row's transaction has not been verified
+// against its signed commit (a transaction spanning pages, applied before
+// its commit arrives); archive.rows shows only verified rows, so readers
+// see whole, authenticated transactions.
 func archiveDDL(schema string) string {
 	s := ident(schema)
 	return `
@@ -56,6 +64,15 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
+DO $$ BEGIN
+    -- Not ALTER TABLE .. IF NOT EXISTS: that takes an exclusive lock even
+    -- when the column exists, and this runs whenever version states change
+    -- (readers of archive.rows deadlocked with it).
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
+                   AND attname = 'verified' AND NOT attisdropped) THEN
+        ALTER TABLE ` + s + `.rows ADD COLUMN verified boolean NOT NULL DEFAULT true;
+    END IF;
+END $$;
 ` + gapsDDL(s)
 }
 
@@ -106,6 +123,13 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 			continue
 		}
 		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
+		query := `SELECT * FROM ` + ident(schema, table)
+		if table == "rows" {
+			// trust.go: rows of unverified transactions stay invisible. The
+			// comment says so, so a view made before is re-pointed once.
+			query += ` WHERE verified`
+			comment = fmt.Sprintf("live version: %s (verified transactions only). Check archive.status before trusting an empty result.", schema)
+		}
 		current, err := viewCurrent(ctx, tx, ident(ReaderSchema, table), comment, ident(schema, table))
 		if err != nil {
 			return err
@@ -113,7 +137,7 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 		if current {
 			continue
 		}
-		if err := replaceView(ctx, tx, ident(ReaderSchema, table), `SELECT * FROM `+ident(schema, table)); err != nil {
+		if err := replaceView(ctx, tx, ident(ReaderSchema, table), query); err != nil {
 			return fmt.Errorf("point view archive.%s at %s: %w", table, schema, err)
 		}
 		if _, err := tx.Exec(ctx, `COMMENT ON VIEW `+ident(ReaderSchema, table)+` IS `+pgquote.Literal(comment)); err != nil {
@@ -182,22 +206,26 @@ type archiveRow struct {
 	row       json.RawMessage // the row image (from the event or its object)
 	expiresAt *time.Time
 	isRoot    *bool // known when the whole transaction is in the page
+	// pending: the row's transaction is not verified yet (its commit is in
+	// a later page); inserted invisible, made visible at the commit.
+	pending bool
 }
 
 const insertRowsSQL = `
 WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
-                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
+                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
-       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
-            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[])
+            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[],
+            $16::boolean[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
-          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root)
+          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
-RETURNING correlation_id
+RETURNING correlation_id, verified
 )
-SELECT DISTINCT correlation_id FROM ins`
+SELECT DISTINCT correlation_id FROM ins WHERE verified`
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -208,7 +236,7 @@ func nullableJSON(b json.RawMessage) *string {
 }
 
 // insertRows writes rows with one set-based statement and returns the
-// distinct correlation ids of the rows actually inserted. Idempotent: a row
+// distinct correlation ids of the verified rows actually inserted. Idempotent: a row
 // already archived (same source, commit_lsn, seq) is left as it is.
 func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]string, error) {
 	n := len(rows)
@@ -219,6 +247,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
 		seqs                                          = make([]int32, n)
 		roots                                         = make([]*bool, n)
+		verified                                      = make([]bool, n)
 	)
 	var enc schemaEncoder
 	for i, r := range rows {
@@ -232,6 +261,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 		expires[i] = r.expiresAt
 		roots[i] = r.isRoot
+		verified[i] = !r.pending
 		var err error
 		if refs[i], err = enc.refs(e.Refs); err != nil {
 			return nil, err
@@ -241,7 +271,7 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		}
 	}
 	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots)
+		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified)
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
@@ -332,7 +362,9 @@ WITH tx AS MATERIALIZED (
 ), child AS MATERIALIZED (
     SELECT t.commit_lsn, t.seq, f->>'schema' AS s, f->>'table' AS tb, f->'ref_columns' AS rc,
            (SELECT jsonb_agg(t.row -> c ORDER BY o)
-            FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS x(c, o)) AS k
+            FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS x(c, o)) AS k,
+           (jsonb_typeof(t.row) <> 'object' OR (SELECT COALESCE(bool_and(t.row ? c), true)
+            FROM jsonb_array_elements_text(f->'columns') AS x(c))) AS has
     FROM undecided t
     CROSS JOIN LATERAL jsonb_array_elements(CASE WHEN jsonb_typeof(t.refs) = 'array' THEN t.refs ELSE '[]'::jsonb END) AS f
 ), wanted AS (
@@ -340,11 +372,15 @@ WITH tx AS MATERIALIZED (
 ), parent AS (
     SELECT w.commit_lsn, w.s, w.tb, w.rc, t.seq,
            (SELECT jsonb_agg(t.row -> c ORDER BY o)
-            FROM jsonb_array_elements_text(w.rc) WITH ORDINALITY AS x(c, o)) AS k
+            FROM jsonb_array_elements_text(w.rc) WITH ORDINALITY AS x(c, o)) AS k,
+           (jsonb_typeof(t.row) <> 'object' OR (SELECT COALESCE(bool_and(t.row ? c), true)
+            FROM jsonb_array_elements_text(w.rc) AS x(c))) AS has
     FROM wanted w JOIN tx t ON t.commit_lsn = w.commit_lsn AND t.schema_name = w.s AND t.table_name = w.tb
+), blind AS MATERIALIZED (
+    SELECT DISTINCT commit_lsn, s, tb, rc FROM parent WHERE NOT has
 ), keyed AS (
     SELECT commit_lsn, s, tb, rc, k, seq AS cseq, NULL::integer AS pseq
-    FROM child WHERE k IS NOT NULL AND NOT (k @> '[null]'::jsonb)
+    FROM child WHERE has AND k IS NOT NULL AND NOT (k @> '[null]'::jsonb)
     UNION ALL
     SELECT commit_lsn, s, tb, rc, k, NULL::integer, seq FROM parent WHERE k IS NOT NULL
 ), flagged AS (
@@ -352,11 +388,18 @@ WITH tx AS MATERIALIZED (
     FROM keyed
     WINDOW w AS (PARTITION BY commit_lsn, s, tb, rc, k)
 ), decision AS (
-    SELECT commit_lsn, seq, bool_and(root) AS root
+    SELECT commit_lsn, seq,
+           CASE WHEN bool_or(root IS FALSE) THEN false WHEN bool_or(root IS NULL) THEN NULL ELSE true END AS root
     FROM (SELECT commit_lsn, seq, true AS root FROM undecided
           UNION ALL
           SELECT commit_lsn, cseq, false FROM flagged
-          WHERE cseq IS NOT NULL AND lo IS NOT NULL AND (lo <> cseq OR hi <> cseq)) d
+          WHERE cseq IS NOT NULL AND lo IS NOT NULL AND (lo <> cseq OR hi <> cseq)
+          UNION ALL
+          SELECT commit_lsn, seq, NULL::boolean FROM child WHERE NOT has
+          UNION ALL
+          SELECT c.commit_lsn, c.seq, NULL::boolean FROM child c
+          JOIN blind b ON b.commit_lsn = c.commit_lsn AND b.s = c.s AND b.tb = c.tb AND b.rc = c.rc
+          WHERE c.has AND c.k IS NOT NULL AND NOT (c.k @> '[null]'::jsonb)) d
     GROUP BY commit_lsn, seq
 )
 UPDATE %[1]s.rows r SET is_root = d.root

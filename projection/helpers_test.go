@@ -37,6 +37,10 @@ type env struct {
 	js         jetstream.JetStream
 	partitions int
 	lsn        atomic.Uint64
+	// signer signs what the test publishes as the capture does (pubMsg,
+	// publish, publishAll, heartbeat); a message published with e.js
+	// directly is a foreign one.
+	signer *testenv.Signer
 }
 
 func newEnv(t *testing.T, partitions int) *env {
@@ -46,7 +50,7 @@ func newEnv(t *testing.T, partitions int) *env {
 
 func newEnvWith(t *testing.T, url string, partitions int) *env {
 	t.Helper()
-	e := &env{t: t, url: url, nats: testenv.NewNATS(t), partitions: partitions}
+	e := &env{t: t, url: url, nats: testenv.NewNATS(t), partitions: partitions, signer: testenv.NewSigner()}
 	_, e.js = e.nats.Connect(t)
 	e.createStream()
 	e.lsn.Store(0x1000000)
@@ -124,9 +128,15 @@ func (e *env) nextTx(rows ...row) *txn {
 func (e *env) publish(tx *txn) {
 	e.t.Helper()
 	for _, m := range e.messages(tx) {
-		_, err := e.js.PublishMsg(context.Background(), m)
+		_, err := e.pubMsg(context.Background(), m)
 		require.NoError(e.t, err)
 	}
+}
+
+// pubMsg signs m as the capture would and publishes it.
+func (e *env) pubMsg(ctx context.Context, m *nats.Msg) (*jetstream.PubAck, error) {
+	e.signer.Sign(m)
+	return e.js.PublishMsg(ctx, m)
 }
 
 func (e *env) messages(tx *txn) []*nats.Msg {
@@ -163,7 +173,7 @@ func (e *env) heartbeat() event.LSN {
 	lsn := event.LSN(e.lsn.Add(0x100))
 	for p := 0; p < e.partitions; p++ {
 		ev := &event.Event{Op: event.OpMark, Source: src, Partition: p, LSN: lsn, Kind: event.MarkHeartbeat, Time: time.Now()}
-		_, err := e.js.PublishMsg(context.Background(), e.msg(event.MarkSubject(src, p), event.MarkMsgID(src, lsn, p), ev))
+		_, err := e.pubMsg(context.Background(), e.msg(event.MarkSubject(src, p), event.MarkMsgID(src, lsn, p), ev))
 		require.NoError(e.t, err)
 	}
 	return lsn
@@ -244,6 +254,7 @@ func metricSum(t *testing.T, s *projection.Service, name string) float64 {
 func (e *env) publishAll(msgs []*nats.Msg) {
 	e.t.Helper()
 	for i, m := range msgs {
+		e.signer.Sign(m)
 		_, err := e.js.PublishMsgAsync(m)
 		require.NoError(e.t, err)
 		if i%1000 == 999 || i == len(msgs)-1 {

@@ -31,7 +31,7 @@ func publishHoldScenario(t *testing.T, e *env) {
 	ctx := context.Background()
 	pub := func(msgs []*nats.Msg) {
 		for _, m := range msgs {
-			_, err := e.js.PublishMsg(ctx, m)
+			_, err := e.pubMsg(ctx, m)
 			require.NoError(t, err)
 		}
 	}
@@ -190,7 +190,7 @@ func TestOversizedRowIsQuarantined(t *testing.T) {
 	refRow(t, msgs[0], &event.ObjectRef{Bucket: "no_such_bucket", Name: "huge-1", Size: 4096})
 	refRow(t, msgs[1], smallRef)
 	for _, m := range msgs {
-		_, err := e.js.PublishMsg(ctx, m)
+		_, err := e.pubMsg(ctx, m)
 		require.NoError(t, err)
 	}
 	e.publish(e.nextTx(orderRows(1, 1)...))

@@ -70,7 +70,7 @@ func (e *env) traffic(ctx context.Context, every time.Duration) (stop func() int
 			tx := e.nextTx(orderRows(100000+i, 2)...)
 			// A transaction is published whole, even when stopped midway.
 			for _, m := range e.messages(tx) {
-				if _, err := e.js.PublishMsg(context.Background(), m); err != nil {
+				if _, err := e.pubMsg(context.Background(), m); err != nil {
 					e.t.Errorf("publish: %v", err)
 					return
 				}
@@ -80,7 +80,7 @@ func (e *env) traffic(ctx context.Context, every time.Duration) (stop func() int
 				lsn := event.LSN(e.lsn.Add(0x100))
 				for p := 0; p < e.partitions; p++ {
 					ev := &event.Event{Op: event.OpMark, Source: src, Partition: p, LSN: lsn, Kind: event.MarkHeartbeat, Time: time.Now()}
-					if _, err := e.js.PublishMsg(ctx, e.msg(event.MarkSubject(src, p), event.MarkMsgID(src, lsn, p), ev)); err != nil {
+					if _, err := e.pubMsg(ctx, e.msg(event.MarkSubject(src, p), event.MarkMsgID(src, lsn, p), ev)); err != nil {
 						return
 					}
 				}

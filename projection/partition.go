@@ -80,6 +80,7 @@ type partitionWorker struct {
 	carry   []*item   // fetched, not applied: the next group starts with them (splitAtCommit)
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
+	legacy  uint64    // the partition's legacy boundary (trust.go)
 }
 
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
@@ -191,6 +192,9 @@ func (w *partitionWorker) init(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
+	if w.legacy, err = w.legacyBoundary(ctx); err != nil {
+		return err
+	}
 	if _, err := w.verify(ctx); err != nil {
 		return err
 	}
@@ -249,7 +253,10 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 		return err
 	}
 	target = min(target, w.pos.Cursor)
-	next := progress.Position{Cursor: target, CommitLSN: w.pos.CommitLSN, Seq: -1, SourceLSN: w.pos.SourceLSN}
+	// Verification starts afresh at the target (a transaction boundary);
+	// the partition sequence is not known again until a verified message.
+	next := progress.Position{Cursor: target, CommitLSN: w.pos.CommitLSN, Seq: -1, SourceLSN: w.pos.SourceLSN,
+		Trust: progress.Trust{TxStart: target}}
 	if target > 0 {
 		raw, err := w.stream.GetMsg(ctx, target)
 		switch {
@@ -556,6 +563,9 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 	if info.State.LastSeq < w.pos.Cursor {
 		return errReset
 	}
+	if first := info.State.FirstSeq; first > w.pos.Cursor+1 && w.pos.Cursor >= w.legacy && w.pos.Trust.PartSeq > 0 {
+		return w.recordSuspectedGap(ctx, first) // trust.go
+	}
 	return nil
 }
 
@@ -604,7 +614,12 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	if err != nil {
 		return err
 	}
-	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh, w.open)
+	vd, err := w.verifyPage(ctx, fresh) // trust.go
+	if err != nil {
+		release()
+		return err
+	}
+	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh, w.open, vd)
 	release()
 	if err != nil {
 		w.open = nil

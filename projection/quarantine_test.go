@@ -54,7 +54,7 @@ func TestPermanentFailuresAreQuarantined(t *testing.T) {
 	refRow(t, msgs[2], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "gone", Size: 10})
 	refRow(t, msgs[3], bigRef)
 	for _, m := range msgs {
-		_, err := e.js.PublishMsg(ctx, m)
+		_, err := e.pubMsg(ctx, m)
 		require.NoError(t, err)
 	}
 	after := e.nextTx(orderRows(2, 1)...)
@@ -110,7 +110,7 @@ func TestReplayQuarantinedRow(t *testing.T) {
 	// The order row (seq 0) comes in "v":2.
 	msgs[0].Data = bytes.Replace(msgs[0].Data, []byte(`"v":1`), []byte(`"v":2`), 1)
 	for _, m := range msgs {
-		_, err := e.js.PublishMsg(ctx, m)
+		_, err := e.pubMsg(ctx, m)
 		require.NoError(t, err)
 	}
 	e.start(e.config("w1"))

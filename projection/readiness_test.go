@@ -53,7 +53,7 @@ func (e *env) gap(from, to event.LSN) {
 	for p := 0; p < e.partitions; p++ {
 		ev := &event.Event{Op: event.OpGap, Source: src, Partition: p, FromLSN: from, ToLSN: to, LSN: to,
 			Reason: "slot recreated", Time: time.Now().UTC()}
-		_, err := e.js.PublishMsg(context.Background(), e.msg(event.GapSubject(src, p), event.GapMsgID(src, from, to, p), ev))
+		_, err := e.pubMsg(context.Background(), e.msg(event.GapSubject(src, p), event.GapMsgID(src, from, to, p), ev))
 		require.NoError(e.t, err)
 	}
 }
@@ -171,7 +171,7 @@ func TestTruncateIsAGapRowThatDoesNotBlock(t *testing.T) {
 	msgs = append(msgs[:len(msgs)-1], e.msg(event.TruncateSubject(src, tx.partition, "public", "order_lines"),
 		event.MsgID(src, tx.lsn, 2), trunc), commit)
 	for _, m := range msgs {
-		_, err := e.js.PublishMsg(ctx, m)
+		_, err := e.pubMsg(ctx, m)
 		require.NoError(t, err)
 	}
 	hb := e.heartbeat()

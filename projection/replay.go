@@ -52,6 +52,11 @@ func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 		if err != nil {
 			return fmt.Errorf("replay: version %d of %s: %w", e.Version, e.Projection, err)
 		}
+		if e.Category == CategoryUnauthenticated {
+			// Replaying one message alone would skip its verification.
+			return quarantine.Permanent(quarantine.CategoryUnauthenticated, fmt.Errorf("not replayed: it failed verification (trust.go); "+
+				"if its key is trusted now (projector trust-key), rebuild the version, which verifies the stream again; else discard it"))
+		}
 		ev, err := dec.Decode(e.Data)
 		if err != nil {
 			return err

@@ -86,11 +86,18 @@ func markRootsInMemory(rows []*archiveRow) {
 		values[i] = columnValues(r.row, cols) // unreadable: no values, so neither parent nor child
 	}
 	parents := map[string][]int{}
+	// blind: specs some candidate parent's image lacks a referenced column
+	// of (a key-only row): whether a child of that spec has a parent there
+	// cannot be told.
+	blind := map[string]bool{}
 	for i, r := range rows {
 		for spec := range wanted {
 			schema, table, cols := splitSpec(spec)
 			if schema != r.ev.Schema || table != r.ev.Table {
 				continue
+			}
+			if values[i] != nil && !hasAll(values[i], cols) {
+				blind[spec] = true
 			}
 			if k, ok := keyOf(values[i], cols); ok {
 				parents[spec+"\x01"+k] = append(parents[spec+"\x01"+k], r.ev.Seq)
@@ -98,24 +105,45 @@ func markRootsInMemory(rows []*archiveRow) {
 		}
 	}
 	for i, r := range rows {
-		root := true
+		root, unknown := true, false
 		for _, f := range r.ev.Refs {
+			if values[i] != nil && !hasAll(values[i], f.Columns) {
+				unknown = true // a key-only row: its foreign key was not captured
+				continue
+			}
 			k, ok := keyOf(values[i], f.Columns)
 			if !ok {
 				continue
 			}
-			for _, seq := range parents[specKey(f.Schema, f.Table, f.RefColumns)+"\x01"+k] {
+			spec := specKey(f.Schema, f.Table, f.RefColumns)
+			if blind[spec] {
+				unknown = true
+			}
+			for _, seq := range parents[spec+"\x01"+k] {
 				if seq != r.ev.Seq {
 					root = false
 				}
 			}
 		}
-		if root {
-			r.isRoot = &yes
-		} else {
+		switch {
+		case !root:
 			r.isRoot = &no
+		case unknown:
+			r.isRoot = nil // cannot be told: NULL, never a guess
+		default:
+			r.isRoot = &yes
 		}
 	}
+}
+
+// hasAll says whether every column of cols is in values (NULL included).
+func hasAll(values map[string]json.RawMessage, cols []string) bool {
+	for _, c := range cols {
+		if _, ok := values[c]; !ok {
+			return false
+		}
+	}
+	return true
 }
 
 func specKey(schema, table string, cols []string) string {

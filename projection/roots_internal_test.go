@@ -69,10 +69,22 @@ func TestRootsInMemory(t *testing.T) {
 			mkRow(1, "kids", `{"id":5}`, `{"id":5,"a":"a","b":2}`, composite),
 			mkRow(2, "kids", `{"id":6}`, `{"id":6,"a":"a","b":3}`, composite),
 		}, []any{true, false, true}},
-		{"key-only child lacks the fk", []*archiveRow{
+		{"key-only child lacks the fk: cannot be told", []*archiveRow{
 			mkRow(0, "orders", `{"id":1}`, `{"id":1}`),
 			mkRow(1, "lines", `{"id":10}`, `{"id":10}`, toOrder),
-		}, []any{true, true}},
+		}, []any{true, nil}},
+		{"key-only child with a null fk: references nothing", []*archiveRow{
+			mkRow(0, "lines", `{"id":10}`, `{"id":10,"order_id":null}`, toOrder),
+		}, []any{true}},
+		{"key-only parent lacks the referenced column", []*archiveRow{
+			mkRow(0, "pairs", `{"id":1}`, `{"id":1}`),
+			mkRow(1, "kids", `{"id":5}`, `{"id":5,"a":"a","b":2}`, composite),
+		}, []any{true, nil}},
+		{"a known parent decides, whatever else is unknown", []*archiveRow{
+			mkRow(0, "pairs", `{"id":1}`, `{"id":1}`),
+			mkRow(1, "pairs", `{"id":2}`, `{"id":2,"x":"a","y":2}`),
+			mkRow(2, "kids", `{"id":5}`, `{"id":5,"a":"a","b":2}`, composite),
+		}, []any{true, true, false}},
 	} {
 		commit := &item{ev: &event.Event{Op: event.OpCommit, CommitLSN: 0x100, Rows: len(tc.rows)}}
 		settled := rootsInPage(tc.rows, []*item{commit})

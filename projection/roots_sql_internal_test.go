@@ -108,8 +108,7 @@ func TestMarkRootsSQLMatchesMemory(t *testing.T) {
 		if pre[i] != nil && slicesIndex(odd, r.ev.CommitLSN) {
 			expect = pre[i]
 		}
-		require.NotNil(t, got, "row %d of %s (%s %s)", r.ev.Seq, r.ev.CommitLSN, r.ev.Table, r.row)
-		require.Equal(t, *expect, *got, "row %d of %s (%s %s)", r.ev.Seq, r.ev.CommitLSN, r.ev.Table, r.row)
+		require.Equal(t, expect, got, "row %d of %s (%s %s)", r.ev.Seq, r.ev.CommitLSN, r.ev.Table, r.row)
 	}
 }
 

@@ -49,7 +49,7 @@ func TestReapplyIsIdempotent(t *testing.T) {
 	for _, tx := range txs[:5] {
 		for _, m := range e.messages(tx) {
 			m.Header.Del(event.HeaderMsgID)
-			_, err := e.js.PublishMsg(ctx, m)
+			_, err := e.pubMsg(ctx, m)
 			require.NoError(t, err)
 		}
 	}

@@ -49,6 +49,7 @@ type Service struct {
 	batcher *snapshot.Batcher
 
 	objects *objectReader
+	keys    *keyring // trusted signing keys (trust.go)
 
 	mu         sync.Mutex
 	closing    bool
@@ -155,6 +156,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		return fmt.Errorf("jetstream: %w", err)
 	}
 	s.objects = newObjectReader(s.js)
+	s.keys = newKeyring(s.pool, s.log)
 	if err := s.reg.Register(quarantine.NewCollector(s.pool, s.log)); err != nil {
 		s.log.Warn("quarantine metrics not registered", "err", err)
 	}

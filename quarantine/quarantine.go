@@ -39,10 +39,14 @@ const (
 	// CategoryHeld is not a failure of the event itself: in hold mode it waits behind
 	// an open entry for the same source row, so order per row is kept.
 	CategoryHeld Category = "held"
+	// CategoryUnauthenticated: the message failed verification (DESIGN
+	// section 6): unsigned, a bad signature or an untrusted key, or rows not
+	// matching their commit's signed digest. Never replayed alone.
+	CategoryUnauthenticated Category = "unauthenticated"
 )
 
 // Categories lists every category, in a stable order.
-var Categories = []Category{CategoryMalformed, CategoryUnknownVersion, CategoryInvalid, CategoryIncompatible, CategoryOversized, CategoryMissingPayload, CategoryHeld}
+var Categories = []Category{CategoryMalformed, CategoryUnknownVersion, CategoryInvalid, CategoryIncompatible, CategoryOversized, CategoryMissingPayload, CategoryHeld, CategoryUnauthenticated}
 
 // Status of an entry.
 type Status string

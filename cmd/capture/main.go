@@ -58,6 +58,9 @@ func run(args []string) error {
 	// Trust: the key the capture signs with.
 	str(fs, &cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
 
+	// Following the source's schema while streaming (issue 12).
+	dur(fs, &cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)")
+	boolean(fs, &cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
 	str(fs, &cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)")
 	str(fs, &level, "log-level", "EPITAPH_LOG_LEVEL", "info", "debug, info, warn or error")
 	if err := applyEnv(fs); err != nil {

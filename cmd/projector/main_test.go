@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -32,6 +33,15 @@ func build(t *testing.T) string {
 	return bin
 }
 
+// signers sign what the tests publish as the capture would, one signer
+// (partition sequences, digests) per stream connection.
+var signers sync.Map // jetstream.JetStream -> *testenv.Signer
+
+func signerFor(js jetstream.JetStream) *testenv.Signer {
+	s, _ := signers.LoadOrStore(js, testenv.NewSigner())
+	return s.(*testenv.Signer)
+}
+
 func publishTx(t *testing.T, js jetstream.JetStream, p int, lsn event.LSN, orderID int) {
 	t.Helper()
 	ctx := context.Background()
@@ -41,6 +51,7 @@ func publishTx(t *testing.T, js jetstream.JetStream, p int, lsn event.LSN, order
 		m := nats.NewMsg(subject)
 		m.Data = b
 		m.Header.Set(event.HeaderMsgID, id)
+		signerFor(js).Sign(m)
 		_, err = js.PublishMsg(ctx, m)
 		require.NoError(t, err)
 	}

@@ -37,6 +37,7 @@ func heartbeatAll(t *testing.T, js jetstream.JetStream, lsn event.LSN, partition
 		m := nats.NewMsg(event.MarkSubject("main", p))
 		m.Data = b
 		m.Header.Set(event.HeaderMsgID, event.MarkMsgID("main", lsn, p))
+		signerFor(js).Sign(m)
 		_, err = js.PublishMsg(context.Background(), m)
 		require.NoError(t, err)
 	}

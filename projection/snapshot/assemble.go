@@ -31,6 +31,16 @@ type archiveRow struct {
 
 func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
 
+// has reports whether the row image holds column col (NULL included).
+func (r *archiveRow) has(col string) bool {
+	if r.values == nil {
+		r.values = map[string]json.RawMessage{}
+		_ = json.Unmarshal(r.Row, &r.values)
+	}
+	_, ok := r.values[col]
+	return ok
+}
+
 // value returns the comparable form of column col, and false when the
 // column is absent or NULL (a NULL foreign key references nothing).
 func (r *archiveRow) value(col string) (string, bool) {

@@ -112,7 +112,7 @@ SELECT id, correlation_id, source, commit_lsn::text, root_table, root_seq, expec
 const groupRowsSQL = `
 SELECT schema_name, table_name, key, row, refs, commit_lsn::text, seq, archived_at, commit_time
   FROM %s
- WHERE source = $1 AND commit_lsn = $2::pg_lsn
+ WHERE source = $1 AND commit_lsn = $2::pg_lsn AND verified
  ORDER BY seq`
 
 const groupRootsSQL = `SELECT root_seq FROM %s WHERE source = $1 AND commit_lsn = $2::pg_lsn`
@@ -331,6 +331,9 @@ func loadGroup(ctx context.Context, tx pgx.Tx, schema string, j job) (*loadedGro
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read archive rows of %s: %w", j.correlationID, err)
 	}
+	if lg.loadErr == "" && keyOnlyRefs(list) {
+		lg.loadErr = ReasonKeyOnly
+	}
 	lg.g = newGroup(j.correlationID, list)
 	lg.fp = lg.g.fingerprint()
 	lg.have = lg.g.counts()
@@ -352,6 +355,40 @@ func loadGroup(ctx context.Context, tx pgx.Tx, schema string, j job) (*loadedGro
 	lg.unrelated = lg.g.unrelated(roots)
 	lg.roots = len(rootSeqs)
 	return lg, nil
+}
+
+// ReasonKeyOnly is the failure_reason of a snapshot job whose group cannot
+// be nested: rows archived with a key-only replica identity lack the
+// columns their foreign keys name, so which row is whose child is unknown.
+// Nesting by guesswork would present a partial document as complete.
+const ReasonKeyOnly = "key-only identity: foreign keys not captured"
+
+// keyOnlyRefs reports whether a row of the group lacks (not NULL: absent
+// from its image) a column one of its foreign keys names, or a row of a
+// referenced table lacks a referenced column.
+func keyOnlyRefs(rows []*archiveRow) bool {
+	referenced := map[string][][]string{}
+	for _, r := range rows {
+		for _, f := range r.Refs {
+			for _, c := range f.Columns {
+				if !r.has(c) {
+					return true
+				}
+			}
+			t := f.Schema + "." + f.Table
+			referenced[t] = append(referenced[t], f.RefColumns)
+		}
+	}
+	for _, r := range rows {
+		for _, cols := range referenced[r.qualified()] {
+			for _, c := range cols {
+				if !r.has(c) {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 type outcome struct {

@@ -28,6 +28,7 @@ CREATE TABLE %[1]s.rows (
 	source text, schema_name text, table_name text, key jsonb, row jsonb, identity text,
 	correlation_id text, is_root boolean, xid bigint, commit_lsn pg_lsn, commit_time timestamptz,
 	seq integer, archived_at timestamptz default now(), expires_at timestamptz, refs jsonb, columns jsonb,
+	verified boolean NOT NULL DEFAULT true,
 	primary key (source, commit_lsn, seq));`
 
 // sourceDDL is the application schema whose deletes the tests archive:

@@ -20,7 +20,7 @@ INSERT INTO %[1]s (correlation_id, source, commit_lsn, root_table, root_key, roo
 SELECT DISTINCT ON (r.schema_name, r.table_name, r.key)
        $1, r.source, r.commit_lsn, r.schema_name || '.' || r.table_name, r.key, r.seq, $5, $6
   FROM %[2]s r
- WHERE r.source = $2 AND r.commit_lsn = $3::pg_lsn
+ WHERE r.source = $2 AND r.commit_lsn = $3::pg_lsn AND r.verified
    AND r.schema_name || '.' || r.table_name = ANY ($4)
  ORDER BY r.schema_name, r.table_name, r.key, r.seq
 ON CONFLICT (correlation_id, root_table, root_key) DO NOTHING`
@@ -41,7 +41,7 @@ SELECT DISTINCT ON (g.correlation_id, r.schema_name, r.table_name, r.key)
        g.correlation_id, r.source, r.commit_lsn, r.schema_name || '.' || r.table_name, r.key, r.seq,
        g.expected_tables, g.expected_rows
   FROM %[3]s g
-  JOIN %[2]s r ON r.source = g.source AND r.commit_lsn = g.commit_lsn
+  JOIN %[2]s r ON r.source = g.source AND r.commit_lsn = g.commit_lsn AND r.verified
  WHERE g.correlation_id = ANY ($1)
    AND r.schema_name || '.' || r.table_name = ANY (g.roots)
  ORDER BY g.correlation_id, r.schema_name, r.table_name, r.key, r.seq

@@ -115,3 +115,43 @@ func mapKeys[V any](m map[string]V) []string {
 	}
 	return out
 }
+
+// TestKeyOnlyGroupFails: rows archived with a key-only identity lack the
+// foreign key columns (a shipment's key is its id, not its order_id), so
+// the document cannot be nested honestly: the job fails at once with a
+// reason that says why, instead of a complete document without children.
+func TestKeyOnlyGroupFails(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.seedOrder(t, 1, 1)
+	s := e.begin(t)
+	s.deleteOrder(t, 1)
+	for _, a := range s.rows {
+		a.Row = a.Key // what a REPLICA IDENTITY DEFAULT table archives
+	}
+	require.Equal(t, 1, s.apply(t, orderRoots))
+	res := e.batch(t, snapshot.Config{})
+	require.Equal(t, snapshot.Result{Claimed: 1, Failed: 1}, res, "failed at once, not retried")
+	got := e.show(t, s.correlationID())[`{"id":1}`]
+	require.Equal(t, snapshot.StatusFailed, got.Status)
+	require.Equal(t, snapshot.ReasonKeyOnly, got.FailureReason)
+	require.Equal(t, "key-only identity: foreign keys not captured", got.FailureReason)
+	require.Empty(t, got.Payload)
+
+	// Key-only rows whose keys hold the foreign keys still nest: an order
+	// with lines keyed (order_id, line_no), all other tables whole.
+	e.seedOrder(t, 2, 2)
+	s = e.begin(t)
+	s.deleteOrder(t, 2)
+	for _, a := range s.rows {
+		if a.Table == "public.lines" {
+			a.Row = a.Key
+		}
+	}
+	require.Equal(t, 1, s.apply(t, orderRoots))
+	res = e.batch(t, snapshot.Config{})
+	require.Equal(t, snapshot.Result{Claimed: 1, Completed: 1}, res)
+	d := decodeDoc(t, e.show(t, s.correlationID())[`{"id":2}`])
+	require.Len(t, d.Children["public.lines"], 2)
+	require.Len(t, d.Children["public.lines"][0].Children["public.line_notes"], 2)
+}

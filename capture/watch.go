@@ -1,0 +1,364 @@
+package capture
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/epitaph-dev/epitaph/internal/pgquote"
+)
+
+// PrefixGap is the logical decoding message the capture (or the DDL guard)
+// writes in the same transaction as it removes a table from the
+// publication: the stream then gets a gap for that table at exactly that
+// point of the WAL, in order with the rows around it, once, whatever
+// restarts follow.
+const PrefixGap = "epitaph.gap"
+
+// tableGap is the content of a PrefixGap message.
+type tableGap struct {
+	Schema string `json:"schema"`
+	Table  string `json:"table"`
+	Reason string `json:"reason"`
+}
+
+const reasonLostIdentity = "removed from the publication: it lost its usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, NOTHING, or a leaf partition without one), so its deletes would fail; its deletes are not captured until it is added again"
+
+// kickCatalog asks the catalog watch for a check now (a Relation message
+// says a published table changed). It never blocks.
+func (s *Service) kickCatalog() {
+	select {
+	case s.catalogKick <- struct{}{}:
+	default:
+	}
+}
+
+// watchCatalog follows the source's tables while streaming: every
+// CatalogPoll and after every Relation message it runs reconcile.
+func (s *Service) watchCatalog(ctx context.Context) {
+	defer s.bgWG.Done()
+	if s.cfg.CatalogPoll < 0 {
+		return
+	}
+	t := time.NewTicker(s.cfg.CatalogPoll)
+	defer t.Stop()
+	failing := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-s.catalogKick:
+		}
+		err := s.reconcileIfChanged(ctx)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return
+		case err != nil:
+			s.m.catalogErrors.Inc()
+			if !failing {
+				s.log.Warn("catalog check failed; retrying at the next poll", "err", redactErr(err))
+			}
+			failing = true
+		default:
+			failing = false
+		}
+	}
+}
+
+// sqlCatalogFingerprint sums up, in one query, everything reconcile's
+// decisions depend on: the tables and partitions (kind, persistence,
+// owner, replica identity), their primary key and replica identity
+// indexes, the publication's tables and role memberships. Equal
+// fingerprints: nothing to do, so the poll stays cheap on a catalog of
+// thousands of tables.
+const sqlCatalogFingerprint = `
+SELECT md5(COALESCE((
+  SELECT string_agg(c.oid::text || c.relkind::text || c.relpersistence::text || c.relreplident::text || c.relowner::text
+                    || c.relispartition::text || c.relnamespace::text || c.relname, ',' ORDER BY c.oid)
+  FROM pg_class c WHERE c.relkind IN ('r', 'p')), '') || '|' || COALESCE((
+  SELECT string_agg(i.indexrelid::text || i.indrelid::text || i.indisprimary::text || i.indisreplident::text, ',' ORDER BY i.indexrelid)
+  FROM pg_index i WHERE i.indisprimary OR i.indisreplident), '') || '|' || COALESCE((
+  SELECT string_agg(pr.prrelid::text, ',' ORDER BY pr.prrelid)
+  FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1), '') || '|' || COALESCE((
+  SELECT string_agg(m.roleid::text || '>' || m.member::text, ',' ORDER BY m.roleid, m.member) FROM pg_auth_members m), ''))`
+
+// reconcileIfChanged runs reconcile when the catalog's fingerprint moved
+// since the last reconcile that succeeded.
+func (s *Service) reconcileIfChanged(ctx context.Context) error {
+	var fp string
+	if err := s.pool.QueryRow(ctx, sqlCatalogFingerprint, s.cfg.PublicationName).Scan(&fp); err != nil {
+		return fmt.Errorf("read catalog fingerprint: %w", err)
+	}
+	if fp == s.catalogFP {
+		return nil
+	}
+	if err := s.reconcile(ctx); err != nil {
+		return err
+	}
+	// The fingerprint from before: a change made while reconcile ran (or by
+	// it) moves the next one, so the next poll looks again.
+	s.catalogFP = fp
+	return nil
+}
+
+// reconcile applies the publication rules to the catalog as it is now: a
+// table or partition that fits the configuration and is safe is published
+// (set FULL first with --set-replica-identity-full); a published table that
+// is no longer safe is removed, with a gap recorded at that point of the
+// WAL, so the application's DELETEs never fail. It only adds and removes:
+// what the publication holds beyond that was settled at start.
+func (s *Service) reconcile(ctx context.Context) error {
+	cfg := &s.cfg
+	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, true)
+	if err != nil {
+		return err
+	}
+	if len(sel.madeFull) > 0 {
+		s.log.Info("set REPLICA IDENTITY FULL (--set-replica-identity-full)", "tables", sel.madeFull)
+		s.m.madeFull.Add(float64(len(sel.madeFull)))
+	}
+	current, err := publicationOIDs(ctx, s.pool, cfg.PublicationName)
+	if err != nil {
+		return err
+	}
+	pub := pgx.Identifier{cfg.PublicationName}.Sanitize()
+	for _, t := range sel.unsafe {
+		if !current[t.oid] {
+			continue
+		}
+		if err := removeTable(ctx, s.pool, pub, t, reasonLostIdentity); err != nil {
+			return err
+		}
+		s.m.tablesRemoved.Inc()
+		s.log.Warn("table removed from the publication: it lost its usable replica identity, so its deletes would fail; a gap is recorded and it is added again once it has one (a primary key, or REPLICA IDENTITY FULL)",
+			"table", t.qualified(), "relations", t.notFull)
+	}
+	for _, t := range sel.tables {
+		if current[t.oid] {
+			continue
+		}
+		if !t.owned {
+			if s.warnedOwner(t.qualified()) {
+				s.log.Warn("new table not captured: the capture role is not a member of its owner role", "table", t.qualified(),
+					"fix", "GRANT <owner role of "+t.sanitized()+"> TO <capture role>")
+			}
+			continue
+		}
+		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.sanitized()); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
+				continue // dropped meanwhile, or added meanwhile (the DDL guard)
+			}
+			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), cfg.PublicationName, err)
+		}
+		s.m.tablesAdded.Inc()
+		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
+	}
+	if err := s.cat.remember(ctx, sel.oids()); err != nil {
+		return err
+	}
+	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.sel, s.pubTables = sel, pubTables
+	s.mu.Unlock()
+	s.m.withoutFull.Set(float64(len(sel.keyOnly)))
+	return nil
+}
+
+// warnedOwner reports whether a warning about table is due (once per table).
+func (s *Service) warnedOwner(table string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ownerWarned == nil {
+		s.ownerWarned = map[string]bool{}
+	}
+	if s.ownerWarned[table] {
+		return false
+	}
+	s.ownerWarned[table] = true
+	return true
+}
+
+func publicationOIDs(ctx context.Context, pool *pgxpool.Pool, name string) (map[uint32]bool, error) {
+	rows, err := pool.Query(ctx, `SELECT pr.prrelid FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`, name)
+	if err != nil {
+		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	oids, err := pgx.CollectRows(rows, pgx.RowTo[uint32])
+	if err != nil {
+		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	out := make(map[uint32]bool, len(oids))
+	for _, o := range oids {
+		out[o] = true
+	}
+	return out, nil
+}
+
+// removeTable drops t from the publication and writes the gap message in
+// the same transaction: the gap is in the WAL exactly when the removal is.
+func removeTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo, reason string) error {
+	content, err := json.Marshal(tableGap{Schema: t.schema, Table: t.name, Reason: reason})
+	if err != nil {
+		return fmt.Errorf("encode gap of %s: %w", t.qualified(), err)
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" DROP TABLE "+t.sanitized()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, PrefixGap, string(content))
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42704") {
+		return nil // dropped, or removed meanwhile (the DDL guard)
+	}
+	if err != nil {
+		return fmt.Errorf("remove %s from publication %s: %w", t.qualified(), pub, err)
+	}
+	return nil
+}
+
+// guardTriggerName is the event trigger of the DDL guard of a publication.
+func guardTriggerName(pub string) string { return "epitaph_ddl_guard_" + pub }
+
+func guardFunction(pub string) string {
+	return pgx.Identifier{"epitaph", "ddl_guard_" + pub}.Sanitize()
+}
+
+// sqlDDLGuard is the DDL guard's function: at the end of every DDL command
+// it applies reconcile's rules to the publication (%[1]s: the publication's
+// name as a literal; %[2]s: the configured tables as a text[] literal, NULL
+// for every safe table; %[3]s: set FULL, true or false; %[4]s the gap
+// message prefix and %[5]s its reason, as literals). SECURITY DEFINER: the
+// application's role may not own the publication, and its DDL must never
+// fail because of the guard.
+const sqlDDLGuard = `
+CREATE OR REPLACE FUNCTION %[6]s() RETURNS event_trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $guard$
+DECLARE
+  v_pub     constant text    := %[1]s;
+  wanted    constant text[]  := %[2]s;
+  set_full  constant boolean := %[3]s;
+  t record;
+  l record;
+  unsafe boolean;
+BEGIN
+  IF current_setting('epitaph.ddl_guard_running', true) = 'on' THEN
+    RETURN;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pg_publication.pubname = v_pub) THEN
+    RETURN;
+  END IF;
+  PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
+  -- Candidates: published tables, and tables that fit the configuration.
+  FOR t IN
+    SELECT c.oid, n.nspname, c.relname,
+           EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                   WHERE p.pubname = v_pub AND pr.prrelid = c.oid) AS published
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
+      AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive')
+      AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$'
+      AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
+      AND (wanted IS NULL OR n.nspname || '.' || c.relname = ANY (wanted)
+           OR EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                      WHERE p.pubname = v_pub AND pr.prrelid = c.oid))
+  LOOP
+    unsafe := false;
+    FOR l IN
+      SELECT r.oid, rn.nspname, r.relname, r.relreplident,
+             EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
+             EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
+      FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace
+      WHERE r.oid = t.oid OR r.oid IN (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf)
+    LOOP
+      IF l.relreplident <> 'f' AND set_full THEN
+        BEGIN
+          EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
+          RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
+          CONTINUE;
+        EXCEPTION WHEN OTHERS THEN
+          RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
+        END;
+      END IF;
+      IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
+        unsafe := true;
+      END IF;
+    END LOOP;
+    -- The application's DDL never fails because of the guard: a step
+    -- that fails is a warning, and the catalog poll tries again.
+    BEGIN
+      IF unsafe AND t.published THEN
+        EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+        PERFORM pg_logical_emit_message(true, %[4]s,
+          json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
+        RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
+      ELSIF NOT unsafe AND NOT t.published THEN
+        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+      END IF;
+    EXCEPTION WHEN OTHERS THEN
+      RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
+    END;
+  END LOOP;
+  PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
+END
+$guard$`
+
+// installDDLGuard (re)creates the DDL guard of cfg's publication: its
+// function in schema epitaph and an event trigger on ddl_command_end. It
+// needs a superuser (event triggers do).
+func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
+	var super bool
+	if err := pool.QueryRow(ctx, `SELECT rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&super); err != nil {
+		return fmt.Errorf("install DDL guard: %w", err)
+	}
+	if !super {
+		return configErr("--install-ddl-guard needs a superuser (event triggers do): run the capture once as a superuser with it, or leave it off and rely on the catalog poll (--catalog-poll)")
+	}
+	wanted := "NULL"
+	if len(cfg.Tables) > 0 {
+		var names []string
+		for _, n := range cfg.Tables {
+			schema, table, err := splitTable(n)
+			if err != nil {
+				return &ConfigError{Msg: err.Error()}
+			}
+			names = append(names, schema+"."+table)
+		}
+		slices.Sort(names)
+		b, _ := json.Marshal(names)
+		wanted = "ARRAY(SELECT json_array_elements_text(" + pgquote.Literal(string(b)) + "::json))"
+	}
+	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
+		pgquote.Literal(PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName))
+	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for _, stmt := range []string{
+			"CREATE SCHEMA IF NOT EXISTS epitaph",
+			fn,
+			"DROP EVENT TRIGGER IF EXISTS " + trigger,
+			"CREATE EVENT TRIGGER " + trigger + " ON ddl_command_end EXECUTE FUNCTION " + guardFunction(cfg.PublicationName) + "()",
+		} {
+			if _, err := tx.Exec(ctx, stmt); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("install DDL guard: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,384 @@
+package e2e_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/internal/workload"
+)
+
+// deletedRow is one row the migration workload deleted, as the source had
+// it (to_jsonb of the row at the DELETE).
+type deletedRow struct {
+	table string // as the archive names it: the partitioned root for a leaf's row
+	id    int64
+	row   json.RawMessage
+	// dropped: the table is dropped later in the workload; a capture
+	// restarted after the drop decodes its rows without a catalog to read
+	// the primary key from (a FULL table's Relation message flags every
+	// column), so the row may come without a key, never with a wrong one.
+	dropped bool
+}
+
+// migrationLedger records the deleted rows.
+type migrationLedger struct {
+	mu   sync.Mutex
+	rows []deletedRow
+}
+
+func (l *migrationLedger) deleteReturning(ctx context.Context, tx pgx.Tx, archived, sql string, dropped bool) error {
+	rows, err := tx.Query(ctx, sql)
+	if err != nil {
+		return err
+	}
+	var got []deletedRow
+	for rows.Next() {
+		var d deletedRow
+		if err := rows.Scan(&d.id, &d.row); err != nil {
+			rows.Close()
+			return err
+		}
+		d.table, d.dropped = archived, dropped
+		got = append(got, d)
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	l.rows = append(l.rows, got...)
+	l.mu.Unlock()
+	return nil
+}
+
+// TestMigrationsUnderKills runs a migration-style workload — tables
+// created, columns added and dropped, a primary key replaced in two steps,
+// partitioned tables with partitions added later, tables dropped right
+// after their last deletes — while the capture (with
+// --set-replica-identity-full and a 200ms catalog poll, every table) and a
+// projector run against one database, the capture SIGKILLed and restarted
+// at random points. The application waits, as the README says, until a
+// table it just created is published (and FULL) before deleting from it.
+// At the end archive.rows holds every deleted row exactly once, each value
+// equal to what the source had, identity full.
+func TestMigrationsUnderKills(t *testing.T) {
+	t.Parallel()
+	bins := binaries(t)
+	seed := testSeed(t)
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 12))
+
+	url := testenv.NewDatabase(t) // source and target
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, `CREATE TABLE base (id bigint PRIMARY KEY, v text); INSERT INTO base SELECT g, 'b' || g FROM generate_series(1, 100) g`)
+	require.NoError(t, err)
+
+	listen, err := bench.LocalAddr()
+	require.NoError(t, err)
+	natsURL := "nats://" + listen
+	metrics, err := bench.LocalAddr()
+	require.NoError(t, err)
+	cenv := joinEnv(bench.CaptureEnv(url, "", listen, t.TempDir(), metrics, "main", "epitaph_e2e_schema"),
+		"EPITAPH_TABLES=", "EPITAPH_SET_REPLICA_IDENTITY_FULL=true", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s")
+	capture := supervise(t, "capture", bins["capture"], cenv, seed)
+	watch, err := bench.WatchStream(natsURL, "main")
+	require.NoError(t, err)
+	defer watch.Close()
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_schema", time.Minute, nil))
+	m, err := bench.LocalAddr()
+	require.NoError(t, err)
+	projector := supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s"), seed+1, "run")
+
+	// waitReady polls until every relation of the table (the table or its
+	// leaves) is REPLICA IDENTITY FULL and the table is published.
+	waitReady := func(table string) error {
+		return workload.WaitFor(ctx, 2*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+			n, err := bench.Count(ctx, url, `
+				SELECT count(*) FROM pg_class c
+				WHERE (c.oid = $1::regclass OR c.oid IN (SELECT relid FROM pg_partition_tree($1::regclass)))
+				  AND c.relkind IN ('r', 'p') AND c.relreplident <> 'f'`, table)
+			if err != nil || n > 0 {
+				return false, err
+			}
+			p, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+				WHERE p.pubname = 'epitaph_e2e_schema' AND pr.prrelid = $1::regclass`, table)
+			return p == 1, err
+		})
+	}
+	var ledger migrationLedger
+	inTx := func(f func(tx pgx.Tx) error) error { return pgx.BeginFunc(ctx, conn, f) }
+	exec := func(sql string) error { _, err := conn.Exec(ctx, sql); return err }
+	del := func(archived, from, where string, dropAfter bool) error {
+		return inTx(func(tx pgx.Tx) error {
+			sql := fmt.Sprintf(`DELETE FROM %s t WHERE %s RETURNING id, to_jsonb(t)`, from, where)
+			if err := ledger.deleteReturning(ctx, tx, archived, sql, dropAfter); err != nil {
+				return err
+			}
+			if dropAfter {
+				_, err := tx.Exec(ctx, "DROP TABLE "+from)
+				return err
+			}
+			return nil
+		})
+	}
+	const rounds = 6
+	workloadDone := make(chan error, 1)
+	go func() {
+		workloadDone <- func() error {
+			for i := range rounds {
+				mt, pt := fmt.Sprintf("m_%d", i), fmt.Sprintf("p_%d", i)
+				steps := []func() error{
+					func() error {
+						return exec(fmt.Sprintf(`CREATE TABLE %[1]s (id bigint PRIMARY KEY, v text); INSERT INTO %[1]s SELECT g, 'v' || g FROM generate_series(1, 60) g`, mt))
+					},
+					func() error { return waitReady(mt) },
+					func() error { return del("public."+mt, mt, "id <= 10", false) },
+					func() error { return exec(fmt.Sprintf(`ALTER TABLE %s ADD COLUMN w int DEFAULT %d`, mt, i)) },
+					func() error { return del("public."+mt, mt, "id <= 20", false) },
+					func() error { return exec(fmt.Sprintf(`ALTER TABLE %s DROP COLUMN v`, mt)) },
+					func() error { return del("public."+mt, mt, "id <= 30", false) },
+					// A key replaced in two steps (the table is FULL: still safe).
+					func() error {
+						return exec(fmt.Sprintf(`ALTER TABLE %[1]s DROP CONSTRAINT %[1]s_pkey; ALTER TABLE %[1]s ADD PRIMARY KEY (id)`, mt))
+					},
+					func() error { return del("public."+mt, mt, "id <= 40", false) },
+					func() error {
+						return exec(fmt.Sprintf(`CREATE TABLE %[1]s (id bigint PRIMARY KEY, v text) PARTITION BY RANGE (id);
+							CREATE TABLE %[1]s_a PARTITION OF %[1]s FOR VALUES FROM (0) TO (100);
+							INSERT INTO %[1]s SELECT g, 'a' || g FROM generate_series(1, 50) g`, pt))
+					},
+					func() error { return waitReady(pt) },
+					func() error { return del("public."+pt, pt, "id <= 15", false) },
+					// A partition added later: set FULL by the capture before
+					// the application deletes from it.
+					func() error {
+						return exec(fmt.Sprintf(`CREATE TABLE %[1]s_b PARTITION OF %[1]s FOR VALUES FROM (100) TO (200);
+							INSERT INTO %[1]s SELECT g, 'b' || g FROM generate_series(100, 140) g`, pt))
+					},
+					func() error { return waitReady(pt) },
+					func() error { return del("public."+pt, pt, "id <= 25 OR id BETWEEN 100 AND 120", false) },
+					func() error {
+						return del("public.base", "base", fmt.Sprintf("id BETWEEN %d AND %d", i*10+1, i*10+5), false)
+					},
+					// Odd rounds: dropped right after their last deletes.
+					func() error { return del("public."+mt, mt, "true", i%2 == 1) },
+					func() error { return del("public."+pt, pt, "true", i%2 == 1) },
+				}
+				for n, step := range steps {
+					if err := step(); err != nil {
+						return fmt.Errorf("round %d step %d: %w", i, n, err)
+					}
+					time.Sleep(time.Duration(rng.IntN(40)) * time.Millisecond) // pacing of a migration script, not synchronization
+				}
+			}
+			return nil
+		}()
+	}()
+	faults := chaos(ctx, rand.New(rand.NewPCG(seed, 13)), 700*time.Millisecond, 2500*time.Millisecond, map[string]func(){
+		"kill-capture-1":  capture.Kill,
+		"kill-capture-2":  capture.Kill,
+		"kill-capture-3":  capture.Kill,
+		"kill-capture-4":  capture.Kill,
+		"kill-projector1": projector.Kill,
+	})
+	require.NoError(t, <-workloadDone)
+	t.Logf("faults: %s", summary(faults))
+	t.Logf("%s", capture.Stats())
+	t.Logf("%s", projector.Stats())
+
+	want := ledger.rows
+	require.Greater(t, len(want), rounds*100)
+	droppedTables := map[string]bool{}
+	for _, d := range want {
+		if d.dropped {
+			droppedTables[d.table] = true
+		}
+	}
+	for i := range want {
+		want[i].dropped = droppedTables[want[i].table]
+	}
+	if _, err := watch.WaitDeletes(ctx, int64(len(want)), 3*time.Minute, nil); err != nil {
+		t.Fatalf("%v\n%s", err, pipelineState(ctx, url, watch))
+	}
+	err = workload.WaitFor(ctx, 4*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, "SELECT count(*) FROM archive.rows WHERE source = 'main'")
+		return n >= int64(len(want)), err
+	})
+	require.NoError(t, err, "archive catching up\n%s", pipelineState(ctx, url, watch))
+
+	type archivedRow struct {
+		key, row json.RawMessage
+		identity string
+	}
+	rows, err := conn.Query(ctx, `SELECT schema_name || '.' || table_name, (row->>'id')::bigint, key, row, identity FROM archive.rows WHERE source = 'main'`)
+	require.NoError(t, err)
+	got := map[string][]archivedRow{}
+	for rows.Next() {
+		var table string
+		var id int64
+		var a archivedRow
+		require.NoError(t, rows.Scan(&table, &id, &a.key, &a.row, &a.identity))
+		k := fmt.Sprintf("%s/%d", table, id)
+		got[k] = append(got[k], a)
+	}
+	require.NoError(t, rows.Err())
+	var problems []string
+	droppedWithoutKey := 0
+	for _, d := range want {
+		k := fmt.Sprintf("%s/%d", d.table, d.id)
+		as := got[k]
+		if len(as) != 1 {
+			problems = append(problems, fmt.Sprintf("%s archived %d times", k, len(as)))
+			continue
+		}
+		a := as[0]
+		delete(got, k)
+		if !jsonEqual(a.row, d.row) {
+			problems = append(problems, fmt.Sprintf("%s: archived %s, deleted %s", k, a.row, d.row))
+		}
+		if a.identity != "full" {
+			problems = append(problems, fmt.Sprintf("%s: identity %s", k, a.identity))
+		}
+		wantKey := json.RawMessage(fmt.Sprintf(`{"id":%d}`, d.id))
+		switch {
+		case len(a.key) == 0 || string(a.key) == "null":
+			if !d.dropped {
+				problems = append(problems, fmt.Sprintf("%s: no key", k))
+			}
+			droppedWithoutKey++
+		case !jsonEqual(a.key, wantKey):
+			problems = append(problems, fmt.Sprintf("%s: key %s", k, a.key))
+		}
+	}
+	for k := range got {
+		problems = append(problems, k+" archived but never deleted")
+	}
+	sort.Strings(problems)
+	if len(problems) > 10 {
+		problems = append(problems[:10], fmt.Sprintf("... %d more", len(problems)-10))
+	}
+	require.Empty(t, problems, "archive vs deleted rows")
+	keyed := 0
+	for _, d := range want {
+		if !d.dropped {
+			keyed++
+		}
+	}
+	require.Greater(t, keyed, rounds*50, "rows of tables never dropped, each checked for its key")
+	t.Logf("%d rows deleted and archived, each once and equal; %d rows of tables never dropped, each with its key; %d rows of dropped tables archived without a key (decoded by a capture restarted after the drop)", len(want), keyed, droppedWithoutKey)
+}
+
+func jsonEqual(a, b json.RawMessage) bool {
+	var x, y any
+	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
+		return false
+	}
+	ja, _ := json.Marshal(x)
+	jb, _ := json.Marshal(y)
+	return bytes.Equal(ja, jb)
+}
+
+// TestLostIdentityIsAGapInTheArchive: through the real binaries, a table
+// whose primary key a migration drops is removed from the publication (the
+// application's DELETE succeeds), and archive.gaps gets one lost_upstream
+// row naming that table, which makes the archive not ready until it is
+// acknowledged. Once the key is back the table's deletes are archived again.
+func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
+	t.Parallel()
+	bins := binaries(t)
+	seed := testSeed(t)
+	url := testenv.NewDatabase(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, `CREATE TABLE items (id bigint PRIMARY KEY, v text); ALTER TABLE items REPLICA IDENTITY FULL;
+		CREATE TABLE other (id bigint PRIMARY KEY); INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 5) g`)
+	require.NoError(t, err)
+
+	listen, err := bench.LocalAddr()
+	require.NoError(t, err)
+	natsURL := "nats://" + listen
+	metrics, err := bench.LocalAddr()
+	require.NoError(t, err)
+	cenv := joinEnv(bench.CaptureEnv(url, "", listen, t.TempDir(), metrics, "main", "epitaph_e2e_lost"),
+		"EPITAPH_TABLES=", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s")
+	supervise(t, "capture", bins["capture"], cenv, seed)
+	watch, err := bench.WatchStream(natsURL, "main")
+	require.NoError(t, err)
+	defer watch.Close()
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_lost", time.Minute, nil))
+	m, err := bench.LocalAddr()
+	require.NoError(t, err)
+	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s"), seed+1, "run")
+
+	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 1`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `ALTER TABLE items DROP CONSTRAINT items_pkey, REPLICA IDENTITY DEFAULT`)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_publication_tables WHERE pubname = 'epitaph_e2e_lost' AND tablename = 'items'`)
+		return n == 0, err
+	}), "removed from the publication")
+	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 2`)
+	require.NoError(t, err, "the application's DELETE succeeds")
+
+	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive'`)
+		if err != nil || n == 0 {
+			return false, err
+		}
+		n, err = bench.Count(ctx, url, `SELECT count(*) FROM archive.gaps`)
+		return n > 0, err
+	}), "a gap reaches archive.gaps")
+	var kind, schema, table string
+	var partition *int
+	var from, to string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT kind, schema_name, table_name, partition, from_lsn::text, to_lsn::text FROM archive.gaps`).
+		Scan(&kind, &schema, &table, &partition, &from, &to))
+	require.Equal(t, "lost_upstream", kind)
+	require.Equal(t, "public", schema)
+	require.Equal(t, "items", table)
+	require.Nil(t, partition, "one row for the gap published to every partition")
+	require.Equal(t, from, to)
+	n, err := bench.Count(ctx, url, `SELECT count(*) FROM archive.gaps`)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	var ready bool
+	require.NoError(t, conn.QueryRow(ctx, `SELECT ready FROM archive.status WHERE state = 'live'`).Scan(&ready))
+	require.False(t, ready, "an unacknowledged gap: not ready")
+
+	// The key back: the table is published again and its deletes archived.
+	_, err = conn.Exec(ctx, `ALTER TABLE items ADD PRIMARY KEY (id)`)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_publication_tables WHERE pubname = 'epitaph_e2e_lost' AND tablename = 'items'`)
+		return n == 1, err
+	}), "published again")
+	_, err = conn.Exec(ctx, `DELETE FROM items WHERE id = 3`)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM archive.rows WHERE table_name = 'items'`)
+		return n == 2, err
+	}))
+	var got string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT string_agg(format('%s:%s:%s', identity, key, row), ' ' ORDER BY commit_lsn, seq) FROM archive.rows WHERE table_name = 'items'`).Scan(&got))
+	require.Equal(t, `full:{"id": 1}:{"v": "v1", "id": 1} key:{"id": 3}:{"id": 3}`, got,
+		"rows 1 and 3 archived; row 2 was deleted while the table was not published (the gap)")
+}

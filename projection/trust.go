@@ -1,0 +1,959 @@
+package projection
+
+import (
+	"bytes"
+	"context"
+	"crypto/ed25519"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/quarantine"
+)
+
+// Verification (DESIGN section 6, "Signed transactions").
+//
+// A partition is a sequence of the capture's transactions (row and truncate
+// messages, then their commit) and of marks, heartbeats and gaps; the
+// capture never interleaves them. Commits, marks, heartbeats and gaps are
+// signed; a commit's Epitaph-Digest covers its transaction's row messages
+// (partition sequence and body, in seq order). So:
+//
+//   - Row messages after the last verified boundary (commit, mark,
+//     heartbeat, gap) are pending: archived invisible (verified = false),
+//     hashed in stream order into a digest kept with the cursor.
+//   - At a commit whose signature verifies with a trusted key, the pending
+//     messages are the transaction when their digest is the signed one
+//     (the fast path). Otherwise (a foreign message among them, a real row
+//     re-published after a foreign one took its id) the window is read
+//     again from the stream and, among the candidates with the commit's LSN,
+//     the choice of one message per seq whose digest is the signed one is
+//     the transaction (bounded: maxChoices). Whatever else was pending is
+//     quarantined as unauthenticated, and so is all of it when no choice
+//     matches.
+//   - At a verified mark, heartbeat or gap, whatever is pending cannot be
+//     a transaction's (its commit would have come first): unauthenticated.
+//   - An unsigned commit, mark, heartbeat or gap, one with a bad signature
+//     or signed by a key this target does not trust, is quarantined as
+//     unauthenticated and believed in nothing (it moves neither the
+//     watermark nor the partition's position).
+//   - Epitaph-Partition-Seq is believed only on verified messages: when the
+//     next verified boundary is not the last one + 1 + the rows of its
+//     transaction, messages were removed from the stream before this
+//     version applied them, and a removed_from_stream gap is recorded in
+//     the same transaction.
+//
+// Messages at or before the partition's legacy boundary (a stream written
+// before signing) are believed as before.
+
+// CategoryUnauthenticated is the quarantine category of messages that fail
+// verification.
+const CategoryUnauthenticated = string(quarantine.CategoryUnauthenticated)
+
+// MetaSigningKey is the stream metadata key where a projector meeting its
+// first key may also find the public key (event.PublicKeyString), besides
+// the message's event.HeaderPublicKey. Either is only believed for a
+// message whose signature it verifies, and only while no key is trusted
+// yet (trust on first use).
+const MetaSigningKey = "epitaph.signing_key"
+
+// maxChoices bounds the slow path: how many combinations of candidates
+// (messages claiming the same commit LSN and seq) are hashed against a
+// signed digest before the transaction is refused.
+const maxChoices = 256
+
+// maxWindow bounds how many messages the slow path re-reads.
+const maxWindow = 500_000
+
+// legacyScan bounds how far back from a partition's end the first run
+// looks for the last unsigned message.
+const legacyScan = 2000
+
+type msgKind int
+
+const (
+	kindOther msgKind = iota
+	kindRow
+	kindCommit
+	kindMarker // mark, heartbeat, gap
+)
+
+// kindOf classifies by subject (a body may not decode):
+// epitaph.<src>.<p>.<kind>[...]. It does not allocate (it runs per message).
+func kindOf(subject string) msgKind {
+	tok := subject
+	for i := 0; i < 3; i++ {
+		j := strings.IndexByte(tok, '.')
+		if j < 0 {
+			return kindOther
+		}
+		tok = tok[j+1:]
+	}
+	if j := strings.IndexByte(tok, '.'); j >= 0 {
+		tok = tok[:j]
+	}
+	switch tok {
+	case "delete", "truncate":
+		return kindRow
+	case "commit":
+		return kindCommit
+	case "mark", "gap":
+		return kindMarker
+	}
+	return kindOther
+}
+
+// header reads a header; the names Epitaph uses are canonical already, so
+// the map is read directly first (nats.Header.Get canonicalizes).
+func header(it *item, key string) string {
+	if v := it.headers[key]; len(v) > 0 {
+		return v[0]
+	}
+	return nats.Header(it.headers).Get(key)
+}
+
+func partSeqOf(it *item) uint64 {
+	n, err := strconv.ParseUint(header(it, event.HeaderPartitionSeq), 10, 64)
+	if err != nil {
+		return 0
+	}
+	return n
+}
+
+// keyring holds the target's trusted keys (epitaph.trusted_keys).
+type keyring struct {
+	pool   *pgxpool.Pool
+	log    *slog.Logger
+	mu     sync.Mutex
+	keys   map[string]ed25519.PublicKey
+	warned map[string]bool
+}
+
+func newKeyring(pool *pgxpool.Pool, log *slog.Logger) *keyring {
+	return &keyring{pool: pool, log: log, warned: map[string]bool{}}
+}
+
+// TrustedKey is one row of epitaph.trusted_keys.
+type TrustedKey struct {
+	KeyID       string
+	PublicKey   ed25519.PublicKey
+	FirstSeenAt time.Time
+	TrustedAt   time.Time
+	TrustedBy   string
+	Note        string
+}
+
+// TrustedKeys lists the keys the target trusts, oldest first.
+func TrustedKeys(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}) ([]TrustedKey, error) {
+	rows, err := db.Query(ctx, `SELECT key_id, public_key, first_seen_at, trusted_at, trusted_by, COALESCE(note, '')
+		FROM epitaph.trusted_keys ORDER BY trusted_at, key_id`)
+	if err != nil {
+		return nil, fmt.Errorf("list trusted keys: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (TrustedKey, error) {
+		var k TrustedKey
+		var pub []byte
+		err := r.Scan(&k.KeyID, &pub, &k.FirstSeenAt, &k.TrustedAt, &k.TrustedBy, &k.Note)
+		k.PublicKey = ed25519.PublicKey(pub)
+		return k, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list trusted keys: %w", err)
+	}
+	return out, nil
+}
+
+// TrustKey adds pub to the target's trusted keys (idempotent: a key
+// already trusted keeps its record). It returns false when it was trusted
+// already. Keys are only ever added: messages signed by an older key stay
+// verifiable after a rotation.
+func TrustKey(ctx context.Context, db interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}, pub ed25519.PublicKey, by, note string) (bool, error) {
+	if len(pub) != ed25519.PublicKeySize {
+		return false, fmt.Errorf("trust key: a public key of %d bytes, not %d", len(pub), ed25519.PublicKeySize)
+	}
+	tag, err := db.Exec(ctx, `INSERT INTO epitaph.trusted_keys (key_id, public_key, trusted_by, note)
+		VALUES ($1, $2, $3, NULLIF($4, '')) ON CONFLICT (key_id) DO NOTHING`, event.KeyID(pub), []byte(pub), by, note)
+	if err != nil {
+		return false, fmt.Errorf("trust key %s: %w", event.KeyID(pub), err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+func (k *keyring) load(ctx context.Context) error {
+	ks, err := TrustedKeys(ctx, k.pool)
+	if err != nil {
+		return err
+	}
+	m := make(map[string]ed25519.PublicKey, len(ks))
+	for _, x := range ks {
+		m[x.KeyID] = x.PublicKey
+	}
+	k.mu.Lock()
+	k.keys = m
+	k.mu.Unlock()
+	return nil
+}
+
+func (k *keyring) get(id string) (ed25519.PublicKey, int, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	pub, ok := k.keys[id]
+	return pub, len(k.keys), ok && k.keys != nil
+}
+
+// refusal is a refusal (the message is quarantined), not a failure.
+type refusal struct{ msg string }
+
+func (r *refusal) Error() string { return r.msg }
+
+func refuse(format string, args ...any) error { return &refusal{msg: fmt.Sprintf(format, args...)} }
+
+// verify checks a signed message: its signature must verify with a key the
+// target trusts. The first key met is trusted (and recorded) when none is.
+// A *refusal says the message is not authentic; any other error is
+// transient.
+func (k *keyring) verify(ctx context.Context, it *item, streamKey func(context.Context) string) error {
+	h := nats.Header(it.headers)
+	if h.Get(event.HeaderSignature) == "" {
+		return refuse("unsigned %s message", kindName(it.subject))
+	}
+	id := h.Get(event.HeaderKeyID)
+	pub, n, ok := k.get(id)
+	if !ok {
+		if err := k.load(ctx); err != nil {
+			return err
+		}
+		pub, n, ok = k.get(id)
+	}
+	if !ok && n == 0 {
+		var err error
+		if pub, ok, err = k.firstUse(ctx, it, id, streamKey); err != nil {
+			return err
+		}
+	}
+	if !ok {
+		k.mu.Lock()
+		warn := !k.warned[id]
+		k.warned[id] = true
+		k.mu.Unlock()
+		if warn {
+			k.log.Error("a message is signed by a key this target does not trust: it is quarantined as unauthenticated; "+
+				"if the capture's signing key changed, trust the new one with `projector trust-key --key-file <the capture's signing.pub>` "+
+				"and rebuild the version (projector rebuild archive), which verifies the stream again", "key_id", id, "stream_seq", it.seq, "subject", it.subject)
+		}
+		return refuse("signed with key %q, which this target does not trust", id)
+	}
+	if err := event.VerifyMessage(pub, it.subject, h, it.data); err != nil {
+		return refuse("%s message: %v", kindName(it.subject), err)
+	}
+	return nil
+}
+
+// firstUse trusts the key that signed it when the target trusts none yet:
+// the public key comes from the message (HeaderPublicKey) or the stream's
+// metadata, and is trusted only when it verifies the message.
+func (k *keyring) firstUse(ctx context.Context, it *item, id string, streamKey func(context.Context) string) (ed25519.PublicKey, bool, error) {
+	h := nats.Header(it.headers)
+	for _, text := range []string{h.Get(event.HeaderPublicKey), streamKey(ctx)} {
+		if text == "" {
+			continue
+		}
+		pub, err := event.ParsePublicKey([]byte(text))
+		if err != nil || event.KeyID(pub) != id || event.VerifyMessage(pub, it.subject, h, it.data) != nil {
+			continue
+		}
+		tx, err := k.pool.Begin(ctx)
+		if err != nil {
+			return nil, false, fmt.Errorf("trust first key: %w", err)
+		}
+		defer tx.Rollback(context.WithoutCancel(ctx))
+		// Two workers meeting different first keys at once: one wins.
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('epitaph.trusted_keys'))`); err != nil {
+			return nil, false, fmt.Errorf("trust first key: %w", err)
+		}
+		tag, err := tx.Exec(ctx, `INSERT INTO epitaph.trusted_keys (key_id, public_key, trusted_by, note)
+			SELECT $1, $2, 'first use', $3 WHERE NOT EXISTS (SELECT 1 FROM epitaph.trusted_keys)`,
+			id, []byte(pub), fmt.Sprintf("first key met, on %s at stream sequence %d", it.subject, it.seq))
+		if err != nil {
+			return nil, false, fmt.Errorf("trust first key: %w", err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return nil, false, fmt.Errorf("trust first key: %w", err)
+		}
+		if tag.RowsAffected() == 1 {
+			k.log.Info("trusting the capture's signing key on first use", "key_id", id, "public_key", event.PublicKeyString(pub))
+		}
+		if err := k.load(ctx); err != nil {
+			return nil, false, err
+		}
+		pub, _, ok := k.get(id)
+		return pub, ok, nil
+	}
+	return nil, false, nil
+}
+
+func kindName(subject string) string {
+	parts := strings.SplitN(subject, ".", 5)
+	if len(parts) < 4 {
+		return "unknown"
+	}
+	return parts[3]
+}
+
+// LegacyBoundary is the recorded legacy boundary of one partition.
+type LegacyBoundary struct {
+	Stream      string
+	Partition   int
+	BoundarySeq uint64
+	RecordedAt  time.Time
+}
+
+// LegacyBoundaries lists the recorded legacy boundaries.
+func LegacyBoundaries(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}) ([]LegacyBoundary, error) {
+	rows, err := db.Query(ctx, `SELECT stream, partition, boundary_seq, recorded_at FROM epitaph.legacy_boundaries ORDER BY stream, partition`)
+	if err != nil {
+		return nil, fmt.Errorf("list legacy boundaries: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LegacyBoundary, error) {
+		var b LegacyBoundary
+		var seq int64
+		err := r.Scan(&b.Stream, &b.Partition, &seq, &b.RecordedAt)
+		b.BoundarySeq = uint64(seq)
+		return b, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list legacy boundaries: %w", err)
+	}
+	return out, nil
+}
+
+// legacyBoundary returns the partition's legacy boundary, recording it on
+// the first run: the last unsigned message of the partition in the stream
+// now (looking back at most legacyScan messages from its end), 0 when
+// there is none. Every version and every later run uses the recorded one.
+func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
+	name := event.StreamName(w.svc.cfg.SourceName)
+	var seq int64
+	err := w.svc.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
+		name, w.lease.Partition).Scan(&seq)
+	if err == nil {
+		return uint64(seq), nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return 0, fmt.Errorf("read legacy boundary: %w", err)
+	}
+	boundary, err := w.findLegacyBoundary(ctx)
+	if err != nil {
+		return 0, err
+	}
+	if _, err := w.svc.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
+		VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`, name, w.lease.Partition, int64(boundary)); err != nil {
+		return 0, fmt.Errorf("record legacy boundary: %w", err)
+	}
+	if err := w.svc.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
+		name, w.lease.Partition).Scan(&seq); err != nil {
+		return 0, fmt.Errorf("read legacy boundary: %w", err)
+	}
+	if seq > 0 {
+		w.log.Warn("the stream holds messages written before signing: they are believed up to this legacy boundary, unsigned messages after it are quarantined",
+			"boundary_seq", seq)
+	}
+	return uint64(seq), nil
+}
+
+// findLegacyBoundary looks back from the partition's end (at most
+// legacyScan messages) for the first message of the signing era (one that
+// carries a partition sequence or a signature) and returns the last
+// unsigned message before it. Unsigned messages after the signing era began
+// are not legacy (a foreign client published them), so a forgery that
+// arrives before a projector's first run does not become believed. When the
+// whole scanned range is unsigned, the partition's last message is the
+// boundary; when it is all signing era, 0.
+func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error) {
+	last, err := w.stream.GetLastMsgForSubject(ctx, w.filter)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("read the partition's last message: %w", err)
+	}
+	info, err := w.stream.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("stream info: %w", err)
+	}
+	signed := func(h nats.Header) bool {
+		return h.Get(event.HeaderPartitionSeq) != "" || h.Get(event.HeaderSignature) != ""
+	}
+	// The common case, a stream signed from its start: the partition's
+	// first message says so in one read.
+	if first, err := w.stream.GetMsg(ctx, info.State.FirstSeq, jetstream.WithGetMsgSubject(w.filter)); err == nil && signed(first.Header) {
+		return 0, nil
+	} else if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0, fmt.Errorf("read the partition's first message: %w", err)
+	}
+	prefix := strings.TrimSuffix(w.filter, ">")
+	var unsigned []uint64 // newest first
+	firstSigned := uint64(0)
+	if signed(last.Header) {
+		firstSigned = last.Sequence
+	} else {
+		unsigned = append(unsigned, last.Sequence)
+	}
+	for seq, n := last.Sequence, 0; seq > info.State.FirstSeq && n < legacyScan; n++ {
+		seq--
+		m, err := w.stream.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return 0, fmt.Errorf("read message %d: %w", seq, err)
+		}
+		if !strings.HasPrefix(m.Subject, prefix) {
+			continue
+		}
+		if signed(m.Header) {
+			firstSigned = m.Sequence
+		} else {
+			unsigned = append(unsigned, m.Sequence)
+		}
+	}
+	if firstSigned == 0 {
+		return last.Sequence, nil
+	}
+	for _, u := range unsigned {
+		if u < firstSigned {
+			return u, nil
+		}
+	}
+	return 0, nil
+}
+
+// rowID names an archived row.
+type rowID struct {
+	lsn event.LSN
+	seq int
+}
+
+// gapRow is a removed_from_stream gap to record.
+type gapRow struct {
+	fromSeq, toSeq uint64
+	fromLSN, toLSN event.LSN
+}
+
+// A suspected gap (recordSuspectedGap) has no to_lsn: the stream's first
+// sequence moved past the cursor while nothing else of the partition was
+// there to tell whether its messages were among those removed. The next
+// verified message tells: a partition sequence that continues acknowledges
+// it with this reason; one that skips fills in its end.
+const suspectedGapCleared = "the partition sequence continued: no message of this partition was removed"
+
+// verdict is what verification decided for a page, applied in the page's
+// transaction.
+type verdict struct {
+	trust   progress.Trust
+	pending map[*item]bool // rows inserted invisible (their commit is later)
+	promote []event.LSN    // transactions whose rows of earlier pages become visible
+	// The slow path: unverified rows of earlier pages to delete, the chosen
+	// ones to insert again (verified) and the refused ones to quarantine.
+	drop      []rowID
+	extraRows []*item
+	extraQuar []*item
+	gaps      []gapRow
+	// continued: the partition sequence continued from this stream
+	// sequence + 1 (a suspected gap starting there is cleared).
+	continued []uint64
+}
+
+// verifyPage verifies a page (see the comment at the top of this file). It
+// sets category unauthenticated on refused items and returns the rest of
+// the decisions. Errors are transient.
+func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdict, error) {
+	st := w.pos.Trust
+	d := event.NewDigest()
+	broken := false // the persisted digest could not be restored: only the slow path can tell
+	if st.Pending > 0 {
+		if err := d.UnmarshalBinary(st.Digest); err != nil {
+			broken = true
+		}
+	} else {
+		st.TxStart, st.TxFirst, st.Digest = w.pos.Cursor, 0, nil
+	}
+	vd := &verdict{pending: map[*item]bool{}}
+	var inPage map[uint64]*item // built when the slow path needs it
+	pageIndex := func() map[uint64]*item {
+		if inPage == nil {
+			inPage = make(map[uint64]*item, len(items))
+			for _, it := range items {
+				inPage[it.seq] = it
+			}
+		}
+		return inPage
+	}
+	var page []*item // this page's pending rows
+	reset := func(it *item) {
+		st.TxStart, st.TxFirst, st.Pending, st.Digest = it.seq, 0, 0, nil
+		d.Reset()
+		broken = false
+		page = page[:0]
+	}
+	for _, it := range items {
+		kind := kindOf(it.subject)
+		if it.seq <= w.legacy {
+			if kind == kindCommit || kind == kindMarker || st.Pending == 0 {
+				reset(it)
+			}
+			st.PartSeq = 0
+			continue
+		}
+		switch kind {
+		case kindRow:
+			if st.Pending == 0 {
+				st.TxFirst = it.seq
+			}
+			d.Add(partSeqOf(it), it.data)
+			st.Pending++
+			if it.ev == nil || it.category != "" {
+				break // undecodable: quarantined as it is
+			}
+			if p := event.Partition(it.ev.CommitLSN, w.svc.partitions); p != w.lease.Partition {
+				w.refuse(it, fmt.Sprintf("row message in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
+				break
+			}
+			page = append(page, it)
+			vd.pending[it] = true
+		case kindCommit, kindMarker:
+			if it.ev == nil || it.category != "" {
+				break // undecodable: not a boundary
+			}
+			if err := w.svc.keys.verify(ctx, it, w.streamKey); err != nil {
+				var r *refusal
+				if !errors.As(err, &r) {
+					return nil, err
+				}
+				w.refuse(it, r.msg)
+				break
+			}
+			if kind == kindCommit {
+				if p := event.Partition(it.ev.CommitLSN, w.svc.partitions); p != w.lease.Partition {
+					w.refuse(it, fmt.Sprintf("commit in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
+					break
+				}
+			}
+			rows, short, err := w.closeWindow(ctx, it, kind, st, d, broken, page, pageIndex, vd)
+			if err != nil {
+				return nil, err
+			}
+			if ps := partSeqOf(it); ps > 0 || short {
+				if short || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
+					to := it.seq - 1
+					if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
+						to = st.TxFirst - 1
+					}
+					vd.gaps = append(vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: w.pos.SourceLSN, toLSN: positionLSN(it.ev)})
+					w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
+						"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
+				} else if st.PartSeq > 0 {
+					vd.continued = append(vd.continued, st.TxStart)
+				}
+				st.PartSeq = ps
+			}
+			if ps := partSeqOf(it); ps > 0 {
+				st.PartSeq = ps
+			}
+			reset(it)
+		}
+		if st.Pending == 0 {
+			st.TxStart = it.seq
+		}
+	}
+	if st.Pending > 0 {
+		b, err := d.MarshalBinary()
+		if err != nil {
+			return nil, err
+		}
+		st.Digest = b
+		if broken {
+			st.Digest = nil
+		}
+	}
+	vd.trust = st
+	return vd, nil
+}
+
+func (w *partitionWorker) refuse(it *item, why string) {
+	it.category, it.failure = CategoryUnauthenticated, errors.New(why)
+}
+
+// streamKey is the public key in the stream's metadata (MetaSigningKey).
+func (w *partitionWorker) streamKey(ctx context.Context) string {
+	if w.stream == nil {
+		return ""
+	}
+	info, err := w.stream.Info(ctx)
+	if err != nil {
+		return ""
+	}
+	return info.Config.Metadata[MetaSigningKey]
+}
+
+// closeWindow settles the pending row messages at a verified boundary b and
+// returns how many of them are b's transaction (0 for a marker), and
+// whether the stream holds fewer of its rows than its signed commit counts
+// (rows were removed).
+func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind, st progress.Trust, d *event.Digest,
+	broken bool, page []*item, pageIndex func() map[uint64]*item, vd *verdict) (int, bool, error) {
+	want := header(b, event.HeaderDigest)
+	if kind == kindCommit && st.Pending > 0 && !broken && want != "" && d.Sum() == want {
+		// Fast path: the pending messages are exactly the transaction.
+		for _, it := range page {
+			delete(vd.pending, it)
+		}
+		if st.Pending > len(page) {
+			vd.promote = append(vd.promote, b.ev.CommitLSN)
+		}
+		return st.Pending, false, nil
+	}
+	if st.Pending == 0 {
+		if kind == kindCommit {
+			w.refuse(b, "commit of a transaction none of whose rows is in the stream")
+			return 0, b.ev.Rows > 0, nil
+		}
+		return 0, false, nil
+	}
+	inPage := pageIndex()
+	window, err := w.readWindow(ctx, st.TxStart+1, b.seq-1, inPage)
+	if err != nil {
+		return 0, false, err
+	}
+	var chosen map[*item]bool
+	if kind == kindCommit {
+		chosen = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want)
+		if chosen == nil {
+			w.refuse(b, "the transaction's rows do not match its signed digest")
+			w.log.Error("a transaction failed verification: its rows and commit are quarantined as unauthenticated",
+				"commit_lsn", b.ev.CommitLSN.String(), "stream_seq", b.seq, "pending", st.Pending)
+		}
+	}
+	n := 0
+	counted := map[int]bool{} // copies of one message count once
+	for _, it := range window {
+		_, here := inPage[it.seq]
+		switch {
+		case chosen[it]:
+			if !counted[it.ev.Seq] {
+				counted[it.ev.Seq] = true
+				n++
+			}
+			if here {
+				delete(vd.pending, it)
+				continue
+			}
+			vd.drop = append(vd.drop, rowID{it.ev.CommitLSN, it.ev.Seq})
+			vd.extraRows = append(vd.extraRows, it)
+		case it.ev == nil || it.category != "":
+			// Undecodable or refused on arrival: quarantined then (or now).
+		default:
+			why := "row message not part of a verified transaction"
+			if kind == kindCommit && chosen != nil {
+				why = "row message not part of the signed transaction (another message with its commit LSN and seq is)"
+			}
+			delete(vd.pending, it)
+			w.refuse(it, why)
+			if !here {
+				vd.drop = append(vd.drop, rowID{it.ev.CommitLSN, it.ev.Seq})
+				vd.extraQuar = append(vd.extraQuar, it)
+			}
+		}
+	}
+	short := false
+	if chosen == nil && kind == kindCommit {
+		// How many distinct rows the stream still holds, for the gap check.
+		seen, deletes := map[int]bool{}, map[int]bool{}
+		for _, it := range window {
+			if it.ev != nil && it.ev.CommitLSN == b.ev.CommitLSN {
+				seen[it.ev.Seq] = true
+				if it.ev.Op == event.OpDelete {
+					deletes[it.ev.Seq] = true
+				}
+			}
+		}
+		n, short = len(seen), len(deletes) < b.ev.Rows
+	}
+	return n, short, nil
+}
+
+// readWindow reads the partition's messages with stream sequences in
+// [from, to], using this page's items where they are in it.
+func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPage map[uint64]*item) ([]*item, error) {
+	if to < from {
+		return nil, nil
+	}
+	var out []*item
+	// Earlier pages: read back with an ordered consumer.
+	first := to + 1
+	for seq := range inPage {
+		if seq >= from && seq <= to && seq < first {
+			first = seq
+		}
+	}
+	if first > from {
+		c, err := w.stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+			FilterSubjects: []string{w.filter},
+			DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
+			OptStartSeq:    from,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("read back the pending transaction: %w", err)
+		}
+	read:
+		for len(out) < maxWindow {
+			batch, err := c.Fetch(500, jetstream.FetchMaxWait(2*time.Second))
+			if err != nil {
+				return nil, fmt.Errorf("read back the pending transaction: %w", err)
+			}
+			got := 0
+			for m := range batch.Messages() {
+				got++
+				md, err := m.Metadata()
+				if err != nil {
+					return nil, fmt.Errorf("read back the pending transaction: %w", err)
+				}
+				if md.Sequence.Stream >= first {
+					break read
+				}
+				it := &item{seq: md.Sequence.Stream, subject: m.Subject(), headers: m.Headers(), data: m.Data(), stored: md.Timestamp}
+				it.id = identityOf(it.headers, it.data)
+				if kindOf(it.subject) != kindRow {
+					continue
+				}
+				if ev, err := w.svc.cfg.Decoder.Decode(it.data); err == nil {
+					it.ev = ev
+					if event.Partition(ev.CommitLSN, w.svc.partitions) != w.lease.Partition {
+						it.category = CategoryUnauthenticated // refused on arrival
+					}
+				} else {
+					it.category = "malformed"
+				}
+				out = append(out, it)
+			}
+			if err := batch.Error(); err != nil {
+				return nil, fmt.Errorf("read back the pending transaction: %w", err)
+			}
+			if got == 0 {
+				break // the stream no longer holds the rest of it
+			}
+		}
+	}
+	for seq := first; seq <= to; seq++ {
+		if it, ok := inPage[seq]; ok && kindOf(it.subject) == kindRow {
+			out = append(out, it)
+		}
+	}
+	return out, nil
+}
+
+// chooseCandidates picks, among the decodable row messages of the window
+// that claim commit LSN lsn, one per seq 0..k-1 such that their digest in
+// seq order is want, for the smallest k >= rows (the commit's count of
+// deletes; truncates add to it) that has one; nil when there is no such
+// choice within maxChoices digests. Candidates with a seq beyond the
+// transaction's (forged) are never chosen.
+func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[*item]bool {
+	if want == "" {
+		return nil
+	}
+	bySeq := map[int][]*item{}
+	// Copies of one message (the capture sent it again: same partition
+	// sequence and body) are one candidate; all copies go with it.
+	copies := map[*item][]*item{}
+	maxSeq := -1
+	for _, it := range window {
+		if it.ev == nil || it.category != "" || it.ev.CommitLSN != lsn || it.ev.Seq < 0 {
+			continue
+		}
+		dup := false
+		for _, c := range bySeq[it.ev.Seq] {
+			if partSeqOf(c) == partSeqOf(it) && bytes.Equal(c.data, it.data) {
+				copies[c] = append(copies[c], it)
+				dup = true
+				break
+			}
+		}
+		if !dup {
+			bySeq[it.ev.Seq] = append(bySeq[it.ev.Seq], it)
+		}
+		maxSeq = max(maxSeq, it.ev.Seq)
+	}
+	budget := maxChoices
+	d := event.NewDigest()
+	for k := max(rows, 1); k <= maxSeq+1 && budget > 0; k++ {
+		choices := 1
+		for s := 0; s < k && choices <= budget; s++ {
+			choices *= len(bySeq[s])
+		}
+		if choices == 0 {
+			return nil // a seq below k is missing: so it is for every larger k
+		}
+		if choices > budget {
+			return nil
+		}
+		budget -= choices
+		pick := make([]int, k)
+		for n := 0; n < choices; n++ {
+			d.Reset()
+			for s := 0; s < k; s++ {
+				it := bySeq[s][pick[s]]
+				d.Add(partSeqOf(it), it.data)
+			}
+			if d.Sum() == want {
+				out := make(map[*item]bool, k)
+				for s := 0; s < k; s++ {
+					c := bySeq[s][pick[s]]
+					out[c] = true
+					for _, cp := range copies[c] {
+						out[cp] = true
+					}
+				}
+				return out
+			}
+			for s := 0; s < k; s++ { // next combination
+				pick[s]++
+				if pick[s] < len(bySeq[s]) {
+					break
+				}
+				pick[s] = 0
+			}
+		}
+	}
+	return nil
+}
+
+// applyVerdict writes the verdict's decisions that concern earlier pages
+// and the gaps, in the page's transaction.
+func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l progress.Lease, vd *verdict) error {
+	if vd == nil {
+		return nil
+	}
+	if len(vd.drop) > 0 {
+		lsns, seqs := make([]string, len(vd.drop)), make([]int32, len(vd.drop))
+		for i, r := range vd.drop {
+			lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
+		}
+		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+			WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, s.cfg.SourceName, lsns, seqs); err != nil {
+			return fmt.Errorf("drop unverified rows: %w", err)
+		}
+	}
+	if len(vd.promote) > 0 {
+		lsns := make([]string, len(vd.promote))
+		for i, l := range vd.promote {
+			lsns[i] = l.String()
+		}
+		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "rows")+` SET verified = true
+			WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND NOT verified`, s.cfg.SourceName, lsns); err != nil {
+			return fmt.Errorf("make verified rows visible: %w", err)
+		}
+	}
+	for _, it := range vd.extraQuar {
+		if err := quarantine.Insert(ctx, tx, quarantine.Entry{
+			Projection: v.Projection, Version: v.Version, Partition: l.Partition,
+			StreamSeq: it.seq, Subject: it.subject, Headers: it.headers, Data: it.data,
+			Category: it.category, Error: quarantine.Sanitize(it.failure),
+		}); err != nil {
+			return err
+		}
+	}
+	for _, g := range vd.gaps {
+		if err := recordGap(ctx, tx, v.Schema, l.Partition, g); err != nil {
+			return err
+		}
+	}
+	for _, from := range vd.continued {
+		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
+			WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND to_lsn IS NULL AND acknowledged_at IS NULL`,
+			l.Partition, int64(from+1), suspectedGapCleared); err != nil {
+			return fmt.Errorf("clear suspected gap: %w", err)
+		}
+	}
+	return nil
+}
+
+// recordGap records a removed_from_stream gap of a partition, or completes
+// the open one that starts at the same stream sequence (a suspected gap).
+func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g gapRow) error {
+	tag, err := tx.Exec(ctx, `UPDATE `+ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
+		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND acknowledged_at IS NULL`,
+		partition, int64(g.fromSeq), int64(g.toSeq), nullLSNText(g.toLSN))
+	if err != nil {
+		return fmt.Errorf("record removed_from_stream gap: %w", err)
+	}
+	if tag.RowsAffected() > 0 {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
+		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
+		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
+		return fmt.Errorf("record removed_from_stream gap: %w", err)
+	}
+	return nil
+}
+
+// recordSuspectedGap is called while the partition is idle and the
+// stream's first sequence is past cursor + 1: the messages in between were
+// removed (purged, aged out, discarded by a limit, or the stream made
+// anew) without this version seeing them, and whether any was this
+// partition's is not known until its next verified message. The gap is
+// recorded now (to_lsn NULL) so readers are told at once; it is cleared or
+// completed by that message.
+func (w *partitionWorker) recordSuspectedGap(ctx context.Context, first uint64) error {
+	from := w.pos.Cursor + 1
+	tx, err := w.svc.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var exists bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+ident(w.ver.Schema, "gaps")+`
+		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2)`, w.lease.Partition, int64(from)).Scan(&exists); err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	if exists {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn, from_seq, to_seq)
+		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3, $4)`,
+		w.lease.Partition, nullLSNText(w.pos.SourceLSN), int64(from), int64(first-1)); err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("record suspected gap: %w", err)
+	}
+	w.log.Error("the stream's first sequence moved past this partition's cursor: messages it had not applied may have been removed (recorded a removed_from_stream gap; the partition's next verified message confirms or clears it)",
+		"cursor", w.pos.Cursor, "stream_first_seq", first)
+	return nil
+}
+
+func nullLSNText(l event.LSN) any {
+	if l == 0 {
+		return nil
+	}
+	return l.String()
+}
