@@ -513,7 +513,11 @@ func (s *Service) runLoop(ctx context.Context) {
 			restarted = true
 		}
 		if restarted && err == nil && ctx.Err() != nil {
-			s.finish(nil) // stopped between sessions: nothing in flight
+			// Stopped between sessions: nothing in flight.
+			if le := s.limitsErr.Load(); le != nil {
+				err = le
+			}
+			s.finish(err)
 			return
 		}
 		if restarted && err == nil && s.lostLease() == nil {

@@ -45,7 +45,9 @@ import (
 //     verified one, in stream order. A stored message is adopted (not
 //     published again) only when it is byte for byte what the capture would
 //     publish now: same subject, position, message id (or a republished id
-//     of it), body, and the next partition sequence of its partition. Its
+//     of it), body, and the next partition sequence of its partition (a
+//     transactional mark, signed, is adopted when it verifies there: its
+//     time is when the slot sent it, so its body differs on replay). Its
 //     partition sequence and body go into the transaction's digest, which
 //     the commit signs, so an adopted message is proven by that signature
 //     once the commit is published. A forger's copy of a real row can only
@@ -217,7 +219,6 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	// each of them is ours (or absent) and plausible, they give every
 	// partition's sequence, and the latest of them is the last own signed
 	// message.
-	needWalk := make([]bool, parts)
 	known := make([]bool, parts)
 	var best ownMsg
 	walk := false
@@ -233,12 +234,12 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 			om, why := s.verifyOwn(m, parts)
 			if why != "" {
 				s.foreign(m.Sequence, m.Subject, why)
-				needWalk[p], walk = true, true
+				walk = true
 				continue
 			}
 			if om.pos.lsn > current {
 				s.implausible(om, current)
-				needWalk[p], walk = true, true
+				walk = true
 				continue
 			}
 			known[p] = true
@@ -256,14 +257,13 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 		v = best
 	} else {
 		// Walk back from the end, one message at a time, until the last
-		// own plausible boundary is found and every partition whose fast
-		// path failed has its last own message.
-		pending := 0
-		for p := range needWalk {
-			if needWalk[p] {
-				pending++
-				known[p], rp.partSeq[p] = false, 0
-			}
+		// own plausible boundary V is found and then every partition's
+		// last own message at or before it: own messages after V (the
+		// open transaction's, a transactional mark's copies) are adopted
+		// on replay, which counts them again.
+		pending := parts
+		for p := range known {
+			known[p], rp.partSeq[p] = false, 0
 		}
 		for seq := last; seq >= first && seq > 0; seq-- {
 			if v.seq != 0 && pending == 0 {
@@ -296,12 +296,12 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 				s.implausible(om, current)
 				continue
 			}
-			if needWalk[om.part] && !known[om.part] {
-				known[om.part], rp.partSeq[om.part] = true, om.partSeq
-				pending--
-			}
 			if v.seq == 0 && om.boundary {
 				v = om
+			}
+			if v.seq != 0 && !known[om.part] {
+				known[om.part], rp.partSeq[om.part] = true, om.partSeq
+				pending--
 			}
 		}
 	}
@@ -334,7 +334,7 @@ type adopter struct {
 }
 
 // find looks for a stored message identical to the one about to be
-// published. It returns its partition sequence, or ok=false: not stored,
+// published (for a signed one: at the same place, signed with our key). It returns its partition sequence, or ok=false: not stored,
 // and adoption is over (the caller drops the adopter).
 func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq uint64, body []byte, digest string) (ok bool, err error) {
 	for a.next <= a.to {
@@ -350,14 +350,17 @@ func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq 
 		base, _ := event.BaseMsgID(m.Header.Get(event.HeaderMsgID))
 		if m.Subject == subject && base == msgID && m.Header.Get(event.HeaderPosition) == pos &&
 			m.Header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(partSeq, 10) &&
-			m.Header.Get(event.HeaderDigest) == digest && bytes.Equal(m.Data, body) {
+			m.Header.Get(event.HeaderDigest) == digest {
 			if _, signed, _ := signedSubject(a.s.cfg.SourceName, subject); signed {
-				if err := event.VerifyMessage(a.s.pub, m.Subject, m.Header, m.Data); err != nil {
-					a.s.foreign(seq, m.Subject, err.Error())
-					continue
+				// Signed by us at this place of the output: ours, even if
+				// its body differs (a transactional mark's time is when
+				// the slot sent it).
+				if err := event.VerifyMessage(a.s.pub, m.Subject, m.Header, m.Data); err == nil {
+					return true, nil
 				}
+			} else if bytes.Equal(m.Data, body) {
+				return true, nil
 			}
-			return true, nil
 		}
 		a.s.foreign(seq, m.Subject, "does not match what the capture publishes at position "+pos)
 	}

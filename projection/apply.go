@@ -25,6 +25,8 @@ type applyResult struct {
 	applied     int
 	quarantined map[string]int
 	open        *openTx // the partition's transaction still open after the page
+	// snapshotsPending counts the snapshot jobs the page left to the batcher.
+	snapshotsPending int
 }
 
 // apply writes a page of one partition into version v's read model and
@@ -197,15 +199,29 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		return res, err
 	}
 	// Rows, set-based; a rejected row is isolated by bisection.
+	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
-		inserted, err := insertRows(ctx, sp, v.Schema, part)
-		if err != nil || len(inserted) == 0 || s.extraDDL == nil {
+		inserted, err := insertRowsCounted(ctx, sp, v.Schema, part)
+		if err != nil || len(inserted) == 0 {
 			return err
 		}
-		// Rows arriving for a transaction whose snapshot jobs exist (a
-		// replayed or re-published event): rebuild those snapshots.
-		_, err = snapshot.Invalidate(ctx, sp, v.Schema, inserted)
-		return err
+		if s.extraDDL != nil {
+			// Rows arriving for a transaction whose snapshot jobs exist (a
+			// replayed or re-published event): rebuild those snapshots.
+			ids := make([]string, len(inserted))
+			for i, t := range inserted {
+				ids[i] = t.correlationID
+			}
+			if _, err := snapshot.Invalidate(ctx, sp, v.Schema, ids); err != nil {
+				return err
+			}
+		}
+		for _, t := range inserted {
+			a := archived[t.correlationID]
+			a.rows, a.archivedAt = a.rows+t.rows, t.archivedAt
+			archived[t.correlationID] = a
+		}
+		return nil
 	}, func(r *archiveRow, err error) error {
 		cat, _ := quarantine.Classify(err)
 		r.item.category, r.item.failure = string(cat), err
@@ -251,15 +267,11 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, undecided, true); err != nil {
 			return err
 		}
-		if s.createJobs == nil || len(s.cfg.SnapshotRoots) == 0 {
-			return nil
+		pending, err := s.snapshotJobs(ctx, sp, v, part, rows, inPage, archived)
+		if err == nil {
+			res.snapshotsPending += pending
 		}
-		for _, c := range part {
-			if _, err := s.createJobs(ctx, sp, v.Schema, c.ev, s.cfg.SnapshotRoots); err != nil {
-				return err
-			}
-		}
-		return nil
+		return err
 	}, func(c *item, err error) error {
 		cat, _ := quarantine.Classify(err)
 		c.category, c.failure = string(cat), err
@@ -309,6 +321,9 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return res, fmt.Errorf("commit apply: %w", err)
+	}
+	if res.snapshotsPending > 0 && s.batcher != nil {
+		s.batcher.Wake()
 	}
 	res.pos = next
 	return res, nil

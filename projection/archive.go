@@ -223,9 +223,9 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
           commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
-RETURNING correlation_id, verified
+RETURNING correlation_id, archived_at, verified
 )
-SELECT DISTINCT correlation_id FROM ins WHERE verified`
+SELECT correlation_id, count(*), max(archived_at) FROM ins WHERE verified GROUP BY correlation_id`
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -239,6 +239,29 @@ func nullableJSON(b json.RawMessage) *string {
 // distinct correlation ids of the verified rows actually inserted. Idempotent: a row
 // already archived (same source, commit_lsn, seq) is left as it is.
 func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]string, error) {
+	inserted, err := insertRowsCounted(ctx, tx, schema, rows)
+	if err != nil {
+		return nil, err
+	}
+	ids := make([]string, len(inserted))
+	for i, t := range inserted {
+		ids[i] = t.correlationID
+	}
+	return ids, nil
+}
+
+// insertedTx is what one insert archived of a transaction: how many rows,
+// and the archived_at they got (the inserting transaction's now()).
+type insertedTx struct {
+	correlationID string
+	rows          int
+	archivedAt    time.Time
+}
+
+// insertRowsCounted is insertRows saying, per transaction, how many
+// verified rows were actually inserted and with which archived_at (rows
+// of transactions not verified yet are not counted).
+func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]insertedTx, error) {
 	n := len(rows)
 	var (
 		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -276,7 +299,10 @@ func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRo
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
 	// The statement returns each transaction once (not a row per row).
-	inserted, err := pgx.CollectRows(res, pgx.RowTo[string])
+	inserted, err := pgx.CollectRows(res, func(r pgx.CollectableRow) (insertedTx, error) {
+		var t insertedTx
+		return t, r.Scan(&t.correlationID, &t.rows, &t.archivedAt)
+	})
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
 // CompareOptions say what Compare compares.
@@ -83,10 +84,17 @@ type Comparison struct {
 	Tables          []TableComparison    `json:"tables"`
 	Snapshots       []SnapshotComparison `json:"snapshots"`
 	DifferingKeys   []KeyDifference      `json:"differing_keys"`
+	// DocumentsDiffer counts the snapshot documents complete in both
+	// versions whose content (meta.archived_at aside: each version
+	// archived the rows at its own time) or fingerprint differs;
+	// DifferingDocuments lists the first MaxKeys of them.
+	DocumentsDiffer    int64                         `json:"documents_differ"`
+	DifferingDocuments []snapshot.DocumentDifference `json:"differing_documents"`
 	// ContentEqual: the same rows with the same content in every table.
 	ContentEqual bool `json:"content_equal"`
 	// SnapshotsEqual: the same number of snapshot jobs per root table, and
-	// of failed ones (pending vs complete is progress, not a difference).
+	// of failed ones (pending vs complete is progress, not a difference),
+	// and no document complete in both that differs.
 	SnapshotsEqual bool `json:"snapshots_equal"`
 	// ExpiresAtDiffers counts rows whose expires_at differs.
 	ExpiresAtDiffers int64 `json:"expires_at_differs"`
@@ -250,6 +258,16 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 			c.SnapshotsEqual = false
 		}
 	}
+	upTo := ""
+	if bound != nil {
+		upTo = c.UpTo
+	}
+	if c.DocumentsDiffer, c.DifferingDocuments, err = snapshot.CompareDocuments(ctx, db, va.Schema, vb.Schema, upTo, o.MaxKeys); err != nil {
+		return nil, err
+	}
+	if c.DocumentsDiffer > 0 {
+		c.SnapshotsEqual = false
+	}
 	c.Equal = c.ContentEqual && (o.IgnoreSnapshots || c.SnapshotsEqual) && (o.IgnoreExpiresAt || c.ExpiresAtDiffers == 0)
 	return c, nil
 }
@@ -339,6 +357,12 @@ func (c *Comparison) WriteText(w io.Writer) error {
 			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\n", s.RootTable, s.Status, s.A, s.B)
 		}
 	}
+	if len(c.DifferingDocuments) > 0 {
+		fmt.Fprintf(tw, "\nDIFFERING DOCUMENT (%d)\tROOT KEY\tCORRELATION ID\tWHAT\n", c.DocumentsDiffer)
+		for _, d := range c.DifferingDocuments {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", d.RootTable, string(d.RootKey), d.CorrelationID, d.What)
+		}
+	}
 	if len(c.DifferingKeys) > 0 {
 		fmt.Fprintln(tw, "\nDIFFERING ROW\tKEY\tCOMMIT LSN\tSEQ\tWHAT")
 		for _, d := range c.DifferingKeys {
@@ -362,9 +386,9 @@ func (c *Comparison) WriteText(w io.Writer) error {
 	}
 	switch {
 	case !c.SnapshotsEqual && c.IgnoreSnapshots:
-		verdict = append(verdict, "snapshot jobs differ (accepted: --ignore snapshots)")
+		verdict = append(verdict, "snapshot jobs or documents differ (accepted: --ignore snapshots)")
 	case !c.SnapshotsEqual:
-		verdict = append(verdict, "snapshot jobs differ (pass --ignore snapshots if the change of snapshot roots is intended)")
+		verdict = append(verdict, "snapshot jobs or documents differ (pass --ignore snapshots if the change of snapshot roots is intended)")
 	}
 	fmt.Fprintf(tw, "\n%s\n", strings.Join(verdict, "; "))
 	return tw.Flush()

@@ -86,10 +86,12 @@
 //     snapshot roots apply to all history). Workers move it building ->
 //     catching_up (every partition applied its messages up to the
 //     boundary) -> ready (lag and oldest pending below Config.ReadyMaxLag
-//     and ReadyMaxPendingAge, no open quarantine; back to catching_up when
-//     twice as far behind). Promote (one transaction: the old live version
-//     becomes ready and keeps consuming, the new one live, views
-//     re-pointed), Rollback (the most recently live active version is live
+//     and ReadyMaxPendingAge, the snapshot backlog likewise, no open
+//     quarantine; back to catching_up when twice as far behind). Promote
+//     (one transaction: the old live version becomes ready and keeps
+//     consuming, the new one live, views re-pointed; refused without force
+//     while a document complete in the live version is pending or failed
+//     in the new one), Rollback (the most recently live active version is live
 //     again), Retire (not the live one: workers stop it on their next
 //     balance, its consumers and progress rows are deleted, quarantine rows
 //     kept, Drop drops its schema). A version whose DDL is rejected is

@@ -179,7 +179,9 @@ var ErrNotReady = errors.New("version is not ready")
 // consuming, so Rollback is instant and current), version becomes live,
 // and the reader views archive.* are re-pointed at its schema. Readers see
 // the old or the new version, never a missing or half-switched view. It
-// refuses (ErrNotReady) unless the version is ready, unless force. The
+// refuses (ErrNotReady) unless the version is ready, without unresolved
+// quarantine, and has complete every snapshot document the live version
+// has complete (none of them pending or failed in it), unless force. The
 // comparison with the live version is the caller's (see Compare).
 func Promote(ctx context.Context, pool *pgxpool.Pool, projection string, version int, force bool) (previous int, err error) {
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -207,11 +209,42 @@ func Promote(ctx context.Context, pool *pgxpool.Pool, projection string, version
 			if open > 0 {
 				return fmt.Errorf("%s v%d has %d unresolved quarantined events: %w", projection, version, open, ErrNotReady)
 			}
+			if err := snapshotsCaughtUp(ctx, tx, v); err != nil {
+				return err
+			}
 		}
 		previous, err = switchLive(ctx, tx, projection, version)
 		return err
 	})
 	return previous, err
+}
+
+// snapshotsCaughtUp refuses (ErrNotReady) a version that has documents
+// pending or failed which the live version has complete: readers would get
+// "pending" (or nothing) where they had a document.
+func snapshotsCaughtUp(ctx context.Context, tx pgx.Tx, v Version) error {
+	var live Version
+	vs, err := ListVersions(ctx, tx, v.Projection)
+	if err != nil {
+		return err
+	}
+	for _, o := range vs {
+		if o.State == StateLive {
+			live = o
+		}
+	}
+	if live.Schema == "" {
+		return nil
+	}
+	behind, err := snapshot.Behind(ctx, tx, v.Schema, live.Schema)
+	if err != nil {
+		return err
+	}
+	if behind > 0 {
+		return fmt.Errorf("%s v%d has %d snapshot documents pending or failed that the live v%d has complete: %w (wait for its snapshot batcher, or --force)",
+			v.Projection, v.Version, behind, live.Version, ErrNotReady)
+	}
+	return nil
 }
 
 // switchLive demotes the live version to ready and makes version live,

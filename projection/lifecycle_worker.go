@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -138,9 +139,11 @@ func (s *Service) lifecycleLoop(ctx context.Context) {
 //     cursor and the boundary);
 //   - catching_up -> ready when the version's unapplied events are at most
 //     ReadyMaxLag, its oldest unapplied event at most ReadyMaxPendingAge
-//     old, and it has no unresolved quarantine;
-//   - ready -> catching_up when it falls twice as far behind or gets
-//     quarantine (the live version is never touched).
+//     old, its pending snapshot jobs likewise (at most ReadyMaxLag, the
+//     oldest at most ReadyMaxPendingAge), and it has no unresolved
+//     quarantine;
+//   - ready -> catching_up when it falls twice as far behind (events or
+//     snapshots) or gets quarantine (the live version is never touched).
 //
 // Every worker may run it; each step is a compare-and-swap on the state.
 func (s *Service) advanceStates(ctx context.Context, vs []Version) error {
@@ -206,14 +209,23 @@ func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v Vers
 		v.Projection, v.Version).Scan(&open); err != nil {
 		return v.State, fmt.Errorf("count quarantine: %w", err)
 	}
+	// The snapshot backlog counts like the events: a version whose
+	// documents lag is not ready, so promoting it never turns documents
+	// readers had into "pending".
+	snapLag, snapAge, err := snapshot.Backlog(ctx, s.pool, v.Schema)
+	if err != nil {
+		return v.State, err
+	}
 	maxAge := s.cfg.ReadyMaxPendingAge.Seconds()
 	switch v.State {
 	case StateCatchingUp:
-		if open == 0 && lag <= s.cfg.ReadyMaxLag && age <= maxAge {
+		if open == 0 && lag <= s.cfg.ReadyMaxLag && age <= maxAge &&
+			uint64(snapLag) <= s.cfg.ReadyMaxLag && snapAge.Seconds() <= maxAge {
 			return StateReady, nil
 		}
 	case StateReady:
-		if open > 0 || lag > 2*s.cfg.ReadyMaxLag || age > 2*maxAge {
+		if open > 0 || lag > 2*s.cfg.ReadyMaxLag || age > 2*maxAge ||
+			uint64(snapLag) > 2*s.cfg.ReadyMaxLag || snapAge.Seconds() > 2*maxAge {
 			return StateCatchingUp, nil
 		}
 	}

@@ -15,17 +15,70 @@ func snapshotHooks() (func(ctx context.Context, tx pgx.Tx, schema string, commit
 	return snapshot.CreateJobs, snapshot.DDL
 }
 
-// snapshotSchemas lists the schemas of the active archive versions, for the
-// snapshot batcher.
-func (s *Service) snapshotSchemas(ctx context.Context) ([]string, error) {
+// snapshotJobs creates, in the apply transaction, the snapshot jobs of the
+// page's commits, after their rows are archived. A transaction whose rows
+// were all archived by this transaction (it fits in the page: inPage, and
+// every row of it inserted now) has its documents assembled in memory and
+// written complete; the others (spanning pages, rows archived earlier or
+// rejected) get pending jobs for the batcher. It returns the number of
+// pending jobs made.
+//
+// This is the seam for verified groups: a group reaches the in-page
+// assembly only once its rows are known complete; a check that a group's
+// rows are authentic belongs before this call, and a group failing it must
+// not be handed to either path.
+func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commits []*item, rows []*archiveRow,
+	inPage map[event.LSN]bool, archived map[string]insertedTx) (int, error) {
+	if s.createJobs == nil || len(s.cfg.SnapshotRoots) == 0 {
+		return 0, nil
+	}
+	var byTx map[event.LSN][]snapshot.Row
+	var groups []snapshot.Group
+	pending := 0
+	for _, c := range commits {
+		a, ok := archived[c.ev.CorrelationID()]
+		if inPage[c.ev.CommitLSN] && ok && a.rows == c.ev.Rows {
+			if byTx == nil {
+				byTx = snapshotRows(rows)
+			}
+			groups = append(groups, snapshot.Group{Commit: c.ev, Rows: byTx[c.ev.CommitLSN], ArchivedAt: a.archivedAt})
+			continue
+		}
+		n, err := s.createJobs(ctx, tx, v.Schema, c.ev, s.cfg.SnapshotRoots)
+		if err != nil {
+			return pending, err
+		}
+		pending += n
+	}
+	_, n, err := snapshot.CreateAssembled(ctx, tx, v.Schema, groups, s.cfg.SnapshotRoots)
+	return pending + n, err
+}
+
+// snapshotRows are the page's applied rows by transaction, as archived.
+func snapshotRows(rows []*archiveRow) map[event.LSN][]snapshot.Row {
+	out := map[event.LSN][]snapshot.Row{}
+	for _, r := range rows {
+		if r.item.category != "" {
+			continue
+		}
+		e := r.ev
+		out[e.CommitLSN] = append(out[e.CommitLSN], snapshot.Row{Schema: e.Schema, Table: e.Table, Identity: e.Identity,
+			Key: e.Key, Row: r.row, Refs: e.Refs, Seq: e.Seq, CommitTime: e.CommitTime})
+	}
+	return out
+}
+
+// snapshotTargets lists the schemas of the active archive versions, the
+// live one marked (the batcher serves it first).
+func (s *Service) snapshotTargets(ctx context.Context) ([]snapshot.Target, error) {
 	vs, err := ListVersions(ctx, s.pool, ArchiveProjection)
 	if err != nil {
 		return nil, err
 	}
-	var out []string
+	var out []snapshot.Target
 	for _, v := range vs {
 		if v.Active() {
-			out = append(out, v.Schema)
+			out = append(out, snapshot.Target{Schema: v.Schema, Projection: v.Projection, Version: v.Version, Live: v.State == StateLive})
 		}
 	}
 	return out, nil
@@ -33,7 +86,7 @@ func (s *Service) snapshotSchemas(ctx context.Context) ([]string, error) {
 
 func (s *Service) startSnapshots(ctx context.Context) error {
 	b, err := snapshot.NewBatcher(s.pool, snapshot.BatcherConfig{
-		Schemas:    s.snapshotSchemas,
+		Targets:    s.snapshotTargets,
 		Logger:     s.log,
 		Registerer: s.reg,
 	})

@@ -530,8 +530,12 @@ func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.Pu
 	for _, c := range commits {
 		byseq := rows[c.key]
 		var chosen []*event.Event
+		budget := 1_000_000 // choices tried: many duplicates must not make it exponential
 		var try func(seq int, d *event.Digest) bool
 		try = func(seq int, d *event.Digest) bool {
+			if budget--; budget < 0 {
+				return false
+			}
 			// The digest decides how many seqs there are: a forgery
 			// with another seq must not hide the real transaction.
 			if seq > 0 && d.Sum() == c.digest {

@@ -23,7 +23,9 @@ type Config struct {
 	// Schema is the version schema (e.g. "archive_v1") holding both the
 	// archive's rows table and the snapshots table. Required.
 	Schema string
-	// BatchSize is the most jobs claimed by one batch. Default 50.
+	// BatchSize is how many due jobs (oldest first) a batch claims; with
+	// each it takes the other due jobs of the same transaction, up to
+	// 100 x BatchSize jobs (and at most 10,000) in all. Default 500.
 	BatchSize int
 	// MaxAttempts is how many times an incomplete group is tried before
 	// the job is parked as failed. Default 8.
@@ -40,7 +42,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
-		c.BatchSize = 50
+		c.BatchSize = 500
 	}
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 8
@@ -101,35 +103,68 @@ type Result struct {
 	Failed    int // jobs parked as failed
 }
 
+// claimSQL claims up to $2 due jobs (oldest first), then every other due
+// job of the same transactions up to $3 jobs in all, so a transaction's
+// rows are read once for all of its documents; the transactions of the
+// oldest jobs come first. Each transaction's jobs are read by index (a
+// lateral lookup per transaction: joined as a set, the planner scanned the
+// whole table per batch).
 const claimSQL = `
-SELECT id, correlation_id, source, commit_lsn::text, root_table, root_seq, expected_tables, retry_count
-  FROM %s
+WITH first AS MATERIALIZED (
+SELECT id, source, commit_lsn
+  FROM %[1]s
  WHERE status = 'pending' AND (next_attempt_at IS NULL OR next_attempt_at <= $1)
  ORDER BY next_attempt_at NULLS FIRST, id
  LIMIT $2
-   FOR UPDATE SKIP LOCKED`
+   FOR UPDATE SKIP LOCKED
+), txs AS MATERIALIZED (
+SELECT source, commit_lsn, min(id) AS first_id FROM first GROUP BY source, commit_lsn
+)
+SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.root_seq, j.expected_tables, j.retry_count
+  FROM txs t
+ CROSS JOIN LATERAL (
+       SELECT s.id, s.correlation_id, s.source, s.commit_lsn, s.root_table, s.root_seq, s.expected_tables, s.retry_count
+         FROM %[1]s s
+        WHERE s.source = t.source AND s.commit_lsn = t.commit_lsn
+          AND s.status = 'pending' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= $1)
+        ORDER BY s.id
+        LIMIT $3
+          FOR UPDATE SKIP LOCKED) j
+ ORDER BY t.first_id, j.id
+ LIMIT $3`
 
+// groupRowsSQL reads the archive rows of many transactions at once.
 const groupRowsSQL = `
-SELECT schema_name, table_name, key, row, refs, commit_lsn::text, seq, archived_at, commit_time
+SELECT r.source, r.commit_lsn::text, r.schema_name, r.table_name, r.identity, r.key, r.row, r.refs, r.seq,
+       r.archived_at, r.commit_time
+  FROM %s r
+ WHERE (r.source, r.commit_lsn) IN (SELECT * FROM unnest($1::text[], $2::pg_lsn[])) AND r.verified
+ ORDER BY r.source, r.commit_lsn, r.seq`
+
+// groupRootsSQL reads the root rows (jobs of any status) of many
+// transactions at once, for the unrelated count.
+const groupRootsSQL = `
+SELECT source, commit_lsn::text, root_seq
   FROM %s
- WHERE source = $1 AND commit_lsn = $2::pg_lsn AND verified
- ORDER BY seq`
+ WHERE (source, commit_lsn) IN (SELECT * FROM unnest($1::text[], $2::pg_lsn[]))`
 
-const groupRootsSQL = `SELECT root_seq FROM %s WHERE source = $1 AND commit_lsn = $2::pg_lsn`
-
-const completeSQL = `
-UPDATE %s SET status = 'complete', payload = $2, fingerprint = $3, completed_at = $4,
-       failure_reason = NULL, next_attempt_at = NULL, pending_since = NULL, updated_at = now()
- WHERE id = $1`
-
-const retrySQL = `
-UPDATE %s SET retry_count = $2, next_attempt_at = $3, failure_reason = $4, updated_at = now()
- WHERE id = $1`
-
-const failSQL = `
-UPDATE %s SET status = 'failed', retry_count = $2, failure_reason = $3, fingerprint = $4,
-       payload = NULL, next_attempt_at = NULL, pending_since = NULL, updated_at = now()
- WHERE id = $1`
+// writeSQL writes every claimed job's outcome in one statement: complete
+// (payload, fingerprint, completed_at), failed (parked with its reason) or
+// pending again (a later next_attempt_at).
+const writeSQL = `
+UPDATE %s s SET
+       status          = u.status,
+       payload         = CASE u.status WHEN 'complete' THEN u.payload::jsonb END,
+       fingerprint     = CASE u.status WHEN 'pending' THEN s.fingerprint ELSE u.fingerprint END,
+       completed_at    = CASE u.status WHEN 'complete' THEN $2::timestamptz ELSE s.completed_at END,
+       retry_count     = u.retry_count,
+       failure_reason  = u.reason,
+       next_attempt_at = u.next_attempt_at,
+       pending_since   = CASE u.status WHEN 'pending' THEN s.pending_since END,
+       updated_at      = now()
+  FROM unnest($1::bigint[], $3::text[], $4::text[], $5::text[], $6::int[], $7::text[], $8::timestamptz[])
+       AS u(id, status, payload, fingerprint, retry_count, reason, next_attempt_at)
+ WHERE s.id = u.id`
 
 type job struct {
 	id            int64
@@ -144,10 +179,12 @@ type job struct {
 
 // RunBatch claims up to BatchSize due pending jobs of cfg.Schema, assembles
 // their documents from the archive and writes the outcome, all in one
-// transaction, and returns. When a claimed job's transaction has more
-// roots, the batch takes more of that transaction's due jobs (up to
-// 10*BatchSize jobs in all), so a transaction's rows are read once for many
-// documents. Any host may call it, on any schedule, from any
+// transaction, and returns. With each claimed job it takes the other due
+// jobs of the same transaction (see Config.BatchSize for the bound),
+// so a transaction's rows are read once for all of its documents. It is
+// set-based: one query claims, one reads the rows of every claimed
+// transaction, one their roots, one writes every outcome, whatever the
+// number of jobs. Any host may call it, on any schedule, from any
 // number of processes: jobs are claimed with FOR UPDATE SKIP LOCKED, so
 // concurrent batches never assemble the same job, and a batch that fails
 // part way leaves its jobs pending for the next one.
@@ -178,97 +215,90 @@ func RunBatch(ctx context.Context, db Beginner, cfg Config) (Result, error) {
 	return res, nil
 }
 
+// txKey identifies a source transaction: (source, commit_lsn text).
+type txKey [2]string
+
 func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
 	snapshots := table(cfg.Schema, "snapshots")
 	now := cfg.Clock()
-	jobs, err := claim(ctx, tx, snapshots, now, cfg.BatchSize)
+	jobs, err := claim(ctx, tx, snapshots, now, cfg.BatchSize, max(cfg.BatchSize, min(groupFactor*cfg.BatchSize, maxClaim)))
+	if err != nil || len(jobs) == 0 {
+		return Result{}, err
+	}
+	groups, err := loadGroups(ctx, tx, cfg.Schema, jobs)
 	if err != nil {
 		return Result{}, err
 	}
-	var res Result
-	groups := map[[2]string]*loadedGroup{}
-	var batch pgx.Batch
-	for i := 0; i < len(jobs); i++ {
-		j := jobs[i]
-		gk := [2]string{j.source, j.commitLSN}
-		lg, ok := groups[gk]
-		if !ok {
-			if lg, err = loadGroup(ctx, tx, cfg.Schema, j); err != nil {
-				return Result{}, err
-			}
-			groups[gk] = lg
-			// A transaction with many roots: take more of its jobs now,
-			// while its rows are in memory.
-			if room := groupFactor*cfg.BatchSize - len(jobs); lg.roots > 1 && room > 0 {
-				var ids []int64
-				for _, o := range jobs {
-					if o.source == j.source && o.commitLSN == j.commitLSN {
-						ids = append(ids, o.id)
-					}
-				}
-				if room = min(room, lg.roots-len(ids)); room > 0 {
-					more, err := claimGroup(ctx, tx, snapshots, j, ids, now, room)
-					if err != nil {
-						return Result{}, err
-					}
-					jobs = append(jobs, more...)
-				}
-			}
-		}
-		switch out := lg.outcome(j, cfg); out.status {
+	res := Result{Claimed: len(jobs)}
+	var w outcomes
+	for _, j := range jobs {
+		lg := groups[txKey{j.source, j.commitLSN}]
+		out := lg.outcome(j, cfg)
+		switch out.status {
 		case StatusComplete:
 			res.Completed++
-			batch.Queue(fmt.Sprintf(completeSQL, snapshots), j.id, out.payload, lg.fp, now)
 		case StatusFailed:
 			res.Failed++
-			batch.Queue(fmt.Sprintf(failSQL, snapshots), j.id, out.attempts, out.reason, lg.fp)
 		default:
 			res.Retried++
-			batch.Queue(fmt.Sprintf(retrySQL, snapshots), j.id, out.attempts, now.Add(cfg.delay(out.attempts)), out.reason)
+			t := now.Add(cfg.delay(out.attempts))
+			out.next = &t
 		}
+		w.add(j.id, out, lg.fp)
 	}
-	res.Claimed = len(jobs)
-	if batch.Len() > 0 {
-		if err := tx.SendBatch(ctx, &batch).Close(); err != nil {
-			return Result{}, fmt.Errorf("write snapshot results: %w", err)
-		}
+	if _, err := tx.Exec(ctx, fmt.Sprintf(writeSQL, snapshots), w.ids, now, w.statuses, w.payloads, w.fps,
+		w.attempts, w.reasons, w.next); err != nil {
+		return Result{}, fmt.Errorf("write snapshot results: %w", err)
 	}
 	return res, nil
 }
 
-// groupFactor bounds a batch that extends its claim with more jobs of one
-// transaction: at most groupFactor * BatchSize jobs.
-const groupFactor = 10
-
-func claim(ctx context.Context, tx pgx.Tx, snapshots string, now time.Time, limit int) ([]job, error) {
-	rows, err := tx.Query(ctx, fmt.Sprintf(claimSQL, snapshots), now, limit)
-	if err != nil {
-		return nil, fmt.Errorf("claim snapshot jobs: %w", err)
-	}
-	jobs, err := pgx.CollectRows(rows, scanJob)
-	if err != nil {
-		return nil, fmt.Errorf("claim snapshot jobs: %w", err)
-	}
-	return jobs, nil
+// outcomes are the columns of writeSQL's unnest.
+type outcomes struct {
+	ids      []int64
+	statuses []string
+	payloads []*string
+	fps      []*string
+	attempts []int32
+	reasons  []*string
+	next     []*time.Time
 }
 
-const claimGroupSQL = `
-SELECT id, correlation_id, source, commit_lsn::text, root_table, root_seq, expected_tables, retry_count
-  FROM %s
- WHERE source = $1 AND commit_lsn = $2::pg_lsn AND id <> ALL ($3)
-   AND status = 'pending' AND (next_attempt_at IS NULL OR next_attempt_at <= $4)
- ORDER BY id
- LIMIT $5
-   FOR UPDATE SKIP LOCKED`
+func (w *outcomes) add(id int64, out outcome, fp string) {
+	w.ids = append(w.ids, id)
+	w.statuses = append(w.statuses, out.status)
+	var payload, reason *string
+	if out.payload != nil {
+		s := string(out.payload)
+		payload = &s
+	}
+	if out.reason != "" {
+		reason = &out.reason
+	}
+	w.payloads = append(w.payloads, payload)
+	w.fps = append(w.fps, &fp)
+	w.attempts = append(w.attempts, int32(out.attempts))
+	w.reasons = append(w.reasons, reason)
+	w.next = append(w.next, out.next)
+}
 
-func claimGroup(ctx context.Context, tx pgx.Tx, snapshots string, j job, exclude []int64, now time.Time, limit int) ([]job, error) {
-	rows, err := tx.Query(ctx, fmt.Sprintf(claimGroupSQL, snapshots), j.source, j.commitLSN, exclude, now, limit)
+// groupFactor and maxClaim bound a batch that extends its claim with more
+// jobs of the transactions it claimed: at most groupFactor * BatchSize
+// jobs, and at most maxClaim (unless BatchSize is larger). A large
+// transaction's rows are read once per batch, so the bound is generous.
+const (
+	groupFactor = 100
+	maxClaim    = 10_000
+)
+
+func claim(ctx context.Context, tx pgx.Tx, snapshots string, now time.Time, first, limit int) ([]job, error) {
+	rows, err := tx.Query(ctx, fmt.Sprintf(claimSQL, snapshots), now, first, limit)
 	if err != nil {
-		return nil, fmt.Errorf("claim snapshot jobs of %s: %w", j.correlationID, err)
+		return nil, fmt.Errorf("claim snapshot jobs: %w", err)
 	}
 	jobs, err := pgx.CollectRows(rows, scanJob)
 	if err != nil {
-		return nil, fmt.Errorf("claim snapshot jobs of %s: %w", j.correlationID, err)
+		return nil, fmt.Errorf("claim snapshot jobs: %w", err)
 	}
 	return jobs, nil
 }
@@ -286,30 +316,44 @@ type loadedGroup struct {
 	fp        string
 	have      map[string]int
 	unrelated int
-	roots     int // jobs of the transaction, any status
 	// loadErr is a permanent problem with the stored rows (not a database
 	// error): the jobs fail with it.
 	loadErr string
 }
 
-func loadGroup(ctx context.Context, tx pgx.Tx, schema string, j job) (*loadedGroup, error) {
-	rows, err := tx.Query(ctx, fmt.Sprintf(groupRowsSQL, table(schema, "rows")), j.source, j.commitLSN)
-	if err != nil {
-		return nil, fmt.Errorf("read archive rows of %s: %w", j.correlationID, err)
+// loadGroups reads the archive rows and the root rows of every transaction
+// of jobs, two queries in all.
+func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[txKey]*loadedGroup, error) {
+	corr := map[txKey]string{}
+	var sources, lsns []string
+	for _, j := range jobs {
+		k := txKey{j.source, j.commitLSN}
+		if _, ok := corr[k]; !ok {
+			corr[k] = j.correlationID
+			sources, lsns = append(sources, j.source), append(lsns, j.commitLSN)
+		}
 	}
-	lg := &loadedGroup{}
-	var list []*archiveRow
+	rows, err := tx.Query(ctx, fmt.Sprintf(groupRowsSQL, table(schema, "rows")), sources, lsns)
+	if err != nil {
+		return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
+	}
+	lists := map[txKey][]*archiveRow{}
+	loadErr := map[txKey]string{}
 	for rows.Next() {
 		var (
 			r        archiveRow
+			k        txKey
+			identity *string
 			refs     []byte
-			lsn      string
 			archived *time.Time
 			commit   *time.Time
 		)
-		if err := rows.Scan(&r.Schema, &r.Table, &r.Key, &r.Row, &refs, &lsn, &r.Seq, &archived, &commit); err != nil {
+		if err := rows.Scan(&k[0], &k[1], &r.Schema, &r.Table, &identity, &r.Key, &r.Row, &refs, &r.Seq, &archived, &commit); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("read archive rows of %s: %w", j.correlationID, err)
+			return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
+		}
+		if identity != nil {
+			r.Identity = *identity
 		}
 		if archived != nil {
 			r.ArchivedAt = *archived
@@ -317,44 +361,64 @@ func loadGroup(ctx context.Context, tx pgx.Tx, schema string, j job) (*loadedGro
 		if commit != nil {
 			r.CommitTime = *commit
 		}
-		if r.CommitLSN, err = event.ParseLSN(lsn); err != nil {
+		if r.CommitLSN, err = event.ParseLSN(k[1]); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("read archive rows of %s: %w", j.correlationID, err)
+			return nil, fmt.Errorf("read archive rows of %s: %w", corr[k], err)
 		}
 		if len(refs) > 0 && string(refs) != "null" {
-			if err := json.Unmarshal(refs, &r.Refs); err != nil && lg.loadErr == "" {
-				lg.loadErr = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
+			if err := json.Unmarshal(refs, &r.Refs); err != nil && loadErr[k] == "" {
+				loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
 			}
 		}
-		list = append(list, &r)
+		lists[k] = append(lists[k], &r)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read archive rows of %s: %w", j.correlationID, err)
+		return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
 	}
-	if lg.loadErr == "" && keyOnlyRefs(list) {
-		lg.loadErr = ReasonKeyOnly
+	seqs, err := tx.Query(ctx, fmt.Sprintf(groupRootsSQL, table(schema, "snapshots")), sources, lsns)
+	if err != nil {
+		return nil, fmt.Errorf("read snapshot roots of %d transactions: %w", len(sources), err)
 	}
-	lg.g = newGroup(j.correlationID, list)
-	lg.fp = lg.g.fingerprint()
-	lg.have = lg.g.counts()
+	rootSeqs := map[txKey][]int{}
+	for seqs.Next() {
+		var k txKey
+		var seq int
+		if err := seqs.Scan(&k[0], &k[1], &seq); err != nil {
+			seqs.Close()
+			return nil, fmt.Errorf("read snapshot roots of %d transactions: %w", len(sources), err)
+		}
+		rootSeqs[k] = append(rootSeqs[k], seq)
+	}
+	if err := seqs.Err(); err != nil {
+		return nil, fmt.Errorf("read snapshot roots of %d transactions: %w", len(sources), err)
+	}
+	out := make(map[txKey]*loadedGroup, len(corr))
+	for k, id := range corr {
+		lg := newLoadedGroup(newGroup(id, lists[k]), rootSeqs[k])
+		if loadErr[k] != "" {
+			lg.loadErr = loadErr[k]
+		}
+		out[k] = lg
+	}
+	return out, nil
+}
 
-	seqs, err := tx.Query(ctx, fmt.Sprintf(groupRootsSQL, table(schema, "snapshots")), j.source, j.commitLSN)
-	if err != nil {
-		return nil, fmt.Errorf("read snapshot roots of %s: %w", j.correlationID, err)
-	}
-	rootSeqs, err := pgx.CollectRows(seqs, pgx.RowTo[int])
-	if err != nil {
-		return nil, fmt.Errorf("read snapshot roots of %s: %w", j.correlationID, err)
+// newLoadedGroup computes what every job of the group shares: the
+// fingerprint, the counts per table and the unrelated count over the
+// group's root rows (by seq).
+func newLoadedGroup(g *group, rootSeqs []int) *loadedGroup {
+	lg := &loadedGroup{g: g, fp: g.fingerprint(), have: g.counts()}
+	if keyOnlyRefs(g.rows) {
+		lg.loadErr = ReasonKeyOnly
 	}
 	var roots []int
 	for _, s := range rootSeqs {
-		if i, ok := lg.g.bySeq[s]; ok {
+		if i, ok := g.bySeq[s]; ok {
 			roots = append(roots, i)
 		}
 	}
-	lg.unrelated = lg.g.unrelated(roots)
-	lg.roots = len(rootSeqs)
-	return lg, nil
+	lg.unrelated = g.unrelated(roots)
+	return lg
 }
 
 // ReasonKeyOnly is the failure_reason of a snapshot job whose group cannot
@@ -395,7 +459,8 @@ type outcome struct {
 	status   string
 	payload  []byte
 	reason   string
-	attempts int // retry_count to store
+	attempts int        // retry_count to store
+	next     *time.Time // next_attempt_at of a job left pending
 }
 
 func (lg *loadedGroup) outcome(j job, cfg *Config) outcome {

@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,25 +23,56 @@ type DB interface {
 	Querier
 }
 
+// Target is one version schema the batcher serves.
+type Target struct {
+	// Schema is the version schema, e.g. "archive_v2".
+	Schema string
+	// Projection and Version label the target's metrics.
+	Projection string
+	Version    int
+	// Live: the version readers are served from. Its jobs are assembled
+	// before any other version's.
+	Live bool
+}
+
+// targetOf is the target of a schema named archive_v<N> (or any other
+// name, version 0) for the Schemas and Batch.Schema forms of the config.
+func targetOf(schema string) Target {
+	t := Target{Schema: schema, Projection: "archive"}
+	if i := strings.LastIndex(schema, "_v"); i >= 0 {
+		if n, err := strconv.Atoi(schema[i+2:]); err == nil {
+			t.Version = n
+		}
+	}
+	return t
+}
+
 // BatcherConfig configures the background snapshot batcher.
 type BatcherConfig struct {
 	// Batch is the per-batch configuration. Batch.Schema is the schema
-	// worked on when Schemas is nil.
+	// worked on when neither Targets nor Schemas is set.
 	Batch Config
-	// Schemas, when set, lists the version schemas to work on at each tick
-	// (every version of the archive projection that has a snapshots
-	// table), so versions built side by side all get their snapshots.
+	// Targets, when set, lists the version schemas to work on (every
+	// version of the archive projection that has a snapshots table), so
+	// versions built side by side all get their snapshots; the live one is
+	// served first. It is called at every tick and every stats refresh.
+	Targets func(ctx context.Context) ([]Target, error)
+	// Schemas is Targets for callers that only know schema names
+	// (archive_v<N> gives version N; none is live).
 	Schemas func(ctx context.Context) ([]string, error)
 	// Interval between ticks when there is nothing to do. A tick runs
-	// batches until one claims fewer than BatchSize jobs. Default 1s.
+	// batches until every schema is drained. Wake starts one at once.
+	// Default 1s.
 	Interval time.Duration
 	// StatsInterval is how often job counts are read for the metrics (a
-	// count over the table). Default 15s.
+	// count over each table), on a timer of its own: a long drain never
+	// freezes them. Default 15s.
 	StatsInterval time.Duration
 	Logger        *slog.Logger
-	// Registerer receives epitaph_projector_snapshot_jobs{status} and
-	// epitaph_projector_snapshot_oldest_pending_age_seconds; nil registers
-	// nothing.
+	// Registerer receives epitaph_projector_snapshot_jobs{projection,
+	// version, status} and
+	// epitaph_projector_snapshot_oldest_pending_age_seconds{projection,
+	// version}; nil registers nothing.
 	Registerer prometheus.Registerer
 }
 
@@ -56,8 +90,8 @@ func (c *BatcherConfig) setDefaults() {
 }
 
 func (c *BatcherConfig) validate() error {
-	if c.Schemas == nil && c.Batch.Schema == "" {
-		return errors.New("snapshot batcher config: Batch.Schema or Schemas is required")
+	if c.Targets == nil && c.Schemas == nil && c.Batch.Schema == "" {
+		return errors.New("snapshot batcher config: Batch.Schema, Schemas or Targets is required")
 	}
 	if c.Interval < 0 || c.StatsInterval < 0 {
 		return errors.New("snapshot batcher config: intervals must be positive")
@@ -76,16 +110,22 @@ type Batcher struct {
 	db  DB
 	cfg BatcherConfig
 
-	jobs   *prometheus.GaugeVec
-	oldest prometheus.GaugeFunc
+	mu      sync.Mutex
+	stats   map[Target]Stats // by target, as last read
+	statsAt time.Time        // clock time the stats were read
 
-	mu        sync.Mutex
-	stats     Stats
-	statsAt   time.Time // local time the stats were read
-	statsRead bool
-
-	ss startstop.Base
+	ss   startstop.Base
+	wake chan struct{}
 }
+
+var (
+	jobsDesc = prometheus.NewDesc("epitaph_projector_snapshot_jobs",
+		"Snapshot jobs by status (pending, complete, failed) per projection version.",
+		[]string{"projection", "version", "status"}, nil)
+	oldestDesc = prometheus.NewDesc("epitaph_projector_snapshot_oldest_pending_age_seconds",
+		"Age of the oldest pending snapshot job of the projection version (since created or invalidated); 0 when none is pending.",
+		[]string{"projection", "version"}, nil)
+)
 
 // NewBatcher builds a batcher and registers its metrics.
 func NewBatcher(db DB, cfg BatcherConfig) (*Batcher, error) {
@@ -93,26 +133,32 @@ func NewBatcher(db DB, cfg BatcherConfig) (*Batcher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	b := &Batcher{db: db, cfg: cfg}
-	b.jobs = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "epitaph_projector_snapshot_jobs",
-		Help: "Snapshot jobs by status (pending, complete, failed), summed over the version schemas this batcher serves.",
-	}, []string{"status"})
-	for _, s := range []string{StatusPending, StatusComplete, StatusFailed} {
-		b.jobs.WithLabelValues(s)
-	}
-	b.oldest = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "epitaph_projector_snapshot_oldest_pending_age_seconds",
-		Help: "Age of the oldest pending snapshot job (since created or invalidated); 0 when none is pending.",
-	}, func() float64 { return b.Stats().OldestPendingAge.Seconds() })
+	b := &Batcher{db: db, cfg: cfg, wake: make(chan struct{}, 1)}
 	if cfg.Registerer != nil {
-		for _, c := range []prometheus.Collector{b.jobs, b.oldest} {
-			if err := cfg.Registerer.Register(c); err != nil {
-				return nil, fmt.Errorf("register snapshot metrics: %w", err)
-			}
+		if err := cfg.Registerer.Register(batcherCollector{b}); err != nil {
+			return nil, fmt.Errorf("register snapshot metrics: %w", err)
 		}
 	}
 	return b, nil
+}
+
+// batcherCollector exports the stats last read, the oldest pending age
+// advanced to the time of the scrape.
+type batcherCollector struct{ b *Batcher }
+
+func (c batcherCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- jobsDesc
+	ch <- oldestDesc
+}
+
+func (c batcherCollector) Collect(ch chan<- prometheus.Metric) {
+	for t, s := range c.b.TargetStats() {
+		v := strconv.Itoa(t.Version)
+		for status, n := range map[string]int64{StatusPending: s.Pending, StatusComplete: s.Complete, StatusFailed: s.Failed} {
+			ch <- prometheus.MustNewConstMetric(jobsDesc, prometheus.GaugeValue, float64(n), t.Projection, v, status)
+		}
+		ch <- prometheus.MustNewConstMetric(oldestDesc, prometheus.GaugeValue, s.OldestPendingAge.Seconds(), t.Projection, v)
+	}
 }
 
 // Start runs the batcher in the background until Stop or until ctx is
@@ -123,7 +169,16 @@ func (b *Batcher) Start(ctx context.Context) error {
 	if !ok {
 		return errors.New("snapshot batcher already started")
 	}
-	go b.loop(soft, hard)
+	statsDone := make(chan struct{})
+	go func() {
+		defer close(statsDone)
+		b.statsLoop(soft, hard)
+	}()
+	go func() {
+		b.loop(soft, hard)
+		<-statsDone
+		b.ss.Finish(nil)
+	}()
 	return nil
 }
 
@@ -134,23 +189,46 @@ func (b *Batcher) Stop(ctx context.Context) error { return b.ss.Stop(ctx) }
 // Wait blocks until the batcher has stopped.
 func (b *Batcher) Wait() error { return b.ss.Wait() }
 
-// Stats returns the job counts last read, with the oldest pending age
-// advanced to now.
+// Wake makes the batcher start a tick now instead of at the end of its
+// interval (the projector calls it after committing pending jobs). It
+// never blocks.
+func (b *Batcher) Wake() {
+	select {
+	case b.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Stats returns the job counts last read, summed over the targets, with
+// the oldest pending age advanced to now.
 func (b *Batcher) Stats() Stats {
+	var total Stats
+	for _, s := range b.TargetStats() {
+		total = total.Add(s)
+	}
+	return total
+}
+
+// TargetStats returns the job counts last read per target, with the
+// oldest pending ages advanced to now.
+func (b *Batcher) TargetStats() map[Target]Stats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	s := b.stats
-	if s.Pending > 0 {
-		s.OldestPendingAge += b.cfg.Batch.Clock().Sub(b.statsAt)
+	out := make(map[Target]Stats, len(b.stats))
+	since := b.cfg.Batch.Clock().Sub(b.statsAt)
+	for t, s := range b.stats {
+		if s.Pending > 0 {
+			s.OldestPendingAge += since
+		}
+		out[t] = s
 	}
-	return s
+	return out
 }
 
 func (b *Batcher) stopping() bool { return b.ss.StopRequested() }
 
 // loop runs ticks until soft is done; batches run on ctx (the hard stop).
 func (b *Batcher) loop(soft, ctx context.Context) {
-	defer b.ss.Finish(nil)
 	log := b.cfg.Logger.With("component", "snapshot-batcher")
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -166,6 +244,7 @@ func (b *Batcher) loop(soft, ctx context.Context) {
 		case <-soft.Done():
 			return
 		case <-timer.C:
+		case <-b.wake:
 		}
 		err := b.tick(ctx)
 		wait := b.cfg.Interval
@@ -179,73 +258,128 @@ func (b *Batcher) loop(soft, ctx context.Context) {
 	}
 }
 
-// tick runs batches on every schema until each is drained, then refreshes
-// the stats when due.
-func (b *Batcher) tick(ctx context.Context) error {
-	schemas := []string{b.cfg.Batch.Schema}
-	if b.cfg.Schemas != nil {
-		var err error
-		if schemas, err = b.cfg.Schemas(ctx); err != nil {
-			return fmt.Errorf("list snapshot schemas: %w", err)
+// statsLoop refreshes the stats every StatsInterval, from the start,
+// whatever the drain is doing. Until a refresh has found a version (a
+// first start creates version 1 a moment later), it tries every Interval.
+func (b *Batcher) statsLoop(soft, ctx context.Context) {
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		select {
+		case <-soft.Done():
+			return
+		case <-t.C:
 		}
+		err := b.RefreshStats(ctx)
+		if err != nil && ctx.Err() == nil {
+			b.cfg.Logger.Warn("read snapshot stats; retrying", "component", "snapshot-batcher", "err", err)
+		}
+		wait := b.cfg.StatsInterval
+		b.mu.Lock()
+		if err != nil || len(b.stats) == 0 {
+			wait = min(wait, b.cfg.Interval)
+		}
+		b.mu.Unlock()
+		t.Reset(wait)
+	}
+}
+
+// targets lists the targets, the live ones first.
+func (b *Batcher) targets(ctx context.Context) ([]Target, error) {
+	var ts []Target
+	switch {
+	case b.cfg.Targets != nil:
+		var err error
+		if ts, err = b.cfg.Targets(ctx); err != nil {
+			return nil, fmt.Errorf("list snapshot schemas: %w", err)
+		}
+	case b.cfg.Schemas != nil:
+		schemas, err := b.cfg.Schemas(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("list snapshot schemas: %w", err)
+		}
+		for _, s := range schemas {
+			ts = append(ts, targetOf(s))
+		}
+	default:
+		ts = []Target{targetOf(b.cfg.Batch.Schema)}
+	}
+	slices.SortStableFunc(ts, func(x, y Target) int {
+		switch {
+		case x.Live == y.Live:
+			return 0
+		case x.Live:
+			return -1
+		}
+		return 1
+	})
+	return ts, nil
+}
+
+// tick runs batches until every target is drained. The live version is
+// drained first, and again between any two batches of another version,
+// so a rebuild's backlog never delays the documents readers are served.
+func (b *Batcher) tick(ctx context.Context) error {
+	targets, err := b.targets(ctx)
+	if err != nil {
+		return err
 	}
 	var errs []error
-	for _, schema := range schemas {
+	failed := map[string]bool{}
+	run := func(t Target) (full bool) {
 		cfg := b.cfg.Batch
-		cfg.Schema = schema
-		for !b.stopping() {
-			res, err := RunBatch(ctx, b.db, cfg)
-			if err != nil {
-				errs = append(errs, fmt.Errorf("snapshot batch on %s: %w", schema, err))
-				break
-			}
-			if res.Claimed > 0 {
-				b.cfg.Logger.Debug("snapshot batch", "schema", schema, "claimed", res.Claimed,
-					"completed", res.Completed, "retried", res.Retried, "failed", res.Failed)
-			}
-			if res.Claimed < cfg.BatchSize {
-				break
+		cfg.Schema = t.Schema
+		res, err := RunBatch(ctx, b.db, cfg)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("snapshot batch on %s: %w", t.Schema, err))
+			failed[t.Schema] = true
+			return false
+		}
+		if res.Claimed > 0 {
+			b.cfg.Logger.Debug("snapshot batch", "schema", t.Schema, "claimed", res.Claimed,
+				"completed", res.Completed, "retried", res.Retried, "failed", res.Failed)
+		}
+		return res.Claimed >= cfg.BatchSize
+	}
+	drainLive := func() {
+		for _, t := range targets {
+			for t.Live && !failed[t.Schema] && !b.stopping() && run(t) {
 			}
 		}
 	}
-	b.mu.Lock()
-	due := !b.statsRead || b.cfg.Batch.Clock().Sub(b.statsAt) >= b.cfg.StatsInterval
-	b.mu.Unlock()
-	if due {
-		if err := b.refreshStats(ctx, schemas); err != nil {
-			errs = append(errs, err)
+	drainLive()
+	for busy := true; busy && !b.stopping() && ctx.Err() == nil; {
+		busy = false
+		for _, t := range targets {
+			if t.Live || failed[t.Schema] || b.stopping() {
+				continue
+			}
+			if run(t) {
+				busy = true
+				drainLive() // what the live version got meanwhile comes first
+			}
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// RefreshStats reads the job counts now (the batcher does it every
-// StatsInterval).
+// RefreshStats reads the job counts of every target now (the batcher does
+// it every StatsInterval).
 func (b *Batcher) RefreshStats(ctx context.Context) error {
-	schemas := []string{b.cfg.Batch.Schema}
-	if b.cfg.Schemas != nil {
-		var err error
-		if schemas, err = b.cfg.Schemas(ctx); err != nil {
-			return fmt.Errorf("list snapshot schemas: %w", err)
-		}
+	targets, err := b.targets(ctx)
+	if err != nil {
+		return err
 	}
-	return b.refreshStats(ctx, schemas)
-}
-
-func (b *Batcher) refreshStats(ctx context.Context, schemas []string) error {
-	var total Stats
-	for _, schema := range schemas {
-		s, err := GetStats(ctx, b.db, schema)
+	stats := make(map[Target]Stats, len(targets))
+	for _, t := range targets {
+		s, err := GetStats(ctx, b.db, t.Schema)
 		if err != nil {
 			return err
 		}
-		total = total.Add(s)
+		stats[t] = s
 	}
 	b.mu.Lock()
-	b.stats, b.statsAt, b.statsRead = total, b.cfg.Batch.Clock(), true
+	b.stats, b.statsAt = stats, b.cfg.Batch.Clock()
 	b.mu.Unlock()
-	b.jobs.WithLabelValues(StatusPending).Set(float64(total.Pending))
-	b.jobs.WithLabelValues(StatusComplete).Set(float64(total.Complete))
-	b.jobs.WithLabelValues(StatusFailed).Set(float64(total.Failed))
 	return nil
 }

@@ -5,16 +5,22 @@
 // fact from the archive alone (<schema>.rows of a version schema such as
 // archive_v1).
 //
-// Lifecycle. The projector runtime, applying a transaction's commit event,
-// calls CreateJobs in the same target transaction: one pending job per
-// archived root-table row. RunBatch (one batch, any host, any schedule;
-// the Batcher runs it on an interval) claims due jobs with FOR UPDATE SKIP
-// LOCKED and turns each into complete (payload, fingerprint,
+// Lifecycle. The projector runtime, applying a transaction's commit event
+// in the target transaction that also archived every row of it (the
+// transaction fits in the page), calls CreateAssembled: the documents are
+// assembled in memory, by the same code and rules as a batch, and written
+// complete in that transaction. Otherwise (rows archived by earlier pages,
+// or some rejected) it calls CreateJobs in the same target transaction:
+// one pending job per archived root-table row. RunBatch (one batch, any
+// host, any schedule; the Batcher runs it on an interval, the live version
+// first) claims due jobs with FOR UPDATE SKIP LOCKED, with the other due
+// jobs of their transactions, reads the rows of all claimed transactions
+// in one query, and turns each job into complete (payload, fingerprint,
 // completed_at), pending again (retry_count+1 and a later next_attempt_at:
-// retries need no scheduler) or failed (a sanitized failure_reason). When
-// archive rows of a transaction arrive after its commit was applied (a
-// quarantined event replayed), the runtime calls Invalidate and the jobs
-// are rebuilt.
+// retries need no scheduler) or failed (a sanitized failure_reason), all
+// written by one statement. When archive rows of a transaction arrive
+// after its commit was applied (a quarantined event replayed), the runtime
+// calls Invalidate and the jobs are rebuilt.
 //
 // Choices, where DESIGN.md leaves them open:
 //   - Completeness is the commit's per-table counts: a group with fewer
@@ -52,9 +58,15 @@
 //     rows with INSERT .. ON CONFLICT DO NOTHING RETURNING correlation_id,
 //     Invalidate(ctx, tx, schema, <distinct correlation ids actually
 //     inserted>) (a no-op for transactions whose commit is not applied yet);
-//     then for each commit event, after its rows: CreateJobs(ctx, tx,
-//     schema, commit, roots);
+//     then for the commit events, after their rows: CreateAssembled(ctx,
+//     tx, schema, <groups whose rows this transaction archived, all of
+//     them, with the archived_at RETURNING gave>, roots) and
+//     CreateJobs(ctx, tx, schema, commit, roots) for the others;
 //   - in the background: a Batcher per process (NewBatcher(pool,
-//     BatcherConfig{Schemas: <version schemas that have snapshots>,
-//     Registerer: reg}), Start, Stop), or RunBatch from any other host.
+//     BatcherConfig{Targets: <version schemas that have snapshots, the
+//     live one marked>, Registerer: reg}), Start, Wake after committing
+//     pending jobs, Stop), or RunBatch from any other host.
+//
+// Cutover (the projector's version lifecycle): Backlog is the readiness
+// input, Behind what promote refuses, CompareDocuments what compare adds.
 package snapshot

@@ -2,6 +2,7 @@ package snapshot_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -332,19 +333,50 @@ func TestInvalidateInFlightHoldsTheJobFromBatches(t *testing.T) {
 func TestBatchTakesMoreJobsOfALoadedTransaction(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	for i := range 30 {
-		e.exec(t, `INSERT INTO orders (id, customer) VALUES ($1, 'c')`, i)
-	}
+	e.exec(t, `INSERT INTO orders (id, customer) SELECT i, 'c' FROM generate_series(0, 149) i`)
 	s := e.begin(t)
 	s.del(t, "public.orders", "true")
-	require.Equal(t, 30, s.apply(t, orderRoots))
-	require.Equal(t, snapshot.Result{Claimed: 20, Completed: 20}, e.batch(t, snapshot.Config{BatchSize: 2}))
-	require.Equal(t, snapshot.Result{Claimed: 10, Completed: 10}, e.batch(t, snapshot.Config{BatchSize: 2}))
-	for _, snap := range e.show(t, s.correlationID()) {
+	require.Equal(t, 150, s.apply(t, orderRoots))
+	// Batch size 1: the first job, then the other due jobs of its
+	// transaction up to 100 x the batch size.
+	require.Equal(t, snapshot.Result{Claimed: 100, Completed: 100}, e.batch(t, snapshot.Config{BatchSize: 1}))
+	require.Equal(t, snapshot.Result{Claimed: 50, Completed: 50}, e.batch(t, snapshot.Config{BatchSize: 1}))
+	snaps := e.show(t, s.correlationID())
+	require.Len(t, snaps, 150)
+	for _, snap := range snaps {
 		d := decodeDoc(t, snap)
 		require.Equal(t, 1, d.Meta.EntityCount)
-		require.Equal(t, 30, d.Meta.TransactionRows)
+		require.Equal(t, 150, d.Meta.TransactionRows)
 	}
+}
+
+// One batch claims jobs of many transactions and reads all their rows
+// with one query: every transaction's documents hold its own rows only.
+func TestBatchAssemblesManyTransactionsAtOnce(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	var txs []*sourceTx
+	for i := 1; i <= 5; i++ {
+		e.seedOrder(t, i, i)
+		s := e.begin(t)
+		s.deleteOrder(t, i)
+		require.Equal(t, 1, s.apply(t, orderRoots))
+		txs = append(txs, s)
+	}
+	require.Equal(t, snapshot.Result{Claimed: 5, Completed: 5}, e.batch(t, snapshot.Config{BatchSize: 5}))
+	fps := map[string]bool{}
+	for i, s := range txs {
+		snaps := e.show(t, s.correlationID())
+		require.Len(t, snaps, 1)
+		snap := snaps[fmt.Sprintf(`{"id":%d}`, i+1)]
+		d := decodeDoc(t, snap)
+		require.Equal(t, s.correlationID(), d.Meta.CorrelationID)
+		require.Len(t, d.Children["public.lines"], i+1)
+		require.Equal(t, len(s.rows), d.Meta.TransactionRows)
+		require.Equal(t, len(s.rows), d.Meta.EntityCount)
+		fps[snap.Fingerprint] = true
+	}
+	require.Len(t, fps, 5, "a fingerprint per transaction")
 }
 
 func TestRootRowArrivingLateGetsItsJob(t *testing.T) {

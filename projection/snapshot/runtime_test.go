@@ -34,11 +34,15 @@ func signerFor(js jetstream.JetStream) *testenv.Signer {
 	return s.(*testenv.Signer)
 }
 
-// publishRef sends the given deletes of the source transaction (all when
+// publish sends the given deletes of the source transaction (all when
 // none are given), then its commit, to JetStream as the capture does
-// (subjects, message ids, headers); withCommit false sends rows only. The
-// row of refRow is sent as an object reference (as the capture does for a
-// large row).
+// (subjects, message ids, headers); withCommit false sends rows only.
+func (s *sourceTx) publish(t *testing.T, js jetstream.JetStream, partitions int, withCommit bool, rows ...*archived) {
+	s.publishRef(t, js, partitions, withCommit, nil, nil, rows...)
+}
+
+// publishRef is publish with the row of refRow sent as an object
+// reference (as the capture does for a large row).
 func (s *sourceTx) publishRef(t *testing.T, js jetstream.JetStream, partitions int, withCommit bool, refRow *archived, ref *event.ObjectRef, rows ...*archived) {
 	t.Helper()
 	p := event.Partition(s.commit.CommitLSN, partitions)
@@ -193,6 +197,110 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	}
 	// The worker's registry carries the snapshot metrics.
 	require.Eventually(t, func() bool {
-		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "complete") == 2
+		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "complete", "projection", "archive", "version", "1") == 2
 	}, time.Minute, 100*time.Millisecond)
+}
+
+// The runtime assembles a transaction whose rows and commit are in one
+// page inside the apply transaction: its documents are complete the moment
+// its commit is visible (completed_at is the rows' archived_at). A
+// transaction spanning pages gets a pending job the batcher completes. A
+// batch rebuilding the in-page documents from the archive writes the same
+// payload and fingerprint.
+func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	url := testenv.NewDatabase(t)
+	testenv.Exec(t, url, sourceDDL)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	e := &env{ctx: ctx, pool: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
+	e.lsn.Store(0x3C000000)
+
+	n := testenv.NewNATS(t)
+	_, js := n.Connect(t)
+	const partitions = 1
+	_, err = js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: event.StreamName("main"), Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
+		Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions), "epitaph.source": "main", "epitaph.wire_version": "1"},
+	})
+	require.NoError(t, err)
+
+	e.seedOrder(t, 1, 1) // 5 rows + commit: one page of 10
+	e.seedOrder(t, 2, 4) // 11 rows + commit: three pages
+	small := e.begin(t)
+	small.deleteOrder(t, 1)
+	require.NoError(t, small.tx.Commit(ctx))
+	big := e.begin(t)
+	big.deleteOrder(t, 2)
+	require.NoError(t, big.tx.Commit(ctx))
+	small.publish(t, js, partitions, true)
+	big.publish(t, js, partitions, true)
+
+	svc, err := projection.New(projection.Config{
+		TargetURL: url, NATSURL: n.URL, SourceName: "main", WorkerID: "w1", SnapshotRoots: orderRoots,
+		LeaseTTL: 3 * time.Second, FetchWait: 100 * time.Millisecond, BatchSize: 10,
+	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
+	require.NoError(t, err)
+	require.NoError(t, svc.Start(ctx))
+	defer func() { require.NoError(t, svc.Stop(context.Background())) }()
+
+	type job struct {
+		status                          string
+		payload, fingerprint            string
+		created, completed, archivedMax time.Time
+	}
+	get := func(s *sourceTx) (job, bool) {
+		var j job
+		var payload, fp *string
+		var completed *time.Time
+		err := pool.QueryRow(ctx, `SELECT s.status, s.payload::text, s.fingerprint, s.created_at, s.completed_at,
+			       (SELECT max(archived_at) FROM archive_v1.rows r WHERE r.correlation_id = s.correlation_id)
+			  FROM archive_v1.snapshots s WHERE s.correlation_id = $1`, s.correlationID()).
+			Scan(&j.status, &payload, &fp, &j.created, &completed, &j.archivedMax)
+		if err != nil {
+			return j, false
+		}
+		if payload != nil {
+			j.payload, j.fingerprint = *payload, *fp
+		}
+		if completed != nil {
+			j.completed = *completed
+		}
+		return j, true
+	}
+	var inPage, spanning job
+	require.Eventually(t, func() bool {
+		var ok1, ok2 bool
+		inPage, ok1 = get(small)
+		spanning, ok2 = get(big)
+		return ok1 && ok2 && spanning.status == snapshot.StatusComplete
+	}, time.Minute, 50*time.Millisecond)
+
+	require.Equal(t, snapshot.StatusComplete, inPage.status)
+	require.True(t, inPage.completed.Equal(inPage.created), "assembled by the transaction that made the job")
+	require.True(t, inPage.completed.Equal(inPage.archivedMax), "and archived the rows")
+	require.True(t, spanning.completed.After(spanning.created), "the spanning transaction went through the batcher")
+	require.Equal(t, len(big.rows), decodeDoc(t, e.show(t, big.correlationID())[`{"id":2}`]).Meta.EntityCount)
+	require.Equal(t, len(small.rows), decodeDoc(t, e.show(t, small.correlationID())[`{"id":1}`]).Meta.EntityCount)
+
+	// Rebuilt by a batch from the archive: the same document.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = snapshot.Invalidate(ctx, tx, "archive_v1", []string{small.correlationID()})
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	_, err = snapshot.RunBatch(ctx, pool, snapshot.Config{Schema: "archive_v1"})
+	require.NoError(t, err)
+	var rebuilt job
+	require.Eventually(t, func() bool {
+		var ok bool
+		rebuilt, ok = get(small)
+		return ok && rebuilt.status == snapshot.StatusComplete
+	}, time.Minute, 50*time.Millisecond)
+	require.True(t, rebuilt.completed.After(rebuilt.created), "rebuilt by a batch")
+	require.Equal(t, inPage.payload, rebuilt.payload)
+	require.Equal(t, inPage.fingerprint, rebuilt.fingerprint)
 }

@@ -6,7 +6,18 @@
 //     indexes): the write limit of the target here;
 //  2. apply: the projector binary applying a stream of the same N delete
 //     events from scratch, until archive.rows holds N rows;
-//  3. end to end: capture and projector running together while the source
+//  3. snapshots: the apply again with public.orders as snapshot root, on
+//     the same stream (transactions of -orders-per-tx orders, 701 events:
+//     a partition that is behind applies up to two pages cut at a commit,
+//     so they are assembled in the apply transaction), on a stream of
+//     -snapshot-orders-per-tx orders per transaction (the same, many more
+//     commits), and on the same stream with 400-event pages (every
+//     transaction spans pages: the batcher assembles them), each against an
+//     apply without snapshots in the same round and page size: the rate
+//     ratio, how long after the last archived row the last document is
+//     complete, and per document the time from its commit being applied
+//     (the job's created_at) to complete;
+//  4. end to end: capture and projector running together while the source
 //     deletes N rows, from the first DELETE to the last archived row, with
 //     the bottleneck named.
 //
@@ -22,6 +33,7 @@ import (
 	"io"
 	"log"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -55,6 +67,13 @@ type env struct {
 	inProcess  bool
 	cpuProfile string
 	suffix     string // of figure names: the round
+	// snapshotRoots, when set, is EPITAPH_SNAPSHOT_ROOTS of the projectors.
+	snapshotRoots string
+	// pageSize, when set, is EPITAPH_BATCH_SIZE of the projectors.
+	pageSize int
+	// afterArchive, when set, runs once the archive holds every row, with
+	// the projectors still running.
+	afterArchive func(ctx context.Context, targetURL string, end time.Time) error
 }
 
 // figure prints a figure of the current round.
@@ -84,8 +103,11 @@ func main() {
 	projectorBin := flag.String("projector-bin", "", "use this projector binary instead of building ./cmd/projector (e.g. an older build to compare)")
 	pgStats := flag.Bool("pgstats", false, "load pg_stat_statements and print the statements that took the most time during apply and raw")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
+	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
+	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
@@ -94,6 +116,8 @@ func main() {
 
 type opts struct {
 	rows, perTx, workers, batch int
+	snapPerTx                   int
+	skipSnapshots               bool
 	rounds                      int
 	keep, skipE2E, inProcess    bool
 	pgStats                     bool
@@ -154,7 +178,7 @@ func run(o opts) (err error) {
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
 
 	// The stream: a backlog of N deletes drained by the capture.
-	n, captureRate, err := e.buildStream(ctx, rows, perTx)
+	n, captureRate, err := e.buildStream(ctx, "bench", rows, perTx)
 	if err != nil {
 		return err
 	}
@@ -165,6 +189,15 @@ func run(o opts) (err error) {
 	if int64(len(events)) < n {
 		return fmt.Errorf("read %d delete events from the stream, want %d", len(events), n)
 	}
+	orders := rootRows(events)
+	// The snapshot phase's second stream: small transactions.
+	var snapN int64
+	if !o.skipSnapshots {
+		if snapN, _, err = e.buildStream(ctx, "snap", rows, o.snapPerTx); err != nil {
+			return err
+		}
+	}
+	snaps := map[string][]float64{}
 	// Rounds of 1. raw writes and 2. apply of the same rows, each into a
 	// fresh database; on a shared machine the median is the figure.
 	var raws, applies, ratios, compares []float64
@@ -216,6 +249,17 @@ func run(o opts) (err error) {
 		}
 		e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
 		raws, applies, ratios = append(raws, rawRate), append(applies, applyRate), append(ratios, applyRate/rawRate)
+		if !o.skipSnapshots {
+			if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, snaps); err != nil {
+				return err
+			}
+			if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, snaps); err != nil {
+				return err
+			}
+			if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
+				return err
+			}
+		}
 		if o.compareBin != "" {
 			// The same round with another projector build.
 			url, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("target_b_%d", r))
@@ -246,17 +290,27 @@ func run(o opts) (err error) {
 		e.figure("projector.apply_rows_per_sec", applyRate, fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
 		bench.Figure("projector.ratio_apply_to_raw", median(ratios), fmt.Sprintf("x (median of the rounds' ratios; min %.2f, max %.2f; target >= 0.70)", slices.Min(ratios), slices.Max(ratios)))
 	}
+	for _, k := range slices.Sorted(maps.Keys(snaps)) {
+		xs := snaps[k]
+		name, unit, _ := strings.Cut(k, "|")
+		bench.Figure(name, median(xs), fmt.Sprintf("%s (median of %d rounds; min %.2f, max %.2f)", unit, len(xs), slices.Min(xs), slices.Max(xs)))
+	}
 	if o.skipE2E {
 		return nil
 	}
-	// 3. end to end.
+	// 4. end to end.
 	return e.endToEnd(ctx, rows, perTx, captureRate, applyRate)
 }
 
 // buildStream seeds a source, lets the capture create its slot, deletes
-// every order, then drains the backlog into the stream of source "bench".
-func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64, error) {
-	url, err := bench.CreateDatabase(ctx, e.pg, "source")
+// every order (perTx per transaction), then drains the backlog into the
+// stream of source.
+func (e *env) buildStream(ctx context.Context, source string, rows, perTx int) (int64, float64, error) {
+	db, data, figures := "source", "capture-data", "projector."
+	if source != "bench" {
+		db, data, figures = "source_"+source, "capture-data-"+source, "projector."+source+"_"
+	}
+	url, err := bench.CreateDatabase(ctx, e.pg, db)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -272,17 +326,17 @@ func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64,
 	if err != nil {
 		return 0, 0, err
 	}
-	cenv := bench.CaptureEnv(url, e.natsURL, "", filepath.Join(e.dir, "capture-data"), metrics, "bench", "epitaph_bench")
-	watch, err := bench.WatchStream(e.natsURL, "bench")
+	cenv := bench.CaptureEnv(url, e.natsURL, "", filepath.Join(e.dir, data), metrics, source, "epitaph_"+source)
+	watch, err := bench.WatchStream(e.natsURL, source)
 	if err != nil {
 		return 0, 0, err
 	}
 	defer watch.Close()
-	p, err := bench.StartProc("capture", e.bins["capture"], cenv, e.dir)
+	p, err := bench.StartProc("capture-"+source, e.bins["capture"], cenv, e.dir)
 	if err != nil {
 		return 0, 0, err
 	}
-	if err := waitStream(ctx, p, watch, url, "epitaph_bench"); err != nil {
+	if err := waitStream(ctx, p, watch, url, "epitaph_"+source); err != nil {
 		p.Kill()
 		return 0, 0, err
 	}
@@ -292,7 +346,7 @@ func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64,
 	if _, err := bench.DeleteAllOrders(ctx, url, perTx); err != nil {
 		return 0, 0, err
 	}
-	p, err = bench.StartProc("capture", e.bins["capture"], cenv, e.dir)
+	p, err = bench.StartProc("capture-"+source, e.bins["capture"], cenv, e.dir)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -302,8 +356,8 @@ func (e *env) buildStream(ctx context.Context, rows, perTx int) (int64, float64,
 		return 0, 0, bench.Stalled(ctx, p, metrics, err)
 	}
 	rate := float64(n) / end.Sub(p.Started()).Seconds()
-	bench.Figure("projector.stream_delete_events", float64(n), "events")
-	bench.Figure("projector.capture_backlog_rows_per_sec", rate, "rows/s (capture draining the backlog into the stream)")
+	bench.Figure(figures+"stream_delete_events", float64(n), fmt.Sprintf("events (%d orders per transaction)", perTx))
+	bench.Figure(figures+"capture_backlog_rows_per_sec", rate, "rows/s (capture draining the backlog into the stream)")
 	if err := p.Stop(30 * time.Second); err != nil {
 		bench.Note("capture stop: %v", err)
 	}
@@ -344,6 +398,12 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 			return procs, err
 		}
 		penv := bench.ProjectorEnv(targetURL, e.natsURL, metrics, source, "bench-"+strconv.Itoa(i))
+		if e.snapshotRoots != "" {
+			penv = append(penv, "EPITAPH_SNAPSHOT_ROOTS="+e.snapshotRoots)
+		}
+		if e.pageSize > 0 {
+			penv = append(penv, "EPITAPH_BATCH_SIZE="+strconv.Itoa(e.pageSize))
+		}
 		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
 		if err != nil {
 			return procs, err
@@ -535,6 +595,11 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	}
 	cpu := e.cpu(procs[0].Pid()).sub(cpu0)
 	rate := e.applyFigures(n, start, first, end, cpu)
+	if e.afterArchive != nil {
+		if err := e.afterArchive(ctx, targetURL, end); err != nil {
+			return 0, err
+		}
+	}
 	for _, p := range procs {
 		if rss, err := p.PeakRSS(); err == nil {
 			e.figure("projector.apply_peak_rss_mib."+p.Name, float64(rss)/(1<<20), "MiB")
@@ -561,8 +626,13 @@ func (e *env) applyFigures(n int64, start, first, end time.Time, cpu cpuTimes) f
 // applyInProcess runs the projector service inside the bench (with the
 // JetStream server), so that -cpuprofile sees where its time goes.
 func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n int64) (float64, error) {
+	var roots []string
+	if e.snapshotRoots != "" {
+		roots = strings.Split(e.snapshotRoots, ",")
+	}
 	svc, err := projection.New(projection.Config{
-		TargetURL: targetURL, NATSURL: e.natsURL, SourceName: source, WorkerID: "bench-inprocess",
+		TargetURL: targetURL, NATSURL: e.natsURL, SourceName: source, WorkerID: "bench-inprocess", SnapshotRoots: roots,
+		BatchSize: e.pageSize,
 	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	if err != nil {
 		return 0, err
@@ -588,7 +658,131 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 	if err != nil {
 		return 0, err
 	}
-	return e.applyFigures(n, start, first, end, e.cpu(os.Getpid()).sub(cpu0)), nil
+	rate := e.applyFigures(n, start, first, end, e.cpu(os.Getpid()).sub(cpu0))
+	if e.afterArchive != nil {
+		if err := e.afterArchive(ctx, targetURL, end); err != nil {
+			return 0, err
+		}
+	}
+	return rate, nil
+}
+
+// spanningPage is the page size of the snapshot phase's batcher case:
+// below the default, pages are not grouped and cut at commits, so every
+// 701-event transaction spans pages.
+const spanningPage = 400
+
+// rootRows counts the delete events of public.orders, the snapshot root:
+// one document each.
+func rootRows(events []*event.Event) int64 {
+	var n int64
+	for _, ev := range events {
+		if ev.Schema == "public" && ev.Table == "orders" {
+			n++
+		}
+	}
+	return n
+}
+
+// snapshotRound is the snapshot phase of a round for source's stream: an
+// apply with public.orders as snapshot root into a fresh database, against
+// the rate without (applied first into another fresh database when without
+// is 0). The figures of the round are printed and added to snaps (by
+// "name|unit") for the medians.
+func (e *env) snapshotRound(ctx context.Context, round int, source, label string, pageSize int, n, orders int64, without float64, snaps map[string][]float64) error {
+	suffix := e.suffix
+	e.pageSize = pageSize
+	defer func() { e.suffix, e.snapshotRoots, e.afterArchive, e.pageSize = suffix, "", nil, 0 }()
+	name := "projector.snapshots." + label + "."
+	record := func(figure string, v float64, unit string) {
+		e.figure(name+figure, v, unit)
+		snaps[name+figure+"|"+unit] = append(snaps[name+figure+"|"+unit], v)
+	}
+	if without == 0 {
+		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_plain_%d", label, round))
+		if err != nil {
+			return err
+		}
+		e.suffix = ".snapshots." + label + ".without" + suffix
+		if without, err = e.apply(ctx, url, source, n); err != nil {
+			return err
+		}
+		if err := dropDatabase(ctx, e.pg, url); err != nil {
+			return err
+		}
+	}
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_snap_%d", label, round))
+	if err != nil {
+		return err
+	}
+	e.suffix = ".snapshots." + label + ".with" + suffix
+	e.snapshotRoots = "public.orders"
+	var docs documentFigures
+	e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
+		docs, err = waitDocuments(ctx, url, orders)
+		return err
+	}
+	with, err := e.apply(ctx, url, source, n)
+	if err != nil {
+		return err
+	}
+	if err := dropDatabase(ctx, e.pg, url); err != nil {
+		return err
+	}
+	e.suffix = suffix
+	record("apply_ratio", with/without, "x of the apply without snapshots (target >= 0.80)")
+	record("last_document_age_seconds", docs.lastAge.Seconds(), "s from the last archived row to the last document complete")
+	record("document_delay_max_seconds", docs.maxDelay, "s from a commit applied to its documents complete, the slowest (target <= 2)")
+	record("document_delay_p99_seconds", docs.p99Delay, "s, 99th percentile")
+	record("in_page_share", docs.inPage, "of the documents assembled in the apply transaction")
+	return nil
+}
+
+type documentFigures struct {
+	lastAge            time.Duration
+	maxDelay, p99Delay float64
+	inPage             float64
+}
+
+// waitDocuments waits until archive.snapshots holds want complete
+// documents and says how long after the last archived row the last one
+// was complete, and how long each document took from its commit being
+// applied (the job's created_at) to complete.
+func waitDocuments(ctx context.Context, targetURL string, want int64) (documentFigures, error) {
+	var f documentFigures
+	conn, err := pgx.Connect(ctx, targetURL)
+	if err != nil {
+		return f, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var complete, failed int64
+	err = workload.WaitFor(ctx, 10*time.Minute, 50*time.Millisecond, func(ctx context.Context) (bool, error) {
+		err := conn.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'complete'), count(*) FILTER (WHERE status = 'failed')
+			FROM archive.snapshots`).Scan(&complete, &failed)
+		if err != nil {
+			return false, err
+		}
+		if failed > 0 {
+			return false, fmt.Errorf("%d snapshot documents failed", failed)
+		}
+		return complete >= want, nil
+	})
+	if err != nil {
+		return f, fmt.Errorf("snapshots: %d of %d documents complete: %w", complete, want, err)
+	}
+	// When the last row was archived, how long the last document still
+	// took (by the servers' clocks, not this poll's).
+	var age float64
+	err = conn.QueryRow(ctx, `SELECT greatest(0, extract(epoch FROM (SELECT max(completed_at) FROM archive.snapshots)
+		- (SELECT max(archived_at) FROM archive.rows)))::float8`).Scan(&age)
+	if err != nil {
+		return f, err
+	}
+	f.lastAge = time.Duration(age * float64(time.Second))
+	err = conn.QueryRow(ctx, `SELECT max(d), percentile_cont(0.99) WITHIN GROUP (ORDER BY d), avg(in_page)
+		FROM (SELECT extract(epoch FROM completed_at - created_at)::float8 AS d, (completed_at = created_at)::int::float8 AS in_page
+		      FROM archive.snapshots) s`).Scan(&f.maxDelay, &f.p99Delay, &f.inPage)
+	return f, err
 }
 
 // cpuTimes are CPU seconds used: by a process (user+system, with its

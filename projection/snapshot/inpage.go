@@ -1,0 +1,261 @@
+package snapshot
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// Row is one archive row of a source transaction as the host that archives
+// it holds it in memory: the values it stored in <schema>.rows.
+type Row struct {
+	Schema, Table string
+	Identity      string
+	Key           json.RawMessage // NULL when empty
+	Row           json.RawMessage // NULL when empty
+	Refs          []event.Ref
+	Seq           int
+	CommitTime    time.Time // zero: stored NULL
+}
+
+// Group is one source transaction whose rows the caller's transaction has
+// just archived, every one of them, with the commit that ends it.
+type Group struct {
+	Commit *event.Event
+	Rows   []Row
+	// ArchivedAt is the archived_at the rows were stored with (the
+	// archiving transaction's now(), as RETURNING gave it).
+	ArchivedAt time.Time
+}
+
+// createAssembledSQL writes jobs whose documents are already assembled.
+const createAssembledSQL = `
+INSERT INTO %s (correlation_id, source, commit_lsn, root_table, root_key, root_seq, expected_tables, expected_rows,
+                status, payload, fingerprint, retry_count, failure_reason, completed_at, pending_since)
+SELECT u.correlation_id, u.source, u.commit_lsn::pg_lsn, u.root_table, u.root_key::jsonb, u.root_seq,
+       u.expected::jsonb, u.expected_rows, u.status, u.payload::jsonb, u.fingerprint, u.retry_count, u.reason,
+       CASE u.status WHEN 'complete' THEN now() END, NULL
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::text[], $8::int[],
+              $9::text[], $10::text[], $11::text[], $12::int[], $13::text[])
+       AS u(correlation_id, source, commit_lsn, root_table, root_key, root_seq, expected, expected_rows,
+            status, payload, fingerprint, retry_count, reason)
+ON CONFLICT (correlation_id, root_table, root_key) DO NOTHING`
+
+// recordGroupsSQL is recordGroupSQL for many transactions.
+const recordGroupsSQL = `
+INSERT INTO %s (correlation_id, source, commit_lsn, roots, expected_tables, expected_rows)
+SELECT u.correlation_id, u.source, u.commit_lsn::pg_lsn, $4, u.expected::jsonb, u.expected_rows
+  FROM unnest($1::text[], $2::text[], $3::text[], $5::text[], $6::int[])
+       AS u(correlation_id, source, commit_lsn, expected, expected_rows)
+ON CONFLICT (correlation_id) DO NOTHING`
+
+// CreateAssembled is CreateJobs for transactions whose rows are all in
+// memory: the projector calls it when a transaction's rows and its commit
+// are applied by one target transaction (the common case: the transaction
+// fits in a page). It assembles the documents of each group's root rows
+// ("schema.table" in roots) in memory, with the code and rules the batch
+// uses, and writes them complete (or failed, as a batch would) in the
+// caller's transaction, two statements for all groups: a reader sees the
+// documents the moment the commit is visible, with the fingerprint and
+// payload a batch would have written from the same rows.
+//
+// The caller guarantees that Rows are exactly the rows it archived for the
+// group in tx (no other rows of the transaction are in <schema>.rows).
+// Completeness is still proven, as a batch does: a group whose rows are
+// not seqs 0..Rows-1 of the commit, or that has fewer rows of a table
+// than the commit counted, is handed to CreateJobs (pending, for the
+// batcher), and so is a group a batch would leave pending. Idempotent like
+// CreateJobs. It returns the number of jobs created and, of those, how many
+// are pending (the batcher's work).
+func CreateAssembled(ctx context.Context, tx pgx.Tx, schema string, groups []Group, roots []string) (created, pending int, err error) {
+	if len(roots) == 0 || len(groups) == 0 {
+		return 0, 0, nil
+	}
+	cfg := Config{Schema: schema}
+	cfg.setDefaults()
+	var (
+		w        assembledJobs
+		recorded assembledGroups
+	)
+	for _, gr := range groups {
+		if gr.Commit == nil || gr.Commit.Op != event.OpCommit {
+			return created, pending, errors.New("create assembled snapshot jobs: not a commit event")
+		}
+		tables := gr.Commit.Tables
+		if tables == nil {
+			tables = map[string]int{}
+		}
+		expected, err := json.Marshal(tables)
+		if err != nil {
+			return created, pending, fmt.Errorf("create snapshot jobs: encode table counts: %w", err)
+		}
+		jobs, lg, ok := assemble(gr, tables, roots)
+		outs := make([]outcome, len(jobs))
+		for i, j := range jobs {
+			if outs[i] = lg.outcome(j, &cfg); outs[i].status == StatusPending {
+				ok = false
+				break
+			}
+		}
+		if !ok {
+			n, err := CreateJobs(ctx, tx, schema, gr.Commit, roots)
+			if err != nil {
+				return created, pending, err
+			}
+			created, pending = created+n, pending+n
+			continue
+		}
+		c := gr.Commit
+		for i, j := range jobs {
+			w.add(c, j, lg.g.rows[lg.g.bySeq[j.rootSeq]].Key, string(expected), outs[i], lg.fp)
+		}
+		if countsRoot(tables, roots) {
+			recorded.add(c, string(expected))
+		}
+	}
+	if len(w.corr) > 0 {
+		tag, err := tx.Exec(ctx, fmt.Sprintf(createAssembledSQL, table(schema, "snapshots")),
+			w.corr, w.sources, w.lsns, w.rootTables, w.rootKeys, w.rootSeqs, w.expected, w.expectedRows,
+			w.statuses, w.payloads, w.fps, w.attempts, w.reasons)
+		if err != nil {
+			return created, pending, fmt.Errorf("write %d assembled snapshot jobs: %w", len(w.corr), err)
+		}
+		created += int(tag.RowsAffected())
+	}
+	if len(recorded.corr) > 0 {
+		if _, err := tx.Exec(ctx, fmt.Sprintf(recordGroupsSQL, table(schema, "snapshot_groups")),
+			recorded.corr, recorded.sources, recorded.lsns, roots, recorded.expected, recorded.expectedRows); err != nil {
+			return created, pending, fmt.Errorf("record %d snapshot groups: %w", len(recorded.corr), err)
+		}
+	}
+	return created, pending, nil
+}
+
+// assemble turns a group into the jobs CreateJobs would make (one per
+// distinct key of a root table, at its first deletion) and the loaded
+// group a batch would read; false when the group is not provably the
+// whole transaction (or a root row has no key), so the batcher must do it.
+func assemble(gr Group, tables map[string]int, roots []string) ([]job, *loadedGroup, bool) {
+	c := gr.Commit
+	if len(gr.Rows) != c.Rows || c.Rows == 0 {
+		return nil, nil, false
+	}
+	seen := make([]bool, c.Rows)
+	list := make([]*archiveRow, 0, len(gr.Rows))
+	for _, r := range gr.Rows {
+		if r.Seq < 0 || r.Seq >= c.Rows || seen[r.Seq] {
+			return nil, nil, false
+		}
+		seen[r.Seq] = true
+		list = append(list, &archiveRow{
+			Schema: r.Schema, Table: r.Table, Identity: r.Identity, Key: r.Key, Row: r.Row, Refs: r.Refs,
+			CommitLSN: c.CommitLSN, Seq: r.Seq,
+			// As stored: timestamptz keeps microseconds.
+			CommitTime: r.CommitTime.Truncate(time.Microsecond),
+			ArchivedAt: gr.ArchivedAt,
+		})
+	}
+	g := newGroup(c.CorrelationID(), list)
+	if missing(tables, g.counts()) != "" {
+		return nil, nil, false
+	}
+	// One job per (root table, key), rooted at the first deletion
+	// (createJobsSQL's DISTINCT ON ... ORDER BY seq); g.rows is by seq.
+	var jobs []job
+	var rootSeqs []int
+	have := map[string]bool{}
+	for _, r := range g.rows {
+		q := r.qualified()
+		if !slices.Contains(roots, q) {
+			continue
+		}
+		k, ok := canonicalJSON(r.Key)
+		if !ok {
+			return nil, nil, false
+		}
+		if id := q + "\x00" + k; !have[id] {
+			have[id] = true
+			jobs = append(jobs, job{correlationID: g.correlationID, source: c.Source, commitLSN: c.CommitLSN.String(),
+				rootTable: q, rootSeq: r.Seq, expected: tables})
+			rootSeqs = append(rootSeqs, r.Seq)
+		}
+	}
+	return jobs, newLoadedGroup(g, rootSeqs), true
+}
+
+// canonicalJSON is a JSON value with object keys sorted and no
+// insignificant space, so that equal jsonb keys compare equal; false for
+// a missing or unreadable value.
+func canonicalJSON(raw json.RawMessage) (string, bool) {
+	if len(raw) == 0 {
+		return "", false
+	}
+	d := json.NewDecoder(strings.NewReader(string(raw)))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil || v == nil {
+		return "", false
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return "", false
+	}
+	return string(b), true
+}
+
+// assembledJobs are the columns of createAssembledSQL's unnest.
+type assembledJobs struct {
+	corr, sources, lsns, rootTables, rootKeys []string
+	rootSeqs                                  []int32
+	expected                                  []string
+	expectedRows                              []int32
+	statuses                                  []string
+	payloads, fps, reasons                    []*string
+	attempts                                  []int32
+}
+
+func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected string, out outcome, fp string) {
+	w.corr = append(w.corr, j.correlationID)
+	w.rootKeys = append(w.rootKeys, string(key))
+	w.sources = append(w.sources, c.Source)
+	w.lsns = append(w.lsns, j.commitLSN)
+	w.rootTables = append(w.rootTables, j.rootTable)
+	w.rootSeqs = append(w.rootSeqs, int32(j.rootSeq))
+	w.expected = append(w.expected, expected)
+	w.expectedRows = append(w.expectedRows, int32(c.Rows))
+	w.statuses = append(w.statuses, out.status)
+	var payload, reason *string
+	if out.payload != nil {
+		s := string(out.payload)
+		payload = &s
+	}
+	if out.reason != "" {
+		reason = &out.reason
+	}
+	w.payloads = append(w.payloads, payload)
+	w.fps = append(w.fps, &fp)
+	w.attempts = append(w.attempts, int32(out.attempts))
+	w.reasons = append(w.reasons, reason)
+}
+
+// assembledGroups are the columns of recordGroupsSQL's unnest.
+type assembledGroups struct {
+	corr, sources, lsns, expected []string
+	expectedRows                  []int32
+}
+
+func (g *assembledGroups) add(c *event.Event, expected string) {
+	g.corr = append(g.corr, c.CorrelationID())
+	g.sources = append(g.sources, c.Source)
+	g.lsns = append(g.lsns, c.CommitLSN.String())
+	g.expected = append(g.expected, expected)
+	g.expectedRows = append(g.expectedRows, int32(c.Rows))
+}
