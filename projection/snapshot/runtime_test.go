@@ -216,7 +216,7 @@ func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)
 	defer pool.Close()
-	e := &env{ctx: ctx, pool: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
+	e := &env{ctx: ctx, pool: pool, src: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
 	e.lsn.Store(0x3C000000)
 
 	n := testenv.NewNATS(t)
