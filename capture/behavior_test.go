@@ -70,7 +70,7 @@ func TestReplicaIdentity(t *testing.T) {
 	require.Equal(t, event.IdentityKey, d.Identity)
 	require.JSONEq(t, `{"a":1,"b":"x"}`, string(d.Key))
 	require.JSONEq(t, `{"a":1,"b":"x"}`, string(d.Row), "a key-only event carries only the key columns")
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 
 	// With the opt-in, every table becomes FULL and is captured whole.
@@ -123,7 +123,7 @@ func TestLargeRowViaObjectStore(t *testing.T) {
 	cfg := e.config()
 	svc, err := New(cfg, WithLogger(testLogger(t)), WithRegistry(reg))
 	require.NoError(t, err)
-	t.Cleanup(svc.Stop)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	require.NoError(t, svc.Start(context.Background()))
 	e.exec(t, `DELETE FROM docs`)
 	ms := e.messages(t, "main", 3)

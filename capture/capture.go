@@ -24,13 +24,16 @@ import (
 	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
+	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/redact"
 )
 
-// Service captures the source's deletes into JetStream. Start it once; Stop
-// (or cancelling Start's context) ends it softly: in-flight publishes are
-// awaited and what is safe is confirmed to the slot.
+// Service captures the source's deletes into JetStream. It is a service
+// (internal/startstop): Start it once; Stop ends it softly (in-flight
+// publishes are awaited and what is safe is confirmed to the slot);
+// cancelling Start's context is the hard stop (nothing more is awaited or
+// confirmed: a restart sends the unconfirmed tail again, deduplicated).
 type Service struct {
 	cfg Config
 	log *slog.Logger
@@ -46,11 +49,10 @@ type Service struct {
 	obsrv   *observe.Server
 	st      *streamer
 
-	cancel   context.CancelFunc
-	done     chan struct{}
-	err      error
-	stopOnce sync.Once
-	bgWG     sync.WaitGroup
+	ss      startstop.Base
+	hardCtx context.Context    // done: the hard stop
+	cancel  context.CancelFunc // ends the stream loop and the background work
+	bgWG    sync.WaitGroup
 
 	mu          sync.Mutex
 	sel         *tableSelection
@@ -93,7 +95,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Service{cfg: cfg, done: make(chan struct{}), role: RoleStarting, catalogKick: make(chan struct{}, 1)}
+	s := &Service{cfg: cfg, role: RoleStarting, catalogKick: make(chan struct{}, 1)}
 	for _, o := range opts {
 		o(s)
 	}
@@ -129,18 +131,22 @@ func (s *Service) MetricsAddr() string {
 // Start connects, checks the source, sets up the publication, the stream
 // and the slot, and starts streaming in the background. Setup errors are
 // returned here (a *ConfigError when the operator must change something).
-// Cancelling ctx later stops the service softly, like Stop.
+// Cancelling ctx later is the hard stop.
 //
 // With Config.Standby, Start returns once the source is checked and the
 // endpoints are served: the capture waits for the lease in the background,
 // and errors of the setup that follows are returned by Wait.
 func (s *Service) Start(ctx context.Context) (err error) {
+	soft, hard, ok := s.ss.StartInit(ctx)
+	if !ok {
+		return errors.New("capture already started")
+	}
+	s.hardCtx = hard
 	defer func() {
 		if err != nil {
 			s.closeAll()
-			s.err = err
 			s.setRole(RoleStopped, nil)
-			close(s.done)
+			s.ss.Finish(err)
 		}
 	}()
 	cfg := &s.cfg
@@ -178,9 +184,8 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		if err := s.startEndpoints(ctx); err != nil {
 			return err
 		}
-		loopCtx, cancel := context.WithCancel(context.Background())
+		loopCtx, cancel := context.WithCancel(soft)
 		s.cancel = cancel
-		context.AfterFunc(ctx, cancel)
 		s.activate(loopCtx)
 		go s.runLoop(loopCtx)
 		return nil
@@ -193,9 +198,8 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if err := s.startEndpoints(ctx); err != nil {
 		return err
 	}
-	loopCtx, cancel := context.WithCancel(context.Background())
+	loopCtx, cancel := context.WithCancel(soft)
 	s.cancel = cancel
-	context.AfterFunc(ctx, cancel)
 	go s.runStandby(loopCtx, db)
 	return nil
 }
@@ -538,6 +542,8 @@ func (s *Service) runLoop(ctx context.Context) {
 				s.log.Error("capture loop ended after the lease was lost", "err", err)
 			}
 			err = lost
+		} else if err == nil && s.hardCtx.Err() != nil {
+			s.log.Info("capture stopped hard", "confirmed_lsn", s.st.flushed.String())
 		} else if err == nil {
 			err = s.softStop()
 			if le := s.limitsErr.Load(); le != nil && err == nil {
@@ -586,16 +592,15 @@ func (s *Service) finish(err error) {
 	s.cancel()
 	s.bgWG.Wait()
 	s.closeAll()
-	s.err = err
 	s.setRole(RoleStopped, nil)
-	close(s.done)
+	s.ss.Finish(err)
 }
 
 // softStop waits for the in-flight publishes and confirms what is safe. An
 // embedded broker is shut down first and its files fsynced, so every
-// acknowledged position becomes safe.
+// acknowledged position becomes safe. The hard stop cuts it short.
 func (s *Service) softStop() error {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(s.hardCtx, 30*time.Second)
 	defer cancel()
 	if err := s.st.finish(ctx); err != nil {
 		return fmt.Errorf("stop: %w", err)
@@ -622,25 +627,14 @@ func (s *Service) softStop() error {
 	return nil
 }
 
-// Stop ends the service softly and waits for it. Safe to call more than
-// once, and before or after Start.
-func (s *Service) Stop() {
-	s.stopOnce.Do(func() {
-		if s.cancel != nil {
-			s.cancel()
-		}
-	})
-	if s.cancel != nil {
-		<-s.done
-	}
-}
+// Stop ends the service softly and waits for it; when ctx ends first, the
+// stop turns hard and Stop returns an error wrapping ctx's. Safe to call
+// more than once, and before or after Start.
+func (s *Service) Stop(ctx context.Context) error { return s.ss.Stop(ctx) }
 
 // Wait blocks until the stream loop ends and returns its error (nil after a
-// soft stop).
-func (s *Service) Wait() error {
-	<-s.done
-	return s.err
-}
+// stop).
+func (s *Service) Wait() error { return s.ss.Wait() }
 
 // closeAll closes the replication connection first, so the slot is free
 // for a standby as soon as possible, and the endpoints last.
@@ -664,7 +658,9 @@ func (s *Service) closeAll() {
 		s.pool.Close()
 	}
 	if s.obsrv != nil {
-		s.obsrv.Stop()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = s.obsrv.Stop(ctx) // past the bound, requests in flight are cut off
+		cancel()
 	}
 }
 

@@ -18,7 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // env is one test's source database and JetStream server.
 type env struct {
@@ -65,7 +65,7 @@ func newService(t *testing.T, cfg Config) *Service {
 	t.Helper()
 	svc, err := New(cfg, WithLogger(testLogger(t)))
 	require.NoError(t, err)
-	t.Cleanup(svc.Stop)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	return svc
 }
 
@@ -231,7 +231,7 @@ func TestDeleteIsPublished(t *testing.T) {
 	st := svc.CurrentStatus()
 	require.True(t, st.Active)
 	require.Equal(t, []string{"public.customers", "public.orders"}, st.PublicationTables)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	_ = json.Valid
 }

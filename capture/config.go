@@ -156,9 +156,6 @@ func WithLogger(l *slog.Logger) Option { return func(s *Service) { s.log = l } }
 // (default: a private registry, served on MetricsAddr).
 func WithRegistry(r *prometheus.Registry) Option { return func(s *Service) { s.reg = r } }
 
-// withClock replaces the clock (tests).
-func withClock(now func() time.Time) Option { return func(s *Service) { s.now = now } }
-
 func (c *Config) setDefaults() {
 	if c.SourceName == "" {
 		c.SourceName = "main"

@@ -99,7 +99,7 @@ func TestEmbeddedBrokerAndEndpoints(t *testing.T) {
 	require.Equal(t, []string{"public.t"}, st.PublicationTables)
 	require.Equal(t, "EPITAPH_MAIN", st.Stream)
 
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	// A clean stop of the embedded broker synced everything it acknowledged,
 	// so the slot is confirmed past the delete.

@@ -17,7 +17,7 @@ import (
 func waitEnded(t *testing.T, svc *Service) error {
 	t.Helper()
 	select {
-	case <-svc.done:
+	case <-svc.ss.Done():
 		return svc.Wait()
 	case <-time.After(90 * time.Second):
 		t.Fatal("capture did not stop after losing its broker/source")

@@ -164,7 +164,7 @@ func TestNewTablesWhileStreaming(t *testing.T) {
 	cfg.SetReplicaIdentityFull = true
 	svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
 	require.NoError(t, err)
-	t.Cleanup(svc.Stop)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	require.NoError(t, svc.Start(context.Background()))
 	require.Equal(t, []string{"public.base", "public.p"}, svc.CurrentStatus().PublicationTables)
 	require.Contains(t, logs.String(), `msg="set REPLICA IDENTITY FULL (--set-replica-identity-full)" tables="[\"public\".\"base\" \"public\".\"p\" \"public\".\"p1\"]"`)
@@ -320,7 +320,7 @@ func TestKeys(t *testing.T) {
 		CREATE TABLE gone (id int PRIMARY KEY, v text);
 		INSERT INTO ui VALUES (1, 'A-1', 'x'); INSERT INTO ren VALUES (1, 'r'); INSERT INTO renk VALUES (1, 'k'); INSERT INTO gone VALUES (1, 'g')`)
 	svc := e.start(t, func(c *Config) { c.CatalogPoll = -1 })
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	e.exec(t, `DELETE FROM ui; DELETE FROM ren; DELETE FROM renk; DELETE FROM gone;
 		ALTER TABLE ren RENAME COLUMN id TO ident; ALTER TABLE renk RENAME COLUMN id TO ident; DROP TABLE gone`)

@@ -135,7 +135,7 @@ func TestStreamLimits(t *testing.T) {
 	e.exec(t, `DELETE FROM items WHERE id = 1`)
 	require.Len(t, e.deletes(t, "main", 1), 1)
 	require.True(t, svc.CurrentStatus().Active)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 
 	// Changed while it was down: refused at start, naming the limit and
@@ -151,14 +151,14 @@ func TestStreamLimits(t *testing.T) {
 	require.Equal(t, "max-bytes=1048576", streamConfig().Metadata[MetaLimits])
 	edit(func(sc *jetstream.StreamConfig) { sc.MaxBytes = 4096 })
 	require.Eventually(t, func() bool { return streamConfig().MaxBytes == 1<<20 }, 60*time.Second, 50*time.Millisecond)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 
 	// The operator's own change of --retention (the recorded value is
 	// the capture's): applied without a refusal, in both directions.
 	svc = e.start(t, func(c *Config) { fast(c); c.Retention = 48 * time.Hour })
 	require.Equal(t, Limits{MaxAge: 48 * time.Hour}, limitsOf(streamConfig()))
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	svc = e.start(t, fast)
 	require.Equal(t, Limits{}, limitsOf(streamConfig()))

@@ -76,7 +76,6 @@ type streamer struct {
 	tables map[string]int
 
 	img     rowImage
-	buf     []byte
 	body    []byte // a delete's message body, reused
 	hdr     nats.Header
 	hdrVals []string
@@ -699,9 +698,9 @@ func (st *streamer) sendStatus(now time.Time, safe event.LSN) error {
 	return nil
 }
 
-// finish is the soft stop: wait for every in-flight publish, then confirm
-// what is safe. trusted says the broker's files are synced (an embedded
-// server shut down cleanly), making every acknowledged position safe.
+// finish is the first step of the soft stop: it waits until every
+// in-flight publish is acknowledged. Service.softStop then confirms what
+// is safe to the slot.
 func (st *streamer) finish(ctx context.Context) error {
 	if err := st.tr.drain(ctx, st.now); err != nil {
 		return err

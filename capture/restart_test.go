@@ -58,7 +58,7 @@ func TestRestartNeverDuplicates(t *testing.T) {
 		info, err := st.Info(ctx)
 		return err == nil && info.State.Msgs > 1000
 	}, 60*time.Second, 5*time.Millisecond)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	info, err := st.Info(ctx)
 	require.NoError(t, err)
@@ -69,7 +69,7 @@ func TestRestartNeverDuplicates(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond) // let the dedupe window pass: only positions protect now
 	svc = e.start(t, cfg)
 	ms := e.messages(t, "main", 30000+2+4)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	require.Len(t, ms, 30000+2+4)
 	requireOnce(t, ms, 30000)
@@ -79,7 +79,7 @@ func TestRestartNeverDuplicates(t *testing.T) {
 	require.Less(t, c, ms[0].ev.CommitLSN, "nothing was confirmed: the restart re-read everything")
 
 	// A third run with more deletes after the stream's tail.
-	svc = e.start(t, cfg)
+	e.start(t, cfg)
 	e.exec(t, `INSERT INTO items VALUES (1, 'again'); DELETE FROM items`)
 	ms = e.messages(t, "main", 30000+2+4+2)
 	require.Len(t, ms, 30000+2+4+2)
@@ -102,7 +102,7 @@ func TestGapFailsClosed(t *testing.T) {
 	svc := e.start(t, nil)
 	e.exec(t, `DELETE FROM g WHERE id = 1`)
 	before := e.messages(t, "main", 2)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	e.exec(t, `SELECT pg_drop_replication_slot($1)`, e.slot)
 	e.exec(t, `DELETE FROM g WHERE id = 2`) // lost: no slot

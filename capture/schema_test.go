@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"context"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -28,7 +29,7 @@ func TestSchemaChanges(t *testing.T) {
 		INSERT INTO t VALUES (1, 'one', 'red'), (2, 'two', 'blue'), (3, 'three', NULL), (4, 'four', 'red');
 		INSERT INTO u VALUES (1)`)
 	svc := e.start(t, func(c *Config) { c.Tables = []string{"t"} })
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	e.exec(t, `DELETE FROM t WHERE id = 1;
 		ALTER TABLE t ADD COLUMN b bigint DEFAULT 9007199254740993;

@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"context"
 	"net/url"
 	"strings"
 	"testing"
@@ -137,7 +138,7 @@ func TestSetupErrors(t *testing.T) {
 			c.SlotName = e.slot + "_parts"
 			c.SourceName = "parts"
 		})
-		svc.Stop()
+		require.NoError(t, svc.Stop(context.Background()))
 		err := e.startErr(t, func(c *Config) {
 			c.Tables = []string{"owned_by_postgres"}
 			c.SlotName = e.slot + "_parts"

@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"net/http"
@@ -86,7 +87,7 @@ func TestStandbyWaitsAndTakesOver(t *testing.T) {
 
 	e.exec(t, `DELETE FROM s WHERE id <= 5`)
 	e.deletes(t, "main", 5)
-	a.Stop()
+	require.NoError(t, a.Stop(context.Background()))
 	require.NoError(t, a.Wait())
 	waitRole(t, b, RoleActive)
 	e.exec(t, `DELETE FROM s WHERE id > 5`)
@@ -99,7 +100,7 @@ func TestStandbyWaitsAndTakesOver(t *testing.T) {
 	a = e.start(t, e.standbyConfig("epitaph-capture:test-a"))
 	st = waitRole(t, a, RoleStandby)
 	require.Equal(t, 0, len(st.PublicationTables), "a standby has not touched the publication")
-	b.Stop()
+	require.NoError(t, b.Stop(context.Background()))
 	require.NoError(t, b.Wait())
 	waitRole(t, a, RoleActive)
 }
@@ -142,7 +143,7 @@ func TestStandbyStoppedWhileWaiting(t *testing.T) {
 	waitRole(t, a, RoleActive)
 	b := e.start(t, e.standbyConfig("epitaph-capture:w-b"))
 	waitRole(t, b, RoleStandby)
-	b.Stop()
+	require.NoError(t, b.Stop(context.Background()))
 	require.NoError(t, b.Wait())
 	require.Equal(t, RoleStopped, b.CurrentStatus().Role)
 	require.Equal(t, RoleActive, a.CurrentStatus().Role)
@@ -181,7 +182,7 @@ func TestStandbyWaitsForSlotHeldWithoutLease(t *testing.T) {
 	require.Equal(t, "epitaph-capture:plain", st.Standby.Holder.ApplicationName)
 	e.exec(t, `DELETE FROM s WHERE id = 1`)
 	e.deletes(t, "main", 1)
-	a.Stop()
+	require.NoError(t, a.Stop(context.Background()))
 	require.NoError(t, a.Wait())
 	waitRole(t, b, RoleActive)
 	e.exec(t, `DELETE FROM s WHERE id = 2`)

@@ -134,9 +134,9 @@ func (s *Service) CurrentStatus() Status {
 		st.SkippedTables, st.KeyIdentityTables = s.sel.skipped, s.sel.keyOnly
 	}
 	select {
-	case <-s.done:
-		if s.err != nil {
-			st.Error = s.err.Error()
+	case <-s.ss.Done():
+		if err := s.ss.Wait(); err != nil {
+			st.Error = err.Error()
 		}
 	default:
 	}
@@ -145,18 +145,18 @@ func (s *Service) CurrentStatus() Status {
 
 func (s *Service) status(context.Context) (any, error) { return s.CurrentStatus(), nil }
 
-// healthy: streaming, or waiting as a standby (or taking over) is healthy;
-// starting and stopped are not.
 // live is /livez: the stream (or standby) loop has not ended.
 func (s *Service) live(context.Context) error {
 	select {
-	case <-s.done:
+	case <-s.ss.Done():
 		return errors.New("capture loop ended")
 	default:
 		return nil
 	}
 }
 
+// healthy: streaming, or waiting as a standby (or taking over) is healthy;
+// starting and stopped are not.
 func (s *Service) healthy(context.Context) error {
 	if s.activeState.Load() {
 		return nil

@@ -294,7 +294,7 @@ func TestEveryMessageIsSignedOrDigested(t *testing.T) {
 
 	// The key is kept across restarts: the restarted capture resumes after
 	// its own messages and signs with the same key.
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	fi, err := os.Stat(filepath.Join(e.dir, "signing.key"))
 	require.NoError(t, err)
@@ -328,7 +328,7 @@ func TestForeignMessagesAreNeverBelieved(t *testing.T) {
 	e.requireRealDeletes(t, pub, ids(1, 20))
 	requireStreaming(t, svc)
 	// And a restart with the garbage in the stream.
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	e.hostile(t, event.DeleteSubject("main", 1, "public", "items"), nil, "not json either")
 	svc = e.start(t, trustConfig)
@@ -339,7 +339,7 @@ func TestForeignMessagesAreNeverBelieved(t *testing.T) {
 
 	// A valid-shaped forged delete (any key, plausible position), while
 	// the capture is stopped and at the stream's end.
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	lsn := event.LSN(0x7FFF0000)
 	forged := fmt.Sprintf(`{"v":1,"op":"delete","source":"main","schema":"public","table":"items","xid":1,"commit_lsn":"%s","commit_time":"2026-01-01T00:00:00Z","seq":0,"identity":"full","columns":[{"name":"id","type":"integer","pk":true},{"name":"pad","type":"text"}],"key":{"id":99},"row":{"id":99,"pad":"FORGED"}}`, lsn)
@@ -354,7 +354,7 @@ func TestForeignMessagesAreNeverBelieved(t *testing.T) {
 	// A crafted far-future position, unsigned on a commit and signed with
 	// another key on a mark: neither is believed, and later deletes are
 	// published, not skipped as "already sent".
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	_, otherKey, err := ed25519.GenerateKey(nil)
 	require.NoError(t, err)
@@ -387,7 +387,7 @@ func TestImplausiblePositionIsRefused(t *testing.T) {
 	pub := e.publicKey(t)
 	e.exec(t, `DELETE FROM items WHERE id <= 10`)
 	e.requireRealDeletes(t, pub, ids(1, 10))
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 
 	data, err := os.ReadFile(filepath.Join(e.dir, "signing.key"))
@@ -426,7 +426,7 @@ func TestForgeryTakingAPendingDeletesIDIsNotBelieved(t *testing.T) {
 	pub := e.publicKey(t)
 	e.exec(t, `DELETE FROM items WHERE id <= 5`)
 	e.requireRealDeletes(t, pub, ids(1, 5))
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 
 	// A delete made while the capture is down: its commit LSN is in the
@@ -468,7 +468,7 @@ func TestForgeryTakingAPendingDeletesIDIsNotBelieved(t *testing.T) {
 	// Later deletes, and a restart, leave it so.
 	e.exec(t, `DELETE FROM items WHERE id BETWEEN 9 AND 12`)
 	e.requireRealDeletes(t, pub, ids(1, 12))
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	svc = e.start(t, trustConfig)
 	requireStreaming(t, svc)
@@ -603,7 +603,7 @@ func TestRestartInsideTransactionWithAMark(t *testing.T) {
 		ev, err := event.Decode(m.Data)
 		return err == nil && ev.Kind == event.MarkUser && ev.CommitLSN != 0
 	}, 90*time.Second, 2*time.Millisecond)
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	var commits int
 	for _, m := range e.rawMsgs(t, "main") {

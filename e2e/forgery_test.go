@@ -92,7 +92,7 @@ func (f *forger) run(ctx context.Context, nc *nats.Conn) error {
 	if err != nil {
 		return err
 	}
-	defer sub.Unsubscribe()
+	defer func() { _ = sub.Unsubscribe() }() // the connection closes anyway
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	preempted := map[event.LSN]bool{}

@@ -1,6 +1,7 @@
 package e2e_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -292,7 +293,7 @@ func jsonEqual(a, b json.RawMessage) bool {
 	}
 	ja, _ := json.Marshal(x)
 	jb, _ := json.Marshal(y)
-	return string(ja) == string(jb)
+	return bytes.Equal(ja, jb)
 }
 
 // TestLostIdentityIsAGapInTheArchive: through the real binaries, a table

@@ -21,6 +21,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/epitaph-dev/epitaph/internal/startstop"
 )
 
 // Config of the endpoint server.
@@ -43,12 +45,15 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// Server serves the endpoints until stopped.
+// Server serves the endpoints until stopped. It is a service
+// (internal/startstop): Stop lets requests in flight finish, cancelling
+// Start's ctx closes the connections at once.
 type Server struct {
 	cfg  Config
 	mux  *http.ServeMux
 	srv  *http.Server
 	addr string
+	ss   startstop.Base
 }
 
 // New builds a server; Handle adds more routes before Start.
@@ -75,20 +80,46 @@ func New(cfg Config) *Server {
 func (s *Server) Handle(pattern string, h http.Handler) { s.mux.Handle(pattern, h) }
 
 // Start listens and serves in the background. It returns once listening.
+// With an empty Config.Addr it serves nothing and returns nil.
 func (s *Server) Start(ctx context.Context) error {
+	soft, hard, ok := s.ss.StartInit(ctx)
+	if !ok {
+		return errors.New("endpoint server already started")
+	}
 	if s.cfg.Addr == "" {
+		s.ss.Finish(nil)
 		return nil
 	}
 	l, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
-		return fmt.Errorf("listen for metrics on %s: %w", s.cfg.Addr, err)
+		err = fmt.Errorf("listen for metrics on %s: %w", s.cfg.Addr, err)
+		s.ss.Finish(err)
+		return err
 	}
 	s.addr = l.Addr().String()
 	s.srv = &http.Server{Handler: s.mux, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan error, 1)
 	go func() {
-		if err := s.srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		err := s.srv.Serve(l)
+		if errors.Is(err, http.ErrServerClosed) {
+			err = nil
+		} else {
 			s.cfg.Logger.Error("metrics server stopped", "err", err)
 		}
+		served <- err
+	}()
+	go func() {
+		var err error
+		select {
+		case err = <-served:
+		case <-soft.Done():
+			// Requests in flight finish, unless the stop turns hard.
+			if err := s.srv.Shutdown(hard); err != nil {
+				_ = s.srv.Close()
+			}
+			err = <-served
+		}
+		s.ss.Finish(err)
 	}()
 	return nil
 }
@@ -96,15 +127,13 @@ func (s *Server) Start(ctx context.Context) error {
 // Addr is the address actually listened on (useful with port 0).
 func (s *Server) Addr() string { return s.addr }
 
-// Stop shuts the server down.
-func (s *Server) Stop() {
-	if s.srv == nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = s.srv.Shutdown(ctx)
-}
+// Stop shuts the server down: requests in flight finish; when ctx ends
+// first, their connections are closed. Safe before Start.
+func (s *Server) Stop(ctx context.Context) error { return s.ss.Stop(ctx) }
+
+// Wait blocks until the server has stopped and returns why it stopped
+// serving on its own (nil after a stop).
+func (s *Server) Wait() error { return s.ss.Wait() }
 
 // probe answers 200 "ok" when check passes (or is nil), 503 with the
 // reason otherwise. A probe never waits longer than 5 s for its check.

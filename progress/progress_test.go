@@ -17,12 +17,12 @@ import (
 	"github.com/epitaph-dev/epitaph/progress"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 func setup(t *testing.T, partitions int) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	pool, err := pgxpool.New(ctx, testenv.NoSearchPath(testenv.NewDatabase(t))) // a missing schema qualifier fails
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	require.NoError(t, migrations.Apply(ctx, pool))

@@ -381,7 +381,7 @@ func newObjectReader(js jetstream.JetStream) *objectReader {
 	return &objectReader{js: js, stores: map[string]jetstream.ObjectStore{}}
 }
 
-// fetchObject reads a large row from the object store and checks it.
+// fetch reads a large row from the object store and checks it.
 // A missing bucket or object, a digest mismatch or a body that is not a
 // JSON object are permanent (missing_payload); anything else is transient.
 func (o *objectReader) fetch(ctx context.Context, ref *event.ObjectRef) ([]byte, error) {

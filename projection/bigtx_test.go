@@ -174,7 +174,7 @@ func TestBigShopTransaction(t *testing.T) {
 				eventually(t, 5*time.Minute, func() bool { return stored() == total }, "stored %d of %d", stored(), total)
 				// Not verified yet (its signed commit has not come): invisible.
 				require.Equal(t, small, archived())
-				svc.Stop()
+				require.NoError(t, svc.Stop(context.Background()))
 				e.start(e.config("w2"))
 				e.publishAll(msgs[len(msgs)-1:])
 			} else {

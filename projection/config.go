@@ -58,7 +58,9 @@ type Config struct {
 	// MaxBackoff caps the exponential backoff of transient failures.
 	// Default 30s.
 	MaxBackoff time.Duration
-	// MaxConns bounds the target connection pool. Default 4 + 2 per CPU.
+	// MaxConns bounds the target connection pool; set, it overrides
+	// pool_max_conns of TargetURL. Default: pool_max_conns of TargetURL
+	// (pgx's default without it), raised to at least 20.
 	MaxConns int32
 	// Decoder decodes messages; nil = the default v1 decoder. Set its
 	// Upgraders to teach the projector a newer wire version.

@@ -25,7 +25,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 const src = "main"
 
@@ -81,7 +81,7 @@ func testLogger(t *testing.T) *slog.Logger {
 
 func (e *env) config(worker string) projection.Config {
 	return projection.Config{
-		TargetURL:       e.url,
+		TargetURL:       testenv.NoSearchPath(e.url), // a missing schema qualifier fails
 		NATSURL:         e.nats.URL,
 		SourceName:      src,
 		WorkerID:        worker,
@@ -98,7 +98,7 @@ func (e *env) start(cfg projection.Config) *projection.Service {
 	s, err := projection.New(cfg, projection.WithLogger(testLogger(e.t)), projection.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(e.t, err)
 	require.NoError(e.t, s.Start(context.Background()))
-	e.t.Cleanup(s.Stop)
+	e.t.Cleanup(func() { require.NoError(e.t, s.Stop(context.Background())) })
 	return s
 }
 

@@ -126,7 +126,7 @@ func TestRebuildWithNewSnapshotRoots(t *testing.T) {
 	c := e.conn()
 	pool := e.pool()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 18 })
-	s1.Stop()
+	require.NoError(t, s1.Stop(context.Background()))
 	cfg := e.config("w2")
 	cfg.SnapshotRoots = []string{"public.orders"}
 	e.start(cfg)

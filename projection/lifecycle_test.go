@@ -115,7 +115,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	c := e.conn()
 	pool := e.pool()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 90 })
-	s1.Stop()
+	require.NoError(t, s1.Stop(context.Background()))
 
 	// The new code/configuration: order lines are kept 30 days.
 	cfg = e.config("w2")
@@ -274,7 +274,7 @@ func TestPromoteRefusesUnlessReady(t *testing.T) {
 	cfg.ReadyMaxLag = 1
 	s := e.start(cfg)
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 10 })
-	s.Stop() // nothing builds v2
+	require.NoError(t, s.Stop(context.Background())) // nothing builds v2
 	_, _, err = projection.Rollback(ctx, pool, projection.ArchiveProjection)
 	require.Error(t, err)
 
@@ -340,7 +340,7 @@ func TestRebuildResumesAfterHardStop(t *testing.T) {
 	cfg.BatchSize = 20
 	first := e.start(cfg)
 	eventually(t, 10*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE version = 1`) == 2 })
-	first.Stop()
+	require.NoError(t, first.Stop(context.Background()))
 	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
 	require.NoError(t, err)
 
@@ -350,7 +350,7 @@ func TestRebuildResumesAfterHardStop(t *testing.T) {
 	require.NoError(t, a.Start(killCtx))
 	eventually(t, 60*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v2.rows`) >= 400 })
 	kill()
-	a.Stop()
+	require.NoError(t, a.Stop(context.Background()))
 	atKill := count(t, c, `SELECT count(*) FROM archive_v2.rows`)
 	cursors := count(t, c, `SELECT sum(cursor) FROM epitaph.progress WHERE version = 2`)
 	require.Less(t, atKill, 1600, "killed before the end")

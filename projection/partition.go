@@ -7,13 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -62,17 +62,16 @@ func positionLSN(e *event.Event) event.LSN {
 }
 
 // partitionWorker applies one partition of one version while this worker
-// holds its lease.
+// holds its lease. It is a service (internal/startstop): a soft stop
+// finishes the page (applies, commits the cursor, acks), the hard stop
+// rolls it back.
 type partitionWorker struct {
+	startstop.Base
 	svc    *Service
 	ver    Version
 	lease  progress.Lease
 	filter string
 	log    *slog.Logger
-
-	stopping chan struct{} // closed: soft stop (finish the batch, then return)
-	stopOnce sync.Once
-	done     chan struct{}
 
 	pos     progress.Position
 	stream  jetstream.Stream
@@ -87,44 +86,33 @@ type partitionWorker struct {
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
 	return &partitionWorker{
 		svc: s, ver: v, lease: l,
-		filter:   event.PartitionFilter(s.cfg.SourceName, l.Partition),
-		log:      s.log.With("projection", v.Projection, "version", v.Version, "partition", l.Partition),
-		stopping: make(chan struct{}),
-		done:     make(chan struct{}),
+		filter: event.PartitionFilter(s.cfg.SourceName, l.Partition),
+		log:    s.log.With("projection", v.Projection, "version", v.Version, "partition", l.Partition),
 	}
 }
 
-// requestStop asks for a soft stop (idempotent).
-func (w *partitionWorker) requestStop() {
-	w.stopOnce.Do(func() {
-		select {
-		case <-w.stopping:
-		default:
-			close(w.stopping)
-		}
-	})
-}
-
-func (w *partitionWorker) stopRequested() bool {
-	select {
-	case <-w.stopping:
-		return true
-	default:
-		return false
+// Start runs the partition loop in the background; cancelling ctx is the
+// hard stop. It fails only when the worker was started (or ended) before.
+func (w *partitionWorker) Start(ctx context.Context) error {
+	_, hard, ok := w.StartInit(ctx)
+	if !ok {
+		return fmt.Errorf("partition worker %s already started", w.lease.ConsumerName())
 	}
+	go w.run(hard)
+	return nil
 }
 
 // run is the partition loop. It returns on a soft stop, when ctx is done,
 // or when the lease is lost.
 func (w *partitionWorker) run(ctx context.Context) {
-	defer close(w.done)
+	defer w.Finish(nil)
 	defer w.dropPrefetch()
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 100 * time.Millisecond
 	bo.MaxInterval = w.svc.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
 	needInit, resets := true, 0
-	for !w.stopRequested() && ctx.Err() == nil {
+	for !w.StopRequested() && ctx.Err() == nil {
 		var err error
 		if needInit {
 			err = w.init(ctx)
@@ -176,7 +164,7 @@ func (w *partitionWorker) wait(ctx context.Context, d time.Duration) {
 	defer t.Stop()
 	select {
 	case <-t.C:
-	case <-w.stopping:
+	case <-w.Stopping():
 	case <-ctx.Done():
 	}
 }
@@ -530,7 +518,7 @@ func (w *partitionWorker) step(ctx context.Context) error {
 	if p.full && w.svc.cfg.BatchSize == MaxBatchSize {
 		items, w.carry = splitAtCommit(items)
 	}
-	if !w.stopRequested() {
+	if !w.StopRequested() {
 		next := make(chan page, 1)
 		w.next = next
 		go func() { next <- w.fetchPage() }()

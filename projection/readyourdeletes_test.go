@@ -42,7 +42,7 @@ func TestReadYourDeletesWithCapture(t *testing.T) {
 	}, capture.WithLogger(testLogger(t)), capture.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(t, err)
 	require.NoError(t, capSvc.Start(ctx))
-	t.Cleanup(capSvc.Stop)
+	t.Cleanup(func() { require.NoError(t, capSvc.Stop(context.Background())) })
 
 	e := &env{t: t, url: testenv.NewDatabase(t), nats: n, partitions: 4}
 	_, e.js = n.Connect(t)

@@ -40,7 +40,7 @@ func TestReapplyIsIdempotent(t *testing.T) {
 	s := e.start(e.config("w1"))
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 60 })
-	s.Stop()
+	require.NoError(t, s.Stop(context.Background()))
 
 	ctx := context.Background()
 	_, err := c.Exec(ctx, `UPDATE epitaph.progress SET cursor = 0, last_msg_id = NULL`)
@@ -89,7 +89,7 @@ func TestTwoWorkersShareAndHandOver(t *testing.T) {
 	// a stops gracefully: b owns everything well before a's leases (3s)
 	// would have expired.
 	start := time.Now()
-	a.Stop()
+	require.NoError(t, a.Stop(context.Background()))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE owner = 'a'`), "a released its leases")
 	eventually(t, 10*time.Second, func() bool { return len(owned(b)) == 8 })
 	require.Less(t, time.Since(start), 2500*time.Millisecond)
@@ -231,7 +231,7 @@ func TestTakeoverAfterHardStop(t *testing.T) {
 	a, err := projection.New(cfgA, projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(t, err)
 	require.NoError(t, a.Start(ctx))
-	t.Cleanup(a.Stop) // closes its connections; its leases are fenced by then
+	t.Cleanup(func() { require.NoError(t, a.Stop(context.Background())) }) // closes its connections; its leases are fenced by then
 	eventually(t, 10*time.Second, func() bool { return len(owned(a)) == 4 })
 	cfgB := e.config("b")
 	cfgB.LeaseTTL = 1500 * time.Millisecond

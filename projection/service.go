@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
@@ -25,7 +26,7 @@ import (
 
 // Service is one projector worker process: it keeps a heartbeat, takes its
 // fair share of partition leases of every active version, and runs a
-// partition worker per lease.
+// partition worker per lease. It is a service (internal/startstop).
 type Service struct {
 	cfg     Config
 	log     *slog.Logger
@@ -64,11 +65,9 @@ type Service struct {
 	lastLivePage time.Time // when a page of a live version was last admitted
 	lastStatus   *Status
 
-	runCtx  context.Context
-	cancel  context.CancelFunc
-	stopped chan struct{}
-	stop    sync.Once
-	failed  atomic.Pointer[error] // why it stopped on its own (Err)
+	ss     startstop.Base
+	runCtx context.Context       // the hard-stop context partition workers run on
+	failed atomic.Pointer[error] // why it stopped on its own (Err)
 }
 
 // workerRetention is how long a worker that stopped heartbeating stays in
@@ -88,7 +87,6 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	s := &Service{
 		cfg: cfg, log: o.logger, reg: o.registry, now: o.now,
 		workers: map[progress.Key]*partitionWorker{},
-		stopped: make(chan struct{}),
 	}
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
@@ -106,7 +104,18 @@ func (s *Service) Pool() *pgxpool.Pool { return s.pool }
 // migrations) and to NATS, then runs in the background until Stop or ctx
 // is done. It returns configuration and connection errors at once; a
 // stream that does not exist yet is waited for in the background.
-func (s *Service) Start(ctx context.Context) error {
+// Cancelling ctx is the hard stop: pages in flight roll back, leases are
+// left to expire, the connections are closed.
+func (s *Service) Start(ctx context.Context) (err error) {
+	soft, hard, ok := s.ss.StartInit(ctx)
+	if !ok {
+		return errors.New("projector already started")
+	}
+	defer func() {
+		if err != nil {
+			s.ss.Finish(err)
+		}
+	}()
 	pcfg, err := pgxpool.ParseConfig(s.cfg.TargetURL)
 	if err != nil {
 		return fmt.Errorf("parse target URL: %w", err)
@@ -159,61 +168,72 @@ func (s *Service) Start(ctx context.Context) error {
 	if err := s.reg.Register(quarantine.NewCollector(s.pool, s.log)); err != nil {
 		s.log.Warn("quarantine metrics not registered", "err", err)
 	}
-	s.runCtx, s.cancel = context.WithCancel(ctx)
-	if err := s.startSnapshots(s.runCtx); err != nil {
-		s.cancel()
+	s.runCtx = hard
+	if err := s.startSnapshots(hard); err != nil {
 		s.nc.Close()
 		s.pool.Close()
 		return fmt.Errorf("snapshot batcher: %w", err)
 	}
-	go s.run(s.runCtx)
+	go s.run(soft, hard)
 	return nil
 }
 
 // Stop is the soft stop: every partition finishes its page (applies,
 // commits the cursor, acks), leases are released at once for other workers
-// to take, and the worker deregisters. Cancelling Start's ctx is the hard
-// stop (pages in flight roll back, leases are left to expire); call Stop
-// afterwards all the same to close the connections.
-func (s *Service) Stop() {
-	s.stop.Do(func() {
-		if s.cancel == nil {
-			close(s.stopped)
-			return
-		}
-		s.mu.Lock()
-		s.closing = true // the coordinator starts no more partitions
-		ws := make([]*partitionWorker, 0, len(s.workers))
-		for _, w := range s.workers {
-			ws = append(ws, w)
-		}
-		s.mu.Unlock()
-		for _, w := range ws {
-			w.requestStop()
-		}
-		var leases []progress.Lease
-		for _, w := range ws {
-			<-w.done
-			leases = append(leases, w.lease)
-		}
-		s.batcher.Stop()
-		s.cancel()
-		<-s.stopped
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := s.leaser.Release(ctx, leases); err != nil {
-			s.log.Warn("release leases on stop", "err", err)
-		}
-		if err := s.leaser.Deregister(ctx); err != nil {
-			s.log.Warn("deregister worker on stop", "err", err)
-		}
-		s.nc.Close()
-		s.pool.Close()
-	})
+// to take, the worker deregisters and the connections are closed. When ctx
+// ends first, it turns into the hard stop (see Start) and returns an error
+// wrapping ctx's. Safe to call more than once, and before Start.
+func (s *Service) Stop(ctx context.Context) error { return s.ss.Stop(ctx) }
+
+// Wait blocks until the service has stopped.
+func (s *Service) Wait() error { return s.ss.Wait() }
+
+// Done is closed when the service has stopped (after Start).
+func (s *Service) Done() <-chan struct{} { return s.ss.Done() }
+
+// stopPartitions stops every partition worker and returns their leases:
+// with a soft stop (ctx alive) each finishes its page; with a hard stop
+// (ctx done) the pages in flight roll back.
+func (s *Service) stopPartitions() []progress.Lease {
+	s.mu.Lock()
+	s.closing = true // the coordinator starts no more partitions
+	ws := make([]*partitionWorker, 0, len(s.workers))
+	for _, w := range s.workers {
+		ws = append(ws, w)
+	}
+	s.mu.Unlock()
+	for _, w := range ws {
+		w.RequestStop()
+	}
+	var leases []progress.Lease
+	for _, w := range ws {
+		<-w.Done()
+		leases = append(leases, w.lease)
+	}
+	return leases
 }
 
-// Done is closed when the background loop has ended.
-func (s *Service) Done() <-chan struct{} { return s.stopped }
+// shutdown ends the service after its partitions: the snapshot batcher
+// finishes its batch, and with a soft stop (ctx alive) the leases are given
+// back and the worker deregisters (with a hard stop they are left to
+// expire); the connections are closed.
+func (s *Service) shutdown(ctx context.Context, leases []progress.Lease) {
+	if err := s.batcher.Stop(ctx); err != nil {
+		s.log.Debug("snapshot batcher stopped hard", "err", err)
+	}
+	if ctx.Err() == nil {
+		c, cancel := context.WithTimeout(ctx, 5*time.Second)
+		if err := s.leaser.Release(c, leases); err != nil {
+			s.log.Warn("release leases on stop", "err", err)
+		}
+		if err := s.leaser.Deregister(c); err != nil {
+			s.log.Warn("deregister worker on stop", "err", err)
+		}
+		cancel()
+	}
+	s.nc.Close()
+	s.pool.Close()
+}
 
 // Err is why the service stopped on its own (its NATS connection was
 // closed for good, as when the server refuses the credentials); nil when
@@ -247,13 +267,18 @@ func (s *Service) natsClosed(nc *nats.Conn) {
 	}
 	s.failed.CompareAndSwap(nil, &err)
 	s.log.Error("stopping: the NATS connection is closed for good", "err", err)
-	go s.Stop()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_ = s.Stop(ctx)
+	}()
 }
 
 // run is the coordinator: heartbeat, balance leases, start and stop
-// partition workers, refresh status metrics.
-func (s *Service) run(ctx context.Context) {
-	defer close(s.stopped)
+// partition workers, refresh status metrics; on a stop (soft done) it
+// shuts the service down. ctx is the hard-stop context.
+func (s *Service) run(soft, ctx context.Context) {
+	defer s.ss.Finish(nil)
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 200 * time.Millisecond
 	bo.MaxInterval = s.cfg.MaxBackoff
@@ -264,10 +289,13 @@ func (s *Service) run(ctx context.Context) {
 	// database must never delay lease renewal.
 	// The version state machine also runs on its own goroutine (it reads
 	// the stream), for the same reason.
+	// Both end once the partitions have stopped.
+	bg, cancelBG := context.WithCancel(ctx)
+	defer cancelBG()
 	lifecycleDone := make(chan struct{})
 	go func() {
 		defer close(lifecycleDone)
-		s.lifecycleLoop(ctx)
+		s.lifecycleLoop(bg)
 	}()
 	statusDone := make(chan struct{})
 	go func() {
@@ -276,19 +304,21 @@ func (s *Service) run(ctx context.Context) {
 		defer t.Stop()
 		for {
 			select {
-			case <-ctx.Done():
+			case <-bg.Done():
 				return
 			case <-t.C:
-				s.refreshStatus(ctx)
+				s.refreshStatus(bg)
 			}
 		}
 	}()
 	for {
 		select {
-		case <-ctx.Done():
-			s.wg()
+		case <-soft.Done():
+			leases := s.stopPartitions()
+			cancelBG()
 			<-statusDone
 			<-lifecycleDone
+			s.shutdown(ctx, leases)
 			return
 		case <-balance.C:
 			if err := s.balance(ctx); err != nil {
@@ -304,19 +334,6 @@ func (s *Service) run(ctx context.Context) {
 			bo.Reset()
 			balance.Reset(s.cfg.BalanceInterval)
 		}
-	}
-}
-
-// wg waits for every partition worker to end (after a hard stop).
-func (s *Service) wg() {
-	s.mu.Lock()
-	ws := make([]*partitionWorker, 0, len(s.workers))
-	for _, w := range s.workers {
-		ws = append(ws, w)
-	}
-	s.mu.Unlock()
-	for _, w := range ws {
-		<-w.done
 	}
 }
 
@@ -424,20 +441,19 @@ func (s *Service) balanceVersion(ctx context.Context, v Version) error {
 		if _, ok := s.workers[l.Key]; ok {
 			continue
 		}
+		w := newPartitionWorker(s, v, l)
 		if s.closing {
-			stop = append(stop, &partitionWorker{lease: l, done: closedChan, stopping: closedChan})
+			w.Finish(nil) // not run: the lease is given back below
+			stop = append(stop, w)
 			continue
 		}
-		w := newPartitionWorker(s, v, l)
 		s.workers[l.Key] = w
 		s.log.Info("partition acquired", "partition", l.ConsumerName(), "epoch", l.Epoch)
-		go w.run(s.runCtx)
+		_ = w.Start(s.runCtx) // a new worker: cannot fail
 	}
 	s.mu.Unlock()
 	return s.stopAndRelease(ctx, stop)
 }
-
-var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // stopAndRelease soft-stops workers and then gives their leases back.
 func (s *Service) stopAndRelease(ctx context.Context, ws []*partitionWorker) error {
@@ -445,11 +461,11 @@ func (s *Service) stopAndRelease(ctx context.Context, ws []*partitionWorker) err
 		return nil
 	}
 	for _, w := range ws {
-		w.requestStop()
+		w.RequestStop()
 	}
 	var leases []progress.Lease
 	for _, w := range ws {
-		<-w.done
+		<-w.Done()
 		leases = append(leases, w.lease)
 		s.mu.Lock()
 		if s.workers[w.lease.Key] == w {
@@ -501,7 +517,7 @@ func (s *Service) Live(context.Context) error {
 		return errors.New("not started")
 	}
 	select {
-	case <-s.stopped:
+	case <-s.ss.Done():
 		return errors.New("stopped")
 	default:
 		return nil

@@ -20,11 +20,8 @@ func TestStatusLagAndMetrics(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 2)
 	s := e.start(e.config("w1"))
-	var txs []*txn
 	for i := 0; i < 6; i++ {
-		tx := e.nextTx(orderRows(i+1, 1)...)
-		txs = append(txs, tx)
-		e.publish(tx)
+		e.publish(e.nextTx(orderRows(i+1, 1)...))
 	}
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 12 })
@@ -34,7 +31,7 @@ func TestStatusLagAndMetrics(t *testing.T) {
 			metricSum(t, s, "epitaph_projector_lag_events") == 0
 	})
 	require.Equal(t, 1.0, metricSum(t, s, "epitaph_projector_version_state"))
-	s.Stop()
+	require.NoError(t, s.Stop(context.Background()))
 
 	published := time.Now()
 	for i := 0; i < 4; i++ {

@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"bytes"
 	"context"
 	"crypto/ed25519"
 	"errors"
@@ -790,7 +791,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 		}
 		dup := false
 		for _, c := range bySeq[it.ev.Seq] {
-			if partSeqOf(c) == partSeqOf(it) && string(c.data) == string(it.data) {
+			if partSeqOf(c) == partSeqOf(it) && bytes.Equal(c.data, it.data) {
 				copies[c] = append(copies[c], it)
 				dup = true
 				break

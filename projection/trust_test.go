@@ -178,6 +178,11 @@ func TestForgedRowPreemptingARealOneLoses(t *testing.T) {
 			cfg.BatchSize = batch
 			e.start(cfg)
 			c := e.conn()
+			pub := func(m *nats.Msg) {
+				t.Helper()
+				_, err := e.pubMsg(context.Background(), m)
+				require.NoError(t, err)
+			}
 
 			tx := e.nextTx(orderRows(1, 3)...)
 			msgs := e.messages(tx)
@@ -192,20 +197,20 @@ func TestForgedRowPreemptingARealOneLoses(t *testing.T) {
 			forged.Data, _ = event.Encode(&ev)
 			forged.Header.Set(event.HeaderPartitionSeq, "3") // claims the real one's place
 
-			e.pubMsg(context.Background(), msgs[0])
-			e.pubMsg(context.Background(), msgs[1])
+			pub(msgs[0])
+			pub(msgs[1])
 			e.foreign(forged) // seq 3 takes the id of the real seq-2 row
 			real2 := msgs[2]
 			real2.Header.Set(event.HeaderMsgID, event.RepublishedMsgID(real2.Header.Get(event.HeaderMsgID), 1))
-			e.pubMsg(context.Background(), real2) // seq 4
-			e.pubMsg(context.Background(), msgs[3])
+			pub(real2) // seq 4
+			pub(msgs[3])
 			// And one claiming a seq beyond the transaction's last.
 			ev.Seq = 4
 			extra := nats.NewMsg(msgs[3].Subject)
 			extra.Data, _ = event.Encode(&ev)
 			extra.Header.Set(event.HeaderMsgID, event.MsgID(src, tx.lsn, 4))
-			e.foreign(extra)                        // seq 6
-			e.pubMsg(context.Background(), msgs[4]) // the commit, seq 7
+			e.foreign(extra) // seq 6
+			pub(msgs[4])     // the commit, seq 7
 			after := e.nextTx(orderRows(2, 1)...)
 			e.publish(after)
 
@@ -379,7 +384,7 @@ func removal(t *testing.T, limits func(*jetstream.StreamConfig), remove func(e *
 	eventually(t, 20*time.Second, func() bool {
 		return count(t, c, `SELECT cursor FROM epitaph.progress WHERE partition = 1`) == 3
 	})
-	svc.Stop()
+	require.NoError(t, svc.Stop(context.Background()))
 
 	tx2, tx3 := txIn(1, orderRows(2, 1)), txIn(1, orderRows(3, 1))
 	e.publish(tx2) // 4-6

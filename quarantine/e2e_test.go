@@ -105,7 +105,7 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 	}, projection.WithLogger(slog.New(slog.DiscardHandler)), projection.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(t, err)
 	require.NoError(t, svc.Start(ctx))
-	t.Cleanup(svc.Stop)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)

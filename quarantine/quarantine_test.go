@@ -20,7 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // setup returns a pool on a fresh migrated database whose search_path is
 // empty, so any unqualified name fails loudly.

@@ -128,7 +128,7 @@ func TestPageInBrowser(t *testing.T) {
 	}, capture.WithLogger(failureLogger(t, "capture")), capture.WithRegistry(prometheus.NewRegistry()))
 	require.NoError(t, err)
 	require.NoError(t, capSvc.Start(ctx))
-	t.Cleanup(capSvc.Stop)
+	t.Cleanup(func() { require.NoError(t, capSvc.Stop(context.Background())) })
 	// One event no projector can read, which goes to quarantine. The
 	// capture is the stream's only writer (each publish expects its own
 	// previous message last), so it goes in first, while the stream is
@@ -162,7 +162,7 @@ func TestPageInBrowser(t *testing.T) {
 		s, err := projection.New(cfg(id), projection.WithLogger(quietLogger()), projection.WithRegistry(prometheus.NewRegistry()))
 		require.NoError(t, err)
 		require.NoError(t, s.Start(ctx))
-		t.Cleanup(s.Stop)
+		t.Cleanup(func() { require.NoError(t, s.Stop(context.Background())) })
 		workers = append(workers, s)
 	}
 	svc := workers[0]
@@ -172,7 +172,7 @@ func TestPageInBrowser(t *testing.T) {
 		statuspage.WithCaptureStatusURL("http://"+capSvc.MetricsAddr()+"/status"),
 		statuspage.WithSnapshotStats(svc.Pool(), time.Second), statuspage.WithLogger(quietLogger())))
 	require.NoError(t, srv.Start(ctx))
-	t.Cleanup(srv.Stop)
+	t.Cleanup(func() { require.NoError(t, srv.Stop(context.Background())) })
 	pageURL := "http://" + srv.Addr() + "/"
 
 	// Wait for the system to settle: every partition owned by one of the
@@ -294,7 +294,7 @@ func TestPageInBrowser(t *testing.T) {
 	// does (straight from the target and the stream), the page shows the
 	// partitions without owners and the lag building up behind them.
 	for _, w := range workers {
-		w.Stop()
+		require.NoError(t, w.Stop(context.Background()))
 	}
 	more, err := workload.Run(ctx, srcURL, workload.Plan{Seed: 8, Transactions: 10, MaxOrdersPerTx: 2})
 	require.NoError(t, err)

@@ -50,16 +50,14 @@ const fragmentParam = "fragment"
 type Option func(*options)
 
 type options struct {
-	captureURL    string
-	client        *http.Client
-	captureTO     time.Duration
-	snapshots     snapshot.Querier
-	snapInterval  time.Duration
-	refresh       time.Duration
-	now           func() time.Time
-	log           *slog.Logger
-	title         string
-	captureHidden bool
+	captureURL   string
+	client       *http.Client
+	captureTO    time.Duration
+	snapshots    snapshot.Querier
+	snapInterval time.Duration
+	refresh      time.Duration
+	now          func() time.Time
+	log          *slog.Logger
 }
 
 // WithCaptureStatusURL is the capture's /status URL (for example

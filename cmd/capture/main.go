@@ -135,18 +135,39 @@ refused, never replaced by the default.`,
 			return err
 		}
 
-		ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+		sig, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 		defer stop()
 		svc, err := capture.New(cfg, capture.WithLogger(log), capture.WithRegistry(reg))
 		if err != nil {
 			return err
 		}
-		if err := svc.Start(ctx); err != nil {
+		// The service runs on a context of its own: cancelling it is the
+		// hard stop. A signal during Start aborts the start; once started,
+		// a signal is the soft stop, bounded by stopTimeout, and a second
+		// one kills.
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		abort := context.AfterFunc(sig, cancel)
+		err = svc.Start(ctx)
+		abort()
+		if err != nil {
 			return err
 		}
-		err = svc.Wait()
-		svc.Stop()
-		return err
+		ended := make(chan error, 1)
+		go func() { ended <- svc.Wait() }()
+		select {
+		case err := <-ended:
+			return err
+		case <-sig.Done():
+		}
+		stop()
+		log.Info("stopping: awaiting in-flight publishes and confirming them to the slot", "timeout", stopTimeout)
+		sctx, scancel := context.WithTimeout(context.Background(), stopTimeout)
+		defer scancel()
+		if err := svc.Stop(sctx); err != nil {
+			return err
+		}
+		return <-ended
 	}
 	cli.SetVersion(root)
 	cli.Prepare(root, stdout, stderr)
@@ -171,6 +192,10 @@ func (r *retentionValue) Set(s string) error {
 	r.cfg.Retention, r.cfg.RetentionMaxBytes, r.cfg.RetentionMaxMsgs, r.cfg.RetentionMaxMsgsPerSubject = l.MaxAge, l.MaxBytes, l.MaxMsgs, l.MaxMsgsPerSubject
 	return nil
 }
+
+// stopTimeout bounds the soft stop on a signal; past it the stop turns
+// hard. Below the grace period of deploy/kubernetes/capture.yaml (30s).
+const stopTimeout = 25 * time.Second
 
 // embeddedGOGC is the GC target percentage with the embedded broker
 // (unless GOGC is set).

@@ -83,7 +83,16 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
-	if err := svc.Start(ctx); err != nil {
+	// ctx is done on SIGINT/SIGTERM. The service and the endpoints run on a
+	// context of their own, whose cancellation is the hard stop: a signal
+	// during Start aborts the start; once started, a signal is the soft
+	// stop (pages in flight commit), bounded by stopTimeout.
+	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	abort := context.AfterFunc(ctx, cancel)
+	err = svc.Start(runCtx)
+	abort()
+	if err != nil {
 		return err
 	}
 	srv := observe.New(observe.Config{Addr: o.metrics, Registry: reg, Logger: env.Logger,
@@ -92,21 +101,39 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
-	if err := srv.Start(ctx); err != nil {
-		svc.Stop()
+	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
+	defer stopCancel()
+	if err := srv.Start(runCtx); err != nil {
+		_ = svc.Stop(stopCtx) // the error says why
 		return err
 	}
 	env.Logger.Info("projector running", "worker", o.worker, "target", redact(c.targetURL), "nats", redact(c.natsURL),
 		"source", c.sourceName, "metrics", srv.Addr())
 	select {
 	case <-ctx.Done():
-		env.Logger.Info("stopping: finishing the current batches and handing partitions over")
+		env.Logger.Info("stopping: finishing the current batches and handing partitions over", "timeout", stopTimeout)
 	case <-svc.Done():
 	}
-	svc.Stop()
-	srv.Stop()
-	return svc.Err()
+	stopCtx, stopCancel = context.WithTimeout(context.WithoutCancel(ctx), stopTimeout) // from the signal on
+	defer stopCancel()
+	err = svc.Stop(stopCtx)
+	if serr := srv.Stop(stopCtx); err == nil {
+		err = serr
+	}
+	if err != nil {
+		return err
+	}
+	if err := svc.Err(); err != nil {
+		return err // it stopped on its own (NATS closed for good)
+	}
+	env.Logger.Info("projector stopped")
+	return svc.Wait()
 }
+
+// stopTimeout bounds the soft stop on a signal; past it the stop turns
+// hard (pages in flight roll back). Below the grace period of
+// deploy/kubernetes/projector.yaml (60s).
+const stopTimeout = 50 * time.Second
 
 // splitList splits a comma-separated list, dropping empty items.
 func splitList(s string) []string {

@@ -161,7 +161,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	// New configuration: orders are kept 24h; small pages so the rebuild
 	// takes long enough to be killed in the middle.
 	env := append(append([]string{}, base...), "EPITAPH_ARCHIVE_TTL=public.orders=24h", "EPITAPH_BATCH_SIZE=10")
-	w, wlogs := start(env)
+	w, _ = start(env)
 	trafficCtx, stopTraffic := context.WithCancel(ctx)
 	trafficDone := make(chan struct{})
 	go func() {
@@ -203,7 +203,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Less(t, atKill, 3000)
 	var boundary int64
 	require.NoError(t, conn.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.projection_versions WHERE version = 2`).Scan(&boundary))
-	w, wlogs = start(env)
+	w, wlogs := start(env)
 
 	select {
 	case err := <-rebuildDone:

@@ -217,11 +217,15 @@ func startProc(ctx context.Context, dir, name string, env []string, args ...stri
 
 func (p *proc) stop() {
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	var err error
 	select {
-	case <-p.done:
+	case err = <-p.done:
 	case <-time.After(20 * time.Second):
 		_ = p.cmd.Process.Kill()
-		<-p.done
+		err = <-p.done
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "demo: %s did not stop cleanly: %v (log: %s)\n", p.name, err, p.log)
 	}
 }
 

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
 )
 
 // Postgres is a running PostgreSQL server owned by the tests.
@@ -51,11 +52,32 @@ var (
 // Use it from TestMain: func TestMain(m *testing.M) { testenv.Main(m) }.
 func Main(m *testing.M) {
 	code := m.Run()
+	stopShared()
+	os.Exit(code)
+}
+
+// MainNoLeaks is Main for the packages that start goroutines: once every
+// test passed, it fails the test binary when goroutines are still running
+// (go.uber.org/goleak), since a component that does not end what it
+// started leaks in production too. opts ignore goroutines that are known
+// to outlive the tests.
+func MainNoLeaks(m *testing.M, opts ...goleak.Option) {
+	code := m.Run()
+	stopShared()
+	if code == 0 {
+		if err := goleak.Find(opts...); err != nil {
+			fmt.Fprintf(os.Stderr, "testenv: goroutines left running after the tests: %v\n", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func stopShared() {
 	if shared != nil {
 		_ = shared.Stop()
 		_ = os.RemoveAll(filepath.Dir(shared.DataDir))
 	}
-	os.Exit(code)
 }
 
 // SharedPostgres returns the server shared by every test of this binary,
@@ -285,6 +307,19 @@ func (pg *Postgres) URL(db string) string {
 // UserURL returns a connection URL for database db as the given user.
 func (pg *Postgres) UserURL(user, db string) string {
 	return fmt.Sprintf("postgres://%s@%s:%d/%s?sslmode=disable", user, pg.Host, pg.Port, db)
+}
+
+// NoSearchPath returns url with an empty search_path for every connection
+// made from it (a startup parameter), so that SQL of the code under test
+// that forgets a schema qualifier fails loudly instead of finding public.
+// Give it to the component under test; test setup that creates unqualified
+// tables keeps the plain URL.
+func NoSearchPath(url string) string {
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	return url + sep + "search_path="
 }
 
 // NewDatabase creates a fresh database and returns its URL. The database

@@ -45,3 +45,21 @@ func TestJetStreamPersistsAcrossRestart(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "hello", string(msg.Data))
 }
+
+func TestNoSearchPathFailsAnUnqualifiedName(t *testing.T) {
+	t.Parallel()
+	url := testenv.NewDatabase(t)
+	testenv.Exec(t, url, `CREATE TABLE items (id int); INSERT INTO items VALUES (7)`)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, testenv.NoSearchPath(url))
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	var path string
+	require.NoError(t, conn.QueryRow(ctx, "SHOW search_path").Scan(&path))
+	require.Empty(t, path)
+	var n int
+	err = conn.QueryRow(ctx, "SELECT count(*) FROM items").Scan(&n)
+	require.ErrorContains(t, err, `relation "items" does not exist`)
+	require.NoError(t, conn.QueryRow(ctx, "SELECT id FROM public.items").Scan(&n))
+	require.Equal(t, 7, n)
+}

@@ -184,8 +184,8 @@ func TestCompareFindsEveryKindOfDifference(t *testing.T) {
 
 	// Missing, duplicated, unexpected, different.
 	bad := append([]workload.Row(nil), exp[1:]...) // exp[0] missing
-	bad = append(bad, exp[2])                      // duplicated
-	bad = append(bad, workload.Row{Table: "public.orders", ID: 999, Row: json.RawMessage(`{"id":999}`)})
+	bad = append(bad, exp[2],                      // duplicated
+		workload.Row{Table: "public.orders", ID: 999, Row: json.RawMessage(`{"id":999}`)}) // unexpected
 	m := decode(t, bad[5].Row)
 	changed := false
 	for _, k := range []string{"status", "sku", "carrier"} {

@@ -85,9 +85,16 @@ func TestMissingAndDelay(t *testing.T) {
 	got := missing(map[string]int{"public.a": 2, "public.b\nx": 1, "public.c": 0}, map[string]int{"public.a": 1})
 	require.Equal(t, "public.a has 1 of 2 rows; public.b x has 0 of 1 rows", got, "control characters are blanked")
 	c := Config{RetryDelay: time.Second, MaxRetryDelay: 5 * time.Second}
-	var delays []time.Duration
-	for i := 1; i <= 5; i++ {
-		delays = append(delays, c.delay(i))
+	// RetryDelay doubling per attempt, ±20% jitter, capped at MaxRetryDelay.
+	base := []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 5 * time.Second, 5 * time.Second}
+	seen := map[time.Duration]bool{}
+	for run := 0; run < 50; run++ {
+		for i, b := range base {
+			d := c.delay(i + 1)
+			require.GreaterOrEqual(t, d, b*8/10, "attempt %d", i+1)
+			require.LessOrEqual(t, d, min(b*12/10, c.MaxRetryDelay), "attempt %d", i+1)
+			seen[d] = true
+		}
 	}
-	require.Equal(t, []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 5 * time.Second, 5 * time.Second}, delays)
+	require.Greater(t, len(seen), 5, "the delays are jittered")
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -30,7 +31,7 @@ type Config struct {
 	// the job is parked as failed. Default 8.
 	MaxAttempts int
 	// RetryDelay is the wait before the second attempt; it doubles per
-	// attempt up to MaxRetryDelay. Default 5s.
+	// attempt up to MaxRetryDelay, each wait randomized by ±20%. Default 5s.
 	RetryDelay time.Duration
 	// MaxRetryDelay caps the wait between attempts. Default 5m.
 	MaxRetryDelay time.Duration
@@ -71,11 +72,25 @@ func (c *Config) validate() error {
 	return nil
 }
 
-// delay is the wait after the given number of failed attempts.
+// retryJitter is the randomization of retry delays (±20%): jobs that
+// failed together (a quarantined event holds up many) do not all come due
+// in the same batch again. Small enough that each doubling stays longer
+// than the one before.
+const retryJitter = 0.2
+
+// delay is the wait after the given number of failed attempts: RetryDelay,
+// doubling per attempt, within ±retryJitter, at most MaxRetryDelay.
 func (c *Config) delay(failed int) time.Duration {
-	d := c.RetryDelay
-	for i := 1; i < failed && d < c.MaxRetryDelay; i++ {
-		d *= 2
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = c.RetryDelay
+	bo.Multiplier = 2
+	bo.RandomizationFactor = retryJitter
+	bo.MaxInterval = c.MaxRetryDelay
+	bo.MaxElapsedTime = 0 // never backoff.Stop
+	bo.Reset()
+	d := bo.NextBackOff()
+	for i := 1; i < failed; i++ {
+		d = bo.NextBackOff()
 	}
 	return min(d, c.MaxRetryDelay)
 }

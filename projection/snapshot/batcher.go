@@ -11,7 +11,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/internal/startstop"
 )
 
 // DB is what the Batcher needs: a *pgxpool.Pool.
@@ -101,7 +104,8 @@ func (c *BatcherConfig) validate() error {
 }
 
 // Batcher runs RunBatch on an interval over one or more version schemas
-// and exports the job metrics. It is a service: Start, then Stop.
+// and exports the job metrics. It is a service (internal/startstop):
+// Start, then Stop.
 type Batcher struct {
 	db  DB
 	cfg BatcherConfig
@@ -110,10 +114,8 @@ type Batcher struct {
 	stats   map[Target]Stats // by target, as last read
 	statsAt time.Time        // clock time the stats were read
 
-	wake    chan struct{}
-	stop    chan struct{}
-	done    chan struct{}
-	started bool
+	ss   startstop.Base
+	wake chan struct{}
 }
 
 var (
@@ -163,37 +165,29 @@ func (c batcherCollector) Collect(ch chan<- prometheus.Metric) {
 // cancelled (a hard stop: the batch in flight is rolled back and its jobs
 // stay pending).
 func (b *Batcher) Start(ctx context.Context) error {
-	if b.started {
+	soft, hard, ok := b.ss.StartInit(ctx)
+	if !ok {
 		return errors.New("snapshot batcher already started")
 	}
-	b.started = true
-	b.stop = make(chan struct{})
-	b.done = make(chan struct{})
 	statsDone := make(chan struct{})
 	go func() {
 		defer close(statsDone)
-		b.statsLoop(ctx)
+		b.statsLoop(soft, hard)
 	}()
 	go func() {
-		defer close(b.done)
-		b.loop(ctx)
+		b.loop(soft, hard)
 		<-statsDone
+		b.ss.Finish(nil)
 	}()
 	return nil
 }
 
-// Stop is the soft stop: it lets the batch in flight commit, then returns.
-func (b *Batcher) Stop() {
-	if !b.started {
-		return
-	}
-	select {
-	case <-b.stop:
-	default:
-		close(b.stop)
-	}
-	<-b.done
-}
+// Stop is the soft stop: it lets the batch in flight commit, then returns;
+// when ctx ends first, the batch is rolled back (the hard stop).
+func (b *Batcher) Stop(ctx context.Context) error { return b.ss.Stop(ctx) }
+
+// Wait blocks until the batcher has stopped.
+func (b *Batcher) Wait() error { return b.ss.Wait() }
 
 // Wake makes the batcher start a tick now instead of at the end of its
 // interval (the projector calls it after committing pending jobs). It
@@ -231,25 +225,23 @@ func (b *Batcher) TargetStats() map[Target]Stats {
 	return out
 }
 
-func (b *Batcher) stopping() bool {
-	select {
-	case <-b.stop:
-		return true
-	default:
-		return false
-	}
-}
+func (b *Batcher) stopping() bool { return b.ss.StopRequested() }
 
-func (b *Batcher) loop(ctx context.Context) {
+// loop runs ticks until soft is done; batches run on ctx (the hard stop).
+func (b *Batcher) loop(soft, ctx context.Context) {
 	log := b.cfg.Logger.With("component", "snapshot-batcher")
 	timer := time.NewTimer(0)
 	defer timer.Stop()
-	failures := 0
+	// Transient failures (database down): back off with jitter, up to a
+	// minute.
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 2 * b.cfg.Interval
+	bo.MaxInterval = max(time.Minute, bo.InitialInterval)
+	bo.MaxElapsedTime = 0 // never backoff.Stop
+	bo.Reset()
 	for {
 		select {
-		case <-ctx.Done():
-			return
-		case <-b.stop:
+		case <-soft.Done():
 			return
 		case <-timer.C:
 		case <-b.wake:
@@ -257,12 +249,10 @@ func (b *Batcher) loop(ctx context.Context) {
 		err := b.tick(ctx)
 		wait := b.cfg.Interval
 		if err != nil && ctx.Err() == nil {
-			failures++
-			// Transient (database down): back off, up to a minute.
-			wait = min(b.cfg.Interval<<min(failures, 6), time.Minute)
+			wait = bo.NextBackOff()
 			log.Warn("snapshot batch failed; retrying", "err", err, "retry_in", wait)
 		} else {
-			failures = 0
+			bo.Reset()
 		}
 		timer.Reset(wait)
 	}
@@ -271,14 +261,12 @@ func (b *Batcher) loop(ctx context.Context) {
 // statsLoop refreshes the stats every StatsInterval, from the start,
 // whatever the drain is doing. Until a refresh has found a version (a
 // first start creates version 1 a moment later), it tries every Interval.
-func (b *Batcher) statsLoop(ctx context.Context) {
+func (b *Batcher) statsLoop(soft, ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
 		select {
-		case <-ctx.Done():
-			return
-		case <-b.stop:
+		case <-soft.Done():
 			return
 		case <-t.C:
 		}

@@ -62,7 +62,7 @@ func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, b.Start(e.ctx))
-	defer b.Stop()
+	defer func() { require.NoError(t, b.Stop(context.Background())) }()
 
 	ok := e.begin(t)
 	ok.deleteOrder(t, 2)
@@ -82,8 +82,8 @@ func TestBatcherAssemblesInBackgroundAndExportsMetrics(t *testing.T) {
 	require.Equal(t, int64(1), st.Pending)
 	require.Equal(t, int64(1), st.Complete)
 
-	b.Stop()
-	b.Stop() // idempotent
+	require.NoError(t, b.Stop(context.Background()))
+	require.NoError(t, b.Stop(context.Background())) // idempotent
 	// Stopped: a new job stays pending.
 	late := e.begin(t)
 	e.exec(t, `INSERT INTO orders (id, customer) VALUES (3, 'c')`)
@@ -124,7 +124,7 @@ func TestBatcherServesEveryVersionSchema(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, b.Start(e1.ctx))
-	defer b.Stop()
+	defer func() { require.NoError(t, b.Stop(context.Background())) }()
 	require.Eventually(t, func() bool {
 		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "status", "complete") == 2
 	}, 30*time.Second, 20*time.Millisecond)
@@ -172,7 +172,7 @@ func TestGaugesDuringALongDrain(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, b.Start(e.ctx))
-	defer b.Stop()
+	defer func() { require.NoError(t, b.Stop(context.Background())) }()
 	pending := func() float64 {
 		return gauge(t, reg, "epitaph_projector_snapshot_jobs", "projection", "archive", "version", "1", "status", "pending")
 	}
@@ -238,7 +238,7 @@ func TestBatcherServesTheLiveVersionFirst(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, b.Start(e1.ctx))
-	defer b.Stop()
+	defer func() { require.NoError(t, b.Stop(context.Background())) }()
 	last := func(schema, agg string) *time.Time {
 		var at *time.Time
 		require.NoError(t, e1.pool.QueryRow(e1.ctx, `SELECT `+agg+`(completed_at) FROM `+schema+`.snapshots

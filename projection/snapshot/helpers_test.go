@@ -18,7 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // archiveRowsDDL is the archive read model's rows table exactly as the
 // projector creates it (COMMON.md), for tests that do not run the projector.
@@ -52,7 +52,8 @@ CREATE TABLE audit (id serial PRIMARY KEY, what text);
 
 type env struct {
 	ctx    context.Context
-	pool   *pgxpool.Pool
+	pool   *pgxpool.Pool // the code under test's: empty search_path
+	src    *pgxpool.Pool // the test's source SQL (unqualified names)
 	url    string
 	schema string
 	lsn    *atomic.Uint64
@@ -67,18 +68,21 @@ func setup(t *testing.T) *env {
 	url := testenv.NewDatabase(t)
 	testenv.Exec(t, url, sourceDDL)
 	testenv.Exec(t, url, fmt.Sprintf(archiveRowsDDL, "archive_v1"))
-	pool, err := pgxpool.New(ctx, url)
+	pool, err := pgxpool.New(ctx, testenv.NoSearchPath(url)) // a missing schema qualifier fails
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
+	src, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	t.Cleanup(src.Close)
 	require.NoError(t, snapshot.Migrate(ctx, pool, "archive_v1"))
 	lsn := &atomic.Uint64{}
 	lsn.Store(0x1A000000)
-	return &env{ctx: ctx, pool: pool, url: url, schema: "archive_v1", lsn: lsn}
+	return &env{ctx: ctx, pool: pool, src: src, url: url, schema: "archive_v1", lsn: lsn}
 }
 
 func (e *env) exec(t *testing.T, sql string, args ...any) {
 	t.Helper()
-	_, err := e.pool.Exec(e.ctx, sql, args...)
+	_, err := e.src.Exec(e.ctx, sql, args...)
 	require.NoError(t, err, sql)
 }
 
@@ -106,7 +110,7 @@ type sourceTx struct {
 // begin starts a source transaction whose deletes will be archived.
 func (e *env) begin(t *testing.T) *sourceTx {
 	t.Helper()
-	tx, err := e.pool.Begin(e.ctx)
+	tx, err := e.src.Begin(e.ctx)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	lsn := event.LSN(e.lsn.Add(0x100))

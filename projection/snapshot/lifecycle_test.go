@@ -172,12 +172,13 @@ func TestShortGroupRetriesThenFailsAndReplayRebuilds(t *testing.T) {
 	require.Contains(t, got.FailureReason, "public.line_notes has 2 of 3 rows")
 	require.Nil(t, got.Payload, "no silently partial document")
 
+	// Delays are 1m, then 2m, each within ±20% (jitter).
 	require.Equal(t, snapshot.Result{}, e.batch(t, cfg), "not due before the retry delay")
-	clock.Advance(time.Minute)
+	clock.Advance(75 * time.Second)
 	require.Equal(t, snapshot.Result{Claimed: 1, Retried: 1}, e.batch(t, cfg))
-	clock.Advance(time.Minute)
+	clock.Advance(75 * time.Second)
 	require.Equal(t, snapshot.Result{}, e.batch(t, cfg), "the delay doubles")
-	clock.Advance(time.Minute)
+	clock.Advance(75 * time.Second)
 	require.Equal(t, snapshot.Result{Claimed: 1, Failed: 1}, e.batch(t, cfg))
 
 	failed := e.show(t, cid)[`{"id":1}`]

@@ -90,7 +90,7 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)
 	defer pool.Close()
-	e := &env{ctx: ctx, pool: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
+	e := &env{ctx: ctx, pool: pool, src: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
 	e.lsn.Store(0x2B000000)
 
 	n := testenv.NewNATS(t)
@@ -104,12 +104,12 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 
 	reg := prometheus.NewRegistry()
 	svc, err := projection.New(projection.Config{
-		TargetURL: url, NATSURL: n.URL, SourceName: "main", WorkerID: "w1", SnapshotRoots: orderRoots,
+		TargetURL: testenv.NoSearchPath(url), NATSURL: n.URL, SourceName: "main", WorkerID: "w1", SnapshotRoots: orderRoots,
 		LeaseTTL: 3 * time.Second, FetchWait: 100 * time.Millisecond,
 	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))), projection.WithRegistry(reg))
 	require.NoError(t, err)
 	require.NoError(t, svc.Start(ctx))
-	defer svc.Stop()
+	defer func() { require.NoError(t, svc.Stop(context.Background())) }()
 
 	e.seedOrder(t, 1, 2)
 	e.seedOrder(t, 2, 1)
@@ -216,7 +216,7 @@ func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)
 	defer pool.Close()
-	e := &env{ctx: ctx, pool: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
+	e := &env{ctx: ctx, pool: pool, src: pool, url: url, schema: "archive_v1", lsn: new(atomic.Uint64)}
 	e.lsn.Store(0x3C000000)
 
 	n := testenv.NewNATS(t)
@@ -245,7 +245,7 @@ func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	}, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	require.NoError(t, err)
 	require.NoError(t, svc.Start(ctx))
-	defer svc.Stop()
+	defer func() { require.NoError(t, svc.Stop(context.Background())) }()
 
 	type job struct {
 		status                          string

@@ -653,7 +653,7 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 	if err := svc.Start(ctx); err != nil {
 		return 0, err
 	}
-	defer svc.Stop()
+	defer func() { _ = svc.Stop(context.Background()) }() // a soft stop; the figures are taken
 	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, nil, 15*time.Minute)
 	if err != nil {
 		return 0, err
