@@ -252,10 +252,12 @@ func writeFileAtomic(path string, data []byte) error {
 		return fmt.Errorf("embedded jetstream: write %s: %w", path, err)
 	}
 	defer os.Remove(tmp.Name()) // after the rename, a no-op
-	if err := tmp.Chmod(0o600); err == nil {
-		if _, err = tmp.Write(data); err == nil {
-			err = tmp.Sync()
-		}
+	err = tmp.Chmod(0o600)
+	if err == nil {
+		_, err = tmp.Write(data)
+	}
+	if err == nil {
+		err = tmp.Sync()
 	}
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
