@@ -93,8 +93,15 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 			s.log.Warn("source table was TRUNCATEd: its rows are not in the WAL and were NOT archived",
 				"table", it.ev.QualifiedTable(), "commit_lsn", it.ev.CommitLSN.String(), "version", v.Version)
 		case event.OpGap:
-			s.log.Error("deletes were lost upstream (replication slot dropped or invalidated): the archive misses this range",
-				"from_lsn", it.ev.FromLSN.String(), "to_lsn", it.ev.ToLSN.String(), "reason", it.ev.Reason, "version", v.Version)
+			if it.ev.Table != "" {
+				// A table the capture took out of its publication (it lost
+				// its replica identity): its deletes from here on are missed.
+				s.log.Error("deletes of a table are lost upstream (the capture stopped publishing it): the archive misses them from this position",
+					"table", it.ev.QualifiedTable(), "from_lsn", it.ev.FromLSN.String(), "reason", it.ev.Reason, "version", v.Version)
+			} else {
+				s.log.Error("deletes were lost upstream (replication slot dropped or invalidated): the archive misses this range",
+					"from_lsn", it.ev.FromLSN.String(), "to_lsn", it.ev.ToLSN.String(), "reason", it.ev.Reason, "version", v.Version)
+			}
 			next.SourceLSN = max(next.SourceLSN, it.ev.ToLSN)
 			next.SourceTime = laterTime(next.SourceTime, it.ev.Time)
 		}
