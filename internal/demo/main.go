@@ -83,7 +83,10 @@ func run(ctx context.Context) error {
 		"EPITAPH_SNAPSHOT_ROOTS=public.orders,public.customers")
 
 	step("starting capture (embedded JetStream on " + natsListen + ")")
-	capture, err := startProc(ctx, dir, "capture", append(env, "EPITAPH_NATS_URL=", fmt.Sprintf("EPITAPH_METRICS_ADDR=127.0.0.1:%d", capMetrics)))
+	capture, err := startProc(ctx, dir, "capture", append(env, "EPITAPH_NATS_URL=", fmt.Sprintf("EPITAPH_METRICS_ADDR=127.0.0.1:%d", capMetrics),
+		// Heartbeats reach every partition, so even the ones no demo
+		// transaction lands in advance and the archive can say it is ready.
+		"EPITAPH_HEARTBEAT_INTERVAL=1s"))
 	if err != nil {
 		return err
 	}
@@ -159,6 +162,20 @@ ORDER BY seq`); err != nil {
 	step("the same order as a snapshot document (order with its lines and shipment)")
 	if err := waitSnapshot(ctx, url); err != nil {
 		return err
+	}
+	step("waiting for archive.status to say ready (every partition advancing, lag sampled)")
+	ready := false
+	for end := time.Now().Add(45 * time.Second); !ready && time.Now().Before(end); {
+		if err := queryRow(ctx, url, `SELECT coalesce(bool_and(ready), false) FROM archive.status`, &ready); err != nil || !ready {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(500 * time.Millisecond):
+			}
+		}
+	}
+	if !ready {
+		fmt.Println("    not ready yet: the status below says why")
 	}
 	step("projector status")
 	out, err := exec.CommandContext(ctx, filepath.Join("bin", "projector"), "status", "--target-url", url, "--nats-url", "nats://"+natsListen, "--nats-creds", projectorCreds).CombinedOutput()
