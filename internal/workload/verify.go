@@ -75,39 +75,12 @@ func Expected(ctx context.Context, url string) ([]Row, error) {
 // event in stream order (opts add credentials). A row kept in the object store (RowRef) is read back
 // and checked against its SHA-256, and set as Row.
 func StreamDeletes(ctx context.Context, natsURL, source string, opts ...nats.Option) ([]*event.Event, error) {
-	nc, err := nats.Connect(natsURL, append([]nats.Option{nats.MaxReconnects(-1)}, opts...)...)
-	if err != nil {
-		return nil, fmt.Errorf("connect nats: %w", err)
+	r, err := readStream(ctx, natsURL, source, opts...)
+	if err != nil || r == nil {
+		return nil, err
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return nil, fmt.Errorf("jetstream: %w", err)
-	}
-	stream, err := js.Stream(ctx, event.StreamName(source))
-	if err != nil {
-		return nil, fmt.Errorf("stream %s: %w", event.StreamName(source), err)
-	}
-	info, err := stream.Info(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("stream info: %w", err)
-	}
-	last := info.State.LastSeq
-	if info.State.Msgs == 0 {
-		return nil, nil
-	}
-	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{event.StreamSubjects(source)},
-		DeliverPolicy:  jetstream.DeliverAllPolicy,
-	})
-	if err != nil {
-		return nil, fmt.Errorf("ordered consumer: %w", err)
-	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(2000))
-	if err != nil {
-		return nil, fmt.Errorf("consume: %w", err)
-	}
-	defer it.Stop()
+	defer r.close()
+	js, it, last := r.js, r.it, r.last
 	stores := map[string]jetstream.ObjectStore{}
 	var out []*event.Event
 	for {
@@ -436,40 +409,13 @@ func WaitFor(ctx context.Context, timeout, interval time.Duration, cond func(con
 // republished under another id may sit beside the real one), in stream
 // order of their commits. Messages of no verified transaction are left out;
 // a signed commit that no choice of candidates matches is an error.
-func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.PublicKey) ([]*event.Event, error) {
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1))
-	if err != nil {
-		return nil, fmt.Errorf("connect nats: %w", err)
+func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.PublicKey, opts ...nats.Option) ([]*event.Event, error) {
+	r, err := readStream(ctx, natsURL, source, opts...)
+	if err != nil || r == nil {
+		return nil, err
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return nil, fmt.Errorf("jetstream: %w", err)
-	}
-	stream, err := js.Stream(ctx, event.StreamName(source))
-	if err != nil {
-		return nil, fmt.Errorf("stream %s: %w", event.StreamName(source), err)
-	}
-	info, err := stream.Info(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("stream info: %w", err)
-	}
-	if info.State.Msgs == 0 {
-		return nil, nil
-	}
-	last := info.State.LastSeq
-	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{event.StreamSubjects(source)},
-		DeliverPolicy:  jetstream.DeliverAllPolicy,
-	})
-	if err != nil {
-		return nil, fmt.Errorf("ordered consumer: %w", err)
-	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(2000))
-	if err != nil {
-		return nil, fmt.Errorf("consume: %w", err)
-	}
-	defer it.Stop()
+	defer r.close()
+	js, it, last := r.js, r.it, r.last
 	type cand struct {
 		partSeq uint64
 		body    []byte
@@ -575,4 +521,60 @@ func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.Pu
 		}
 	}
 	return out, nil
+}
+
+// streamReader reads a whole stream, up to its last sequence at the time it
+// was opened, with an ordered consumer.
+type streamReader struct {
+	nc   *nats.Conn
+	js   jetstream.JetStream
+	it   jetstream.MessagesContext
+	last uint64
+}
+
+// readStream opens source's stream for StreamDeletes and VerifiedDeletes;
+// nil (and no error) when the stream holds no message.
+func readStream(ctx context.Context, natsURL, source string, opts ...nats.Option) (_ *streamReader, err error) {
+	nc, err := nats.Connect(natsURL, append([]nats.Option{nats.MaxReconnects(-1)}, opts...)...)
+	if err != nil {
+		return nil, fmt.Errorf("connect nats: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			nc.Close()
+		}
+	}()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", event.StreamName(source), err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("stream info: %w", err)
+	}
+	if info.State.Msgs == 0 {
+		nc.Close()
+		return nil, nil
+	}
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{event.StreamSubjects(source)},
+		DeliverPolicy:  jetstream.DeliverAllPolicy,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ordered consumer: %w", err)
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(2000))
+	if err != nil {
+		return nil, fmt.Errorf("consume: %w", err)
+	}
+	return &streamReader{nc: nc, js: js, it: it, last: info.State.LastSeq}, nil
+}
+
+func (r *streamReader) close() {
+	r.it.Stop()
+	r.nc.Close()
 }
