@@ -151,19 +151,12 @@ func startsAt(ctx context.Context, stream jetstream.Stream, source string, parti
 		name := c.CachedInfo().Name
 		out[p] = last
 		if c.CachedInfo().NumPending > 0 {
-			msgs, err := c.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+			first, err := firstSequence(ctx, c)
 			if err != nil {
 				return nil, fmt.Errorf("probe partition %d: %w", p, err)
 			}
-			for m := range msgs.Messages() {
-				md, err := m.Metadata()
-				if err != nil {
-					return nil, fmt.Errorf("probe partition %d: %w", p, err)
-				}
-				out[p] = md.Sequence.Stream - 1
-			}
-			if err := msgs.Error(); err != nil {
-				return nil, fmt.Errorf("probe partition %d: %w", p, err)
+			if first > 0 {
+				out[p] = first - 1
 			}
 		}
 		_ = stream.DeleteConsumer(ctx, name)
@@ -455,4 +448,29 @@ func WaitLSN(ctx context.Context, db progress.DB, projection string, lsn event.L
 		case <-t.C:
 		}
 	}
+}
+
+// firstSequence is the stream sequence of the first message c delivers,
+// 0 when none is.
+// The fetch's context ends with the call, so that nats.go's fetch
+// goroutine never outlives it.
+func firstSequence(ctx context.Context, c jetstream.Consumer) (uint64, error) {
+	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	msgs, err := c.Fetch(1, jetstream.FetchContext(fctx))
+	if err != nil {
+		return 0, err
+	}
+	var seq uint64
+	for m := range msgs.Messages() {
+		md, err := m.Metadata()
+		if err != nil {
+			return 0, err
+		}
+		seq = md.Sequence.Stream
+	}
+	if err := msgs.Error(); err != nil {
+		return 0, err
+	}
+	return seq, nil // 0: none delivered (they left the stream meanwhile)
 }

@@ -417,11 +417,16 @@ func (w *partitionWorker) fetchPage() page {
 	}
 	var items []*item
 	bytes := 0
+	// The fetch's goroutine in nats.go ends when its context does: cancel it
+	// on every return, so that a page left early (a bad message) does not
+	// leave the goroutine waiting out the fetch's expiry.
+	fctx, cancel := context.WithTimeout(context.Background(), w.svc.cfg.FetchWait)
+	defer cancel()
 	for n := 0; n < pages; n++ {
 		var batch jetstream.MessageBatch
 		var err error
 		if n == 0 {
-			batch, err = w.cons.Fetch(size, jetstream.FetchMaxWait(w.svc.cfg.FetchWait))
+			batch, err = w.cons.Fetch(size, jetstream.FetchContext(fctx))
 		} else {
 			batch, err = w.cons.FetchNoWait(size)
 		}

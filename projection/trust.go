@@ -723,21 +723,24 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 		if err != nil {
 			return nil, fmt.Errorf("read back the pending transaction: %w", err)
 		}
-	read:
-		for len(out) < maxWindow {
-			batch, err := c.Fetch(500, jetstream.FetchMaxWait(2*time.Second))
+		// One fetch per call, its context cancelled on every way out: an
+		// early return must not leave nats.go's fetch goroutine waiting
+		// out the fetch's expiry.
+		fetch := func() (got int, past bool, err error) {
+			fctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			batch, err := c.Fetch(500, jetstream.FetchContext(fctx))
 			if err != nil {
-				return nil, fmt.Errorf("read back the pending transaction: %w", err)
+				return 0, false, err
 			}
-			got := 0
 			for m := range batch.Messages() {
 				got++
 				md, err := m.Metadata()
 				if err != nil {
-					return nil, fmt.Errorf("read back the pending transaction: %w", err)
+					return got, false, err
 				}
 				if md.Sequence.Stream >= first {
-					break read
+					return got, true, nil
 				}
 				it := &item{seq: md.Sequence.Stream, subject: m.Subject(), headers: m.Headers(), data: m.Data(), stored: md.Timestamp}
 				it.id = identityOf(it.headers, it.data)
@@ -754,11 +757,15 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 				}
 				out = append(out, it)
 			}
-			if err := batch.Error(); err != nil {
+			return got, false, batch.Error()
+		}
+		for len(out) < maxWindow {
+			got, past, err := fetch()
+			if err != nil {
 				return nil, fmt.Errorf("read back the pending transaction: %w", err)
 			}
-			if got == 0 {
-				break // the stream no longer holds the rest of it
+			if past || got == 0 {
+				break // reached the page, or the stream no longer holds the rest of it
 			}
 		}
 	}
