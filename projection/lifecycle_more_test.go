@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
@@ -146,4 +147,16 @@ func TestRebuildWithNewSnapshotRoots(t *testing.T) {
 	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true})
 	require.NoError(t, err)
 	require.True(t, cmp.Equal)
+
+	// A row readers do not see (its transaction not verified: pending, or
+	// forged) is not a difference: compare looks at what readers see.
+	testenv.Exec(t, e.url, `INSERT INTO archive_v2.rows (source, schema_name, table_name, key, row, correlation_id,
+		commit_lsn, seq, verified) VALUES ('main', 'public', 'orders', '{"id": 999}', '{"id": 999}', 'main:1:FFFF/0', 'FFFF/0', 0, false)`)
+	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
+	require.NoError(t, err)
+	require.True(t, cmp.Equal, "an unverified row counted as a difference: %+v", cmp.Tables)
+	testenv.Exec(t, e.url, `UPDATE archive_v2.rows SET verified = true WHERE commit_lsn = 'FFFF/0'`)
+	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
+	require.NoError(t, err)
+	require.False(t, cmp.Equal, "the same row, verified, must be a difference")
 }
