@@ -376,3 +376,58 @@ func TestNotReadyWithoutALagSample(t *testing.T) {
 	require.Equal(t, []string{"lag not sampled recently for 2 of 2 partitions"}, st.reasons)
 	require.Equal(t, hb.String(), *st.complete, "completeness does not depend on the lag")
 }
+
+// A stream deleted and made anew under the same name starts its sequences
+// again and holds nothing of the old one: what the old stream held past a
+// partition's cursor was never applied. Each partition records a
+// removed_from_stream gap (open-ended, from its watermark), so the archive
+// is not ready until the gaps are acknowledged; the new stream's
+// transactions are archived all the same.
+func TestRecreatedStreamIsAGap(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	c := e.conn()
+	ctx := context.Background()
+	s := e.start(e.config("w1"))
+	e.publish(e.nextTx(orderRows(1, 2)...))
+	e.publish(e.nextTx(orderRows(2, 2)...))
+	before := e.heartbeat()
+	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready before the stream is made anew")
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE stream_created IS NOT NULL`),
+		"each partition recorded the stream its cursor counts in")
+	require.NoError(t, s.Stop(ctx))
+
+	require.NoError(t, e.js.DeleteStream(ctx, event.StreamName(src)))
+	e.createStream()
+	e.publish(e.nextTx(orderRows(3, 2)...))
+	after := e.heartbeat()
+	s = e.start(e.config("w2"))
+
+	eventually(t, 30*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive_v1.gaps WHERE kind = 'removed_from_stream'`) == 2
+	}, "one gap per partition")
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 9 },
+		"the new stream's transaction is archived")
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive_v1.gaps WHERE kind = 'removed_from_stream'
+		AND from_lsn = $1::pg_lsn AND to_lsn IS NULL AND from_seq IS NULL AND acknowledged_at IS NULL`, before.String()))
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn`, after.String()) == 2
+	}, "both partitions reached the new stream's heartbeat")
+	st := readStatus(t, c)
+	require.False(t, st.ready, "a made-anew stream is not a ready archive")
+	require.Equal(t, 2, st.gapsOpen)
+	require.Equal(t, before.String(), *st.complete, "complete only up to where the old stream was left")
+
+	// Acknowledged, the archive is ready again; a restart records no more.
+	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	require.NoError(t, err)
+	require.Len(t, vg, 1)
+	for _, g := range vg[0].Gaps {
+		_, err := projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, g.ID, "stream re-created on purpose in a test")
+		require.NoError(t, err)
+	}
+	require.NoError(t, s.Stop(ctx))
+	e.start(e.config("w3"))
+	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready after the acks")
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive_v1.gaps`), "no new gap for the same stream")
+}

@@ -964,3 +964,67 @@ func nullLSNText(l event.LSN) any {
 	}
 	return l.String()
 }
+
+// streamRecreatedReason is the log and status reason of a gap recorded
+// because the stream under the source's name is not the one the cursor
+// counts in.
+const streamRecreatedReason = "the stream was deleted and made anew: whatever the old stream held past this partition's cursor was never applied"
+
+// checkStreamIdentity compares the stream's creation time with the one the
+// partition's cursor was recorded against (epitaph.progress.stream_created).
+// A different one means the stream was deleted and made anew: its
+// sequences start again and it holds nothing of the old stream, so what
+// the old one held past the cursor is unknown and may be lost. That is
+// recorded as a removed_from_stream gap of the partition, starting at the
+// partition's watermark and open-ended (no to_lsn; from_seq NULL: the old
+// stream's sequences mean nothing in the new one), which keeps the archive
+// not ready until an operator acknowledges it (projector gaps ack). The
+// cursor is then verified against the new stream as after any lost tail
+// (verify rewinds it; re-applying is idempotent). All in the lease's
+// epoch: a worker that lost the partition changes nothing.
+func (w *partitionWorker) checkStreamIdentity(ctx context.Context) error {
+	info, err := w.stream.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream info: %w", err)
+	}
+	created := info.Created.UTC().Truncate(time.Microsecond) // as Postgres keeps it
+	var recorded *time.Time
+	if err := w.svc.pool.QueryRow(ctx, `SELECT stream_created FROM epitaph.progress
+		WHERE projection = $1 AND version = $2 AND partition = $3`,
+		w.lease.Projection, w.lease.Version, w.lease.Partition).Scan(&recorded); err != nil {
+		return fmt.Errorf("read the partition's stream identity: %w", err)
+	}
+	if recorded != nil && recorded.Equal(created) {
+		return nil
+	}
+	tx, err := w.svc.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("record the partition's stream identity: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	tag, err := tx.Exec(ctx, `UPDATE epitaph.progress SET stream_created = $5
+		WHERE projection = $1 AND version = $2 AND partition = $3 AND epoch = $4`,
+		w.lease.Projection, w.lease.Version, w.lease.Partition, w.lease.Epoch, created)
+	if err != nil {
+		return fmt.Errorf("record the partition's stream identity: %w", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("record the partition's stream identity of %s: %w", w.lease.Key, progress.ErrLostOwnership)
+	}
+	recreated := recorded != nil // even at cursor 0: the old stream may have held this partition's first messages
+	if recreated {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn)
+			VALUES ('removed_from_stream', $1, $2::pg_lsn)`, w.lease.Partition, nullLSNText(w.pos.SourceLSN)); err != nil {
+			return fmt.Errorf("record a removed_from_stream gap: %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("record the partition's stream identity: %w", err)
+	}
+	if recreated {
+		w.log.Error("recorded a removed_from_stream gap: "+streamRecreatedReason,
+			"cursor", w.pos.Cursor, "watermark", w.pos.SourceLSN.String(),
+			"stream_created_before", recorded.Format(time.RFC3339Nano), "stream_created", created.Format(time.RFC3339Nano))
+	}
+	return nil
+}
