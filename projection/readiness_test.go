@@ -431,3 +431,44 @@ func TestRecreatedStreamIsAGap(t *testing.T) {
 	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready after the acks")
 	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive_v1.gaps`), "no new gap for the same stream")
 }
+
+// A truncate in a transaction that spans pages (its commit arrives in a
+// later page) is recorded once its commit verifies, not dropped, and is
+// not shown before.
+func TestTruncateInATransactionSpanningPagesIsRecorded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	cfg := e.config("w1")
+	cfg.BatchSize = 5
+	e.start(cfg)
+	c := e.conn()
+	ctx := context.Background()
+
+	tx := e.nextTx(orderRows(1, 8)...) // 9 rows: the commit is two pages after the truncate
+	msgs := e.messages(tx)
+	trunc := &event.Event{Op: event.OpTruncate, Source: src, Schema: "public", Table: "order_lines", XID: tx.xid,
+		CommitLSN: tx.lsn, CommitTime: tx.time, Seq: len(tx.rows)}
+	commit := msgs[len(msgs)-1]
+	msgs = append([]*nats.Msg{msgs[0], e.msg(event.TruncateSubject(src, tx.partition, "public", "order_lines"),
+		event.MsgID(src, tx.lsn, len(tx.rows)), trunc)}, msgs[1:]...)
+	for _, m := range msgs[:len(msgs)-1] {
+		_, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive_v1.pending_truncates`) == 1
+	}, "the truncate waits for its commit")
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive.gaps`), "not shown before it is verified")
+	_, err := e.pubMsg(ctx, commit)
+	require.NoError(t, err)
+	hb := e.heartbeat()
+	eventually(t, 20*time.Second, func() bool {
+		st, err := tryStatus(c)
+		return err == nil && st.ready && st.complete != nil && *st.complete == hb.String()
+	})
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.gaps WHERE kind = 'truncate'
+		AND schema_name = 'public' AND table_name = 'order_lines' AND from_lsn = $1::pg_lsn`, tx.lsn.String()))
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.pending_truncates`))
+	require.Equal(t, 9, count(t, c, `SELECT count(*) FROM archive.rows`))
+	require.Equal(t, 1, readStatus(t, c).truncates)
+}

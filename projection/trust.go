@@ -868,6 +868,10 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 			WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, s.cfg.SourceName, lsns, seqs); err != nil {
 			return fmt.Errorf("drop unverified rows: %w", err)
 		}
+		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+			WHERE p.partition = $1 AND p.commit_lsn = u.lsn::pg_lsn AND p.seq = u.seq`, l.Partition, lsns, seqs); err != nil {
+			return fmt.Errorf("drop unverified truncates: %w", err)
+		}
 	}
 	if len(vd.promote) > 0 {
 		lsns := make([]string, len(vd.promote))
@@ -877,6 +881,14 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "rows")+` SET verified = true
 			WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND NOT verified`, s.cfg.SourceName, lsns); err != nil {
 			return fmt.Errorf("make verified rows visible: %w", err)
+		}
+		// Their truncates of earlier pages become gap rows now.
+		if _, err := tx.Exec(ctx, `WITH moved AS (
+				DELETE FROM `+ident(v.Schema, "pending_truncates")+` WHERE partition = $1 AND commit_lsn = ANY($2::pg_lsn[])
+				RETURNING partition, commit_lsn, schema_name, table_name)
+			INSERT INTO `+ident(v.Schema, "gaps")+` (kind, schema_name, table_name, partition, from_lsn, to_lsn)
+			SELECT 'truncate', schema_name, table_name, partition, commit_lsn, commit_lsn FROM moved`, l.Partition, lsns); err != nil {
+			return fmt.Errorf("record verified truncates: %w", err)
 		}
 	}
 	for _, it := range vd.extraQuar {
@@ -1025,6 +1037,19 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context) error {
 		w.log.Error("recorded a removed_from_stream gap: "+streamRecreatedReason,
 			"cursor", w.pos.Cursor, "watermark", w.pos.SourceLSN.String(),
 			"stream_created_before", recorded.Format(time.RFC3339Nano), "stream_created", created.Format(time.RFC3339Nano))
+	}
+	return nil
+}
+
+// stagePendingTruncate keeps a truncate whose transaction is not verified
+// yet (its commit is in a later page) until it is: applyVerdict makes it a
+// gap row then, or drops it with the transaction's other unverified
+// messages. Readers never see a truncate that may be forged.
+func stagePendingTruncate(ctx context.Context, tx pgx.Tx, schema string, partition int, e *event.Event) error {
+	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "pending_truncates")+`
+		(partition, commit_lsn, seq, schema_name, table_name) VALUES ($1, $2::pg_lsn, $3, $4, $5)
+		ON CONFLICT DO NOTHING`, partition, e.CommitLSN.String(), e.Seq, e.Schema, e.Table); err != nil {
+		return fmt.Errorf("stage an unverified truncate: %w", err)
 	}
 	return nil
 }
