@@ -243,7 +243,7 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 	}
 	msgID := st.tx.msgID(seq)
 	var ref *event.ObjectRef
-	if len(st.img.row)+len(r.columnsJSON)+len(r.refsJSON)+len(st.img.key)+512 > st.maxMsg {
+	if len(st.img.row)+r.head.Size()+len(st.img.key)+512 > st.maxMsg {
 		ref, err = st.putLargeRow(ctx, msgID, st.img.row)
 		if err != nil {
 			return err
