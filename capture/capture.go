@@ -702,7 +702,7 @@ func (s *Service) heartbeats(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, PrefixHeartbeat)
+		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, event.PrefixHeartbeat)
 		if err != nil && ctx.Err() == nil && !warned {
 			s.log.Warn("emit heartbeat", "err", err)
 			warned = true

@@ -545,7 +545,7 @@ func lastRows(ctx context.Context, natsURL, source string) ([]string, []int32, e
 	if err != nil {
 		return nil, nil, fmt.Errorf("stream: %w", err)
 	}
-	parts, err := strconv.Atoi(stream.CachedInfo().Config.Metadata["epitaph.partitions"])
+	parts, err := strconv.Atoi(stream.CachedInfo().Config.Metadata[event.MetaPartitions])
 	if err != nil {
 		return nil, nil, fmt.Errorf("stream metadata epitaph.partitions: %w", err)
 	}
