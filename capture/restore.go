@@ -108,14 +108,13 @@ func checkTypeName(t string) error {
 		return bad
 	}
 	for i := 0; i < len(t); i++ {
-		c := t[i]
-		ok := true
-		switch {
-		case c == '"':
+		var ok bool
+		switch c := t[i]; c {
+		case '"':
 			i, ok = quotedEnd(t, i)
-		case c == '(':
+		case '(':
 			i, ok = typmodEnd(t, i)
-		case c == '[':
+		case '[':
 			ok = i+1 < len(t) && t[i+1] == ']'
 			i++
 		default:
