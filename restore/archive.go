@@ -156,8 +156,10 @@ func subtree(ctx context.Context, target *pgxpool.Pool, cfg Config) (map[string]
 	case snaps[0].status != "complete":
 		return nil, cannot("the snapshot of %s %s is %s, not complete", snaps[0].table, cfg.RootKey, snaps[0].status)
 	}
+	// {"root": node, "children": {table: [node, ...]}, "meta": ...}
 	var payload struct {
-		Root snapshotNode `json:"root"`
+		Root     snapshotNode              `json:"root"`
+		Children map[string][]snapshotNode `json:"children"`
 	}
 	if err := json.Unmarshal(snaps[0].payload, &payload); err != nil {
 		return nil, fmt.Errorf("snapshot of %s %s: %w", snaps[0].table, cfg.RootKey, err)
@@ -172,6 +174,7 @@ func subtree(ctx context.Context, target *pgxpool.Pool, cfg Config) (map[string]
 			}
 		}
 	}
+	payload.Root.Children = payload.Children
 	walk(payload.Root)
 	return want, nil
 }
