@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"net"
+	"os"
 	"strings"
 	"time"
 
@@ -12,6 +14,7 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/readapi"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -19,6 +22,7 @@ func init() { register(runCommand) }
 
 type runOptions struct {
 	worker, metrics, ttls, roots, captureStatus string
+	tokenFile                                   string
 	leaseTTL                                    time.Duration
 	batch                                       int
 	share                                       float64
@@ -36,7 +40,13 @@ func runCommand(env *Env) *cobra.Command {
 		Long: `run is a projector worker: it leases partitions of every projection version,
 applies their events to the target and serves /metrics, /livez, /readyz,
 /healthz, /status and the status page at / on --metrics-addr. Run as many as
-you like: partitions are spread by leases held in the target.`,
+you like: partitions are spread by leases held in the target.
+
+The same address serves the read API for support tools: GET /v1/rows,
+/v1/transactions/{correlation_id} and /v1/snapshots (see the README). With
+--http-token-file every read API request needs "Authorization: Bearer
+<token>"; the token is required when --metrics-addr is not a loopback
+address (run refuses to start without it).`,
 		Example: `  EPITAPH_TARGET_URL=postgres://epitaph@archive:5432/archive projector run
   projector run --snapshot-roots public.orders --archive-ttl 'public.sessions=720h,*=8760h'`,
 		Args: cli.NoArgs,
@@ -48,6 +58,7 @@ you like: partitions are spread by leases held in the target.`,
 	f.String(&o.ttls, "archive-ttl", "EPITAPH_ARCHIVE_TTL", "", `archive retention per table, e.g. "public.sessions=720h,*=8760h"`)
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
 	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", 15*time.Second, "partition lease TTL", cli.Positive())
+	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token of the read API (/v1/...); required when --metrics-addr is not loopback")
 	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
 	f.Int(&o.batch, "batch-size", "EPITAPH_BATCH_SIZE", projection.MaxBatchSize, "events per applied page", cli.Min(1), cli.Max(projection.MaxBatchSize))
 	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", 0.5, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
@@ -69,6 +80,10 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	ttlMap, err := projection.ParseTTLs(o.ttls)
 	if err != nil {
 		return cli.Usage("--archive-ttl: %w", err)
+	}
+	token, err := readToken(o.tokenFile, o.metrics)
+	if err != nil {
+		return err
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -101,6 +116,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
+	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {
@@ -144,4 +160,38 @@ func splitList(s string) []string {
 		}
 	}
 	return out
+}
+
+// readToken reads the read API's bearer token. Without a file the API is
+// open, which only a loopback address allows: anyone who reaches the
+// address could read every deleted row.
+func readToken(file, addr string) (string, error) {
+	if file == "" {
+		if addr != "" && !loopback(addr) {
+			return "", cli.Usage("--metrics-addr %s is not a loopback address: the read API needs --http-token-file (EPITAPH_HTTP_TOKEN_FILE)", addr)
+		}
+		return "", nil
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", cli.Usage("--http-token-file: %w", err)
+	}
+	token := strings.TrimSpace(string(b))
+	if token == "" || strings.ContainsAny(token, " \t\r\n") {
+		return "", cli.Usage("--http-token-file %s: want one token on one line", file)
+	}
+	return token, nil
+}
+
+// loopback reports whether addr (host:port) listens on loopback only.
+func loopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
