@@ -74,9 +74,9 @@ func isNegativeZero(v json.RawMessage) bool {
 		return false
 	}
 	for _, c := range v[1:] {
-		switch {
-		case c == '0' || c == '.':
-		case c == 'e' || c == 'E':
+		switch c {
+		case '0', '.':
+		case 'e', 'E':
 			return true // the mantissa was all zeros
 		default:
 			return false
