@@ -30,12 +30,14 @@ const (
 	OnConflictSkip  = "skip"  // the row is left as the source has it
 )
 
-// Outcomes recorded in epitaph.restores.outcome.
+// Outcomes recorded in epitaph.restores.outcome (OutcomePlanned: a dry
+// run's Result only; a dry run records nothing).
 const (
 	OutcomeRunning  = "running"
 	OutcomeRestored = "restored"
 	OutcomeConflict = "conflict"
 	OutcomeFailed   = "failed"
+	OutcomePlanned  = "planned"
 )
 
 // Config says what to restore, and where.
@@ -186,7 +188,7 @@ func Run(ctx context.Context, target *pgxpool.Pool, source *pgx.Conn, cfg Config
 	err = restoreInSource(ctx, source, cfg, rows, res)
 	if cfg.DryRun {
 		if err == nil {
-			res.Outcome = "planned"
+			res.Outcome = OutcomePlanned
 		}
 		return res, err
 	}
