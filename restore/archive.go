@@ -65,9 +65,16 @@ func loadRows(ctx context.Context, target *pgxpool.Pool, cfg Config) ([]*archive
 	if err != nil {
 		return nil, fmt.Errorf("read archived rows of %s: %w", cfg.CorrelationID, err)
 	}
+	// A key deleted twice in one transaction (deleted, inserted again,
+	// deleted) is put back as it was last: the later version wins.
+	last := map[string]int{}
+	for i, a := range all {
+		last[nodeID(a.qualified(), a.key)] = i
+	}
 	var out []*archived
-	for _, a := range all {
-		if want == nil || want[nodeID(a.qualified(), a.key)] {
+	for i, a := range all {
+		id := nodeID(a.qualified(), a.key)
+		if last[id] == i && (want == nil || want[id]) {
 			out = append(out, a)
 		}
 	}

@@ -125,3 +125,19 @@ func TestRestoreSelfReference(t *testing.T) {
 	require.Empty(t, res.Deferred, "a NOT DEFERRABLE key is not deferred")
 	require.Equal(t, before, e.texts(`SELECT t::text FROM public.categories t ORDER BY id`))
 }
+
+// TestRestoreKeyDeletedTwiceInOneTransaction: a row deleted, inserted
+// again and deleted in one transaction is put back as it was last.
+func TestRestoreKeyDeletedTwiceInOneTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := setup(t, `
+		CREATE TABLE notes (id int PRIMARY KEY, body text);
+		ALTER TABLE notes REPLICA IDENTITY FULL;
+		INSERT INTO notes VALUES (1, 'first'), (2, 'other')`)
+	corr := e.deleteArchived(`DELETE FROM notes WHERE id = 1; INSERT INTO notes VALUES (1, 'second'); DELETE FROM notes`, 3)
+	res, err := restore.Run(ctx, e.target, e.source, restore.Config{Source: "main", CorrelationID: corr, Actor: "test"})
+	require.NoError(t, err)
+	require.Equal(t, []int{2, 2}, []int{res.Rows, res.Restored})
+	require.Equal(t, []string{"(1,second)", "(2,other)"}, e.texts(`SELECT t::text FROM public.notes t ORDER BY id`))
+}
