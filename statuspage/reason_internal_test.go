@@ -1,0 +1,77 @@
+package statuspage
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+// The reason a page shows is a class, never the error's text (which names
+// hosts, users and values).
+func TestUnavailableReason(t *testing.T) {
+	t.Parallel()
+	const secretish = "host=db.internal user=alice password=hunter2"
+	wrap := func(err error) error { return fmt.Errorf("list versions (%s): %w", secretish, err) }
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{wrap(context.DeadlineExceeded), "the target database did not answer in time"},
+		{wrap(&pgconn.PgError{Code: "28P01", Message: secretish}), "refused the credentials (SQLSTATE 28P01)"},
+		{wrap(&pgconn.PgError{Code: "42P01", Message: secretish}), "no Epitaph schema: run projector migrate up (SQLSTATE 42P01)"},
+		{wrap(&pgconn.PgError{Code: "57P01", Message: secretish}), "shutting down or unavailable (SQLSTATE 57P01)"},
+		{wrap(&pgconn.PgError{Code: "42501", Message: secretish}), "refused access to the Epitaph tables"},
+		{wrap(&pgconn.PgError{Code: "22P02", Message: secretish}), "answered with an error (SQLSTATE 22P02)"},
+		{wrap(&net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}), "refuses connections (connection refused)"},
+		{wrap(&net.DNSError{Err: "no such host", Name: "db.internal"}), "the target database cannot be reached"},
+		{wrap(errors.New(secretish)), "the target database cannot be read"},
+	} {
+		got := unavailableReason(tc.err)
+		require.Contains(t, got, tc.want, "%v", tc.err)
+		require.NotContains(t, got, "hunter2")
+		require.NotContains(t, got, "db.internal")
+	}
+}
+
+// The page measures a rebuild's rate over its own samples: from the
+// oldest one of the last 30 s that is at least 2 s old, whatever the
+// source filled in; a sample too recent leaves the source's rate.
+func TestRatesFromPageSamples(t *testing.T) {
+	t.Parallel()
+	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
+	sample := func(d time.Duration, done uint64, rate float64) *projection.Status {
+		return &projection.Status{At: at.Add(d), Versions: []projection.VersionStatus{{Projection: "archive", Version: 2,
+			State: projection.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: done, EventsToBoundary: 1000,
+				EventsPerSecond: rate, ETASeconds: -1}}}}
+	}
+	h := Handler(nil).(*handler)
+	first := sample(0, 100, 0)
+	h.rates(first)
+	require.Equal(t, -1.0, first.Versions[0].Lifecycle.ETASeconds, "nothing to measure from yet")
+
+	recent := sample(time.Second, 150, 7)
+	h.rates(recent)
+	require.Equal(t, 7.0, recent.Versions[0].Lifecycle.EventsPerSecond, "a sample 1s old: the source's rate stays")
+
+	st := sample(10*time.Second, 300, 0)
+	h.rates(st)
+	lc := st.Versions[0].Lifecycle
+	require.InDelta(t, 20.0, lc.EventsPerSecond, 0.001, "200 events in 10s, from the first sample")
+	require.Equal(t, 35.0, lc.ETASeconds, "700 left at 20/s")
+
+	// 40 s later the first samples are out of the window: measured from
+	// the oldest one left (the one at 10 s).
+	late := sample(40*time.Second, 900, 0)
+	h.rates(late)
+	require.InDelta(t, 20.0, late.Versions[0].Lifecycle.EventsPerSecond, 0.001, "600 events in 30s")
+	require.Len(t, h.samples, 2, "the samples in the window only")
+}
