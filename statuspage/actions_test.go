@@ -142,7 +142,8 @@ func TestQuarantineEntriesInBrowser(t *testing.T) {
 	require.NotContains(t, dom, plantedValue, "a value from a quarantined message is on the page")
 	require.NotContains(t, dom, `data-testid="replay"`, "buttons without the token")
 	require.NotContains(t, dom, `data-testid="discard"`)
-	require.Contains(t, dom, `data-testid="actions-locked"`)
+	require.Contains(t, dom, `data-testid="actions-locked">Replay and discard: give the operator token above`)
+	require.Contains(t, dom, `data-testid="actions-form"`)
 
 	// With the token: the script takes it from the address (and removes
 	// it), refreshes with it at once, and the buttons are there.

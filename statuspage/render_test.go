@@ -20,7 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // sampleStatus is a status document as a projector with one live version,
 // two partitions (one without an owner, behind) and quarantine would
@@ -184,4 +184,24 @@ func TestRenderUnavailableHeader(t *testing.T) {
 	require.Contains(t, body, `data-testid="header-unavailable"`)
 	require.NotContains(t, body, `data-testid="stream-last"`)
 	require.Contains(t, body, "Unavailable: the target database did not answer in time.")
+}
+
+// Without --http-token-file the page offers no token field and no button,
+// and says how to turn the actions on; the endpoints are off (401).
+func TestRenderActionsOff(t *testing.T) {
+	t.Parallel()
+	st := sampleStatus()
+	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil },
+		statuspage.WithActions(statuspage.QuarantineActions(nil, nil), nil))
+	_, _, body := get(t, h, "/")
+	require.NotContains(t, body, `data-testid="actions-form"`)
+	require.NotContains(t, body, `data-action="replay"`)
+	rec := httptest.NewRecorder()
+	req := httptest.NewRequest(http.MethodPost, "/quarantine/1/replay", strings.NewReader("{}"))
+	req.Header.Set("Authorization", "Bearer anything-at-all-0000000")
+	mux := http.NewServeMux()
+	mux.Handle(statuspage.ActionPattern, statuspage.ActionHandler(statuspage.QuarantineActions(nil, nil), nil, nil))
+	mux.ServeHTTP(rec, req)
+	require.Equal(t, http.StatusUnauthorized, rec.Code)
+	require.Contains(t, rec.Body.String(), "--http-token-file")
 }

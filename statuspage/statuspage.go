@@ -192,7 +192,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	wg.Wait()
 
 	p := &page{Refresh: h.o.refresh, RefreshMillis: h.o.refresh.Milliseconds(), RefreshSeconds: max(1, int(math.Ceil(h.o.refresh.Seconds()))),
-		Capture: capView}
+		Capture: capView, ActionsOn: h.o.actions != nil && h.o.token != nil}
 	code := http.StatusOK
 	if err != nil {
 		code = http.StatusServiceUnavailable
@@ -202,7 +202,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.rates(st)
 		p.fill(st)
 		p.Snapshots, p.SnapshotsNote = h.snapshotStats(ctx, st)
-		p.CanAct = h.o.actions != nil && h.o.token.Check(r)
+		p.CanAct = p.ActionsOn && h.o.token.Check(r)
 		h.quarantineEntries(ctx, p, st.At)
 	}
 	hdr := w.Header()

@@ -56,6 +56,9 @@ type page struct {
 	// why), which is not "none".
 	EntriesUnavailable bool
 	CanAct             bool
+	// ActionsOn: the page has actions and a token (--http-token-file), so
+	// it offers the token field; without, it says how to turn them on.
+	ActionsOn bool
 
 	Capture       captureView
 	Snapshots     []snapshotRow
