@@ -75,3 +75,26 @@ func TestRatesFromPageSamples(t *testing.T) {
 	require.InDelta(t, 20.0, late.Versions[0].Lifecycle.EventsPerSecond, 0.001, "600 events in 30s")
 	require.Len(t, h.samples, 2, "the samples in the window only")
 }
+
+// A rebuild that made no progress over the window has no ETA, not the
+// source's older estimate.
+func TestStalledRebuildHasNoETA(t *testing.T) {
+	t.Parallel()
+	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
+	sample := func(d time.Duration, eta float64) *projection.Status {
+		return &projection.Status{At: at.Add(d), Versions: []projection.VersionStatus{{Projection: "archive", Version: 2,
+			State: projection.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: 100, EventsToBoundary: 1000,
+				EventsPerSecond: 5, ETASeconds: eta, Progress: 0.1}}}}
+	}
+	h := Handler(nil).(*handler)
+	h.rates(sample(0, 180))
+	st := sample(5*time.Second, 180)
+	h.rates(st)
+	require.Zero(t, st.Versions[0].Lifecycle.EventsPerSecond)
+	require.Equal(t, -1.0, st.Versions[0].Lifecycle.ETASeconds)
+	v, ok := newRebuildView(st.Versions[0])
+	require.True(t, ok)
+	require.Equal(t, "0 events/s", v.Rate)
+	require.Equal(t, "unknown (no progress measured)", v.ETA)
+	require.Equal(t, "10.0%", v.PctText)
+}

@@ -179,7 +179,8 @@ func TestCaptureSection(t *testing.T) {
 // status cannot be read.
 func TestRenderUnavailableHeader(t *testing.T) {
 	t.Parallel()
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return nil, context.DeadlineExceeded })
+	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return nil, context.DeadlineExceeded },
+		statuspage.WithLogger(quietLogger()))
 	_, _, body := get(t, h, "/")
 	require.Contains(t, body, `data-testid="header-unavailable"`)
 	require.NotContains(t, body, `data-testid="stream-last"`)

@@ -344,6 +344,11 @@ func (h *handler) rates(st *projection.Status) {
 	h.samples = keep
 	if len(keep) > 0 && st.At.Sub(keep[0].At) >= rateMinAge {
 		st.FillRates(keep[0])
+		for _, v := range st.Versions {
+			if lc := v.Lifecycle; lc != nil && lc.EventsPerSecond <= 0 && lc.ETASeconds > 0 {
+				lc.ETASeconds = -1 // no progress over the window: no estimate, not an old one
+			}
+		}
 	}
 	if len(keep) == 0 || st.At.Sub(keep[len(keep)-1].At) >= rateEvery {
 		h.samples = append(h.samples, st)

@@ -276,9 +276,6 @@ func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
 	r := rebuildView{Projection: v.Projection, Version: v.Version, State: v.State, Done: lc.EventsDone,
 		Rate: fmt.Sprintf("%.0f events/s", lc.EventsPerSecond), ETA: etaText(lc.ETASeconds),
 		AtBoundary: lc.PartitionsAtBoundary, Partitions: len(v.Partitions), BoundarySeq: lc.BoundarySeq, FailedReason: lc.FailedReason}
-	if lc.EventsPerSecond <= 0 {
-		r.Rate = "measuring"
-	}
 	frac := lc.Progress
 	switch v.State {
 	case projection.StateBuilding, projection.StateFailed:
@@ -314,7 +311,7 @@ func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
 func etaText(s float64) string {
 	switch {
 	case s < 0:
-		return "unknown yet"
+		return "unknown (no progress measured)"
 	case s == 0:
 		return "now"
 	}
