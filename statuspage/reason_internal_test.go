@@ -98,3 +98,46 @@ func TestStalledRebuildHasNoETA(t *testing.T) {
 	require.Equal(t, "unknown (no progress measured)", v.ETA)
 	require.Equal(t, "10.0%", v.PctText)
 }
+
+// Which versions get a progress bar, and towards what: building to its
+// boundary, catching up to no lag, ready full; a failed rebuild never
+// finishes; a live version or the first one has none.
+func TestRebuildViews(t *testing.T) {
+	t.Parallel()
+	lc := func(done, toBoundary uint64, progress float64) *projection.VersionLifecycle {
+		return &projection.VersionLifecycle{BoundarySeq: 5000, EventsDone: done, EventsToBoundary: toBoundary, Progress: progress,
+			EventsPerSecond: 250, ETASeconds: 90, PartitionsAtBoundary: 1}
+	}
+	parts := []projection.PartitionStatus{{Partition: 0, Cursor: 5200, ReachedBoundary: true}, {Partition: 1, Cursor: 1200, NextSeq: 2501}}
+	for _, tc := range []struct {
+		v                  projection.VersionStatus
+		ok                 bool
+		pct, eta, towards  string
+		part1Pct, part1Pos int
+	}{
+		{projection.VersionStatus{State: projection.StateBuilding, Lifecycle: lc(1234, 5000, 0.2468), Partitions: parts},
+			true, "24.6%", "1m30s", "the boundary (stream seq 5000)", 50, 2500},
+		{projection.VersionStatus{State: projection.StateCatchingUp, LagEvents: 100, Lifecycle: lc(900, 5000, 1), Partitions: parts},
+			true, "90.0%", "1m30s", "the stream's last message (no lag)", 50, 2500},
+		{projection.VersionStatus{State: projection.StateReady, Lifecycle: lc(6000, 5000, 1), Partitions: parts},
+			true, "100.0%", "1m30s", "the stream's last message (no lag)", 50, 2500},
+		{projection.VersionStatus{State: projection.StateFailed, Lifecycle: lc(10, 5000, 0.002), Partitions: parts},
+			true, "0.2%", "never (failed)", "the boundary (stream seq 5000)", 50, 2500},
+		{projection.VersionStatus{State: projection.StateLive, Lifecycle: lc(6000, 5000, 1)}, false, "", "", "", 0, 0},
+		{projection.VersionStatus{State: projection.StateBuilding}, false, "", "", "", 0, 0},
+	} {
+		r, ok := newRebuildView(tc.v)
+		require.Equal(t, tc.ok, ok, tc.v.State)
+		if !ok {
+			continue
+		}
+		require.Equal(t, tc.pct, r.PctText, tc.v.State)
+		require.Equal(t, tc.eta, r.ETA, tc.v.State)
+		require.Equal(t, tc.towards, r.Target, tc.v.State)
+		require.Equal(t, "250 events/s", r.Rate)
+		require.Len(t, r.Parts, 2)
+		require.Equal(t, rebuildPartView{Partition: 0, Position: 5200, Pct: 100, Reached: true}, r.Parts[0])
+		require.Equal(t, tc.part1Pct, r.Parts[1].Pct, "2500 of 5000")
+		require.Equal(t, uint64(tc.part1Pos), r.Parts[1].Position, "the one before the next unapplied message")
+	}
+}
