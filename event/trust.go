@@ -385,7 +385,7 @@ func PublicKeyString(pub ed25519.PublicKey) string {
 
 // RepublishedMsgID is the Nats-Msg-Id under which the capture publishes a
 // message again when its own id was taken by a message it did not publish
-// (ids are predictable): "<id>/r<n>", n from 1. The signature and digest
+// (commit, mark and gap ids are predictable): "<id>/r<n>", n from 1. The signature and digest
 // cover the message as republished; BaseMsgID returns the original id.
 func RepublishedMsgID(id string, n int) string { return id + "/r" + strconv.Itoa(n) }
 

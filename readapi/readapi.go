@@ -23,7 +23,6 @@ package readapi
 
 import (
 	"context"
-	"crypto/subtle"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -37,6 +36,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -59,8 +59,9 @@ type Config struct {
 	// DB is the target database.
 	DB progress.DB
 	// Token, when set, is the bearer token every request must carry
-	// (Authorization: Bearer <token>). Never logged.
-	Token string
+	// (Authorization: Bearer <token>; --http-token-file). nil: the API is
+	// open, which cmd/projector allows on a loopback address only.
+	Token *httptoken.Token
 	// Projection is the archive projection's name (default "archive").
 	Projection string
 }
@@ -128,11 +129,7 @@ func (a *api) endpoint(parse func(*http.Request, *request) error, query queryFun
 }
 
 func (a *api) authorized(r *http.Request) bool {
-	if a.cfg.Token == "" {
-		return true
-	}
-	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-	return ok && subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), []byte(a.cfg.Token)) == 1
+	return a.cfg.Token == nil || a.cfg.Token.Check(r)
 }
 
 type queryFunc func(context.Context, *http.Request, *request) (*page, error)

@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -19,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 )
@@ -52,7 +55,14 @@ func setup(t *testing.T, token string) *env {
 	require.NoError(t, err)
 	t.Cleanup(e.pool.Close)
 	mux := http.NewServeMux()
-	Register(mux, Config{DB: e.pool, Token: token})
+	cfg := Config{DB: e.pool}
+	if token != "" {
+		file := filepath.Join(t.TempDir(), "token")
+		require.NoError(t, os.WriteFile(file, []byte(token+"\n"), 0o600))
+		cfg.Token, err = httptoken.Load(file)
+		require.NoError(t, err)
+	}
+	Register(mux, cfg)
 	e.api = httptest.NewServer(mux)
 	t.Cleanup(e.api.Close)
 	return e
@@ -254,14 +264,14 @@ func TestReadAPI(t *testing.T) {
 // is 401, with it the answer.
 func TestReadAPIToken(t *testing.T) {
 	t.Parallel()
-	e := setup(t, "s3cret-token")
+	e := setup(t, "s3cret-token-of-the-read-api")
 	e.deleteTx(42)
 	e.startProjector()
 	path := rowsPath("public.customers", `{"id":42}`)
 	require.Equal(t, http.StatusUnauthorized, e.get(path).status)
 	require.Equal(t, http.StatusUnauthorized, e.get(path, "Authorization", "Bearer wrong").status)
-	require.Equal(t, http.StatusUnauthorized, e.get(path, "Authorization", "s3cret-token").status)
+	require.Equal(t, http.StatusUnauthorized, e.get(path, "Authorization", "s3cret-token-of-the-read-api").status)
 	require.Eventually(t, func() bool {
-		return e.get(path, "Authorization", "Bearer s3cret-token").status == http.StatusOK
+		return e.get(path, "Authorization", "Bearer s3cret-token-of-the-read-api").status == http.StatusOK
 	}, 120*time.Second, 100*time.Millisecond)
 }

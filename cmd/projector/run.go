@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"net"
-	"os"
 	"strings"
 	"time"
 
@@ -12,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/readapi"
@@ -58,8 +58,8 @@ address (run refuses to start without it).`,
 	f.String(&o.ttls, "archive-ttl", "EPITAPH_ARCHIVE_TTL", "", `archive retention per table, e.g. "public.sessions=720h,*=8760h"`)
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
 	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", 15*time.Second, "partition lease TTL", cli.Positive())
-	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token of the read API (/v1/...); required when --metrics-addr is not loopback")
 	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
+	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token (not world-readable) that the HTTP actions and the read API require: the status page's quarantine replay/discard (without it they answer 401) and /v1/... (without it open, allowed on a loopback --metrics-addr only)")
 	f.Int(&o.batch, "batch-size", "EPITAPH_BATCH_SIZE", projection.MaxBatchSize, "events per applied page", cli.Min(1), cli.Max(projection.MaxBatchSize))
 	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", 0.5, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
 	f.Bool(&o.hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false, "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied")
@@ -81,9 +81,14 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return cli.Usage("--archive-ttl: %w", err)
 	}
-	token, err := readToken(o.tokenFile, o.metrics)
-	if err != nil {
-		return err
+	var token *httptoken.Token
+	if o.tokenFile != "" {
+		if token, err = httptoken.Load(o.tokenFile); err != nil {
+			return cli.Usage("%w", err)
+		}
+	} else if o.metrics != "" && !loopback(o.metrics) {
+		// The read API serves deleted rows to whoever reaches the address.
+		return cli.Usage("--metrics-addr %s is not a loopback address: the read API needs --http-token-file (EPITAPH_HTTP_TOKEN_FILE)", o.metrics)
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -113,8 +118,12 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	srv := observe.New(observe.Config{Addr: o.metrics, Registry: reg, Logger: env.Logger,
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy, Live: svc.Live, Ready: svc.Healthy})
+	actions := statuspage.QuarantineActions(svc.Pool(), projection.ReplayFunc(projection.ReplayConfig{ArchiveTTL: ttlMap,
+		SnapshotRoots: splitList(o.roots), MaxRowBytes: o.maxRow, JetStream: svc.JetStream()}))
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
-		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
+		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
+		statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
+	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
@@ -160,27 +169,6 @@ func splitList(s string) []string {
 		}
 	}
 	return out
-}
-
-// readToken reads the read API's bearer token. Without a file the API is
-// open, which only a loopback address allows: anyone who reaches the
-// address could read every deleted row.
-func readToken(file, addr string) (string, error) {
-	if file == "" {
-		if addr != "" && !loopback(addr) {
-			return "", cli.Usage("--metrics-addr %s is not a loopback address: the read API needs --http-token-file (EPITAPH_HTTP_TOKEN_FILE)", addr)
-		}
-		return "", nil
-	}
-	b, err := os.ReadFile(file)
-	if err != nil {
-		return "", cli.Usage("--http-token-file: %w", err)
-	}
-	token := strings.TrimSpace(string(b))
-	if token == "" || strings.ContainsAny(token, " \t\r\n") {
-		return "", cli.Usage("--http-token-file %s: want one token on one line", file)
-	}
-	return token, nil
 }
 
 // loopback reports whether addr (host:port) listens on loopback only.
