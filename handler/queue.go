@@ -167,10 +167,10 @@ func Enqueue(ctx context.Context, tx pgx.Tx, c *Cache, projection string, versio
 
 type enqueueArgs struct {
 	ids, handlers, sources, lsns, schemas, tables, corrs, phases, payloads []string
-	keys                                                                  []*string
-	seqs, prios                                                           []int32
-	times                                                                 []*time.Time
-	released, verified                                                    []bool
+	keys                                                                   []*string
+	seqs, prios                                                            []int32
+	times                                                                  []*time.Time
+	released, verified                                                     []bool
 }
 
 func (a *enqueueArgs) add(d Def, r *Row, payload string, released bool) {
