@@ -25,7 +25,7 @@ func TestWebhook(t *testing.T) {
 	require.NoError(t, os.WriteFile(secretFile, []byte("s3cret\n"), 0o600))
 	type call struct {
 		id, attempt, sig string
-		body            []byte
+		body             []byte
 	}
 	var mu sync.Mutex
 	var calls []call
