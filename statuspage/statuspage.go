@@ -59,8 +59,8 @@ type options struct {
 	handlers         handlerDB
 	handlersInterval time.Duration
 	refresh          time.Duration
-	now          func() time.Time
-	log          *slog.Logger
+	now              func() time.Time
+	log              *slog.Logger
 }
 
 // WithCaptureStatusURL is the capture's /status URL (for example
