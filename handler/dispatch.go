@@ -507,29 +507,31 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		d.lastScrub = time.Now()
 	}
 	d.mu.Unlock()
-	tag, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries d SET
+	n, err := d.endAndScrub(ctx, `UPDATE epitaph.deliveries d SET
 		state = CASE WHEN d.attempt >= COALESCE((SELECT h.max_attempts FROM epitaph.handlers h WHERE h.id = d.handler_id), 1)
 		             THEN 'dead' ELSE 'pending' END,
 		outcome = 'claim_expired', last_error = 'type=claim_expired code=claim_expired diag=-',
 		claim_token = NULL, claim_expires_at = NULL, next_attempt_at = now(), updated_at = now(),
 		settled_at = CASE WHEN d.attempt >= COALESCE((SELECT h.max_attempts FROM epitaph.handlers h WHERE h.id = d.handler_id), 1)
 		                  THEN now() END
-		WHERE d.state = 'in_flight' AND d.claim_expires_at < now()`)
+		WHERE d.state = 'in_flight' AND d.claim_expires_at < now()
+		RETURNING d.state, d.source, d.commit_lsn::text, d.seq`)
 	if err != nil {
 		return fmt.Errorf("reclaim expired claims: %w", err)
 	}
-	if n := tag.RowsAffected(); n > 0 {
+	if n > 0 {
 		d.log.Warn("reclaimed deliveries whose claims expired (each counts as an attempt)", "deliveries", n)
 		d.met.reclaimed.Add(float64(n))
 	}
-	tag, err = d.pool.Exec(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
+	n, err = d.endAndScrub(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
 		last_error = 'type=unknown_handler code=unknown_handler diag=-', settled_at = now(), updated_at = now()
 		WHERE d.state = 'pending' AND d.released_at IS NOT NULL
-		  AND NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id)`)
+		  AND NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id)
+		RETURNING d.state, d.source, d.commit_lsn::text, d.seq`)
 	if err != nil {
 		return fmt.Errorf("dead-letter deliveries of unknown handlers: %w", err)
 	}
-	if n := tag.RowsAffected(); n > 0 {
+	if n > 0 {
 		d.log.Error("dead-lettered deliveries whose handler id is unknown", "deliveries", n)
 	}
 	if _, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries SET released_at = now(), released_unsettled = true, updated_at = now()
@@ -541,6 +543,43 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		return d.Backstop(ctx)
 	}
 	return nil
+}
+
+// endAndScrub runs an UPDATE returning (state, source, commit_lsn, seq)
+// and scrubs the payloads of the rows it made terminal whose every
+// delivery is terminal. It returns how many deliveries it updated.
+func (d *Dispatcher) endAndScrub(ctx context.Context, stmt string) (int, error) {
+	rows, err := d.pool.Query(ctx, stmt)
+	if err != nil {
+		return 0, err
+	}
+	type rowID struct {
+		source, lsn string
+		seq         int
+	}
+	var ended []rowID
+	n := 0
+	for rows.Next() {
+		var state string
+		var r rowID
+		if err := rows.Scan(&state, &r.source, &r.lsn, &r.seq); err != nil {
+			rows.Close()
+			return n, err
+		}
+		n++
+		if state != StatePending && state != StateInFlight {
+			ended = append(ended, r)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return n, err
+	}
+	for _, r := range ended {
+		if _, err := d.pool.Exec(ctx, scrubRowSQL, r.source, r.lsn, r.seq); err != nil {
+			return n, fmt.Errorf("scrub payloads: %w", err)
+		}
+	}
+	return n, nil
 }
 
 // Backstop scrubs the payloads of deliveries older than the payload

@@ -223,6 +223,7 @@ func TestReclaimOfLastAttemptIsDead(t *testing.T) {
 		return e.deliveries()[0].State == StateDead
 	}, "dead after the reclaim of its last attempt")
 	require.Equal(t, OutcomeClaimExpired, e.deliveries()[0].Outcome)
+	require.Nil(t, e.deliveries()[0].Payload, "scrubbed: the row's only handler is terminal")
 }
 
 func TestOutcomeRecordingFailureStaysInFlight(t *testing.T) {
