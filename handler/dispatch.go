@@ -46,7 +46,8 @@ type Config struct {
 	// Revalidate decides before every attempt (default AlwaysSend); only
 	// for handlers with revalidate on.
 	Revalidate Revalidator
-	// JetStream publishes for nats handlers.
+	// JetStream publishes for nats handlers; without it their deliveries
+	// are left for a dispatcher that has one.
 	JetStream jetstream.JetStream
 	// HTTPClient calls webhooks (default: a client without a timeout of
 	// its own; the attempt's context bounds it).
@@ -192,8 +193,8 @@ func (d *Dispatcher) claimAndStart(soft, hard context.Context) (int, error) {
 // deliveries (waiting out their backoff) until none that this process can
 // run is pending and released or in flight, or ctx ends. It returns how
 // many such deliveries remain (0 when done). Deliveries waiting for their
-// group, of disabled handlers, or of Go handlers not in this Registry are
-// not waited for.
+// group, of disabled handlers, of Go handlers not in this Registry, or of
+// nats handlers without a JetStream, are not waited for.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 	for {
 		if err := d.maintain(ctx); err != nil {
@@ -232,7 +233,8 @@ func (d *Dispatcher) open(ctx context.Context) (int, error) {
 	var n int
 	err := d.pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
 		WHERE (d.state = 'in_flight' OR (d.state = 'pending' AND d.released_at IS NOT NULL))
-		  AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($1))`, d.cfg.Registry.Names()).Scan(&n)
+		  AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($1)) AND (h.kind <> 'nats' OR $2)`,
+		d.cfg.Registry.Names(), d.cfg.JetStream != nil).Scan(&n)
 	if err != nil {
 		return -1, fmt.Errorf("count open deliveries: %w", err)
 	}
@@ -252,7 +254,7 @@ const claimSQL = `
 WITH due AS (
     SELECT d.id, h.claim_timeout FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
     WHERE d.state = 'pending' AND d.released_at IS NOT NULL AND d.next_attempt_at <= now()
-      AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($2))
+      AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($2)) AND (h.kind <> 'nats' OR $3)
       -- A row's handlers run in priority order, each after the previous
       -- one is terminal.
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
@@ -271,7 +273,7 @@ RETURNING d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d
           (extract(epoch FROM due.claim_timeout) * 1000)::bigint`
 
 func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
-	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names())
+	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names(), d.cfg.JetStream != nil)
 	if err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
