@@ -73,6 +73,8 @@ type Dispatcher struct {
 	mu        sync.Mutex
 	lastMaint time.Time
 	lastScrub time.Time
+	defCache  map[string]Def
+	defAt     time.Time
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
 }
@@ -152,7 +154,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
 		}
-		if n > 0 && len(d.sem) < cap(d.sem) {
+		if n > 0 && cap(d.sem)-len(d.sem) >= (cap(d.sem)+1)/2 {
 			continue // more may be due
 		}
 		select {
@@ -169,8 +171,8 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 // starts their attempts.
 func (d *Dispatcher) claimAndStart(soft, hard context.Context) (int, error) {
 	free := cap(d.sem) - len(d.sem)
-	if free <= 0 {
-		return 0, nil
+	if free <= 0 || (free < (cap(d.sem)+1)/2 && len(d.sem) > 0) {
+		return 0, nil // claim in batches: one claim query per few attempts
 	}
 	cs, err := d.claim(soft, free)
 	if err != nil {
@@ -310,18 +312,42 @@ func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
 	if len(cs) == 0 {
 		return nil, nil
 	}
-	defs, err := List(ctx, d.pool)
+	byID, err := d.defs(ctx, cs)
 	if err != nil {
 		return cs, err // claimed: they are reclaimed when the claims expire
-	}
-	byID := map[string]Def{}
-	for _, def := range defs {
-		byID[def.ID] = def
 	}
 	for _, c := range cs {
 		c.def = byID[c.d.HandlerID]
 	}
 	return cs, nil
+}
+
+// defs returns the handlers by id, cached for a second (reloaded at once
+// when a claimed delivery's handler is not in the cache).
+func (d *Dispatcher) defs(ctx context.Context, cs []*claimed) (map[string]Def, error) {
+	d.mu.Lock()
+	byID, fresh := d.defCache, time.Since(d.defAt) < time.Second
+	d.mu.Unlock()
+	for _, c := range cs {
+		if _, ok := byID[c.d.HandlerID]; !ok {
+			fresh = false
+		}
+	}
+	if fresh {
+		return byID, nil
+	}
+	list, err := List(ctx, d.pool)
+	if err != nil {
+		return nil, err
+	}
+	byID = make(map[string]Def, len(list))
+	for _, def := range list {
+		byID[def.ID] = def
+	}
+	d.mu.Lock()
+	d.defCache, d.defAt = byID, time.Now()
+	d.mu.Unlock()
+	return byID, nil
 }
 
 // settlement is an attempt's result, written guarded by the claim token.
@@ -409,16 +435,35 @@ func Backoff(base time.Duration, attempt int) time.Duration {
 	return delay
 }
 
+// settleSQL records an attempt's result guarded by the claim token, in one
+// statement: a terminal result also scrubs the payloads of the row's
+// deliveries when no other one of them is open.
 const settleSQL = `
-UPDATE epitaph.deliveries SET state = $3, outcome = $4, last_error = COALESCE($5, last_error),
-       next_attempt_at = now() + $6 * interval '1 millisecond',
-       attempt = attempt - $7::int, defers = defers + $7::int,
-       claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
-       settled_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') THEN now() END,
-       observed_fingerprint = COALESCE(NULLIF($8, ''), observed_fingerprint),
-       evaluated_at = CASE WHEN $9 THEN now() ELSE evaluated_at END
-WHERE id = $1 AND claim_token = $2::uuid
-RETURNING source, commit_lsn::text, seq`
+WITH s AS (
+    UPDATE epitaph.deliveries d SET state = $3, outcome = $4, last_error = COALESCE($5, d.last_error),
+           next_attempt_at = now() + $6 * interval '1 millisecond',
+           attempt = d.attempt - $7::int, defers = d.defers + $7::int,
+           claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
+           settled_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') THEN now() END,
+           observed_fingerprint = COALESCE(NULLIF($8, ''), d.observed_fingerprint),
+           evaluated_at = CASE WHEN $9 THEN now() ELSE d.evaluated_at END,
+           payload = CASE WHEN $3 IN ('done', 'stopped', 'dead') AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
+                              WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
+                                AND e.state IN ('pending', 'in_flight'))
+                          THEN NULL ELSE d.payload END,
+           payload_scrubbed_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
+                              WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
+                                AND e.state IN ('pending', 'in_flight'))
+                          THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
+    WHERE d.id = $1 AND d.claim_token = $2::uuid
+    RETURNING d.id, d.source, d.commit_lsn, d.seq, d.payload IS NULL AND d.state IN ('done', 'stopped', 'dead') AS scrub
+), others AS (
+    UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = now()
+    FROM s WHERE s.scrub AND o.source = s.source AND o.commit_lsn = s.commit_lsn AND o.seq = s.seq AND o.id <> s.id
+      AND o.payload IS NOT NULL
+    RETURNING 1
+)
+SELECT count(*) FROM s`
 
 // scrubRowSQL scrubs the payloads of a row's deliveries once every handler
 // of the row is terminal.
@@ -455,32 +500,18 @@ func (d *Dispatcher) settleTx(ctx context.Context, c *claimed, s settlement) err
 			return err
 		}
 	}
-	tx, err := d.pool.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("begin settle: %w", err)
-	}
-	defer tx.Rollback(ctx)
 	deferred := 0
 	if s.deferred {
 		deferred = 1
 	}
-	var source, lsn string
-	var seq int
-	err = tx.QueryRow(ctx, settleSQL, c.d.ID, c.token, s.state, s.outcome, s.lastError, s.delay.Milliseconds(),
-		deferred, s.fingerprint, s.evaluated).Scan(&source, &lsn, &seq)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return errStale
-	}
+	var n int
+	err := d.pool.QueryRow(ctx, settleSQL, c.d.ID, c.token, s.state, s.outcome, s.lastError, s.delay.Milliseconds(),
+		deferred, s.fingerprint, s.evaluated).Scan(&n)
 	if err != nil {
 		return fmt.Errorf("settle delivery: %w", err)
 	}
-	if s.terminal() {
-		if _, err := tx.Exec(ctx, scrubRowSQL, source, lsn, seq); err != nil {
-			return fmt.Errorf("scrub payloads: %w", err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("commit settle: %w", err)
+	if n == 0 {
+		return errStale
 	}
 	return nil
 }
