@@ -360,10 +360,6 @@ type settlement struct {
 	evaluated      bool
 }
 
-func (s settlement) terminal() bool {
-	return s.state == StateDone || s.state == StateStopped || s.state == StateDead
-}
-
 func (d *Dispatcher) attempt(ctx context.Context, c *claimed) {
 	def := c.def
 	if def.ID == "" { // removed between the claim and now
