@@ -71,7 +71,7 @@ bench-projector:
 
 ## bench-handlers: deliveries/s through a webhook handler on every table beside the apply rate of the same run; apply cost with handlers.
 bench-handlers:
-	$(GO) run ./internal/bench/projector -handlers -skip-snapshots -skip-e2e -rows 100000
+	$(GO) run ./internal/bench/projector -handlers -skip-snapshots -skip-e2e -rows 100000 -rounds 1
 
 clean:
 	rm -rf $(BIN) .demo .bench
