@@ -3,6 +3,7 @@ package projection_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -11,7 +12,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
@@ -336,4 +340,67 @@ func TestEraseConcurrentWithApply(t *testing.T) {
 		}, "applied past", last.lsn)
 		require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE table_name = 'users'`), "round %d", round)
 	}
+}
+
+// --purge-stream deletes the erased rows' messages and objects from the
+// stream (read back: gone), leaves every other message, and is refused
+// with ErrStreamDeniesDeletes by a stream that denies deletes.
+func TestErasePurgeStream(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
+	require.NoError(t, err)
+	e.start(retentionConfig(e, "w1"))
+	ann := customerTx(e, 42, "ann@example.com", 1)
+	msgs := e.messages(ann)
+	// The order's row is large: in the object store.
+	order := []byte(`{"id":1,"customer_id":42,"note":"for ann@example.com"}`)
+	refRow(t, msgs[1], storeRow(t, obs, "ann-order", order))
+	for _, m := range msgs {
+		_, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	bob := customerTx(e, 43, "bob@example.com", 3)
+	e.publish(bob)
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 8 })
+	pool := newPool(t, e.url)
+	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":42}`),
+		WithChildren: true, Actor: "dpo", PurgeStream: true})
+	require.NoError(t, err)
+	require.Equal(t, 4, rc.Removed["archive_v1.rows"])
+	rc, err = projection.PurgeStream(ctx, pool, e.js, src, rc.ID)
+	require.NoError(t, err)
+	require.Equal(t, 4, rc.Removed["stream:"+event.StreamName(src)])
+	require.Equal(t, 1, rc.Removed["objects"])
+	_, err = obs.GetInfo(ctx, "ann-order")
+	require.ErrorIs(t, err, jetstream.ErrObjectNotFound)
+	// What is left in the stream: Ann's commit (counts only) and Bob.
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	var left []string
+	for seq := uint64(1); seq <= stream.CachedInfo().State.LastSeq; seq++ {
+		m, err := stream.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		require.NoError(t, err)
+		require.NotContains(t, string(m.Data), "ann@example.com")
+		left = append(left, m.Subject)
+	}
+	require.Len(t, left, 1+5, "Ann's commit, Bob's four rows and commit")
+	// Idempotent.
+	rc2, err := projection.PurgeStream(ctx, pool, e.js, src, rc.ID)
+	require.NoError(t, err)
+	require.Equal(t, rc.Removed, rc2.Removed)
+
+	// A stream that denies deletes: refused before anything is recorded.
+	cfg := stream.CachedInfo().Config
+	cfg.DenyDelete = true
+	_, err = e.js.UpdateStream(ctx, cfg)
+	require.NoError(t, err)
+	require.ErrorIs(t, projection.CheckStreamDeletes(ctx, e.js, src), projection.ErrStreamDeniesDeletes)
+	_, err = projection.PurgeStream(ctx, pool, e.js, src, rc.ID)
+	require.ErrorIs(t, err, projection.ErrStreamDeniesDeletes)
 }

@@ -26,6 +26,8 @@ type runOptions struct {
 	maxRow                                      int64
 	readyLag                                    int64
 	readyAge                                    time.Duration
+	cleanupInterval, cleanupTimeout             time.Duration
+	cleanupBatch                                int
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -55,6 +57,9 @@ you like: partitions are spread by leases held in the target.`,
 	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
 	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", 1000, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
+	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
+	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
+	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -79,6 +84,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
+		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -128,6 +134,15 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	env.Logger.Info("projector stopped")
 	return svc.Wait()
+}
+
+// cleanupInterval maps --cleanup-interval 0 (disabled) to the config's
+// negative interval.
+func cleanupInterval(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }
 
 // stopTimeout bounds the soft stop on a signal; past it the stop turns
