@@ -34,6 +34,8 @@ import (
 // counter has no series before its first increment).
 var absentUntilProvoked = map[string]string{
 	"epitaph_projector_transient_errors_total": "only after a transient failure (target or NATS down)",
+	"epitaph_projector_rows_expired_total":     "only after retention cleanup deleted expired rows",
+	"epitaph_projector_fenced_rows_total":      "only after an erasure fenced a row being applied",
 }
 
 // TestAlertRulesOnARunningSystem runs the real capture and projector

@@ -241,13 +241,13 @@ type retentionMetrics struct {
 
 func newRetentionMetrics(reg prometheus.Registerer) *retentionMetrics {
 	m := &retentionMetrics{
-		expired: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_archive_rows_expired_total",
+		expired: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_rows_expired_total",
 			Help: "Archive rows deleted by retention cleanup (every version), by source table."}, []string{"table"}),
-		oldestDue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_archive_expired_oldest_seconds",
+		oldestDue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_projector_expired_oldest_seconds",
 			Help: "Age past expires_at of the oldest archive row that is expired, deletable (not held, no open delivery) and still present; 0 when none."}),
-		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_archive_cleanup_errors_total",
+		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_projector_cleanup_errors_total",
 			Help: "Retention cleanup batches that failed."}),
-		batch: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_archive_cleanup_batch_size",
+		batch: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_projector_cleanup_batch_size",
 			Help: "The retention cleanup's current batch size (adapted to how long batches take)."}),
 		fenced: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_fenced_rows_total",
 			Help: "Rows not archived because an erasure fences them, by projection version."}, []string{"projection", "version"}),
