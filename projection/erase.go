@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -37,6 +38,9 @@ type EraseOptions struct {
 	PurgeStream bool
 	// LockTimeout bounds the wait for applies in flight; default 60s.
 	LockTimeout time.Duration
+	// IgnoreHolds erases rows under a legal hold too (otherwise Erase
+	// fails with ErrHeld and changes nothing).
+	IgnoreHolds bool
 }
 
 // Receipt is one erasure (a row of epitaph.erasures): what was removed
@@ -109,6 +113,11 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 	if opts.Reason != "" {
 		reason = &opts.Reason
 	}
+	if !opts.IgnoreHolds {
+		if err := refuseHeld(ctx, pool, schema, name, mode, sel); err != nil {
+			return Receipt{}, err
+		}
+	}
 	// 1. The fence, committed before anything is removed: an apply that
 	// starts from here on skips the rows.
 	var id int64
@@ -134,8 +143,26 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 	// 2. The removal, under the erasure lock taken exclusively: it waits
 	// for every apply that took it shared (their rows are then visible
 	// here), and applies after it see the new counter.
-	removed := map[string]int{}
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	var removed map[string]int
+	for attempt := 1; ; attempt++ {
+		removed = map[string]int{}
+		err = eraseOnce(ctx, pool, opts, id, key, schema, name, mode, sel, cols, digest, removed)
+		var pg *pgconn.PgError
+		if attempt < 5 && errors.As(err, &pg) && pg.Code == "40P01" {
+			continue // a deadlock with an apply (which retries too): again
+		}
+		break
+	}
+	if err != nil {
+		return Receipt{}, fmt.Errorf("erase from %s (erasure %d recorded; run erase again to finish): %w", opts.Table, id, err)
+	}
+	return GetErasure(ctx, pool, id)
+}
+
+// eraseOnce is the removal of Erase, in one transaction.
+func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id int64, key []byte, schema, name, mode string,
+	sel json.RawMessage, cols []string, digest string, removed map[string]int) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = %d`, opts.LockTimeout.Milliseconds())); err != nil {
 			return err
 		}
@@ -172,10 +199,40 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 			WHERE id = $1`, id, string(b))
 		return err
 	})
+}
+
+// ErrHeld: a legal hold covers a row the erasure would remove.
+var ErrHeld = errors.New("a legal hold covers rows to erase")
+
+// refuseHeld fails with ErrHeld when a matched row of any version is
+// under a legal hold (the rows it would take as children are not checked).
+func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode string, sel json.RawMessage) error {
+	tx, err := pool.Begin(ctx)
 	if err != nil {
-		return Receipt{}, fmt.Errorf("erase from %s (erasure %d recorded; run erase again to finish): %w", opts.Table, id, err)
+		return fmt.Errorf("check legal holds: %w", err)
 	}
-	return GetErasure(ctx, pool, id)
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read only
+	vss, err := allVersionSchemas(ctx, tx)
+	if err != nil {
+		return err
+	}
+	cond := `r.key = $3::jsonb`
+	if mode == EraseByMatch {
+		cond = `r.row @> $3::jsonb`
+	}
+	for _, vs := range vss {
+		var hold *int64
+		err := tx.QueryRow(ctx, `SELECT min(h.id) FROM `+ident(vs.schema, "rows")+` r JOIN epitaph.legal_holds h
+			ON h.schema_name = r.schema_name AND h.table_name = r.table_name AND (h.key = r.key OR r.row @> h.match)
+			WHERE r.schema_name = $1 AND r.table_name = $2 AND `+cond, schema, name, string(sel)).Scan(&hold)
+		if err != nil {
+			return fmt.Errorf("check legal holds: %w", err)
+		}
+		if hold != nil {
+			return fmt.Errorf("%w: hold %d (projector hold list); nothing was erased (remove the hold first, or erase with --ignore-holds)", ErrHeld, *hold)
+		}
+	}
+	return nil
 }
 
 // eraseRowsSQL deletes the rows matched ($3: key or match) of one version,

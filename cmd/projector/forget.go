@@ -250,7 +250,7 @@ func holdRemoveCommand(env *Env) *cobra.Command {
 
 func eraseCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "erase --table schema.table (--key JSON | --match JSON) [--with-children] [--reason TEXT] [--purge-stream] [--yes]",
+		Use:   "erase --table schema.table (--key JSON | --match JSON) [--with-children] [--reason TEXT] [--purge-stream] [--yes] [--ignore-holds]",
 		Short: "erase rows for good: from every version, snapshot, quarantine entry and delivery, and from rebuilds (a fence)",
 		Long: `erase records an erasure (a fence in epitaph.erasures that holds a keyed hash of
 the matched values, never the values) and removes the matching rows from every
@@ -261,7 +261,9 @@ version's apply, rebuilds included, skips fenced rows from then on.
 --with-children also erases the rows of the same transactions that reference an
 erased row by foreign key. --purge-stream also securely deletes the matching
 messages (and their large-row objects) from the stream, and checks they are
-gone. Running it again is harmless. Exit status 3: the stream refuses deletes.`,
+gone. Running it again is harmless. A row under a legal hold is not erased:
+the command changes nothing and exits 3 (--ignore-holds erases it anyway).
+Exit status 3 also when the stream refuses deletes.`,
 		Example: `  projector erase --table public.customers --match '{"email": "ann@example.com"}' --with-children --reason "GDPR request 12" --yes`,
 		Args:    cli.NoArgs,
 	}
@@ -272,6 +274,7 @@ gone. Running it again is harmless. Exit status 3: the stream refuses deletes.`,
 	purge := cmd.Flags().Bool("purge-stream", false, "also securely delete the matching messages and objects from the stream")
 	yes := cmd.Flags().BoolP("yes", "y", false, "do not ask for confirmation (scripts)")
 	actor := cmd.Flags().String("actor", "", "who erases (default: the OS user)")
+	ignoreHolds := cmd.Flags().Bool("ignore-holds", false, "erase rows under a legal hold too (otherwise refused, exit 3)")
 	asJSON := jsonFlag(cmd, "the receipt")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		key, match, err := sel.parse()
@@ -312,7 +315,10 @@ gone. Running it again is harmless. Exit status 3: the stream refuses deletes.`,
 			}
 		}
 		rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: sel.table, Key: key, Match: match,
-			WithChildren: *withChildren, Reason: *reason, Actor: *actor, PurgeStream: *purge})
+			WithChildren: *withChildren, Reason: *reason, Actor: *actor, PurgeStream: *purge, IgnoreHolds: *ignoreHolds})
+		if errors.Is(err, projection.ErrHeld) {
+			return cli.WithCode(3, err)
+		}
 		if err != nil {
 			return usageIfBadSelector(err)
 		}
