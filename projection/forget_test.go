@@ -230,6 +230,9 @@ func TestEraseWithChildren(t *testing.T) {
 		'{"id":1}', 'x', 1, 'pending', '{"note":"for ann@example.com"}')`, src, ann.lsn.String())
 	require.NoError(t, err)
 
+	// Deletes keep flowing while Ann is erased, and until the end.
+	stopTraffic := e.traffic(ctx, 20*time.Millisecond)
+	defer stopTraffic()
 	pool := newPool(t, e.url)
 	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers",
 		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Reason: "GDPR art. 17 request 12", Actor: "dpo"})
@@ -240,10 +243,11 @@ func TestEraseWithChildren(t *testing.T) {
 	require.Equal(t, 1, rc.Removed["epitaph.quarantine"])
 	require.Equal(t, []string{"email"}, rc.Columns)
 
-	// Bob is untouched, row by row.
+	// Bob is untouched, row by row (the traffic's ids are from 100000 on).
 	require.Equal(t, []string{"customers:43", "order_lines:3000", "order_lines:3001", "orders:3"},
-		keysOf(t, c, `SELECT table_name || ':' || (key->>'id') FROM archive_v1.rows ORDER BY 1`))
-	require.Equal(t, []string{"public.customers", "public.orders"}, keysOf(t, c, `SELECT root_table FROM archive_v1.snapshots ORDER BY 1`))
+		keysOf(t, c, `SELECT table_name || ':' || (key->>'id') FROM archive_v1.rows WHERE (key->>'id')::bigint < 100000 ORDER BY 1`))
+	require.Equal(t, []string{"public.customers", "public.orders"},
+		keysOf(t, c, `SELECT root_table FROM archive_v1.snapshots WHERE commit_lsn = $1::pg_lsn ORDER BY 1`, bob.lsn.String()))
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'stopped' AND outcome = 'stop_revoked' AND payload IS NULL AND key IS NULL`))
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE length(data) = 0 AND status = 'discarded'`))
 
@@ -263,14 +267,25 @@ func TestEraseWithChildren(t *testing.T) {
 	later := customerTx(e, 42, "ann@example.com", 9) // Ann deleted again later: fenced too
 	e.publish(later)
 	e.publish(customerTx(e, 44, "cy@example.com", 5))
+	traffic := stopTraffic()
+	require.Positive(t, traffic)
 	eventually(t, 60*time.Second, func() bool {
-		return count(t, c, fmt.Sprintf(`SELECT count(*) FROM %s.rows`, v2.Schema)) == 4+4 &&
-			count(t, c, `SELECT count(*) FROM archive_v1.rows`) == 4+4
+		return count(t, c, fmt.Sprintf(`SELECT count(*) FROM %s.rows`, v2.Schema)) == 4+4+traffic &&
+			count(t, c, `SELECT count(*) FROM archive_v1.rows`) == 4+4+traffic
 	})
+	// Every other row as the oracle says, in both versions, the same.
 	for _, schema := range []string{"archive_v1", v2.Schema} {
 		require.Equal(t, []string{"customers:43", "customers:44", "order_lines:3000", "order_lines:3001", "order_lines:5000", "order_lines:5001", "orders:3", "orders:5"},
-			keysOf(t, c, fmt.Sprintf(`SELECT table_name || ':' || (key->>'id') FROM %s.rows ORDER BY 1`, schema)), schema)
+			keysOf(t, c, fmt.Sprintf(`SELECT table_name || ':' || (key->>'id') FROM %s.rows WHERE (key->>'id')::bigint < 100000 ORDER BY 1`, schema)), schema)
+		require.Equal(t, traffic/3, count(t, c, fmt.Sprintf(`SELECT count(*) FROM %s.rows WHERE table_name = 'orders' AND (key->>'id')::bigint >= 100000
+			AND row = jsonb_build_object('id', (key->>'id')::bigint, 'customer_id', 7, 'total', '12.50')`, schema)), schema)
+		require.Equal(t, traffic*2/3, count(t, c, fmt.Sprintf(`SELECT count(*) FROM %s.rows WHERE table_name = 'order_lines' AND (key->>'id')::bigint >= 100000000
+			AND row = jsonb_build_object('id', (key->>'id')::bigint, 'order_id', (key->>'id')::bigint / 1000, 'qty', (key->>'id')::bigint %% 1000 + 1)`, schema)), schema)
 	}
+	require.Equal(t, 0, count(t, c, fmt.Sprintf(`SELECT count(*) FROM (
+		(SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM archive_v1.rows EXCEPT SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM %[1]s.rows)
+		UNION ALL
+		(SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM %[1]s.rows EXCEPT SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM archive_v1.rows)) d`, v2.Schema)))
 	_, err = projection.Promote(ctx, s.Pool(), projection.ArchiveProjection, v2.Version, true)
 	require.NoError(t, err)
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE row::text LIKE '%ann@example.com%'`))
