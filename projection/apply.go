@@ -208,17 +208,20 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	if err != nil {
 		return res, err
 	}
-	// Erased rows are never archived again (fence.go).
-	if ins, err = s.unfenced(ctx, v, ins); err != nil {
+	// Erased rows are never archived again (fence.go): the page is
+	// filtered by the fences of erasure counter "fenced"; an insert that
+	// reads another counter makes it apply again.
+	var fenced int64
+	if ins, fenced, err = s.unfenced(ctx, v, ins); err != nil {
 		return res, err
 	}
+	seen := fenced
 	// Rows, set-based; a rejected row is isolated by bisection.
 	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
-	epoch := s.fences.epochNow()
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
-		inserted, seen, err := insertRowsCounted(ctx, sp, v.Schema, part)
-		if err == nil && seen != epoch {
-			epoch = seen
+		inserted, epoch, err := insertRowsCounted(ctx, sp, v.Schema, part)
+		if err == nil && epoch != fenced {
+			seen = epoch
 		}
 		if err != nil || len(inserted) == 0 {
 			return err
@@ -245,7 +248,8 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		r.item.category, r.item.failure = string(cat), err
 		return nil
 	})
-	if err == nil && s.fences.stale(epoch) {
+	if err == nil && seen != fenced {
+		s.fences.saw(seen)
 		err = errFencesChanged
 	}
 	if err == nil {

@@ -117,35 +117,34 @@ func (f *fenceSet) load(ctx context.Context, db progress.DB) error {
 	return nil
 }
 
-// stale reports whether a statement that read the erasure counter epoch saw
-// a change the cache does not have; the cache is then reloaded on next use.
-func (f *fenceSet) stale(epoch int64) bool {
+// saw records that a statement read the erasure counter epoch: a cache
+// older than that is reloaded on next use (the counter only grows).
+func (f *fenceSet) saw(epoch int64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if epoch != f.epoch {
+	if epoch > f.epoch {
 		f.loaded = false
-		return true
 	}
-	return false
 }
 
 // filter returns rows without the fenced ones (and, for a fence with
 // children, without the rows of the same transaction in rows that reference
 // a fenced row by their foreign keys, transitively), loading the fences
-// first when needed. It returns how many rows it left out.
-func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRow) ([]*archiveRow, int, error) {
+// first when needed. It returns how many rows it left out and the erasure
+// counter of the fences it used.
+func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRow) ([]*archiveRow, int, int64, error) {
 	f.mu.Lock()
 	loaded := f.loaded
 	f.mu.Unlock()
 	if !loaded {
 		if err := f.load(ctx, db); err != nil {
-			return nil, 0, err
+			return nil, 0, 0, err
 		}
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if len(f.byTable) == 0 && len(f.rows) == 0 {
-		return rows, 0, nil
+		return rows, 0, f.epoch, nil
 	}
 	var keep, parents []*archiveRow
 	for _, r := range rows {
@@ -171,7 +170,7 @@ func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRo
 		keep, parents = kept, next
 		dropped += len(next)
 	}
-	return keep, dropped, nil
+	return keep, dropped, f.epoch, nil
 }
 
 // fenced says whether r is fenced, and whether by a fence with children.
@@ -311,22 +310,16 @@ func digestOf(key []byte, table, mode string, columns []string, vals []json.RawM
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-// epochNow is the erasure counter the cached fences are of.
-func (f *fenceSet) epochNow() int64 {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.epoch
-}
-
-// unfenced leaves the fenced rows out of a page's rows (called by applyTx).
-func (s *Service) unfenced(ctx context.Context, v Version, rows []*archiveRow) ([]*archiveRow, error) {
-	keep, dropped, err := s.fences.filter(ctx, s.pool, rows)
+// unfenced leaves the fenced rows out of a page's rows (called by applyTx)
+// and returns the erasure counter of the fences it used.
+func (s *Service) unfenced(ctx context.Context, v Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
+	keep, dropped, epoch, err := s.fences.filter(ctx, s.pool, rows)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if dropped > 0 {
 		s.retention.fenced.WithLabelValues(v.Projection, fmt.Sprint(v.Version)).Add(float64(dropped))
 		s.log.Info("erased rows not archived (erasure fence)", "version", v.Version, "rows", dropped)
 	}
-	return keep, nil
+	return keep, epoch, nil
 }
