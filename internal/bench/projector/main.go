@@ -291,14 +291,8 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 		}
 	}
 	if o.handlers {
-		for _, par := range strings.Split(o.handlerPar, ",") {
-			p, err := strconv.Atoi(strings.TrimSpace(par))
-			if err != nil || p < 1 {
-				return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
-			}
-			if err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, res.snaps); err != nil {
-				return err
-			}
+		if err := e.handlersRounds(ctx, o, r, events, n, applyRate, res); err != nil {
+			return err
 		}
 	}
 	if o.compareBin != "" {
@@ -319,6 +313,21 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 		}
 		e.figure("projector.ratio_apply_to_raw.compare", rate/rawRate, "x (the -compare-bin build)")
 		res.compares = append(res.compares, rate/rawRate)
+	}
+	return nil
+}
+
+// handlersRounds is round r's row handlers phase, once per
+// -handler-parallelism value.
+func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, applyRate float64, res *roundResults) error {
+	for _, par := range strings.Split(o.handlerPar, ",") {
+		p, err := strconv.Atoi(strings.TrimSpace(par))
+		if err != nil || p < 1 {
+			return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
+		}
+		if err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, res.snaps); err != nil {
+			return err
+		}
 	}
 	return nil
 }
