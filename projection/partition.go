@@ -81,6 +81,8 @@ type partitionWorker struct {
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
 	legacy  uint64    // the partition's legacy boundary (trust.go)
+	// recorded is the consumer named on the progress row (group.go).
+	recorded string
 }
 
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
@@ -187,6 +189,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 		return fmt.Errorf("init %s: epoch is %d, lease has %d: %w", w.lease.Key, row.Epoch, w.lease.Epoch, progress.ErrLostOwnership)
 	}
 	w.pos = row.Position
+	w.recorded = row.Consumer
 	w.open = nil
 	w.stream, err = w.svc.js.Stream(ctx, event.StreamName(w.svc.cfg.SourceName))
 	if err != nil {
@@ -341,9 +344,45 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 
 // ensureConsumer keeps the durable consumer if it stands exactly at the
 // cursor with nothing in flight, else deletes and recreates it to start at
-// cursor+1: the Postgres cursor is the truth.
+// cursor+1: the Postgres cursor is the truth. The consumer is the group's
+// (group.go); once it stands at the cursor, the one used before (the name
+// from before consumer groups, or another group's recorded on the row) is
+// deleted.
 func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
-	name := w.lease.ConsumerName()
+	name := w.lease.GroupConsumerName(w.svc.group)
+	prev := w.recorded
+	if prev == "" {
+		// Nothing recorded yet: record the name before the consumer exists,
+		// so that retire always knows it.
+		if err := w.recordConsumer(ctx, name); err != nil {
+			return err
+		}
+	}
+	if err := w.openConsumer(ctx, name); err != nil {
+		return err
+	}
+	if prev == name {
+		return nil
+	}
+	if err := deleteConsumers(ctx, w.stream, w.lease.ConsumerName(), prev); err != nil {
+		return fmt.Errorf("delete the consumer used before %s: %w", name, err)
+	}
+	return w.recordConsumer(ctx, name)
+}
+
+func (w *partitionWorker) recordConsumer(ctx context.Context, name string) error {
+	if w.recorded == name {
+		return nil
+	}
+	if err := progress.RecordConsumer(ctx, w.svc.pool, w.lease, name); err != nil {
+		return err
+	}
+	w.recorded = name
+	return nil
+}
+
+// openConsumer is the consumer name at the cursor (see ensureConsumer).
+func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	c, err := w.stream.Consumer(ctx, name)
 	if err == nil {
 		info := c.CachedInfo()
@@ -354,6 +393,7 @@ func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
 		}
 		w.log.Info("resetting consumer to the cursor", "consumer", name, "cursor", w.pos.Cursor,
 			"ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending)
+		w.svc.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
 		if err := w.stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return fmt.Errorf("delete consumer %s: %w", name, err)
 		}
