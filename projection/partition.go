@@ -83,7 +83,18 @@ type partitionWorker struct {
 	legacy  uint64    // the partition's legacy boundary (trust.go)
 	// recorded is the consumer named on the progress row (group.go).
 	recorded string
+	// stalled counts idle rounds in a row in which the consumer had
+	// messages pending but delivered none; at maxStalled the consumer is
+	// recreated at the cursor (stuck, as seen after a JetStream cluster
+	// lost the node that led it). recreate asks ensureConsumer for that.
+	stalled  int
+	recreate bool
 }
+
+// maxStalled is how many idle rounds (each a fetch of up to FetchWait) a
+// consumer with pending messages may deliver nothing before it is
+// recreated.
+const maxStalled = 3
 
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
 	return &partitionWorker{
@@ -386,7 +397,7 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	c, err := w.stream.Consumer(ctx, name)
 	if err == nil {
 		info := c.CachedInfo()
-		if info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
+		if !w.recreate && info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
 			info.Config.AckPolicy == jetstream.AckAllPolicy && info.Config.MaxAckPending >= maxAckPending {
 			w.cons = c
 			return nil
@@ -414,7 +425,7 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("create consumer %s at %d: %w", name, w.pos.Cursor+1, err)
 	}
-	w.cons = c
+	w.cons, w.recreate, w.stalled = c, false, 0
 	return nil
 }
 
@@ -560,6 +571,7 @@ func (w *partitionWorker) step(ctx context.Context) error {
 	if len(items) == 0 {
 		return w.idle(ctx)
 	}
+	w.stalled = 0
 	if p.full && w.svc.cfg.BatchSize == MaxBatchSize {
 		items, w.carry = splitAtCommit(items)
 	}
@@ -597,6 +609,14 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		// deliveries went to another reader (a worker that lost its lease):
 		// reset rather than wait for their ack timeout.
 		return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
+	}
+	if ci.NumPending == 0 {
+		w.stalled = 0
+	} else if w.stalled++; w.stalled >= maxStalled {
+		w.log.Warn("consumer delivers nothing though messages are pending; recreating it at the cursor",
+			"consumer", ci.Name, "pending", ci.NumPending, "idle_fetches", w.stalled)
+		w.recreate = true
+		return fmt.Errorf("consumer %s stalled with %d pending: %w", ci.Name, ci.NumPending, errReset)
 	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {
