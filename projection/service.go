@@ -105,6 +105,10 @@ func (s *Service) Group() string { return s.group }
 // Pool is the target connection pool (valid after Start).
 func (s *Service) Pool() *pgxpool.Pool { return s.pool }
 
+// JetStream is the service's JetStream context (valid after Start), for
+// what reads the stream beside it (a replay's large rows).
+func (s *Service) JetStream() jetstream.JetStream { return s.js }
+
 // Start connects to the target (and applies the control-schema
 // migrations) and to NATS, then runs in the background until Stop or ctx
 // is done. It returns configuration and connection errors at once; a
