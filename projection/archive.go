@@ -33,6 +33,12 @@ func ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
 // a column of its foreign key, or whose would-be parents' images lack the
 // referenced columns (and no other parent is known).
 //
+// text_values keeps, only for the columns where storing the row as jsonb
+// changes a value, the event's exact text of it (see textValues): with
+// columns (the event's column types) it makes the archived row restore to
+// the deleted one, equal by row::text, without the stream. NULL for almost
+// every row.
+//
 // verified is false while the row's transaction has not been verified
 // against its signed commit (a transaction spanning pages, applied before
 // its commit arrives); archive.rows shows only verified rows, so readers
@@ -71,6 +77,10 @@ DO $$ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
                    AND attname = 'verified' AND NOT attisdropped) THEN
         ALTER TABLE ` + s + `.rows ADD COLUMN verified boolean NOT NULL DEFAULT true;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
+                   AND attname = 'text_values' AND NOT attisdropped) THEN
+        ALTER TABLE ` + s + `.rows ADD COLUMN text_values jsonb;
     END IF;
 END $$;
 ` + gapsDDL(s)
@@ -217,14 +227,15 @@ type archiveRow struct {
 const insertRowsSQL = `
 WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
-                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
+                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
-       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified,
+       u.text_values::jsonb
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
             $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[],
-            $16::boolean[])
+            $16::boolean[], $17::text[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
-          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
+          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
 RETURNING correlation_id, archived_at, verified
 )
@@ -269,6 +280,7 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 	var (
 		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 		keys, images, refs, cols                      = make([]*string, n), make([]*string, n), make([]*string, n), make([]*string, n)
+		texts                                         = make([]*string, n)
 		xids                                          = make([]int64, n)
 		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
 		seqs                                          = make([]int32, n)
@@ -280,7 +292,7 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 		e := r.ev
 		sources[i], schemas[i], tables[i], idents[i] = e.Source, e.Schema, e.Table, e.Identity
 		corrs[i], lsns[i], xids[i], seqs[i] = e.CorrelationID(), e.CommitLSN.String(), e.XID, int32(e.Seq)
-		keys[i], images[i] = nullableJSON(e.Key), nullableJSON(r.row)
+		keys[i], images[i], texts[i] = nullableJSON(e.Key), nullableJSON(r.row), textValues(r.row)
 		if !e.CommitTime.IsZero() {
 			t := e.CommitTime
 			times[i] = &t
@@ -297,7 +309,7 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 		}
 	}
 	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified)
+		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts)
 	if err != nil {
 		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
