@@ -75,6 +75,11 @@ CREATE TABLE IF NOT EXISTS epitaph.deliveries (
     released_at          timestamptz,
     -- Set when --group-settle-timeout released it without its commit.
     released_unsettled   boolean     NOT NULL DEFAULT false,
+    -- False while its row belongs to a signed transaction whose commit has
+    -- not been applied (the row is not verified yet): such a delivery is
+    -- never released, not even by --group-settle-timeout; it ends stopped
+    -- (outcome unverified) if its transaction is quarantined.
+    verified             boolean     NOT NULL DEFAULT true,
     attempt              integer     NOT NULL DEFAULT 0,
     next_attempt_at      timestamptz NOT NULL DEFAULT now(),
     claim_token          uuid,
@@ -103,6 +108,9 @@ CREATE TABLE IF NOT EXISTS epitaph.deliveries (
     CONSTRAINT deliveries_once UNIQUE (handler_id, source, commit_lsn, seq, generation),
     CONSTRAINT deliveries_claim CHECK ((state = 'in_flight') = (claim_token IS NOT NULL))
 );
+
+-- A target that applied an earlier draft of this (unreleased) migration.
+ALTER TABLE epitaph.deliveries ADD COLUMN IF NOT EXISTS verified boolean NOT NULL DEFAULT true;
 
 -- The dispatcher claims due work in order.
 CREATE INDEX IF NOT EXISTS deliveries_due_idx ON epitaph.deliveries (next_attempt_at)

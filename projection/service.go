@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -52,6 +53,13 @@ type Service struct {
 
 	objects *objectReader
 	keys    *keyring // trusted signing keys (trust.go)
+	// handlers: the row handlers per table, for queueing deliveries
+	// (handlers.go).
+	handlers *handler.Cache
+
+	fences    *fenceSet         // erasure fences (fence.go)
+	retention *retentionMetrics // retention.go
+	cleaner   *Cleaner          // retention.go; nil when disabled
 
 	mu         sync.Mutex
 	closing    bool
@@ -91,6 +99,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	}
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
+	s.fences, s.retention = &fenceSet{}, newRetentionMetrics(o.registry)
 	s.createJobs, s.extraDDL = snapshotHooks()
 	return s, nil
 }
@@ -178,6 +187,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	}
 	s.objects = newObjectReader(s.js)
 	s.keys = newKeyring(s.pool, s.log)
+	s.handlers = handler.NewCache(s.pool, time.Second)
 	if err := s.reg.Register(quarantine.NewCollector(s.pool, s.log)); err != nil {
 		s.log.Warn("quarantine metrics not registered", "err", err)
 	}
@@ -186,6 +196,12 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		s.nc.Close()
 		s.pool.Close()
 		return fmt.Errorf("snapshot batcher: %w", err)
+	}
+	if err := s.startCleaner(hard); err != nil {
+		s.batcher.Stop(context.WithoutCancel(hard)) //nolint:errcheck // already failing
+		s.nc.Close()
+		s.pool.Close()
+		return err
 	}
 	go s.run(soft, hard)
 	return nil
@@ -233,6 +249,11 @@ func (s *Service) stopPartitions() []progress.Lease {
 func (s *Service) shutdown(ctx context.Context, leases []progress.Lease) {
 	if err := s.batcher.Stop(ctx); err != nil {
 		s.log.Debug("snapshot batcher stopped hard", "err", err)
+	}
+	if s.cleaner != nil {
+		if err := s.cleaner.Stop(ctx); err != nil {
+			s.log.Debug("retention cleanup stopped hard", "err", err)
+		}
 	}
 	if ctx.Err() == nil {
 		c, cancel := context.WithTimeout(ctx, 5*time.Second)

@@ -89,6 +89,9 @@ type options struct {
 	entriesLimit int
 	actions      Actions
 	token        *httptoken.Token
+	// handlers: the row handlers' delivery counts (handlers.go).
+	handlers         handlerDB
+	handlersInterval time.Duration
 }
 
 // WithCaptureStatusURL is the capture's /status URL (for example
@@ -170,6 +173,12 @@ type handler struct {
 
 	rmu     sync.Mutex // guards samples
 	samples []*projection.Status
+
+	// the row handlers' counts, cached like the snapshot counts (under mu)
+	hAt          time.Time
+	hRows        []handlerRow
+	hNote        string
+	hUnavailable bool
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -204,6 +213,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.Snapshots, p.SnapshotsNote = h.snapshotStats(ctx, st)
 		p.CanAct = p.ActionsOn && h.o.token.Check(r)
 		h.quarantineEntries(ctx, p, st.At)
+		p.Handlers, p.HandlersNote, p.HandlersUnavailable = h.handlerStats(ctx)
 	}
 	hdr := w.Header()
 	hdr.Set("Content-Type", "text/html; charset=utf-8")

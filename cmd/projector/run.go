@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
@@ -31,6 +32,10 @@ type runOptions struct {
 	maxRow                                      int64
 	readyLag                                    int64
 	readyAge                                    time.Duration
+	cleanupInterval, cleanupTimeout             time.Duration
+	cleanupBatch                                int
+	handlerParallelism                          int
+	settleTimeout, payloadRetention             time.Duration
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -68,6 +73,12 @@ address (run refuses to start without it).`,
 	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", 1000, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
 	o.group = groupFlag(cmd)
+	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
+	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
+	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
+	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
+	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
+	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -104,6 +115,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker, Group: *o.group,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
+		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -120,6 +132,16 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
+	disp, err := handler.NewDispatcher(svc.Pool(), handler.Config{Parallelism: o.handlerParallelism,
+		GroupSettleTimeout: o.settleTimeout, PayloadRetention: o.payloadRetention, JetStream: svc.JetStream(),
+		Logger: env.Logger, Registerer: reg})
+	if err == nil {
+		err = disp.Start(runCtx)
+	}
+	if err != nil {
+		_ = svc.Stop(context.WithoutCancel(ctx))
+		return err
+	}
 	srv := observe.New(observe.Config{Addr: o.metrics, Registry: reg, Logger: env.Logger,
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy, Live: svc.Live, Ready: svc.Healthy})
@@ -127,13 +149,14 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		SnapshotRoots: splitList(o.roots), MaxRowBytes: o.maxRow, JetStream: svc.JetStream()}))
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
-		statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
+		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {
+		_ = disp.Stop(stopCtx)
 		_ = svc.Stop(stopCtx) // the error says why
 		return err
 	}
@@ -146,7 +169,10 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	stopCtx, stopCancel = context.WithTimeout(context.WithoutCancel(ctx), stopTimeout) // from the signal on
 	defer stopCancel()
-	err = svc.Stop(stopCtx)
+	err = disp.Stop(stopCtx)
+	if serr := svc.Stop(stopCtx); err == nil {
+		err = serr
+	}
 	if serr := srv.Stop(stopCtx); err == nil {
 		err = serr
 	}
@@ -158,6 +184,15 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	env.Logger.Info("projector stopped")
 	return svc.Wait()
+}
+
+// cleanupInterval maps --cleanup-interval 0 (disabled) to the config's
+// negative interval.
+func cleanupInterval(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }
 
 // stopTimeout bounds the soft stop on a signal; past it the stop turns

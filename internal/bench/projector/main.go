@@ -74,6 +74,11 @@ type env struct {
 	// afterArchive, when set, runs once the archive holds every row, with
 	// the projectors still running.
 	afterArchive func(ctx context.Context, targetURL string, end time.Time) error
+	// beforeStart, when set, runs after the migration, before the
+	// projectors start (handlers.go adds the row handlers).
+	beforeStart func(ctx context.Context, targetURL string) error
+	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
+	handlerParallelism int
 }
 
 // figure prints a figure of the current round.
@@ -106,9 +111,11 @@ func main() {
 	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
+	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
+	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	for _, w := range strings.Split(*curve, ",") {
 		if w = strings.TrimSpace(w); w == "" {
@@ -129,6 +136,8 @@ type opts struct {
 	rows, perTx, workers, batch int
 	snapPerTx                   int
 	skipSnapshots               bool
+	handlers                    bool
+	handlerPar                  string
 	rounds                      int
 	keep, skipE2E, inProcess    bool
 	pgStats                     bool
@@ -270,6 +279,17 @@ func run(o opts) (err error) {
 			}
 			if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
 				return err
+			}
+		}
+		if o.handlers {
+			for _, par := range strings.Split(o.handlerPar, ",") {
+				p, err := strconv.Atoi(strings.TrimSpace(par))
+				if err != nil || p < 1 {
+					return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
+				}
+				if err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, snaps); err != nil {
+					return err
+				}
 			}
 		}
 		if o.compareBin != "" {
@@ -487,6 +507,9 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		if e.pageSize > 0 {
 			penv = append(penv, "EPITAPH_BATCH_SIZE="+strconv.Itoa(e.pageSize))
 		}
+		if e.handlerParallelism > 0 {
+			penv = append(penv, "EPITAPH_HANDLER_PARALLELISM="+strconv.Itoa(e.handlerParallelism))
+		}
 		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
 		if err != nil {
 			return procs, err
@@ -657,6 +680,11 @@ func lastRows(ctx context.Context, natsURL, source string) ([]string, []int32, e
 func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (float64, error) {
 	if err := e.migrate(ctx, targetURL, source); err != nil {
 		return 0, err
+	}
+	if e.beforeStart != nil {
+		if err := e.beforeStart(ctx, targetURL); err != nil {
+			return 0, err
+		}
 	}
 	if e.inProcess {
 		return e.applyInProcess(ctx, targetURL, source, n)
