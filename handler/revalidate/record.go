@@ -1,0 +1,77 @@
+package revalidate
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Record writes an evaluation on its delivery, in one transaction: the
+// outcome, the observed fingerprint and evaluated_at. It changes neither
+// the state nor the claim (the dispatcher settles). Besides:
+//   - StopChanged queues the next generation of the delivery for the
+//     current set (pending, released, stamped with the set's fingerprint and
+//     pair, its payload naming the set's keys under "group"), under its new
+//     identity; recording twice queues it once.
+//   - Send after a full read that found the same set refreshes the stored
+//     pair, so the next evaluation takes the cheap path again (a promotion
+//     re-archives the same rows at another time).
+func (e *Evaluator) Record(ctx context.Context, res Result) error {
+	d := res.d
+	if d.id == "" {
+		return nil // nothing was read (the target was unreadable)
+	}
+	return pgx.BeginFunc(ctx, e.db, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `UPDATE epitaph.deliveries
+			SET outcome = $2, observed_fingerprint = COALESCE(NULLIF($3, ''), observed_fingerprint),
+			    evaluated_at = now(), updated_at = now()
+			WHERE id = $1`, d.id, string(res.Outcome), res.ObservedFingerprint); err != nil {
+			return fmt.Errorf("record revalidation of %s: %w", d.id, err)
+		}
+		switch {
+		case res.Outcome == StopChanged:
+			return queueNext(ctx, tx, d, res.current)
+		case res.Outcome == Send && res.Path == PathFull:
+			if _, err := tx.Exec(ctx, `UPDATE epitaph.deliveries SET group_rows = $2, group_max = $3,
+				fingerprint = COALESCE(fingerprint, $4) WHERE id = $1`,
+				d.id, res.current.rows, res.current.max, res.current.fingerprint); err != nil {
+				return fmt.Errorf("refresh the pair of %s: %w", d.id, err)
+			}
+		}
+		return nil
+	})
+}
+
+const queueNextSQL = `
+INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, generation, schema_name, table_name, key,
+    correlation_id, commit_time, version, phase, priority, state, released_at, payload,
+    fingerprint, group_rows, group_max)
+SELECT $2::uuid, handler_id, source, commit_lsn, seq, generation + 1, schema_name, table_name, key,
+       correlation_id, commit_time, version, phase, priority, 'pending', now(),
+       CASE WHEN jsonb_typeof(payload) = 'object' THEN payload || jsonb_build_object('group', $3::jsonb) END,
+       $4, $5, $6
+FROM epitaph.deliveries WHERE id = $1
+ON CONFLICT (handler_id, source, commit_lsn, seq, generation) DO NOTHING`
+
+// queueNext inserts generation+1 of a changed delivery for the set s.
+func queueNext(ctx context.Context, tx pgx.Tx, d delivery, s set) error {
+	id := deliveryID(d.handlerID, d.source, d.lsn, d.seq, d.generation+1)
+	if _, err := tx.Exec(ctx, queueNextSQL, d.id, id, string(s.keys), s.fingerprint, s.rows, s.max); err != nil {
+		return fmt.Errorf("queue generation %d of %s: %w", d.generation+1, d.id, err)
+	}
+	return nil
+}
+
+// deliveryID is handler.DeliveryID: deterministic from the identity.
+func deliveryID(handlerID, source, commitLSN string, seq, generation int) string {
+	sum := sha256.Sum256([]byte(fmt.Sprintf("epitaph-delivery\x00%s\x00%s\x00%s\x00%d\x00%d", handlerID, source, commitLSN, seq, generation)))
+	var b [16]byte
+	copy(b[:], sum[:16])
+	b[6] = b[6]&0x0f | 0x80
+	b[8] = b[8]&0x3f | 0x80
+	h := hex.EncodeToString(b[:])
+	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
