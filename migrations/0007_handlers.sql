@@ -75,6 +75,11 @@ CREATE TABLE IF NOT EXISTS epitaph.deliveries (
     released_at          timestamptz,
     -- Set when --group-settle-timeout released it without its commit.
     released_unsettled   boolean     NOT NULL DEFAULT false,
+    -- False while its row belongs to a signed transaction whose commit has
+    -- not been applied (the row is not verified yet): such a delivery is
+    -- never released, not even by --group-settle-timeout; it ends stopped
+    -- (outcome unverified) if its transaction is quarantined.
+    verified             boolean     NOT NULL DEFAULT true,
     attempt              integer     NOT NULL DEFAULT 0,
     next_attempt_at      timestamptz NOT NULL DEFAULT now(),
     claim_token          uuid,

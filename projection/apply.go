@@ -42,6 +42,11 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	if vd == nil {
 		vd = &verdict{trust: pos.Trust}
 	}
+	if s.handlers != nil {
+		if err := s.handlers.Refresh(ctx); err != nil { // cheap: at most once a second
+			return res, err
+		}
+	}
 	// Large rows live in the object store: read them before the
 	// transaction opens so it is never held across NATS round trips.
 	var rows []*archiveRow
@@ -310,6 +315,9 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		return nil
 	})
 	if err != nil {
+		return res, err
+	}
+	if err := s.queueDeliveries(ctx, tx, v, rows, commits, inPage, vd); err != nil {
 		return res, err
 	}
 	for _, it := range items {

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -51,6 +52,9 @@ type Service struct {
 
 	objects *objectReader
 	keys    *keyring // trusted signing keys (trust.go)
+	// handlers: the row handlers per table, for queueing deliveries
+	// (handlers.go).
+	handlers *handler.Cache
 
 	mu         sync.Mutex
 	closing    bool
@@ -165,6 +169,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	}
 	s.objects = newObjectReader(s.js)
 	s.keys = newKeyring(s.pool, s.log)
+	s.handlers = handler.NewCache(s.pool, time.Second)
 	if err := s.reg.Register(quarantine.NewCollector(s.pool, s.log)); err != nil {
 		s.log.Warn("quarantine metrics not registered", "err", err)
 	}

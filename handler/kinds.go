@@ -1,0 +1,176 @@
+package handler
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Webhook headers.
+const (
+	HeaderDeliveryID = "Epitaph-Delivery-Id"
+	HeaderAttempt    = "Epitaph-Attempt"
+	HeaderSignature  = "Epitaph-Signature"
+)
+
+// ExitRetry is the exit status with which a command asks to be retried
+// (EX_TEMPFAIL); any other non-zero status is a failure.
+const ExitRetry = 75
+
+// Sign is the Epitaph-Signature of a webhook body: "sha256=" and the hex
+// HMAC-SHA256 of the body with the secret.
+func Sign(secret, body []byte) string {
+	m := hmac.New(sha256.New, secret)
+	m.Write(body)
+	return "sha256=" + hex.EncodeToString(m.Sum(nil))
+}
+
+// runner runs one attempt of a handler's kind. It returns nil (done), an
+// *Error, or another error (retried).
+type runner struct {
+	client   *http.Client
+	js       jetstream.JetStream
+	registry *Registry
+}
+
+func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
+	body, err := json.Marshal(d.Body())
+	if err != nil {
+		return Permanent("encode_body", err)
+	}
+	switch def.Kind {
+	case KindWebhook:
+		return r.webhook(ctx, def, d, body)
+	case KindExec:
+		return runExec(ctx, def, body)
+	case KindNATS:
+		return r.publish(ctx, def, d, body)
+	case KindGo:
+		h, ok := r.registry.Lookup(def.Target)
+		if !ok {
+			return Retryable("not_registered", errors.New("go handler not registered in this process"))
+		}
+		return h.Handle(ctx, d)
+	}
+	return Permanent("unknown_kind", fmt.Errorf("unknown handler kind %q", def.Kind))
+}
+
+func (r *runner) webhook(ctx context.Context, def Def, d Delivery, body []byte) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, def.Target, bytes.NewReader(body))
+	if err != nil {
+		return Permanent("bad_url", err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("User-Agent", "epitaph-projector")
+	req.Header.Set(HeaderDeliveryID, d.ID)
+	req.Header.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
+	if def.SecretFile != "" {
+		secret, err := os.ReadFile(def.SecretFile)
+		if err != nil {
+			return Retryable("secret_file", err)
+		}
+		req.Header.Set(HeaderSignature, Sign(bytes.TrimRight(secret, "\r\n"), body))
+	}
+	resp, err := r.client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return Retryable("deadline_exceeded", ctx.Err())
+		}
+		return Retryable("http_transport", err)
+	}
+	// The body is never kept or logged: drain a little for keep-alive.
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	resp.Body.Close()
+	code := "http_" + strconv.Itoa(resp.StatusCode)
+	switch {
+	case resp.StatusCode >= 200 && resp.StatusCode < 300:
+		return nil
+	case resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode >= 500:
+		return Retryable(code, errors.New("webhook answered "+resp.Status))
+	case resp.StatusCode == http.StatusRequestTimeout:
+		return Retryable(code, errors.New("webhook answered "+resp.Status))
+	default:
+		return Permanent(code, errors.New("webhook answered "+resp.Status))
+	}
+}
+
+// ParseCommand parses an exec handler's target: a JSON array of strings,
+// the program first (no shell).
+func ParseCommand(target string) ([]string, error) {
+	var argv []string
+	if err := json.Unmarshal([]byte(target), &argv); err != nil {
+		return nil, errors.New(`an exec target is a JSON array of strings, e.g. ["/usr/local/bin/purge", "--quiet"]`)
+	}
+	if len(argv) == 0 || strings.TrimSpace(argv[0]) == "" {
+		return nil, errors.New("an exec target names a program first")
+	}
+	return argv, nil
+}
+
+func runExec(ctx context.Context, def Def, body []byte) error {
+	argv, err := ParseCommand(def.Target)
+	if err != nil {
+		return Permanent("bad_command", err)
+	}
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	cmd.Stdin = bytes.NewReader(body)
+	// Output is the command's own business: never kept (it may hold data).
+	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+	cmd.WaitDelay = 5 * time.Second
+	err = cmd.Run()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return nil
+	case ctx.Err() != nil:
+		return Retryable("deadline_exceeded", ctx.Err())
+	case errors.As(err, &ee):
+		code := ee.ExitCode()
+		if code == ExitRetry {
+			return Retryable("exit_75", err)
+		}
+		if code < 0 {
+			return Retryable("signaled", err)
+		}
+		return Permanent("exit_"+strconv.Itoa(code), err)
+	default:
+		// The program could not be started (missing, not executable).
+		return Retryable("start_failed", err)
+	}
+}
+
+func (r *runner) publish(ctx context.Context, def Def, d Delivery, body []byte) error {
+	if r.js == nil {
+		return Retryable("no_nats", errors.New("no NATS connection"))
+	}
+	msg := nats.NewMsg(def.Target)
+	msg.Data = body
+	msg.Header.Set(jetstream.MsgIDHeader, d.ID)
+	msg.Header.Set(HeaderDeliveryID, d.ID)
+	msg.Header.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
+	if _, err := r.js.PublishMsg(ctx, msg); err != nil {
+		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
+			return Retryable("no_stream", err)
+		}
+		if ctx.Err() != nil {
+			return Retryable("deadline_exceeded", ctx.Err())
+		}
+		return Retryable("publish", err)
+	}
+	return nil
+}

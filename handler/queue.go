@@ -1,0 +1,230 @@
+package handler
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Row is an archived row as the apply hands it to Enqueue.
+type Row struct {
+	Source, Schema, Table string
+	Key, Image            json.RawMessage
+	CorrelationID         string
+	CommitLSN             string
+	Seq                   int
+	CommitTime            *time.Time
+	// Verified: the row is not waiting for its signed commit.
+	Verified bool
+	// Committed: its source transaction's commit is applied (in the same
+	// page).
+	Committed bool
+}
+
+// Cache keeps the handlers per table for the apply: it is reloaded when
+// the handlers change (their count and latest updated_at, looked at most
+// once per Refresh interval), never queried per page.
+type Cache struct {
+	db       DB
+	interval time.Duration
+
+	mu      sync.Mutex
+	checked time.Time
+	sig     string
+	byTable map[string][]Def
+}
+
+// NewCache returns a cache over db that looks for changes at most every
+// interval (default one second).
+func NewCache(db DB, interval time.Duration) *Cache {
+	if interval <= 0 {
+		interval = time.Second
+	}
+	return &Cache{db: db, interval: interval}
+}
+
+// Refresh reloads the handlers when the last look is older than the
+// interval and they changed. Cheap: one small query per interval.
+func (c *Cache) Refresh(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if time.Since(c.checked) < c.interval && c.byTable != nil {
+		return nil
+	}
+	var sig string
+	if err := c.db.QueryRow(ctx, `SELECT count(*)::text || '/' || COALESCE(max(updated_at)::text, '') FROM epitaph.handlers`).Scan(&sig); err != nil {
+		return fmt.Errorf("look up handlers: %w", err)
+	}
+	c.checked = time.Now()
+	if sig == c.sig && c.byTable != nil {
+		return nil
+	}
+	defs, err := List(ctx, c.db)
+	if err != nil {
+		return err
+	}
+	by := map[string][]Def{}
+	for _, d := range defs {
+		if d.RevokedAt == nil {
+			by[d.QualifiedTable()] = append(by[d.QualifiedTable()], d)
+		}
+	}
+	c.sig, c.byTable = sig, by
+	return nil
+}
+
+// Invalidate makes the next Refresh reload.
+func (c *Cache) Invalidate() {
+	c.mu.Lock()
+	c.checked, c.sig = time.Time{}, ""
+	c.mu.Unlock()
+}
+
+// Any reports whether any handler (not revoked) exists.
+func (c *Cache) Any() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.byTable) > 0
+}
+
+// For returns the handlers of a table ("schema.table").
+func (c *Cache) For(table string) []Def {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.byTable[table]
+}
+
+// Stored payload: the key and the kept columns.
+type storedPayload struct {
+	Key     json.RawMessage            `json:"key"`
+	Columns map[string]json.RawMessage `json:"columns"`
+}
+
+const enqueueSQL = `
+INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id,
+    commit_time, version, phase, priority, released_at, verified, payload)
+SELECT u.id::uuid, u.handler_id::uuid, u.source, u.commit_lsn::pg_lsn, u.seq, u.schema_name, u.table_name, u.key::jsonb,
+       u.correlation_id, u.commit_time, $1, u.phase, u.priority, CASE WHEN u.released THEN now() END, u.verified, u.payload::jsonb
+FROM unnest($3::text[], $4::text[], $5::text[], $6::text[], $7::int[], $8::text[], $9::text[], $10::text[], $11::text[],
+            $12::timestamptz[], $13::text[], $14::int[], $15::boolean[], $16::boolean[], $17::text[])
+     AS u(id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id, commit_time, phase,
+          priority, released, verified, payload)
+WHERE EXISTS (SELECT 1 FROM epitaph.projection_versions v WHERE v.projection = $2 AND v.version = $1 AND v.state = 'live')
+ON CONFLICT (handler_id, source, commit_lsn, seq, generation) DO UPDATE
+    SET state = 'pending', outcome = NULL, payload = EXCLUDED.payload, key = EXCLUDED.key, released_at = EXCLUDED.released_at,
+        verified = EXCLUDED.verified, payload_scrubbed_at = NULL, settled_at = NULL, attempt = 0, updated_at = now()
+    -- Only a delivery stopped because its row was not authentic is replaced:
+    -- the slow path of verification re-inserts the real row (trust.go).
+    WHERE epitaph.deliveries.state = 'stopped' AND epitaph.deliveries.outcome = 'unverified'`
+
+// Enqueue inserts, in tx (the transaction that archives rows), one
+// delivery per (handler of the row's table, row) when version is the live
+// version of projection, and nothing otherwise (a rebuild never creates
+// deliveries). Idempotent by the delivery identity. It returns how many
+// rows it offered (0 without a query when no row has a handler).
+func Enqueue(ctx context.Context, tx pgx.Tx, c *Cache, projection string, version int, rows []Row) (int, error) {
+	var a enqueueArgs
+	for i := range rows {
+		r := &rows[i]
+		defs := c.For(r.Schema + "." + r.Table)
+		if len(defs) == 0 {
+			continue
+		}
+		var image map[string]json.RawMessage
+		for _, d := range defs {
+			p := storedPayload{Key: r.Key, Columns: map[string]json.RawMessage{}}
+			if len(d.Columns) > 0 && image == nil {
+				if err := json.Unmarshal(r.Image, &image); err != nil {
+					image = map[string]json.RawMessage{}
+				}
+			}
+			for _, col := range d.Columns {
+				if v, ok := image[col]; ok {
+					p.Columns[col] = v
+				}
+			}
+			b, err := json.Marshal(p)
+			if err != nil {
+				return 0, fmt.Errorf("encode delivery payload: %w", err)
+			}
+			released := r.Verified && (d.Phase == PhaseImmediate || r.Committed)
+			a.add(d, r, string(b), released)
+		}
+	}
+	if len(a.ids) == 0 {
+		return 0, nil
+	}
+	if _, err := tx.Exec(ctx, enqueueSQL, version, projection, a.ids, a.handlers, a.sources, a.lsns, a.seqs, a.schemas,
+		a.tables, a.keys, a.corrs, a.times, a.phases, a.prios, a.released, a.verified, a.payloads); err != nil {
+		return 0, fmt.Errorf("queue %d deliveries: %w", len(a.ids), err)
+	}
+	return len(a.ids), nil
+}
+
+type enqueueArgs struct {
+	ids, handlers, sources, lsns, schemas, tables, corrs, phases, payloads []string
+	keys                                                                   []*string
+	seqs, prios                                                            []int32
+	times                                                                  []*time.Time
+	released, verified                                                     []bool
+}
+
+func (a *enqueueArgs) add(d Def, r *Row, payload string, released bool) {
+	a.ids = append(a.ids, DeliveryID(d.ID, r.Source, r.CommitLSN, r.Seq, 0))
+	a.handlers = append(a.handlers, d.ID)
+	a.sources = append(a.sources, r.Source)
+	a.lsns = append(a.lsns, r.CommitLSN)
+	a.seqs = append(a.seqs, int32(r.Seq))
+	a.schemas = append(a.schemas, r.Schema)
+	a.tables = append(a.tables, r.Table)
+	var key *string
+	if len(r.Key) > 0 {
+		k := string(r.Key)
+		key = &k
+	}
+	a.keys = append(a.keys, key)
+	a.corrs = append(a.corrs, r.CorrelationID)
+	a.times = append(a.times, r.CommitTime)
+	a.phases = append(a.phases, d.Phase)
+	a.prios = append(a.prios, int32(d.Priority))
+	a.released = append(a.released, released)
+	a.verified = append(a.verified, r.Verified)
+	a.payloads = append(a.payloads, payload)
+}
+
+// Release marks, in tx, the deliveries of the source transactions whose
+// commits (commit LSNs) were applied and verified: their rows are
+// verified, and every one of them is released (immediate and after-group
+// alike).
+func Release(ctx context.Context, tx pgx.Tx, source string, commitLSNs []string) error {
+	if len(commitLSNs) == 0 {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `UPDATE epitaph.deliveries SET released_at = now(), verified = true, updated_at = now()
+		WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND released_at IS NULL AND state = 'pending'`,
+		source, commitLSNs); err != nil {
+		return fmt.Errorf("release deliveries: %w", err)
+	}
+	return nil
+}
+
+// StopUnverified ends, in tx, the deliveries of rows that verification
+// dropped (not part of an authentic transaction): stopped, outcome
+// unverified, payload scrubbed. They never ran: they were not released.
+func StopUnverified(ctx context.Context, tx pgx.Tx, source string, lsns []string, seqs []int32) error {
+	if len(lsns) == 0 {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `UPDATE epitaph.deliveries d SET state = 'stopped', outcome = 'unverified', payload = NULL,
+		payload_scrubbed_at = now(), settled_at = now(), updated_at = now()
+		FROM unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		WHERE d.source = $1 AND d.commit_lsn = u.lsn::pg_lsn AND d.seq = u.seq AND d.state = 'pending' AND NOT d.verified`,
+		source, lsns, seqs); err != nil {
+		return fmt.Errorf("stop unverified deliveries: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,396 @@
+package handler
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DB is what the store functions need: a pool, a connection or a
+// transaction.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Def is a handler (a row of epitaph.handlers).
+type Def struct {
+	ID           string        `json:"id"`
+	Name         string        `json:"name,omitempty"`
+	Schema       string        `json:"schema_name"`
+	Table        string        `json:"table_name"`
+	Kind         string        `json:"kind"`
+	Target       string        `json:"target"`
+	Priority     int           `json:"priority"`
+	Phase        string        `json:"phase"`
+	Columns      []string      `json:"columns"`
+	MaxAttempts  int           `json:"max_attempts"`
+	Backoff      time.Duration `json:"-"`
+	ClaimTimeout time.Duration `json:"-"`
+	SecretFile   string        `json:"secret_file,omitempty"`
+	Revalidate   bool          `json:"revalidate"`
+	// SourceURLFile: revalidation reads the source through the URL in this
+	// file (empty: the projector's --source-url).
+	SourceURLFile string     `json:"source_url_file,omitempty"`
+	Enabled       bool       `json:"enabled"`
+	RevokedAt     *time.Time `json:"revoked_at,omitempty"`
+	CreatedAt     time.Time  `json:"created_at"`
+	UpdatedAt     time.Time  `json:"updated_at"`
+}
+
+// QualifiedTable is "schema.table".
+func (d Def) QualifiedTable() string { return d.Schema + "." + d.Table }
+
+var uuidRE = regexp.MustCompile(`^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$`)
+
+// ValidID reports whether s is a UUID.
+func ValidID(s string) bool { return uuidRE.MatchString(s) }
+
+// Validate checks a handler before it is added; errors are one line.
+func (d *Def) Validate() error {
+	if !ValidID(d.ID) {
+		return errors.New("--id must be a UUID (the handler's stable identity)")
+	}
+	d.ID = strings.ToLower(d.ID)
+	if d.Schema == "" || d.Table == "" {
+		return errors.New("--table must be schema.table")
+	}
+	switch d.Kind {
+	case KindWebhook:
+		u, err := url.Parse(d.Target)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return errors.New("a webhook target is an http or https URL")
+		}
+		if u.User != nil {
+			return errors.New("a webhook URL must not hold credentials (sign with --secret-file instead)")
+		}
+	case KindExec:
+		if _, err := ParseCommand(d.Target); err != nil {
+			return err
+		}
+	case KindNATS:
+		if d.Target == "" || strings.ContainsAny(d.Target, " \t*>") || strings.HasPrefix(d.Target, "epitaph.") {
+			return errors.New("a nats target is a literal subject outside epitaph.>")
+		}
+	case KindGo:
+		if d.Target == "" {
+			return errors.New("a go handler's target is the name it is registered under")
+		}
+	default:
+		return fmt.Errorf("unknown --kind %q (webhook, exec, nats or go)", d.Kind)
+	}
+	if d.Phase == "" {
+		d.Phase = PhaseImmediate
+	}
+	if d.Phase != PhaseImmediate && d.Phase != PhaseAfterGroup {
+		return fmt.Errorf("unknown --phase %q (immediate or after-group)", d.Phase)
+	}
+	if d.MaxAttempts <= 0 {
+		return errors.New("--max-attempts must be at least 1")
+	}
+	if d.Backoff <= 0 || d.ClaimTimeout <= 0 {
+		return errors.New("--backoff and --claim-timeout must be positive")
+	}
+	if d.Columns == nil {
+		d.Columns = []string{}
+	}
+	for _, c := range d.Columns {
+		if c == "" {
+			return errors.New("--columns: an empty column name")
+		}
+	}
+	return nil
+}
+
+const defColumns = `id::text, COALESCE(name, ''), schema_name, table_name, kind, target, priority, phase, columns,
+	max_attempts, (extract(epoch FROM backoff) * 1000)::bigint, (extract(epoch FROM claim_timeout) * 1000)::bigint,
+	COALESCE(secret_file, ''), revalidate, COALESCE(source_url_file, ''), enabled, revoked_at, created_at, updated_at`
+
+func scanDef(row pgx.Row) (Def, error) {
+	var d Def
+	var backoffMS, claimMS int64
+	err := row.Scan(&d.ID, &d.Name, &d.Schema, &d.Table, &d.Kind, &d.Target, &d.Priority, &d.Phase, &d.Columns,
+		&d.MaxAttempts, &backoffMS, &claimMS, &d.SecretFile, &d.Revalidate, &d.SourceURLFile, &d.Enabled,
+		&d.RevokedAt, &d.CreatedAt, &d.UpdatedAt)
+	d.Backoff, d.ClaimTimeout = time.Duration(backoffMS)*time.Millisecond, time.Duration(claimMS)*time.Millisecond
+	return d, err
+}
+
+// ErrNotFound says no handler or delivery has the id.
+var ErrNotFound = errors.New("not found")
+
+// Add inserts a handler. An id in use is an error.
+func Add(ctx context.Context, db DB, d Def) error {
+	if err := d.Validate(); err != nil {
+		return err
+	}
+	_, err := db.Exec(ctx, `INSERT INTO epitaph.handlers (id, name, schema_name, table_name, kind, target, priority, phase,
+		columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled)
+		VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11 * interval '1 millisecond', $12 * interval '1 millisecond',
+		        NULLIF($13, ''), $14, NULLIF($15, ''), true)`,
+		d.ID, d.Name, d.Schema, d.Table, d.Kind, d.Target, d.Priority, d.Phase, d.Columns, d.MaxAttempts,
+		d.Backoff.Milliseconds(), d.ClaimTimeout.Milliseconds(), d.SecretFile, d.Revalidate, d.SourceURLFile)
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && pe.Code == "23505" {
+		return fmt.Errorf("a handler with id %s exists already", d.ID)
+	}
+	if err != nil {
+		return fmt.Errorf("add handler: %w", err)
+	}
+	return nil
+}
+
+// List returns every handler, by table, priority and id.
+func List(ctx context.Context, db DB) ([]Def, error) {
+	rows, err := db.Query(ctx, `SELECT `+defColumns+` FROM epitaph.handlers ORDER BY schema_name, table_name, priority, id`)
+	if err != nil {
+		return nil, fmt.Errorf("list handlers: %w", err)
+	}
+	defs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Def, error) { return scanDef(r) })
+	if err != nil {
+		return nil, fmt.Errorf("list handlers: %w", err)
+	}
+	return defs, nil
+}
+
+// Get returns one handler (ErrNotFound).
+func Get(ctx context.Context, db DB, id string) (Def, error) {
+	if !ValidID(id) {
+		return Def{}, fmt.Errorf("handler id %q is not a UUID", id)
+	}
+	d, err := scanDef(db.QueryRow(ctx, `SELECT `+defColumns+` FROM epitaph.handlers WHERE id = $1`, id))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Def{}, fmt.Errorf("handler %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return Def{}, fmt.Errorf("read handler %s: %w", id, err)
+	}
+	return d, nil
+}
+
+// SetEnabled enables or disables a handler: a disabled handler's
+// deliveries are still queued, and wait.
+func SetEnabled(ctx context.Context, db DB, id string, enabled bool) error {
+	if !ValidID(id) {
+		return fmt.Errorf("handler id %q is not a UUID", id)
+	}
+	tag, err := db.Exec(ctx, `UPDATE epitaph.handlers SET enabled = $2, updated_at = now() WHERE id = $1`, id, enabled)
+	if err != nil {
+		return fmt.Errorf("update handler %s: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("handler %s: %w", id, ErrNotFound)
+	}
+	return nil
+}
+
+// Revoke marks a handler revoked (no more deliveries are queued for it)
+// and stops its open deliveries as stop_revoked; it returns how many.
+func Revoke(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, id string) (int64, error) {
+	return endHandler(ctx, db, id, `UPDATE epitaph.handlers SET revoked_at = COALESCE(revoked_at, now()), updated_at = now() WHERE id = $1`,
+		string(StopRevoked))
+}
+
+// Remove deletes a handler; its open deliveries end stopped as
+// stop_completed. It returns how many.
+func Remove(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, id string) (int64, error) {
+	return endHandler(ctx, db, id, `DELETE FROM epitaph.handlers WHERE id = $1`, string(StopCompleted))
+}
+
+func endHandler(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, id, stmt, outcome string) (int64, error) {
+	if !ValidID(id) {
+		return 0, fmt.Errorf("handler id %q is not a UUID", id)
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	tag, err := tx.Exec(ctx, stmt, id)
+	if err != nil {
+		return 0, fmt.Errorf("update handler %s: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return 0, fmt.Errorf("handler %s: %w", id, ErrNotFound)
+	}
+	tag, err = tx.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = $2, claim_token = NULL,
+		claim_expires_at = NULL, settled_at = now(), updated_at = now(), payload = NULL, payload_scrubbed_at = now()
+		WHERE handler_id = $1 AND state IN ('pending', 'in_flight')`, id, outcome)
+	if err != nil {
+		return 0, fmt.Errorf("stop deliveries of handler %s: %w", id, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, fmt.Errorf("commit: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// Info is a delivery as operators see it (never its payload in lists).
+type Info struct {
+	ID                string          `json:"id"`
+	HandlerID         string          `json:"handler_id"`
+	Schema            string          `json:"schema_name"`
+	Table             string          `json:"table_name"`
+	Key               json.RawMessage `json:"key"`
+	CorrelationID     string          `json:"correlation_id"`
+	State             string          `json:"state"`
+	Attempt           int             `json:"attempt"`
+	Outcome           *string         `json:"outcome"`
+	LastError         *string         `json:"last_error"`
+	Phase             string          `json:"phase"`
+	Priority          int             `json:"priority"`
+	Released          bool            `json:"released"`
+	ReleasedUnsettled bool            `json:"released_unsettled"`
+	Verified          bool            `json:"verified"`
+	NextAttemptAt     time.Time       `json:"next_attempt_at"`
+	ClaimExpiresAt    *time.Time      `json:"claim_expires_at"`
+	Defers            int             `json:"defers"`
+	PayloadScrubbed   bool            `json:"payload_scrubbed"`
+	CreatedAt         time.Time       `json:"created_at"`
+	UpdatedAt         time.Time       `json:"updated_at"`
+	SettledAt         *time.Time      `json:"settled_at"`
+	// Payload is set by Show only.
+	Payload json.RawMessage `json:"payload,omitempty"`
+}
+
+const infoColumns = `id::text, handler_id::text, schema_name, table_name, key, correlation_id, state, attempt, outcome,
+	last_error, phase, priority, released_at IS NOT NULL, released_unsettled, verified, next_attempt_at,
+	claim_expires_at, defers, payload_scrubbed_at IS NOT NULL, created_at, updated_at, settled_at`
+
+func scanInfo(r pgx.Row, extra ...any) (Info, error) {
+	var i Info
+	err := r.Scan(append([]any{&i.ID, &i.HandlerID, &i.Schema, &i.Table, &i.Key, &i.CorrelationID, &i.State, &i.Attempt,
+		&i.Outcome, &i.LastError, &i.Phase, &i.Priority, &i.Released, &i.ReleasedUnsettled, &i.Verified, &i.NextAttemptAt,
+		&i.ClaimExpiresAt, &i.Defers, &i.PayloadScrubbed, &i.CreatedAt, &i.UpdatedAt, &i.SettledAt}, extra...)...)
+	return i, err
+}
+
+// Filter selects deliveries for ListDeliveries; zero fields match all.
+type Filter struct {
+	HandlerID, State, Schema, Table string
+	Limit                           int
+}
+
+// States lists the delivery states.
+var States = []string{StatePending, StateInFlight, StateDone, StateStopped, StateDead}
+
+// ListDeliveries lists deliveries, newest first.
+func ListDeliveries(ctx context.Context, db DB, f Filter) ([]Info, error) {
+	if f.HandlerID != "" && !ValidID(f.HandlerID) {
+		return nil, fmt.Errorf("handler id %q is not a UUID", f.HandlerID)
+	}
+	if f.Limit <= 0 {
+		f.Limit = 1000
+	}
+	rows, err := db.Query(ctx, `SELECT `+infoColumns+` FROM epitaph.deliveries
+		WHERE ($1 = '' OR handler_id = NULLIF($1, '')::uuid) AND ($2 = '' OR state = $2)
+		  AND ($3 = '' OR schema_name = $3) AND ($4 = '' OR table_name = $4)
+		ORDER BY created_at DESC, id LIMIT $5`, f.HandlerID, f.State, f.Schema, f.Table, f.Limit)
+	if err != nil {
+		return nil, fmt.Errorf("list deliveries: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Info, error) { return scanInfo(r) })
+	if err != nil {
+		return nil, fmt.Errorf("list deliveries: %w", err)
+	}
+	return out, nil
+}
+
+// ShowDelivery returns one delivery with its payload.
+func ShowDelivery(ctx context.Context, db DB, id string) (Info, error) {
+	if !ValidID(id) {
+		return Info{}, fmt.Errorf("delivery id %q is not a UUID", id)
+	}
+	var payload []byte
+	i, err := scanInfo(db.QueryRow(ctx, `SELECT `+infoColumns+`, payload FROM epitaph.deliveries WHERE id = $1`, id), &payload)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Info{}, fmt.Errorf("delivery %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return Info{}, fmt.Errorf("read delivery %s: %w", id, err)
+	}
+	i.Payload = payload
+	return i, nil
+}
+
+// Retry puts a dead or stopped delivery back to pending with a fresh
+// attempt count. A payload scrubbed at its terminal state is rebuilt from
+// the live archive's row; a row no longer archived cannot be retried.
+func Retry(ctx context.Context, db DB, id string) error {
+	if !ValidID(id) {
+		return fmt.Errorf("delivery id %q is not a UUID", id)
+	}
+	var state string
+	var hasPayload, archived bool
+	err := db.QueryRow(ctx, `SELECT d.state, d.payload IS NOT NULL,
+		  to_regclass('archive.rows') IS NOT NULL
+		FROM epitaph.deliveries d WHERE d.id = $1`, id).Scan(&state, &hasPayload, &archived)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("delivery %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return fmt.Errorf("read delivery %s: %w", id, err)
+	}
+	if state != StateDead && state != StateStopped {
+		return fmt.Errorf("delivery %s is %s: only dead or stopped deliveries are retried", id, state)
+	}
+	payload := `d.payload`
+	from := ``
+	if !hasPayload {
+		if !archived {
+			return fmt.Errorf("delivery %s: its payload was scrubbed and no archive is live to rebuild it from", id)
+		}
+		payload = `jsonb_build_object('key', r.key, 'columns',
+			COALESCE((SELECT jsonb_object_agg(c, r.row -> c) FROM unnest(h.columns) c), '{}'::jsonb))`
+		from = ` FROM archive.rows r, epitaph.handlers h WHERE r.source = d.source AND r.commit_lsn = d.commit_lsn
+			AND r.seq = d.seq AND h.id = d.handler_id AND`
+	} else {
+		from = ` WHERE`
+	}
+	tag, err := db.Exec(ctx, `UPDATE epitaph.deliveries d SET state = 'pending', attempt = 0, defers = 0, outcome = NULL,
+		last_error = NULL, next_attempt_at = now(), settled_at = NULL, updated_at = now(), released_at = COALESCE(d.released_at, now()),
+		payload = `+payload+`, payload_scrubbed_at = NULL`+from+` d.id = $1 AND d.state IN ('dead', 'stopped')`, id)
+	if err != nil {
+		return fmt.Errorf("retry delivery %s: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("delivery %s: its payload was scrubbed and its row (or handler) is gone: it cannot be retried", id)
+	}
+	return nil
+}
+
+// Discard stops a pending or dead delivery (outcome discarded) and scrubs
+// its payload.
+func Discard(ctx context.Context, db DB, id string) error {
+	if !ValidID(id) {
+		return fmt.Errorf("delivery id %q is not a UUID", id)
+	}
+	tag, err := db.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = 'discarded', claim_token = NULL,
+		claim_expires_at = NULL, settled_at = now(), updated_at = now(), payload = NULL, payload_scrubbed_at = now()
+		WHERE id = $1 AND state IN ('pending', 'in_flight', 'dead')`, id)
+	if err != nil {
+		return fmt.Errorf("discard delivery %s: %w", id, err)
+	}
+	if tag.RowsAffected() == 0 {
+		if _, err := ShowDelivery(ctx, db, id); err != nil {
+			return err
+		}
+		return fmt.Errorf("delivery %s is done or stopped already", id)
+	}
+	return nil
+}

@@ -1,0 +1,65 @@
+package projection
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
+)
+
+// queueDeliveries is the row handlers' part of a page's transaction
+// (DESIGN section 7): deliveries of rows that verification dropped are
+// stopped, the page's archived rows get one delivery per handler of their
+// table (live version only: handler.Enqueue checks it in the statement),
+// and the deliveries of transactions whose commit this page applied are
+// released. Nothing at all (no query) while no handler exists.
+func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v Version, rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, vd *verdict) error {
+	if s.handlers == nil || !s.handlers.Any() {
+		return nil
+	}
+	if len(vd.drop) > 0 {
+		lsns, seqs := make([]string, len(vd.drop)), make([]int32, len(vd.drop))
+		for i, r := range vd.drop {
+			lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
+		}
+		if err := handler.StopUnverified(ctx, tx, s.cfg.SourceName, lsns, seqs); err != nil {
+			return err
+		}
+	}
+	committed := map[event.LSN]bool{}
+	release := make([]string, 0, len(commits)+len(vd.promote))
+	for _, c := range commits {
+		if c.category != "" {
+			continue
+		}
+		committed[c.ev.CommitLSN] = true
+		if !inPage[c.ev.CommitLSN] {
+			// Rows of earlier pages wait for this commit.
+			release = append(release, c.ev.CommitLSN.String())
+		}
+	}
+	for _, l := range vd.promote {
+		release = append(release, l.String())
+	}
+	var queue []handler.Row
+	for _, r := range rows {
+		e := r.ev
+		if r.item.category != "" || len(s.handlers.For(e.QualifiedTable())) == 0 {
+			continue
+		}
+		hr := handler.Row{Source: e.Source, Schema: e.Schema, Table: e.Table, Key: e.Key, Image: r.row,
+			CorrelationID: e.CorrelationID(), CommitLSN: e.CommitLSN.String(), Seq: e.Seq,
+			Verified: !r.pending, Committed: committed[e.CommitLSN]}
+		if !e.CommitTime.IsZero() {
+			t := e.CommitTime
+			hr.CommitTime = &t
+		}
+		queue = append(queue, hr)
+	}
+	if _, err := handler.Enqueue(ctx, tx, s.handlers, v.Projection, v.Version, queue); err != nil {
+		return err
+	}
+	return handler.Release(ctx, tx, s.cfg.SourceName, release)
+}
