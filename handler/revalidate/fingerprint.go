@@ -47,14 +47,17 @@ UPDATE epitaph.deliveries d
 SET fingerprint = s.fp, group_rows = s.n, group_max = s.mx, updated_at = now()
 FROM sets s
 WHERE d.source = $1 AND d.commit_lsn = s.commit_lsn AND d.schema_name = s.schema_name AND d.table_name = s.table_name
-  AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL`
+  AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL
+  AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
+              WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')`
 }
 
 // StampGroups stores, in tx, the fingerprint and the cheap pair
 // (group_rows, group_max) of the set each released, pending, not yet
 // stamped delivery of the source transactions commitLSNs (of source) was
 // queued for, computed over archive schema (the live version's, e.g.
-// "archive_v3") in one statement. Call it in the transaction that releases
+// "archive_v3") in one statement; nothing when schema is not the live
+// version's (deliveries describe the live archive). Call it in the transaction that releases
 // deliveries (after the archive rows are inserted and verified, and the
 // deliveries inserted or released): unverified rows belong to no set.
 // Idempotent: a delivery keeps the promise it was stamped with first. It
@@ -63,7 +66,7 @@ func StampGroups(ctx context.Context, tx pgx.Tx, schema, source string, commitLS
 	if len(commitLSNs) == 0 {
 		return 0, nil
 	}
-	tag, err := tx.Exec(ctx, stampSQL(schema), source, commitLSNs)
+	tag, err := tx.Exec(ctx, stampSQL(schema), source, commitLSNs, schema)
 	if err != nil {
 		return 0, fmt.Errorf("stamp deliveries of %d transactions: %w", len(commitLSNs), err)
 	}

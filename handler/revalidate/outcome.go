@@ -1,36 +1,36 @@
 package revalidate
 
-// Outcome is the decision taken before one attempt of a delivery.
-type Outcome string
+import "github.com/epitaph-dev/epitaph/handler"
+
+// Outcome is the decision taken before one attempt of a delivery: the
+// dispatcher's type (handler.Outcome).
+type Outcome = handler.Outcome
 
 // The outcomes (DESIGN section 7). Every one but Send and Defer ends the
 // delivery as stopped; Defer retries later without spending an attempt.
 const (
 	// Send: the deletion still stands; run the handler.
-	Send Outcome = "send"
+	Send = handler.Send
 	// StopCompleted: the work no longer exists (its archived row expired or
 	// was removed, or the handler was removed).
-	StopCompleted Outcome = "stop_completed"
+	StopCompleted = handler.StopCompleted
 	// StopChanged: the set the delivery was queued for changed (a row of
 	// the group archived later, or one removed); the next generation is
 	// queued for the current set.
-	StopChanged Outcome = "stop_changed"
+	StopChanged = handler.StopChanged
 	// StopRevoked: disclosure stopped for a security reason (the row was
 	// erased, or the handler revoked). Audited apart from completion.
-	StopRevoked Outcome = "stop_revoked"
+	StopRevoked = handler.StopRevoked
 	// StopSuperseded: the deletion no longer stands (a later delivery for
 	// the same handler, table and key, or the key exists in the source).
-	StopSuperseded Outcome = "stop_superseded"
+	StopSuperseded = handler.StopSuperseded
 	// Defer: authoritative state could not be read; retry later, no
 	// attempt spent, counted in defers.
-	Defer Outcome = "defer"
+	Defer = handler.Defer
 )
 
 // Outcomes lists every outcome, for metrics and documentation.
 var Outcomes = []Outcome{Send, StopCompleted, StopChanged, StopRevoked, StopSuperseded, Defer}
-
-// Stops reports whether the outcome ends the delivery (state stopped).
-func (o Outcome) Stops() bool { return o != Send && o != Defer }
 
 // Machine codes saying why (Result.Reason). Safe to store and log: they
 // never carry data or error text.

@@ -2,11 +2,11 @@ package revalidate
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/handler"
 )
 
 // Record writes an evaluation on its delivery, in one transaction: the
@@ -58,20 +58,9 @@ ON CONFLICT (handler_id, source, commit_lsn, seq, generation) DO NOTHING`
 
 // queueNext inserts generation+1 of a changed delivery for the set s.
 func queueNext(ctx context.Context, tx pgx.Tx, d delivery, s set) error {
-	id := deliveryID(d.handlerID, d.source, d.lsn, d.seq, d.generation+1)
+	id := handler.DeliveryID(d.handlerID, d.source, d.lsn, d.seq, d.generation+1)
 	if _, err := tx.Exec(ctx, queueNextSQL, d.id, id, string(s.keys), s.fingerprint, s.rows, s.max); err != nil {
 		return fmt.Errorf("queue generation %d of %s: %w", d.generation+1, d.id, err)
 	}
 	return nil
-}
-
-// deliveryID is handler.DeliveryID: deterministic from the identity.
-func deliveryID(handlerID, source, commitLSN string, seq, generation int) string {
-	sum := sha256.Sum256([]byte(fmt.Sprintf("epitaph-delivery\x00%s\x00%s\x00%s\x00%d\x00%d", handlerID, source, commitLSN, seq, generation)))
-	var b [16]byte
-	copy(b[:], sum[:16])
-	b[6] = b[6]&0x0f | 0x80
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
 }
