@@ -101,6 +101,9 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 // Registry is the registry the service's metrics are on.
 func (s *Service) Registry() *prometheus.Registry { return s.reg }
 
+// JetStream is the service's JetStream handle (valid after Start).
+func (s *Service) JetStream() jetstream.JetStream { return s.js }
+
 // Pool is the target connection pool (valid after Start).
 func (s *Service) Pool() *pgxpool.Pool { return s.pool }
 

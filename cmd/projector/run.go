@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/statuspage"
@@ -26,6 +27,8 @@ type runOptions struct {
 	maxRow                                      int64
 	readyLag                                    int64
 	readyAge                                    time.Duration
+	handlerParallelism                          int
+	settleTimeout, payloadRetention             time.Duration
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -55,6 +58,9 @@ you like: partitions are spread by leases held in the target.`,
 	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
 	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", 1000, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
+	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
+	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
+	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -95,6 +101,16 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
+	disp, err := handler.NewDispatcher(svc.Pool(), handler.Config{Parallelism: o.handlerParallelism,
+		GroupSettleTimeout: o.settleTimeout, PayloadRetention: o.payloadRetention, JetStream: svc.JetStream(),
+		Logger: env.Logger, Registerer: reg})
+	if err == nil {
+		err = disp.Start(runCtx)
+	}
+	if err != nil {
+		_ = svc.Stop(context.WithoutCancel(ctx))
+		return err
+	}
 	srv := observe.New(observe.Config{Addr: o.metrics, Registry: reg, Logger: env.Logger,
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy, Live: svc.Live, Ready: svc.Healthy})
@@ -104,6 +120,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {
+		_ = disp.Stop(stopCtx)
 		_ = svc.Stop(stopCtx) // the error says why
 		return err
 	}
@@ -116,7 +133,10 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	stopCtx, stopCancel = context.WithTimeout(context.WithoutCancel(ctx), stopTimeout) // from the signal on
 	defer stopCancel()
-	err = svc.Stop(stopCtx)
+	err = disp.Stop(stopCtx)
+	if serr := svc.Stop(stopCtx); err == nil {
+		err = serr
+	}
 	if serr := srv.Stop(stopCtx); err == nil {
 		err = serr
 	}

@@ -1,0 +1,563 @@
+package handler
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/internal/startstop"
+)
+
+// Defaults of Config.
+const (
+	DefaultParallelism        = 4
+	DefaultPoll               = 500 * time.Millisecond
+	DefaultGroupSettleTimeout = 10 * time.Minute
+	DefaultPayloadRetention   = 30 * 24 * time.Hour
+)
+
+// Config configures a Dispatcher.
+type Config struct {
+	// Parallelism bounds the attempts run at once (default 4).
+	Parallelism int
+	// Poll is how often due work is looked for when none was found.
+	Poll time.Duration
+	// GroupSettleTimeout releases after-group deliveries whose source
+	// transaction's commit never arrived, marked released_unsettled; only
+	// rows of unsigned (legacy) streams: an unverified row's delivery is
+	// never released without its commit.
+	GroupSettleTimeout time.Duration
+	// PayloadRetention is the backstop scrub: payloads older than it are
+	// set to NULL, and queued work whose payload went dead-letters.
+	PayloadRetention time.Duration
+	// Registry holds the Go handlers of this process (kind "go").
+	Registry *Registry
+	// Revalidate decides before every attempt (default AlwaysSend); only
+	// for handlers with revalidate on.
+	Revalidate Revalidator
+	// JetStream publishes for nats handlers.
+	JetStream jetstream.JetStream
+	// HTTPClient calls webhooks (default: a client without a timeout of
+	// its own; the attempt's context bounds it).
+	HTTPClient *http.Client
+	Logger     *slog.Logger
+	// Registerer gets the dispatcher's metrics (nil: none).
+	Registerer prometheus.Registerer
+}
+
+// Dispatcher claims due deliveries and runs them (a startstop service).
+type Dispatcher struct {
+	pool *pgxpool.Pool
+	cfg  Config
+	run  runner
+	log  *slog.Logger
+	met  *metrics
+
+	ss   startstop.Base
+	sem  chan struct{}
+	wake chan struct{}
+	wg   sync.WaitGroup
+
+	mu        sync.Mutex
+	lastMaint time.Time
+	lastScrub time.Time
+	// hook: tests see settle calls (nil in production).
+	beforeSettle func(ctx context.Context, id string) error
+}
+
+// NewDispatcher builds a dispatcher on the target pool.
+func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
+	if pool == nil {
+		return nil, errors.New("dispatcher: no target pool")
+	}
+	if cfg.Parallelism <= 0 {
+		cfg.Parallelism = DefaultParallelism
+	}
+	if cfg.Poll <= 0 {
+		cfg.Poll = DefaultPoll
+	}
+	if cfg.GroupSettleTimeout <= 0 {
+		cfg.GroupSettleTimeout = DefaultGroupSettleTimeout
+	}
+	if cfg.PayloadRetention <= 0 {
+		cfg.PayloadRetention = DefaultPayloadRetention
+	}
+	if cfg.Revalidate == nil {
+		cfg.Revalidate = AlwaysSend
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.HTTPClient == nil {
+		cfg.HTTPClient = &http.Client{}
+	}
+	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
+		run:  runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
+		sem:  make(chan struct{}, cfg.Parallelism),
+		wake: make(chan struct{}, 1),
+	}
+	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
+	d.met = met
+	return d, nil
+}
+
+// Start runs the dispatcher in the background until Stop or ctx is done
+// (the hard stop: attempts in flight are cancelled, their deliveries stay
+// in flight until their claims expire).
+func (d *Dispatcher) Start(ctx context.Context) error {
+	soft, hard, ok := d.ss.StartInit(ctx)
+	if !ok {
+		return errors.New("dispatcher already started")
+	}
+	go d.loop(soft, hard)
+	return nil
+}
+
+// Stop is the soft stop: no more claims; attempts in flight finish and
+// settle, unless ctx ends first.
+func (d *Dispatcher) Stop(ctx context.Context) error { return d.ss.Stop(ctx) }
+
+// Wait blocks until the dispatcher has stopped.
+func (d *Dispatcher) Wait() error { return d.ss.Wait() }
+
+// Wake asks the dispatcher to look for due work now.
+func (d *Dispatcher) Wake() {
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (d *Dispatcher) loop(soft, hard context.Context) {
+	t := time.NewTicker(d.cfg.Poll)
+	defer t.Stop()
+	for soft.Err() == nil {
+		d.maintainIfDue(soft)
+		n, err := d.claimAndStart(soft, hard)
+		if err != nil && soft.Err() == nil {
+			d.log.Warn("claiming deliveries failed; retrying", "err", err)
+		}
+		if n > 0 && len(d.sem) < cap(d.sem) {
+			continue // more may be due
+		}
+		select {
+		case <-soft.Done():
+		case <-t.C:
+		case <-d.wake:
+		}
+	}
+	d.wg.Wait()
+	d.ss.Finish(nil)
+}
+
+// claimAndStart claims as many due deliveries as there are free slots and
+// starts their attempts.
+func (d *Dispatcher) claimAndStart(soft, hard context.Context) (int, error) {
+	free := cap(d.sem) - len(d.sem)
+	if free <= 0 {
+		return 0, nil
+	}
+	cs, err := d.claim(soft, free)
+	if err != nil {
+		return 0, err
+	}
+	for _, c := range cs {
+		d.sem <- struct{}{}
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			d.attempt(hard, c)
+			<-d.sem
+			d.Wake()
+		}()
+	}
+	return len(cs), nil
+}
+
+// Flush runs queued work to completion now: it claims and runs due
+// deliveries (waiting out their backoff) until none that this process can
+// run is pending and released or in flight, or ctx ends. It returns how
+// many such deliveries remain (0 when done). Deliveries waiting for their
+// group, of disabled handlers, or of Go handlers not in this Registry are
+// not waited for.
+func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
+	for {
+		if err := d.maintain(ctx); err != nil {
+			return -1, err
+		}
+		cs, err := d.claim(ctx, cap(d.sem))
+		if err != nil {
+			return -1, err
+		}
+		var wg sync.WaitGroup
+		for _, c := range cs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				d.attempt(ctx, c)
+			}()
+		}
+		wg.Wait()
+		if len(cs) > 0 {
+			continue
+		}
+		left, err := d.open(ctx)
+		if err != nil || left == 0 {
+			return left, err
+		}
+		select {
+		case <-ctx.Done():
+			return left, nil
+		case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
+		}
+	}
+}
+
+// open counts the deliveries Flush waits for.
+func (d *Dispatcher) open(ctx context.Context) (int, error) {
+	var n int
+	err := d.pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
+		WHERE (d.state = 'in_flight' OR (d.state = 'pending' AND d.released_at IS NOT NULL))
+		  AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($1))`, d.cfg.Registry.Names()).Scan(&n)
+	if err != nil {
+		return -1, fmt.Errorf("count open deliveries: %w", err)
+	}
+	return n, nil
+}
+
+// claimed is a claimed delivery with its handler.
+type claimed struct {
+	d        Delivery
+	def      Def
+	token    string
+	deadline time.Time
+	scrubbed bool
+}
+
+const claimSQL = `
+WITH due AS (
+    SELECT d.id, h.claim_timeout FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
+    WHERE d.state = 'pending' AND d.released_at IS NOT NULL AND d.next_attempt_at <= now()
+      AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($2))
+      -- A row's handlers run in priority order, each after the previous
+      -- one is terminal.
+      AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
+                      WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
+                        AND e.state IN ('pending', 'in_flight') AND (e.priority, e.handler_id) < (d.priority, d.handler_id))
+    ORDER BY d.next_attempt_at, d.id
+    LIMIT $1
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE epitaph.deliveries d SET state = 'in_flight', attempt = d.attempt + 1, claim_token = gen_random_uuid(),
+       claim_expires_at = now() + due.claim_timeout, updated_at = now()
+FROM due WHERE d.id = due.id
+RETURNING d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.generation, d.schema_name, d.table_name,
+          d.key, d.payload, d.correlation_id, d.commit_time, d.version, d.phase, d.attempt, d.defers, d.fingerprint,
+          d.group_rows, d.group_max, d.payload_scrubbed_at IS NOT NULL, d.claim_token::text,
+          (extract(epoch FROM due.claim_timeout) * 1000)::bigint`
+
+func (d *Dispatcher) claim(ctx context.Context, n int) ([]claimed, error) {
+	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names())
+	if err != nil {
+		return nil, fmt.Errorf("claim deliveries: %w", err)
+	}
+	now := time.Now()
+	cs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (claimed, error) {
+		var c claimed
+		var payload []byte
+		var claimMS int64
+		err := r.Scan(&c.d.ID, &c.d.HandlerID, &c.d.Source, &c.d.CommitLSN, &c.d.Seq, &c.d.Generation, &c.d.Schema,
+			&c.d.Table, &c.d.Key, &payload, &c.d.CorrelationID, &c.d.CommitTime, &c.d.Version, &c.d.Phase, &c.d.Attempt,
+			&c.d.Defers, &c.d.Fingerprint, &c.d.GroupRows, &c.d.GroupMax, &c.scrubbed, &c.token, &claimMS)
+		if err != nil {
+			return c, err
+		}
+		// The handler must finish within nine tenths of its claim: the
+		// rest covers claim latency and clock skew.
+		c.deadline = now.Add(time.Duration(claimMS) * time.Millisecond * 9 / 10)
+		if len(payload) > 0 {
+			var p storedPayload
+			if json.Unmarshal(payload, &p) == nil {
+				c.d.Columns = p.Columns
+				if len(p.Key) > 0 {
+					c.d.Key = p.Key
+				}
+			}
+		} else {
+			c.scrubbed = true
+		}
+		return c, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("claim deliveries: %w", err)
+	}
+	if len(cs) == 0 {
+		return nil, nil
+	}
+	defs, err := List(ctx, d.pool)
+	if err != nil {
+		return cs, err // claimed: they are reclaimed when the claims expire
+	}
+	byID := map[string]Def{}
+	for _, def := range defs {
+		byID[def.ID] = def
+	}
+	for i := range cs {
+		cs[i].def = byID[cs[i].d.HandlerID]
+	}
+	return cs, nil
+}
+
+// settlement is an attempt's result, written guarded by the claim token.
+type settlement struct {
+	state, outcome string
+	lastError      *string
+	delay          time.Duration
+	deferred       bool
+	fingerprint    string
+	evaluated      bool
+}
+
+func (s settlement) terminal() bool {
+	return s.state == StateDone || s.state == StateStopped || s.state == StateDead
+}
+
+func (d *Dispatcher) attempt(ctx context.Context, c claimed) {
+	def := c.def
+	if def.ID == "" { // removed between the claim and now
+		d.settle(ctx, c, settlement{state: StateStopped, outcome: string(StopCompleted)})
+		return
+	}
+	if c.scrubbed {
+		msg := "type=payload_scrubbed code=payload_retention diag=-"
+		d.settle(ctx, c, settlement{state: StateDead, outcome: OutcomePayloadGone, lastError: &msg})
+		return
+	}
+	actx, cancel := context.WithDeadline(ctx, c.deadline)
+	defer cancel()
+	start := time.Now()
+	dec := Decision{Outcome: Send}
+	var err error
+	if def.Revalidate {
+		dec, err = d.cfg.Revalidate(actx, c.d)
+	}
+	var s settlement
+	switch {
+	case err != nil:
+		s = d.failure(c, err)
+	case dec.Outcome == Send:
+		s = settlement{state: StateDone, outcome: OutcomeDone}
+		if err := d.run.run(actx, def, c.d); err != nil {
+			s = d.failure(c, err)
+		}
+		d.met.observe(def, s.outcome, time.Since(start))
+	case dec.Outcome == Defer:
+		s = settlement{state: StatePending, outcome: string(Defer), delay: def.Backoff, deferred: true}
+	case dec.Outcome == StopCompleted || dec.Outcome == StopChanged || dec.Outcome == StopRevoked || dec.Outcome == StopSuperseded:
+		s = settlement{state: StateStopped, outcome: string(dec.Outcome)}
+	default:
+		s = d.failure(c, Permanent("bad_decision", fmt.Errorf("revalidation answered %q", dec.Outcome)))
+	}
+	s.fingerprint, s.evaluated = dec.Fingerprint, def.Revalidate
+	d.settle(ctx, c, s)
+}
+
+// failure is a failed attempt: retried with backoff, or dead after the
+// handler's max attempts or at a permanent error, with a sanitized
+// last_error whose diagnostic id is also in the log line.
+func (d *Dispatcher) failure(c claimed, err error) settlement {
+	text, diag := sanitized(err)
+	var he *Error
+	permanent := errors.As(err, &he) && he.Permanent
+	s := settlement{state: StatePending, outcome: OutcomeFailed, lastError: &text, delay: Backoff(c.def.Backoff, c.d.Attempt)}
+	if permanent || c.d.Attempt >= c.def.MaxAttempts {
+		s.state, s.delay = StateDead, 0
+	}
+	d.log.Warn("delivery attempt failed", "handler", c.d.HandlerID, "delivery", c.d.ID, "attempt", c.d.Attempt,
+		"max_attempts", c.def.MaxAttempts, "next_state", s.state, "last_error", text, "diag", diag)
+	if s.state == StateDead {
+		d.met.dead.WithLabelValues(c.d.HandlerID).Inc()
+	}
+	return s
+}
+
+// Backoff is the delay before the attempt after the attempt-th one:
+// exponential from base (doubling, at most an hour) with ±25% jitter.
+func Backoff(base time.Duration, attempt int) time.Duration {
+	b := backoff.NewExponentialBackOff(backoff.WithInitialInterval(base), backoff.WithMultiplier(2),
+		backoff.WithRandomizationFactor(0.25), backoff.WithMaxInterval(time.Hour), backoff.WithMaxElapsedTime(0))
+	delay := base
+	for i := 0; i < min(max(attempt, 1), 64); i++ {
+		delay = b.NextBackOff()
+	}
+	return delay
+}
+
+const settleSQL = `
+UPDATE epitaph.deliveries SET state = $3, outcome = $4, last_error = COALESCE($5, last_error),
+       next_attempt_at = now() + $6 * interval '1 millisecond',
+       attempt = attempt - $7::int, defers = defers + $7::int,
+       claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
+       settled_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') THEN now() END,
+       observed_fingerprint = COALESCE(NULLIF($8, ''), observed_fingerprint),
+       evaluated_at = CASE WHEN $9 THEN now() ELSE evaluated_at END
+WHERE id = $1 AND claim_token = $2::uuid
+RETURNING source, commit_lsn::text, seq`
+
+// scrubRowSQL scrubs the payloads of a row's deliveries once every handler
+// of the row is terminal.
+const scrubRowSQL = `
+UPDATE epitaph.deliveries SET payload = NULL, payload_scrubbed_at = now()
+WHERE source = $1 AND commit_lsn = $2::pg_lsn AND seq = $3 AND payload IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e WHERE e.source = $1 AND e.commit_lsn = $2::pg_lsn AND e.seq = $3
+                  AND e.state IN ('pending', 'in_flight'))`
+
+// settle records an attempt's result, guarded by the claim token: a run
+// whose claim was reclaimed settles nothing. A failure to record leaves
+// the delivery in flight (that attempt spent) until its claim expires.
+func (d *Dispatcher) settle(ctx context.Context, c claimed, s settlement) {
+	err := d.settleTx(ctx, c, s)
+	switch {
+	case errors.Is(err, errStale):
+		d.log.Warn("delivery outcome discarded: its claim was reclaimed", "handler", c.d.HandlerID, "delivery", c.d.ID,
+			"attempt", c.d.Attempt)
+		d.met.stale.Inc()
+	case err != nil:
+		d.log.Error("recording a delivery's outcome failed: it stays in flight until its claim expires",
+			"handler", c.d.HandlerID, "delivery", c.d.ID, "attempt", c.d.Attempt, "err", err)
+	}
+}
+
+var errStale = errors.New("stale claim")
+
+func (d *Dispatcher) settleTx(ctx context.Context, c claimed, s settlement) error {
+	ctx = context.WithoutCancel(ctx)
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if d.beforeSettle != nil {
+		if err := d.beforeSettle(ctx, c.d.ID); err != nil {
+			return err
+		}
+	}
+	tx, err := d.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("begin settle: %w", err)
+	}
+	defer tx.Rollback(ctx)
+	deferred := 0
+	if s.deferred {
+		deferred = 1
+	}
+	var source, lsn string
+	var seq int
+	err = tx.QueryRow(ctx, settleSQL, c.d.ID, c.token, s.state, s.outcome, s.lastError, s.delay.Milliseconds(),
+		deferred, s.fingerprint, s.evaluated).Scan(&source, &lsn, &seq)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return errStale
+	}
+	if err != nil {
+		return fmt.Errorf("settle delivery: %w", err)
+	}
+	if s.terminal() {
+		if _, err := tx.Exec(ctx, scrubRowSQL, source, lsn, seq); err != nil {
+			return fmt.Errorf("scrub payloads: %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("commit settle: %w", err)
+	}
+	return nil
+}
+
+func (d *Dispatcher) maintainIfDue(ctx context.Context) {
+	d.mu.Lock()
+	due := time.Since(d.lastMaint) >= time.Second
+	d.mu.Unlock()
+	if !due {
+		return
+	}
+	if err := d.maintain(ctx); err != nil && ctx.Err() == nil {
+		d.log.Warn("delivery maintenance failed; retrying", "err", err)
+	}
+}
+
+// maintain reclaims expired claims (the reclaim counts as an attempt:
+// dead when it was the last), dead-letters deliveries of unknown handlers,
+// releases unsettled groups past the settle timeout (unsigned rows only)
+// and, every minute, runs the payload backstop.
+func (d *Dispatcher) maintain(ctx context.Context) error {
+	d.mu.Lock()
+	d.lastMaint = time.Now()
+	scrub := time.Since(d.lastScrub) >= time.Minute
+	if scrub {
+		d.lastScrub = time.Now()
+	}
+	d.mu.Unlock()
+	tag, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries d SET
+		state = CASE WHEN d.attempt >= COALESCE((SELECT h.max_attempts FROM epitaph.handlers h WHERE h.id = d.handler_id), 1)
+		             THEN 'dead' ELSE 'pending' END,
+		outcome = 'claim_expired', last_error = 'type=claim_expired code=claim_expired diag=-',
+		claim_token = NULL, claim_expires_at = NULL, next_attempt_at = now(), updated_at = now(),
+		settled_at = CASE WHEN d.attempt >= COALESCE((SELECT h.max_attempts FROM epitaph.handlers h WHERE h.id = d.handler_id), 1)
+		                  THEN now() END
+		WHERE d.state = 'in_flight' AND d.claim_expires_at < now()`)
+	if err != nil {
+		return fmt.Errorf("reclaim expired claims: %w", err)
+	}
+	if n := tag.RowsAffected(); n > 0 {
+		d.log.Warn("reclaimed deliveries whose claims expired (each counts as an attempt)", "deliveries", n)
+		d.met.reclaimed.Add(float64(n))
+	}
+	tag, err = d.pool.Exec(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
+		last_error = 'type=unknown_handler code=unknown_handler diag=-', settled_at = now(), updated_at = now()
+		WHERE d.state = 'pending' AND d.released_at IS NOT NULL
+		  AND NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id)`)
+	if err != nil {
+		return fmt.Errorf("dead-letter deliveries of unknown handlers: %w", err)
+	}
+	if n := tag.RowsAffected(); n > 0 {
+		d.log.Error("dead-lettered deliveries whose handler id is unknown", "deliveries", n)
+	}
+	if _, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries SET released_at = now(), released_unsettled = true, updated_at = now()
+		WHERE released_at IS NULL AND state = 'pending' AND verified AND created_at < now() - $1 * interval '1 millisecond'`,
+		d.cfg.GroupSettleTimeout.Milliseconds()); err != nil {
+		return fmt.Errorf("release unsettled groups: %w", err)
+	}
+	if scrub {
+		return d.Backstop(ctx)
+	}
+	return nil
+}
+
+// Backstop scrubs the payloads of deliveries older than the payload
+// retention; queued work whose payload it scrubbed is dead at once, naming
+// the scrub (it could never complete).
+func (d *Dispatcher) Backstop(ctx context.Context) error {
+	tag, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries SET payload = NULL, payload_scrubbed_at = now(), updated_at = now(),
+		outcome = CASE WHEN state = 'pending' THEN 'payload_scrubbed' ELSE outcome END,
+		last_error = CASE WHEN state = 'pending' THEN 'type=payload_scrubbed code=payload_retention diag=-' ELSE last_error END,
+		settled_at = CASE WHEN state = 'pending' THEN now() ELSE settled_at END,
+		state = CASE WHEN state = 'pending' THEN 'dead' ELSE state END
+		WHERE payload IS NOT NULL AND created_at < now() - $1 * interval '1 millisecond'`, d.cfg.PayloadRetention.Milliseconds())
+	if err != nil {
+		return fmt.Errorf("scrub old payloads: %w", err)
+	}
+	if n := tag.RowsAffected(); n > 0 {
+		d.log.Info("scrubbed delivery payloads past the retention", "deliveries", n, "retention", d.cfg.PayloadRetention)
+	}
+	return nil
+}

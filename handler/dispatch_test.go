@@ -1,0 +1,395 @@
+package handler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// goHandler registers f under a fresh name and adds a go handler for it.
+func (e *tenv) goHandler(reg *Registry, f Func, mod ...func(*Def)) Def {
+	e.t.Helper()
+	name := "h-" + newDiagID()
+	require.NoError(e.t, reg.Register(name, f))
+	return e.addHandler(KindGo, name, mod...)
+}
+
+func TestQueueLiveVersionOnlyAndOnce(t *testing.T) {
+	e := newTenv(t)
+	h := e.addHandler(KindGo, "x", func(d *Def) { d.Columns = []string{"blob"} })
+	r := e.row(1)
+	e.enqueue(2, r) // building version: nothing
+	require.Empty(t, e.deliveries())
+	e.enqueue(1, r)
+	e.enqueue(1, r) // the same row again (a replay, or a second live apply around a promotion): once
+	ds := e.deliveries()
+	require.Len(t, ds, 1)
+	require.Equal(t, h.ID, ds[0].Handler)
+	require.Equal(t, StatePending, ds[0].State)
+	require.JSONEq(t, `{"key":{"id":1},"columns":{"blob":"b-1"}}`, *ds[0].Payload, "key and the handler's columns only")
+	var id string
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT id::text FROM archive.deliveries`).Scan(&id))
+	require.Equal(t, DeliveryID(h.ID, "main", r.CommitLSN, 1, 0), id)
+}
+
+func TestPriorityOrderWithinARow(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var mu sync.Mutex
+	var order []string
+	rec := func(name string) Func {
+		return func(_ context.Context, d Delivery) error {
+			mu.Lock()
+			order = append(order, fmt.Sprintf("%s:%s", d.Key, name))
+			mu.Unlock()
+			return nil
+		}
+	}
+	e.goHandler(reg, rec("c"), func(d *Def) { d.Priority = 5 })
+	e.goHandler(reg, rec("a"), func(d *Def) { d.Priority = -1 })
+	e.goHandler(reg, rec("b"), func(d *Def) { d.Priority = 2 })
+	e.enqueue(1, e.row(1), e.row(2))
+	e.flush(e.dispatcher(Config{Registry: reg, Parallelism: 8}))
+	mu.Lock()
+	defer mu.Unlock()
+	var r1, r2 []string
+	for _, o := range order {
+		if strings.HasPrefix(o, `{"id": 1}`) {
+			r1 = append(r1, o)
+		} else {
+			r2 = append(r2, o)
+		}
+	}
+	require.Equal(t, []string{`{"id": 1}:a`, `{"id": 1}:b`, `{"id": 1}:c`}, r1)
+	require.Equal(t, []string{`{"id": 2}:a`, `{"id": 2}:b`, `{"id": 2}:c`}, r2)
+	for _, d := range e.deliveries() {
+		require.Equal(t, StateDone, d.State)
+		require.Nil(t, d.Payload, "scrubbed once every handler of the row is terminal")
+	}
+}
+
+func TestBackoffGrows(t *testing.T) {
+	base := 100 * time.Millisecond
+	prev := time.Duration(0)
+	for a := 1; a <= 6; a++ {
+		b := Backoff(base, a)
+		want := base << (a - 1)
+		require.InDelta(t, float64(want), float64(b), float64(want)*0.26, "attempt %d", a)
+		require.Greater(t, b, prev*5/4, "attempt %d grows", a)
+		prev = b
+	}
+	require.LessOrEqual(t, Backoff(time.Minute, 40), time.Hour+15*time.Minute)
+}
+
+func TestMaxAttemptsDeadSanitized(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	const planted = "PLANTED-secret-text-7f3a"
+	var calls atomic.Int32
+	var attempts []int
+	var mu sync.Mutex
+	h := e.goHandler(reg, func(_ context.Context, d Delivery) error {
+		calls.Add(1)
+		mu.Lock()
+		attempts = append(attempts, d.Attempt)
+		mu.Unlock()
+		return Retryable("blob_store_down", errors.New(planted))
+	}, func(d *Def) { d.MaxAttempts = 3 })
+	e.enqueue(1, e.row(1))
+	e.flush(e.dispatcher(Config{Registry: reg}))
+	require.EqualValues(t, 3, calls.Load())
+	require.Equal(t, []int{1, 2, 3}, attempts)
+	ds := e.deliveries()
+	require.Len(t, ds, 1)
+	require.Equal(t, StateDead, ds[0].State)
+	require.Equal(t, 3, ds[0].Attempt)
+	require.NotNil(t, ds[0].LastError)
+	require.Regexp(t, `^type=\*errors\.errorString code=blob_store_down diag=[0-9a-f]{12}$`, *ds[0].LastError)
+	diag := strings.TrimPrefix((*ds[0].LastError)[strings.Index(*ds[0].LastError, "diag="):], "diag=")
+	require.Contains(t, e.logs.String(), "diag="+diag, "the diagnostic id is in the log line")
+	// The planted text is nowhere: not in any column of the database, not in the logs.
+	var found int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM epitaph.deliveries d WHERE d::text LIKE '%'||$1||'%'`, planted).Scan(&found))
+	require.Zero(t, found)
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FROM epitaph.handlers d WHERE d::text LIKE '%'||$1||'%'`, planted).Scan(&found))
+	require.Zero(t, found)
+	require.NotContains(t, e.logs.String(), planted)
+	_ = h
+}
+
+func TestPermanentFailureDeadAtOnce(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error {
+		calls.Add(1)
+		return Permanent("gone", errors.New("nope"))
+	})
+	e.enqueue(1, e.row(1))
+	e.flush(e.dispatcher(Config{Registry: reg}))
+	require.EqualValues(t, 1, calls.Load())
+	ds := e.deliveries()
+	require.Equal(t, StateDead, ds[0].State)
+	require.Equal(t, 1, ds[0].Attempt)
+	require.Contains(t, *ds[0].LastError, "code=gone")
+}
+
+func TestDeadlineIsNineTenthsOfClaim(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	got := make(chan time.Duration, 4)
+	e.goHandler(reg, func(ctx context.Context, _ Delivery) error {
+		dl, ok := ctx.Deadline()
+		if !ok {
+			got <- -1
+			return nil
+		}
+		got <- time.Until(dl)
+		<-ctx.Done() // ignores nothing: waits for its cancellation
+		return ctx.Err()
+	}, func(d *Def) { d.ClaimTimeout = 2 * time.Second; d.MaxAttempts = 1 })
+	e.enqueue(1, e.row(1))
+	start := time.Now()
+	e.flush(e.dispatcher(Config{Registry: reg}))
+	left := <-got
+	require.InDelta(t, float64(1800*time.Millisecond), float64(left), float64(300*time.Millisecond))
+	require.GreaterOrEqual(t, time.Since(start), 1700*time.Millisecond)
+	ds := e.deliveries()
+	require.Equal(t, StateDead, ds[0].State, "a cancelled attempt counts as failed")
+	require.Contains(t, *ds[0].LastError, "code=deadline_exceeded")
+}
+
+func TestReclaimCountsAnAttemptAndStaleRunCannotSettle(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	release := make(chan struct{})
+	var calls atomic.Int32
+	e.goHandler(reg, func(ctx context.Context, d Delivery) error {
+		if calls.Add(1) == 1 {
+			<-release // the first run hangs past its claim, ignoring ctx
+			return nil
+		}
+		return errors.New("second attempt fails")
+	}, func(d *Def) { d.ClaimTimeout = time.Second; d.MaxAttempts = 5; d.Backoff = time.Hour })
+	e.enqueue(1, e.row(1))
+	d1 := e.dispatcher(Config{Registry: reg})
+	c1, err := d1.claim(context.Background(), 1)
+	require.NoError(t, err)
+	require.Len(t, c1, 1)
+	done := make(chan struct{})
+	go func() { defer close(done); d1.attempt(context.Background(), c1[0]) }()
+	// The claim expires; maintenance reclaims it (attempt 1 stays spent).
+	eventually(t, func() bool {
+		require.NoError(t, d1.maintain(context.Background()))
+		ds := e.deliveries()
+		return ds[0].State == StatePending && ds[0].Outcome == OutcomeClaimExpired
+	}, "reclaim")
+	require.Equal(t, 1, e.deliveries()[0].Attempt)
+	// A second dispatcher runs attempt 2 (fails, backs off an hour).
+	d2 := e.dispatcher(Config{Registry: reg})
+	c2, err := d2.claim(context.Background(), 1)
+	require.NoError(t, err)
+	require.Len(t, c2, 1)
+	require.Equal(t, 2, c2[0].d.Attempt, "the reclaim counted as an attempt")
+	d2.attempt(context.Background(), c2[0])
+	// The stale first run returns "done": it must not settle.
+	close(release)
+	<-done
+	ds := e.deliveries()
+	require.Equal(t, StatePending, ds[0].State)
+	require.Equal(t, OutcomeFailed, ds[0].Outcome)
+	require.Equal(t, 2, ds[0].Attempt)
+	require.Contains(t, e.logs.String(), "its claim was reclaimed")
+}
+
+func TestReclaimOfLastAttemptIsDead(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	e.goHandler(reg, func(context.Context, Delivery) error { return nil }, func(d *Def) { d.ClaimTimeout = 200 * time.Millisecond; d.MaxAttempts = 1 })
+	e.enqueue(1, e.row(1))
+	d := e.dispatcher(Config{Registry: reg})
+	cs, err := d.claim(context.Background(), 1)
+	require.NoError(t, err)
+	require.Len(t, cs, 1) // a crash: never run, never settled
+	eventually(t, func() bool {
+		require.NoError(t, d.maintain(context.Background()))
+		return e.deliveries()[0].State == StateDead
+	}, "dead after the reclaim of its last attempt")
+	require.Equal(t, OutcomeClaimExpired, e.deliveries()[0].Outcome)
+}
+
+func TestOutcomeRecordingFailureStaysInFlight(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil },
+		func(d *Def) { d.ClaimTimeout = time.Second })
+	e.enqueue(1, e.row(1), e.row(2))
+	d := e.dispatcher(Config{Registry: reg})
+	var failed atomic.Bool
+	d.beforeSettle = func(_ context.Context, id string) error {
+		if failed.CompareAndSwap(false, true) {
+			return errors.New("target briefly down")
+		}
+		return nil
+	}
+	cs, err := d.claim(context.Background(), 2)
+	require.NoError(t, err)
+	require.Len(t, cs, 2)
+	for _, c := range cs {
+		d.attempt(context.Background(), c)
+	}
+	var inFlight, doneN int
+	for _, r := range e.deliveries() {
+		switch r.State {
+		case StateInFlight:
+			inFlight++
+			require.Equal(t, 1, r.Attempt)
+		case StateDone:
+			doneN++
+		}
+	}
+	require.Equal(t, 1, inFlight, "the one whose outcome could not be recorded stays in flight")
+	require.Equal(t, 1, doneN, "the rest of the batch carries on")
+	require.Contains(t, e.logs.String(), "stays in flight until its claim expires")
+	// Once the claim expires it is reclaimed and done on its second attempt.
+	e.flush(d)
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateDone, r.State)
+	}
+	require.EqualValues(t, 3, calls.Load())
+}
+
+func TestBackstopScrubDeadLettersAtOnce(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil })
+	e.enqueue(1, e.row(1))
+	_, err := e.pool.Exec(context.Background(), `UPDATE epitaph.deliveries SET created_at = now() - interval '31 days'`)
+	require.NoError(t, err)
+	e.enqueue(1, e.row(2)) // recent: kept and run
+	d := e.dispatcher(Config{Registry: reg})
+	require.NoError(t, d.Backstop(context.Background()))
+	e.flush(d)
+	ds := e.deliveries()
+	require.Equal(t, StateDead, ds[0].State)
+	require.Equal(t, OutcomePayloadGone, ds[0].Outcome)
+	require.Zero(t, ds[0].Attempt, "no attempt burnt")
+	require.Nil(t, ds[0].Payload)
+	require.Equal(t, StateDone, ds[1].State)
+	require.EqualValues(t, 1, calls.Load())
+}
+
+func TestUnknownHandlerDisabledRemovedRevoked(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	f := func(context.Context, Delivery) error { calls.Add(1); return nil }
+	gone := e.goHandler(reg, f)
+	disabled := e.goHandler(reg, f, func(d *Def) { d.Table = "lines" })
+	removed := e.goHandler(reg, f, func(d *Def) { d.Table = "items" })
+	revoked := e.goHandler(reg, f, func(d *Def) { d.Table = "notes" })
+	r := e.row(1)
+	e.enqueue(1, r)
+	for i, tbl := range []string{"lines", "items", "notes"} {
+		x := e.row(10 + i)
+		x.Table = tbl
+		e.enqueue(1, x)
+	}
+	ctx := context.Background()
+	// A handler id nothing knows (deleted behind the CLI's back).
+	_, err := e.pool.Exec(ctx, `DELETE FROM epitaph.handlers WHERE id = $1`, gone.ID)
+	require.NoError(t, err)
+	require.NoError(t, SetEnabled(ctx, e.pool, disabled.ID, false))
+	n, err := Remove(ctx, e.pool, removed.ID)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	n, err = Revoke(ctx, e.pool, revoked.ID)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	d := e.dispatcher(Config{Registry: reg})
+	e.flush(d) // the disabled handler's delivery is not waited for
+	byTable := map[string]drow{}
+	rows, err := e.pool.Query(ctx, `SELECT table_name, state, COALESCE(outcome, ''), last_error FROM epitaph.deliveries`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var tbl string
+		var r drow
+		require.NoError(t, rows.Scan(&tbl, &r.State, &r.Outcome, &r.LastError))
+		byTable[tbl] = r
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, StateDead, byTable["orders"].State)
+	require.Equal(t, OutcomeUnknownHandler, byTable["orders"].Outcome)
+	require.Contains(t, *byTable["orders"].LastError, "unknown_handler")
+	require.Equal(t, StatePending, byTable["lines"].State, "a disabled handler's work waits")
+	require.Equal(t, StateStopped, byTable["items"].State)
+	require.Equal(t, string(StopCompleted), byTable["items"].Outcome)
+	require.Equal(t, StateStopped, byTable["notes"].State)
+	require.Equal(t, string(StopRevoked), byTable["notes"].Outcome)
+	require.Zero(t, calls.Load())
+	// Enabled again, it runs.
+	require.NoError(t, SetEnabled(ctx, e.pool, disabled.ID, true))
+	e.flush(d)
+	require.EqualValues(t, 1, calls.Load())
+}
+
+func TestRevalidationSeam(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil })
+	e.enqueue(1, e.row(1), e.row(2), e.row(3))
+	var seen sync.Map
+	reval := func(_ context.Context, d Delivery) (Decision, error) {
+		switch string(d.Key) {
+		case `{"id": 1}`:
+			return Decision{Outcome: StopChanged, Fingerprint: "fp1"}, nil
+		case `{"id": 2}`:
+			if _, again := seen.LoadOrStore(d.ID, true); !again {
+				return Decision{Outcome: Defer}, nil
+			}
+		}
+		return Decision{Outcome: Send}, nil
+	}
+	e.flush(e.dispatcher(Config{Registry: reg, Revalidate: reval}))
+	ds := e.deliveries()
+	require.Equal(t, StateStopped, ds[0].State)
+	require.Equal(t, string(StopChanged), ds[0].Outcome)
+	require.Equal(t, StateDone, ds[1].State)
+	require.Equal(t, 1, ds[1].Attempt, "a defer spends no attempt")
+	require.Equal(t, StateDone, ds[2].State)
+	var defers int
+	var fp string
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT defers FROM epitaph.deliveries WHERE key = '{"id":2}'`).Scan(&defers))
+	require.Equal(t, 1, defers)
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT observed_fingerprint FROM epitaph.deliveries WHERE key = '{"id":1}'`).Scan(&fp))
+	require.Equal(t, "fp1", fp)
+	require.EqualValues(t, 2, calls.Load())
+}
+
+func TestDispatcherServiceRunsAndStops(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil })
+	d := e.dispatcher(Config{Registry: reg})
+	require.NoError(t, d.Start(context.Background()))
+	e.enqueue(1, e.row(1), e.row(2), e.row(3))
+	eventually(t, func() bool { return calls.Load() == 3 }, "three deliveries run by the service")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, d.Stop(ctx))
+	require.NoError(t, d.Wait())
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateDone, r.State)
+	}
+}
