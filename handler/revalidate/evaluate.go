@@ -244,7 +244,7 @@ func (e *Evaluator) decideSet(ctx context.Context, d delivery, a Result) Result 
 	if a.Path == PathCheap {
 		return Result{Outcome: Send, Reason: ReasonUnchanged, ObservedFingerprint: a.ObservedFingerprint, Path: PathCheap}
 	}
-	s, err := readFull(ctx, e.db, *d.liveSchema, d.correlationID, d.schemaName, d.table)
+	s, err := readFull(ctx, e.db, *d.liveSchema, d)
 	if err != nil {
 		e.cfg.Logger.Warn("revalidation deferred: archive unreadable", "delivery", d.id, "err", err)
 		return Result{Outcome: Defer, Reason: ReasonTargetUnreadable}

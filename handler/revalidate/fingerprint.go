@@ -3,6 +3,8 @@ package revalidate
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -89,14 +91,34 @@ FROM (SELECT seq, archived_at, (expires_at IS NULL OR expires_at > now()) AS liv
       WHERE correlation_id = $1 AND schema_name = $2 AND table_name = $3 AND verified) r`
 }
 
-// fullSQL reads and hashes the whole current set, and lists its keys (the
-// payload of the generation that replaces a changed delivery).
+// fullSQL reads and hashes the whole current set, and lists the keys of
+// its rows archived after the stamped pair's greatest archived_at ($4,
+// epoch microseconds): the rows added since queueing, for the payload of
+// the generation that replaces a changed delivery.
 func fullSQL(schema string) string {
 	return `
 SELECT count(*)::int, ` + pairMax + `, ` + fingerprintExpr + `,
-       COALESCE(jsonb_agg(key ORDER BY commit_lsn, seq), '[]'::jsonb)
+       COALESCE(jsonb_agg(key ORDER BY commit_lsn, seq)
+                FILTER (WHERE (extract(epoch FROM archived_at) * 1000000)::bigint > $4), '[]'::jsonb)
 FROM ` + rowsTable(schema) + `
 WHERE ` + setPredicate + ` AND schema_name = $2 AND table_name = $3`
+}
+
+// archivedBound is the greatest archived_at (epoch microseconds) of a
+// stamped pair ("<max seq>@<micros>"); -1 when there is none.
+func archivedBound(groupMax *string) int64 {
+	if groupMax == nil {
+		return -1
+	}
+	_, micros, ok := strings.Cut(*groupMax, "@")
+	if !ok {
+		return -1
+	}
+	n, err := strconv.ParseInt(micros, 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
 }
 
 // set is one observation of a delivery's set.
@@ -104,7 +126,7 @@ type set struct {
 	rows        int
 	max         string
 	fingerprint string
-	keys        []byte // jsonb array of the set's keys (full read only)
+	added       []byte // jsonb array of the keys archived since queueing (full read only)
 }
 
 type querier interface {
@@ -112,11 +134,12 @@ type querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
-func readFull(ctx context.Context, db querier, schema, correlationID, schemaName, table string) (set, error) {
+func readFull(ctx context.Context, db querier, schema string, d delivery) (set, error) {
 	var s set
-	err := db.QueryRow(ctx, fullSQL(schema), correlationID, schemaName, table).Scan(&s.rows, &s.max, &s.fingerprint, &s.keys)
+	err := db.QueryRow(ctx, fullSQL(schema), d.correlationID, d.schemaName, d.table, archivedBound(d.groupMax)).
+		Scan(&s.rows, &s.max, &s.fingerprint, &s.added)
 	if err != nil {
-		return set{}, fmt.Errorf("read the set of %s: %w", correlationID, err)
+		return set{}, fmt.Errorf("read the set of %s: %w", d.correlationID, err)
 	}
 	return s, nil
 }

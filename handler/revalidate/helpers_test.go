@@ -106,7 +106,7 @@ func setupWith(t *testing.T, sourceURL string) *env {
 	_, err := e.source.Exec(ctx, `CREATE TABLE IF NOT EXISTS public.customers (id int8 PRIMARY KEY, name text)`)
 	require.NoError(t, err)
 	e.ev, err = revalidate.New(e.target, revalidate.Config{SourceURL: sourceURL, SourceTracer: e.sourceQ,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registerer: e.reg})
+		Logger: testLogger(), Registerer: e.reg})
 	require.NoError(t, err)
 	t.Cleanup(e.ev.Close)
 	e.handler = e.addHandler("00000000-0000-4000-8000-000000000001", true)
@@ -210,4 +210,11 @@ func withUser(url, user string) string {
 	}
 	u.User = neturl.User(user)
 	return u.String()
+}
+
+func testLogger() *slog.Logger {
+	if os.Getenv("EPITAPH_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
 }

@@ -14,8 +14,11 @@ import (
 // the state nor the claim (the dispatcher settles). Besides:
 //   - StopChanged queues the next generation of the delivery for the
 //     current set (pending, released, stamped with the set's fingerprint and
-//     pair, its payload naming the set's keys under "group"), under its new
-//     identity; recording twice queues it once.
+//     pair) under its new identity; its payload is the old one plus
+//     "group": {"rows": the current count, "added": the keys of the rows
+//     archived since the old one was queued} (bounded by what changed, not
+//     by the group's size: a group's n deliveries never store n keys each).
+//     Recording twice queues it once.
 //   - Send after a full read that found the same set refreshes the stored
 //     pair, so the next evaluation takes the cheap path again (a promotion
 //     re-archives the same rows at another time).
@@ -51,7 +54,8 @@ INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, generat
     fingerprint, group_rows, group_max)
 SELECT $2::uuid, handler_id, source, commit_lsn, seq, generation + 1, schema_name, table_name, key,
        correlation_id, commit_time, version, phase, priority, 'pending', now(),
-       CASE WHEN jsonb_typeof(payload) = 'object' THEN payload || jsonb_build_object('group', $3::jsonb) END,
+       CASE WHEN jsonb_typeof(payload) = 'object'
+            THEN payload || jsonb_build_object('group', jsonb_build_object('rows', $5::int, 'added', $3::jsonb)) END,
        $4, $5, $6
 FROM epitaph.deliveries WHERE id = $1
 ON CONFLICT (handler_id, source, commit_lsn, seq, generation) DO NOTHING`
@@ -59,7 +63,7 @@ ON CONFLICT (handler_id, source, commit_lsn, seq, generation) DO NOTHING`
 // queueNext inserts generation+1 of a changed delivery for the set s.
 func queueNext(ctx context.Context, tx pgx.Tx, d delivery, s set) error {
 	id := handler.DeliveryID(d.handlerID, d.source, d.lsn, d.seq, d.generation+1)
-	if _, err := tx.Exec(ctx, queueNextSQL, d.id, id, string(s.keys), s.fingerprint, s.rows, s.max); err != nil {
+	if _, err := tx.Exec(ctx, queueNextSQL, d.id, id, string(s.added), s.fingerprint, s.rows, s.max); err != nil {
 		return fmt.Errorf("queue generation %d of %s: %w", d.generation+1, d.id, err)
 	}
 	return nil

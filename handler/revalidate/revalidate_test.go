@@ -40,7 +40,7 @@ func TestAddedAfterQueuedStopsChangedAndQueuesTheCurrentSet(t *testing.T) {
 	require.NotEqual(t, first, next.ID, "a new identity")
 	require.Equal(t, old.Observed, next.Fingerprint, "stamped with the set it describes now")
 	require.Equal(t, 3, next.GroupRows)
-	require.JSONEq(t, `[{"id":1},{"id":2},{"id":3}]`, string(next.Payload["group"]), "the payload includes the new row")
+	require.JSONEq(t, `{"rows":3,"added":[{"id":3}]}`, string(next.Payload["group"]), "the payload includes the new row")
 	require.JSONEq(t, `{"id":1}`, string(next.Payload["key"]))
 
 	// Recording the same evaluation again queues nothing more; the new
@@ -116,7 +116,7 @@ func TestRowOfTheGroupRemovedStopsChanged(t *testing.T) {
 	require.Equal(t, revalidate.StopChanged, res.Outcome)
 	next := e.delivery(`handler_id = $1 AND seq = 0 AND generation = 1`, e.handler)
 	require.Equal(t, 1, next.GroupRows)
-	require.JSONEq(t, `[{"id":1}]`, string(next.Payload["group"]))
+	require.JSONEq(t, `{"rows":1,"added":[]}`, string(next.Payload["group"]))
 }
 
 func TestErasedRowStopsRevoked(t *testing.T) {
