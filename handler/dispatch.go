@@ -270,14 +270,14 @@ RETURNING d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d
           d.group_rows, d.group_max, d.payload_scrubbed_at IS NOT NULL, d.claim_token::text,
           (extract(epoch FROM due.claim_timeout) * 1000)::bigint`
 
-func (d *Dispatcher) claim(ctx context.Context, n int) ([]claimed, error) {
+func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
 	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names())
 	if err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
 	now := time.Now()
-	cs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (claimed, error) {
-		var c claimed
+	cs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (*claimed, error) {
+		c := &claimed{}
 		var payload []byte
 		var claimMS int64
 		err := r.Scan(&c.d.ID, &c.d.HandlerID, &c.d.Source, &c.d.CommitLSN, &c.d.Seq, &c.d.Generation, &c.d.Schema,
@@ -316,8 +316,8 @@ func (d *Dispatcher) claim(ctx context.Context, n int) ([]claimed, error) {
 	for _, def := range defs {
 		byID[def.ID] = def
 	}
-	for i := range cs {
-		cs[i].def = byID[cs[i].d.HandlerID]
+	for _, c := range cs {
+		c.def = byID[c.d.HandlerID]
 	}
 	return cs, nil
 }
@@ -336,7 +336,7 @@ func (s settlement) terminal() bool {
 	return s.state == StateDone || s.state == StateStopped || s.state == StateDead
 }
 
-func (d *Dispatcher) attempt(ctx context.Context, c claimed) {
+func (d *Dispatcher) attempt(ctx context.Context, c *claimed) {
 	def := c.def
 	if def.ID == "" { // removed between the claim and now
 		d.settle(ctx, c, settlement{state: StateStopped, outcome: string(StopCompleted)})
@@ -379,7 +379,7 @@ func (d *Dispatcher) attempt(ctx context.Context, c claimed) {
 // failure is a failed attempt: retried with backoff, or dead after the
 // handler's max attempts or at a permanent error, with a sanitized
 // last_error whose diagnostic id is also in the log line.
-func (d *Dispatcher) failure(c claimed, err error) settlement {
+func (d *Dispatcher) failure(c *claimed, err error) settlement {
 	text, diag := sanitized(err)
 	var he *Error
 	permanent := errors.As(err, &he) && he.Permanent
@@ -429,7 +429,7 @@ WHERE source = $1 AND commit_lsn = $2::pg_lsn AND seq = $3 AND payload IS NOT NU
 // settle records an attempt's result, guarded by the claim token: a run
 // whose claim was reclaimed settles nothing. A failure to record leaves
 // the delivery in flight (that attempt spent) until its claim expires.
-func (d *Dispatcher) settle(ctx context.Context, c claimed, s settlement) {
+func (d *Dispatcher) settle(ctx context.Context, c *claimed, s settlement) {
 	err := d.settleTx(ctx, c, s)
 	switch {
 	case errors.Is(err, errStale):
@@ -444,7 +444,7 @@ func (d *Dispatcher) settle(ctx context.Context, c claimed, s settlement) {
 
 var errStale = errors.New("stale claim")
 
-func (d *Dispatcher) settleTx(ctx context.Context, c claimed, s settlement) error {
+func (d *Dispatcher) settleTx(ctx context.Context, c *claimed, s settlement) error {
 	ctx = context.WithoutCancel(ctx)
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()

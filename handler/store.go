@@ -349,8 +349,7 @@ func Retry(ctx context.Context, db DB, id string) error {
 	if state != StateDead && state != StateStopped {
 		return fmt.Errorf("delivery %s is %s: only dead or stopped deliveries are retried", id, state)
 	}
-	payload := `d.payload`
-	from := ``
+	payload, from := `d.payload`, ` WHERE`
 	if !hasPayload {
 		if !archived {
 			return fmt.Errorf("delivery %s: its payload was scrubbed and no archive is live to rebuild it from", id)
@@ -359,8 +358,6 @@ func Retry(ctx context.Context, db DB, id string) error {
 			COALESCE((SELECT jsonb_object_agg(c, r.row -> c) FROM unnest(h.columns) c), '{}'::jsonb))`
 		from = ` FROM archive.rows r, epitaph.handlers h WHERE r.source = d.source AND r.commit_lsn = d.commit_lsn
 			AND r.seq = d.seq AND h.id = d.handler_id AND`
-	} else {
-		from = ` WHERE`
 	}
 	tag, err := db.Exec(ctx, `UPDATE epitaph.deliveries d SET state = 'pending', attempt = 0, defers = 0, outcome = NULL,
 		last_error = NULL, next_attempt_at = now(), settled_at = NULL, updated_at = now(), released_at = COALESCE(d.released_at, now()),

@@ -1,0 +1,569 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/migrations"
+)
+
+func init() {
+	register(handlersCommand)
+	register(deliveriesCommand)
+}
+
+func handlersCommand(env *Env) *cobra.Command {
+	cmd := cli.Group(&cobra.Command{
+		Use:   "handlers <add | list | show | enable | disable | revoke | remove>",
+		Short: "row handlers (side effects of archived deletes): add | list | show | enable | disable | revoke | remove",
+		Long: `A row handler runs for every archived row of one source table, at least once:
+a webhook (POST of a JSON body, signed with --secret-file), a command (JSON on
+stdin, no shell) or a NATS subject (JetStream, Nats-Msg-Id = delivery id). Its
+deliveries are queued in the transaction that archives the row, by the live
+version only, and run by every "projector run" (see "projector deliveries").
+disable pauses (deliveries wait), revoke stops its open deliveries
+(stop_revoked), remove deletes it (open deliveries end stop_completed).`,
+		Example: `  projector handlers add --id 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --table public.attachments \
+    --kind webhook --target https://blobs.internal/purge --columns blob_name --secret-file /etc/epitaph/hook.secret
+  projector handlers add --id 5d1e... --table public.orders --kind exec --target '["/usr/local/bin/reindex","--delete"]'
+  projector handlers list --json`,
+	})
+	cmd.AddCommand(handlersAddCommand(env), handlersListCommand(env), handlersShowCommand(env),
+		handlersToggleCommand(env, "enable", true), handlersToggleCommand(env, "disable", false),
+		handlersEndCommand(env, "revoke"), handlersEndCommand(env, "remove"))
+	return cmd
+}
+
+func handlersAddCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "add --id UUID --table schema.table --kind webhook|exec|nats --target URL|COMMAND|SUBJECT",
+		Short: "add a row handler",
+		Example: `  projector handlers add --id 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --table public.attachments --kind webhook \
+    --target https://blobs.internal/purge --columns blob_name --phase after-group --secret-file /etc/epitaph/hook.secret`,
+		Args: cli.NoArgs,
+	}
+	c := commonFlags(cmd, env)
+	var d handler.Def
+	var table, columns string
+	var noRevalidate bool
+	fs := cmd.Flags()
+	fs.StringVar(&d.ID, "id", "", "the handler's stable id (a UUID; required)")
+	fs.StringVar(&d.Name, "name", "", "a name for people (the id is the identity)")
+	fs.StringVar(&table, "table", "", "the source table, schema.table (required)")
+	fs.StringVar(&d.Kind, "kind", "", "webhook, exec or nats (go: a handler an embedding program registered under --target)")
+	fs.StringVar(&d.Target, "target", "", `webhook: URL; exec: a JSON array of arguments ("[\"/bin/purge\",\"-q\"]", no shell); nats: subject`)
+	fs.IntVar(&d.Priority, "priority", 0, "handlers of one row run in priority order, lowest first, each after the previous one is terminal")
+	fs.StringVar(&d.Phase, "phase", handler.PhaseImmediate, "immediate (once the row is archived and verified) or after-group (once its source transaction's commit is applied)")
+	fs.StringVar(&columns, "columns", "", "comma-separated columns the delivery keeps besides the key (default: the key only)")
+	fs.IntVar(&d.MaxAttempts, "max-attempts", 25, "attempts before a delivery is dead")
+	fs.DurationVar(&d.Backoff, "backoff", time.Second, "base of the exponential backoff between attempts")
+	fs.DurationVar(&d.ClaimTimeout, "claim-timeout", 5*time.Minute, "how long an attempt holds its claim; the handler must finish within 9/10 of it")
+	fs.StringVar(&d.SecretFile, "secret-file", "", "webhook: a file holding the HMAC-SHA256 secret of Epitaph-Signature (read at each attempt; never stored)")
+	fs.BoolVar(&noRevalidate, "no-revalidate", false, "do not revalidate a delivery against the source before each attempt")
+	asJSON := jsonFlag(cmd, "the handler")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		if d.ID == "" || table == "" || d.Kind == "" || d.Target == "" {
+			return cli.Usage("handlers add needs --id, --table, --kind and --target")
+		}
+		schema, name, ok := strings.Cut(table, ".")
+		if !ok || schema == "" || name == "" || strings.Contains(name, ".") {
+			return cli.Usage("--table %q: want schema.table", table)
+		}
+		d.Schema, d.Table, d.Columns, d.Revalidate = schema, name, splitList(columns), !noRevalidate
+		if err := d.Validate(); err != nil {
+			return cli.Usage("%w", err)
+		}
+		if d.SecretFile != "" {
+			f, err := os.Open(d.SecretFile)
+			if err != nil {
+				return cli.Usage("--secret-file %s cannot be read", d.SecretFile)
+			}
+			f.Close()
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		if err := migrations.Apply(ctx, pool); err != nil {
+			return err
+		}
+		if err := handler.Add(ctx, pool, d); err != nil {
+			return err
+		}
+		got, err := handler.Get(ctx, pool, d.ID)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, handlerJSON(got))
+		}
+		fmt.Fprintf(env.Stdout, "added handler %s (%s %s) for %s\n", got.ID, got.Kind, got.Phase, got.QualifiedTable())
+		return nil
+	}
+	return cmd
+}
+
+// handlerOut is a handler as --json prints it.
+type handlerOut struct {
+	handler.Def
+	Backoff      string `json:"backoff"`
+	ClaimTimeout string `json:"claim_timeout"`
+}
+
+func handlerJSON(d handler.Def) handlerOut {
+	if d.Columns == nil {
+		d.Columns = []string{}
+	}
+	return handlerOut{Def: d, Backoff: d.Backoff.String(), ClaimTimeout: d.ClaimTimeout.String()}
+}
+
+func handlersListCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{Use: "list", Short: "list the row handlers", Example: "  projector handlers list --json", Args: cli.NoArgs}
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, "the handlers")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		defs, err := handler.List(ctx, pool)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			out := make([]handlerOut, len(defs))
+			for i, d := range defs {
+				out[i] = handlerJSON(d)
+			}
+			return writeJSON(env.Stdout, out)
+		}
+		writeHandlers(env.Stdout, defs)
+		return nil
+	}
+	return cmd
+}
+
+func handlerStatus(d handler.Def) string {
+	switch {
+	case d.RevokedAt != nil:
+		return "revoked"
+	case !d.Enabled:
+		return "disabled"
+	}
+	return "enabled"
+}
+
+func writeHandlers(w io.Writer, defs []handler.Def) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tNAME\tTABLE\tKIND\tPHASE\tPRIORITY\tSTATUS\tTARGET")
+	for _, d := range defs {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Name, d.QualifiedTable(), d.Kind, d.Phase, d.Priority,
+			handlerStatus(d), redact(d.Target))
+	}
+	tw.Flush()
+	if len(defs) == 0 {
+		fmt.Fprintln(w, "(no handlers)")
+	}
+}
+
+func handlersShowCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{Use: "show <id>", Short: "show one handler with its deliveries by state",
+		Example: "  projector handlers show 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90", Args: cli.Args(1)}
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, "the handler and its deliveries by state")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		if !handler.ValidID(args[0]) {
+			return cli.Usage("handler id %q: want a UUID", args[0])
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		d, err := handler.Get(ctx, pool, args[0])
+		if err != nil {
+			return notFound(err)
+		}
+		stats, err := handler.Stats(ctx, pool)
+		if err != nil {
+			return err
+		}
+		counts := map[string]int64{}
+		for _, s := range handler.States {
+			counts[s] = 0
+		}
+		for _, s := range stats {
+			if s.HandlerID == d.ID && s.State != "" {
+				counts[s.State] = s.Count
+			}
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, struct {
+				handlerOut
+				Deliveries map[string]int64 `json:"deliveries"`
+			}{handlerJSON(d), counts})
+		}
+		tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
+		line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
+		line("id", d.ID)
+		if d.Name != "" {
+			line("name", d.Name)
+		}
+		line("table", d.QualifiedTable())
+		line("kind", d.Kind)
+		line("target", redact(d.Target))
+		line("status", handlerStatus(d))
+		line("priority", d.Priority)
+		line("phase", d.Phase)
+		line("columns", strings.Join(append([]string{"(key)"}, d.Columns...), ", "))
+		line("max attempts", d.MaxAttempts)
+		line("backoff", d.Backoff)
+		line("claim timeout", d.ClaimTimeout)
+		line("revalidate", d.Revalidate)
+		if d.SecretFile != "" {
+			line("secret file", d.SecretFile)
+		}
+		for _, s := range handler.States {
+			line("deliveries "+s, counts[s])
+		}
+		return tw.Flush()
+	}
+	return cmd
+}
+
+// notFound makes a missing handler or delivery exit 3 ("cannot").
+func notFound(err error) error {
+	if errors.Is(err, handler.ErrNotFound) {
+		return cli.WithCode(cli.ExitNotEqual, err)
+	}
+	return err
+}
+
+func handlersToggleCommand(env *Env, verb string, enabled bool) *cobra.Command {
+	short := "enable a handler: its waiting deliveries run again"
+	if !enabled {
+		short = "disable a handler: deliveries are still queued, and wait"
+	}
+	cmd := &cobra.Command{Use: verb + " <id>", Short: short, Example: "  projector handlers " + verb + " 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90",
+		Args: cli.Args(1)}
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, "the handler")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		if !handler.ValidID(args[0]) {
+			return cli.Usage("handler id %q: want a UUID", args[0])
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		if err := handler.SetEnabled(ctx, pool, args[0], enabled); err != nil {
+			return notFound(err)
+		}
+		d, err := handler.Get(ctx, pool, args[0])
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, handlerJSON(d))
+		}
+		fmt.Fprintf(env.Stdout, "handler %s %sd\n", d.ID, verb)
+		return nil
+	}
+	return cmd
+}
+
+func handlersEndCommand(env *Env, verb string) *cobra.Command {
+	short := "revoke a handler: no more deliveries are queued; open ones stop as stop_revoked"
+	outcome := string(handler.StopRevoked)
+	if verb == "remove" {
+		short = "remove a handler: it is deleted; open deliveries end as stop_completed"
+		outcome = string(handler.StopCompleted)
+	}
+	cmd := &cobra.Command{Use: verb + " <id>", Short: short, Example: "  projector handlers " + verb + " 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90",
+		Args: cli.Args(1)}
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, `{"id", "stopped": open deliveries stopped, "outcome"}`)
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		if !handler.ValidID(args[0]) {
+			return cli.Usage("handler id %q: want a UUID", args[0])
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		end := handler.Revoke
+		if verb == "remove" {
+			end = handler.Remove
+		}
+		n, err := end(ctx, pool, args[0])
+		if err != nil {
+			return notFound(err)
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
+		}
+		fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], strings.TrimSuffix(verb, "e"), n, outcome)
+		return nil
+	}
+	return cmd
+}
+
+func deliveriesCommand(env *Env) *cobra.Command {
+	cmd := cli.Group(&cobra.Command{
+		Use:   "deliveries <list | show | retry | discard | flush>",
+		Short: "row handler deliveries: list | show <id> | retry <id> | discard <id> | flush [--timeout D]",
+		Long: `A delivery is one (handler, archived row) piece of work (archive.deliveries):
+pending, in_flight, done, stopped or dead. Dead ones carry a sanitized
+last_error (error type, machine code, diagnostic id that is also in the
+projector's log line; never error text). retry puts a dead or stopped one back
+(a fresh attempt count); discard gives one up; flush runs queued work to
+completion now.`,
+		Example: `  projector deliveries list --state dead --json
+  projector deliveries retry 3f0c2b1e-...
+  projector deliveries flush --timeout 2m`,
+	})
+	cmd.AddCommand(deliveriesListCommand(env), deliveriesShowCommand(env), deliveriesActCommand(env, "retry"),
+		deliveriesActCommand(env, "discard"), deliveriesFlushCommand(env))
+	return cmd
+}
+
+func deliveriesListCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{Use: "list", Short: "list deliveries, newest first, without payloads",
+		Example: "  projector deliveries list --handler 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --state dead --json", Args: cli.NoArgs}
+	c := commonFlags(cmd, env)
+	var f handler.Filter
+	var table string
+	cmd.Flags().StringVar(&f.HandlerID, "handler", "", "only this handler's (id)")
+	cli.Local(cmd).Enum(&f.State, "state", "", "", handler.States, "only this state: "+strings.Join(handler.States, ", "))
+	cmd.Flags().StringVar(&table, "table", "", "only this table's (schema.table)")
+	cmd.Flags().IntVar(&f.Limit, "limit", 1000, "at most this many")
+	asJSON := jsonFlag(cmd, "the deliveries")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx := cmd.Context()
+		if f.HandlerID != "" && !handler.ValidID(f.HandlerID) {
+			return cli.Usage("--handler %q: want a UUID", f.HandlerID)
+		}
+		if table != "" {
+			s, t, ok := strings.Cut(table, ".")
+			if !ok || s == "" || t == "" {
+				return cli.Usage("--table %q: want schema.table", table)
+			}
+			f.Schema, f.Table = s, t
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		ds, err := handler.ListDeliveries(ctx, pool, f)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			if ds == nil {
+				ds = []handler.Info{}
+			}
+			return writeJSON(env.Stdout, ds)
+		}
+		writeDeliveries(env.Stdout, ds, time.Now())
+		return nil
+	}
+	return cmd
+}
+
+func writeDeliveries(w io.Writer, ds []handler.Info, now time.Time) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tHANDLER\tTABLE\tKEY\tSTATE\tATTEMPT\tOUTCOME\tAGE\tLAST ERROR")
+	for _, d := range ds {
+		fmt.Fprintf(tw, "%s\t%s\t%s.%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.HandlerID, d.Schema, d.Table, oneLine(string(d.Key), 40),
+			d.State, d.Attempt, deref(d.Outcome), now.Sub(d.CreatedAt).Truncate(time.Second), deref(d.LastError))
+	}
+	tw.Flush()
+	if len(ds) == 0 {
+		fmt.Fprintln(w, "(no deliveries)")
+	}
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+func deliveriesShowCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{Use: "show <id>", Short: "show one delivery; its payload (it holds row values) only with --payload",
+		Example: "  projector deliveries show 3f0c2b1e-9d7a-8c1b-a2e4-5f6a7b8c9d0e --payload --json", Args: cli.Args(1)}
+	c := commonFlags(cmd, env)
+	payload := cmd.Flags().Bool("payload", false, "also print the payload (the key and the kept columns)")
+	asJSON := jsonFlag(cmd, "the delivery")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		if !handler.ValidID(args[0]) {
+			return cli.Usage("delivery id %q: want a UUID", args[0])
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		d, err := handler.ShowDelivery(ctx, pool, args[0])
+		if err != nil {
+			return notFound(err)
+		}
+		if !*payload {
+			d.Payload = nil
+		}
+		if *asJSON {
+			return writeJSON(env.Stdout, d)
+		}
+		tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
+		line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
+		line("id", d.ID)
+		line("handler", d.HandlerID)
+		line("row", fmt.Sprintf("%s.%s %s", d.Schema, d.Table, d.Key))
+		line("correlation id", d.CorrelationID)
+		line("state", d.State)
+		line("attempt", d.Attempt)
+		line("outcome", deref(d.Outcome))
+		line("last error", deref(d.LastError))
+		line("phase", d.Phase)
+		line("released", d.Released)
+		if d.ReleasedUnsettled {
+			line("released unsettled", true)
+		}
+		line("next attempt", d.NextAttemptAt.Format(time.RFC3339))
+		line("created", d.CreatedAt.Format(time.RFC3339))
+		if d.Payload != nil {
+			line("payload", string(d.Payload))
+		} else if d.PayloadScrubbed {
+			line("payload", "(scrubbed)")
+		}
+		return tw.Flush()
+	}
+	return cmd
+}
+
+func deliveriesActCommand(env *Env, verb string) *cobra.Command {
+	short := "put a dead or stopped delivery back to pending with a fresh attempt count"
+	if verb == "discard" {
+		short = "give up a pending or dead delivery (stopped, outcome discarded; payload scrubbed)"
+	}
+	cmd := &cobra.Command{Use: verb + " <id>", Short: short, Example: "  projector deliveries " + verb + " 3f0c2b1e-9d7a-8c1b-a2e4-5f6a7b8c9d0e",
+		Args: cli.Args(1)}
+	c := commonFlags(cmd, env)
+	asJSON := jsonFlag(cmd, "the delivery")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		if !handler.ValidID(args[0]) {
+			return cli.Usage("delivery id %q: want a UUID", args[0])
+		}
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		act := handler.Retry
+		if verb == "discard" {
+			act = handler.Discard
+		}
+		if err := act(ctx, pool, args[0]); err != nil {
+			if errors.Is(err, handler.ErrNotFound) {
+				return notFound(err)
+			}
+			return cli.WithCode(cli.ExitNotEqual, err)
+		}
+		d, err := handler.ShowDelivery(ctx, pool, args[0])
+		if err != nil {
+			return err
+		}
+		d.Payload = nil
+		if *asJSON {
+			return writeJSON(env.Stdout, d)
+		}
+		fmt.Fprintf(env.Stdout, "delivery %s: %s\n", d.ID, d.State)
+		return nil
+	}
+	return cmd
+}
+
+func deliveriesFlushCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{Use: "flush", Short: "run queued deliveries to completion now, then exit (exit 2 on --timeout)",
+		Long: `flush claims and runs due deliveries in this process (beside any running
+projector) until none that it can run is pending and released or in flight,
+waiting out backoffs. Deliveries waiting for their group, of disabled handlers
+or of Go handlers are not waited for. Exit 0 when done, 2 when --timeout
+passed first (naming how many remain).`,
+		Example: "  projector deliveries flush --timeout 2m --json", Args: cli.NoArgs}
+	c := commonFlags(cmd, env)
+	var timeout time.Duration
+	var parallelism int
+	cli.Local(cmd).Duration(&timeout, "timeout", "", time.Minute, "give up after this long", cli.Positive())
+	cli.Local(cmd).Int(&parallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "deliveries run at once", cli.Min(1))
+	var sourceURL string
+	sourceURLFlag(cli.Local(cmd), &sourceURL)
+	asJSON := jsonFlag(cmd, `{"remaining": n}`)
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+		defer cancel()
+		pool, err := targetPool(ctx, c)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		var js jetstream.JetStream
+		if nc, err := c.natsConnect(nats.Name("epitaph-projector deliveries flush")); err == nil {
+			defer nc.Close()
+			js, _ = jetstream.New(nc)
+		} else {
+			env.Logger.Warn("no NATS connection: nats handlers' deliveries will be retried", "nats", redact(c.natsURL))
+		}
+		ev, reval, err := newRevalidator(pool, sourceURL, env, nil)
+		if err != nil {
+			return err
+		}
+		defer ev.Close()
+		d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval, Logger: env.Logger})
+		if err != nil {
+			return err
+		}
+		left, err := d.Flush(ctx)
+		if err != nil && ctx.Err() == nil {
+			return err
+		}
+		if *asJSON {
+			if werr := writeJSON(env.Stdout, map[string]int{"remaining": max(left, 0)}); werr != nil {
+				return werr
+			}
+		}
+		if left != 0 || ctx.Err() != nil {
+			return cli.WithCode(cli.ExitTimeout, fmt.Errorf("flush: %d deliveries still open after %s", max(left, 0), timeout))
+		}
+		if !*asJSON {
+			fmt.Fprintln(env.Stdout, "flushed: no open deliveries left")
+		}
+		return nil
+	}
+	return cmd
+}

@@ -1,0 +1,176 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+)
+
+// The handlers and deliveries commands against a real target: add
+// validates (exit 2) and stores, list/show print snake_case JSON, flush
+// runs a webhook to completion, a refused one is dead with a sanitized
+// error, retry runs it again, discard gives one up, an unknown id exits 3.
+func TestHandlersAndDeliveriesCommands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testenv.NewDatabase(t)
+	var refuse atomic.Bool
+	refuse.Store(true)
+	var calls atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		var b handler.Body
+		_ = json.NewDecoder(r.Body).Decode(&b)
+		if refuse.Load() && string(b.Key) == `{"id":2}` {
+			w.WriteHeader(http.StatusUnprocessableEntity)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer srv.Close()
+	secret := filepath.Join(t.TempDir(), "secret")
+	require.NoError(t, os.WriteFile(secret, []byte("k"), 0o600))
+	run := func(args ...string) (string, error) {
+		var out, errOut bytes.Buffer
+		env := &Env{Getenv: func(k string) string {
+			return map[string]string{"EPITAPH_TARGET_URL": url, "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}[k]
+		}, Stdout: &out, Stderr: &errOut, Logger: slog.New(slog.DiscardHandler)}
+		err := dispatch(ctx, args, env)
+		return out.String(), err
+	}
+	const id = "0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90"
+	for _, bad := range [][]string{
+		{"handlers", "add", "--id", "nope", "--table", "public.orders", "--kind", "webhook", "--target", srv.URL},
+		{"handlers", "add", "--id", id, "--table", "orders", "--kind", "webhook", "--target", srv.URL},
+		{"handlers", "add", "--id", id, "--table", "public.orders", "--kind", "ftp", "--target", srv.URL},
+		{"handlers", "add", "--id", id, "--table", "public.orders", "--kind", "exec", "--target", "rm -rf /"},
+		{"handlers", "add", "--id", id, "--table", "public.orders", "--kind", "webhook", "--target", srv.URL, "--phase", "later"},
+		{"handlers", "add", "--id", id, "--table", "public.orders", "--kind", "webhook", "--target", srv.URL, "--secret-file", "/nonexistent"},
+	} {
+		_, err := run(bad...)
+		require.Error(t, err, bad)
+		require.Equal(t, cli.ExitUsage, cli.Code(err), "%v: %v", bad, err)
+	}
+	out, err := run("handlers", "add", "--id", id, "--table", "public.orders", "--kind", "webhook", "--target", srv.URL,
+		"--columns", "blob", "--max-attempts", "2", "--backoff", "10ms", "--secret-file", secret, "--json",
+		"--no-revalidate") // no source or archive rows here: revalidation would defer them (handler/revalidate tests it)
+	require.NoError(t, err, out)
+	var h map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &h))
+	require.Equal(t, id, h["id"])
+	require.Equal(t, "public", h["schema_name"])
+	require.Equal(t, []any{"blob"}, h["columns"])
+	require.Equal(t, "10ms", h["backoff"])
+	_, err = run("handlers", "add", "--id", id, "--table", "public.orders", "--kind", "webhook", "--target", srv.URL)
+	require.ErrorContains(t, err, "exists already")
+
+	out, err = run("handlers", "list", "--json")
+	require.NoError(t, err)
+	var hs []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &hs))
+	require.Len(t, hs, 1)
+
+	// Two archived rows' deliveries, as the live version's apply queues them.
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.projection_versions (projection, version, state, schema_name, partitions)
+		VALUES ('archive', 1, 'live', 'archive_v1', 1)`)
+	require.NoError(t, err)
+	cache := handler.NewCache(pool, time.Millisecond)
+	require.NoError(t, cache.Refresh(ctx))
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	var rows []handler.Row
+	for i, k := range []string{`{"id":1}`, `{"id":2}`} {
+		rows = append(rows, handler.Row{Source: "main", Schema: "public", Table: "orders", Key: json.RawMessage(k),
+			Image: json.RawMessage(`{"blob":"x"}`), CorrelationID: "main:1:0/100", CommitLSN: "0/100", Seq: i, Verified: true, Committed: true})
+	}
+	_, err = handler.Enqueue(ctx, tx, cache, "archive", 1, rows)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+
+	out, err = run("deliveries", "flush", "--timeout", "1m", "--json")
+	require.NoError(t, err, out)
+	require.JSONEq(t, `{"remaining":0}`, out)
+	out, err = run("deliveries", "list", "--state", "dead", "--json")
+	require.NoError(t, err)
+	var ds []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &ds))
+	require.Len(t, ds, 1)
+	require.Regexp(t, `^type=\S+ code=http_422 diag=[0-9a-f]{12}$`, ds[0]["last_error"])
+	deadID := ds[0]["id"].(string)
+	require.NotContains(t, out, `"payload":`)
+	out, err = run("deliveries", "list", "--state", "done", "--handler", id, "--table", "public.orders", "--json")
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal([]byte(out), &ds))
+	require.Len(t, ds, 1)
+
+	out, err = run("handlers", "show", id, "--json")
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal([]byte(out), &h))
+	require.Equal(t, map[string]any{"pending": 0.0, "in_flight": 0.0, "done": 1.0, "stopped": 0.0, "dead": 1.0}, h["deliveries"])
+
+	// retry: the scrubbed payload cannot be rebuilt without a live archive.
+	_, err = run("deliveries", "retry", deadID)
+	require.Error(t, err)
+	require.Equal(t, cli.ExitNotEqual, cli.Code(err))
+	_, err = pool.Exec(ctx, `CREATE SCHEMA archive_v1; CREATE TABLE archive_v1.rows (source text, commit_lsn pg_lsn, seq int, key jsonb, row jsonb);
+		INSERT INTO archive_v1.rows VALUES ('main', '0/100', 1, '{"id":2}', '{"blob":"x","other":1}');
+		CREATE OR REPLACE VIEW archive.rows AS SELECT * FROM archive_v1.rows`)
+	require.NoError(t, err)
+	refuse.Store(false)
+	out, err = run("deliveries", "retry", deadID, "--json")
+	require.NoError(t, err, out)
+	out, err = run("deliveries", "show", deadID, "--payload", "--json")
+	require.NoError(t, err)
+	var d map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &d))
+	require.Equal(t, "pending", d["state"])
+	require.Equal(t, map[string]any{"key": map[string]any{"id": 2.0}, "columns": map[string]any{"blob": "x"}}, d["payload"])
+	_, err = run("deliveries", "flush")
+	require.NoError(t, err)
+	out, err = run("deliveries", "show", deadID, "--json")
+	require.NoError(t, err)
+	d = nil
+	require.NoError(t, json.Unmarshal([]byte(out), &d))
+	require.Equal(t, "done", d["state"])
+	require.True(t, d["payload_scrubbed"].(bool), "scrubbed once done")
+	require.NotContains(t, d, "payload")
+	require.EqualValues(t, 3, calls.Load(), "422 is permanent: one attempt, then the retry")
+
+	_, err = run("deliveries", "discard", deadID)
+	require.ErrorContains(t, err, "done or stopped already")
+	_, err = run("deliveries", "show", "3f0c2b1e-9d7a-4c1b-a2e4-5f6a7b8c9d0e")
+	require.Equal(t, cli.ExitNotEqual, cli.Code(err))
+	_, err = run("deliveries", "show", "x")
+	require.Equal(t, cli.ExitUsage, cli.Code(err))
+
+	_, err = run("handlers", "disable", id)
+	require.NoError(t, err)
+	out, err = run("handlers", "list")
+	require.NoError(t, err)
+	require.Contains(t, out, "disabled")
+	out, err = run("handlers", "revoke", id, "--json")
+	require.NoError(t, err)
+	require.JSONEq(t, `{"id":"`+id+`","stopped":0,"outcome":"stop_revoked"}`, out)
+	_, err = run("handlers", "remove", id)
+	require.NoError(t, err)
+	_, err = run("handlers", "show", id)
+	require.Equal(t, cli.ExitNotEqual, cli.Code(err))
+}
