@@ -71,6 +71,12 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_worker_heartbeat_age_seconds", []string{"worker"}},
 	{"epitaph_projector_transient_errors_total", []string{"kind"}},
 	{"epitaph_projector_gaps", []string{"version", "kind", "acknowledged"}},
+	{"epitaph_projector_deliveries", []string{"handler", "state"}},
+	{"epitaph_projector_delivery_oldest_pending_age_seconds", []string{"handler"}},
+	{"epitaph_projector_delivery_attempts_total", []string{"handler", "result"}},
+	{"epitaph_projector_delivery_dead_letters_total", []string{"handler"}},
+	{"epitaph_projector_delivery_reclaims_total", nil},
+	{"epitaph_projector_delivery_stale_settles_total", nil},
 }
 
 // scrapeLabels are added to every series by Prometheus (job, instance) or by

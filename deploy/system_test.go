@@ -33,7 +33,11 @@ import (
 // until something happens that this test does not provoke (a labelled
 // counter has no series before its first increment).
 var absentUntilProvoked = map[string]string{
-	"epitaph_projector_transient_errors_total": "only after a transient failure (target or NATS down)",
+	"epitaph_projector_transient_errors_total":              "only after a transient failure (target or NATS down)",
+	"epitaph_projector_deliveries":                          "only while row handlers exist",
+	"epitaph_projector_delivery_oldest_pending_age_seconds": "only while row handlers exist",
+	"epitaph_projector_delivery_attempts_total":             "only after a row handler ran",
+	"epitaph_projector_delivery_dead_letters_total":         "only after a delivery went dead",
 }
 
 // TestAlertRulesOnARunningSystem runs the real capture and projector
@@ -396,7 +400,10 @@ func scrapeLabelNames(t *testing.T, ctx context.Context, addr string) map[string
 // emptyOnAHealthySystem are dashboard queries that rightly return nothing
 // on the system of TestAlertRulesOnARunningSystem.
 var emptyOnAHealthySystem = map[string]string{
-	"Transient errors": "no transient failure happened (the counter has no series yet)",
+	"Transient errors":                   "no transient failure happened (the counter has no series yet)",
+	"Deliveries by handler and state":    "no row handler is configured",
+	"Oldest pending delivery":            "no row handler is configured",
+	"Delivery attempts and dead letters": "no row handler is configured (the reclaim counters alone do show)",
 }
 
 // checkDashboardQueries runs every query of the dashboard, as Grafana would

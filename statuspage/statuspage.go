@@ -55,9 +55,12 @@ type options struct {
 	captureTO    time.Duration
 	snapshots    snapshot.Querier
 	snapInterval time.Duration
-	refresh      time.Duration
-	now          func() time.Time
-	log          *slog.Logger
+	// handlers: the row handlers' delivery counts (handlers.go).
+	handlers         handlerDB
+	handlersInterval time.Duration
+	refresh          time.Duration
+	now              func() time.Time
+	log              *slog.Logger
 }
 
 // WithCaptureStatusURL is the capture's /status URL (for example
@@ -119,6 +122,10 @@ type handler struct {
 	snapAt  time.Time
 	snap    []snapshotRow
 	snapErr string
+	// the row handlers' counts, cached like the snapshot counts
+	hAt   time.Time
+	hRows []handlerRow
+	hNote string
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -150,6 +157,7 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	} else {
 		p.fill(st)
 		p.Snapshots, p.SnapshotsNote = h.snapshotStats(ctx, st)
+		p.Handlers, p.HandlersNote = h.handlerStats(ctx)
 	}
 
 	hdr := w.Header()

@@ -43,6 +43,8 @@ type page struct {
 	Capture       captureView
 	Snapshots     []snapshotRow
 	SnapshotsNote string
+	Handlers      []handlerRow
+	HandlersNote  string
 }
 
 type versionView struct {

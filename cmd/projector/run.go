@@ -123,7 +123,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy, Live: svc.Live, Ready: svc.Healthy})
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
-		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
+		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()

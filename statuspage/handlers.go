@@ -1,0 +1,84 @@
+package statuspage
+
+import (
+	"context"
+	"time"
+
+	rowhandler "github.com/epitaph-dev/epitaph/handler"
+)
+
+// WithHandlerStats shows the row handlers with their backlog and dead
+// letters, read through db (the projector's target pool) at most once per
+// interval (0: DefaultSnapshotStatsInterval).
+func WithHandlerStats(db rowhandler.DB, interval time.Duration) Option {
+	return func(o *options) { o.handlers, o.handlersInterval = db, interval }
+}
+
+// handlerRow is one row handler on the page.
+type handlerRow struct {
+	ID, Name, Table            string
+	Pending, InFlight, Done    int64
+	Stopped, Dead              int64
+	OldestPending              string
+	HasDead, HasBacklogWarning bool
+}
+
+// handlerStats returns the handlers' delivery counts, read at most once per
+// interval.
+func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string) {
+	if h.o.handlers == nil {
+		return nil, "not shown: this page was not given the target database"
+	}
+	interval := h.o.handlersInterval
+	if interval <= 0 {
+		interval = DefaultSnapshotStatsInterval
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := h.o.now()
+	if !h.hAt.IsZero() && now.Sub(h.hAt) < interval {
+		return h.hRows, h.hNote
+	}
+	stats, err := rowhandler.Stats(ctx, h.o.handlers)
+	if err != nil {
+		if ctx.Err() != nil {
+			return h.hRows, h.hNote
+		}
+		h.o.log.Warn("status page: handler stats", "err", err)
+		h.hRows, h.hNote, h.hAt = nil, "unknown: "+err.Error(), now
+		return h.hRows, h.hNote
+	}
+	var rows []handlerRow
+	idx := map[string]int{}
+	for _, s := range stats {
+		i, ok := idx[s.HandlerID]
+		if !ok {
+			i = len(rows)
+			idx[s.HandlerID] = i
+			rows = append(rows, handlerRow{ID: s.HandlerID, Name: s.Name, Table: s.Table, OldestPending: "-"})
+		}
+		r := &rows[i]
+		switch s.State {
+		case rowhandler.StatePending:
+			r.Pending, r.OldestPending = s.Count, age(s.OldestSec)
+			r.HasBacklogWarning = s.OldestSec > 1800
+		case rowhandler.StateInFlight:
+			r.InFlight = s.Count
+		case rowhandler.StateDone:
+			r.Done = s.Count
+		case rowhandler.StateStopped:
+			r.Stopped = s.Count
+		case rowhandler.StateDead:
+			r.Dead, r.HasDead = s.Count, s.Count > 0
+		}
+	}
+	note := ""
+	if len(rows) == 0 {
+		note = "no row handlers (projector handlers add)"
+	}
+	h.hRows, h.hNote, h.hAt = rows, note, now
+	return rows, note
+}
+
+// handlerDB is what the handler counts are read through.
+type handlerDB = rowhandler.DB
