@@ -120,7 +120,10 @@ SELECT d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.ge
        EXISTS (SELECT 1 FROM epitaph.deliveries l
                WHERE l.handler_id = d.handler_id AND l.schema_name = d.schema_name
                  AND l.table_name = d.table_name AND l.key = d.key AND l.source = d.source
-                 AND (l.commit_lsn, l.seq) > (d.commit_lsn, d.seq)),
+                 AND (l.commit_lsn, l.seq) > (d.commit_lsn, d.seq)
+                 -- A row not (yet) authenticated is no later deletion: a
+                 -- forgery must not silence a real one.
+                 AND l.verified AND l.outcome IS DISTINCT FROM 'unverified'),
        (SELECT schema_name FROM epitaph.projection_versions WHERE projection = 'archive' AND state = 'live'),
        to_regclass('epitaph.erasures') IS NOT NULL
 FROM epitaph.deliveries d LEFT JOIN epitaph.handlers h ON h.id = d.handler_id

@@ -166,10 +166,19 @@ func TestKeyDeletedTwiceSupersedesTheOlderDelivery(t *testing.T) {
 	e.archive(g2, 0, 1, "ada II")
 	newer := e.queue(e.handler, g2, 0, 1)
 
+	// A later "deletion" that is not authenticated (waiting for its signed
+	// commit, or dropped by verification) supersedes nothing.
+	g3 := e.newGroup()
+	e.archive(g3, 0, 1, "forged")
+	forged := e.queue(e.handler, g3, 0, 1)
+	e.exec(`UPDATE epitaph.deliveries SET verified = false WHERE id = $1`, forged)
+	require.Equal(t, revalidate.Send, e.evaluate(newer).Outcome)
+	e.exec(`UPDATE epitaph.deliveries SET verified = true, state = 'stopped', outcome = 'unverified' WHERE id = $1`, forged)
+	require.Equal(t, revalidate.Send, e.evaluate(newer).Outcome)
+
 	res := e.evaluate(older)
 	require.Equal(t, revalidate.StopSuperseded, res.Outcome)
 	require.Equal(t, revalidate.ReasonLaterDelivery, res.Reason)
-	require.Equal(t, revalidate.Send, e.evaluate(newer).Outcome)
 }
 
 func TestSourceDownDefersAndSendsOnceBack(t *testing.T) {
