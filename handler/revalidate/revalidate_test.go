@@ -69,6 +69,13 @@ func TestUnchangedSetSends(t *testing.T) {
 	require.Equal(t, "send", d.Outcome)
 	require.Equal(t, d.Fingerprint, d.Observed)
 	require.True(t, d.Evaluated)
+
+	// Outcomes are counted by handler.
+	e.exec(`UPDATE epitaph.handlers SET revoked_at = now() WHERE id = $1`, e.handler)
+	require.Equal(t, revalidate.StopRevoked, e.evaluate(id).Outcome)
+	require.Equal(t, 1.0, e.metric("epitaph_delivery_revalidations_total", map[string]string{"handler": e.handler, "outcome": "send"}))
+	require.Equal(t, 1.0, e.metric("epitaph_delivery_revalidations_total", map[string]string{"handler": e.handler, "outcome": "stop_revoked"}))
+	require.Equal(t, 1.0, e.metric("epitaph_delivery_revalidation_set_checks_total", map[string]string{"path": "cheap"}))
 }
 
 func TestRowRemovedByRetentionStopsCompleted(t *testing.T) {
