@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nkeys"
+
+	"github.com/epitaph-dev/epitaph/event"
 )
 
 // Auth makes an embedded server require credentials (DESIGN section 6,
@@ -65,7 +67,18 @@ func CapturePermissions(source string) jwt.Permissions {
 			"$JS.API.>", // its stream and object store: create, update, info, get
 			"$O.>",      // object store puts (rows larger than a message)
 			"$JS.ACK.>", "$JS.FC.>",
-		}},
+		},
+			// The writer never removes: no stream or message deletes, no
+			// purge of its stream (a purge of the row bucket's chunks stays:
+			// the object store purges an object's old chunks when a name is
+			// put again). Removing is the operator's, not the writer's, so a
+			// leaked capture credential can forge (and be caught) but not
+			// erase what was written.
+			Deny: jwt.StringList{
+				"$JS.API.STREAM.DELETE.*",
+				"$JS.API.STREAM.MSG.DELETE.*",
+				"$JS.API.STREAM.PURGE." + event.StreamName(source),
+			}},
 		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
 	}
 }

@@ -165,6 +165,16 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	require.Eventually(t, func() bool { return v.has("epitaph.main.0.commit") }, 30*time.Second, 20*time.Millisecond,
 		"the server reports the refused publish")
 
+	// The writer never removes: no message delete, no purge, no stream
+	// delete with the capture's credentials; putting an object again (the
+	// object store purges the old chunks) still works.
+	require.Error(t, stream.DeleteMsg(short(t, ctx), 1), "the capture deleting a message")
+	require.Error(t, stream.SecureDeleteMsg(short(t, ctx), 1), "the capture erasing a message")
+	require.Error(t, stream.Purge(short(t, ctx)), "the capture purging its stream")
+	require.Error(t, cjs.DeleteStream(short(t, ctx), "EPITAPH_MAIN"), "the capture deleting its stream")
+	_, err = obs.PutBytes(ctx, "big", bytes.Repeat([]byte("s"), 300_000))
+	require.NoError(t, err, "an object put again")
+
 	info, err := stream.Info(ctx)
 	require.NoError(t, err)
 	require.Equal(t, uint64(1), info.State.Msgs, "only the capture's message is in the stream")

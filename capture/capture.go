@@ -435,7 +435,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
 		resuming: rp.has, resume: rp.pos,
-		priv: s.priv, keyID: s.keyID, pubText: event.PublicKeyString(s.pub), partSeq: rp.partSeq, digest: event.NewDigest(),
+		priv: s.priv, tagger: event.NewMsgIDTagger(s.priv), keyID: s.keyID, pubText: event.PublicKeyString(s.pub), partSeq: rp.partSeq, digest: event.NewDigest(),
 	}
 	if rp.adoptFrom != 0 {
 		st.adopt = &adopter{s: s, st: stream, next: rp.adoptFrom, to: rp.adoptTo}

@@ -213,7 +213,8 @@ func TestDeleteIsPublished(t *testing.T) {
 	require.JSONEq(t, `{"id":42,"customer_id":1,"total":"12.50"}`, string(d.Row))
 	require.Equal(t, []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "customer_id", Type: "bigint"}, {Name: "total", Type: "numeric(12,2)"}}, d.Columns)
 	require.Equal(t, []event.Ref{{Columns: []string{"customer_id"}, Schema: "public", Table: "customers", RefColumns: []string{"id"}}}, d.Refs)
-	require.Equal(t, event.MsgID("main", d.CommitLSN, 0), ms[0].msgID)
+	require.Equal(t, event.MsgID("main", d.CommitLSN, 0), event.UntaggedMsgID(ms[0].msgID))
+	require.Regexp(t, `^main/[0-9A-F]+/[0-9A-F]+/0/t[0-9a-f]{16}$`, ms[0].msgID, "a row's id carries the keyed tag")
 	p := event.Partition(d.CommitLSN, 4)
 	require.Equal(t, event.DeleteSubject("main", p, "public", "orders"), ms[0].subject)
 	c := ms[1].ev

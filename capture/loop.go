@@ -58,6 +58,7 @@ type streamer struct {
 	// messages the replay may find itself in, and how many more messages
 	// are published one at a time, each acknowledged.
 	priv    ed25519.PrivateKey
+	tagger  *event.MsgIDTagger // row message ids (event.MsgIDTagger)
 	keyID   string
 	pubText string // event.HeaderPublicKey: lets a projector trust the key on first use
 	partSeq []uint64
@@ -176,7 +177,7 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 	switch m := msg.(type) {
 	case *pglogrepl.BeginMessage:
 		st.inTx = true
-		st.tx = newTxInfo(st.src, m.Xid, event.LSN(m.FinalLSN), m.CommitTime.UTC())
+		st.tx = newTxInfo(st.src, m.Xid, event.LSN(m.FinalLSN), m.CommitTime.UTC(), st.tagger)
 		st.txPart = event.Partition(st.tx.commitLSN, st.parts)
 		st.txN, st.seq, st.rows = 0, 0, 0
 		clear(st.tables)
@@ -295,7 +296,7 @@ func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMes
 			return fmt.Errorf("encode truncate: %w", err)
 		}
 		subject := event.TruncateSubject(st.src, st.txPart, r.schema, r.table)
-		if err := st.publish(ctx, subject, st.txPart, event.MsgID(st.src, st.tx.commitLSN, seq), pos, body, "truncate "+r.qualified(), kindRow); err != nil {
+		if err := st.publish(ctx, subject, st.txPart, st.tx.msgID(seq), pos, body, "truncate "+r.qualified(), kindRow); err != nil {
 			return err
 		}
 		r.truncates.Inc()

@@ -1,6 +1,8 @@
 package capture
 
 import (
+	"crypto/ed25519"
+	"crypto/rand"
 	"encoding/binary"
 	"testing"
 	"time"
@@ -72,11 +74,17 @@ func TestDeleteDecoderMatchesPglogrepl(t *testing.T) {
 
 func TestTxInfoTextMatchesEvent(t *testing.T) {
 	t.Parallel()
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	tagger := event.NewMsgIDTagger(priv)
 	for _, lsn := range []event.LSN{0, 1, 0x1A2B3C8, 0xFFFFFFFF, 0x100000000, 0xABCDEF0123456789} {
 		ct := time.Date(2026, 11, 30, 9, 0, 0, 120000000, time.UTC)
-		tx := newTxInfo("main", 9, lsn, ct)
+		tx := newTxInfo("main", 9, lsn, ct, nil)
+		tagged := newTxInfo("main", 9, lsn, ct, tagger)
 		for _, n := range []int{0, 1, 7, 12345} {
 			require.Equal(t, event.MsgID("main", lsn, n), tx.msgID(n))
+			require.Equal(t, tagger.RowMsgID("main", lsn, n), tagged.msgID(n))
+			require.Equal(t, event.MsgID("main", lsn, n), event.UntaggedMsgID(tagged.msgID(n)))
 			require.Equal(t, position{lsn: lsn, n: n}.String(), tx.position(n))
 		}
 		require.Equal(t, ct.Format(time.RFC3339Nano), tx.timeText)

@@ -330,17 +330,29 @@ type txInfo struct {
 	lsnText    string // commitLSN.String()
 	timeText   string // commitTime in RFC 3339 with nanoseconds
 	idPrefix   string // event.MsgID(src, commitLSN, seq) without the seq
+	tagger     *event.MsgIDTagger
 }
 
-func newTxInfo(src string, xid uint32, commitLSN event.LSN, commitTime time.Time) txInfo {
-	tx := txInfo{xid: xid, commitLSN: commitLSN, commitTime: commitTime, lsnText: commitLSN.String()}
+// newTxInfo formats the transaction's repeated texts; tagger (nil: none,
+// for tests of the plain form) tags its row message ids.
+func newTxInfo(src string, xid uint32, commitLSN event.LSN, commitTime time.Time, tagger *event.MsgIDTagger) txInfo {
+	tx := txInfo{xid: xid, commitLSN: commitLSN, commitTime: commitTime, lsnText: commitLSN.String(), tagger: tagger}
 	tx.timeText = commitTime.Format(time.RFC3339Nano)
 	tx.idPrefix = src + "/" + tx.lsnText + "/"
 	return tx
 }
 
-// msgID is event.MsgID(src, tx.commitLSN, seq) (tested).
-func (tx *txInfo) msgID(seq int) string { return tx.idPrefix + strconv.Itoa(seq) }
+// msgID is tagger.RowMsgID(src, tx.commitLSN, seq), or event.MsgID without
+// a tagger (tested).
+func (tx *txInfo) msgID(seq int) string {
+	b := make([]byte, 0, len(tx.idPrefix)+28)
+	b = append(b, tx.idPrefix...)
+	b = strconv.AppendInt(b, int64(seq), 10)
+	if tx.tagger != nil {
+		b = tx.tagger.AppendTag(b, tx.commitLSN, seq)
+	}
+	return string(b)
+}
 
 // position is position{tx.commitLSN, n}.String() (tested).
 func (tx *txInfo) position(n int) string { return tx.lsnText + "#" + strconv.Itoa(n) }

@@ -63,8 +63,12 @@ import (
 //     ends the session; the capture starts a new one in the same process
 //     (the loop in runLoop) from the slot's confirmed position, which
 //     never passed a transaction whose messages were not all acknowledged.
-//   - Message ids are predictable, so a forger can take a real message's
-//     id before it is published; JetStream then drops the real one as a
+//   - Row message ids carry a tag keyed by the signing key
+//     (event.MsgIDTagger), so nobody without it can take a row's id before
+//     the capture publishes it (a row published without an
+//     acknowledgement of its own could not be told it was dropped as a
+//     duplicate). Commit, mark and gap ids are predictable, so a forger can
+//     take one before it is published; JetStream then drops the real one as a
 //     duplicate. The capture notices (a PubAck with Duplicate, or the chain
 //     failing on the next message), and the new session publishes its
 //     first messages one at a time, each acknowledged, republishing one
@@ -347,8 +351,13 @@ func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq 
 		if err != nil {
 			return false, fmt.Errorf("read stream message %d: %w", seq, err)
 		}
+		// The id without a republish suffix, and without a row tag on
+		// either side: a row stored by a capture before ids were tagged
+		// is adopted all the same (its body, place and partition
+		// sequence must still match exactly, and the commit's digest
+		// covers it).
 		base, _ := event.BaseMsgID(m.Header.Get(event.HeaderMsgID))
-		if m.Subject == subject && base == msgID && m.Header.Get(event.HeaderPosition) == pos &&
+		if m.Subject == subject && event.UntaggedMsgID(base) == event.UntaggedMsgID(msgID) && m.Header.Get(event.HeaderPosition) == pos &&
 			m.Header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(partSeq, 10) &&
 			m.Header.Get(event.HeaderDigest) == digest {
 			if _, signed, _ := signedSubject(a.s.cfg.SourceName, subject); signed {

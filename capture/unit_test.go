@@ -207,7 +207,7 @@ func TestEncodeDeleteMatchesEventEncode(t *testing.T) {
 		{DataType: pglogrepl.TupleDataTypeNull},
 	}}
 	require.NoError(t, r.encodeRow(&img, pglogrepl.DeleteMessageTupleTypeOld, tup))
-	txi := newTxInfo("main", 7431, 0x1A2B3C8, time.Date(2026, 11, 30, 9, 0, 0, 123456000, time.UTC))
+	txi := newTxInfo("main", 7431, 0x1A2B3C8, time.Date(2026, 11, 30, 9, 0, 0, 123456000, time.UTC), nil)
 	tx := &txi
 	got := r.encodeDelete(nil, tx, 3, &img, nil)
 	want, err := event.Encode(&event.Event{

@@ -459,3 +459,45 @@ func TestKubernetesNATSRolesAndNetworkPolicy(t *testing.T) {
 		require.Contains(t, string(readme), "--from-file="+key+"=", "README tells how to create the Secret key %s", key)
 	}
 }
+
+// TestCaptureReplicasShareOneSigningKey: both capture replicas sign with
+// the key of the Secret epitaph-signing-key, mounted read-only with a mode
+// the capture accepts (root-owned, group read only), and the README tells
+// how to make it. A key generated per pod would differ after a failover.
+func TestCaptureReplicasShareOneSigningKey(t *testing.T) {
+	t.Parallel()
+	_, objs := loadKubernetes(t)
+	var found bool
+	for _, d := range byKind(objs, "Deployment") {
+		if d.name() != "epitaph-capture" {
+			continue
+		}
+		found = true
+		var vol string
+		for _, v := range list(dig(d.doc, "spec", "template", "spec", "volumes")) {
+			if str(dig(v, "secret", "secretName")) == "epitaph-signing-key" {
+				vol = str(dig(v, "name"))
+				require.EqualValues(t, 0o440, dig(v, "secret", "defaultMode"), "group-readable for fsGroup, nothing for others")
+				items := list(dig(v, "secret", "items"))
+				require.Len(t, items, 1)
+				require.Equal(t, "signing.key", str(dig(items[0], "key")))
+			}
+		}
+		require.NotEmpty(t, vol, "the capture mounts the Secret epitaph-signing-key")
+		for _, c := range list(dig(d.doc, "spec", "template", "spec", "containers")) {
+			cm := c.(map[string]any)
+			var dir string
+			for _, m := range list(cm["volumeMounts"]) {
+				if str(dig(m, "name")) == vol {
+					dir = str(dig(m, "mountPath"))
+					require.Equal(t, true, dig(m, "readOnly"))
+				}
+			}
+			require.Equal(t, dir+"/signing.key", str(dig(containerEnv(cm)["EPITAPH_SIGNING_KEY"], "value")))
+		}
+	}
+	require.True(t, found)
+	readme, err := os.ReadFile("README.md")
+	require.NoError(t, err)
+	require.Contains(t, string(readme), "create secret generic epitaph-signing-key --from-file=signing.key=")
+}

@@ -38,6 +38,7 @@ func requireRolePermissions(t *testing.T, opts *server.Options) {
 	capt := broker.CapturePermissions("main")
 	want := append([]string{"epitaph.>"}, capt.Pub.Allow[1:]...)
 	require.Equal(t, want, users["capture"].Permissions.Publish.Allow)
+	require.Equal(t, []string(capt.Pub.Deny), users["capture"].Permissions.Publish.Deny)
 	require.Equal(t, []string(capt.Sub.Allow), users["capture"].Permissions.Subscribe.Allow)
 	require.Equal(t, "SYS", opts.SystemAccount)
 }

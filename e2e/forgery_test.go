@@ -64,19 +64,15 @@ func forgedDelete(lsn event.LSN, seq, partition int, id string) *nats.Msg {
 	return m
 }
 
-// racingPreemption turns on the forgeries that race the capture for the
-// ids of a transaction's next rows while it publishes them. Off by default:
-// a forgery that wins that race while the capture publishes rows without an
-// acknowledgement of their own takes the real row's place in the
-// expected-last-msg-id chain, the real row is dropped as a duplicate, and
-// the projector quarantines the whole transaction as unauthenticated —
-// nothing forged is archived, but the transaction's rows are missing from
-// the archive (in quarantine, ready = false). That is a known open defect
-// (README, "Known limits"); EPITAPH_E2E_RACE_PREEMPT=1 runs the race. The
-// pre-emption the capture does resist (ids taken before it publishes them,
-// also across a restart) is proven by capture/TestForgeryTakingAPendingDeletesIDIsNotBelieved
-// and capture/TestHostileWriterAcrossSIGKILLs.
-var racingPreemption = os.Getenv("EPITAPH_E2E_RACE_PREEMPT") == "1"
+// Pre-empting forgeries race the capture for the ids of a transaction's
+// next rows while it publishes them: they follow the first row they see on
+// the stream and publish seqs 1-3 under the ids such a row would have
+// without its keyed tag (event.MsgIDTagger), the best a writer without the
+// signing key can predict. Before row ids were tagged, one that won the
+// race displaced the real row (published without an acknowledgement of its
+// own, it was dropped as a duplicate unnoticed) and the transaction ended
+// in quarantine with its rows missing; now the forgeries are merely
+// foreign messages in the chain.
 
 // run forges until ctx is done; pre-empting forgeries follow the real rows
 // it sees on the stream (a core subscription), taking the ids of the next
@@ -102,9 +98,6 @@ func (f *forger) run(ctx context.Context, nc *nats.Conn) error {
 		case <-ctx.Done():
 			return nil
 		case m := <-seen:
-			if !racingPreemption {
-				continue
-			}
 			ev, err := event.Decode(m.Data)
 			if err != nil || ev.Seq != 0 || preempted[ev.CommitLSN] || len(preempted) > 40 {
 				continue

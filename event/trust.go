@@ -217,8 +217,10 @@ func PublicKeyPath(keyPath string) string {
 
 // LoadOrCreateSigningKey reads the Ed25519 private key at path (PEM PKCS#8
 // "PRIVATE KEY", or the raw 32-byte seed), or creates it (PEM, mode 0600)
-// when path does not exist. It refuses a key file readable or writable by
-// group or others. The public key is written beside it (PublicKeyPath, PEM
+// when path does not exist. It refuses a key file accessible to others, or
+// to its group, except as PostgreSQL allows for its server key: a file
+// owned by root may be readable by its group (at most 0640), which is how
+// Kubernetes mounts a Secret for a non-root pod (root:fsGroup, 0440). The public key is written beside it (PublicKeyPath, PEM
 // "PUBLIC KEY", mode 0644) so an operator can pin it: a failure to write it
 // is an error for a new key, and ignored for an existing one (its directory
 // may be read-only).
@@ -240,8 +242,8 @@ func LoadOrCreateSigningKey(path string) (ed25519.PrivateKey, error) {
 	if fi.IsDir() {
 		return nil, fmt.Errorf("read signing key %s: is a directory", path)
 	}
-	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-		return nil, fmt.Errorf("signing key %s has mode %04o: it must not be accessible to group or others (chmod 600 %s)", path, perm, path)
+	if err := checkKeyMode(path, fi); err != nil {
+		return nil, err
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -383,7 +385,7 @@ func PublicKeyString(pub ed25519.PublicKey) string {
 
 // RepublishedMsgID is the Nats-Msg-Id under which the capture publishes a
 // message again when its own id was taken by a message it did not publish
-// (ids are predictable): "<id>/r<n>", n from 1. The signature and digest
+// (commit, mark and gap ids are predictable): "<id>/r<n>", n from 1. The signature and digest
 // cover the message as republished; BaseMsgID returns the original id.
 func RepublishedMsgID(id string, n int) string { return id + "/r" + strconv.Itoa(n) }
 
@@ -399,4 +401,20 @@ func BaseMsgID(id string) (string, int) {
 		return id, 0
 	}
 	return id[:i], n
+}
+
+// checkKeyMode refuses a key file others may access, or its group may,
+// unless the file is root's and its group may only read it (PostgreSQL's
+// rule for ssl_key_file: u=rw if owned by the user, u=rw,g=r if owned by
+// root).
+func checkKeyMode(path string, fi fs.FileInfo) error {
+	perm := fi.Mode().Perm()
+	if perm&0o077 == 0 {
+		return nil
+	}
+	if perm&0o037 == 0 && ownedByRoot(fi) {
+		return nil // root:group, group read only (a Kubernetes Secret with fsGroup)
+	}
+	return fmt.Errorf("signing key %s has mode %04o: it must not be accessible to group or others (chmod 600 %s; "+
+		"a file owned by root may be group-readable: 0640 or 0440)", path, perm, path)
 }

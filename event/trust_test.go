@@ -211,8 +211,28 @@ func TestLoadOrCreateSigningKey(t *testing.T) {
 	_, err = os.Stat(filepath.Join(dir, "signing.pub"))
 	require.NoError(t, err)
 
-	// Group or world access is refused, naming the fix.
-	for _, mode := range []os.FileMode{0o640, 0o604, 0o660, 0o666} {
+	// Group or world access is refused, naming the fix; a file owned by
+	// root may be group-readable (PostgreSQL's rule for its key; how
+	// Kubernetes mounts a Secret for a non-root pod with fsGroup: 0440).
+	refused := []os.FileMode{0o604, 0o660, 0o666, 0o644}
+	if os.Geteuid() == 0 {
+		for _, mode := range []os.FileMode{0o640, 0o440} {
+			require.NoError(t, os.Chmod(path, mode))
+			_, err = event.LoadOrCreateSigningKey(path)
+			require.NoError(t, err, "root-owned, group read only: mode %o", mode)
+		}
+		// Not root's: group access is refused.
+		require.NoError(t, os.Chown(path, 10001, 10001))
+		for _, mode := range []os.FileMode{0o640, 0o440} {
+			require.NoError(t, os.Chmod(path, mode))
+			_, err = event.LoadOrCreateSigningKey(path)
+			require.ErrorContains(t, err, "chmod 600", "owned by 10001, mode %o", mode)
+		}
+		require.NoError(t, os.Chown(path, 0, 0))
+	} else {
+		refused = append(refused, 0o640, 0o440)
+	}
+	for _, mode := range refused {
 		require.NoError(t, os.Chmod(path, mode))
 		_, err = event.LoadOrCreateSigningKey(path)
 		require.ErrorContains(t, err, "chmod 600", "mode %o", mode)

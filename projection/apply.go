@@ -295,12 +295,20 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	// Gaps and truncates are recorded for readers (archive.gaps) in this
 	// transaction: the partition is never seen past one without it.
 	// A truncate of a transaction not verified yet (its commit is in a later
-	// page) is not recorded: it may be a forgery (trust.go).
+	// page) may be a forgery (trust.go): it waits in pending_truncates and
+	// becomes a gap row when its commit verifies (applyVerdict).
 	var gaps []*item
-	for _, it := range items {
-		if it.ev != nil && it.category == "" && !vd.pending[it] && (it.ev.Op == event.OpGap || it.ev.Op == event.OpTruncate) {
-			gaps = append(gaps, it)
+	for _, it := range append(vd.extraRows[:len(vd.extraRows):len(vd.extraRows)], items...) {
+		if it.ev == nil || it.category != "" || (it.ev.Op != event.OpGap && it.ev.Op != event.OpTruncate) {
+			continue
 		}
+		if vd.pending[it] {
+			if err := stagePendingTruncate(ctx, tx, v.Schema, l.Partition, it.ev); err != nil {
+				return res, err
+			}
+			continue
+		}
+		gaps = append(gaps, it)
 	}
 	err = isolate(ctx, tx, careful, gaps, func(sp pgx.Tx, part []*item) error {
 		for _, it := range part {

@@ -77,7 +77,8 @@ END $$;
 }
 
 // gapsDDL creates the version's gaps table (DESIGN section 6): what the
-// archive is known to miss. partition is NULL for a gap that concerns every
+// archive is known to miss; and pending_truncates, where a truncate of a
+// transaction not verified yet waits for its commit (trust.go). partition is NULL for a gap that concerns every
 // partition (a loss upstream, published to each of them, is one row); the
 // unique index makes the partitions that apply its copies record it once.
 func gapsDDL(s string) string {
@@ -88,6 +89,8 @@ CREATE TABLE IF NOT EXISTS ` + s + `.gaps (id bigserial PRIMARY KEY, kind text N
   detected_at timestamptz NOT NULL DEFAULT now(), acknowledged_at timestamptz, ack_reason text);
 CREATE UNIQUE INDEX IF NOT EXISTS gaps_source_wide_idx ON ` + s + `.gaps
   (kind, COALESCE(schema_name, ''), COALESCE(table_name, ''), from_lsn, to_lsn) WHERE partition IS NULL;
+CREATE TABLE IF NOT EXISTS ` + s + `.pending_truncates (partition int NOT NULL, commit_lsn pg_lsn NOT NULL,
+  seq int NOT NULL, schema_name text NOT NULL, table_name text NOT NULL, PRIMARY KEY (partition, commit_lsn, seq));
 `
 }
 

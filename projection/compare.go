@@ -114,7 +114,9 @@ func hash64(md5 string) string {
 // Compare compares two versions of a projection as the projection's
 // content defines them (see TableComparison): row counts and checksums
 // per source table, snapshot jobs by root table and status, and a bounded
-// list of differing rows. It only reads.
+// list of differing rows. It compares what readers see: rows of
+// transactions not verified (pending or forged) are not compared. It only
+// reads.
 func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison, error) {
 	if o.Projection == "" {
 		o.Projection = ArchiveProjection
@@ -151,7 +153,7 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 	}
 	for i, schema := range []string{sa, sb} {
 		rows, err := db.Query(ctx, `SELECT schema_name, table_name, count(*), COALESCE(sum(`+hash64(fmt.Sprintf(rowContent, "r"))+`), 0)::text
-			FROM `+schema+`.rows r WHERE $1::pg_lsn IS NULL OR r.commit_lsn <= $1::pg_lsn GROUP BY 1, 2`, bound)
+			FROM `+schema+`.rows r WHERE r.verified AND ($1::pg_lsn IS NULL OR r.commit_lsn <= $1::pg_lsn) GROUP BY 1, 2`, bound)
 		if err != nil {
 			return nil, fmt.Errorf("checksum %s: %w", schema, err)
 		}
@@ -175,8 +177,8 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 		}
 	}
 	// Row by row: what is only in one version, or different.
-	join := ` FROM (SELECT * FROM ` + sa + `.rows WHERE $1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn) a
-		FULL JOIN (SELECT * FROM ` + sb + `.rows WHERE $1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn) b
+	join := ` FROM (SELECT * FROM ` + sa + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) a
+		FULL JOIN (SELECT * FROM ` + sb + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) b
 		ON a.source = b.source AND a.commit_lsn = b.commit_lsn AND a.seq = b.seq `
 	rows, err := db.Query(ctx, `SELECT COALESCE(a.schema_name, b.schema_name), COALESCE(a.table_name, b.table_name),
 		count(*) FILTER (WHERE b.seq IS NULL), count(*) FILTER (WHERE a.seq IS NULL),

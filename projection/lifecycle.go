@@ -76,6 +76,10 @@ func CreateVersion(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStre
 			return Version{}, fmt.Errorf("read the boundary message %d: %w", boundary, err)
 		}
 	}
+	head, err := removedHead(ctx, stream, info, opts.FromTime)
+	if err != nil {
+		return Version{}, err
+	}
 	var starts []uint64
 	if !opts.FromTime.IsZero() {
 		if starts, err = startsAt(ctx, stream, opts.Source, partitions, opts.FromTime, boundary); err != nil {
@@ -118,6 +122,12 @@ func CreateVersion(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStre
 		}
 		if err := progress.Ensure(ctx, tx, v.Projection, v.Version, partitions); err != nil {
 			return err
+		}
+		if head != nil {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+ident(v.Schema, "gaps")+` (kind, to_lsn, from_seq, to_seq)
+				VALUES ('removed_from_stream', $1::pg_lsn, 1, $2)`, nullLSNText(head.toLSN), int64(head.toSeq)); err != nil {
+				return fmt.Errorf("record the removed head of the stream: %w", err)
+			}
 		}
 		for p, start := range starts {
 			if _, err := tx.Exec(ctx, `UPDATE epitaph.progress SET cursor = $4
@@ -173,7 +183,7 @@ var ErrNotReady = errors.New("version is not ready")
 // and the reader views archive.* are re-pointed at its schema. Readers see
 // the old or the new version, never a missing or half-switched view. It
 // refuses (ErrNotReady) unless the version is ready, without unresolved
-// quarantine, and has complete every snapshot document the live version
+// quarantine or unacknowledged gaps, and has complete every snapshot document the live version
 // has complete (none of them pending or failed in it), unless force. The
 // comparison with the live version is the caller's (see Compare).
 func Promote(ctx context.Context, pool *pgxpool.Pool, projection string, version int, force bool) (previous int, err error) {
@@ -201,6 +211,13 @@ func Promote(ctx context.Context, pool *pgxpool.Pool, projection string, version
 			}
 			if open > 0 {
 				return fmt.Errorf("%s v%d has %d unresolved quarantined events: %w", projection, version, open, ErrNotReady)
+			}
+			var gaps int
+			if err := tx.QueryRow(ctx, `SELECT unacknowledged FROM epitaph.version_gaps($1)`, v.Schema).Scan(&gaps); err != nil {
+				return fmt.Errorf("count gaps: %w", err)
+			}
+			if gaps > 0 {
+				return fmt.Errorf("%s v%d has %d unacknowledged gaps (projector gaps): %w", projection, version, gaps, ErrNotReady)
 			}
 			if err := snapshotsCaughtUp(ctx, tx, v); err != nil {
 				return err
@@ -473,4 +490,33 @@ func firstSequence(ctx context.Context, c jetstream.Consumer) (uint64, error) {
 		return 0, err
 	}
 	return seq, nil // 0: none delivered (they left the stream meanwhile)
+}
+
+// removedHead is what a full rebuild cannot see: the stream's first
+// sequences, removed (purged, aged out, discarded by a limit) before the
+// version was created. A version built from such a stream lacks their
+// rows, so it is created with a removed_from_stream gap for them (every
+// partition, from the beginning up to the stream's first message): it is
+// not ready, and cannot be promoted, until an operator acknowledges that
+// the history is gone (projector gaps ack). nil when the stream holds its
+// beginning, or for a partial rebuild (--from-time), which asks for less.
+func removedHead(ctx context.Context, stream jetstream.Stream, info *jetstream.StreamInfo, fromTime time.Time) (*gapRow, error) {
+	first := info.State.FirstSeq
+	if !fromTime.IsZero() || first <= 1 {
+		return nil, nil
+	}
+	g := &gapRow{fromSeq: 1, toSeq: first - 1}
+	if first <= info.State.LastSeq {
+		raw, err := stream.GetMsg(ctx, first)
+		switch {
+		case err == nil:
+			if e, err := (&event.Decoder{}).Decode(raw.Data); err == nil {
+				g.toLSN = positionLSN(e)
+			}
+		case errors.Is(err, jetstream.ErrMsgNotFound):
+		default:
+			return nil, fmt.Errorf("read the stream's first message %d: %w", first, err)
+		}
+	}
+	return g, nil
 }

@@ -5,8 +5,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
@@ -146,4 +149,70 @@ func TestRebuildWithNewSnapshotRoots(t *testing.T) {
 	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true})
 	require.NoError(t, err)
 	require.True(t, cmp.Equal)
+
+	// A row readers do not see (its transaction not verified: pending, or
+	// forged) is not a difference: compare looks at what readers see.
+	testenv.Exec(t, e.url, `INSERT INTO archive_v2.rows (source, schema_name, table_name, key, row, correlation_id,
+		commit_lsn, seq, verified) VALUES ('main', 'public', 'orders', '{"id": 999}', '{"id": 999}', 'main:1:FFFF/0', 'FFFF/0', 0, false)`)
+	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
+	require.NoError(t, err)
+	require.True(t, cmp.Equal, "an unverified row counted as a difference: %+v", cmp.Tables)
+	testenv.Exec(t, e.url, `UPDATE archive_v2.rows SET verified = true WHERE commit_lsn = 'FFFF/0'`)
+	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
+	require.NoError(t, err)
+	require.False(t, cmp.Equal, "the same row, verified, must be a difference")
+}
+
+// A full rebuild from a stream whose first messages were removed (purged,
+// aged out) lacks their rows: the new version is created with a
+// removed_from_stream gap for them, and cannot be promoted until an
+// operator acknowledges that the history is gone.
+func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	s := e.start(e.config("w1"))
+	for i := 0; i < 6; i++ {
+		e.publish(e.nextTx(orderRows(i+1, 1)...))
+	}
+	c := e.conn()
+	pool := e.pool()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 12 })
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	require.NoError(t, stream.Purge(ctx, jetstream.WithPurgeSequence(4))) // the first three messages
+	e.heartbeat()
+
+	v, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	require.NoError(t, err)
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive_v2.gaps WHERE kind = 'removed_from_stream'
+		AND partition IS NULL AND from_seq = 1 AND to_seq = 3 AND from_lsn IS NULL AND to_lsn IS NOT NULL AND acknowledged_at IS NULL`))
+	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
+	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	require.ErrorIs(t, err, projection.ErrNotReady)
+	require.ErrorContains(t, err, "1 unacknowledged gaps")
+
+	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	require.NoError(t, err)
+	var id int64
+	for _, g := range vg {
+		if g.Version == v.Version {
+			require.Len(t, g.Gaps, 1)
+			id = g.Gaps[0].ID
+		}
+	}
+	_, err = projection.AckGap(ctx, pool, projection.ArchiveProjection, v.Version, id, "history before the purge is gone on purpose")
+	require.NoError(t, err)
+	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	require.NoError(t, err)
+
+	// A stream that holds its beginning gives a rebuild no gap.
+	e2 := newEnv(t, 2)
+	e2.start(e2.config("w1"))
+	e2.publish(e2.nextTx(orderRows(1, 1)...))
+	c2 := e2.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c2, `SELECT count(*) FROM archive.rows`) == 2 })
+	_, err = projection.CreateVersion(ctx, e2.pool(), e2.js, projection.RebuildOptions{Source: src})
+	require.NoError(t, err)
+	require.Zero(t, count(t, c2, `SELECT count(*) FROM archive_v2.gaps`))
 }

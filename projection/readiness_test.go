@@ -376,3 +376,99 @@ func TestNotReadyWithoutALagSample(t *testing.T) {
 	require.Equal(t, []string{"lag not sampled recently for 2 of 2 partitions"}, st.reasons)
 	require.Equal(t, hb.String(), *st.complete, "completeness does not depend on the lag")
 }
+
+// A stream deleted and made anew under the same name starts its sequences
+// again and holds nothing of the old one: what the old stream held past a
+// partition's cursor was never applied. Each partition records a
+// removed_from_stream gap (open-ended, from its watermark), so the archive
+// is not ready until the gaps are acknowledged; the new stream's
+// transactions are archived all the same.
+func TestRecreatedStreamIsAGap(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	c := e.conn()
+	ctx := context.Background()
+	s := e.start(e.config("w1"))
+	e.publish(e.nextTx(orderRows(1, 2)...))
+	e.publish(e.nextTx(orderRows(2, 2)...))
+	before := e.heartbeat()
+	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready before the stream is made anew")
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE stream_created IS NOT NULL`),
+		"each partition recorded the stream its cursor counts in")
+	require.NoError(t, s.Stop(ctx))
+
+	require.NoError(t, e.js.DeleteStream(ctx, event.StreamName(src)))
+	e.createStream()
+	e.publish(e.nextTx(orderRows(3, 2)...))
+	after := e.heartbeat()
+	s = e.start(e.config("w2"))
+
+	eventually(t, 30*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive_v1.gaps WHERE kind = 'removed_from_stream'`) == 2
+	}, "one gap per partition")
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 9 },
+		"the new stream's transaction is archived")
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive_v1.gaps WHERE kind = 'removed_from_stream'
+		AND from_lsn = $1::pg_lsn AND to_lsn IS NULL AND from_seq IS NULL AND acknowledged_at IS NULL`, before.String()))
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn = $1::pg_lsn`, after.String()) == 2
+	}, "both partitions reached the new stream's heartbeat")
+	st := readStatus(t, c)
+	require.False(t, st.ready, "a made-anew stream is not a ready archive")
+	require.Equal(t, 2, st.gapsOpen)
+	require.Equal(t, before.String(), *st.complete, "complete only up to where the old stream was left")
+
+	// Acknowledged, the archive is ready again; a restart records no more.
+	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	require.NoError(t, err)
+	require.Len(t, vg, 1)
+	for _, g := range vg[0].Gaps {
+		_, err := projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, g.ID, "stream re-created on purpose in a test")
+		require.NoError(t, err)
+	}
+	require.NoError(t, s.Stop(ctx))
+	e.start(e.config("w3"))
+	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready after the acks")
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive_v1.gaps`), "no new gap for the same stream")
+}
+
+// A truncate in a transaction that spans pages (its commit arrives in a
+// later page) is recorded once its commit verifies, not dropped, and is
+// not shown before.
+func TestTruncateInATransactionSpanningPagesIsRecorded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	cfg := e.config("w1")
+	cfg.BatchSize = 5
+	e.start(cfg)
+	c := e.conn()
+	ctx := context.Background()
+
+	tx := e.nextTx(orderRows(1, 8)...) // 9 rows: the commit is two pages after the truncate
+	msgs := e.messages(tx)
+	trunc := &event.Event{Op: event.OpTruncate, Source: src, Schema: "public", Table: "order_lines", XID: tx.xid,
+		CommitLSN: tx.lsn, CommitTime: tx.time, Seq: len(tx.rows)}
+	commit := msgs[len(msgs)-1]
+	msgs = append([]*nats.Msg{msgs[0], e.msg(event.TruncateSubject(src, tx.partition, "public", "order_lines"),
+		event.MsgID(src, tx.lsn, len(tx.rows)), trunc)}, msgs[1:]...)
+	for _, m := range msgs[:len(msgs)-1] {
+		_, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive_v1.pending_truncates`) == 1
+	}, "the truncate waits for its commit")
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive.gaps`), "not shown before it is verified")
+	_, err := e.pubMsg(ctx, commit)
+	require.NoError(t, err)
+	hb := e.heartbeat()
+	eventually(t, 20*time.Second, func() bool {
+		st, err := tryStatus(c)
+		return err == nil && st.ready && st.complete != nil && *st.complete == hb.String()
+	})
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.gaps WHERE kind = 'truncate'
+		AND schema_name = 'public' AND table_name = 'order_lines' AND from_lsn = $1::pg_lsn`, tx.lsn.String()))
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.pending_truncates`))
+	require.Equal(t, 9, count(t, c, `SELECT count(*) FROM archive.rows`))
+	require.Equal(t, 1, readStatus(t, c).truncates)
+}

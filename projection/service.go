@@ -101,11 +101,12 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 // Registry is the registry the service's metrics are on.
 func (s *Service) Registry() *prometheus.Registry { return s.reg }
 
-// JetStream is the service's JetStream handle (valid after Start).
-func (s *Service) JetStream() jetstream.JetStream { return s.js }
-
 // Pool is the target connection pool (valid after Start).
 func (s *Service) Pool() *pgxpool.Pool { return s.pool }
+
+// JetStream is the service's JetStream context (valid after Start), for
+// what reads the stream beside it (a replay's large rows).
+func (s *Service) JetStream() jetstream.JetStream { return s.js }
 
 // Start connects to the target (and applies the control-schema
 // migrations) and to NATS, then runs in the background until Stop or ctx

@@ -868,6 +868,10 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 			WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, s.cfg.SourceName, lsns, seqs); err != nil {
 			return fmt.Errorf("drop unverified rows: %w", err)
 		}
+		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+			WHERE p.partition = $1 AND p.commit_lsn = u.lsn::pg_lsn AND p.seq = u.seq`, l.Partition, lsns, seqs); err != nil {
+			return fmt.Errorf("drop unverified truncates: %w", err)
+		}
 	}
 	if len(vd.promote) > 0 {
 		lsns := make([]string, len(vd.promote))
@@ -877,6 +881,14 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "rows")+` SET verified = true
 			WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND NOT verified`, s.cfg.SourceName, lsns); err != nil {
 			return fmt.Errorf("make verified rows visible: %w", err)
+		}
+		// Their truncates of earlier pages become gap rows now.
+		if _, err := tx.Exec(ctx, `WITH moved AS (
+				DELETE FROM `+ident(v.Schema, "pending_truncates")+` WHERE partition = $1 AND commit_lsn = ANY($2::pg_lsn[])
+				RETURNING partition, commit_lsn, schema_name, table_name)
+			INSERT INTO `+ident(v.Schema, "gaps")+` (kind, schema_name, table_name, partition, from_lsn, to_lsn)
+			SELECT 'truncate', schema_name, table_name, partition, commit_lsn, commit_lsn FROM moved`, l.Partition, lsns); err != nil {
+			return fmt.Errorf("record verified truncates: %w", err)
 		}
 	}
 	for _, it := range vd.extraQuar {
@@ -963,4 +975,81 @@ func nullLSNText(l event.LSN) any {
 		return nil
 	}
 	return l.String()
+}
+
+// streamRecreatedReason is the log and status reason of a gap recorded
+// because the stream under the source's name is not the one the cursor
+// counts in.
+const streamRecreatedReason = "the stream was deleted and made anew: whatever the old stream held past this partition's cursor was never applied"
+
+// checkStreamIdentity compares the stream's creation time with the one the
+// partition's cursor was recorded against (epitaph.progress.stream_created).
+// A different one means the stream was deleted and made anew: its
+// sequences start again and it holds nothing of the old stream, so what
+// the old one held past the cursor is unknown and may be lost. That is
+// recorded as a removed_from_stream gap of the partition, starting at the
+// partition's watermark and open-ended (no to_lsn; from_seq NULL: the old
+// stream's sequences mean nothing in the new one), which keeps the archive
+// not ready until an operator acknowledges it (projector gaps ack). The
+// cursor is then verified against the new stream as after any lost tail
+// (verify rewinds it; re-applying is idempotent). All in the lease's
+// epoch: a worker that lost the partition changes nothing.
+func (w *partitionWorker) checkStreamIdentity(ctx context.Context) error {
+	info, err := w.stream.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream info: %w", err)
+	}
+	created := info.Created.UTC().Truncate(time.Microsecond) // as Postgres keeps it
+	var recorded *time.Time
+	if err := w.svc.pool.QueryRow(ctx, `SELECT stream_created FROM epitaph.progress
+		WHERE projection = $1 AND version = $2 AND partition = $3`,
+		w.lease.Projection, w.lease.Version, w.lease.Partition).Scan(&recorded); err != nil {
+		return fmt.Errorf("read the partition's stream identity: %w", err)
+	}
+	if recorded != nil && recorded.Equal(created) {
+		return nil
+	}
+	tx, err := w.svc.pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("record the partition's stream identity: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	tag, err := tx.Exec(ctx, `UPDATE epitaph.progress SET stream_created = $5
+		WHERE projection = $1 AND version = $2 AND partition = $3 AND epoch = $4`,
+		w.lease.Projection, w.lease.Version, w.lease.Partition, w.lease.Epoch, created)
+	if err != nil {
+		return fmt.Errorf("record the partition's stream identity: %w", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("record the partition's stream identity of %s: %w", w.lease.Key, progress.ErrLostOwnership)
+	}
+	recreated := recorded != nil // even at cursor 0: the old stream may have held this partition's first messages
+	if recreated {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn)
+			VALUES ('removed_from_stream', $1, $2::pg_lsn)`, w.lease.Partition, nullLSNText(w.pos.SourceLSN)); err != nil {
+			return fmt.Errorf("record a removed_from_stream gap: %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("record the partition's stream identity: %w", err)
+	}
+	if recreated {
+		w.log.Error("recorded a removed_from_stream gap: "+streamRecreatedReason,
+			"cursor", w.pos.Cursor, "watermark", w.pos.SourceLSN.String(),
+			"stream_created_before", recorded.Format(time.RFC3339Nano), "stream_created", created.Format(time.RFC3339Nano))
+	}
+	return nil
+}
+
+// stagePendingTruncate keeps a truncate whose transaction is not verified
+// yet (its commit is in a later page) until it is: applyVerdict makes it a
+// gap row then, or drops it with the transaction's other unverified
+// messages. Readers never see a truncate that may be forged.
+func stagePendingTruncate(ctx context.Context, tx pgx.Tx, schema string, partition int, e *event.Event) error {
+	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "pending_truncates")+`
+		(partition, commit_lsn, seq, schema_name, table_name) VALUES ($1, $2::pg_lsn, $3, $4, $5)
+		ON CONFLICT DO NOTHING`, partition, e.CommitLSN.String(), e.Seq, e.Schema, e.Table); err != nil {
+		return fmt.Errorf("stage an unverified truncate: %w", err)
+	}
+	return nil
 }

@@ -6,6 +6,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,7 +22,8 @@ import (
 )
 
 // The projector binary serves the page at / next to /status, with the
-// capture's slot lag from EPITAPH_CAPTURE_STATUS_URL.
+// capture's slot lag from EPITAPH_CAPTURE_STATUS_URL, and the quarantine
+// actions behind the token of EPITAPH_HTTP_TOKEN_FILE.
 func TestProjectorBinaryServesPage(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
@@ -44,9 +47,11 @@ func TestProjectorBinaryServesPage(t *testing.T) {
 
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
+	tokFile := filepath.Join(t.TempDir(), "token")
+	require.NoError(t, os.WriteFile(tokFile, []byte(pageToken), 0o600))
 	p, err := bench.StartProc("projector", bins["projector"], []string{"EPITAPH_TARGET_URL=" + url, "EPITAPH_NATS_URL=" + n.URL,
 		"EPITAPH_WORKER_ID=bin-page", "EPITAPH_LEASE_TTL=2s", fmt.Sprintf("EPITAPH_METRICS_ADDR=127.0.0.1:%d", port),
-		"EPITAPH_CAPTURE_STATUS_URL=" + capSrv.URL + "/status"}, t.TempDir(), "run")
+		"EPITAPH_CAPTURE_STATUS_URL=" + capSrv.URL + "/status", "EPITAPH_HTTP_TOKEN_FILE=" + tokFile}, t.TempDir(), "run")
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = p.Stop(10 * time.Second)
@@ -86,4 +91,14 @@ func TestProjectorBinaryServesPage(t *testing.T) {
 	}
 	require.NoError(t, json.NewDecoder(resp.Body).Decode(&st))
 	require.Equal(t, "bin-page", st.Worker)
+
+	// The actions: 401 without the token; with it they reach the
+	// quarantine (no entry 424242 here).
+	action := fmt.Sprintf("http://127.0.0.1:%d/quarantine/424242/discard", port)
+	code, _ := post(t, action, "", `{"reason":"r"}`)
+	require.Equal(t, http.StatusUnauthorized, code)
+	code, out := post(t, action, "Bearer "+pageToken, `{"reason":"r"}`)
+	require.Equal(t, http.StatusNotFound, code, "%v", out)
+	require.Equal(t, "quarantine entry 424242 not found", out["error"])
+	require.NotContains(t, p.LogTail(100000), pageToken, "the token is in the log")
 }

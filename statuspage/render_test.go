@@ -20,7 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 
 // sampleStatus is a status document as a projector with one live version,
 // two partitions (one without an owner, behind) and quarantine would
@@ -125,7 +125,14 @@ func TestRenderStatusError(t *testing.T) {
 	})
 	code, _, body := get(t, h, "/")
 	require.Equal(t, http.StatusServiceUnavailable, code)
-	require.Contains(t, body, "read versions: &lt;connection refused&gt;")
+	require.Contains(t, body, `data-testid="unavailable">Unavailable: the target database cannot be read.`)
+	require.NotContains(t, body, "connection refused", "the error text is not shown")
+	for _, section := range []string{"versions", "gaps", "quarantine", "snapshots", "workers"} {
+		require.Contains(t, body, `data-testid="`+section+`-unavailable">unavailable<`)
+	}
+	for _, falseNothing := range []string{"No projection version yet", "Nothing in quarantine", "No worker registered", "No gaps"} {
+		require.NotContains(t, body, falseNothing)
+	}
 	require.Contains(t, body, `data-fragment="body"`)
 	require.Contains(t, body, "var every")
 }
@@ -166,4 +173,36 @@ func TestCaptureSection(t *testing.T) {
 	// A capture that does not answer: the slot lag is unknown and says why.
 	_, _, body = get(t, statuspage.Handler(src, statuspage.WithCaptureStatusURL("http://127.0.0.1:1/status")), "/")
 	require.Regexp(t, `data-testid="capture-lag">unknown: read capture status: .*connection refused`, body)
+}
+
+// The header shows no figure it does not know: no "last seq 0" while the
+// status cannot be read.
+func TestRenderUnavailableHeader(t *testing.T) {
+	t.Parallel()
+	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return nil, context.DeadlineExceeded },
+		statuspage.WithLogger(quietLogger()))
+	_, _, body := get(t, h, "/")
+	require.Contains(t, body, `data-testid="header-unavailable"`)
+	require.NotContains(t, body, `data-testid="stream-last"`)
+	require.Contains(t, body, "Unavailable: the target database did not answer in time.")
+}
+
+// Without --http-token-file the page offers no token field and no button,
+// and says how to turn the actions on; the endpoints are off (401).
+func TestRenderActionsOff(t *testing.T) {
+	t.Parallel()
+	st := sampleStatus()
+	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil },
+		statuspage.WithActions(statuspage.QuarantineActions(nil, nil), nil))
+	_, _, body := get(t, h, "/")
+	require.NotContains(t, body, `data-testid="actions-form"`)
+	require.NotContains(t, body, `data-action="replay"`)
+	rec := httptest.NewRecorder()
+	req := httptest.NewRequest(http.MethodPost, "/quarantine/1/replay", strings.NewReader("{}"))
+	req.Header.Set("Authorization", "Bearer anything-at-all-0000000")
+	mux := http.NewServeMux()
+	mux.Handle(statuspage.ActionPattern, statuspage.ActionHandler(statuspage.QuarantineActions(nil, nil), nil, nil))
+	mux.ServeHTTP(rec, req)
+	require.Equal(t, http.StatusUnauthorized, rec.Code)
+	require.Contains(t, rec.Body.String(), "--http-token-file")
 }

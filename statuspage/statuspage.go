@@ -12,9 +12,21 @@
 // keeping the last good copy, marked stale, when a fetch fails; with
 // scripting off a meta refresh reloads the page instead.
 //
-// The page only reads. Each request collects the status once; the
-// snapshot job counts, which count whole tables, are read at most once per
-// interval (WithSnapshotStats) however many people watch the page.
+// Versions being rebuilt show a progress bar with their rate and ETA
+// (computed from the page's own samples over the last half minute, so a
+// page that refreshes every 2 s shows a steady rate); open quarantine
+// entries are listed by table, key, category and sanitized error, never
+// with their message. When the target cannot be read, every section says
+// "unavailable" with the class of reason, never a false "nothing".
+//
+// The page only reads, except for its replay and discard buttons: those
+// are rendered only for a request that carries the bearer token
+// (WithActions, --http-token-file) in its Authorization header, which the
+// page's script sends once the operator gave it the token; the POST
+// endpoints behind them (ActionHandler) answer 401 without it. Each
+// request collects the status once; the snapshot job counts, which count
+// whole tables, are read at most once per interval (WithSnapshotStats)
+// however many people watch the page.
 package statuspage
 
 import (
@@ -25,14 +37,19 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
+	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
 // Defaults of the options.
@@ -40,6 +57,16 @@ const (
 	DefaultRefreshInterval       = 2 * time.Second
 	DefaultSnapshotStatsInterval = 10 * time.Second
 	DefaultCaptureTimeout        = time.Second
+	DefaultEntriesLimit          = 50
+)
+
+// The rate of a rebuild is measured over the page's samples of the last
+// rateWindow, from one at least rateMinAge old; samples are kept
+// rateEvery apart.
+const (
+	rateWindow = 30 * time.Second
+	rateMinAge = 2 * time.Second
+	rateEvery  = time.Second
 )
 
 // fragmentParam asks for the page's body only (what the refresh script
@@ -61,6 +88,10 @@ type options struct {
 	refresh          time.Duration
 	now              func() time.Time
 	log              *slog.Logger
+	entries          quarantine.Querier
+	entriesLimit     int
+	actions          Actions
+	token            *httptoken.Token
 }
 
 // WithCaptureStatusURL is the capture's /status URL (for example
@@ -78,6 +109,20 @@ func WithHTTPClient(c *http.Client) Option { return func(o *options) { o.client 
 // snapshot jobs are not shown.
 func WithSnapshotStats(db snapshot.Querier, interval time.Duration) Option {
 	return func(o *options) { o.snapshots, o.snapInterval = db, interval }
+}
+
+// WithQuarantineEntries lists the open quarantine entries, at most limit
+// of them (0: DefaultEntriesLimit), read through db (the target pool) on
+// every load. Without it the page says the entries are not shown.
+func WithQuarantineEntries(db quarantine.Querier, limit int) Option {
+	return func(o *options) { o.entries, o.entriesLimit = db, limit }
+}
+
+// WithActions renders replay and discard buttons on the quarantine
+// entries for requests that carry tok (Authorization: Bearer); a and tok
+// are those given to ActionHandler. A nil tok renders no button.
+func WithActions(a Actions, tok *httptoken.Token) Option {
+	return func(o *options) { o.actions, o.token = a, tok }
 }
 
 // WithRefreshInterval is how often the page refreshes itself; default
@@ -111,6 +156,9 @@ func Handler(src StatusFunc, opts ...Option) http.Handler {
 	if o.client == nil {
 		o.client = &http.Client{Timeout: o.captureTO}
 	}
+	if o.entriesLimit <= 0 {
+		o.entriesLimit = DefaultEntriesLimit
+	}
 	return &handler{src: src, o: o}
 }
 
@@ -126,6 +174,9 @@ type handler struct {
 	hAt   time.Time
 	hRows []handlerRow
 	hNote string
+
+	rmu     sync.Mutex // guards samples
+	samples []*projection.Status
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -148,22 +199,25 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	wg.Wait()
 
 	p := &page{Refresh: h.o.refresh, RefreshMillis: h.o.refresh.Milliseconds(), RefreshSeconds: max(1, int(math.Ceil(h.o.refresh.Seconds()))),
-		Capture: capView}
+		Capture: capView, ActionsOn: h.o.actions != nil && h.o.token != nil}
 	code := http.StatusOK
 	if err != nil {
 		code = http.StatusServiceUnavailable
-		p.Error = fmt.Sprintf("status: %v", err)
-		h.o.log.Warn("status page: collect status", "err", err)
+		p.Unavailable = unavailableReason(err)
+		h.o.log.Warn("status page: collect status", "err", quarantine.Sanitize(err))
 	} else {
+		h.rates(st)
 		p.fill(st)
 		p.Snapshots, p.SnapshotsNote = h.snapshotStats(ctx, st)
 		p.Handlers, p.HandlersNote = h.handlerStats(ctx)
+		p.CanAct = p.ActionsOn && h.o.token.Check(r)
+		h.quarantineEntries(ctx, p, st.At)
 	}
-
 	hdr := w.Header()
 	hdr.Set("Content-Type", "text/html; charset=utf-8")
 	hdr.Set("Cache-Control", "no-store")
 	hdr.Set("X-Content-Type-Options", "nosniff")
+	hdr.Set("Vary", "Authorization") // the buttons are for token holders only
 	// Nothing is loaded from anywhere: inline style and script only, and
 	// fetches of the page itself.
 	hdr.Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -281,4 +335,90 @@ func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]s
 	}
 	h.snap, h.snapErr, h.snapAt = rows, note, now
 	return rows, note
+}
+
+// rates fills each version's rate and ETA from the page's own sample of
+// the status at least rateMinAge old (the oldest within rateWindow), and
+// keeps st as a sample. Without such a sample the source's rates stay.
+func (h *handler) rates(st *projection.Status) {
+	h.rmu.Lock()
+	defer h.rmu.Unlock()
+	keep := h.samples[:0]
+	for _, s := range h.samples {
+		if age := st.At.Sub(s.At); age <= rateWindow && age >= 0 {
+			keep = append(keep, s)
+		}
+	}
+	h.samples = keep
+	if len(keep) > 0 && st.At.Sub(keep[0].At) >= rateMinAge {
+		st.FillRates(keep[0])
+		for _, v := range st.Versions {
+			if lc := v.Lifecycle; lc != nil && lc.EventsPerSecond <= 0 && lc.ETASeconds > 0 {
+				lc.ETASeconds = -1 // no progress over the window: no estimate, not an old one
+			}
+		}
+	}
+	if len(keep) == 0 || st.At.Sub(keep[len(keep)-1].At) >= rateEvery {
+		h.samples = append(h.samples, st)
+	}
+}
+
+// quarantineEntries lists the open entries into p, or says why not.
+func (h *handler) quarantineEntries(ctx context.Context, p *page, now time.Time) {
+	if h.o.entries == nil {
+		p.EntriesNote = "not shown: this page was not given the target database"
+		return
+	}
+	recs, err := quarantine.List(ctx, h.o.entries, quarantine.Filter{Status: quarantine.StatusOpen, Limit: h.o.entriesLimit + 1})
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "42P01" {
+		p.EntriesNote, p.EntriesUnavailable = "unavailable: the target has no quarantine table (run projector migrate up)", true
+		return
+	}
+	if err != nil {
+		p.EntriesNote, p.EntriesUnavailable = "unavailable: "+unavailableReason(err), true
+		h.o.log.Warn("status page: list quarantine", "err", quarantine.Sanitize(err))
+		return
+	}
+	if len(recs) > h.o.entriesLimit {
+		recs, p.EntriesMore = recs[:h.o.entriesLimit], true
+	}
+	for _, r := range recs {
+		p.Entries = append(p.Entries, newEntryView(r, now))
+	}
+}
+
+// unavailableReason is the class of reason the target could not be read,
+// for people: never the error's text, which can name hosts, users and
+// values.
+func unavailableReason(err error) string {
+	var pe *pgconn.PgError
+	switch {
+	case errors.Is(err, context.DeadlineExceeded) || pgconn.Timeout(err):
+		return "the target database did not answer in time"
+	case errors.Is(err, context.Canceled):
+		return "the request was cancelled"
+	case errors.As(err, &pe):
+		switch {
+		case pe.Code == "28P01" || pe.Code == "28000":
+			return fmt.Sprintf("the target database refused the credentials (SQLSTATE %s)", pe.Code)
+		case pe.Code == "42P01" || pe.Code == "3F000":
+			return fmt.Sprintf("the target database has no Epitaph schema: run projector migrate up (SQLSTATE %s)", pe.Code)
+		case strings.HasPrefix(pe.Code, "57") || strings.HasPrefix(pe.Code, "08"):
+			return fmt.Sprintf("the target database is shutting down or unavailable (SQLSTATE %s)", pe.Code)
+		case pe.Code == "42501":
+			return "the target database refused access to the Epitaph tables (SQLSTATE 42501)"
+		}
+		return fmt.Sprintf("the target database answered with an error (SQLSTATE %s)", pe.Code)
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "the target database refuses connections (connection refused)"
+	case isConnectError(err):
+		return "the target database cannot be reached"
+	}
+	return "the target database cannot be read"
+}
+
+func isConnectError(err error) bool {
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	return errors.As(err, &ce) || errors.As(err, &ne) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF)
 }

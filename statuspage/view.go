@@ -12,6 +12,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
 //go:embed page.html
@@ -25,8 +26,11 @@ type page struct {
 	Refresh        time.Duration
 	RefreshMillis  int64
 	RefreshSeconds int
-	// Error is why the status could not be collected (the rest is empty).
-	Error string
+	// Unavailable is why the status could not be collected, as a class
+	// of reason without the error's text (which can name hosts and
+	// users); every section then says it is unavailable instead of
+	// showing a false "nothing".
+	Unavailable string
 
 	Source      string
 	Stream      string
@@ -37,8 +41,24 @@ type page struct {
 	StreamError string
 
 	Versions   []versionView
+	Rebuilds   []rebuildView
 	Quarantine []quarantineView
 	Workers    []workerView
+
+	// The open quarantine entries (at most the limit): EntriesNote says
+	// why there are none to show, EntriesMore how many were left off.
+	// CanAct: the request carried the token, so replay and discard
+	// buttons are rendered.
+	Entries     []entryView
+	EntriesNote string
+	EntriesMore bool
+	// EntriesUnavailable: the entries could not be read (EntriesNote says
+	// why), which is not "none".
+	EntriesUnavailable bool
+	CanAct             bool
+	// ActionsOn: the page has actions and a token (--http-token-file), so
+	// it offers the token field; without, it says how to turn them on.
+	ActionsOn bool
 
 	Capture       captureView
 	Snapshots     []snapshotRow
@@ -64,6 +84,50 @@ type versionView struct {
 	CompleteUpTo string
 	GapsOpen     int
 	Gaps         []gapView
+}
+
+// rebuildView is the progress of a version being built or caught up: to
+// its boundary while building (the stream's messages up to it), to no lag
+// while catching up.
+type rebuildView struct {
+	Projection   string
+	Version      int
+	State        string
+	Target       string // what the bar fills towards
+	Pct          int    // the bar's width
+	PctText      string // one decimal
+	Done, Total  uint64
+	Rate         string
+	ETA          string
+	AtBoundary   int
+	Partitions   int
+	BoundarySeq  int64
+	FailedReason string
+	Parts        []rebuildPartView
+}
+
+// rebuildPartView is one partition's position against the boundary.
+type rebuildPartView struct {
+	Partition int
+	Position  uint64
+	Pct       int
+	Reached   bool
+}
+
+// entryView is one open quarantine entry: where it is, what row it is
+// about and why it is there. Never the message (it holds row values).
+type entryView struct {
+	ID         int64
+	Projection string
+	Version    int
+	Partition  int
+	Seq        uint64
+	Table      string
+	Key        string
+	Category   string
+	Error      string
+	Attempts   int
+	Age        string
 }
 
 type gapView struct {
@@ -180,6 +244,9 @@ func (p *page) fill(st *projection.Status) {
 			vv.Partitions = append(vv.Partitions, pv)
 		}
 		p.Versions = append(p.Versions, vv)
+		if rv, ok := newRebuildView(v); ok {
+			p.Rebuilds = append(p.Rebuilds, rv)
+		}
 	}
 	for _, q := range st.Quarantine {
 		cats := make([]string, 0, len(q.ByCategory))
@@ -194,6 +261,63 @@ func (p *page) fill(st *projection.Status) {
 		p.Workers = append(p.Workers, workerView{ID: w.ID, Live: w.Live, Heartbeat: age(w.HeartbeatAgeSeconds) + " ago",
 			This: w.ID == st.Worker})
 	}
+}
+
+// newRebuildView is the progress of a version being built, caught up or
+// ready to promote; ok is false for the others.
+func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
+	lc := v.Lifecycle
+	switch {
+	case lc == nil:
+		return rebuildView{}, false
+	case v.State == projection.StateBuilding, v.State == projection.StateCatchingUp, v.State == projection.StateReady:
+	case v.State == projection.StateFailed && lc.BoundarySeq > 0:
+	default:
+		return rebuildView{}, false
+	}
+	r := rebuildView{Projection: v.Projection, Version: v.Version, State: v.State, Done: lc.EventsDone,
+		Rate: fmt.Sprintf("%.0f events/s", lc.EventsPerSecond), ETA: etaText(lc.ETASeconds),
+		AtBoundary: lc.PartitionsAtBoundary, Partitions: len(v.Partitions), BoundarySeq: lc.BoundarySeq, FailedReason: lc.FailedReason}
+	frac := lc.Progress
+	switch v.State {
+	case projection.StateBuilding, projection.StateFailed:
+		r.Target, r.Total = fmt.Sprintf("the boundary (stream seq %d)", lc.BoundarySeq), lc.EventsToBoundary
+		if v.State == projection.StateFailed {
+			r.ETA = "never (failed)"
+		}
+	default: // caught up to the stream's end: done of done + lag
+		r.Target, r.Total = "the stream's last message (no lag)", lc.EventsDone+v.LagEvents
+		frac = 1
+		if r.Total > 0 {
+			frac = float64(lc.EventsDone) / float64(r.Total)
+		}
+	}
+	frac = min(max(frac, 0), 1)
+	r.Pct, r.PctText = int(math.Floor(100*frac)), fmt.Sprintf("%.1f%%", math.Floor(1000*frac)/10)
+	boundary := uint64(max(lc.BoundarySeq, 0))
+	for _, ps := range v.Partitions {
+		pos := ps.Cursor
+		if ps.NextSeq > 0 {
+			pos = max(pos, ps.NextSeq-1)
+		}
+		pv := rebuildPartView{Partition: ps.Partition, Position: pos, Reached: ps.ReachedBoundary, Pct: 100}
+		if !pv.Reached && boundary > 0 {
+			pv.Pct = min(99, pct(float64(pos), float64(boundary)))
+		}
+		r.Parts = append(r.Parts, pv)
+	}
+	return r, true
+}
+
+// etaText formats an ETA in seconds (negative: not known yet).
+func etaText(s float64) string {
+	switch {
+	case s < 0:
+		return "unknown (no progress measured)"
+	case s == 0:
+		return "now"
+	}
+	return age(s)
 }
 
 func newGapView(g projection.Gap) gapView {
@@ -311,4 +435,32 @@ func bytesText(n int64) string {
 		i++
 	}
 	return fmt.Sprintf("%.1f %ciB", f, "KMGTPE"[i-1])
+}
+
+// maxKeyText and maxErrorText bound what one entry shows.
+const (
+	maxKeyText   = 200
+	maxErrorText = 300
+)
+
+func newEntryView(r quarantine.Record, now time.Time) entryView {
+	e := entryView{ID: r.ID, Projection: r.Projection, Version: r.Version, Partition: r.Partition, Seq: r.StreamSeq,
+		Table: "–", Key: "–", Category: r.Category, Error: clip(r.Error, maxErrorText), Attempts: r.Attempts,
+		Age: age(now.Sub(r.FirstSeen).Seconds())}
+	if r.SourceTable != "" {
+		e.Table = r.SourceSchema + "." + r.SourceTable
+	}
+	if len(r.SourceKey) > 0 {
+		e.Key = clip(string(r.SourceKey), maxKeyText)
+	}
+	return e
+}
+
+// clip is s on one line, at most n runes.
+func clip(s string, n int) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if r := []rune(s); len(r) > n {
+		return string(r[:n]) + "…"
+	}
+	return s
 }

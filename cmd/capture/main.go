@@ -93,7 +93,7 @@ refused, never replaced by the default.`,
 		f.String(nf.Field(&cfg.NATSAuth), nf.Name, nf.Env, "", nf.Usage+"; external server only")
 	}
 	// Trust: the key the capture signs with.
-	f.String(&cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed, mode 0600); empty: <data-dir>/signing.key, generated on first start")
+	f.String(&cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed; mode 0600, or group-readable 0440/0640 if owned by root); empty: <data-dir>/signing.key, generated on first start")
 	// Following the source's schema while streaming (issue 12).
 	f.Duration(&cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)", cli.NotZero())
 	f.Bool(&cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", false, "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")

@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/statuspage"
@@ -20,6 +21,7 @@ func init() { register(runCommand) }
 
 type runOptions struct {
 	worker, metrics, ttls, roots, captureStatus string
+	tokenFile                                   string
 	leaseTTL                                    time.Duration
 	batch                                       int
 	share                                       float64
@@ -53,6 +55,7 @@ you like: partitions are spread by leases held in the target.`,
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
 	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", 15*time.Second, "partition lease TTL", cli.Positive())
 	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
+	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token (not world-readable) that the HTTP actions require: the status page's quarantine replay/discard; without it they answer 401")
 	f.Int(&o.batch, "batch-size", "EPITAPH_BATCH_SIZE", projection.MaxBatchSize, "events per applied page", cli.Min(1), cli.Max(projection.MaxBatchSize))
 	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", 0.5, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
 	f.Bool(&o.hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false, "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied")
@@ -77,6 +80,12 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	ttlMap, err := projection.ParseTTLs(o.ttls)
 	if err != nil {
 		return cli.Usage("--archive-ttl: %w", err)
+	}
+	var token *httptoken.Token
+	if o.tokenFile != "" {
+		if token, err = httptoken.Load(o.tokenFile); err != nil {
+			return cli.Usage("%w", err)
+		}
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -122,8 +131,12 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	srv := observe.New(observe.Config{Addr: o.metrics, Registry: reg, Logger: env.Logger,
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy, Live: svc.Live, Ready: svc.Healthy})
+	actions := statuspage.QuarantineActions(svc.Pool(), projection.ReplayFunc(projection.ReplayConfig{ArchiveTTL: ttlMap,
+		SnapshotRoots: splitList(o.roots), MaxRowBytes: o.maxRow, JetStream: svc.JetStream()}))
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
-		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithLogger(env.Logger)))
+		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithHandlerStats(svc.Pool(), 0),
+		statuspage.WithQuarantineEntries(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
+	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
