@@ -46,7 +46,8 @@ type Config struct {
 	// Revalidate decides before every attempt (default AlwaysSend); only
 	// for handlers with revalidate on.
 	Revalidate Revalidator
-	// JetStream publishes for nats handlers.
+	// JetStream publishes for nats handlers; without it their deliveries
+	// are left for a dispatcher that has one.
 	JetStream jetstream.JetStream
 	// HTTPClient calls webhooks (default: a client without a timeout of
 	// its own; the attempt's context bounds it).
@@ -72,6 +73,8 @@ type Dispatcher struct {
 	mu        sync.Mutex
 	lastMaint time.Time
 	lastScrub time.Time
+	defCache  map[string]Def
+	defAt     time.Time
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
 }
@@ -151,7 +154,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
 		}
-		if n > 0 && len(d.sem) < cap(d.sem) {
+		if n > 0 && cap(d.sem)-len(d.sem) >= (cap(d.sem)+1)/2 {
 			continue // more may be due
 		}
 		select {
@@ -168,8 +171,8 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 // starts their attempts.
 func (d *Dispatcher) claimAndStart(soft, hard context.Context) (int, error) {
 	free := cap(d.sem) - len(d.sem)
-	if free <= 0 {
-		return 0, nil
+	if free <= 0 || (free < (cap(d.sem)+1)/2 && len(d.sem) > 0) {
+		return 0, nil // claim in batches: one claim query per few attempts
 	}
 	cs, err := d.claim(soft, free)
 	if err != nil {
@@ -192,8 +195,8 @@ func (d *Dispatcher) claimAndStart(soft, hard context.Context) (int, error) {
 // deliveries (waiting out their backoff) until none that this process can
 // run is pending and released or in flight, or ctx ends. It returns how
 // many such deliveries remain (0 when done). Deliveries waiting for their
-// group, of disabled handlers, or of Go handlers not in this Registry are
-// not waited for.
+// group, of disabled handlers, of Go handlers not in this Registry, or of
+// nats handlers without a JetStream, are not waited for.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 	for {
 		if err := d.maintain(ctx); err != nil {
@@ -232,7 +235,8 @@ func (d *Dispatcher) open(ctx context.Context) (int, error) {
 	var n int
 	err := d.pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
 		WHERE (d.state = 'in_flight' OR (d.state = 'pending' AND d.released_at IS NOT NULL))
-		  AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($1))`, d.cfg.Registry.Names()).Scan(&n)
+		  AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($1)) AND (h.kind <> 'nats' OR $2)`,
+		d.cfg.Registry.Names(), d.cfg.JetStream != nil).Scan(&n)
 	if err != nil {
 		return -1, fmt.Errorf("count open deliveries: %w", err)
 	}
@@ -252,7 +256,7 @@ const claimSQL = `
 WITH due AS (
     SELECT d.id, h.claim_timeout FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
     WHERE d.state = 'pending' AND d.released_at IS NOT NULL AND d.next_attempt_at <= now()
-      AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($2))
+      AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($2)) AND (h.kind <> 'nats' OR $3)
       -- A row's handlers run in priority order, each after the previous
       -- one is terminal.
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
@@ -271,7 +275,7 @@ RETURNING d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d
           (extract(epoch FROM due.claim_timeout) * 1000)::bigint`
 
 func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
-	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names())
+	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names(), d.cfg.JetStream != nil)
 	if err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
@@ -308,18 +312,42 @@ func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
 	if len(cs) == 0 {
 		return nil, nil
 	}
-	defs, err := List(ctx, d.pool)
+	byID, err := d.defs(ctx, cs)
 	if err != nil {
 		return cs, err // claimed: they are reclaimed when the claims expire
-	}
-	byID := map[string]Def{}
-	for _, def := range defs {
-		byID[def.ID] = def
 	}
 	for _, c := range cs {
 		c.def = byID[c.d.HandlerID]
 	}
 	return cs, nil
+}
+
+// defs returns the handlers by id, cached for a second (reloaded at once
+// when a claimed delivery's handler is not in the cache).
+func (d *Dispatcher) defs(ctx context.Context, cs []*claimed) (map[string]Def, error) {
+	d.mu.Lock()
+	byID, fresh := d.defCache, time.Since(d.defAt) < time.Second
+	d.mu.Unlock()
+	for _, c := range cs {
+		if _, ok := byID[c.d.HandlerID]; !ok {
+			fresh = false
+		}
+	}
+	if fresh {
+		return byID, nil
+	}
+	list, err := List(ctx, d.pool)
+	if err != nil {
+		return nil, err
+	}
+	byID = make(map[string]Def, len(list))
+	for _, def := range list {
+		byID[def.ID] = def
+	}
+	d.mu.Lock()
+	d.defCache, d.defAt = byID, time.Now()
+	d.mu.Unlock()
+	return byID, nil
 }
 
 // settlement is an attempt's result, written guarded by the claim token.
@@ -330,10 +358,6 @@ type settlement struct {
 	deferred       bool
 	fingerprint    string
 	evaluated      bool
-}
-
-func (s settlement) terminal() bool {
-	return s.state == StateDone || s.state == StateStopped || s.state == StateDead
 }
 
 func (d *Dispatcher) attempt(ctx context.Context, c *claimed) {
@@ -407,16 +431,35 @@ func Backoff(base time.Duration, attempt int) time.Duration {
 	return delay
 }
 
+// settleSQL records an attempt's result guarded by the claim token, in one
+// statement: a terminal result also scrubs the payloads of the row's
+// deliveries when no other one of them is open.
 const settleSQL = `
-UPDATE epitaph.deliveries SET state = $3, outcome = $4, last_error = COALESCE($5, last_error),
-       next_attempt_at = now() + $6 * interval '1 millisecond',
-       attempt = attempt - $7::int, defers = defers + $7::int,
-       claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
-       settled_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') THEN now() END,
-       observed_fingerprint = COALESCE(NULLIF($8, ''), observed_fingerprint),
-       evaluated_at = CASE WHEN $9 THEN now() ELSE evaluated_at END
-WHERE id = $1 AND claim_token = $2::uuid
-RETURNING source, commit_lsn::text, seq`
+WITH s AS (
+    UPDATE epitaph.deliveries d SET state = $3, outcome = $4, last_error = COALESCE($5, d.last_error),
+           next_attempt_at = now() + $6 * interval '1 millisecond',
+           attempt = d.attempt - $7::int, defers = d.defers + $7::int,
+           claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
+           settled_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') THEN now() END,
+           observed_fingerprint = COALESCE(NULLIF($8, ''), d.observed_fingerprint),
+           evaluated_at = CASE WHEN $9 THEN now() ELSE d.evaluated_at END,
+           payload = CASE WHEN $3 IN ('done', 'stopped', 'dead') AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
+                              WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
+                                AND e.state IN ('pending', 'in_flight'))
+                          THEN NULL ELSE d.payload END,
+           payload_scrubbed_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
+                              WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
+                                AND e.state IN ('pending', 'in_flight'))
+                          THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
+    WHERE d.id = $1 AND d.claim_token = $2::uuid
+    RETURNING d.id, d.source, d.commit_lsn, d.seq, d.payload IS NULL AND d.state IN ('done', 'stopped', 'dead') AS scrub
+), others AS (
+    UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = now()
+    FROM s WHERE s.scrub AND o.source = s.source AND o.commit_lsn = s.commit_lsn AND o.seq = s.seq AND o.id <> s.id
+      AND o.payload IS NOT NULL
+    RETURNING 1
+)
+SELECT count(*) FROM s`
 
 // scrubRowSQL scrubs the payloads of a row's deliveries once every handler
 // of the row is terminal.
@@ -453,32 +496,18 @@ func (d *Dispatcher) settleTx(ctx context.Context, c *claimed, s settlement) err
 			return err
 		}
 	}
-	tx, err := d.pool.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("begin settle: %w", err)
-	}
-	defer tx.Rollback(ctx)
 	deferred := 0
 	if s.deferred {
 		deferred = 1
 	}
-	var source, lsn string
-	var seq int
-	err = tx.QueryRow(ctx, settleSQL, c.d.ID, c.token, s.state, s.outcome, s.lastError, s.delay.Milliseconds(),
-		deferred, s.fingerprint, s.evaluated).Scan(&source, &lsn, &seq)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return errStale
-	}
+	var n int
+	err := d.pool.QueryRow(ctx, settleSQL, c.d.ID, c.token, s.state, s.outcome, s.lastError, s.delay.Milliseconds(),
+		deferred, s.fingerprint, s.evaluated).Scan(&n)
 	if err != nil {
 		return fmt.Errorf("settle delivery: %w", err)
 	}
-	if s.terminal() {
-		if _, err := tx.Exec(ctx, scrubRowSQL, source, lsn, seq); err != nil {
-			return fmt.Errorf("scrub payloads: %w", err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("commit settle: %w", err)
+	if n == 0 {
+		return errStale
 	}
 	return nil
 }
@@ -507,29 +536,31 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		d.lastScrub = time.Now()
 	}
 	d.mu.Unlock()
-	tag, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries d SET
+	n, err := d.endAndScrub(ctx, `UPDATE epitaph.deliveries d SET
 		state = CASE WHEN d.attempt >= COALESCE((SELECT h.max_attempts FROM epitaph.handlers h WHERE h.id = d.handler_id), 1)
 		             THEN 'dead' ELSE 'pending' END,
 		outcome = 'claim_expired', last_error = 'type=claim_expired code=claim_expired diag=-',
 		claim_token = NULL, claim_expires_at = NULL, next_attempt_at = now(), updated_at = now(),
 		settled_at = CASE WHEN d.attempt >= COALESCE((SELECT h.max_attempts FROM epitaph.handlers h WHERE h.id = d.handler_id), 1)
 		                  THEN now() END
-		WHERE d.state = 'in_flight' AND d.claim_expires_at < now()`)
+		WHERE d.state = 'in_flight' AND d.claim_expires_at < now()
+		RETURNING d.state, d.source, d.commit_lsn::text, d.seq`)
 	if err != nil {
 		return fmt.Errorf("reclaim expired claims: %w", err)
 	}
-	if n := tag.RowsAffected(); n > 0 {
+	if n > 0 {
 		d.log.Warn("reclaimed deliveries whose claims expired (each counts as an attempt)", "deliveries", n)
 		d.met.reclaimed.Add(float64(n))
 	}
-	tag, err = d.pool.Exec(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
+	n, err = d.endAndScrub(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
 		last_error = 'type=unknown_handler code=unknown_handler diag=-', settled_at = now(), updated_at = now()
 		WHERE d.state = 'pending' AND d.released_at IS NOT NULL
-		  AND NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id)`)
+		  AND NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id)
+		RETURNING d.state, d.source, d.commit_lsn::text, d.seq`)
 	if err != nil {
 		return fmt.Errorf("dead-letter deliveries of unknown handlers: %w", err)
 	}
-	if n := tag.RowsAffected(); n > 0 {
+	if n > 0 {
 		d.log.Error("dead-lettered deliveries whose handler id is unknown", "deliveries", n)
 	}
 	if _, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries SET released_at = now(), released_unsettled = true, updated_at = now()
@@ -541,6 +572,43 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		return d.Backstop(ctx)
 	}
 	return nil
+}
+
+// endAndScrub runs an UPDATE returning (state, source, commit_lsn, seq)
+// and scrubs the payloads of the rows it made terminal whose every
+// delivery is terminal. It returns how many deliveries it updated.
+func (d *Dispatcher) endAndScrub(ctx context.Context, stmt string) (int, error) {
+	rows, err := d.pool.Query(ctx, stmt)
+	if err != nil {
+		return 0, err
+	}
+	type rowID struct {
+		source, lsn string
+		seq         int
+	}
+	var ended []rowID
+	n := 0
+	for rows.Next() {
+		var state string
+		var r rowID
+		if err := rows.Scan(&state, &r.source, &r.lsn, &r.seq); err != nil {
+			rows.Close()
+			return n, err
+		}
+		n++
+		if state != StatePending && state != StateInFlight {
+			ended = append(ended, r)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return n, err
+	}
+	for _, r := range ended {
+		if _, err := d.pool.Exec(ctx, scrubRowSQL, r.source, r.lsn, r.seq); err != nil {
+			return n, fmt.Errorf("scrub payloads: %w", err)
+		}
+	}
+	return n, nil
 }
 
 // Backstop scrubs the payloads of deliveries older than the payload

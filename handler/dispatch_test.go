@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 )
 
@@ -223,6 +224,7 @@ func TestReclaimOfLastAttemptIsDead(t *testing.T) {
 		return e.deliveries()[0].State == StateDead
 	}, "dead after the reclaim of its last attempt")
 	require.Equal(t, OutcomeClaimExpired, e.deliveries()[0].Outcome)
+	require.Nil(t, e.deliveries()[0].Payload, "scrubbed: the row's only handler is terminal")
 }
 
 func TestOutcomeRecordingFailureStaysInFlight(t *testing.T) {
@@ -392,4 +394,82 @@ func TestDispatcherServiceRunsAndStops(t *testing.T) {
 	for _, r := range e.deliveries() {
 		require.Equal(t, StateDone, r.State)
 	}
+}
+
+func TestGroupSettleTimeoutReleasesUnsignedRowsOnly(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil }, func(d *Def) { d.Phase = PhaseAfterGroup })
+	legacy := e.row(1)
+	legacy.Committed = false // an unsigned stream's row whose commit never came
+	forged := e.row(2)
+	forged.Committed, forged.Verified = false, false // a signed stream's row, not verified
+	e.enqueue(1, legacy, forged)
+	d := e.dispatcher(Config{Registry: reg, GroupSettleTimeout: time.Hour})
+	e.flush(d)
+	require.Zero(t, calls.Load(), "nothing released yet")
+	_, err := e.pool.Exec(context.Background(), `UPDATE epitaph.deliveries SET created_at = now() - interval '2 hours'`)
+	require.NoError(t, err)
+	e.flush(d)
+	require.EqualValues(t, 1, calls.Load())
+	var unsettled bool
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT released_unsettled FROM epitaph.deliveries WHERE key = '{"id":1}' AND state = 'done'`).Scan(&unsettled))
+	require.True(t, unsettled)
+	ds := e.deliveries()
+	require.Equal(t, StatePending, ds[1].State, "an unverified row's delivery is never released by the timeout")
+	var released bool
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT released_at IS NOT NULL FROM epitaph.deliveries WHERE key = '{"id":2}'`).Scan(&released))
+	require.False(t, released)
+}
+
+func TestNATSDeliveriesWaitWithoutJetStream(t *testing.T) {
+	e := newTenv(t)
+	e.addHandler(KindNATS, "purges.orders")
+	e.enqueue(1, e.row(1))
+	e.flush(e.dispatcher(Config{})) // no JetStream: not claimed, not waited for
+	ds := e.deliveries()
+	require.Equal(t, StatePending, ds[0].State)
+	require.Zero(t, ds[0].Attempt)
+}
+
+func TestMetrics(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	h := e.goHandler(reg, func(_ context.Context, d Delivery) error {
+		if string(d.Key) == `{"id": 2}` {
+			return Permanent("nope", errors.New("x"))
+		}
+		return nil
+	})
+	e.enqueue(1, e.row(1), e.row(2), e.row(3))
+	preg := prometheus.NewRegistry()
+	d := e.dispatcher(Config{Registry: reg, Registerer: preg})
+	e.flush(d)
+	e.enqueue(1, e.row(4)) // pending
+	got := map[string]float64{}
+	mfs, err := preg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			name := mf.GetName()
+			for _, l := range m.GetLabel() {
+				name += "," + l.GetName() + "=" + l.GetValue()
+			}
+			switch {
+			case m.GetGauge() != nil:
+				got[name] = m.GetGauge().GetValue()
+			case m.GetCounter() != nil:
+				got[name] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	require.Equal(t, 2.0, got["epitaph_projector_deliveries,handler="+h.ID+",state=done"])
+	require.Equal(t, 1.0, got["epitaph_projector_deliveries,handler="+h.ID+",state=dead"])
+	require.Equal(t, 1.0, got["epitaph_projector_deliveries,handler="+h.ID+",state=pending"])
+	require.GreaterOrEqual(t, got["epitaph_projector_delivery_oldest_pending_age_seconds,handler="+h.ID], 0.0)
+	require.Contains(t, got, "epitaph_projector_delivery_oldest_pending_age_seconds,handler="+h.ID)
+	require.Equal(t, 2.0, got["epitaph_projector_delivery_attempts_total,handler="+h.ID+",result=done"])
+	require.Equal(t, 1.0, got["epitaph_projector_delivery_attempts_total,handler="+h.ID+",result=failed"])
+	require.Equal(t, 1.0, got["epitaph_projector_delivery_dead_letters_total,handler="+h.ID])
 }

@@ -25,9 +25,9 @@ type handlerRow struct {
 
 // handlerStats returns the handlers' delivery counts, read at most once per
 // interval.
-func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string) {
+func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string, bool) {
 	if h.o.handlers == nil {
-		return nil, "not shown: this page was not given the target database"
+		return nil, "not shown: this page was not given the target database", false
 	}
 	interval := h.o.handlersInterval
 	if interval <= 0 {
@@ -37,16 +37,16 @@ func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string) {
 	defer h.mu.Unlock()
 	now := h.o.now()
 	if !h.hAt.IsZero() && now.Sub(h.hAt) < interval {
-		return h.hRows, h.hNote
+		return h.hRows, h.hNote, h.hUnavailable
 	}
 	stats, err := rowhandler.Stats(ctx, h.o.handlers)
 	if err != nil {
 		if ctx.Err() != nil {
-			return h.hRows, h.hNote
+			return h.hRows, h.hNote, h.hUnavailable
 		}
-		h.o.log.Warn("status page: handler stats", "err", err)
-		h.hRows, h.hNote, h.hAt = nil, "unknown: "+err.Error(), now
-		return h.hRows, h.hNote
+		h.o.log.Warn("status page: handler stats", "err", unavailableReason(err))
+		// Not cached: the next load asks again.
+		return nil, "unavailable: " + unavailableReason(err), true
 	}
 	var rows []handlerRow
 	idx := map[string]int{}
@@ -76,8 +76,8 @@ func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string) {
 	if len(rows) == 0 {
 		note = "no row handlers (projector handlers add)"
 	}
-	h.hRows, h.hNote, h.hAt = rows, note, now
-	return rows, note
+	h.hRows, h.hNote, h.hUnavailable, h.hAt = rows, note, false, now
+	return rows, note, false
 }
 
 // handlerDB is what the handler counts are read through.

@@ -82,16 +82,16 @@ type options struct {
 	captureTO    time.Duration
 	snapshots    snapshot.Querier
 	snapInterval time.Duration
+	refresh      time.Duration
+	now          func() time.Time
+	log          *slog.Logger
+	entries      quarantine.Querier
+	entriesLimit int
+	actions      Actions
+	token        *httptoken.Token
 	// handlers: the row handlers' delivery counts (handlers.go).
 	handlers         handlerDB
 	handlersInterval time.Duration
-	refresh          time.Duration
-	now              func() time.Time
-	log              *slog.Logger
-	entries          quarantine.Querier
-	entriesLimit     int
-	actions          Actions
-	token            *httptoken.Token
 }
 
 // WithCaptureStatusURL is the capture's /status URL (for example
@@ -170,13 +170,15 @@ type handler struct {
 	snapAt  time.Time
 	snap    []snapshotRow
 	snapErr string
-	// the row handlers' counts, cached like the snapshot counts
-	hAt   time.Time
-	hRows []handlerRow
-	hNote string
 
 	rmu     sync.Mutex // guards samples
 	samples []*projection.Status
+
+	// the row handlers' counts, cached like the snapshot counts (under mu)
+	hAt          time.Time
+	hRows        []handlerRow
+	hNote        string
+	hUnavailable bool
 }
 
 func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -209,9 +211,9 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.rates(st)
 		p.fill(st)
 		p.Snapshots, p.SnapshotsNote = h.snapshotStats(ctx, st)
-		p.Handlers, p.HandlersNote = h.handlerStats(ctx)
 		p.CanAct = p.ActionsOn && h.o.token.Check(r)
 		h.quarantineEntries(ctx, p, st.At)
+		p.Handlers, p.HandlersNote, p.HandlersUnavailable = h.handlerStats(ctx)
 	}
 	hdr := w.Header()
 	hdr.Set("Content-Type", "text/html; charset=utf-8")

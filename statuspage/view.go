@@ -60,11 +60,12 @@ type page struct {
 	// it offers the token field; without, it says how to turn them on.
 	ActionsOn bool
 
-	Capture       captureView
-	Snapshots     []snapshotRow
-	SnapshotsNote string
-	Handlers      []handlerRow
-	HandlersNote  string
+	Capture             captureView
+	Snapshots           []snapshotRow
+	SnapshotsNote       string
+	Handlers            []handlerRow
+	HandlersNote        string
+	HandlersUnavailable bool
 }
 
 type versionView struct {

@@ -134,8 +134,8 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	actions := statuspage.QuarantineActions(svc.Pool(), projection.ReplayFunc(projection.ReplayConfig{ArchiveTTL: ttlMap,
 		SnapshotRoots: splitList(o.roots), MaxRowBytes: o.maxRow, JetStream: svc.JetStream()}))
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
-		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithHandlerStats(svc.Pool(), 0),
-		statuspage.WithQuarantineEntries(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
+		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
+		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)

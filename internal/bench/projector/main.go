@@ -74,6 +74,9 @@ type env struct {
 	// afterArchive, when set, runs once the archive holds every row, with
 	// the projectors still running.
 	afterArchive func(ctx context.Context, targetURL string, end time.Time) error
+	// beforeStart, when set, runs after the migration, before the
+	// projectors start (handlers.go adds the row handlers).
+	beforeStart func(ctx context.Context, targetURL string) error
 }
 
 // figure prints a figure of the current round.
@@ -105,9 +108,10 @@ func main() {
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
+	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
@@ -118,6 +122,7 @@ type opts struct {
 	rows, perTx, workers, batch int
 	snapPerTx                   int
 	skipSnapshots               bool
+	handlers                    bool
 	rounds                      int
 	keep, skipE2E, inProcess    bool
 	pgStats                     bool
@@ -257,6 +262,11 @@ func run(o opts) (err error) {
 				return err
 			}
 			if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
+				return err
+			}
+		}
+		if o.handlers {
+			if err := e.handlersRound(ctx, r, "bench", n, eventTables(events), applyRate, snaps); err != nil {
 				return err
 			}
 		}
@@ -574,6 +584,11 @@ func lastRows(ctx context.Context, natsURL, source string) ([]string, []int32, e
 func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (float64, error) {
 	if err := e.migrate(ctx, targetURL, source); err != nil {
 		return 0, err
+	}
+	if e.beforeStart != nil {
+		if err := e.beforeStart(ctx, targetURL); err != nil {
+			return 0, err
+		}
 	}
 	if e.inProcess {
 		return e.applyInProcess(ctx, targetURL, source, n)

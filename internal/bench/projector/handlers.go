@@ -1,0 +1,128 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/migrations"
+)
+
+// handlersRound is the row handlers phase (`make bench-handlers`): the
+// apply of the same stream with a webhook handler on every table of it
+// (one delivery per archived row) to a local server that answers 200 at
+// once, against a plain apply of the same round. Figures: deliveries per
+// second (from the projector's start to the last delivery done) beside the
+// apply rate of the same run, their ratio (target >= 0.8), and the apply
+// rate with the handler against the one without (target: at most 15% less).
+func (e *env) handlersRound(ctx context.Context, round int, source string, n int64, tables []string, without float64, out map[string][]float64) error {
+	suffix := e.suffix
+	defer func() { e.suffix, e.afterArchive, e.beforeStart = suffix, nil, nil }()
+	record := func(figure string, v float64, unit string) {
+		e.figure("projector.handlers."+figure, v, unit)
+		out["projector.handlers."+figure+"|"+unit] = append(out["projector.handlers."+figure+"|"+unit], v)
+	}
+	var hits atomic.Int64
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		hits.Add(1)
+		w.WriteHeader(http.StatusOK)
+	})}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d", round))
+	if err != nil {
+		return err
+	}
+	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
+	e.suffix = ".handlers.with" + suffix
+	// The handlers exist before the projector starts (after its migrate).
+	e.beforeStart = func(ctx context.Context, url string) error {
+		pool, err := pgxpool.New(ctx, url)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		if err := migrations.Apply(ctx, pool); err != nil {
+			return err
+		}
+		for i, t := range tables {
+			s, tb := splitTable(t)
+			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
+				Kind: handler.KindWebhook, Target: "http://" + ln.Addr().String() + "/hook", MaxAttempts: 5, Backoff: time.Second,
+				ClaimTimeout: time.Minute, Revalidate: false}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var deliveredAt time.Time
+	e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
+		deadline := time.Now().Add(15 * time.Minute)
+		for {
+			done, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`)
+			if err != nil {
+				return err
+			}
+			if done >= n {
+				deliveredAt = time.Now()
+				return nil
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("deliveries: %d of %d done after 15 minutes", done, n)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	start := time.Now()
+	with, err := e.apply(ctx, url, source, n)
+	if err != nil {
+		return err
+	}
+	e.suffix = suffix
+	applyTook := float64(n) / with
+	deliveries := float64(n) / deliveredAt.Sub(start).Seconds()
+	record("apply_rows_per_sec", with, "rows/s (apply with a webhook handler on every table)")
+	record("deliveries_per_sec", deliveries, "deliveries/s (webhook, parallelism 4; from the projector's start to the last done)")
+	record("ratio_deliveries_to_apply", deliveries/with, "x of the apply rate of the same run (target >= 0.80)")
+	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
+	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
+	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
+	return nil
+}
+
+func splitTable(t string) (string, string) {
+	for i := range len(t) {
+		if t[i] == '.' {
+			return t[:i], t[i+1:]
+		}
+	}
+	return "public", t
+}
+
+// eventTables lists the tables of the delete events.
+func eventTables(events []*event.Event) []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, e := range events {
+		if t := e.QualifiedTable(); !seen[t] {
+			seen[t] = true
+			out = append(out, t)
+		}
+	}
+	return out
+}
