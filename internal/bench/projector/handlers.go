@@ -24,17 +24,25 @@ import (
 // second (from the projector's start to the last delivery done) beside the
 // apply rate of the same run, their ratio (target >= 0.8), and the apply
 // rate with the handler against the one without (target: at most 15% less).
-func (e *env) handlersRound(ctx context.Context, round int, source string, n int64, tables []string, without float64, out map[string][]float64) error {
+//
+// With e.revalidate (revalidate.go) the handlers revalidate every delivery
+// against the source before sending it; the figures are named
+// projector.handlers.revalidate.*. It returns the delivery rate.
+func (e *env) handlersRound(ctx context.Context, round int, source string, n int64, tables []string, without float64, out map[string][]float64) (float64, error) {
 	suffix := e.suffix
 	defer func() { e.suffix, e.afterArchive, e.beforeStart = suffix, nil, nil }()
+	prefix := "projector.handlers."
+	if e.revalidate {
+		prefix += "revalidate."
+	}
 	record := func(figure string, v float64, unit string) {
-		e.figure("projector.handlers."+figure, v, unit)
-		out["projector.handlers."+figure+"|"+unit] = append(out["projector.handlers."+figure+"|"+unit], v)
+		e.figure(prefix+figure, v, unit)
+		out[prefix+figure+"|"+unit] = append(out[prefix+figure+"|"+unit], v)
 	}
 	var hits atomic.Int64
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return err
+		return 0, err
 	}
 	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
@@ -46,7 +54,7 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 
 	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d", round))
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
 	e.suffix = ".handlers.with" + suffix
@@ -64,7 +72,7 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 			s, tb := splitTable(t)
 			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
 				Kind: handler.KindWebhook, Target: "http://" + ln.Addr().String() + "/hook", MaxAttempts: 5, Backoff: time.Second,
-				ClaimTimeout: time.Minute, Revalidate: false}); err != nil {
+				ClaimTimeout: time.Minute, Revalidate: e.revalidate}); err != nil {
 				return err
 			}
 		}
@@ -80,7 +88,7 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 			}
 			if done >= n {
 				deliveredAt = time.Now()
-				return nil
+				return e.revalidationCost(ctx, url, record)
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries: %d of %d done after 15 minutes", done, n)
@@ -91,7 +99,7 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 	start := time.Now()
 	with, err := e.apply(ctx, url, source, n)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	e.suffix = suffix
 	applyTook := float64(n) / with
@@ -102,7 +110,7 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
 	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
-	return nil
+	return deliveries, nil
 }
 
 func splitTable(t string) (string, string) {

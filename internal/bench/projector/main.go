@@ -77,6 +77,10 @@ type env struct {
 	// beforeStart, when set, runs after the migration, before the
 	// projectors start (handlers.go adds the row handlers).
 	beforeStart func(ctx context.Context, targetURL string) error
+	// revalidate: the row handlers revalidate against sourceURL, the
+	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
+	revalidate bool
+	sourceURL  string
 }
 
 // figure prints a figure of the current round.
@@ -266,7 +270,11 @@ func run(o opts) (err error) {
 			}
 		}
 		if o.handlers {
-			if err := e.handlersRound(ctx, r, "bench", n, eventTables(events), applyRate, snaps); err != nil {
+			plain, err := e.handlersRound(ctx, r, "bench", n, eventTables(events), applyRate, snaps)
+			if err != nil {
+				return err
+			}
+			if err := e.revalidationRound(ctx, r, "bench", n, eventTables(events), applyRate, plain, snaps); err != nil {
 				return err
 			}
 		}
@@ -413,6 +421,9 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		}
 		if e.pageSize > 0 {
 			penv = append(penv, "EPITAPH_BATCH_SIZE="+strconv.Itoa(e.pageSize))
+		}
+		if e.sourceURL != "" {
+			penv = append(penv, "EPITAPH_SOURCE_URL="+e.sourceURL) // the last one counts
 		}
 		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
 		if err != nil {
