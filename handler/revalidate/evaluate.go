@@ -212,8 +212,9 @@ func (e *Evaluator) decideHandler(d delivery) Result {
 
 // decideArchive: is the delivery's own row still in the live archive?
 // Retention keeps rows with open deliveries, so a row gone while its
-// delivery is open was erased when an erasure fence exists (stop_revoked),
-// else removed otherwise (a discard, a version without it: stop_completed).
+// delivery is open was erased when an erasure fence names its table or
+// erased_rows names it (stop_revoked), else removed otherwise (a discard, a
+// version without it: stop_completed).
 func (e *Evaluator) decideArchive(ctx context.Context, d delivery) Result {
 	if d.liveSchema == nil {
 		return Result{Outcome: Defer, Reason: ReasonNoLiveVersion}
@@ -229,15 +230,43 @@ func (e *Evaluator) decideArchive(ctx context.Context, d delivery) Result {
 	switch {
 	case present && !live:
 		return Result{Outcome: StopCompleted, Reason: ReasonRowExpired}
-	case !present && d.erasures:
-		return Result{Outcome: StopRevoked, Reason: ReasonRowErased}
 	case !present:
-		return Result{Outcome: StopCompleted, Reason: ReasonRowRemoved}
+		return e.gone(ctx, d)
 	}
 	if d.groupRows != nil && d.groupMax != nil && d.fingerprint != nil && c.rows == *d.groupRows && c.max == *d.groupMax {
 		return Result{ObservedFingerprint: *d.fingerprint, Path: PathCheap}
 	}
 	return Result{Path: PathFull, current: c}
+}
+
+// erasedSQL: is there an erasure fence for the row's table? The fences
+// hold no values (a keyed hash), so the table is what can be told. And can
+// erased_rows (rows erased with their parent) be asked?
+const erasedSQL = `
+SELECT EXISTS (SELECT 1 FROM epitaph.erasures WHERE schema_name = $1 AND table_name = $2),
+       to_regclass('epitaph.erased_rows') IS NOT NULL`
+
+const erasedRowSQL = `
+SELECT EXISTS (SELECT 1 FROM epitaph.erased_rows WHERE source = $1 AND commit_lsn = $2::pg_lsn AND seq = $3)`
+
+// gone decides for a delivery whose row is no longer in the live archive.
+func (e *Evaluator) gone(ctx context.Context, d delivery) Result {
+	if !d.erasures {
+		return Result{Outcome: StopCompleted, Reason: ReasonRowRemoved}
+	}
+	var fenced, rowsTable bool
+	err := e.db.QueryRow(ctx, erasedSQL, d.schemaName, d.table).Scan(&fenced, &rowsTable)
+	if err == nil && !fenced && rowsTable {
+		err = e.db.QueryRow(ctx, erasedRowSQL, d.source, d.lsn, d.seq).Scan(&fenced)
+	}
+	if err != nil {
+		e.cfg.Logger.Warn("revalidation deferred: erasures unreadable", "delivery", d.id, "err", err)
+		return Result{Outcome: Defer, Reason: ReasonTargetUnreadable}
+	}
+	if fenced {
+		return Result{Outcome: StopRevoked, Reason: ReasonRowErased}
+	}
+	return Result{Outcome: StopCompleted, Reason: ReasonRowRemoved}
 }
 
 // decideSet: the full read, when the cheap pair differed. The set is the

@@ -131,14 +131,25 @@ func TestErasedRowStopsRevoked(t *testing.T) {
 	g := e.newGroup()
 	e.archive(g, 0, 1, "ada")
 	id := e.queue(e.handler, g, 0, 1)
-	// What an erasure does to the archive: a fence in epitaph.erasures
-	// (issue 17), the row removed from every version.
-	e.exec(`CREATE TABLE IF NOT EXISTS epitaph.erasures (id bigserial PRIMARY KEY)`)
+	g2 := e.newGroup()
+	e.archive(g2, 0, 2, "bob")
+	other := e.queue(e.handler, g2, 0, 2)
+	// What an erasure does to the archive (issue 17): a fence in
+	// epitaph.erasures naming the table (never the values), the row removed
+	// from every version.
+	e.exec(`CREATE TABLE IF NOT EXISTS epitaph.erasures (id bigserial PRIMARY KEY, schema_name text NOT NULL, table_name text NOT NULL)`)
+	e.exec(`INSERT INTO epitaph.erasures (schema_name, table_name) VALUES ('public', 'elsewhere')`)
 	e.exec(`DELETE FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, g.lsn)
 	res := e.evaluate(id)
+	require.Equal(t, revalidate.StopCompleted, res.Outcome, "a fence of another table erased nothing here")
+	require.Equal(t, revalidate.ReasonRowRemoved, res.Reason)
+
+	e.exec(`INSERT INTO epitaph.erasures (schema_name, table_name) VALUES ('public', 'customers')`)
+	e.exec(`DELETE FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, g2.lsn)
+	res = e.evaluate(other)
 	require.Equal(t, revalidate.StopRevoked, res.Outcome)
 	require.Equal(t, revalidate.ReasonRowErased, res.Reason)
-	require.Equal(t, "stop_revoked", e.delivery(`id = $1`, id).Outcome)
+	require.Equal(t, "stop_revoked", e.delivery(`id = $1`, other).Outcome)
 }
 
 func TestRevokedHandlerStopsRevoked(t *testing.T) {
