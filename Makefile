@@ -15,7 +15,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-handlers bench-revalidate clean
+.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-handlers bench-revalidate bench-retention clean
 
 all: build
 
@@ -76,6 +76,9 @@ bench-handlers:
 ## bench-revalidate: revalidation per delivery (cheap path, full read) and the dispatcher's delivery rate with it off and on.
 bench-revalidate:
 	$(GO) run ./internal/bench/revalidate
+## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup, erasure by --match.
+bench-retention:
+	$(GO) run ./internal/bench/retention
 
 clean:
 	rm -rf $(BIN) .demo .bench

@@ -25,7 +25,8 @@ import (
 //     its stream and object store (the JetStream API, $O.>);
 //   - projector: consumes (creates, reads and deletes its consumers, fetches
 //     and acknowledges), reads stream information, messages and the object
-//     store; it cannot publish to epitaph.> or write objects.
+//     store, securely deletes messages (projector erase --purge-stream); it
+//     cannot publish to epitaph.> or write objects.
 //
 // The keys live in Dir and are made on the first start, so every restart
 // keeps the same identities; the users' credentials are Dir/capture.creds
@@ -94,6 +95,9 @@ func ProjectorPermissions() jwt.Permissions {
 				"$JS.API.STREAM.NAMES",
 				"$JS.API.STREAM.LIST",
 				"$JS.API.STREAM.MSG.GET.*",
+				// projector erase --purge-stream: secure deletes of erased
+				// rows' messages and their objects' chunks (issue 17).
+				"$JS.API.STREAM.MSG.DELETE.*",
 				"$JS.API.DIRECT.GET.>",
 				"$JS.API.CONSUMER.>", // create, info, delete its consumers; fetch (MSG.NEXT)
 				"$JS.ACK.>",          // acknowledge what it applied

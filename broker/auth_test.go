@@ -175,10 +175,17 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	_, err = obs.PutBytes(ctx, "big", bytes.Repeat([]byte("s"), 300_000))
 	require.NoError(t, err, "an object put again")
 
+	// projector erase --purge-stream: it may securely delete a message.
+	ack, err := cjs.Publish(ctx, "epitaph.main.0.delete.public.items", []byte(`{"v":1,"op":"delete"}`))
+	require.NoError(t, err)
+	require.NoError(t, pstream.SecureDeleteMsg(ctx, ack.Sequence))
+	_, err = stream.GetMsg(ctx, ack.Sequence)
+	require.ErrorIs(t, err, jetstream.ErrMsgNotFound)
+
 	info, err := stream.Info(ctx)
 	require.NoError(t, err)
 	require.Equal(t, uint64(1), info.State.Msgs, "only the capture's message is in the stream")
-	msg, err = stream.GetMsg(ctx, info.State.LastSeq)
+	msg, err = stream.GetMsg(ctx, 1)
 	require.NoError(t, err)
 	require.Equal(t, `{"v":1,"op":"commit"}`, string(msg.Data))
 	_, err = obs.GetInfo(ctx, "forged")

@@ -1,15 +1,10 @@
 package capture
 
 import (
-	"bytes"
 	"encoding/json"
-	"fmt"
-	"strconv"
-	"strings"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/rowsql"
 )
 
 // RestoreSQL builds the INSERT that puts a deleted row back from its event
@@ -17,139 +12,13 @@ import (
 // type as the event names it, `$n::text::<type>`, so the restored row is
 // equal to the deleted one by row::text. Only the columns present in the
 // row are inserted (a key-identity event carries its key columns only), and
-// never a generated one.
-// For an event with RowRef, set e.Row to the object's bytes first.
-// The column types come from the event, so they are checked to be type
-// names (identifiers, typmods, array brackets) and nothing else.
-func RestoreSQL(e *event.Event) (string, []any, error) {
-	if e.Op != event.OpDelete {
-		return "", nil, fmt.Errorf("restore: %s event has no row", e.Op)
-	}
-	if len(e.Row) == 0 {
-		return "", nil, fmt.Errorf("restore %s: the row is not in the event (row_ref: read the object first)", e.QualifiedTable())
-	}
-	values, order, err := objectFields(e.Row)
-	if err != nil {
-		return "", nil, fmt.Errorf("restore %s: %w", e.QualifiedTable(), err)
-	}
-	types := make(map[string]string, len(e.Columns))
-	generated := map[string]bool{}
-	for _, c := range e.Columns {
-		types[c.Name] = c.Type
-		generated[c.Name] = c.Generated
-	}
-	var cols, vals []string
-	var args []any
-	for _, name := range order {
-		if generated[name] {
-			continue // the server computes it (and refuses a value)
-		}
-		typ, ok := types[name]
-		if !ok {
-			return "", nil, fmt.Errorf("restore %s: column %q has no type in the event", e.QualifiedTable(), name)
-		}
-		if err := checkTypeName(typ); err != nil {
-			return "", nil, fmt.Errorf("restore %s: column %q: %w", e.QualifiedTable(), name, err)
-		}
-		text, notNull, err := ValueText(values[name])
-		if err != nil {
-			return "", nil, fmt.Errorf("restore %s: column %q: %w", e.QualifiedTable(), name, err)
-		}
-		cols = append(cols, pgx.Identifier{name}.Sanitize())
-		args = append(args, nil)
-		if notNull {
-			args[len(args)-1] = text
-		}
-		vals = append(vals, "$"+strconv.Itoa(len(args))+"::text::"+typ)
-	}
-	sql := "INSERT INTO " + pgx.Identifier{e.Schema, e.Table}.Sanitize() +
-		" (" + strings.Join(cols, ", ") + ") OVERRIDING SYSTEM VALUE VALUES (" + strings.Join(vals, ", ") + ")"
-	return sql, args, nil
-}
+// never a generated one. For an event with RowRef, set e.Row to the
+// object's bytes first. See rowsql.InsertSQL, which `projector restore`
+// shares.
+func RestoreSQL(e *event.Event) (string, []any, error) { return rowsql.InsertSQL(e) }
 
-// objectFields splits a JSON object into its raw member values, keeping
-// the member order.
 func objectFields(b json.RawMessage) (map[string]json.RawMessage, []string, error) {
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.UseNumber()
-	tok, err := dec.Token()
-	if err != nil || tok != json.Delim('{') {
-		return nil, nil, fmt.Errorf("row is not a JSON object")
-	}
-	out := map[string]json.RawMessage{}
-	var order []string
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return nil, nil, fmt.Errorf("row: %w", err)
-		}
-		name, ok := tok.(string)
-		if !ok {
-			return nil, nil, fmt.Errorf("row: member name expected")
-		}
-		var v json.RawMessage
-		if err := dec.Decode(&v); err != nil {
-			return nil, nil, fmt.Errorf("row: member %q: %w", name, err)
-		}
-		if _, dup := out[name]; !dup {
-			order = append(order, name)
-		}
-		out[name] = v
-	}
-	return out, order, nil
+	return rowsql.ObjectFields(b)
 }
 
-// checkTypeName accepts what format_type produces: words, quoted
-// identifiers, dots, typmods of digits and commas in parentheses, and
-// array brackets.
-func checkTypeName(t string) error {
-	bad := fmt.Errorf("type %q is not a type name", t)
-	if t == "" {
-		return bad
-	}
-	for i := 0; i < len(t); i++ {
-		c := t[i]
-		switch {
-		case c == '"':
-			j := i + 1
-			for {
-				if j >= len(t) {
-					return bad
-				}
-				if t[j] == '"' {
-					if j+1 < len(t) && t[j+1] == '"' {
-						j += 2
-						continue
-					}
-					break
-				}
-				if t[j] == 0 {
-					return bad
-				}
-				j++
-			}
-			i = j
-		case c == '(':
-			j := strings.IndexByte(t[i:], ')')
-			if j < 0 {
-				return bad
-			}
-			for _, d := range t[i+1 : i+j] {
-				if (d < '0' || d > '9') && d != ',' && d != ' ' && d != '-' {
-					return bad
-				}
-			}
-			i += j
-		case c == '[':
-			if i+1 >= len(t) || t[i+1] != ']' {
-				return bad
-			}
-			i++
-		case c == '.' || c == ' ' || c == '_' || c == '$' ||
-			(c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'):
-		default:
-			return bad
-		}
-	}
-	return nil
-}
+func checkTypeName(t string) error { return rowsql.CheckTypeName(t) }

@@ -2,9 +2,10 @@ package capture
 
 import (
 	"encoding/json"
-	"fmt"
 	"regexp"
 	"unicode/utf8"
+
+	"github.com/epitaph-dev/epitaph/internal/rowsql"
 )
 
 var identRE = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
@@ -166,25 +167,5 @@ func appendString(dst []byte, b []byte) []byte {
 }
 
 // ValueText returns the Postgres text form of one JSON value of a row
-// event, and false for JSON null. It is the inverse of the capture's
-// encoding: numbers and jsonb keep their exact JSON text, booleans become
-// "true"/"false" (both accepted by every boolean input), strings are
-// unquoted.
-func ValueText(v json.RawMessage) (string, bool, error) {
-	if len(v) == 0 {
-		return "", false, fmt.Errorf("empty value")
-	}
-	switch v[0] {
-	case 'n':
-		if string(v) == "null" {
-			return "", false, nil
-		}
-	case '"':
-		var out string
-		if err := json.Unmarshal(v, &out); err != nil {
-			return "", false, fmt.Errorf("decode string value: %w", err)
-		}
-		return out, true, nil
-	}
-	return string(v), true, nil
-}
+// event, and false for JSON null (see rowsql.ValueText).
+func ValueText(v json.RawMessage) (string, bool, error) { return rowsql.ValueText(v) }

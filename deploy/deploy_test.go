@@ -79,6 +79,11 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_delivery_stale_settles_total", nil},
 	{"epitaph_delivery_revalidations_total", []string{"handler", "outcome"}},
 	{"epitaph_delivery_revalidation_set_checks_total", []string{"path"}},
+	{"epitaph_projector_rows_expired_total", []string{"table"}},
+	{"epitaph_projector_expired_oldest_seconds", nil},
+	{"epitaph_projector_cleanup_errors_total", nil},
+	{"epitaph_projector_cleanup_batch_size", nil},
+	{"epitaph_projector_fenced_rows_total", []string{"projection", "version"}},
 }
 
 // scrapeLabels are added to every series by Prometheus (job, instance) or by

@@ -40,6 +40,8 @@ var absentUntilProvoked = map[string]string{
 	"epitaph_projector_delivery_dead_letters_total":         "only after a delivery went dead",
 	"epitaph_delivery_revalidations_total":                  "only after a delivery was revalidated",
 	"epitaph_delivery_revalidation_set_checks_total":        "only after a delivery was revalidated",
+	"epitaph_projector_rows_expired_total":                  "only after retention cleanup deleted expired rows",
+	"epitaph_projector_fenced_rows_total":                   "only after an erasure fenced a row being applied",
 }
 
 // TestAlertRulesOnARunningSystem runs the real capture and projector
@@ -406,6 +408,8 @@ var emptyOnAHealthySystem = map[string]string{
 	"Deliveries by handler and state":    "no row handler is configured",
 	"Oldest pending delivery":            "no row handler is configured",
 	"Delivery attempts and dead letters": "no row handler is configured (the reclaim counters alone do show)",
+	"Expired rows deleted":               "nothing expired (the counter has no series yet)",
+	"Rows kept out by erasure fences":    "nothing was erased (the counter has no series yet)",
 }
 
 // checkDashboardQueries runs every query of the dashboard, as Grafana would

@@ -129,11 +129,14 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 	}
 
 	var err error
-	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, false)
-	for errors.Is(err, errCareful) {
+	careful := false
+	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, careful)
+	for errors.Is(err, errCareful) || errors.Is(err, errFencesChanged) {
 		// Something in the page is rejected: apply again, isolating it
-		// (again when hold mode holds more rows behind it: hold.go).
-		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, true)
+		// (again when hold mode holds more rows behind it: hold.go). Or
+		// an erasure was recorded meanwhile: apply again with its fence.
+		careful = careful || errors.Is(err, errCareful)
+		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, careful)
 	}
 	if err == nil {
 		res.open = after
@@ -210,10 +213,21 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	if err != nil {
 		return res, err
 	}
+	// Erased rows are never archived again (fence.go): the page is
+	// filtered by the fences of erasure counter "fenced"; an insert that
+	// reads another counter makes it apply again.
+	var fenced int64
+	if ins, fenced, err = s.unfenced(ctx, v, ins); err != nil {
+		return res, err
+	}
+	seen := fenced
 	// Rows, set-based; a rejected row is isolated by bisection.
 	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
-		inserted, err := insertRowsCounted(ctx, sp, v.Schema, part)
+		inserted, epoch, err := insertRowsCounted(ctx, sp, v.Schema, part)
+		if err == nil && epoch != fenced {
+			seen = epoch
+		}
 		if err != nil || len(inserted) == 0 {
 			return err
 		}
@@ -239,6 +253,10 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		r.item.category, r.item.failure = string(cat), err
 		return nil
 	})
+	if err == nil && seen != fenced {
+		s.fences.saw(seen)
+		err = errFencesChanged
+	}
 	if err == nil {
 		err = hold.holdAfter(items)
 	}

@@ -33,6 +33,12 @@ func ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
 // a column of its foreign key, or whose would-be parents' images lack the
 // referenced columns (and no other parent is known).
 //
+// text_values keeps, only for the columns where storing the row as jsonb
+// changes a value, the event's exact text of it (see textValues): with
+// columns (the event's column types) it makes the archived row restore to
+// the deleted one, equal by row::text, without the stream. NULL for almost
+// every row.
+//
 // verified is false while the row's transaction has not been verified
 // against its signed commit (a transaction spanning pages, applied before
 // its commit arrives); archive.rows shows only verified rows, so readers
@@ -64,6 +70,8 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
+-- erase --match and hold --match: JSON containment on the row (erase.go).
+CREATE INDEX IF NOT EXISTS rows_row_match_idx ON ` + s + `.rows USING gin (row jsonb_path_ops);
 DO $$ BEGIN
     -- Not ALTER TABLE .. IF NOT EXISTS: that takes an exclusive lock even
     -- when the column exists, and this runs whenever version states change
@@ -71,6 +79,10 @@ DO $$ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
                    AND attname = 'verified' AND NOT attisdropped) THEN
         ALTER TABLE ` + s + `.rows ADD COLUMN verified boolean NOT NULL DEFAULT true;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = ` + pgquote.Literal(s+".rows") + `::regclass
+                   AND attname = 'text_values' AND NOT attisdropped) THEN
+        ALTER TABLE ` + s + `.rows ADD COLUMN text_values jsonb;
     END IF;
 END $$;
 ` + gapsDDL(s)
@@ -127,11 +139,19 @@ func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
 		}
 		comment := fmt.Sprintf("live version: %s. Check archive.status before trusting an empty result.", schema)
 		query := `SELECT * FROM ` + ident(schema, table)
-		if table == "rows" {
-			// trust.go: rows of unverified transactions stay invisible. The
-			// comment says so, so a view made before is re-pointed once.
-			query += ` WHERE verified`
-			comment = fmt.Sprintf("live version: %s (verified transactions only). Check archive.status before trusting an empty result.", schema)
+		switch table {
+		case "rows":
+			// trust.go: rows of unverified transactions stay invisible;
+			// retention.go: expired rows are hidden at once, also while a
+			// hold or an open delivery keeps them. The comment says so, so a
+			// view made before is re-pointed once.
+			query += ` WHERE verified AND (expires_at IS NULL OR expires_at > now())`
+			comment = fmt.Sprintf("live version: %s (verified, unexpired rows only). Check archive.status before trusting an empty result.", schema)
+		case "snapshots":
+			// A document expires with its root row.
+			query = `SELECT s.* FROM ` + ident(schema, table) + ` s WHERE NOT EXISTS (SELECT 1 FROM ` + ident(schema, "rows") +
+				` r WHERE r.source = s.source AND r.commit_lsn = s.commit_lsn AND r.seq = s.root_seq AND r.expires_at <= now())`
+			comment = fmt.Sprintf("live version: %s (documents of unexpired roots only). Check archive.status before trusting an empty result.", schema)
 		}
 		current, err := viewCurrent(ctx, tx, ident(ReaderSchema, table), comment, ident(schema, table))
 		if err != nil {
@@ -217,18 +237,21 @@ type archiveRow struct {
 const insertRowsSQL = `
 WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
-                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
+                     commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
-       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified,
+       u.text_values::jsonb
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
             $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[],
-            $16::boolean[])
+            $16::boolean[], $17::text[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
-          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified)
+          commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
 ON CONFLICT (source, commit_lsn, seq) DO NOTHING
 RETURNING correlation_id, archived_at, verified
 )
-SELECT correlation_id, count(*), max(archived_at) FROM ins WHERE verified GROUP BY correlation_id`
+SELECT correlation_id, count(*), max(archived_at) FROM ins WHERE verified GROUP BY correlation_id
+UNION ALL
+SELECT NULL, epitaph.erasure_epoch(), NULL` // fence.go: the erasure counter, read under the erasure lock
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -242,7 +265,7 @@ func nullableJSON(b json.RawMessage) *string {
 // distinct correlation ids of the verified rows actually inserted. Idempotent: a row
 // already archived (same source, commit_lsn, seq) is left as it is.
 func insertRows(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]string, error) {
-	inserted, err := insertRowsCounted(ctx, tx, schema, rows)
+	inserted, _, err := insertRowsCounted(ctx, tx, schema, rows)
 	if err != nil {
 		return nil, err
 	}
@@ -263,12 +286,14 @@ type insertedTx struct {
 
 // insertRowsCounted is insertRows saying, per transaction, how many
 // verified rows were actually inserted and with which archived_at (rows
-// of transactions not verified yet are not counted).
-func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]insertedTx, error) {
+// of transactions not verified yet are not counted), and the erasure
+// counter the statement read (fence.go).
+func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]insertedTx, int64, error) {
 	n := len(rows)
 	var (
 		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 		keys, images, refs, cols                      = make([]*string, n), make([]*string, n), make([]*string, n), make([]*string, n)
+		texts                                         = make([]*string, n)
 		xids                                          = make([]int64, n)
 		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
 		seqs                                          = make([]int32, n)
@@ -280,7 +305,7 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 		e := r.ev
 		sources[i], schemas[i], tables[i], idents[i] = e.Source, e.Schema, e.Table, e.Identity
 		corrs[i], lsns[i], xids[i], seqs[i] = e.CorrelationID(), e.CommitLSN.String(), e.XID, int32(e.Seq)
-		keys[i], images[i] = nullableJSON(e.Key), nullableJSON(r.row)
+		keys[i], images[i], texts[i] = nullableJSON(e.Key), nullableJSON(r.row), textValues(r.row)
 		if !e.CommitTime.IsZero() {
 			t := e.CommitTime
 			times[i] = &t
@@ -290,26 +315,40 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 		verified[i] = !r.pending
 		var err error
 		if refs[i], err = enc.refs(e.Refs); err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		if cols[i], err = enc.columns(e.Columns); err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 	}
 	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified)
+		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts)
 	if err != nil {
-		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
-	// The statement returns each transaction once (not a row per row).
-	inserted, err := pgx.CollectRows(res, func(r pgx.CollectableRow) (insertedTx, error) {
+	// The statement returns each transaction once (not a row per row),
+	// and one row without a transaction: the erasure counter.
+	var epoch int64
+	var inserted []insertedTx
+	for res.Next() {
 		var t insertedTx
-		return t, r.Scan(&t.correlationID, &t.rows, &t.archivedAt)
-	})
-	if err != nil {
-		return nil, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+		var corr *string
+		var at *time.Time
+		if err := res.Scan(&corr, &t.rows, &at); err != nil {
+			res.Close()
+			return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+		}
+		if corr == nil {
+			epoch = int64(t.rows)
+			continue
+		}
+		t.correlationID, t.archivedAt = *corr, *at
+		inserted = append(inserted, t)
 	}
-	return inserted, nil
+	if err := res.Err(); err != nil {
+		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+	}
+	return inserted, epoch, nil
 }
 
 // schemaEncoder encodes the refs and columns of rows as JSON, reusing the

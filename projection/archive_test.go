@@ -27,7 +27,7 @@ func testArchiveRowsRootsAndExpiry(t *testing.T, batch int) {
 	e := newEnv(t, 4)
 	cfg := e.config("w1")
 	cfg.BatchSize = batch
-	cfg.ArchiveTTL = map[string]time.Duration{"public.order_lines": 24 * time.Hour, "*": 48 * time.Hour, "public.keep": 0}
+	cfg.ArchiveTTL = map[string]time.Duration{"public.order_lines": 24 * 3650 * time.Hour, "*": 48 * 3650 * time.Hour, "public.keep": 0}
 	delete(cfg.ArchiveTTL, "public.keep")
 	s := e.start(cfg)
 
@@ -80,9 +80,9 @@ func testArchiveRowsRootsAndExpiry(t *testing.T, batch int) {
 	require.True(t, g[0].root)
 	for _, x := range g[1:] {
 		require.False(t, x.root, "lines are children of the order deleted with them")
-		require.Equal(t, x.commit.Add(24*time.Hour).UTC(), x.expiry.UTC())
+		require.Equal(t, x.commit.Add(24*3650*time.Hour).UTC(), x.expiry.UTC())
 	}
-	require.Equal(t, g[0].commit.Add(48*time.Hour).UTC(), g[0].expiry.UTC(), "* applies to other tables")
+	require.Equal(t, g[0].commit.Add(48*3650*time.Hour).UTC(), g[0].expiry.UTC(), "* applies to other tables")
 	require.Equal(t, event.CorrelationID(src, t1.xid, t1.lsn), g[0].corr)
 	require.True(t, g[0].commit.Equal(t1.time))
 

@@ -52,6 +52,14 @@ type Config struct {
 	// long archived rows are kept: expires_at = commit_time + TTL. A table
 	// with no entry (and no "*") is kept forever (expires_at NULL).
 	ArchiveTTL map[string]time.Duration
+	// CleanupInterval is how often the retention worker (retention.go)
+	// looks for expired rows when the last batch was not full; default
+	// 10s, negative: no retention worker in this process.
+	CleanupInterval time.Duration
+	// CleanupBatch is the retention worker's first batch size (it adapts);
+	// CleanupTimeout its statement timeout (default 10s).
+	CleanupBatch   int
+	CleanupTimeout time.Duration
 	// SnapshotRoots are the "schema.table" root tables of snapshot
 	// documents; empty = no snapshots.
 	SnapshotRoots []string

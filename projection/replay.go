@@ -73,12 +73,24 @@ func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 				t := ev.CommitTime.Add(d)
 				r.expiresAt = &t
 			}
-			inserted, err := insertRows(ctx, tx, schema, []*archiveRow{r})
+			// An erased row is not archived again (fence.go).
+			keep, _, fenced, err := (&fenceSet{}).filter(ctx, tx, []*archiveRow{r})
+			if err != nil || len(keep) == 0 {
+				return err
+			}
+			counted, epoch, err := insertRowsCounted(ctx, tx, schema, keep)
 			if err != nil {
 				return err
 			}
-			if len(inserted) == 0 {
+			if epoch != fenced {
+				return errFencesChanged // an erasure meanwhile: replay again
+			}
+			if len(counted) == 0 {
 				return nil
+			}
+			inserted := make([]string, len(counted))
+			for i, t := range counted {
+				inserted[i] = t.correlationID
 			}
 			var committed bool
 			err = tx.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s.rows

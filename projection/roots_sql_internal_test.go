@@ -7,10 +7,12 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/migrations"
 )
 
 // randomTx is a transaction of random rows of a small schema with single,
@@ -61,6 +63,10 @@ func TestMarkRootsSQLMatchesMemory(t *testing.T) {
 	conn, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	defer conn.Close(ctx)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, migrations.Apply(ctx, pool)) // the insert reads the erasure counter (fence.go)
 	schema := ArchiveSchema(1)
 	_, err = conn.Exec(ctx, archiveDDL(schema))
 	require.NoError(t, err)

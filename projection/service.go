@@ -56,6 +56,10 @@ type Service struct {
 	// (handlers.go).
 	handlers *handler.Cache
 
+	fences    *fenceSet         // erasure fences (fence.go)
+	retention *retentionMetrics // retention.go
+	cleaner   *Cleaner          // retention.go; nil when disabled
+
 	mu         sync.Mutex
 	closing    bool
 	workers    map[progress.Key]*partitionWorker
@@ -94,6 +98,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	}
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
+	s.fences, s.retention = &fenceSet{}, newRetentionMetrics(o.registry)
 	s.createJobs, s.extraDDL = snapshotHooks()
 	return s, nil
 }
@@ -183,6 +188,12 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		s.pool.Close()
 		return fmt.Errorf("snapshot batcher: %w", err)
 	}
+	if err := s.startCleaner(hard); err != nil {
+		s.batcher.Stop(context.WithoutCancel(hard)) //nolint:errcheck // already failing
+		s.nc.Close()
+		s.pool.Close()
+		return err
+	}
 	go s.run(soft, hard)
 	return nil
 }
@@ -229,6 +240,11 @@ func (s *Service) stopPartitions() []progress.Lease {
 func (s *Service) shutdown(ctx context.Context, leases []progress.Lease) {
 	if err := s.batcher.Stop(ctx); err != nil {
 		s.log.Debug("snapshot batcher stopped hard", "err", err)
+	}
+	if s.cleaner != nil {
+		if err := s.cleaner.Stop(ctx); err != nil {
+			s.log.Debug("retention cleanup stopped hard", "err", err)
+		}
 	}
 	if ctx.Err() == nil {
 		c, cancel := context.WithTimeout(ctx, 5*time.Second)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"net"
 	"strings"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/readapi"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -32,6 +34,8 @@ type runOptions struct {
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
 	sourceURL                                   string
+	cleanupInterval, cleanupTimeout             time.Duration
+	cleanupBatch                                int
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -42,7 +46,13 @@ func runCommand(env *Env) *cobra.Command {
 		Long: `run is a projector worker: it leases partitions of every projection version,
 applies their events to the target and serves /metrics, /livez, /readyz,
 /healthz, /status and the status page at / on --metrics-addr. Run as many as
-you like: partitions are spread by leases held in the target.`,
+you like: partitions are spread by leases held in the target.
+
+The same address serves the read API for support tools: GET /v1/rows,
+/v1/transactions/{correlation_id} and /v1/snapshots (see the README). With
+--http-token-file every read API request needs "Authorization: Bearer
+<token>"; the token is required when --metrics-addr is not a loopback
+address (run refuses to start without it).`,
 		Example: `  EPITAPH_TARGET_URL=postgres://epitaph@archive:5432/archive projector run
   projector run --snapshot-roots public.orders --archive-ttl 'public.sessions=720h,*=8760h'`,
 		Args: cli.NoArgs,
@@ -55,7 +65,7 @@ you like: partitions are spread by leases held in the target.`,
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
 	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", 15*time.Second, "partition lease TTL", cli.Positive())
 	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
-	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token (not world-readable) that the HTTP actions require: the status page's quarantine replay/discard; without it they answer 401")
+	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token (not world-readable) that the HTTP actions and the read API require: the status page's quarantine replay/discard (without it they answer 401) and /v1/... (without it open, allowed on a loopback --metrics-addr only)")
 	f.Int(&o.batch, "batch-size", "EPITAPH_BATCH_SIZE", projection.MaxBatchSize, "events per applied page", cli.Min(1), cli.Max(projection.MaxBatchSize))
 	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", 0.5, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
 	f.Bool(&o.hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false, "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied")
@@ -66,6 +76,9 @@ you like: partitions are spread by leases held in the target.`,
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
 	sourceURLFlag(f, &o.sourceURL)
+	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
+	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
+	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -86,6 +99,9 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		if token, err = httptoken.Load(o.tokenFile); err != nil {
 			return cli.Usage("%w", err)
 		}
+	} else if o.metrics != "" && !loopback(o.metrics) {
+		// The read API serves deleted rows to whoever reaches the address.
+		return cli.Usage("--metrics-addr %s is not a loopback address: the read API needs --http-token-file (EPITAPH_HTTP_TOKEN_FILE)", o.metrics)
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -96,6 +112,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
+		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -138,6 +155,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
+	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {
@@ -171,6 +189,15 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	return svc.Wait()
 }
 
+// cleanupInterval maps --cleanup-interval 0 (disabled) to the config's
+// negative interval.
+func cleanupInterval(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
+}
+
 // stopTimeout bounds the soft stop on a signal; past it the stop turns
 // hard (pages in flight roll back). Below the grace period of
 // deploy/kubernetes/projector.yaml (60s).
@@ -185,4 +212,17 @@ func splitList(s string) []string {
 		}
 	}
 	return out
+}
+
+// loopback reports whether addr (host:port) listens on loopback only.
+func loopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

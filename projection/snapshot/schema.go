@@ -70,6 +70,8 @@ CREATE INDEX IF NOT EXISTS snapshots_pending_since ON %[1]s.snapshots (pending_s
 CREATE INDEX IF NOT EXISTS snapshots_failed ON %[1]s.snapshots (id)
 	WHERE status = 'failed';
 CREATE INDEX IF NOT EXISTS snapshots_tx ON %[1]s.snapshots (source, commit_lsn);
+-- The read API's GET /v1/snapshots?table=&key= (a root's snapshots).
+CREATE INDEX IF NOT EXISTS snapshots_root_idx ON %[1]s.snapshots (root_table, root_key);
 `
 
 // DDL returns the idempotent statements that create <schema>.snapshots and

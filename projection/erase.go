@@ -1,0 +1,480 @@
+package projection
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
+)
+
+// erasureLockKey is the advisory lock epitaph.erasure_epoch() takes shared
+// in every apply's insert statement ("erasure!" in ASCII).
+const erasureLockKey int64 = 7310012293695300897
+
+// EraseOptions is one "projector erase".
+type EraseOptions struct {
+	// Table is "schema.table".
+	Table string
+	// Key (exact key) or Match (top-level columns equal, JSON containment
+	// on the row image): exactly one.
+	Key, Match json.RawMessage
+	// WithChildren also erases the rows of the same source transaction that
+	// reference an erased row by the events' foreign keys, transitively.
+	WithChildren bool
+	Reason       string
+	// Actor is who erases (the CLI defaults it to the OS user).
+	Actor string
+	// PurgeStream is recorded on the receipt; the stream purge itself is
+	// PurgeStream (erase_stream.go), run after Erase.
+	PurgeStream bool
+	// LockTimeout bounds the wait for applies in flight; default 60s.
+	LockTimeout time.Duration
+	// IgnoreHolds erases rows under a legal hold too (otherwise Erase
+	// fails with ErrHeld and changes nothing).
+	IgnoreHolds bool
+}
+
+// Receipt is one erasure (a row of epitaph.erasures): what was removed
+// where and how many, never the data.
+type Receipt struct {
+	ID           int64          `json:"id"`
+	Table        string         `json:"table"`
+	Mode         string         `json:"mode"`
+	Columns      []string       `json:"columns"`
+	WithChildren bool           `json:"with_children"`
+	PurgeStream  bool           `json:"purge_stream"`
+	Reason       *string        `json:"reason"`
+	Actor        string         `json:"actor"`
+	Runs         int            `json:"runs"`
+	Removed      map[string]int `json:"removed"`
+	CreatedAt    time.Time      `json:"created_at"`
+	UpdatedAt    time.Time      `json:"updated_at"`
+	CompletedAt  *time.Time     `json:"completed_at"`
+}
+
+// ErrBadSelector is a usage error of Erase and AddLegalHold.
+var ErrBadSelector = errors.New("bad selector")
+
+// selector checks table and exactly one of key and match.
+func selector(table string, key, match json.RawMessage) (schema, name, mode string, sel json.RawMessage, cols []string, err error) {
+	schema, name, ok := strings.Cut(table, ".")
+	if !ok || schema == "" || name == "" || strings.Contains(name, ".") {
+		return "", "", "", nil, nil, fmt.Errorf("%w: --table %q: want schema.table", ErrBadSelector, table)
+	}
+	switch {
+	case len(key) > 0 && len(match) > 0, len(key) == 0 && len(match) == 0:
+		return "", "", "", nil, nil, fmt.Errorf("%w: give exactly one of --key JSON and --match JSON", ErrBadSelector)
+	case len(key) > 0:
+		mode, sel = EraseByKey, key
+	default:
+		mode, sel = EraseByMatch, match
+	}
+	cols, err = selectorColumns(mode, sel)
+	if err != nil {
+		return "", "", "", nil, nil, fmt.Errorf("%w: %w", ErrBadSelector, err)
+	}
+	return schema, name, mode, sel, cols, nil
+}
+
+// Erase records the erasure's fence (or finds it: erasing again is a no-op
+// that counts a run) and then, in one transaction under the erasure lock,
+// removes the matching rows (and with WithChildren their children) from
+// every version's archive, the snapshot documents rooted at them (other
+// documents of their transactions are rebuilt without them), the payloads
+// of their quarantine entries (the entries stay, discarded, as audit) and
+// of their deliveries (pending work stops as stop_revoked). Applies in
+// flight finish first; later ones see the fence (fence.go).
+func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt, error) {
+	schema, name, mode, sel, cols, err := selector(opts.Table, opts.Key, opts.Match)
+	if err != nil {
+		return Receipt{}, err
+	}
+	if opts.Actor == "" {
+		return Receipt{}, fmt.Errorf("%w: an erasure needs an actor", ErrBadSelector)
+	}
+	if opts.LockTimeout <= 0 {
+		opts.LockTimeout = time.Minute
+	}
+	var key []byte
+	if err := pool.QueryRow(ctx, `SELECT key FROM epitaph.erasure_secret`).Scan(&key); err != nil {
+		return Receipt{}, fmt.Errorf("read erasure key: %w", err)
+	}
+	digest, _ := rowDigest(key, opts.Table, mode, cols, sel)
+	var reason *string
+	if opts.Reason != "" {
+		reason = &opts.Reason
+	}
+	if !opts.IgnoreHolds {
+		if err := refuseHeld(ctx, pool, schema, name, mode, sel); err != nil {
+			return Receipt{}, err
+		}
+	}
+	// 1. The fence, committed before anything is removed: an apply that
+	// starts from here on skips the rows.
+	var id int64
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, `
+			INSERT INTO epitaph.erasures (schema_name, table_name, mode, columns, digest, with_children, purge_stream, reason, actor)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+			ON CONFLICT ON CONSTRAINT erasures_once DO UPDATE
+			   SET runs = erasures.runs + 1, updated_at = now(), actor = EXCLUDED.actor,
+			       reason = COALESCE(EXCLUDED.reason, erasures.reason),
+			       with_children = erasures.with_children OR EXCLUDED.with_children,
+			       purge_stream = erasures.purge_stream OR EXCLUDED.purge_stream
+			RETURNING id`, schema, name, mode, cols, digest, opts.WithChildren, opts.PurgeStream, reason, opts.Actor).Scan(&id)
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `UPDATE epitaph.erasure_epoch SET epoch = epoch + 1`)
+		return err
+	})
+	if err != nil {
+		return Receipt{}, fmt.Errorf("record erasure fence: %w", err)
+	}
+	// 2. The removal, under the erasure lock taken exclusively: it waits
+	// for every apply that took it shared (their rows are then visible
+	// here), and applies after it see the new counter.
+	var removed map[string]int
+	for attempt := 1; ; attempt++ {
+		removed = map[string]int{}
+		err = eraseOnce(ctx, pool, opts, id, key, schema, name, mode, sel, cols, digest, removed)
+		var pg *pgconn.PgError
+		if attempt < 5 && errors.As(err, &pg) && pg.Code == "40P01" {
+			continue // a deadlock with an apply (which retries too): again
+		}
+		break
+	}
+	if err != nil {
+		return Receipt{}, fmt.Errorf("erase from %s (erasure %d recorded; run erase again to finish): %w", opts.Table, id, err)
+	}
+	return GetErasure(ctx, pool, id)
+}
+
+// eraseOnce is the removal of Erase, in one transaction.
+func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id int64, key []byte, schema, name, mode string,
+	sel json.RawMessage, cols []string, digest string, removed map[string]int) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = %d`, opts.LockTimeout.Milliseconds())); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, erasureLockKey); err != nil {
+			return fmt.Errorf("wait for applies in flight: %w", err)
+		}
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0`); err != nil {
+			return err
+		}
+		ids, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
+		if err != nil {
+			return err
+		}
+		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
+			return err
+		}
+		if err := eraseQuarantine(ctx, tx, key, opts.Table, mode, cols, digest, ids, removed); err != nil {
+			return err
+		}
+		if len(ids) > 0 {
+			// erased_rows changed: the workers reload their fences.
+			if _, err := tx.Exec(ctx, `UPDATE epitaph.erasure_epoch SET epoch = epoch + 1`); err != nil {
+				return err
+			}
+		}
+		b, err := json.Marshal(removed)
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `
+			UPDATE epitaph.erasures SET removed = (SELECT COALESCE(jsonb_object_agg(k, COALESCE((removed->>k)::int, 0) + v::int), '{}')
+			                                       FROM jsonb_each_text($2::jsonb) AS x(k, v)) || (removed - ARRAY(SELECT jsonb_object_keys($2::jsonb))),
+			       completed_at = now(), updated_at = now()
+			WHERE id = $1`, id, string(b))
+		return err
+	})
+}
+
+// ErrHeld: a legal hold covers a row the erasure would remove.
+var ErrHeld = errors.New("a legal hold covers rows to erase")
+
+// refuseHeld fails with ErrHeld when a matched row of any version is
+// under a legal hold (the rows it would take as children are not checked).
+func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode string, sel json.RawMessage) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("check legal holds: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read only
+	vss, err := allVersionSchemas(ctx, tx)
+	if err != nil {
+		return err
+	}
+	cond := `r.key = $3::jsonb`
+	if mode == EraseByMatch {
+		cond = `r.row @> $3::jsonb`
+	}
+	for _, vs := range vss {
+		var hold *int64
+		err := tx.QueryRow(ctx, `SELECT min(h.id) FROM `+ident(vs.schema, "rows")+` r JOIN epitaph.legal_holds h
+			ON h.schema_name = r.schema_name AND h.table_name = r.table_name AND (h.key = r.key OR r.row @> h.match)
+			WHERE r.schema_name = $1 AND r.table_name = $2 AND `+cond, schema, name, string(sel)).Scan(&hold)
+		if err != nil {
+			return fmt.Errorf("check legal holds: %w", err)
+		}
+		if hold != nil {
+			return fmt.Errorf("%w: hold %d (projector hold list); nothing was erased (remove the hold first, or erase with --ignore-holds)", ErrHeld, *hold)
+		}
+	}
+	return nil
+}
+
+// eraseRowsSQL deletes the rows matched ($3: key or match) of one version,
+// with their children when $4, records their identities as erased and
+// deletes the snapshot documents rooted at them.
+const eraseRowsSQL = `
+WITH RECURSIVE hit AS (
+    SELECT r.source, r.commit_lsn, r.seq, r.schema_name, r.table_name, r.row
+    FROM %[1]s r
+    WHERE r.schema_name = $1 AND r.table_name = $2 AND %[3]s
+  UNION
+    SELECT c.source, c.commit_lsn, c.seq, c.schema_name, c.table_name, c.row
+    FROM hit p JOIN %[1]s c ON c.source = p.source AND c.commit_lsn = p.commit_lsn
+    WHERE $4 AND jsonb_typeof(c.refs) = 'array' AND EXISTS (
+        SELECT 1 FROM jsonb_array_elements(c.refs) f
+        WHERE f->>'schema' = p.schema_name AND f->>'table' = p.table_name
+          AND (SELECT jsonb_agg(c.row -> x ORDER BY o) FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS a(x, o))
+            = (SELECT jsonb_agg(p.row -> y ORDER BY o) FROM jsonb_array_elements_text(f->'ref_columns') WITH ORDINALITY AS b(y, o)))
+), del AS (
+    DELETE FROM %[1]s r USING hit h
+    WHERE r.source = h.source AND r.commit_lsn = h.commit_lsn AND r.seq = h.seq
+    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name || '.' || r.table_name AS tbl
+), fenced AS (
+    INSERT INTO epitaph.erased_rows (source, commit_lsn, seq, erasure_id)
+    SELECT source, commit_lsn, seq, $5 FROM del
+    ON CONFLICT DO NOTHING
+)%[2]s
+SELECT source, commit_lsn::text, seq, correlation_id, tbl, %[4]s FROM del`
+
+const eraseSnapshotsSQL = `, docs AS (
+    DELETE FROM %[1]s s USING del d
+    WHERE s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
+    RETURNING 1
+)`
+
+// eraseVersions removes the matched rows from every version of the archive
+// and returns their identities.
+func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode string, sel json.RawMessage,
+	withChildren bool, removed map[string]int) ([]rowIdentity, error) {
+	vss, err := allVersionSchemas(ctx, tx)
+	if err != nil {
+		return nil, err
+	}
+	cond := `r.key = $3::jsonb`
+	if mode == EraseByMatch {
+		cond = `r.row @> $3::jsonb`
+	}
+	seen := map[rowIdentity]bool{}
+	var ids []rowIdentity
+	for _, vs := range vss {
+		extra, docs := "", "0"
+		if vs.snapshots {
+			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, ident(vs.schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
+		}
+		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, ident(vs.schema, "rows"), extra, cond, docs),
+			schema, name, string(sel), withChildren, id)
+		if err != nil {
+			return nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+		}
+		var r rowIdentity
+		var lsn, corr, tbl string
+		var ndocs int
+		corrs := map[string]bool{}
+		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &ndocs}, func() error {
+			l, err := event.ParseLSN(lsn)
+			if err != nil {
+				return err
+			}
+			r.lsn = l
+			removed[vs.schema+".rows"]++
+			removed["rows:"+tbl]++
+			removed[vs.schema+".snapshots"] = max(removed[vs.schema+".snapshots"], ndocs)
+			corrs[corr] = true
+			if !seen[r] {
+				seen[r] = true
+				ids = append(ids, r)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+		}
+		if vs.snapshots && len(corrs) > 0 {
+			list := make([]string, 0, len(corrs))
+			for c := range corrs {
+				list = append(list, c)
+			}
+			// The other documents of these transactions: rebuilt without
+			// the erased rows (their payload is cleared at once).
+			n, err := snapshot.Invalidate(ctx, tx, vs.schema, list)
+			if err != nil {
+				return nil, err
+			}
+			removed[vs.schema+".snapshots_rebuilt"] += n
+		}
+		if removed[vs.schema+".snapshots"] == 0 {
+			delete(removed, vs.schema+".snapshots")
+		}
+	}
+	return ids, nil
+}
+
+// allVersionSchemas are the archive schemas of every version of every
+// projection that has a rows table.
+func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]versionSchema, error) {
+	rows, err := tx.Query(ctx, `
+		SELECT DISTINCT schema_name, to_regclass(quote_ident(schema_name) || '.snapshots') IS NOT NULL
+		FROM epitaph.projection_versions
+		WHERE to_regclass(quote_ident(schema_name) || '.rows') IS NOT NULL
+		ORDER BY 1`)
+	if err != nil {
+		return nil, fmt.Errorf("list version schemas: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (versionSchema, error) {
+		var v versionSchema
+		return v, r.Scan(&v.schema, &v.snapshots)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list version schemas: %w", err)
+	}
+	return out, nil
+}
+
+func identityArrays(ids []rowIdentity) (sources, lsns []string, seqs []int32) {
+	for _, r := range ids {
+		sources, lsns, seqs = append(sources, r.source), append(lsns, r.lsn.String()), append(seqs, int32(r.seq))
+	}
+	return sources, lsns, seqs
+}
+
+// eraseDeliveries stops the open deliveries of the erased rows as
+// stop_revoked and clears the key and payload of all of them.
+func eraseDeliveries(ctx context.Context, tx pgx.Tx, ids []rowIdentity, removed map[string]int) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	sources, lsns, seqs := identityArrays(ids)
+	tag, err := tx.Exec(ctx, `
+		UPDATE epitaph.deliveries d
+		   SET state = CASE WHEN d.state IN ('pending', 'in_flight') THEN 'stopped' ELSE d.state END,
+		       outcome = CASE WHEN d.state IN ('pending', 'in_flight') THEN 'stop_revoked' ELSE d.outcome END,
+		       settled_at = CASE WHEN d.state IN ('pending', 'in_flight') THEN now() ELSE d.settled_at END,
+		       claim_token = NULL, claim_expires_at = NULL,
+		       key = NULL, payload = NULL, payload_scrubbed_at = COALESCE(d.payload_scrubbed_at, now()), updated_at = now()
+		  FROM unnest($1::text[], $2::pg_lsn[], $3::int[]) AS e(source, commit_lsn, seq)
+		 WHERE d.source = e.source AND d.commit_lsn = e.commit_lsn AND d.seq = e.seq`, sources, lsns, seqs)
+	if err != nil {
+		return fmt.Errorf("erase deliveries: %w", err)
+	}
+	if tag.RowsAffected() > 0 {
+		removed["epitaph.deliveries"] += int(tag.RowsAffected())
+	}
+	return nil
+}
+
+// eraseQuarantine clears the message (data, headers, source key) of every
+// quarantine entry about an erased row: an event of a fenced row or with an
+// erased identity. The entry stays, discarded, as the audit record.
+func eraseQuarantine(ctx context.Context, tx pgx.Tx, key []byte, table, mode string, cols []string, digest string,
+	ids []rowIdentity, removed map[string]int) error {
+	erased := map[rowIdentity]bool{}
+	for _, r := range ids {
+		erased[r] = true
+	}
+	rows, err := tx.Query(ctx, `SELECT id, data FROM epitaph.quarantine WHERE length(data) > 0`)
+	if err != nil {
+		return fmt.Errorf("read quarantine: %w", err)
+	}
+	var hit []int64
+	var qid int64
+	var data []byte
+	_, err = pgx.ForEachRow(rows, []any{&qid, &data}, func() error {
+		e, err := event.Decode(data)
+		if err != nil || e.Op != event.OpDelete {
+			return nil // not a row: nothing of it to match
+		}
+		obj := e.Row
+		if mode == EraseByKey {
+			obj = e.Key
+		}
+		d, ok := rowDigest(key, table, mode, cols, obj)
+		if (ok && d == digest && e.QualifiedTable() == table) || erased[rowIdentity{e.Source, e.CommitLSN, e.Seq}] {
+			hit = append(hit, qid)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read quarantine: %w", err)
+	}
+	if len(hit) == 0 {
+		return nil
+	}
+	tag, err := tx.Exec(ctx, `
+		UPDATE epitaph.quarantine
+		   SET data = ''::bytea, headers = '{}', source_key = NULL,
+		       status = CASE WHEN status = 'open' THEN 'discarded' ELSE status END,
+		       resolved_at = COALESCE(resolved_at, now()),
+		       resolution_reason = CASE WHEN status = 'open' THEN 'erased' ELSE resolution_reason END
+		 WHERE id = ANY($1)`, hit)
+	if err != nil {
+		return fmt.Errorf("erase quarantine payloads: %w", err)
+	}
+	removed["epitaph.quarantine"] += int(tag.RowsAffected())
+	return nil
+}
+
+const receiptColumns = `id, schema_name || '.' || table_name, mode, columns, with_children, purge_stream, reason, actor, runs,
+       removed, created_at, updated_at, completed_at`
+
+func scanReceipt(r pgx.CollectableRow) (Receipt, error) {
+	var x Receipt
+	err := r.Scan(&x.ID, &x.Table, &x.Mode, &x.Columns, &x.WithChildren, &x.PurgeStream, &x.Reason, &x.Actor, &x.Runs,
+		&x.Removed, &x.CreatedAt, &x.UpdatedAt, &x.CompletedAt)
+	return x, err
+}
+
+// GetErasure returns one receipt.
+func GetErasure(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}, id int64) (Receipt, error) {
+	rows, err := db.Query(ctx, `SELECT `+receiptColumns+` FROM epitaph.erasures WHERE id = $1`, id)
+	if err != nil {
+		return Receipt{}, fmt.Errorf("read erasure %d: %w", id, err)
+	}
+	r, err := pgx.CollectExactlyOneRow(rows, scanReceipt)
+	if err != nil {
+		return Receipt{}, fmt.Errorf("read erasure %d: %w", id, err)
+	}
+	return r, nil
+}
+
+// ListErasures returns every receipt, oldest first.
+func ListErasures(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}) ([]Receipt, error) {
+	rows, err := db.Query(ctx, `SELECT `+receiptColumns+` FROM epitaph.erasures ORDER BY id`)
+	if err != nil {
+		return nil, fmt.Errorf("list erasures: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, scanReceipt)
+	if err != nil {
+		return nil, fmt.Errorf("list erasures: %w", err)
+	}
+	return out, nil
+}

@@ -1,0 +1,250 @@
+package projection
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// ErrStreamDeniesDeletes: the stream (deny_delete) or the credentials
+// refuse message deletes; --purge-stream cannot be done.
+var ErrStreamDeniesDeletes = errors.New("the stream refuses message deletes")
+
+// CheckStreamDeletes fails with ErrStreamDeniesDeletes when the source's
+// stream is configured to deny deletes.
+func CheckStreamDeletes(ctx context.Context, js jetstream.JetStream, source string) error {
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
+	}
+	if stream.CachedInfo().Config.DenyDelete {
+		return fmt.Errorf("%w: stream %s has deny_delete set (nothing was erased)", ErrStreamDeniesDeletes, event.StreamName(source))
+	}
+	return nil
+}
+
+// PurgeStream securely deletes (JetStream's secure delete: the message is
+// overwritten on disk) from the source's stream every delete event of a
+// row erasure id covers (its fence, the rows it erased, and with children
+// their children in the same transaction), with the objects of large rows
+// (their meta and chunk messages in the object store's stream), then reads
+// back to check they are gone and records the counts on the receipt.
+// Idempotent: a second run finds nothing.
+func PurgeStream(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, id int64) (Receipt, error) {
+	if err := CheckStreamDeletes(ctx, js, source); err != nil {
+		return Receipt{}, err
+	}
+	fs := &fenceSet{}
+	var table string
+	var fc fence
+	err := pool.QueryRow(ctx, `SELECT schema_name || '.' || table_name, mode, columns, digest, with_children, (SELECT key FROM epitaph.erasure_secret)
+		FROM epitaph.erasures WHERE id = $1`, id).Scan(&table, &fc.mode, &fc.columns, &fc.digest, &fc.withChildren, &fs.key)
+	if err != nil {
+		return Receipt{}, fmt.Errorf("read erasure %d: %w", id, err)
+	}
+	fs.byTable = map[string][]fence{table: {fc}}
+	fs.rows = map[rowIdentity]bool{}
+	rows, err := pool.Query(ctx, `SELECT source, commit_lsn::text, seq FROM epitaph.erased_rows WHERE erasure_id = $1`, id)
+	if err != nil {
+		return Receipt{}, fmt.Errorf("read erased rows: %w", err)
+	}
+	var r rowIdentity
+	var lsn string
+	if _, err := pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq}, func() error {
+		l, err := event.ParseLSN(lsn)
+		r.lsn = l
+		fs.rows[r] = true
+		return err
+	}); err != nil {
+		return Receipt{}, fmt.Errorf("read erased rows: %w", err)
+	}
+	seqs, objects, err := matchingMessages(ctx, js, source, fs)
+	if err != nil {
+		return Receipt{}, err
+	}
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return Receipt{}, fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
+	}
+	for _, seq := range seqs {
+		if err := stream.SecureDeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return Receipt{}, deleteRefused(event.StreamName(source), err)
+		}
+	}
+	nobj := 0
+	for _, ref := range objects {
+		n, err := purgeObject(ctx, js, ref)
+		if err != nil {
+			return Receipt{}, err
+		}
+		nobj += n
+	}
+	// Read back.
+	for _, seq := range seqs {
+		if _, err := stream.GetMsg(ctx, seq); !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return Receipt{}, fmt.Errorf("stream message %d still readable after its secure delete (%v)", seq, err)
+		}
+	}
+	b, err := json.Marshal(map[string]int{"stream:" + event.StreamName(source): len(seqs), "objects": nobj})
+	if err != nil {
+		return Receipt{}, err
+	}
+	if _, err := pool.Exec(ctx, `UPDATE epitaph.erasures SET removed = removed || (SELECT jsonb_object_agg(k, COALESCE((removed->>k)::int, 0) + v::int)
+		FROM jsonb_each_text($2::jsonb) AS x(k, v)), purge_stream = true, updated_at = now() WHERE id = $1`, id, string(b)); err != nil {
+		return Receipt{}, fmt.Errorf("record stream purge: %w", err)
+	}
+	return GetErasure(ctx, pool, id)
+}
+
+func deleteRefused(stream string, err error) error {
+	if strings.Contains(strings.ToLower(err.Error()), "permission") || errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount) {
+		return fmt.Errorf("%w: %s: the credentials may not delete messages (allow $JS.API.STREAM.MSG.DELETE.%s): %w", ErrStreamDeniesDeletes, stream, stream, err)
+	}
+	return fmt.Errorf("securely delete from %s: %w", stream, err)
+}
+
+// matchingMessages reads every delete event of the source's stream and
+// returns the sequences of those fs fences (and the objects they point at).
+func matchingMessages(ctx context.Context, js jetstream.JetStream, source string, fs *fenceSet) ([]uint64, []*event.ObjectRef, error) {
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return nil, nil, fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
+	}
+	last := stream.CachedInfo().State.LastSeq
+	if last == 0 {
+		return nil, nil, nil
+	}
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{event.SubjectPrefix + "." + source + ".*.delete.>"}})
+	if err != nil {
+		return nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
+	}
+	var seqs []uint64
+	var objects []*event.ObjectRef
+	parents := map[event.LSN][]*archiveRow{}
+	for {
+		batch, cancel, err := fetchBatch(ctx, cons, 500)
+		if err != nil {
+			return nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
+		}
+		n := 0
+		var seen uint64
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				continue
+			}
+			seen = md.Sequence.Stream
+			e, err := event.Decode(m.Data())
+			if err != nil || e.Op != event.OpDelete {
+				continue
+			}
+			ar := &archiveRow{ev: e, row: e.Row}
+			fenced, children := fs.fenced(ar)
+			if !fenced && referencesAny(ar, parents[e.CommitLSN]) {
+				fenced, children = true, true
+			}
+			if !fenced {
+				continue
+			}
+			seqs = append(seqs, seen)
+			if e.RowRef != nil {
+				objects = append(objects, e.RowRef)
+			}
+			if children {
+				parents[e.CommitLSN] = append(parents[e.CommitLSN], ar)
+			}
+		}
+		cancel()
+		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
+			return nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
+		}
+		if n == 0 || seen >= last {
+			return seqs, objects, nil
+		}
+	}
+}
+
+// purgeObject securely deletes an object's chunks and meta message from
+// the object store's stream and checks it is gone.
+func purgeObject(ctx context.Context, js jetstream.JetStream, ref *event.ObjectRef) (int, error) {
+	obs, err := js.ObjectStore(ctx, ref.Bucket)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("open object bucket %s: %w", ref.Bucket, err)
+	}
+	info, err := obs.GetInfo(ctx, ref.Name)
+	if errors.Is(err, jetstream.ErrObjectNotFound) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("object %s/%s: %w", ref.Bucket, ref.Name, err)
+	}
+	stream, err := js.Stream(ctx, "OBJ_"+ref.Bucket)
+	if err != nil {
+		return 0, fmt.Errorf("object stream of %s: %w", ref.Bucket, err)
+	}
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{fmt.Sprintf("$O.%s.C.%s", ref.Bucket, info.NUID)}})
+	if err != nil {
+		return 0, fmt.Errorf("read object %s/%s: %w", ref.Bucket, ref.Name, err)
+	}
+	var seqs []uint64
+	for uint32(len(seqs)) < info.Chunks {
+		batch, cancel, err := fetchBatch(ctx, cons, 100)
+		if err != nil {
+			return 0, fmt.Errorf("read object %s/%s: %w", ref.Bucket, ref.Name, err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			if md, err := m.Metadata(); err == nil {
+				seqs = append(seqs, md.Sequence.Stream)
+			}
+		}
+		cancel()
+		if n == 0 {
+			break
+		}
+	}
+	meta, err := stream.GetLastMsgForSubject(ctx, fmt.Sprintf("$O.%s.M.%s", ref.Bucket, base64.URLEncoding.EncodeToString([]byte(ref.Name))))
+	if err != nil {
+		return 0, fmt.Errorf("object %s/%s meta: %w", ref.Bucket, ref.Name, err)
+	}
+	for _, seq := range append(seqs, meta.Sequence) {
+		if err := stream.SecureDeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return 0, deleteRefused("OBJ_"+ref.Bucket, err)
+		}
+	}
+	if _, err := obs.GetInfo(ctx, ref.Name); !errors.Is(err, jetstream.ErrObjectNotFound) {
+		return 0, fmt.Errorf("object %s/%s still readable after its secure delete (%v)", ref.Bucket, ref.Name, err)
+	}
+	return 1, nil
+}
+
+// fetchBatch fetches up to n messages, waiting at most 2s; cancel ends the
+// fetch's context (call it once the batch is read), so nats.go's fetch
+// goroutine never outlives it.
+func fetchBatch(ctx context.Context, cons jetstream.Consumer, n int) (jetstream.MessageBatch, context.CancelFunc, error) {
+	fctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	batch, err := cons.Fetch(n, jetstream.FetchContext(fctx))
+	if err != nil {
+		cancel()
+		return nil, nil, err
+	}
+	return batch, cancel, nil
+}

@@ -1,0 +1,101 @@
+package projection
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// LegalHold keeps the archived rows it covers past their expires_at
+// (retention.go): the rows of Table whose key equals Key, or whose row
+// contains Match. Not to be confused with hold mode (hold.go), which keeps
+// later events of a quarantined row back.
+type LegalHold struct {
+	ID        int64           `json:"id"`
+	Table     string          `json:"table"`
+	Key       json.RawMessage `json:"key,omitempty"`
+	Match     json.RawMessage `json:"match,omitempty"`
+	Reason    string          `json:"reason"`
+	CreatedBy string          `json:"created_by"`
+	CreatedAt time.Time       `json:"created_at"`
+}
+
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+func nullRaw(b json.RawMessage) *string {
+	if len(b) == 0 {
+		return nil
+	}
+	s := string(b)
+	return &s
+}
+
+// AddLegalHold records a hold (exactly one of key and match) and returns it.
+func AddLegalHold(ctx context.Context, db querier, table string, key, match json.RawMessage, reason, actor string) (LegalHold, error) {
+	schema, name, _, _, _, err := selector(table, key, match)
+	if err != nil {
+		return LegalHold{}, err
+	}
+	if reason == "" {
+		return LegalHold{}, fmt.Errorf("%w: a legal hold needs --reason TEXT", ErrBadSelector)
+	}
+	rows, err := db.Query(ctx, `
+		INSERT INTO epitaph.legal_holds (schema_name, table_name, key, match, reason, created_by)
+		VALUES ($1, $2, $3::jsonb, $4::jsonb, $5, $6)
+		RETURNING `+holdColumns, schema, name, nullRaw(key), nullRaw(match), reason, actor)
+	if err != nil {
+		return LegalHold{}, fmt.Errorf("add legal hold: %w", err)
+	}
+	h, err := pgx.CollectExactlyOneRow(rows, scanHold)
+	if err != nil {
+		return LegalHold{}, fmt.Errorf("add legal hold: %w", err)
+	}
+	return h, nil
+}
+
+const holdColumns = `id, schema_name || '.' || table_name, key::text, match::text, reason, created_by, created_at`
+
+func scanHold(r pgx.CollectableRow) (LegalHold, error) {
+	var h LegalHold
+	var key, match *string
+	err := r.Scan(&h.ID, &h.Table, &key, &match, &h.Reason, &h.CreatedBy, &h.CreatedAt)
+	if key != nil {
+		h.Key = json.RawMessage(*key)
+	}
+	if match != nil {
+		h.Match = json.RawMessage(*match)
+	}
+	return h, err
+}
+
+// ListLegalHolds returns every hold, oldest first.
+func ListLegalHolds(ctx context.Context, db querier) ([]LegalHold, error) {
+	rows, err := db.Query(ctx, `SELECT `+holdColumns+` FROM epitaph.legal_holds ORDER BY id`)
+	if err != nil {
+		return nil, fmt.Errorf("list legal holds: %w", err)
+	}
+	hs, err := pgx.CollectRows(rows, scanHold)
+	if err != nil {
+		return nil, fmt.Errorf("list legal holds: %w", err)
+	}
+	return hs, nil
+}
+
+// RemoveLegalHold deletes a hold; false when there is none with that id.
+// Its rows expire with the next cleanup batch.
+func RemoveLegalHold(ctx context.Context, db querier, id int64) (bool, error) {
+	rows, err := db.Query(ctx, `DELETE FROM epitaph.legal_holds WHERE id = $1 RETURNING id`, id)
+	if err != nil {
+		return false, fmt.Errorf("remove legal hold %d: %w", id, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return false, fmt.Errorf("remove legal hold %d: %w", id, err)
+	}
+	return len(ids) > 0, nil
+}

@@ -1,0 +1,383 @@
+package projection
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/internal/startstop"
+	"github.com/epitaph-dev/epitaph/quarantine"
+)
+
+// Retention (DESIGN section 7): rows past expires_at are hidden from
+// archive.rows at once (the view filters them, PointViews) and deleted here,
+// in bounded batches, from every version of the archive. A row is kept
+// (hidden, present) while a delivery of it is pending or in flight
+// (epitaph.deliveries) or a legal hold covers it (epitaph.legal_holds).
+// Snapshot documents go with their root row; a snapshot group goes with the
+// last row of its transaction.
+
+// CleanupOptions bound one retention batch.
+type CleanupOptions struct {
+	// Projection whose versions are cleaned; default "archive".
+	Projection string
+	// Batch is the most rows deleted by the batch, over all versions;
+	// default DefaultCleanupBatch, at most MaxCleanupBatch.
+	Batch int
+	// StatementTimeout bounds each statement; default 10s.
+	StatementTimeout time.Duration
+}
+
+// Batch bounds of retention cleanup.
+const (
+	DefaultCleanupBatch = 5000
+	MinCleanupBatch     = 100
+	MaxCleanupBatch     = 100000
+)
+
+// CleanupResult is what one batch did. It never holds row values.
+type CleanupResult struct {
+	// Deleted is the number of archive rows deleted, over all versions.
+	Deleted int `json:"deleted"`
+	// ByTable counts them by "schema.table".
+	ByTable map[string]int `json:"by_table"`
+	// ByVersion counts them by version schema.
+	ByVersion map[string]int `json:"by_version"`
+	// Snapshots and Groups are the snapshot documents (jobs) and snapshot
+	// groups pruned with their rows.
+	Snapshots int `json:"snapshots"`
+	Groups    int `json:"groups"`
+	// Statements is how many SQL statements deleted rows (one per version
+	// with expired rows, each bounded by the batch).
+	Statements int `json:"statements"`
+	// Full: the batch deleted as many rows as it could; more may be due.
+	Full bool `json:"full"`
+	// OldestDue is the expires_at of the oldest row still expired, present
+	// and deletable (not held, no open delivery) after the batch; nil: none.
+	OldestDue *time.Time    `json:"oldest_due"`
+	Duration  time.Duration `json:"duration_ns"`
+}
+
+const cleanupSQL = `
+WITH victims AS (
+    SELECT r.source, r.commit_lsn, r.seq FROM %[1]s r
+    WHERE r.expires_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
+                      WHERE d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
+                        AND d.state IN ('pending', 'in_flight'))
+      AND NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
+                      WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
+                        AND (h.key = r.key OR r.row @> h.match))
+    ORDER BY r.expires_at
+    LIMIT $1
+    FOR UPDATE OF r SKIP LOCKED
+), del AS (
+    DELETE FROM %[1]s r USING victims v
+    WHERE r.source = v.source AND r.commit_lsn = v.commit_lsn AND r.seq = v.seq
+    RETURNING r.source, r.commit_lsn, r.seq, r.schema_name, r.table_name
+)%[2]s
+SELECT schema_name || '.' || table_name, count(*)::int, %[3]s FROM del GROUP BY 1`
+
+// cleanupSnapshotsSQL prunes, in the same statement, the documents rooted
+// at deleted rows and the groups of transactions left without rows.
+const cleanupSnapshotsSQL = `, snaps AS (
+    DELETE FROM %[1]s s USING del d
+    WHERE s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
+    RETURNING 1
+), groups AS (
+    DELETE FROM %[2]s g
+    WHERE (g.source, g.commit_lsn) IN (SELECT source, commit_lsn FROM del)
+      AND NOT EXISTS (SELECT 1 FROM %[3]s r WHERE r.source = g.source AND r.commit_lsn = g.commit_lsn
+                      AND NOT EXISTS (SELECT 1 FROM del x WHERE x.source = r.source AND x.commit_lsn = r.commit_lsn AND x.seq = r.seq))
+    RETURNING 1
+)`
+
+const oldestDueSQL = `
+SELECT r.expires_at FROM %[1]s r
+WHERE r.expires_at <= now()
+  AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
+                  WHERE d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
+                    AND d.state IN ('pending', 'in_flight'))
+  AND NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
+                  WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
+                    AND (h.key = r.key OR r.row @> h.match))
+ORDER BY r.expires_at LIMIT 1`
+
+// CleanupBatch runs one retention batch and returns: it deletes at most
+// opts.Batch expired rows (oldest first) over every version of the
+// projection whose archive exists, with the snapshots and groups that go
+// with them, each version in one statement under the statement timeout.
+// Rows locked by a concurrent batch are skipped, so several projectors can
+// clean at once. It is the whole of "projector cleanup"; the projector's
+// Cleaner calls it in a loop.
+func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) (CleanupResult, error) {
+	start := time.Now()
+	if opts.Projection == "" {
+		opts.Projection = ArchiveProjection
+	}
+	if opts.Batch <= 0 {
+		opts.Batch = DefaultCleanupBatch
+	}
+	opts.Batch = min(opts.Batch, MaxCleanupBatch)
+	if opts.StatementTimeout <= 0 {
+		opts.StatementTimeout = 10 * time.Second
+	}
+	res := CleanupResult{ByTable: map[string]int{}, ByVersion: map[string]int{}}
+	schemas, err := versionSchemas(ctx, pool, opts.Projection)
+	if err != nil {
+		return res, err
+	}
+	budget := opts.Batch
+	for _, vs := range schemas {
+		if budget == 0 {
+			break
+		}
+		n, err := cleanupVersion(ctx, pool, vs, budget, opts.StatementTimeout, &res)
+		if err != nil {
+			return res, err
+		}
+		budget -= n
+	}
+	res.Full = budget == 0
+	for _, vs := range schemas {
+		var t *time.Time
+		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, ident(vs.schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return res, fmt.Errorf("oldest expired row of %s: %w", vs.schema, err)
+		}
+		if t != nil && (res.OldestDue == nil || t.Before(*res.OldestDue)) {
+			res.OldestDue = t
+		}
+	}
+	res.Duration = time.Since(start)
+	return res, nil
+}
+
+type versionSchema struct {
+	schema    string
+	snapshots bool
+}
+
+// versionSchemas are the schemas of every version of projection whose
+// rows table exists (retired ones included: every version's rows expire).
+func versionSchemas(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}, projection string) ([]versionSchema, error) {
+	rows, err := db.Query(ctx, `
+		SELECT schema_name, to_regclass(quote_ident(schema_name) || '.snapshots') IS NOT NULL
+		FROM epitaph.projection_versions
+		WHERE projection = $1 AND to_regclass(quote_ident(schema_name) || '.rows') IS NOT NULL
+		ORDER BY version`, projection)
+	if err != nil {
+		return nil, fmt.Errorf("list version schemas: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (versionSchema, error) {
+		var v versionSchema
+		return v, r.Scan(&v.schema, &v.snapshots)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list version schemas: %w", err)
+	}
+	return out, nil
+}
+
+func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, error) {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("begin cleanup of %s: %w", vs.schema, err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after commit, a no-op
+	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL statement_timeout = %d`, timeout.Milliseconds())); err != nil {
+		return 0, fmt.Errorf("cleanup of %s: %w", vs.schema, err)
+	}
+	extra, counts := "", "0, 0"
+	if vs.snapshots {
+		extra = fmt.Sprintf(cleanupSnapshotsSQL, ident(vs.schema, "snapshots"), ident(vs.schema, "snapshot_groups"), ident(vs.schema, "rows"))
+		counts = "(SELECT count(*)::int FROM snaps), (SELECT count(*)::int FROM groups)"
+	}
+	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, ident(vs.schema, "rows"), extra, counts), limit)
+	if err != nil {
+		return 0, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
+	}
+	res.Statements++
+	total := 0
+	var table string
+	var n, snaps, groups int
+	_, err = pgx.ForEachRow(rows, []any{&table, &n, &snaps, &groups}, func() error {
+		res.ByTable[table] += n
+		total += n
+		res.Snapshots, res.Groups = max(res.Snapshots, snaps), max(res.Groups, groups)
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, fmt.Errorf("commit cleanup of %s: %w", vs.schema, err)
+	}
+	if total > 0 {
+		res.ByVersion[vs.schema] += total
+	}
+	res.Deleted += total
+	return total, nil
+}
+
+// retentionMetrics are the cleanup's and the fences' metrics.
+type retentionMetrics struct {
+	expired   *prometheus.CounterVec
+	oldestDue prometheus.Gauge
+	errors    prometheus.Counter
+	batch     prometheus.Gauge
+	fenced    *prometheus.CounterVec
+}
+
+func newRetentionMetrics(reg prometheus.Registerer) *retentionMetrics {
+	m := &retentionMetrics{
+		expired: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_rows_expired_total",
+			Help: "Archive rows deleted by retention cleanup (every version), by source table."}, []string{"table"}),
+		oldestDue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_projector_expired_oldest_seconds",
+			Help: "Age past expires_at of the oldest archive row that is expired, deletable (not held, no open delivery) and still present; 0 when none."}),
+		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_projector_cleanup_errors_total",
+			Help: "Retention cleanup batches that failed."}),
+		batch: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_projector_cleanup_batch_size",
+			Help: "The retention cleanup's current batch size (adapted to how long batches take)."}),
+		fenced: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_fenced_rows_total",
+			Help: "Rows not archived because an erasure fences them, by projection version."}, []string{"projection", "version"}),
+	}
+	reg.MustRegister(m.expired, m.oldestDue, m.errors, m.batch, m.fenced)
+	return m
+}
+
+// CleanerConfig configures the retention worker of a projector.
+type CleanerConfig struct {
+	Projection string
+	// Interval between batches while nothing is due; default 10s. A full
+	// batch is followed by the next at once.
+	Interval time.Duration
+	// Batch is the first batch size (default DefaultCleanupBatch); it
+	// adapts between MinCleanupBatch and MaxCleanupBatch so that a batch
+	// takes about a quarter of StatementTimeout.
+	Batch            int
+	StatementTimeout time.Duration
+	Logger           *slog.Logger
+}
+
+// Cleaner runs retention batches in the background (internal/startstop).
+type Cleaner struct {
+	pool  *pgxpool.Pool
+	cfg   CleanerConfig
+	m     *retentionMetrics
+	batch int
+	ss    startstop.Base
+}
+
+func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cleaner {
+	if cfg.Interval <= 0 {
+		cfg.Interval = 10 * time.Second
+	}
+	if cfg.StatementTimeout <= 0 {
+		cfg.StatementTimeout = 10 * time.Second
+	}
+	if cfg.Batch <= 0 {
+		cfg.Batch = DefaultCleanupBatch
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Cleaner{pool: pool, cfg: cfg, m: m, batch: min(max(cfg.Batch, MinCleanupBatch), MaxCleanupBatch)}
+}
+
+// startCleaner starts the service's retention worker unless disabled.
+func (s *Service) startCleaner(ctx context.Context) error {
+	if s.cfg.CleanupInterval < 0 {
+		return nil
+	}
+	s.cleaner = newCleaner(s.pool, CleanerConfig{Interval: s.cfg.CleanupInterval, Batch: s.cfg.CleanupBatch,
+		StatementTimeout: s.cfg.CleanupTimeout, Logger: s.log}, s.retention)
+	if err := s.cleaner.Start(ctx); err != nil {
+		return fmt.Errorf("retention cleanup: %w", err)
+	}
+	return nil
+}
+
+// Start runs batches until Stop (the batch in flight finishes) or ctx is
+// cancelled (it rolls back).
+func (c *Cleaner) Start(ctx context.Context) error {
+	soft, hard, ok := c.ss.StartInit(ctx)
+	if !ok {
+		return errors.New("retention cleaner already started")
+	}
+	go c.loop(soft, hard)
+	return nil
+}
+
+// Stop is the soft stop (see internal/startstop).
+func (c *Cleaner) Stop(ctx context.Context) error { return c.ss.Stop(ctx) }
+
+// Wait blocks until the cleaner has stopped.
+func (c *Cleaner) Wait() error { return c.ss.Wait() }
+
+func (c *Cleaner) loop(soft, hard context.Context) {
+	defer c.ss.Finish(nil)
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		select {
+		case <-soft.Done():
+			return
+		case <-t.C:
+		}
+		full := c.step(hard)
+		wait := c.cfg.Interval
+		if full {
+			wait = 0
+		}
+		t.Reset(wait)
+	}
+}
+
+// step runs one batch, records it and adapts the batch size; it reports
+// whether more is due at once.
+func (c *Cleaner) step(ctx context.Context) bool {
+	c.m.batch.Set(float64(c.batch))
+	res, err := CleanupBatch(ctx, c.pool, CleanupOptions{Projection: c.cfg.Projection, Batch: c.batch, StatementTimeout: c.cfg.StatementTimeout})
+	if err != nil {
+		if ctx.Err() != nil {
+			return false
+		}
+		c.m.errors.Inc()
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && pg.Code == "57014" { // statement timeout: smaller batches
+			c.batch = max(MinCleanupBatch, c.batch/4)
+		}
+		c.cfg.Logger.Warn("retention cleanup batch failed", "err", quarantine.Sanitize(err), "batch", c.batch)
+		return false
+	}
+	for _, tbl := range slices.Sorted(maps.Keys(res.ByTable)) {
+		c.m.expired.WithLabelValues(tbl).Add(float64(res.ByTable[tbl]))
+	}
+	c.m.oldestDue.Set(0)
+	if res.OldestDue != nil {
+		c.m.oldestDue.Set(max(0, time.Since(*res.OldestDue).Seconds()))
+	}
+	if res.Deleted > 0 {
+		c.cfg.Logger.Info("retention cleanup: expired rows deleted", "rows", res.Deleted, "by_table", res.ByTable,
+			"snapshots", res.Snapshots, "groups", res.Groups, "duration", res.Duration, "batch", c.batch)
+	}
+	target := c.cfg.StatementTimeout / 4
+	switch {
+	case res.Duration > target:
+		c.batch = max(MinCleanupBatch, c.batch/2)
+	case res.Full && res.Duration < target/2:
+		c.batch = min(MaxCleanupBatch, c.batch*2)
+	}
+	return res.Full
+}

@@ -1,0 +1,95 @@
+package readapi
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/epitaph-dev/epitaph/event"
+)
+
+// The lookups, each behind an index of the version tables (the tests
+// EXPLAIN them): rows_table_key_idx, rows_correlation_idx,
+// snapshots_root_idx. Items are to_jsonb of the view's row, so they carry
+// the view's field names.
+const (
+	rowsSQL = `
+SELECT to_jsonb(r)::text, r.commit_lsn::text, r.seq FROM archive.rows r
+WHERE r.schema_name = $1 AND r.table_name = $2 AND r.key = $3::jsonb
+  AND ($4::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($4::pg_lsn, $5::int))
+ORDER BY r.commit_lsn DESC, r.seq DESC
+LIMIT $6`
+	transactionSQL = `
+SELECT to_jsonb(r)::text, r.seq FROM archive.rows r
+WHERE r.correlation_id = $1 AND r.seq > $2
+ORDER BY r.seq
+LIMIT $3`
+	snapshotsSQL = `
+SELECT to_jsonb(s)::text, s.id FROM archive.snapshots s
+WHERE s.root_table = $1 AND s.root_key = $2::jsonb AND ($3::bigint IS NULL OR s.id < $3)
+ORDER BY s.id DESC
+LIMIT $4`
+)
+
+// cursorString and cursorInt read a cursor field (nil when absent).
+func (req *request) cursorString(name string) *string {
+	if s, ok := req.cursor[name].(string); ok {
+		return &s
+	}
+	return nil
+}
+
+func (req *request) cursorInt(name string) *int64 {
+	if f, ok := req.cursor[name].(float64); ok {
+		n := int64(f)
+		return &n
+	}
+	return nil
+}
+
+func (a *api) rows(ctx context.Context, _ *http.Request, req *request) (*page, error) {
+	lsn := req.cursorString("commit_lsn")
+	if lsn != nil {
+		if _, err := event.ParseLSN(*lsn); err != nil {
+			return nil, fail(http.StatusBadRequest, "cursor: not a next_cursor of this API")
+		}
+	}
+	res, err := a.cfg.DB.Query(ctx, rowsSQL, req.schema, req.table, req.key, lsn, req.cursorInt("seq"), req.limit+1)
+	if err != nil {
+		return nil, err
+	}
+	return collect(res, "rows", req.limit, func(v []any) map[string]any {
+		return map[string]any{"commit_lsn": v[1], "seq": v[2]}
+	})
+}
+
+func (a *api) transaction(ctx context.Context, r *http.Request, req *request) (*page, error) {
+	corr := r.PathValue("correlation_id")
+	after := int64(-1)
+	if n := req.cursorInt("seq"); n != nil {
+		after = *n
+	}
+	res, err := a.cfg.DB.Query(ctx, transactionSQL, corr, after, req.limit+1)
+	if err != nil {
+		return nil, err
+	}
+	p, err := collect(res, "rows", req.limit, func(v []any) map[string]any { return map[string]any{"seq": v[1]} })
+	if err != nil {
+		return nil, err
+	}
+	if len(p.items) == 0 && after < 0 {
+		return nil, fail(http.StatusNotFound, "no archived rows of transaction %s (not archived, expired or erased)", corr)
+	}
+	return p, nil
+}
+
+func (a *api) snapshots(ctx context.Context, _ *http.Request, req *request) (*page, error) {
+	res, err := a.cfg.DB.Query(ctx, snapshotsSQL, req.schema+"."+req.table, req.key, req.cursorInt("id"), req.limit+1)
+	var p *page
+	if err == nil {
+		p, err = collect(res, "snapshots", req.limit, func(v []any) map[string]any { return map[string]any{"id": v[1]} })
+	}
+	if undefinedTable(err) {
+		return nil, fail(http.StatusNotFound, "no snapshots: the projector keeps none (--snapshot-roots)")
+	}
+	return p, err
+}

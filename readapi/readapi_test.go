@@ -1,0 +1,277 @@
+package readapi
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/httptoken"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
+
+// env is a live pipeline without the capture: signed events published to
+// JetStream as the capture would, the real projector, its target, and the
+// read API on an httptest server.
+type env struct {
+	t      *testing.T
+	url    string
+	nats   *testenv.NATS
+	js     jetstream.JetStream
+	signer *testenv.Signer
+	pool   *pgxpool.Pool
+	api    *httptest.Server
+	lsn    event.LSN
+}
+
+func setup(t *testing.T, token string) *env {
+	t.Helper()
+	ctx := context.Background()
+	e := &env{t: t, url: testenv.NewDatabase(t), nats: testenv.NewNATS(t), signer: testenv.NewSigner(), lsn: 0x1000000}
+	_, e.js = e.nats.Connect(t)
+	_, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
+		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
+		Metadata: map[string]string{"epitaph.partitions": "1"}})
+	require.NoError(t, err)
+	e.pool, err = pgxpool.New(ctx, e.url)
+	require.NoError(t, err)
+	t.Cleanup(e.pool.Close)
+	mux := http.NewServeMux()
+	cfg := Config{DB: e.pool}
+	if token != "" {
+		file := filepath.Join(t.TempDir(), "token")
+		require.NoError(t, os.WriteFile(file, []byte(token+"\n"), 0o600))
+		cfg.Token, err = httptoken.Load(file)
+		require.NoError(t, err)
+	}
+	Register(mux, cfg)
+	e.api = httptest.NewServer(mux)
+	t.Cleanup(e.api.Close)
+	return e
+}
+
+func (e *env) startProjector() {
+	e.t.Helper()
+	svc, err := projection.New(projection.Config{TargetURL: testenv.NoSearchPath(e.url), NATSURL: e.nats.URL, SourceName: "main",
+		WorkerID: "w1", LeaseTTL: 3 * time.Second, FetchWait: 100 * time.Millisecond, StatusInterval: 200 * time.Millisecond,
+		SnapshotRoots: []string{"public.customers"}},
+		projection.WithLogger(slog.New(slog.DiscardHandler)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(e.t, err)
+	require.NoError(e.t, svc.Start(context.Background()))
+	e.t.Cleanup(func() { require.NoError(e.t, svc.Stop(context.Background())) })
+}
+
+func (e *env) publish(subject, id string, ev *event.Event) {
+	e.t.Helper()
+	b, err := event.Encode(ev)
+	require.NoError(e.t, err)
+	m := nats.NewMsg(subject)
+	m.Data = b
+	m.Header.Set(event.HeaderMsgID, id)
+	e.signer.Sign(m)
+	_, err = e.js.PublishMsg(context.Background(), m)
+	require.NoError(e.t, err)
+}
+
+// deleteTx publishes a transaction deleting customer cust and its orders;
+// it returns its correlation id and commit LSN.
+func (e *env) deleteTx(cust int, orders ...int) (string, event.LSN) {
+	e.t.Helper()
+	e.lsn += 0x100
+	lsn, xid := e.lsn, int64(e.lsn)/16
+	at := time.Date(2026, 11, 24, 9, 0, 0, 0, time.UTC).Add(time.Duration(lsn) * time.Microsecond)
+	row := func(seq int, table, key, image string, refs []event.Ref) {
+		e.publish(event.DeleteSubject("main", 0, "public", table), event.MsgID("main", lsn, seq), &event.Event{
+			Op: event.OpDelete, Source: "main", Schema: "public", Table: table, XID: xid, CommitLSN: lsn, CommitTime: at, Seq: seq,
+			Identity: event.IdentityFull, Key: json.RawMessage(key), Row: json.RawMessage(image), Refs: refs,
+			Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "v", Type: "text"}}})
+	}
+	row(0, "customers", fmt.Sprintf(`{"id":%d}`, cust), fmt.Sprintf(`{"id":%d,"v":"lsn %s"}`, cust, lsn), nil)
+	for i, o := range orders {
+		row(i+1, "orders", fmt.Sprintf(`{"id":%d}`, o), fmt.Sprintf(`{"id":%d,"v":"of %d","customer_id":%d}`, o, cust, cust),
+			[]event.Ref{{Columns: []string{"customer_id"}, Schema: "public", Table: "customers", RefColumns: []string{"id"}}})
+	}
+	e.publish(event.CommitSubject("main", 0), event.CommitMsgID("main", lsn), &event.Event{
+		Op: event.OpCommit, Source: "main", XID: xid, CommitLSN: lsn, CommitTime: at, Rows: 1 + len(orders),
+		Tables: map[string]int{"public.customers": 1, "public.orders": len(orders)}})
+	return event.CorrelationID("main", xid, lsn), lsn
+}
+
+// answer is one response of the read API.
+type answer struct {
+	status       int
+	state        string
+	completeUpTo string
+	body         map[string]json.RawMessage
+}
+
+func (e *env) get(path string, header ...string) answer {
+	e.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, e.api.URL+path, nil)
+	require.NoError(e.t, err)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	res, err := http.DefaultClient.Do(req)
+	require.NoError(e.t, err)
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	require.NoError(e.t, err)
+	a := answer{status: res.StatusCode, state: res.Header.Get(HeaderViewState), completeUpTo: res.Header.Get(HeaderCompleteUpTo)}
+	require.NoError(e.t, json.Unmarshal(b, &a.body), string(b))
+	return a
+}
+
+func (a answer) items(t *testing.T, name string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	require.NoError(t, json.Unmarshal(a.body[name], &out), string(a.body[name]))
+	return out
+}
+
+func (a answer) next() string {
+	var s *string
+	_ = json.Unmarshal(a.body["next_cursor"], &s)
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+func rowsPath(table, key string, extra ...string) string {
+	q := url.Values{"table": {table}, "key": {key}}
+	for i := 0; i+1 < len(extra); i += 2 {
+		q.Set(extra[i], extra[i+1])
+	}
+	return "/v1/rows?" + q.Encode()
+}
+
+// TestReadAPI: each endpoint against a live pipeline; 503 while the
+// archive is not ready; pagination; wait_lsn answering 200, 504 and 409;
+// a quarantined event makes the view quarantined.
+func TestReadAPI(t *testing.T) {
+	t.Parallel()
+	e := setup(t, "")
+	cust := rowsPath("public.customers", `{"id": 42}`)
+
+	a := e.get(cust)
+	require.Equal(t, http.StatusServiceUnavailable, a.status, "no projector yet: not a confident empty result")
+	require.Equal(t, "unavailable", a.state)
+
+	corr1, _ := e.deleteTx(42, 1, 2, 3)
+	corr2, lsn2 := e.deleteTx(42)
+	e.startProjector()
+	require.Eventually(t, func() bool { return e.get(cust).status == http.StatusOK }, 120*time.Second, 100*time.Millisecond, "the archive becomes ready")
+
+	a = e.get(cust)
+	require.Equal(t, "ready", a.state)
+	require.Equal(t, lsn2.String(), a.completeUpTo)
+	rows := a.items(t, "rows")
+	require.Len(t, rows, 2, "every archived version of the row")
+	require.Equal(t, corr2, rows[0]["correlation_id"], "newest first")
+	require.Equal(t, corr1, rows[1]["correlation_id"])
+	for _, field := range []string{"source", "schema_name", "table_name", "key", "row", "identity", "correlation_id", "is_root",
+		"xid", "commit_lsn", "commit_time", "seq", "archived_at", "expires_at"} {
+		require.Contains(t, rows[0], field, "the view's field names")
+	}
+	require.Equal(t, map[string]any{"id": float64(42), "v": "lsn " + lsn2.String()}, rows[0]["row"])
+	require.Empty(t, a.next())
+
+	// Pagination: one row a page.
+	a = e.get(rowsPath("public.customers", `{"id":42}`, "limit", "1"))
+	require.Len(t, a.items(t, "rows"), 1)
+	require.Equal(t, corr2, a.items(t, "rows")[0]["correlation_id"])
+	require.NotEmpty(t, a.next())
+	a = e.get(rowsPath("public.customers", `{"id":42}`, "limit", "1", "cursor", a.next()))
+	require.Len(t, a.items(t, "rows"), 1)
+	require.Equal(t, corr1, a.items(t, "rows")[0]["correlation_id"])
+	require.Empty(t, a.next())
+
+	a = e.get("/v1/transactions/" + url.PathEscape(corr1) + "?limit=3")
+	require.Equal(t, http.StatusOK, a.status)
+	tx := a.items(t, "rows")
+	require.Len(t, tx, 3)
+	for i, r := range tx {
+		require.EqualValues(t, i, r["seq"], "delete order")
+	}
+	a = e.get("/v1/transactions/" + url.PathEscape(corr1) + "?limit=3&cursor=" + a.next())
+	require.Len(t, a.items(t, "rows"), 1)
+	require.Equal(t, map[string]any{"id": float64(3)}, a.items(t, "rows")[0]["key"])
+	require.Empty(t, a.next())
+	require.Equal(t, http.StatusNotFound, e.get("/v1/transactions/main:1:0%2F10").status)
+
+	require.Eventually(t, func() bool {
+		a = e.get("/v1/snapshots?" + url.Values{"table": {"public.customers"}, "key": {`{"id":42}`}}.Encode())
+		return a.status == http.StatusOK && len(a.items(t, "snapshots")) == 2 && a.items(t, "snapshots")[1]["status"] == "complete"
+	}, 60*time.Second, 100*time.Millisecond)
+	snaps := a.items(t, "snapshots")
+	require.Equal(t, corr2, snaps[0]["correlation_id"], "newest first")
+	require.Equal(t, corr1, snaps[1]["correlation_id"])
+	require.Equal(t, map[string]any{"id": float64(42)}, snaps[1]["root_key"])
+
+	// Read your deletes: published, then asked for with its LSN.
+	corr3, lsn3 := e.deleteTx(7)
+	a = e.get(rowsPath("public.customers", `{"id":7}`, "wait_lsn", lsn3.String()))
+	require.Equal(t, http.StatusOK, a.status)
+	require.Len(t, a.items(t, "rows"), 1)
+	require.Equal(t, corr3, a.items(t, "rows")[0]["correlation_id"])
+	a = e.get(rowsPath("public.customers", `{"id":7}`, "wait_lsn", "FFFF/0", "timeout", "300ms"))
+	require.Equal(t, http.StatusGatewayTimeout, a.status)
+
+	// A quarantined event: wait_lsn past it is 409, and the view is
+	// quarantined (503) until it is resolved.
+	e.lsn += 0x100
+	bad := nats.NewMsg(event.DeleteSubject("main", 0, "public", "customers"))
+	bad.Data = []byte("not an event")
+	bad.Header.Set(event.HeaderMsgID, event.MsgID("main", e.lsn, 0))
+	_, err := e.js.PublishMsg(context.Background(), bad)
+	require.NoError(t, err)
+	_, lsn5 := e.deleteTx(8)
+	require.Eventually(t, func() bool {
+		a = e.get(rowsPath("public.customers", `{"id":8}`, "wait_lsn", lsn5.String(), "timeout", "1s"))
+		return a.status == http.StatusConflict
+	}, 60*time.Second, 100*time.Millisecond)
+	require.Contains(t, string(a.body["blockers"]), "quarantine")
+	a = e.get(cust)
+	require.Equal(t, http.StatusServiceUnavailable, a.status)
+	require.Equal(t, "quarantined", a.state)
+	require.Contains(t, string(a.body["reasons"]), "quarantined events open")
+
+	require.Equal(t, http.StatusBadRequest, e.get("/v1/rows?table=customers&key=%7B%7D").status)
+	require.Equal(t, http.StatusBadRequest, e.get("/v1/rows?table=public.customers&key=42").status)
+	require.Equal(t, http.StatusBadRequest, e.get(rowsPath("public.customers", `{"id":7}`, "cursor", "!!")).status)
+}
+
+// TestReadAPIToken: with a token, a request without it or with another
+// is 401, with it the answer.
+func TestReadAPIToken(t *testing.T) {
+	t.Parallel()
+	e := setup(t, "s3cret-token-of-the-read-api")
+	e.deleteTx(42)
+	e.startProjector()
+	path := rowsPath("public.customers", `{"id":42}`)
+	require.Equal(t, http.StatusUnauthorized, e.get(path).status)
+	require.Equal(t, http.StatusUnauthorized, e.get(path, "Authorization", "Bearer wrong").status)
+	require.Equal(t, http.StatusUnauthorized, e.get(path, "Authorization", "s3cret-token-of-the-read-api").status)
+	require.Eventually(t, func() bool {
+		return e.get(path, "Authorization", "Bearer s3cret-token-of-the-read-api").status == http.StatusOK
+	}, 120*time.Second, 100*time.Millisecond)
+}
