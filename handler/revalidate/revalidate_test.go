@@ -8,6 +8,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection"
 )
 
 // The test that matters most comes first: a row of the group archived
@@ -134,18 +135,19 @@ func TestErasedRowStopsRevoked(t *testing.T) {
 	g2 := e.newGroup()
 	e.archive(g2, 0, 2, "bob")
 	other := e.queue(e.handler, g2, 0, 2)
-	// What an erasure does to the archive (issue 17): a fence in
-	// epitaph.erasures naming the table (never the values), the row removed
-	// from every version.
-	e.exec(`CREATE TABLE IF NOT EXISTS epitaph.erasures (id bigserial PRIMARY KEY, schema_name text NOT NULL, table_name text NOT NULL)`)
-	e.exec(`INSERT INTO epitaph.erasures (schema_name, table_name) VALUES ('public', 'elsewhere')`)
+	// A row gone without an erasure of its table: completed.
 	e.exec(`DELETE FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, g.lsn)
 	res := e.evaluate(id)
-	require.Equal(t, revalidate.StopCompleted, res.Outcome, "a fence of another table erased nothing here")
+	require.Equal(t, revalidate.StopCompleted, res.Outcome)
 	require.Equal(t, revalidate.ReasonRowRemoved, res.Reason)
 
-	e.exec(`INSERT INTO epitaph.erasures (schema_name, table_name) VALUES ('public', 'customers')`)
-	e.exec(`DELETE FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, g2.lsn)
+	// projector erase (issue 17): a fence in epitaph.erasures naming the
+	// table (a keyed hash, never the values), the row removed from every
+	// version; an evaluation racing it (the delivery in flight) stops
+	// revoked, never completed.
+	_, err := projection.Erase(e.ctx, e.target, projection.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":2}`),
+		Actor: "test", Reason: "test"})
+	require.NoError(t, err)
 	res = e.evaluate(other)
 	require.Equal(t, revalidate.StopRevoked, res.Outcome)
 	require.Equal(t, revalidate.ReasonRowErased, res.Reason)

@@ -3,18 +3,17 @@ package revalidate
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/epitaph-dev/epitaph/capture"
 )
 
 // keyExists reads the source: is there a row with the delivery's key in its
 // table now? The key's values go as text parameters (their Postgres text
-// form, capture.ValueText), so the server compares them as the column's own
+// form, as capture.ValueText gives it), so the server compares them as the column's own
 // type and uses the key's index. A reason is returned when the source could
 // not answer.
 func (e *Evaluator) keyExists(ctx context.Context, url string, d delivery) (bool, string) {
@@ -30,7 +29,7 @@ func (e *Evaluator) keyExists(ctx context.Context, url string, d delivery) (bool
 	var where []string
 	var args []any
 	for _, c := range cols {
-		text, notNull, err := capture.ValueText(key[c])
+		text, notNull, err := valueText(key[c])
 		if err != nil {
 			return false, ReasonSourceKeyInvalid
 		}
@@ -62,4 +61,22 @@ func (e *Evaluator) warnSource(d delivery, err error) {
 	// err is a pgx/pgconn error: it names the host, never the password.
 	e.cfg.Logger.Warn("revalidation deferred: source unreadable", "delivery", d.id, "handler", d.handlerID,
 		"table", d.schemaName+"."+d.table, "reason", sourceReason(err), "err", err)
+}
+
+// valueText is the Postgres text form of a key's JSON value (false for
+// null): strings unquoted, numbers and booleans as written. The inverse of
+// the capture's encoding, as capture.ValueText (not imported: the capture
+// package's tests import the projector, which imports this package).
+func valueText(v json.RawMessage) (string, bool, error) {
+	switch {
+	case len(v) == 0:
+		return "", false, errors.New("empty value")
+	case string(v) == "null":
+		return "", false, nil
+	case v[0] == '"':
+		var out string
+		err := json.Unmarshal(v, &out)
+		return out, err == nil, err
+	}
+	return string(v), true, nil
 }
