@@ -34,14 +34,14 @@ import (
 // counter has no series before its first increment).
 var absentUntilProvoked = map[string]string{
 	"epitaph_projector_transient_errors_total":              "only after a transient failure (target or NATS down)",
+	"epitaph_projector_rows_expired_total":                  "only after retention cleanup deleted expired rows",
+	"epitaph_projector_fenced_rows_total":                   "only after an erasure fenced a row being applied",
 	"epitaph_projector_deliveries":                          "only while row handlers exist",
 	"epitaph_projector_delivery_oldest_pending_age_seconds": "only while row handlers exist",
 	"epitaph_projector_delivery_attempts_total":             "only after a row handler ran",
 	"epitaph_projector_delivery_dead_letters_total":         "only after a delivery went dead",
 	"epitaph_delivery_revalidations_total":                  "only after a delivery was revalidated",
 	"epitaph_delivery_revalidation_set_checks_total":        "only after a delivery was revalidated",
-	"epitaph_projector_rows_expired_total":                  "only after retention cleanup deleted expired rows",
-	"epitaph_projector_fenced_rows_total":                   "only after an erasure fenced a row being applied",
 }
 
 // TestAlertRulesOnARunningSystem runs the real capture and projector
@@ -405,11 +405,11 @@ func scrapeLabelNames(t *testing.T, ctx context.Context, addr string) map[string
 // on the system of TestAlertRulesOnARunningSystem.
 var emptyOnAHealthySystem = map[string]string{
 	"Transient errors":                   "no transient failure happened (the counter has no series yet)",
+	"Expired rows deleted":               "nothing expired (the counter has no series yet)",
+	"Rows kept out by erasure fences":    "nothing was erased (the counter has no series yet)",
 	"Deliveries by handler and state":    "no row handler is configured",
 	"Oldest pending delivery":            "no row handler is configured",
 	"Delivery attempts and dead letters": "no row handler is configured (the reclaim counters alone do show)",
-	"Expired rows deleted":               "nothing expired (the counter has no series yet)",
-	"Rows kept out by erasure fences":    "nothing was erased (the counter has no series yet)",
 }
 
 // checkDashboardQueries runs every query of the dashboard, as Grafana would

@@ -262,7 +262,7 @@ WITH due AS (
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
                       WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
                         AND e.state IN ('pending', 'in_flight') AND (e.priority, e.handler_id) < (d.priority, d.handler_id))
-    ORDER BY d.next_attempt_at, d.id
+    ORDER BY d.next_attempt_at
     LIMIT $1
     FOR UPDATE OF d SKIP LOCKED
 )
@@ -525,9 +525,10 @@ func (d *Dispatcher) maintainIfDue(ctx context.Context) {
 }
 
 // maintain reclaims expired claims (the reclaim counts as an attempt:
-// dead when it was the last), dead-letters deliveries of unknown handlers,
-// releases unsettled groups past the settle timeout (unsigned rows only)
-// and, every minute, runs the payload backstop.
+// dead when it was the last), releases unsettled groups past the settle
+// timeout (unsigned rows only) and, every minute (and on the first call),
+// dead-letters deliveries of unknown handlers and runs the payload
+// backstop.
 func (d *Dispatcher) maintain(ctx context.Context) error {
 	d.mu.Lock()
 	d.lastMaint = time.Now()
@@ -552,7 +553,25 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		d.log.Warn("reclaimed deliveries whose claims expired (each counts as an attempt)", "deliveries", n)
 		d.met.reclaimed.Add(float64(n))
 	}
-	n, err = d.endAndScrub(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
+	if _, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries SET released_at = now(), released_unsettled = true, updated_at = now()
+		WHERE released_at IS NULL AND state = 'pending' AND verified AND created_at < now() - $1 * interval '1 millisecond'`,
+		d.cfg.GroupSettleTimeout.Milliseconds()); err != nil {
+		return fmt.Errorf("release unsettled groups: %w", err)
+	}
+	if !scrub {
+		return nil
+	}
+	// Once a minute: these look at every pending delivery.
+	if err := d.deadLetterUnknown(ctx); err != nil {
+		return err
+	}
+	return d.Backstop(ctx)
+}
+
+// deadLetterUnknown dead-letters the pending deliveries whose handler id
+// no handler has.
+func (d *Dispatcher) deadLetterUnknown(ctx context.Context) error {
+	n, err := d.endAndScrub(ctx, `UPDATE epitaph.deliveries d SET state = 'dead', outcome = 'unknown_handler',
 		last_error = 'type=unknown_handler code=unknown_handler diag=-', settled_at = now(), updated_at = now()
 		WHERE d.state = 'pending' AND d.released_at IS NOT NULL
 		  AND NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id)
@@ -562,14 +581,6 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 	}
 	if n > 0 {
 		d.log.Error("dead-lettered deliveries whose handler id is unknown", "deliveries", n)
-	}
-	if _, err := d.pool.Exec(ctx, `UPDATE epitaph.deliveries SET released_at = now(), released_unsettled = true, updated_at = now()
-		WHERE released_at IS NULL AND state = 'pending' AND verified AND created_at < now() - $1 * interval '1 millisecond'`,
-		d.cfg.GroupSettleTimeout.Milliseconds()); err != nil {
-		return fmt.Errorf("release unsettled groups: %w", err)
-	}
-	if scrub {
-		return d.Backstop(ctx)
 	}
 	return nil
 }

@@ -109,6 +109,9 @@ CREATE TABLE IF NOT EXISTS epitaph.deliveries (
     CONSTRAINT deliveries_claim CHECK ((state = 'in_flight') = (claim_token IS NOT NULL))
 );
 
+-- A target that applied an earlier draft of this (unreleased) migration.
+ALTER TABLE epitaph.deliveries ADD COLUMN IF NOT EXISTS verified boolean NOT NULL DEFAULT true;
+
 -- The dispatcher claims due work in order.
 CREATE INDEX IF NOT EXISTS deliveries_due_idx ON epitaph.deliveries (next_attempt_at)
     WHERE state = 'pending' AND released_at IS NOT NULL;

@@ -27,11 +27,12 @@ import (
 //
 // With e.revalidate (revalidate.go) the handlers revalidate every delivery
 // against the source before sending it; the figures are named
-// projector.handlers.revalidate.*. It returns the delivery rate.
-func (e *env) handlersRound(ctx context.Context, round int, source string, n int64, tables []string, without float64, out map[string][]float64) (float64, error) {
+// projector.handlers.p<N>.revalidate.*. It returns the delivery rate.
+func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, without float64, out map[string][]float64) (float64, error) {
 	suffix := e.suffix
-	defer func() { e.suffix, e.afterArchive, e.beforeStart = suffix, nil, nil }()
-	prefix := "projector.handlers."
+	defer func() { e.suffix, e.afterArchive, e.beforeStart, e.handlerParallelism = suffix, nil, nil, 0 }()
+	e.handlerParallelism = parallelism
+	prefix := fmt.Sprintf("projector.handlers.p%d.", parallelism)
 	if e.revalidate {
 		prefix += "revalidate."
 	}
@@ -52,12 +53,12 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 	go func() { _ = srv.Serve(ln) }()
 	defer srv.Close()
 
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d", round))
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_%t", round, parallelism, e.revalidate))
 	if err != nil {
 		return 0, err
 	}
 	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
-	e.suffix = ".handlers.with" + suffix
+	e.suffix = fmt.Sprintf(".handlers.p%d%s", parallelism, suffix)
 	// The handlers exist before the projector starts (after its migrate).
 	e.beforeStart = func(ctx context.Context, url string) error {
 		pool, err := pgxpool.New(ctx, url)
@@ -105,7 +106,7 @@ func (e *env) handlersRound(ctx context.Context, round int, source string, n int
 	applyTook := float64(n) / with
 	deliveries := float64(n) / deliveredAt.Sub(start).Seconds()
 	record("apply_rows_per_sec", with, "rows/s (apply with a webhook handler on every table)")
-	record("deliveries_per_sec", deliveries, "deliveries/s (webhook, parallelism 4; from the projector's start to the last done)")
+	record("deliveries_per_sec", deliveries, fmt.Sprintf("deliveries/s (webhook, --handler-parallelism %d; from the projector's start to the last done)", parallelism))
 	record("ratio_deliveries_to_apply", deliveries/with, "x of the apply rate of the same run (target >= 0.80)")
 	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")

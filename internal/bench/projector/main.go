@@ -77,6 +77,8 @@ type env struct {
 	// beforeStart, when set, runs after the migration, before the
 	// projectors start (handlers.go adds the row handlers).
 	beforeStart func(ctx context.Context, targetURL string) error
+	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
+	handlerParallelism int
 	// revalidate: the row handlers revalidate against sourceURL, the
 	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
 	revalidate bool
@@ -113,9 +115,10 @@ func main() {
 	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
+	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
@@ -127,6 +130,7 @@ type opts struct {
 	snapPerTx                   int
 	skipSnapshots               bool
 	handlers                    bool
+	handlerPar                  string
 	rounds                      int
 	keep, skipE2E, inProcess    bool
 	pgStats                     bool
@@ -270,12 +274,18 @@ func run(o opts) (err error) {
 			}
 		}
 		if o.handlers {
-			plain, err := e.handlersRound(ctx, r, "bench", n, eventTables(events), applyRate, snaps)
-			if err != nil {
-				return err
-			}
-			if err := e.revalidationRound(ctx, r, "bench", n, eventTables(events), applyRate, plain, snaps); err != nil {
-				return err
+			for _, par := range strings.Split(o.handlerPar, ",") {
+				p, err := strconv.Atoi(strings.TrimSpace(par))
+				if err != nil || p < 1 {
+					return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
+				}
+				plain, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, snaps)
+				if err != nil {
+					return err
+				}
+				if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), applyRate, plain, snaps); err != nil {
+					return err
+				}
 			}
 		}
 		if o.compareBin != "" {
@@ -421,6 +431,9 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		}
 		if e.pageSize > 0 {
 			penv = append(penv, "EPITAPH_BATCH_SIZE="+strconv.Itoa(e.pageSize))
+		}
+		if e.handlerParallelism > 0 {
+			penv = append(penv, "EPITAPH_HANDLER_PARALLELISM="+strconv.Itoa(e.handlerParallelism))
 		}
 		if e.sourceURL != "" {
 			penv = append(penv, "EPITAPH_SOURCE_URL="+e.sourceURL) // the last one counts
