@@ -58,8 +58,10 @@ fmt-check:
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
+## fuzz: each fuzz target of the event package for FUZZTIME (go test takes one -fuzz target at a time).
 fuzz:
 	$(GO) test ./event -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./event -run '^$$' -fuzz '^FuzzAppendDelete$$' -fuzztime $(FUZZTIME)
 
 ## bench-capture: capture vs pg_recvlogical on the same 300k-row backlog; peak RSS on a 1M-row transaction.
 bench-capture:

@@ -305,7 +305,7 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 
 // partitionsOf reads P from the stream metadata.
 func partitionsOf(info *jetstream.StreamInfo) (int, error) {
-	s, ok := info.Config.Metadata["epitaph.partitions"]
+	s, ok := info.Config.Metadata[event.MetaPartitions]
 	if !ok {
 		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
 	}
