@@ -116,10 +116,21 @@ func main() {
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
+	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
 		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
+	for _, w := range strings.Split(*curve, ",") {
+		if w = strings.TrimSpace(w); w == "" {
+			continue
+		}
+		k, err := strconv.Atoi(w)
+		if err != nil || k < 1 {
+			log.Fatalf("bench-projector: -worker-curve %q: want positive worker counts", *curve)
+		}
+		o.curve = append(o.curve, k)
+	}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
@@ -136,6 +147,7 @@ type opts struct {
 	pgStats                     bool
 	cpuProfile, projectorBin    string
 	compareBin                  string
+	curve                       []int
 }
 
 func run(o opts) (err error) {
@@ -219,6 +231,9 @@ func run(o opts) (err error) {
 		}
 	}
 	applyRate := e.reportRounds(o, res)
+	if err := e.workerCurve(ctx, o.curve, n); err != nil {
+		return err
+	}
 	if o.skipE2E {
 		return nil
 	}
@@ -1208,4 +1223,72 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 	}
 	_, err = conn.Exec(ctx, "SELECT pg_stat_statements_reset()")
 	return err
+}
+
+// workerCurve applies the stream with each number of projector processes
+// into a fresh database and reports the rate, its ratio to the first count
+// and how busy the machine's CPUs were: on a machine with C cores the rate
+// flattens once the workers and Postgres use them all.
+func (e *env) workerCurve(ctx context.Context, counts []int, n int64) error {
+	if len(counts) == 0 || e.inProcess {
+		return nil
+	}
+	own := e.workers
+	defer func() { e.workers, e.suffix = own, "" }()
+	var base float64
+	for _, w := range counts {
+		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("target_w%d", w))
+		if err != nil {
+			return err
+		}
+		e.workers, e.suffix = w, fmt.Sprintf(".workers%d", w)
+		busy0, total0, err := cpuBusy()
+		if err != nil {
+			return err
+		}
+		rate, err := e.apply(ctx, url, "bench", n)
+		if err != nil {
+			return err
+		}
+		busy1, total1, err := cpuBusy()
+		if err != nil {
+			return err
+		}
+		if err := dropDatabase(ctx, e.pg, url); err != nil {
+			return err
+		}
+		if base == 0 {
+			base = rate
+		}
+		used := float64(runtime.NumCPU()) * (busy1 - busy0) / max(total1-total0, 1)
+		bench.Figure(fmt.Sprintf("projector.workers.%d.apply_rows_per_sec", w), rate, "rows/s (from the first start to archive count = N)")
+		bench.Figure(fmt.Sprintf("projector.workers.%d.speedup", w), rate/base, fmt.Sprintf("x (against %d worker(s))", counts[0]))
+		bench.Figure(fmt.Sprintf("projector.workers.%d.cpus_busy", w), used, fmt.Sprintf("of %d CPUs (the whole machine: projectors, Postgres, JetStream)", runtime.NumCPU()))
+	}
+	return nil
+}
+
+// cpuBusy reads the machine's busy and total CPU time (USER_HZ ticks) from
+// /proc/stat.
+func cpuBusy() (busy, total float64, err error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0, fmt.Errorf("read /proc/stat: %w", err)
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" {
+		return 0, 0, fmt.Errorf("unexpected /proc/stat line %q", line)
+	}
+	for i, v := range f[1:] {
+		x, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("parse /proc/stat: %w", err)
+		}
+		total += x
+		if i != 3 && i != 4 { // idle, iowait
+			busy += x
+		}
+	}
+	return busy, total, nil
 }
