@@ -82,6 +82,8 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_delivery_dead_letters_total", []string{"handler"}},
 	{"epitaph_projector_delivery_reclaims_total", nil},
 	{"epitaph_projector_delivery_stale_settles_total", nil},
+	{"epitaph_delivery_revalidations_total", []string{"handler", "outcome"}},
+	{"epitaph_delivery_revalidation_set_checks_total", []string{"path"}},
 }
 
 // scrapeLabels are added to every series by Prometheus (job, instance) or by

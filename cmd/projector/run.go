@@ -36,6 +36,7 @@ type runOptions struct {
 	cleanupBatch                                int
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
+	sourceURL                                   string
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -79,6 +80,7 @@ address (run refuses to start without it).`,
 	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
+	sourceURLFlag(f, &o.sourceURL)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -132,9 +134,15 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
+	ev, reval, err := newRevalidator(svc.Pool(), o.sourceURL, env, reg)
+	if err != nil {
+		_ = svc.Stop(context.WithoutCancel(ctx))
+		return err
+	}
+	defer ev.Close()
 	disp, err := handler.NewDispatcher(svc.Pool(), handler.Config{Parallelism: o.handlerParallelism,
 		GroupSettleTimeout: o.settleTimeout, PayloadRetention: o.payloadRetention, JetStream: svc.JetStream(),
-		Logger: env.Logger, Registerer: reg})
+		Revalidate: reval, Logger: env.Logger, Registerer: reg})
 	if err == nil {
 		err = disp.Start(runCtx)
 	}

@@ -79,6 +79,10 @@ type env struct {
 	beforeStart func(ctx context.Context, targetURL string) error
 	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
 	handlerParallelism int
+	// revalidate: the row handlers revalidate against sourceURL, the
+	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
+	revalidate bool
+	sourceURL  string
 }
 
 // figure prints a figure of the current round.
@@ -340,7 +344,11 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 		if err != nil || p < 1 {
 			return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
 		}
-		if err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, res.snaps); err != nil {
+		plain, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, res.snaps)
+		if err != nil {
+			return err
+		}
+		if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), applyRate, plain, res.snaps); err != nil {
 			return err
 		}
 	}
@@ -471,6 +479,9 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		}
 		if e.handlerParallelism > 0 {
 			penv = append(penv, "EPITAPH_HANDLER_PARALLELISM="+strconv.Itoa(e.handlerParallelism))
+		}
+		if e.sourceURL != "" {
+			penv = append(penv, "EPITAPH_SOURCE_URL="+e.sourceURL) // the last one counts
 		}
 		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
 		if err != nil {
