@@ -15,7 +15,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-retention bench-handlers clean
+.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-handlers bench-revalidate bench-retention clean
 
 all: build
 
@@ -69,12 +69,16 @@ bench-capture:
 bench-projector:
 	$(GO) run ./internal/bench/projector
 
-## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup, erasure by --match.
-bench-retention:
-	$(GO) run ./internal/bench/retention
 ## bench-handlers: deliveries/s through a webhook handler on every table beside the apply rate of the same run; apply cost with handlers.
 bench-handlers:
 	$(GO) run ./internal/bench/projector -handlers -skip-snapshots -skip-e2e -rows 100000 -rounds 1
+
+## bench-revalidate: revalidation per delivery (cheap path, full read) and the dispatcher's delivery rate with it off and on.
+bench-revalidate:
+	$(GO) run ./internal/bench/revalidate
+## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup, erasure by --match.
+bench-retention:
+	$(GO) run ./internal/bench/retention
 
 clean:
 	rm -rf $(BIN) .demo .bench

@@ -150,6 +150,11 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	require.NoError(t, err)
 
 	const first, second, lines = "11111111-1111-4111-8111-111111111111", "22222222-2222-4222-8222-222222222222", "33333333-3333-4333-8333-333333333333"
+	// late (issue 16) is disabled while the workload runs and enabled once
+	// the archive is complete: then every key deleted, re-inserted and
+	// deleted again has its later deletion queued before any of its
+	// deliveries is evaluated, so the older one must never be sent.
+	const late = "44444444-4444-4444-8444-444444444444"
 	srv := &hookServer{bodies: map[string]map[string]bool{}, seen: map[string]int{}, okAt: map[string]time.Time{},
 		firstAt: map[string]time.Time{}, key: map[string]string{}, stop: make(chan struct{})}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -192,6 +197,8 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	projector(append([]string{"handlers", "add", "--id", first, "--table", "public.orders", "--columns", "status", "--priority", "0"}, common...)...)
 	projector(append([]string{"handlers", "add", "--id", second, "--table", "public.orders", "--priority", "1"}, common...)...)
 	projector(append([]string{"handlers", "add", "--id", lines, "--table", "public.order_lines", "--phase", "after-group"}, common...)...)
+	projector(append([]string{"handlers", "add", "--id", late, "--table", "public.orders", "--priority", "2"}, common...)...)
+	projector("handlers", "disable", late)
 
 	var workers []*supervised
 	for i := range 2 {
@@ -232,6 +239,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 		n, err := bench.Count(ctx, url, "SELECT count(*) FROM archive.rows WHERE source = 'main'")
 		return n >= int64(len(expected)), err
 	}), "archive complete\n%s", pipelineState(ctx, url, watch))
+	projector("handlers", "enable", late)
 	// Nothing open: every delivery settled (the after-group ones once their
 	// commits were applied; the hung and reclaimed ones retried).
 	var open int64
@@ -260,22 +268,58 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	for _, c := range []struct {
 		handler, table string
 		rows           int64
-	}{{first, "orders", orders}, {second, "orders", orders}, {lines, "order_lines", orderLines}} {
+	}{{first, "orders", orders}, {second, "orders", orders}, {lines, "order_lines", orderLines}, {late, "orders", orders}} {
 		require.Equal(t, c.rows, count(`SELECT count(*) FROM archive.rows r JOIN epitaph.deliveries d
 			ON d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq AND d.handler_id = $1
 			WHERE r.table_name = $2`, c.handler, c.table), "one delivery per archived row for %s", c.handler)
 		require.Equal(t, c.rows, count(`SELECT count(*) FROM epitaph.deliveries WHERE handler_id = $1`, c.handler))
 	}
 	require.Zero(t, count(`SELECT count(*) FROM (SELECT 1 FROM epitaph.deliveries GROUP BY handler_id, source, commit_lsn, seq HAVING count(*) > 1) x`))
-	// done, or dead where the server always refused, with a sanitized error.
-	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE handler_id <> $1 AND state <> 'done'`, second))
-	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE handler_id = $1 AND state <> 'done' AND NOT ((key->>'id')::bigint % 7 = 0)`, second))
+	// done, or dead where the server always refused, with a sanitized error;
+	// or stopped by revalidation because the deletion no longer stood (the
+	// key deleted again later, or back in the source when evaluated).
+	const superseded = `(state = 'stopped' AND outcome = 'stop_superseded')`
+	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE handler_id <> $1 AND state <> 'done' AND NOT `+superseded, second))
+	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE handler_id = $1 AND state <> 'done' AND NOT ((key->>'id')::bigint % 7 = 0) AND NOT `+superseded, second))
+	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE outcome = 'stop_changed'`), "no set changes after its commit here")
+	// Revalidation (issue 16): of a key deleted, re-inserted and deleted
+	// again, only the latest deletion is sent to late; every older one
+	// stopped superseded, and the server never saw it.
+	rows, err := conn.Query(ctx, `SELECT d.id::text, d.state, COALESCE(d.outcome, ''),
+		       NOT EXISTS (SELECT 1 FROM epitaph.deliveries l WHERE l.handler_id = d.handler_id AND l.key = d.key
+		                   AND (l.commit_lsn, l.seq) > (d.commit_lsn, d.seq))
+		FROM archive.deliveries d WHERE d.handler_id = $1
+		  AND (SELECT count(*) FROM epitaph.deliveries l WHERE l.handler_id = d.handler_id AND l.key = d.key) > 1`, late)
+	require.NoError(t, err)
+	type redeleted struct {
+		id, state, outcome string
+		latest             bool
+	}
+	var again []redeleted
+	for rows.Next() {
+		var r redeleted
+		require.NoError(t, rows.Scan(&r.id, &r.state, &r.outcome, &r.latest))
+		again = append(again, r)
+	}
+	require.NoError(t, rows.Err())
+	require.NotEmpty(t, again, "the workload deleted keys twice (%d reinserts)", out.res.Reinserted)
+	srv.mu.Lock()
+	for _, r := range again {
+		if r.latest {
+			require.Equal(t, "done", r.state, r.id)
+			continue
+		}
+		require.Equal(t, "stopped", r.state, r.id)
+		require.Equal(t, "stop_superseded", r.outcome, r.id)
+		require.Zero(t, srv.seen[r.id], "the older deletion %s was sent", r.id)
+	}
+	srv.mu.Unlock()
 	dead := count(`SELECT count(*) FROM archive.deliveries WHERE handler_id = $1 AND state = 'dead'`, second)
 	require.Positive(t, dead)
 	require.Equal(t, dead, count(`SELECT count(*) FROM archive.deliveries WHERE state = 'dead' AND last_error ~ '^type=\S+ code=http_422 diag=[0-9a-f]{12}$' AND attempt = 1`))
 	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE payload IS NOT NULL`), "scrubbed once terminal")
 
-	rows, err := conn.Query(ctx, `SELECT id::text, handler_id::text, state, commit_lsn::text || '/' || seq, attempt FROM archive.deliveries`)
+	rows, err = conn.Query(ctx, `SELECT id::text, handler_id::text, state, commit_lsn::text || '/' || seq, attempt FROM archive.deliveries`)
 	require.NoError(t, err)
 	type dl struct {
 		id, handler, state, row string
@@ -293,6 +337,9 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	firstOK := map[string]time.Time{}
 	var retried, hung int
 	for _, d := range all {
+		if d.state == "stopped" {
+			continue // revalidated as superseded (checked above)
+		}
 		require.Positive(t, srv.seen[d.id], "the server never saw delivery %s (%s)", d.id, d.state)
 		require.Len(t, srv.bodies[d.id], 1, "two different payloads for delivery %s", d.id)
 		if d.state == "done" {
@@ -317,7 +364,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 		}
 	}
 	for _, d := range all {
-		if d.handler == second {
+		if d.handler == second && d.state != "stopped" {
 			ok, has := firstOK[d.row]
 			require.True(t, has, "row %s has a first handler's delivery", d.row)
 			require.False(t, srv.firstAt[d.id].Before(ok), "the second handler of %s ran before the first one answered", d.row)

@@ -296,7 +296,7 @@ func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
 		if len(payload) > 0 {
 			var p storedPayload
 			if json.Unmarshal(payload, &p) == nil {
-				c.d.Columns = p.Columns
+				c.d.Columns, c.d.Group = p.Columns, p.Group
 				if len(p.Key) > 0 {
 					c.d.Key = p.Key
 				}

@@ -72,6 +72,10 @@ type Delivery struct {
 	Fingerprint *string
 	GroupRows   *int
 	GroupMax    *string
+	// Group is set on a delivery that revalidation queued because its set
+	// changed (generation > 0): {"rows": the set's count now, "added": the
+	// keys of its rows archived since the earlier delivery was queued}.
+	Group json.RawMessage
 }
 
 // Body is the JSON a webhook, a command (on stdin) and a NATS message get.
@@ -81,6 +85,7 @@ type Body struct {
 	Table         string                     `json:"table"`
 	Key           json.RawMessage            `json:"key"`
 	Columns       map[string]json.RawMessage `json:"columns,omitempty"`
+	Group         json.RawMessage            `json:"group,omitempty"`
 	CorrelationID string                     `json:"correlation_id"`
 	CommitTime    *time.Time                 `json:"commit_time,omitempty"`
 	Attempt       int                        `json:"attempt"`
@@ -93,7 +98,7 @@ func (d Delivery) Body() Body {
 		key = json.RawMessage("null")
 	}
 	return Body{DeliveryID: d.ID, HandlerID: d.HandlerID, Table: d.Schema + "." + d.Table, Key: key,
-		Columns: d.Columns, CorrelationID: d.CorrelationID, CommitTime: d.CommitTime, Attempt: d.Attempt}
+		Columns: d.Columns, Group: d.Group, CorrelationID: d.CorrelationID, CommitTime: d.CommitTime, Attempt: d.Attempt}
 }
 
 // Handler is a Go row handler, registered by name in a Registry by an

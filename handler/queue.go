@@ -102,6 +102,8 @@ func (c *Cache) For(table string) []Def {
 type storedPayload struct {
 	Key     json.RawMessage            `json:"key"`
 	Columns map[string]json.RawMessage `json:"columns"`
+	// Group: set by revalidation on a delivery queued for a changed set.
+	Group json.RawMessage `json:"group,omitempty"`
 }
 
 const enqueueSQL = `

@@ -7,6 +7,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/handler/revalidate"
 )
 
 // queueDeliveries is the row handlers' part of a page's transaction
@@ -61,5 +62,16 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v Version, row
 	if _, err := handler.Enqueue(ctx, tx, s.handlers, v.Projection, v.Version, queue); err != nil {
 		return err
 	}
-	return handler.Release(ctx, tx, s.cfg.SourceName, release)
+	if err := handler.Release(ctx, tx, s.cfg.SourceName, release); err != nil {
+		return err
+	}
+	// Revalidation's promise (issue 16): the fingerprint of each released
+	// delivery's set, now that its rows are archived and verified.
+	for _, r := range queue {
+		if r.Verified {
+			release = append(release, r.CommitLSN)
+		}
+	}
+	_, err := revalidate.StampGroups(ctx, tx, v.Schema, s.cfg.SourceName, release)
+	return err
 }

@@ -521,6 +521,8 @@ passed first (naming how many remain).`,
 	var parallelism int
 	cli.Local(cmd).Duration(&timeout, "timeout", "", time.Minute, "give up after this long", cli.Positive())
 	cli.Local(cmd).Int(&parallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "deliveries run at once", cli.Min(1))
+	var sourceURL string
+	sourceURLFlag(cli.Local(cmd), &sourceURL)
 	asJSON := jsonFlag(cmd, `{"remaining": n}`)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
@@ -537,7 +539,12 @@ passed first (naming how many remain).`,
 		} else {
 			env.Logger.Warn("no NATS connection: nats handlers' deliveries will be retried", "nats", redact(c.natsURL))
 		}
-		d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Logger: env.Logger})
+		ev, reval, err := newRevalidator(pool, sourceURL, env, nil)
+		if err != nil {
+			return err
+		}
+		defer ev.Close()
+		d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval, Logger: env.Logger})
 		if err != nil {
 			return err
 		}

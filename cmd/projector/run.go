@@ -31,10 +31,11 @@ type runOptions struct {
 	maxRow                                      int64
 	readyLag                                    int64
 	readyAge                                    time.Duration
-	cleanupInterval, cleanupTimeout             time.Duration
-	cleanupBatch                                int
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
+	sourceURL                                   string
+	cleanupInterval, cleanupTimeout             time.Duration
+	cleanupBatch                                int
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -71,12 +72,13 @@ address (run refuses to start without it).`,
 	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
 	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", 1000, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
-	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
-	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
-	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
 	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
+	sourceURLFlag(f, &o.sourceURL)
+	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
+	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
+	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -127,9 +129,15 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
+	ev, reval, err := newRevalidator(svc.Pool(), o.sourceURL, env, reg)
+	if err != nil {
+		_ = svc.Stop(context.WithoutCancel(ctx))
+		return err
+	}
+	defer ev.Close()
 	disp, err := handler.NewDispatcher(svc.Pool(), handler.Config{Parallelism: o.handlerParallelism,
 		GroupSettleTimeout: o.settleTimeout, PayloadRetention: o.payloadRetention, JetStream: svc.JetStream(),
-		Logger: env.Logger, Registerer: reg})
+		Revalidate: reval, Logger: env.Logger, Registerer: reg})
 	if err == nil {
 		err = disp.Start(runCtx)
 	}

@@ -24,11 +24,18 @@ import (
 // second (from the projector's start to the last delivery done) beside the
 // apply rate of the same run, their ratio (target >= 0.8), and the apply
 // rate with the handler against the one without (target: at most 15% less).
-func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, without float64, out map[string][]float64) error {
+//
+// With e.revalidate (revalidate.go) the handlers revalidate every delivery
+// against the source before sending it; the figures are named
+// projector.handlers.pN.revalidate.*. It returns the delivery rate.
+func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, without float64, out map[string][]float64) (float64, error) {
 	suffix := e.suffix
 	defer func() { e.suffix, e.afterArchive, e.beforeStart, e.handlerParallelism = suffix, nil, nil, 0 }()
 	e.handlerParallelism = parallelism
 	prefix := fmt.Sprintf("projector.handlers.p%d.", parallelism)
+	if e.revalidate {
+		prefix += "revalidate."
+	}
 	record := func(figure string, v float64, unit string) {
 		e.figure(prefix+figure, v, unit)
 		out[prefix+figure+"|"+unit] = append(out[prefix+figure+"|"+unit], v)
@@ -36,7 +43,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	var hits atomic.Int64
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return err
+		return 0, err
 	}
 	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
@@ -46,9 +53,13 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	go func() { _ = srv.Serve(ln) }()
 	defer srv.Close()
 
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d", round, parallelism))
+	name := fmt.Sprintf("handlers_%d_p%d", round, parallelism)
+	if e.revalidate {
+		name += "_revalidate"
+	}
+	url, err := bench.CreateDatabase(ctx, e.pg, name)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
 	e.suffix = fmt.Sprintf(".handlers.p%d%s", parallelism, suffix)
@@ -66,7 +77,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			s, tb := splitTable(t)
 			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
 				Kind: handler.KindWebhook, Target: "http://" + ln.Addr().String() + "/hook", MaxAttempts: 5, Backoff: time.Second,
-				ClaimTimeout: time.Minute, Revalidate: false}); err != nil {
+				ClaimTimeout: time.Minute, Revalidate: e.revalidate}); err != nil {
 				return err
 			}
 		}
@@ -82,7 +93,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			}
 			if done >= n {
 				deliveredAt = time.Now()
-				return nil
+				return e.revalidationCost(ctx, url, record)
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries: %d of %d done after 15 minutes", done, n)
@@ -93,7 +104,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	start := time.Now()
 	with, err := e.apply(ctx, url, source, n)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	e.suffix = suffix
 	applyTook := float64(n) / with
@@ -104,7 +115,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
 	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
-	return nil
+	return deliveries, nil
 }
 
 func splitTable(t string) (string, string) {

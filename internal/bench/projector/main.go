@@ -79,6 +79,10 @@ type env struct {
 	beforeStart func(ctx context.Context, targetURL string) error
 	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
 	handlerParallelism int
+	// revalidate: the row handlers revalidate against sourceURL, the
+	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
+	revalidate bool
+	sourceURL  string
 }
 
 // figure prints a figure of the current round.
@@ -270,12 +274,21 @@ func run(o opts) (err error) {
 			}
 		}
 		if o.handlers {
-			for _, par := range strings.Split(o.handlerPar, ",") {
+			for i, par := range strings.Split(o.handlerPar, ",") {
 				p, err := strconv.Atoi(strings.TrimSpace(par))
 				if err != nil || p < 1 {
 					return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
 				}
-				if err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, snaps); err != nil {
+				plain, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, snaps)
+				if err != nil {
+					return err
+				}
+				// Revalidation is measured at the first parallelism only
+				// (a round costs minutes on a shared machine).
+				if i > 0 {
+					continue
+				}
+				if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), applyRate, plain, snaps); err != nil {
 					return err
 				}
 			}
@@ -426,6 +439,9 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		}
 		if e.handlerParallelism > 0 {
 			penv = append(penv, "EPITAPH_HANDLER_PARALLELISM="+strconv.Itoa(e.handlerParallelism))
+		}
+		if e.sourceURL != "" {
+			penv = append(penv, "EPITAPH_SOURCE_URL="+e.sourceURL) // the last one counts
 		}
 		p, err := bench.StartProc("projector-"+source+"-"+strconv.Itoa(i), e.bins["projector"], penv, e.dir, "run")
 		if err != nil {
