@@ -161,5 +161,8 @@ func TestServiceWebhookReusesConnections(t *testing.T) {
 		require.Nil(t, r.Payload)
 	}
 	require.EqualValues(t, n, hits.Load(), "each delivery called once")
-	require.LessOrEqual(t, conns.Load(), int32(4), "connections are kept alive and reused")
+	// At most one extra dial per worker when a connection is being
+	// returned while another request starts (the default transport, which
+	// keeps 2 idle per host, dials dozens here).
+	require.LessOrEqual(t, conns.Load(), int32(8), "connections are kept alive and reused")
 }

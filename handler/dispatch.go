@@ -113,7 +113,7 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
 		run:     runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
 		queue:   make(chan *claimed, claimAhead(cfg.Parallelism)),
-		settles: make(chan result, claimAhead(cfg.Parallelism)+cfg.Parallelism),
+		settles: make(chan result, maxSettleBatch),
 		wake:    make(chan struct{}, 1),
 	}
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
@@ -152,8 +152,9 @@ func (d *Dispatcher) Wake() {
 }
 
 // claimAhead is how many claimed deliveries wait for a worker at most:
-// enough that the workers never starve between two claim queries.
-func claimAhead(parallelism int) int { return max(2*parallelism, 8) }
+// enough that the workers never starve between two claim queries, and
+// that one claim query serves many attempts.
+func claimAhead(parallelism int) int { return max(16*parallelism, 64) }
 
 // maxSettleBatch bounds the results recorded in one transaction.
 const maxSettleBatch = 256
@@ -540,7 +541,7 @@ RETURNING d.id::text`
 
 // scrubSettledSQL, after settleSQL in the same transaction (it sees its
 // results), scrubs the payloads of the batch's rows whose every delivery
-// is terminal.
+// is terminal (a stale result's row is scrubbed only when that holds too).
 const scrubSettledSQL = `
 UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = COALESCE(o.payload_scrubbed_at, now())
 FROM (SELECT DISTINCT source, commit_lsn, seq FROM epitaph.deliveries
@@ -626,26 +627,27 @@ func (d *Dispatcher) settleTx(ctx context.Context, batch []result) (map[string]b
 		}
 		a.add(r.c, r.s)
 	}
+	// One round trip: a batch runs in one implicit transaction.
+	var b pgx.Batch
+	b.Queue(settleSQL, a.ids, a.tokens, a.states, a.outcomes, a.lastErrors, a.delays, a.deferred, a.fingerprints,
+		a.evaluated, a.refund)
+	b.Queue(scrubSettledSQL, a.ids)
 	settled := make(map[string]bool, len(batch))
-	err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, settleSQL, a.ids, a.tokens, a.states, a.outcomes, a.lastErrors, a.delays,
-			a.deferred, a.fingerprints, a.evaluated, a.refund)
-		if err != nil {
-			return err
-		}
-		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return err
-		}
+	br := d.pool.SendBatch(ctx, &b)
+	rows, err := br.Query()
+	if err == nil {
+		var ids []string
+		ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		for _, id := range ids {
 			settled[id] = true
 		}
-		if len(ids) == 0 {
-			return nil
-		}
-		_, err = tx.Exec(ctx, scrubSettledSQL, ids)
-		return err
-	})
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	if err != nil {
 		return nil, fmt.Errorf("settle %d deliveries: %w", len(batch), err)
 	}
