@@ -226,10 +226,15 @@ func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
 		return 0, nil
 	}
 	cs, err := d.claim(ctx, free)
+	if err != nil {
+		// Claimed without their handlers: left in flight, reclaimed when
+		// their claims expire.
+		return 0, err
+	}
 	for _, c := range cs {
 		d.queue <- c // never blocks: only this loop sends
 	}
-	return len(cs), err
+	return len(cs), nil
 }
 
 // settler records results in batches: what arrived while the previous
