@@ -15,7 +15,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-handlers bench-revalidate bench-retention clean
+.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-retention bench-handlers bench-revalidate clean
 
 all: build
 
@@ -58,8 +58,10 @@ fmt-check:
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
+## fuzz: each fuzz target of the event package for FUZZTIME (go test takes one -fuzz target at a time).
 fuzz:
 	$(GO) test ./event -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./event -run '^$$' -fuzz '^FuzzAppendDelete$$' -fuzztime $(FUZZTIME)
 
 ## bench-capture: capture vs pg_recvlogical on the same 300k-row backlog; peak RSS on a 1M-row transaction.
 bench-capture:
@@ -69,6 +71,9 @@ bench-capture:
 bench-projector:
 	$(GO) run ./internal/bench/projector
 
+## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup, erasure by --match.
+bench-retention:
+	$(GO) run ./internal/bench/retention
 ## bench-handlers: deliveries/s through a webhook handler on every table beside the apply rate of the same run; apply cost with handlers.
 bench-handlers:
 	$(GO) run ./internal/bench/projector -handlers -skip-snapshots -skip-e2e -rows 100000 -rounds 1
@@ -76,9 +81,6 @@ bench-handlers:
 ## bench-revalidate: revalidation per delivery (cheap path, full read) and the dispatcher's delivery rate with it off and on.
 bench-revalidate:
 	$(GO) run ./internal/bench/revalidate
-## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup, erasure by --match.
-bench-retention:
-	$(GO) run ./internal/bench/retention
 
 clean:
 	rm -rf $(BIN) .demo .bench

@@ -64,7 +64,7 @@ const AccountName = "EPITAPH"
 func CapturePermissions(source string) jwt.Permissions {
 	return jwt.Permissions{
 		Pub: jwt.Permission{Allow: jwt.StringList{
-			"epitaph." + source + ".>",
+			event.StreamSubjects(source),
 			"$JS.API.>", // its stream and object store: create, update, info, get
 			"$O.>",      // object store puts (rows larger than a message)
 			"$JS.ACK.>", "$JS.FC.>",
@@ -104,7 +104,7 @@ func ProjectorPermissions() jwt.Permissions {
 				"$JS.FC.>",           // flow control of the object store's ordered consumer
 			},
 			// Stated for whoever reads the JWT: never the stream, never objects.
-			Deny: jwt.StringList{"epitaph.>", "$O.>"},
+			Deny: jwt.StringList{event.SubjectPrefix + ".>", "$O.>"},
 		},
 		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
 	}

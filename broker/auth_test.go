@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -112,7 +113,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	require.NoError(t, err)
 	_, err = cjs.Publish(short(t, ctx), "epitaph.other.0.commit", []byte(`x`))
 	require.Error(t, err, "the capture publishes only its own source's subjects")
-	obs, err := cjs.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows", Storage: jetstream.FileStorage})
+	obs, err := cjs.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: event.RowBucket("main"), Storage: jetstream.FileStorage})
 	require.NoError(t, err)
 	_, err = obs.PutBytes(ctx, "big", bytes.Repeat([]byte("r"), 300_000))
 	require.NoError(t, err)
@@ -146,7 +147,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	ci, err := cons.Info(ctx)
 	require.NoError(t, err)
 	require.Equal(t, uint64(1), ci.AckFloor.Stream, "the ack was accepted")
-	pobs, err := pjs.ObjectStore(ctx, "epitaph_main_rows")
+	pobs, err := pjs.ObjectStore(ctx, event.RowBucket("main"))
 	require.NoError(t, err)
 	big, err := pobs.GetBytes(ctx, "big")
 	require.NoError(t, err)

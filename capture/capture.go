@@ -345,20 +345,75 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	if err != nil {
 		return err
 	}
-	var rp resumePoint
-	rp.partSeq = make([]uint64, cfg.Partitions)
-	if stream != nil {
-		current, err := sourceWALPosition(ctx, s.pool)
-		if err != nil {
-			return err
-		}
-		if rp, err = s.findResume(ctx, stream, cfg.Partitions, current); err != nil {
-			return fmt.Errorf("find where to resume in stream %s: %w", event.StreamName(cfg.SourceName), err)
-		}
+	rp, err := s.resumeFrom(ctx, stream)
+	if err != nil {
+		return err
 	}
 	t := tail{has: rp.has, pos: rp.pos}
+	if err := s.connectReplication(ctx); err != nil {
+		return err
+	}
+	plan, startLSN, err := s.prepareSlot(ctx, first, t)
+	if err != nil {
+		return err
+	}
+	s.setConfirmed(startLSN)
+	if stream == nil {
+		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
+			if plan.create {
+				// A first start that fails leaves no slot holding WAL.
+				if derr := dropSlot(ctx, s.repl, cfg.SlotName); derr != nil {
+					s.log.Warn("could not drop the slot this start created", "slot", cfg.SlotName, "err", redactErr(derr))
+				}
+			}
+			return err
+		}
+	}
+	st := s.newStreamer(rp, stream, first, startLSN)
+	if plan.gap != "" {
+		from := t.pos.lsn
+		if err := st.publishGap(ctx, gapInfo{from: from, to: startLSN, reason: plan.gap}); err != nil {
+			return err
+		}
+		s.log.Warn("gap recorded: deletes in this LSN range were lost upstream", "from", from.String(), "to", startLSN.String(), "reason", plan.gap)
+	}
 
-	// Slot.
+	err = pglogrepl.StartReplication(ctx, s.repl, cfg.SlotName, 0, pglogrepl.StartReplicationOptions{
+		Mode: pglogrepl.LogicalReplication,
+		PluginArgs: []string{
+			"proto_version '1'",
+			"publication_names " + pgquote.Literal(quoteIdent(cfg.PublicationName)),
+			"messages 'true'",
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
+	}
+	return nil
+}
+
+// resumeFrom is where the session resumes in stream (nil: none yet, start
+// from scratch).
+func (s *Service) resumeFrom(ctx context.Context, stream jetstream.Stream) (resumePoint, error) {
+	cfg := &s.cfg
+	var rp resumePoint
+	rp.partSeq = make([]uint64, cfg.Partitions)
+	if stream == nil {
+		return rp, nil
+	}
+	current, err := sourceWALPosition(ctx, s.pool)
+	if err != nil {
+		return rp, err
+	}
+	if rp, err = s.findResume(ctx, stream, cfg.Partitions, current); err != nil {
+		return rp, fmt.Errorf("find where to resume in stream %s: %w", event.StreamName(cfg.SourceName), err)
+	}
+	return rp, nil
+}
+
+// connectReplication opens the session's replication connection (s.repl).
+func (s *Service) connectReplication(ctx context.Context) error {
+	cfg := &s.cfg
 	rcfg, err := pgconn.ParseConfig(cfg.SourceURL)
 	if err != nil {
 		return configErr("source URL %s: %v", RedactURL(cfg.SourceURL), redactErr(err))
@@ -379,24 +434,33 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		}
 		return fmt.Errorf("open a replication connection to %s: %w", RedactURL(cfg.SourceURL), err)
 	}
+	return nil
+}
+
+// prepareSlot reads the slot (on a later session, waiting up to a minute
+// for the previous walsender to let go of it), drops or creates it as
+// planSlot says for the stream's tail t, and returns the plan and the LSN
+// replication starts from.
+func (s *Service) prepareSlot(ctx context.Context, first bool, t tail) (slotPlan, event.LSN, error) {
+	cfg := &s.cfg
 	slot, err := readSlot(ctx, s.pool, cfg.SlotName)
 	if err != nil {
-		return err
+		return slotPlan{}, 0, err
 	}
 	for deadline := s.now().Add(time.Minute); !first && slot.activePID != nil && s.now().Before(deadline); {
 		// The previous session's walsender may not have gone yet.
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return slotPlan{}, 0, ctx.Err()
 		case <-time.After(100 * time.Millisecond):
 		}
 		if slot, err = readSlot(ctx, s.pool, cfg.SlotName); err != nil {
-			return err
+			return slotPlan{}, 0, err
 		}
 	}
 	plan, err := planSlot(slot, cfg.SlotName, s.db, t, event.StreamName(cfg.SourceName), cfg.RecreateSlot)
 	if err != nil {
-		return err
+		return plan, 0, err
 	}
 	var startLSN event.LSN
 	if slot.confirmed != nil {
@@ -405,32 +469,26 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	if plan.drop {
 		s.log.Warn("dropping invalidated replication slot", "slot", cfg.SlotName)
 		if err := dropSlot(ctx, s.repl, cfg.SlotName); err != nil {
-			return err
+			return plan, 0, err
 		}
 	}
 	if plan.create {
 		cp, err := createSlot(ctx, s.repl, cfg.SlotName)
 		if err != nil {
-			return err
+			return plan, 0, err
 		}
 		startLSN = cp
 		s.log.Info("replication slot created", "slot", cfg.SlotName, "consistent_point", cp.String())
 	}
-	s.setConfirmed(startLSN)
-	if stream == nil {
-		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
-			if plan.create {
-				// A first start that fails leaves no slot holding WAL.
-				if derr := dropSlot(ctx, s.repl, cfg.SlotName); derr != nil {
-					s.log.Warn("could not drop the slot this start created", "slot", cfg.SlotName, "err", redactErr(derr))
-				}
-			}
-			return err
-		}
-	}
+	return plan, startLSN, nil
+}
 
+// newStreamer makes the session's streamer (s.st), resuming after rp in
+// stream from startLSN.
+func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first bool, startLSN event.LSN) *streamer {
+	cfg := &s.cfg
 	st := &streamer{
-		s: s, conn: s.repl, js: js, nc: s.nc, obs: s.obs, cat: s.cat,
+		s: s, conn: s.repl, js: s.js, nc: s.nc, obs: s.obs, cat: s.cat,
 		rels: map[uint32]*relation{}, tr: newTracker(cfg.BrokerSyncInterval, s.now()),
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
@@ -456,26 +514,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		s.log.Info("resuming after the last message this capture can prove it published", "position", rp.pos.String(),
 			"stored_after_it", after, "slot_confirmed_lsn", startLSN.String())
 	}
-	if plan.gap != "" {
-		from := t.pos.lsn
-		if err := st.publishGap(ctx, gapInfo{from: from, to: startLSN, reason: plan.gap}); err != nil {
-			return err
-		}
-		s.log.Warn("gap recorded: deletes in this LSN range were lost upstream", "from", from.String(), "to", startLSN.String(), "reason", plan.gap)
-	}
-
-	err = pglogrepl.StartReplication(ctx, s.repl, cfg.SlotName, 0, pglogrepl.StartReplicationOptions{
-		Mode: pglogrepl.LogicalReplication,
-		PluginArgs: []string{
-			"proto_version '1'",
-			"publication_names " + pgquote.Literal(quoteIdent(cfg.PublicationName)),
-			"messages 'true'",
-		},
-	})
-	if err != nil {
-		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
-	}
-	return nil
+	return st
 }
 
 // sourceWALPosition is where the source's WAL ends now: no message the
@@ -702,7 +741,7 @@ func (s *Service) heartbeats(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, PrefixHeartbeat)
+		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, event.PrefixHeartbeat)
 		if err != nil && ctx.Err() == nil && !warned {
 			s.log.Warn("emit heartbeat", "err", err)
 			warned = true

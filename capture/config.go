@@ -218,8 +218,20 @@ const (
 	PersistDefault = "default"
 )
 
+// validate lists every problem of the configuration in one ConfigError.
 func (c *Config) validate() error {
-	var errs []string
+	errs := c.connectionErrors(nil)
+	errs = c.nameErrors(errs)
+	errs = c.streamErrors(errs)
+	if len(errs) > 0 {
+		return &ConfigError{Msg: strings.Join(errs, "; ")}
+	}
+	return nil
+}
+
+// connectionErrors appends the problems of the source URL, the data
+// directory and the JetStream connection to errs.
+func (c *Config) connectionErrors(errs []string) []string {
 	if c.SourceURL == "" {
 		errs = append(errs, "a source database URL is required (EPITAPH_SOURCE_URL)")
 	} else if u, err := url.Parse(c.SourceURL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
@@ -238,6 +250,12 @@ func (c *Config) validate() error {
 	} else if err := c.NATSAuth.Validate(c.NATSURL); err != nil {
 		errs = append(errs, err.Error())
 	}
+	return errs
+}
+
+// nameErrors appends the problems of the source, slot, publication and
+// table names and of the partition count to errs.
+func (c *Config) nameErrors(errs []string) []string {
 	if err := event.ValidateSourceName(c.SourceName); err != nil {
 		errs = append(errs, err.Error())
 	}
@@ -255,6 +273,12 @@ func (c *Config) validate() error {
 			errs = append(errs, err.Error())
 		}
 	}
+	return errs
+}
+
+// streamErrors appends the problems of the publishing, stream and standby
+// settings to errs.
+func (c *Config) streamErrors(errs []string) []string {
 	if c.MaxInFlight < 1 {
 		errs = append(errs, fmt.Sprintf("max in-flight publishes must be positive, got %d", c.MaxInFlight))
 	}
@@ -288,10 +312,7 @@ func (c *Config) validate() error {
 	if c.StandbyPoll < 0 {
 		errs = append(errs, "standby poll interval must be positive")
 	}
-	if len(errs) > 0 {
-		return &ConfigError{Msg: strings.Join(errs, "; ")}
-	}
-	return nil
+	return errs
 }
 
 // defaultApplicationName names this process: "epitaph-capture:<host>-<pid>"

@@ -22,7 +22,7 @@
 //     catalog while streaming (watch.go: every CatalogPoll and after every
 //     Relation message, new safe tables are added, tables that lose their
 //     usable identity are removed with a table gap in the same transaction,
-//     PrefixGap; InstallDDLGuard applies the same rules at DDL time).
+//     event.PrefixGap; InstallDDLGuard applies the same rules at DDL time).
 //   - A row's identity is its own: a partitioned table's "full" tuple that
 //     is NULL outside the primary key may be a key-only leaf's and is
 //     labelled key (relation.encodeRow). The key is the primary key when the

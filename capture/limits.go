@@ -27,10 +27,6 @@ type Limits struct {
 	MaxMsgsPerSubject int64
 }
 
-// MetaLimits records, in the stream's metadata, the limits the capture set
-// last, so that a change made behind its back can be told from its own.
-const MetaLimits = "epitaph.limits"
-
 // limit names, as in --retention and in messages.
 const (
 	limitMaxAge     = "max-age"
@@ -199,7 +195,7 @@ func applyLimits(sc *jetstream.StreamConfig, l Limits) {
 	for k, v := range sc.Metadata {
 		md[k] = v
 	}
-	md[MetaLimits] = l.String()
+	md[event.MetaLimits] = l.String()
 	sc.Metadata = md
 }
 
@@ -223,7 +219,7 @@ func (c limitChange) String() string { return c.name + "=" + c.now }
 func limitsPlan(sc jetstream.StreamConfig, want Limits) (changes []limitChange, recordOK bool) {
 	cur := limitsOf(sc)
 	rec := Limits{MaxAge: cur.MaxAge} // no record: only max-age was ever the capture's
-	if s, ok := sc.Metadata[MetaLimits]; ok {
+	if s, ok := sc.Metadata[event.MetaLimits]; ok {
 		if s == "none" {
 			s = ""
 		}
@@ -242,7 +238,7 @@ func limitsPlan(sc jetstream.StreamConfig, want Limits) (changes []limitChange, 
 		ch.discards = c != 0 && (w == 0 || c < w)
 		changes = append(changes, ch)
 	}
-	return changes, sc.Metadata[MetaLimits] == want.String()
+	return changes, sc.Metadata[event.MetaLimits] == want.String()
 }
 
 // refuseLimits is the one-line refusal of a stream whose limits would

@@ -47,9 +47,9 @@ func TestLimitsPlan(t *testing.T) {
 		c := jetstream.StreamConfig{Name: "EPITAPH_MAIN", Discard: discard, Metadata: map[string]string{}}
 		applyLimits(&c, l)
 		if record == "" {
-			delete(c.Metadata, MetaLimits)
+			delete(c.Metadata, event.MetaLimits)
 		} else {
-			c.Metadata[MetaLimits] = record
+			c.Metadata[event.MetaLimits] = record
 		}
 		return c
 	}
@@ -68,7 +68,7 @@ func TestLimitsPlan(t *testing.T) {
 	// left alone. Its max age still removes messages.
 	cs, _ = limitsPlan(sc(jetstream.DiscardNew, Limits{MaxBytes: 1 << 20}, "none"), Limits{})
 	require.Empty(t, cs)
-	dn := jetstream.StreamConfig{Discard: jetstream.DiscardNew, MaxBytes: 1 << 20, MaxAge: time.Hour, Metadata: map[string]string{MetaLimits: "none"}}
+	dn := jetstream.StreamConfig{Discard: jetstream.DiscardNew, MaxBytes: 1 << 20, MaxAge: time.Hour, Metadata: map[string]string{event.MetaLimits: "none"}}
 	cs, _ = limitsPlan(dn, Limits{})
 	require.Equal(t, []limitChange{{name: limitMaxAge, now: "1h0m0s", want: "unlimited", foreign: true, discards: true}}, cs)
 	applyLimits(&dn, Limits{})
@@ -112,7 +112,7 @@ func TestStreamLimits(t *testing.T) {
 	svc := e.start(t, fast)
 	sc := streamConfig()
 	require.Equal(t, Limits{}, limitsOf(sc))
-	require.Equal(t, "none", sc.Metadata[MetaLimits])
+	require.Equal(t, "none", sc.Metadata[event.MetaLimits])
 	require.Equal(t, jetstream.DiscardOld, sc.Discard)
 
 	// Behind its back while streaming: max-bytes, max-age and
@@ -148,7 +148,7 @@ func TestStreamLimits(t *testing.T) {
 
 	// Asked for: accepted, and kept (recorded) from then on.
 	svc = e.start(t, func(c *Config) { fast(c); c.RetentionMaxBytes = 1 << 20 })
-	require.Equal(t, "max-bytes=1048576", streamConfig().Metadata[MetaLimits])
+	require.Equal(t, "max-bytes=1048576", streamConfig().Metadata[event.MetaLimits])
 	edit(func(sc *jetstream.StreamConfig) { sc.MaxBytes = 4096 })
 	require.Eventually(t, func() bool { return streamConfig().MaxBytes == 1<<20 }, 60*time.Second, 50*time.Millisecond)
 	require.NoError(t, svc.Stop(context.Background()))

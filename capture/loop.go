@@ -23,12 +23,6 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// Logical decoding message prefixes capture reacts to.
-const (
-	PrefixMark      = "epitaph.mark"
-	PrefixHeartbeat = "epitaph.heartbeat"
-)
-
 const (
 	receiveWait      = 500 * time.Millisecond
 	statusInterval   = 10 * time.Second
@@ -243,7 +237,7 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 	}
 	msgID := st.tx.msgID(seq)
 	var ref *event.ObjectRef
-	if len(st.img.row)+len(r.columnsJSON)+len(r.refsJSON)+len(st.img.key)+512 > st.maxMsg {
+	if len(st.img.row)+r.head.Size()+len(st.img.key)+512 > st.maxMsg {
 		ref, err = st.putLargeRow(ctx, msgID, st.img.row)
 		if err != nil {
 			return err
@@ -269,7 +263,7 @@ func (st *streamer) putLargeRow(ctx context.Context, msgID string, row []byte) (
 	if _, err := st.obs.PutBytes(ctx, name, row); err != nil {
 		return nil, fmt.Errorf("store large row %s: %w", name, err)
 	}
-	return &event.ObjectRef{Bucket: rowBucket(st.src), Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}, nil
+	return &event.ObjectRef{Bucket: event.RowBucket(st.src), Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}, nil
 }
 
 func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMessage) error {
@@ -308,11 +302,11 @@ func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMes
 func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecodingMessage, serverTime time.Time) error {
 	var kind string
 	switch {
-	case m.Prefix == PrefixHeartbeat:
+	case m.Prefix == event.PrefixHeartbeat:
 		kind = event.MarkHeartbeat
-	case m.Prefix == PrefixMark || strings.HasPrefix(m.Prefix, PrefixMark+"."):
+	case m.Prefix == event.PrefixMark || strings.HasPrefix(m.Prefix, event.PrefixMark+"."):
 		kind = event.MarkUser
-	case m.Prefix == PrefixGap:
+	case m.Prefix == event.PrefixGap:
 		return st.handleTableGap(ctx, m, serverTime)
 	default:
 		return nil
@@ -355,7 +349,7 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 }
 
 // handleTableGap publishes the gap of a table removed from the
-// publication (see PrefixGap) to every partition: from the removal on, the
+// publication (see event.PrefixGap) to every partition: from the removal on, the
 // table's deletes are not captured until it is added again. A message whose
 // content is not a table gap is ignored: anyone may write one, and a gap is
 // not believed unless it names a table.

@@ -33,14 +33,12 @@ type relation struct {
 	partitioned bool
 	weakLeaves  bool
 
-	name        string // schema.table
-	what        string // "delete schema.table", for errors
-	head        []byte // ,"source":..,"schema":..,"table":..
-	columnsJSON []byte // [{"name":..,"type":..,"pk":true},..]
-	refsJSON    []byte // [..] or nil
-	subjects    []string
-	deletes     prometheus.Counter
-	truncates   prometheus.Counter
+	name      string // schema.table
+	what      string // "delete schema.table", for errors
+	head      *event.TableHead
+	subjects  []string
+	deletes   prometheus.Counter
+	truncates prometheus.Counter
 }
 
 type relColumn struct {
@@ -144,20 +142,9 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 		cols = append(cols, event.Column{Name: c.Name, Type: types[i], PK: isPK[i]})
 	}
 	cols = withGenerated(cols, facts.generated)
-	if r.columnsJSON, err = json.Marshal(cols); err != nil {
-		return nil, fmt.Errorf("relation %s: encode columns: %w", r.qualified(), err)
+	if r.head, err = event.NewTableHead(src, r.schema, r.table, cols, facts.refs); err != nil {
+		return nil, fmt.Errorf("relation %s: %w", r.qualified(), err)
 	}
-	if len(facts.refs) > 0 {
-		if r.refsJSON, err = json.Marshal(facts.refs); err != nil {
-			return nil, fmt.Errorf("relation %s: encode refs: %w", r.qualified(), err)
-		}
-	}
-	r.head = append(r.head, `,"source":`...)
-	r.head = appendString(r.head, []byte(src))
-	r.head = append(r.head, `,"schema":`...)
-	r.head = appendString(r.head, []byte(r.schema))
-	r.head = append(r.head, `,"table":`...)
-	r.head = appendString(r.head, []byte(r.table))
 	r.subjects = make([]string, partitions)
 	for p := range r.subjects {
 		r.subjects[p] = event.DeleteSubject(src, p, r.schema, r.table)
@@ -328,7 +315,7 @@ type txInfo struct {
 	commitLSN  event.LSN
 	commitTime time.Time
 	lsnText    string // commitLSN.String()
-	timeText   string // commitTime in RFC 3339 with nanoseconds
+	del        event.DeleteTx
 	idPrefix   string // event.MsgID(src, commitLSN, seq) without the seq
 	tagger     *event.MsgIDTagger
 }
@@ -337,7 +324,7 @@ type txInfo struct {
 // for tests of the plain form) tags its row message ids.
 func newTxInfo(src string, xid uint32, commitLSN event.LSN, commitTime time.Time, tagger *event.MsgIDTagger) txInfo {
 	tx := txInfo{xid: xid, commitLSN: commitLSN, commitTime: commitTime, lsnText: commitLSN.String(), tagger: tagger}
-	tx.timeText = commitTime.Format(time.RFC3339Nano)
+	tx.del = event.NewDeleteTx(xid, commitLSN, commitTime)
 	tx.idPrefix = src + "/" + tx.lsnText + "/"
 	return tx
 }
@@ -357,39 +344,7 @@ func (tx *txInfo) msgID(seq int) string {
 // position is position{tx.commitLSN, n}.String() (tested).
 func (tx *txInfo) position(n int) string { return tx.lsnText + "#" + strconv.Itoa(n) }
 
-// encodeDelete writes a delete event, field for field what event.Encode
-// would write for the same event (tested), without re-encoding the parts
-// that are the same for every row of a table.
+// encodeDelete writes a row's delete event with event.AppendDelete.
 func (r *relation) encodeDelete(dst []byte, tx *txInfo, seq int, img *rowImage, ref *event.ObjectRef) []byte {
-	dst = append(dst, `{"v":1,"op":"delete"`...)
-	dst = append(dst, r.head...)
-	dst = append(dst, `,"xid":`...)
-	dst = strconv.AppendUint(dst, uint64(tx.xid), 10)
-	dst = append(dst, `,"commit_lsn":"`...)
-	dst = append(dst, tx.lsnText...)
-	dst = append(dst, `","commit_time":"`...)
-	dst = append(dst, tx.timeText...)
-	dst = append(dst, `","seq":`...)
-	dst = strconv.AppendInt(dst, int64(seq), 10)
-	dst = append(dst, `,"identity":"`...)
-	dst = append(dst, img.identity...)
-	dst = append(dst, `","columns":`...)
-	dst = append(dst, r.columnsJSON...)
-	if img.key != nil {
-		dst = append(dst, `,"key":`...)
-		dst = append(dst, img.key...)
-	}
-	if ref == nil {
-		dst = append(dst, `,"row":`...)
-		dst = append(dst, img.row...)
-	} else {
-		b, _ := json.Marshal(ref)
-		dst = append(dst, `,"row_ref":`...)
-		dst = append(dst, b...)
-	}
-	if r.refsJSON != nil {
-		dst = append(dst, `,"refs":`...)
-		dst = append(dst, r.refsJSON...)
-	}
-	return append(dst, '}')
+	return event.AppendDelete(dst, r.head, &tx.del, seq, img.identity, img.key, img.row, ref)
 }

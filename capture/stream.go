@@ -162,11 +162,8 @@ func persistMode(s string) jetstream.PersistModeType {
 	return jetstream.DefaultPersistMode
 }
 
-// rowBucket is the object store bucket holding rows too large for a message.
-func rowBucket(src string) string { return "epitaph_" + src + "_rows" }
-
 func ensureRowBucket(ctx context.Context, js jetstream.JetStream, cfg *Config) (jetstream.ObjectStore, error) {
-	name := rowBucket(cfg.SourceName)
+	name := event.RowBucket(cfg.SourceName)
 	obs, err := js.ObjectStore(ctx, name)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
 		obs, err = js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{

@@ -231,6 +231,7 @@ func (s *tableSelection) names() []string {
 func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFull, watching bool) (*tableSelection, error) {
 	sel := &tableSelection{}
 	var cands []*tableInfo
+	var err error
 	if len(names) == 0 {
 		rows, err := pool.Query(ctx, sqlAllTables)
 		if err != nil {
@@ -240,88 +241,113 @@ func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFu
 		if err != nil {
 			return nil, fmt.Errorf("list tables: %w", err)
 		}
-	} else {
-		seen := map[string]bool{}
-		for _, n := range names {
-			schema, table, err := splitTable(n)
-			if err != nil {
-				return nil, &ConfigError{Msg: err.Error()}
-			}
-			if ownSchema(schema) || systemSchema(schema) {
-				return nil, configErr("table %s.%s is in a schema capture never publishes (Epitaph's own or a system schema): remove it from EPITAPH_TABLES", schema, table)
-			}
-			rows, err := pool.Query(ctx, sqlTableByName, schema, table)
-			if err != nil {
-				return nil, fmt.Errorf("look up table %s.%s: %w", schema, table, err)
-			}
-			found, err := scanTables(rows)
-			if err != nil {
-				return nil, fmt.Errorf("look up table %s.%s: %w", schema, table, err)
-			}
-			if len(found) == 0 && watching {
-				continue
-			}
-			if len(found) == 0 {
-				return nil, configErr("table %s.%s does not exist (check EPITAPH_TABLES)", schema, table)
-			}
-			t := found[0]
-			if t.persistence != 'p' && watching {
-				sel.skipped = append(sel.skipped, t.qualified()+": unlogged or temporary")
-				continue
-			}
-			if t.persistence != 'p' {
-				return nil, configErr("table %s is unlogged or temporary: its deletes are not in the WAL, remove it from EPITAPH_TABLES", t.qualified())
-			}
-			if !seen[t.qualified()] {
-				seen[t.qualified()] = true
-				cands = append(cands, t)
-			}
-		}
+	} else if cands, err = sel.namedTables(ctx, pool, names, watching); err != nil {
+		return nil, err
 	}
 	for _, t := range cands {
 		if err := loadIdentity(ctx, pool, t); err != nil {
 			return nil, err
 		}
-		if t.identity == "full" {
-			sel.tables = append(sel.tables, t)
-			continue
+		if err := sel.add(ctx, pool, t, setFull, watching, len(names) > 0); err != nil {
+			return nil, err
 		}
-		if setFull && !t.notFullOwned && watching {
-			if t.identity == "" {
-				sel.unsafe = append(sel.unsafe, t)
-				sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity, and the capture role cannot set it FULL (not a member of the owner role)")
-				continue
-			}
-		} else if setFull {
-			if !t.notFullOwned {
-				return nil, configErr("must own table %s to set REPLICA IDENTITY FULL on it: as a superuser, run GRANT <owner role> TO <capture role> (membership in the owner role is enough), or run ALTER TABLE %s REPLICA IDENTITY FULL as its owner", t.qualified(), t.sanitized())
-			}
-			for _, rel := range t.notFull {
-				if _, err := pool.Exec(ctx, "ALTER TABLE "+rel+" REPLICA IDENTITY FULL"); err != nil {
-					return nil, fmt.Errorf("set replica identity full on %s: %w", rel, err)
-				}
-			}
-			sel.madeFull = append(sel.madeFull, t.notFull...)
-			t.identity, t.notFull = "full", nil
-			sel.tables = append(sel.tables, t)
-			continue
-		}
-		if t.identity == "" {
-			if watching {
-				sel.unsafe = append(sel.unsafe, t)
-				sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
-				continue
-			}
-			if len(names) > 0 {
-				return nil, configErr("table %s has no usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, or NOTHING): its deletes would fail once published. Add a primary key, run ALTER TABLE %s REPLICA IDENTITY FULL, or start with --set-replica-identity-full", t.qualified(), t.sanitized())
-			}
-			sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
-			continue
-		}
-		sel.keyOnly = append(sel.keyOnly, t.qualified())
-		sel.tables = append(sel.tables, t)
 	}
 	return sel, nil
+}
+
+// namedTables looks up the configured tables, each once; while watching, a
+// table gone is left out and one unlogged is listed in skipped.
+func (sel *tableSelection) namedTables(ctx context.Context, pool *pgxpool.Pool, names []string, watching bool) ([]*tableInfo, error) {
+	var cands []*tableInfo
+	seen := map[string]bool{}
+	for _, n := range names {
+		schema, table, err := splitTable(n)
+		if err != nil {
+			return nil, &ConfigError{Msg: err.Error()}
+		}
+		if ownSchema(schema) || systemSchema(schema) {
+			return nil, configErr("table %s.%s is in a schema capture never publishes (Epitaph's own or a system schema): remove it from EPITAPH_TABLES", schema, table)
+		}
+		rows, err := pool.Query(ctx, sqlTableByName, schema, table)
+		if err != nil {
+			return nil, fmt.Errorf("look up table %s.%s: %w", schema, table, err)
+		}
+		found, err := scanTables(rows)
+		if err != nil {
+			return nil, fmt.Errorf("look up table %s.%s: %w", schema, table, err)
+		}
+		if len(found) == 0 && watching {
+			continue
+		}
+		if len(found) == 0 {
+			return nil, configErr("table %s.%s does not exist (check EPITAPH_TABLES)", schema, table)
+		}
+		t := found[0]
+		if t.persistence != 'p' && watching {
+			sel.skipped = append(sel.skipped, t.qualified()+": unlogged or temporary")
+			continue
+		}
+		if t.persistence != 'p' {
+			return nil, configErr("table %s is unlogged or temporary: its deletes are not in the WAL, remove it from EPITAPH_TABLES", t.qualified())
+		}
+		if !seen[t.qualified()] {
+			seen[t.qualified()] = true
+			cands = append(cands, t)
+		}
+	}
+	return cands, nil
+}
+
+// add puts a candidate whose identity is loaded in the selection: published
+// (made FULL first with setFull), key-only, or skipped (unsafe while
+// watching); named says the tables were configured by name, where a table
+// without usable identity is an error.
+func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *tableInfo, setFull, watching, named bool) error {
+	if t.identity == "full" {
+		sel.tables = append(sel.tables, t)
+		return nil
+	}
+	if setFull && !t.notFullOwned && watching {
+		if t.identity == "" {
+			sel.unsafe = append(sel.unsafe, t)
+			sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity, and the capture role cannot set it FULL (not a member of the owner role)")
+			return nil
+		}
+	} else if setFull {
+		return sel.makeFull(ctx, pool, t)
+	}
+	if t.identity == "" {
+		if watching {
+			sel.unsafe = append(sel.unsafe, t)
+			sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
+			return nil
+		}
+		if named {
+			return configErr("table %s has no usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, or NOTHING): its deletes would fail once published. Add a primary key, run ALTER TABLE %s REPLICA IDENTITY FULL, or start with --set-replica-identity-full", t.qualified(), t.sanitized())
+		}
+		sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
+		return nil
+	}
+	sel.keyOnly = append(sel.keyOnly, t.qualified())
+	sel.tables = append(sel.tables, t)
+	return nil
+}
+
+// makeFull sets REPLICA IDENTITY FULL on t's relations that are not, and
+// selects it.
+func (sel *tableSelection) makeFull(ctx context.Context, pool *pgxpool.Pool, t *tableInfo) error {
+	if !t.notFullOwned {
+		return configErr("must own table %s to set REPLICA IDENTITY FULL on it: as a superuser, run GRANT <owner role> TO <capture role> (membership in the owner role is enough), or run ALTER TABLE %s REPLICA IDENTITY FULL as its owner", t.qualified(), t.sanitized())
+	}
+	for _, rel := range t.notFull {
+		if _, err := pool.Exec(ctx, "ALTER TABLE "+rel+" REPLICA IDENTITY FULL"); err != nil {
+			return fmt.Errorf("set replica identity full on %s: %w", rel, err)
+		}
+	}
+	sel.madeFull = append(sel.madeFull, t.notFull...)
+	t.identity, t.notFull = "full", nil
+	sel.tables = append(sel.tables, t)
+	return nil
 }
 
 const (
@@ -337,69 +363,20 @@ SELECT 0 FROM pg_publication_namespace pn JOIN pg_publication p ON p.oid = pn.pn
 // exactly the selected tables with the right options.
 func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *tableSelection) (changed bool, err error) {
 	pub := pgx.Identifier{name}.Sanitize()
-	var allTables, ins, upd, del, trunc, viaRoot bool
-	err = pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &ins, &upd, &del, &trunc, &viaRoot)
-	exists := true
-	if errors.Is(err, pgx.ErrNoRows) {
-		exists = false
-	} else if err != nil {
-		return false, fmt.Errorf("read publication %s: %w", name, err)
-	}
-	if exists && allTables {
-		return false, configErr("publication %q is FOR ALL TABLES, which would publish tables whose deletes then fail (and Epitaph's own schemas): drop it, or pass another --publication", name)
-	}
-	current := map[uint32]bool{}
-	if exists {
-		rows, err := pool.Query(ctx, sqlPublicationTables, name)
-		if err != nil {
-			return false, fmt.Errorf("read tables of publication %s: %w", name, err)
-		}
-		for rows.Next() {
-			var oid uint32
-			if err := rows.Scan(&oid); err != nil {
-				rows.Close()
-				return false, fmt.Errorf("read tables of publication %s: %w", name, err)
-			}
-			current[oid] = true
-		}
-		if err := rows.Err(); err != nil {
-			return false, fmt.Errorf("read tables of publication %s: %w", name, err)
-		}
+	cur, err := readPublication(ctx, pool, name)
+	if err != nil {
+		return false, err
 	}
 	want := map[uint32]bool{}
 	var list []string
 	for _, t := range sel.tables {
 		want[t.oid] = true
 		list = append(list, t.sanitized())
-		if !current[t.oid] && !t.owned {
+		if !cur.tables[t.oid] && !t.owned {
 			return false, configErr("must own table %s to publish it: as a superuser, run GRANT <owner role of %s> TO <capture role> (membership is enough; ALTER TABLE .. OWNER TO would break the application's migrations), then start again", t.qualified(), t.sanitized())
 		}
 	}
-	sameTables := len(current) == len(want)
-	for oid := range current {
-		if !want[oid] {
-			sameTables = false
-		}
-	}
-	var stmts []string
-	switch {
-	case !exists && len(list) > 0:
-		stmts = append(stmts, "CREATE PUBLICATION "+pub+" FOR TABLE "+strings.Join(list, ", ")+" WITH ("+publicationOptions+")")
-	case !exists:
-		stmts = append(stmts, "CREATE PUBLICATION "+pub+" WITH ("+publicationOptions+")")
-	default:
-		if !sameTables {
-			if len(list) > 0 {
-				stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET TABLE "+strings.Join(list, ", "))
-			} else {
-				// SET needs at least one table: drop and recreate empty.
-				stmts = append(stmts, "DROP PUBLICATION "+pub, "CREATE PUBLICATION "+pub+" WITH ("+publicationOptions+")")
-			}
-		}
-		if ins || upd || !del || !trunc || !viaRoot {
-			stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET ("+publicationOptions+")")
-		}
-	}
+	stmts := cur.statements(pub, list, want)
 	for _, s := range stmts {
 		if _, err := pool.Exec(ctx, s); err != nil {
 			var pgErr *pgconn.PgError
@@ -410,6 +387,77 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 		}
 	}
 	return len(stmts) > 0, nil
+}
+
+// publicationState is an existing publication as the catalog has it.
+type publicationState struct {
+	exists                     bool
+	ins, upd, del, trunc, root bool            // its options
+	tables                     map[uint32]bool // relation oids it holds (0: a schema)
+}
+
+// readPublication reads the publication name; one FOR ALL TABLES is a
+// ConfigError.
+func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*publicationState, error) {
+	st := &publicationState{exists: true, tables: map[uint32]bool{}}
+	var allTables bool
+	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root)
+	if errors.Is(err, pgx.ErrNoRows) {
+		st.exists = false
+		return st, nil
+	} else if err != nil {
+		return nil, fmt.Errorf("read publication %s: %w", name, err)
+	}
+	if allTables {
+		return nil, configErr("publication %q is FOR ALL TABLES, which would publish tables whose deletes then fail (and Epitaph's own schemas): drop it, or pass another --publication", name)
+	}
+	rows, err := pool.Query(ctx, sqlPublicationTables, name)
+	if err != nil {
+		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	for rows.Next() {
+		var oid uint32
+		if err := rows.Scan(&oid); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+		}
+		st.tables[oid] = true
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	return st, nil
+}
+
+// statements are what makes the publication pub (as st has it) publish
+// exactly list (the tables, sanitized; want their oids) with
+// publicationOptions: none when it does.
+func (st *publicationState) statements(pub string, list []string, want map[uint32]bool) []string {
+	if !st.exists && len(list) > 0 {
+		return []string{"CREATE PUBLICATION " + pub + " FOR TABLE " + strings.Join(list, ", ") + " WITH (" + publicationOptions + ")"}
+	}
+	if !st.exists {
+		return []string{"CREATE PUBLICATION " + pub + " WITH (" + publicationOptions + ")"}
+	}
+	sameTables := len(st.tables) == len(want)
+	for oid := range st.tables {
+		if !want[oid] {
+			sameTables = false
+		}
+	}
+	var stmts []string
+	if !sameTables {
+		if len(list) > 0 {
+			stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET TABLE "+strings.Join(list, ", "))
+		} else {
+			// SET needs at least one table: drop and recreate empty.
+			stmts = append(stmts, "DROP PUBLICATION "+pub, "CREATE PUBLICATION "+pub+" WITH ("+publicationOptions+")")
+		}
+	}
+	if st.ins || st.upd || !st.del || !st.trunc || !st.root {
+		stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET ("+publicationOptions+")")
+	}
+	return stmts
 }
 
 // publicationTables lists the tables a publication holds, "schema.table".

@@ -204,6 +204,95 @@ func (s *Service) implausible(om ownMsg, current event.LSN) {
 		"stream_seq", om.seq, "position", om.pos.String(), "source_current_wal_lsn", current.String())
 }
 
+// lastOwnOfPartitions is findResume's fast path: the last commit, mark and
+// gap of every partition. When each of them is ours (or absent) and
+// plausible, they give every partition's sequence (into partSeq), and the
+// latest of them is the last own signed message (best); walk says they do
+// not.
+func (s *Service) lastOwnOfPartitions(ctx context.Context, st streamReader, parts int, current event.LSN, partSeq []uint64) (best ownMsg, walk bool, err error) {
+	src := s.cfg.SourceName
+	for p := 0; p < parts; p++ {
+		for _, subj := range []string{event.CommitSubject(src, p), event.MarkSubject(src, p), event.GapSubject(src, p)} {
+			m, err := st.GetLastMsgForSubject(ctx, subj)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				continue
+			}
+			if err != nil {
+				return best, walk, fmt.Errorf("read the last message of %s: %w", subj, err)
+			}
+			om, why := s.verifyOwn(m, parts)
+			if why != "" {
+				s.foreign(m.Sequence, m.Subject, why)
+				walk = true
+				continue
+			}
+			if om.pos.lsn > current {
+				s.implausible(om, current)
+				walk = true
+				continue
+			}
+			partSeq[p] = max(partSeq[p], om.partSeq)
+			if om.seq > best.seq {
+				best = om
+			}
+		}
+	}
+	return best, walk, nil
+}
+
+// walkBackResume walks back from the end of the stream (sequences first
+// to last), one message at a time, until the last own plausible boundary V
+// is found and then every partition's last own message at or before it
+// (its sequence into partSeq): own messages after V (the open
+// transaction's, a transactional mark's copies) are adopted on replay,
+// which counts them again. V is zero when there is none.
+func (s *Service) walkBackResume(ctx context.Context, st streamReader, parts int, current event.LSN, first, last uint64, partSeq []uint64) (ownMsg, error) {
+	src := s.cfg.SourceName
+	var v ownMsg
+	known := make([]bool, parts)
+	pending := parts
+	for seq := last; seq >= first && seq > 0; seq-- {
+		if v.seq != 0 && pending == 0 {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return v, fmt.Errorf("read the stream back: %w", err)
+		}
+		m, err := st.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return v, fmt.Errorf("read stream message %d: %w", seq, err)
+		}
+		_, signed, ok := signedSubject(src, m.Subject)
+		if !ok {
+			s.foreign(seq, m.Subject, "not an epitaph subject of this source")
+			continue
+		}
+		if !signed {
+			continue // a row or truncate: proven, if at all, by adoption
+		}
+		om, why := s.verifyOwn(m, parts)
+		if why != "" {
+			s.foreign(seq, m.Subject, why)
+			continue
+		}
+		if om.pos.lsn > current {
+			s.implausible(om, current)
+			continue
+		}
+		if v.seq == 0 && om.boundary {
+			v = om
+		}
+		if v.seq != 0 && !known[om.part] {
+			known[om.part], partSeq[om.part] = true, om.partSeq
+			pending--
+		}
+	}
+	return v, nil
+}
+
 // findResume reads what the stream proves of the capture's earlier output
 // (see the comment at the top of this file). current is the source's
 // pg_current_wal_lsn.
@@ -217,96 +306,18 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	if info.State.Msgs == 0 {
 		return rp, nil
 	}
-	src := s.cfg.SourceName
-
-	// Fast path: the last commit, mark and gap of every partition. When
-	// each of them is ours (or absent) and plausible, they give every
-	// partition's sequence, and the latest of them is the last own signed
-	// message.
-	known := make([]bool, parts)
-	var best ownMsg
-	walk := false
-	for p := 0; p < parts; p++ {
-		for _, subj := range []string{event.CommitSubject(src, p), event.MarkSubject(src, p), event.GapSubject(src, p)} {
-			m, err := st.GetLastMsgForSubject(ctx, subj)
-			if errors.Is(err, jetstream.ErrMsgNotFound) {
-				continue
-			}
-			if err != nil {
-				return rp, fmt.Errorf("read the last message of %s: %w", subj, err)
-			}
-			om, why := s.verifyOwn(m, parts)
-			if why != "" {
-				s.foreign(m.Sequence, m.Subject, why)
-				walk = true
-				continue
-			}
-			if om.pos.lsn > current {
-				s.implausible(om, current)
-				walk = true
-				continue
-			}
-			known[p] = true
-			rp.partSeq[p] = max(rp.partSeq[p], om.partSeq)
-			if om.seq > best.seq {
-				best = om
-			}
-		}
+	best, walk, err := s.lastOwnOfPartitions(ctx, st, parts, current, rp.partSeq)
+	if err != nil {
+		return rp, err
 	}
 	if best.seq != 0 && !best.boundary {
 		walk = true // the last own message is inside an open transaction
 	}
-	var v ownMsg
-	if !walk {
-		v = best
-	} else {
-		// Walk back from the end, one message at a time, until the last
-		// own plausible boundary V is found and then every partition's
-		// last own message at or before it: own messages after V (the
-		// open transaction's, a transactional mark's copies) are adopted
-		// on replay, which counts them again.
-		pending := parts
-		for p := range known {
-			known[p], rp.partSeq[p] = false, 0
-		}
-		for seq := last; seq >= first && seq > 0; seq-- {
-			if v.seq != 0 && pending == 0 {
-				break
-			}
-			if err := ctx.Err(); err != nil {
-				return rp, fmt.Errorf("read the stream back: %w", err)
-			}
-			m, err := st.GetMsg(ctx, seq)
-			if errors.Is(err, jetstream.ErrMsgNotFound) {
-				continue
-			}
-			if err != nil {
-				return rp, fmt.Errorf("read stream message %d: %w", seq, err)
-			}
-			_, signed, ok := signedSubject(src, m.Subject)
-			if !ok {
-				s.foreign(seq, m.Subject, "not an epitaph subject of this source")
-				continue
-			}
-			if !signed {
-				continue // a row or truncate: proven, if at all, by adoption
-			}
-			om, why := s.verifyOwn(m, parts)
-			if why != "" {
-				s.foreign(seq, m.Subject, why)
-				continue
-			}
-			if om.pos.lsn > current {
-				s.implausible(om, current)
-				continue
-			}
-			if v.seq == 0 && om.boundary {
-				v = om
-			}
-			if v.seq != 0 && !known[om.part] {
-				known[om.part], rp.partSeq[om.part] = true, om.partSeq
-				pending--
-			}
+	v := best
+	if walk {
+		clear(rp.partSeq)
+		if v, err = s.walkBackResume(ctx, st, parts, current, first, last, rp.partSeq); err != nil {
+			return rp, err
 		}
 	}
 	if v.seq == 0 {

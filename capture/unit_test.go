@@ -192,15 +192,15 @@ func TestEncodeDeleteMatchesEventEncode(t *testing.T) {
 	t.Parallel()
 	r := &relation{schema: "public", table: "orders"}
 	cols := []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "note", Type: "text"}}
-	r.columnsJSON, _ = json.Marshal(cols)
 	refs := []event.Ref{{Columns: []string{"c"}, Schema: "public", Table: "customers", RefColumns: []string{"id"}}}
-	r.refsJSON, _ = json.Marshal(refs)
+	head, err := event.NewTableHead("main", "public", "orders", cols, refs)
+	require.NoError(t, err)
+	r.head = head
 	for _, c := range cols {
 		label, _ := json.Marshal(c.Name)
 		r.cols = append(r.cols, relColumn{name: c.Name, typeOID: map[string]uint32{"bigint": oidInt8, "text": 25}[c.Type], label: append(label, ':')})
 	}
 	r.pkIdx = []int{0}
-	r.head = append(r.head, `,"source":"main","schema":"public","table":"orders"`...)
 	var img rowImage
 	tup := &pglogrepl.TupleData{Columns: []*pglogrepl.TupleDataColumn{
 		{DataType: pglogrepl.TupleDataTypeText, Data: []byte("42")},

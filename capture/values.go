@@ -3,8 +3,8 @@ package capture
 import (
 	"encoding/json"
 	"regexp"
-	"unicode/utf8"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/rowsql"
 )
 
@@ -54,7 +54,7 @@ func appendValue(dst []byte, typeOID uint32, text []byte) []byte {
 			return append(dst, text...)
 		}
 	}
-	return appendString(dst, text)
+	return event.AppendString(dst, text)
 }
 
 func isInteger(b []byte) bool {
@@ -111,59 +111,6 @@ func isJSONNumber(b []byte) bool {
 		}
 	}
 	return i == len(b)
-}
-
-const hexDigits = "0123456789abcdef"
-
-// appendString appends b as a JSON string. Invalid UTF-8 cannot come from
-// a UTF8 client encoding, but is escaped byte-wise as \u00XX rather than
-// replaced, so nothing is silently changed.
-func appendString(dst []byte, b []byte) []byte {
-	dst = append(dst, '"')
-	start := 0
-	for i := 0; i < len(b); {
-		c := b[i]
-		if c < utf8.RuneSelf {
-			if c >= 0x20 && c != '"' && c != '\\' && c != '<' && c != '>' && c != '&' {
-				i++
-				continue
-			}
-			dst = append(dst, b[start:i]...)
-			switch c {
-			case '"', '\\':
-				dst = append(dst, '\\', c)
-			case '\n':
-				dst = append(dst, '\\', 'n')
-			case '\r':
-				dst = append(dst, '\\', 'r')
-			case '\t':
-				dst = append(dst, '\\', 't')
-			default:
-				dst = append(dst, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
-			}
-			i++
-			start = i
-			continue
-		}
-		r, size := utf8.DecodeRune(b[i:])
-		if r == utf8.RuneError && size == 1 {
-			dst = append(dst, b[start:i]...)
-			dst = append(dst, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
-			i++
-			start = i
-			continue
-		}
-		if r == '\u2028' || r == '\u2029' {
-			dst = append(dst, b[start:i]...)
-			dst = append(dst, '\\', 'u', '2', '0', '2', hexDigits[r&0xf])
-			i += size
-			start = i
-			continue
-		}
-		i += size
-	}
-	dst = append(dst, b[start:]...)
-	return append(dst, '"')
 }
 
 // ValueText returns the Postgres text form of one JSON value of a row

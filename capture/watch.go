@@ -12,17 +12,11 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
 )
 
-// PrefixGap is the logical decoding message the capture (or the DDL guard)
-// writes in the same transaction as it removes a table from the
-// publication: the stream then gets a gap for that table at exactly that
-// point of the WAL, in order with the rows around it, once, whatever
-// restarts follow.
-const PrefixGap = "epitaph.gap"
-
-// tableGap is the content of a PrefixGap message.
+// tableGap is the content of an event.PrefixGap message.
 type tableGap struct {
 	Schema string `json:"schema"`
 	Table  string `json:"table"`
@@ -217,7 +211,7 @@ func removeTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableIn
 		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" DROP TABLE "+t.sanitized()); err != nil {
 			return err
 		}
-		_, err := tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, PrefixGap, string(content))
+		_, err := tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, event.PrefixGap, string(content))
 		return err
 	})
 	var pgErr *pgconn.PgError
@@ -342,7 +336,7 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		wanted = "ARRAY(SELECT json_array_elements_text(" + pgquote.Literal(string(b)) + "::json))"
 	}
 	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
-		pgquote.Literal(PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName))
+		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName))
 	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		for _, stmt := range []string{

@@ -71,6 +71,11 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_worker_heartbeat_age_seconds", []string{"worker"}},
 	{"epitaph_projector_transient_errors_total", []string{"kind"}},
 	{"epitaph_projector_gaps", []string{"version", "kind", "acknowledged"}},
+	{"epitaph_projector_rows_expired_total", []string{"table"}},
+	{"epitaph_projector_expired_oldest_seconds", nil},
+	{"epitaph_projector_cleanup_errors_total", nil},
+	{"epitaph_projector_cleanup_batch_size", nil},
+	{"epitaph_projector_fenced_rows_total", []string{"projection", "version"}},
 	{"epitaph_projector_deliveries", []string{"handler", "state"}},
 	{"epitaph_projector_delivery_oldest_pending_age_seconds", []string{"handler"}},
 	{"epitaph_projector_delivery_attempts_total", []string{"handler", "result"}},
@@ -79,11 +84,6 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_delivery_stale_settles_total", nil},
 	{"epitaph_delivery_revalidations_total", []string{"handler", "outcome"}},
 	{"epitaph_delivery_revalidation_set_checks_total", []string{"path"}},
-	{"epitaph_projector_rows_expired_total", []string{"table"}},
-	{"epitaph_projector_expired_oldest_seconds", nil},
-	{"epitaph_projector_cleanup_errors_total", nil},
-	{"epitaph_projector_cleanup_batch_size", nil},
-	{"epitaph_projector_fenced_rows_total", []string{"projection", "version"}},
 }
 
 // scrapeLabels are added to every series by Prometheus (job, instance) or by

@@ -219,3 +219,17 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		return err == nil && string(msg.Data) == `{"seq":9}` && info.State.Msgs == 10
 	}, time.Minute, 250*time.Millisecond, "stream readable with a new leader after %s is gone", leader)
 }
+
+// TestComposeCaptureIsTheClusterTestsCapture: the compose capture runs as
+// e2e/TestClusterLosesNodesUnderLoad runs it against the same nats.conf:
+// three replicas, confirmations not trailing the acknowledgements, every
+// node in its URL.
+func TestComposeCaptureIsTheClusterTestsCapture(t *testing.T) {
+	t.Parallel()
+	c := loadCompose(t)
+	env := c.Services["capture"].Environment
+	require.Equal(t, "3", env["EPITAPH_REPLICAS"])
+	require.Equal(t, "-1s", env["EPITAPH_BROKER_SYNC_INTERVAL"])
+	require.Equal(t, "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222", env["EPITAPH_NATS_URL"])
+	require.Equal(t, "capture", env["EPITAPH_NATS_USER"])
+}

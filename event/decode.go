@@ -214,30 +214,7 @@ func (e *Event) Validate() error {
 	}
 	switch e.Op {
 	case OpDelete:
-		if e.Schema == "" || e.Table == "" {
-			return decodeErr(CategoryInvalid, "delete: missing schema or table")
-		}
-		if e.CommitLSN == 0 {
-			return decodeErr(CategoryInvalid, "delete: missing commit_lsn")
-		}
-		if e.Seq < 0 || e.Seq > math.MaxInt32 {
-			return decodeErr(CategoryInvalid, "delete: seq out of range")
-		}
-		switch e.Identity {
-		case IdentityFull, IdentityKey, IdentityNothing:
-		default:
-			return decodeErr(CategoryInvalid, "delete: identity %q is not full, key or nothing", e.Identity)
-		}
-		if e.RowRef == nil {
-			if !isObject(e.Row) {
-				return decodeErr(CategoryInvalid, "delete: \"row\" must be an object")
-			}
-		} else if e.RowRef.Bucket == "" || e.RowRef.Name == "" {
-			return decodeErr(CategoryInvalid, "delete: row_ref needs bucket and name")
-		}
-		if len(e.Key) > 0 && !isObject(e.Key) && !bytes.Equal(e.Key, []byte("null")) {
-			return decodeErr(CategoryInvalid, "delete: \"key\" must be an object")
-		}
+		return e.validateDelete()
 	case OpTruncate:
 		if e.Schema == "" || e.Table == "" || e.CommitLSN == 0 {
 			return decodeErr(CategoryInvalid, "truncate: missing schema, table or commit_lsn")
@@ -246,42 +223,80 @@ func (e *Event) Validate() error {
 			return decodeErr(CategoryInvalid, "truncate: seq out of range")
 		}
 	case OpCommit:
-		if e.CommitLSN == 0 {
-			return decodeErr(CategoryInvalid, "commit: missing commit_lsn")
-		}
-		if e.Rows < 0 {
-			return decodeErr(CategoryInvalid, "commit: negative rows")
-		}
-		sum := 0
-		for t, n := range e.Tables {
-			if n < 0 {
-				return decodeErr(CategoryInvalid, "commit: negative count for %q", t)
-			}
-			sum += n
-		}
-		if e.Tables != nil && sum != e.Rows {
-			return decodeErr(CategoryInvalid, "commit: table counts add up to %d, rows says %d", sum, e.Rows)
-		}
+		return e.validateCommit()
 	case OpMark:
 		if e.LSN == 0 {
 			return decodeErr(CategoryInvalid, "mark: missing lsn")
 		}
 	case OpGap:
-		if e.ToLSN < e.FromLSN {
-			return decodeErr(CategoryInvalid, "gap: to_lsn before from_lsn")
-		}
-		// Only a loss upstream is published; removals and truncates are
-		// recorded by the projector, never believed from the stream.
-		if e.GapKind() != GapLostUpstream {
-			return decodeErr(CategoryInvalid, "gap: kind %q is not %s", e.Kind, GapLostUpstream)
-		}
-		if (e.Schema == "") != (e.Table == "") {
-			return decodeErr(CategoryInvalid, "gap: schema and table go together (got schema %q, table %q)", e.Schema, e.Table)
-		}
+		return e.validateGap()
 	case "":
 		return decodeErr(CategoryInvalid, "missing \"op\"")
 	default:
 		return decodeErr(CategoryInvalid, "op %q is not known", e.Op)
+	}
+	return nil
+}
+
+func (e *Event) validateDelete() error {
+	if e.Schema == "" || e.Table == "" {
+		return decodeErr(CategoryInvalid, "delete: missing schema or table")
+	}
+	if e.CommitLSN == 0 {
+		return decodeErr(CategoryInvalid, "delete: missing commit_lsn")
+	}
+	if e.Seq < 0 || e.Seq > math.MaxInt32 {
+		return decodeErr(CategoryInvalid, "delete: seq out of range")
+	}
+	switch e.Identity {
+	case IdentityFull, IdentityKey, IdentityNothing:
+	default:
+		return decodeErr(CategoryInvalid, "delete: identity %q is not full, key or nothing", e.Identity)
+	}
+	if e.RowRef == nil {
+		if !isObject(e.Row) {
+			return decodeErr(CategoryInvalid, "delete: \"row\" must be an object")
+		}
+	} else if e.RowRef.Bucket == "" || e.RowRef.Name == "" {
+		return decodeErr(CategoryInvalid, "delete: row_ref needs bucket and name")
+	}
+	if len(e.Key) > 0 && !isObject(e.Key) && !bytes.Equal(e.Key, []byte("null")) {
+		return decodeErr(CategoryInvalid, "delete: \"key\" must be an object")
+	}
+	return nil
+}
+
+func (e *Event) validateCommit() error {
+	if e.CommitLSN == 0 {
+		return decodeErr(CategoryInvalid, "commit: missing commit_lsn")
+	}
+	if e.Rows < 0 {
+		return decodeErr(CategoryInvalid, "commit: negative rows")
+	}
+	sum := 0
+	for t, n := range e.Tables {
+		if n < 0 {
+			return decodeErr(CategoryInvalid, "commit: negative count for %q", t)
+		}
+		sum += n
+	}
+	if e.Tables != nil && sum != e.Rows {
+		return decodeErr(CategoryInvalid, "commit: table counts add up to %d, rows says %d", sum, e.Rows)
+	}
+	return nil
+}
+
+func (e *Event) validateGap() error {
+	if e.ToLSN < e.FromLSN {
+		return decodeErr(CategoryInvalid, "gap: to_lsn before from_lsn")
+	}
+	// Only a loss upstream is published; removals and truncates are
+	// recorded by the projector, never believed from the stream.
+	if e.GapKind() != GapLostUpstream {
+		return decodeErr(CategoryInvalid, "gap: kind %q is not %s", e.Kind, GapLostUpstream)
+	}
+	if (e.Schema == "") != (e.Table == "") {
+		return decodeErr(CategoryInvalid, "gap: schema and table go together (got schema %q, table %q)", e.Schema, e.Table)
 	}
 	return nil
 }

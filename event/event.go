@@ -53,6 +53,23 @@ const (
 	MarkUser      = "mark"      // pg_logical_emit_message with prefix epitaph.mark
 )
 
+// Logical decoding message prefixes (pg_logical_emit_message) the capture
+// reacts to.
+const (
+	// PrefixMark, or a prefix starting with PrefixMark + ".", gives a mark
+	// event (MarkUser) on every partition, with the message's content.
+	PrefixMark = "epitaph.mark"
+	// PrefixHeartbeat is the capture's own timer message: a heartbeat mark
+	// (MarkHeartbeat) on every partition.
+	PrefixHeartbeat = "epitaph.heartbeat"
+	// PrefixGap is the message the capture (or its DDL guard) writes in the
+	// same transaction as it removes a table from the publication: the
+	// stream then gets a gap for that table at exactly that point of the
+	// WAL, in order with the rows around it, once, whatever restarts
+	// follow.
+	PrefixGap = "epitaph.gap"
+)
+
 // Gap kinds: what a gap says was lost. A gap event carries GapLostUpstream
 // (its default when "kind" is absent, as in streams written before kinds
 // existed); the projector records the others itself in archive.gaps

@@ -27,7 +27,7 @@ func decodeFast(data []byte) (e *Event, ok bool) {
 		return nil, false
 	}
 	e = &Event{}
-	var cols, refs string
+	var raw fastRaw
 	var seen uint32
 	ok = true
 	root.ForEach(func(k, v gjson.Result) bool {
@@ -37,79 +37,111 @@ func decodeFast(data []byte) (e *Event, ok bool) {
 			return false
 		}
 		seen |= bit
-		switch k.Str {
-		case "v":
-			e.V, ok = fastInt(v)
-		case "op":
-			var op string
-			op, ok = fastString(v)
-			e.Op = Op(op)
-		case "source":
-			e.Source, ok = fastString(v)
-		case "schema":
-			e.Schema, ok = fastString(v)
-		case "table":
-			e.Table, ok = fastString(v)
-		case "xid":
-			var n int
-			n, ok = fastInt(v)
-			e.XID = int64(n)
-		case "commit_lsn":
-			ok = e.CommitLSN.UnmarshalJSON([]byte(v.Raw)) == nil
-		case "commit_time":
-			ok = e.CommitTime.UnmarshalJSON([]byte(v.Raw)) == nil
-		case "seq":
-			e.Seq, ok = fastInt(v)
-		case "identity":
-			e.Identity, ok = fastString(v)
-		case "columns":
-			cols = v.Raw
-		case "refs":
-			refs = v.Raw
-		case "key":
-			e.Key = json.RawMessage(v.Raw)
-		case "row":
-			e.Row = json.RawMessage(v.Raw)
-		case "row_ref":
-			ok = v.Type == gjson.JSON && json.Unmarshal([]byte(v.Raw), &e.RowRef) == nil
-		case "cascade":
-			e.Cascade, ok = fastBool(v)
-		case "restart_identity":
-			e.RestartIdentity, ok = fastBool(v)
-		case "rows":
-			e.Rows, ok = fastInt(v)
-		case "tables":
-			ok = v.Type == gjson.JSON && json.Unmarshal([]byte(v.Raw), &e.Tables) == nil
-		case "partition":
-			e.Partition, ok = fastInt(v)
-		case "lsn":
-			ok = e.LSN.UnmarshalJSON([]byte(v.Raw)) == nil
-		case "kind":
-			e.Kind, ok = fastString(v)
-		case "content":
-			e.Content, ok = fastString(v)
-		case "time":
-			ok = e.Time.UnmarshalJSON([]byte(v.Raw)) == nil
-		case "from_lsn":
-			ok = e.FromLSN.UnmarshalJSON([]byte(v.Raw)) == nil
-		case "to_lsn":
-			ok = e.ToLSN.UnmarshalJSON([]byte(v.Raw)) == nil
-		case "reason":
-			e.Reason, ok = fastString(v)
-		}
+		ok = e.fastField(k.Str, v, &raw)
 		return ok
 	})
 	if !ok || e.V != Version {
 		return nil, false
 	}
 	var err error
-	if e.Columns, err = shapes.columns.get(cols); err != nil {
+	if e.Columns, err = shapes.columns.get(raw.cols); err != nil {
 		return nil, false
 	}
-	if e.Refs, err = shapes.refs.get(refs); err != nil {
+	if e.Refs, err = shapes.refs.get(raw.refs); err != nil {
 		return nil, false
 	}
 	return e, true
+}
+
+// fastRaw holds the fields decodeFast decodes after the scan, through the
+// shape caches.
+type fastRaw struct{ cols, refs string }
+
+// fastField decodes one top-level field (a name of fastFields) into e:
+// false when it is not of the form decodeFast takes. The fields of every
+// event are here, the rest in fastRowField and fastPositionField.
+func (e *Event) fastField(name string, v gjson.Result, raw *fastRaw) (ok bool) {
+	switch name {
+	case "v":
+		e.V, ok = fastInt(v)
+	case "op":
+		var op string
+		op, ok = fastString(v)
+		e.Op = Op(op)
+	case "source":
+		e.Source, ok = fastString(v)
+	case "schema":
+		e.Schema, ok = fastString(v)
+	case "table":
+		e.Table, ok = fastString(v)
+	case "xid":
+		var n int
+		n, ok = fastInt(v)
+		e.XID = int64(n)
+	case "commit_lsn":
+		ok = e.CommitLSN.UnmarshalJSON([]byte(v.Raw)) == nil
+	case "commit_time":
+		ok = e.CommitTime.UnmarshalJSON([]byte(v.Raw)) == nil
+	case "seq":
+		e.Seq, ok = fastInt(v)
+	default:
+		return e.fastRowField(name, v, raw)
+	}
+	return ok
+}
+
+// fastRowField decodes a field of row and truncate events.
+func (e *Event) fastRowField(name string, v gjson.Result, raw *fastRaw) (ok bool) {
+	switch name {
+	case "identity":
+		e.Identity, ok = fastString(v)
+	case "columns":
+		raw.cols, ok = v.Raw, true
+	case "refs":
+		raw.refs, ok = v.Raw, true
+	case "key":
+		e.Key, ok = json.RawMessage(v.Raw), true
+	case "row":
+		e.Row, ok = json.RawMessage(v.Raw), true
+	case "row_ref":
+		ok = v.Type == gjson.JSON && json.Unmarshal([]byte(v.Raw), &e.RowRef) == nil
+	case "cascade":
+		e.Cascade, ok = fastBool(v)
+	case "restart_identity":
+		e.RestartIdentity, ok = fastBool(v)
+	default:
+		return e.fastPositionField(name, v)
+	}
+	return ok
+}
+
+// fastPositionField decodes a field of commit, mark and gap events.
+func (e *Event) fastPositionField(name string, v gjson.Result) (ok bool) {
+	switch name {
+	case "rows":
+		e.Rows, ok = fastInt(v)
+	case "tables":
+		ok = v.Type == gjson.JSON && json.Unmarshal([]byte(v.Raw), &e.Tables) == nil
+	case "partition":
+		e.Partition, ok = fastInt(v)
+	case "lsn":
+		ok = e.LSN.UnmarshalJSON([]byte(v.Raw)) == nil
+	case "kind":
+		e.Kind, ok = fastString(v)
+	case "content":
+		e.Content, ok = fastString(v)
+	case "time":
+		ok = e.Time.UnmarshalJSON([]byte(v.Raw)) == nil
+	case "from_lsn":
+		ok = e.FromLSN.UnmarshalJSON([]byte(v.Raw)) == nil
+	case "to_lsn":
+		ok = e.ToLSN.UnmarshalJSON([]byte(v.Raw)) == nil
+	case "reason":
+		e.Reason, ok = fastString(v)
+	default:
+		return true // every name of fastFields has its case
+	}
+	return ok
 }
 
 // fastFields are the JSON names of Event's fields, each with its own bit.

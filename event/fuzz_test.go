@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+	"unicode/utf8"
 
 	"github.com/epitaph-dev/epitaph/event"
 )
@@ -159,4 +161,110 @@ func TestSeedCorpus(t *testing.T) {
 	if err != nil || string(e.Row) != `{"id":1}` {
 		t.Fatalf("v2 taught: %v, %v", e, err)
 	}
+}
+
+// FuzzAppendDelete: AppendDelete writes, byte for byte, what Encode writes
+// for the same delete event (whatever the names, values, times and
+// positions), and what it writes decodes to that event. The only strings
+// AppendString escapes otherwise than encoding/json are those with '\b',
+// '\f' (\u0008, \u000c: the same string once decoded) or invalid UTF-8
+// (escaped byte-wise, where encoding/json writes U+FFFD): for those the
+// body must still be valid JSON, and decode to the same event when the
+// strings are valid UTF-8.
+func FuzzAppendDelete(f *testing.F) {
+	f.Add("main", "public", "orders", "id", "bigint", "note", "text", uint32(7431), uint64(0x1A2B3C8), int64(1796029200), 123456000, 3, uint8(0), "42", "hello", true, false, false)
+	f.Add("main", "My Schema", "odd\"table", "k\u2028", "numeric(12,2)", "<&>", "public.mood", uint32(0), uint64(1), int64(0), 0, 0, uint8(1), "a\"b\\c\n\t\r\u0001", "", false, true, true)
+	f.Add("s_1", "p\u00e9", "t\ud7ff", "c", "text[]", "v", "jsonb", uint32(1<<32-1), uint64(1<<64-1), int64(253402300799), 999999999, 1<<31-1, uint8(2), "\b\f", "bad\xffutf8", true, true, false)
+	f.Fuzz(func(t *testing.T, source, schema, table, keyCol, keyType, col, colType string, xid uint32, lsn uint64,
+		sec int64, nsec, seq int, identity uint8, keyVal, val string, keyed, withRefs, withRowRef bool) {
+		// Inside what Validate accepts (Encode would leave out a zero LSN,
+		// an empty schema or table) and the years encoding/json writes.
+		if schema == "" || table == "" || lsn == 0 || seq < 0 || seq > 1<<31-1 || sec < 0 || sec > 253402300799 {
+			return
+		}
+		e := &event.Event{
+			Op: event.OpDelete, Source: source, Schema: schema, Table: table, XID: int64(xid),
+			CommitLSN: event.LSN(lsn), CommitTime: time.Unix(sec, int64(nsec%1e9+1e9)%1e9).UTC(), Seq: seq,
+			Identity: []string{event.IdentityFull, event.IdentityKey, event.IdentityNothing}[identity%3],
+			Columns:  []event.Column{{Name: keyCol, Type: keyType, PK: keyed}, {Name: col, Type: colType}},
+		}
+		if keyed {
+			e.Key = jsonObject(keyCol, keyVal)
+		}
+		e.Row = jsonObject(keyCol, keyVal, col, val)
+		if withRefs {
+			e.Refs = []event.Ref{{Columns: []string{col}, Schema: schema, Table: table + "_parent", RefColumns: []string{keyCol}}}
+		}
+		if withRowRef {
+			e.RowRef = &event.ObjectRef{Bucket: event.RowBucket(source), Name: val, Size: int64(len(e.Row)), SHA256: keyVal}
+		}
+		head, err := event.NewTableHead(source, schema, table, e.Columns, e.Refs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tx := event.NewDeleteTx(xid, e.CommitLSN, e.CommitTime)
+		row := []byte(e.Row)
+		if withRowRef {
+			e.Row = nil
+		}
+		got := event.AppendDelete([]byte("junk"), head, &tx, seq, e.Identity, e.Key, row, e.RowRef)
+		if !bytes.HasPrefix(got, []byte("junk")) {
+			t.Fatalf("AppendDelete dropped what dst held: %q", got)
+		}
+		got = got[len("junk"):]
+		checkAppendDelete(t, e, head, got, source, schema, table, keyCol, keyType, col, colType, keyVal, val)
+	})
+}
+
+func checkAppendDelete(t *testing.T, e *event.Event, head *event.TableHead, got []byte, strs ...string) {
+	t.Helper()
+	want, err := event.Encode(e)
+	if err != nil {
+		t.Fatalf("Encode: %v", err)
+	}
+	fixed := len(got) - len(e.Key) - len(e.Row)
+	if e.RowRef != nil {
+		b, _ := json.Marshal(e.RowRef)
+		fixed -= len(b)
+	}
+	if head.Size() > fixed {
+		t.Fatalf("head size %d is more than the %d bytes outside key and row", head.Size(), fixed)
+	}
+	if !json.Valid(got) {
+		t.Fatalf("AppendDelete wrote invalid JSON:\n%s", got)
+	}
+	plain, valid := true, true
+	for _, s := range strs {
+		valid = valid && utf8.ValidString(s)
+		plain = plain && utf8.ValidString(s) && !strings.ContainsAny(s, "\b\f")
+	}
+	if plain && !bytes.Equal(got, want) {
+		t.Fatalf("AppendDelete and Encode differ:\n%s\n%s", got, want)
+	}
+	if !valid {
+		return
+	}
+	ge, gerr := event.Decode(got)
+	we, werr := event.Decode(want)
+	if (gerr == nil) != (werr == nil) || (gerr != nil && gerr.Error() != werr.Error()) {
+		t.Fatalf("decoding AppendDelete's body: %v; Encode's: %v", gerr, werr)
+	}
+	if gerr == nil && !reflect.DeepEqual(ge, we) {
+		t.Fatalf("AppendDelete's body decodes otherwise than Encode's:\n%+v\n%+v", ge, we)
+	}
+}
+
+// jsonObject writes the object of name/value pairs as the capture writes a
+// row: values as JSON strings, compact.
+func jsonObject(kv ...string) json.RawMessage {
+	b := []byte{'{'}
+	for i := 0; i < len(kv); i += 2 {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = event.AppendString(b, []byte(kv[i]))
+		b = append(b, ':')
+		b = event.AppendString(b, []byte(kv[i+1]))
+	}
+	return append(b, '}')
 }

@@ -26,6 +26,10 @@ func ValidateSourceName(src string) error {
 // StreamName is the JetStream stream of a source: EPITAPH_<SOURCE>.
 func StreamName(src string) string { return "EPITAPH_" + strings.ToUpper(src) }
 
+// RowBucket is the object store bucket of source src holding the rows too
+// large for one message (a delete's row_ref names it).
+func RowBucket(src string) string { return "epitaph_" + src + "_rows" }
+
 // EscapeToken makes any SQL identifier safe as one subject token: '.', '*',
 // '>', '%', whitespace, control characters and non-ASCII bytes are
 // percent-encoded (%XX, upper-case hex, per UTF-8 byte).

@@ -51,7 +51,17 @@ const (
 	MetaPartitions  = "epitaph.partitions"
 	MetaSource      = "epitaph.source"
 	MetaWireVersion = "epitaph.wire_version"
+	// MetaLimits records the limits the capture set last, so that a change
+	// made behind its back can be told from its own.
+	MetaLimits = "epitaph.limits"
 )
+
+// MetaSigningKey is the stream metadata key where a projector meeting its
+// first key may also find the public key (PublicKeyString), besides the
+// message's HeaderPublicKey. Either is only believed for a message whose
+// signature verifies, and only while no key is trusted yet (trust on first
+// use).
+const MetaSigningKey = "epitaph.signing_key"
 
 const (
 	digestPrefix    = "sha256:"

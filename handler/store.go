@@ -64,29 +64,8 @@ func (d *Def) Validate() error {
 	if d.Schema == "" || d.Table == "" {
 		return errors.New("--table must be schema.table")
 	}
-	switch d.Kind {
-	case KindWebhook:
-		u, err := url.Parse(d.Target)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			return errors.New("a webhook target is an http or https URL")
-		}
-		if u.User != nil {
-			return errors.New("a webhook URL must not hold credentials (sign with --secret-file instead)")
-		}
-	case KindExec:
-		if _, err := ParseCommand(d.Target); err != nil {
-			return err
-		}
-	case KindNATS:
-		if d.Target == "" || strings.ContainsAny(d.Target, " \t*>") || strings.HasPrefix(d.Target, "epitaph.") {
-			return errors.New("a nats target is a literal subject outside epitaph.>")
-		}
-	case KindGo:
-		if d.Target == "" {
-			return errors.New("a go handler's target is the name it is registered under")
-		}
-	default:
-		return fmt.Errorf("unknown --kind %q (webhook, exec, nats or go)", d.Kind)
+	if err := validateTarget(d.Kind, d.Target); err != nil {
+		return err
 	}
 	if d.Phase == "" {
 		d.Phase = PhaseImmediate
@@ -107,6 +86,35 @@ func (d *Def) Validate() error {
 		if c == "" {
 			return errors.New("--columns: an empty column name")
 		}
+	}
+	return nil
+}
+
+// validateTarget checks a handler's target for its kind.
+func validateTarget(kind, target string) error {
+	switch kind {
+	case KindWebhook:
+		u, err := url.Parse(target)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return errors.New("a webhook target is an http or https URL")
+		}
+		if u.User != nil {
+			return errors.New("a webhook URL must not hold credentials (sign with --secret-file instead)")
+		}
+	case KindExec:
+		if _, err := ParseCommand(target); err != nil {
+			return err
+		}
+	case KindNATS:
+		if target == "" || strings.ContainsAny(target, " \t*>") || strings.HasPrefix(target, "epitaph.") {
+			return errors.New("a nats target is a literal subject outside epitaph.>")
+		}
+	case KindGo:
+		if target == "" {
+			return errors.New("a go handler's target is the name it is registered under")
+		}
+	default:
+		return fmt.Errorf("unknown --kind %q (webhook, exec, nats or go)", kind)
 	}
 	return nil
 }

@@ -104,20 +104,35 @@ func (l *Leaser) FairShare(ctx context.Context, partitions int) (int, error) {
 // fencing off the previous owner. Partitions being claimed by another worker
 // at the same moment are skipped, never waited for.
 func (l *Leaser) Claim(ctx context.Context, projection string, version, n int) ([]Lease, error) {
+	return l.claim(ctx, projection, version, n, nil, false)
+}
+
+// claim is Claim; with takeBack it also takes the partitions whose lease
+// still names this worker but that are not in held: the leases of an
+// earlier run of the same worker id (a restart), or of a partition worker
+// of this process that stopped. They are taken back at once, epoch
+// incremented, instead of after their expiry (held is what this process
+// runs now, which it must not fence off).
+func (l *Leaser) claim(ctx context.Context, projection string, version, n int, held []Lease, takeBack bool) ([]Lease, error) {
 	if n <= 0 {
 		return nil, nil
+	}
+	_, _, parts, _ := columns(held)
+	if parts == nil {
+		parts = []int32{}
 	}
 	rows, err := l.db.Query(ctx, `
 		UPDATE epitaph.progress p
 		SET owner = $3, epoch = p.epoch + 1, lease_expires_at = now() + $5 * interval '1 microsecond'
 		FROM (SELECT projection, version, partition FROM epitaph.progress
 		      WHERE projection = $1 AND version = $2
-		        AND (owner IS NULL OR lease_expires_at IS NULL OR lease_expires_at < now())
-		      ORDER BY partition LIMIT $4
+		        AND (owner IS NULL OR lease_expires_at IS NULL OR lease_expires_at < now()
+		             OR ($6 AND owner = $3 AND partition <> ALL($7::int[])))
+		      ORDER BY (owner IS DISTINCT FROM $3), partition LIMIT $4
 		      FOR UPDATE SKIP LOCKED) c
 		WHERE p.projection = c.projection AND p.version = c.version AND p.partition = c.partition
 		RETURNING p.partition, p.epoch, p.lease_expires_at`,
-		projection, version, l.worker, n, l.ttlMicros())
+		projection, version, l.worker, n, l.ttlMicros(), takeBack, parts)
 	if err != nil {
 		return nil, fmt.Errorf("claim partitions of %s v%d: %w", projection, version, err)
 	}
@@ -190,8 +205,11 @@ func (l *Leaser) Release(ctx context.Context, leases []Lease) error {
 // Balance is one step of fair sharing for one version: it renews held,
 // computes the fair share, and either claims free partitions up to it or
 // names the excess leases the caller should stop and then Release (another
-// worker joined). keep holds every lease the worker now owns, excess
-// included; lost are the held leases that were taken over.
+// worker joined). Partitions still leased to this worker id that are not
+// in held (an earlier run of the worker that died: a restart with the same
+// id) are claimed first, at once, without waiting out their lease. keep
+// holds every lease the worker now owns, excess included; lost are the
+// held leases that were taken over.
 func (l *Leaser) Balance(ctx context.Context, projection string, version, partitions int, held []Lease) (keep, excess, lost []Lease, err error) {
 	kept, err := l.Renew(ctx, held)
 	if err != nil {
@@ -215,7 +233,7 @@ func (l *Leaser) Balance(ctx context.Context, projection string, version, partit
 		sortLeases(kept)
 		return kept, append([]Lease(nil), kept[share:]...), lost, nil
 	}
-	claimed, err := l.Claim(ctx, projection, version, share-len(kept))
+	claimed, err := l.claim(ctx, projection, version, share-len(kept), kept, true)
 	if err != nil {
 		return kept, nil, lost, err
 	}

@@ -38,10 +38,22 @@ type Key struct {
 	Partition  int
 }
 
-// ConsumerName is the JetStream durable consumer of the unit:
-// <projection>-v<N>-p<p>. It is never reused by another version.
+// ConsumerName names the unit, <projection>-v<N>-p<p>: in logs, and as the
+// JetStream durable consumer of projectors before consumer groups (see
+// GroupConsumerName).
 func (k Key) ConsumerName() string {
 	return k.Projection + "-v" + strconv.Itoa(k.Version) + "-p" + strconv.Itoa(k.Partition)
+}
+
+// GroupConsumerName is the JetStream durable consumer of the unit for a
+// consumer group (one per target): <group>_<projection>-v<N>-p<p>. It is
+// never reused by another version or another group; an empty group gives
+// ConsumerName.
+func (k Key) GroupConsumerName(group string) string {
+	if group == "" {
+		return k.ConsumerName()
+	}
+	return group + "_" + k.ConsumerName()
 }
 
 func (k Key) String() string { return k.ConsumerName() }
@@ -97,6 +109,10 @@ type Row struct {
 	Owner               string
 	Epoch               int64
 	LeaseExpiresAt      *time.Time
+	// Consumer is the JetStream consumer a worker last read the unit
+	// through (RecordConsumer); "" when none was recorded (no worker yet,
+	// or one from before consumer groups used ConsumerName).
+	Consumer string
 }
 
 // Lease is a worker's hold on a unit. Epoch fences it: a takeover increments
@@ -130,7 +146,7 @@ func Ensure(ctx context.Context, db DB, projection string, version, partitions i
 
 const rowColumns = `projection, version, partition, cursor, last_commit_lsn::text, last_seq, last_msg_id,
 	source_lsn::text, attempts, last_advance_at, last_failure_category, last_failure_at, owner, epoch, lease_expires_at,
-	part_seq, tx_start, tx_first, tx_pending, tx_digest`
+	part_seq, tx_start, tx_first, tx_pending, tx_digest, consumer`
 
 func scanRow(r pgx.Row) (Row, error) {
 	var (
@@ -139,13 +155,14 @@ func scanRow(r pgx.Row) (Row, error) {
 		lastLSN, srcLSN           *string
 		lastSeq                   *int32
 		msgID, failCat, owner     *string
+		consumer                  *string
 		version, partition, tries int32
 		partSeq, txStart, txFirst *int64
 		pending                   int32
 	)
 	err := r.Scan(&row.Projection, &version, &partition, &cursor, &lastLSN, &lastSeq, &msgID,
 		&srcLSN, &tries, &row.LastAdvanceAt, &failCat, &row.LastFailureAt, &owner, &row.Epoch, &row.LeaseExpiresAt,
-		&partSeq, &txStart, &txFirst, &pending, &row.Trust.Digest)
+		&partSeq, &txStart, &txFirst, &pending, &row.Trust.Digest, &consumer)
 	if err != nil {
 		return Row{}, err
 	}
@@ -170,6 +187,7 @@ func scanRow(r pgx.Row) (Row, error) {
 	row.MsgID = deref(msgID)
 	row.LastFailureCategory = deref(failCat)
 	row.Owner = deref(owner)
+	row.Consumer = deref(consumer)
 	return row, nil
 }
 
@@ -268,6 +286,24 @@ func Advance(ctx context.Context, tx pgx.Tx, l Lease, old uint64, next Position,
 	}
 	if tag.RowsAffected() == 0 {
 		return fmt.Errorf("advance cursor of %s from %d (epoch %d): %w", l.Key, old, l.Epoch, ErrLostOwnership)
+	}
+	return nil
+}
+
+// RecordConsumer records on l's unit the JetStream consumer it is read
+// through, fenced by the lease epoch like Advance. A worker records it
+// before creating the consumer, so that whoever deletes consumers (retire)
+// finds every one that may exist.
+func RecordConsumer(ctx context.Context, db DB, l Lease, consumer string) error {
+	tag, err := db.Exec(ctx, `
+		UPDATE epitaph.progress SET consumer = $5
+		WHERE projection = $1 AND version = $2 AND partition = $3 AND epoch = $4`,
+		l.Projection, l.Version, l.Partition, l.Epoch, consumer)
+	if err != nil {
+		return fmt.Errorf("record consumer of %s: %w", l.Key, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("record consumer of %s: %w", l.Key, ErrLostOwnership)
 	}
 	return nil
 }

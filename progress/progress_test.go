@@ -256,3 +256,84 @@ func TestHandoverOnStop(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, live)
 }
+
+// A worker restarted with the same id (its earlier run died holding
+// leases that have not expired) takes its own partitions back in its first
+// Balance, each with a new epoch that fences the dead run off; another
+// worker's unexpired lease is left alone, and a running worker never
+// fences off the leases it holds.
+func TestBalanceTakesOwnLeasesBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := setup(t, 4)
+	first := leaser(t, pool, "w1", time.Hour)
+	other := leaser(t, pool, "w2", time.Hour)
+	held, _, _, err := first.Balance(ctx, "archive", 1, 4, nil)
+	require.NoError(t, err)
+	require.Len(t, held, 2) // fair share of two live workers
+	theirs, _, _, err := other.Balance(ctx, "archive", 1, 4, nil)
+	require.NoError(t, err)
+	require.Len(t, theirs, 2)
+	require.NoError(t, advance(ctx, pool, held[0], 0, progress.Position{Cursor: 5, Seq: -1}))
+
+	// Balancing again while running keeps the same epochs.
+	again, excess, lost, err := first.Balance(ctx, "archive", 1, 4, held)
+	require.NoError(t, err)
+	require.Empty(t, excess)
+	require.Empty(t, lost)
+	require.Equal(t, epochs(held), epochs(again))
+
+	// The process dies (nothing released); a new one with the same id.
+	restarted := leaser(t, pool, "w1", time.Hour)
+	back, _, _, err := restarted.Balance(ctx, "archive", 1, 4, nil)
+	require.NoError(t, err)
+	require.Len(t, back, 2)
+	for i, l := range back {
+		require.Equal(t, held[i].Partition, l.Partition)
+		require.Equal(t, held[i].Epoch+1, l.Epoch)
+	}
+	rows, err := progress.List(ctx, pool, "archive", 1)
+	require.NoError(t, err)
+	owners := map[int]string{}
+	for _, r := range rows {
+		owners[r.Partition] = r.Owner
+	}
+	for _, l := range theirs {
+		require.Equal(t, "w2", owners[l.Partition], "another worker's lease is not taken")
+	}
+	// The dead run is fenced off.
+	require.ErrorIs(t, advance(ctx, pool, held[0], 5, progress.Position{Cursor: 6, Seq: -1}), progress.ErrLostOwnership)
+	require.NoError(t, advance(ctx, pool, back[0], 5, progress.Position{Cursor: 6, Seq: -1}))
+}
+
+func epochs(ls []progress.Lease) map[int]int64 {
+	out := map[int]int64{}
+	for _, l := range ls {
+		out[l.Partition] = l.Epoch
+	}
+	return out
+}
+
+// The consumer a worker reads a unit through is recorded on the progress
+// row, fenced by the epoch; group names never collide across groups.
+func TestRecordConsumer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := setup(t, 1)
+	a := leaser(t, pool, "a", time.Minute)
+	ls, err := a.Claim(ctx, "archive", 1, 1)
+	require.NoError(t, err)
+	require.Len(t, ls, 1)
+	require.Equal(t, "3f2a9c01_archive-v1-p0", ls[0].GroupConsumerName("3f2a9c01"))
+	require.Equal(t, "archive-v1-p0", ls[0].GroupConsumerName(""))
+	row, err := progress.Get(ctx, pool, ls[0].Key)
+	require.NoError(t, err)
+	require.Empty(t, row.Consumer)
+	require.NoError(t, progress.RecordConsumer(ctx, pool, ls[0], "3f2a9c01_archive-v1-p0"))
+	row, err = progress.Get(ctx, pool, ls[0].Key)
+	require.NoError(t, err)
+	require.Equal(t, "3f2a9c01_archive-v1-p0", row.Consumer)
+	stale := ls[0]
+	stale.Epoch--
+	require.ErrorIs(t, progress.RecordConsumer(ctx, pool, stale, "x"), progress.ErrLostOwnership)
+}

@@ -33,6 +33,12 @@ type Config struct {
 	NATSAuth natsconn.Auth
 	// SourceName names the source (stream EPITAPH_<SOURCE>); default "main".
 	SourceName string
+	// Group is the consumer group: the JetStream durable consumers are
+	// <group>_<projection>-v<N>-p<p>, so projectors writing to different
+	// targets from one stream never share one. Default (empty):
+	// DefaultGroup of the target, the first 8 hex digits of sha256 of
+	// "<system_identifier>/<database name>". Letters, digits, '-' only.
+	Group string
 	// WorkerID identifies this worker in leases; required (cmd/ defaults it
 	// to hostname-pid).
 	WorkerID string
@@ -168,6 +174,9 @@ func (c *Config) validate() error {
 	}
 	if c.WorkerID == "" {
 		errs = append(errs, errors.New("worker id is required (EPITAPH_WORKER_ID)"))
+	}
+	if c.Group != "" {
+		errs = append(errs, ValidateGroup(c.Group))
 	}
 	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
 		errs = append(errs, fmt.Errorf("batch size %d: must be 1..%d", c.BatchSize, MaxBatchSize))

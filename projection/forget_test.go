@@ -365,7 +365,7 @@ func TestErasePurgeStream(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := context.Background()
-	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
+	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: event.RowBucket("main")})
 	require.NoError(t, err)
 	e.start(retentionConfig(e, "w1"))
 	ann := customerTx(e, 42, "ann@example.com", 1)

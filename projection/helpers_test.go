@@ -64,9 +64,9 @@ func (e *env) createStream() {
 		Subjects: []string{event.StreamSubjects(src)},
 		Storage:  jetstream.FileStorage,
 		Metadata: map[string]string{
-			"epitaph.partitions":   strconv.Itoa(e.partitions),
-			"epitaph.source":       src,
-			"epitaph.wire_version": "1",
+			event.MetaPartitions:  strconv.Itoa(e.partitions),
+			event.MetaSource:      src,
+			event.MetaWireVersion: "1",
 		},
 	})
 	require.NoError(e.t, err)
@@ -286,5 +286,18 @@ func storeRow(t *testing.T, obs jetstream.ObjectStore, name string, row []byte) 
 	_, err := obs.PutBytes(context.Background(), name, row)
 	require.NoError(t, err)
 	sum := sha256.Sum256(row)
-	return &event.ObjectRef{Bucket: "epitaph_main_rows", Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}
+	return &event.ObjectRef{Bucket: event.RowBucket("main"), Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}
+}
+
+// consumerName is the durable consumer of partition p of archive version
+// `version` for the test's target (its default consumer group).
+func (e *env) consumerName(version, p int) string {
+	e.t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, e.url)
+	require.NoError(e.t, err)
+	defer conn.Close(ctx)
+	group, err := projection.DefaultGroup(ctx, conn)
+	require.NoError(e.t, err)
+	return fmt.Sprintf("%s_archive-v%d-p%d", group, version, p)
 }

@@ -178,7 +178,7 @@ func TestOversizedRowIsQuarantined(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := context.Background()
-	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
+	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: event.RowBucket("main")})
 	require.NoError(t, err)
 	small := []byte(`{"id":2,"blob":"fits"}`)
 	smallRef := storeRow(t, obs, "small-2", small)

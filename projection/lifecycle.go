@@ -311,6 +311,10 @@ type RetireOptions struct {
 	// partitions back (they notice on their next balance) before its
 	// consumers are deleted. Default 30s; leases of dead workers expire.
 	WaitReleased time.Duration
+	// Group is the consumer group whose consumers are deleted besides the
+	// ones recorded on the progress rows; default the target's
+	// (DefaultGroup).
+	Group string
 }
 
 // Retire takes a version out of service: it refuses the live version; it
@@ -380,11 +384,8 @@ func Retire(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, pro
 		if err != nil {
 			return fmt.Errorf("retire %s v%d: stream: %w", projection, version, err)
 		}
-		for p := 0; p < n; p++ {
-			name := progress.Key{Projection: projection, Version: version, Partition: p}.ConsumerName()
-			if err := stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-				return fmt.Errorf("retire %s v%d: delete consumer %s: %w", projection, version, name, err)
-			}
+		if err := deleteVersionConsumers(ctx, pool, stream, projection, version, n, opts.Group); err != nil {
+			return fmt.Errorf("retire %s v%d: %w", projection, version, err)
 		}
 	}
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -406,6 +407,31 @@ func Retire(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, pro
 		}
 		return nil
 	})
+}
+
+// deleteVersionConsumers deletes every consumer partitions 0..n-1 of a
+// version may have: the one recorded on its progress row, the group's, and
+// the name from before consumer groups.
+func deleteVersionConsumers(ctx context.Context, pool *pgxpool.Pool, stream jetstream.Stream, projection string, version, n int, group string) error {
+	group, err := resolveGroup(ctx, pool, group)
+	if err != nil {
+		return err
+	}
+	rows, err := progress.List(ctx, pool, projection, version)
+	if err != nil {
+		return err
+	}
+	recorded := map[int]string{}
+	for _, r := range rows {
+		recorded[r.Partition] = r.Consumer
+	}
+	for p := 0; p < n; p++ {
+		k := progress.Key{Projection: projection, Version: version, Partition: p}
+		if err := deleteConsumers(ctx, stream, recorded[p], k.GroupConsumerName(group), k.ConsumerName()); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Reflects reports how far the live version of projection reflects the

@@ -243,7 +243,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	stream, err := e.js.Stream(ctx, event.StreamName(src))
 	require.NoError(t, err)
 	for p := 0; p < e.partitions; p++ {
-		_, err := stream.Consumer(ctx, fmt.Sprintf("archive-v1-p%d", p))
+		_, err := stream.Consumer(ctx, e.consumerName(1, p))
 		require.True(t, errors.Is(err, jetstream.ErrConsumerNotFound), "consumer of v1 p%d: %v", p, err)
 	}
 	// The archive is complete: every published row, exactly once.

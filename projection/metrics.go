@@ -25,6 +25,7 @@ type metrics struct {
 	heartbeatAge     *prometheus.GaugeVec
 	transient        *prometheus.CounterVec
 	rewinds          *prometheus.CounterVec
+	consumerResets   *prometheus.CounterVec
 	statusRefreshErr prometheus.Counter
 	gaps             *prometheus.GaugeVec
 }
@@ -57,6 +58,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Transient failures retried with backoff, by kind."}, []string{"kind"}),
 		rewinds: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_rewinds_total",
 			Help: "Partitions rewound because the stream lost its tail."}, pv),
+		consumerResets: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_consumer_resets_total",
+			Help: "Durable consumers deleted and recreated at the cursor because they stood elsewhere (another reader moved them, a crash between commit and ack)."}, pv),
 		statusRefreshErr: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_projector_status_errors_total",
 			Help: "Failed refreshes of the lag metrics."}),
 		gaps: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_gaps",
@@ -64,7 +67,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			[]string{"version", "kind", "acknowledged"}),
 	}
 	reg.MustRegister(m.lagEvents, m.lagSeconds, m.oldestPending, m.partitionOldest, m.applied, m.quarantined,
-		m.versionState, m.owned, m.unowned, m.heartbeatAge, m.transient, m.rewinds, m.statusRefreshErr, m.gaps)
+		m.versionState, m.owned, m.unowned, m.heartbeatAge, m.transient, m.rewinds, m.consumerResets, m.statusRefreshErr, m.gaps)
 	return m
 }
 

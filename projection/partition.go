@@ -81,7 +81,20 @@ type partitionWorker struct {
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
 	legacy  uint64    // the partition's legacy boundary (trust.go)
+	// recorded is the consumer named on the progress row (group.go).
+	recorded string
+	// stalled counts idle rounds in a row in which the consumer had
+	// messages pending but delivered none; at maxStalled the consumer is
+	// recreated at the cursor (stuck, as seen after a JetStream cluster
+	// lost the node that led it). recreate asks ensureConsumer for that.
+	stalled  int
+	recreate bool
 }
+
+// maxStalled is how many idle rounds (each a fetch of up to FetchWait) a
+// consumer with pending messages may deliver nothing before it is
+// recreated.
+const maxStalled = 3
 
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
 	return &partitionWorker{
@@ -187,6 +200,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 		return fmt.Errorf("init %s: epoch is %d, lease has %d: %w", w.lease.Key, row.Epoch, w.lease.Epoch, progress.ErrLostOwnership)
 	}
 	w.pos = row.Position
+	w.recorded = row.Consumer
 	w.open = nil
 	w.stream, err = w.svc.js.Stream(ctx, event.StreamName(w.svc.cfg.SourceName))
 	if err != nil {
@@ -344,19 +358,56 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 
 // ensureConsumer keeps the durable consumer if it stands exactly at the
 // cursor with nothing in flight, else deletes and recreates it to start at
-// cursor+1: the Postgres cursor is the truth.
+// cursor+1: the Postgres cursor is the truth. The consumer is the group's
+// (group.go); once it stands at the cursor, the one used before (the name
+// from before consumer groups, or another group's recorded on the row) is
+// deleted.
 func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
-	name := w.lease.ConsumerName()
+	name := w.lease.GroupConsumerName(w.svc.group)
+	prev := w.recorded
+	if prev == "" {
+		// Nothing recorded yet: record the name before the consumer exists,
+		// so that retire always knows it.
+		if err := w.recordConsumer(ctx, name); err != nil {
+			return err
+		}
+	}
+	if err := w.openConsumer(ctx, name); err != nil {
+		return err
+	}
+	if prev == name {
+		return nil
+	}
+	if err := deleteConsumers(ctx, w.stream, w.lease.ConsumerName(), prev); err != nil {
+		return fmt.Errorf("delete the consumer used before %s: %w", name, err)
+	}
+	return w.recordConsumer(ctx, name)
+}
+
+func (w *partitionWorker) recordConsumer(ctx context.Context, name string) error {
+	if w.recorded == name {
+		return nil
+	}
+	if err := progress.RecordConsumer(ctx, w.svc.pool, w.lease, name); err != nil {
+		return err
+	}
+	w.recorded = name
+	return nil
+}
+
+// openConsumer is the consumer name at the cursor (see ensureConsumer).
+func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	c, err := w.stream.Consumer(ctx, name)
 	if err == nil {
 		info := c.CachedInfo()
-		if info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
+		if !w.recreate && info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
 			info.Config.AckPolicy == jetstream.AckAllPolicy && info.Config.MaxAckPending >= maxAckPending {
 			w.cons = c
 			return nil
 		}
 		w.log.Info("resetting consumer to the cursor", "consumer", name, "cursor", w.pos.Cursor,
 			"ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending)
+		w.svc.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
 		if err := w.stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return fmt.Errorf("delete consumer %s: %w", name, err)
 		}
@@ -377,7 +428,7 @@ func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("create consumer %s at %d: %w", name, w.pos.Cursor+1, err)
 	}
-	w.cons = c
+	w.cons, w.recreate, w.stalled = c, false, 0
 	return nil
 }
 
@@ -523,6 +574,7 @@ func (w *partitionWorker) step(ctx context.Context) error {
 	if len(items) == 0 {
 		return w.idle(ctx)
 	}
+	w.stalled = 0
 	if p.full && w.svc.cfg.BatchSize == MaxBatchSize {
 		items, w.carry = splitAtCommit(items)
 	}
@@ -560,6 +612,14 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		// deliveries went to another reader (a worker that lost its lease):
 		// reset rather than wait for their ack timeout.
 		return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
+	}
+	if ci.NumPending == 0 {
+		w.stalled = 0
+	} else if w.stalled++; w.stalled >= maxStalled {
+		w.log.Warn("consumer delivers nothing though messages are pending; recreating it at the cursor",
+			"consumer", ci.Name, "pending", ci.NumPending, "idle_fetches", w.stalled)
+		w.recreate = true
+		return fmt.Errorf("consumer %s stalled with %d pending: %w", ci.Name, ci.NumPending, errReset)
 	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {

@@ -25,7 +25,7 @@ func TestPermanentFailuresAreQuarantined(t *testing.T) {
 	ctx := context.Background()
 
 	// A large row kept in the object store, read back and checked.
-	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
+	obs, err := e.js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: event.RowBucket("main")})
 	require.NoError(t, err)
 	big := []byte(`{"id":5,"blob":"large"}`)
 	bigRef := storeRow(t, obs, "big-5", big)
@@ -51,7 +51,7 @@ func TestPermanentFailuresAreQuarantined(t *testing.T) {
 		row{schema: "public", table: "notes", key: `{"id":5}`, image: `{"id":5}`},
 	)
 	msgs := e.messages(tx)
-	refRow(t, msgs[2], &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "gone", Size: 10})
+	refRow(t, msgs[2], &event.ObjectRef{Bucket: event.RowBucket("main"), Name: "gone", Size: 10})
 	refRow(t, msgs[3], bigRef)
 	for _, m := range msgs {
 		_, err := e.pubMsg(ctx, m)

@@ -184,7 +184,7 @@ func TestStolenDeliveriesAreNotSkipped(t *testing.T) {
 	require.NoError(t, err)
 	var cons jetstream.Consumer
 	eventually(t, 10*time.Second, func() bool {
-		cons, err = stream.Consumer(ctx, "archive-v1-p0")
+		cons, err = stream.Consumer(ctx, e.consumerName(1, 0))
 		return err == nil
 	})
 	stop := make(chan struct{})

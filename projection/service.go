@@ -38,6 +38,7 @@ type Service struct {
 	lifecycle *lifecycleMetrics
 
 	pool   *pgxpool.Pool
+	group  string // the consumer group (Config.Group or the target's default)
 	nc     *nats.Conn
 	js     jetstream.JetStream
 	leaser *progress.Leaser
@@ -106,6 +107,10 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 // Registry is the registry the service's metrics are on.
 func (s *Service) Registry() *prometheus.Registry { return s.reg }
 
+// Group is the consumer group the service reads the stream with (valid
+// after Start).
+func (s *Service) Group() string { return s.group }
+
 // Pool is the target connection pool (valid after Start).
 func (s *Service) Pool() *pgxpool.Pool { return s.pool }
 
@@ -150,6 +155,10 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if err := migrations.Apply(ctx, s.pool); err != nil {
 		s.pool.Close()
 		return fmt.Errorf("target %s: %w", redactURL(s.cfg.TargetURL), err)
+	}
+	if s.group, err = resolveGroup(ctx, s.pool, s.cfg.Group); err != nil {
+		s.pool.Close()
+		return err
 	}
 	s.leaser, err = progress.NewLeaser(s.pool, s.cfg.WorkerID, s.cfg.LeaseTTL)
 	if err != nil {

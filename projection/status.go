@@ -281,7 +281,7 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	ps.OldestPendingAt = &t
 	ps.OldestPendingAgeSeconds = max(0, now.Sub(t).Seconds())
 	ps.LagSeconds = ps.OldestPendingAgeSeconds
-	c, err := stream.Consumer(ctx, r.ConsumerName())
+	c, err := stream.Consumer(ctx, unitConsumer(r, ""))
 	if err == nil {
 		// The consumer trails the cursor by at most the page in flight:
 		// what it has not had acknowledged is the lag.
@@ -305,7 +305,7 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 
 // partitionsOf reads P from the stream metadata.
 func partitionsOf(info *jetstream.StreamInfo) (int, error) {
-	s, ok := info.Config.Metadata["epitaph.partitions"]
+	s, ok := info.Config.Metadata[event.MetaPartitions]
 	if !ok {
 		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
 	}

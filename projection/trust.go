@@ -67,7 +67,7 @@ const CategoryUnauthenticated = string(quarantine.CategoryUnauthenticated)
 // the message's event.HeaderPublicKey. Either is only believed for a
 // message whose signature it verifies, and only while no key is trusted
 // yet (trust on first use).
-const MetaSigningKey = "epitaph.signing_key"
+const MetaSigningKey = event.MetaSigningKey
 
 // maxChoices bounds the slow path: how many combinations of candidates
 // (messages claiming the same commit LSN and seq) are hashed against a

@@ -43,7 +43,7 @@ func TestVersionsSideBySideAndViewFollowsLive(t *testing.T) {
 	eventually(t, 10*time.Second, func() bool { return len(owned(s)) == 4 })
 	stream, err := e.js.Stream(ctx, event.StreamName(src))
 	require.NoError(t, err)
-	_, err = stream.Consumer(ctx, "archive-v2-p1")
+	_, err = stream.Consumer(ctx, e.consumerName(2, 1))
 	require.NoError(t, err)
 
 	// Both versions keep applying new events.

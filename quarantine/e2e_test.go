@@ -37,7 +37,7 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 	nc, js := ns.Connect(t)
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
 		Name: event.StreamName(src), Subjects: []string{event.StreamSubjects(src)}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": "1", "epitaph.source": src, "epitaph.wire_version": "1"},
+		Metadata: map[string]string{event.MetaPartitions: "1", event.MetaSource: src, event.MetaWireVersion: "1"},
 	})
 	require.NoError(t, err)
 

@@ -49,7 +49,7 @@ func setup(t *testing.T, token string) *env {
 	_, e.js = e.nats.Connect(t)
 	_, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
 		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": "1"}})
+		Metadata: map[string]string{event.MetaPartitions: "1"}})
 	require.NoError(t, err)
 	e.pool, err = pgxpool.New(ctx, e.url)
 	require.NoError(t, err)

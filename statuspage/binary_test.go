@@ -34,7 +34,7 @@ func TestProjectorBinaryServesPage(t *testing.T) {
 	_, js := n.Connect(t)
 	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(source),
 		Subjects: []string{event.StreamSubjects(source)}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": "2", "epitaph.source": source, "epitaph.wire_version": "1"}})
+		Metadata: map[string]string{event.MetaPartitions: "2", event.MetaSource: source, event.MetaWireVersion: "1"}})
 	require.NoError(t, err)
 
 	// The capture's /status document, as the capture serves it.

@@ -33,7 +33,7 @@ func publishDeletes(t *testing.T, js jetstream.JetStream, partitions, txs int) {
 	ctx := t.Context()
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(source),
 		Subjects: []string{event.StreamSubjects(source)}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions), "epitaph.source": source, "epitaph.wire_version": "1"}})
+		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions), event.MetaSource: source, event.MetaWireVersion: "1"}})
 	require.NoError(t, err)
 	signer := testenv.NewSigner()
 	msg := func(subject, id string, ev *event.Event) *nats.Msg {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/projection"
 	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
@@ -147,6 +148,26 @@ func (c *common) natsConnect(opts ...nats.Option) (*nats.Conn, error) {
 		return nil, err
 	}
 	return nats.Connect(c.natsURL, append(opts, auth...)...)
+}
+
+// groupFlag registers --group, the consumer group (DESIGN section 7), on
+// the commands that create or delete the projector's JetStream consumers.
+func groupFlag(cmd *cobra.Command) *string {
+	g := new(string)
+	cli.Local(cmd).String(g, "group", "EPITAPH_GROUP", "",
+		"consumer group: durable consumers are <group>_<projection>-v<N>-p<p> (default: a hash of the target's system identifier and database name, so projectors of different targets never share consumers)")
+	return g
+}
+
+// checkGroup refuses a malformed --group as a usage error.
+func checkGroup(g string) error {
+	if g == "" {
+		return nil
+	}
+	if err := projection.ValidateGroup(g); err != nil {
+		return cli.Usage("--group: %w", err)
+	}
+	return nil
 }
 
 // jsonFlag registers --json.

@@ -107,7 +107,7 @@ func TestProbesDuringTargetOutage(t *testing.T) {
 	ctx := context.Background()
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
 		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": "2"}})
+		Metadata: map[string]string{event.MetaPartitions: "2"}})
 	require.NoError(t, err)
 	u, err := url.Parse(dbURL)
 	require.NoError(t, err)

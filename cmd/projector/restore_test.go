@@ -33,7 +33,7 @@ func TestRestoreCommand(t *testing.T) {
 	_, js := n.Connect(t)
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
 		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": "1"}})
+		Metadata: map[string]string{event.MetaPartitions: "1"}})
 	require.NoError(t, err)
 	lsn := event.LSN(0x1000100)
 	pub := func(subject, id string, ev *event.Event) {

@@ -23,6 +23,7 @@ func init() { register(runCommand) }
 
 type runOptions struct {
 	worker, metrics, ttls, roots, captureStatus string
+	group                                       *string
 	tokenFile                                   string
 	leaseTTL                                    time.Duration
 	batch                                       int
@@ -31,11 +32,11 @@ type runOptions struct {
 	maxRow                                      int64
 	readyLag                                    int64
 	readyAge                                    time.Duration
+	cleanupInterval, cleanupTimeout             time.Duration
+	cleanupBatch                                int
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
 	sourceURL                                   string
-	cleanupInterval, cleanupTimeout             time.Duration
-	cleanupBatch                                int
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -59,7 +60,7 @@ address (run refuses to start without it).`,
 	}
 	c := commonFlags(cmd, env)
 	f := cli.Local(cmd)
-	f.String(&o.worker, "worker-id", "EPITAPH_WORKER_ID", "", "worker id in leases (default: <hostname>-<pid>)")
+	f.String(&o.worker, "worker-id", "EPITAPH_WORKER_ID", "", "worker id in leases (default: <hostname>-<pid>); a worker restarted with the same id takes its leases back at once, so never run two at once with one id")
 	f.String(&o.metrics, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9188", "address of /metrics /livez /readyz /healthz /status; empty disables", cli.KeepEmpty())
 	f.String(&o.ttls, "archive-ttl", "EPITAPH_ARCHIVE_TTL", "", `archive retention per table, e.g. "public.sessions=720h,*=8760h"`)
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
@@ -72,19 +73,23 @@ address (run refuses to start without it).`,
 	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
 	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", 1000, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
+	o.group = groupFlag(cmd)
+	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
+	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
+	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
 	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
 	sourceURLFlag(f, &o.sourceURL)
-	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
-	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
-	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
 
 func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err := c.check(); err != nil {
+		return err
+	}
+	if err := checkGroup(*o.group); err != nil {
 		return err
 	}
 	if o.worker == "" {
@@ -109,7 +114,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		return err
 	}
 	svc, err := projection.New(projection.Config{
-		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker,
+		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker, Group: *o.group,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
@@ -163,7 +168,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		_ = svc.Stop(stopCtx) // the error says why
 		return err
 	}
-	env.Logger.Info("projector running", "worker", o.worker, "target", redact(c.targetURL), "nats", redact(c.natsURL),
+	env.Logger.Info("projector running", "worker", o.worker, "group", svc.Group(), "target", redact(c.targetURL), "nats", redact(c.natsURL),
 		"source", c.sourceName, "metrics", srv.Addr())
 	select {
 	case <-ctx.Done():

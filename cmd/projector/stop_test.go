@@ -61,7 +61,7 @@ func startHeldPage(t *testing.T) *heldPage {
 	const partitions = 1
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
 		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions)}})
+		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions)}})
 	require.NoError(t, err)
 	port, err := testenv.FreePort()
 	require.NoError(t, err)

@@ -33,7 +33,7 @@ func TestTrustKeyFlow(t *testing.T) {
 	ctx := context.Background()
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
 		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": "1"}})
+		Metadata: map[string]string{event.MetaPartitions: "1"}})
 	require.NoError(t, err)
 	env := append(os.Environ(), "EPITAPH_TARGET_URL="+url, "EPITAPH_NATS_URL="+n.URL,
 		"EPITAPH_WORKER_ID=trust-1", "EPITAPH_LEASE_TTL=2s", "EPITAPH_METRICS_ADDR=127.0.0.1:0")

@@ -438,11 +438,15 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 	yes := cmd.Flags().BoolP("yes", "y", false, "do not ask for confirmation (scripts)")
 	var waitReleased time.Duration
 	cli.Local(cmd).Duration(&waitReleased, "wait-released", "", 30*time.Second, "how long to wait for workers to hand the version's partitions back", cli.Positive())
+	group := groupFlag(cmd)
 	asJSON := jsonFlag(cmd, "the outcome")
 	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
 		ctx := cmd.Context()
 		n, err := versionArg(pos[1])
 		if err != nil {
+			return err
+		}
+		if err := checkGroup(*group); err != nil {
 			return err
 		}
 		if *drop && !*yes {
@@ -457,7 +461,7 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 		}
 		defer closeAll()
 		if err := projection.Retire(ctx, pool, js, pos[0], n, projection.RetireOptions{Source: c.sourceName, Drop: *drop,
-			WaitReleased: waitReleased}); err != nil {
+			WaitReleased: waitReleased, Group: *group}); err != nil {
 			return err
 		}
 		if *asJSON {

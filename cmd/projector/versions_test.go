@@ -25,6 +25,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection"
 )
 
 // heartbeatAll publishes a heartbeat mark at lsn to every partition, as the
@@ -113,7 +114,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	const partitions = 4
 	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
 		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions)}})
+		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions)}})
 	require.NoError(t, err)
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
@@ -335,11 +336,15 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Equal(t, 2, exitCode(err), rout)
 	require.Contains(t, rout, "pass --yes")
 	require.Equal(t, 1, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
+	group, err := projection.DefaultGroup(ctx, conn)
+	require.NoError(t, err)
+	_, err = stream.Consumer(ctx, group+"_archive-v1-p0")
+	require.NoError(t, err, "the consumer of the target's group exists before retire")
 	rout, err = runBin(bin, env, "retire", "archive", "1", "--drop", "--yes")
 	require.NoError(t, err, rout)
 	require.Contains(t, rout, "archive v1 retired")
 	require.Equal(t, 0, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
-	_, err = stream.Consumer(ctx, "archive-v1-p0")
+	_, err = stream.Consumer(ctx, group+"_archive-v1-p0")
 	require.ErrorIs(t, err, jetstream.ErrConsumerNotFound)
 
 	// The archive is complete: every deleted row, once, orders expiring.

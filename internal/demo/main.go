@@ -108,21 +108,35 @@ func run(ctx context.Context) error {
 		return err
 	}
 
+	deleted, err := deleteAndWait(ctx, url, dir)
+	if err != nil {
+		return err
+	}
+	if err := showArchive(ctx, url, natsListen, projectorCreds); err != nil {
+		return err
+	}
+	step(fmt.Sprintf("done: %d deleted rows archived; capture and projector stopped, database removed (logs were in %s)", deleted, dir))
+	return nil
+}
+
+// deleteAndWait runs the demo's deletes against url and waits for the
+// archive to hold every row they deleted: how many.
+func deleteAndWait(ctx context.Context, url, dir string) (int64, error) {
 	step("the application deletes (plain SQL; cascades do the rest)")
 	seeded, err := countShop(ctx, url)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	for _, w := range workload {
 		n, err := execCount(ctx, url, w.sql)
 		if err != nil {
-			return fmt.Errorf("%s: %w", w.sql, err)
+			return 0, fmt.Errorf("%s: %w", w.sql, err)
 		}
 		fmt.Printf("    %-70s DELETE %d\n", w.what, n)
 	}
 	left, err := countShop(ctx, url)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	deleted := seeded - left
 
@@ -132,18 +146,22 @@ func run(ctx context.Context) error {
 		var n int64
 		err := queryRow(ctx, url, `SELECT count(*) FROM archive.rows`, &n)
 		if err == nil && n == deleted {
-			break
+			return deleted, nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("archive holds %d rows after 2 minutes, want %d (logs in %s)", n, deleted, dir)
+			return 0, fmt.Errorf("archive holds %d rows after 2 minutes, want %d (logs in %s)", n, deleted, dir)
 		}
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return 0, ctx.Err()
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
+}
 
+// showArchive prints what the archive made of the deletes, a snapshot, and
+// the projector's status once it is ready (or says why not).
+func showArchive(ctx context.Context, url, natsListen, projectorCreds string) error {
 	step("archived rows, grouped by the transaction that deleted them")
 	if err := printQuery(ctx, url, `
 SELECT correlation_id, to_char(commit_time, 'HH24:MI:SS.MS') AS committed, count(*) AS rows,
@@ -183,7 +201,6 @@ ORDER BY seq`); err != nil {
 	if err != nil {
 		return fmt.Errorf("projector status: %w", err)
 	}
-	step(fmt.Sprintf("done: %d deleted rows archived; capture and projector stopped, database removed (logs were in %s)", deleted, dir))
 	return nil
 }
 

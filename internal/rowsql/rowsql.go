@@ -113,50 +113,63 @@ func CheckTypeName(t string) error {
 		return bad
 	}
 	for i := 0; i < len(t); i++ {
-		c := t[i]
-		switch {
-		case c == '"':
-			j := i + 1
-			for {
-				if j >= len(t) {
-					return bad
-				}
-				if t[j] == '"' {
-					if j+1 < len(t) && t[j+1] == '"' {
-						j += 2
-						continue
-					}
-					break
-				}
-				if t[j] == 0 {
-					return bad
-				}
-				j++
-			}
-			i = j
-		case c == '(':
-			j := strings.IndexByte(t[i:], ')')
-			if j < 0 {
-				return bad
-			}
-			for _, d := range t[i+1 : i+j] {
-				if (d < '0' || d > '9') && d != ',' && d != ' ' && d != '-' {
-					return bad
-				}
-			}
-			i += j
-		case c == '[':
-			if i+1 >= len(t) || t[i+1] != ']' {
-				return bad
-			}
+		var ok bool
+		switch c := t[i]; c {
+		case '"':
+			i, ok = quotedEnd(t, i)
+		case '(':
+			i, ok = typmodEnd(t, i)
+		case '[':
+			ok = i+1 < len(t) && t[i+1] == ']'
 			i++
-		case c == '.' || c == ' ' || c == '_' || c == '$' ||
-			(c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'):
 		default:
+			ok = isTypeNameByte(c)
+		}
+		if !ok {
 			return bad
 		}
 	}
 	return nil
+}
+
+// quotedEnd is the index of the quote closing the identifier quoted at
+// t[i] (doubled quotes inside), false when it is not closed or holds NUL.
+func quotedEnd(t string, i int) (int, bool) {
+	j := i + 1
+	for {
+		if j >= len(t) || t[j] == 0 {
+			return 0, false
+		}
+		if t[j] == '"' {
+			if j+1 < len(t) && t[j+1] == '"' {
+				j += 2
+				continue
+			}
+			return j, true
+		}
+		j++
+	}
+}
+
+// typmodEnd is the index of the parenthesis closing the typmod opened at
+// t[i], false unless it holds only digits, commas, spaces and '-'.
+func typmodEnd(t string, i int) (int, bool) {
+	j := strings.IndexByte(t[i:], ')')
+	if j < 0 {
+		return 0, false
+	}
+	for _, d := range t[i+1 : i+j] {
+		if (d < '0' || d > '9') && d != ',' && d != ' ' && d != '-' {
+			return 0, false
+		}
+	}
+	return i + j, true
+}
+
+// isTypeNameByte: the bytes of words and dots outside quotes.
+func isTypeNameByte(c byte) bool {
+	return c == '.' || c == ' ' || c == '_' || c == '$' ||
+		(c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')
 }
 
 // ValueText returns the Postgres text form of one JSON value of a row

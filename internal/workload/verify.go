@@ -415,30 +415,65 @@ func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.Pu
 		return nil, err
 	}
 	defer r.close()
-	js, it, last := r.js, r.it, r.last
-	type cand struct {
-		partSeq uint64
-		body    []byte
-		ev      *event.Event
+	rows, commits, err := r.signedTransactions(ctx, pub)
+	if err != nil {
+		return nil, err
 	}
-	type commit struct {
-		key    string
-		digest string
-		seq    uint64
+	stores := map[string]jetstream.ObjectStore{}
+	var out []*event.Event
+	for _, c := range commits {
+		chosen, ok := matchDigest(rows[c.key], c.digest)
+		if !ok {
+			return nil, fmt.Errorf("signed commit at stream seq %d (%s): no choice of its stored rows matches its digest", c.seq, c.key)
+		}
+		for _, e := range chosen {
+			if e.Op != event.OpDelete {
+				continue
+			}
+			if e.RowRef != nil {
+				if e.Row, err = readRowRef(ctx, r.js, stores, e.RowRef); err != nil {
+					return nil, fmt.Errorf("commit at stream seq %d: %w", c.seq, err)
+				}
+			}
+			out = append(out, e)
+		}
 	}
-	rows := map[string]map[int][]cand{} // "<partition>/<commit lsn>" -> seq -> candidates
-	var commits []commit
+	return out, nil
+}
+
+// rowCandidate is a stored row or truncate message that may be part of a
+// signed transaction.
+type rowCandidate struct {
+	partSeq uint64
+	body    []byte
+	ev      *event.Event
+}
+
+// signedCommit is a commit message signed with the key VerifiedDeletes
+// trusts.
+type signedCommit struct {
+	key    string // "<partition>/<commit lsn>"
+	digest string
+	seq    uint64
+}
+
+// signedTransactions reads the stream to its end: the row and truncate
+// messages by "<partition>/<commit lsn>" and seq, and the commits signed
+// with pub, in stream order.
+func (r *streamReader) signedTransactions(ctx context.Context, pub ed25519.PublicKey) (map[string]map[int][]rowCandidate, []signedCommit, error) {
+	rows := map[string]map[int][]rowCandidate{}
+	var commits []signedCommit
 	for {
 		if ctx.Err() != nil {
-			return nil, ctx.Err()
+			return nil, nil, ctx.Err()
 		}
-		msg, err := it.Next()
+		msg, err := r.it.Next()
 		if err != nil {
-			return nil, fmt.Errorf("read stream: %w", err)
+			return nil, nil, fmt.Errorf("read stream: %w", err)
 		}
 		md, err := msg.Metadata()
 		if err != nil {
-			return nil, fmt.Errorf("message metadata: %w", err)
+			return nil, nil, fmt.Errorf("message metadata: %w", err)
 		}
 		subject := msg.Subject()
 		p, perr := event.PartitionOf(subject)
@@ -448,79 +483,75 @@ func VerifiedDeletes(ctx context.Context, natsURL, source string, pub ed25519.Pu
 			if event.VerifyMessage(pub, subject, msg.Headers(), msg.Data()) == nil {
 				e, err := event.Decode(msg.Data())
 				if err != nil {
-					return nil, fmt.Errorf("stream seq %d: a signed commit that does not decode: %w", md.Sequence.Stream, err)
+					return nil, nil, fmt.Errorf("stream seq %d: a signed commit that does not decode: %w", md.Sequence.Stream, err)
 				}
-				commits = append(commits, commit{key: fmt.Sprintf("%d/%s", p, e.CommitLSN), digest: msg.Headers().Get(event.HeaderDigest), seq: md.Sequence.Stream})
+				commits = append(commits, signedCommit{key: fmt.Sprintf("%d/%s", p, e.CommitLSN), digest: msg.Headers().Get(event.HeaderDigest), seq: md.Sequence.Stream})
 			}
 		case strings.Contains(subject, ".delete.") || strings.Contains(subject, ".truncate."):
-			ps, err := strconv.ParseUint(msg.Headers().Get(event.HeaderPartitionSeq), 10, 64)
-			if err != nil {
-				break
-			}
-			e, err := event.Decode(msg.Data())
-			if err != nil {
-				break
-			}
-			k := fmt.Sprintf("%d/%s", p, e.CommitLSN)
-			if rows[k] == nil {
-				rows[k] = map[int][]cand{}
-			}
-			rows[k][e.Seq] = append(rows[k][e.Seq], cand{partSeq: ps, body: append([]byte(nil), msg.Data()...), ev: e})
+			addCandidate(rows, p, msg)
 		}
-		if md.Sequence.Stream >= last {
-			break
+		if md.Sequence.Stream >= r.last {
+			return rows, commits, nil
 		}
 	}
-	stores := map[string]jetstream.ObjectStore{}
-	var out []*event.Event
-	for _, c := range commits {
-		byseq := rows[c.key]
-		var chosen []*event.Event
-		budget := 1_000_000 // choices tried: many duplicates must not make it exponential
-		var try func(seq int, d *event.Digest) bool
-		try = func(seq int, d *event.Digest) bool {
-			if budget--; budget < 0 {
-				return false
-			}
-			// The digest decides how many seqs there are: a forgery
-			// with another seq must not hide the real transaction.
-			if seq > 0 && d.Sum() == c.digest {
-				return true
-			}
-			state, err := d.MarshalBinary()
-			if err != nil {
-				return false
-			}
-			for _, cd := range byseq[seq] {
-				var next event.Digest
-				if next.UnmarshalBinary(state) != nil {
-					return false
-				}
-				next.Add(cd.partSeq, cd.body)
-				chosen = append(chosen, cd.ev)
-				if try(seq+1, &next) {
-					return true
-				}
-				chosen = chosen[:len(chosen)-1]
-			}
+}
+
+// addCandidate files a row or truncate message of partition p among rows;
+// one without a partition sequence or that does not decode is left out.
+func addCandidate(rows map[string]map[int][]rowCandidate, p int, msg jetstream.Msg) {
+	ps, err := strconv.ParseUint(msg.Headers().Get(event.HeaderPartitionSeq), 10, 64)
+	if err != nil {
+		return
+	}
+	e, err := event.Decode(msg.Data())
+	if err != nil {
+		return
+	}
+	k := fmt.Sprintf("%d/%s", p, e.CommitLSN)
+	if rows[k] == nil {
+		rows[k] = map[int][]rowCandidate{}
+	}
+	rows[k][e.Seq] = append(rows[k][e.Seq], rowCandidate{partSeq: ps, body: append([]byte(nil), msg.Data()...), ev: e})
+}
+
+// matchDigest chooses one candidate per seq, from 0 on, whose digest is
+// digest; false when no choice does (within a budget of choices tried:
+// many duplicates must not make it exponential).
+func matchDigest(byseq map[int][]rowCandidate, digest string) ([]*event.Event, bool) {
+	var chosen []*event.Event
+	budget := 1_000_000
+	var try func(seq int, d *event.Digest) bool
+	try = func(seq int, d *event.Digest) bool {
+		if budget--; budget < 0 {
 			return false
 		}
-		if !try(0, event.NewDigest()) {
-			return nil, fmt.Errorf("signed commit at stream seq %d (%s): no choice of its stored rows matches its digest", c.seq, c.key)
+		// The digest decides how many seqs there are: a forgery
+		// with another seq must not hide the real transaction.
+		if seq > 0 && d.Sum() == digest {
+			return true
 		}
-		for _, e := range chosen {
-			if e.Op != event.OpDelete {
-				continue
-			}
-			if e.RowRef != nil {
-				if e.Row, err = readRowRef(ctx, js, stores, e.RowRef); err != nil {
-					return nil, fmt.Errorf("commit at stream seq %d: %w", c.seq, err)
-				}
-			}
-			out = append(out, e)
+		state, err := d.MarshalBinary()
+		if err != nil {
+			return false
 		}
+		for _, cd := range byseq[seq] {
+			var next event.Digest
+			if next.UnmarshalBinary(state) != nil {
+				return false
+			}
+			next.Add(cd.partSeq, cd.body)
+			chosen = append(chosen, cd.ev)
+			if try(seq+1, &next) {
+				return true
+			}
+			chosen = chosen[:len(chosen)-1]
+		}
+		return false
 	}
-	return out, nil
+	if !try(0, event.NewDigest()) {
+		return nil, false
+	}
+	return chosen, true
 }
 
 // streamReader reads a whole stream, up to its last sequence at the time it

@@ -239,7 +239,7 @@ func TestStreamDeletesAndVerifyStream(t *testing.T) {
 	_, js := n.Connect(t)
 	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"), Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage})
 	require.NoError(t, err)
-	obs, err := js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
+	obs, err := js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: event.RowBucket("main")})
 	require.NoError(t, err)
 
 	lsn := event.LSN(0x1000)
@@ -260,7 +260,7 @@ func TestStreamDeletesAndVerifyStream(t *testing.T) {
 			_, err := obs.PutBytes(ctx, "obj0", r.Row)
 			require.NoError(t, err)
 			e.Row = nil
-			e.RowRef = &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "obj0", Size: int64(len(r.Row)), SHA256: hex.EncodeToString(sum[:])}
+			e.RowRef = &event.ObjectRef{Bucket: event.RowBucket("main"), Name: "obj0", Size: int64(len(r.Row)), SHA256: hex.EncodeToString(sum[:])}
 		}
 		publish(e)
 	}

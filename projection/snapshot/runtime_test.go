@@ -98,7 +98,7 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	const partitions = 2
 	_, err = js.CreateStream(ctx, jetstream.StreamConfig{
 		Name: event.StreamName("main"), Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions), "epitaph.source": "main", "epitaph.wire_version": "1"},
+		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions), event.MetaSource: "main", event.MetaWireVersion: "1"},
 	})
 	require.NoError(t, err)
 
@@ -126,10 +126,10 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 	// before the commit, as the signing capture publishes them.)
 	late := s.rows[0]
 	require.Equal(t, "public.line_notes", late.Table)
-	obs, err := js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: "epitaph_main_rows"})
+	obs, err := js.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: event.RowBucket("main")})
 	require.NoError(t, err)
 	sum := sha256.Sum256(late.Row)
-	ref := &event.ObjectRef{Bucket: "epitaph_main_rows", Name: "late-note", Size: int64(len(late.Row)), SHA256: hex.EncodeToString(sum[:])}
+	ref := &event.ObjectRef{Bucket: event.RowBucket("main"), Name: "late-note", Size: int64(len(late.Row)), SHA256: hex.EncodeToString(sum[:])}
 	s.publishRef(t, js, partitions, true, late, ref)
 
 	snaps := func() map[string]snapshot.Snapshot {
@@ -224,7 +224,7 @@ func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	const partitions = 1
 	_, err = js.CreateStream(ctx, jetstream.StreamConfig{
 		Name: event.StreamName("main"), Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions), "epitaph.source": "main", "epitaph.wire_version": "1"},
+		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions), event.MetaSource: "main", event.MetaWireVersion: "1"},
 	})
 	require.NoError(t, err)
 

@@ -43,148 +43,27 @@ END $$;
 // and while pg_recvlogical decodes them (the walsender's share).
 // The plain run goes first and last; the faster is the baseline.
 func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int) error {
-	seed := bench.ShopFor(rows)
-	prepare := func(name string) (url string, n int64, err error) {
-		url, err = bench.CreateDatabase(ctx, pg, name)
-		if err != nil {
-			return "", 0, err
-		}
-		if err := workload.Setup(ctx, url); err != nil {
-			return "", 0, err
-		}
-		counts, err := workload.Seed(ctx, url, seed)
-		if err != nil {
-			return "", 0, err
-		}
-		return url, int64(counts.Total() - counts.Customers), nil
-	}
-	run := func(name string, setup func(url string) (stop func() error, err error)) (float64, error) {
-		url, n, err := prepare("source_cost_" + name)
-		if err != nil {
-			return 0, err
-		}
-		stop := func() error { return nil }
-		if setup != nil {
-			if stop, err = setup(url); err != nil {
-				return 0, err
-			}
-		}
-		took, err := bench.DeleteAllOrders(ctx, url, perTx)
-		if err != nil {
-			return 0, err
-		}
-		if err := stop(); err != nil {
-			return 0, err
-		}
-		rate := float64(n) / took.Seconds()
-		bench.Figure("capture.source_cost."+name+"_delete_rows_per_sec", rate, fmt.Sprintf("rows/s (%d rows)", n))
-		return rate, nil
-	}
-
-	plain1, err := run("plain_first", nil)
+	c := &sourceCostRun{ctx: ctx, pg: pg, captureBin: captureBin, dir: dir, seed: bench.ShopFor(rows), perTx: perTx}
+	plain1, err := c.run("plain_first", nil)
 	if err != nil {
 		return err
 	}
-	trigger, err := run("trigger", func(url string) (func() error, error) {
-		conn, err := pgx.Connect(ctx, url)
-		if err != nil {
-			return nil, err
-		}
-		defer conn.Close(ctx)
-		if _, err := conn.Exec(ctx, triggerArchiveSQL); err != nil {
-			return nil, fmt.Errorf("trigger archive: %w", err)
-		}
-		for _, t := range workload.Tables {
-			if _, err := conn.Exec(ctx, `CREATE TRIGGER keep_deleted AFTER DELETE ON `+t+
-				` FOR EACH ROW EXECUTE FUNCTION trigger_archive.keep()`); err != nil {
-				return nil, fmt.Errorf("trigger on %s: %w", t, err)
-			}
-		}
-		return func() error {
-			// The trigger archive must have kept every row, or the
-			// comparison is void.
-			n, err := bench.Count(ctx, url, `SELECT count(*) FROM trigger_archive.rows`)
-			if err == nil && n == 0 {
-				err = fmt.Errorf("the trigger archive kept nothing")
-			}
-			return err
-		}, nil
-	})
+	trigger, err := c.run("trigger", c.withTrigger)
 	if err != nil {
 		return err
 	}
-	withCapture, err := run("with_capture", func(url string) (func() error, error) {
-		listen, err := bench.LocalAddr()
-		if err != nil {
-			return nil, err
-		}
-		metrics, err := bench.LocalAddr()
-		if err != nil {
-			return nil, err
-		}
-		env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "source-cost-data"), metrics, "main", "epitaph_source_cost")
-		watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(filepath.Join(dir, "source-cost-data")))
-		if err != nil {
-			return nil, err
-		}
-		p, err := bench.StartProc("capture-source-cost", captureBin, env, dir)
-		if err != nil {
-			watch.Close()
-			return nil, err
-		}
-		if err := bench.WaitCaptureReady(ctx, watch, url, "epitaph_source_cost", 2*time.Minute, exited(p)); err != nil {
-			p.Kill()
-			watch.Close()
-			return nil, fmt.Errorf("capture did not start: %w", err)
-		}
-		return func() error {
-			defer watch.Close()
-			defer p.Kill()
-			n, err := bench.Count(ctx, url, `SELECT count(*) FROM public.order_lines`)
-			if err != nil {
-				return err
-			}
-			if n != 0 {
-				return fmt.Errorf("%d order lines left", n)
-			}
-			return p.Stop(30 * time.Second)
-		}, nil
-	})
+	withCapture, err := c.run("with_capture", c.withCapture)
 	if err != nil {
 		return err
 	}
 	// The share of that which is logical decoding itself (the walsender on
 	// the source, what any WAL-based tool costs): pg_recvlogical reading the
 	// deletes as they happen.
-	withRecv, err := run("with_pg_recvlogical", func(url string) (func() error, error) {
-		conn, err := pgx.Connect(ctx, url)
-		if err != nil {
-			return nil, err
-		}
-		defer conn.Close(ctx)
-		if _, err := conn.Exec(ctx, `CREATE PUBLICATION source_cost FOR TABLE `+strings.Join(workload.Tables, ", ")+
-			` WITH (publish = 'delete, truncate')`); err != nil {
-			return nil, err
-		}
-		if _, err := conn.Exec(ctx, `SELECT pg_create_logical_replication_slot('source_cost', 'pgoutput')`); err != nil {
-			return nil, err
-		}
-		cmd := exec.CommandContext(ctx, filepath.Join(pg.BinDir, "pg_recvlogical"),
-			"-d", url, "-S", "source_cost", "--start", "-o", "proto_version=1", "-o", "publication_names=source_cost",
-			"-f", filepath.Join(dir, "source-cost.out"))
-		if err := cmd.Start(); err != nil {
-			return nil, err
-		}
-		return func() error {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-			return nil
-		}, nil
-	})
+	withRecv, err := c.run("with_pg_recvlogical", c.withRecvlogical)
 	if err != nil {
 		return err
 	}
-	plain2, err := run("plain_last", nil)
+	plain2, err := c.run("plain_last", nil)
 	if err != nil {
 		return err
 	}
@@ -194,4 +73,151 @@ func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir strin
 	bench.Figure("capture.source_cost.capture_slowdown", plain/withCapture, "x (DELETE time while the capture and its broker stream them on the same cores / without)")
 	bench.Figure("capture.source_cost.decoding_slowdown", plain/withRecv, "x (DELETE time while pg_recvlogical decodes them / without: the walsender's share)")
 	return nil
+}
+
+// sourceCostRun is one sourceCost measurement: its databases are seeded
+// alike and emptied perTx orders a transaction.
+type sourceCostRun struct {
+	ctx             context.Context
+	pg              *testenv.Postgres
+	captureBin, dir string
+	seed            workload.SeedConfig
+	perTx           int
+}
+
+// prepare makes a database name with the shop seeded: its URL and how many
+// rows deleting every order deletes.
+func (c *sourceCostRun) prepare(name string) (url string, n int64, err error) {
+	url, err = bench.CreateDatabase(c.ctx, c.pg, name)
+	if err != nil {
+		return "", 0, err
+	}
+	if err := workload.Setup(c.ctx, url); err != nil {
+		return "", 0, err
+	}
+	counts, err := workload.Seed(c.ctx, url, c.seed)
+	if err != nil {
+		return "", 0, err
+	}
+	return url, int64(counts.Total() - counts.Customers), nil
+}
+
+// run deletes every order of a fresh database, with setup (nil: none)
+// started before and its stop called after, and reports the rate.
+func (c *sourceCostRun) run(name string, setup func(url string) (stop func() error, err error)) (float64, error) {
+	url, n, err := c.prepare("source_cost_" + name)
+	if err != nil {
+		return 0, err
+	}
+	stop := func() error { return nil }
+	if setup != nil {
+		if stop, err = setup(url); err != nil {
+			return 0, err
+		}
+	}
+	took, err := bench.DeleteAllOrders(c.ctx, url, c.perTx)
+	if err != nil {
+		return 0, err
+	}
+	if err := stop(); err != nil {
+		return 0, err
+	}
+	rate := float64(n) / took.Seconds()
+	bench.Figure("capture.source_cost."+name+"_delete_rows_per_sec", rate, fmt.Sprintf("rows/s (%d rows)", n))
+	return rate, nil
+}
+
+// withTrigger installs a trigger-based archive; its stop checks it kept
+// rows.
+func (c *sourceCostRun) withTrigger(url string) (func() error, error) {
+	conn, err := pgx.Connect(c.ctx, url)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(c.ctx)
+	if _, err := conn.Exec(c.ctx, triggerArchiveSQL); err != nil {
+		return nil, fmt.Errorf("trigger archive: %w", err)
+	}
+	for _, t := range workload.Tables {
+		if _, err := conn.Exec(c.ctx, `CREATE TRIGGER keep_deleted AFTER DELETE ON `+t+
+			` FOR EACH ROW EXECUTE FUNCTION trigger_archive.keep()`); err != nil {
+			return nil, fmt.Errorf("trigger on %s: %w", t, err)
+		}
+	}
+	return func() error {
+		// The trigger archive must have kept every row, or the
+		// comparison is void.
+		n, err := bench.Count(c.ctx, url, `SELECT count(*) FROM trigger_archive.rows`)
+		if err == nil && n == 0 {
+			err = fmt.Errorf("the trigger archive kept nothing")
+		}
+		return err
+	}, nil
+}
+
+// withCapture starts the capture (embedded broker) on url; its stop checks
+// the deletes happened and stops it.
+func (c *sourceCostRun) withCapture(url string) (func() error, error) {
+	listen, err := bench.LocalAddr()
+	if err != nil {
+		return nil, err
+	}
+	metrics, err := bench.LocalAddr()
+	if err != nil {
+		return nil, err
+	}
+	env := bench.CaptureEnv(url, "", listen, filepath.Join(c.dir, "source-cost-data"), metrics, "main", "epitaph_source_cost")
+	watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(filepath.Join(c.dir, "source-cost-data")))
+	if err != nil {
+		return nil, err
+	}
+	p, err := bench.StartProc("capture-source-cost", c.captureBin, env, c.dir)
+	if err != nil {
+		watch.Close()
+		return nil, err
+	}
+	if err := bench.WaitCaptureReady(c.ctx, watch, url, "epitaph_source_cost", 2*time.Minute, exited(p)); err != nil {
+		p.Kill()
+		watch.Close()
+		return nil, fmt.Errorf("capture did not start: %w", err)
+	}
+	return func() error {
+		defer watch.Close()
+		defer p.Kill()
+		n, err := bench.Count(c.ctx, url, `SELECT count(*) FROM public.order_lines`)
+		if err != nil {
+			return err
+		}
+		if n != 0 {
+			return fmt.Errorf("%d order lines left", n)
+		}
+		return p.Stop(30 * time.Second)
+	}, nil
+}
+
+// withRecvlogical starts pg_recvlogical decoding url's deletes.
+func (c *sourceCostRun) withRecvlogical(url string) (func() error, error) {
+	conn, err := pgx.Connect(c.ctx, url)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(c.ctx)
+	if _, err := conn.Exec(c.ctx, `CREATE PUBLICATION source_cost FOR TABLE `+strings.Join(workload.Tables, ", ")+
+		` WITH (publish = 'delete, truncate')`); err != nil {
+		return nil, err
+	}
+	if _, err := conn.Exec(c.ctx, `SELECT pg_create_logical_replication_slot('source_cost', 'pgoutput')`); err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(c.ctx, filepath.Join(c.pg.BinDir, "pg_recvlogical"),
+		"-d", url, "-S", "source_cost", "--start", "-o", "proto_version=1", "-o", "publication_names=source_cost",
+		"-f", filepath.Join(c.dir, "source-cost.out"))
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	return func() error {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return nil
+	}, nil
 }

@@ -27,7 +27,7 @@ import (
 //
 // With e.revalidate (revalidate.go) the handlers revalidate every delivery
 // against the source before sending it; the figures are named
-// projector.handlers.pN.revalidate.*. It returns the delivery rate.
+// projector.handlers.p<N>.revalidate.*. It returns the delivery rate.
 func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, without float64, out map[string][]float64) (float64, error) {
 	suffix := e.suffix
 	defer func() { e.suffix, e.afterArchive, e.beforeStart, e.handlerParallelism = suffix, nil, nil, 0 }()
@@ -53,11 +53,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	go func() { _ = srv.Serve(ln) }()
 	defer srv.Close()
 
-	name := fmt.Sprintf("handlers_%d_p%d", round, parallelism)
-	if e.revalidate {
-		name += "_revalidate"
-	}
-	url, err := bench.CreateDatabase(ctx, e.pg, name)
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_%t", round, parallelism, e.revalidate))
 	if err != nil {
 		return 0, err
 	}

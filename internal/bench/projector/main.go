@@ -116,10 +116,21 @@ func main() {
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
+	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
 		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
+	for _, w := range strings.Split(*curve, ",") {
+		if w = strings.TrimSpace(w); w == "" {
+			continue
+		}
+		k, err := strconv.Atoi(w)
+		if err != nil || k < 1 {
+			log.Fatalf("bench-projector: -worker-curve %q: want positive worker counts", *curve)
+		}
+		o.curve = append(o.curve, k)
+	}
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
@@ -136,6 +147,7 @@ type opts struct {
 	pgStats                     bool
 	cpuProfile, projectorBin    string
 	compareBin                  string
+	curve                       []int
 }
 
 func run(o opts) (err error) {
@@ -210,129 +222,157 @@ func run(o opts) (err error) {
 			return err
 		}
 	}
-	snaps := map[string][]float64{}
 	// Rounds of 1. raw writes and 2. apply of the same rows, each into a
 	// fresh database; on a shared machine the median is the figure.
-	var raws, applies, ratios, compares []float64
+	res := &roundResults{snaps: map[string][]float64{}}
 	for r := 1; r <= o.rounds; r++ {
-		if o.rounds > 1 {
-			e.suffix = fmt.Sprintf(".round%d", r)
-		}
-		rawURL, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("raw_%d", r))
-		if err != nil {
+		if err := e.round(ctx, o, r, events, n, snapN, orders, res); err != nil {
 			return err
-		}
-		targetURL, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("target_%d", r))
-		if err != nil {
-			return err
-		}
-		if o.pgStats {
-			if err := pgStatsReset(ctx, rawURL); err != nil {
-				return err
-			}
-		}
-		rawRate, err := e.raw(ctx, rawURL, events, o.batch)
-		if err != nil {
-			return err
-		}
-		if o.pgStats {
-			if err := pgStatsPrint(ctx, rawURL, "raw"); err != nil {
-				return err
-			}
-			if err := pgStatsReset(ctx, targetURL); err != nil {
-				return err
-			}
-		}
-		// A finished phase's database is dropped: its autovacuum and its
-		// pages in shared buffers would be charged to the next phase.
-		if err := dropDatabase(ctx, pg, rawURL); err != nil {
-			return err
-		}
-		applyRate, err := e.apply(ctx, targetURL, "bench", n)
-		if err != nil {
-			return err
-		}
-		if o.pgStats {
-			if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
-				return err
-			}
-		}
-		if err := dropDatabase(ctx, pg, targetURL); err != nil {
-			return err
-		}
-		e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
-		raws, applies, ratios = append(raws, rawRate), append(applies, applyRate), append(ratios, applyRate/rawRate)
-		if !o.skipSnapshots {
-			if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, snaps); err != nil {
-				return err
-			}
-			if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, snaps); err != nil {
-				return err
-			}
-			if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
-				return err
-			}
-		}
-		if o.handlers {
-			for i, par := range strings.Split(o.handlerPar, ",") {
-				p, err := strconv.Atoi(strings.TrimSpace(par))
-				if err != nil || p < 1 {
-					return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
-				}
-				plain, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, snaps)
-				if err != nil {
-					return err
-				}
-				// Revalidation is measured at the first parallelism only
-				// (a round costs minutes on a shared machine).
-				if i > 0 {
-					continue
-				}
-				if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), applyRate, plain, snaps); err != nil {
-					return err
-				}
-			}
-		}
-		if o.compareBin != "" {
-			// The same round with another projector build.
-			url, err := bench.CreateDatabase(ctx, pg, fmt.Sprintf("target_b_%d", r))
-			if err != nil {
-				return err
-			}
-			own := e.bins["projector"]
-			e.bins["projector"], e.suffix = o.compareBin, e.suffix+".compare"
-			rate, err := e.apply(ctx, url, "bench", n)
-			e.bins["projector"], e.suffix = own, strings.TrimSuffix(e.suffix, ".compare")
-			if err != nil {
-				return err
-			}
-			if err := dropDatabase(ctx, pg, url); err != nil {
-				return err
-			}
-			e.figure("projector.ratio_apply_to_raw.compare", rate/rawRate, "x (the -compare-bin build)")
-			compares = append(compares, rate/rawRate)
 		}
 	}
-	if len(compares) > 0 {
-		bench.Figure("projector.ratio_apply_to_raw.compare", median(compares), fmt.Sprintf("x (median; the -compare-bin build; min %.2f, max %.2f)", slices.Min(compares), slices.Max(compares)))
-	}
-	e.suffix = ""
-	applyRate := median(applies)
-	if o.rounds > 1 {
-		e.figure("projector.raw_rows_per_sec", median(raws), fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
-		e.figure("projector.apply_rows_per_sec", applyRate, fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
-		bench.Figure("projector.ratio_apply_to_raw", median(ratios), fmt.Sprintf("x (median of the rounds' ratios; min %.2f, max %.2f; target >= 0.70)", slices.Min(ratios), slices.Max(ratios)))
-	}
-	for _, k := range slices.Sorted(maps.Keys(snaps)) {
-		xs := snaps[k]
-		name, unit, _ := strings.Cut(k, "|")
-		bench.Figure(name, median(xs), fmt.Sprintf("%s (median of %d rounds; min %.2f, max %.2f)", unit, len(xs), slices.Min(xs), slices.Max(xs)))
+	applyRate := e.reportRounds(o, res)
+	if err := e.workerCurve(ctx, o.curve, n); err != nil {
+		return err
 	}
 	if o.skipE2E {
 		return nil
 	}
 	// 4. end to end.
 	return e.endToEnd(ctx, rows, perTx, captureRate, applyRate)
+}
+
+// roundResults gathers the figures of run's rounds.
+type roundResults struct {
+	raws, applies, ratios, compares []float64
+	snaps                           map[string][]float64 // "name|unit" -> one figure a round
+}
+
+// round is run's round r: raw writes and apply of the n backlog events,
+// the snapshot phases (snapN: the second stream's deletes; orders: the
+// backlog's roots), and the -compare-bin apply.
+func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n, snapN, orders int64, res *roundResults) error {
+	if o.rounds > 1 {
+		e.suffix = fmt.Sprintf(".round%d", r)
+	}
+	rawURL, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("raw_%d", r))
+	if err != nil {
+		return err
+	}
+	targetURL, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("target_%d", r))
+	if err != nil {
+		return err
+	}
+	if o.pgStats {
+		if err := pgStatsReset(ctx, rawURL); err != nil {
+			return err
+		}
+	}
+	rawRate, err := e.raw(ctx, rawURL, events, o.batch)
+	if err != nil {
+		return err
+	}
+	if o.pgStats {
+		if err := pgStatsPrint(ctx, rawURL, "raw"); err != nil {
+			return err
+		}
+		if err := pgStatsReset(ctx, targetURL); err != nil {
+			return err
+		}
+	}
+	// A finished phase's database is dropped: its autovacuum and its
+	// pages in shared buffers would be charged to the next phase.
+	if err := dropDatabase(ctx, e.pg, rawURL); err != nil {
+		return err
+	}
+	applyRate, err := e.apply(ctx, targetURL, "bench", n)
+	if err != nil {
+		return err
+	}
+	if o.pgStats {
+		if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
+			return err
+		}
+	}
+	if err := dropDatabase(ctx, e.pg, targetURL); err != nil {
+		return err
+	}
+	e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
+	res.raws, res.applies, res.ratios = append(res.raws, rawRate), append(res.applies, applyRate), append(res.ratios, applyRate/rawRate)
+	if !o.skipSnapshots {
+		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, res.snaps); err != nil {
+			return err
+		}
+		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, res.snaps); err != nil {
+			return err
+		}
+		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, res.snaps); err != nil {
+			return err
+		}
+	}
+	if o.handlers {
+		if err := e.handlersRounds(ctx, o, r, events, n, applyRate, res); err != nil {
+			return err
+		}
+	}
+	if o.compareBin != "" {
+		// The same round with another projector build.
+		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("target_b_%d", r))
+		if err != nil {
+			return err
+		}
+		own := e.bins["projector"]
+		e.bins["projector"], e.suffix = o.compareBin, e.suffix+".compare"
+		rate, err := e.apply(ctx, url, "bench", n)
+		e.bins["projector"], e.suffix = own, strings.TrimSuffix(e.suffix, ".compare")
+		if err != nil {
+			return err
+		}
+		if err := dropDatabase(ctx, e.pg, url); err != nil {
+			return err
+		}
+		e.figure("projector.ratio_apply_to_raw.compare", rate/rawRate, "x (the -compare-bin build)")
+		res.compares = append(res.compares, rate/rawRate)
+	}
+	return nil
+}
+
+// handlersRounds is round r's row handlers phase, once per
+// -handler-parallelism value.
+func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, applyRate float64, res *roundResults) error {
+	for _, par := range strings.Split(o.handlerPar, ",") {
+		p, err := strconv.Atoi(strings.TrimSpace(par))
+		if err != nil || p < 1 {
+			return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
+		}
+		plain, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, res.snaps)
+		if err != nil {
+			return err
+		}
+		if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), applyRate, plain, res.snaps); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// reportRounds prints the medians of the rounds; it returns the apply rate.
+func (e *env) reportRounds(o opts, res *roundResults) float64 {
+	if len(res.compares) > 0 {
+		bench.Figure("projector.ratio_apply_to_raw.compare", median(res.compares), fmt.Sprintf("x (median; the -compare-bin build; min %.2f, max %.2f)", slices.Min(res.compares), slices.Max(res.compares)))
+	}
+	e.suffix = ""
+	applyRate := median(res.applies)
+	if o.rounds > 1 {
+		e.figure("projector.raw_rows_per_sec", median(res.raws), fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
+		e.figure("projector.apply_rows_per_sec", applyRate, fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
+		bench.Figure("projector.ratio_apply_to_raw", median(res.ratios), fmt.Sprintf("x (median of the rounds' ratios; min %.2f, max %.2f; target >= 0.70)", slices.Min(res.ratios), slices.Max(res.ratios)))
+	}
+	for _, k := range slices.Sorted(maps.Keys(res.snaps)) {
+		xs := res.snaps[k]
+		name, unit, _ := strings.Cut(k, "|")
+		bench.Figure(name, median(xs), fmt.Sprintf("%s (median of %d rounds; min %.2f, max %.2f)", unit, len(xs), slices.Min(xs), slices.Max(xs)))
+	}
+	return applyRate
 }
 
 // buildStream seeds a source, lets the capture create its slot, deletes
@@ -584,7 +624,7 @@ func lastRows(ctx context.Context, natsURL, source string) ([]string, []int32, e
 	if err != nil {
 		return nil, nil, fmt.Errorf("stream: %w", err)
 	}
-	parts, err := strconv.Atoi(stream.CachedInfo().Config.Metadata["epitaph.partitions"])
+	parts, err := strconv.Atoi(stream.CachedInfo().Config.Metadata[event.MetaPartitions])
 	if err != nil {
 		return nil, nil, fmt.Errorf("stream metadata epitaph.partitions: %w", err)
 	}
@@ -1183,4 +1223,72 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 	}
 	_, err = conn.Exec(ctx, "SELECT pg_stat_statements_reset()")
 	return err
+}
+
+// workerCurve applies the stream with each number of projector processes
+// into a fresh database and reports the rate, its ratio to the first count
+// and how busy the machine's CPUs were: on a machine with C cores the rate
+// flattens once the workers and Postgres use them all.
+func (e *env) workerCurve(ctx context.Context, counts []int, n int64) error {
+	if len(counts) == 0 || e.inProcess {
+		return nil
+	}
+	own := e.workers
+	defer func() { e.workers, e.suffix = own, "" }()
+	var base float64
+	for _, w := range counts {
+		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("target_w%d", w))
+		if err != nil {
+			return err
+		}
+		e.workers, e.suffix = w, fmt.Sprintf(".workers%d", w)
+		busy0, total0, err := cpuBusy()
+		if err != nil {
+			return err
+		}
+		rate, err := e.apply(ctx, url, "bench", n)
+		if err != nil {
+			return err
+		}
+		busy1, total1, err := cpuBusy()
+		if err != nil {
+			return err
+		}
+		if err := dropDatabase(ctx, e.pg, url); err != nil {
+			return err
+		}
+		if base == 0 {
+			base = rate
+		}
+		used := float64(runtime.NumCPU()) * (busy1 - busy0) / max(total1-total0, 1)
+		bench.Figure(fmt.Sprintf("projector.workers.%d.apply_rows_per_sec", w), rate, "rows/s (from the first start to archive count = N)")
+		bench.Figure(fmt.Sprintf("projector.workers.%d.speedup", w), rate/base, fmt.Sprintf("x (against %d worker(s))", counts[0]))
+		bench.Figure(fmt.Sprintf("projector.workers.%d.cpus_busy", w), used, fmt.Sprintf("of %d CPUs (the whole machine: projectors, Postgres, JetStream)", runtime.NumCPU()))
+	}
+	return nil
+}
+
+// cpuBusy reads the machine's busy and total CPU time (USER_HZ ticks) from
+// /proc/stat.
+func cpuBusy() (busy, total float64, err error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0, fmt.Errorf("read /proc/stat: %w", err)
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" {
+		return 0, 0, fmt.Errorf("unexpected /proc/stat line %q", line)
+	}
+	for i, v := range f[1:] {
+		x, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("parse /proc/stat: %w", err)
+		}
+		total += x
+		if i != 3 && i != 4 { // idle, iowait
+			busy += x
+		}
+	}
+	return busy, total, nil
 }

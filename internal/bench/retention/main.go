@@ -132,8 +132,8 @@ func publish(ctx context.Context, natsURL string, apply, perTx int) error {
 		return err
 	}
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(source), Subjects: []string{event.StreamSubjects(source)},
-		Storage: jetstream.FileStorage, Metadata: map[string]string{"epitaph.partitions": strconv.Itoa(partitions),
-			"epitaph.source": source, "epitaph.wire_version": "1"}}); err != nil {
+		Storage: jetstream.FileStorage, Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions),
+			event.MetaSource: source, event.MetaWireVersion: "1"}}); err != nil {
 		return err
 	}
 	signer := testenv.NewSigner()

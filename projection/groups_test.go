@@ -1,0 +1,254 @@
+package projection_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection"
+)
+
+// archivedRow is a target's archive.rows, one entry per row: table, key and
+// row image, decoded, in a stable order.
+type archivedRow struct {
+	Table string
+	Key   map[string]any
+	Row   map[string]any
+}
+
+func archiveOf(t *testing.T, c *pgx.Conn) []archivedRow {
+	t.Helper()
+	rows, err := c.Query(context.Background(), `SELECT schema_name || '.' || table_name, key::text, row::text
+		FROM archive.rows ORDER BY 1, (key->>'id')::bigint`)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (archivedRow, error) {
+		var a archivedRow
+		var k, v string
+		if err := r.Scan(&a.Table, &k, &v); err != nil {
+			return a, err
+		}
+		if err := json.Unmarshal([]byte(k), &a.Key); err != nil {
+			return a, err
+		}
+		return a, json.Unmarshal([]byte(v), &a.Row)
+	})
+	require.NoError(t, err)
+	return out
+}
+
+// expectedArchive is what the archive must hold for the published
+// transactions, in archiveOf's order.
+func expectedArchive(t *testing.T, txs []*txn) []archivedRow {
+	t.Helper()
+	var out []archivedRow
+	for _, tx := range txs {
+		for _, r := range tx.rows {
+			a := archivedRow{Table: r.schema + "." + r.table}
+			require.NoError(t, json.Unmarshal([]byte(r.key), &a.Key))
+			require.NoError(t, json.Unmarshal([]byte(r.image), &a.Row))
+			out = append(out, a)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Table != out[j].Table {
+			return out[i].Table < out[j].Table
+		}
+		return out[i].Key["id"].(float64) < out[j].Key["id"].(float64)
+	})
+	return out
+}
+
+func groupOf(t *testing.T, url string) string {
+	t.Helper()
+	ctx := context.Background()
+	c, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer c.Close(ctx)
+	g, err := projection.DefaultGroup(ctx, c)
+	require.NoError(t, err)
+	return g
+}
+
+// The default group is 8 hex digits, stable for a database, different for
+// two databases of one server.
+func TestDefaultGroupPerTarget(t *testing.T) {
+	t.Parallel()
+	a, b := testenv.NewDatabase(t), testenv.NewDatabase(t)
+	ga, gb := groupOf(t, a), groupOf(t, b)
+	require.Regexp(t, regexp.MustCompile(`^[0-9a-f]{8}$`), ga)
+	require.Equal(t, ga, groupOf(t, a))
+	require.NotEqual(t, ga, gb)
+	require.Error(t, projection.ValidateGroup("a_b"))
+	require.Error(t, projection.ValidateGroup("a.b"))
+	require.Error(t, projection.ValidateGroup(""))
+	require.NoError(t, projection.ValidateGroup("blue-2"))
+}
+
+// Two projectors write to different target databases from one stream:
+// each reads through its own group's consumers, both archives hold exactly
+// the deleted rows, and neither ever resets a consumer (before groups they
+// shared archive-v1-p<p> and kept deleting each other's).
+func TestTwoTargetsFromOneStream(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	url2 := testenv.NewDatabase(t)
+	cfgA := e.config("a")
+	cfgB := e.config("b")
+	cfgB.TargetURL = testenv.NoSearchPath(url2)
+	a := e.start(cfgA)
+	b := e.start(cfgB)
+	eventually(t, 10*time.Second, func() bool { return len(owned(a)) == 2 && len(owned(b)) == 2 })
+	ca := e.conn()
+	cb, err := pgx.Connect(context.Background(), url2)
+	require.NoError(t, err)
+	t.Cleanup(func() { cb.Close(context.Background()) })
+
+	var txs []*txn
+	for i := 0; i < 40; i++ {
+		tx := e.nextTx(orderRows(i+1, 2)...)
+		txs = append(txs, tx)
+		e.publish(tx)
+		if i%10 == 9 {
+			e.heartbeat()
+		}
+	}
+	want := expectedArchive(t, txs)
+	for _, c := range []*pgx.Conn{ca, cb} {
+		eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) >= len(want) })
+	}
+	// Idle a while: both keep polling their consumers.
+	lsn := e.heartbeat()
+	for _, c := range []*pgx.Conn{ca, cb} {
+		eventually(t, 20*time.Second, func() bool {
+			return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE source_lsn >= $1::pg_lsn`, lsn.String()) == 2
+		})
+	}
+	require.Equal(t, want, archiveOf(t, ca))
+	require.Equal(t, want, archiveOf(t, cb))
+	require.Zero(t, metricSum(t, a, "epitaph_projector_consumer_resets_total"), "a reset a consumer")
+	require.Zero(t, metricSum(t, b, "epitaph_projector_consumer_resets_total"), "b reset a consumer")
+
+	ctx := context.Background()
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	names := map[string]bool{}
+	for n := range stream.ConsumerNames(ctx).Name() {
+		names[n] = true
+	}
+	ga, gb := a.Group(), b.Group()
+	require.Equal(t, groupOf(t, e.url), ga)
+	require.Equal(t, groupOf(t, url2), gb)
+	require.Equal(t, map[string]bool{
+		ga + "_archive-v1-p0": true, ga + "_archive-v1-p1": true,
+		gb + "_archive-v1-p0": true, gb + "_archive-v1-p1": true,
+	}, names)
+	for _, c := range []*pgx.Conn{ca, cb} {
+		require.Equal(t, 2, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE consumer LIKE '%\_archive-v1-p%'`))
+	}
+}
+
+// A deployment from before consumer groups read through archive-v1-p<p>.
+// After the upgrade the worker creates its group's consumer at the Postgres
+// cursor (the cursor is the truth), then deletes the old one; nothing is
+// lost or applied twice, and --group (Config.Group) names the consumers.
+func TestOldConsumersMigrateToTheGroup(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	c := e.conn()
+	ctx := context.Background()
+	cfg := e.config("w1")
+	cfg.Group = "blue"
+	var txs []*txn
+	publish := func(n int) {
+		for i := 0; i < n; i++ {
+			tx := e.nextTx(orderRows(len(txs)+1, 1)...)
+			txs = append(txs, tx)
+			e.publish(tx)
+		}
+	}
+	publish(10)
+	s := e.start(cfg)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 20 })
+	require.NoError(t, s.Stop(ctx))
+
+	// Make it look like the old deployment: the consumers under the old
+	// names at the cursor, nothing recorded.
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	for p := 0; p < 2; p++ {
+		var cursor uint64
+		require.NoError(t, c.QueryRow(ctx, `SELECT cursor FROM epitaph.progress WHERE partition = $1`, p).Scan(&cursor))
+		require.NoError(t, stream.DeleteConsumer(ctx, fmt.Sprintf("blue_archive-v1-p%d", p)))
+		_, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: fmt.Sprintf("archive-v1-p%d", p),
+			FilterSubject: event.PartitionFilter(src, p), DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
+			OptStartSeq: cursor + 1, AckPolicy: jetstream.AckAllPolicy})
+		require.NoError(t, err)
+	}
+	_, err = c.Exec(ctx, `UPDATE epitaph.progress SET consumer = NULL`)
+	require.NoError(t, err)
+	publish(10) // while no projector runs
+
+	s2, err := projection.New(cfg, projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(t, err)
+	require.NoError(t, s2.Start(ctx))
+	t.Cleanup(func() { require.NoError(t, s2.Stop(context.Background())) })
+	publish(10)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 60 })
+	require.Equal(t, expectedArchive(t, txs), archiveOf(t, c))
+	eventually(t, 10*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE consumer LIKE 'blue\_archive-v1-p%'`) == 2
+	})
+	for p := 0; p < 2; p++ {
+		_, err := stream.Consumer(ctx, fmt.Sprintf("archive-v1-p%d", p))
+		require.ErrorIs(t, err, jetstream.ErrConsumerNotFound, "old consumer of p%d", p)
+		_, err = stream.Consumer(ctx, fmt.Sprintf("blue_archive-v1-p%d", p))
+		require.NoError(t, err)
+	}
+	require.Zero(t, metricSum(t, s2, "epitaph_projector_consumer_resets_total"))
+}
+
+// A worker restarted with the same id takes its own leases back at once
+// (new epochs, same owner) instead of waiting out its lease TTL, and
+// resumes applying.
+func TestRestartWithSameIDTakesLeasesBack(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 4)
+	c := e.conn()
+	cfg := e.config("w1")
+	cfg.LeaseTTL = time.Minute
+	cfg.BalanceInterval = 300 * time.Millisecond
+	hardCtx, kill := context.WithCancel(context.Background())
+	first, err := projection.New(cfg, projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(t, err)
+	require.NoError(t, first.Start(hardCtx))
+	t.Cleanup(func() { require.NoError(t, first.Stop(context.Background())) })
+	eventually(t, 10*time.Second, func() bool { return len(owned(first)) == 4 })
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	eventually(t, 10*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+	before := count(t, c, `SELECT sum(epoch) FROM epitaph.progress`)
+
+	kill() // dies holding its leases
+	<-first.Done()
+	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE owner = 'w1' AND lease_expires_at > now() + interval '30 seconds'`),
+		"the leases are still valid for most of their TTL")
+
+	restarted := time.Now()
+	second := e.start(cfg)
+	eventually(t, 5*time.Second, func() bool { return len(owned(second)) == 4 })
+	require.Less(t, time.Since(restarted), cfg.LeaseTTL/2, "took its leases back before they expired")
+	require.Equal(t, before+4, count(t, c, `SELECT sum(epoch) FROM epitaph.progress`), "each taken back with a new epoch")
+	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE owner = 'w1'`))
+	e.publish(e.nextTx(orderRows(2, 1)...))
+	eventually(t, 10*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4 })
+}
