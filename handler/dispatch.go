@@ -65,10 +65,15 @@ type Dispatcher struct {
 	log  *slog.Logger
 	met  *metrics
 
-	ss   startstop.Base
-	sem  chan struct{}
-	wake chan struct{}
-	wg   sync.WaitGroup
+	ss startstop.Base
+	// queue holds claimed deliveries waiting for one of the Parallelism
+	// workers: the claim loop keeps it fed (claims ahead while handlers
+	// run), so a worker never waits for a claim query.
+	queue chan *claimed
+	// settles collects attempts' results; one writer records them in
+	// batches (one transaction per batch).
+	settles chan result
+	wake    chan struct{}
 
 	mu        sync.Mutex
 	lastMaint time.Time
@@ -103,12 +108,13 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.HTTPClient == nil {
-		cfg.HTTPClient = &http.Client{}
+		cfg.HTTPClient = newHTTPClient(cfg.Parallelism)
 	}
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
-		run:  runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
-		sem:  make(chan struct{}, cfg.Parallelism),
-		wake: make(chan struct{}, 1),
+		run:     runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
+		queue:   make(chan *claimed, claimAhead(cfg.Parallelism)),
+		settles: make(chan result, maxSettleBatch),
+		wake:    make(chan struct{}, 1),
 	}
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
@@ -145,16 +151,58 @@ func (d *Dispatcher) Wake() {
 	}
 }
 
+// claimAhead is how many claimed deliveries wait for a worker at most:
+// enough that the workers never starve between two claim queries, and
+// that one claim query serves many attempts.
+func claimAhead(parallelism int) int { return max(16*parallelism, 64) }
+
+// maxSettleBatch bounds the results recorded in one transaction.
+const maxSettleBatch = 256
+
+// newHTTPClient is the webhook client of a dispatcher: one transport whose
+// idle connections per host cover every worker (keep-alive reuse; the
+// default transport keeps 2), no timeout of its own (the attempt's context
+// bounds each call).
+func newHTTPClient(parallelism int) *http.Client {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.MaxIdleConns = max(t.MaxIdleConns, 2*parallelism)
+	t.MaxIdleConnsPerHost = max(parallelism, 16)
+	return &http.Client{Transport: t}
+}
+
+// loop is the dispatcher's claim loop: it keeps the queue of claimed
+// deliveries fed for the workers and, on the soft stop, lets them finish
+// what was claimed and the settler record it.
 func (d *Dispatcher) loop(soft, hard context.Context) {
+	var workers, settler sync.WaitGroup
+	settler.Add(1)
+	go func() { defer settler.Done(); d.settler(hard) }()
+	for range d.cfg.Parallelism {
+		workers.Add(1)
+		go func() {
+			defer workers.Done()
+			for c := range d.queue {
+				if len(d.queue) <= cap(d.queue)/2 {
+					d.Wake()
+				}
+				if soft.Err() != nil || c.waitedTooLong() {
+					// Claimed but not started: handed back, no attempt spent.
+					d.settles <- result{c: c, s: settlement{state: StatePending, handBack: true}}
+					continue
+				}
+				d.settles <- result{c: c, s: d.decide(hard, c)}
+			}
+		}()
+	}
 	t := time.NewTicker(d.cfg.Poll)
 	defer t.Stop()
 	for soft.Err() == nil {
 		d.maintainIfDue(soft)
-		n, err := d.claimAndStart(soft, hard)
+		n, err := d.claimAhead(soft)
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
 		}
-		if n > 0 && cap(d.sem)-len(d.sem) >= (cap(d.sem)+1)/2 {
+		if n > 0 && len(d.queue) <= cap(d.queue)/2 {
 			continue // more may be due
 		}
 		select {
@@ -163,32 +211,53 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		case <-d.wake:
 		}
 	}
-	d.wg.Wait()
+	close(d.queue)
+	workers.Wait()
+	close(d.settles)
+	settler.Wait()
 	d.ss.Finish(nil)
 }
 
-// claimAndStart claims as many due deliveries as there are free slots and
-// starts their attempts.
-func (d *Dispatcher) claimAndStart(soft, hard context.Context) (int, error) {
-	free := cap(d.sem) - len(d.sem)
-	if free <= 0 || (free < (cap(d.sem)+1)/2 && len(d.sem) > 0) {
-		return 0, nil // claim in batches: one claim query per few attempts
+// claimAhead tops the queue up: when it is at most half full, one claim
+// query claims what fills it.
+func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
+	free := cap(d.queue) - len(d.queue)
+	if free < (cap(d.queue)+1)/2 {
+		return 0, nil
 	}
-	cs, err := d.claim(soft, free)
+	cs, err := d.claim(ctx, free)
 	if err != nil {
+		// Claimed without their handlers: left in flight, reclaimed when
+		// their claims expire.
 		return 0, err
 	}
 	for _, c := range cs {
-		d.sem <- struct{}{}
-		d.wg.Add(1)
-		go func() {
-			defer d.wg.Done()
-			d.attempt(hard, c)
-			<-d.sem
-			d.Wake()
-		}()
+		d.queue <- c // never blocks: only this loop sends
 	}
 	return len(cs), nil
+}
+
+// settler records results in batches: what arrived while the previous
+// batch was written goes into the next one.
+func (d *Dispatcher) settler(ctx context.Context) {
+	batch := make([]result, 0, maxSettleBatch)
+	for r := range d.settles {
+		batch = append(batch[:0], r)
+	more:
+		for len(batch) < maxSettleBatch {
+			select {
+			case r, ok := <-d.settles:
+				if !ok {
+					break more
+				}
+				batch = append(batch, r)
+			default:
+				break more
+			}
+		}
+		d.settle(ctx, batch)
+		d.Wake() // the next deliveries of these rows may be due
+	}
 }
 
 // Flush runs queued work to completion now: it claims and runs due
@@ -202,19 +271,21 @@ func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 		if err := d.maintain(ctx); err != nil {
 			return -1, err
 		}
-		cs, err := d.claim(ctx, cap(d.sem))
+		cs, err := d.claim(ctx, d.cfg.Parallelism)
 		if err != nil {
 			return -1, err
 		}
+		results := make([]result, len(cs))
 		var wg sync.WaitGroup
-		for _, c := range cs {
+		for i, c := range cs {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				d.attempt(ctx, c)
+				results[i] = result{c: c, s: d.decide(ctx, c)}
 			}()
 		}
 		wg.Wait()
+		d.settle(ctx, results)
 		if len(cs) > 0 {
 			continue
 		}
@@ -250,7 +321,16 @@ type claimed struct {
 	token    string
 	deadline time.Time
 	scrubbed bool
+	// claimedAt and claim: when it was claimed, for how long.
+	claimedAt time.Time
+	claim     time.Duration
 }
+
+// waitedTooLong: a claimed delivery that waited for a worker more than a
+// tenth of its claim (the workers are busy with slow handlers) is handed
+// back rather than run on a shortened deadline, or reclaimed unstarted
+// (which would spend an attempt without trying).
+func (c *claimed) waitedTooLong() bool { return time.Since(c.claimedAt) > c.claim/10 }
 
 const claimSQL = `
 WITH due AS (
@@ -292,7 +372,8 @@ func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
 		}
 		// The handler must finish within nine tenths of its claim: the
 		// rest covers claim latency and clock skew.
-		c.deadline = now.Add(time.Duration(claimMS) * time.Millisecond * 9 / 10)
+		c.claimedAt, c.claim = now, time.Duration(claimMS)*time.Millisecond
+		c.deadline = now.Add(c.claim * 9 / 10)
 		if len(payload) > 0 {
 			var p storedPayload
 			if json.Unmarshal(payload, &p) == nil {
@@ -358,18 +439,31 @@ type settlement struct {
 	deferred       bool
 	fingerprint    string
 	evaluated      bool
+	// handBack: never started; pending again with the attempt refunded.
+	handBack bool
 }
 
+// result is a claimed delivery with its attempt's result, to record.
+type result struct {
+	c *claimed
+	s settlement
+}
+
+// attempt runs one claimed delivery and records its result at once.
 func (d *Dispatcher) attempt(ctx context.Context, c *claimed) {
+	d.settle(ctx, []result{{c: c, s: d.decide(ctx, c)}})
+}
+
+// decide runs one attempt of a claimed delivery (revalidation first, for
+// handlers with it on) and returns what to record.
+func (d *Dispatcher) decide(ctx context.Context, c *claimed) settlement {
 	def := c.def
 	if def.ID == "" { // removed between the claim and now
-		d.settle(ctx, c, settlement{state: StateStopped, outcome: string(StopCompleted)})
-		return
+		return settlement{state: StateStopped, outcome: string(StopCompleted)}
 	}
 	if c.scrubbed {
 		msg := "type=payload_scrubbed code=payload_retention diag=-"
-		d.settle(ctx, c, settlement{state: StateDead, outcome: OutcomePayloadGone, lastError: &msg})
-		return
+		return settlement{state: StateDead, outcome: OutcomePayloadGone, lastError: &msg}
 	}
 	actx, cancel := context.WithDeadline(ctx, c.deadline)
 	defer cancel()
@@ -397,7 +491,7 @@ func (d *Dispatcher) attempt(ctx context.Context, c *claimed) {
 		s = d.failure(c, Permanent("bad_decision", fmt.Errorf("revalidation answered %q", dec.Outcome)))
 	}
 	s.fingerprint, s.evaluated = dec.Fingerprint, def.Revalidate
-	d.settle(ctx, c, s)
+	return s
 }
 
 // failure is a failed attempt: retried with backoff, or dead after the
@@ -431,35 +525,35 @@ func Backoff(base time.Duration, attempt int) time.Duration {
 	return delay
 }
 
-// settleSQL records an attempt's result guarded by the claim token, in one
-// statement: a terminal result also scrubs the payloads of the row's
-// deliveries when no other one of them is open.
+// settleSQL records a batch of results, each row guarded by the claim
+// token it was given: a delivery whose claim was reclaimed is not in the
+// returned ids.
 const settleSQL = `
-WITH s AS (
-    UPDATE epitaph.deliveries d SET state = $3, outcome = $4, last_error = COALESCE($5, d.last_error),
-           next_attempt_at = now() + $6 * interval '1 millisecond',
-           attempt = d.attempt - $7::int, defers = d.defers + $7::int,
-           claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
-           settled_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') THEN now() END,
-           observed_fingerprint = COALESCE(NULLIF($8, ''), d.observed_fingerprint),
-           evaluated_at = CASE WHEN $9 THEN now() ELSE d.evaluated_at END,
-           payload = CASE WHEN $3 IN ('done', 'stopped', 'dead') AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
-                              WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
-                                AND e.state IN ('pending', 'in_flight'))
-                          THEN NULL ELSE d.payload END,
-           payload_scrubbed_at = CASE WHEN $3 IN ('done', 'stopped', 'dead') AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
-                              WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
-                                AND e.state IN ('pending', 'in_flight'))
-                          THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
-    WHERE d.id = $1 AND d.claim_token = $2::uuid
-    RETURNING d.id, d.source, d.commit_lsn, d.seq, d.payload IS NULL AND d.state IN ('done', 'stopped', 'dead') AS scrub
-), others AS (
-    UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = now()
-    FROM s WHERE s.scrub AND o.source = s.source AND o.commit_lsn = s.commit_lsn AND o.seq = s.seq AND o.id <> s.id
-      AND o.payload IS NOT NULL
-    RETURNING 1
-)
-SELECT count(*) FROM s`
+UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.outcome, ''), d.outcome),
+       last_error = COALESCE(u.last_error, d.last_error),
+       next_attempt_at = CASE WHEN u.refund = 1 AND u.deferred = 0 THEN d.next_attempt_at
+                              ELSE now() + u.delay_ms * interval '1 millisecond' END,
+       attempt = d.attempt - u.refund, defers = d.defers + u.deferred,
+       claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
+       settled_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') THEN now() END,
+       observed_fingerprint = COALESCE(NULLIF(u.fingerprint, ''), d.observed_fingerprint),
+       evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END
+FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::int[], $8::text[], $9::boolean[],
+            $10::int[])
+     AS u(id, token, state, outcome, last_error, delay_ms, deferred, fingerprint, evaluated, refund)
+WHERE d.id = u.id AND d.claim_token = u.token
+RETURNING d.id::text`
+
+// scrubSettledSQL, after settleSQL in the same transaction (it sees its
+// results), scrubs the payloads of the batch's rows whose every delivery
+// is terminal (a stale result's row is scrubbed only when that holds too).
+const scrubSettledSQL = `
+UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = COALESCE(o.payload_scrubbed_at, now())
+FROM (SELECT DISTINCT source, commit_lsn, seq FROM epitaph.deliveries
+      WHERE id = ANY($1::uuid[]) AND state IN ('done', 'stopped', 'dead')) r
+WHERE o.source = r.source AND o.commit_lsn = r.commit_lsn AND o.seq = r.seq AND o.payload IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e WHERE e.source = r.source AND e.commit_lsn = r.commit_lsn
+                  AND e.seq = r.seq AND e.state IN ('pending', 'in_flight'))`
 
 // scrubRowSQL scrubs the payloads of a row's deliveries once every handler
 // of the row is terminal.
@@ -469,47 +563,100 @@ WHERE source = $1 AND commit_lsn = $2::pg_lsn AND seq = $3 AND payload IS NOT NU
   AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e WHERE e.source = $1 AND e.commit_lsn = $2::pg_lsn AND e.seq = $3
                   AND e.state IN ('pending', 'in_flight'))`
 
-// settle records an attempt's result, guarded by the claim token: a run
-// whose claim was reclaimed settles nothing. A failure to record leaves
-// the delivery in flight (that attempt spent) until its claim expires.
-func (d *Dispatcher) settle(ctx context.Context, c *claimed, s settlement) {
-	err := d.settleTx(ctx, c, s)
-	switch {
-	case errors.Is(err, errStale):
-		d.log.Warn("delivery outcome discarded: its claim was reclaimed", "handler", c.d.HandlerID, "delivery", c.d.ID,
-			"attempt", c.d.Attempt)
-		d.met.stale.Inc()
-	case err != nil:
-		d.log.Error("recording a delivery's outcome failed: it stays in flight until its claim expires",
-			"handler", c.d.HandlerID, "delivery", c.d.ID, "attempt", c.d.Attempt, "err", err)
+// settle records a batch of results in one transaction, each guarded by
+// its claim token: a run whose claim was reclaimed settles nothing. A
+// failure to record leaves the batch's deliveries in flight (their attempts
+// spent) until their claims expire.
+func (d *Dispatcher) settle(ctx context.Context, batch []result) {
+	if len(batch) == 0 {
+		return
+	}
+	settled, err := d.settleTx(ctx, batch)
+	if err != nil {
+		for _, r := range batch {
+			d.log.Error("recording a delivery's outcome failed: it stays in flight until its claim expires",
+				"handler", r.c.d.HandlerID, "delivery", r.c.d.ID, "attempt", r.c.d.Attempt, "err", err)
+		}
+		return
+	}
+	for _, r := range batch {
+		if !settled[r.c.d.ID] {
+			d.log.Warn("delivery outcome discarded: its claim was reclaimed", "handler", r.c.d.HandlerID,
+				"delivery", r.c.d.ID, "attempt", r.c.d.Attempt)
+			d.met.stale.Inc()
+		}
 	}
 }
 
-var errStale = errors.New("stale claim")
+// settleArgs are the columns of settleSQL's unnest.
+type settleArgs struct {
+	ids, tokens, states, outcomes, fingerprints []string
+	lastErrors                                  []*string
+	delays                                      []int64
+	deferred, refund                            []int32
+	evaluated                                   []bool
+}
 
-func (d *Dispatcher) settleTx(ctx context.Context, c *claimed, s settlement) error {
+func (a *settleArgs) add(c *claimed, s settlement) {
+	deferred, refund := int32(0), int32(0)
+	if s.deferred {
+		deferred, refund = 1, 1
+	}
+	if s.handBack {
+		refund = 1
+	}
+	a.ids = append(a.ids, c.d.ID)
+	a.tokens = append(a.tokens, c.token)
+	a.states = append(a.states, s.state)
+	a.outcomes = append(a.outcomes, s.outcome)
+	a.lastErrors = append(a.lastErrors, s.lastError)
+	a.delays = append(a.delays, s.delay.Milliseconds())
+	a.deferred = append(a.deferred, deferred)
+	a.fingerprints = append(a.fingerprints, s.fingerprint)
+	a.evaluated = append(a.evaluated, s.evaluated)
+	a.refund = append(a.refund, refund)
+}
+
+// settleTx writes a batch and returns the ids it settled (the others'
+// claims were reclaimed).
+func (d *Dispatcher) settleTx(ctx context.Context, batch []result) (map[string]bool, error) {
 	ctx = context.WithoutCancel(ctx)
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	if d.beforeSettle != nil {
-		if err := d.beforeSettle(ctx, c.d.ID); err != nil {
-			return err
+	var a settleArgs
+	for _, r := range batch {
+		if d.beforeSettle != nil {
+			if err := d.beforeSettle(ctx, r.c.d.ID); err != nil {
+				return nil, err
+			}
+		}
+		a.add(r.c, r.s)
+	}
+	// One round trip: a batch runs in one implicit transaction.
+	var b pgx.Batch
+	b.Queue(settleSQL, a.ids, a.tokens, a.states, a.outcomes, a.lastErrors, a.delays, a.deferred, a.fingerprints,
+		a.evaluated, a.refund)
+	b.Queue(scrubSettledSQL, a.ids)
+	settled := make(map[string]bool, len(batch))
+	br := d.pool.SendBatch(ctx, &b)
+	rows, err := br.Query()
+	if err == nil {
+		var ids []string
+		ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, id := range ids {
+			settled[id] = true
 		}
 	}
-	deferred := 0
-	if s.deferred {
-		deferred = 1
+	if err == nil {
+		_, err = br.Exec()
 	}
-	var n int
-	err := d.pool.QueryRow(ctx, settleSQL, c.d.ID, c.token, s.state, s.outcome, s.lastError, s.delay.Milliseconds(),
-		deferred, s.fingerprint, s.evaluated).Scan(&n)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	if err != nil {
-		return fmt.Errorf("settle delivery: %w", err)
+		return nil, fmt.Errorf("settle %d deliveries: %w", len(batch), err)
 	}
-	if n == 0 {
-		return errStale
-	}
-	return nil
+	return settled, nil
 }
 
 func (d *Dispatcher) maintainIfDue(ctx context.Context) {

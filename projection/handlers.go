@@ -62,6 +62,7 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v Version, row
 	if _, err := handler.Enqueue(ctx, tx, s.handlers, v.Projection, v.Version, queue); err != nil {
 		return err
 	}
+	release = distinct(release)
 	if err := handler.Release(ctx, tx, s.cfg.SourceName, release); err != nil {
 		return err
 	}
@@ -72,6 +73,22 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v Version, row
 			release = append(release, r.CommitLSN)
 		}
 	}
-	_, err := revalidate.StampGroups(ctx, tx, v.Schema, s.cfg.SourceName, release)
+	_, err := revalidate.StampGroups(ctx, tx, v.Schema, s.cfg.SourceName, distinct(release))
 	return err
+}
+
+// distinct returns the commit LSNs once each, in their first order: a
+// page's rows share a few transactions, and a list with one LSN per row
+// makes the planner give up the (source, commit_lsn) indexes for a filter
+// over every row of the source (a statement that grew with the archive).
+func distinct(lsns []string) []string {
+	seen := make(map[string]bool, len(lsns))
+	out := lsns[:0:0]
+	for _, l := range lsns {
+		if !seen[l] {
+			seen[l] = true
+			out = append(out, l)
+		}
+	}
+	return out
 }

@@ -1,0 +1,168 @@
+package handler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A batch of results is written in one transaction, each row guarded by
+// its own claim token: the delivery reclaimed in the meantime keeps the
+// newer state, the others settle (and their rows' payloads are scrubbed).
+func TestBatchSettleGuardsEachClaimToken(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	e.goHandler(reg, func(context.Context, Delivery) error { return nil })
+	e.enqueue(1, e.row(1), e.row(2), e.row(3))
+	d := e.dispatcher(Config{Registry: reg})
+	cs, err := d.claim(context.Background(), 3)
+	require.NoError(t, err)
+	require.Len(t, cs, 3)
+	// Key 2's claim is reclaimed and claimed again under a new token.
+	var stale *claimed
+	for _, c := range cs {
+		if string(c.d.Key) == `{"id": 2}` || string(c.d.Key) == `{"id":2}` {
+			stale = c
+		}
+	}
+	require.NotNil(t, stale)
+	_, err = e.pool.Exec(context.Background(), `UPDATE epitaph.deliveries SET claim_token = gen_random_uuid(), attempt = 2
+		WHERE id = $1`, stale.d.ID)
+	require.NoError(t, err)
+	batch := make([]result, 0, len(cs))
+	for _, c := range cs {
+		batch = append(batch, result{c: c, s: d.decide(context.Background(), c)})
+	}
+	d.settle(context.Background(), batch)
+	ds := e.deliveries()
+	require.Len(t, ds, 3)
+	require.Equal(t, StateDone, ds[0].State)
+	require.Nil(t, ds[0].Payload, "scrubbed with the batch")
+	require.Equal(t, StateInFlight, ds[1].State, "the stale result did not settle the newer claim")
+	require.Equal(t, 2, ds[1].Attempt)
+	require.NotNil(t, ds[1].Payload)
+	require.Equal(t, StateDone, ds[2].State)
+	require.Nil(t, ds[2].Payload)
+	require.Contains(t, e.logs.String(), "its claim was reclaimed")
+}
+
+// A batch whose recording fails leaves every one of its deliveries in
+// flight with the attempt spent; they are reclaimed and done later.
+func TestBatchSettleFailureLeavesTheBatchInFlight(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil },
+		func(d *Def) { d.ClaimTimeout = time.Second })
+	e.enqueue(1, e.row(1), e.row(2))
+	d := e.dispatcher(Config{Registry: reg})
+	var failed atomic.Bool
+	d.beforeSettle = func(context.Context, string) error {
+		if failed.CompareAndSwap(false, true) {
+			return errors.New("target briefly down")
+		}
+		return nil
+	}
+	cs, err := d.claim(context.Background(), 2)
+	require.NoError(t, err)
+	require.Len(t, cs, 2)
+	batch := make([]result, 0, len(cs))
+	for _, c := range cs {
+		batch = append(batch, result{c: c, s: d.decide(context.Background(), c)})
+	}
+	d.settle(context.Background(), batch)
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateInFlight, r.State)
+		require.Equal(t, 1, r.Attempt)
+	}
+	e.flush(d)
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateDone, r.State)
+		require.Equal(t, 2, r.Attempt, "the reclaim counted as an attempt")
+	}
+	require.EqualValues(t, 4, calls.Load())
+}
+
+// A delivery claimed ahead that waited for a worker too long (or was
+// still queued at the soft stop) is handed back unstarted: pending, its
+// attempt refunded, its outcome and backoff untouched.
+func TestClaimedAheadHandedBackUnstarted(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error { calls.Add(1); return nil },
+		func(d *Def) { d.ClaimTimeout = time.Second })
+	e.enqueue(1, e.row(1))
+	d := e.dispatcher(Config{Registry: reg})
+	cs, err := d.claim(context.Background(), 1)
+	require.NoError(t, err)
+	require.Len(t, cs, 1)
+	require.False(t, cs[0].waitedTooLong())
+	eventually(t, cs[0].waitedTooLong, "a tenth of the claim passes")
+	d.settle(context.Background(), []result{{c: cs[0], s: settlement{state: StatePending, handBack: true}}})
+	ds := e.deliveries()
+	require.Equal(t, StatePending, ds[0].State)
+	require.Equal(t, 0, ds[0].Attempt, "no attempt spent")
+	require.Equal(t, "", ds[0].Outcome)
+	require.NotNil(t, ds[0].Payload)
+	require.Zero(t, calls.Load())
+	e.flush(d)
+	ds = e.deliveries()
+	require.Equal(t, StateDone, ds[0].State)
+	require.Equal(t, 1, ds[0].Attempt)
+}
+
+// The service runs many deliveries through few webhook connections
+// (keep-alive reuse), every one done exactly once.
+func TestServiceWebhookReusesConnections(t *testing.T) {
+	e := newTenv(t)
+	var conns, hits atomic.Int32
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.WriteHeader(http.StatusOK)
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+	e.addHandler(KindWebhook, srv.URL+"/hook", func(d *Def) { d.Revalidate = false })
+	const n = 200
+	rows := make([]Row, n)
+	for i := range rows {
+		rows[i] = e.row(i + 1)
+	}
+	e.enqueue(1, rows...)
+	d := e.dispatcher(Config{Parallelism: 4})
+	require.NoError(t, d.Start(context.Background()))
+	eventually(t, func() bool {
+		var done int
+		require.NoError(t, e.pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done))
+		return done == n
+	}, fmt.Sprintf("%d deliveries done", n))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, d.Stop(ctx))
+	require.NoError(t, d.Wait())
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateDone, r.State)
+		require.Equal(t, 1, r.Attempt)
+		require.Nil(t, r.Payload)
+	}
+	require.EqualValues(t, n, hits.Load(), "each delivery called once")
+	// At most one extra dial per worker when a connection is being
+	// returned while another request starts (the default transport, which
+	// keeps 2 idle per host, dials dozens here).
+	require.LessOrEqual(t, conns.Load(), int32(8), "connections are kept alive and reused")
+}
