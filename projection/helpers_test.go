@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -41,6 +42,11 @@ type env struct {
 	// publish, publishAll, heartbeat); a message published with e.js
 	// directly is a foreign one.
 	signer *testenv.Signer
+	// pub is held while a whole transaction (or a heartbeat) is published:
+	// like the capture, the test never interleaves another transaction's
+	// messages, or a mark, into an open transaction of a partition (a
+	// projector refuses those as not part of a verified transaction).
+	pub sync.Mutex
 }
 
 func newEnv(t *testing.T, partitions int) *env {
@@ -127,6 +133,8 @@ func (e *env) nextTx(rows ...row) *txn {
 // publish publishes the transaction's rows and commit like the capture.
 func (e *env) publish(tx *txn) {
 	e.t.Helper()
+	e.pub.Lock()
+	defer e.pub.Unlock()
 	for _, m := range e.messages(tx) {
 		_, err := e.pubMsg(context.Background(), m)
 		require.NoError(e.t, err)
@@ -170,6 +178,8 @@ func (e *env) msg(subject, id string, ev *event.Event) *nats.Msg {
 // heartbeat publishes a heartbeat mark to every partition.
 func (e *env) heartbeat() event.LSN {
 	e.t.Helper()
+	e.pub.Lock()
+	defer e.pub.Unlock()
 	lsn := event.LSN(e.lsn.Add(0x100))
 	for p := 0; p < e.partitions; p++ {
 		ev := &event.Event{Op: event.OpMark, Source: src, Partition: p, LSN: lsn, Kind: event.MarkHeartbeat, Time: time.Now()}

@@ -67,10 +67,13 @@ func (e *env) traffic(ctx context.Context, every time.Duration) (stop func() int
 	go func() {
 		defer close(done)
 		for i := 0; ctx.Err() == nil; i++ {
+			// A transaction is published whole, even when stopped midway,
+			// and never interleaved with the test's own (e.pub).
+			e.pub.Lock()
 			tx := e.nextTx(orderRows(100000+i, 2)...)
-			// A transaction is published whole, even when stopped midway.
 			for _, m := range e.messages(tx) {
 				if _, err := e.pubMsg(context.Background(), m); err != nil {
+					e.pub.Unlock()
 					e.t.Errorf("publish: %v", err)
 					return
 				}
@@ -81,10 +84,12 @@ func (e *env) traffic(ctx context.Context, every time.Duration) (stop func() int
 				for p := 0; p < e.partitions; p++ {
 					ev := &event.Event{Op: event.OpMark, Source: src, Partition: p, LSN: lsn, Kind: event.MarkHeartbeat, Time: time.Now()}
 					if _, err := e.pubMsg(ctx, e.msg(event.MarkSubject(src, p), event.MarkMsgID(src, lsn, p), ev)); err != nil {
+						e.pub.Unlock()
 						return
 					}
 				}
 			}
+			e.pub.Unlock()
 			select {
 			case <-ctx.Done():
 			case <-time.After(every):
