@@ -218,14 +218,24 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 	d.ss.Finish(nil)
 }
 
+// claimStatementTimeout bounds one claim statement (see claimAhead).
+const claimStatementTimeout = 30 * time.Second
+
 // claimAhead tops the queue up: when it is at most half full, one claim
 // query claims what fills it.
 func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
 	free := cap(d.queue) - len(d.queue)
-	if free < (cap(d.queue)+1)/2 {
+	if free < (cap(d.queue)+1)/2 || ctx.Err() != nil {
 		return 0, nil
 	}
-	cs, err := d.claim(ctx, free)
+	// Not cancelled by the soft stop: a claim statement cancelled midway
+	// may commit on the server while its rows are lost here, leaving those
+	// deliveries in flight until their claims expire (an attempt spent for
+	// nothing). Claimed, they reach the queue, and a stopping worker hands
+	// them back unstarted. Bounded, so a stop never waits on a hung target.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claimStatementTimeout)
+	defer cancel()
+	cs, err := d.claim(cctx, free)
 	if err != nil {
 		// Claimed without their handlers: left in flight, reclaimed when
 		// their claims expire.
