@@ -410,6 +410,7 @@ var emptyOnAHealthySystem = map[string]string{
 	"Deliveries by handler and state":    "no row handler is configured",
 	"Oldest pending delivery":            "no row handler is configured",
 	"Delivery attempts and dead letters": "no row handler is configured (the reclaim counters alone do show)",
+	"Revalidation outcomes":              "no row handler is configured, so nothing is revalidated",
 }
 
 // checkDashboardQueries runs every query of the dashboard, as Grafana would
