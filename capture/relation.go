@@ -332,8 +332,8 @@ func newTxInfo(src string, xid uint32, commitLSN event.LSN, commitTime time.Time
 // msgID is tagger.RowMsgID(src, tx.commitLSN, seq), or event.MsgID without
 // a tagger (tested).
 func (tx *txInfo) msgID(seq int) string {
-	b := make([]byte, 0, len(tx.idPrefix)+28)
-	b = append(b, tx.idPrefix...)
+	var buf [96]byte // on the stack: the string is the row's one allocation
+	b := append(buf[:0], tx.idPrefix...)
 	b = strconv.AppendInt(b, int64(seq), 10)
 	if tx.tagger != nil {
 		b = tx.tagger.AppendTag(b, tx.commitLSN, seq)
