@@ -113,6 +113,9 @@ type Row struct {
 	// through (RecordConsumer); "" when none was recorded (no worker yet,
 	// or one from before consumer groups used ConsumerName).
 	Consumer string
+	// StreamCreated is the creation time of the stream the cursor counts
+	// in (migration 0012); nil when not recorded yet.
+	StreamCreated *time.Time
 }
 
 // Lease is a worker's hold on a unit. Epoch fences it: a takeover increments
@@ -146,7 +149,7 @@ func Ensure(ctx context.Context, db DB, projection string, version, partitions i
 
 const rowColumns = `projection, version, partition, cursor, last_commit_lsn::text, last_seq, last_msg_id,
 	source_lsn::text, attempts, last_advance_at, last_failure_category, last_failure_at, owner, epoch, lease_expires_at,
-	part_seq, tx_start, tx_first, tx_pending, tx_digest, consumer`
+	part_seq, tx_start, tx_first, tx_pending, tx_digest, consumer, stream_created`
 
 func scanRow(r pgx.Row) (Row, error) {
 	var (
@@ -162,7 +165,7 @@ func scanRow(r pgx.Row) (Row, error) {
 	)
 	err := r.Scan(&row.Projection, &version, &partition, &cursor, &lastLSN, &lastSeq, &msgID,
 		&srcLSN, &tries, &row.LastAdvanceAt, &failCat, &row.LastFailureAt, &owner, &row.Epoch, &row.LeaseExpiresAt,
-		&partSeq, &txStart, &txFirst, &pending, &row.Trust.Digest, &consumer)
+		&partSeq, &txStart, &txFirst, &pending, &row.Trust.Digest, &consumer, &row.StreamCreated)
 	if err != nil {
 		return Row{}, err
 	}

@@ -206,7 +206,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
-	if err := w.checkStreamIdentity(ctx); err != nil { // trust.go
+	if err := w.checkStreamIdentity(ctx, row.StreamCreated); err != nil { // trust.go
 		return err
 	}
 	if w.legacy, err = w.legacyBoundary(ctx); err != nil {

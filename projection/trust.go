@@ -983,7 +983,8 @@ func nullLSNText(l event.LSN) any {
 const streamRecreatedReason = "the stream was deleted and made anew: whatever the old stream held past this partition's cursor was never applied"
 
 // checkStreamIdentity compares the stream's creation time with the one the
-// partition's cursor was recorded against (epitaph.progress.stream_created).
+// partition's cursor was recorded against (epitaph.progress.stream_created,
+// read with the progress row).
 // A different one means the stream was deleted and made anew: its
 // sequences start again and it holds nothing of the old stream, so what
 // the old one held past the cursor is unknown and may be lost. That is
@@ -994,18 +995,12 @@ const streamRecreatedReason = "the stream was deleted and made anew: whatever th
 // cursor is then verified against the new stream as after any lost tail
 // (verify rewinds it; re-applying is idempotent). All in the lease's
 // epoch: a worker that lost the partition changes nothing.
-func (w *partitionWorker) checkStreamIdentity(ctx context.Context) error {
+func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *time.Time) error {
 	info, err := w.stream.Info(ctx)
 	if err != nil {
 		return fmt.Errorf("stream info: %w", err)
 	}
 	created := info.Created.UTC().Truncate(time.Microsecond) // as Postgres keeps it
-	var recorded *time.Time
-	if err := w.svc.pool.QueryRow(ctx, `SELECT stream_created FROM epitaph.progress
-		WHERE projection = $1 AND version = $2 AND partition = $3`,
-		w.lease.Projection, w.lease.Version, w.lease.Partition).Scan(&recorded); err != nil {
-		return fmt.Errorf("read the partition's stream identity: %w", err)
-	}
 	if recorded != nil && recorded.Equal(created) {
 		return nil
 	}
