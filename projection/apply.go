@@ -286,7 +286,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	if err != nil {
 		return 0, err
 	}
-	archived, err := s.archiveRows(ctx, tx, p, ins, careful)
+	archived, ins, err := s.archiveRows(ctx, tx, p, ins, careful)
 	if err == nil {
 		err = hold.holdAfter(p.items)
 	}
@@ -300,7 +300,9 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	if err := s.applyGaps(ctx, tx, p, careful); err != nil {
 		return 0, err
 	}
-	if err := s.queueDeliveries(ctx, tx, p.v, p.rows, p.commits, p.inPage, p.vd); err != nil {
+	// Deliveries of the rows archived (an erased row gets none: its image
+	// would be stored again in the delivery's payload).
+	if err := s.queueDeliveries(ctx, tx, p.v, ins, p.commits, p.inPage, p.vd); err != nil {
 		return 0, err
 	}
 	return pending, nil
@@ -310,11 +312,12 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 // by bisection. Erased rows are never archived again (fence.go): the rows
 // are filtered by the fences of erasure counter "fenced"; an insert that
 // reads another counter returns errFencesChanged (apply again). It returns
-// what it archived per source transaction.
-func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, error) {
+// what it archived per source transaction, and the rows it tried (ins
+// without the fenced ones; the rejected ones have their category).
+func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
 	ins, fenced, err := s.unfenced(ctx, p.v, ins)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	seen := fenced
 	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
@@ -348,7 +351,7 @@ func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins 
 		s.fences.saw(seen)
 		err = errFencesChanged
 	}
-	return archived, err
+	return archived, ins, err
 }
 
 func rejectRow(r *archiveRow, err error) error {
