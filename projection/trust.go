@@ -350,9 +350,9 @@ func LegacyBoundaries(ctx context.Context, db interface {
 // now (looking back at most legacyScan messages from its end), 0 when
 // there is none. Every version and every later run uses the recorded one.
 func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
-	name := event.StreamName(w.svc.cfg.SourceName)
+	name := event.StreamName(w.cfg.SourceName)
 	var seq int64
-	err := w.svc.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
+	err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
 		name, w.lease.Partition).Scan(&seq)
 	if err == nil {
 		return uint64(seq), nil
@@ -364,11 +364,11 @@ func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	if _, err := w.svc.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
+	if _, err := w.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
 		VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`, name, w.lease.Partition, int64(boundary)); err != nil {
 		return 0, fmt.Errorf("record legacy boundary: %w", err)
 	}
-	if err := w.svc.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
+	if err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
 		name, w.lease.Partition).Scan(&seq); err != nil {
 		return 0, fmt.Errorf("read legacy boundary: %w", err)
 	}
@@ -568,7 +568,7 @@ func (pv *pageVerifier) row(it *item) {
 		return // undecodable: quarantined as it is
 	}
 	w := pv.w
-	if p := event.Partition(it.ev.CommitLSN, w.svc.partitions); p != w.lease.Partition {
+	if p := event.Partition(it.ev.CommitLSN, w.partitions); p != w.lease.Partition {
 		w.refuse(it, fmt.Sprintf("row message in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
 		return
 	}
@@ -582,7 +582,7 @@ func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) er
 		return nil // undecodable: not a boundary
 	}
 	w := pv.w
-	if err := w.svc.keys.verify(ctx, it, w.streamKey); err != nil {
+	if err := w.keys.verify(ctx, it, w.streamKey); err != nil {
 		var r *refusal
 		if !errors.As(err, &r) {
 			return err
@@ -591,7 +591,7 @@ func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) er
 		return nil
 	}
 	if kind == kindCommit {
-		if p := event.Partition(it.ev.CommitLSN, w.svc.partitions); p != w.lease.Partition {
+		if p := event.Partition(it.ev.CommitLSN, w.partitions); p != w.lease.Partition {
 			w.refuse(it, fmt.Sprintf("commit in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
 			return nil
 		}
@@ -809,9 +809,9 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 				if kindOf(it.subject) != kindRow {
 					continue
 				}
-				if ev, err := w.svc.cfg.Decoder.Decode(it.data); err == nil {
+				if ev, err := w.cfg.Decoder.Decode(it.data); err == nil {
 					it.ev = ev
-					if event.Partition(ev.CommitLSN, w.svc.partitions) != w.lease.Partition {
+					if event.Partition(ev.CommitLSN, w.partitions) != w.lease.Partition {
 						it.category = CategoryUnauthenticated // refused on arrival
 					}
 				} else {
@@ -1006,7 +1006,7 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 // completed by that message.
 func (w *partitionWorker) recordSuspectedGap(ctx context.Context, first uint64) error {
 	from := w.pos.Cursor + 1
-	tx, err := w.svc.pool.Begin(ctx)
+	tx, err := w.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("record suspected gap: %w", err)
 	}
@@ -1066,7 +1066,7 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *tim
 	if recorded != nil && recorded.Equal(created) {
 		return nil
 	}
-	tx, err := w.svc.pool.Begin(ctx)
+	tx, err := w.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("record the partition's stream identity: %w", err)
 	}
