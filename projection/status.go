@@ -4,10 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"sort"
-	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -171,7 +167,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 		} else {
 			info := stream.CachedInfo()
 			st.StreamLast = info.State.LastSeq
-			st.Partitions, _ = partitionsOf(info)
+			st.Partitions, _ = StreamPartitions(info)
 		}
 	} else {
 		st.StreamError = "no stream connection"
@@ -303,8 +299,9 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	return nil
 }
 
-// partitionsOf reads P from the stream metadata.
-func partitionsOf(info *jetstream.StreamInfo) (int, error) {
+// StreamPartitions reads the partition count P of a source's stream
+// from its metadata (event.MetaPartitions).
+func StreamPartitions(info *jetstream.StreamInfo) (int, error) {
 	s, ok := info.Config.Metadata[event.MetaPartitions]
 	if !ok {
 		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
@@ -314,142 +311,4 @@ func partitionsOf(info *jetstream.StreamInfo) (int, error) {
 		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
 	}
 	return n, nil
-}
-
-// WriteTable prints the status as aligned text tables for people.
-func (st *Status) WriteTable(w io.Writer) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintf(tw, "source %s\tstream %s\tlast seq %d\tpartitions %d\n", st.Source, st.Stream, st.StreamLast, st.Partitions)
-	if st.StreamError != "" {
-		fmt.Fprintf(tw, "stream: %s\n", st.StreamError)
-	}
-	fmt.Fprintln(tw)
-	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
-	for _, v := range st.Versions {
-		open := 0
-		for _, c := range v.GapCounts {
-			if !c.Acknowledged && c.Kind != event.GapTruncate {
-				open += c.Count
-			}
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
-			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
-	}
-	for _, v := range st.Versions {
-		if v.State == StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
-			fmt.Fprintf(tw, "\n%s v%d is not ready: %s\n", v.Projection, v.Version, strings.Join(v.NotReadyReasons, "; "))
-		}
-	}
-	for _, v := range st.Versions {
-		if len(v.Gaps) == 0 {
-			continue
-		}
-		fmt.Fprintf(tw, "\n%s v%d gaps\n", v.Projection, v.Version)
-		fmt.Fprintln(tw, "GAP\tKIND\tTABLE\tPARTITION\tFROM LSN\tTO LSN\tSTREAM SEQ\tDETECTED\tACKNOWLEDGED")
-		for _, g := range v.Gaps {
-			writeGapRow(tw, g)
-		}
-	}
-	for _, v := range st.Versions {
-		if len(v.Partitions) == 0 {
-			continue
-		}
-		fmt.Fprintf(tw, "\n%s v%d\n", v.Projection, v.Version)
-		fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCURSOR\tSOURCE LSN\tLAG EVENTS\tOLDEST PENDING\tLAST ADVANCE\tFAILURE")
-		for _, p := range v.Partitions {
-			owner := p.Owner
-			if !p.Leased {
-				owner = "(none)"
-			}
-			last := "-"
-			if p.LastAdvanceAt != nil {
-				last = p.LastAdvanceAt.UTC().Format(time.RFC3339)
-			}
-			fail := p.LastFailureCategory
-			if fail == "" {
-				fail = "-"
-			} else {
-				fail = fmt.Sprintf("%s (x%d)", fail, p.Attempts)
-			}
-			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
-				orDash(p.SourceLSN), p.LagEvents, seconds(p.OldestPendingAgeSeconds), last, fail)
-		}
-	}
-	writeLifecycle(tw, st)
-	if len(st.Workers) > 0 {
-		fmt.Fprintln(tw, "\nWORKER\tLIVE\tHEARTBEAT AGE")
-		for _, wk := range st.Workers {
-			fmt.Fprintf(tw, "%s\t%t\t%s\n", wk.ID, wk.Live, seconds(wk.HeartbeatAgeSeconds))
-		}
-	}
-	if len(st.Quarantine) > 0 {
-		fmt.Fprintln(tw, "\nQUARANTINE\tVERSION\tOPEN\tOLDEST\tBY CATEGORY")
-		for _, q := range st.Quarantine {
-			cats := make([]string, 0, len(q.ByCategory))
-			for c, n := range q.ByCategory {
-				cats = append(cats, fmt.Sprintf("%s=%d", c, n))
-			}
-			sort.Strings(cats)
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\n", q.Projection, q.Version, q.Unresolved, seconds(q.OldestAgeSeconds), strings.Join(cats, " "))
-		}
-	}
-	return tw.Flush()
-}
-
-func seconds(s float64) string {
-	if s == 0 {
-		return "-"
-	}
-	return (time.Duration(s * float64(time.Second))).Round(time.Millisecond).String()
-}
-
-func orDash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
-}
-
-// writeGapRow prints one gap as a row of the gaps table (status and
-// `projector gaps`).
-func writeGapRow(w io.Writer, g Gap) {
-	table, part := "(all)", "(all)"
-	if g.Schema != nil && g.Table != nil {
-		table = *g.Schema + "." + *g.Table
-	}
-	if g.Partition != nil {
-		part = fmt.Sprint(*g.Partition)
-	}
-	seqs := "-"
-	if g.FromSeq != nil || g.ToSeq != nil {
-		seqs = seqOrUnknown(g.FromSeq) + "-" + seqOrUnknown(g.ToSeq)
-	}
-	ack := "no"
-	if g.Kind == event.GapTruncate && g.AcknowledgedAt == nil {
-		ack = "(informational)"
-	}
-	if g.AcknowledgedAt != nil {
-		ack = g.AcknowledgedAt.UTC().Format(time.RFC3339) + ": " + deref(g.AckReason)
-	}
-	fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Kind, table, part, lsnOrUnknown(g.FromLSN),
-		lsnOrUnknown(g.ToLSN), seqs, g.DetectedAt.UTC().Format(time.RFC3339), ack)
-}
-
-// WriteGaps prints the gaps of versions as text tables (`projector gaps`).
-func WriteGaps(w io.Writer, vgs []VersionGaps) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	for i, vg := range vgs {
-		if i > 0 {
-			fmt.Fprintln(tw)
-		}
-		fmt.Fprintf(tw, "%s v%d (%s): %d gaps\n", vg.Projection, vg.Version, vg.State, len(vg.Gaps))
-		if len(vg.Gaps) == 0 {
-			continue
-		}
-		fmt.Fprintln(tw, "GAP\tKIND\tTABLE\tPARTITION\tFROM LSN\tTO LSN\tSTREAM SEQ\tDETECTED\tACKNOWLEDGED")
-		for _, g := range vg.Gaps {
-			writeGapRow(tw, g)
-		}
-	}
-	return tw.Flush()
 }

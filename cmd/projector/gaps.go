@@ -49,7 +49,7 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 			fmt.Fprintf(env.Stdout, "%s has no active version\n", *proj)
 			return nil
 		}
-		return projection.WriteGaps(env.Stdout, vgs)
+		return writeGaps(env.Stdout, vgs)
 	}
 	cmd.AddCommand(gapsAckCommand(env))
 	return cmd
