@@ -129,12 +129,46 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	if err != nil {
 		return nil, err
 	}
+	if st.Workers, err = listWorkers(ctx, db); err != nil {
+		return nil, err
+	}
+	if st.Quarantine, err = quarantineStatus(ctx, db); err != nil {
+		return nil, err
+	}
+	open := map[VersionKey]int{}
+	for _, q := range st.Quarantine {
+		open[VersionKey{q.Projection, q.Version}] += q.Unresolved
+	}
+	stream := st.readStream(ctx, js)
+	var dbNow time.Time
+	if err := db.QueryRow(ctx, `SELECT now()`).Scan(&dbNow); err != nil {
+		return nil, fmt.Errorf("read database time: %w", err)
+	}
+	for _, v := range vs {
+		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
+			QuarantineOpen: open[v.Key()]}
+		if v.State != StateRetired {
+			if err := st.collectVersion(ctx, db, stream, v, &vst, dbNow); err != nil {
+				return nil, err
+			}
+		}
+		st.Versions = append(st.Versions, vst)
+	}
+	if err := st.addReadiness(ctx, db); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// listWorkers reads the registered workers and whether their heartbeat
+// is live.
+func listWorkers(ctx context.Context, db progress.DB) ([]WorkerStatus, error) {
 	rows, err := db.Query(ctx, `SELECT worker_id, heartbeat_at, heartbeat_at > now() - lease_ttl,
 		extract(epoch FROM now() - heartbeat_at)::float8 FROM epitaph.workers ORDER BY worker_id`)
 	if err != nil {
 		return nil, fmt.Errorf("list workers: %w", err)
 	}
-	st.Workers, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (WorkerStatus, error) {
+	ws, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (WorkerStatus, error) {
 		var w WorkerStatus
 		err := r.Scan(&w.ID, &w.HeartbeatAt, &w.Live, &w.HeartbeatAgeSeconds)
 		return w, err
@@ -142,87 +176,95 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	if err != nil {
 		return nil, fmt.Errorf("list workers: %w", err)
 	}
-	if stats, err := quarantine.Stats(ctx, db); err == nil {
-		for _, q := range stats {
-			qs := QuarantineStatus{Projection: q.Projection, Version: q.Version, Unresolved: q.Unresolved,
-				ByCategory: map[string]int{}, OldestAgeSeconds: q.OldestAge.Seconds()}
-			for c, n := range q.ByCategory {
-				qs.ByCategory[string(c)] = n
-			}
-			st.Quarantine = append(st.Quarantine, qs)
-		}
-	} else if pe := (*pgconn.PgError)(nil); !errors.As(err, &pe) || pe.Code != "42P01" {
+	return ws, nil
+}
+
+// quarantineStatus reads the unresolved quarantine per version (nil when
+// the quarantine table does not exist).
+func quarantineStatus(ctx context.Context, db progress.DB) ([]QuarantineStatus, error) {
+	stats, err := quarantine.Stats(ctx, db)
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "42P01" {
+		return nil, nil
+	}
+	if err != nil {
 		return nil, fmt.Errorf("quarantine stats: %w", err)
 	}
-	open := map[VersionKey]int{}
-	for _, q := range st.Quarantine {
-		open[VersionKey{q.Projection, q.Version}] += q.Unresolved
-	}
-
-	var stream jetstream.Stream
-	if js != nil {
-		stream, err = js.Stream(ctx, st.Stream)
-		if err != nil {
-			st.StreamError = err.Error()
-		} else {
-			info := stream.CachedInfo()
-			st.StreamLast = info.State.LastSeq
-			st.Partitions, _ = StreamPartitions(info)
+	var out []QuarantineStatus
+	for _, q := range stats {
+		qs := QuarantineStatus{Projection: q.Projection, Version: q.Version, Unresolved: q.Unresolved,
+			ByCategory: map[string]int{}, OldestAgeSeconds: q.OldestAge.Seconds()}
+		for c, n := range q.ByCategory {
+			qs.ByCategory[string(c)] = n
 		}
-	} else {
+		out = append(out, qs)
+	}
+	return out, nil
+}
+
+// readStream looks the source's stream up and sets its last sequence and
+// partitions; nil (StreamError says why) without one.
+func (st *Status) readStream(ctx context.Context, js jetstream.JetStream) jetstream.Stream {
+	if js == nil {
 		st.StreamError = "no stream connection"
+		return nil
 	}
+	stream, err := js.Stream(ctx, st.Stream)
+	if err != nil {
+		st.StreamError = err.Error()
+		return nil
+	}
+	info := stream.CachedInfo()
+	st.StreamLast = info.State.LastSeq
+	st.Partitions, _ = StreamPartitions(info)
+	return stream
+}
 
-	var dbNow time.Time
-	if err := db.QueryRow(ctx, `SELECT now()`).Scan(&dbNow); err != nil {
-		return nil, fmt.Errorf("read database time: %w", err)
+// collectVersion fills the status of an active version: its partitions
+// (leases, positions, lag), lifecycle, gaps and health. dbNow is the
+// database's time (leases), st.At the clock of the ages.
+func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jetstream.Stream, v Version, vst *VersionStatus, dbNow time.Time) error {
+	prs, err := progress.List(ctx, db, v.Projection, v.Version)
+	if err != nil {
+		return err
 	}
-	for _, v := range vs {
-		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
-			QuarantineOpen: open[VersionKey{v.Projection, v.Version}]}
-		if v.State == StateRetired {
-			st.Versions = append(st.Versions, vst)
-			continue
+	unavailable := len(prs) == 0
+	for _, r := range prs {
+		ps := PartitionStatus{Partition: r.Partition, Owner: r.Owner, Epoch: r.Epoch, LeaseExpiresAt: r.LeaseExpiresAt,
+			Cursor: r.Cursor, LastAdvanceAt: r.LastAdvanceAt, Attempts: r.Attempts, LastFailureCategory: r.LastFailureCategory}
+		ps.Leased = r.Owner != "" && r.LeaseExpiresAt != nil && r.LeaseExpiresAt.After(dbNow)
+		if r.SourceLSN != 0 {
+			ps.SourceLSN = r.SourceLSN.String()
 		}
-		prs, err := progress.List(ctx, db, v.Projection, v.Version)
-		if err != nil {
-			return nil, err
+		if !ps.Leased || r.Attempts >= failingAttempts {
+			unavailable = true
 		}
-		unavailable := len(prs) == 0
-		for _, r := range prs {
-			ps := PartitionStatus{Partition: r.Partition, Owner: r.Owner, Epoch: r.Epoch, LeaseExpiresAt: r.LeaseExpiresAt,
-				Cursor: r.Cursor, LastAdvanceAt: r.LastAdvanceAt, Attempts: r.Attempts, LastFailureCategory: r.LastFailureCategory}
-			ps.Leased = r.Owner != "" && r.LeaseExpiresAt != nil && r.LeaseExpiresAt.After(dbNow)
-			if r.SourceLSN != 0 {
-				ps.SourceLSN = r.SourceLSN.String()
+		if stream != nil {
+			if err := partitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
+				st.StreamError = err.Error()
 			}
-			if !ps.Leased || r.Attempts >= failingAttempts {
-				unavailable = true
-			}
-			if stream != nil {
-				if err := partitionLag(ctx, stream, source, v, r, &ps, now); err != nil {
-					st.StreamError = err.Error()
-				}
-			}
-			vst.LagEvents += ps.LagEvents
-			vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
-			vst.Partitions = append(vst.Partitions, ps)
 		}
-		vst.Lifecycle = lifecycleOf(v, &vst, stream)
-		if err := gapStatus(ctx, db, v, &vst); err != nil {
-			return nil, err
-		}
-		switch {
-		case unavailable:
-			vst.Health = "unavailable"
-		case vst.QuarantineOpen > 0:
-			vst.Health = "quarantined"
-		}
-		st.Versions = append(st.Versions, vst)
+		vst.LagEvents += ps.LagEvents
+		vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
+		vst.Partitions = append(vst.Partitions, ps)
 	}
+	vst.Lifecycle = lifecycleOf(v, vst, stream)
+	if err := gapStatus(ctx, db, v, vst); err != nil {
+		return err
+	}
+	switch {
+	case unavailable:
+		vst.Health = "unavailable"
+	case vst.QuarantineOpen > 0:
+		vst.Health = "quarantined"
+	}
+	return nil
+}
+
+// addReadiness sets each version's readiness as archive.status says it.
+func (st *Status) addReadiness(ctx context.Context, db progress.DB) error {
 	rs, err := ReadReadiness(ctx, db, "")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	for _, r := range rs {
 		for i := range st.Versions {
@@ -232,7 +274,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 			}
 		}
 	}
-	return st, nil
+	return nil
 }
 
 // gapStatus fills the gaps of one version.

@@ -40,10 +40,7 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 			return err
 		}
 		if *asJSON {
-			if vgs == nil {
-				vgs = []projection.VersionGaps{}
-			}
-			return writeJSON(env.Stdout, vgs)
+			return writeJSONList(env.Stdout, vgs)
 		}
 		if len(vgs) == 0 {
 			fmt.Fprintf(env.Stdout, "%s has no active version\n", *proj)
