@@ -364,7 +364,7 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 		return res, fmt.Errorf("commit apply: %w", err)
 	}
 	if res.snapshotsPending > 0 && s.batcher != nil {
-		s.batcher.Wake()
+		s.snapshotsCommitted(ctx, v, commits, res.snapshotsPending)
 	}
 	res.pos = next
 	return res, nil
