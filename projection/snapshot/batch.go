@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -497,7 +498,10 @@ const ReasonKeyOnly = "key-only identity: foreign keys not captured"
 // from its image) a column one of its foreign keys names, or a row of a
 // referenced table lacks a referenced column.
 func keyOnlyRefs(rows []*archiveRow) bool {
-	referenced := map[string][][]string{}
+	// The referenced column lists per table, each once (every child row
+	// names its parent's: listed per row, the check was quadratic in a
+	// transaction's rows).
+	referenced := map[[2]string][][]string{}
 	for _, r := range rows {
 		for _, f := range r.Refs {
 			for _, c := range f.Columns {
@@ -505,12 +509,14 @@ func keyOnlyRefs(rows []*archiveRow) bool {
 					return true
 				}
 			}
-			t := f.Schema + "." + f.Table
-			referenced[t] = append(referenced[t], f.RefColumns)
+			t := [2]string{f.Schema, f.Table}
+			if !slices.ContainsFunc(referenced[t], func(c []string) bool { return slices.Equal(c, f.RefColumns) }) {
+				referenced[t] = append(referenced[t], f.RefColumns)
+			}
 		}
 	}
 	for _, r := range rows {
-		for _, cols := range referenced[r.qualified()] {
+		for _, cols := range referenced[[2]string{r.Schema, r.Table}] {
 			for _, c := range cols {
 				if !r.has(c) {
 					return true
