@@ -406,6 +406,10 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 	}
 	lists := map[txKey][]*archiveRow{}
 	loadErr := map[txKey]string{}
+	// The rows of a table carry the same refs: each distinct text is
+	// decoded once per batch (decoding every row's was a visible share of
+	// a batch), the rows sharing the result, which is only read.
+	decoded := map[string][]event.Ref{}
 	for rows.Next() {
 		var (
 			r        archiveRow
@@ -433,8 +437,15 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 			return nil, fmt.Errorf("read archive rows of %s: %w", corr[k], err)
 		}
 		if len(refs) > 0 && string(refs) != "null" {
-			if err := json.Unmarshal(refs, &r.Refs); err != nil && loadErr[k] == "" {
-				loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
+			var ok bool
+			if r.Refs, ok = decoded[string(refs)]; !ok {
+				if err := json.Unmarshal(refs, &r.Refs); err != nil {
+					if loadErr[k] == "" {
+						loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
+					}
+				} else {
+					decoded[string(refs)] = r.Refs
+				}
 			}
 		}
 		lists[k] = append(lists[k], &r)
