@@ -214,8 +214,9 @@ func gapOf(e *event.Event, partition int) Gap {
 var errCareful = errors.New("page needs isolation")
 
 // applyTx applies page p in one transaction of its own: the page's writes
-// (applyPage), its quarantined events, the cursor; then wakes the snapshot
-// batcher for the jobs it left.
+// (applyPage), its quarantined events, the cursor; then builds the documents
+// of the transactions the page completed that it left to the batcher
+// (snapshotsCommitted).
 func (s *Service) applyTx(ctx context.Context, p *applyPlan, careful bool) (applyResult, error) {
 	res := applyResult{quarantined: map[string]int{}}
 	tx, err := s.pool.Begin(ctx)
@@ -249,7 +250,7 @@ func (s *Service) applyTx(ctx context.Context, p *applyPlan, careful bool) (appl
 		return res, fmt.Errorf("commit apply: %w", err)
 	}
 	if res.snapshotsPending > 0 && s.batcher != nil {
-		s.batcher.Wake()
+		s.snapshotsCommitted(ctx, p.v, p.commits, res.snapshotsPending)
 	}
 	res.pos = p.next
 	return res, nil
