@@ -75,12 +75,15 @@ type streamer struct {
 	hdr     nats.Header
 	hdrVals []string
 	nc      *nats.Conn
-	del     deleteDecoder
-	written event.LSN // highest LSN sent to Postgres as written
-	flushed event.LSN // highest LSN sent to Postgres as flushed
-	walEnd  event.LSN
-	lastSt  time.Time
-	lastDL  time.Time
+	// looseMsg is the one Msg of every row published without an
+	// acknowledgement (see publishMsg).
+	looseMsg *nats.Msg
+	del      deleteDecoder
+	written  event.LSN // highest LSN sent to Postgres as written
+	flushed  event.LSN // highest LSN sent to Postgres as flushed
+	walEnd   event.LSN
+	lastSt   time.Time
+	lastDL   time.Time
 }
 
 func (st *streamer) now() time.Time { return st.s.now() }
@@ -93,10 +96,12 @@ func (st *streamer) run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if err := st.tick(false); err != nil {
+		// One clock read per message, for both the tick and the deadline.
+		now := st.now()
+		if err := st.tickAt(now, false); err != nil {
 			return err
 		}
-		if now := st.now(); now.Sub(st.lastDL) > 100*time.Millisecond {
+		if now.Sub(st.lastDL) > 100*time.Millisecond {
 			if err := st.conn.Conn().SetReadDeadline(now.Add(receiveWait)); err != nil {
 				return fmt.Errorf("set replication read deadline: %w", err)
 			}
@@ -556,7 +561,18 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	default:
 		delete(h, jetstream.ExpectedLastMsgIDHeader)
 	}
-	m := &nats.Msg{Subject: subject, Data: body, Header: h}
+	var m *nats.Msg
+	if !ack && st.careful == 0 {
+		// A core publish copies the message into the connection's buffer
+		// and keeps nothing: one Msg serves every loose row.
+		if st.looseMsg == nil {
+			st.looseMsg = new(nats.Msg)
+		}
+		m = st.looseMsg
+		m.Subject, m.Data, m.Header = subject, body, h
+	} else {
+		m = &nats.Msg{Subject: subject, Data: body, Header: h}
+	}
 	if st.careful > 0 {
 		id, err := st.publishCareful(ctx, m, msgID, pos, seqText, digest, kind, what)
 		if err != nil {
@@ -575,7 +591,9 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		}
 		st.tr.add(fut, len(body), what)
 	} else {
-		if err := st.nc.PublishMsg(m); err != nil {
+		err := st.nc.PublishMsg(m)
+		m.Data, m.Header = nil, nil // the body buffer and header map are reused
+		if err != nil {
 			st.s.m.publishErrors.Inc()
 			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
 		}
@@ -654,8 +672,10 @@ func (r resolved) Err() <-chan error            { return r.err }
 
 // tick collects acknowledgements and sends a standby status update when the
 // confirmable position moved, every statusInterval, or when asked.
-func (st *streamer) tick(force bool) error {
-	now := st.now()
+func (st *streamer) tick(force bool) error { return st.tickAt(st.now(), force) }
+
+// tickAt is tick with the time already read.
+func (st *streamer) tickAt(now time.Time, force bool) error {
 	if err := st.tr.poll(now); err != nil {
 		st.s.m.publishErrors.Inc()
 		return err

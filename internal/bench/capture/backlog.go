@@ -181,7 +181,7 @@ func (b *backlogBench) newSlot(mode string, run int) (*captureSlot, error) {
 	if err != nil {
 		return nil, err
 	}
-	name := fmt.Sprintf("%s_%d", mode, run)
+	name := fmt.Sprintf("%s_%d", strings.ReplaceAll(mode, ".", "_"), run) // a slot name: no dots
 	cs := &captureSlot{mode: mode, run: run, slot: "epitaph_" + name, metrics: metrics, listen: listen}
 	dataDir := filepath.Join(b.dir, "backlog-"+name)
 	natsURL := ""
