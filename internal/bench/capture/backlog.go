@@ -12,9 +12,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 
 	"github.com/epitaph-dev/epitaph/internal/bench"
@@ -52,7 +54,8 @@ type backlogBench struct {
 	extraEnv    []string            // added to every capture's environment
 	variants    map[string][]string // environment of each variant mode ("<mode>.<name>")
 
-	n       int64 // deleted rows in the backlog
+	pool    *pgxpool.Pool // for the walsender samples
+	n       int64         // deleted rows in the backlog
 	endLSN  string
 	slots   map[string]*captureSlot // by mode and run
 	results []runResult
@@ -74,7 +77,7 @@ type captureSlot struct {
 // drainResult is one drain's figures.
 type drainResult struct {
 	total, startup, drain time.Duration // process start to last row; to first row; first to last
-	cpu, serverCPU, pgCPU float64       // CPU seconds: the capture process, the external server, Postgres
+	cpu, serverCPU, pgCPU float64       // CPU seconds: the capture process, the external server, the walsender
 	peakRSS, serverRSS    int64
 }
 
@@ -91,6 +94,10 @@ func backlog(ctx context.Context, b *backlogBench) error {
 		return err
 	}
 	b.url = url
+	if b.pool, err = pgxpool.New(ctx, url); err != nil {
+		return err
+	}
+	defer b.pool.Close()
 	if err := workload.Setup(ctx, url); err != nil {
 		return err
 	}
@@ -329,20 +336,21 @@ func (b *backlogBench) recvlogical(ctx context.Context, run, i int) (float64, er
 	cmd := exec.CommandContext(ctx, filepath.Join(b.pg.BinDir, "pg_recvlogical"),
 		"-d", b.url, "-S", slot, "--start", "-E", b.endLSN, "--no-loop",
 		"-o", "proto_version=1", "-o", "publication_names="+pub, "-f", out)
-	pg0, _ := bench.PostgresCPU(b.pg.DataDir)
+	ws := b.sampleWalsender(ctx, slot)
 	start := time.Now()
 	if out, err := cmd.CombinedOutput(); err != nil {
+		ws()
 		return 0, fmt.Errorf("pg_recvlogical: %w\n%s", err, out)
 	}
 	took := time.Since(start)
-	pg1, _ := bench.PostgresCPU(b.pg.DataDir)
+	walsender := ws()
 	_ = os.Remove(out)
 	p := fmt.Sprintf("capture.run%d.pg_recvlogical_%d_", run, i)
 	rate := float64(b.n) / took.Seconds()
 	bench.Figure(p+"rows_per_sec", rate, fmt.Sprintf("rows/s (%.2f s)", took.Seconds()))
 	cpu := cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
 	bench.Figure(p+"cpu_us_per_row", cpu.Seconds()*1e6/float64(b.n), fmt.Sprintf("µs (pg_recvlogical process, %.2f CPU-s)", cpu.Seconds()))
-	bench.Figure(p+"postgres_cpu_us_per_row", (pg1-pg0)*1e6/float64(b.n), fmt.Sprintf("µs (Postgres: the walsender decoding, %.2f CPU-s)", pg1-pg0))
+	bench.Figure(p+"walsender_cpu_us_per_row", walsender*1e6/float64(b.n), fmt.Sprintf("µs (the walsender decoding for it, %.2f CPU-s)", walsender))
 	return rate, nil
 }
 
@@ -376,7 +384,8 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 	}
 	defer watch.Close()
 	srv0 := procCPU(srv)
-	pg0, _ := bench.PostgresCPU(b.pg.DataDir)
+	ws := b.sampleWalsender(ctx, cs.slot)
+	defer ws()
 	env := cs.env
 	if cs.profile != "" {
 		env = append(slices.Clip(env), "EPITAPH_CPU_PROFILE="+cs.profile)
@@ -408,8 +417,7 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 	d.total, d.startup, d.drain = end.Sub(p.Started()), first.Sub(p.Started()), end.Sub(first)
 	d.cpu = procCPU(p)
 	d.serverCPU = procCPU(srv) - srv0
-	pg1, _ := bench.PostgresCPU(b.pg.DataDir)
-	d.pgCPU = pg1 - pg0
+	d.pgCPU = ws()
 	d.peakRSS, _ = p.PeakRSS()
 	if srv != nil {
 		d.serverRSS, _ = srv.PeakRSS()
@@ -441,7 +449,7 @@ func (b *backlogBench) print(cs *captureSlot, d drainResult) {
 		bench.Figure(p+"server_cpu_us_per_row", d.serverCPU*1e6/n, fmt.Sprintf("µs (the nats-server process, %.2f CPU-s)", d.serverCPU))
 		bench.Figure(p+"server_peak_rss_mib", float64(d.serverRSS)/(1<<20), "MiB")
 	}
-	bench.Figure(p+"postgres_cpu_us_per_row", d.pgCPU*1e6/n, fmt.Sprintf("µs (Postgres: the walsender decoding, %.2f CPU-s)", d.pgCPU))
+	bench.Figure(p+"walsender_cpu_us_per_row", d.pgCPU*1e6/n, fmt.Sprintf("µs (the walsender decoding for it, %.2f CPU-s)", d.pgCPU))
 	bench.Figure(p+"peak_rss_mib", float64(d.peakRSS)/(1<<20), "MiB")
 }
 
@@ -551,4 +559,63 @@ func fetchProfile(ctx context.Context, port, secs int, path string) error {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return f.Close()
+}
+
+// sampleWalsender follows the CPU seconds of the walsender serving slot
+// (its active_pid), sampled every 50 ms until the returned function is
+// called, which returns the last sample: a walsender's CPU is lost from
+// /proc when it exits, so it is read while it runs (the last 50 ms of a
+// walsender that ends first are missed).
+func (b *backlogBench) sampleWalsender(ctx context.Context, slot string) func() float64 {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan float64, 1)
+	go func() {
+		var pid int32
+		var cpu float64
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			if pid == 0 {
+				var active *int32
+				if err := b.pool.QueryRow(ctx, "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", slot).Scan(&active); err == nil && active != nil {
+					pid = *active
+				}
+			}
+			if pid != 0 {
+				if c, err := bench.ProcCPU(int(pid)); err == nil {
+					cpu = max(cpu, c)
+				}
+			}
+			select {
+			case <-ctx.Done():
+				done <- cpu
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	var once sync.Once
+	var result float64
+	return func() float64 {
+		once.Do(func() {
+			if pid := b.activePID(slot); pid != 0 { // one last sample
+				if c, err := bench.ProcCPU(pid); err == nil {
+					cancel()
+					result = max(<-done, c)
+					return
+				}
+			}
+			cancel()
+			result = <-done
+		})
+		return result
+	}
+}
+
+func (b *backlogBench) activePID(slot string) int {
+	var active *int32
+	if err := b.pool.QueryRow(context.Background(), "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", slot).Scan(&active); err != nil || active == nil {
+		return 0
+	}
+	return int(*active)
 }
