@@ -12,11 +12,9 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 
 	"github.com/epitaph-dev/epitaph/internal/bench"
@@ -54,8 +52,7 @@ type backlogBench struct {
 	extraEnv    []string            // added to every capture's environment
 	variants    map[string][]string // environment of each variant mode ("<mode>.<name>")
 
-	pool    *pgxpool.Pool // for the walsender samples
-	n       int64         // deleted rows in the backlog
+	n       int64 // deleted rows in the backlog
 	endLSN  string
 	slots   map[string]*captureSlot // by mode and run
 	results []runResult
@@ -94,10 +91,6 @@ func backlog(ctx context.Context, b *backlogBench) error {
 		return err
 	}
 	b.url = url
-	if b.pool, err = pgxpool.New(ctx, url); err != nil {
-		return err
-	}
-	defer b.pool.Close()
 	if err := workload.Setup(ctx, url); err != nil {
 		return err
 	}
@@ -336,7 +329,10 @@ func (b *backlogBench) recvlogical(ctx context.Context, run, i int) (float64, er
 	cmd := exec.CommandContext(ctx, filepath.Join(b.pg.BinDir, "pg_recvlogical"),
 		"-d", b.url, "-S", slot, "--start", "-E", b.endLSN, "--no-loop",
 		"-o", "proto_version=1", "-o", "publication_names="+pub, "-f", out)
-	ws := b.sampleWalsender(ctx, slot)
+	ws, err := bench.SampleWalsender(ctx, b.url, slot)
+	if err != nil {
+		return 0, err
+	}
 	start := time.Now()
 	if out, err := cmd.CombinedOutput(); err != nil {
 		ws()
@@ -384,7 +380,10 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 	}
 	defer watch.Close()
 	srv0 := procCPU(srv)
-	ws := b.sampleWalsender(ctx, cs.slot)
+	ws, err := bench.SampleWalsender(ctx, b.url, cs.slot)
+	if err != nil {
+		return d, err
+	}
 	defer ws()
 	env := cs.env
 	if cs.profile != "" {
@@ -559,63 +558,4 @@ func fetchProfile(ctx context.Context, port, secs int, path string) error {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return f.Close()
-}
-
-// sampleWalsender follows the CPU seconds of the walsender serving slot
-// (its active_pid), sampled every 50 ms until the returned function is
-// called, which returns the last sample: a walsender's CPU is lost from
-// /proc when it exits, so it is read while it runs (the last 50 ms of a
-// walsender that ends first are missed).
-func (b *backlogBench) sampleWalsender(ctx context.Context, slot string) func() float64 {
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan float64, 1)
-	go func() {
-		var pid int32
-		var cpu float64
-		tick := time.NewTicker(50 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			if pid == 0 {
-				var active *int32
-				if err := b.pool.QueryRow(ctx, "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", slot).Scan(&active); err == nil && active != nil {
-					pid = *active
-				}
-			}
-			if pid != 0 {
-				if c, err := bench.ProcCPU(int(pid)); err == nil {
-					cpu = max(cpu, c)
-				}
-			}
-			select {
-			case <-ctx.Done():
-				done <- cpu
-				return
-			case <-tick.C:
-			}
-		}
-	}()
-	var once sync.Once
-	var result float64
-	return func() float64 {
-		once.Do(func() {
-			if pid := b.activePID(slot); pid != 0 { // one last sample
-				if c, err := bench.ProcCPU(pid); err == nil {
-					cancel()
-					result = max(<-done, c)
-					return
-				}
-			}
-			cancel()
-			result = <-done
-		})
-		return result
-	}
-}
-
-func (b *backlogBench) activePID(slot string) int {
-	var active *int32
-	if err := b.pool.QueryRow(context.Background(), "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", slot).Scan(&active); err != nil || active == nil {
-		return 0
-	}
-	return int(*active)
 }

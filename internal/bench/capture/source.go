@@ -80,6 +80,9 @@ func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir strin
 	}
 	bench.Figure("capture.source_cost.plain_delete_rows_per_sec", plain, "rows/s (the faster plain run: the baseline)")
 	bench.Figure("capture.source_cost.trigger_slowdown", plain/trigger, "x (DELETE time with a trigger-based archive / without)")
+	base := min(c.backend["plain_first"], c.backend["plain_last"])
+	bench.Figure("capture.source_cost.trigger_backend_added_cpu_us_per_row", c.backend["trigger"]-base, "µs (CPU the trigger adds to the deleting backend, inside every transaction)")
+	bench.Figure("capture.source_cost.capture_backend_added_cpu_us_per_row", c.backend["with_capture"]-base, "µs (CPU the capture adds to the deleting backend: none expected)")
 	bench.Figure("capture.source_cost.capture_slowdown", plain/withCapture, "x (DELETE time while the capture and its broker stream them on the same cores / without)")
 	bench.Figure("capture.source_cost.decoding_slowdown", plain/withRecv, "x (DELETE time while pg_recvlogical decodes them / without: the walsender's share)")
 	return nil
@@ -100,7 +103,9 @@ type sourceCostRun struct {
 	captureBin, dir string
 	seed            workload.SeedConfig
 	perTx           int
-	n               int64 // rows deleted by each run (the same seed)
+	n               int64              // rows deleted by each run (the same seed)
+	slot            string             // the slot a setup decodes with ("" = none)
+	backend         map[string]float64 // µs of backend CPU per row, by run
 }
 
 // prepare makes a database name with the shop seeded: its URL and how many
@@ -127,23 +132,36 @@ func (c *sourceCostRun) run(name string, setup func(url string) (stop func() err
 	if err != nil {
 		return 0, err
 	}
-	c.n = n
+	c.n, c.slot = n, ""
 	stop := func() error { return nil }
 	if setup != nil {
 		if stop, err = setup(url); err != nil {
 			return 0, err
 		}
 	}
-	pg0, _ := bench.PostgresCPU(c.pg.DataDir)
-	took, err := bench.DeleteAllOrders(c.ctx, url, c.perTx)
+	walsender := func() float64 { return 0 }
+	if c.slot != "" {
+		if walsender, err = bench.SampleWalsender(c.ctx, url, c.slot); err != nil {
+			return 0, err
+		}
+	}
+	took, backend, err := bench.DeleteAllOrdersCPU(c.ctx, url, c.perTx)
+	ws := walsender()
 	if err != nil {
 		return 0, err
 	}
-	pg1, _ := bench.PostgresCPU(c.pg.DataDir)
 	if err := stop(); err != nil {
 		return 0, err
 	}
-	bench.Figure("capture.source_cost."+name+"_postgres_cpu_us_per_row", (pg1-pg0)*1e6/float64(n), "µs (Postgres while the DELETEs ran: the backend, and the walsender when decoding)")
+	prefix := "capture.source_cost." + name + "_"
+	bench.Figure(prefix+"backend_cpu_us_per_row", backend*1e6/float64(n), fmt.Sprintf("µs (the deleting backend, %.2f CPU-s)", backend))
+	if c.backend == nil {
+		c.backend = map[string]float64{}
+	}
+	c.backend[name] = backend * 1e6 / float64(n)
+	if c.slot != "" {
+		bench.Figure(prefix+"walsender_cpu_us_per_row", ws*1e6/float64(n), fmt.Sprintf("µs (the walsender decoding them while the DELETEs ran, %.2f CPU-s)", ws))
+	}
 	rate := float64(n) / took.Seconds()
 	bench.Figure("capture.source_cost."+name+"_delete_rows_per_sec", rate, fmt.Sprintf("rows/s (%d rows)", n))
 	return rate, nil
@@ -191,6 +209,7 @@ func (c *sourceCostRun) withCapture(label string, env ...string) func(url string
 		if err != nil {
 			return nil, err
 		}
+		c.slot = "epitaph_source_cost_" + label
 		data := filepath.Join(c.dir, "source-cost-"+label)
 		env := append(bench.CaptureEnv(url, "", listen, data, metrics, "main", "epitaph_source_cost_"+label), env...)
 		watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(data))
@@ -254,6 +273,7 @@ func (c *sourceCostRun) withRecvlogical(url string) (func() error, error) {
 	if _, err := conn.Exec(c.ctx, `SELECT pg_create_logical_replication_slot('source_cost', 'pgoutput')`); err != nil {
 		return nil, err
 	}
+	c.slot = "source_cost"
 	cmd := exec.CommandContext(c.ctx, filepath.Join(c.pg.BinDir, "pg_recvlogical"),
 		"-d", url, "-S", "source_cost", "--start", "-o", "proto_version=1", "-o", "publication_names=source_cost",
 		"-f", filepath.Join(c.dir, "source-cost.out"))
