@@ -561,18 +561,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	default:
 		delete(h, jetstream.ExpectedLastMsgIDHeader)
 	}
-	var m *nats.Msg
-	if !ack && st.careful == 0 {
-		// A core publish copies the message into the connection's buffer
-		// and keeps nothing: one Msg serves every loose row.
-		if st.looseMsg == nil {
-			st.looseMsg = new(nats.Msg)
-		}
-		m = st.looseMsg
-		m.Subject, m.Data, m.Header = subject, body, h
-	} else {
-		m = &nats.Msg{Subject: subject, Data: body, Header: h}
-	}
+	m := st.newMsg(!ack && st.careful == 0, subject, body, h)
 	if st.careful > 0 {
 		id, err := st.publishCareful(ctx, m, msgID, pos, seqText, digest, kind, what)
 		if err != nil {
@@ -591,9 +580,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		}
 		st.tr.add(fut, len(body), what)
 	} else {
-		err := st.nc.PublishMsg(m)
-		m.Data, m.Header = nil, nil // the body buffer and header map are reused
-		if err != nil {
+		if err := st.publishLoose(m); err != nil {
 			st.s.m.publishErrors.Inc()
 			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
 		}
@@ -602,6 +589,30 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
+}
+
+// newMsg is the message to publish. A loose one (a core publish, no
+// acknowledgement) is copied into the connection's buffer and kept by
+// nobody: one Msg serves every loose row (see publishLoose). Any other is
+// its own (an acknowledgement's future keeps it).
+func (st *streamer) newMsg(loose bool, subject string, body []byte, h nats.Header) *nats.Msg {
+	if !loose {
+		return &nats.Msg{Subject: subject, Data: body, Header: h}
+	}
+	if st.looseMsg == nil {
+		st.looseMsg = new(nats.Msg)
+	}
+	m := st.looseMsg
+	m.Subject, m.Data, m.Header = subject, body, h
+	return m
+}
+
+// publishLoose publishes a loose message and lets go of the body buffer
+// and header map it points to (both reused).
+func (st *streamer) publishLoose(m *nats.Msg) error {
+	err := st.nc.PublishMsg(m)
+	m.Data, m.Header = nil, nil
+	return err
 }
 
 // sign sets the Epitaph-Signature header of a signed message.

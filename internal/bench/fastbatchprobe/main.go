@@ -138,17 +138,11 @@ func fastBatch(nc *nats.Conn, name string, body []byte, n int) error {
 	if err != nil {
 		return err
 	}
-	defer sub.Unsubscribe()
+	defer func() { _ = sub.Unsubscribe() }()
 	var ack uint64
 	last := ""
 	for i := 0; i < n; i++ {
-		op := 1
-		switch {
-		case i == 0:
-			op = 0
-		case i == n-1:
-			op = 2
-		}
+		op := batchOp(i, n)
 		for uint64(i) > ack+1000 {
 			select {
 			case a := <-acked:
@@ -176,4 +170,13 @@ func fastBatch(nc *nats.Conn, name string, body []byte, n int) error {
 			return fmt.Errorf("commit not acknowledged (last %d)", ack)
 		}
 	}
+}
+
+// batchOp is the fast batch operation of message i of n: start, append or
+// commit.
+func batchOp(i, n int) int {
+	if i == n-1 {
+		return 2
+	}
+	return min(i, 1)
 }
