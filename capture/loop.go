@@ -75,15 +75,16 @@ type streamer struct {
 	hdr     nats.Header
 	hdrVals []string
 	nc      *nats.Conn
+	del     deleteDecoder
+	written event.LSN // highest LSN sent to Postgres as written
+	flushed event.LSN // highest LSN sent to Postgres as flushed
+	walEnd  event.LSN
+	lastSt  time.Time
+	lastDL  time.Time
+
 	// looseMsg is the one Msg of every row published without an
-	// acknowledgement (see publishMsg).
+	// acknowledgement (see newMsg).
 	looseMsg *nats.Msg
-	del      deleteDecoder
-	written  event.LSN // highest LSN sent to Postgres as written
-	flushed  event.LSN // highest LSN sent to Postgres as flushed
-	walEnd   event.LSN
-	lastSt   time.Time
-	lastDL   time.Time
 }
 
 func (st *streamer) now() time.Time { return st.s.now() }
