@@ -56,6 +56,11 @@ type Receipt struct {
 	Actor        string         `json:"actor"`
 	Runs         int            `json:"runs"`
 	Removed      map[string]int `json:"removed"`
+	// Unchecked counts, per place, what the last run could not match by
+	// value and so could not rule out: "epitaph.quarantine" is the
+	// quarantine entries whose message cannot be decoded and did not match
+	// by what could be read of them (erase_quarantine.go).
+	Unchecked map[string]int `json:"unchecked"`
 	CreatedAt    time.Time      `json:"created_at"`
 	UpdatedAt    time.Time      `json:"updated_at"`
 	CompletedAt  *time.Time     `json:"completed_at"`
@@ -91,7 +96,9 @@ func selector(table string, key, match json.RawMessage) (schema, name, mode stri
 // every version's archive, the snapshot documents rooted at them (other
 // documents of their transactions are rebuilt without them), the payloads
 // of their quarantine entries (the entries stay, discarded, as audit) and
-// of their deliveries (pending work stops as stop_revoked). Applies in
+// of their deliveries (pending work stops as stop_revoked); quarantine
+// entries that cannot be decoded are matched by what can be read of them
+// and the rest counted on the receipt (Receipt.Unchecked). Applies in
 // flight finish first; later ones see the fence (fence.go).
 func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt, error) {
 	schema, name, mode, sel, cols, err := selector(opts.Table, opts.Key, opts.Match)
@@ -179,7 +186,9 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
 			return err
 		}
-		if err := eraseQuarantine(ctx, tx, key, opts.Table, mode, cols, digest, ids, removed); err != nil {
+		q := quarantineMatcher{key: key, table: opts.Table, mode: mode, cols: cols, sel: decodeObject(sel), digest: digest, erased: ids}
+		unchecked, err := q.erase(ctx, tx, id, removed)
+		if err != nil {
 			return err
 		}
 		if len(ids) > 0 {
@@ -192,11 +201,16 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if err != nil {
 			return err
 		}
+		u, err := json.Marshal(unchecked)
+		if err != nil {
+			return err
+		}
+		// removed adds up over the runs; unchecked is the last run's.
 		_, err = tx.Exec(ctx, `
 			UPDATE epitaph.erasures SET removed = (SELECT COALESCE(jsonb_object_agg(k, COALESCE((removed->>k)::int, 0) + v::int), '{}')
 			                                       FROM jsonb_each_text($2::jsonb) AS x(k, v)) || (removed - ARRAY(SELECT jsonb_object_keys($2::jsonb))),
-			       completed_at = now(), updated_at = now()
-			WHERE id = $1`, id, string(b))
+			       unchecked = $3::jsonb, completed_at = now(), updated_at = now()
+			WHERE id = $1`, id, string(b), string(u))
 		return err
 	})
 }
@@ -388,64 +402,13 @@ func eraseDeliveries(ctx context.Context, tx pgx.Tx, ids []rowIdentity, removed 
 	return nil
 }
 
-// eraseQuarantine clears the message (data, headers, source key) of every
-// quarantine entry about an erased row: an event of a fenced row or with an
-// erased identity. The entry stays, discarded, as the audit record.
-func eraseQuarantine(ctx context.Context, tx pgx.Tx, key []byte, table, mode string, cols []string, digest string,
-	ids []rowIdentity, removed map[string]int) error {
-	erased := map[rowIdentity]bool{}
-	for _, r := range ids {
-		erased[r] = true
-	}
-	rows, err := tx.Query(ctx, `SELECT id, data FROM epitaph.quarantine WHERE length(data) > 0`)
-	if err != nil {
-		return fmt.Errorf("read quarantine: %w", err)
-	}
-	var hit []int64
-	var qid int64
-	var data []byte
-	_, err = pgx.ForEachRow(rows, []any{&qid, &data}, func() error {
-		e, err := event.Decode(data)
-		if err != nil || e.Op != event.OpDelete {
-			return nil // not a row: nothing of it to match
-		}
-		obj := e.Row
-		if mode == EraseByKey {
-			obj = e.Key
-		}
-		d, ok := rowDigest(key, table, mode, cols, obj)
-		if (ok && d == digest && e.QualifiedTable() == table) || erased[rowIdentity{e.Source, e.CommitLSN, e.Seq}] {
-			hit = append(hit, qid)
-		}
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read quarantine: %w", err)
-	}
-	if len(hit) == 0 {
-		return nil
-	}
-	tag, err := tx.Exec(ctx, `
-		UPDATE epitaph.quarantine
-		   SET data = ''::bytea, headers = '{}', source_key = NULL,
-		       status = CASE WHEN status = 'open' THEN 'discarded' ELSE status END,
-		       resolved_at = COALESCE(resolved_at, now()),
-		       resolution_reason = CASE WHEN status = 'open' THEN 'erased' ELSE resolution_reason END
-		 WHERE id = ANY($1)`, hit)
-	if err != nil {
-		return fmt.Errorf("erase quarantine payloads: %w", err)
-	}
-	removed["epitaph.quarantine"] += int(tag.RowsAffected())
-	return nil
-}
-
 const receiptColumns = `id, schema_name || '.' || table_name, mode, columns, with_children, purge_stream, reason, actor, runs,
-       removed, created_at, updated_at, completed_at`
+       removed, unchecked, created_at, updated_at, completed_at`
 
 func scanReceipt(r pgx.CollectableRow) (Receipt, error) {
 	var x Receipt
 	err := r.Scan(&x.ID, &x.Table, &x.Mode, &x.Columns, &x.WithChildren, &x.PurgeStream, &x.Reason, &x.Actor, &x.Runs,
-		&x.Removed, &x.CreatedAt, &x.UpdatedAt, &x.CompletedAt)
+		&x.Removed, &x.Unchecked, &x.CreatedAt, &x.UpdatedAt, &x.CompletedAt)
 	return x, err
 }
 
