@@ -176,7 +176,9 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, erasureLockKey); err != nil {
 			return fmt.Errorf("wait for applies in flight: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0`); err != nil {
+		// No JIT: the recursive statement's estimate made Postgres compile
+		// it, seconds of a statement that reads a few index pages.
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0; SET LOCAL jit = off`); err != nil {
 			return err
 		}
 		ids, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
@@ -251,7 +253,10 @@ func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode stri
 
 // eraseRowsSQL deletes the rows matched ($3: key or match) of one version,
 // with their children when $4, records their identities as erased and
-// deletes the snapshot documents rooted at them.
+// deletes the snapshot documents rooted at them. Two indexed passes: the
+// match (GIN or key index) and, per erased row, its transaction's rows by
+// the primary key (the LATERAL .. OFFSET 0 keeps the planner from hashing
+// the whole archive for the recursive step, which it did).
 const eraseRowsSQL = `
 WITH RECURSIVE hit AS (
     SELECT r.source, r.commit_lsn, r.seq, r.schema_name, r.table_name, r.row
@@ -259,12 +264,15 @@ WITH RECURSIVE hit AS (
     WHERE r.schema_name = $1 AND r.table_name = $2 AND %[3]s
   UNION
     SELECT c.source, c.commit_lsn, c.seq, c.schema_name, c.table_name, c.row
-    FROM hit p JOIN %[1]s c ON c.source = p.source AND c.commit_lsn = p.commit_lsn
-    WHERE $4 AND jsonb_typeof(c.refs) = 'array' AND EXISTS (
-        SELECT 1 FROM jsonb_array_elements(c.refs) f
-        WHERE f->>'schema' = p.schema_name AND f->>'table' = p.table_name
-          AND (SELECT jsonb_agg(c.row -> x ORDER BY o) FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS a(x, o))
-            = (SELECT jsonb_agg(p.row -> y ORDER BY o) FROM jsonb_array_elements_text(f->'ref_columns') WITH ORDINALITY AS b(y, o)))
+    FROM hit p, LATERAL (
+        SELECT c.* FROM %[1]s c
+        WHERE c.source = p.source AND c.commit_lsn = p.commit_lsn
+          AND $4 AND jsonb_typeof(c.refs) = 'array' AND EXISTS (
+            SELECT 1 FROM jsonb_array_elements(c.refs) f
+            WHERE f->>'schema' = p.schema_name AND f->>'table' = p.table_name
+              AND (SELECT jsonb_agg(c.row -> x ORDER BY o) FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS a(x, o))
+                = (SELECT jsonb_agg(p.row -> y ORDER BY o) FROM jsonb_array_elements_text(f->'ref_columns') WITH ORDINALITY AS b(y, o)))
+        OFFSET 0) c
 ), del AS (
     DELETE FROM %[1]s r USING hit h
     WHERE r.source = h.source AND r.commit_lsn = h.commit_lsn AND r.seq = h.seq
