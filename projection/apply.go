@@ -217,7 +217,7 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	// filtered by the fences of erasure counter "fenced"; an insert that
 	// reads another counter makes it apply again.
 	var fenced int64
-	if ins, fenced, err = s.unfenced(ctx, v, ins); err != nil {
+	if ins, fenced, err = s.unfenced(ctx, tx, v, ins); err != nil {
 		return res, err
 	}
 	seen := fenced

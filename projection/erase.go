@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -181,8 +182,11 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0; SET LOCAL jit = off`); err != nil {
 			return err
 		}
-		ids, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
+		ids, parents, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
 		if err != nil {
+			return err
+		}
+		if err := insertErasedParents(ctx, tx, key, parents); err != nil {
 			return err
 		}
 		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
@@ -267,22 +271,19 @@ WITH RECURSIVE hit AS (
     FROM hit p, LATERAL (
         SELECT c.* FROM %[1]s c
         WHERE c.source = p.source AND c.commit_lsn = p.commit_lsn
-          AND $4 AND jsonb_typeof(c.refs) = 'array' AND EXISTS (
-            SELECT 1 FROM jsonb_array_elements(c.refs) f
-            WHERE f->>'schema' = p.schema_name AND f->>'table' = p.table_name
-              AND (SELECT jsonb_agg(c.row -> x ORDER BY o) FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS a(x, o))
-                = (SELECT jsonb_agg(p.row -> y ORDER BY o) FROM jsonb_array_elements_text(f->'ref_columns') WITH ORDINALITY AS b(y, o)))
+          AND $4 AND ` + childRefSQL + `
         OFFSET 0) c
 ), del AS (
     DELETE FROM %[1]s r USING hit h
     WHERE r.source = h.source AND r.commit_lsn = h.commit_lsn AND r.seq = h.seq
-    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name || '.' || r.table_name AS tbl
+    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name || '.' || r.table_name AS tbl,
+              CASE WHEN $4 THEN COALESCE(r.row, r.key) END AS row
 ), fenced AS (
     INSERT INTO epitaph.erased_rows (source, commit_lsn, seq, erasure_id)
     SELECT source, commit_lsn, seq, $5 FROM del
     ON CONFLICT DO NOTHING
 )%[2]s
-SELECT source, commit_lsn::text, seq, correlation_id, tbl, %[4]s FROM del`
+SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, %[4]s FROM del`
 
 const eraseSnapshotsSQL = `, docs AS (
     DELETE FROM %[1]s s USING del d
@@ -293,10 +294,10 @@ const eraseSnapshotsSQL = `, docs AS (
 // eraseVersions removes the matched rows from every version of the archive
 // and returns their identities.
 func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode string, sel json.RawMessage,
-	withChildren bool, removed map[string]int) ([]rowIdentity, error) {
+	withChildren bool, removed map[string]int) ([]rowIdentity, []parentRow, error) {
 	vss, err := allVersionSchemas(ctx, tx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	cond := `r.key = $3::jsonb`
 	if mode == EraseByMatch {
@@ -304,6 +305,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 	}
 	seen := map[rowIdentity]bool{}
 	var ids []rowIdentity
+	var parents []parentRow // with children: kept for the pages not applied yet (fence_pages.go)
 	for _, vs := range vss {
 		extra, docs := "", "0"
 		if vs.snapshots {
@@ -312,13 +314,14 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, ident(vs.schema, "rows"), extra, cond, docs),
 			schema, name, string(sel), withChildren, id)
 		if err != nil {
-			return nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
 		}
 		var r rowIdentity
 		var lsn, corr, tbl string
+		var row json.RawMessage
 		var ndocs int
 		corrs := map[string]bool{}
-		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &ndocs}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &ndocs}, func() error {
 			l, err := event.ParseLSN(lsn)
 			if err != nil {
 				return err
@@ -331,11 +334,14 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			if !seen[r] {
 				seen[r] = true
 				ids = append(ids, r)
+				if withChildren {
+					parents = append(parents, parentRow{id: r, table: tbl, row: slices.Clone(row), erasure: id})
+				}
 			}
 			return nil
 		})
 		if err != nil {
-			return nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
 		}
 		if vs.snapshots && len(corrs) > 0 {
 			list := make([]string, 0, len(corrs))
@@ -346,7 +352,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			// the erased rows (their payload is cleared at once).
 			n, err := snapshot.Invalidate(ctx, tx, vs.schema, list)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			removed[vs.schema+".snapshots_rebuilt"] += n
 		}
@@ -354,7 +360,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			delete(removed, vs.schema+".snapshots")
 		}
 	}
-	return ids, nil
+	return ids, parents, nil
 }
 
 // allVersionSchemas are the archive schemas of every version of every

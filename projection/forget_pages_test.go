@@ -81,3 +81,94 @@ func TestEraseUndecodableQuarantine(t *testing.T) {
 	require.Len(t, list, 2)
 	require.Equal(t, map[string]int{"epitaph.quarantine": 5}, list[0].Unchecked)
 }
+
+// A fence with children holds for the whole source transaction: with pages
+// of two messages, an erased customer's orders and lines in later pages than
+// hers (and, the reverse, in earlier pages) are in no version, also after a
+// rebuild; another customer's transaction of the same shape is archived
+// whole.
+func TestEraseWithChildrenAcrossPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	cfg := retentionConfig(e, "w1")
+	cfg.BatchSize = 2
+	s := e.start(cfg)
+	c := e.conn()
+	ctx := context.Background()
+	pool := newPool(t, e.url)
+	// The fence first: nothing archived yet, every row of Ann's comes later.
+	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers",
+		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Actor: "dpo"})
+	require.NoError(t, err)
+	require.Empty(t, rc.Removed)
+
+	forward := customerTx(e, 42, "ann@example.com", 1, 2) // customer, order 1, its lines, order 2, its lines
+	reverse := customerTx(e, 42, "ann@example.com", 3, 4)
+	for i, j := 0, len(reverse.rows)-1; i < j; i, j = i+1, j-1 {
+		reverse.rows[i], reverse.rows[j] = reverse.rows[j], reverse.rows[i] // lines and orders first, the customer last
+	}
+	bob := customerTx(e, 43, "bob@example.com", 5, 6)
+	for _, tx := range []*txn{forward, reverse, bob} {
+		require.GreaterOrEqual(t, len(tx.rows)+1, 3*cfg.BatchSize, "spans at least three pages")
+		e.publish(tx)
+	}
+	marker := e.nextTx(row{schema: "public", table: "markers", key: `{"id":1}`, image: `{}`})
+	e.publish(marker)
+	bobs := []string{"customers:43", "order_lines:5000", "order_lines:5001", "order_lines:6000", "order_lines:6001", "orders:5", "orders:6"}
+	archived := func(schema string) func() bool {
+		return func() bool {
+			return count(t, c, `SELECT count(*) FROM `+schema+`.rows WHERE table_name = 'markers' AND verified`) == 1
+		}
+	}
+	eventually(t, 30*time.Second, archived("archive_v1"))
+	check := func(schema string) {
+		t.Helper()
+		require.Equal(t, bobs, keysOf(t, c, `SELECT table_name || ':' || (key->>'id') FROM `+schema+`.rows
+			WHERE table_name <> 'markers' ORDER BY 1`), schema)
+		require.Equal(t, 0, count(t, c, `SELECT count(*) FROM `+schema+`.rows WHERE commit_lsn IN ($1::pg_lsn, $2::pg_lsn)`,
+			forward.lsn.String(), reverse.lsn.String()), schema)
+	}
+	check("archive_v1")
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE row::text LIKE '%ann@example.com%'`))
+
+	// A rebuild applies the same pages: the same rows, none of Ann's.
+	v2, err := projection.CreateVersion(ctx, s.Pool(), e.js, projection.RebuildOptions{Projection: projection.ArchiveProjection})
+	require.NoError(t, err)
+	eventually(t, 60*time.Second, archived(v2.Schema))
+	check(v2.Schema)
+	requireNowhere(t, c, "ann@example.com")
+}
+
+// An erase that runs between the pages of a transaction (its customer
+// archived, not yet visible; her orders still to come) erases the orders of
+// the later pages too.
+func TestEraseBetweenPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	cfg := retentionConfig(e, "w1")
+	cfg.BatchSize = 2
+	e.start(cfg)
+	c := e.conn()
+	ctx := context.Background()
+	ann := customerTx(e, 42, "ann@example.com", 1, 2)
+	msgs := e.messages(ann)
+	for _, m := range msgs[:2] { // the customer and order 1
+		_, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v1.rows`) == 2 })
+	rc, err := projection.Erase(ctx, newPool(t, e.url), projection.EraseOptions{Table: "public.customers",
+		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Actor: "dpo"})
+	require.NoError(t, err)
+	require.Equal(t, 2, rc.Removed["archive_v1.rows"])
+	for _, m := range msgs[2:] {
+		_, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	e.publish(e.nextTx(row{schema: "public", table: "markers", key: `{"id":1}`, image: `{}`}))
+	eventually(t, 30*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive.rows WHERE table_name = 'markers'`) == 1
+	})
+	require.Equal(t, []string{"markers:1"}, keysOf(t, c, `SELECT table_name || ':' || (key->>'id') FROM archive_v1.rows ORDER BY 1`))
+	requireNowhere(t, c, "ann@example.com")
+}

@@ -74,9 +74,19 @@ func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 				r.expiresAt = &t
 			}
 			// An erased row is not archived again (fence.go).
-			keep, _, fenced, err := (&fenceSet{}).filter(ctx, tx, []*archiveRow{r})
-			if err != nil || len(keep) == 0 {
+			fs := &fenceSet{}
+			keep, _, fenced, parents, err := fs.filter(ctx, tx, []*archiveRow{r})
+			if err != nil {
 				return err
+			}
+			if len(parents) > 0 {
+				// Its children archived meanwhile go with it.
+				if _, err := fs.record(ctx, tx, schema, parents); err != nil {
+					return err
+				}
+			}
+			if len(keep) == 0 {
+				return nil
 			}
 			counted, epoch, err := insertRowsCounted(ctx, tx, schema, keep)
 			if err != nil {
