@@ -61,10 +61,10 @@ type Receipt struct {
 	// value and so could not rule out: "epitaph.quarantine" is the
 	// quarantine entries whose message cannot be decoded and did not match
 	// by what could be read of them (erase_quarantine.go).
-	Unchecked map[string]int `json:"unchecked"`
-	CreatedAt    time.Time      `json:"created_at"`
-	UpdatedAt    time.Time      `json:"updated_at"`
-	CompletedAt  *time.Time     `json:"completed_at"`
+	Unchecked   map[string]int `json:"unchecked"`
+	CreatedAt   time.Time      `json:"created_at"`
+	UpdatedAt   time.Time      `json:"updated_at"`
+	CompletedAt *time.Time     `json:"completed_at"`
 }
 
 // ErrBadSelector is a usage error of Erase and AddLegalHold.
