@@ -158,9 +158,9 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	} else if pe := (*pgconn.PgError)(nil); !errors.As(err, &pe) || pe.Code != "42P01" {
 		return nil, fmt.Errorf("quarantine stats: %w", err)
 	}
-	open := map[[2]any]int{}
+	open := map[VersionKey]int{}
 	for _, q := range st.Quarantine {
-		open[[2]any{q.Projection, q.Version}] += q.Unresolved
+		open[VersionKey{q.Projection, q.Version}] += q.Unresolved
 	}
 
 	var stream jetstream.Stream
@@ -183,7 +183,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	}
 	for _, v := range vs {
 		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
-			QuarantineOpen: open[[2]any{v.Projection, v.Version}]}
+			QuarantineOpen: open[VersionKey{v.Projection, v.Version}]}
 		if v.State == StateRetired {
 			st.Versions = append(st.Versions, vst)
 			continue

@@ -80,13 +80,13 @@ func (st *Status) FillRates(prev *Status) {
 		return
 	}
 	dt := st.At.Sub(prev.At).Seconds()
-	before := map[[2]any]*VersionLifecycle{}
+	before := map[VersionKey]*VersionLifecycle{}
 	for _, v := range prev.Versions {
-		before[[2]any{v.Projection, v.Version}] = v.Lifecycle
+		before[VersionKey{v.Projection, v.Version}] = v.Lifecycle
 	}
 	for i := range st.Versions {
 		v := &st.Versions[i]
-		lc, was := v.Lifecycle, before[[2]any{v.Projection, v.Version}]
+		lc, was := v.Lifecycle, before[VersionKey{v.Projection, v.Version}]
 		if lc == nil || was == nil {
 			continue
 		}

@@ -57,6 +57,16 @@ type Version struct {
 	FailedReason string
 }
 
+// VersionKey identifies one version of a projection: the key of maps
+// per version (a comparable struct instead of [2]any).
+type VersionKey struct {
+	Projection string
+	Version    int
+}
+
+// Key returns the version's map key.
+func (v Version) Key() VersionKey { return VersionKey{Projection: v.Projection, Version: v.Version} }
+
 // Active reports whether workers run the version (every state but retired
 // and failed).
 func (v Version) Active() bool { return v.State != StateRetired && v.State != StateFailed }
