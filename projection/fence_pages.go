@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -120,6 +121,9 @@ func (f *fenceSet) remember(key []byte, rows []parentRow) {
 	}
 	for _, r := range rows {
 		k := txKey{r.id.source, r.id.lsn}
+		if slices.ContainsFunc(f.parents[k], func(p erasedParent) bool { return p.seq == r.id.seq }) {
+			continue // a page applied again (a retry): known already
+		}
 		cols := map[string]string{}
 		for c, v := range decodeObject(r.row) {
 			if d, ok := columnDigest(key, r.table, c, v); ok {
