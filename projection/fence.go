@@ -199,8 +199,8 @@ func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRo
 	var parents []erasedWith
 	for _, r := range rows {
 		fenced, children := f.fenced(r)
-		if children == 0 && !fenced {
-			children = f.childOfErased(r)
+		if children == 0 {
+			children = f.childOfErased(r) // also of a row fenced alone: its children go too
 		}
 		switch {
 		case children != 0:
