@@ -428,8 +428,8 @@ func digestOf(key []byte, table, mode string, columns []string, vals []json.RawM
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-// unfenced leaves the fenced rows out of a page's rows (called by applyTx,
-// in its transaction tx) and returns the erasure counter of the fences it
+// unfenced leaves the fenced rows out of a page's rows (called by archiveRows,
+// in the page's transaction tx) and returns the erasure counter of the fences it
 // used. Rows left out as erased with their children are recorded, and the
 // rows of their transactions archived by earlier pages that reference them
 // are erased from the version (fenceSet.record): a fence with children

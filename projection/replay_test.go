@@ -111,3 +111,37 @@ func TestReplayEndsAsLive(t *testing.T) {
 		return len(got) == 1 && got[0] == "public.orders complete 3 3"
 	}, "the replayed transaction's snapshot is rebuilt: %v", snapshotOf(replayed))
 }
+
+// A quarantined gap event, replayed, records its gap as the live apply
+// does (one lost_upstream row): what the archive misses is never hidden by
+// a replay.
+func TestReplayGapRecordsIt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	from := e.heartbeat()
+	to := event.LSN(e.lsn.Add(0x10000))
+	ev := &event.Event{Op: event.OpGap, Source: src, Partition: 0, FromLSN: from, ToLSN: to, LSN: to,
+		Reason: "slot recreated", Time: time.Now().UTC()}
+	m := e.msg(event.GapSubject(src, 0), event.GapMsgID(src, from, to, 0), ev)
+	m.Data = bytes.Replace(m.Data, []byte(`"v":1`), []byte(`"v":2`), 1)
+	_, err := e.pubMsg(ctx, m)
+	require.NoError(t, err)
+	e.start(e.config("w1"))
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE category = 'unknown_version'`) == 1
+	})
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive.gaps`), "the gap event is in quarantine")
+
+	pool := newPool(t, e.url)
+	apply := projection.ReplayFunc(projection.ReplayConfig{Logger: testLogger(t), Decoder: &event.Decoder{Upgraders: map[int]func([]byte) ([]byte, error){
+		2: func(b []byte) ([]byte, error) { return bytes.Replace(b, []byte(`"v":2`), []byte(`"v":1`), 1), nil },
+	}}})
+	res, err := quarantine.Replay(ctx, pool, quarantine.Selection{Filter: quarantine.Filter{Projection: "archive"}}, apply)
+	require.NoError(t, err)
+	require.Len(t, res.Replayed, 1)
+	require.Equal(t, []string{"lost_upstream " + from.String() + " " + to.String()},
+		keysOf(t, c, `SELECT concat_ws(' ', kind, from_lsn::text, to_lsn::text) FROM archive.gaps`))
+}
