@@ -316,7 +316,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 // what it archived per source transaction, and the rows it tried (ins
 // without the fenced ones; the rejected ones have their category).
 func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
-	ins, fenced, err := s.unfenced(ctx, p.v, ins)
+	ins, fenced, err := s.unfenced(ctx, tx, p.v, ins)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -56,9 +57,14 @@ type Receipt struct {
 	Actor        string         `json:"actor"`
 	Runs         int            `json:"runs"`
 	Removed      map[string]int `json:"removed"`
-	CreatedAt    time.Time      `json:"created_at"`
-	UpdatedAt    time.Time      `json:"updated_at"`
-	CompletedAt  *time.Time     `json:"completed_at"`
+	// Unchecked counts, per place, what the last run could not match by
+	// value and so could not rule out: "epitaph.quarantine" is the
+	// quarantine entries whose message cannot be decoded and did not match
+	// by what could be read of them (erase_quarantine.go).
+	Unchecked   map[string]int `json:"unchecked"`
+	CreatedAt   time.Time      `json:"created_at"`
+	UpdatedAt   time.Time      `json:"updated_at"`
+	CompletedAt *time.Time     `json:"completed_at"`
 }
 
 // ErrBadSelector is a usage error of Erase and AddLegalHold.
@@ -91,7 +97,9 @@ func selector(table string, key, match json.RawMessage) (schema, name, mode stri
 // every version's archive, the snapshot documents rooted at them (other
 // documents of their transactions are rebuilt without them), the payloads
 // of their quarantine entries (the entries stay, discarded, as audit) and
-// of their deliveries (pending work stops as stop_revoked). Applies in
+// of their deliveries (pending work stops as stop_revoked); quarantine
+// entries that cannot be decoded are matched by what can be read of them
+// and the rest counted on the receipt (Receipt.Unchecked). Applies in
 // flight finish first; later ones see the fence (fence.go).
 func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt, error) {
 	schema, name, mode, sel, cols, err := selector(opts.Table, opts.Key, opts.Match)
@@ -169,17 +177,24 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, erasureLockKey); err != nil {
 			return fmt.Errorf("wait for applies in flight: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0`); err != nil {
+		// No JIT: the recursive statement's estimate made Postgres compile
+		// it, seconds of a statement that reads a few index pages.
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0; SET LOCAL jit = off`); err != nil {
 			return err
 		}
-		ids, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
+		ids, parents, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
 		if err != nil {
+			return err
+		}
+		if err := insertErasedParents(ctx, tx, key, parents); err != nil {
 			return err
 		}
 		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
 			return err
 		}
-		if err := eraseQuarantine(ctx, tx, key, opts.Table, mode, cols, digest, ids, removed); err != nil {
+		q := quarantineMatcher{key: key, table: opts.Table, mode: mode, cols: cols, sel: decodeObject(sel), digest: digest, erased: ids}
+		unchecked, err := q.erase(ctx, tx, id, removed)
+		if err != nil {
 			return err
 		}
 		if len(ids) > 0 {
@@ -192,11 +207,16 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if err != nil {
 			return err
 		}
+		u, err := json.Marshal(unchecked)
+		if err != nil {
+			return err
+		}
+		// removed adds up over the runs; unchecked is the last run's.
 		_, err = tx.Exec(ctx, `
 			UPDATE epitaph.erasures SET removed = (SELECT COALESCE(jsonb_object_agg(k, COALESCE((removed->>k)::int, 0) + v::int), '{}')
 			                                       FROM jsonb_each_text($2::jsonb) AS x(k, v)) || (removed - ARRAY(SELECT jsonb_object_keys($2::jsonb))),
-			       completed_at = now(), updated_at = now()
-			WHERE id = $1`, id, string(b))
+			       unchecked = $3::jsonb, completed_at = now(), updated_at = now()
+			WHERE id = $1`, id, string(b), string(u))
 		return err
 	})
 }
@@ -237,7 +257,10 @@ func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode stri
 
 // eraseRowsSQL deletes the rows matched ($3: key or match) of one version,
 // with their children when $4, records their identities as erased and
-// deletes the snapshot documents rooted at them.
+// deletes the snapshot documents rooted at them. Two indexed passes: the
+// match (GIN or key index) and, per erased row, its transaction's rows by
+// the primary key (the LATERAL .. OFFSET 0 keeps the planner from hashing
+// the whole archive for the recursive step, which it did).
 const eraseRowsSQL = `
 WITH RECURSIVE hit AS (
     SELECT r.source, r.commit_lsn, r.seq, r.schema_name, r.table_name, r.row
@@ -245,22 +268,22 @@ WITH RECURSIVE hit AS (
     WHERE r.schema_name = $1 AND r.table_name = $2 AND %[3]s
   UNION
     SELECT c.source, c.commit_lsn, c.seq, c.schema_name, c.table_name, c.row
-    FROM hit p JOIN %[1]s c ON c.source = p.source AND c.commit_lsn = p.commit_lsn
-    WHERE $4 AND jsonb_typeof(c.refs) = 'array' AND EXISTS (
-        SELECT 1 FROM jsonb_array_elements(c.refs) f
-        WHERE f->>'schema' = p.schema_name AND f->>'table' = p.table_name
-          AND (SELECT jsonb_agg(c.row -> x ORDER BY o) FROM jsonb_array_elements_text(f->'columns') WITH ORDINALITY AS a(x, o))
-            = (SELECT jsonb_agg(p.row -> y ORDER BY o) FROM jsonb_array_elements_text(f->'ref_columns') WITH ORDINALITY AS b(y, o)))
+    FROM hit p, LATERAL (
+        SELECT c.* FROM %[1]s c
+        WHERE c.source = p.source AND c.commit_lsn = p.commit_lsn
+          AND $4 AND ` + childRefSQL + `
+        OFFSET 0) c
 ), del AS (
     DELETE FROM %[1]s r USING hit h
     WHERE r.source = h.source AND r.commit_lsn = h.commit_lsn AND r.seq = h.seq
-    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name || '.' || r.table_name AS tbl
+    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name || '.' || r.table_name AS tbl,
+              CASE WHEN $4 THEN COALESCE(r.row, r.key) END AS row
 ), fenced AS (
     INSERT INTO epitaph.erased_rows (source, commit_lsn, seq, erasure_id)
     SELECT source, commit_lsn, seq, $5 FROM del
     ON CONFLICT DO NOTHING
 )%[2]s
-SELECT source, commit_lsn::text, seq, correlation_id, tbl, %[4]s FROM del`
+SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, %[4]s FROM del`
 
 const eraseSnapshotsSQL = `, docs AS (
     DELETE FROM %[1]s s USING del d
@@ -271,10 +294,10 @@ const eraseSnapshotsSQL = `, docs AS (
 // eraseVersions removes the matched rows from every version of the archive
 // and returns their identities.
 func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode string, sel json.RawMessage,
-	withChildren bool, removed map[string]int) ([]rowIdentity, error) {
+	withChildren bool, removed map[string]int) ([]rowIdentity, []parentRow, error) {
 	vss, err := allVersionSchemas(ctx, tx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	cond := `r.key = $3::jsonb`
 	if mode == EraseByMatch {
@@ -282,6 +305,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 	}
 	seen := map[rowIdentity]bool{}
 	var ids []rowIdentity
+	var parents []parentRow // with children: kept for the pages not applied yet (fence_pages.go)
 	for _, vs := range vss {
 		extra, docs := "", "0"
 		if vs.snapshots {
@@ -290,13 +314,14 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, ident(vs.schema, "rows"), extra, cond, docs),
 			schema, name, string(sel), withChildren, id)
 		if err != nil {
-			return nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
 		}
 		var r rowIdentity
 		var lsn, corr, tbl string
+		var row json.RawMessage
 		var ndocs int
 		corrs := map[string]bool{}
-		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &ndocs}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &ndocs}, func() error {
 			l, err := event.ParseLSN(lsn)
 			if err != nil {
 				return err
@@ -309,11 +334,14 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			if !seen[r] {
 				seen[r] = true
 				ids = append(ids, r)
+				if withChildren {
+					parents = append(parents, parentRow{id: r, table: tbl, row: slices.Clone(row), erasure: id})
+				}
 			}
 			return nil
 		})
 		if err != nil {
-			return nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
 		}
 		if vs.snapshots && len(corrs) > 0 {
 			list := make([]string, 0, len(corrs))
@@ -324,7 +352,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			// the erased rows (their payload is cleared at once).
 			n, err := snapshot.Invalidate(ctx, tx, vs.schema, list)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			removed[vs.schema+".snapshots_rebuilt"] += n
 		}
@@ -332,7 +360,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			delete(removed, vs.schema+".snapshots")
 		}
 	}
-	return ids, nil
+	return ids, parents, nil
 }
 
 // allVersionSchemas are the archive schemas of every version of every
@@ -388,64 +416,13 @@ func eraseDeliveries(ctx context.Context, tx pgx.Tx, ids []rowIdentity, removed 
 	return nil
 }
 
-// eraseQuarantine clears the message (data, headers, source key) of every
-// quarantine entry about an erased row: an event of a fenced row or with an
-// erased identity. The entry stays, discarded, as the audit record.
-func eraseQuarantine(ctx context.Context, tx pgx.Tx, key []byte, table, mode string, cols []string, digest string,
-	ids []rowIdentity, removed map[string]int) error {
-	erased := map[rowIdentity]bool{}
-	for _, r := range ids {
-		erased[r] = true
-	}
-	rows, err := tx.Query(ctx, `SELECT id, data FROM epitaph.quarantine WHERE length(data) > 0`)
-	if err != nil {
-		return fmt.Errorf("read quarantine: %w", err)
-	}
-	var hit []int64
-	var qid int64
-	var data []byte
-	_, err = pgx.ForEachRow(rows, []any{&qid, &data}, func() error {
-		e, err := event.Decode(data)
-		if err != nil || e.Op != event.OpDelete {
-			return nil // not a row: nothing of it to match
-		}
-		obj := e.Row
-		if mode == EraseByKey {
-			obj = e.Key
-		}
-		d, ok := rowDigest(key, table, mode, cols, obj)
-		if (ok && d == digest && e.QualifiedTable() == table) || erased[rowIdentity{e.Source, e.CommitLSN, e.Seq}] {
-			hit = append(hit, qid)
-		}
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read quarantine: %w", err)
-	}
-	if len(hit) == 0 {
-		return nil
-	}
-	tag, err := tx.Exec(ctx, `
-		UPDATE epitaph.quarantine
-		   SET data = ''::bytea, headers = '{}', source_key = NULL,
-		       status = CASE WHEN status = 'open' THEN 'discarded' ELSE status END,
-		       resolved_at = COALESCE(resolved_at, now()),
-		       resolution_reason = CASE WHEN status = 'open' THEN 'erased' ELSE resolution_reason END
-		 WHERE id = ANY($1)`, hit)
-	if err != nil {
-		return fmt.Errorf("erase quarantine payloads: %w", err)
-	}
-	removed["epitaph.quarantine"] += int(tag.RowsAffected())
-	return nil
-}
-
 const receiptColumns = `id, schema_name || '.' || table_name, mode, columns, with_children, purge_stream, reason, actor, runs,
-       removed, created_at, updated_at, completed_at`
+       removed, unchecked, created_at, updated_at, completed_at`
 
 func scanReceipt(r pgx.CollectableRow) (Receipt, error) {
 	var x Receipt
 	err := r.Scan(&x.ID, &x.Table, &x.Mode, &x.Columns, &x.WithChildren, &x.PurgeStream, &x.Reason, &x.Actor, &x.Runs,
-		&x.Removed, &x.CreatedAt, &x.UpdatedAt, &x.CompletedAt)
+		&x.Removed, &x.Unchecked, &x.CreatedAt, &x.UpdatedAt, &x.CompletedAt)
 	return x, err
 }
 

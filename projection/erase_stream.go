@@ -132,7 +132,7 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 	}
 	var seqs []uint64
 	var objects []*event.ObjectRef
-	parents := map[event.LSN][]*archiveRow{}
+	parents := map[event.LSN][]erasedWith{}
 	for {
 		batch, cancel, err := fetchBatch(ctx, cons, 500)
 		if err != nil {
@@ -153,18 +153,19 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 			}
 			ar := &archiveRow{ev: e, row: e.Row}
 			fenced, children := fs.fenced(ar)
-			if !fenced && referencesAny(ar, parents[e.CommitLSN]) {
-				fenced, children = true, true
+			if !fenced && children == 0 {
+				// A child of a row erased in another page, or in this read.
+				children = max(fs.childOfErased(ar), referencesAny(ar, parents[e.CommitLSN]))
 			}
-			if !fenced {
+			if !fenced && children == 0 {
 				continue
 			}
 			seqs = append(seqs, seen)
 			if e.RowRef != nil {
 				objects = append(objects, e.RowRef)
 			}
-			if children {
-				parents[e.CommitLSN] = append(parents[e.CommitLSN], ar)
+			if children != 0 {
+				parents[e.CommitLSN] = append(parents[e.CommitLSN], erasedWith{ar, children})
 			}
 		}
 		cancel()

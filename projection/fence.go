@@ -58,6 +58,21 @@ type rowIdentity struct {
 	seq    int
 }
 
+// txKey is a source transaction.
+type txKey struct {
+	source string
+	lsn    event.LSN
+}
+
+// erasedParent is a row erased with its children (epitaph.erased_parents):
+// its table and the digest of each of its columns' values.
+type erasedParent struct {
+	table   string
+	seq     int
+	erasure int64
+	cols    map[string]string
+}
+
 // fenceSet is a worker's cache of the fences.
 type fenceSet struct {
 	mu      sync.Mutex
@@ -66,6 +81,7 @@ type fenceSet struct {
 	key     []byte
 	byTable map[string][]fence
 	rows    map[rowIdentity]bool
+	parents map[txKey][]erasedParent
 }
 
 // load reads the fences (three queries; only at start and after a change).
@@ -111,10 +127,41 @@ func (f *fenceSet) load(ctx context.Context, db progress.DB) error {
 	if err != nil {
 		return fmt.Errorf("load erased rows: %w", err)
 	}
+	parents, err := loadErasedParents(ctx, db)
+	if err != nil {
+		return err
+	}
 	f.mu.Lock()
-	f.loaded, f.epoch, f.key, f.byTable, f.rows = true, epoch, key, byTable, ids
+	f.loaded, f.epoch, f.key, f.byTable, f.rows, f.parents = true, epoch, key, byTable, ids, parents
 	f.mu.Unlock()
 	return nil
+}
+
+// loadErasedParents reads epitaph.erased_parents.
+func loadErasedParents(ctx context.Context, db progress.DB) (map[txKey][]erasedParent, error) {
+	rows, err := db.Query(ctx, `SELECT source, commit_lsn::text, seq, schema_name || '.' || table_name, erasure_id,
+		jsonb_object_agg(column_name, digest) FROM epitaph.erased_parents GROUP BY 1, 2, 3, 4, 5`)
+	if err != nil {
+		return nil, fmt.Errorf("load erased parents: %w", err)
+	}
+	out := map[txKey][]erasedParent{}
+	var k txKey
+	var lsn string
+	var p erasedParent
+	_, err = pgx.ForEachRow(rows, []any{&k.source, &lsn, &p.seq, &p.table, &p.erasure, &p.cols}, func() error {
+		l, err := event.ParseLSN(lsn)
+		if err != nil {
+			return err
+		}
+		k.lsn = l
+		out[k] = append(out[k], p)
+		p.cols = nil
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("load erased parents: %w", err)
+	}
+	return out, nil
 }
 
 // saw records that a statement read the erasure counter epoch: a cache
@@ -128,56 +175,123 @@ func (f *fenceSet) saw(epoch int64) {
 }
 
 // filter returns rows without the fenced ones (and, for a fence with
-// children, without the rows of the same transaction in rows that reference
-// a fenced row by their foreign keys, transitively), loading the fences
-// first when needed. It returns how many rows it left out and the erasure
-// counter of the fences it used.
-func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRow) ([]*archiveRow, int, int64, error) {
+// children, without the rows of the same transaction that reference a
+// fenced row by their foreign keys, transitively: in rows, or erased before
+// in another page, epitaph.erased_parents), loading the fences first when
+// needed. It returns how many rows it left out, the erasure counter of the
+// fences it used, and the rows it left out as erased with their children
+// (to be recorded, fenceSet.record).
+func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRow) ([]*archiveRow, int, int64, []erasedWith, error) {
 	f.mu.Lock()
 	loaded := f.loaded
 	f.mu.Unlock()
 	if !loaded {
 		if err := f.load(ctx, db); err != nil {
-			return nil, 0, 0, err
+			return nil, 0, 0, nil, err
 		}
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.byTable) == 0 && len(f.rows) == 0 {
-		return rows, 0, f.epoch, nil
+	if len(f.byTable) == 0 && len(f.rows) == 0 && len(f.parents) == 0 {
+		return rows, 0, f.epoch, nil, nil
 	}
-	var keep, parents []*archiveRow
+	var keep []*archiveRow
+	var parents []erasedWith
 	for _, r := range rows {
 		fenced, children := f.fenced(r)
+		if children == 0 {
+			children = f.childOfErased(r) // also of a row fenced alone: its children go too
+		}
 		switch {
-		case children:
-			parents = append(parents, r)
+		case children != 0:
+			parents = append(parents, erasedWith{r, children})
 		case !fenced:
 			keep = append(keep, r)
 		}
 	}
 	dropped := len(rows) - len(keep) // so far: the fenced ones
+	all := parents
 	for len(parents) > 0 {
-		var next []*archiveRow
+		var next []erasedWith
 		kept := keep[:0]
 		for _, r := range keep {
-			if referencesAny(r, parents) {
-				next = append(next, r)
+			if id := referencesAny(r, parents); id != 0 {
+				next = append(next, erasedWith{r, id})
 				continue
 			}
 			kept = append(kept, r)
 		}
 		keep, parents = kept, next
 		dropped += len(next)
+		all = append(all, next...)
 	}
-	return keep, dropped, f.epoch, nil
+	return keep, dropped, f.epoch, all, nil
 }
 
-// fenced says whether r is fenced, and whether by a fence with children.
-func (f *fenceSet) fenced(r *archiveRow) (fenced, children bool) {
+// erasedWith is a row erased with its children by erasure id.
+type erasedWith struct {
+	r  *archiveRow
+	id int64
+}
+
+// childOfErased returns the erasure of a row erased before (another page of
+// r's transaction) that r references by a foreign key, or 0.
+func (f *fenceSet) childOfErased(r *archiveRow) int64 {
+	ps := f.parents[txKey{r.ev.Source, r.ev.CommitLSN}]
+	if len(ps) == 0 || len(r.ev.Refs) == 0 {
+		return 0
+	}
+	child := decodeObject(r.row)
+	if child == nil {
+		return 0
+	}
+	for _, ref := range r.ev.Refs {
+		if len(ref.Columns) == 0 || len(ref.Columns) != len(ref.RefColumns) {
+			continue
+		}
+		table := ref.Schema + "." + ref.Table
+		for _, p := range ps {
+			if p.table == table && f.sameDigests(table, child, ref.Columns, p.cols, ref.RefColumns) {
+				return p.erasure
+			}
+		}
+	}
+	return 0
+}
+
+// sameDigests: child's columns cc have the values whose digests parent's
+// columns pc have.
+func (f *fenceSet) sameDigests(table string, child map[string]json.RawMessage, cc []string, parent map[string]string, pc []string) bool {
+	for i := range cc {
+		v, ok := child[cc[i]]
+		want, ok2 := parent[pc[i]]
+		if !ok || !ok2 || bytes.Equal(bytes.TrimSpace(v), []byte("null")) {
+			return false
+		}
+		d, ok := columnDigest(f.key, table, pc[i], v)
+		if !ok || d != want {
+			return false
+		}
+	}
+	return true
+}
+
+// columnDigest is the digest of one column's value of a row of table, as
+// epitaph.erased_parents keeps it.
+func columnDigest(key []byte, table, column string, v json.RawMessage) (string, bool) {
+	cv, err := canonicalJSON(v)
+	if err != nil {
+		return "", false
+	}
+	return digestOf(key, table, "column", []string{column}, []json.RawMessage{cv}), true
+}
+
+// fenced says whether r is fenced, and by which fence with children (0:
+// none).
+func (f *fenceSet) fenced(r *archiveRow) (fenced bool, children int64) {
 	e := r.ev
 	if f.rows[rowIdentity{e.Source, e.CommitLSN, e.Seq}] {
-		return true, false
+		return true, 0
 	}
 	for _, fc := range f.byTable[e.QualifiedTable()] {
 		obj := json.RawMessage(r.row)
@@ -186,20 +300,24 @@ func (f *fenceSet) fenced(r *archiveRow) (fenced, children bool) {
 		}
 		d, ok := rowDigest(f.key, e.QualifiedTable(), fc.mode, fc.columns, obj)
 		if ok && d == fc.digest {
-			fenced, children = true, children || fc.withChildren
+			fenced = true
+			if fc.withChildren && children == 0 {
+				children = fc.id
+			}
 		}
 	}
 	return fenced, children
 }
 
-// referencesAny reports whether r references one of parents (same source
-// transaction) by one of its foreign keys.
-func referencesAny(r *archiveRow, parents []*archiveRow) bool {
+// referencesAny returns the erasure of the one of parents (same source
+// transaction) that r references by one of its foreign keys, or 0.
+func referencesAny(r *archiveRow, parents []erasedWith) int64 {
 	child := decodeObject(r.row)
 	if child == nil {
-		return false
+		return 0
 	}
-	for _, p := range parents {
+	for _, pw := range parents {
+		p := pw.r
 		if p.ev.CommitLSN != r.ev.CommitLSN || p.ev.Source != r.ev.Source {
 			continue
 		}
@@ -212,11 +330,11 @@ func referencesAny(r *archiveRow, parents []*archiveRow) bool {
 				continue
 			}
 			if sameValues(child, ref.Columns, parent, ref.RefColumns) {
-				return true
+				return pw.id
 			}
 		}
 	}
-	return false
+	return 0
 }
 
 func sameValues(a map[string]json.RawMessage, ac []string, b map[string]json.RawMessage, bc []string) bool {
@@ -310,12 +428,23 @@ func digestOf(key []byte, table, mode string, columns []string, vals []json.RawM
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-// unfenced leaves the fenced rows out of a page's rows (called by archiveRows)
-// and returns the erasure counter of the fences it used.
-func (s *Service) unfenced(ctx context.Context, v Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
-	keep, dropped, epoch, err := s.fences.filter(ctx, s.pool, rows)
+// unfenced leaves the fenced rows out of a page's rows (called by archiveRows,
+// in the page's transaction tx) and returns the erasure counter of the fences it
+// used. Rows left out as erased with their children are recorded, and the
+// rows of their transactions archived by earlier pages that reference them
+// are erased from the version (fenceSet.record): a fence with children
+// holds for the whole source transaction, in any order of its pages.
+func (s *Service) unfenced(ctx context.Context, tx pgx.Tx, v Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
+	keep, dropped, epoch, parents, err := s.fences.filter(ctx, tx, rows)
 	if err != nil {
 		return nil, 0, err
+	}
+	if len(parents) > 0 {
+		n, err := s.fences.record(ctx, tx, v.Schema, parents)
+		if err != nil {
+			return nil, 0, err
+		}
+		dropped += n
 	}
 	if dropped > 0 {
 		s.retention.fenced.WithLabelValues(v.Projection, fmt.Sprint(v.Version)).Add(float64(dropped))

@@ -67,9 +67,15 @@ type CleanupResult struct {
 	Duration  time.Duration `json:"duration_ns"`
 }
 
+// cleanupSQL is one version's batch. The victims are found by the
+// expires_at index in expiry order (each checked against the holds and the
+// open deliveries by index), locked (SKIP LOCKED: concurrent cleaners take
+// different rows) and deleted by their tuple ids in the same statement: a
+// join back to the table on its key made Postgres hash the whole archive
+// (a sequential scan of every row) for each batch.
 const cleanupSQL = `
 WITH victims AS (
-    SELECT r.source, r.commit_lsn, r.seq FROM %[1]s r
+    SELECT r.ctid AS tid FROM %[1]s r
     WHERE r.expires_at <= now()
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
                       WHERE d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
@@ -81,22 +87,23 @@ WITH victims AS (
     LIMIT $1
     FOR UPDATE OF r SKIP LOCKED
 ), del AS (
-    DELETE FROM %[1]s r USING victims v
-    WHERE r.source = v.source AND r.commit_lsn = v.commit_lsn AND r.seq = v.seq
-    RETURNING r.source, r.commit_lsn, r.seq, r.schema_name, r.table_name
+    DELETE FROM %[1]s r
+    WHERE r.ctid = ANY (ARRAY(SELECT tid FROM victims))
+    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name, r.table_name
 )%[2]s
 SELECT schema_name || '.' || table_name, count(*)::int, %[3]s FROM del GROUP BY 1`
 
 // cleanupSnapshotsSQL prunes, in the same statement, the documents rooted
-// at deleted rows and the groups of transactions left without rows.
+// at deleted rows and the groups of transactions left without rows (by
+// correlation id: the groups' key and an index of the rows).
 const cleanupSnapshotsSQL = `, snaps AS (
     DELETE FROM %[1]s s USING del d
     WHERE s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
     RETURNING 1
 ), groups AS (
     DELETE FROM %[2]s g
-    WHERE (g.source, g.commit_lsn) IN (SELECT source, commit_lsn FROM del)
-      AND NOT EXISTS (SELECT 1 FROM %[3]s r WHERE r.source = g.source AND r.commit_lsn = g.commit_lsn
+    WHERE g.correlation_id IN (SELECT correlation_id FROM del)
+      AND NOT EXISTS (SELECT 1 FROM %[3]s r WHERE r.correlation_id = g.correlation_id
                       AND NOT EXISTS (SELECT 1 FROM del x WHERE x.source = r.source AND x.commit_lsn = r.commit_lsn AND x.seq = r.seq))
     RETURNING 1
 )`
@@ -195,7 +202,8 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, l
 		return 0, fmt.Errorf("begin cleanup of %s: %w", vs.schema, err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after commit, a no-op
-	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL statement_timeout = %d`, timeout.Milliseconds())); err != nil {
+	// No JIT: compiling a large batch's plan costs more than it saves.
+	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL statement_timeout = %d; SET LOCAL jit = off`, timeout.Milliseconds())); err != nil {
 		return 0, fmt.Errorf("cleanup of %s: %w", vs.schema, err)
 	}
 	extra, counts := "", "0, 0"

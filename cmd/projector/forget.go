@@ -338,8 +338,12 @@ func writeReceipt(env *Env, rc projection.Receipt) {
 	if rc.Reason != nil {
 		reason = " (" + *rc.Reason + ")"
 	}
-	fmt.Fprintf(env.Stdout, "erasure %d of %s by %s [%s] by %s%s, %d run(s): removed %s\n", rc.ID, rc.Table, rc.Mode,
-		strings.Join(rc.Columns, ","), rc.Actor, reason, rc.Runs, removed)
+	unchecked := ""
+	for _, k := range slices.Sorted(maps.Keys(rc.Unchecked)) {
+		unchecked += fmt.Sprintf("; could not check %s %d (undecodable, not matched by what could be read)", k, rc.Unchecked[k])
+	}
+	fmt.Fprintf(env.Stdout, "erasure %d of %s by %s [%s] by %s%s, %d run(s): removed %s%s\n", rc.ID, rc.Table, rc.Mode,
+		strings.Join(rc.Columns, ","), rc.Actor, reason, rc.Runs, removed, unchecked)
 }
 
 func erasuresCommand(env *Env) *cobra.Command {

@@ -88,10 +88,16 @@ func TestForgetCommands(t *testing.T) {
 	require.Equal(t, 0, left)
 	out, err = run("hold", "remove", "2")
 	require.NoError(t, err, out)
+	// A quarantine entry that cannot be decoded and matches nothing that
+	// can be read of it: the receipt says it could not be checked.
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, data, category, error)
+		VALUES ('archive', 1, 0, 1, 'x', '\x00ff'::bytea, 'malformed', 'x')`)
+	require.NoError(t, err)
 	out, err = run("erase", "--table", "public.customers", "--match", `{"email":"ann@example.com"}`, "--yes", "--actor", "dpo", "--reason", "request 12")
 	require.NoError(t, err, out)
 	require.Contains(t, out, "erasure 1 of public.customers by match [email] by dpo (request 12), 1 run(s): removed")
 	require.Contains(t, out, "archive_v1.rows 1")
+	require.Contains(t, out, "could not check epitaph.quarantine 1 (undecodable")
 	require.NotContains(t, out, "ann@example.com")
 	out, err = run("erasures", "--json")
 	require.NoError(t, err)
@@ -100,6 +106,7 @@ func TestForgetCommands(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(out), &rs))
 	require.Len(t, rs, 1)
 	require.Equal(t, 1, rs[0].Removed["archive_v1.rows"])
+	require.Equal(t, map[string]int{"epitaph.quarantine": 1}, rs[0].Unchecked)
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM archive_v1.rows WHERE table_name = 'customers'`).Scan(&left))
 	require.Equal(t, 0, left)
 

@@ -8,9 +8,15 @@
 //     batches are not full): the apply rate, its ratio to 1, and the cleanup
 //     rate (expired rows deleted per second, from the start until none is
 //     left);
-//  3. erasure by --match on the first archive: the wall time of Erase (its
-//     database work; nothing else runs) and whether the plan uses the GIN
+//  3. erasure by --match on the first archive: the database time of
+//     Erase (the sum of its statements' execution times, from
+//     pg_stat_statements), its wall time, and whether the plan uses the GIN
 //     index.
+//
+// Beside the rates it prints CPU seconds (postgres: the postmaster and its
+// backends; this process: the projector, the JetStream server and the
+// bench) and the cleanup's database time, which on a shared machine say
+// more than the wall-clock rates.
 //
 // Output lines are "BENCH <name> <value> <unit>" and "NOTE <text>".
 package main
@@ -73,6 +79,13 @@ func run(ctx context.Context, rows, apply, perTx int) error {
 		_ = pg.Stop()
 		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
 	}()
+	// The database time of the cleanup and the erase: per statement.
+	if err := pg.SetConfig("shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all"); err != nil {
+		return err
+	}
+	if err := pg.Restart(); err != nil {
+		return err
+	}
 	listen, err := bench.LocalAddr()
 	if err != nil {
 		return err
@@ -95,7 +108,7 @@ func run(ctx context.Context, rows, apply, perTx int) error {
 	if err := prefill(ctx, without, rows, false); err != nil {
 		return err
 	}
-	rateWithout, _, err := applyRun(ctx, without, natsURL, apply, rows, false)
+	rateWithout, _, err := applyRun(ctx, pg, without, natsURL, apply, rows, false)
 	if err != nil {
 		return err
 	}
@@ -108,7 +121,7 @@ func run(ctx context.Context, rows, apply, perTx int) error {
 	if err := prefill(ctx, with, rows, true); err != nil {
 		return err
 	}
-	rateWith, cleanup, err := applyRun(ctx, with, natsURL, apply, rows, true)
+	rateWith, cleanup, err := applyRun(ctx, pg, with, natsURL, apply, rows, true)
 	if err != nil {
 		return err
 	}
@@ -116,6 +129,7 @@ func run(ctx context.Context, rows, apply, perTx int) error {
 	bench.Figure("retention.apply_ratio", rateWith/rateWithout, "(with / without cleanup; target >= 0.85)")
 	bench.Figure("retention.cleanup_rows_per_sec", cleanup, "rows/s (target >= 50,000)")
 
+	bench.LoadNote("after the apply runs")
 	return eraseRun(ctx, without, rows)
 }
 
@@ -228,8 +242,9 @@ func prefill(ctx context.Context, url string, rows int, expired bool) error {
 }
 
 // applyRun applies the stream into url and returns the apply rate and, with
-// cleanup, the cleanup rate.
-func applyRun(ctx context.Context, url, natsURL string, apply, rows int, cleanup bool) (float64, float64, error) {
+// cleanup, the cleanup rate; it prints the CPU seconds the run took and,
+// with cleanup, the database time of the cleanup's statements.
+func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, apply, rows int, cleanup bool) (float64, float64, error) {
 	cfg := projection.Config{TargetURL: url, NATSURL: natsURL, SourceName: source, WorkerID: "bench",
 		ArchiveTTL: map[string]time.Duration{"*": 100 * 365 * 24 * time.Hour}, CleanupInterval: -1}
 	if cleanup {
@@ -244,6 +259,10 @@ func applyRun(ctx context.Context, url, natsURL string, apply, rows int, cleanup
 		return 0, 0, err
 	}
 	defer pool.Close()
+	if err := resetStatements(ctx, pool); err != nil {
+		return 0, 0, err
+	}
+	cpu0 := cpuNow(pg)
 	start := time.Now()
 	if err := svc.Start(ctx); err != nil {
 		return 0, 0, err
@@ -275,10 +294,20 @@ func applyRun(ctx context.Context, url, natsURL string, apply, rows int, cleanup
 			}
 		}
 	}
+	cpu := cpuNow(pg).minus(cpu0)
+	name := map[bool]string{false: "without_cleanup", true: "with_cleanup"}[cleanup]
+	bench.Figure("retention.cpu_seconds.postgres."+name, cpu.postgres, "s (until applied and, with cleanup, cleaned)")
+	bench.Figure("retention.cpu_seconds.process."+name, cpu.proc, "s (projector, JetStream server and bench)")
 	rate := float64(apply) / applied.Sub(start).Seconds()
 	if !cleanup {
 		return rate, 0, nil
 	}
+	dbTime, calls, err := statementTime(ctx, pool, "%expires_at <= now()%")
+	if err != nil {
+		return 0, 0, err
+	}
+	bench.Figure("retention.cleanup_database_seconds", dbTime.Seconds(), fmt.Sprintf("s (%d statements: batches and oldest-due checks, for %d rows: %.0f rows per database second)",
+		calls, rows, float64(rows)/dbTime.Seconds()))
 	if cleaned.Before(applied) {
 		bench.Note("cleanup finished %s before the apply (all of it ran while applying)", applied.Sub(cleaned).Round(time.Millisecond))
 	} else {
@@ -312,6 +341,9 @@ func eraseRun(ctx context.Context, url string, rows int) error {
 	}
 	uses := strings.Contains(strings.Join(plan, " "), "rows_row_match_idx")
 	bench.Note("erase plan uses the GIN index: %v (%s)", uses, strings.Join(plan, " | "))
+	if err := resetStatements(ctx, pool); err != nil {
+		return err
+	}
 	start := time.Now()
 	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers", Match: json.RawMessage(match),
 		WithChildren: true, Actor: "bench"})
@@ -322,6 +354,104 @@ func eraseRun(ctx context.Context, url string, rows int) error {
 	if rc.Removed["archive_v1.rows"] != 1 {
 		return fmt.Errorf("erase removed %v, want one row", rc.Removed)
 	}
-	bench.Figure("retention.erase_by_match_seconds", took.Seconds(), fmt.Sprintf("s (%d-row archive; target < 1)", rows))
+	dbTime, calls, err := statementTime(ctx, pool, "%")
+	if err != nil {
+		return err
+	}
+	bench.Figure("retention.erase_by_match_database_seconds", dbTime.Seconds(),
+		fmt.Sprintf("s (%d statements, %d-row archive; target < 1)", calls, rows))
+	bench.Figure("retention.erase_by_match_seconds", took.Seconds(), "s (wall)")
 	return nil
+}
+
+// resetStatements empties pg_stat_statements (created in the database of
+// pool if missing).
+func resetStatements(ctx context.Context, pool *pgxpool.Pool) error {
+	if _, err := pool.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_stat_statements`); err != nil {
+		return fmt.Errorf("pg_stat_statements: %w", err)
+	}
+	if _, err := pool.Exec(ctx, `SELECT pg_stat_statements_reset()`); err != nil {
+		return fmt.Errorf("pg_stat_statements: %w", err)
+	}
+	return nil
+}
+
+// statementTime is the execution time and calls of the statements of
+// pool's database whose text is like pattern, since the last reset (the
+// reset itself left out).
+func statementTime(ctx context.Context, pool *pgxpool.Pool, pattern string) (time.Duration, int, error) {
+	var ms float64
+	var calls int
+	err := pool.QueryRow(ctx, `SELECT COALESCE(sum(total_exec_time), 0), COALESCE(sum(calls), 0)::int FROM pg_stat_statements
+		WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) AND query LIKE $1
+		  AND query NOT LIKE '%pg_stat_statements%'`, pattern).Scan(&ms, &calls)
+	if err != nil {
+		return 0, 0, fmt.Errorf("pg_stat_statements: %w", err)
+	}
+	return time.Duration(ms * float64(time.Millisecond)), calls, nil
+}
+
+// cpuTimes are CPU seconds consumed so far.
+type cpuTimes struct{ postgres, proc float64 }
+
+func (a cpuTimes) minus(b cpuTimes) cpuTimes {
+	return cpuTimes{a.postgres - b.postgres, a.proc - b.proc}
+}
+
+// cpuNow reads the CPU seconds of pg's postmaster with its backends (live
+// ones, and exited ones through the postmaster's children times) and of
+// this process, from /proc (zero where it cannot be read).
+func cpuNow(pg *testenv.Postgres) cpuTimes {
+	var t cpuTimes
+	t.proc, _ = procTicks(os.Getpid())
+	b, err := os.ReadFile(filepath.Join(pg.DataDir, "postmaster.pid"))
+	if err != nil {
+		return t
+	}
+	pm, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	if err != nil {
+		return t
+	}
+	t.postgres, _ = procTicks(pm)
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		if pid, err := strconv.Atoi(d.Name()); err == nil && parentOf(pid) == pm {
+			c, _ := procTicks(pid)
+			t.postgres += c
+		}
+	}
+	return t
+}
+
+// statFields are the fields of /proc/PID/stat after the command name.
+func statFields(pid int) []string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil
+	}
+	s := string(b)
+	return strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+}
+
+// procTicks is utime+stime+cutime+cstime of pid in seconds.
+func procTicks(pid int) (float64, error) {
+	f := statFields(pid)
+	if len(f) < 15 {
+		return 0, fmt.Errorf("no /proc/%d/stat", pid)
+	}
+	var ticks int64
+	for _, x := range f[11:15] {
+		v, _ := strconv.ParseInt(x, 10, 64)
+		ticks += v
+	}
+	return float64(ticks) / 100, nil
+}
+
+func parentOf(pid int) int {
+	f := statFields(pid)
+	if len(f) < 2 {
+		return 0
+	}
+	ppid, _ := strconv.Atoi(f[1])
+	return ppid
 }
