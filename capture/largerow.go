@@ -33,6 +33,16 @@ type streamedValue struct {
 	col int
 }
 
+// appendValue appends column col's value to the image being built, or,
+// streaming, leaves a large one out and notes where it goes.
+func (img *rowImage) appendValue(row []byte, typeOID uint32, col int, c *pglogrepl.TupleDataColumn) []byte {
+	if img.stream && len(c.Data) > streamValueAbove {
+		img.streamed = append(img.streamed, streamedValue{at: len(row), col: col})
+		return row
+	}
+	return appendColumn(row, typeOID, c)
+}
+
 // imageSize is the size of the row's JSON image without escapes: the
 // column values, their labels and the punctuation.
 func (r *relation) imageSize(tup *pglogrepl.TupleData) int {
@@ -143,7 +153,7 @@ func (ir *imageReader) piece(dst []byte) []byte {
 			}
 		}
 		q := event.AppendString(dst, v[:j])
-		dst = append(dst[:len(dst)], q[len(dst)+1:len(q)-1]...) // without its quotes
+		dst = append(dst, q[len(dst)+1:len(q)-1]...) // without its quotes
 	} else {
 		dst = append(dst, v[:j]...)
 	}

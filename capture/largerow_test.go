@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
 	"math/rand/v2"
@@ -72,7 +73,7 @@ func TestImageReaderMatchesEncodeRow(t *testing.T) {
 			got, err := io.ReadAll(io.LimitReader(&bufReader{r: newImageReader(r, &tup, &img), n: bufSize}, int64(len(whole.row))+1))
 			require.NoError(t, err)
 			require.Equal(t, len(whole.row), len(got), "case %d, reads of %d", i, bufSize)
-			require.True(t, string(whole.row) == string(got), "case %d, reads of %d: the streamed image differs", i, bufSize)
+			require.True(t, bytes.Equal(whole.row, got), "case %d, reads of %d: the streamed image differs", i, bufSize)
 		}
 		require.True(t, json.Valid(whole.row), "case %d is JSON", i)
 	}

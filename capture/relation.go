@@ -239,12 +239,7 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 		}
 		first = false
 		row = append(row, r.cols[i].label...)
-		if img.stream && len(c.Data) > streamValueAbove {
-			// Left out here, encoded as the image is read (largerow.go).
-			img.streamed = append(img.streamed, streamedValue{at: len(row), col: i})
-			continue
-		}
-		row = appendColumn(row, r.cols[i].typeOID, c)
+		row = img.appendValue(row, r.cols[i].typeOID, i, c)
 	}
 	img.row = append(row, '}')
 	idx := r.pkIdx
