@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"bytes"
 	"context"
 	"crypto/ed25519"
 	"crypto/sha256"
@@ -8,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strconv"
 	"strings"
@@ -21,6 +23,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/lowgc"
 )
 
 const (
@@ -238,13 +241,27 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 	if skip {
 		return nil
 	}
-	if err := r.encodeRow(&st.img, m.OldTupleType, m.OldTuple); err != nil {
+	// A row whose values alone exceed a message is streamed to the object
+	// store from the WAL message (largerow.go).
+	stream := false
+	if m.OldTuple != nil && len(m.OldTuple.Columns) == len(r.cols) && r.imageSize(m.OldTuple) > largeImage {
+		defer lowgc.Hold()() // the row's copies are collected as they fall (internal/lowgc)
+		stream = valuesSize(m.OldTuple)+r.head.Size()+512 > st.maxMsg
+	}
+	st.img.stream = stream
+	err = r.encodeRow(&st.img, m.OldTupleType, m.OldTuple)
+	st.img.stream = false
+	if err != nil {
 		return err
 	}
 	msgID := st.tx.msgID(seq)
 	var ref *event.ObjectRef
-	if len(st.img.row)+r.head.Size()+len(st.img.key)+512 > st.maxMsg {
-		ref, err = st.putLargeRow(ctx, msgID, st.img.row)
+	if stream || len(st.img.row)+r.head.Size()+len(st.img.key)+512 > st.maxMsg {
+		var src io.Reader = bytes.NewReader(st.img.row)
+		if stream {
+			src = newImageReader(r, m.OldTuple, &st.img)
+		}
+		ref, err = st.putLargeRow(ctx, msgID, src)
 		if err != nil {
 			return err
 		}
@@ -258,18 +275,44 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 		return err
 	}
 	r.deletes.Inc()
+	st.releaseLarge()
 	return nil
 }
 
+// releaseLarge drops the reused row buffers after a large row, so the
+// process does not keep a row's size of memory for the rest of its life.
+func (st *streamer) releaseLarge() {
+	if cap(st.img.row) > largeImage {
+		st.img.row = nil
+	}
+	if cap(st.body) > largeImage {
+		st.body = nil
+	}
+}
+
 // putLargeRow stores a row too large for one message in the object store,
-// under the message id (a re-send overwrites it with the same bytes).
-func (st *streamer) putLargeRow(ctx context.Context, msgID string, row []byte) (*event.ObjectRef, error) {
+// under the message id (a re-send overwrites it with the same bytes). The
+// row is read from src in chunks; its size and sha256 are taken as it goes.
+func (st *streamer) putLargeRow(ctx context.Context, msgID string, src io.Reader) (*event.ObjectRef, error) {
 	name := strings.ReplaceAll(msgID, "/", "_")
-	sum := sha256.Sum256(row)
-	if _, err := st.obs.PutBytes(ctx, name, row); err != nil {
+	h := sha256.New()
+	cr := &countingReader{r: io.TeeReader(src, h)}
+	if _, err := st.obs.Put(ctx, jetstream.ObjectMeta{Name: name}, cr); err != nil {
 		return nil, fmt.Errorf("store large row %s: %w", name, err)
 	}
-	return &event.ObjectRef{Bucket: event.RowBucket(st.src), Name: name, Size: int64(len(row)), SHA256: hex.EncodeToString(sum[:])}, nil
+	return &event.ObjectRef{Bucket: event.RowBucket(st.src), Name: name, Size: cr.n, SHA256: hex.EncodeToString(h.Sum(nil))}, nil
+}
+
+// countingReader counts the bytes read through it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
 }
 
 func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMessage) error {

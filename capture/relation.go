@@ -186,6 +186,10 @@ type rowImage struct {
 	identity string
 	key      []byte // nil when the table has no key
 	row      []byte
+	// stream: encodeRow leaves the large values out of row, noting where
+	// each goes in streamed (see largerow.go: imageReader).
+	stream   bool
+	streamed []streamedValue
 }
 
 // encodeRow turns the old tuple of a delete into key and row JSON.
@@ -218,6 +222,7 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 		img.identity = event.IdentityFull
 	}
 	row := append(img.row[:0], '{')
+	img.streamed = img.streamed[:0]
 	first := true
 	for i, c := range tup.Columns {
 		if !full && !partial && !r.cols[i].key {
@@ -234,7 +239,7 @@ func (r *relation) encodeRow(img *rowImage, tupleType uint8, tup *pglogrepl.Tupl
 		}
 		first = false
 		row = append(row, r.cols[i].label...)
-		row = appendColumn(row, r.cols[i].typeOID, c)
+		row = img.appendValue(row, r.cols[i].typeOID, i, c)
 	}
 	img.row = append(row, '}')
 	idx := r.pkIdx

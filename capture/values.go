@@ -30,31 +30,35 @@ const (
 // text form in a JSON string. The mapping is lossless: the text form is
 // recovered exactly from the JSON token (see RestoreSQL).
 func appendValue(dst []byte, typeOID uint32, text []byte) []byte {
-	switch typeOID {
-	case oidBool:
+	if typeOID == oidBool {
 		switch string(text) {
 		case "t":
 			return append(dst, "true"...)
 		case "f":
 			return append(dst, "false"...)
 		}
+	}
+	if rawValue(typeOID, text) {
+		return append(dst, text...)
+	}
+	return event.AppendString(dst, text)
+}
+
+// rawValue says whether appendValue embeds the text form as it is: an
+// integer, a float that is a JSON number, a jsonb object or array.
+func rawValue(typeOID uint32, text []byte) bool {
+	switch typeOID {
 	case oidInt2, oidInt4, oidInt8, oidOID:
-		if isInteger(text) {
-			return append(dst, text...)
-		}
+		return isInteger(text)
 	case oidFloat4, oidFloat8:
-		if isJSONNumber(text) {
-			return append(dst, text...)
-		}
+		return isJSONNumber(text)
 	case oidJSONB:
 		// Only objects and arrays are embedded: a top-level JSON null would
 		// read as SQL NULL, and a top-level string as text, so jsonb
 		// scalars travel as their text form in a string.
-		if len(text) > 0 && (text[0] == '{' || text[0] == '[') && json.Valid(text) {
-			return append(dst, text...)
-		}
+		return len(text) > 0 && (text[0] == '{' || text[0] == '[') && json.Valid(text)
 	}
-	return event.AppendString(dst, text)
+	return false
 }
 
 func isInteger(b []byte) bool {

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/lowgc"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -118,6 +120,11 @@ func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*
 		}
 		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row, pending: vd.pending[it]}
 		if it.ev.RowRef != nil {
+			if it.ev.RowRef.Size > stageRowsAbove {
+				// Until the page is written: the row's chunks and copies are
+				// collected as they fall (internal/lowgc).
+				defer lowgc.Hold()()
+			}
 			b, err := s.fetchRow(ctx, it.ev.RowRef) // oversized.go: size limit
 			if err != nil {
 				cat, permanent := quarantine.Classify(err)
@@ -523,7 +530,7 @@ func (o *objectReader) fetch(ctx context.Context, ref *event.ObjectRef) ([]byte,
 	}
 	c, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	b, err := obs.GetBytes(c, ref.Name)
+	b, err := readObject(c, obs, ref)
 	switch {
 	case errors.Is(err, jetstream.ErrObjectNotFound):
 		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s not found", ref.Bucket, ref.Name))
@@ -533,13 +540,45 @@ func (o *objectReader) fetch(ctx context.Context, ref *event.ObjectRef) ([]byte,
 		return nil, fmt.Errorf("read object %s/%s: %w", ref.Bucket, ref.Name, err)
 	}
 	if ref.SHA256 != "" {
-		sum := sha256.Sum256(b)
+		sum := sha256.Sum256(b) // over the one copy read: no second buffer
 		if hex.EncodeToString(sum[:]) != ref.SHA256 {
 			return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s: sha256 does not match the event", ref.Bucket, ref.Name))
 		}
 	}
 	if t := bytes.TrimSpace(b); len(t) == 0 || t[0] != '{' {
 		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s is not a JSON object", ref.Bucket, ref.Name))
+	}
+	return b, nil
+}
+
+// readObject reads an object into one buffer of the size the event states
+// (the object store's own chunk digest is checked at its end), instead of
+// a buffer doubling as it grows: a row of S bytes costs S here, plus the
+// chunks in flight. An object of another size than the event's is corrupt.
+func readObject(ctx context.Context, obs jetstream.ObjectStore, ref *event.ObjectRef) ([]byte, error) {
+	res, err := obs.Get(ctx, ref.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer res.Close()
+	if ref.Size < 0 { // the size limit was checked before (fetchLimited)
+		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s: size %d in the event", ref.Bucket, ref.Name, ref.Size))
+	}
+	b := make([]byte, ref.Size)
+	if _, err := io.ReadFull(res, b); err != nil {
+		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+			return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s is shorter than the event's %d bytes", ref.Bucket, ref.Name, ref.Size))
+		}
+		return nil, err
+	}
+	// The end: the store checks its digest of the chunks here, and an
+	// object longer than the event says is corrupt.
+	var one [1]byte
+	switch n, err := res.Read(one[:]); {
+	case n > 0:
+		return nil, quarantine.Permanent(quarantine.CategoryMissingPayload, fmt.Errorf("object %s/%s is longer than the event's %d bytes", ref.Bucket, ref.Name, ref.Size))
+	case err != nil && !errors.Is(err, io.EOF):
+		return nil, err
 	}
 	return b, nil
 }

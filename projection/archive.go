@@ -7,8 +7,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/jackc/pgx/v5"
 
@@ -261,6 +263,53 @@ func nullableJSON(b json.RawMessage) *string {
 	return &s
 }
 
+// stageRowsAbove is the image size from which a row goes to Postgres on
+// its own (stageImages) rather than in the statement's arrays.
+const stageRowsAbove = 1 << 20
+
+// insertStagedRowsSQL is insertRowsSQL taking the images of staged rows
+// from the session's staging table (their array element is NULL).
+var insertStagedRowsSQL = strings.NewReplacer(
+	"u.row::jsonb,", "COALESCE(u.row, st.row)::jsonb,",
+	"$16::boolean[], $17::text[])\n", "$16::boolean[], $17::text[]) WITH ORDINALITY\n",
+	"verified, text_values)\nON CONFLICT", "verified, text_values, ord)\n"+
+		"     LEFT JOIN pg_temp.epitaph_staged_rows st ON st.ord = u.ord\nON CONFLICT",
+).Replace(insertRowsSQL)
+
+// stageImages sends the large images of rows (at the indexes staged) to a
+// temporary table of the session, each as the one parameter of its own
+// statement, handed to the connection as it is: the pgx array encoding of
+// insertRowsSQL would copy a row twice (its parameter buffer and the
+// message), this copies it once (the message), so a row of S bytes costs
+// the projector about 2*S. Rows go at commit (and with a rolled-back
+// savepoint).
+func stageImages(ctx context.Context, tx pgx.Tx, rows []*archiveRow, staged []int) error {
+	if _, err := tx.Exec(ctx, `CREATE TEMP TABLE IF NOT EXISTS epitaph_staged_rows (ord bigint PRIMARY KEY, row text NOT NULL) ON COMMIT DELETE ROWS;
+DELETE FROM pg_temp.epitaph_staged_rows`); err != nil {
+		return fmt.Errorf("stage large row images: %w", err)
+	}
+	pc := tx.Conn().PgConn()
+	for _, i := range staged {
+		res := pc.ExecParams(ctx, `INSERT INTO pg_temp.epitaph_staged_rows (ord, row) VALUES ($1::bigint, $2::text)`,
+			[][]byte{strconv.AppendInt(nil, int64(i+1), 10), rows[i].row}, nil, nil, nil).Read()
+		if res.Err != nil {
+			return fmt.Errorf("stage the image of row %d of %s.%s (%d bytes): %w", rows[i].ev.Seq, rows[i].ev.Schema, rows[i].ev.Table, len(rows[i].row), res.Err)
+		}
+	}
+	return nil
+}
+
+// imageText is a row image as the statement's text parameter without a
+// copy: the string shares the image's bytes, which nothing changes while
+// the statement is sent (a large row is one copy fewer).
+func imageText(b json.RawMessage) *string {
+	if len(b) == 0 {
+		return nil
+	}
+	s := unsafe.String(unsafe.SliceData(b), len(b))
+	return &s
+}
+
 // insertRows writes rows with one set-based statement and returns the
 // distinct correlation ids of the verified rows actually inserted. Idempotent: a row
 // already archived (same source, commit_lsn, seq) is left as it is.
@@ -301,11 +350,17 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 		verified                                      = make([]bool, n)
 	)
 	var enc schemaEncoder
+	var staged []int
 	for i, r := range rows {
 		e := r.ev
 		sources[i], schemas[i], tables[i], idents[i] = e.Source, e.Schema, e.Table, e.Identity
 		corrs[i], lsns[i], xids[i], seqs[i] = e.CorrelationID(), e.CommitLSN.String(), e.XID, int32(e.Seq)
-		keys[i], images[i], texts[i] = nullableJSON(e.Key), nullableJSON(r.row), textValues(r.row)
+		keys[i], texts[i] = nullableJSON(e.Key), textValues(r.row)
+		if len(r.row) > stageRowsAbove {
+			staged = append(staged, i)
+		} else {
+			images[i] = imageText(r.row)
+		}
 		if !e.CommitTime.IsZero() {
 			t := e.CommitTime
 			times[i] = &t
@@ -321,7 +376,14 @@ func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*ar
 			return nil, 0, err
 		}
 	}
-	res, err := tx.Query(ctx, fmt.Sprintf(insertRowsSQL, ident(schema)),
+	query := insertRowsSQL
+	if len(staged) > 0 {
+		if err := stageImages(ctx, tx, rows, staged); err != nil {
+			return nil, 0, err
+		}
+		query = insertStagedRowsSQL
+	}
+	res, err := tx.Query(ctx, fmt.Sprintf(query, ident(schema)),
 		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts)
 	if err != nil {
 		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"strings"
+	"unsafe"
 
 	"github.com/tidwall/gjson"
 
@@ -180,7 +181,9 @@ func splitSpec(spec string) (schema, table string, cols []string) {
 // (a JSON object), reading only its top level; nil when row is not a JSON
 // object. As with encoding/json, a repeated name keeps its last value.
 func columnValues(row []byte, want map[string]bool) map[string]json.RawMessage {
-	s := string(row)
+	// Read in place (a large row is not copied): the values kept are
+	// copied out below, and the row does not change meanwhile.
+	s := unsafe.String(unsafe.SliceData(row), len(row))
 	if !gjson.Valid(s) {
 		return nil
 	}
