@@ -537,7 +537,11 @@ func Backoff(base time.Duration, attempt int) time.Duration {
 
 // settleSQL records a batch of results, each row guarded by the claim
 // token it was given: a delivery whose claim was reclaimed is not in the
-// returned ids.
+// returned ids. The scrub at terminal state is folded in: a delivery that
+// ends while no other delivery of its row is open (as this statement sees
+// them) has its payload set to NULL by the same row write, so that the
+// usual settle writes each delivery once (a separate scrub UPDATE wrote
+// every row a second time, with all its index entries).
 const settleSQL = `
 UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.outcome, ''), d.outcome),
        last_error = COALESCE(u.last_error, d.last_error),
@@ -547,16 +551,27 @@ UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.out
        claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
        settled_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') THEN now() END,
        observed_fingerprint = COALESCE(NULLIF(u.fingerprint, ''), d.observed_fingerprint),
-       evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END
+       evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END,
+       payload = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND ` + noOtherOpen + ` THEN NULL ELSE d.payload END,
+       payload_scrubbed_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND d.payload IS NOT NULL AND ` + noOtherOpen + `
+                                  THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
 FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::int[], $8::text[], $9::boolean[],
             $10::int[])
      AS u(id, token, state, outcome, last_error, delay_ms, deferred, fingerprint, evaluated, refund)
 WHERE d.id = u.id AND d.claim_token = u.token
 RETURNING d.id::text`
 
+// noOtherOpen: no other delivery of d's row is pending or in flight.
+const noOtherOpen = `NOT EXISTS (SELECT 1 FROM epitaph.deliveries e WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn
+                                AND e.seq = d.seq AND e.id <> d.id AND e.state IN ('pending', 'in_flight'))`
+
 // scrubSettledSQL, after settleSQL in the same transaction (it sees its
-// results), scrubs the payloads of the batch's rows whose every delivery
-// is terminal (a stale result's row is scrubbed only when that holds too).
+// results), scrubs what settleSQL could not: the other deliveries of the
+// batch's rows whose every delivery is terminal now (the earlier handlers
+// of a row, and rows of which two deliveries ended in this batch, each
+// seeing the other open). It only reads when the ended rows have no other
+// payload left (one handler per row: the usual case). A stale result's
+// row is scrubbed only when that holds too.
 const scrubSettledSQL = `
 UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = COALESCE(o.payload_scrubbed_at, now())
 FROM (SELECT DISTINCT source, commit_lsn, seq FROM epitaph.deliveries
