@@ -35,23 +35,35 @@ const fingerprintExpr = `encode(sha256(convert_to(COALESCE(string_agg(
 func rowsTable(schema string) string { return pgx.Identifier{schema, "rows"}.Sanitize() }
 
 // stampSQL sets the promise of every released, pending, not yet stamped
-// delivery of the groups (source, commit_lsn = ANY($2)), per group and
-// table, in one statement. The group of a delivery is its correlation_id,
-// which names (source, xid, commit_lsn): the primary key's prefix.
+// delivery of the groups (source, commit_lsn = ANY($2)) whose handler
+// revalidates, per group and table, in one statement. The group of a
+// delivery is its correlation_id, which names (source, xid, commit_lsn):
+// the primary key's prefix. Only the (group, table) pairs that have such a
+// delivery are aggregated: a handler that does not revalidate never reads
+// its promise, and hashing every row of a page's groups for it cost the
+// apply as much as archiving them (a handler's revalidate is fixed when it
+// is added).
 func stampSQL(schema string) string {
 	return `
-WITH sets AS (
-    SELECT commit_lsn, schema_name, table_name, count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
-    FROM ` + rowsTable(schema) + `
-    WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND verified AND (expires_at IS NULL OR expires_at > now())
-    GROUP BY commit_lsn, schema_name, table_name)
+WITH want AS MATERIALIZED (
+    SELECT DISTINCT d.commit_lsn, d.schema_name, d.table_name
+    FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id AND h.revalidate
+    WHERE d.source = $1 AND d.commit_lsn = ANY($2::pg_lsn[])
+      AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL
+      AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
+                  WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')),
+sets AS (
+    SELECT r.commit_lsn, r.schema_name, r.table_name, count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
+    FROM ` + rowsTable(schema) + ` r
+    WHERE r.source = $1 AND (r.commit_lsn, r.schema_name, r.table_name) IN (SELECT commit_lsn, schema_name, table_name FROM want)
+      AND r.verified AND (r.expires_at IS NULL OR r.expires_at > now())
+    GROUP BY r.commit_lsn, r.schema_name, r.table_name)
 UPDATE epitaph.deliveries d
 SET fingerprint = s.fp, group_rows = s.n, group_max = s.mx, updated_at = now()
 FROM sets s
 WHERE d.source = $1 AND d.commit_lsn = s.commit_lsn AND d.schema_name = s.schema_name AND d.table_name = s.table_name
   AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL
-  AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
-              WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')`
+  AND EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id AND h.revalidate)`
 }
 
 // StampGroups stores, in tx, the fingerprint and the cheap pair
