@@ -83,6 +83,9 @@ type env struct {
 	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
 	revalidate bool
 	sourceURL  string
+	// pgStats: pg_stat_statements is loaded (-pgstats); the handlers round
+	// prints its statements too.
+	pgStats bool
 }
 
 // figure prints a figure of the current round.
@@ -199,7 +202,7 @@ func run(o opts) (err error) {
 	}
 	defer srv.Shutdown()
 	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers,
-		inProcess: o.inProcess, cpuProfile: o.cpuProfile}
+		inProcess: o.inProcess, cpuProfile: o.cpuProfile, pgStats: o.pgStats}
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
 
 	// The stream: a backlog of N deletes drained by the capture.
