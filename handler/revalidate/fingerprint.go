@@ -53,11 +53,15 @@ WITH want AS MATERIALIZED (
       AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
                   WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')),
 sets AS (
-    SELECT r.commit_lsn, r.schema_name, r.table_name, count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
-    FROM ` + rowsTable(schema) + ` r
-    WHERE r.source = $1 AND (r.commit_lsn, r.schema_name, r.table_name) IN (SELECT commit_lsn, schema_name, table_name FROM want)
-      AND r.verified AND (r.expires_at IS NULL OR r.expires_at > now())
-    GROUP BY r.commit_lsn, r.schema_name, r.table_name)
+    -- Driven by want, one index range of the archive per (group, table):
+    -- a semi-join let the planner read every row of the source instead.
+    SELECT w.commit_lsn, w.schema_name, w.table_name, s.n, s.mx, s.fp
+    FROM want w CROSS JOIN LATERAL (
+        SELECT count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
+        FROM ` + rowsTable(schema) + `
+        WHERE source = $1 AND commit_lsn = w.commit_lsn AND schema_name = w.schema_name AND table_name = w.table_name
+          AND verified AND (expires_at IS NULL OR expires_at > now())) s
+    WHERE s.n > 0)
 UPDATE epitaph.deliveries d
 SET fingerprint = s.fp, group_rows = s.n, group_max = s.mx, updated_at = now()
 FROM sets s
