@@ -38,36 +38,32 @@ func rowsTable(schema string) string { return pgx.Identifier{schema, "rows"}.San
 // delivery of the groups (source, commit_lsn = ANY($2)) whose handler
 // revalidates, per group and table, in one statement. The group of a
 // delivery is its correlation_id, which names (source, xid, commit_lsn):
-// the primary key's prefix. Only the (group, table) pairs that have such a
-// delivery are aggregated: a handler that does not revalidate never reads
-// its promise, and hashing every row of a page's groups for it cost the
-// apply as much as archiving them (a handler's revalidate is fixed when it
-// is added).
+// the primary key's prefix. The groups are aggregated only when such a
+// delivery waits (a one-time check): a handler that does not revalidate
+// never reads its promise, and hashing every row of a page's groups for it
+// cost the apply as much as archiving them (a handler's revalidate is
+// fixed when it is added). The aggregate keeps its shape (the primary
+// key's range per page): planned on a fast-growing archive's stale
+// statistics, finer forms (per (group, table) pair) were read once per
+// delivery by another index.
 func stampSQL(schema string) string {
 	return `
-WITH want AS MATERIALIZED (
-    SELECT DISTINCT d.commit_lsn, d.schema_name, d.table_name
-    FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id AND h.revalidate
-    WHERE d.source = $1 AND d.commit_lsn = ANY($2::pg_lsn[])
-      AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL
-      AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
-                  WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')),
-sets AS (
-    -- Driven by want, one index range of the archive per (group, table):
-    -- a semi-join let the planner read every row of the source instead.
-    SELECT w.commit_lsn, w.schema_name, w.table_name, s.n, s.mx, s.fp
-    FROM want w CROSS JOIN LATERAL (
-        SELECT count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
-        FROM ` + rowsTable(schema) + `
-        WHERE source = $1 AND commit_lsn = w.commit_lsn AND schema_name = w.schema_name AND table_name = w.table_name
-          AND verified AND (expires_at IS NULL OR expires_at > now())) s
-    WHERE s.n > 0)
+WITH sets AS (
+    SELECT commit_lsn, schema_name, table_name, count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
+    FROM ` + rowsTable(schema) + `
+    WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND verified AND (expires_at IS NULL OR expires_at > now())
+      AND EXISTS (SELECT 1 FROM epitaph.deliveries w JOIN epitaph.handlers h ON h.id = w.handler_id AND h.revalidate
+                  WHERE w.source = $1 AND w.commit_lsn = ANY($2::pg_lsn[])
+                    AND w.state = 'pending' AND w.released_at IS NOT NULL AND w.fingerprint IS NULL)
+    GROUP BY commit_lsn, schema_name, table_name)
 UPDATE epitaph.deliveries d
 SET fingerprint = s.fp, group_rows = s.n, group_max = s.mx, updated_at = now()
 FROM sets s
 WHERE d.source = $1 AND d.commit_lsn = s.commit_lsn AND d.schema_name = s.schema_name AND d.table_name = s.table_name
   AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL
-  AND EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id AND h.revalidate)`
+  AND EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id AND h.revalidate)
+  AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
+              WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')`
 }
 
 // StampGroups stores, in tx, the fingerprint and the cheap pair
