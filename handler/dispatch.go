@@ -80,6 +80,8 @@ type Dispatcher struct {
 	lastScrub time.Time
 	defCache  map[string]Def
 	defAt     time.Time
+	// noAnalyze: tables this role may not analyze (stats.go).
+	noAnalyze map[string]bool
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
 }
@@ -111,10 +113,11 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		cfg.HTTPClient = newHTTPClient(cfg.Parallelism)
 	}
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
-		run:     runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
-		queue:   make(chan *claimed, claimAhead(cfg.Parallelism)),
-		settles: make(chan result, maxSettleBatch),
-		wake:    make(chan struct{}, 1),
+		run:       runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
+		queue:     make(chan *claimed, claimAhead(cfg.Parallelism)),
+		settles:   make(chan result, maxSettleBatch),
+		wake:      make(chan struct{}, 1),
+		noAnalyze: map[string]bool{},
 	}
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
@@ -732,7 +735,8 @@ func (d *Dispatcher) maintainIfDue(ctx context.Context) {
 
 // maintain reclaims expired claims (the reclaim counts as an attempt:
 // dead when it was the last), releases unsettled groups past the settle
-// timeout (unsigned rows only) and, every minute (and on the first call),
+// timeout (unsigned rows only), analyzes the tables it queries when they
+// outgrew their statistics (stats.go) and, every minute (and on the first call),
 // dead-letters deliveries of unknown handlers and runs the payload
 // backstop.
 func (d *Dispatcher) maintain(ctx context.Context) error {
@@ -763,6 +767,9 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		WHERE released_at IS NULL AND state = 'pending' AND verified AND created_at < now() - $1 * interval '1 millisecond'`,
 		d.cfg.GroupSettleTimeout.Milliseconds()); err != nil {
 		return fmt.Errorf("release unsettled groups: %w", err)
+	}
+	if err := d.analyzeGrown(ctx); err != nil {
+		return err
 	}
 	if !scrub {
 		return nil
