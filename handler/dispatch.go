@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -80,8 +81,10 @@ type Dispatcher struct {
 	lastScrub time.Time
 	defCache  map[string]Def
 	defAt     time.Time
-	// noAnalyze: tables this role may not analyze (stats.go).
+	// noAnalyze: tables this role may not analyze; analyzing: a run of
+	// analyzeGrown is going (stats.go).
 	noAnalyze map[string]bool
+	analyzing atomic.Bool
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
 }
@@ -197,10 +200,13 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 			}
 		}()
 	}
+	var stats sync.WaitGroup
 	t := time.NewTicker(d.cfg.Poll)
 	defer t.Stop()
 	for soft.Err() == nil {
-		d.maintainIfDue(soft)
+		if d.maintainIfDue(soft) {
+			d.keepStatistics(soft, &stats)
+		}
 		n, err := d.claimAhead(soft)
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
@@ -215,6 +221,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		}
 	}
 	close(d.queue)
+	stats.Wait()
 	workers.Wait()
 	close(d.settles)
 	settler.Wait()
@@ -282,6 +289,9 @@ func (d *Dispatcher) settler(ctx context.Context) {
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 	for {
 		if err := d.maintain(ctx); err != nil {
+			return -1, err
+		}
+		if err := d.analyzeGrown(ctx); err != nil {
 			return -1, err
 		}
 		cs, err := d.claim(ctx, d.cfg.Parallelism)
@@ -721,22 +731,24 @@ func (d *Dispatcher) settleTx(ctx context.Context, batch []result) (map[string]b
 	return settled, nil
 }
 
-func (d *Dispatcher) maintainIfDue(ctx context.Context) {
+// maintainIfDue runs maintain at most once a second; it reports whether
+// it was due.
+func (d *Dispatcher) maintainIfDue(ctx context.Context) bool {
 	d.mu.Lock()
 	due := time.Since(d.lastMaint) >= time.Second
 	d.mu.Unlock()
 	if !due {
-		return
+		return false
 	}
 	if err := d.maintain(ctx); err != nil && ctx.Err() == nil {
 		d.log.Warn("delivery maintenance failed; retrying", "err", err)
 	}
+	return true
 }
 
 // maintain reclaims expired claims (the reclaim counts as an attempt:
 // dead when it was the last), releases unsettled groups past the settle
-// timeout (unsigned rows only), analyzes the tables it queries when they
-// outgrew their statistics (stats.go) and, every minute (and on the first call),
+// timeout (unsigned rows only) and, every minute (and on the first call),
 // dead-letters deliveries of unknown handlers and runs the payload
 // backstop.
 func (d *Dispatcher) maintain(ctx context.Context) error {
@@ -767,9 +779,6 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 		WHERE released_at IS NULL AND state = 'pending' AND verified AND created_at < now() - $1 * interval '1 millisecond'`,
 		d.cfg.GroupSettleTimeout.Milliseconds()); err != nil {
 		return fmt.Errorf("release unsettled groups: %w", err)
-	}
-	if err := d.analyzeGrown(ctx); err != nil {
-		return err
 	}
 	if !scrub {
 		return nil

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -21,8 +22,13 @@ import (
 // analyze (and at least analyzeMinRows) is analyzed now: a handful of
 // ANALYZEs (a bounded sample each) while a table grows from nothing to
 // millions, none in a steady state.
+//
+// Only the columns the per-delivery statements filter and join on are
+// analyzed (not the payloads and row images, whose statistics cost the most
+// and plan nothing here), in the background of the claim loop: the claims
+// never wait for it.
 const analyzeGrownSQL = `
-SELECT n.nspname, c.relname
+SELECT n.nspname, c.relname, c.relname = 'deliveries'
 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE s.relid IN (SELECT to_regclass('epitaph.deliveries')
                   UNION ALL
@@ -33,28 +39,59 @@ WHERE s.relid IN (SELECT to_regclass('epitaph.deliveries')
 // analyzeMinRows: smaller tables are left to autovacuum.
 const analyzeMinRows = 1000
 
+// The columns analyzed: of epitaph.deliveries, and of an archive's rows.
+const (
+	analyzeDeliveries = `(handler_id, source, commit_lsn, seq, generation, schema_name, table_name, key, correlation_id,
+		state, priority, released_at, next_attempt_at, claim_expires_at, fingerprint, verified, outcome)`
+	analyzeRows = `(source, commit_lsn, seq, schema_name, table_name, key, correlation_id, expires_at)`
+)
+
+// keepStatistics runs analyzeGrown in the background unless a run is
+// still going; wg tracks it (the claim loop waits for it when it stops).
+func (d *Dispatcher) keepStatistics(ctx context.Context, wg *sync.WaitGroup) {
+	if !d.analyzing.CompareAndSwap(false, true) {
+		return
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer d.analyzing.Store(false)
+		if err := d.analyzeGrown(ctx); err != nil && ctx.Err() == nil {
+			d.log.Warn("keeping table statistics failed; retrying", "err", err)
+		}
+	}()
+}
+
 func (d *Dispatcher) analyzeGrown(ctx context.Context) error {
 	rows, err := d.pool.Query(ctx, analyzeGrownSQL, analyzeMinRows)
 	if err != nil {
 		return fmt.Errorf("look up table statistics: %w", err)
 	}
-	tables, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (pgx.Identifier, error) {
-		var schema, table string
-		err := r.Scan(&schema, &table)
-		return pgx.Identifier{schema, table}, err
+	type table struct {
+		name, columns string
+	}
+	tables, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (table, error) {
+		var schema, name string
+		var deliveries bool
+		err := r.Scan(&schema, &name, &deliveries)
+		t := table{name: pgx.Identifier{schema, name}.Sanitize(), columns: analyzeRows}
+		if deliveries {
+			t.columns = analyzeDeliveries
+		}
+		return t, err
 	})
 	if err != nil {
 		return fmt.Errorf("look up table statistics: %w", err)
 	}
 	for _, t := range tables {
-		name := t.Sanitize()
+		name := t.name
 		d.mu.Lock()
 		skip := d.noAnalyze[name]
 		d.mu.Unlock()
 		if skip {
 			continue
 		}
-		_, err := d.pool.Exec(ctx, `ANALYZE `+name)
+		_, err := d.pool.Exec(ctx, `ANALYZE `+name+` `+t.columns)
 		var pe *pgconn.PgError
 		if errors.As(err, &pe) && pe.Code == "42501" {
 			// Not the table's owner: autovacuum's statistics only.

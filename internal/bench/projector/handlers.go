@@ -100,6 +100,14 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			return err
 		}
 		defer conn.Close(context.WithoutCancel(ctx))
+		// Postgres CPU per delivery while only the dispatcher runs (from the
+		// last archived row to the last delivery done): meaningful on a
+		// loaded machine, where the rates are not.
+		cpu0 := e.cpu(0)
+		var done0 int64
+		if err := conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done0); err != nil {
+			return err
+		}
 		for {
 			var open bool
 			if err := conn.QueryRow(ctx, openDeliveriesSQL).Scan(&open); err != nil {
@@ -113,6 +121,10 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				}
 				if done != n {
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, n)
+				}
+				if n > done0 {
+					record("drain_postgres_cpu_us_per_delivery", e.cpu(0).sub(cpu0).postgres*1e6/float64(n-done0),
+						fmt.Sprintf("µs of Postgres CPU per delivery done after the last archived row (%d of them)", n-done0))
 				}
 				if e.pgStats {
 					if err := pgStatsPrint(ctx, url, "handlers-drain"); err != nil {
