@@ -501,3 +501,17 @@ func TestCaptureReplicasShareOneSigningKey(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(readme), "create secret generic epitaph-signing-key --from-file=signing.key=")
 }
+
+// TestKubernetesCaptureIsTheClusterTestsCapture: the manifests' capture runs
+// against a replicated stream as the compose cluster and
+// e2e/TestClusterLosesNodesUnderLoad run it: three replicas, confirmations
+// not trailing the quorum's acknowledgements.
+func TestKubernetesCaptureIsTheClusterTestsCapture(t *testing.T) {
+	t.Parallel()
+	_, objs := loadKubernetes(t)
+	data := strMap(byName(t, objs, "ConfigMap", "epitaph-config").doc["data"])
+	require.Equal(t, "3", data["EPITAPH_REPLICAS"])
+	require.Equal(t, "-1s", data["EPITAPH_BROKER_SYNC_INTERVAL"])
+	compose := loadCompose(t).Services["capture"].Environment
+	require.Equal(t, compose["EPITAPH_BROKER_SYNC_INTERVAL"], data["EPITAPH_BROKER_SYNC_INTERVAL"])
+}

@@ -119,7 +119,7 @@ const statusViewPrefix = `CREATE OR REPLACE VIEW archive.status AS`
 // the end of tx, re-entrant), so a worker re-pointing the views from the
 // versions it read cannot undo a caller that changed the states itself.
 func PointViews(ctx context.Context, tx pgx.Tx, version int) error {
-	if err := lockVersions(ctx, tx); err != nil {
+	if err := LockVersions(ctx, tx); err != nil {
 		return err
 	}
 	schema := ArchiveSchema(version)

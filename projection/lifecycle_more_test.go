@@ -11,6 +11,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // --from-time: a partial rebuild holds only what the stream stored at or
@@ -32,13 +33,13 @@ func TestPartialRebuildFromTime(t *testing.T) {
 		e.publish(e.nextTx(orderRows(i+1, 1)...))
 	}
 	e.heartbeat()
-	v, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src, FromTime: from})
+	v, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src, FromTime: from})
 	require.NoError(t, err)
 	require.NotNil(t, v.FromTime)
 	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
 	require.Equal(t, 12, count(t, c, `SELECT count(*) FROM archive_v2.rows`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v2.rows WHERE key->>'id' IN ('1','2','3','10')`))
-	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2})
+	cmp, err := version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2})
 	require.NoError(t, err)
 	require.False(t, cmp.Equal, "a partial rebuild lacks the older rows")
 	for _, d := range cmp.DifferingKeys {
@@ -71,12 +72,12 @@ func TestVersionFailsWhenItsSchemaCannotBeCreated(t *testing.T) {
 	for _, k := range s.Owned() {
 		require.Equal(t, 1, k.Version, "a failed version is not run")
 	}
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, 2, true)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, 2, true)
 	require.Error(t, err)
 	_, err = c.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, data, category, error)
 		VALUES ('archive', 2, 0, 1, 'x', '\x00', 'malformed', 'test')`)
 	require.NoError(t, err)
-	require.NoError(t, projection.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, projection.RetireOptions{Source: src, Drop: true}))
+	require.NoError(t, version.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, version.RetireOptions{Source: src, Drop: true}))
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE version = 2 AND status = 'discarded' AND resolution_reason = 'version retired'`))
 	require.Equal(t, projection.StateRetired, state(t, pool, 2))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v2'`))
@@ -99,7 +100,7 @@ func TestRebuildDoesNotStarveLive(t *testing.T) {
 	c := e.conn()
 	pool := e.pool()
 	eventually(t, 120*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4500 })
-	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	_, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v2.rows`) > 0 })
 	tx := e.nextTx(orderRows(99999, 0)...)
@@ -133,20 +134,20 @@ func TestRebuildWithNewSnapshotRoots(t *testing.T) {
 	cfg := e.config("w2")
 	cfg.SnapshotRoots = []string{"public.orders"}
 	e.start(cfg)
-	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	_, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	eventually(t, 30*time.Second, func() bool {
 		return state(t, pool, 2) == projection.StateReady &&
 			count(t, c, `SELECT count(*) FROM archive_v2.snapshots WHERE status = 'complete'`) == 6
 	})
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.snapshots`))
-	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2})
+	cmp, err := version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2})
 	require.NoError(t, err)
 	require.True(t, cmp.ContentEqual)
 	require.False(t, cmp.SnapshotsEqual)
 	require.False(t, cmp.Equal)
-	require.Equal(t, []projection.SnapshotComparison{{RootTable: "public.orders", Status: "complete", A: 0, B: 6}}, cmp.Snapshots)
-	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true})
+	require.Equal(t, []version.SnapshotComparison{{RootTable: "public.orders", Status: "complete", A: 0, B: 6}}, cmp.Snapshots)
+	cmp, err = version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true})
 	require.NoError(t, err)
 	require.True(t, cmp.Equal)
 
@@ -154,11 +155,11 @@ func TestRebuildWithNewSnapshotRoots(t *testing.T) {
 	// forged) is not a difference: compare looks at what readers see.
 	testenv.Exec(t, e.url, `INSERT INTO archive_v2.rows (source, schema_name, table_name, key, row, correlation_id,
 		commit_lsn, seq, verified) VALUES ('main', 'public', 'orders', '{"id": 999}', '{"id": 999}', 'main:1:FFFF/0', 'FFFF/0', 0, false)`)
-	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
+	cmp, err = version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
 	require.NoError(t, err)
 	require.True(t, cmp.Equal, "an unverified row counted as a difference: %+v", cmp.Tables)
 	testenv.Exec(t, e.url, `UPDATE archive_v2.rows SET verified = true WHERE commit_lsn = 'FFFF/0'`)
-	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
+	cmp, err = version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2, IgnoreSnapshots: true, All: true})
 	require.NoError(t, err)
 	require.False(t, cmp.Equal, "the same row, verified, must be a difference")
 }
@@ -183,13 +184,13 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 	require.NoError(t, stream.Purge(ctx, jetstream.WithPurgeSequence(4))) // the first three messages
 	e.heartbeat()
 
-	v, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	v, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive_v2.gaps WHERE kind = 'removed_from_stream'
 		AND partition IS NULL AND from_seq = 1 AND to_seq = 3 AND from_lsn IS NULL AND to_lsn IS NOT NULL AND acknowledged_at IS NULL`))
 	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
-	require.ErrorIs(t, err, projection.ErrNotReady)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	require.ErrorIs(t, err, version.ErrNotReady)
 	require.ErrorContains(t, err, "1 unacknowledged gaps")
 
 	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
@@ -203,7 +204,7 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 	}
 	_, err = projection.AckGap(ctx, pool, projection.ArchiveProjection, v.Version, id, "history before the purge is gone on purpose")
 	require.NoError(t, err)
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
 	require.NoError(t, err)
 
 	// A stream that holds its beginning gives a rebuild no gap.
@@ -212,7 +213,7 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 	e2.publish(e2.nextTx(orderRows(1, 1)...))
 	c2 := e2.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c2, `SELECT count(*) FROM archive.rows`) == 2 })
-	_, err = projection.CreateVersion(ctx, e2.pool(), e2.js, projection.RebuildOptions{Source: src})
+	_, err = version.CreateVersion(ctx, e2.pool(), e2.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	require.Zero(t, count(t, c2, `SELECT count(*) FROM archive_v2.gaps`))
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func (e *env) pool() *pgxpool.Pool {
@@ -131,7 +132,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	defer stopTrafficCtx()
 	stopTraffic := e.traffic(trafficCtx, 20*time.Millisecond)
 
-	v2, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src, Note: "test"})
+	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src, Note: "test"})
 	require.NoError(t, err)
 	require.Equal(t, 2, v2.Version)
 	require.Equal(t, "archive_v2", v2.Schema)
@@ -164,7 +165,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
 
 	// Compare: equal content; expires_at differs as intended.
-	cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2})
+	cmp, err := version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2})
 	require.NoError(t, err)
 	require.True(t, cmp.ContentEqual, "%+v", cmp)
 	require.Positive(t, cmp.ExpiresAtDiffers)
@@ -175,7 +176,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 		require.Equal(t, "order_lines", d.Table)
 	}
 	require.NotEmpty(t, cmp.UpTo)
-	cmp, err = projection.Compare(ctx, pool, projection.CompareOptions{A: 1, B: 2, IgnoreExpiresAt: true})
+	cmp, err = version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2, IgnoreExpiresAt: true})
 	require.NoError(t, err)
 	require.True(t, cmp.Equal)
 	require.Empty(t, cmp.DifferingKeys)
@@ -210,20 +211,20 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 		readerErr <- nil
 	}()
 
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, 3, false)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, 3, false)
 	require.ErrorIs(t, err, projection.ErrNoVersion)
-	prev, err := projection.Promote(ctx, pool, projection.ArchiveProjection, 2, false)
+	prev, err := version.Promote(ctx, pool, projection.ArchiveProjection, 2, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, prev)
 	require.Equal(t, projection.StateLive, state(t, pool, 2))
 	require.Equal(t, projection.StateReady, state(t, pool, 1), "the old live version stays ready for a rollback")
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	for i := 0; i < 5; i++ {
-		from, to, err := projection.Rollback(ctx, pool, projection.ArchiveProjection)
+		from, to, err := version.Rollback(ctx, pool, projection.ArchiveProjection)
 		require.NoError(t, err)
 		require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 		require.Contains(t, viewTarget(t, c), "archive_v1.rows")
-		_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, 2, false)
+		_, err = version.Promote(ctx, pool, projection.ArchiveProjection, 2, false)
 		require.NoError(t, err)
 		require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	}
@@ -237,11 +238,11 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	_ = before1
 
 	// The live version cannot be retired; v1 can, with its schema.
-	err = projection.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, projection.RetireOptions{Source: src})
+	err = version.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, version.RetireOptions{Source: src})
 	require.Error(t, err)
 	published := stopTraffic()
-	require.NoError(t, projection.Retire(ctx, pool, e.js, projection.ArchiveProjection, 1,
-		projection.RetireOptions{Source: src, Drop: true}))
+	require.NoError(t, version.Retire(ctx, pool, e.js, projection.ArchiveProjection, 1,
+		version.RetireOptions{Source: src, Drop: true}))
 	require.Equal(t, projection.StateRetired, state(t, pool, 1))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE version = 1`))
@@ -273,26 +274,26 @@ func TestPromoteRefusesUnlessReady(t *testing.T) {
 	pool := e.pool()
 	c := e.conn()
 	// No worker yet: there is no version 1 to rebuild beside.
-	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	_, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.Error(t, err)
 	cfg := e.config("w1")
 	cfg.ReadyMaxLag = 1
 	s := e.start(cfg)
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 10 })
 	require.NoError(t, s.Stop(context.Background())) // nothing builds v2
-	_, _, err = projection.Rollback(ctx, pool, projection.ArchiveProjection)
+	_, _, err = version.Rollback(ctx, pool, projection.ArchiveProjection)
 	require.Error(t, err)
 
-	v2, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
-	require.ErrorIs(t, err, projection.ErrNotReady)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	require.ErrorIs(t, err, version.ErrNotReady)
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, true)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, true)
 	require.NoError(t, err)
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows`), "forced: the empty version is served")
-	from, to, err := projection.Rollback(ctx, pool, projection.ArchiveProjection)
+	from, to, err := version.Rollback(ctx, pool, projection.ArchiveProjection)
 	require.NoError(t, err)
 	require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 	require.Equal(t, 10, count(t, c, `SELECT count(*) FROM archive.rows`))
@@ -346,7 +347,7 @@ func TestRebuildResumesAfterHardStop(t *testing.T) {
 	first := e.start(cfg)
 	eventually(t, 10*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE version = 1`) == 2 })
 	require.NoError(t, first.Stop(context.Background()))
-	_, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	_, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 
 	killCtx, kill := context.WithCancel(ctx)

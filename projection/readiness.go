@@ -180,6 +180,13 @@ func (g Gap) String() string {
 	return b.String()
 }
 
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
 func lsnOrUnknown(l *event.LSN) string {
 	if l == nil {
 		return "?"

@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // TestTargetRoleRecipe is the README's recipe for the roles on the target:
@@ -52,11 +53,11 @@ func TestTargetRoleRecipe(t *testing.T) {
 
 	// A rebuilt version promoted: the reader still reads.
 	pool := e.pool()
-	v, err := projection.CreateVersion(ctx, pool, e.js, projection.RebuildOptions{Source: src})
+	v, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	e.heartbeat()
 	eventually(t, 60*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
-	_, err = projection.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
 	require.NoError(t, err)
 	require.Equal(t, 6, count(t, rc, `SELECT count(*) FROM archive.rows`))
 	require.Equal(t, 1, count(t, rc, `SELECT count(*) FROM archive.status WHERE version = 2 AND state = 'live'`))

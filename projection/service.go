@@ -384,7 +384,7 @@ func (s *Service) balance(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("stream %s (is the capture running?): %w", event.StreamName(s.cfg.SourceName), err)
 		}
-		n, err := partitionsOf(stream.CachedInfo())
+		n, err := StreamPartitions(stream.CachedInfo())
 		if err != nil {
 			return err
 		}

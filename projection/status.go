@@ -4,10 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"sort"
-	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -133,12 +129,46 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	if err != nil {
 		return nil, err
 	}
+	if st.Workers, err = listWorkers(ctx, db); err != nil {
+		return nil, err
+	}
+	if st.Quarantine, err = quarantineStatus(ctx, db); err != nil {
+		return nil, err
+	}
+	open := map[VersionKey]int{}
+	for _, q := range st.Quarantine {
+		open[VersionKey{q.Projection, q.Version}] += q.Unresolved
+	}
+	stream := st.readStream(ctx, js)
+	var dbNow time.Time
+	if err := db.QueryRow(ctx, `SELECT now()`).Scan(&dbNow); err != nil {
+		return nil, fmt.Errorf("read database time: %w", err)
+	}
+	for _, v := range vs {
+		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
+			QuarantineOpen: open[v.Key()]}
+		if v.State != StateRetired {
+			if err := st.collectVersion(ctx, db, stream, v, &vst, dbNow); err != nil {
+				return nil, err
+			}
+		}
+		st.Versions = append(st.Versions, vst)
+	}
+	if err := st.addReadiness(ctx, db); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// listWorkers reads the registered workers and whether their heartbeat
+// is live.
+func listWorkers(ctx context.Context, db progress.DB) ([]WorkerStatus, error) {
 	rows, err := db.Query(ctx, `SELECT worker_id, heartbeat_at, heartbeat_at > now() - lease_ttl,
 		extract(epoch FROM now() - heartbeat_at)::float8 FROM epitaph.workers ORDER BY worker_id`)
 	if err != nil {
 		return nil, fmt.Errorf("list workers: %w", err)
 	}
-	st.Workers, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (WorkerStatus, error) {
+	ws, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (WorkerStatus, error) {
 		var w WorkerStatus
 		err := r.Scan(&w.ID, &w.HeartbeatAt, &w.Live, &w.HeartbeatAgeSeconds)
 		return w, err
@@ -146,87 +176,95 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	if err != nil {
 		return nil, fmt.Errorf("list workers: %w", err)
 	}
-	if stats, err := quarantine.Stats(ctx, db); err == nil {
-		for _, q := range stats {
-			qs := QuarantineStatus{Projection: q.Projection, Version: q.Version, Unresolved: q.Unresolved,
-				ByCategory: map[string]int{}, OldestAgeSeconds: q.OldestAge.Seconds()}
-			for c, n := range q.ByCategory {
-				qs.ByCategory[string(c)] = n
-			}
-			st.Quarantine = append(st.Quarantine, qs)
-		}
-	} else if pe := (*pgconn.PgError)(nil); !errors.As(err, &pe) || pe.Code != "42P01" {
+	return ws, nil
+}
+
+// quarantineStatus reads the unresolved quarantine per version (nil when
+// the quarantine table does not exist).
+func quarantineStatus(ctx context.Context, db progress.DB) ([]QuarantineStatus, error) {
+	stats, err := quarantine.Stats(ctx, db)
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) && pe.Code == "42P01" {
+		return nil, nil
+	}
+	if err != nil {
 		return nil, fmt.Errorf("quarantine stats: %w", err)
 	}
-	open := map[[2]any]int{}
-	for _, q := range st.Quarantine {
-		open[[2]any{q.Projection, q.Version}] += q.Unresolved
-	}
-
-	var stream jetstream.Stream
-	if js != nil {
-		stream, err = js.Stream(ctx, st.Stream)
-		if err != nil {
-			st.StreamError = err.Error()
-		} else {
-			info := stream.CachedInfo()
-			st.StreamLast = info.State.LastSeq
-			st.Partitions, _ = partitionsOf(info)
+	var out []QuarantineStatus
+	for _, q := range stats {
+		qs := QuarantineStatus{Projection: q.Projection, Version: q.Version, Unresolved: q.Unresolved,
+			ByCategory: map[string]int{}, OldestAgeSeconds: q.OldestAge.Seconds()}
+		for c, n := range q.ByCategory {
+			qs.ByCategory[string(c)] = n
 		}
-	} else {
+		out = append(out, qs)
+	}
+	return out, nil
+}
+
+// readStream looks the source's stream up and sets its last sequence and
+// partitions; nil (StreamError says why) without one.
+func (st *Status) readStream(ctx context.Context, js jetstream.JetStream) jetstream.Stream {
+	if js == nil {
 		st.StreamError = "no stream connection"
+		return nil
 	}
+	stream, err := js.Stream(ctx, st.Stream)
+	if err != nil {
+		st.StreamError = err.Error()
+		return nil
+	}
+	info := stream.CachedInfo()
+	st.StreamLast = info.State.LastSeq
+	st.Partitions, _ = StreamPartitions(info)
+	return stream
+}
 
-	var dbNow time.Time
-	if err := db.QueryRow(ctx, `SELECT now()`).Scan(&dbNow); err != nil {
-		return nil, fmt.Errorf("read database time: %w", err)
+// collectVersion fills the status of an active version: its partitions
+// (leases, positions, lag), lifecycle, gaps and health. dbNow is the
+// database's time (leases), st.At the clock of the ages.
+func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jetstream.Stream, v Version, vst *VersionStatus, dbNow time.Time) error {
+	prs, err := progress.List(ctx, db, v.Projection, v.Version)
+	if err != nil {
+		return err
 	}
-	for _, v := range vs {
-		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
-			QuarantineOpen: open[[2]any{v.Projection, v.Version}]}
-		if v.State == StateRetired {
-			st.Versions = append(st.Versions, vst)
-			continue
+	unavailable := len(prs) == 0
+	for _, r := range prs {
+		ps := PartitionStatus{Partition: r.Partition, Owner: r.Owner, Epoch: r.Epoch, LeaseExpiresAt: r.LeaseExpiresAt,
+			Cursor: r.Cursor, LastAdvanceAt: r.LastAdvanceAt, Attempts: r.Attempts, LastFailureCategory: r.LastFailureCategory}
+		ps.Leased = r.Owner != "" && r.LeaseExpiresAt != nil && r.LeaseExpiresAt.After(dbNow)
+		if r.SourceLSN != 0 {
+			ps.SourceLSN = r.SourceLSN.String()
 		}
-		prs, err := progress.List(ctx, db, v.Projection, v.Version)
-		if err != nil {
-			return nil, err
+		if !ps.Leased || r.Attempts >= failingAttempts {
+			unavailable = true
 		}
-		unavailable := len(prs) == 0
-		for _, r := range prs {
-			ps := PartitionStatus{Partition: r.Partition, Owner: r.Owner, Epoch: r.Epoch, LeaseExpiresAt: r.LeaseExpiresAt,
-				Cursor: r.Cursor, LastAdvanceAt: r.LastAdvanceAt, Attempts: r.Attempts, LastFailureCategory: r.LastFailureCategory}
-			ps.Leased = r.Owner != "" && r.LeaseExpiresAt != nil && r.LeaseExpiresAt.After(dbNow)
-			if r.SourceLSN != 0 {
-				ps.SourceLSN = r.SourceLSN.String()
+		if stream != nil {
+			if err := partitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
+				st.StreamError = err.Error()
 			}
-			if !ps.Leased || r.Attempts >= failingAttempts {
-				unavailable = true
-			}
-			if stream != nil {
-				if err := partitionLag(ctx, stream, source, v, r, &ps, now); err != nil {
-					st.StreamError = err.Error()
-				}
-			}
-			vst.LagEvents += ps.LagEvents
-			vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
-			vst.Partitions = append(vst.Partitions, ps)
 		}
-		vst.Lifecycle = lifecycleOf(v, &vst, stream)
-		if err := gapStatus(ctx, db, v, &vst); err != nil {
-			return nil, err
-		}
-		switch {
-		case unavailable:
-			vst.Health = "unavailable"
-		case vst.QuarantineOpen > 0:
-			vst.Health = "quarantined"
-		}
-		st.Versions = append(st.Versions, vst)
+		vst.LagEvents += ps.LagEvents
+		vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
+		vst.Partitions = append(vst.Partitions, ps)
 	}
+	vst.Lifecycle = lifecycleOf(v, vst, stream)
+	if err := gapStatus(ctx, db, v, vst); err != nil {
+		return err
+	}
+	switch {
+	case unavailable:
+		vst.Health = "unavailable"
+	case vst.QuarantineOpen > 0:
+		vst.Health = "quarantined"
+	}
+	return nil
+}
+
+// addReadiness sets each version's readiness as archive.status says it.
+func (st *Status) addReadiness(ctx context.Context, db progress.DB) error {
 	rs, err := ReadReadiness(ctx, db, "")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	for _, r := range rs {
 		for i := range st.Versions {
@@ -236,7 +274,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 			}
 		}
 	}
-	return st, nil
+	return nil
 }
 
 // gapStatus fills the gaps of one version.
@@ -303,8 +341,9 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	return nil
 }
 
-// partitionsOf reads P from the stream metadata.
-func partitionsOf(info *jetstream.StreamInfo) (int, error) {
+// StreamPartitions reads the partition count P of a source's stream
+// from its metadata (event.MetaPartitions).
+func StreamPartitions(info *jetstream.StreamInfo) (int, error) {
 	s, ok := info.Config.Metadata[event.MetaPartitions]
 	if !ok {
 		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
@@ -314,142 +353,4 @@ func partitionsOf(info *jetstream.StreamInfo) (int, error) {
 		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
 	}
 	return n, nil
-}
-
-// WriteTable prints the status as aligned text tables for people.
-func (st *Status) WriteTable(w io.Writer) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintf(tw, "source %s\tstream %s\tlast seq %d\tpartitions %d\n", st.Source, st.Stream, st.StreamLast, st.Partitions)
-	if st.StreamError != "" {
-		fmt.Fprintf(tw, "stream: %s\n", st.StreamError)
-	}
-	fmt.Fprintln(tw)
-	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
-	for _, v := range st.Versions {
-		open := 0
-		for _, c := range v.GapCounts {
-			if !c.Acknowledged && c.Kind != event.GapTruncate {
-				open += c.Count
-			}
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
-			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
-	}
-	for _, v := range st.Versions {
-		if v.State == StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
-			fmt.Fprintf(tw, "\n%s v%d is not ready: %s\n", v.Projection, v.Version, strings.Join(v.NotReadyReasons, "; "))
-		}
-	}
-	for _, v := range st.Versions {
-		if len(v.Gaps) == 0 {
-			continue
-		}
-		fmt.Fprintf(tw, "\n%s v%d gaps\n", v.Projection, v.Version)
-		fmt.Fprintln(tw, "GAP\tKIND\tTABLE\tPARTITION\tFROM LSN\tTO LSN\tSTREAM SEQ\tDETECTED\tACKNOWLEDGED")
-		for _, g := range v.Gaps {
-			writeGapRow(tw, g)
-		}
-	}
-	for _, v := range st.Versions {
-		if len(v.Partitions) == 0 {
-			continue
-		}
-		fmt.Fprintf(tw, "\n%s v%d\n", v.Projection, v.Version)
-		fmt.Fprintln(tw, "PARTITION\tOWNER\tEPOCH\tCURSOR\tSOURCE LSN\tLAG EVENTS\tOLDEST PENDING\tLAST ADVANCE\tFAILURE")
-		for _, p := range v.Partitions {
-			owner := p.Owner
-			if !p.Leased {
-				owner = "(none)"
-			}
-			last := "-"
-			if p.LastAdvanceAt != nil {
-				last = p.LastAdvanceAt.UTC().Format(time.RFC3339)
-			}
-			fail := p.LastFailureCategory
-			if fail == "" {
-				fail = "-"
-			} else {
-				fail = fmt.Sprintf("%s (x%d)", fail, p.Attempts)
-			}
-			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
-				orDash(p.SourceLSN), p.LagEvents, seconds(p.OldestPendingAgeSeconds), last, fail)
-		}
-	}
-	writeLifecycle(tw, st)
-	if len(st.Workers) > 0 {
-		fmt.Fprintln(tw, "\nWORKER\tLIVE\tHEARTBEAT AGE")
-		for _, wk := range st.Workers {
-			fmt.Fprintf(tw, "%s\t%t\t%s\n", wk.ID, wk.Live, seconds(wk.HeartbeatAgeSeconds))
-		}
-	}
-	if len(st.Quarantine) > 0 {
-		fmt.Fprintln(tw, "\nQUARANTINE\tVERSION\tOPEN\tOLDEST\tBY CATEGORY")
-		for _, q := range st.Quarantine {
-			cats := make([]string, 0, len(q.ByCategory))
-			for c, n := range q.ByCategory {
-				cats = append(cats, fmt.Sprintf("%s=%d", c, n))
-			}
-			sort.Strings(cats)
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\n", q.Projection, q.Version, q.Unresolved, seconds(q.OldestAgeSeconds), strings.Join(cats, " "))
-		}
-	}
-	return tw.Flush()
-}
-
-func seconds(s float64) string {
-	if s == 0 {
-		return "-"
-	}
-	return (time.Duration(s * float64(time.Second))).Round(time.Millisecond).String()
-}
-
-func orDash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
-}
-
-// writeGapRow prints one gap as a row of the gaps table (status and
-// `projector gaps`).
-func writeGapRow(w io.Writer, g Gap) {
-	table, part := "(all)", "(all)"
-	if g.Schema != nil && g.Table != nil {
-		table = *g.Schema + "." + *g.Table
-	}
-	if g.Partition != nil {
-		part = fmt.Sprint(*g.Partition)
-	}
-	seqs := "-"
-	if g.FromSeq != nil || g.ToSeq != nil {
-		seqs = seqOrUnknown(g.FromSeq) + "-" + seqOrUnknown(g.ToSeq)
-	}
-	ack := "no"
-	if g.Kind == event.GapTruncate && g.AcknowledgedAt == nil {
-		ack = "(informational)"
-	}
-	if g.AcknowledgedAt != nil {
-		ack = g.AcknowledgedAt.UTC().Format(time.RFC3339) + ": " + deref(g.AckReason)
-	}
-	fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Kind, table, part, lsnOrUnknown(g.FromLSN),
-		lsnOrUnknown(g.ToLSN), seqs, g.DetectedAt.UTC().Format(time.RFC3339), ack)
-}
-
-// WriteGaps prints the gaps of versions as text tables (`projector gaps`).
-func WriteGaps(w io.Writer, vgs []VersionGaps) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	for i, vg := range vgs {
-		if i > 0 {
-			fmt.Fprintln(tw)
-		}
-		fmt.Fprintf(tw, "%s v%d (%s): %d gaps\n", vg.Projection, vg.Version, vg.State, len(vg.Gaps))
-		if len(vg.Gaps) == 0 {
-			continue
-		}
-		fmt.Fprintln(tw, "GAP\tKIND\tTABLE\tPARTITION\tFROM LSN\tTO LSN\tSTREAM SEQ\tDETECTED\tACKNOWLEDGED")
-		for _, g := range vg.Gaps {
-			writeGapRow(tw, g)
-		}
-	}
-	return tw.Flush()
 }

@@ -1,10 +1,7 @@
 package projection
 
 import (
-	"fmt"
-	"io"
 	"math"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -80,13 +77,13 @@ func (st *Status) FillRates(prev *Status) {
 		return
 	}
 	dt := st.At.Sub(prev.At).Seconds()
-	before := map[[2]any]*VersionLifecycle{}
+	before := map[VersionKey]*VersionLifecycle{}
 	for _, v := range prev.Versions {
-		before[[2]any{v.Projection, v.Version}] = v.Lifecycle
+		before[VersionKey{v.Projection, v.Version}] = v.Lifecycle
 	}
 	for i := range st.Versions {
 		v := &st.Versions[i]
-		lc, was := v.Lifecycle, before[[2]any{v.Projection, v.Version}]
+		lc, was := v.Lifecycle, before[VersionKey{v.Projection, v.Version}]
 		if lc == nil || was == nil {
 			continue
 		}
@@ -106,66 +103,4 @@ func (st *Status) FillRates(prev *Status) {
 			lc.ETASeconds = math.Round(remaining / lc.EventsPerSecond)
 		}
 	}
-}
-
-// writeLifecycle prints the lifecycle of every version that is not simply
-// live: boundary, state times, progress, rate, ETA and per-partition
-// positions against the boundary.
-func writeLifecycle(w io.Writer, st *Status) {
-	for _, v := range st.Versions {
-		lc := v.Lifecycle
-		if lc == nil || v.State == StateRetired {
-			continue
-		}
-		fmt.Fprintf(w, "\n%s v%d %s: boundary seq %d (lsn %s)", v.Projection, v.Version, v.State, lc.BoundarySeq, orDash(lc.BoundaryLSN))
-		if lc.FromTime != nil {
-			fmt.Fprintf(w, ", partial rebuild from %s", lc.FromTime.UTC().Format(time.RFC3339))
-		}
-		fmt.Fprintln(w)
-		var times []string
-		for _, t := range []struct {
-			name string
-			at   *time.Time
-		}{{"building", lc.BuildingAt}, {"catching_up", lc.CatchingUpAt}, {"ready", lc.ReadyAt}, {"live", lc.LiveAt}} {
-			if t.at != nil {
-				times = append(times, t.name+" "+t.at.UTC().Format(time.RFC3339))
-			}
-		}
-		if len(times) > 0 {
-			fmt.Fprintf(w, "  since: %s\n", strings.Join(times, ", "))
-		}
-		if lc.FailedReason != "" {
-			fmt.Fprintf(w, "  failed: %s\n", lc.FailedReason)
-		}
-		if lc.BoundarySeq == 0 && v.State == StateLive {
-			continue // the first version: nothing was rebuilt
-		}
-		fmt.Fprintf(w, "  %s  %d/%d events  %.0f events/s  ETA %s  partitions at boundary %d/%d\n",
-			Bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary, lc.EventsPerSecond, eta(lc.ETASeconds),
-			lc.PartitionsAtBoundary, len(v.Partitions))
-		if v.State == StateLive {
-			continue
-		}
-		fmt.Fprintln(w, "  PARTITION\tCURSOR\tNEXT\tBOUNDARY\tREACHED")
-		for _, p := range v.Partitions {
-			fmt.Fprintf(w, "  %d\t%d\t%d\t%d\t%t\n", p.Partition, p.Cursor, p.NextSeq, lc.BoundarySeq, p.ReachedBoundary)
-		}
-	}
-}
-
-// Bar draws a progress bar of width cells for a fraction in [0, 1].
-func Bar(fraction float64, width int) string {
-	fraction = min(max(fraction, 0), 1)
-	n := int(fraction * float64(width))
-	return fmt.Sprintf("[%s%s] %5.1f%%", strings.Repeat("#", n), strings.Repeat("-", width-n), fraction*100)
-}
-
-func eta(s float64) string {
-	switch {
-	case s < 0:
-		return "?"
-	case s == 0:
-		return "now"
-	}
-	return (time.Duration(s) * time.Second).String()
 }

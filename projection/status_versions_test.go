@@ -9,21 +9,6 @@ import (
 	"github.com/epitaph-dev/epitaph/projection"
 )
 
-func TestBar(t *testing.T) {
-	for _, c := range []struct {
-		f    float64
-		want string
-	}{
-		{0, "[----------]   0.0%"},
-		{0.25, "[##--------]  25.0%"},
-		{1, "[##########] 100.0%"},
-		{1.7, "[##########] 100.0%"},
-		{-1, "[----------]   0.0%"},
-	} {
-		require.Equal(t, c.want, projection.Bar(c.f, 10), "%g", c.f)
-	}
-}
-
 // Events/s come from two samples; the ETA is what is left to the
 // boundary while building, the lag after.
 func TestFillRates(t *testing.T) {

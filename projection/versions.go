@@ -57,6 +57,16 @@ type Version struct {
 	FailedReason string
 }
 
+// VersionKey identifies one version of a projection: the key of maps
+// per version (a comparable struct instead of [2]any).
+type VersionKey struct {
+	Projection string
+	Version    int
+}
+
+// Key returns the version's map key.
+func (v Version) Key() VersionKey { return VersionKey{Projection: v.Projection, Version: v.Version} }
+
 // Active reports whether workers run the version (every state but retired
 // and failed).
 func (v Version) Active() bool { return v.State != StateRetired && v.State != StateFailed }
@@ -118,7 +128,10 @@ var ErrNoVersion = errors.New("no such version")
 // that re-points the reader views across workers and operators.
 const versionLockKey int64 = 0x65706974617069
 
-func lockVersions(ctx context.Context, tx pgx.Tx) error {
+// LockVersions takes the version lock for the rest of tx: it serializes
+// creating versions and every state change that re-points the reader
+// views (package version).
+func LockVersions(ctx context.Context, tx pgx.Tx) error {
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, versionLockKey); err != nil {
 		return fmt.Errorf("lock versions: %w", err)
 	}
@@ -136,7 +149,7 @@ func EnsureArchive(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		if err := lockVersions(ctx, tx); err != nil {
+		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
 		vs, err := ListVersions(ctx, tx, ArchiveProjection)
@@ -165,7 +178,7 @@ func EnsureArchive(ctx context.Context, db interface {
 			if !v.Active() {
 				continue
 			}
-			if err := createVersionTables(ctx, tx, v, extraDDL); err != nil {
+			if err := CreateVersionTables(ctx, tx, v, extraDDL); err != nil {
 				if !ddlRejected(err) || v.State == StateLive {
 					return err
 				}
@@ -194,9 +207,10 @@ func EnsureArchive(ctx context.Context, db interface {
 	})
 }
 
-// createVersionTables runs the projection's DDL for the version's schema
-// in a savepoint (so a rejected DDL leaves tx usable).
-func createVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL func(schema string) string) error {
+// CreateVersionTables runs the projection's DDL (and extraDDL, e.g. the
+// snapshot tables) for the version's schema in a savepoint (so a rejected
+// DDL leaves tx usable). Idempotent.
+func CreateVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL func(schema string) string) error {
 	ddl := archiveDDL(v.Schema)
 	if extraDDL != nil {
 		ddl += extraDDL(v.Schema)

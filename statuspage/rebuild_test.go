@@ -22,6 +22,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	pversion "github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -174,7 +175,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 		return v2.Lifecycle.EventsDone
 	}
 
-	v2, err := projection.CreateVersion(ctx, svc.Pool(), js, projection.RebuildOptions{Source: source, Note: "statuspage test"})
+	v2, err := pversion.CreateVersion(ctx, svc.Pool(), js, pversion.RebuildOptions{Source: source, Note: "statuspage test"})
 	require.NoError(t, err)
 	require.Equal(t, 2, v2.Version)
 	pause()

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
@@ -50,31 +51,28 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 	asJSON := jsonFlag(cmd, "what the batch deleted (counts, never values)")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		if err := migrations.Apply(ctx, pool); err != nil {
-			return err
-		}
-		res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: batch, StatementTimeout: timeout})
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, res)
-		}
-		fmt.Fprintf(env.Stdout, "deleted %d expired rows (%d snapshots, %d groups) in %s", res.Deleted, res.Snapshots, res.Groups,
-			res.Duration.Round(time.Millisecond))
-		for _, t := range slices.Sorted(maps.Keys(res.ByTable)) {
-			fmt.Fprintf(env.Stdout, "; %s %d", t, res.ByTable[t])
-		}
-		fmt.Fprintln(env.Stdout)
-		if res.Full {
-			fmt.Fprintln(env.Stdout, "the batch was full: more rows may be due")
-		}
-		return nil
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			if err := migrations.Apply(ctx, pool); err != nil {
+				return err
+			}
+			res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: batch, StatementTimeout: timeout})
+			if err != nil {
+				return err
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, res)
+			}
+			fmt.Fprintf(env.Stdout, "deleted %d expired rows (%d snapshots, %d groups) in %s", res.Deleted, res.Snapshots, res.Groups,
+				res.Duration.Round(time.Millisecond))
+			for _, t := range slices.Sorted(maps.Keys(res.ByTable)) {
+				fmt.Fprintf(env.Stdout, "; %s %d", t, res.ByTable[t])
+			}
+			fmt.Fprintln(env.Stdout)
+			if res.Full {
+				fmt.Fprintln(env.Stdout, "the batch was full: more rows may be due")
+			}
+			return nil
+		})
 	}
 	return cmd
 }
@@ -164,23 +162,20 @@ func holdAddCommand(env *Env) *cobra.Command {
 			*actor = osUser()
 		}
 		ctx := cmd.Context()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		if err := migrations.Apply(ctx, pool); err != nil {
-			return err
-		}
-		h, err := projection.AddLegalHold(ctx, pool, sel.table, key, match, *reason, *actor)
-		if err != nil {
-			return usageIfBadSelector(err)
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, h)
-		}
-		fmt.Fprintf(env.Stdout, "legal hold %d on %s added\n", h.ID, h.Table)
-		return nil
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			if err := migrations.Apply(ctx, pool); err != nil {
+				return err
+			}
+			h, err := projection.AddLegalHold(ctx, pool, sel.table, key, match, *reason, *actor)
+			if err != nil {
+				return usageIfBadSelector(err)
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, h)
+			}
+			fmt.Fprintf(env.Stdout, "legal hold %d on %s added\n", h.ID, h.Table)
+			return nil
+		})
 	}
 	return cmd
 }
@@ -191,32 +186,26 @@ func holdListCommand(env *Env) *cobra.Command {
 	asJSON := jsonFlag(cmd, "the holds")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		hs, err := projection.ListLegalHolds(ctx, pool)
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			if hs == nil {
-				hs = []projection.LegalHold{}
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			hs, err := projection.ListLegalHolds(ctx, pool)
+			if err != nil {
+				return err
 			}
-			return writeJSON(env.Stdout, hs)
-		}
-		if len(hs) == 0 {
-			fmt.Fprintln(env.Stdout, "no legal holds")
-		}
-		for _, h := range hs {
-			sel := "key " + string(h.Key)
-			if h.Match != nil {
-				sel = "match " + string(h.Match)
+			if *asJSON {
+				return writeJSONList(env.Stdout, hs)
 			}
-			fmt.Fprintf(env.Stdout, "%d\t%s\t%s\t%s by %s at %s\n", h.ID, h.Table, sel, h.Reason, h.CreatedBy, h.CreatedAt.UTC().Format(time.RFC3339))
-		}
-		return nil
+			if len(hs) == 0 {
+				fmt.Fprintln(env.Stdout, "no legal holds")
+			}
+			for _, h := range hs {
+				sel := "key " + string(h.Key)
+				if h.Match != nil {
+					sel = "match " + string(h.Match)
+				}
+				fmt.Fprintf(env.Stdout, "%d\t%s\t%s\t%s by %s at %s\n", h.ID, h.Table, sel, h.Reason, h.CreatedBy, h.CreatedAt.UTC().Format(time.RFC3339))
+			}
+			return nil
+		})
 	}
 	return cmd
 }
@@ -230,20 +219,17 @@ func holdRemoveCommand(env *Env) *cobra.Command {
 			return cli.Usage("hold id %q: want a positive number", pos[0])
 		}
 		ctx := cmd.Context()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		ok, err := projection.RemoveLegalHold(ctx, pool, id)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			return cli.WithCode(3, fmt.Errorf("no legal hold %d", id))
-		}
-		fmt.Fprintf(env.Stdout, "legal hold %d removed\n", id)
-		return nil
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			ok, err := projection.RemoveLegalHold(ctx, pool, id)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return cli.WithCode(3, fmt.Errorf("no legal hold %d", id))
+			}
+			fmt.Fprintf(env.Stdout, "legal hold %d removed\n", id)
+			return nil
+		})
 	}
 	return cmd
 }
@@ -366,28 +352,22 @@ func erasuresCommand(env *Env) *cobra.Command {
 	asJSON := jsonFlag(cmd, "the receipts")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		rs, err := projection.ListErasures(ctx, pool)
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			if rs == nil {
-				rs = []projection.Receipt{}
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			rs, err := projection.ListErasures(ctx, pool)
+			if err != nil {
+				return err
 			}
-			return writeJSON(env.Stdout, rs)
-		}
-		if len(rs) == 0 {
-			fmt.Fprintln(env.Stdout, "no erasures")
-		}
-		for _, rc := range rs {
-			writeReceipt(env, rc)
-		}
-		return nil
+			if *asJSON {
+				return writeJSONList(env.Stdout, rs)
+			}
+			if len(rs) == 0 {
+				fmt.Fprintln(env.Stdout, "no erasures")
+			}
+			for _, rc := range rs {
+				writeReceipt(env, rc)
+			}
+			return nil
+		})
 	}
 	return cmd
 }

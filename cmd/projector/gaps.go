@@ -40,16 +40,13 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 			return err
 		}
 		if *asJSON {
-			if vgs == nil {
-				vgs = []projection.VersionGaps{}
-			}
-			return writeJSON(env.Stdout, vgs)
+			return writeJSONList(env.Stdout, vgs)
 		}
 		if len(vgs) == 0 {
 			fmt.Fprintf(env.Stdout, "%s has no active version\n", *proj)
 			return nil
 		}
-		return projection.WriteGaps(env.Stdout, vgs)
+		return writeGaps(env.Stdout, vgs)
 	}
 	cmd.AddCommand(gapsAckCommand(env))
 	return cmd

@@ -10,6 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
@@ -93,26 +94,23 @@ func handlersAddCommand(env *Env) *cobra.Command {
 			}
 			f.Close()
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		if err := migrations.Apply(ctx, pool); err != nil {
-			return err
-		}
-		if err := handler.Add(ctx, pool, d); err != nil {
-			return err
-		}
-		got, err := handler.Get(ctx, pool, d.ID)
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, handlerJSON(got))
-		}
-		fmt.Fprintf(env.Stdout, "added handler %s (%s %s) for %s\n", got.ID, got.Kind, got.Phase, got.QualifiedTable())
-		return nil
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			if err := migrations.Apply(ctx, pool); err != nil {
+				return err
+			}
+			if err := handler.Add(ctx, pool, d); err != nil {
+				return err
+			}
+			got, err := handler.Get(ctx, pool, d.ID)
+			if err != nil {
+				return err
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, handlerJSON(got))
+			}
+			fmt.Fprintf(env.Stdout, "added handler %s (%s %s) for %s\n", got.ID, got.Kind, got.Phase, got.QualifiedTable())
+			return nil
+		})
 	}
 	return cmd
 }
@@ -137,24 +135,21 @@ func handlersListCommand(env *Env) *cobra.Command {
 	asJSON := jsonFlag(cmd, "the handlers")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		defs, err := handler.List(ctx, pool)
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			out := make([]handlerOut, len(defs))
-			for i, d := range defs {
-				out[i] = handlerJSON(d)
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			defs, err := handler.List(ctx, pool)
+			if err != nil {
+				return err
 			}
-			return writeJSON(env.Stdout, out)
-		}
-		writeHandlers(env.Stdout, defs)
-		return nil
+			if *asJSON {
+				out := make([]handlerOut, len(defs))
+				for i, d := range defs {
+					out[i] = handlerJSON(d)
+				}
+				return writeJSON(env.Stdout, out)
+			}
+			writeHandlers(env.Stdout, defs)
+			return nil
+		})
 	}
 	return cmd
 }
@@ -170,16 +165,10 @@ func handlerStatus(d handler.Def) string {
 }
 
 func writeHandlers(w io.Writer, defs []handler.Def) {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tNAME\tTABLE\tKIND\tPHASE\tPRIORITY\tSTATUS\tTARGET")
-	for _, d := range defs {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Name, d.QualifiedTable(), d.Kind, d.Phase, d.Priority,
+	writeTable(w, "ID\tNAME\tTABLE\tKIND\tPHASE\tPRIORITY\tSTATUS\tTARGET", defs, "(no handlers)", func(w io.Writer, d handler.Def) {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Name, d.QualifiedTable(), d.Kind, d.Phase, d.Priority,
 			handlerStatus(d), redact(d.Target))
-	}
-	tw.Flush()
-	if len(defs) == 0 {
-		fmt.Fprintln(w, "(no handlers)")
-	}
+	})
 }
 
 func handlersShowCommand(env *Env) *cobra.Command {
@@ -192,58 +181,55 @@ func handlersShowCommand(env *Env) *cobra.Command {
 		if !handler.ValidID(args[0]) {
 			return cli.Usage("handler id %q: want a UUID", args[0])
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		d, err := handler.Get(ctx, pool, args[0])
-		if err != nil {
-			return notFound(err)
-		}
-		stats, err := handler.Stats(ctx, pool)
-		if err != nil {
-			return err
-		}
-		counts := map[string]int64{}
-		for _, s := range handler.States {
-			counts[s] = 0
-		}
-		for _, s := range stats {
-			if s.HandlerID == d.ID && s.State != "" {
-				counts[s.State] = s.Count
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			d, err := handler.Get(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
 			}
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, struct {
-				handlerOut
-				Deliveries map[string]int64 `json:"deliveries"`
-			}{handlerJSON(d), counts})
-		}
-		tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
-		line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
-		line("id", d.ID)
-		if d.Name != "" {
-			line("name", d.Name)
-		}
-		line("table", d.QualifiedTable())
-		line("kind", d.Kind)
-		line("target", redact(d.Target))
-		line("status", handlerStatus(d))
-		line("priority", d.Priority)
-		line("phase", d.Phase)
-		line("columns", strings.Join(append([]string{"(key)"}, d.Columns...), ", "))
-		line("max attempts", d.MaxAttempts)
-		line("backoff", d.Backoff)
-		line("claim timeout", d.ClaimTimeout)
-		line("revalidate", d.Revalidate)
-		if d.SecretFile != "" {
-			line("secret file", d.SecretFile)
-		}
-		for _, s := range handler.States {
-			line("deliveries "+s, counts[s])
-		}
-		return tw.Flush()
+			stats, err := handler.Stats(ctx, pool)
+			if err != nil {
+				return err
+			}
+			counts := map[string]int64{}
+			for _, s := range handler.States {
+				counts[s] = 0
+			}
+			for _, s := range stats {
+				if s.HandlerID == d.ID && s.State != "" {
+					counts[s.State] = s.Count
+				}
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, struct {
+					handlerOut
+					Deliveries map[string]int64 `json:"deliveries"`
+				}{handlerJSON(d), counts})
+			}
+			tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
+			line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
+			line("id", d.ID)
+			if d.Name != "" {
+				line("name", d.Name)
+			}
+			line("table", d.QualifiedTable())
+			line("kind", d.Kind)
+			line("target", redact(d.Target))
+			line("status", handlerStatus(d))
+			line("priority", d.Priority)
+			line("phase", d.Phase)
+			line("columns", strings.Join(append([]string{"(key)"}, d.Columns...), ", "))
+			line("max attempts", d.MaxAttempts)
+			line("backoff", d.Backoff)
+			line("claim timeout", d.ClaimTimeout)
+			line("revalidate", d.Revalidate)
+			if d.SecretFile != "" {
+				line("secret file", d.SecretFile)
+			}
+			for _, s := range handler.States {
+				line("deliveries "+s, counts[s])
+			}
+			return tw.Flush()
+		})
 	}
 	return cmd
 }
@@ -270,23 +256,20 @@ func handlersToggleCommand(env *Env, verb string, enabled bool) *cobra.Command {
 		if !handler.ValidID(args[0]) {
 			return cli.Usage("handler id %q: want a UUID", args[0])
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		if err := handler.SetEnabled(ctx, pool, args[0], enabled); err != nil {
-			return notFound(err)
-		}
-		d, err := handler.Get(ctx, pool, args[0])
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, handlerJSON(d))
-		}
-		fmt.Fprintf(env.Stdout, "handler %s %sd\n", d.ID, verb)
-		return nil
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			if err := handler.SetEnabled(ctx, pool, args[0], enabled); err != nil {
+				return notFound(err)
+			}
+			d, err := handler.Get(ctx, pool, args[0])
+			if err != nil {
+				return err
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, handlerJSON(d))
+			}
+			fmt.Fprintf(env.Stdout, "handler %s %sd\n", d.ID, verb)
+			return nil
+		})
 	}
 	return cmd
 }
@@ -307,24 +290,21 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 		if !handler.ValidID(args[0]) {
 			return cli.Usage("handler id %q: want a UUID", args[0])
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		end := handler.Revoke
-		if verb == "remove" {
-			end = handler.Remove
-		}
-		n, err := end(ctx, pool, args[0])
-		if err != nil {
-			return notFound(err)
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
-		}
-		fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], strings.TrimSuffix(verb, "e"), n, outcome)
-		return nil
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			end := handler.Revoke
+			if verb == "remove" {
+				end = handler.Remove
+			}
+			n, err := end(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
+			}
+			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], strings.TrimSuffix(verb, "e"), n, outcome)
+			return nil
+		})
 	}
 	return cmd
 }
@@ -371,38 +351,26 @@ func deliveriesListCommand(env *Env) *cobra.Command {
 			}
 			f.Schema, f.Table = s, t
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		ds, err := handler.ListDeliveries(ctx, pool, f)
-		if err != nil {
-			return err
-		}
-		if *asJSON {
-			if ds == nil {
-				ds = []handler.Info{}
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			ds, err := handler.ListDeliveries(ctx, pool, f)
+			if err != nil {
+				return err
 			}
-			return writeJSON(env.Stdout, ds)
-		}
-		writeDeliveries(env.Stdout, ds, time.Now())
-		return nil
+			if *asJSON {
+				return writeJSONList(env.Stdout, ds)
+			}
+			writeDeliveries(env.Stdout, ds, time.Now())
+			return nil
+		})
 	}
 	return cmd
 }
 
 func writeDeliveries(w io.Writer, ds []handler.Info, now time.Time) {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tHANDLER\tTABLE\tKEY\tSTATE\tATTEMPT\tOUTCOME\tAGE\tLAST ERROR")
-	for _, d := range ds {
-		fmt.Fprintf(tw, "%s\t%s\t%s.%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.HandlerID, d.Schema, d.Table, oneLine(string(d.Key), 40),
+	writeTable(w, "ID\tHANDLER\tTABLE\tKEY\tSTATE\tATTEMPT\tOUTCOME\tAGE\tLAST ERROR", ds, "(no deliveries)", func(w io.Writer, d handler.Info) {
+		fmt.Fprintf(w, "%s\t%s\t%s.%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.HandlerID, d.Schema, d.Table, oneLine(string(d.Key), 40),
 			d.State, d.Attempt, deref(d.Outcome), now.Sub(d.CreatedAt).Truncate(time.Second), deref(d.LastError))
-	}
-	tw.Flush()
-	if len(ds) == 0 {
-		fmt.Fprintln(w, "(no deliveries)")
-	}
+	})
 }
 
 func deref(s *string) string {
@@ -423,44 +391,41 @@ func deliveriesShowCommand(env *Env) *cobra.Command {
 		if !handler.ValidID(args[0]) {
 			return cli.Usage("delivery id %q: want a UUID", args[0])
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		d, err := handler.ShowDelivery(ctx, pool, args[0])
-		if err != nil {
-			return notFound(err)
-		}
-		if !*payload {
-			d.Payload = nil
-		}
-		if *asJSON {
-			return writeJSON(env.Stdout, d)
-		}
-		tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
-		line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
-		line("id", d.ID)
-		line("handler", d.HandlerID)
-		line("row", fmt.Sprintf("%s.%s %s", d.Schema, d.Table, d.Key))
-		line("correlation id", d.CorrelationID)
-		line("state", d.State)
-		line("attempt", d.Attempt)
-		line("outcome", deref(d.Outcome))
-		line("last error", deref(d.LastError))
-		line("phase", d.Phase)
-		line("released", d.Released)
-		if d.ReleasedUnsettled {
-			line("released unsettled", true)
-		}
-		line("next attempt", d.NextAttemptAt.Format(time.RFC3339))
-		line("created", d.CreatedAt.Format(time.RFC3339))
-		if d.Payload != nil {
-			line("payload", string(d.Payload))
-		} else if d.PayloadScrubbed {
-			line("payload", "(scrubbed)")
-		}
-		return tw.Flush()
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			d, err := handler.ShowDelivery(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
+			}
+			if !*payload {
+				d.Payload = nil
+			}
+			if *asJSON {
+				return writeJSON(env.Stdout, d)
+			}
+			tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
+			line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
+			line("id", d.ID)
+			line("handler", d.HandlerID)
+			line("row", fmt.Sprintf("%s.%s %s", d.Schema, d.Table, d.Key))
+			line("correlation id", d.CorrelationID)
+			line("state", d.State)
+			line("attempt", d.Attempt)
+			line("outcome", deref(d.Outcome))
+			line("last error", deref(d.LastError))
+			line("phase", d.Phase)
+			line("released", d.Released)
+			if d.ReleasedUnsettled {
+				line("released unsettled", true)
+			}
+			line("next attempt", d.NextAttemptAt.Format(time.RFC3339))
+			line("created", d.CreatedAt.Format(time.RFC3339))
+			if d.Payload != nil {
+				line("payload", string(d.Payload))
+			} else if d.PayloadScrubbed {
+				line("payload", "(scrubbed)")
+			}
+			return tw.Flush()
+		})
 	}
 	return cmd
 }
@@ -479,31 +444,28 @@ func deliveriesActCommand(env *Env, verb string) *cobra.Command {
 		if !handler.ValidID(args[0]) {
 			return cli.Usage("delivery id %q: want a UUID", args[0])
 		}
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		act := handler.Retry
-		if verb == "discard" {
-			act = handler.Discard
-		}
-		if err := act(ctx, pool, args[0]); err != nil {
-			if errors.Is(err, handler.ErrNotFound) {
-				return notFound(err)
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			act := handler.Retry
+			if verb == "discard" {
+				act = handler.Discard
 			}
-			return cli.WithCode(cli.ExitNotEqual, err)
-		}
-		d, err := handler.ShowDelivery(ctx, pool, args[0])
-		if err != nil {
-			return err
-		}
-		d.Payload = nil
-		if *asJSON {
-			return writeJSON(env.Stdout, d)
-		}
-		fmt.Fprintf(env.Stdout, "delivery %s: %s\n", d.ID, d.State)
-		return nil
+			if err := act(ctx, pool, args[0]); err != nil {
+				if errors.Is(err, handler.ErrNotFound) {
+					return notFound(err)
+				}
+				return cli.WithCode(cli.ExitNotEqual, err)
+			}
+			d, err := handler.ShowDelivery(ctx, pool, args[0])
+			if err != nil {
+				return err
+			}
+			d.Payload = nil
+			if *asJSON {
+				return writeJSON(env.Stdout, d)
+			}
+			fmt.Fprintf(env.Stdout, "delivery %s: %s\n", d.ID, d.State)
+			return nil
+		})
 	}
 	return cmd
 }
@@ -527,43 +489,40 @@ passed first (naming how many remain).`,
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 		defer cancel()
-		pool, err := targetPool(ctx, c)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		var js jetstream.JetStream
-		if nc, err := c.natsConnect(nats.Name("epitaph-projector deliveries flush")); err == nil {
-			defer nc.Close()
-			js, _ = jetstream.New(nc)
-		} else {
-			env.Logger.Warn("no NATS connection: nats handlers' deliveries will be retried", "nats", redact(c.natsURL))
-		}
-		ev, reval, err := newRevalidator(pool, sourceURL, env, nil)
-		if err != nil {
-			return err
-		}
-		defer ev.Close()
-		d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval, Logger: env.Logger})
-		if err != nil {
-			return err
-		}
-		left, err := d.Flush(ctx)
-		if err != nil && ctx.Err() == nil {
-			return err
-		}
-		if *asJSON {
-			if werr := writeJSON(env.Stdout, map[string]int{"remaining": max(left, 0)}); werr != nil {
-				return werr
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			var js jetstream.JetStream
+			if nc, err := c.natsConnect(nats.Name("epitaph-projector deliveries flush")); err == nil {
+				defer nc.Close()
+				js, _ = jetstream.New(nc)
+			} else {
+				env.Logger.Warn("no NATS connection: nats handlers' deliveries will be retried", "nats", redact(c.natsURL))
 			}
-		}
-		if left != 0 || ctx.Err() != nil {
-			return cli.WithCode(cli.ExitTimeout, fmt.Errorf("flush: %d deliveries still open after %s", max(left, 0), timeout))
-		}
-		if !*asJSON {
-			fmt.Fprintln(env.Stdout, "flushed: no open deliveries left")
-		}
-		return nil
+			ev, reval, err := newRevalidator(pool, sourceURL, env, nil)
+			if err != nil {
+				return err
+			}
+			defer ev.Close()
+			d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval, Logger: env.Logger})
+			if err != nil {
+				return err
+			}
+			left, err := d.Flush(ctx)
+			if err != nil && ctx.Err() == nil {
+				return err
+			}
+			if *asJSON {
+				if werr := writeJSON(env.Stdout, map[string]int{"remaining": max(left, 0)}); werr != nil {
+					return werr
+				}
+			}
+			if left != 0 || ctx.Err() != nil {
+				return cli.WithCode(cli.ExitTimeout, fmt.Errorf("flush: %d deliveries still open after %s", max(left, 0), timeout))
+			}
+			if !*asJSON {
+				fmt.Fprintln(env.Stdout, "flushed: no open deliveries left")
+			}
+			return nil
+		})
 	}
 	return cmd
 }

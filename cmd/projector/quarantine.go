@@ -387,7 +387,7 @@ func (p *replayProgress) show(final bool) {
 	if rate > 0 {
 		eta = float64(max(p.total-p.n, 0)) / rate
 	}
-	line := fmt.Sprintf("replaying %s %d/%d entries %6.0f/s ETA %s", projection.Bar(float64(p.n)/float64(p.total), 30),
+	line := fmt.Sprintf("replaying %s %d/%d entries %6.0f/s ETA %s", bar(float64(p.n)/float64(p.total), 30),
 		p.n, p.total, rate, etaText(eta))
 	if p.tty {
 		fmt.Fprintf(p.w, "\r%s\033[K", line)

@@ -71,7 +71,7 @@ quarantine).`,
 		if *asJSON {
 			err = cli.WriteJSON(env.Stdout, st)
 		} else {
-			err = st.WriteTable(env.Stdout)
+			err = writeStatusTable(env.Stdout, st)
 		}
 		if err != nil || !*check {
 			return err

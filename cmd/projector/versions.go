@@ -18,6 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func init() {
@@ -79,7 +80,7 @@ PARTIAL, from --from-time) beside the live version, which keeps serving.`,
 	asJSON := jsonFlag(cmd, "the created version")
 	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
 		ctx := cmd.Context()
-		opts := projection.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note}
+		opts := version.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note}
 		if *fromTime != "" {
 			t, err := time.Parse(time.RFC3339, *fromTime)
 			if err != nil {
@@ -92,7 +93,7 @@ PARTIAL, from --from-time) beside the live version, which keeps serving.`,
 			return err
 		}
 		defer closeAll()
-		v, err := projection.CreateVersion(ctx, pool, js, opts)
+		v, err := version.CreateVersion(ctx, pool, js, opts)
 		if err != nil {
 			return err
 		}
@@ -172,7 +173,7 @@ func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, 
 			firstDone, firstEvents = st.At, lc.EventsDone
 		}
 		line := fmt.Sprintf("%s v%d %-11s %s %d/%d events %6.0f events/s ETA %-8s partitions at boundary %d/%d",
-			v.Projection, v.Version, vs.State, projection.Bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary,
+			v.Projection, v.Version, vs.State, bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary,
 			lc.EventsPerSecond, etaText(lc.ETASeconds), lc.PartitionsAtBoundary, len(vs.Partitions))
 		if tty {
 			fmt.Fprintf(w, "\r%s\033[K", line)
@@ -282,7 +283,7 @@ differing keys. Exit status 0 when equal, 3 when they differ, 1 on error.`,
 			return err
 		}
 		defer pool.Close()
-		cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: a, B: b,
+		cmp, err := version.Compare(ctx, pool, version.CompareOptions{Projection: pos[0], A: a, B: b,
 			IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
 		if err != nil {
 			return err
@@ -290,7 +291,7 @@ differing keys. Exit status 0 when equal, 3 when they differ, 1 on error.`,
 		if *asJSON {
 			err = writeJSON(env.Stdout, cmp)
 		} else {
-			err = cmp.WriteText(env.Stdout)
+			err = writeComparison(env.Stdout, cmp)
 		}
 		if err != nil {
 			return err
@@ -343,13 +344,13 @@ live version stays ready and keeps consuming, so rollback is instant.`,
 				if v.State != projection.StateLive || v.Version == n {
 					continue
 				}
-				cmp, err := projection.Compare(ctx, pool, projection.CompareOptions{Projection: pos[0], A: v.Version, B: n,
+				cmp, err := version.Compare(ctx, pool, version.CompareOptions{Projection: pos[0], A: v.Version, B: n,
 					IgnoreExpiresAt: ig.expiresAt, IgnoreSnapshots: ig.snapshots, MaxKeys: *maxKeys, All: *all})
 				if err != nil {
 					return err
 				}
 				if !cmp.Equal {
-					_ = cmp.WriteText(env.Stderr)
+					_ = writeComparison(env.Stderr, cmp)
 					return cli.WithCode(cli.ExitNotEqual, fmt.Errorf("refusing to promote %s v%d: it differs from the live v%d (--ignore expires_at accepts a TTL change; --force promotes anyway): %w",
 						pos[0], n, v.Version, errDiffer))
 				}
@@ -360,7 +361,7 @@ live version stays ready and keeps consuming, so rollback is instant.`,
 				fmt.Fprintln(out)
 			}
 		}
-		prev, err := projection.Promote(ctx, pool, pos[0], n, *force)
+		prev, err := version.Promote(ctx, pool, pos[0], n, *force)
 		if err != nil {
 			return err
 		}
@@ -409,7 +410,7 @@ func rollbackCommand(env *Env) *cobra.Command {
 			return err
 		}
 		defer pool.Close()
-		from, to, err := projection.Rollback(ctx, pool, pos[0])
+		from, to, err := version.Rollback(ctx, pool, pos[0])
 		if err != nil {
 			return err
 		}
@@ -460,7 +461,7 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 			return err
 		}
 		defer closeAll()
-		if err := projection.Retire(ctx, pool, js, pos[0], n, projection.RetireOptions{Source: c.sourceName, Drop: *drop,
+		if err := version.Retire(ctx, pool, js, pos[0], n, version.RetireOptions{Source: c.sourceName, Drop: *drop,
 			WaitReleased: waitReleased, Group: *group}); err != nil {
 			return err
 		}

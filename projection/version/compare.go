@@ -1,16 +1,14 @@
-package projection
+package version
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"sort"
-	"strings"
-	"text/tabwriter"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -119,16 +117,16 @@ func hash64(md5 string) string {
 // reads.
 func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison, error) {
 	if o.Projection == "" {
-		o.Projection = ArchiveProjection
+		o.Projection = projection.ArchiveProjection
 	}
 	if o.MaxKeys <= 0 {
 		o.MaxKeys = 20
 	}
-	va, err := GetVersion(ctx, db, o.Projection, o.A)
+	va, err := projection.GetVersion(ctx, db, o.Projection, o.A)
 	if err != nil {
 		return nil, err
 	}
-	vb, err := GetVersion(ctx, db, o.Projection, o.B)
+	vb, err := projection.GetVersion(ctx, db, o.Projection, o.B)
 	if err != nil {
 		return nil, err
 	}
@@ -142,29 +140,75 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 		c.UpTo = upTo.String()
 		bound = c.UpTo
 	}
-	sa, sb := ident(va.Schema), ident(vb.Schema)
-	tables := map[[2]string]*TableComparison{}
-	get := func(s, t string) *TableComparison {
-		k := [2]string{s, t}
-		if tables[k] == nil {
-			tables[k] = &TableComparison{Schema: s, Table: t}
-		}
-		return tables[k]
+	q := rowQueries{db: db, a: ident(va.Schema), b: ident(vb.Schema), bound: bound}
+	tables := tableSet{}
+	if err := q.checksums(ctx, tables); err != nil {
+		return nil, err
 	}
-	for i, schema := range []string{sa, sb} {
-		rows, err := db.Query(ctx, `SELECT schema_name, table_name, count(*), COALESCE(sum(`+hash64(fmt.Sprintf(rowContent, "r"))+`), 0)::text
-			FROM `+schema+`.rows r WHERE r.verified AND ($1::pg_lsn IS NULL OR r.commit_lsn <= $1::pg_lsn) GROUP BY 1, 2`, bound)
+	if err := q.rowDifferences(ctx, tables); err != nil {
+		return nil, err
+	}
+	c.addTables(tables)
+	if c.DifferingKeys, err = q.differingKeys(ctx, !o.IgnoreExpiresAt, o.MaxKeys); err != nil {
+		return nil, err
+	}
+	if err := c.compareSnapshotsOf(ctx, db, va.Schema, vb.Schema, bound, o.MaxKeys); err != nil {
+		return nil, err
+	}
+	c.Equal = c.ContentEqual && (o.IgnoreSnapshots || c.SnapshotsEqual) && (o.IgnoreExpiresAt || c.ExpiresAtDiffers == 0)
+	return c, nil
+}
+
+// tableKey is a source table.
+type tableKey struct{ schema, table string }
+
+// snapshotKey is a root table and a snapshot job status.
+type snapshotKey struct{ root, status string }
+
+// tableSet gathers the comparison of each source table.
+type tableSet map[tableKey]*TableComparison
+
+func (ts tableSet) get(s, t string) *TableComparison {
+	k := tableKey{s, t}
+	if ts[k] == nil {
+		ts[k] = &TableComparison{Schema: s, Table: t}
+	}
+	return ts[k]
+}
+
+// rowQueries compares the rows of the schemas a and b (quoted) of
+// transactions committed at or before bound (nil: all).
+type rowQueries struct {
+	db    progress.DB
+	a, b  string
+	bound any
+}
+
+// join is the FROM clause pairing the compared rows of both versions by
+// their identity.
+func (q rowQueries) join() string {
+	return ` FROM (SELECT * FROM ` + q.a + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) a
+		FULL JOIN (SELECT * FROM ` + q.b + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) b
+		ON a.source = b.source AND a.commit_lsn = b.commit_lsn AND a.seq = b.seq `
+}
+
+// checksums counts and checksums the rows per source table of both
+// versions.
+func (q rowQueries) checksums(ctx context.Context, tables tableSet) error {
+	for i, schema := range []string{q.a, q.b} {
+		rows, err := q.db.Query(ctx, `SELECT schema_name, table_name, count(*), COALESCE(sum(`+hash64(fmt.Sprintf(rowContent, "r"))+`), 0)::text
+			FROM `+schema+`.rows r WHERE r.verified AND ($1::pg_lsn IS NULL OR r.commit_lsn <= $1::pg_lsn) GROUP BY 1, 2`, q.bound)
 		if err != nil {
-			return nil, fmt.Errorf("checksum %s: %w", schema, err)
+			return fmt.Errorf("checksum %s: %w", schema, err)
 		}
 		for rows.Next() {
 			var s, t, sum string
 			var n int64
 			if err := rows.Scan(&s, &t, &n, &sum); err != nil {
 				rows.Close()
-				return nil, fmt.Errorf("checksum %s: %w", schema, err)
+				return fmt.Errorf("checksum %s: %w", schema, err)
 			}
-			tc := get(s, t)
+			tc := tables.get(s, t)
 			if i == 0 {
 				tc.RowsA, tc.ChecksumA = n, sum
 			} else {
@@ -173,35 +217,78 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 		}
 		rows.Close()
 		if err := rows.Err(); err != nil {
-			return nil, fmt.Errorf("checksum %s: %w", schema, err)
+			return fmt.Errorf("checksum %s: %w", schema, err)
 		}
 	}
-	// Row by row: what is only in one version, or different.
-	join := ` FROM (SELECT * FROM ` + sa + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) a
-		FULL JOIN (SELECT * FROM ` + sb + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) b
-		ON a.source = b.source AND a.commit_lsn = b.commit_lsn AND a.seq = b.seq `
-	rows, err := db.Query(ctx, `SELECT COALESCE(a.schema_name, b.schema_name), COALESCE(a.table_name, b.table_name),
+	return nil
+}
+
+// rowDifferences counts, row by row, what is only in one version, or
+// different, per source table.
+func (q rowQueries) rowDifferences(ctx context.Context, tables tableSet) error {
+	rows, err := q.db.Query(ctx, `SELECT COALESCE(a.schema_name, b.schema_name), COALESCE(a.table_name, b.table_name),
 		count(*) FILTER (WHERE b.seq IS NULL), count(*) FILTER (WHERE a.seq IS NULL),
 		count(*) FILTER (WHERE a.seq IS NOT NULL AND b.seq IS NOT NULL AND `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+`),
 		count(*) FILTER (WHERE a.seq IS NOT NULL AND b.seq IS NOT NULL AND a.expires_at IS DISTINCT FROM b.expires_at)`+
-		join+`GROUP BY 1, 2`, bound)
+		q.join()+`GROUP BY 1, 2`, q.bound)
 	if err != nil {
-		return nil, fmt.Errorf("compare rows: %w", err)
+		return fmt.Errorf("compare rows: %w", err)
 	}
 	for rows.Next() {
 		var s, t string
 		var oa, ob, cd, ed int64
 		if err := rows.Scan(&s, &t, &oa, &ob, &cd, &ed); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("compare rows: %w", err)
+			return fmt.Errorf("compare rows: %w", err)
 		}
-		tc := get(s, t)
+		tc := tables.get(s, t)
 		tc.OnlyA, tc.OnlyB, tc.ContentDiffers, tc.ExpiresAtDiffers = oa, ob, cd, ed
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("compare rows: %w", err)
+		return fmt.Errorf("compare rows: %w", err)
 	}
+	return nil
+}
+
+// differingKeys lists the first max differing rows (an expires_at
+// difference counts when expires is set).
+func (q rowQueries) differingKeys(ctx context.Context, expires bool, limit int) ([]KeyDifference, error) {
+	expiresCond := "false"
+	if expires {
+		expiresCond = "a.expires_at IS DISTINCT FROM b.expires_at"
+	}
+	rows, err := q.db.Query(ctx, `SELECT COALESCE(a.schema_name, b.schema_name), COALESCE(a.table_name, b.table_name),
+		COALESCE(a.key, b.key), COALESCE(a.commit_lsn, b.commit_lsn)::text, COALESCE(a.seq, b.seq),
+		CASE WHEN b.seq IS NULL THEN 'only_a' WHEN a.seq IS NULL THEN 'only_b'
+		     WHEN `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` THEN 'content' ELSE 'expires_at' END`+
+		q.join()+`WHERE a.seq IS NULL OR b.seq IS NULL OR `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` OR `+expiresCond+`
+		ORDER BY 4, 5 LIMIT $2`, q.bound, limit)
+	if err != nil {
+		return nil, fmt.Errorf("list differing rows: %w", err)
+	}
+	var out []KeyDifference
+	for rows.Next() {
+		var d KeyDifference
+		var key []byte
+		var seq int32
+		if err := rows.Scan(&d.Schema, &d.Table, &key, &d.CommitLSN, &seq, &d.What); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("list differing rows: %w", err)
+		}
+		d.Key, d.Seq = key, int(seq)
+		out = append(out, d)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list differing rows: %w", err)
+	}
+	return out, nil
+}
+
+// addTables sets the tables of the comparison (by name), the expires_at
+// differences and whether the content is equal.
+func (c *Comparison) addTables(tables tableSet) {
 	c.ContentEqual = true
 	for _, tc := range tables {
 		c.Tables = append(c.Tables, *tc)
@@ -213,36 +300,14 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 	sort.Slice(c.Tables, func(i, j int) bool {
 		return c.Tables[i].Schema+"."+c.Tables[i].Table < c.Tables[j].Schema+"."+c.Tables[j].Table
 	})
-	expiresCond := "false"
-	if !o.IgnoreExpiresAt {
-		expiresCond = "a.expires_at IS DISTINCT FROM b.expires_at"
-	}
-	rows, err = db.Query(ctx, `SELECT COALESCE(a.schema_name, b.schema_name), COALESCE(a.table_name, b.table_name),
-		COALESCE(a.key, b.key), COALESCE(a.commit_lsn, b.commit_lsn)::text, COALESCE(a.seq, b.seq),
-		CASE WHEN b.seq IS NULL THEN 'only_a' WHEN a.seq IS NULL THEN 'only_b'
-		     WHEN `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` THEN 'content' ELSE 'expires_at' END`+
-		join+`WHERE a.seq IS NULL OR b.seq IS NULL OR `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` OR `+expiresCond+`
-		ORDER BY 4, 5 LIMIT $2`, bound, o.MaxKeys)
-	if err != nil {
-		return nil, fmt.Errorf("list differing rows: %w", err)
-	}
-	for rows.Next() {
-		var d KeyDifference
-		var key []byte
-		var seq int32
-		if err := rows.Scan(&d.Schema, &d.Table, &key, &d.CommitLSN, &seq, &d.What); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("list differing rows: %w", err)
-		}
-		d.Key, d.Seq = key, int(seq)
-		c.DifferingKeys = append(c.DifferingKeys, d)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("list differing rows: %w", err)
-	}
-	if c.Snapshots, err = compareSnapshots(ctx, db, va.Schema, vb.Schema, bound); err != nil {
-		return nil, err
+}
+
+// compareSnapshotsOf compares the snapshot jobs and the documents of the
+// schemas a and b and sets whether they are equal.
+func (c *Comparison) compareSnapshotsOf(ctx context.Context, db progress.DB, a, b string, bound any, maxKeys int) error {
+	var err error
+	if c.Snapshots, err = compareSnapshots(ctx, db, a, b, bound); err != nil {
+		return err
 	}
 	c.SnapshotsEqual = true
 	totals := map[string][2]int64{}
@@ -264,20 +329,19 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 	if bound != nil {
 		upTo = c.UpTo
 	}
-	if c.DocumentsDiffer, c.DifferingDocuments, err = snapshot.CompareDocuments(ctx, db, va.Schema, vb.Schema, upTo, o.MaxKeys); err != nil {
-		return nil, err
+	if c.DocumentsDiffer, c.DifferingDocuments, err = snapshot.CompareDocuments(ctx, db, a, b, upTo, maxKeys); err != nil {
+		return err
 	}
 	if c.DocumentsDiffer > 0 {
 		c.SnapshotsEqual = false
 	}
-	c.Equal = c.ContentEqual && (o.IgnoreSnapshots || c.SnapshotsEqual) && (o.IgnoreExpiresAt || c.ExpiresAtDiffers == 0)
-	return c, nil
+	return nil
 }
 
 // compareSnapshots counts snapshot jobs by root table and status in both
 // schemas (versions without a snapshots table count none).
 func compareSnapshots(ctx context.Context, db progress.DB, a, b string, bound any) ([]SnapshotComparison, error) {
-	counts := map[[2]string]*SnapshotComparison{}
+	counts := map[snapshotKey]*SnapshotComparison{}
 	for i, schema := range []string{a, b} {
 		var exists bool
 		if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, ident(schema, "snapshots")).Scan(&exists); err != nil {
@@ -298,7 +362,7 @@ func compareSnapshots(ctx context.Context, db progress.DB, a, b string, bound an
 				rows.Close()
 				return nil, fmt.Errorf("count snapshots of %s: %w", schema, err)
 			}
-			k := [2]string{root, status}
+			k := snapshotKey{root, status}
 			if counts[k] == nil {
 				counts[k] = &SnapshotComparison{RootTable: root, Status: status}
 			}
@@ -338,60 +402,4 @@ func commonWatermark(ctx context.Context, db progress.DB, projection string, a, 
 		return 0, nil
 	}
 	return event.ParseLSN(*lsn)
-}
-
-// WriteText prints the comparison for people.
-func (c *Comparison) WriteText(w io.Writer) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	bound := "every archived row"
-	if c.UpTo != "" {
-		bound = "transactions committed at or before " + c.UpTo + " (both versions reflect them)"
-	}
-	fmt.Fprintf(tw, "%s v%d vs v%d: %s\n\n", c.Projection, c.A, c.B, bound)
-	fmt.Fprintln(tw, "TABLE\tROWS A\tROWS B\tCHECKSUM A\tCHECKSUM B\tONLY A\tONLY B\tCONTENT DIFFERS\tEXPIRES_AT DIFFERS")
-	for _, t := range c.Tables {
-		fmt.Fprintf(tw, "%s.%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\n", t.Schema, t.Table, t.RowsA, t.RowsB,
-			orDash(t.ChecksumA), orDash(t.ChecksumB), t.OnlyA, t.OnlyB, t.ContentDiffers, t.ExpiresAtDiffers)
-	}
-	if len(c.Snapshots) > 0 {
-		fmt.Fprintln(tw, "\nSNAPSHOT ROOT\tSTATUS\tA\tB")
-		for _, s := range c.Snapshots {
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\n", s.RootTable, s.Status, s.A, s.B)
-		}
-	}
-	if len(c.DifferingDocuments) > 0 {
-		fmt.Fprintf(tw, "\nDIFFERING DOCUMENT (%d)\tROOT KEY\tCORRELATION ID\tWHAT\n", c.DocumentsDiffer)
-		for _, d := range c.DifferingDocuments {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", d.RootTable, string(d.RootKey), d.CorrelationID, d.What)
-		}
-	}
-	if len(c.DifferingKeys) > 0 {
-		fmt.Fprintln(tw, "\nDIFFERING ROW\tKEY\tCOMMIT LSN\tSEQ\tWHAT")
-		for _, d := range c.DifferingKeys {
-			fmt.Fprintf(tw, "%s.%s\t%s\t%s\t%d\t%s\n", d.Schema, d.Table, string(d.Key), d.CommitLSN, d.Seq, d.What)
-		}
-	}
-	var verdict []string
-	switch {
-	case !c.ContentEqual:
-		verdict = append(verdict, "DIFFERENT content")
-	case c.Equal:
-		verdict = append(verdict, "EQUAL content")
-	default:
-		verdict = append(verdict, "EQUAL content, but DIFFERENT")
-	}
-	switch {
-	case c.ExpiresAtDiffers > 0 && c.IgnoreExpiresAt:
-		verdict = append(verdict, fmt.Sprintf("expires_at differs on %d rows (accepted: --ignore expires_at)", c.ExpiresAtDiffers))
-	case c.ExpiresAtDiffers > 0:
-		verdict = append(verdict, fmt.Sprintf("expires_at differs on %d rows (pass --ignore expires_at if the TTL change is intended)", c.ExpiresAtDiffers))
-	}
-	switch {
-	case !c.SnapshotsEqual && c.IgnoreSnapshots:
-		verdict = append(verdict, "snapshot jobs or documents differ (accepted: --ignore snapshots)")
-	case !c.SnapshotsEqual:
-		verdict = append(verdict, "snapshot jobs or documents differ (pass --ignore snapshots if the change of snapshot roots is intended)")
-	}
-	fmt.Fprintf(tw, "\n%s\n", strings.Join(verdict, "; "))
-	return tw.Flush()
 }
