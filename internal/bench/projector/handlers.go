@@ -136,7 +136,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries still open after 15 minutes")
 			}
-			time.Sleep(100 * time.Millisecond)
+			time.Sleep(250 * time.Millisecond)
 		}
 	}
 	start := time.Now()
