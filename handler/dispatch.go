@@ -287,11 +287,8 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // group, of disabled handlers, of Go handlers not in this Registry, or of
 // nats handlers without a JetStream, are not waited for.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
-	for {
-		if err := d.maintain(ctx); err != nil {
-			return -1, err
-		}
-		if err := d.analyzeGrown(ctx); err != nil {
+	for first := true; ; first = false {
+		if err := d.flushMaintain(ctx, first); err != nil {
 			return -1, err
 		}
 		cs, err := d.claim(ctx, d.cfg.Parallelism)
@@ -322,6 +319,23 @@ func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 		case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
 		}
 	}
+}
+
+// flushMaintain is Flush's maintenance and statistics: at the start of
+// every Flush, then at most once a second like the claim loop's (run before
+// every claim of Parallelism deliveries, its statements cost more than the
+// deliveries they preceded).
+func (d *Dispatcher) flushMaintain(ctx context.Context, first bool) error {
+	d.mu.Lock()
+	due := first || time.Since(d.lastMaint) >= time.Second
+	d.mu.Unlock()
+	if !due {
+		return nil
+	}
+	if err := d.maintain(ctx); err != nil {
+		return err
+	}
+	return d.analyzeGrown(ctx)
 }
 
 // open counts the deliveries Flush waits for.
