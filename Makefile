@@ -15,7 +15,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-projector bench-retention bench-handlers bench-revalidate clean
+.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate clean
 
 all: build
 
@@ -63,9 +63,13 @@ fuzz:
 	$(GO) test ./event -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./event -run '^$$' -fuzz '^FuzzAppendDelete$$' -fuzztime $(FUZZTIME)
 
-## bench-capture: capture vs pg_recvlogical on the same 300k-row backlog; peak RSS on a 1M-row transaction.
+## bench-capture: capture (embedded, external nats-server) vs pg_recvlogical on the same 300k-row backlog, 5 runs; source cost; peak RSS on a 1M-row transaction.
 bench-capture:
-	$(GO) run ./internal/bench/capture
+	$(GO) run ./internal/bench/capture $(BENCH_CAPTURE_ARGS)
+
+## bench-capture-large: the same drains on a 1.2M-row backlog, 5 runs (no source cost, no big transaction).
+bench-capture-large:
+	$(GO) run ./internal/bench/capture -backlog-rows 1200000 -runs 5 -source-cost=false -big-tx-rows 0 $(BENCH_CAPTURE_ARGS)
 
 ## bench-projector: projector apply vs raw COPY; end-to-end rate with capture and projector together.
 bench-projector:

@@ -81,6 +81,10 @@ type streamer struct {
 	walEnd  event.LSN
 	lastSt  time.Time
 	lastDL  time.Time
+
+	// looseMsg is the one Msg of every row published without an
+	// acknowledgement (see newMsg).
+	looseMsg *nats.Msg
 }
 
 func (st *streamer) now() time.Time { return st.s.now() }
@@ -93,10 +97,12 @@ func (st *streamer) run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if err := st.tick(false); err != nil {
+		// One clock read per message, for both the tick and the deadline.
+		now := st.now()
+		if err := st.tickAt(now, false); err != nil {
 			return err
 		}
-		if now := st.now(); now.Sub(st.lastDL) > 100*time.Millisecond {
+		if now.Sub(st.lastDL) > 100*time.Millisecond {
 			if err := st.conn.Conn().SetReadDeadline(now.Add(receiveWait)); err != nil {
 				return fmt.Errorf("set replication read deadline: %w", err)
 			}
@@ -556,7 +562,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	default:
 		delete(h, jetstream.ExpectedLastMsgIDHeader)
 	}
-	m := &nats.Msg{Subject: subject, Data: body, Header: h}
+	m := st.newMsg(!ack && st.careful == 0, subject, body, h)
 	if st.careful > 0 {
 		id, err := st.publishCareful(ctx, m, msgID, pos, seqText, digest, kind, what)
 		if err != nil {
@@ -575,7 +581,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		}
 		st.tr.add(fut, len(body), what)
 	} else {
-		if err := st.nc.PublishMsg(m); err != nil {
+		if err := st.publishLoose(m); err != nil {
 			st.s.m.publishErrors.Inc()
 			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
 		}
@@ -584,6 +590,30 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
+}
+
+// newMsg is the message to publish. A loose one (a core publish, no
+// acknowledgement) is copied into the connection's buffer and kept by
+// nobody: one Msg serves every loose row (see publishLoose). Any other is
+// its own (an acknowledgement's future keeps it).
+func (st *streamer) newMsg(loose bool, subject string, body []byte, h nats.Header) *nats.Msg {
+	if !loose {
+		return &nats.Msg{Subject: subject, Data: body, Header: h}
+	}
+	if st.looseMsg == nil {
+		st.looseMsg = new(nats.Msg)
+	}
+	m := st.looseMsg
+	m.Subject, m.Data, m.Header = subject, body, h
+	return m
+}
+
+// publishLoose publishes a loose message and lets go of the body buffer
+// and header map it points to (both reused).
+func (st *streamer) publishLoose(m *nats.Msg) error {
+	err := st.nc.PublishMsg(m)
+	m.Data, m.Header = nil, nil
+	return err
 }
 
 // sign sets the Epitaph-Signature header of a signed message.
@@ -654,8 +684,10 @@ func (r resolved) Err() <-chan error            { return r.err }
 
 // tick collects acknowledgements and sends a standby status update when the
 // confirmable position moved, every statusInterval, or when asked.
-func (st *streamer) tick(force bool) error {
-	now := st.now()
+func (st *streamer) tick(force bool) error { return st.tickAt(st.now(), force) }
+
+// tickAt is tick with the time already read.
+func (st *streamer) tickAt(now time.Time, force bool) error {
 	if err := st.tr.poll(now); err != nil {
 		st.s.m.publishErrors.Inc()
 		return err

@@ -242,6 +242,27 @@ func slotHolderApp(t *testing.T, db, slot string) string {
 		JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = $1), '')`, slot)
 }
 
+// whoStreams waits until exactly one of the two processes reports
+// active=1 and the other answers with 0, and returns their indexes.
+func whoStreams(t *testing.T, procs []*capProc, timeout time.Duration) (active, standby int) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		a, okA := procs[0].active()
+		b, okB := procs[1].active()
+		switch {
+		case okA && okB && a == 1 && b == 0:
+			return 0, 1
+		case okA && okB && a == 0 && b == 1:
+			return 1, 0
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no single streaming capture within %s (a: %d %v, b: %d %v)", timeout, a, okA, b, okB)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 // TestStandbyTakeoverAfterSIGKILL runs two capture processes with
 // --standby on one slot against an external JetStream, under a delete
 // workload. The streaming one is SIGKILLed three times; each time the other
@@ -303,27 +324,7 @@ func TestStandbyTakeoverAfterSIGKILL(t *testing.T) {
 		}
 	}()
 
-	// whoStreams waits until exactly one process reports active=1 and the
-	// other answers with 0, and returns their indexes.
-	whoStreams := func(timeout time.Duration) (active, standby int) {
-		t.Helper()
-		deadline := time.Now().Add(timeout)
-		for {
-			a, okA := procs[0].active()
-			b, okB := procs[1].active()
-			switch {
-			case okA && okB && a == 1 && b == 0:
-				return 0, 1
-			case okA && okB && a == 0 && b == 1:
-				return 1, 0
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("no single streaming capture within %s (a: %d %v, b: %d %v)", timeout, a, okA, b, okB)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	act, sb := whoStreams(60 * time.Second)
+	act, sb := whoStreams(t, procs, 60*time.Second)
 	require.Equal(t, http.StatusOK, procs[sb].healthz(), "a waiting standby is healthy")
 	var st Status
 	code, body := httpGet(t, procs[sb].url("/status"))
@@ -380,7 +381,7 @@ func TestStandbyTakeoverAfterSIGKILL(t *testing.T) {
 			kill, victim.name, victimPID, published(), procs[sb].name, took.Round(time.Millisecond))
 		require.Contains(t, slotHolderApp(t, db, slot), "-"+strconv.Itoa(procs[sb].pid()))
 		victim.start()
-		act, sb = whoStreams(60 * time.Second)
+		act, sb = whoStreams(t, procs, 60*time.Second)
 		require.Equal(t, victim, procs[sb], "the killed capture came back as the standby")
 		require.Equal(t, http.StatusOK, procs[sb].healthz())
 	}

@@ -269,9 +269,33 @@ func TestComposeWiring(t *testing.T) {
 	}
 	require.GreaterOrEqual(t, projectors, 2, "two projector workers")
 
-	// One writer: the capture and the projectors authenticate as their
-	// roles of nats/nats.conf, with the password from a secret file that
-	// every NATS node reads too.
+	checkNATSRoles(t, c, epitaph, natsNodes)
+	require.Equal(t, "3", c.Services["capture"].Environment["EPITAPH_REPLICAS"])
+	require.Equal(t, "true", c.Services["capture"].Environment["EPITAPH_STANDBY"])
+	// P belongs to the capture (the stream keeps it; projectors read it there).
+	require.Equal(t, map[string]string{"capture": "8"}, partitions)
+
+	// Prometheus and Grafana see the files they are configured with.
+	prom := c.Services["prometheus"]
+	require.Contains(t, prom.Volumes, "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro")
+	require.Contains(t, prom.Volumes, "./prometheus/alerts.yaml:/etc/prometheus/alerts.yaml:ro")
+	require.Contains(t, prom.Command, "--config.file=/etc/prometheus/prometheus.yml")
+	require.NotContains(t, prom.Command, "--web.enable-lifecycle", "no one stops Prometheus over HTTP")
+	require.NotContains(t, prom.Command, "--web.enable-admin-api", "no one deletes Prometheus data over HTTP")
+	for _, targetList := range targets {
+		for _, target := range targetList {
+			host, _, err := net.SplitHostPort(target)
+			require.NoError(t, err)
+			require.True(t, host == "localhost" || c.Services[host].Image != "", "scrape target %s is not a service", target)
+		}
+	}
+}
+
+// checkNATSRoles: one writer: the capture and the projectors authenticate
+// as their roles of nats/nats.conf, with the password from a secret file
+// that every NATS node reads too.
+func checkNATSRoles(t *testing.T, c composeFile, epitaph, natsNodes []string) {
+	t.Helper()
 	for _, name := range epitaph {
 		s := c.Services[name]
 		if _, uses := s.Environment["EPITAPH_NATS_URL"]; !uses {
@@ -292,25 +316,6 @@ func TestComposeWiring(t *testing.T) {
 		for _, n := range natsNodes {
 			require.Contains(t, c.Services[n].Secrets, secret, "%s reads %s", n, secret)
 			require.Contains(t, strings.Join(c.Services[n].Command, " "), "/run/secrets/"+secret, "%s sets its password from the file", n)
-		}
-	}
-	require.Equal(t, "3", c.Services["capture"].Environment["EPITAPH_REPLICAS"])
-	require.Equal(t, "true", c.Services["capture"].Environment["EPITAPH_STANDBY"])
-	// P belongs to the capture (the stream keeps it; projectors read it there).
-	require.Equal(t, map[string]string{"capture": "8"}, partitions)
-
-	// Prometheus and Grafana see the files they are configured with.
-	prom := c.Services["prometheus"]
-	require.Contains(t, prom.Volumes, "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro")
-	require.Contains(t, prom.Volumes, "./prometheus/alerts.yaml:/etc/prometheus/alerts.yaml:ro")
-	require.Contains(t, prom.Command, "--config.file=/etc/prometheus/prometheus.yml")
-	require.NotContains(t, prom.Command, "--web.enable-lifecycle", "no one stops Prometheus over HTTP")
-	require.NotContains(t, prom.Command, "--web.enable-admin-api", "no one deletes Prometheus data over HTTP")
-	for _, targetList := range targets {
-		for _, target := range targetList {
-			host, _, err := net.SplitHostPort(target)
-			require.NoError(t, err)
-			require.True(t, host == "localhost" || c.Services[host].Image != "", "scrape target %s is not a service", target)
 		}
 	}
 }

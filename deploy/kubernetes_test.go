@@ -165,7 +165,46 @@ func TestKubernetesManifests(t *testing.T) {
 	k, objs := loadKubernetes(t)
 	require.Equal(t, "epitaph", k.Namespace)
 	binaries := dockerfileBinaries(t)
+	configMaps := checkObjects(t, objs)
 
+	// ConfigMap key -> binaries that get it through envFrom.
+	configReaders := map[string][]string{}
+	deployments := byKind(objs, "Deployment")
+	require.Len(t, deployments, 2)
+	podLabels := map[string]map[string]string{}
+	containerPorts := map[string]map[string]int{}
+	for _, d := range deployments {
+		podLabels[d.name()], containerPorts[d.name()] = checkDeployment(t, k, d, binaries, configMaps, configReaders)
+	}
+
+	// Every shared setting is read by at least one program that gets it.
+	for _, cm := range configMaps {
+		for key := range cm {
+			readers := configReaders[key]
+			require.NotEmpty(t, readers, "config key %s reaches no container", key)
+			read := slices.ContainsFunc(readers, func(b string) bool { return binaryEnv(t, b)[key] })
+			require.True(t, read, "config key %s is read by none of %v", key, readers)
+		}
+	}
+
+	checkCaptureAndProjector(t, objs)
+	services := checkServices(t, objs, podLabels, containerPorts)
+
+	for _, pdb := range byKind(objs, "PodDisruptionBudget") {
+		sel := strMap(dig(pdb.doc, "spec", "selector", "matchLabels"))
+		found := false
+		for _, labels := range podLabels {
+			found = found || selects(sel, labels)
+		}
+		require.True(t, found, "%s selects no pods", pdb)
+	}
+	checkServiceMonitor(t, objs, services)
+}
+
+// checkObjects checks what every object must have and returns the
+// ConfigMaps' data by name.
+func checkObjects(t *testing.T, objs []k8sObject) map[string]map[string]string {
+	t.Helper()
 	configMaps := map[string]map[string]string{}
 	for _, o := range objs {
 		want, ok := k8sAPIVersions[o.kind()]
@@ -180,101 +219,103 @@ func TestKubernetesManifests(t *testing.T) {
 			configMaps[o.name()] = strMap(o.doc["data"])
 		}
 	}
-
 	for _, cm := range configMaps {
 		for key, value := range cm {
 			require.True(t, strings.HasPrefix(key, "EPITAPH_"), "config key %s", key)
 			require.NotContains(t, value, "@", "%s: credentials belong in the Secret", key)
 		}
 	}
+	return configMaps
+}
 
-	// ConfigMap key -> binaries that get it through envFrom.
-	configReaders := map[string][]string{}
-	deployments := byKind(objs, "Deployment")
-	require.Len(t, deployments, 2)
-	podLabels := map[string]map[string]string{}
-	containerPorts := map[string]map[string]int{}
-	for _, d := range deployments {
-		sel := strMap(dig(d.doc, "spec", "selector", "matchLabels"))
-		labels := strMap(dig(d.doc, "spec", "template", "metadata", "labels"))
-		require.True(t, selects(sel, labels), "%s: selector does not select its own pods", d)
-		podLabels[d.name()] = labels
-		require.Equal(t, true, dig(d.doc, "spec", "template", "spec", "securityContext", "runAsNonRoot"), "%s", d)
+// checkDeployment checks a Deployment and its containers, adds the config
+// keys its containers get to configReaders, and returns its pods' labels
+// and its containers' ports by name.
+func checkDeployment(t *testing.T, k kustomization, d k8sObject, binaries []string, configMaps map[string]map[string]string,
+	configReaders map[string][]string) (map[string]string, map[string]int) {
+	t.Helper()
+	sel := strMap(dig(d.doc, "spec", "selector", "matchLabels"))
+	labels := strMap(dig(d.doc, "spec", "template", "metadata", "labels"))
+	require.True(t, selects(sel, labels), "%s: selector does not select its own pods", d)
+	require.Equal(t, true, dig(d.doc, "spec", "template", "spec", "securityContext", "runAsNonRoot"), "%s", d)
 
-		volumes := map[string]bool{}
-		for _, v := range list(dig(d.doc, "spec", "template", "spec", "volumes")) {
-			volumes[str(dig(v, "name"))] = false
-		}
-		defer func() {
-			for v, used := range volumes {
-				require.True(t, used, "%s: volume %s is not mounted", d, v)
-			}
-		}()
-
-		ports := map[string]int{}
-		for _, c := range containers(d) {
-			for _, m := range list(c["volumeMounts"]) {
-				name := str(dig(m, "name"))
-				_, ok := volumes[name]
-				require.True(t, ok, "%s: mount of undeclared volume %s", d, name)
-				volumes[name] = true
-			}
-			image := str(c["image"])
-			require.True(t, slices.ContainsFunc(k.Images, func(i kustomizeImage) bool {
-				return strings.HasPrefix(image, i.Name+":")
-			}), "%s: image %s is not set by kustomization images", d, image)
-			cmd := list(c["command"])
-			require.NotEmpty(t, cmd, "%s: command", d)
-			require.Contains(t, binaries, str(cmd[0]), "%s: runs a binary the image lacks", d)
-			require.Equal(t, false, dig(c, "securityContext", "allowPrivilegeEscalation"), "%s", d)
-
-			for _, p := range list(c["ports"]) {
-				pm := p.(map[string]any)
-				ports[str(pm["name"])] = pm["containerPort"].(int)
-			}
-			for name, e := range containerEnv(c) {
-				requireReadsEnv(t, str(cmd[0]), name, d.String())
-				// URLs that may hold credentials come from the Secret; the NATS URL
-				// and the capture's status URL (an in-cluster HTTP address) do not.
-				if strings.HasSuffix(name, "_URL") && name != "EPITAPH_NATS_URL" && name != "EPITAPH_CAPTURE_STATUS_URL" {
-					require.Nil(t, e["value"], "%s: %s must come from a Secret, not inline", d, name)
-					require.Equal(t, "epitaph-db", str(dig(e, "valueFrom", "secretKeyRef", "name")), "%s: %s", d, name)
-				}
-				require.NotContains(t, str(e["value"]), "@", "%s: %s looks like a credential", d, name)
-			}
-			for _, ef := range list(c["envFrom"]) {
-				ref := str(dig(ef, "configMapRef", "name"))
-				require.Contains(t, configMaps, ref, "%s: envFrom an unknown ConfigMap", d)
-				for key := range configMaps[ref] {
-					configReaders[key] = append(configReaders[key], str(cmd[0]))
-				}
-			}
-			if str(c["name"]) != "migrate" {
-				addr := str(dig(containerEnv(c)["EPITAPH_METRICS_ADDR"], "value"))
-				_, port, err := net.SplitHostPort(addr)
-				require.NoError(t, err, "%s: EPITAPH_METRICS_ADDR", d)
-				require.Equal(t, port, strconv.Itoa(ports["metrics"]), "%s: the metrics port is where the process listens", d)
-				// Liveness never depends on the database or NATS (an outage must
-				// not get pods killed); readiness does.
-				for probe, path := range map[string]string{"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"} {
-					require.Equal(t, path, str(dig(c, probe, "httpGet", "path")), "%s: %s", d, probe)
-					require.Equal(t, "metrics", str(dig(c, probe, "httpGet", "port")), "%s: %s port", d, probe)
-				}
-			}
-		}
-		containerPorts[d.name()] = ports
+	volumes := map[string]bool{}
+	for _, v := range list(dig(d.doc, "spec", "template", "spec", "volumes")) {
+		volumes[str(dig(v, "name"))] = false
 	}
-
-	// Every shared setting is read by at least one program that gets it.
-	for _, cm := range configMaps {
-		for key := range cm {
-			readers := configReaders[key]
-			require.NotEmpty(t, readers, "config key %s reaches no container", key)
-			read := slices.ContainsFunc(readers, func(b string) bool { return binaryEnv(t, b)[key] })
-			require.True(t, read, "config key %s is read by none of %v", key, readers)
+	ports := map[string]int{}
+	for _, c := range containers(d) {
+		for _, m := range list(c["volumeMounts"]) {
+			name := str(dig(m, "name"))
+			_, ok := volumes[name]
+			require.True(t, ok, "%s: mount of undeclared volume %s", d, name)
+			volumes[name] = true
+		}
+		cmd := checkContainer(t, k, d, c, binaries)
+		for _, p := range list(c["ports"]) {
+			pm := p.(map[string]any)
+			ports[str(pm["name"])] = pm["containerPort"].(int)
+		}
+		for _, ef := range list(c["envFrom"]) {
+			ref := str(dig(ef, "configMapRef", "name"))
+			require.Contains(t, configMaps, ref, "%s: envFrom an unknown ConfigMap", d)
+			for key := range configMaps[ref] {
+				configReaders[key] = append(configReaders[key], cmd)
+			}
+		}
+		if str(c["name"]) != "migrate" {
+			checkProbes(t, d, c, ports)
 		}
 	}
+	for v, used := range volumes {
+		require.True(t, used, "%s: volume %s is not mounted", d, v)
+	}
+	return labels, ports
+}
 
+// checkContainer checks a container's image, command, privileges and
+// environment, and returns the binary it runs.
+func checkContainer(t *testing.T, k kustomization, d k8sObject, c map[string]any, binaries []string) string {
+	t.Helper()
+	image := str(c["image"])
+	require.True(t, slices.ContainsFunc(k.Images, func(i kustomizeImage) bool {
+		return strings.HasPrefix(image, i.Name+":")
+	}), "%s: image %s is not set by kustomization images", d, image)
+	cmd := list(c["command"])
+	require.NotEmpty(t, cmd, "%s: command", d)
+	require.Contains(t, binaries, str(cmd[0]), "%s: runs a binary the image lacks", d)
+	require.Equal(t, false, dig(c, "securityContext", "allowPrivilegeEscalation"), "%s", d)
+	for name, e := range containerEnv(c) {
+		requireReadsEnv(t, str(cmd[0]), name, d.String())
+		// URLs that may hold credentials come from the Secret; the NATS URL
+		// and the capture's status URL (an in-cluster HTTP address) do not.
+		if strings.HasSuffix(name, "_URL") && name != "EPITAPH_NATS_URL" && name != "EPITAPH_CAPTURE_STATUS_URL" {
+			require.Nil(t, e["value"], "%s: %s must come from a Secret, not inline", d, name)
+			require.Equal(t, "epitaph-db", str(dig(e, "valueFrom", "secretKeyRef", "name")), "%s: %s", d, name)
+		}
+		require.NotContains(t, str(e["value"]), "@", "%s: %s looks like a credential", d, name)
+	}
+	return str(cmd[0])
+}
+
+// checkProbes: the metrics port is where the process listens, and the
+// probes use it.
+func checkProbes(t *testing.T, d k8sObject, c map[string]any, ports map[string]int) {
+	t.Helper()
+	addr := str(dig(containerEnv(c)["EPITAPH_METRICS_ADDR"], "value"))
+	_, port, err := net.SplitHostPort(addr)
+	require.NoError(t, err, "%s: EPITAPH_METRICS_ADDR", d)
+	require.Equal(t, port, strconv.Itoa(ports["metrics"]), "%s: the metrics port is where the process listens", d)
+	// Liveness never depends on the database or NATS (an outage must
+	// not get pods killed); readiness does.
+	for probe, path := range map[string]string{"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"} {
+		require.Equal(t, path, str(dig(c, probe, "httpGet", "path")), "%s: %s", d, probe)
+		require.Equal(t, "metrics", str(dig(c, probe, "httpGet", "port")), "%s: %s port", d, probe)
+	}
+}
+
+func checkCaptureAndProjector(t *testing.T, objs []k8sObject) {
+	t.Helper()
 	capture := byName(t, objs, "Deployment", "epitaph-capture")
 	require.Equal(t, 2, dig(capture.doc, "spec", "replicas"), "one active capture and one standby")
 	require.Equal(t, 0, dig(capture.doc, "spec", "strategy", "rollingUpdate", "maxSurge"), "never a third capture during a rollout")
@@ -299,9 +340,12 @@ func TestKubernetesManifests(t *testing.T) {
 	}
 	require.True(t, sawMigrate, "projector pods migrate the target first")
 	require.True(t, sawRun)
+}
 
-	// Services select pods and name their ports; the Service names are the
-	// job names the alert rules use.
+// checkServices: Services select pods and name their ports; the Service
+// names are the job names the alert rules use.
+func checkServices(t *testing.T, objs []k8sObject, podLabels map[string]map[string]string, containerPorts map[string]map[string]int) []k8sObject {
+	t.Helper()
 	services := byKind(objs, "Service")
 	serviceNames := map[string]bool{}
 	for _, s := range services {
@@ -322,17 +366,13 @@ func TestKubernetesManifests(t *testing.T) {
 	require.True(t, serviceNames["epitaph-capture"] && serviceNames["epitaph-projector"], "Service names are the alert rules' job names")
 	require.Equal(t, true, dig(byName(t, objs, "Service", "epitaph-capture").doc, "spec", "publishNotReadyAddresses"),
 		"the standby capture is scraped even when not ready")
+	return services
+}
 
-	for _, pdb := range byKind(objs, "PodDisruptionBudget") {
-		sel := strMap(dig(pdb.doc, "spec", "selector", "matchLabels"))
-		found := false
-		for _, labels := range podLabels {
-			found = found || selects(sel, labels)
-		}
-		require.True(t, found, "%s selects no pods", pdb)
-	}
-
-	// The ServiceMonitor scrapes both Services on a port they declare.
+// checkServiceMonitor: the ServiceMonitor scrapes both Services on a port
+// they declare.
+func checkServiceMonitor(t *testing.T, objs, services []k8sObject) {
+	t.Helper()
 	monitors := byKind(objs, "ServiceMonitor")
 	require.Len(t, monitors, 1)
 	sel := strMap(dig(monitors[0].doc, "spec", "selector", "matchLabels"))

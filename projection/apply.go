@@ -38,17 +38,79 @@ type applyResult struct {
 // page's verification (trust.go): refused items carry their category
 // already, rows of transactions not verified yet are inserted invisible.
 func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
-	res := applyResult{quarantined: map[string]int{}}
 	if vd == nil {
 		vd = &verdict{trust: pos.Trust}
 	}
 	if s.handlers != nil {
 		if err := s.handlers.Refresh(ctx); err != nil { // cheap: at most once a second
-			return res, err
+			return applyResult{quarantined: map[string]int{}}, err
 		}
 	}
-	// Large rows live in the object store: read them before the
-	// transaction opens so it is never held across NATS round trips.
+	rows, err := s.pageRows(ctx, items, vd)
+	if err != nil {
+		return applyResult{quarantined: map[string]int{}}, err
+	}
+	p := &applyPlan{v: v, l: l, pos: pos, items: items, rows: rows, vd: vd}
+	p.next, p.commits = s.advance(v, pos, vd, items)
+	// Transactions complete in this page get their roots computed here and
+	// inserted with the rows (no second write); the others are marked in
+	// SQL when their commit is applied.
+	p.inPage = rootsInPage(rows, p.commits)
+	// Rows of transactions spanning pages: decide what is certain now, the
+	// rest at their commit.
+	after := decideEarly(rows, p.inPage, open)
+	p.open = map[event.LSN]*openTx{}
+	if open != nil {
+		p.open[open.lsn] = open
+	}
+	if after != nil {
+		p.open[after.lsn] = after
+	}
+
+	careful := false
+	res, err := s.applyTx(ctx, p, careful)
+	for errors.Is(err, errCareful) || errors.Is(err, errFencesChanged) {
+		// Something in the page is rejected: apply again, isolating it
+		// (again when hold mode holds more rows behind it: hold.go). Or
+		// an erasure was recorded meanwhile: apply again with its fence.
+		careful = careful || errors.Is(err, errCareful)
+		res, err = s.applyTx(ctx, p, careful)
+	}
+	if err == nil {
+		res.open = after
+		for _, c := range p.commits {
+			if after != nil && c.ev.CommitLSN == after.lsn {
+				res.open = nil
+			}
+		}
+	}
+	return res, err
+}
+
+// applyPlan is one page of a partition on the apply path, prepared once by
+// apply (or by a replay: replay.go) and written by applyPage, again with
+// isolation when something in it is rejected.
+type applyPlan struct {
+	v         Version
+	l         progress.Lease
+	pos, next progress.Position // the cursor before and after the page
+	items     []*item
+	rows      []*archiveRow // the delete events to archive, large rows read
+	commits   []*item
+	// inPage: transactions whose roots were computed in memory (a rejected
+	// row turns its transaction's entry false); open: the transactions
+	// spanning pages, before and after this one.
+	inPage map[event.LSN]bool
+	open   map[event.LSN]*openTx
+	vd     *verdict
+}
+
+// pageRows are the page's delete events to archive (with the rows of
+// earlier pages verification chose: vd.extraRows). Large rows live in the
+// object store: they are read here, before the transaction opens, so it is
+// never held across NATS round trips; one that cannot be read for good
+// quarantines its event.
+func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*archiveRow, error) {
 	var rows []*archiveRow
 	for _, it := range append(vd.extraRows[:len(vd.extraRows):len(vd.extraRows)], items...) {
 		if it.ev == nil || it.ev.Op != event.OpDelete || it.category != "" {
@@ -60,7 +122,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 			if err != nil {
 				cat, permanent := quarantine.Classify(err)
 				if !permanent {
-					return res, err
+					return nil, err
 				}
 				it.category, it.failure = string(cat), err
 				continue
@@ -73,7 +135,12 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 		}
 		rows = append(rows, r)
 	}
+	return rows, nil
+}
 
+// advance returns the partition's position after the page and the page's
+// commits; it logs what the archive will miss (truncates, gaps).
+func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items []*item) (progress.Position, []*item) {
 	next := pos
 	next.Trust = vd.trust
 	var commits []*item
@@ -98,55 +165,24 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 			s.log.Warn("source table was TRUNCATEd: its rows are not in the WAL and were NOT archived",
 				"table", it.ev.QualifiedTable(), "commit_lsn", it.ev.CommitLSN.String(), "version", v.Version)
 		case event.OpGap:
-			if it.ev.Table != "" {
-				// A table the capture took out of its publication (it lost
-				// its replica identity): its deletes from here on are missed.
-				s.log.Error("deletes of a table are lost upstream (the capture stopped publishing it): the archive misses them from this position",
-					"table", it.ev.QualifiedTable(), "from_lsn", it.ev.FromLSN.String(), "reason", it.ev.Reason, "version", v.Version)
-			} else {
-				s.log.Error("deletes were lost upstream (replication slot dropped or invalidated): the archive misses this range",
-					"from_lsn", it.ev.FromLSN.String(), "to_lsn", it.ev.ToLSN.String(), "reason", it.ev.Reason, "version", v.Version)
-			}
+			s.logGap(v, it.ev)
 			next.SourceLSN = max(next.SourceLSN, it.ev.ToLSN)
 			next.SourceTime = laterTime(next.SourceTime, it.ev.Time)
 		}
 	}
+	return next, commits
+}
 
-	// Transactions complete in this page get their roots computed here and
-	// inserted with the rows (no second write); the others are marked in
-	// SQL when their commit is applied.
-	inPage := rootsInPage(rows, commits)
-	// Rows of transactions spanning pages: decide what is certain now, the
-	// rest at their commit.
-	before := open
-	after := decideEarly(rows, inPage, open)
-	continuing := map[event.LSN]*openTx{}
-	if before != nil {
-		continuing[before.lsn] = before
+func (s *Service) logGap(v Version, e *event.Event) {
+	if e.Table != "" {
+		// A table the capture took out of its publication (it lost
+		// its replica identity): its deletes from here on are missed.
+		s.log.Error("deletes of a table are lost upstream (the capture stopped publishing it): the archive misses them from this position",
+			"table", e.QualifiedTable(), "from_lsn", e.FromLSN.String(), "reason", e.Reason, "version", v.Version)
+		return
 	}
-	if after != nil {
-		continuing[after.lsn] = after
-	}
-
-	var err error
-	careful := false
-	res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, careful)
-	for errors.Is(err, errCareful) || errors.Is(err, errFencesChanged) {
-		// Something in the page is rejected: apply again, isolating it
-		// (again when hold mode holds more rows behind it: hold.go). Or
-		// an erasure was recorded meanwhile: apply again with its fence.
-		careful = careful || errors.Is(err, errCareful)
-		res, err = s.applyTx(ctx, v, l, pos, next, items, rows, commits, inPage, continuing, vd, careful)
-	}
-	if err == nil {
-		res.open = after
-		for _, c := range commits {
-			if after != nil && c.ev.CommitLSN == after.lsn {
-				res.open = nil
-			}
-		}
-	}
-	return res, err
+	s.log.Error("deletes were lost upstream (replication slot dropped or invalidated): the archive misses this range",
+		"from_lsn", e.FromLSN.String(), "to_lsn", e.ToLSN.String(), "reason", e.Reason, "version", v.Version)
 }
 
 func laterTime(a, b time.Time) time.Time {
@@ -177,8 +213,11 @@ func gapOf(e *event.Event, partition int) Gap {
 // applied again with isolation.
 var errCareful = errors.New("page needs isolation")
 
-func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos, next progress.Position, items []*item,
-	rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, open map[event.LSN]*openTx, vd *verdict, careful bool) (applyResult, error) {
+// applyTx applies page p in one transaction of its own: the page's writes
+// (applyPage), its quarantined events, the cursor; then builds the documents
+// of the transactions the page completed that it left to the batcher
+// (snapshotsCommitted).
+func (s *Service) applyTx(ctx context.Context, p *applyPlan, careful bool) (applyResult, error) {
 	res := applyResult{quarantined: map[string]int{}}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
@@ -186,45 +225,105 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 
-	quarantineItem := func(it *item) error {
-		err := quarantine.Insert(ctx, tx, quarantine.Entry{
-			Projection: v.Projection, Version: v.Version, Partition: l.Partition,
-			StreamSeq: it.seq, Subject: it.subject, Headers: it.headers, Data: it.data,
-			Category: it.category, Error: quarantine.Sanitize(it.failure), After: it.after,
-		})
-		if err != nil {
-			return err
-		}
-		res.quarantined[it.category]++
-		s.log.Warn("event quarantined", "projection", v.Projection, "version", v.Version, "partition", l.Partition,
-			"stream_seq", it.seq, "category", it.category, "err", quarantine.Sanitize(it.failure))
-		return nil
-	}
-
-	// Verification's decisions about earlier pages and its gaps (trust.go).
-	if err := s.applyVerdict(ctx, tx, v, l, vd); err != nil {
+	if res.snapshotsPending, err = s.applyPage(ctx, tx, p, careful); err != nil {
 		return res, err
 	}
-	for _, it := range vd.extraQuar {
-		res.quarantined[it.category]++
+	for _, it := range p.vd.extraQuar {
+		res.quarantined[it.category]++ // inserted by applyVerdict
+	}
+	for _, it := range p.items {
+		if it.category != "" {
+			if err := s.quarantineItem(ctx, tx, p, it); err != nil {
+				return res, err
+			}
+			res.quarantined[it.category]++
+			continue
+		}
+		if it.ev != nil {
+			res.applied++
+		}
+	}
+	if err := progress.Advance(ctx, tx, p.l, p.pos.Cursor, p.next, s.cfg.LeaseTTL); err != nil {
+		return res, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return res, fmt.Errorf("commit apply: %w", err)
+	}
+	if res.snapshotsPending > 0 && s.batcher != nil {
+		s.snapshotsCommitted(ctx, p.v, p.commits, res.snapshotsPending)
+	}
+	res.pos = p.next
+	return res, nil
+}
+
+func (s *Service) quarantineItem(ctx context.Context, tx pgx.Tx, p *applyPlan, it *item) error {
+	err := quarantine.Insert(ctx, tx, quarantine.Entry{
+		Projection: p.v.Projection, Version: p.v.Version, Partition: p.l.Partition,
+		StreamSeq: it.seq, Subject: it.subject, Headers: it.headers, Data: it.data,
+		Category: it.category, Error: quarantine.Sanitize(it.failure), After: it.after,
+	})
+	if err != nil {
+		return err
+	}
+	s.log.Warn("event quarantined", "projection", p.v.Projection, "version", p.v.Version, "partition", p.l.Partition,
+		"stream_seq", it.seq, "category", it.category, "err", quarantine.Sanitize(it.failure))
+	return nil
+}
+
+// applyPage is the apply path proper, the runtime's and a replay's: it
+// writes page p into tx — verification's decisions, the rows (hold mode,
+// erasure fences), the commits (roots, snapshot jobs), gaps and truncates,
+// the row handlers' deliveries — and sets a category on every event it
+// rejects (the caller quarantines them). It returns the number of snapshot
+// jobs left to the batcher. Careful isolates rejected events with
+// savepoints; without it a rejection returns errCareful.
+func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) (int, error) {
+	// Verification's decisions about earlier pages and its gaps (trust.go).
+	if err := s.applyVerdict(ctx, tx, p.v, p.l, p.vd); err != nil {
+		return 0, err
 	}
 	// Hold mode (hold.go): rows waiting behind a quarantined one are left out.
-	hold, ins, err := s.holdBefore(ctx, tx, v, items, rows)
+	hold, ins, err := s.holdBefore(ctx, tx, p.v, p.items, p.rows)
 	if err != nil {
-		return res, err
+		return 0, err
 	}
-	// Erased rows are never archived again (fence.go): the page is
-	// filtered by the fences of erasure counter "fenced"; an insert that
-	// reads another counter makes it apply again.
-	var fenced int64
-	if ins, fenced, err = s.unfenced(ctx, v, ins); err != nil {
-		return res, err
+	archived, ins, err := s.archiveRows(ctx, tx, p, ins, careful)
+	if err == nil {
+		err = hold.holdAfter(p.items)
+	}
+	if err != nil {
+		return 0, err
+	}
+	pending, err := s.applyCommits(ctx, tx, p, archived, careful)
+	if err != nil {
+		return 0, err
+	}
+	if err := s.applyGaps(ctx, tx, p, careful); err != nil {
+		return 0, err
+	}
+	// Deliveries of the rows archived (an erased row gets none: its image
+	// would be stored again in the delivery's payload).
+	if err := s.queueDeliveries(ctx, tx, p.v, ins, p.commits, p.inPage, p.vd); err != nil {
+		return 0, err
+	}
+	return pending, nil
+}
+
+// archiveRows inserts the rows ins, set-based; a rejected row is isolated
+// by bisection. Erased rows are never archived again (fence.go): the rows
+// are filtered by the fences of erasure counter "fenced"; an insert that
+// reads another counter returns errFencesChanged (apply again). It returns
+// what it archived per source transaction, and the rows it tried (ins
+// without the fenced ones; the rejected ones have their category).
+func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
+	ins, fenced, err := s.unfenced(ctx, p.v, ins)
+	if err != nil {
+		return nil, nil, err
 	}
 	seen := fenced
-	// Rows, set-based; a rejected row is isolated by bisection.
 	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
-		inserted, epoch, err := insertRowsCounted(ctx, sp, v.Schema, part)
+		inserted, epoch, err := insertRowsCounted(ctx, sp, p.v.Schema, part)
 		if err == nil && epoch != fenced {
 			seen = epoch
 		}
@@ -238,7 +337,7 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 			for i, t := range inserted {
 				ids[i] = t.correlationID
 			}
-			if _, err := snapshot.Invalidate(ctx, sp, v.Schema, ids); err != nil {
+			if _, err := snapshot.Invalidate(ctx, sp, p.v.Schema, ids); err != nil {
 				return err
 			}
 		}
@@ -248,41 +347,52 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 			archived[t.correlationID] = a
 		}
 		return nil
-	}, func(r *archiveRow, err error) error {
-		cat, _ := quarantine.Classify(err)
-		r.item.category, r.item.failure = string(cat), err
-		return nil
-	})
+	}, rejectRow)
 	if err == nil && seen != fenced {
 		s.fences.saw(seen)
 		err = errFencesChanged
 	}
-	if err == nil {
-		err = hold.holdAfter(items)
-	}
-	if err != nil {
-		return res, err
-	}
-	// A row of a transaction complete in this page was rejected: its
-	// roots are recomputed in SQL from what is archived.
+	return archived, ins, err
+}
+
+func rejectRow(r *archiveRow, err error) error {
+	reject(r.item, err)
+	return nil
+}
+
+func rejectItem(it *item, err error) error {
+	reject(it, err)
+	return nil
+}
+
+func reject(it *item, err error) {
+	cat, _ := quarantine.Classify(err)
+	it.category, it.failure = string(cat), err
+}
+
+// applyCommits completes the page's transactions at their commits: roots,
+// then snapshot jobs. A row of a transaction complete in this page that was
+// rejected has its transaction's roots recomputed in SQL from what is
+// archived. It returns the number of snapshot jobs left to the batcher.
+func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, archived map[string]insertedTx, careful bool) (int, error) {
 	full := map[event.LSN]bool{}
-	for _, r := range rows {
+	for _, r := range p.rows {
 		if r.item.category == "" {
 			continue
 		}
-		inPage[r.ev.CommitLSN] = false
+		p.inPage[r.ev.CommitLSN] = false
 		full[r.ev.CommitLSN] = true
-		if o := open[r.ev.CommitLSN]; o != nil {
+		if o := p.open[r.ev.CommitLSN]; o != nil {
 			o.full = true
 		}
 	}
-	// Commits complete their transactions: roots, then snapshot jobs.
-	err = isolate(ctx, tx, careful, commits, func(sp pgx.Tx, part []*item) error {
+	pending := 0
+	err := isolate(ctx, tx, careful, p.commits, func(sp pgx.Tx, part []*item) error {
 		var undecided, all []event.LSN
 		for _, c := range part {
 			lsn := c.ev.CommitLSN
-			switch o := open[lsn]; {
-			case inPage[lsn]:
+			switch o := p.open[lsn]; {
+			case p.inPage[lsn]:
 			case full[lsn] || o == nil || o.full:
 				// Started before this worker saw it, or a row of it was
 				// quarantined: decide every row again.
@@ -291,83 +401,49 @@ func (s *Service) applyTx(ctx context.Context, v Version, l progress.Lease, pos,
 				undecided = append(undecided, lsn)
 			}
 		}
-		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, all, false); err != nil {
+		if err := markRoots(ctx, sp, p.v.Schema, s.cfg.SourceName, all, false); err != nil {
 			return err
 		}
-		if err := markRoots(ctx, sp, v.Schema, s.cfg.SourceName, undecided, true); err != nil {
+		if err := markRoots(ctx, sp, p.v.Schema, s.cfg.SourceName, undecided, true); err != nil {
 			return err
 		}
-		pending, err := s.snapshotJobs(ctx, sp, v, part, rows, inPage, archived)
+		n, err := s.snapshotJobs(ctx, sp, p.v, part, p.rows, p.inPage, archived)
 		if err == nil {
-			res.snapshotsPending += pending
+			pending += n
 		}
 		return err
-	}, func(c *item, err error) error {
-		cat, _ := quarantine.Classify(err)
-		c.category, c.failure = string(cat), err
-		return nil
-	})
-	if err != nil {
-		return res, err
-	}
-	// Gaps and truncates are recorded for readers (archive.gaps) in this
-	// transaction: the partition is never seen past one without it.
-	// A truncate of a transaction not verified yet (its commit is in a later
-	// page) may be a forgery (trust.go): it waits in pending_truncates and
-	// becomes a gap row when its commit verifies (applyVerdict).
+	}, rejectItem)
+	return pending, err
+}
+
+// applyGaps records the page's gaps and truncates for readers
+// (archive.gaps) in this transaction: the partition is never seen past one
+// without it. A truncate of a transaction not verified yet (its commit is
+// in a later page) may be a forgery (trust.go): it waits in
+// pending_truncates and becomes a gap row when its commit verifies
+// (applyVerdict).
+func (s *Service) applyGaps(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) error {
 	var gaps []*item
-	for _, it := range append(vd.extraRows[:len(vd.extraRows):len(vd.extraRows)], items...) {
+	for _, it := range append(p.vd.extraRows[:len(p.vd.extraRows):len(p.vd.extraRows)], p.items...) {
 		if it.ev == nil || it.category != "" || (it.ev.Op != event.OpGap && it.ev.Op != event.OpTruncate) {
 			continue
 		}
-		if vd.pending[it] {
-			if err := stagePendingTruncate(ctx, tx, v.Schema, l.Partition, it.ev); err != nil {
-				return res, err
+		if p.vd.pending[it] {
+			if err := stagePendingTruncate(ctx, tx, p.v.Schema, p.l.Partition, it.ev); err != nil {
+				return err
 			}
 			continue
 		}
 		gaps = append(gaps, it)
 	}
-	err = isolate(ctx, tx, careful, gaps, func(sp pgx.Tx, part []*item) error {
+	return isolate(ctx, tx, careful, gaps, func(sp pgx.Tx, part []*item) error {
 		for _, it := range part {
-			if err := insertGap(ctx, sp, v.Schema, gapOf(it.ev, l.Partition)); err != nil {
+			if err := insertGap(ctx, sp, p.v.Schema, gapOf(it.ev, p.l.Partition)); err != nil {
 				return err
 			}
 		}
 		return nil
-	}, func(it *item, err error) error {
-		cat, _ := quarantine.Classify(err)
-		it.category, it.failure = string(cat), err
-		return nil
-	})
-	if err != nil {
-		return res, err
-	}
-	if err := s.queueDeliveries(ctx, tx, v, rows, commits, inPage, vd); err != nil {
-		return res, err
-	}
-	for _, it := range items {
-		if it.category != "" {
-			if err := quarantineItem(it); err != nil {
-				return res, err
-			}
-			continue
-		}
-		if it.ev != nil {
-			res.applied++
-		}
-	}
-	if err := progress.Advance(ctx, tx, l, pos.Cursor, next, s.cfg.LeaseTTL); err != nil {
-		return res, err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return res, fmt.Errorf("commit apply: %w", err)
-	}
-	if res.snapshotsPending > 0 && s.batcher != nil {
-		s.batcher.Wake()
-	}
-	res.pos = next
-	return res, nil
+	}, rejectItem)
 }
 
 // isolate runs fn on all of xs in a savepoint; when that fails permanently

@@ -310,7 +310,7 @@ func digestOf(key []byte, table, mode string, columns []string, vals []json.RawM
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-// unfenced leaves the fenced rows out of a page's rows (called by applyTx)
+// unfenced leaves the fenced rows out of a page's rows (called by archiveRows)
 // and returns the erasure counter of the fences it used.
 func (s *Service) unfenced(ctx context.Context, v Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
 	keep, dropped, epoch, err := s.fences.filter(ctx, s.pool, rows)

@@ -37,13 +37,13 @@ func (s *Service) isLive(v Version) bool {
 // rebuild gate once the partition count is known.
 func (s *Service) setLive(vs []Version) {
 	live := map[string]int{}
-	throttled := map[[2]any]bool{}
+	throttled := map[VersionKey]bool{}
 	for _, v := range vs {
 		switch v.State {
 		case StateLive:
 			live[v.Projection] = v.Version
 		case StateBuilding, StateCatchingUp:
-			throttled[[2]any{v.Projection, v.Version}] = true
+			throttled[v.Key()] = true
 		}
 	}
 	s.mu.Lock()
@@ -73,7 +73,7 @@ func (s *Service) admit(ctx context.Context, v Version) (release func(), err err
 		s.lastLivePage = now
 	}
 	idle := now.Sub(s.lastLivePage) > liveIdle
-	throttled := s.throttled[[2]any{v.Projection, v.Version}]
+	throttled := s.throttled[v.Key()]
 	s.mu.Unlock()
 	if !throttled || gate == nil || idle {
 		return func() {}, nil

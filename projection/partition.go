@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -67,7 +68,8 @@ func positionLSN(e *event.Event) event.LSN {
 // rolls it back.
 type partitionWorker struct {
 	startstop.Base
-	svc    *Service
+	workerEnv
+	svc    workerRuntime
 	ver    Version
 	lease  progress.Lease
 	filter string
@@ -96,9 +98,35 @@ type partitionWorker struct {
 // recreated.
 const maxStalled = 3
 
+// workerEnv is what a partition worker uses of its service, handed to it
+// when it is made instead of read through a pointer to the Service: the
+// connections, the configuration, the consumer group, the stream's
+// partition count (known before any worker starts), the trusted signing
+// keys and the metrics.
+type workerEnv struct {
+	cfg        *Config
+	pool       *pgxpool.Pool
+	js         jetstream.JetStream
+	group      string
+	partitions int
+	keys       *keyring
+	metrics    *metrics
+}
+
+// workerRuntime is the service's part around a worker's pages: the rebuild
+// share (lifecycle_worker.go), the apply path (apply.go), the live
+// version's side effects, and the hand-over of a lost lease.
+type workerRuntime interface {
+	admit(ctx context.Context, v Version) (release func(), err error)
+	apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error)
+	afterPage(ctx context.Context, v Version, partition int, items []*item)
+	leaseLost(w *partitionWorker)
+}
+
 func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
 	return &partitionWorker{
-		svc: s, ver: v, lease: l,
+		workerEnv: workerEnv{cfg: &s.cfg, pool: s.pool, js: s.js, group: s.group, partitions: s.partitions, keys: s.keys, metrics: s.metrics},
+		svc:       s, ver: v, lease: l,
 		filter: event.PartitionFilter(s.cfg.SourceName, l.Partition),
 		log:    s.log.With("projection", v.Projection, "version", v.Version, "partition", l.Partition),
 	}
@@ -122,7 +150,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 	defer w.dropPrefetch()
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 100 * time.Millisecond
-	bo.MaxInterval = w.svc.cfg.MaxBackoff
+	bo.MaxInterval = w.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
 	needInit, resets := true, 0
 	for !w.StopRequested() && ctx.Err() == nil {
@@ -163,7 +191,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 		}
 		needInit = true
 		kind := quarantine.TransientKind(err)
-		w.svc.metrics.transient.WithLabelValues(kind).Inc()
+		w.metrics.transient.WithLabelValues(kind).Inc()
 		wait := bo.NextBackOff()
 		w.log.Warn("transient failure; retrying", "kind", kind, "err", quarantine.Sanitize(err), "retry_in", wait)
 		w.recordFailure(ctx, kind)
@@ -185,14 +213,14 @@ func (w *partitionWorker) wait(ctx context.Context, d time.Duration) {
 func (w *partitionWorker) recordFailure(ctx context.Context, kind string) {
 	c, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	_ = progress.RecordFailure(c, w.svc.pool, w.lease, "transient:"+kind)
+	_ = progress.RecordFailure(c, w.pool, w.lease, "transient:"+kind)
 }
 
 // init reads the cursor, checks the stream still holds the last applied
 // message at the cursor (rewinding if it lost its tail) and makes the
 // durable consumer start right after the cursor.
 func (w *partitionWorker) init(ctx context.Context) error {
-	row, err := progress.Get(ctx, w.svc.pool, w.lease.Key)
+	row, err := progress.Get(ctx, w.pool, w.lease.Key)
 	if err != nil {
 		return err
 	}
@@ -202,7 +230,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 	w.pos = row.Position
 	w.recorded = row.Consumer
 	w.open = nil
-	w.stream, err = w.svc.js.Stream(ctx, event.StreamName(w.svc.cfg.SourceName))
+	w.stream, err = w.js.Stream(ctx, event.StreamName(w.cfg.SourceName))
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
@@ -285,12 +313,12 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 			return fmt.Errorf("read message at %d: %w", target, err)
 		}
 	}
-	tx, err := w.svc.pool.Begin(ctx)
+	tx, err := w.pool.Begin(ctx)
 	if err != nil {
 		return err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	if err := progress.Advance(ctx, tx, w.lease, w.pos.Cursor, next, w.svc.cfg.LeaseTTL); err != nil {
+	if err := progress.Advance(ctx, tx, w.lease, w.pos.Cursor, next, w.cfg.LeaseTTL); err != nil {
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -298,7 +326,7 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 	}
 	w.log.Warn("stream lost its tail: rewound the partition to re-apply idempotently",
 		"reason", why, "from", w.pos.Cursor, "to", target, "last_commit_lsn", w.pos.CommitLSN.String())
-	w.svc.metrics.rewinds.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
+	w.metrics.rewinds.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
 	w.pos = next
 	return nil
 }
@@ -327,7 +355,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 		if raw.Sequence > bound {
 			return 0, 0, false, nil
 		}
-		e, err := w.svc.cfg.Decoder.Decode(raw.Data)
+		e, err := w.cfg.Decoder.Decode(raw.Data)
 		if err != nil {
 			return raw.Sequence, 0, true, nil // unknown position: treat as "at or after"
 		}
@@ -363,7 +391,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 // from before consumer groups, or another group's recorded on the row) is
 // deleted.
 func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
-	name := w.lease.GroupConsumerName(w.svc.group)
+	name := w.lease.GroupConsumerName(w.group)
 	prev := w.recorded
 	if prev == "" {
 		// Nothing recorded yet: record the name before the consumer exists,
@@ -388,7 +416,7 @@ func (w *partitionWorker) recordConsumer(ctx context.Context, name string) error
 	if w.recorded == name {
 		return nil
 	}
-	if err := progress.RecordConsumer(ctx, w.svc.pool, w.lease, name); err != nil {
+	if err := progress.RecordConsumer(ctx, w.pool, w.lease, name); err != nil {
 		return err
 	}
 	w.recorded = name
@@ -407,7 +435,7 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 		}
 		w.log.Info("resetting consumer to the cursor", "consumer", name, "cursor", w.pos.Cursor,
 			"ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending)
-		w.svc.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
+		w.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
 		if err := w.stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return fmt.Errorf("delete consumer %s: %w", name, err)
 		}
@@ -465,7 +493,7 @@ const maxAckPending = 4 * pagesPerTx * MaxBatchSize
 
 // fetchPage fetches a group of pages (see pagesPerTx) and decodes it.
 func (w *partitionWorker) fetchPage() page {
-	size, pages := w.svc.cfg.BatchSize, 1
+	size, pages := w.cfg.BatchSize, 1
 	if size == MaxBatchSize {
 		pages = pagesPerTx
 	}
@@ -474,7 +502,7 @@ func (w *partitionWorker) fetchPage() page {
 	// The fetch's goroutine in nats.go ends when its context does: cancel it
 	// on every return, so that a page left early (a bad message) does not
 	// leave the goroutine waiting out the fetch's expiry.
-	fctx, cancel := context.WithTimeout(context.Background(), w.svc.cfg.FetchWait)
+	fctx, cancel := context.WithTimeout(context.Background(), w.cfg.FetchWait)
 	defer cancel()
 	for n := 0; n < pages; n++ {
 		var batch jetstream.MessageBatch
@@ -501,7 +529,7 @@ func (w *partitionWorker) fetchPage() page {
 				headers: m.Headers(), data: m.Data(), stored: md.Timestamp,
 			}
 			it.id = identityOf(it.headers, it.data)
-			if ev, err := w.svc.cfg.Decoder.Decode(it.data); err != nil {
+			if ev, err := w.cfg.Decoder.Decode(it.data); err != nil {
 				cat, _ := quarantine.Classify(err)
 				it.category, it.failure = string(cat), err
 			} else {
@@ -575,7 +603,7 @@ func (w *partitionWorker) step(ctx context.Context) error {
 		return w.idle(ctx)
 	}
 	w.stalled = 0
-	if p.full && w.svc.cfg.BatchSize == MaxBatchSize {
+	if p.full && w.cfg.BatchSize == MaxBatchSize {
 		items, w.carry = splitAtCommit(items)
 	}
 	if !w.StopRequested() {
@@ -702,9 +730,9 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	w.pos = res.pos
 	w.svc.afterPage(ctx, w.ver, w.lease.Partition, fresh) // side effects: live version only
 	w.applied += uint64(len(fresh))
-	w.svc.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
+	w.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
 	for cat, n := range res.quarantined {
-		w.svc.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
+		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
 	}
 	return nil
 }

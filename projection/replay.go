@@ -2,14 +2,18 @@ package projection
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -26,94 +30,162 @@ type ReplayConfig struct {
 	JetStream jetstream.JetStream
 	// MaxRowBytes as in Config: a larger row stays quarantined (oversized).
 	MaxRowBytes int64
+	// Logger; nil = slog.Default().
+	Logger *slog.Logger
 }
 
 // ReplayFunc returns the quarantine.ApplyFunc that applies a quarantined
 // event, decoded with the current code, to the read model of its version,
-// in the replay's transaction — exactly what the runtime would have done:
-// a row is archived (idempotently; the snapshots of its transaction are
-// rebuilt, and its transaction's roots recomputed if its commit was
-// applied already); a commit marks its transaction's roots and creates its
-// snapshot jobs; other messages need nothing.
+// in the replay's transaction, through the runtime's apply path (applyPage,
+// apply.go) — exactly what the runtime would have done, as a page of one
+// event: a row is archived (idempotently; not when an erasure fences it;
+// the snapshots of its transaction are rebuilt), a commit marks its
+// transaction's roots, creates its snapshot jobs and releases its rows'
+// deliveries, a gap or truncate is recorded; the row handlers' deliveries
+// are queued as for a live page. Two things differ, because the event is
+// applied after its neighbours: a row whose transaction's commit was
+// applied already has its transaction's roots recomputed and its delivery
+// released (as its commit would have), and hold mode is not applied
+// (quarantine.Replay keeps the order of held entries). An event that still
+// cannot be applied returns its permanent error (its category), and the
+// replay's transaction is not written to.
 func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
-	dec := cfg.Decoder
-	if dec == nil {
-		dec = &event.Decoder{}
+	r := &replayer{cfg: cfg, dec: cfg.Decoder, objects: newObjectReader(cfg.JetStream),
+		retention: newRetentionMetrics(prometheus.NewRegistry()), log: cfg.Logger}
+	if r.dec == nil {
+		r.dec = &event.Decoder{}
 	}
-	c := Config{ArchiveTTL: cfg.ArchiveTTL}
-	objects := newObjectReader(cfg.JetStream)
-	return func(ctx context.Context, tx pgx.Tx, e quarantine.Entry) error {
-		if e.Projection != ArchiveProjection {
-			return fmt.Errorf("replay: projection %q is not known to this projector", e.Projection)
-		}
-		var schema string
-		err := tx.QueryRow(ctx, `SELECT schema_name FROM epitaph.projection_versions WHERE projection = $1 AND version = $2`,
-			e.Projection, e.Version).Scan(&schema)
+	if r.log == nil {
+		r.log = slog.Default()
+	}
+	r.createJobs, r.extraDDL = snapshotHooks()
+	return r.apply
+}
+
+// replayer holds what a ReplayFunc keeps between entries.
+type replayer struct {
+	cfg        ReplayConfig
+	dec        *event.Decoder
+	objects    *objectReader
+	retention  *retentionMetrics
+	log        *slog.Logger
+	createJobs func(ctx context.Context, tx pgx.Tx, schema string, commit *event.Event, roots []string) (int, error)
+	extraDDL   func(schema string) string
+}
+
+func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) error {
+	if e.Projection != ArchiveProjection {
+		return fmt.Errorf("replay: projection %q is not known to this projector", e.Projection)
+	}
+	v := Version{Projection: e.Projection, Version: e.Version}
+	err := tx.QueryRow(ctx, `SELECT schema_name FROM epitaph.projection_versions WHERE projection = $1 AND version = $2`,
+		e.Projection, e.Version).Scan(&v.Schema)
+	if err != nil {
+		return fmt.Errorf("replay: version %d of %s: %w", e.Version, e.Projection, err)
+	}
+	if e.Category == CategoryUnauthenticated {
+		// Replaying one message alone would skip its verification.
+		return quarantine.Permanent(quarantine.CategoryUnauthenticated, fmt.Errorf("not replayed: it failed verification (trust.go); "+
+			"if its key is trusted now (projector trust-key), rebuild the version, which verifies the stream again; else discard it"))
+	}
+	ev, err := r.dec.Decode(e.Data)
+	if err != nil {
+		return err
+	}
+	it := &item{seq: e.StreamSeq, subject: e.Subject, headers: e.Headers, data: e.Data, ev: ev, after: e.After}
+	for {
+		// An erasure recorded meanwhile (errFencesChanged): apply again,
+		// with its fence, as the runtime does.
+		sp, err := tx.Begin(ctx)
 		if err != nil {
-			return fmt.Errorf("replay: version %d of %s: %w", e.Version, e.Projection, err)
+			return fmt.Errorf("replay: savepoint: %w", err)
 		}
-		if e.Category == CategoryUnauthenticated {
-			// Replaying one message alone would skip its verification.
-			return quarantine.Permanent(quarantine.CategoryUnauthenticated, fmt.Errorf("not replayed: it failed verification (trust.go); "+
-				"if its key is trusted now (projector trust-key), rebuild the version, which verifies the stream again; else discard it"))
+		err = r.applyOne(ctx, sp, v, e.Partition, it)
+		if err == nil {
+			return sp.Commit(ctx)
 		}
-		ev, err := dec.Decode(e.Data)
-		if err != nil {
+		if rbErr := sp.Rollback(ctx); rbErr != nil {
+			return fmt.Errorf("replay: rollback savepoint: %w (after %w)", rbErr, err)
+		}
+		if !errors.Is(err, errFencesChanged) {
 			return err
 		}
-		switch ev.Op {
-		case event.OpDelete:
-			r := &archiveRow{ev: ev, row: ev.Row}
-			if ev.RowRef != nil {
-				if r.row, err = fetchLimited(ctx, objects, ev.RowRef, cfg.MaxRowBytes); err != nil {
-					return err
-				}
-			}
-			if d, ok := c.ttlFor(ev.QualifiedTable()); ok && !ev.CommitTime.IsZero() {
-				t := ev.CommitTime.Add(d)
-				r.expiresAt = &t
-			}
-			// An erased row is not archived again (fence.go).
-			keep, _, fenced, err := (&fenceSet{}).filter(ctx, tx, []*archiveRow{r})
-			if err != nil || len(keep) == 0 {
-				return err
-			}
-			counted, epoch, err := insertRowsCounted(ctx, tx, schema, keep)
-			if err != nil {
-				return err
-			}
-			if epoch != fenced {
-				return errFencesChanged // an erasure meanwhile: replay again
-			}
-			if len(counted) == 0 {
-				return nil
-			}
-			inserted := make([]string, len(counted))
-			for i, t := range counted {
-				inserted[i] = t.correlationID
-			}
-			var committed bool
-			err = tx.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s.rows
-				WHERE source = $1 AND commit_lsn = $2::pg_lsn AND is_root IS NOT NULL)`, ident(schema)),
-				ev.Source, ev.CommitLSN.String()).Scan(&committed)
-			if err != nil {
-				return fmt.Errorf("replay: look up transaction: %w", err)
-			}
-			if committed {
-				if err := markRoots(ctx, tx, schema, ev.Source, []event.LSN{ev.CommitLSN}, false); err != nil {
-					return err
-				}
-			}
-			_, err = snapshot.Invalidate(ctx, tx, schema, inserted)
+		it.category, it.failure = "", nil
+	}
+}
+
+// applyOne applies the event of it as a page of its own, in tx.
+func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v Version, partition int, it *item) error {
+	ev := it.ev
+	s, err := r.service(ctx, tx, ev.Source)
+	if err != nil {
+		return err
+	}
+	vd := &verdict{pending: map[*item]bool{}}
+	p := &applyPlan{v: v, l: progress.Lease{Key: progress.Key{Projection: v.Projection, Version: v.Version, Partition: partition}}, items: []*item{it}, vd: vd, open: map[event.LSN]*openTx{}}
+	if p.rows, err = s.pageRows(ctx, p.items, vd); err != nil {
+		return err
+	}
+	if it.category != "" {
+		return it.failure
+	}
+	var committed bool
+	switch ev.Op {
+	case event.OpCommit:
+		p.commits = []*item{it}
+	case event.OpDelete:
+		if committed, err = transactionCommitted(ctx, tx, v.Schema, ev); err != nil {
 			return err
-		case event.OpCommit:
-			if err := markRoots(ctx, tx, schema, ev.Source, []event.LSN{ev.CommitLSN}, false); err != nil {
-				return err
-			}
-			_, err := snapshot.CreateJobs(ctx, tx, schema, ev, cfg.SnapshotRoots)
-			return err
-		default:
-			return nil
+		}
+		if committed {
+			// Its commit was applied before it: its deliveries are
+			// released now, as that commit would have (applyVerdict and
+			// queueDeliveries treat it as verified late).
+			vd.promote = []event.LSN{ev.CommitLSN}
 		}
 	}
+	p.inPage = rootsInPage(p.rows, p.commits)
+	decideEarly(p.rows, p.inPage, nil)
+	if _, err := s.applyPage(ctx, tx, p, true); err != nil {
+		return err
+	}
+	if it.category != "" {
+		return it.failure
+	}
+	if committed {
+		// Its transaction's roots are decided again with it.
+		return markRoots(ctx, tx, v.Schema, ev.Source, []event.LSN{ev.CommitLSN}, false)
+	}
+	return nil
+}
+
+// service is the apply path's collaborators for one replayed event: its
+// source, the configuration of the replay, the row handlers and the erasure
+// fences as of tx.
+func (r *replayer) service(ctx context.Context, tx pgx.Tx, source string) (*Service, error) {
+	s := &Service{
+		cfg: Config{SourceName: source, ArchiveTTL: r.cfg.ArchiveTTL, SnapshotRoots: r.cfg.SnapshotRoots, MaxRowBytes: r.cfg.MaxRowBytes},
+		log: r.log, objects: r.objects, retention: r.retention, createJobs: r.createJobs, extraDDL: r.extraDDL,
+		fences: &fenceSet{}, handlers: handler.NewCache(tx, time.Second),
+	}
+	if err := s.fences.load(ctx, tx); err != nil {
+		return nil, err
+	}
+	if err := s.handlers.Refresh(ctx); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// transactionCommitted says whether the commit of row event ev's
+// transaction was applied already (its rows have roots decided).
+func transactionCommitted(ctx context.Context, tx pgx.Tx, schema string, ev *event.Event) (bool, error) {
+	var committed bool
+	err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s.rows
+		WHERE source = $1 AND commit_lsn = $2::pg_lsn AND is_root IS NOT NULL)`, ident(schema)),
+		ev.Source, ev.CommitLSN.String()).Scan(&committed)
+	if err != nil {
+		return false, fmt.Errorf("replay: look up transaction: %w", err)
+	}
+	return committed, nil
 }

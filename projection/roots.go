@@ -51,25 +51,48 @@ func completeTx(rows []*archiveRow, n int) bool {
 	return true
 }
 
+// markRootsInMemory sets is_root on the rows of one complete transaction
+// (rootsInPage): rows without refs are roots; the others are matched
+// against the candidate parents indexed by parentIndex.
 func markRootsInMemory(rows []*archiveRow) {
 	yes, no := true, false
-	anyRefs := false
-	for _, r := range rows {
-		if len(r.ev.Refs) > 0 {
-			anyRefs = true
-			break
-		}
-	}
-	if !anyRefs {
+	if !anyRefs(rows) {
 		for _, r := range rows {
 			r.isRoot = &yes
 		}
 		return
 	}
-	// Index the candidate parents under every (table, columns) some ref
-	// points at. Only the columns some ref names are read from the rows.
-	wanted := map[string]bool{}
-	cols := map[string]bool{}
+	wanted, cols := refSpecs(rows)
+	values := make([]map[string]json.RawMessage, len(rows))
+	for i, r := range rows {
+		values[i] = columnValues(r.row, cols) // unreadable: no values, so neither parent nor child
+	}
+	parents, blind := parentIndex(rows, values, wanted)
+	for i, r := range rows {
+		switch root, known := rootOf(r, values[i], parents, blind); {
+		case !root:
+			r.isRoot = &no
+		case !known:
+			r.isRoot = nil // cannot be told: NULL, never a guess
+		default:
+			r.isRoot = &yes
+		}
+	}
+}
+
+func anyRefs(rows []*archiveRow) bool {
+	for _, r := range rows {
+		if len(r.ev.Refs) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// refSpecs returns the (table, columns) specs some ref of rows points at,
+// and the columns some ref names: only those are read from the rows.
+func refSpecs(rows []*archiveRow) (wanted, cols map[string]bool) {
+	wanted, cols = map[string]bool{}, map[string]bool{}
 	for _, r := range rows {
 		for _, f := range r.ev.Refs {
 			wanted[specKey(f.Schema, f.Table, f.RefColumns)] = true
@@ -81,15 +104,15 @@ func markRootsInMemory(rows []*archiveRow) {
 			}
 		}
 	}
-	values := make([]map[string]json.RawMessage, len(rows))
-	for i, r := range rows {
-		values[i] = columnValues(r.row, cols) // unreadable: no values, so neither parent nor child
-	}
-	parents := map[string][]int{}
-	// blind: specs some candidate parent's image lacks a referenced column
-	// of (a key-only row): whether a child of that spec has a parent there
-	// cannot be told.
-	blind := map[string]bool{}
+	return wanted, cols
+}
+
+// parentIndex indexes the candidate parents under every spec of wanted
+// (spec + "\x01" + key -> seqs). blind: specs some candidate parent's image
+// lacks a referenced column of (a key-only row): whether a child of that
+// spec has a parent there cannot be told.
+func parentIndex(rows []*archiveRow, values []map[string]json.RawMessage, wanted map[string]bool) (parents map[string][]int, blind map[string]bool) {
+	parents, blind = map[string][]int{}, map[string]bool{}
 	for i, r := range rows {
 		for spec := range wanted {
 			schema, table, cols := splitSpec(spec)
@@ -104,36 +127,34 @@ func markRootsInMemory(rows []*archiveRow) {
 			}
 		}
 	}
-	for i, r := range rows {
-		root, unknown := true, false
-		for _, f := range r.ev.Refs {
-			if values[i] != nil && !hasAll(values[i], f.Columns) {
-				unknown = true // a key-only row: its foreign key was not captured
-				continue
-			}
-			k, ok := keyOf(values[i], f.Columns)
-			if !ok {
-				continue
-			}
-			spec := specKey(f.Schema, f.Table, f.RefColumns)
-			if blind[spec] {
-				unknown = true
-			}
-			for _, seq := range parents[spec+"\x01"+k] {
-				if seq != r.ev.Seq {
-					root = false
-				}
-			}
+	return parents, blind
+}
+
+// rootOf says whether row r is a root: not when another row of its
+// transaction is its parent by one of its refs; known is false when that
+// cannot be told (a key-only row on either side).
+func rootOf(r *archiveRow, values map[string]json.RawMessage, parents map[string][]int, blind map[string]bool) (root, known bool) {
+	root, unknown := true, false
+	for _, f := range r.ev.Refs {
+		if values != nil && !hasAll(values, f.Columns) {
+			unknown = true // a key-only row: its foreign key was not captured
+			continue
 		}
-		switch {
-		case !root:
-			r.isRoot = &no
-		case unknown:
-			r.isRoot = nil // cannot be told: NULL, never a guess
-		default:
-			r.isRoot = &yes
+		k, ok := keyOf(values, f.Columns)
+		if !ok {
+			continue
+		}
+		spec := specKey(f.Schema, f.Table, f.RefColumns)
+		if blind[spec] {
+			unknown = true
+		}
+		for _, seq := range parents[spec+"\x01"+k] {
+			if seq != r.ev.Seq {
+				root = false
+			}
 		}
 	}
+	return root, !unknown
 }
 
 // hasAll says whether every column of cols is in values (NULL included).

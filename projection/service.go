@@ -65,9 +65,9 @@ type Service struct {
 	closing    bool
 	workers    map[progress.Key]*partitionWorker
 	partitions int
-	versions   string          // fingerprint of the active versions last ensured
-	live       map[string]int  // live version per projection, as of the last balance
-	throttled  map[[2]any]bool // versions building or catching up (RebuildShare applies)
+	versions   string              // fingerprint of the active versions last ensured
+	live       map[string]int      // live version per projection, as of the last balance
+	throttled  map[VersionKey]bool // versions building or catching up (RebuildShare applies)
 	// rebuildGate bounds the pages of non-live versions applied at once
 	// (Config.RebuildShare); nil until the partition count is known.
 	rebuildGate  chan struct{}
@@ -404,12 +404,12 @@ func (s *Service) balance(ctx context.Context) error {
 		s.versions = fingerprint(vs)
 	}
 	s.setLive(vs)
-	active := map[[2]any]bool{}
+	active := map[VersionKey]bool{}
 	for _, v := range vs {
 		if !v.Active() {
 			continue
 		}
-		active[[2]any{v.Projection, v.Version}] = true
+		active[v.Key()] = true
 		if err := s.balanceVersion(ctx, v); err != nil {
 			return err
 		}
@@ -418,7 +418,7 @@ func (s *Service) balance(ctx context.Context) error {
 	var gone []*partitionWorker
 	s.mu.Lock()
 	for k, w := range s.workers {
-		if !active[[2]any{k.Projection, k.Version}] {
+		if !active[VersionKey{Projection: k.Projection, Version: k.Version}] {
 			gone = append(gone, w)
 		}
 	}

@@ -54,6 +54,32 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commit
 	return pending + n, err
 }
 
+// snapshotsCommitted runs, right after the apply transaction committed,
+// one batch of the batcher's for the jobs this page's commits left pending
+// (transactions spanning pages, rows archived earlier): it claims only
+// those transactions' jobs (RunBatchFor), so their documents are complete a
+// moment after their commit is applied, instead of queueing behind the
+// batcher's older work while the apply runs at full speed. The apply waits
+// for it: the documents keep pace with the commits they follow. What it
+// leaves (a failure, a group not complete yet, jobs another batch holds) is
+// the batcher's, which it wakes when the batch claimed fewer than the
+// pending jobs the page made.
+func (s *Service) snapshotsCommitted(ctx context.Context, v Version, commits []*item, pending int) {
+	txs := make([]snapshot.TxRef, 0, len(commits))
+	for _, c := range commits {
+		if c.category == "" {
+			txs = append(txs, snapshot.TxRef{Source: c.ev.Source, CommitLSN: c.ev.CommitLSN})
+		}
+	}
+	res, err := snapshot.RunBatchFor(ctx, s.pool, snapshot.Config{Schema: v.Schema}, txs)
+	if err != nil && ctx.Err() == nil {
+		s.log.Warn("snapshot batch after commit failed; left to the batcher", "schema", v.Schema, "err", err)
+	}
+	if err != nil || res.Claimed < pending {
+		s.batcher.Wake()
+	}
+}
+
 // snapshotRows are the page's applied rows by transaction, as archived.
 func snapshotRows(rows []*archiveRow) map[event.LSN][]snapshot.Row {
 	out := map[event.LSN][]snapshot.Row{}

@@ -350,9 +350,9 @@ func LegacyBoundaries(ctx context.Context, db interface {
 // now (looking back at most legacyScan messages from its end), 0 when
 // there is none. Every version and every later run uses the recorded one.
 func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
-	name := event.StreamName(w.svc.cfg.SourceName)
+	name := event.StreamName(w.cfg.SourceName)
 	var seq int64
-	err := w.svc.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
+	err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
 		name, w.lease.Partition).Scan(&seq)
 	if err == nil {
 		return uint64(seq), nil
@@ -364,11 +364,11 @@ func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	if _, err := w.svc.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
+	if _, err := w.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
 		VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`, name, w.lease.Partition, int64(boundary)); err != nil {
 		return 0, fmt.Errorf("record legacy boundary: %w", err)
 	}
-	if err := w.svc.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
+	if err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
 		name, w.lease.Partition).Scan(&seq); err != nil {
 		return 0, fmt.Errorf("read legacy boundary: %w", err)
 	}
@@ -486,116 +486,163 @@ type verdict struct {
 // sets category unauthenticated on refused items and returns the rest of
 // the decisions. Errors are transient.
 func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdict, error) {
-	st := w.pos.Trust
-	d := event.NewDigest()
-	broken := false // the persisted digest could not be restored: only the slow path can tell
-	if st.Pending > 0 {
-		if err := d.UnmarshalBinary(st.Digest); err != nil {
-			broken = true
-		}
-	} else {
-		st.TxStart, st.TxFirst, st.Digest = w.pos.Cursor, 0, nil
-	}
-	vd := &verdict{pending: map[*item]bool{}}
-	var inPage map[uint64]*item // built when the slow path needs it
-	pageIndex := func() map[uint64]*item {
-		if inPage == nil {
-			inPage = make(map[uint64]*item, len(items))
-			for _, it := range items {
-				inPage[it.seq] = it
-			}
-		}
-		return inPage
-	}
-	var page []*item // this page's pending rows
-	reset := func(it *item) {
-		st.TxStart, st.TxFirst, st.Pending, st.Digest = it.seq, 0, 0, nil
-		d.Reset()
-		broken = false
-		page = page[:0]
-	}
+	pv := newPageVerifier(w, items)
 	for _, it := range items {
 		kind := kindOf(it.subject)
 		if it.seq <= w.legacy {
-			if kind == kindCommit || kind == kindMarker || st.Pending == 0 {
-				reset(it)
+			if kind == kindCommit || kind == kindMarker || pv.st.Pending == 0 {
+				pv.reset(it)
 			}
-			st.PartSeq = 0
+			pv.st.PartSeq = 0
 			continue
 		}
 		switch kind {
 		case kindRow:
-			if st.Pending == 0 {
-				st.TxFirst = it.seq
-			}
-			d.Add(partSeqOf(it), it.data)
-			st.Pending++
-			if it.ev == nil || it.category != "" {
-				break // undecodable: quarantined as it is
-			}
-			if p := event.Partition(it.ev.CommitLSN, w.svc.partitions); p != w.lease.Partition {
-				w.refuse(it, fmt.Sprintf("row message in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
-				break
-			}
-			page = append(page, it)
-			vd.pending[it] = true
+			pv.row(it)
 		case kindCommit, kindMarker:
-			if it.ev == nil || it.category != "" {
-				break // undecodable: not a boundary
-			}
-			if err := w.svc.keys.verify(ctx, it, w.streamKey); err != nil {
-				var r *refusal
-				if !errors.As(err, &r) {
-					return nil, err
-				}
-				w.refuse(it, r.msg)
-				break
-			}
-			if kind == kindCommit {
-				if p := event.Partition(it.ev.CommitLSN, w.svc.partitions); p != w.lease.Partition {
-					w.refuse(it, fmt.Sprintf("commit in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
-					break
-				}
-			}
-			rows, short, err := w.closeWindow(ctx, it, kind, st, d, broken, page, pageIndex, vd)
-			if err != nil {
+			if err := pv.boundary(ctx, it, kind); err != nil {
 				return nil, err
 			}
-			if ps := partSeqOf(it); ps > 0 || short {
-				if short || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
-					to := it.seq - 1
-					if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
-						to = st.TxFirst - 1
-					}
-					vd.gaps = append(vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: w.pos.SourceLSN, toLSN: positionLSN(it.ev)})
-					w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
-						"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
-				} else if st.PartSeq > 0 {
-					vd.continued = append(vd.continued, st.TxStart)
-				}
-				st.PartSeq = ps
-			}
-			if ps := partSeqOf(it); ps > 0 {
-				st.PartSeq = ps
-			}
-			reset(it)
 		}
-		if st.Pending == 0 {
-			st.TxStart = it.seq
+		if pv.st.Pending == 0 {
+			pv.st.TxStart = it.seq
 		}
 	}
-	if st.Pending > 0 {
-		b, err := d.MarshalBinary()
+	return pv.finish()
+}
+
+// pageVerifier is one page's verification in progress: the trust state
+// carried from message to message (the open window's digest) and the
+// verdict being built.
+type pageVerifier struct {
+	w      *partitionWorker
+	items  []*item
+	st     progress.Trust
+	d      *event.Digest
+	broken bool // the persisted digest could not be restored: only the slow path can tell
+	vd     *verdict
+	inPage map[uint64]*item // built when the slow path needs it
+	page   []*item          // this page's pending rows
+}
+
+func newPageVerifier(w *partitionWorker, items []*item) *pageVerifier {
+	pv := &pageVerifier{w: w, items: items, st: w.pos.Trust, d: event.NewDigest(), vd: &verdict{pending: map[*item]bool{}}}
+	if pv.st.Pending > 0 {
+		if err := pv.d.UnmarshalBinary(pv.st.Digest); err != nil {
+			pv.broken = true
+		}
+	} else {
+		pv.st.TxStart, pv.st.TxFirst, pv.st.Digest = w.pos.Cursor, 0, nil
+	}
+	return pv
+}
+
+// pageIndex is the page's items by stream sequence.
+func (pv *pageVerifier) pageIndex() map[uint64]*item {
+	if pv.inPage == nil {
+		pv.inPage = make(map[uint64]*item, len(pv.items))
+		for _, it := range pv.items {
+			pv.inPage[it.seq] = it
+		}
+	}
+	return pv.inPage
+}
+
+// reset opens a new window after message it.
+func (pv *pageVerifier) reset(it *item) {
+	pv.st.TxStart, pv.st.TxFirst, pv.st.Pending, pv.st.Digest = it.seq, 0, 0, nil
+	pv.d.Reset()
+	pv.broken = false
+	pv.page = pv.page[:0]
+}
+
+// row adds a row message to the open window; it stays pending (inserted
+// invisible) until a boundary verifies it.
+func (pv *pageVerifier) row(it *item) {
+	if pv.st.Pending == 0 {
+		pv.st.TxFirst = it.seq
+	}
+	pv.d.Add(partSeqOf(it), it.data)
+	pv.st.Pending++
+	if it.ev == nil || it.category != "" {
+		return // undecodable: quarantined as it is
+	}
+	w := pv.w
+	if p := event.Partition(it.ev.CommitLSN, w.partitions); p != w.lease.Partition {
+		w.refuse(it, fmt.Sprintf("row message in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
+		return
+	}
+	pv.page = append(pv.page, it)
+	pv.vd.pending[it] = true
+}
+
+// boundary verifies a commit or marker and closes the window at it.
+func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) error {
+	if it.ev == nil || it.category != "" {
+		return nil // undecodable: not a boundary
+	}
+	w := pv.w
+	if err := w.keys.verify(ctx, it, w.streamKey); err != nil {
+		var r *refusal
+		if !errors.As(err, &r) {
+			return err
+		}
+		w.refuse(it, r.msg)
+		return nil
+	}
+	if kind == kindCommit {
+		if p := event.Partition(it.ev.CommitLSN, w.partitions); p != w.lease.Partition {
+			w.refuse(it, fmt.Sprintf("commit in partition %d, but commit LSN %s belongs to partition %d", w.lease.Partition, it.ev.CommitLSN, p))
+			return nil
+		}
+	}
+	rows, short, err := pv.closeWindow(ctx, it, kind)
+	if err != nil {
+		return err
+	}
+	pv.checkPartSeq(it, rows, short)
+	pv.reset(it)
+	return nil
+}
+
+// checkPartSeq compares boundary b's partition sequence with the last one
+// seen: one that skips more than the window's rows (or a transaction short
+// of rows) records a removed_from_stream gap; one that continues clears a
+// suspected gap.
+func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
+	st := &pv.st
+	ps := partSeqOf(b)
+	if ps == 0 && !short {
+		return
+	}
+	if short || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
+		to := b.seq - 1
+		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
+			to = st.TxFirst - 1
+		}
+		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: positionLSN(b.ev)})
+		pv.w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
+			"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
+	} else if st.PartSeq > 0 {
+		pv.vd.continued = append(pv.vd.continued, st.TxStart)
+	}
+	st.PartSeq = ps // 0 after a short transaction without a partition sequence
+}
+
+// finish persists the open window's digest with the trust state.
+func (pv *pageVerifier) finish() (*verdict, error) {
+	if pv.st.Pending > 0 {
+		b, err := pv.d.MarshalBinary()
 		if err != nil {
 			return nil, err
 		}
-		st.Digest = b
-		if broken {
-			st.Digest = nil
+		pv.st.Digest = b
+		if pv.broken {
+			pv.st.Digest = nil
 		}
 	}
-	vd.trust = st
-	return vd, nil
+	pv.vd.trust = pv.st
+	return pv.vd, nil
 }
 
 func (w *partitionWorker) refuse(it *item, why string) {
@@ -618,16 +665,16 @@ func (w *partitionWorker) streamKey(ctx context.Context) string {
 // returns how many of them are b's transaction (0 for a marker), and
 // whether the stream holds fewer of its rows than its signed commit counts
 // (rows were removed).
-func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind, st progress.Trust, d *event.Digest,
-	broken bool, page []*item, pageIndex func() map[uint64]*item, vd *verdict) (int, bool, error) {
+func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) (int, bool, error) {
+	st, w := pv.st, pv.w
 	want := header(b, event.HeaderDigest)
-	if kind == kindCommit && st.Pending > 0 && !broken && want != "" && d.Sum() == want {
+	if kind == kindCommit && st.Pending > 0 && !pv.broken && want != "" && pv.d.Sum() == want {
 		// Fast path: the pending messages are exactly the transaction.
-		for _, it := range page {
-			delete(vd.pending, it)
+		for _, it := range pv.page {
+			delete(pv.vd.pending, it)
 		}
-		if st.Pending > len(page) {
-			vd.promote = append(vd.promote, b.ev.CommitLSN)
+		if st.Pending > len(pv.page) {
+			pv.vd.promote = append(pv.vd.promote, b.ev.CommitLSN)
 		}
 		return st.Pending, false, nil
 	}
@@ -638,7 +685,7 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 		}
 		return 0, false, nil
 	}
-	inPage := pageIndex()
+	inPage := pv.pageIndex()
 	window, err := w.readWindow(ctx, st.TxStart+1, b.seq-1, inPage)
 	if err != nil {
 		return 0, false, err
@@ -652,6 +699,19 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 				"commit_lsn", b.ev.CommitLSN.String(), "stream_seq", b.seq, "pending", st.Pending)
 		}
 	}
+	n := pv.settleWindow(window, inPage, kind, chosen)
+	if chosen == nil && kind == kindCommit {
+		n, short := heldRows(window, b)
+		return n, short, nil
+	}
+	return n, false, nil
+}
+
+// settleWindow decides every message of the slow path's window: the chosen
+// ones are verified (read again from earlier pages), the others refused.
+// It returns how many distinct rows were chosen.
+func (pv *pageVerifier) settleWindow(window []*item, inPage map[uint64]*item, kind msgKind, chosen map[*item]bool) int {
+	vd := pv.vd
 	n := 0
 	counted := map[int]bool{} // copies of one message count once
 	for _, it := range window {
@@ -676,28 +736,30 @@ func (w *partitionWorker) closeWindow(ctx context.Context, b *item, kind msgKind
 				why = "row message not part of the signed transaction (another message with its commit LSN and seq is)"
 			}
 			delete(vd.pending, it)
-			w.refuse(it, why)
+			pv.w.refuse(it, why)
 			if !here {
 				vd.drop = append(vd.drop, rowID{it.ev.CommitLSN, it.ev.Seq})
 				vd.extraQuar = append(vd.extraQuar, it)
 			}
 		}
 	}
-	short := false
-	if chosen == nil && kind == kindCommit {
-		// How many distinct rows the stream still holds, for the gap check.
-		seen, deletes := map[int]bool{}, map[int]bool{}
-		for _, it := range window {
-			if it.ev != nil && it.ev.CommitLSN == b.ev.CommitLSN {
-				seen[it.ev.Seq] = true
-				if it.ev.Op == event.OpDelete {
-					deletes[it.ev.Seq] = true
-				}
+	return n
+}
+
+// heldRows counts the distinct rows of commit b's transaction the stream
+// still holds, for the gap check, and whether fewer of its deletes are
+// there than its commit counts.
+func heldRows(window []*item, b *item) (int, bool) {
+	seen, deletes := map[int]bool{}, map[int]bool{}
+	for _, it := range window {
+		if it.ev != nil && it.ev.CommitLSN == b.ev.CommitLSN {
+			seen[it.ev.Seq] = true
+			if it.ev.Op == event.OpDelete {
+				deletes[it.ev.Seq] = true
 			}
 		}
-		n, short = len(seen), len(deletes) < b.ev.Rows
 	}
-	return n, short, nil
+	return len(seen), len(deletes) < b.ev.Rows
 }
 
 // readWindow reads the partition's messages with stream sequences in
@@ -747,9 +809,9 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 				if kindOf(it.subject) != kindRow {
 					continue
 				}
-				if ev, err := w.svc.cfg.Decoder.Decode(it.data); err == nil {
+				if ev, err := w.cfg.Decoder.Decode(it.data); err == nil {
 					it.ev = ev
-					if event.Partition(ev.CommitLSN, w.svc.partitions) != w.lease.Partition {
+					if event.Partition(ev.CommitLSN, w.partitions) != w.lease.Partition {
 						it.category = CategoryUnauthenticated // refused on arrival
 					}
 				} else {
@@ -944,7 +1006,7 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 // completed by that message.
 func (w *partitionWorker) recordSuspectedGap(ctx context.Context, first uint64) error {
 	from := w.pos.Cursor + 1
-	tx, err := w.svc.pool.Begin(ctx)
+	tx, err := w.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("record suspected gap: %w", err)
 	}
@@ -1004,7 +1066,7 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *tim
 	if recorded != nil && recorded.Equal(created) {
 		return nil
 	}
-	tx, err := w.svc.pool.Begin(ctx)
+	tx, err := w.pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("record the partition's stream identity: %w", err)
 	}

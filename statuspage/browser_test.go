@@ -175,37 +175,7 @@ func TestPageInBrowser(t *testing.T) {
 	t.Cleanup(func() { require.NoError(t, srv.Stop(context.Background())) })
 	pageURL := "http://" + srv.Addr() + "/"
 
-	// Wait for the system to settle: every partition owned by one of the
-	// two workers, caught up, the bad event in quarantine, the snapshots
-	// built.
-	var st *projection.Status
-	owners := map[string]int{}
-	deadline := time.Now().Add(90 * time.Second)
-	for {
-		st, err = svc.Status(ctx)
-		settled := err == nil && len(st.Versions) == 1 && st.Versions[0].State == "live" &&
-			len(st.Versions[0].Partitions) == 8 && st.Versions[0].LagEvents == 0 && st.Versions[0].QuarantineOpen == 1
-		if settled {
-			clear(owners)
-			for _, p := range st.Versions[0].Partitions {
-				if p.Leased {
-					owners[p.Owner]++
-				}
-			}
-			settled = owners["page-w1"] > 0 && owners["page-w2"] > 0 && owners["page-w1"]+owners["page-w2"] == 8 &&
-				archived(t, target) == res.Deleted && snapshotsDone(t, target, st.Versions[0].Schema)
-		}
-		if settled {
-			break
-		}
-		if cs := capSvc.CurrentStatus(); cs.Error != "" {
-			t.Fatalf("capture stopped: %s", cs.Error)
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("system did not settle: err=%v status=%+v\ncapture: %+v", err, st, capSvc.CurrentStatus())
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	st, owners := waitSettled(t, svc, capSvc, target, res.Deleted)
 	require.Equal(t, 8, st.Partitions)
 	require.Positive(t, st.StreamLast)
 
@@ -305,7 +275,7 @@ func TestPageInBrowser(t *testing.T) {
 	collect := func(ctx context.Context) (*projection.Status, error) {
 		return projection.CollectStatus(ctx, pool, js, source, time.Now())
 	}
-	deadline = time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(60 * time.Second)
 	for {
 		st, err = collect(ctx)
 		if err == nil && st.Versions[0].LagEvents >= uint64(more.Deleted) {
@@ -331,6 +301,42 @@ func TestPageInBrowser(t *testing.T) {
 	require.GreaterOrEqual(t, total, uint64(more.Deleted), "lag of every partition, summed")
 	require.Contains(t, dom, `style="width:100%"`, "the longest lag bar")
 	screenshot(t, bin, cli.URL+"/", "statuspage-lagging.png")
+}
+
+// waitSettled waits for the system to settle: every partition owned by one
+// of the two workers, caught up, the bad event in quarantine, the
+// snapshots built. It returns the status that showed it and the
+// partitions each worker owned then.
+func waitSettled(t *testing.T, svc *projection.Service, capSvc *capture.Service, target string, deleted int64) (*projection.Status, map[string]int) {
+	t.Helper()
+	ctx := t.Context()
+	owners := map[string]int{}
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		st, err := svc.Status(ctx)
+		settled := err == nil && len(st.Versions) == 1 && st.Versions[0].State == "live" &&
+			len(st.Versions[0].Partitions) == 8 && st.Versions[0].LagEvents == 0 && st.Versions[0].QuarantineOpen == 1
+		if settled {
+			clear(owners)
+			for _, p := range st.Versions[0].Partitions {
+				if p.Leased {
+					owners[p.Owner]++
+				}
+			}
+			settled = owners["page-w1"] > 0 && owners["page-w2"] > 0 && owners["page-w1"]+owners["page-w2"] == 8 &&
+				archived(t, target) == deleted && snapshotsDone(t, target, st.Versions[0].Schema)
+		}
+		if settled {
+			return st, owners
+		}
+		if cs := capSvc.CurrentStatus(); cs.Error != "" {
+			t.Fatalf("capture stopped: %s", cs.Error)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("system did not settle: err=%v status=%+v\ncapture: %+v", err, st, capSvc.CurrentStatus())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 }
 
 // screenshot takes a 1280x900 screenshot of the page, checks it is not

@@ -192,3 +192,93 @@ func (p *Proc) LogTail(n int) string {
 	}
 	return string(b)
 }
+
+// BuildNATSServer compiles the nats-server of the module's dependency (the
+// version the capture embeds) into dir: an external JetStream server for
+// the benchmarks, in a process of its own.
+func BuildNATSServer(ctx context.Context, dir string) (string, error) {
+	root, err := ModuleRoot()
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "nats-server")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/nats-io/nats-server/v2")
+	cmd.Dir = root
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build nats-server: %w\n%s", err, b)
+	}
+	return bin, nil
+}
+
+// CPU is the process's CPU seconds so far (user and system, with its reaped
+// children).
+func (p *Proc) CPU() (float64, error) { return ProcCPU(p.Pid()) }
+
+// ProcCPU is a process's utime+stime+cutime+cstime in seconds (clock ticks
+// of 1/100 s, from /proc/<pid>/stat).
+func ProcCPU(pid int) (float64, error) {
+	f, err := procStatFields(pid)
+	if err != nil {
+		return 0, err
+	}
+	if len(f) < 15 {
+		return 0, fmt.Errorf("short /proc/%d/stat", pid)
+	}
+	var ticks int64
+	for _, x := range f[11:15] {
+		v, err := strconv.ParseInt(x, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+		}
+		ticks += v
+	}
+	return float64(ticks) / 100, nil
+}
+
+// PostgresCPU is the CPU seconds of the Postgres server whose data
+// directory is dataDir: the postmaster with its reaped children and every
+// live child (backends, walsenders).
+func PostgresCPU(dataDir string) (float64, error) {
+	b, err := os.ReadFile(filepath.Join(dataDir, "postmaster.pid"))
+	if err != nil {
+		return 0, fmt.Errorf("read postmaster.pid: %w", err)
+	}
+	pm, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	if err != nil {
+		return 0, fmt.Errorf("postmaster.pid: %w", err)
+	}
+	total, err := ProcCPU(pm)
+	if err != nil {
+		return 0, err
+	}
+	dirs, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, fmt.Errorf("read /proc: %w", err)
+	}
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if f, err := procStatFields(pid); err == nil && len(f) > 1 && f[1] == strconv.Itoa(pm) {
+			c, _ := ProcCPU(pid) // a backend may exit meanwhile
+			total += c
+		}
+	}
+	return total, nil
+}
+
+// procStatFields are the fields of /proc/<pid>/stat from the third (state)
+// on: the command name, which may hold spaces, is cut off.
+func procStatFields(pid int) ([]string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil, fmt.Errorf("read /proc/%d/stat: %w", pid, err)
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return nil, fmt.Errorf("bad /proc/%d/stat", pid)
+	}
+	return strings.Fields(s[i+1:]), nil
+}

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -45,11 +46,35 @@ func ShopFor(rows int) workload.SeedConfig {
 // DeleteAllOrders deletes every order by cascade, perTx orders per
 // transaction (one DELETE .. WHERE id = ANY), in id order.
 func DeleteAllOrders(ctx context.Context, url string, perTx int) (time.Duration, error) {
+	took, _, err := DeleteAllOrdersCPU(ctx, url, perTx)
+	return took, err
+}
+
+// DeleteAllOrdersCPU is DeleteAllOrders that also returns the CPU seconds
+// its backend spent, read from /proc before the connection closes (an
+// exited backend's CPU is not reliably found in the postmaster's).
+func DeleteAllOrdersCPU(ctx context.Context, url string, perTx int) (took time.Duration, cpu float64, err error) {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
-		return 0, fmt.Errorf("connect source: %w", err)
+		return 0, 0, fmt.Errorf("connect source: %w", err)
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	pid := int(conn.PgConn().PID())
+	cpu0, err := ProcCPU(pid)
+	if err != nil {
+		return 0, 0, err
+	}
+	if took, err = deleteAllOrders(ctx, conn, perTx); err != nil {
+		return 0, 0, err
+	}
+	cpu1, err := ProcCPU(pid)
+	if err != nil {
+		return 0, 0, err
+	}
+	return took, cpu1 - cpu0, nil
+}
+
+func deleteAllOrders(ctx context.Context, conn *pgx.Conn, perTx int) (time.Duration, error) {
 	rows, err := conn.Query(ctx, "SELECT id FROM public.orders ORDER BY id")
 	if err != nil {
 		return 0, fmt.Errorf("list orders: %w", err)
@@ -173,4 +198,57 @@ func LoadNote(when string) {
 	if len(f) >= 3 {
 		Note("load average %s: %s %s %s on %d CPUs", when, f[0], f[1], f[2], runtime.NumCPU())
 	}
+}
+
+// SampleWalsender follows the CPU seconds of the walsender serving slot
+// (the slot's active_pid), read from /proc every 50 ms on a connection of
+// its own, until the returned function is called; that returns the last
+// sample (an exited walsender's CPU is not reliably found in the
+// postmaster's, so it is read while it runs: the last 50 ms of a walsender
+// that ends first are missed).
+func SampleWalsender(ctx context.Context, url, slot string) (func() float64, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("connect for walsender samples: %w", err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan float64, 1)
+	sample := func(pid *int) float64 {
+		if *pid == 0 {
+			var active *int32
+			if err := conn.QueryRow(ctx, "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", slot).Scan(&active); err == nil && active != nil {
+				*pid = int(*active)
+			}
+		}
+		if *pid != 0 {
+			if c, err := ProcCPU(*pid); err == nil {
+				return c
+			}
+		}
+		return 0
+	}
+	go func() {
+		defer conn.Close(context.Background())
+		pid, cpu := 0, 0.0
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			cpu = max(cpu, sample(&pid))
+			select {
+			case <-ctx.Done():
+				done <- max(cpu, sample(&pid)) // a known walsender is read once more
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	var once sync.Once
+	var result float64
+	return func() float64 {
+		once.Do(func() {
+			cancel()
+			result = <-done
+		})
+		return result
+	}, nil
 }

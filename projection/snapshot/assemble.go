@@ -29,11 +29,16 @@ type archiveRow struct {
 	ArchivedAt time.Time
 	CommitTime time.Time
 
-	// values: the match forms of the row's columns some foreign key of the
-	// group names (parse), absent when missing or NULL; present: those of
-	// them the image holds, NULL included.
-	values  map[string]string
-	present map[string]bool
+	// cols: the row's columns some foreign key of the group names
+	// (parse), those the image holds (NULL included), each with its match
+	// form (ok false when NULL or not comparable). A handful per row: a
+	// slice, not maps (two maps a row were a visible share of assembly).
+	cols []colValue
+}
+
+type colValue struct {
+	name, form string
+	ok         bool
 }
 
 func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
@@ -42,7 +47,7 @@ func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
 // its top level. A row that is not a JSON object has no values; as with
 // encoding/json, a repeated name keeps its last value.
 func (r *archiveRow) parse(want map[string]bool) {
-	r.values, r.present = map[string]string{}, map[string]bool{}
+	r.cols = r.cols[:0]
 	s := string(r.Row)
 	if !gjson.Valid(s) {
 		return
@@ -53,26 +58,37 @@ func (r *archiveRow) parse(want map[string]bool) {
 	}
 	obj.ForEach(func(k, v gjson.Result) bool {
 		if want[k.Str] {
-			r.present[k.Str] = true
-			if f, ok := matchForm(v); ok {
-				r.values[k.Str] = f
+			f, ok := matchForm(v)
+			if i := r.col(k.Str); i >= 0 {
+				r.cols[i] = colValue{k.Str, f, ok}
 			} else {
-				delete(r.values, k.Str)
+				r.cols = append(r.cols, colValue{k.Str, f, ok})
 			}
 		}
 		return true
 	})
 }
 
+func (r *archiveRow) col(name string) int {
+	for i := range r.cols {
+		if r.cols[i].name == name {
+			return i
+		}
+	}
+	return -1
+}
+
 // has reports whether the row image holds column col (NULL included); col
 // must be one parse was asked for (a column some foreign key names).
-func (r *archiveRow) has(col string) bool { return r.present[col] }
+func (r *archiveRow) has(col string) bool { return r.col(col) >= 0 }
 
 // value returns the comparable form of column col, and false when the
 // column is absent or NULL (a NULL foreign key references nothing).
 func (r *archiveRow) value(col string) (string, bool) {
-	v, ok := r.values[col]
-	return v, ok
+	if i := r.col(col); i >= 0 && r.cols[i].ok {
+		return r.cols[i].form, true
+	}
+	return "", false
 }
 
 // matchForm maps a value of the wire encoding to a string equal for equal
@@ -223,8 +239,26 @@ type Meta struct {
 // and key order, so both paths store the same document.
 
 func writeJSONString(b *bytes.Buffer, s string) {
+	if plainJSON(s) { // what json.Marshal writes for it, without its allocations
+		b.WriteByte('"')
+		b.WriteString(s)
+		b.WriteByte('"')
+		return
+	}
 	enc, _ := json.Marshal(s) // a string always encodes
 	b.Write(enc)
+}
+
+// plainJSON reports whether json.Marshal encodes s as s in quotes:
+// printable ASCII without the characters it escapes.
+func plainJSON(s string) bool {
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c < 0x20 || c > 0x7e, c == '"', c == '\\', c == '<', c == '>', c == '&':
+			return false
+		}
+	}
+	return true
 }
 
 func writeNode(b *bytes.Buffer, table string, key, row json.RawMessage) {
@@ -344,7 +378,14 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("encode snapshot document: %w", err)
 	}
+	// Sized for the rows and their framing at once: grown by doubling,
+	// a document of many rows was copied several times.
+	size := len(m) + 64
+	for _, i := range members {
+		size += len(g.rows[i].Key) + len(g.rows[i].Row) + len(g.rows[i].Table) + len(g.rows[i].Schema) + 48
+	}
 	var b bytes.Buffer
+	b.Grow(size)
 	b.WriteString(`{"root":`)
 	writeNode(&b, r.qualified(), r.Key, r.Row)
 	b.WriteString(`},"children":`)

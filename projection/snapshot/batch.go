@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -133,6 +134,22 @@ SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.roo
  ORDER BY t.first_id, j.id
  LIMIT $3`
 
+// claimTxsSQL claims the due pending jobs of the transactions $2/$3 (by
+// the index on (source, commit_lsn)), up to $4 jobs, in the order they
+// were made.
+const claimTxsSQL = `
+SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.root_seq, j.expected_tables, j.retry_count
+  FROM unnest($2::text[], $3::pg_lsn[]) AS t(source, commit_lsn)
+ CROSS JOIN LATERAL (
+       SELECT s.id, s.correlation_id, s.source, s.commit_lsn, s.root_table, s.root_seq, s.expected_tables, s.retry_count
+         FROM %[1]s s
+        WHERE s.source = t.source AND s.commit_lsn = t.commit_lsn
+          AND s.status = 'pending' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= $1)
+        ORDER BY s.id
+          FOR UPDATE SKIP LOCKED) j
+ ORDER BY j.id
+ LIMIT $4`
+
 // groupRowsSQL reads the archive rows of many transactions at once.
 const groupRowsSQL = `
 SELECT r.source, r.commit_lsn::text, r.schema_name, r.table_name, r.identity, r.key, r.row, r.refs, r.seq,
@@ -195,6 +212,56 @@ type job struct {
 // (retry_count+1, after RetryDelay doubling) and fails after MaxAttempts
 // with a reason naming the tables and counts missing.
 func RunBatch(ctx context.Context, db Beginner, cfg Config) (Result, error) {
+	return runInTx(ctx, db, cfg, func(ctx context.Context, tx pgx.Tx, cfg *Config, snapshots string, now time.Time) ([]job, error) {
+		return claim(ctx, tx, snapshots, now, cfg.BatchSize, max(cfg.BatchSize, min(groupFactor*cfg.BatchSize, maxClaim)))
+	})
+}
+
+// TxRef names a source transaction: its source and commit LSN.
+type TxRef struct {
+	Source    string
+	CommitLSN event.LSN
+}
+
+// RunBatchFor is RunBatch for the due pending jobs of the given
+// transactions only, up to 100 x BatchSize jobs (and at most 10,000): the
+// projector runs it right after committing the commits of transactions
+// whose jobs it left pending (they span pages), so their documents do not
+// wait for the batcher's turn behind older work. Claimed, loaded, assembled
+// and written like RunBatch (the same statements but the claim, which
+// reads the jobs by transaction); jobs locked by another batch are skipped
+// and left to it.
+func RunBatchFor(ctx context.Context, db Beginner, cfg Config, txs []TxRef) (Result, error) {
+	var sources, lsns []string
+	seen := make(map[TxRef]bool, len(txs))
+	for _, t := range txs {
+		if !seen[t] {
+			seen[t] = true
+			sources, lsns = append(sources, t.Source), append(lsns, t.CommitLSN.String())
+		}
+	}
+	if len(sources) == 0 {
+		return Result{}, nil
+	}
+	return runInTx(ctx, db, cfg, func(ctx context.Context, tx pgx.Tx, cfg *Config, snapshots string, now time.Time) ([]job, error) {
+		limit := max(cfg.BatchSize, min(groupFactor*cfg.BatchSize, maxClaim))
+		rows, err := tx.Query(ctx, fmt.Sprintf(claimTxsSQL, snapshots), now, sources, lsns, limit)
+		if err != nil {
+			return nil, fmt.Errorf("claim snapshot jobs of %d transactions: %w", len(sources), err)
+		}
+		jobs, err := pgx.CollectRows(rows, scanJob)
+		if err != nil {
+			return nil, fmt.Errorf("claim snapshot jobs of %d transactions: %w", len(sources), err)
+		}
+		return jobs, nil
+	})
+}
+
+// claimFunc claims the jobs of one batch in tx.
+type claimFunc func(ctx context.Context, tx pgx.Tx, cfg *Config, snapshots string, now time.Time) ([]job, error)
+
+// runInTx runs one batch whose jobs claim picks, in a transaction of its own.
+func runInTx(ctx context.Context, db Beginner, cfg Config, claim claimFunc) (Result, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
 		return Result{}, err
@@ -205,7 +272,7 @@ func RunBatch(ctx context.Context, db Beginner, cfg Config) (Result, error) {
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after Commit it is a no-op
 
-	res, err := runBatch(ctx, tx, &cfg)
+	res, err := runBatch(ctx, tx, &cfg, claim)
 	if err != nil {
 		return Result{}, err
 	}
@@ -218,10 +285,10 @@ func RunBatch(ctx context.Context, db Beginner, cfg Config) (Result, error) {
 // txKey identifies a source transaction: (source, commit_lsn text).
 type txKey [2]string
 
-func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config) (Result, error) {
+func runBatch(ctx context.Context, tx pgx.Tx, cfg *Config, claim claimFunc) (Result, error) {
 	snapshots := table(cfg.Schema, "snapshots")
 	now := cfg.Clock()
-	jobs, err := claim(ctx, tx, snapshots, now, cfg.BatchSize, max(cfg.BatchSize, min(groupFactor*cfg.BatchSize, maxClaim)))
+	jobs, err := claim(ctx, tx, cfg, snapshots, now)
 	if err != nil || len(jobs) == 0 {
 		return Result{}, err
 	}
@@ -339,6 +406,10 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 	}
 	lists := map[txKey][]*archiveRow{}
 	loadErr := map[txKey]string{}
+	// The rows of a table carry the same refs: each distinct text is
+	// decoded once per batch (decoding every row's was a visible share of
+	// a batch), the rows sharing the result, which is only read.
+	decoded := map[string][]event.Ref{}
 	for rows.Next() {
 		var (
 			r        archiveRow
@@ -366,8 +437,15 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 			return nil, fmt.Errorf("read archive rows of %s: %w", corr[k], err)
 		}
 		if len(refs) > 0 && string(refs) != "null" {
-			if err := json.Unmarshal(refs, &r.Refs); err != nil && loadErr[k] == "" {
-				loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
+			var ok bool
+			if r.Refs, ok = decoded[string(refs)]; !ok {
+				if err := json.Unmarshal(refs, &r.Refs); err != nil {
+					if loadErr[k] == "" {
+						loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
+					}
+				} else {
+					decoded[string(refs)] = r.Refs
+				}
 			}
 		}
 		lists[k] = append(lists[k], &r)
@@ -431,7 +509,10 @@ const ReasonKeyOnly = "key-only identity: foreign keys not captured"
 // from its image) a column one of its foreign keys names, or a row of a
 // referenced table lacks a referenced column.
 func keyOnlyRefs(rows []*archiveRow) bool {
-	referenced := map[string][][]string{}
+	// The referenced column lists per table, each once (every child row
+	// names its parent's: listed per row, the check was quadratic in a
+	// transaction's rows).
+	referenced := map[[2]string][][]string{}
 	for _, r := range rows {
 		for _, f := range r.Refs {
 			for _, c := range f.Columns {
@@ -439,12 +520,14 @@ func keyOnlyRefs(rows []*archiveRow) bool {
 					return true
 				}
 			}
-			t := f.Schema + "." + f.Table
-			referenced[t] = append(referenced[t], f.RefColumns)
+			t := [2]string{f.Schema, f.Table}
+			if !slices.ContainsFunc(referenced[t], func(c []string) bool { return slices.Equal(c, f.RefColumns) }) {
+				referenced[t] = append(referenced[t], f.RefColumns)
+			}
 		}
 	}
 	for _, r := range rows {
-		for _, cols := range referenced[r.qualified()] {
+		for _, cols := range referenced[[2]string{r.Schema, r.Table}] {
 			for _, c := range cols {
 				if !r.has(c) {
 					return true

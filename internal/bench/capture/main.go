@@ -1,19 +1,28 @@
 // Command capture is `make bench-capture`: on one throwaway Postgres it
-// drains the same backlog of cascading deletes (REPLICA IDENTITY FULL),
-// retained by four slots: with pg_recvlogical (pgoutput, the raw limit of
-// logical decoding here) before and after the captures, the faster run
-// being the limit; with the capture binary into its embedded JetStream; and
-// with a capture whose stream has persist mode "default". It prints the
-// rates and the ratios to pg_recvlogical. Then it measures what archiving
-// costs the source (source.go): the same deletes with nothing archiving
-// them, with a trigger-based archive, while pg_recvlogical decodes them and
-// while the capture streams them. Last it deletes 1,000,000 rows in a
-// single transaction through a running capture and prints the capture's
-// peak RSS.
+// drains the same backlog of cascading deletes (REPLICA IDENTITY FULL,
+// -backlog-rows rows; `make bench-capture-large`: 1.2M) -runs times (5 by
+// default). Every run drains a slot of its own with pg_recvlogical
+// (pgoutput, the raw limit of logical decoding here) before and after the
+// captures, the faster being that run's limit; with the capture binary into
+// its embedded JetStream; and with a capture publishing to an external
+// nats-server process (the version the capture embeds, file storage, the
+// stream in persist mode "default"), each capture on a slot and stream made
+// before the deletes. It prints for every drain the rate from process start,
+// the start-up (to the first row in the stream) and the drain rate after
+// it, the CPU seconds per row of the capture, of the external server and of
+// Postgres (the walsender), and the ratios to pg_recvlogical beside their
+// targets; then the min and median over the runs. -variant adds drains of
+// a capture with other settings, -profile-dir writes CPU profiles of each
+// capture and of the external server.
 //
-// The big transaction runs twice: with the capture's embedded JetStream (the
-// single-machine default, whose broker memory counts in the process) and with
-// an external server (the capture alone).
+// Then it measures what archiving costs the source (source.go): the same
+// deletes with nothing archiving them, with a trigger-based archive, while
+// pg_recvlogical decodes them and while the capture streams them (with
+// -source-variant settings too). Last it deletes 1,000,000 rows in a single
+// transaction through a running capture and prints the capture's peak RSS,
+// with the capture's embedded JetStream (the single-machine default, whose
+// broker memory counts in the process) and with an external server (the
+// capture alone).
 //
 // Output lines are "BENCH <name> <value> <unit>" (stable, greppable) and
 // "NOTE <text>".
@@ -25,8 +34,8 @@ import (
 	"fmt"
 	"log"
 	"os"
-	"os/exec"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -39,18 +48,74 @@ import (
 )
 
 func main() {
-	rows := flag.Int("rows", 300_000, "deleted rows in the backlog (at least; 0 = skip)")
-	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
-	bigRows := flag.Int("big-tx-rows", 1_000_000, "rows of the single big transaction (0 = skip)")
-	keep := flag.Bool("keep", false, "keep the temporary directory (logs, stores)")
-	cost := flag.Bool("source-cost", true, "also measure the source's DELETE rate plain, with a trigger-based archive and while the capture streams (-rows rows each)")
+	o := options{}
+	flag.IntVar(&o.backlogRows, "backlog-rows", 300_000, "deleted rows in the backlog (at least; 0 = skip; >= 1,000,000 for the large backlog)")
+	flag.IntVar(&o.sourceRows, "source-rows", 300_000, "deleted rows of each source-cost run")
+	rows := flag.Int("rows", -1, "set -backlog-rows and -source-rows at once")
+	flag.IntVar(&o.runs, "runs", 5, "drain the backlog this many times (each a slot and stream of its own, pg_recvlogical twice a run) and print each run and the min and median")
+	flag.IntVar(&o.perTx, "orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
+	flag.IntVar(&o.bigRows, "big-tx-rows", 1_000_000, "rows of the single big transaction (0 = skip)")
+	flag.BoolVar(&o.keep, "keep", false, "keep the temporary directory (logs, stores)")
+	flag.BoolVar(&o.cost, "source-cost", true, "also measure the source's DELETE rate plain, with a trigger-based archive and while the capture streams (-source-rows rows each)")
+	flag.BoolVar(&o.embeddedDefault, "embedded-default", false, "also drain with the embedded broker in persist mode default")
+	flag.BoolVar(&o.external, "external", true, "also drain into an external nats-server process (file storage, persist mode default)")
+	flag.Func("capture-env", "K=V added to every backlog capture's environment (repeatable; e.g. EPITAPH_DUPLICATE_WINDOW=10s)", func(v string) error {
+		if !strings.Contains(v, "=") {
+			return fmt.Errorf("%q: want K=V", v)
+		}
+		o.captureEnv = append(o.captureEnv, v)
+		return nil
+	})
+	o.variants = map[string][]string{}
+	flag.Func("variant", "MODE.NAME:K=V[,K=V..]: also drain with a capture of MODE (embedded, external, embedded_default) with that environment, reported as MODE.NAME (repeatable)", func(v string) error {
+		mode, env, ok := strings.Cut(v, ":")
+		base, name, dot := strings.Cut(mode, ".")
+		if !ok || !dot || name == "" || (base != modeEmbedded && base != modeExternal && base != modeEmbeddedDefault) {
+			return fmt.Errorf("%q: want MODE.NAME:K=V[,K=V..]", v)
+		}
+		o.variants[mode] = strings.Split(env, ",")
+		o.variantOrder = append(o.variantOrder, mode)
+		return nil
+	})
+	flag.Func("source-variant", "NAME:K=V[,K=V..]: also measure the source's DELETEs while a capture with that environment streams them (repeatable; NICE=n runs it under nice -n n)", func(v string) error {
+		name, env, ok := strings.Cut(v, ":")
+		if !ok || name == "" {
+			return fmt.Errorf("%q: want NAME:K=V[,K=V..]", v)
+		}
+		o.sourceVariants = append(o.sourceVariants, sourceVariant{name: name, env: strings.Split(env, ",")})
+		return nil
+	})
+	flag.BoolVar(&o.noSourceVariants, "no-default-source-variants", false, "do not measure the default source variants (the capture under nice -n 10, and with GOMAXPROCS=1)")
+	flag.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of each capture drain and of the external nats-server there")
 	flag.Parse()
-	if err := run(*rows, *perTx, *bigRows, *keep, *cost); err != nil {
+	if !o.noSourceVariants {
+		// On a machine shared with the source: the capture at a lower CPU
+		// priority, and on one core.
+		o.sourceVariants = append([]sourceVariant{{name: "nice10", env: []string{"NICE=10"}}, {name: "gomaxprocs1", env: []string{"GOMAXPROCS=1"}}}, o.sourceVariants...)
+	}
+	if *rows >= 0 {
+		o.backlogRows, o.sourceRows = *rows, *rows
+	}
+	if o.runs < 1 {
+		log.Fatalf("bench-capture: -runs %d: at least 1", o.runs)
+	}
+	if err := run(o); err != nil {
 		log.Fatalf("bench-capture: %v", err)
 	}
 }
 
-func run(rows, perTx, bigRows int, keep, cost bool) (err error) {
+type options struct {
+	backlogRows, sourceRows, runs, perTx, bigRows int
+	keep, cost, embeddedDefault, external         bool
+	profileDir                                    string
+	captureEnv                                    []string
+	variants                                      map[string][]string
+	variantOrder                                  []string
+	sourceVariants                                []sourceVariant
+	noSourceVariants                              bool
+}
+
+func run(o options) (err error) {
 	ctx := context.Background()
 	bench.LoadNote("at start")
 	defer bench.LoadNote("at end")
@@ -59,7 +124,7 @@ func run(rows, perTx, bigRows int, keep, cost bool) (err error) {
 		return err
 	}
 	defer func() {
-		if keep || err != nil {
+		if o.keep || err != nil {
 			bench.Note("work dir kept: %s", dir)
 			return
 		}
@@ -68,6 +133,18 @@ func run(rows, perTx, bigRows int, keep, cost bool) (err error) {
 	bins, err := bench.Build(ctx, dir, "capture")
 	if err != nil {
 		return err
+	}
+	natsBin, err := bench.BuildNATSServer(ctx, dir)
+	if err != nil {
+		return err
+	}
+	if o.profileDir != "" {
+		if o.profileDir, err = filepath.Abs(o.profileDir); err != nil {
+			return err
+		}
+		if err := os.MkdirAll(o.profileDir, 0o755); err != nil {
+			return err
+		}
 	}
 	pg, err := testenv.StartPostgres()
 	if err != nil {
@@ -79,232 +156,35 @@ func run(rows, perTx, bigRows int, keep, cost bool) (err error) {
 	}()
 	bench.Note("postgres %s, binaries in %s", pg.BinDir, dir)
 
-	if rows > 0 {
-		if err := backlog(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
+	if o.backlogRows > 0 {
+		modes := []string{modeEmbedded}
+		if o.external {
+			modes = append(modes, modeExternal)
+		}
+		if o.embeddedDefault {
+			modes = append(modes, modeEmbeddedDefault)
+		}
+		modes = append(modes, o.variantOrder...)
+		b := &backlogBench{variants: o.variants, pg: pg, captureBin: bins["capture"], natsBin: natsBin, dir: dir, rows: o.backlogRows, perTx: o.perTx,
+			runs: o.runs, modes: modes, profileDir: o.profileDir, extraEnv: o.captureEnv}
+		if err := backlog(ctx, b); err != nil {
 			return err
 		}
 	}
-	if rows > 0 && cost {
-		if err := sourceCost(ctx, pg, bins["capture"], dir, rows, perTx); err != nil {
+	if o.sourceRows > 0 && o.cost {
+		if err := sourceCost(ctx, pg, bins["capture"], dir, o.sourceRows, o.perTx, o.sourceVariants); err != nil {
 			return err
 		}
 	}
-	if bigRows > 0 {
+	if o.bigRows > 0 {
 		// Embedded JetStream (the single-machine default: the broker's
 		// memory counts in the process), then an external server (the
 		// capture alone).
 		for _, external := range []bool{false, true} {
-			if err := bigTransaction(ctx, pg, bins["capture"], dir, bigRows, external); err != nil {
+			if err := bigTransaction(ctx, pg, bins["capture"], dir, o.bigRows, external); err != nil {
 				return err
 			}
 		}
-	}
-	return nil
-}
-
-func backlog(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int) error {
-	url, err := bench.CreateDatabase(ctx, pg, "backlog")
-	if err != nil {
-		return err
-	}
-	if err := workload.Setup(ctx, url); err != nil {
-		return err
-	}
-	seed := bench.ShopFor(rows)
-	counts, err := workload.Seed(ctx, url, seed)
-	if err != nil {
-		return err
-	}
-	n := counts.Total() - counts.Customers // deleting every order leaves only customers
-	bench.Note("seeded %d rows; the backlog will be %d deleted rows in transactions of %d orders (%d rows)",
-		counts.Total(), n, perTx, perTx*seed.RowsPerOrder())
-
-	// Slot B and the publication are the capture's own: start it once so it
-	// creates them (and its stream), then stop it before the deletes.
-	listen, err := bench.LocalAddr()
-	if err != nil {
-		return err
-	}
-	metrics, err := bench.LocalAddr()
-	if err != nil {
-		return err
-	}
-	env := bench.CaptureEnv(url, "", listen, filepath.Join(dir, "backlog-data"), metrics, "main", "epitaph")
-	watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(filepath.Join(dir, "backlog-data")))
-	if err != nil {
-		return err
-	}
-	defer watch.Close()
-	if err := startAndStop(ctx, captureBin, env, dir, watch, url, "epitaph"); err != nil {
-		return err
-	}
-	// Slot C: a second capture with its own embedded broker whose stream
-	// is made with persist mode "default".
-	listenDefault, err := bench.LocalAddr()
-	if err != nil {
-		return err
-	}
-	metricsDefault, err := bench.LocalAddr()
-	if err != nil {
-		return err
-	}
-	envDefault := append(bench.CaptureEnv(url, "", listenDefault, filepath.Join(dir, "backlog-data-default"), metricsDefault, "main", "epitaph_default"),
-		"EPITAPH_STREAM_PERSIST=default")
-	watchDefault, err := bench.WatchStream("nats://"+listenDefault, "main", bench.EmbeddedCreds(filepath.Join(dir, "backlog-data-default")))
-	if err != nil {
-		return err
-	}
-	defer watchDefault.Close()
-	if err := startAndStop(ctx, captureBin, envDefault, dir, watchDefault, url, "epitaph_default"); err != nil {
-		return err
-	}
-	// Slot A, for pg_recvlogical, at the same point.
-	conn, err := pgx.Connect(ctx, url)
-	if err != nil {
-		return err
-	}
-	defer conn.Close(ctx)
-	// Two: pg_recvlogical runs before and after the captures, and the
-	// faster run is the limit (the first reader of the WAL finds colder
-	// caches).
-	for _, slot := range []string{"bench_recvlogical", "bench_recvlogical_2"} {
-		if _, err := conn.Exec(ctx, "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", slot); err != nil {
-			return fmt.Errorf("create slot for pg_recvlogical: %w", err)
-		}
-	}
-
-	took, err := bench.DeleteAllOrders(ctx, url, perTx)
-	if err != nil {
-		return err
-	}
-	bench.Figure("capture.backlog_rows", float64(n), "rows")
-	bench.Figure("capture.source_delete_rows_per_sec", float64(n)/took.Seconds(), "rows/s")
-	var endLSN string
-	if err := conn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&endLSN); err != nil {
-		return err
-	}
-	// One more WAL record past the end, so pg_recvlogical sees a position
-	// beyond --endpos and stops.
-	if _, err := conn.Exec(ctx, "SELECT pg_logical_emit_message(false, 'bench.end', '')"); err != nil {
-		return err
-	}
-	var retained int64
-	if err := conn.QueryRow(ctx, "SELECT pg_current_wal_lsn() - restart_lsn FROM pg_replication_slots WHERE slot_name = 'bench_recvlogical'").Scan(&retained); err != nil {
-		return err
-	}
-	bench.Figure("capture.backlog_wal_bytes", float64(retained), "bytes")
-
-	// A: pg_recvlogical, to a file, until the end LSN.
-	recvRate, err := recvlogical(ctx, pg, dir, url, "bench_recvlogical", endLSN, n)
-	if err != nil {
-		return err
-	}
-	bench.Figure("capture.pg_recvlogical_rows_per_sec.first", recvRate, "rows/s (before the captures)")
-
-	// B: the capture, into its embedded JetStream, until the stream holds
-	// every row.
-	capRate, rss, err := drain(ctx, "capture", captureBin, env, dir, watch, metrics, n)
-	if err != nil {
-		return err
-	}
-	if rss > 0 {
-		bench.Figure("capture.backlog_peak_rss_mib", float64(rss)/(1<<20), "MiB")
-	}
-
-	// C: the same with the stream's persist mode "default" (a write per
-	// message before its acknowledgement), as with an external broker.
-	drate, _, err := drain(ctx, "persist_default", captureBin, envDefault, dir, watchDefault, metricsDefault, n)
-	if err != nil {
-		return err
-	}
-
-	// A again, on its second slot.
-	recv2, err := recvlogical(ctx, pg, dir, url, "bench_recvlogical_2", endLSN, n)
-	if err != nil {
-		return err
-	}
-	bench.Figure("capture.pg_recvlogical_rows_per_sec.second", recv2, "rows/s (after the captures)")
-	recvRate = max(recvRate, recv2)
-	bench.Figure("capture.pg_recvlogical_rows_per_sec", recvRate, "rows/s (the faster run: the limit)")
-	bench.Figure("capture.ratio_capture_to_pg_recvlogical", capRate/recvRate, "x (target >= 0.70)")
-	bench.Figure("capture.ratio_persist_default_to_pg_recvlogical", drate/recvRate, "x")
-	return nil
-}
-
-// recvlogical drains slot with pg_recvlogical (pgoutput, the capture's
-// publication) into a file until endLSN and returns its rate.
-func recvlogical(ctx context.Context, pg *testenv.Postgres, dir, url, slot, endLSN string, n int64) (float64, error) {
-	out := filepath.Join(dir, slot+".out")
-	cmd := exec.CommandContext(ctx, filepath.Join(pg.BinDir, "pg_recvlogical"),
-		"-d", url, "-S", slot, "--start", "-E", endLSN, "--no-loop",
-		"-o", "proto_version=1", "-o", "publication_names=epitaph", "-f", out)
-	start := time.Now()
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return 0, fmt.Errorf("pg_recvlogical: %w\n%s", err, b)
-	}
-	took := time.Since(start)
-	if st, err := os.Stat(out); err == nil {
-		bench.Figure("capture.pg_recvlogical_output_bytes."+slot, float64(st.Size()), "bytes")
-	}
-	bench.Figure("capture.pg_recvlogical_seconds."+slot, took.Seconds(), "s")
-	return float64(n) / took.Seconds(), nil
-}
-
-// drain runs the capture until the stream holds n delete events, prints
-// its figures under capture.<label>_* and returns its rate from process
-// start and its peak RSS.
-func drain(ctx context.Context, label, captureBin string, env []string, dir string, watch *bench.StreamWatch, metrics string, n int64) (rate float64, rss int64, err error) {
-	p, err := bench.StartProc("capture", captureBin, env, dir)
-	if err != nil {
-		return 0, 0, err
-	}
-	defer p.Kill()
-	first := time.Time{}
-	alive := func() error {
-		if done, err := p.Exited(); done {
-			return fmt.Errorf("capture exited (%v):\n%s", err, p.LogTail(2000))
-		}
-		if first.IsZero() {
-			if c, err := watch.Deletes(ctx); err == nil && c > 0 {
-				first = time.Now()
-			}
-		}
-		return nil
-	}
-	end, err := watch.WaitDeletes(ctx, n, 5*time.Minute, alive)
-	if err != nil {
-		return 0, 0, bench.Stalled(ctx, p, metrics, err)
-	}
-	took := end.Sub(p.Started())
-	rate = float64(n) / took.Seconds()
-	bench.Figure("capture."+label+"_seconds", took.Seconds(), "s")
-	bench.Figure("capture."+label+"_rows_per_sec", rate, "rows/s")
-	if !first.IsZero() && end.After(first) {
-		bench.Figure("capture."+label+"_rows_per_sec_after_first_row", float64(n)/end.Sub(first).Seconds(), "rows/s")
-	}
-	if r, err := p.PeakRSS(); err == nil {
-		rss = int64(r)
-	}
-	if err := p.Stop(30 * time.Second); err != nil {
-		bench.Note("capture stop: %v", err)
-	}
-	return rate, rss, nil
-}
-
-// startAndStop runs the capture until it has made its stream and slot,
-// then stops it gracefully.
-func startAndStop(ctx context.Context, bin string, env []string, dir string, watch *bench.StreamWatch, url, slot string) error {
-	p, err := bench.StartProc("capture", bin, env, dir)
-	if err != nil {
-		return err
-	}
-	err = bench.WaitCaptureReady(ctx, watch, url, slot, 2*time.Minute, exited(p))
-	if err != nil {
-		p.Kill()
-		return fmt.Errorf("capture did not create its stream: %w", err)
-	}
-	if err := p.Stop(30 * time.Second); err != nil {
-		bench.Note("capture stop: %v", err)
 	}
 	return nil
 }

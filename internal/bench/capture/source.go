@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -42,7 +43,7 @@ END $$;
 // its embedded broker) streams them from the WAL on the same two cores,
 // and while pg_recvlogical decodes them (the walsender's share).
 // The plain run goes first and last; the faster is the baseline.
-func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int) error {
+func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int, variants []sourceVariant) error {
 	c := &sourceCostRun{ctx: ctx, pg: pg, captureBin: captureBin, dir: dir, seed: bench.ShopFor(rows), perTx: perTx}
 	plain1, err := c.run("plain_first", nil)
 	if err != nil {
@@ -52,7 +53,7 @@ func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir strin
 	if err != nil {
 		return err
 	}
-	withCapture, err := c.run("with_capture", c.withCapture)
+	withCapture, err := c.run("with_capture", c.withCapture("default"))
 	if err != nil {
 		return err
 	}
@@ -63,16 +64,35 @@ func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir strin
 	if err != nil {
 		return err
 	}
+	variantRates := make([]float64, len(variants))
+	for i, v := range variants {
+		if variantRates[i], err = c.run("with_capture_"+v.name, c.withCapture(v.name, v.env...)); err != nil {
+			return err
+		}
+	}
 	plain2, err := c.run("plain_last", nil)
 	if err != nil {
 		return err
 	}
 	plain := max(plain1, plain2)
+	for i, v := range variants {
+		bench.Figure("capture.source_cost.capture_"+v.name+"_slowdown", plain/variantRates[i], fmt.Sprintf("x (as capture_slowdown, the capture with %v)", v.env))
+	}
 	bench.Figure("capture.source_cost.plain_delete_rows_per_sec", plain, "rows/s (the faster plain run: the baseline)")
 	bench.Figure("capture.source_cost.trigger_slowdown", plain/trigger, "x (DELETE time with a trigger-based archive / without)")
+	base := min(c.backend["plain_first"], c.backend["plain_last"])
+	bench.Figure("capture.source_cost.trigger_backend_added_cpu_us_per_row", c.backend["trigger"]-base, "µs (CPU the trigger adds to the deleting backend, inside every transaction)")
+	bench.Figure("capture.source_cost.capture_backend_added_cpu_us_per_row", c.backend["with_capture"]-base, "µs (CPU the capture adds to the deleting backend: none expected)")
 	bench.Figure("capture.source_cost.capture_slowdown", plain/withCapture, "x (DELETE time while the capture and its broker stream them on the same cores / without)")
 	bench.Figure("capture.source_cost.decoding_slowdown", plain/withRecv, "x (DELETE time while pg_recvlogical decodes them / without: the walsender's share)")
 	return nil
+}
+
+// sourceVariant is a capture configuration measured beside the default
+// (-source-variant).
+type sourceVariant struct {
+	name string
+	env  []string
 }
 
 // sourceCostRun is one sourceCost measurement: its databases are seeded
@@ -83,6 +103,9 @@ type sourceCostRun struct {
 	captureBin, dir string
 	seed            workload.SeedConfig
 	perTx           int
+	n               int64              // rows deleted by each run (the same seed)
+	slot            string             // the slot a setup decodes with ("" = none)
+	backend         map[string]float64 // µs of backend CPU per row, by run
 }
 
 // prepare makes a database name with the shop seeded: its URL and how many
@@ -109,18 +132,35 @@ func (c *sourceCostRun) run(name string, setup func(url string) (stop func() err
 	if err != nil {
 		return 0, err
 	}
+	c.n, c.slot = n, ""
 	stop := func() error { return nil }
 	if setup != nil {
 		if stop, err = setup(url); err != nil {
 			return 0, err
 		}
 	}
-	took, err := bench.DeleteAllOrders(c.ctx, url, c.perTx)
+	walsender := func() float64 { return 0 }
+	if c.slot != "" {
+		if walsender, err = bench.SampleWalsender(c.ctx, url, c.slot); err != nil {
+			return 0, err
+		}
+	}
+	took, backend, err := bench.DeleteAllOrdersCPU(c.ctx, url, c.perTx)
+	ws := walsender()
 	if err != nil {
 		return 0, err
 	}
 	if err := stop(); err != nil {
 		return 0, err
+	}
+	prefix := "capture.source_cost." + name + "_"
+	bench.Figure(prefix+"backend_cpu_us_per_row", backend*1e6/float64(n), fmt.Sprintf("µs (the deleting backend, %.2f CPU-s)", backend))
+	if c.backend == nil {
+		c.backend = map[string]float64{}
+	}
+	c.backend[name] = backend * 1e6 / float64(n)
+	if c.slot != "" {
+		bench.Figure(prefix+"walsender_cpu_us_per_row", ws*1e6/float64(n), fmt.Sprintf("µs (the walsender decoding them while the DELETEs ran, %.2f CPU-s)", ws))
 	}
 	rate := float64(n) / took.Seconds()
 	bench.Figure("capture.source_cost."+name+"_delete_rows_per_sec", rate, fmt.Sprintf("rows/s (%d rows)", n))
@@ -155,44 +195,68 @@ func (c *sourceCostRun) withTrigger(url string) (func() error, error) {
 	}, nil
 }
 
-// withCapture starts the capture (embedded broker) on url; its stop checks
-// the deletes happened and stops it.
-func (c *sourceCostRun) withCapture(url string) (func() error, error) {
-	listen, err := bench.LocalAddr()
-	if err != nil {
-		return nil, err
-	}
-	metrics, err := bench.LocalAddr()
-	if err != nil {
-		return nil, err
-	}
-	env := bench.CaptureEnv(url, "", listen, filepath.Join(c.dir, "source-cost-data"), metrics, "main", "epitaph_source_cost")
-	watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(filepath.Join(c.dir, "source-cost-data")))
-	if err != nil {
-		return nil, err
-	}
-	p, err := bench.StartProc("capture-source-cost", c.captureBin, env, c.dir)
-	if err != nil {
-		watch.Close()
-		return nil, err
-	}
-	if err := bench.WaitCaptureReady(c.ctx, watch, url, "epitaph_source_cost", 2*time.Minute, exited(p)); err != nil {
-		p.Kill()
-		watch.Close()
-		return nil, fmt.Errorf("capture did not start: %w", err)
-	}
-	return func() error {
-		defer watch.Close()
-		defer p.Kill()
-		n, err := bench.Count(c.ctx, url, `SELECT count(*) FROM public.order_lines`)
+// withCapture returns a setup that starts the capture (embedded broker,
+// env added to its environment) on url; its stop waits until the stream
+// holds every deleted row (the catch-up after the last DELETE), prints the
+// capture's CPU and stops it.
+func (c *sourceCostRun) withCapture(label string, env ...string) func(url string) (func() error, error) {
+	return func(url string) (func() error, error) {
+		listen, err := bench.LocalAddr()
 		if err != nil {
-			return err
+			return nil, err
 		}
-		if n != 0 {
-			return fmt.Errorf("%d order lines left", n)
+		metrics, err := bench.LocalAddr()
+		if err != nil {
+			return nil, err
 		}
-		return p.Stop(30 * time.Second)
-	}, nil
+		c.slot = "epitaph_source_cost_" + label
+		data := filepath.Join(c.dir, "source-cost-"+label)
+		env := append(bench.CaptureEnv(url, "", listen, data, metrics, "main", "epitaph_source_cost_"+label), env...)
+		watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(data))
+		if err != nil {
+			return nil, err
+		}
+		bin, args := c.captureBin, []string(nil)
+		if i := slices.IndexFunc(env, func(kv string) bool { return strings.HasPrefix(kv, "NICE=") }); i >= 0 {
+			// Not an environment variable: the capture runs under nice(1).
+			bin, args = "nice", []string{"-n", strings.TrimPrefix(env[i], "NICE="), c.captureBin}
+			env = slices.Delete(env, i, i+1)
+		}
+		p, err := bench.StartProc("capture-source-cost-"+label, bin, env, c.dir, args...)
+		if err != nil {
+			watch.Close()
+			return nil, err
+		}
+		if err := bench.WaitCaptureReady(c.ctx, watch, url, "epitaph_source_cost_"+label, 2*time.Minute, exited(p)); err != nil {
+			p.Kill()
+			watch.Close()
+			return nil, fmt.Errorf("capture did not start: %w", err)
+		}
+		cpu0 := procCPU(p)
+		return func() error {
+			defer watch.Close()
+			defer p.Kill()
+			deleted := time.Now()
+			atEnd := procCPU(p) - cpu0
+			n, err := bench.Count(c.ctx, url, `SELECT count(*) FROM public.order_lines`)
+			if err != nil {
+				return err
+			}
+			if n != 0 {
+				return fmt.Errorf("%d order lines left", n)
+			}
+			rows := c.n
+			end, err := watch.WaitDeletes(c.ctx, rows, 10*time.Minute, exited(p))
+			if err != nil {
+				return err
+			}
+			all := procCPU(p) - cpu0
+			prefix := "capture.source_cost." + label + "_"
+			bench.Figure(prefix+"catch_up_seconds", end.Sub(deleted).Seconds(), "s (after the last DELETE until the stream holds every row)")
+			bench.Figure(prefix+"cpu_us_per_row", all*1e6/float64(rows), fmt.Sprintf("µs (capture and its embedded server, %.2f CPU-s; %.2f CPU-s of it while the DELETEs ran)", all, atEnd))
+			return p.Stop(30 * time.Second)
+		}, nil
+	}
 }
 
 // withRecvlogical starts pg_recvlogical decoding url's deletes.
@@ -209,6 +273,7 @@ func (c *sourceCostRun) withRecvlogical(url string) (func() error, error) {
 	if _, err := conn.Exec(c.ctx, `SELECT pg_create_logical_replication_slot('source_cost', 'pgoutput')`); err != nil {
 		return nil, err
 	}
+	c.slot = "source_cost"
 	cmd := exec.CommandContext(c.ctx, filepath.Join(c.pg.BinDir, "pg_recvlogical"),
 		"-d", url, "-S", "source_cost", "--start", "-o", "proto_version=1", "-o", "publication_names=source_cost",
 		"-f", filepath.Join(c.dir, "source-cost.out"))

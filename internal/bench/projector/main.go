@@ -16,7 +16,9 @@
 //     apply without snapshots in the same round and page size: the rate
 //     ratio, how long after the last archived row the last document is
 //     complete, and per document the time from its commit being applied
-//     (the job's created_at) to complete;
+//     to complete (by commit timestamps: the apply transaction that
+//     applied the commit, the transaction that wrote the document; p50,
+//     p99, max); -snapshot-cases picks the cases;
 //  4. end to end: capture and projector running together while the source
 //     deletes N rows, from the first DELETE to the last archived row, with
 //     the bottleneck named.
@@ -83,8 +85,8 @@ type env struct {
 	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
 	revalidate bool
 	sourceURL  string
-	// pgStats: pg_stat_statements is loaded (-pgstats); the handlers round
-	// prints its statements too.
+	// pgStats: pg_stat_statements is loaded (-pgstats); the snapshot phase
+	// and the handlers round print their statements too.
 	pgStats bool
 }
 
@@ -117,13 +119,23 @@ func main() {
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
+	snapCases := flag.String("snapshot-cases", "bench,snap,spanning", "the snapshot phase's cases to run (comma-separated): bench (the main stream), snap (the -snapshot-orders-per-tx stream), spanning (the main stream in 400-event pages: the batcher)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
-		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, handlers: *handlers, handlerPar: *handlerPar,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, snapCases: map[string]bool{}, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
+	for _, c := range strings.Split(*snapCases, ",") {
+		switch c = strings.TrimSpace(c); c {
+		case "bench", "snap", "spanning":
+			o.snapCases[c] = true
+		case "":
+		default:
+			log.Fatalf("bench-projector: -snapshot-cases %q: want bench, snap or spanning", *snapCases)
+		}
+	}
 	for _, w := range strings.Split(*curve, ",") {
 		if w = strings.TrimSpace(w); w == "" {
 			continue
@@ -142,6 +154,7 @@ func main() {
 type opts struct {
 	rows, perTx, workers, batch int
 	snapPerTx                   int
+	snapCases                   map[string]bool
 	skipSnapshots               bool
 	handlers                    bool
 	handlerPar                  string
@@ -184,13 +197,18 @@ func run(o opts) (err error) {
 		_ = pg.Stop()
 		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
 	}()
+	// Commit timestamps: a document's delay is from the commit of the
+	// apply transaction that applied its group's commit to the commit of
+	// the transaction that wrote it complete.
+	conf := []string{"track_commit_timestamp = on"}
 	if o.pgStats {
-		if err := pg.SetConfig("shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all"); err != nil {
-			return err
-		}
-		if err := pg.Restart(); err != nil {
-			return err
-		}
+		conf = append(conf, "shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all")
+	}
+	if err := pg.SetConfig(conf...); err != nil {
+		return err
+	}
+	if err := pg.Restart(); err != nil {
+		return err
 	}
 	listen, err := bench.LocalAddr()
 	if err != nil {
@@ -220,7 +238,7 @@ func run(o opts) (err error) {
 	orders := rootRows(events)
 	// The snapshot phase's second stream: small transactions.
 	var snapN int64
-	if !o.skipSnapshots {
+	if !o.skipSnapshots && o.snapCases["snap"] {
 		if snapN, _, err = e.buildStream(ctx, "snap", rows, o.snapPerTx); err != nil {
 			return err
 		}
@@ -302,13 +320,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 	e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
 	res.raws, res.applies, res.ratios = append(res.raws, rawRate), append(res.applies, applyRate), append(res.ratios, applyRate/rawRate)
 	if !o.skipSnapshots {
-		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, res.snaps); err != nil {
-			return err
-		}
-		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, res.snaps); err != nil {
-			return err
-		}
-		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, res.snaps); err != nil {
+		if err := e.snapshotRounds(ctx, o, r, n, snapN, orders, applyRate, res.snaps); err != nil {
 			return err
 		}
 	}
@@ -754,6 +766,26 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 	return rate, nil
 }
 
+// snapshotRounds runs round r's snapshot cases (o.snapCases).
+func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, orders int64, applyRate float64, snaps map[string][]float64) error {
+	if o.snapCases["bench"] {
+		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, snaps); err != nil {
+			return err
+		}
+	}
+	if o.snapCases["snap"] {
+		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, snaps); err != nil {
+			return err
+		}
+	}
+	if o.snapCases["spanning"] {
+		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // spanningPage is the page size of the snapshot phase's batcher case:
 // below the default, pages are not grouped and cut at commits, so every
 // 701-event transaction spans pages.
@@ -809,9 +841,19 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 		docs, err = waitDocuments(ctx, url, orders)
 		return err
 	}
+	if e.pgStats {
+		if err := pgStatsReset(ctx, url); err != nil {
+			return err
+		}
+	}
 	with, err := e.apply(ctx, url, source, n)
 	if err != nil {
 		return err
+	}
+	if e.pgStats {
+		if err := pgStatsPrint(ctx, url, "snapshots."+label); err != nil {
+			return err
+		}
 	}
 	if err := dropDatabase(ctx, e.pg, url); err != nil {
 		return err
@@ -819,16 +861,27 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 	e.suffix = suffix
 	record("apply_ratio", with/without, "x of the apply without snapshots (target >= 0.80)")
 	record("last_document_age_seconds", docs.lastAge.Seconds(), "s from the last archived row to the last document complete")
-	record("document_delay_max_seconds", docs.maxDelay, "s from a commit applied to its documents complete, the slowest (target <= 2)")
+	record("document_delay_max_seconds", docs.maxDelay, "s from the commit of the apply transaction that applied a group's commit to the commit that wrote its document complete, the slowest (target <= 2)")
 	record("document_delay_p99_seconds", docs.p99Delay, "s, 99th percentile")
+	record("document_delay_p50_seconds", docs.p50Delay, "s, median")
+	record("document_delay_from_apply_start_max_seconds", docs.maxFromStart, "s from the start of that apply transaction (the job's created_at) to completed_at, the slowest")
+	if docs.batches > 0 {
+		record("batcher_batches", float64(docs.batches), "batches that completed documents (the rest were assembled in the apply)")
+		record("batcher_documents_per_batch", docs.perBatch, "documents per batch (mean)")
+	}
 	record("in_page_share", docs.inPage, "of the documents assembled in the apply transaction")
 	return nil
 }
 
 type documentFigures struct {
-	lastAge            time.Duration
-	maxDelay, p99Delay float64
-	inPage             float64
+	lastAge                      time.Duration
+	maxDelay, p99Delay, p50Delay float64
+	maxFromStart                 float64
+	inPage                       float64
+	// batches is how many batcher batches completed documents (a batch
+	// stamps its documents with one completed_at), perBatch their mean.
+	batches  int64
+	perBatch float64
 }
 
 // waitDocuments waits until archive.snapshots holds want complete
@@ -866,9 +919,24 @@ func waitDocuments(ctx context.Context, targetURL string, want int64) (documentF
 		return f, err
 	}
 	f.lastAge = time.Duration(age * float64(time.Second))
-	err = conn.QueryRow(ctx, `SELECT max(d), percentile_cont(0.99) WITHIN GROUP (ORDER BY d), avg(in_page)
-		FROM (SELECT extract(epoch FROM completed_at - created_at)::float8 AS d, (completed_at = created_at)::int::float8 AS in_page
-		      FROM archive.snapshots) s`).Scan(&f.maxDelay, &f.p99Delay, &f.inPage)
+	// By commit timestamps (track_commit_timestamp): a group's commit was
+	// applied by the last transaction that wrote its archive rows (the
+	// verification at the commit rewrites the earlier pages' rows), its
+	// document written complete by the last one that wrote the job.
+	err = conn.QueryRow(ctx, `WITH applied AS MATERIALIZED (
+		SELECT source, commit_lsn, max(pg_xact_commit_timestamp(xmin)) AS at FROM archive_v1.rows GROUP BY source, commit_lsn)
+		SELECT coalesce(max(d), -1), coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY d), -1),
+		       coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY d), -1), max(from_start), avg(in_page)
+		FROM (SELECT greatest(0, extract(epoch FROM pg_xact_commit_timestamp(s.xmin) - a.at))::float8 AS d,
+		             extract(epoch FROM s.completed_at - s.created_at)::float8 AS from_start,
+		             (s.completed_at = s.created_at)::int::float8 AS in_page
+		      FROM archive_v1.snapshots s JOIN applied a USING (source, commit_lsn)) s`).
+		Scan(&f.maxDelay, &f.p99Delay, &f.p50Delay, &f.maxFromStart, &f.inPage)
+	if err != nil {
+		return f, err
+	}
+	err = conn.QueryRow(ctx, `SELECT count(*), coalesce(avg(n), 0)::float8
+		FROM (SELECT count(*) AS n FROM archive.snapshots WHERE completed_at <> created_at GROUP BY completed_at) b`).Scan(&f.batches, &f.perBatch)
 	return f, err
 }
 
