@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -80,6 +81,10 @@ type Dispatcher struct {
 	lastScrub time.Time
 	defCache  map[string]Def
 	defAt     time.Time
+	// noAnalyze: tables this role may not analyze; analyzing: a run of
+	// analyzeGrown is going (stats.go).
+	noAnalyze map[string]bool
+	analyzing atomic.Bool
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
 }
@@ -111,10 +116,11 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		cfg.HTTPClient = newHTTPClient(cfg.Parallelism)
 	}
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
-		run:     runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
-		queue:   make(chan *claimed, claimAhead(cfg.Parallelism)),
-		settles: make(chan result, maxSettleBatch),
-		wake:    make(chan struct{}, 1),
+		run:       runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
+		queue:     make(chan *claimed, claimAhead(cfg.Parallelism)),
+		settles:   make(chan result, maxSettleBatch),
+		wake:      make(chan struct{}, 1),
+		noAnalyze: map[string]bool{},
 	}
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
@@ -194,10 +200,13 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 			}
 		}()
 	}
+	var stats sync.WaitGroup
 	t := time.NewTicker(d.cfg.Poll)
 	defer t.Stop()
 	for soft.Err() == nil {
-		d.maintainIfDue(soft)
+		if d.maintainIfDue(soft) {
+			d.keepStatistics(soft, &stats)
+		}
 		n, err := d.claimAhead(soft)
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
@@ -212,6 +221,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		}
 	}
 	close(d.queue)
+	stats.Wait()
 	workers.Wait()
 	close(d.settles)
 	settler.Wait()
@@ -277,8 +287,8 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // group, of disabled handlers, of Go handlers not in this Registry, or of
 // nats handlers without a JetStream, are not waited for.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
-	for {
-		if err := d.maintain(ctx); err != nil {
+	for first := true; ; first = false {
+		if err := d.flushMaintain(ctx, first); err != nil {
 			return -1, err
 		}
 		cs, err := d.claim(ctx, d.cfg.Parallelism)
@@ -309,6 +319,23 @@ func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 		case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
 		}
 	}
+}
+
+// flushMaintain is Flush's maintenance and statistics: at the start of
+// every Flush, then at most once a second like the claim loop's (run before
+// every claim of Parallelism deliveries, its statements cost more than the
+// deliveries they preceded).
+func (d *Dispatcher) flushMaintain(ctx context.Context, first bool) error {
+	d.mu.Lock()
+	due := first || time.Since(d.lastMaint) >= time.Second
+	d.mu.Unlock()
+	if !due {
+		return nil
+	}
+	if err := d.maintain(ctx); err != nil {
+		return err
+	}
+	return d.analyzeGrown(ctx)
 }
 
 // open counts the deliveries Flush waits for.
@@ -364,8 +391,34 @@ RETURNING d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d
           d.group_rows, d.group_max, d.payload_scrubbed_at IS NOT NULL, d.claim_token::text,
           (extract(epoch FROM due.claim_timeout) * 1000)::bigint`
 
+// claimPlan pins the claim's plan to the due index's order (set for the
+// claim's transaction only). A deliveries table that grew faster than
+// autovacuum analyzes it (any backlog: the apply queues thousands a
+// second) had the planner, trusting estimates of a few rows, fetch every
+// due delivery per handler by bitmap, sort them all and check the priority
+// order of each, for every claim: 60-200 ms per claim of 32 on a 30k-row
+// backlog, growing with it, where walking the index in order stops after
+// the rows it claims (pg auto_explain, bench-handlers).
+var claimPlan = []string{`SET LOCAL enable_bitmapscan = off`, `SET LOCAL enable_sort = off`}
+
 func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
-	rows, err := d.pool.Query(ctx, claimSQL, n, d.cfg.Registry.Names(), d.cfg.JetStream != nil)
+	// One round trip: the claim in a transaction of its own with its plan
+	// settings.
+	var b pgx.Batch
+	b.Queue(`BEGIN`)
+	for _, q := range claimPlan {
+		b.Queue(q)
+	}
+	b.Queue(claimSQL, n, d.cfg.Registry.Names(), d.cfg.JetStream != nil)
+	b.Queue(`COMMIT`)
+	br := d.pool.SendBatch(ctx, &b)
+	defer br.Close()
+	for range 1 + len(claimPlan) {
+		if _, err := br.Exec(); err != nil {
+			return nil, fmt.Errorf("claim deliveries: %w", err)
+		}
+	}
+	rows, err := br.Query()
 	if err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
@@ -398,6 +451,14 @@ func (d *Dispatcher) claim(ctx context.Context, n int) ([]*claimed, error) {
 		return c, nil
 	})
 	if err != nil {
+		return nil, fmt.Errorf("claim deliveries: %w", err)
+	}
+	if _, err := br.Exec(); err != nil {
+		// Not committed (or not known to be): rolled back, or left in
+		// flight until the claims expire.
+		return nil, fmt.Errorf("claim deliveries: commit: %w", err)
+	}
+	if err := br.Close(); err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
 	if len(cs) == 0 {
@@ -537,7 +598,11 @@ func Backoff(base time.Duration, attempt int) time.Duration {
 
 // settleSQL records a batch of results, each row guarded by the claim
 // token it was given: a delivery whose claim was reclaimed is not in the
-// returned ids.
+// returned ids. The scrub at terminal state is folded in: a delivery that
+// ends while no other delivery of its row is open (as this statement sees
+// them) has its payload set to NULL by the same row write, so that the
+// usual settle writes each delivery once (a separate scrub UPDATE wrote
+// every row a second time, with all its index entries).
 const settleSQL = `
 UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.outcome, ''), d.outcome),
        last_error = COALESCE(u.last_error, d.last_error),
@@ -547,16 +612,27 @@ UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.out
        claim_token = NULL, claim_expires_at = NULL, updated_at = now(),
        settled_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') THEN now() END,
        observed_fingerprint = COALESCE(NULLIF(u.fingerprint, ''), d.observed_fingerprint),
-       evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END
+       evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END,
+       payload = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND ` + noOtherOpen + ` THEN NULL ELSE d.payload END,
+       payload_scrubbed_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND d.payload IS NOT NULL AND ` + noOtherOpen + `
+                                  THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
 FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::int[], $8::text[], $9::boolean[],
             $10::int[])
      AS u(id, token, state, outcome, last_error, delay_ms, deferred, fingerprint, evaluated, refund)
 WHERE d.id = u.id AND d.claim_token = u.token
 RETURNING d.id::text`
 
+// noOtherOpen: no other delivery of d's row is pending or in flight.
+const noOtherOpen = `NOT EXISTS (SELECT 1 FROM epitaph.deliveries e WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn
+                                AND e.seq = d.seq AND e.id <> d.id AND e.state IN ('pending', 'in_flight'))`
+
 // scrubSettledSQL, after settleSQL in the same transaction (it sees its
-// results), scrubs the payloads of the batch's rows whose every delivery
-// is terminal (a stale result's row is scrubbed only when that holds too).
+// results), scrubs what settleSQL could not: the other deliveries of the
+// batch's rows whose every delivery is terminal now (the earlier handlers
+// of a row, and rows of which two deliveries ended in this batch, each
+// seeing the other open). It only reads when the ended rows have no other
+// payload left (one handler per row: the usual case). A stale result's
+// row is scrubbed only when that holds too.
 const scrubSettledSQL = `
 UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = COALESCE(o.payload_scrubbed_at, now())
 FROM (SELECT DISTINCT source, commit_lsn, seq FROM epitaph.deliveries
@@ -669,16 +745,19 @@ func (d *Dispatcher) settleTx(ctx context.Context, batch []result) (map[string]b
 	return settled, nil
 }
 
-func (d *Dispatcher) maintainIfDue(ctx context.Context) {
+// maintainIfDue runs maintain at most once a second; it reports whether
+// it was due.
+func (d *Dispatcher) maintainIfDue(ctx context.Context) bool {
 	d.mu.Lock()
 	due := time.Since(d.lastMaint) >= time.Second
 	d.mu.Unlock()
 	if !due {
-		return
+		return false
 	}
 	if err := d.maintain(ctx); err != nil && ctx.Err() == nil {
 		d.log.Warn("delivery maintenance failed; retrying", "err", err)
 	}
+	return true
 }
 
 // maintain reclaims expired claims (the reclaim counts as an attempt:

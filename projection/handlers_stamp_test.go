@@ -2,6 +2,7 @@ package projection_test
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"testing"
@@ -75,4 +76,44 @@ func TestAppliedDeliveriesAreStampedForRevalidation(t *testing.T) {
 			require.Equal(t, fps[0], res.ObservedFingerprint)
 		}
 	}
+}
+
+// Only the deliveries of handlers that revalidate get the promise: a
+// handler added with revalidation off never reads it, and the apply does
+// not hash its groups for it. Both handlers' deliveries are queued.
+func TestOnlyRevalidatingHandlersAreStamped(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, e.url)
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	const checks, plain = "00000000-0000-4000-8000-0000000000c1", "00000000-0000-4000-8000-0000000000c2"
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.handlers (id, schema_name, table_name, kind, target, revalidate)
+		VALUES ($1, 'public', 'order_lines', 'go', 'noop', true), ($2, 'public', 'order_lines', 'go', 'noop', false)`, checks, plain)
+	require.NoError(t, err)
+	cfg := e.config("w1")
+	cfg.BatchSize = 2 // the second transaction spans three pages
+	e.start(cfg)
+	e.publish(e.nextTx(orderRows(1, 2)...))
+	e.publish(e.nextTx(orderRows(2, 4)...))
+	c := e.conn()
+	eventually(t, 30*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE fingerprint IS NOT NULL`) == 6
+	}, "every delivery of the revalidating handler stamped")
+	rows, err := pool.Query(ctx, `SELECT handler_id::text, count(*), count(fingerprint), count(group_rows), count(group_max)
+		FROM epitaph.deliveries GROUP BY 1 ORDER BY 1`)
+	require.NoError(t, err)
+	type stamped struct{ handler, n, fps, pairs, maxes string }
+	var got []stamped
+	for rows.Next() {
+		var s stamped
+		var n, fps, pairs, maxes int
+		require.NoError(t, rows.Scan(&s.handler, &n, &fps, &pairs, &maxes))
+		s.n, s.fps, s.pairs, s.maxes = fmt.Sprint(n), fmt.Sprint(fps), fmt.Sprint(pairs), fmt.Sprint(maxes)
+		got = append(got, s)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []stamped{{checks, "6", "6", "6", "6"}, {plain, "6", "0", "0", "0"}}, got)
 }

@@ -7,16 +7,22 @@ import (
 )
 
 // Revalidator is the dispatcher's seam (handler.Revalidator): it evaluates
-// the delivery afresh and records the evaluation before returning the
-// decision. An evaluation that cannot be recorded defers (a changed
-// delivery must not stop before its next generation is queued, and nothing
-// unrecorded is sent). The error is non-nil only for a delivery that does
-// not exist.
+// the delivery afresh and returns the decision. The dispatcher's settle
+// records the evaluation (outcome, observed fingerprint, evaluated_at)
+// with the attempt's result, in the same row write, guarded by the claim
+// token. What the settle cannot record is written here first, by Record,
+// before the decision is returned: the next generation of a changed
+// delivery (it must be queued before the old one stops) and the pair a
+// full read refreshed. Such an evaluation that cannot be recorded defers.
+// The error is non-nil only for a delivery that does not exist.
 func (e *Evaluator) Revalidator() handler.Revalidator {
 	return func(ctx context.Context, d handler.Delivery) (handler.Decision, error) {
 		res, err := e.Evaluate(ctx, d.ID)
 		if err != nil {
 			return handler.Decision{}, err
+		}
+		if !needsRecord(res) {
+			return handler.Decision{Outcome: res.Outcome, Fingerprint: res.ObservedFingerprint}, nil
 		}
 		if err := e.Record(ctx, res); err != nil {
 			e.cfg.Logger.Warn("revalidation deferred: the evaluation could not be recorded", "delivery", d.ID, "err", err)
@@ -24,4 +30,12 @@ func (e *Evaluator) Revalidator() handler.Revalidator {
 		}
 		return handler.Decision{Outcome: res.Outcome, Fingerprint: res.ObservedFingerprint}, nil
 	}
+}
+
+// needsRecord: does Record write anything the dispatcher's settle does not
+// (a next generation, a refreshed pair)? A separate transaction per
+// delivery for the outcome alone wrote every delivery once more than the
+// settle, which writes the same columns.
+func needsRecord(res Result) bool {
+	return res.Outcome == StopChanged || (res.Outcome == Send && res.Path == PathFull)
 }

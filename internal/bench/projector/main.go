@@ -85,7 +85,8 @@ type env struct {
 	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
 	revalidate bool
 	sourceURL  string
-	// pgStats: the snapshot phase prints its apply's top statements too.
+	// pgStats: pg_stat_statements is loaded (-pgstats); the snapshot phase
+	// and the handlers round print their statements too.
 	pgStats bool
 }
 
@@ -1271,7 +1272,7 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 		return err
 	}
 	defer conn.Close(ctx)
-	rows, err := conn.Query(ctx, `SELECT calls, total_exec_time, total_plan_time, rows,
+	rows, err := conn.Query(ctx, `SELECT calls, total_exec_time, total_plan_time, rows, shared_blks_hit + shared_blks_read,
 			regexp_replace(left(query, 110), '\s+', ' ', 'g')
 		FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 		ORDER BY total_exec_time + total_plan_time DESC LIMIT 14`)
@@ -1280,13 +1281,15 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 	}
 	defer rows.Close()
 	for rows.Next() {
-		var calls, n int64
+		var calls, n, blocks int64
 		var exec, plan float64
 		var q string
-		if err := rows.Scan(&calls, &exec, &plan, &n, &q); err != nil {
+		if err := rows.Scan(&calls, &exec, &plan, &n, &blocks, &q); err != nil {
 			return err
 		}
-		bench.Note("pgstats %s: %7d calls %9.0f ms exec %6.0f ms plan %8d rows  %s", phase, calls, exec, plan, n, q)
+		// Buffers per call: the work a statement does, whatever the load.
+		bench.Note("pgstats %s: %7d calls %9.0f ms exec %6.0f ms plan %8d rows %8.0f buffers/call  %s", phase, calls, exec, plan, n,
+			float64(blocks)/float64(max(calls, 1)), q)
 	}
 	if err := rows.Err(); err != nil {
 		return err

@@ -1,0 +1,13 @@
+-- 0013_deliveries_fillfactor: room on each page of epitaph.deliveries for
+-- the update that follows every insert in the same transaction.
+--
+-- The apply inserts a page's deliveries and, for handlers that revalidate,
+-- stamps them with their set's fingerprint and cheap pair right away
+-- (fingerprint, group_rows, group_max, updated_at: no index covers them).
+-- On full pages that second write of every row moved it to another page
+-- with a new entry in each of the table's indexes; with half of each page
+-- free it stays on its page as a heap-only tuple (HOT), its index entries
+-- untouched. The claim and the settle change indexed columns (state, the
+-- partial indexes' predicates) and are never HOT; they too find room on the
+-- row's page. Applies to pages written from now on (no rewrite).
+ALTER TABLE epitaph.deliveries SET (fillfactor = 50);
