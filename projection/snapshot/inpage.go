@@ -37,16 +37,21 @@ type Group struct {
 }
 
 // createAssembledSQL writes jobs whose documents are already assembled.
+// Each distinct expected_tables is sent and parsed once ($7, by index
+// $8): the jobs of a transaction share their commit's counts. Empty
+// payload and reason are NULL.
 const createAssembledSQL = `
 INSERT INTO %s (correlation_id, source, commit_lsn, root_table, root_key, root_seq, expected_tables, expected_rows,
                 status, payload, fingerprint, retry_count, failure_reason, completed_at, pending_since)
 SELECT u.correlation_id, u.source, u.commit_lsn::pg_lsn, u.root_table, u.root_key::jsonb, u.root_seq,
-       u.expected::jsonb, u.expected_rows, u.status, u.payload::jsonb, u.fingerprint, u.retry_count, u.reason,
-       CASE u.status WHEN 'complete' THEN now() END, NULL
-  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::text[], $8::int[],
-              $9::text[], $10::text[], $11::text[], $12::int[], $13::text[])
+       e.tables, u.expected_rows, u.status, nullif(u.payload, '')::jsonb, u.fingerprint, u.retry_count,
+       nullif(u.reason, ''), CASE u.status WHEN 'complete' THEN now() END, NULL
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $8::int[], $9::int[],
+              $10::text[], $11::text[], $12::text[], $13::int[], $14::text[])
        AS u(correlation_id, source, commit_lsn, root_table, root_key, root_seq, expected, expected_rows,
             status, payload, fingerprint, retry_count, reason)
+  JOIN (SELECT t.i::int, t.x::jsonb FROM unnest($7::text[]) WITH ORDINALITY AS t(x, i)) AS e(i, tables)
+    ON e.i = u.expected
 ON CONFLICT (correlation_id, root_table, root_key) DO NOTHING`
 
 // recordGroupsSQL is recordGroupSQL for many transactions.
@@ -123,7 +128,7 @@ func CreateAssembled(ctx context.Context, tx pgx.Tx, schema string, groups []Gro
 	}
 	if len(w.corr) > 0 {
 		tag, err := tx.Exec(ctx, fmt.Sprintf(createAssembledSQL, table(schema, "snapshots")),
-			w.corr, w.sources, w.lsns, w.rootTables, w.rootKeys, w.rootSeqs, w.expected, w.expectedRows,
+			w.corr, w.sources, w.lsns, w.rootTables, w.rootKeys, w.rootSeqs, w.distinct, w.expected, w.expectedRows,
 			w.statuses, w.payloads, w.fps, w.attempts, w.reasons)
 		if err != nil {
 			return created, pending, fmt.Errorf("write %d assembled snapshot jobs: %w", len(w.corr), err)
@@ -215,10 +220,12 @@ func canonicalJSON(raw json.RawMessage) (string, bool) {
 type assembledJobs struct {
 	corr, sources, lsns, rootTables, rootKeys []string
 	rootSeqs                                  []int32
-	expected                                  []string
+	distinct                                  []string // expected_tables values
+	expected                                  []int32  // 1-based index into distinct
+	index                                     map[string]int32
 	expectedRows                              []int32
 	statuses                                  []string
-	payloads, fps, reasons                    []*string
+	payloads, fps, reasons                    []string // "": NULL (payload, reason)
 	attempts                                  []int32
 }
 
@@ -229,21 +236,22 @@ func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected
 	w.lsns = append(w.lsns, j.commitLSN)
 	w.rootTables = append(w.rootTables, j.rootTable)
 	w.rootSeqs = append(w.rootSeqs, int32(j.rootSeq))
-	w.expected = append(w.expected, expected)
+	i, ok := w.index[expected]
+	if !ok {
+		if w.index == nil {
+			w.index = map[string]int32{}
+		}
+		w.distinct = append(w.distinct, expected)
+		i = int32(len(w.distinct))
+		w.index[expected] = i
+	}
+	w.expected = append(w.expected, i)
 	w.expectedRows = append(w.expectedRows, int32(c.Rows))
 	w.statuses = append(w.statuses, out.status)
-	var payload, reason *string
-	if out.payload != nil {
-		s := string(out.payload)
-		payload = &s
-	}
-	if out.reason != "" {
-		reason = &out.reason
-	}
-	w.payloads = append(w.payloads, payload)
-	w.fps = append(w.fps, &fp)
+	w.payloads = append(w.payloads, string(out.payload))
+	w.fps = append(w.fps, fp)
 	w.attempts = append(w.attempts, int32(out.attempts))
-	w.reasons = append(w.reasons, reason)
+	w.reasons = append(w.reasons, out.reason)
 }
 
 // assembledGroups are the columns of recordGroupsSQL's unnest.

@@ -296,3 +296,71 @@ func TestInPageAssemblyRefusesAnIncompleteGroup(t *testing.T) {
 	_, _, err = snapshot.CreateAssembled(e.ctx, nil, e.schema, []snapshot.Group{{Commit: &event.Event{Op: event.OpDelete}}}, orderRoots)
 	require.ErrorContains(t, err, "not a commit event")
 }
+
+// Documents are stored lz4-compressed: a new snapshots table says so, and
+// Migrate switches a version made before (pglz) for its new documents,
+// once, while the documents it stored before stay readable as they are.
+func TestPayloadsCompressWithLZ4(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	method := func() string {
+		var m string
+		require.NoError(t, e.pool.QueryRow(e.ctx, `SELECT attcompression::text FROM pg_attribute
+			WHERE attrelid = 'archive_v1.snapshots'::regclass AND attname = 'payload'`).Scan(&m))
+		return m
+	}
+	require.Equal(t, "l", method())
+	testenv.Exec(t, e.url, `ALTER TABLE archive_v1.snapshots ALTER COLUMN payload SET COMPRESSION pglz`)
+	require.Equal(t, "p", method())
+
+	// Order 1 in page, before Migrate: pglz.
+	e.seedOrder(t, 1, 2)
+	s1 := e.begin(t)
+	s1.deleteOrder(t, 1)
+	require.NoError(t, s1.tx.Commit(e.ctx))
+	var rows []snapshot.Row
+	for _, a := range s1.rows {
+		rows = append(rows, snapshot.Row{Schema: a.Schema, Table: a.Name, Identity: "full", Key: a.Key, Row: a.Row,
+			Refs: a.Refs, Seq: a.Seq, CommitTime: s1.commit.CommitTime})
+	}
+	tx, err := e.pool.Begin(e.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	s1.archive(t, tx, s1.rows)
+	_, pending, err := snapshot.CreateAssembled(e.ctx, tx, e.schema,
+		[]snapshot.Group{{Commit: &s1.commit, Rows: rows, ArchivedAt: time.Now()}}, orderRoots)
+	require.NoError(t, err)
+	require.Zero(t, pending)
+	require.NoError(t, tx.Commit(e.ctx))
+
+	// Migrate (every start does): lz4 from now on, and only once.
+	require.NoError(t, snapshot.Migrate(e.ctx, e.pool, e.schema))
+	require.Equal(t, "l", method())
+	require.NoError(t, snapshot.Migrate(e.ctx, e.pool, e.schema))
+	require.Equal(t, "l", method())
+
+	// Order 2 through the batch.
+	e.seedOrder(t, 2, 2)
+	s2 := e.begin(t)
+	s2.deleteOrder(t, 2)
+	require.Equal(t, 1, s2.apply(t, orderRoots))
+	require.Equal(t, 1, e.batch(t, snapshot.Config{}).Completed)
+
+	got := map[int]string{}
+	r, err := e.pool.Query(e.ctx, `SELECT (root_key->>'id')::int, pg_column_compression(payload),
+		length(payload->'root'->'row'->>'note') FROM archive_v1.snapshots WHERE status = 'complete'`)
+	require.NoError(t, err)
+	for r.Next() {
+		var id, n int
+		var m string
+		require.NoError(t, r.Scan(&id, &m, &n))
+		require.Equal(t, 25000, n, "order %d: the note as deleted", id)
+		got[id] = m
+	}
+	require.NoError(t, r.Err())
+	require.Equal(t, map[int]string{1: "pglz", 2: "lz4"}, got)
+	for id, s := range map[int]*sourceTx{1: s1, 2: s2} {
+		d := decodeDoc(t, e.show(t, s.correlationID())[fmt.Sprintf(`{"id":%d}`, id)])
+		require.Equal(t, 7, d.Meta.EntityCount, "order %d", id)
+	}
+}
