@@ -34,6 +34,7 @@ type archiveRow struct {
 	// form (ok false when NULL or not comparable). A handful per row: a
 	// slice, not maps (two maps a row were a visible share of assembly).
 	cols []colValue
+	q    string // qualified()
 }
 
 type colValue struct {
@@ -41,7 +42,13 @@ type colValue struct {
 	ok         bool
 }
 
-func (r *archiveRow) qualified() string { return r.Schema + "." + r.Table }
+// qualified is "schema.table", made once per row (it is asked for often).
+func (r *archiveRow) qualified() string {
+	if r.q == "" {
+		r.q = r.Schema + "." + r.Table
+	}
+	return r.q
+}
 
 // parse reads the columns in want from the row image, once, reading only
 // its top level. A row that is not a JSON object has no values; as with
@@ -120,21 +127,38 @@ type group struct {
 	rows          []*archiveRow // by seq
 	children      [][]int       // children[i]: rows whose foreign key points at row i, by seq
 	bySeq         map[int]int
+	// walked: the subtrees unrelated walked, by root row, each taken
+	// by the root's document (walked once, not twice).
+	walked map[int]walk
 }
 
+type walk struct {
+	children map[string][]*node
+	members  []int
+}
+
+// refKey identifies (table, columns, values) for the parent lookup: each
+// part length-prefixed, so distinct lists never make the same key.
 func refKey(table string, cols []string, vals []string) string {
-	var b strings.Builder
-	b.WriteString(strconv.Quote(table))
+	n := len(table) + 8
+	for i := range cols {
+		n += len(cols[i]) + len(vals[i]) + 16
+	}
+	b := make([]byte, 0, n)
+	add := func(s string) {
+		b = strconv.AppendInt(b, int64(len(s)), 10)
+		b = append(b, ':')
+		b = append(b, s...)
+	}
+	add(table)
 	for _, c := range cols {
-		b.WriteByte(' ')
-		b.WriteString(strconv.Quote(c))
+		add(c)
 	}
-	b.WriteString(" =")
+	b = append(b, '=')
 	for _, v := range vals {
-		b.WriteByte(' ')
-		b.WriteString(strconv.Quote(v))
+		add(v)
 	}
-	return b.String()
+	return string(b)
 }
 
 func newGroup(correlationID string, rows []*archiveRow) *group {
@@ -230,6 +254,34 @@ type Meta struct {
 	TransactionRows int `json:"transaction_rows"`
 }
 
+// appendJSON appends what json.Marshal(m) writes, without its reflection
+// (a visible share of assembly): the fields in order, the times as
+// time.Time marshals them (RFC 3339 with nanoseconds), and json.Marshal's
+// error for a time it cannot encode.
+func (m *Meta) appendJSON(b []byte) ([]byte, error) {
+	for _, t := range []time.Time{m.ArchivedAt, m.CommitTime} {
+		if y := t.Year(); y < 0 || y > 9999 {
+			return json.Marshal(m)
+		}
+	}
+	var w bytes.Buffer
+	w.Write(b)
+	w.WriteString(`{"correlation_id":`)
+	writeJSONString(&w, m.CorrelationID)
+	w.WriteString(`,"archived_at":"`)
+	w.Write(m.ArchivedAt.AppendFormat(nil, time.RFC3339Nano))
+	w.WriteString(`","commit_time":"`)
+	w.Write(m.CommitTime.AppendFormat(nil, time.RFC3339Nano))
+	w.WriteString(`","entity_count":`)
+	w.WriteString(strconv.Itoa(m.EntityCount))
+	w.WriteString(`,"unrelated_count":`)
+	w.WriteString(strconv.Itoa(m.UnrelatedCount))
+	w.WriteString(`,"transaction_rows":`)
+	w.WriteString(strconv.Itoa(m.TransactionRows))
+	w.WriteByte('}')
+	return w.Bytes(), nil
+}
+
 // The document is written by hand rather than by encoding/json: the row
 // images are copied as they are (encoding/json would scan and compact
 // every one again, a visible share of the apply's CPU when documents are
@@ -305,10 +357,10 @@ func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
 // not entered again, so a cycle of self-references terminates.
 func (g *group) subtree(root int) (map[string][]*node, []int) {
 	seen := map[int]bool{root: true}
-	top := map[string][]*node{}
+	top := &node{}
 	type item struct {
-		row  int
-		kids map[string][]*node
+		row    int
+		parent *node
 	}
 	queue := []item{{root, top}}
 	members := []int{root}
@@ -322,12 +374,15 @@ func (g *group) subtree(root int) (map[string][]*node, []int) {
 			seen[c] = true
 			members = append(members, c)
 			r := g.rows[c]
-			n := &node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row), Children: map[string][]*node{}}
-			it.kids[n.Table] = append(it.kids[n.Table], n)
-			queue = append(queue, item{c, n.Children})
+			n := &node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row)}
+			if it.parent.Children == nil { // a leaf's stays nil: written {}
+				it.parent.Children = map[string][]*node{}
+			}
+			it.parent.Children[n.Table] = append(it.parent.Children[n.Table], n)
+			queue = append(queue, item{c, n})
 		}
 	}
-	return top, members
+	return top.Children, members
 }
 
 func orNull(m json.RawMessage) json.RawMessage {
@@ -345,7 +400,11 @@ func (g *group) unrelated(roots []int) int {
 		if reached[r] {
 			continue // its subtree is inside one already walked
 		}
-		_, members := g.subtree(r)
+		children, members := g.subtree(r)
+		if g.walked == nil {
+			g.walked = map[int]walk{}
+		}
+		g.walked[r] = walk{children, members}
 		for _, m := range members {
 			if !reached[m] {
 				reached[m] = true
@@ -359,7 +418,13 @@ func (g *group) unrelated(roots []int) int {
 // document builds the payload rooted at row root; unrelated is the count of
 // the transaction's rows in no root's document.
 func (g *group) document(root int, unrelated int) ([]byte, error) {
-	children, members := g.subtree(root)
+	w, ok := g.walked[root]
+	if ok {
+		delete(g.walked, root)
+	} else {
+		w.children, w.members = g.subtree(root)
+	}
+	children, members := w.children, w.members
 	r := g.rows[root]
 	meta := Meta{
 		CorrelationID:   g.correlationID,
@@ -374,7 +439,7 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 		}
 	}
 	meta.ArchivedAt = meta.ArchivedAt.UTC()
-	m, err := json.Marshal(meta)
+	m, err := meta.appendJSON(nil)
 	if err != nil {
 		return nil, fmt.Errorf("encode snapshot document: %w", err)
 	}
@@ -411,8 +476,11 @@ func (g *group) fingerprint() string {
 		return cmpU(a[1], b[1])
 	})
 	h := sha256.New()
+	var line []byte
 	for _, id := range ids {
-		fmt.Fprintf(h, "%s/%d\n", event.LSN(id[0]), id[1])
+		// "%s/%d\n" of the LSN and seq, without fmt.
+		line = append(append(append(line[:0], event.LSN(id[0]).String()...), '/'), strconv.FormatUint(id[1], 10)...)
+		h.Write(append(line, '\n'))
 	}
 	return hex.EncodeToString(h.Sum(nil))
 }

@@ -1,7 +1,10 @@
 package snapshot
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"testing"
 	"time"
 
@@ -97,4 +100,32 @@ func TestMissingAndDelay(t *testing.T) {
 		}
 	}
 	require.Greater(t, len(seen), 5, "the delays are jittered")
+}
+
+// The meta object and the fingerprint are written without encoding/json
+// and fmt: byte for byte what those wrote (stored fingerprints are compared
+// across versions).
+func TestMetaAndFingerprintAsBefore(t *testing.T) {
+	for _, m := range []Meta{
+		{},
+		{CorrelationID: `main:7431:0/1A2B3C8`, ArchivedAt: time.Date(2026, 12, 1, 9, 0, 1, 123456000, time.UTC),
+			CommitTime: time.Date(2026, 12, 1, 9, 0, 0, 0, time.UTC), EntityCount: 7, UnrelatedCount: 2, TransactionRows: 700},
+		{CorrelationID: "ü\"<&>\\\n", ArchivedAt: time.Date(1, 1, 1, 0, 0, 0, 1, time.UTC), CommitTime: time.Unix(0, 999).UTC(), EntityCount: -1},
+		{ArchivedAt: time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)},
+	} {
+		want, werr := json.Marshal(m)
+		got, err := m.appendJSON(nil)
+		if werr != nil {
+			require.Error(t, err)
+			continue
+		}
+		require.NoError(t, err)
+		require.Equal(t, string(want), string(got))
+	}
+	rows := []*archiveRow{{CommitLSN: 0x3C000000, Seq: 2}, {CommitLSN: 0x3C000000, Seq: 10}, {CommitLSN: 0x1, Seq: 0}}
+	h := sha256.New()
+	for _, r := range []*archiveRow{rows[2], rows[0], rows[1]} {
+		fmt.Fprintf(h, "%s/%d\n", r.CommitLSN, r.Seq)
+	}
+	require.Equal(t, hex.EncodeToString(h.Sum(nil)), (&group{rows: rows}).fingerprint())
 }
