@@ -269,7 +269,7 @@ func (e *env) rates(ctx context.Context) error {
 			return err
 		}
 		d, err := handler.NewDispatcher(e.target, handler.Config{Parallelism: e.o.parallelism,
-			Revalidate: e.ev.Revalidator(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+			Revalidate: e.ev.Revalidator(), RevalidateBatch: e.ev.BatchRevalidator(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 		if err != nil {
 			return err
 		}
