@@ -44,7 +44,7 @@ func (e *Evaluator) evaluateBatch(ctx context.Context, ids []string) ([]Result, 
 		}
 		return results, errs
 	}
-	var open []pending
+	var open []*pending
 	for i, id := range ids {
 		d, ok := byID[id]
 		if !ok {
@@ -57,7 +57,7 @@ func (e *Evaluator) evaluateBatch(ctx context.Context, ids []string) ([]Result, 
 		}
 		results[i].d = d
 		if results[i].Outcome == "" {
-			open = append(open, pending{i: i, d: d})
+			open = append(open, &pending{i: i, d: d})
 		}
 	}
 	open = e.decideArchives(ctx, open, results)
@@ -71,7 +71,7 @@ func (e *Evaluator) evaluateBatch(ctx context.Context, ids []string) ([]Result, 
 
 // settle records the decided outcome of p and tells whether p is still
 // open.
-func settle(results []Result, p pending, res Result) bool {
+func settle(results []Result, p *pending, res Result) bool {
 	if res.Outcome == "" {
 		return true
 	}
@@ -113,8 +113,8 @@ CROSS JOIN LATERAL (
 // decideArchives runs the cheap path for the open deliveries, one
 // statement per live archive schema (one in practice), and returns those
 // still open, with the pair's path.
-func (e *Evaluator) decideArchives(ctx context.Context, open []pending, results []Result) []pending {
-	bySchema := map[string][]pending{}
+func (e *Evaluator) decideArchives(ctx context.Context, open []*pending, results []Result) []*pending {
+	bySchema := map[string][]*pending{}
 	var schemas []string
 	for _, p := range open {
 		s := *p.d.liveSchema
@@ -123,14 +123,14 @@ func (e *Evaluator) decideArchives(ctx context.Context, open []pending, results 
 		}
 		bySchema[s] = append(bySchema[s], p)
 	}
-	var still []pending
+	var still []*pending
 	for _, s := range schemas {
 		still = append(still, e.decideArchivesIn(ctx, s, bySchema[s], results)...)
 	}
 	return still
 }
 
-func (e *Evaluator) decideArchivesIn(ctx context.Context, schema string, ps []pending, results []Result) []pending {
+func (e *Evaluator) decideArchivesIn(ctx context.Context, schema string, ps []*pending, results []Result) []*pending {
 	n := len(ps)
 	corr, sch, tbl, src, lsn := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	seq := make([]int, n)
@@ -159,7 +159,7 @@ func (e *Evaluator) decideArchivesIn(ctx context.Context, schema string, ps []pe
 	if err != nil {
 		err = fmt.Errorf("read the pairs of %d deliveries: %w", n, err)
 	}
-	var still []pending
+	var still []*pending
 	for j, p := range ps {
 		if err != nil || !seen[j].ok {
 			e.cfg.Logger.Warn("revalidation deferred: archive unreadable", "delivery", p.d.id, "err", err)

@@ -65,7 +65,7 @@ const maxKeysPerRead = 256
 // table.
 type sourceGroup struct {
 	url, schema, table string
-	ps                 []pending
+	ps                 []*pending
 }
 
 // decideSources checks, for the open deliveries, that each key is still
@@ -74,11 +74,11 @@ type sourceGroup struct {
 // would alone: a source that cannot be read defers its deliveries; a key
 // the source rejects (a value its column type cannot take) defers its own
 // delivery only (the table's keys are then read one by one).
-func (e *Evaluator) decideSources(ctx context.Context, open []pending, results []Result) []pending {
+func (e *Evaluator) decideSources(ctx context.Context, open []*pending, results []Result) []*pending {
 	var groups []*sourceGroup
 	byTable := map[[3]string]*sourceGroup{}
 	urls := map[string][2]string{} // by handler: the URL, or the reason there is none
-	var still []pending
+	var still []*pending
 	for _, p := range open {
 		u, ok := urls[p.d.handlerID]
 		if !ok {
@@ -113,10 +113,10 @@ func (e *Evaluator) decideSources(ctx context.Context, open []pending, results [
 	return still
 }
 
-func (e *Evaluator) decideSourceTable(ctx context.Context, url string, ps []pending, results []Result) []pending {
+func (e *Evaluator) decideSourceTable(ctx context.Context, url string, ps []*pending, results []Result) []*pending {
 	var exprs []string
 	var args []any
-	var asked []pending
+	var asked []*pending
 	for _, p := range ps {
 		where, kargs, err := keyPredicate(p.d.key, len(args))
 		if err != nil {
@@ -134,7 +134,7 @@ func (e *Evaluator) decideSourceTable(ctx context.Context, url string, ps []pend
 	if err != nil && len(asked) > 1 && sourceReason(err) == ReasonSourceKeyInvalid {
 		// One key the source rejects fails the statement: ask one by one,
 		// so that only its delivery defers.
-		var still []pending
+		var still []*pending
 		for _, p := range asked {
 			if settle(results, p, e.decideSourceOne(ctx, url, p.d)) {
 				still = append(still, p)
@@ -153,7 +153,7 @@ func (e *Evaluator) decideSourceTable(ctx context.Context, url string, ps []pend
 		}
 		return nil
 	}
-	var still []pending
+	var still []*pending
 	for j, p := range asked {
 		if exists[j] {
 			settle(results, p, Result{Outcome: StopSuperseded, Reason: ReasonKeyInSource})
