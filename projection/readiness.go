@@ -172,13 +172,22 @@ func (g Gap) String() string {
 	}
 	b.WriteString(")")
 	if g.FromLSN != nil || g.ToLSN != nil {
-		fmt.Fprintf(&b, " after %s up to %s", lsnOrUnknown(g.FromLSN), lsnOrUnknown(g.ToLSN))
+		from, to := g.LSNRange()
+		fmt.Fprintf(&b, " after %s up to %s", from, to)
 	}
 	if g.FromSeq != nil || g.ToSeq != nil {
-		fmt.Fprintf(&b, " stream seq %s-%s", seqOrUnknown(g.FromSeq), seqOrUnknown(g.ToSeq))
+		fmt.Fprintf(&b, " stream seq %s", g.SeqRange())
 	}
 	return b.String()
 }
+
+// LSNRange is the gap's range of source positions as text; an end that is
+// not known is "?".
+func (g Gap) LSNRange() (from, to string) { return lsnOrUnknown(g.FromLSN), lsnOrUnknown(g.ToLSN) }
+
+// SeqRange is the gap's range of stream sequences as "from-to"; an end that
+// is not known is "?".
+func (g Gap) SeqRange() string { return seqOrUnknown(g.FromSeq) + "-" + seqOrUnknown(g.ToSeq) }
 
 func orDash(s string) string {
 	if s == "" {

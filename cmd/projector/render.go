@@ -122,7 +122,7 @@ func writeGapRow(w io.Writer, g projection.Gap) {
 	}
 	seqs := "-"
 	if g.FromSeq != nil || g.ToSeq != nil {
-		seqs = seqOrUnknown(g.FromSeq) + "-" + seqOrUnknown(g.ToSeq)
+		seqs = g.SeqRange()
 	}
 	ack := "no"
 	if g.Kind == event.GapTruncate && g.AcknowledgedAt == nil {
@@ -131,8 +131,9 @@ func writeGapRow(w io.Writer, g projection.Gap) {
 	if g.AcknowledgedAt != nil {
 		ack = g.AcknowledgedAt.UTC().Format(time.RFC3339) + ": " + deref(g.AckReason)
 	}
-	fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Kind, table, part, lsnOrUnknown(g.FromLSN),
-		lsnOrUnknown(g.ToLSN), seqs, g.DetectedAt.UTC().Format(time.RFC3339), ack)
+	from, to := g.LSNRange()
+	fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", g.ID, g.Kind, table, part, from, to, seqs,
+		g.DetectedAt.UTC().Format(time.RFC3339), ack)
 }
 
 // writeGaps prints the gaps of versions as text tables (`projector gaps`).
@@ -270,18 +271,4 @@ func writeComparison(w io.Writer, c *version.Comparison) error {
 	}
 	fmt.Fprintf(tw, "\n%s\n", strings.Join(verdict, "; "))
 	return tw.Flush()
-}
-
-func lsnOrUnknown(l *event.LSN) string {
-	if l == nil {
-		return "?"
-	}
-	return l.String()
-}
-
-func seqOrUnknown(n *int64) string {
-	if n == nil {
-		return "?"
-	}
-	return fmt.Sprint(*n)
 }
