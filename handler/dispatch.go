@@ -47,6 +47,10 @@ type Config struct {
 	// Revalidate decides before every attempt (default AlwaysSend); only
 	// for handlers with revalidate on.
 	Revalidate Revalidator
+	// RevalidateBatch, when set, decides for each claimed batch at once,
+	// right after the claim; an attempt whose verdict is older than
+	// verdictMaxAge when it starts asks Revalidate again.
+	RevalidateBatch BatchRevalidator
 	// JetStream publishes for nats handlers; without it their deliveries
 	// are left for a dispatcher that has one.
 	JetStream jetstream.JetStream
@@ -251,6 +255,7 @@ func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
 		// their claims expire.
 		return 0, err
 	}
+	d.prevalidate(context.WithoutCancel(ctx), cs)
 	for _, c := range cs {
 		d.queue <- c // never blocks: only this loop sends
 	}
@@ -291,16 +296,21 @@ func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 		if err := d.flushMaintain(ctx, first); err != nil {
 			return -1, err
 		}
-		cs, err := d.claim(ctx, d.cfg.Parallelism)
+		// Claimed like the claim loop does (a batch to revalidate
+		// together), run Parallelism at once.
+		cs, err := d.claim(ctx, claimAhead(d.cfg.Parallelism))
 		if err != nil {
 			return -1, err
 		}
+		d.prevalidate(ctx, cs)
 		results := make([]result, len(cs))
 		var wg sync.WaitGroup
+		slots := make(chan struct{}, d.cfg.Parallelism)
 		for i, c := range cs {
 			wg.Add(1)
+			slots <- struct{}{}
 			go func() {
-				defer wg.Done()
+				defer func() { <-slots; wg.Done() }()
 				results[i] = result{c: c, s: d.decide(ctx, c)}
 			}()
 		}
@@ -361,6 +371,47 @@ type claimed struct {
 	// claimedAt and claim: when it was claimed, for how long.
 	claimedAt time.Time
 	claim     time.Duration
+	// verdict: the batch revalidation's, when it ran (at verdictAt).
+	verdict   *Verdict
+	verdictAt time.Time
+}
+
+// verdictMaxAge bounds how long a batch's verdict stands for an attempt:
+// one that waited longer for a worker is revalidated alone when it starts,
+// so a decision is never older than this.
+const verdictMaxAge = time.Second
+
+// prevalidate runs the batch revalidation over the claimed deliveries
+// whose handler revalidates, bounded by the earliest of their deadlines.
+// Verdicts are taken per delivery (a deferred one defers alone).
+func (d *Dispatcher) prevalidate(ctx context.Context, cs []*claimed) {
+	if d.cfg.RevalidateBatch == nil {
+		return
+	}
+	var batch []*claimed
+	var ds []Delivery
+	var deadline time.Time
+	for _, c := range cs {
+		if c.def.ID == "" || !c.def.Revalidate || c.scrubbed {
+			continue
+		}
+		if deadline.IsZero() || c.deadline.Before(deadline) {
+			deadline = c.deadline
+		}
+		batch, ds = append(batch, c), append(ds, c.d)
+	}
+	if len(batch) == 0 {
+		return
+	}
+	rctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	vs := d.cfg.RevalidateBatch(rctx, ds)
+	now := time.Now()
+	for i, c := range batch {
+		if i < len(vs) {
+			c.verdict, c.verdictAt = &vs[i], now
+		}
+	}
 }
 
 // waitedTooLong: a claimed delivery that waited for a worker more than a
@@ -541,7 +592,10 @@ func (d *Dispatcher) decide(ctx context.Context, c *claimed) settlement {
 	start := time.Now()
 	dec := Decision{Outcome: Send}
 	var err error
-	if def.Revalidate {
+	switch {
+	case def.Revalidate && c.verdict != nil && time.Since(c.verdictAt) <= verdictMaxAge:
+		dec, err = c.verdict.Decision, c.verdict.Err
+	case def.Revalidate:
 		dec, err = d.cfg.Revalidate(actx, c.d)
 	}
 	var s settlement

@@ -473,3 +473,63 @@ func TestMetrics(t *testing.T) {
 	require.Equal(t, 1.0, got["epitaph_projector_delivery_attempts_total,handler="+h.ID+",result=failed"])
 	require.Equal(t, 1.0, got["epitaph_projector_delivery_dead_letters_total,handler="+h.ID])
 }
+
+// The batch seam: one call decides the claimed batch, each verdict taken
+// per delivery; an attempt that starts more than verdictMaxAge after its
+// batch was read asks Revalidate afresh.
+func TestBatchRevalidationSeam(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var calls atomic.Int32
+	var slow atomic.Bool
+	e.goHandler(reg, func(context.Context, Delivery) error {
+		if calls.Add(1) > 0 && slow.CompareAndSwap(true, false) {
+			time.Sleep(verdictMaxAge + 200*time.Millisecond) // a slow handler: the next verdict goes stale
+		}
+		return nil
+	})
+	e.enqueue(1, e.row(1), e.row(2), e.row(3))
+	var batches, batched, alone atomic.Int32
+	batch := func(_ context.Context, ds []Delivery) []Verdict {
+		batches.Add(1)
+		batched.Add(int32(len(ds)))
+		vs := make([]Verdict, len(ds))
+		for i, d := range ds {
+			vs[i].Decision.Outcome = Send
+			if string(d.Key) == `{"id": 3}` {
+				vs[i].Decision = Decision{Outcome: StopSuperseded, Fingerprint: "fp3"}
+			}
+		}
+		return vs
+	}
+	reval := func(context.Context, Delivery) (Decision, error) {
+		alone.Add(1)
+		return Decision{Outcome: Send}, nil
+	}
+	d := e.dispatcher(Config{Registry: reg, Parallelism: 1, Revalidate: reval, RevalidateBatch: batch})
+	e.flush(d)
+	require.EqualValues(t, 1, batches.Load(), "one call for the claimed batch")
+	require.EqualValues(t, 3, batched.Load())
+	require.Zero(t, alone.Load(), "fresh verdicts are not read again")
+	ds := e.deliveries()
+	require.Equal(t, StateDone, ds[0].State)
+	require.Equal(t, StateDone, ds[1].State)
+	require.Equal(t, StateStopped, ds[2].State)
+	require.Equal(t, string(StopSuperseded), ds[2].Outcome)
+	var fp string
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT observed_fingerprint FROM epitaph.deliveries WHERE key = '{"id":3}'`).Scan(&fp))
+	require.Equal(t, "fp3", fp)
+	require.EqualValues(t, 2, calls.Load())
+
+	// The first of two waits longer than a verdict stands: the second is
+	// revalidated alone when it starts, then sent.
+	slow.Store(true)
+	e.enqueue(1, e.row(4), e.row(5))
+	e.flush(d)
+	require.EqualValues(t, 2, batches.Load())
+	require.EqualValues(t, 1, alone.Load(), "the stale verdict was read again, alone")
+	require.EqualValues(t, 4, calls.Load())
+	for _, r := range e.deliveries()[3:] {
+		require.Equal(t, StateDone, r.State)
+	}
+}

@@ -204,6 +204,18 @@ type Decision struct {
 // to be sent (issue 16 builds it). An error counts as a failed attempt.
 type Revalidator func(ctx context.Context, d Delivery) (Decision, error)
 
+// Verdict is a BatchRevalidator's answer for one delivery: what a
+// Revalidator would have returned for it.
+type Verdict struct {
+	Decision Decision
+	Err      error
+}
+
+// BatchRevalidator decides for a claimed batch at once (verdicts[i] for
+// ds[i]), with what one Revalidator call per delivery would decide, in
+// fewer reads. The dispatcher calls it on each batch it claims.
+type BatchRevalidator func(ctx context.Context, ds []Delivery) []Verdict
+
 // AlwaysSend is the default Revalidator.
 func AlwaysSend(context.Context, Delivery) (Decision, error) { return Decision{Outcome: Send}, nil }
 

@@ -89,14 +89,20 @@ type partitionWorker struct {
 	// messages pending but delivered none; at maxStalled the consumer is
 	// recreated at the cursor (stuck, as seen after a JetStream cluster
 	// lost the node that led it). recreate asks ensureConsumer for that.
-	stalled  int
-	recreate bool
+	stalled      int
+	stalledSince time.Time // the first of those rounds
+	recreate     bool
 }
 
 // maxStalled is how many idle rounds (each a fetch of up to FetchWait) a
 // consumer with pending messages may deliver nothing before it is
-// recreated.
-const maxStalled = 3
+// recreated, and minStalled how long at least: on a loaded machine a server
+// can be slow to deliver for several short fetches in a row, and a consumer
+// recreated for that is a reset for nothing.
+const (
+	maxStalled = 3
+	minStalled = 5 * time.Second
+)
 
 // workerEnv is what a partition worker uses of its service, handed to it
 // when it is made instead of read through a pointer to the Service: the
@@ -643,9 +649,12 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 	}
 	if ci.NumPending == 0 {
 		w.stalled = 0
-	} else if w.stalled++; w.stalled >= maxStalled {
+	} else if w.stalled++; w.stalled == 1 {
+		w.stalledSince = time.Now()
+	} else if w.stalled >= maxStalled && time.Since(w.stalledSince) >= minStalled {
 		w.log.Warn("consumer delivers nothing though messages are pending; recreating it at the cursor",
-			"consumer", ci.Name, "pending", ci.NumPending, "idle_fetches", w.stalled)
+			"consumer", ci.Name, "pending", ci.NumPending, "idle_fetches", w.stalled,
+			"stalled_for", time.Since(w.stalledSince).Round(time.Millisecond))
 		w.recreate = true
 		return fmt.Errorf("consumer %s stalled with %d pending: %w", ci.Name, ci.NumPending, errReset)
 	}

@@ -502,7 +502,8 @@ passed first (naming how many remain).`,
 				return err
 			}
 			defer ev.Close()
-			d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval, Logger: env.Logger})
+			d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval,
+				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger})
 			if err != nil {
 				return err
 			}

@@ -47,7 +47,7 @@ func (e *env) dispatcher() (*handler.Dispatcher, *recorder) {
 	rec := &recorder{}
 	reg := handler.NewRegistry()
 	require.NoError(e.t, reg.Register("recorder", rec))
-	d, err := handler.NewDispatcher(e.target, handler.Config{Registry: reg, Revalidate: e.ev.Revalidator(),
+	d, err := handler.NewDispatcher(e.target, handler.Config{Registry: reg, Revalidate: e.ev.Revalidator(), RevalidateBatch: e.ev.BatchRevalidator(),
 		Poll: 50 * time.Millisecond, Logger: testLogger(), Registerer: prometheus.NewRegistry()})
 	require.NoError(e.t, err)
 	return d, rec

@@ -111,7 +111,9 @@ type delivery struct {
 	erasures                   bool
 }
 
-const deliverySQL = `
+// deliveriesSQL reads the claimed batch's deliveries in one statement
+// (the later-delivery check of every one included).
+const deliveriesSQL = `
 SELECT d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.generation,
        d.schema_name, d.table_name, d.key, d.correlation_id,
        d.fingerprint, d.group_rows, d.group_max,
@@ -127,21 +129,30 @@ SELECT d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.ge
        (SELECT schema_name FROM epitaph.projection_versions WHERE projection = 'archive' AND state = 'live'),
        to_regclass('epitaph.erasures') IS NOT NULL
 FROM epitaph.deliveries d LEFT JOIN epitaph.handlers h ON h.id = d.handler_id
-WHERE d.id = $1`
+WHERE d.id = ANY($1::uuid[])`
 
-func (e *Evaluator) readDelivery(ctx context.Context, id string) (delivery, error) {
-	var d delivery
-	err := e.db.QueryRow(ctx, deliverySQL, id).Scan(&d.id, &d.handlerID, &d.source, &d.lsn, &d.seq, &d.generation,
-		&d.schemaName, &d.table, &d.key, &d.correlationID, &d.fingerprint, &d.groupRows, &d.groupMax,
-		&d.handlerExists, &d.enabled, &d.revoked, &d.revalidate, &d.sourceURLFile, &d.laterDelivery,
-		&d.liveSchema, &d.erasures)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return d, fmt.Errorf("delivery %s: %w", id, ErrNoDelivery)
-	}
+// readDeliveries reads the deliveries ids, by id (a missing one is absent).
+func (e *Evaluator) readDeliveries(ctx context.Context, ids []string) (map[string]delivery, error) {
+	rows, err := e.db.Query(ctx, deliveriesSQL, ids)
 	if err != nil {
-		return d, fmt.Errorf("read delivery %s: %w", id, err)
+		return nil, fmt.Errorf("read %d deliveries: %w", len(ids), err)
 	}
-	return d, nil
+	ds, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (delivery, error) {
+		var d delivery
+		err := r.Scan(&d.id, &d.handlerID, &d.source, &d.lsn, &d.seq, &d.generation,
+			&d.schemaName, &d.table, &d.key, &d.correlationID, &d.fingerprint, &d.groupRows, &d.groupMax,
+			&d.handlerExists, &d.enabled, &d.revoked, &d.revalidate, &d.sourceURLFile, &d.laterDelivery,
+			&d.liveSchema, &d.erasures)
+		return d, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read %d deliveries: %w", len(ids), err)
+	}
+	byID := make(map[string]delivery, len(ds))
+	for _, d := range ds {
+		byID[d.id] = d
+	}
+	return byID, nil
 }
 
 // Evaluate decides what to do with delivery id now, from fresh reads of the
@@ -149,47 +160,13 @@ func (e *Evaluator) readDelivery(ctx context.Context, id string) (delivery, erro
 // (whether the key exists again). Nothing is cached between calls. State
 // that cannot be read gives Defer, never Send; the error is non-nil only
 // for a delivery that does not exist (ErrNoDelivery). Evaluate changes
-// nothing: Record does.
+// nothing: Record does. It is EvaluateBatch of one: the checks run in
+// order, the handler (target only), the delivery's own row in the live
+// archive (cheap aggregate), the source (is the key back?), then the set
+// (full read only when the pair differs).
 func (e *Evaluator) Evaluate(ctx context.Context, id string) (Result, error) {
-	res, err := e.evaluate(ctx, id)
-	if err != nil {
-		return res, err
-	}
-	if res.d.id != "" {
-		e.metrics.observe(res.d.handlerID, res)
-	}
-	return res, nil
-}
-
-func (e *Evaluator) evaluate(ctx context.Context, id string) (Result, error) {
-	d, err := e.readDelivery(ctx, id)
-	if errors.Is(err, ErrNoDelivery) {
-		return Result{}, err
-	}
-	if err != nil {
-		e.cfg.Logger.Warn("revalidation deferred: target unreadable", "delivery", id, "err", err)
-		return Result{Outcome: Defer, Reason: ReasonTargetUnreadable}, nil
-	}
-	res := e.decide(ctx, d)
-	res.d = d
-	return res, nil
-}
-
-// decide runs the checks in order: the handler (target only), the
-// delivery's own row in the live archive (cheap aggregate), the source
-// (is the key back?), then the set (full read only when the pair differs).
-func (e *Evaluator) decide(ctx context.Context, d delivery) Result {
-	if res := e.decideHandler(d); res.Outcome != "" {
-		return res
-	}
-	a := e.decideArchive(ctx, d)
-	if a.Outcome != "" {
-		return a
-	}
-	if res := e.decideSource(ctx, d); res.Outcome != "" {
-		return res
-	}
-	return e.decideSet(ctx, d, a)
+	res, errs := e.EvaluateBatch(ctx, []string{id})
+	return res[0], errs[0]
 }
 
 // decideHandler: the handler's own state, and supersession by a later
@@ -210,23 +187,13 @@ func (e *Evaluator) decideHandler(d delivery) Result {
 	return Result{}
 }
 
-// decideArchive: is the delivery's own row still in the live archive?
-// Retention keeps rows with open deliveries, so a row gone while its
-// delivery is open was erased when an erasure fence names its table or
-// erased_rows names it (stop_revoked), else removed otherwise (a discard, a
-// version without it: stop_completed).
-func (e *Evaluator) decideArchive(ctx context.Context, d delivery) Result {
-	if d.liveSchema == nil {
-		return Result{Outcome: Defer, Reason: ReasonNoLiveVersion}
-	}
-	var c set
-	var present, live bool
-	err := e.db.QueryRow(ctx, cheapSQL(*d.liveSchema), d.correlationID, d.schemaName, d.table, d.source, d.lsn, d.seq).
-		Scan(&c.rows, &c.max, &present, &live)
-	if err != nil {
-		e.cfg.Logger.Warn("revalidation deferred: archive unreadable", "delivery", d.id, "err", err)
-		return Result{Outcome: Defer, Reason: ReasonTargetUnreadable}
-	}
+// archiveResult: is the delivery's own row still in the live archive, and
+// is the cheap pair c the stamped one? Retention keeps rows with open
+// deliveries, so a row gone while its delivery is open was erased when an
+// erasure fence names its table or erased_rows names it (stop_revoked),
+// else removed otherwise (a discard, a version without it:
+// stop_completed).
+func (e *Evaluator) archiveResult(ctx context.Context, d delivery, c set, present, live bool) Result {
 	switch {
 	case present && !live:
 		return Result{Outcome: StopCompleted, Reason: ReasonRowExpired}
@@ -288,27 +255,6 @@ func (e *Evaluator) decideSet(ctx context.Context, d delivery, a Result) Result 
 	}
 	res.Outcome, res.Reason = StopChanged, ReasonSetChanged
 	return res
-}
-
-// decideSource: the key must still be absent from the source table.
-func (e *Evaluator) decideSource(ctx context.Context, d delivery) Result {
-	url, reason := e.sourceURL(d)
-	if reason != "" {
-		return Result{Outcome: Defer, Reason: reason}
-	}
-	if len(d.key) == 0 || string(d.key) == "null" {
-		// A row without a key (REPLICA IDENTITY NOTHING) cannot be looked
-		// up; nothing says the deletion does not stand.
-		return Result{}
-	}
-	exists, reason := e.keyExists(ctx, url, d)
-	switch {
-	case reason != "":
-		return Result{Outcome: Defer, Reason: reason}
-	case exists:
-		return Result{Outcome: StopSuperseded, Reason: ReasonKeyInSource}
-	}
-	return Result{}
 }
 
 // sourceURL resolves the handler's source: its source_url_file, read on

@@ -87,22 +87,6 @@ func StampGroups(ctx context.Context, tx pgx.Tx, schema, source string, commitLS
 	return tag.RowsAffected(), nil
 }
 
-// cheapSQL is the cheap path: one aggregate over the group's index giving
-// the pair, and whether the delivery's own row is there (at all, and not
-// expired).
-func cheapSQL(schema string) string {
-	return `
-SELECT count(*) FILTER (WHERE live)::int,
-       COALESCE(max(seq) FILTER (WHERE live)::text || '@' ||
-           (extract(epoch FROM max(archived_at) FILTER (WHERE live)) * 1000000)::bigint::text, ''),
-       COALESCE(bool_or(mine), false),
-       COALESCE(bool_or(mine AND live), false)
-FROM (SELECT seq, archived_at, (expires_at IS NULL OR expires_at > now()) AS live,
-             (source = $4 AND commit_lsn = $5::pg_lsn AND seq = $6) AS mine
-      FROM ` + rowsTable(schema) + `
-      WHERE correlation_id = $1 AND schema_name = $2 AND table_name = $3 AND verified) r`
-}
-
 // fullSQL reads and hashes the whole current set, and lists the keys of
 // its rows archived after the stamped pair's greatest archived_at ($4,
 // epoch microseconds): the rows added since queueing, for the payload of
@@ -143,6 +127,7 @@ type set struct {
 
 type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 

@@ -18,17 +18,8 @@ import (
 func (e *Evaluator) Revalidator() handler.Revalidator {
 	return func(ctx context.Context, d handler.Delivery) (handler.Decision, error) {
 		res, err := e.Evaluate(ctx, d.ID)
-		if err != nil {
-			return handler.Decision{}, err
-		}
-		if !needsRecord(res) {
-			return handler.Decision{Outcome: res.Outcome, Fingerprint: res.ObservedFingerprint}, nil
-		}
-		if err := e.Record(ctx, res); err != nil {
-			e.cfg.Logger.Warn("revalidation deferred: the evaluation could not be recorded", "delivery", d.ID, "err", err)
-			return handler.Decision{Outcome: handler.Defer}, nil
-		}
-		return handler.Decision{Outcome: res.Outcome, Fingerprint: res.ObservedFingerprint}, nil
+		v := e.verdict(ctx, res, err)
+		return v.Decision, v.Err
 	}
 }
 
@@ -38,4 +29,37 @@ func (e *Evaluator) Revalidator() handler.Revalidator {
 // settle, which writes the same columns.
 func needsRecord(res Result) bool {
 	return res.Outcome == StopChanged || (res.Outcome == Send && res.Path == PathFull)
+}
+
+// BatchRevalidator is the dispatcher's batch seam
+// (handler.BatchRevalidator): EvaluateBatch over a claimed batch, then, per
+// delivery, what Revalidator does after its evaluation.
+func (e *Evaluator) BatchRevalidator() handler.BatchRevalidator {
+	return func(ctx context.Context, ds []handler.Delivery) []handler.Verdict {
+		ids := make([]string, len(ds))
+		for i, d := range ds {
+			ids[i] = d.ID
+		}
+		results, errs := e.EvaluateBatch(ctx, ids)
+		vs := make([]handler.Verdict, len(ds))
+		for i, res := range results {
+			vs[i] = e.verdict(ctx, res, errs[i])
+		}
+		return vs
+	}
+}
+
+// verdict records what the settle cannot (Record) and returns the
+// decision.
+func (e *Evaluator) verdict(ctx context.Context, res Result, err error) handler.Verdict {
+	if err != nil {
+		return handler.Verdict{Err: err}
+	}
+	if needsRecord(res) {
+		if err := e.Record(ctx, res); err != nil {
+			e.cfg.Logger.Warn("revalidation deferred: the evaluation could not be recorded", "delivery", res.d.id, "err", err)
+			return handler.Verdict{Decision: handler.Decision{Outcome: handler.Defer}}
+		}
+	}
+	return handler.Verdict{Decision: handler.Decision{Outcome: res.Outcome, Fingerprint: res.ObservedFingerprint}}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -12,54 +13,29 @@ import (
 )
 
 // keyExists reads the source: is there a row with the delivery's key in its
-// table now? The key's values go as text parameters (their Postgres text
-// form, as capture.ValueText gives it), so the server compares them as the column's own
-// type and uses the key's index. A reason is returned when the source could
-// not answer.
+// table now (keyPredicate)? A reason is returned when the source could not
+// answer.
 func (e *Evaluator) keyExists(ctx context.Context, url string, d delivery) (bool, string) {
-	var key map[string]json.RawMessage
-	if err := json.Unmarshal(d.key, &key); err != nil || len(key) == 0 {
+	where, args, err := keyPredicate(d.key, 0)
+	if err != nil {
 		return false, ReasonSourceKeyInvalid
 	}
-	cols := make([]string, 0, len(key))
-	for c := range key {
-		cols = append(cols, c)
-	}
-	slices.Sort(cols)
-	var where []string
-	var args []any
-	for _, c := range cols {
-		text, notNull, err := valueText(key[c])
-		if err != nil {
-			return false, ReasonSourceKeyInvalid
-		}
-		if !notNull {
-			where = append(where, pgx.Identifier{c}.Sanitize()+" IS NULL")
-			continue
-		}
-		args = append(args, text)
-		where = append(where, pgx.Identifier{c}.Sanitize()+" = $"+strconv.Itoa(len(args)))
-	}
-	q := `SELECT EXISTS (SELECT 1 FROM ` + pgx.Identifier{d.schemaName, d.table}.Sanitize() +
-		` WHERE ` + strings.Join(where, " AND ") + `)`
-	ctx, cancel := context.WithTimeout(ctx, e.cfg.SourceTimeout)
-	defer cancel()
-	p, err := e.pool(ctx, url)
-	if err != nil {
-		e.warnSource(d, err)
+	q := `SELECT EXISTS (SELECT 1 FROM ` + pgx.Identifier{d.schemaName, d.table}.Sanitize() + ` WHERE ` + where + `)`
+	exists, err := e.readSource(ctx, url, q, args, 1)
+	switch {
+	case errors.Is(err, errPool):
+		e.warnSource(d, 1, err)
 		return false, ReasonSourceDown
-	}
-	var exists bool
-	if err := p.QueryRow(ctx, q, args...).Scan(&exists); err != nil {
-		e.warnSource(d, err)
+	case err != nil:
+		e.warnSource(d, 1, err)
 		return false, sourceReason(err)
 	}
-	return exists, ""
+	return exists[0], ""
 }
 
-func (e *Evaluator) warnSource(d delivery, err error) {
+func (e *Evaluator) warnSource(d delivery, n int, err error) {
 	// err is a pgx/pgconn error: it names the host, never the password.
-	e.cfg.Logger.Warn("revalidation deferred: source unreadable", "delivery", d.id, "handler", d.handlerID,
+	e.cfg.Logger.Warn("revalidation deferred: source unreadable", "delivery", d.id, "deliveries", n, "handler", d.handlerID,
 		"table", d.schemaName+"."+d.table, "reason", sourceReason(err), "err", err)
 }
 
@@ -79,4 +55,177 @@ func valueText(v json.RawMessage) (string, bool, error) {
 		return out, err == nil, err
 	}
 	return string(v), true, nil
+}
+
+// maxKeysPerRead bounds the keys of one source read (one EXISTS column and
+// its parameters per key).
+const maxKeysPerRead = 256
+
+// sourceGroup is the open deliveries of a batch read from one source
+// table.
+type sourceGroup struct {
+	url, schema, table string
+	ps                 []*pending
+}
+
+// decideSources checks, for the open deliveries, that each key is still
+// absent from its source table: one read per (source URL, table) of the
+// batch, and returns those still open. Each delivery gets the reason it
+// would alone: a source that cannot be read defers its deliveries; a key
+// the source rejects (a value its column type cannot take) defers its own
+// delivery only (the table's keys are then read one by one).
+func (e *Evaluator) decideSources(ctx context.Context, open []*pending, results []Result) []*pending {
+	var groups []*sourceGroup
+	byTable := map[[3]string]*sourceGroup{}
+	urls := map[string][2]string{} // by handler: the URL, or the reason there is none
+	var still []*pending
+	for _, p := range open {
+		u, ok := urls[p.d.handlerID]
+		if !ok {
+			url, reason := e.sourceURL(p.d)
+			u = [2]string{url, reason}
+			urls[p.d.handlerID] = u
+		}
+		switch {
+		case u[1] != "":
+			settle(results, p, Result{Outcome: Defer, Reason: u[1]})
+			continue
+		case len(p.d.key) == 0 || string(p.d.key) == "null":
+			// A row without a key (REPLICA IDENTITY NOTHING) cannot be
+			// looked up; nothing says the deletion does not stand.
+			still = append(still, p)
+			continue
+		}
+		k := [3]string{u[0], p.d.schemaName, p.d.table}
+		g := byTable[k]
+		if g == nil {
+			g = &sourceGroup{url: u[0], schema: p.d.schemaName, table: p.d.table}
+			byTable[k] = g
+			groups = append(groups, g)
+		}
+		g.ps = append(g.ps, p)
+	}
+	for _, g := range groups {
+		for ps := range slices.Chunk(g.ps, maxKeysPerRead) {
+			still = append(still, e.decideSourceTable(ctx, g.url, ps, results)...)
+		}
+	}
+	return still
+}
+
+func (e *Evaluator) decideSourceTable(ctx context.Context, url string, ps []*pending, results []Result) []*pending {
+	var exprs []string
+	var args []any
+	var asked []*pending
+	for _, p := range ps {
+		where, kargs, err := keyPredicate(p.d.key, len(args))
+		if err != nil {
+			settle(results, p, Result{Outcome: Defer, Reason: ReasonSourceKeyInvalid})
+			continue
+		}
+		exprs = append(exprs, `EXISTS (SELECT 1 FROM `+pgx.Identifier{p.d.schemaName, p.d.table}.Sanitize()+` WHERE `+where+`)`)
+		args = append(args, kargs...)
+		asked = append(asked, p)
+	}
+	if len(asked) == 0 {
+		return nil
+	}
+	exists, err := e.readSource(ctx, url, `SELECT `+strings.Join(exprs, ", "), args, len(asked))
+	if err != nil && len(asked) > 1 && sourceReason(err) == ReasonSourceKeyInvalid {
+		// One key the source rejects fails the statement: ask one by one,
+		// so that only its delivery defers.
+		var still []*pending
+		for _, p := range asked {
+			if settle(results, p, e.decideSourceOne(ctx, url, p.d)) {
+				still = append(still, p)
+			}
+		}
+		return still
+	}
+	if err != nil {
+		reason := ReasonSourceDown
+		if !errors.Is(err, errPool) {
+			reason = sourceReason(err)
+		}
+		e.warnSource(asked[0].d, len(asked), err)
+		for _, p := range asked {
+			settle(results, p, Result{Outcome: Defer, Reason: reason})
+		}
+		return nil
+	}
+	var still []*pending
+	for j, p := range asked {
+		if exists[j] {
+			settle(results, p, Result{Outcome: StopSuperseded, Reason: ReasonKeyInSource})
+			continue
+		}
+		still = append(still, p)
+	}
+	return still
+}
+
+// decideSourceOne is the source check of one delivery.
+func (e *Evaluator) decideSourceOne(ctx context.Context, url string, d delivery) Result {
+	exists, reason := e.keyExists(ctx, url, d)
+	switch {
+	case reason != "":
+		return Result{Outcome: Defer, Reason: reason}
+	case exists:
+		return Result{Outcome: StopSuperseded, Reason: ReasonKeyInSource}
+	}
+	return Result{}
+}
+
+// errPool marks a source pool that could not be opened.
+var errPool = errors.New("source pool")
+
+// readSource runs q (n boolean columns) on the source url, bounded by the
+// source timeout.
+func (e *Evaluator) readSource(ctx context.Context, url, q string, args []any, n int) ([]bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.SourceTimeout)
+	defer cancel()
+	p, err := e.pool(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errPool, err)
+	}
+	out := make([]bool, n)
+	dst := make([]any, n)
+	for j := range out {
+		dst[j] = &out[j]
+	}
+	if err := p.QueryRow(ctx, q, args...).Scan(dst...); err != nil {
+		return nil, fmt.Errorf("read %d keys: %w", n, err)
+	}
+	return out, nil
+}
+
+// keyPredicate is the WHERE of a key's lookup, its parameters numbered
+// after the first `after`: the key's values as text parameters (their
+// Postgres text form, as capture.ValueText gives it), so the server
+// compares them as the column's own type and uses the key's index.
+func keyPredicate(raw json.RawMessage, after int) (string, []any, error) {
+	var key map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &key); err != nil || len(key) == 0 {
+		return "", nil, errors.New("invalid key")
+	}
+	cols := make([]string, 0, len(key))
+	for c := range key {
+		cols = append(cols, c)
+	}
+	slices.Sort(cols)
+	var where []string
+	var args []any
+	for _, c := range cols {
+		text, notNull, err := valueText(key[c])
+		if err != nil {
+			return "", nil, err
+		}
+		if !notNull {
+			where = append(where, pgx.Identifier{c}.Sanitize()+" IS NULL")
+			continue
+		}
+		args = append(args, text)
+		where = append(where, pgx.Identifier{c}.Sanitize()+" = $"+strconv.Itoa(after+len(args)))
+	}
+	return strings.Join(where, " AND "), args, nil
 }

@@ -18,6 +18,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -205,8 +206,38 @@ func (e *env) evaluations(ctx context.Context) error {
 		per := took / time.Duration(len(ids))
 		bench.Figure("revalidate_"+phase.path+"_us_per_delivery", float64(per.Microseconds()), fmt.Sprintf("µs (wall, %d at once)", e.o.parallelism))
 		bench.Figure("revalidate_"+phase.path+"_per_s", float64(len(ids))/took.Seconds(), "evaluations/s")
+		took, err = e.evaluateBatches(ctx, ids, phase.path)
+		if err != nil {
+			return err
+		}
+		per = took / time.Duration(len(ids))
+		bench.Figure("revalidate_"+phase.path+"_us_per_delivery_batched", float64(per.Microseconds()),
+			fmt.Sprintf("µs (wall, batches of %d one at a time, as the dispatcher claims)", batchSize))
 	}
 	return nil
+}
+
+// batchSize is what the dispatcher claims at once with 4 workers
+// (claimAhead).
+const batchSize = 64
+
+// evaluateBatches times EvaluateBatch over the deliveries in claimed-batch
+// sizes, one batch at a time (the claim loop evaluates its batches so).
+func (e *env) evaluateBatches(ctx context.Context, ids []string, path string) (time.Duration, error) {
+	start := time.Now()
+	for chunk := range slices.Chunk(ids, batchSize) {
+		results, errs := e.ev.EvaluateBatch(ctx, chunk)
+		for i, res := range results {
+			err := errs[i]
+			if err == nil && (res.Outcome != revalidate.Send || res.Path != path) {
+				err = fmt.Errorf("delivery %s: %s (%s) on the %s path, want send on the %s path", chunk[i], res.Outcome, res.Reason, res.Path, path)
+			}
+			if err != nil {
+				return 0, err
+			}
+		}
+	}
+	return time.Since(start), nil
 }
 
 func (e *env) evaluateAll(ctx context.Context, ids []string, path string) (time.Duration, error) {
@@ -269,7 +300,7 @@ func (e *env) rates(ctx context.Context) error {
 			return err
 		}
 		d, err := handler.NewDispatcher(e.target, handler.Config{Parallelism: e.o.parallelism,
-			Revalidate: e.ev.Revalidator(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+			Revalidate: e.ev.Revalidator(), RevalidateBatch: e.ev.BatchRevalidator(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 		if err != nil {
 			return err
 		}
