@@ -91,7 +91,10 @@ type partitionWorker struct {
 	// lost the node that led it). recreate asks ensureConsumer for that.
 	stalled      int
 	stalledSince time.Time // the first of those rounds
-	recreate     bool
+	// elsewhere counts idle rounds in a row that saw deliveries pending
+	// though this worker had acknowledged all it was given.
+	elsewhere int
+	recreate  bool
 }
 
 // maxStalled is how many idle rounds (each a fetch of up to FetchWait) a
@@ -462,7 +465,7 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("create consumer %s at %d: %w", name, w.pos.Cursor+1, err)
 	}
-	w.cons, w.recreate, w.stalled = c, false, 0
+	w.cons, w.recreate, w.stalled, w.elsewhere = c, false, 0, 0
 	return nil
 }
 
@@ -608,7 +611,7 @@ func (w *partitionWorker) step(ctx context.Context) error {
 	if len(items) == 0 {
 		return w.idle(ctx)
 	}
-	w.stalled = 0
+	w.stalled, w.elsewhere = 0, 0
 	if p.full && w.cfg.BatchSize == MaxBatchSize {
 		items, w.carry = splitAtCommit(items)
 	}
@@ -644,9 +647,16 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 	if ci.NumAckPending > 0 {
 		// This worker has acknowledged everything it was given, so these
 		// deliveries went to another reader (a worker that lost its lease):
-		// reset rather than wait for their ack timeout.
-		return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
+		// reset rather than wait for their ack timeout. Acks are not
+		// synchronous: the server may answer this request before it has
+		// processed the page's ack just sent, so only a second round in a
+		// row counts.
+		if w.elsewhere++; w.elsewhere >= 2 {
+			return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
+		}
+		return nil
 	}
+	w.elsewhere = 0
 	if ci.NumPending == 0 {
 		w.stalled = 0
 	} else if w.stalled++; w.stalled == 1 {
