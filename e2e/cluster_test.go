@@ -176,13 +176,7 @@ func TestClusterLosesNodesUnderLoad(t *testing.T) {
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_cluster", 2*time.Minute, nil))
 
-	var workers []*supervised
-	for i := range 2 {
-		m, err := bench.LocalAddr()
-		require.NoError(t, err)
-		env := joinEnv(bench.ProjectorEnv(url, cluster.URL, m, "main", fmt.Sprintf("worker-%d", i)), "EPITAPH_LEASE_TTL=3s")
-		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bins["projector"], joinEnv(env, cluster.env("projector")...), seed+uint64(i)+1, "run"))
-	}
+	workers := superviseProjectors(t, bins["projector"], url, cluster.URL, 2, seed, cluster.env("projector")...)
 
 	type outcome struct {
 		res workload.Result

@@ -183,13 +183,7 @@ func TestForgeriesNeverReachTheArchive(t *testing.T) {
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_forgery", time.Minute, nil))
 
-	var workers []*supervised
-	for i := range 2 {
-		m, err := bench.LocalAddr()
-		require.NoError(t, err)
-		env := joinEnv(bench.ProjectorEnv(url, broker.URL, m, "main", fmt.Sprintf("worker-%d", i)), "EPITAPH_LEASE_TTL=3s")
-		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bins["projector"], env, seed+uint64(i)+1, "run"))
-	}
+	workers := superviseProjectors(t, bins["projector"], url, broker.URL, 2, seed)
 	// The projectors' first run records the legacy boundaries (none: the
 	// stream is signed from its start) before any forgery exists.
 	require.NoError(t, workload.WaitFor(ctx, time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {

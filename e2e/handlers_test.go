@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
-	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -200,14 +199,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	projector(append([]string{"handlers", "add", "--id", late, "--table", "public.orders", "--priority", "2"}, common...)...)
 	projector("handlers", "disable", late)
 
-	var workers []*supervised
-	for i := range 2 {
-		m, err := bench.LocalAddr()
-		require.NoError(t, err)
-		env := joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", fmt.Sprintf("worker-%d", i)), "EPITAPH_LEASE_TTL=3s",
-			"EPITAPH_NATS_CREDS="+projectorCreds)
-		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bins["projector"], env, seed+uint64(i)+1, "run"))
-	}
+	workers := superviseProjectors(t, bins["projector"], url, natsURL, 2, seed, "EPITAPH_NATS_CREDS="+projectorCreds)
 
 	type outcome struct {
 		res workload.Result

@@ -218,6 +218,21 @@ func chaos(ctx context.Context, rng *rand.Rand, minGap, maxGap time.Duration, ac
 	return done
 }
 
+// superviseProjectors starts n supervised `projector run` workers
+// (worker-0 …) against url and natsURL with a 3 s lease and the extra
+// environment, each killed at random from its own seed.
+func superviseProjectors(t *testing.T, bin, url, natsURL string, n int, seed uint64, extra ...string) []*supervised {
+	t.Helper()
+	workers := make([]*supervised, 0, n)
+	for i := range n {
+		m, err := bench.LocalAddr()
+		require.NoError(t, err)
+		env := joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", fmt.Sprintf("worker-%d", i)), append([]string{"EPITAPH_LEASE_TTL=3s"}, extra...)...)
+		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bin, env, seed+uint64(i)+1, "run"))
+	}
+	return workers
+}
+
 func joinEnv(env []string, extra ...string) []string {
 	return append(append([]string(nil), env...), extra...)
 }

@@ -2,7 +2,6 @@ package e2e_test
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"os"
@@ -58,14 +57,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_pipeline", time.Minute, nil),
 		"the capture makes its stream and slot before the first delete")
 
-	var workers []*supervised
-	for i := range 2 {
-		m, err := bench.LocalAddr()
-		require.NoError(t, err)
-		env := joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", fmt.Sprintf("worker-%d", i)), "EPITAPH_LEASE_TTL=3s",
-			"EPITAPH_NATS_CREDS="+projectorCreds)
-		workers = append(workers, supervise(t, fmt.Sprintf("projector-%d", i), bins["projector"], env, seed+uint64(i)+1, "run"))
-	}
+	workers := superviseProjectors(t, bins["projector"], url, natsURL, 2, seed, "EPITAPH_NATS_CREDS="+projectorCreds)
 
 	type outcome struct {
 		res workload.Result
