@@ -395,13 +395,17 @@ func (s *Service) balance(ctx context.Context) error {
 		return err
 	}
 	if fp := fingerprint(vs); fp != s.versions || len(vs) == 0 {
-		if err := EnsureArchive(ctx, s.pool, s.partitions, s.extraDDL); err != nil {
+		ensured, err := ensureArchive(ctx, s.pool, s.partitions, s.extraDDL)
+		if err != nil {
 			return err
 		}
+		// Remember what was ensured, not a list read now: a version
+		// created since would be remembered as ensured, and its tables
+		// never made (its schema never checked) by this worker.
+		s.versions = fingerprint(ensured)
 		if vs, err = ListVersions(ctx, s.pool, ArchiveProjection); err != nil {
 			return err
 		}
-		s.versions = fingerprint(vs)
 	}
 	s.setLive(vs)
 	active := map[VersionKey]bool{}

@@ -148,7 +148,19 @@ func LockVersions(ctx context.Context, tx pgx.Tx) error {
 func EnsureArchive(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) error {
-	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+	_, err := ensureArchive(ctx, db, partitions, extraDDL)
+	return err
+}
+
+// ensureArchive is EnsureArchive, returning the versions it processed, with
+// the states it gave them. A caller that remembers which versions it has
+// ensured must remember these, not a list read after the commit: a version
+// inserted in between would be remembered without having been ensured.
+func ensureArchive(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, partitions int, extraDDL func(schema string) string) ([]Version, error) {
+	var ensured []Version
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
@@ -174,7 +186,7 @@ func EnsureArchive(ctx context.Context, db interface {
 			}
 		}
 		live := 0
-		for _, v := range vs {
+		for i, v := range vs {
 			if !v.Active() {
 				continue
 			}
@@ -187,6 +199,7 @@ func EnsureArchive(ctx context.Context, db interface {
 					WHERE projection = $1 AND version = $2`, v.Projection, v.Version, quarantine.Sanitize(err)); err != nil {
 					return fmt.Errorf("mark %s v%d failed: %w", v.Projection, v.Version, err)
 				}
+				vs[i].State = StateFailed
 				continue
 			}
 			n := v.Partitions
@@ -200,11 +213,16 @@ func EnsureArchive(ctx context.Context, db interface {
 				live = v.Version
 			}
 		}
+		ensured = vs
 		if live > 0 {
 			return PointViews(ctx, tx, live)
 		}
 		return nil
 	})
+	if err != nil {
+		return nil, err
+	}
+	return ensured, nil
 }
 
 // CreateVersionTables runs the projection's DDL (and extraDDL, e.g. the
