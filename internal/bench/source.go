@@ -74,6 +74,12 @@ func DeleteAllOrdersCPU(ctx context.Context, url string, perTx int) (took time.D
 	return took, cpu1 - cpu0, nil
 }
 
+// DeleteAllOrdersOn is DeleteAllOrders on an open connection, whose
+// backend (conn.PgConn().PID()) a caller can watch while it deletes.
+func DeleteAllOrdersOn(ctx context.Context, conn *pgx.Conn, perTx int) (time.Duration, error) {
+	return deleteAllOrders(ctx, conn, perTx)
+}
+
 func deleteAllOrders(ctx context.Context, conn *pgx.Conn, perTx int) (time.Duration, error) {
 	rows, err := conn.Query(ctx, "SELECT id FROM public.orders ORDER BY id")
 	if err != nil {

@@ -112,6 +112,7 @@ func main() {
 	batch := flag.Int("batch", 500, "rows per raw COPY + INSERT..SELECT transaction (the projector's page size)")
 	rounds := flag.Int("rounds", 3, "rounds of raw + apply (each into fresh databases); the medians are reported")
 	skipE2E := flag.Bool("skip-e2e", false, "measure raw and apply only")
+	onlyE2E := flag.Bool("only-e2e", false, "measure the end-to-end phase only (no backlog stream, rounds, snapshots or worker curve)")
 	inProcess := flag.Bool("in-process", false, "run the projector inside the bench (one worker) instead of the binary")
 	compareBin := flag.String("compare-bin", "", "also apply with this projector binary in every round (after the main one), to compare builds on the same rows and load")
 	projectorBin := flag.String("projector-bin", "", "use this projector binary instead of building ./cmd/projector (e.g. an older build to compare)")
@@ -124,7 +125,7 @@ func main() {
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
-	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E,
+	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E, onlyE2E: *onlyE2E,
 		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, snapCases: map[string]bool{}, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	for _, c := range strings.Split(*snapCases, ",") {
@@ -160,6 +161,7 @@ type opts struct {
 	handlerPar                  string
 	rounds                      int
 	keep, skipE2E, inProcess    bool
+	onlyE2E                     bool
 	pgStats                     bool
 	cpuProfile, projectorBin    string
 	compareBin                  string
@@ -222,6 +224,9 @@ func run(o opts) (err error) {
 	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers,
 		inProcess: o.inProcess, cpuProfile: o.cpuProfile, pgStats: o.pgStats}
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
+	if o.onlyE2E {
+		return e.endToEnd(ctx, rows, perTx, 0, 0)
+	}
 
 	// The stream: a backlog of N deletes drained by the capture.
 	n, captureRate, err := e.buildStream(ctx, "bench", rows, perTx)
@@ -1120,121 +1125,6 @@ func jsonText[T any](v []T) any {
 		return nil
 	}
 	return string(b)
-}
-
-// endToEnd: capture and projector run together from before the first
-// DELETE; the source deletes N rows; the rate is N over the time from the
-// first DELETE to the last archived row.
-func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyRate float64) error {
-	src, err := bench.CreateDatabase(ctx, e.pg, "e2e_source")
-	if err != nil {
-		return err
-	}
-	target, err := bench.CreateDatabase(ctx, e.pg, "e2e_target")
-	if err != nil {
-		return err
-	}
-	if err := workload.Setup(ctx, src); err != nil {
-		return err
-	}
-	counts, err := workload.Seed(ctx, src, bench.ShopFor(rows))
-	if err != nil {
-		return err
-	}
-	n := counts.Total() - counts.Customers
-	metrics, err := bench.LocalAddr()
-	if err != nil {
-		return err
-	}
-	const source = "e2e"
-	cenv := bench.CaptureEnv(src, e.natsURL, "", filepath.Join(e.dir, "e2e-capture-data"), metrics, source, "epitaph_e2e")
-	watch, err := bench.WatchStream(e.natsURL, source)
-	if err != nil {
-		return err
-	}
-	defer watch.Close()
-	capt, err := bench.StartProc("capture-e2e", e.bins["capture"], cenv, e.dir)
-	if err != nil {
-		return err
-	}
-	defer capt.Kill()
-	if err := waitStream(ctx, capt, watch, src, "epitaph_e2e"); err != nil {
-		return err
-	}
-	if err := e.migrate(ctx, target, source); err != nil {
-		return err
-	}
-	procs, err := e.startProjectors(ctx, target, source)
-	defer func() {
-		for _, p := range procs {
-			p.Kill()
-		}
-	}()
-	if err != nil {
-		return err
-	}
-	// The projector is up when it owns partitions (progress rows exist).
-	err = workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
-		for _, p := range procs {
-			if err := exitedErr(p)(); err != nil {
-				return false, err
-			}
-		}
-		c, err := bench.Count(ctx, target, "SELECT count(*) FROM epitaph.progress WHERE owner IS NOT NULL")
-		return c > 0, err
-	})
-	if err != nil {
-		bench.Note("projector ownership not visible (%v); measuring anyway", err)
-	}
-
-	capCPU0, projCPU0, all0 := e.cpu(capt.Pid()), e.cpu(procs[0].Pid()), e.cpu(os.Getpid())
-	start := time.Now()
-	deleteTook, err := bench.DeleteAllOrders(ctx, src, perTx)
-	if err != nil {
-		return err
-	}
-	streamAt, err := watch.WaitDeletes(ctx, n, 10*time.Minute, exitedErr(capt))
-	if err != nil {
-		return bench.Stalled(ctx, capt, metrics, err)
-	}
-	archiveAt, err := waitArchive(ctx, target, e.natsURL, source, n, procs, 15*time.Minute)
-	if err != nil {
-		return err
-	}
-	capCPU, projCPU, all := e.cpu(capt.Pid()).sub(capCPU0), e.cpu(procs[0].Pid()).sub(projCPU0), e.cpu(os.Getpid()).sub(all0)
-	total := archiveAt.Sub(start)
-	deletedAt := start.Add(deleteTook)
-	bench.Figure("projector.e2e_rows", float64(n), "rows")
-	bench.Figure("projector.e2e_source_delete_rows_per_sec", float64(n)/deleteTook.Seconds(), "rows/s (the DELETEs themselves)")
-	bench.Figure("projector.e2e_capture_published_rows_per_sec", float64(n)/streamAt.Sub(start).Seconds(), "rows/s (first DELETE to last row in the stream)")
-	bench.Figure("projector.e2e_rows_per_sec", float64(n)/total.Seconds(), "rows/s (first DELETE to last archived row)")
-	bench.Figure("projector.e2e_capture_tail_seconds", streamAt.Sub(deletedAt).Seconds(), "s (last DELETE to last row in the stream)")
-	bench.Figure("projector.e2e_projector_tail_seconds", archiveAt.Sub(streamAt).Seconds(), "s (last row in the stream to last archived row)")
-	// The stage that finishes furthest behind the one feeding it sets the
-	// pace; the standalone rates say which one would at full speed.
-	stage := "source (the DELETEs themselves)"
-	tailCap, tailProj := streamAt.Sub(deletedAt), archiveAt.Sub(streamAt)
-	switch {
-	case tailProj > tailCap && tailProj > time.Second:
-		stage = "projector (apply)"
-	case tailCap > time.Second:
-		stage = "capture (publish)"
-	}
-	wall := total.Seconds()
-	bench.Figure("projector.e2e_cpu_seconds.postgres", all.postgres, "s (source and target: DELETEs, WAL decoding, archive writes)")
-	bench.Figure("projector.e2e_cpu_seconds.capture", capCPU.proc, "s")
-	bench.Figure("projector.e2e_cpu_seconds.projector", projCPU.proc, "s")
-	bench.Figure("projector.e2e_cpu_seconds.bench_and_jetstream", all.proc, "s (this process: the JetStream server and the bench)")
-	used := all.postgres + capCPU.proc + projCPU.proc + all.proc
-	bench.Figure("projector.e2e_cpu_busy", used/(wall*float64(runtime.NumCPU())), fmt.Sprintf("of %d CPUs over %.1f s (the rest: other load on the machine, idle)", runtime.NumCPU(), wall))
-	bench.Note("end-to-end bottleneck: %s; standalone capture %.0f rows/s vs projector apply %.0f rows/s",
-		stage, captureRate, applyRate)
-	if captureRate < applyRate {
-		bench.Note("at full speed the capture is the slower stage (%.2fx of apply)", captureRate/applyRate)
-	} else {
-		bench.Note("at full speed the projector is the slower stage (%.2fx of capture)", applyRate/captureRate)
-	}
-	return nil
 }
 
 // dropDatabase drops the database of url (closing its sessions).
