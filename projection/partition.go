@@ -472,7 +472,7 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 // page is one fetched and decoded group of pages.
 type page struct {
 	items []*item
-	full  bool // every fetch came back full: the partition is behind
+	full  bool // the first fetch came back full: the partition is behind
 	err   error
 }
 
@@ -556,7 +556,12 @@ func (w *partitionWorker) fetchPage() page {
 			return page{items: items}
 		}
 		if got < size {
-			return page{items: items} // the partition is drained: do not wait for more
+			// Drained: do not wait for more. A group whose first page came
+			// back full is still one the partition was behind on: it is cut
+			// at its last commit as well (splitAtCommit), or the open
+			// transaction at its end would be written across two target
+			// transactions (its rows unverified, then again at its commit).
+			return page{items: items, full: n > 0}
 		}
 		if bytes >= maxGroupBytes {
 			break
