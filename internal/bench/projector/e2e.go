@@ -65,6 +65,13 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 		smp.stop()
 		return err
 	}
+	if e.pgStats {
+		if err := pgStatsReset(ctx, r.target); err != nil {
+			smp.stop()
+			stopProfile()
+			return err
+		}
+	}
 	capCPU0, projCPU0, all0 := e.cpu(r.capt.Pid()), e.cpu(r.procs[0].Pid()), e.cpu(os.Getpid())
 	m := e2eTimes{start: time.Now()}
 	m.deleteTook, err = bench.DeleteAllOrdersOn(ctx, conn, perTx)
@@ -92,6 +99,11 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 		m.streamAt = tl.streamLast // when it was stored, not when the poll saw it
 	}
 	m.report(r.n, tl, cpu, samples)
+	if e.pgStats {
+		if err := pgStatsPrint(ctx, r.target, "e2e"); err != nil {
+			return err
+		}
+	}
 	if captureRate > 0 && applyRate > 0 {
 		bench.Note("standalone capture %.0f rows/s vs projector apply %.0f rows/s", captureRate, applyRate)
 	}
@@ -417,7 +429,10 @@ type timeline struct {
 	sourceFirst, sourceLast   time.Time
 	archiveFirst, archiveLast time.Time
 	missingStored             int
+	rows                      int64 // archived
 	applyTxs                  int64 // target transactions that wrote the archive rows
+	// archive_v1.rows' write statistics (pg_stat_user_tables)
+	inserted, updated, hotUpdated, deleted int64
 }
 
 // stageTimeline reads when each transaction was stored in the stream (its
@@ -448,9 +463,22 @@ func stageTimeline(ctx context.Context, watch *bench.StreamWatch, targetURL, sou
 		}
 		t.stored = stored[lsn]
 		tl.add(t)
+		tl.rows += t.rows
 	}
 	if err := rows.Err(); err != nil {
 		return tl, fmt.Errorf("archive timeline: %w", err)
+	}
+	// The rows' writes: a row written unverified or without its root flag
+	// and set at its transaction's commit is written twice. The counters
+	// reach the statistics once each backend flushes them (within ~1 s of
+	// its last transaction): wait for the inserts to show.
+	err = workload.WaitFor(ctx, 30*time.Second, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
+		err := conn.QueryRow(ctx, `SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables
+			WHERE schemaname = 'archive_v1' AND relname = 'rows'`).Scan(&tl.inserted, &tl.updated, &tl.hotUpdated, &tl.deleted)
+		return tl.inserted >= tl.rows, err
+	})
+	if err != nil {
+		bench.Note("archive write statistics: %v", err)
 	}
 	// The target transactions whose rows remain (a row rewritten later
 	// counts for the later one).
@@ -582,6 +610,8 @@ func (tl timeline) report(start time.Time, n int64) {
 	if tl.applyTxs > 0 {
 		bench.Figure("projector.e2e_apply_transactions", float64(tl.applyTxs), fmt.Sprintf("target transactions holding the archive rows (%.0f rows each; %d source transactions)", float64(n)/float64(tl.applyTxs), len(tl.txs)))
 	}
+	bench.Figure("projector.e2e_archive_rows_inserted", float64(tl.inserted), "row inserts into archive_v1.rows (pg_stat_user_tables)")
+	bench.Figure("projector.e2e_archive_rows_updated", float64(tl.updated), fmt.Sprintf("row updates (%.2f per row; %d HOT; %d deletes): rows written twice", float64(tl.updated)/float64(n), tl.hotUpdated, tl.deleted))
 	lag("capture", capLag, "source commit to its commit events stored")
 	lag("projector", projLag, "stored to its rows archived")
 	if tl.missingStored > 0 {
