@@ -291,44 +291,102 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // many such deliveries remain (0 when done). Deliveries waiting for their
 // group, of disabled handlers, of Go handlers not in this Registry, or of
 // nats handlers without a JetStream, are not waited for.
+//
+// It claims like the claim loop does (a batch to revalidate together) and
+// runs Parallelism at once; the next batch is claimed and revalidated
+// while the current one's handlers run (one batch ahead at most), so the
+// batch's evaluation overlaps the sends instead of preceding them. An
+// attempt whose verdict is older than verdictMaxAge when it starts is
+// still revalidated alone.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
-	for first := true; ; first = false {
-		if err := d.flushMaintain(ctx, first); err != nil {
-			return -1, err
-		}
-		// Claimed like the claim loop does (a batch to revalidate
-		// together), run Parallelism at once.
-		cs, err := d.claim(ctx, claimAhead(d.cfg.Parallelism))
+	cs, err := d.flushClaim(ctx, true)
+	for {
 		if err != nil {
 			return -1, err
 		}
-		d.prevalidate(ctx, cs)
-		results := make([]result, len(cs))
-		var wg sync.WaitGroup
-		slots := make(chan struct{}, d.cfg.Parallelism)
-		for i, c := range cs {
-			wg.Add(1)
-			slots <- struct{}{}
-			go func() {
-				defer func() { <-slots; wg.Done() }()
-				results[i] = result{c: c, s: d.decide(ctx, c)}
-			}()
-		}
-		wg.Wait()
-		d.settle(ctx, results)
-		if len(cs) > 0 {
+		if len(cs) == 0 {
+			left, err := d.open(ctx)
+			if err != nil || left == 0 {
+				return left, err
+			}
+			select {
+			case <-ctx.Done():
+				return left, nil
+			case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
+			}
+			cs, err = d.flushClaim(ctx, false)
 			continue
 		}
-		left, err := d.open(ctx)
-		if err != nil || left == 0 {
-			return left, err
-		}
-		select {
-		case <-ctx.Done():
-			return left, nil
-		case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
+		ahead := make(chan claimedBatch, 1)
+		go func() {
+			next, err := d.flushClaim(ctx, false)
+			ahead <- claimedBatch{cs: next, err: err}
+		}()
+		d.settle(ctx, d.runBatch(ctx, cs))
+		next := <-ahead
+		cs, err = next.cs, next.err
+		if ctx.Err() != nil && len(cs) > 0 {
+			// Claimed ahead but not started: handed back, no attempt spent.
+			d.handBack(ctx, cs)
+			return -1, ctx.Err()
 		}
 	}
+}
+
+// claimedBatch is a batch claimed ahead by Flush.
+type claimedBatch struct {
+	cs  []*claimed
+	err error
+}
+
+// flushClaim is one claim of Flush with its maintenance and the batch's
+// revalidation. The claim is not cancelled by ctx (a claim statement
+// cancelled midway may commit on the server while its rows are lost here,
+// spending their attempts for nothing); it is bounded like the claim
+// loop's.
+func (d *Dispatcher) flushClaim(ctx context.Context, first bool) ([]*claimed, error) {
+	if err := d.flushMaintain(ctx, first); err != nil {
+		return nil, err
+	}
+	if ctx.Err() != nil {
+		return nil, ctx.Err()
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claimStatementTimeout)
+	defer cancel()
+	cs, err := d.claim(cctx, claimAhead(d.cfg.Parallelism))
+	if err != nil {
+		return nil, err
+	}
+	d.prevalidate(ctx, cs)
+	return cs, nil
+}
+
+// runBatch runs a claimed batch, Parallelism at once, and returns the
+// results to record.
+func (d *Dispatcher) runBatch(ctx context.Context, cs []*claimed) []result {
+	results := make([]result, len(cs))
+	var wg sync.WaitGroup
+	slots := make(chan struct{}, d.cfg.Parallelism)
+	for i, c := range cs {
+		wg.Add(1)
+		slots <- struct{}{}
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			results[i] = result{c: c, s: d.decide(ctx, c)}
+		}()
+	}
+	wg.Wait()
+	return results
+}
+
+// handBack records claimed deliveries that never started as pending again,
+// their attempts refunded.
+func (d *Dispatcher) handBack(ctx context.Context, cs []*claimed) {
+	results := make([]result, len(cs))
+	for i, c := range cs {
+		results[i] = result{c: c, s: settlement{state: StatePending, handBack: true}}
+	}
+	d.settle(ctx, results)
 }
 
 // flushMaintain is Flush's maintenance and statistics: at the start of
@@ -667,9 +725,12 @@ UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.out
        settled_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') THEN now() END,
        observed_fingerprint = COALESCE(NULLIF(u.fingerprint, ''), d.observed_fingerprint),
        evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END,
-       payload = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND ` + noOtherOpen + ` THEN NULL ELSE d.payload END,
-       payload_scrubbed_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND d.payload IS NOT NULL AND ` + noOtherOpen + `
-                                  THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
+       (payload, payload_scrubbed_at) = (
+           SELECT CASE WHEN o.scrub THEN NULL ELSE d.payload END,
+                  CASE WHEN o.scrub AND d.payload IS NOT NULL THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
+           -- The row's other deliveries are looked at once per settled
+           -- delivery (each column's own check read them twice).
+           FROM (SELECT u.state IN ('done', 'stopped', 'dead') AND ` + noOtherOpen + ` AS scrub) o)
 FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::int[], $8::text[], $9::boolean[],
             $10::int[])
      AS u(id, token, state, outcome, last_error, delay_ms, deferred, fingerprint, evaluated, refund)
