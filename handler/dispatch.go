@@ -714,7 +714,12 @@ func Backoff(base time.Duration, attempt int) time.Duration {
 // ends while no other delivery of its row is open (as this statement sees
 // them) has its payload set to NULL by the same row write, so that the
 // usual settle writes each delivery once (a separate scrub UPDATE wrote
-// every row a second time, with all its index entries).
+// every row a second time, with all its index entries). The row's other
+// deliveries are read once per settled delivery (o, by the row's identity
+// passed in: the unique index's prefix): whether one is open, and whether
+// one still holds a payload; the second is returned (others), and only
+// then does scrubSettledSQL run (the usual row has one delivery: no second
+// statement, where it cost every batch a read of each of its rows again).
 const settleSQL = `
 UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.outcome, ''), d.outcome),
        last_error = COALESCE(u.last_error, d.last_error),
@@ -725,29 +730,28 @@ UPDATE epitaph.deliveries d SET state = u.state, outcome = COALESCE(NULLIF(u.out
        settled_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') THEN now() END,
        observed_fingerprint = COALESCE(NULLIF(u.fingerprint, ''), d.observed_fingerprint),
        evaluated_at = CASE WHEN u.evaluated THEN now() ELSE d.evaluated_at END,
-       (payload, payload_scrubbed_at) = (
-           SELECT CASE WHEN o.scrub THEN NULL ELSE d.payload END,
-                  CASE WHEN o.scrub AND d.payload IS NOT NULL THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
-           -- The row's other deliveries are looked at once per settled
-           -- delivery (each column's own check read them twice).
-           FROM (SELECT u.state IN ('done', 'stopped', 'dead') AND ` + noOtherOpen + ` AS scrub) o)
+       payload = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND NOT o.open THEN NULL ELSE d.payload END,
+       payload_scrubbed_at = CASE WHEN u.state IN ('done', 'stopped', 'dead') AND NOT o.open AND d.payload IS NOT NULL
+                                  THEN COALESCE(d.payload_scrubbed_at, now()) ELSE d.payload_scrubbed_at END
 FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::int[], $8::text[], $9::boolean[],
-            $10::int[])
-     AS u(id, token, state, outcome, last_error, delay_ms, deferred, fingerprint, evaluated, refund)
+            $10::int[], $11::text[], $12::pg_lsn[], $13::int[])
+     AS u(id, token, state, outcome, last_error, delay_ms, deferred, fingerprint, evaluated, refund, source, commit_lsn, seq)
+CROSS JOIN LATERAL (
+    SELECT COALESCE(bool_or(e.state IN ('pending', 'in_flight')), false) AS open,
+           COALESCE(bool_or(e.payload IS NOT NULL), false) AS kept
+    FROM epitaph.deliveries e
+    WHERE e.source = u.source AND e.commit_lsn = u.commit_lsn AND e.seq = u.seq AND e.id <> u.id) o
 WHERE d.id = u.id AND d.claim_token = u.token
-RETURNING d.id::text`
-
-// noOtherOpen: no other delivery of d's row is pending or in flight.
-const noOtherOpen = `NOT EXISTS (SELECT 1 FROM epitaph.deliveries e WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn
-                                AND e.seq = d.seq AND e.id <> d.id AND e.state IN ('pending', 'in_flight'))`
+RETURNING d.id::text, u.state IN ('done', 'stopped', 'dead') AND o.kept`
 
 // scrubSettledSQL, after settleSQL in the same transaction (it sees its
 // results), scrubs what settleSQL could not: the other deliveries of the
-// batch's rows whose every delivery is terminal now (the earlier handlers
-// of a row, and rows of which two deliveries ended in this batch, each
-// seeing the other open). It only reads when the ended rows have no other
-// payload left (one handler per row: the usual case). A stale result's
-// row is scrubbed only when that holds too.
+// rows whose every delivery is terminal now (the earlier handlers of a
+// row, and rows of which two deliveries ended in this batch, each seeing
+// the other open). It runs for the deliveries settleSQL returned with
+// others (another delivery of the row still held a payload); a stale
+// result's row (its claim reclaimed) is left to the settle of its newer
+// run.
 const scrubSettledSQL = `
 UPDATE epitaph.deliveries o SET payload = NULL, payload_scrubbed_at = COALESCE(o.payload_scrubbed_at, now())
 FROM (SELECT DISTINCT source, commit_lsn, seq FROM epitaph.deliveries
@@ -796,6 +800,9 @@ type settleArgs struct {
 	delays                                      []int64
 	deferred, refund                            []int32
 	evaluated                                   []bool
+	// The delivery's row: its other deliveries are read by it.
+	sources, lsns []string
+	seqs          []int32
 }
 
 func (a *settleArgs) add(c *claimed, s settlement) {
@@ -816,6 +823,9 @@ func (a *settleArgs) add(c *claimed, s settlement) {
 	a.fingerprints = append(a.fingerprints, s.fingerprint)
 	a.evaluated = append(a.evaluated, s.evaluated)
 	a.refund = append(a.refund, refund)
+	a.sources = append(a.sources, c.d.Source)
+	a.lsns = append(a.lsns, c.d.CommitLSN)
+	a.seqs = append(a.seqs, int32(c.d.Seq))
 }
 
 // settleTx writes a batch and returns the ids it settled (the others'
@@ -833,26 +843,52 @@ func (d *Dispatcher) settleTx(ctx context.Context, batch []result) (map[string]b
 		}
 		a.add(r.c, r.s)
 	}
-	// One round trip: a batch runs in one implicit transaction.
+	// One round trip in the usual case: the transaction is begun with the
+	// settle, and committed alone, or after scrubSettledSQL when a settled
+	// row's other deliveries still hold payloads.
 	var b pgx.Batch
+	b.Queue(`BEGIN`)
 	b.Queue(settleSQL, a.ids, a.tokens, a.states, a.outcomes, a.lastErrors, a.delays, a.deferred, a.fingerprints,
-		a.evaluated, a.refund)
-	b.Queue(scrubSettledSQL, a.ids)
+		a.evaluated, a.refund, a.sources, a.lsns, a.seqs)
 	settled := make(map[string]bool, len(batch))
-	br := d.pool.SendBatch(ctx, &b)
-	rows, err := br.Query()
-	if err == nil {
-		var ids []string
-		ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
-		for _, id := range ids {
-			settled[id] = true
+	var others []string
+	// One connection for the transaction; one left in it by an error is
+	// destroyed on release (rolled back), never reused.
+	conn, err := d.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("settle %d deliveries: %w", len(batch), err)
+	}
+	defer conn.Release()
+	err = func() error {
+		br := conn.SendBatch(ctx, &b)
+		defer br.Close()
+		if _, err := br.Exec(); err != nil {
+			return err
 		}
-	}
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		var id string
+		var kept bool
+		if _, err := pgx.ForEachRow(rows, []any{&id, &kept}, func() error {
+			settled[id] = true
+			if kept {
+				others = append(others, id)
+			}
+			return nil
+		}); err != nil {
+			return err
+		}
+		return br.Close()
+	}()
 	if err == nil {
-		_, err = br.Exec()
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
+		var c pgx.Batch
+		if len(others) > 0 {
+			c.Queue(scrubSettledSQL, others)
+		}
+		c.Queue(`COMMIT`)
+		err = conn.SendBatch(ctx, &c).Close()
 	}
 	if err != nil {
 		return nil, fmt.Errorf("settle %d deliveries: %w", len(batch), err)
