@@ -480,7 +480,7 @@ func (c *claimed) waitedTooLong() bool { return time.Since(c.claimedAt) > c.clai
 
 const claimSQL = `
 WITH due AS (
-    SELECT d.id, h.claim_timeout FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
+    SELECT d.ctid AS tid, h.claim_timeout FROM epitaph.deliveries d JOIN epitaph.handlers h ON h.id = d.handler_id
     WHERE d.state = 'pending' AND d.released_at IS NOT NULL AND d.next_attempt_at <= now()
       AND h.enabled AND h.revoked_at IS NULL AND (h.kind <> 'go' OR h.target = ANY($2)) AND (h.kind <> 'nats' OR $3)
       -- A row's handlers run in priority order, each after the previous
@@ -494,7 +494,9 @@ WITH due AS (
 )
 UPDATE epitaph.deliveries d SET state = 'in_flight', attempt = d.attempt + 1, claim_token = gen_random_uuid(),
        claim_expires_at = now() + due.claim_timeout, updated_at = now()
-FROM due WHERE d.id = due.id
+-- By the locked row's tid: the claimed row is read where the due scan
+-- found it, not looked up again by its primary key.
+FROM due WHERE d.ctid = due.tid
 RETURNING d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.generation, d.schema_name, d.table_name,
           d.key, d.payload, d.correlation_id, d.commit_time, d.version, d.phase, d.attempt, d.defers, d.fingerprint,
           d.group_rows, d.group_max, d.payload_scrubbed_at IS NOT NULL, d.claim_token::text,
