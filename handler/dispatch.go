@@ -307,9 +307,9 @@ func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 			return -1, err
 		}
 		if len(cs) == 0 {
-			left, err := d.open(ctx)
-			if err != nil || left == 0 {
-				return left, err
+			left, oerr := d.open(ctx)
+			if oerr != nil || left == 0 {
+				return left, oerr
 			}
 			select {
 			case <-ctx.Done():
