@@ -223,3 +223,41 @@ func TestBatchSettleScrubsARowWhoseDeliveriesEndTogether(t *testing.T) {
 		require.Nil(t, x.Payload, "every delivery of every row is terminal")
 	}
 }
+
+// Flush claims the next batch while the current one runs; when its context
+// ends, a batch claimed ahead is handed back unstarted: nothing is left in
+// flight and no attempt is spent on a delivery that never ran.
+func TestFlushHandsBackTheBatchClaimedAhead(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error {
+		if calls.Add(1) == 1 {
+			cancel() // the first attempt ends the flush
+		}
+		return nil
+	})
+	n := 2*claimAhead(1) + 10
+	rows := make([]Row, 0, n)
+	for i := range n {
+		rows = append(rows, e.row(i))
+	}
+	e.enqueue(1, rows...)
+	d := e.dispatcher(Config{Registry: reg, Parallelism: 1})
+	_, err := d.Flush(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	var inFlight, spent, done int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE state = 'in_flight'),
+		count(*) FILTER (WHERE state = 'pending' AND attempt > 0), count(*) FILTER (WHERE state = 'done')
+		FROM epitaph.deliveries`).Scan(&inFlight, &spent, &done))
+	require.Zero(t, inFlight, "nothing left in flight")
+	require.Zero(t, spent, "no attempt spent on a delivery that did not run")
+	require.EqualValues(t, calls.Load(), done, "every delivery that ran is done")
+	require.Less(t, done, n)
+	// The rest runs on the next flush.
+	e.flush(d)
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE state = 'done') FROM epitaph.deliveries`).Scan(&done))
+	require.Equal(t, n, done)
+}
