@@ -261,3 +261,39 @@ func TestFlushHandsBackTheBatchClaimedAhead(t *testing.T) {
 	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE state = 'done') FROM epitaph.deliveries`).Scan(&done))
 	require.Equal(t, n, done)
 }
+
+// The payload backstop reads the whole table: it runs with the first
+// maintenance and then at most hourly, and a due backstop is not lost to a
+// maintenance that had no minute's work to do.
+func TestBackstopRunsHourlyWithTheMinutesWork(t *testing.T) {
+	e := newTenv(t)
+	ctx := context.Background()
+	e.addHandler(KindGo, "absent")
+	e.enqueue(1, e.row(1))
+	_, err := e.pool.Exec(ctx, `UPDATE epitaph.deliveries SET created_at = now() - interval '31 days'`)
+	require.NoError(t, err)
+	d := e.dispatcher(Config{})
+	state := func() string {
+		ds := e.deliveries()
+		require.Len(t, ds, 1)
+		return ds[0].State
+	}
+	set := func(scrub, backstop time.Time) {
+		d.mu.Lock()
+		d.lastScrub, d.lastBackstop = scrub, backstop
+		d.mu.Unlock()
+	}
+	// Ran within the hour: not again, though the minute's work is due.
+	set(time.Time{}, time.Now())
+	require.NoError(t, d.maintain(ctx))
+	require.Equal(t, StatePending, state())
+	// Due, but the minute's work is not: it waits for it, and is not lost.
+	set(time.Now(), time.Now().Add(-2*backstopEvery))
+	require.NoError(t, d.maintain(ctx))
+	require.Equal(t, StatePending, state())
+	d.mu.Lock()
+	d.lastScrub = time.Time{} // the minute's work due; the backstop as the last call left it
+	d.mu.Unlock()
+	require.NoError(t, d.maintain(ctx))
+	require.Equal(t, StateDead, state(), "the backstop ran: queued work whose payload it scrubbed is dead")
+}

@@ -927,7 +927,9 @@ func (d *Dispatcher) maintain(ctx context.Context) error {
 	if scrub {
 		d.lastScrub = time.Now()
 	}
-	backstop := time.Since(d.lastBackstop) >= backstopEvery
+	// Looked at only with the minute's work, so a due backstop is never
+	// consumed by a call that returns before running it.
+	backstop := scrub && time.Since(d.lastBackstop) >= backstopEvery
 	if backstop {
 		d.lastBackstop = time.Now()
 	}
