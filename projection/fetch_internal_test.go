@@ -20,12 +20,8 @@ import (
 // at its last commit and the open transaction at its end carried into the
 // next group, not written across two target transactions. A partition
 // with less than a page stored is caught up and gets its short page whole.
-//
-// Not parallel: its burst of a thousand synchronous publishes ran beside
-// TestArchiveRowsRootsAndExpiry's readiness wait in two of five loaded
-// -race runs that then timed out (with and without this branch's change to
-// fetchPage); run alone first, it loads nobody's wait.
 func TestFetchPageBehindIsCutAtItsLastCommit(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	srv := testenv.NewNATS(t)
 	nc, js := srv.Connect(t)
