@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -53,6 +54,7 @@ func TestConfigErrors(t *testing.T) {
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "fast"}, "use auto, async or default"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", Replicas: 3}, "1-replica stream"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", BrokerSyncInterval: -1}, "positive --broker-sync-interval"},
+		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", DuplicateWindow: 50 * time.Millisecond}, "duplicate window must be at least 100ms (JetStream's minimum), got 50ms"},
 	} {
 		_, err := New(tc.cfg)
 		requireFix(t, err, tc.want)
