@@ -264,3 +264,34 @@ func TestForgedIDsInsideTheWindowAreRepublished(t *testing.T) {
 	t.Parallel()
 	forgedIDsCase(t, 10*time.Minute, false)
 }
+
+// TestExistingStreamGetsTheConfiguredWindow: a stream made with the old
+// two-minute window gets the configured one (the short default) when the
+// capture starts on it, and the capture goes on where it stopped.
+func TestExistingStreamGetsTheConfiguredWindow(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	itemsTable(t, e, 20)
+	windowOf := func() time.Duration {
+		st, err := e.js.Stream(context.Background(), event.StreamName("main"))
+		require.NoError(t, err)
+		info, err := st.Info(context.Background())
+		require.NoError(t, err)
+		return info.Config.Duplicates
+	}
+	svc := e.start(t, func(c *Config) { trustConfig(c); c.DuplicateWindow = 2 * time.Minute })
+	pub := e.publicKey(t)
+	e.exec(t, `DELETE FROM items WHERE id <= 10`)
+	e.requireRealDeletes(t, pub, ids(1, 10))
+	require.Equal(t, 2*time.Minute, windowOf())
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+
+	e.exec(t, `DELETE FROM items WHERE id BETWEEN 11 AND 15`)
+	svc = e.start(t, trustConfig)
+	requireStreaming(t, svc)
+	require.Equal(t, DefaultDuplicateWindow, windowOf())
+	e.exec(t, `DELETE FROM items WHERE id > 15`)
+	e.requireRealDeletes(t, pub, ids(1, 20))
+	require.Zero(t, counterValue(t, svc.m.collisions))
+}
