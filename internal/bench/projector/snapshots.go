@@ -36,6 +36,7 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 	var ratios, procUS, pgUS []float64
 	var withs []snapshotApply
 	for p := 1; p <= pairs; p++ {
+		bench.LoadNote(fmt.Sprintf("before snapshots %s pair %d", label, p))
 		var with, without snapshotApply
 		for _, snapshots := range pairOrder(p) {
 			a, err := e.snapshotApply(ctx, round, p, source, label, pageSize, n, orders, snapshots)
@@ -59,6 +60,7 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 		ratios, procUS, pgUS = append(ratios, ratio), append(procUS, proc), append(pgUS, pg)
 		withs = append(withs, with)
 	}
+	bench.LoadNote(fmt.Sprintf("after snapshots %s", label))
 	record("apply_ratio", median(ratios), fmt.Sprintf("x of the apply without snapshots, median of %d interleaved pairs (target >= 0.80)", pairs))
 	record("apply_ratio_min", slices.Min(ratios), fmt.Sprintf("x, the lowest of the %d pairs (target >= 0.80)", pairs))
 	record("cpu_us_per_document_projector", median(procUS), "us of projector CPU added per document (median of the pairs)")
