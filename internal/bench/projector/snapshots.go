@@ -69,7 +69,7 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 	for i := range procUS {
 		sum[i] = procUS[i] + pgUS[i]
 	}
-	record("cpu_us_per_document", median(sum), "us of CPU added per document, projector + Postgres (median of the pairs; the cost that does not depend on the load)")
+	record("cpu_us_per_document", median(sum), "us of CPU added per document, projector + Postgres (median of the pairs; steadier than the rates, but CPU per unit of work also grows with the machine's load)")
 	e.recordDocuments(withs, record)
 	return nil
 }
