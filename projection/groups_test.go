@@ -105,6 +105,9 @@ func TestTwoTargetsFromOneStream(t *testing.T) {
 	url2 := testenv.NewDatabase(t)
 	cfgA := e.config("a")
 	cfgB := e.config("b")
+	// Not a lease test: a lease lost to a slow renewal on a loaded machine
+	// restarts partitions, and a restarted partition may reset its consumer.
+	cfgA.LeaseTTL, cfgB.LeaseTTL = 30*time.Second, 30*time.Second
 	cfgB.TargetURL = testenv.NoSearchPath(url2)
 	a := e.start(cfgA)
 	b := e.start(cfgB)
@@ -137,14 +140,18 @@ func TestTwoTargetsFromOneStream(t *testing.T) {
 	require.Equal(t, want, archiveOf(t, ca))
 	require.Equal(t, want, archiveOf(t, cb))
 	// Sharing consumers, the two kept resetting each other's, again and
-	// again. Now the stream holds four consumers, each group's own (below);
-	// a worker may still reset one of its own once, on a loaded machine
-	// (a page's asynchronous ack not yet seen when it restarts a partition),
-	// which says nothing about the other group: at most one each.
+	// again (5-7 times per 30 s, with no failure of their own). Now the
+	// stream holds four consumers, each group's own (below). A worker
+	// still resets its own consumer when a partition restarts after a
+	// transient failure (a timeout on a loaded machine: the deliveries it
+	// had fetched and not applied are pending on the server), and once on
+	// a quiet one, cause not found (a page's asynchronous ack not yet seen
+	// when it restarts a partition?): at most its transient failures + 1.
 	for name, s := range map[string]*projection.Service{"a": a, "b": b} {
 		resets := metricSum(t, s, "epitaph_projector_consumer_resets_total")
-		t.Logf("%s reset %v consumers of its own", name, resets)
-		require.LessOrEqual(t, resets, 1.0, "%s kept resetting consumers", name)
+		failures := metricSum(t, s, "epitaph_projector_transient_errors_total")
+		t.Logf("%s reset %v consumers of its own, after %v transient failures", name, resets, failures)
+		require.LessOrEqual(t, resets, failures+1, "%s kept resetting consumers", name)
 	}
 
 	ctx := context.Background()
@@ -177,6 +184,7 @@ func TestOldConsumersMigrateToTheGroup(t *testing.T) {
 	ctx := context.Background()
 	cfg := e.config("w1")
 	cfg.Group = "blue"
+	cfg.LeaseTTL = 30 * time.Second // not a lease test (see TestTwoTargetsFromOneStream)
 	var txs []*txn
 	publish := func(n int) {
 		for i := 0; i < n; i++ {
@@ -223,7 +231,13 @@ func TestOldConsumersMigrateToTheGroup(t *testing.T) {
 		_, err = stream.Consumer(ctx, fmt.Sprintf("blue_archive-v1-p%d", p))
 		require.NoError(t, err)
 	}
-	require.Zero(t, metricSum(t, s2, "epitaph_projector_consumer_resets_total"))
+	// The migration itself resets nothing; a partition restarted after a
+	// transient failure (a timeout on a loaded machine) resets its consumer
+	// to the cursor, and only that may.
+	resets := metricSum(t, s2, "epitaph_projector_consumer_resets_total")
+	failures := metricSum(t, s2, "epitaph_projector_transient_errors_total")
+	t.Logf("reset %v consumers after %v transient failures", resets, failures)
+	require.LessOrEqual(t, resets, failures)
 }
 
 // A worker restarted with the same id takes its own leases back at once
