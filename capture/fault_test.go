@@ -49,7 +49,31 @@ func TestBrokerRestartMidStream(t *testing.T) {
 	t.Logf("capture stopped with: %v", err)
 
 	_, e.js = e.nats.Connect(t)
+	st, err = e.js.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	info, err := st.Info(ctx)
+	require.NoError(t, err)
+	stored := info.State.Msgs
+	before, err := e.js.AccountInfo(ctx)
+	require.NoError(t, err)
 	e.start(t, cfg)
+	// Wait for the whole stream counting this test's own API requests
+	// (one stream info per poll), so that what remains is the capture's.
+	polls := uint64(0)
+	require.Eventually(t, func() bool {
+		polls++
+		info, err := st.Info(ctx)
+		return err == nil && info.State.Msgs >= 40000+1
+	}, 180*time.Second, 50*time.Millisecond)
+	after, err := e.js.AccountInfo(ctx)
+	require.NoError(t, err)
+	// The restarted capture adopts the stored rows of the open transaction
+	// in batches, not with one request per row: a few dozen API requests
+	// (stream, object store, resume, the batches) for thousands of rows.
+	requests := after.API.Total - before.API.Total - polls - 1
+	t.Logf("the restart adopted %d stored messages with %d API requests", stored, requests)
+	require.Greater(t, stored, uint64(2000))
+	require.Less(t, requests, stored/10, "stored messages read one request each")
 	ms := e.messages(t, "main", 40000+1)
 	require.Len(t, ms, 40000+1)
 	requireOnce(t, ms, 40000)

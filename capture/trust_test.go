@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/ed25519"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -32,16 +31,7 @@ func (e *env) rawMsgs(t *testing.T, src string) []*jetstream.RawStreamMsg {
 	require.NoError(t, err)
 	info, err := st.Info(ctx)
 	require.NoError(t, err)
-	var out []*jetstream.RawStreamMsg
-	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && seq > 0; seq++ {
-		m, err := st.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
-		}
-		require.NoError(t, err)
-		out = append(out, m)
-	}
-	return out
+	return storedMsgs(t, st, info.State.FirstSeq, info.State.LastSeq)
 }
 
 // verifiedTx is a transaction whose commit verifies with the key and whose

@@ -166,3 +166,134 @@ func TestServiceWebhookReusesConnections(t *testing.T) {
 	// keeps 2 idle per host, dials dozens here).
 	require.LessOrEqual(t, conns.Load(), int32(8), "connections are kept alive and reused")
 }
+
+// Two deliveries of one row that end in the same batch each see the other
+// in flight when their row is written: neither can scrub itself there, and
+// the batch's second statement scrubs both (every handler of the row is
+// terminal). A row's delivery that ends while another of the row is still
+// pending keeps its payload.
+func TestBatchSettleScrubsARowWhoseDeliveriesEndTogether(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	e.goHandler(reg, func(context.Context, Delivery) error { return nil })
+	e.goHandler(reg, func(context.Context, Delivery) error { return nil }, func(d *Def) { d.Priority = 1 })
+	e.enqueue(1, e.row(1), e.row(2))
+	ctx := context.Background()
+	// Both handlers of each row claimed at once (the claim would keep them
+	// in priority order; the settle must not depend on it).
+	rows, err := e.pool.Query(ctx, `UPDATE epitaph.deliveries SET state = 'in_flight', attempt = 1, claim_token = gen_random_uuid(),
+		claim_expires_at = now() + interval '1 minute'
+		RETURNING id::text, handler_id::text, source, commit_lsn::text, seq, key::text, claim_token::text`)
+	require.NoError(t, err)
+	d := e.dispatcher(Config{Registry: reg})
+	var row1, row2 []result
+	for rows.Next() {
+		c := &claimed{}
+		var key string
+		require.NoError(t, rows.Scan(&c.d.ID, &c.d.HandlerID, &c.d.Source, &c.d.CommitLSN, &c.d.Seq, &key, &c.token))
+		r := result{c: c, s: settlement{state: StateDone, outcome: OutcomeDone}}
+		if key == `{"id": 1}` {
+			row1 = append(row1, r)
+		} else {
+			row2 = append(row2, r)
+		}
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, row1, 2)
+	require.Len(t, row2, 2)
+	// Row 1: both in one batch. Row 2: one of them only; the other stays in
+	// flight.
+	d.settle(ctx, append(row1, row2[0]))
+	ds := e.deliveries()
+	require.Len(t, ds, 4)
+	for _, x := range ds[:2] {
+		require.Equal(t, StateDone, x.State)
+		require.Nil(t, x.Payload, "row 1: scrubbed once both of its deliveries ended")
+	}
+	states := map[string]string{ds[2].State: "", ds[3].State: ""}
+	require.Contains(t, states, StateDone)
+	require.Contains(t, states, StateInFlight)
+	require.NotNil(t, ds[2].Payload, "row 2: a delivery is still in flight")
+	require.NotNil(t, ds[3].Payload, "row 2: a delivery is still in flight")
+	// The last one of row 2 ends alone: both of row 2 are scrubbed.
+	d.settle(ctx, row2[1:])
+	ds = e.deliveries()
+	for _, x := range ds {
+		require.Equal(t, StateDone, x.State)
+		require.Nil(t, x.Payload, "every delivery of every row is terminal")
+	}
+}
+
+// Flush claims the next batch while the current one runs; when its context
+// ends, a batch claimed ahead is handed back unstarted: nothing is left in
+// flight and no attempt is spent on a delivery that never ran.
+func TestFlushHandsBackTheBatchClaimedAhead(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var calls atomic.Int32
+	e.goHandler(reg, func(context.Context, Delivery) error {
+		if calls.Add(1) == 1 {
+			cancel() // the first attempt ends the flush
+		}
+		return nil
+	})
+	n := 2*claimAhead(1) + 10
+	rows := make([]Row, 0, n)
+	for i := range n {
+		rows = append(rows, e.row(i))
+	}
+	e.enqueue(1, rows...)
+	d := e.dispatcher(Config{Registry: reg, Parallelism: 1})
+	_, err := d.Flush(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	var inFlight, spent, done int
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE state = 'in_flight'),
+		count(*) FILTER (WHERE state = 'pending' AND attempt > 0), count(*) FILTER (WHERE state = 'done')
+		FROM epitaph.deliveries`).Scan(&inFlight, &spent, &done))
+	require.Zero(t, inFlight, "nothing left in flight")
+	require.Zero(t, spent, "no attempt spent on a delivery that did not run")
+	require.EqualValues(t, calls.Load(), done, "every delivery that ran is done")
+	require.Less(t, done, n)
+	// The rest runs on the next flush.
+	e.flush(d)
+	require.NoError(t, e.pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE state = 'done') FROM epitaph.deliveries`).Scan(&done))
+	require.Equal(t, n, done)
+}
+
+// The payload backstop reads the whole table: it runs with the first
+// maintenance and then at most hourly, and a due backstop is not lost to a
+// maintenance that had no minute's work to do.
+func TestBackstopRunsHourlyWithTheMinutesWork(t *testing.T) {
+	e := newTenv(t)
+	ctx := context.Background()
+	e.addHandler(KindGo, "absent")
+	e.enqueue(1, e.row(1))
+	_, err := e.pool.Exec(ctx, `UPDATE epitaph.deliveries SET created_at = now() - interval '31 days'`)
+	require.NoError(t, err)
+	d := e.dispatcher(Config{})
+	state := func() string {
+		ds := e.deliveries()
+		require.Len(t, ds, 1)
+		return ds[0].State
+	}
+	set := func(scrub, backstop time.Time) {
+		d.mu.Lock()
+		d.lastScrub, d.lastBackstop = scrub, backstop
+		d.mu.Unlock()
+	}
+	// Ran within the hour: not again, though the minute's work is due.
+	set(time.Time{}, time.Now())
+	require.NoError(t, d.maintain(ctx))
+	require.Equal(t, StatePending, state())
+	// Due, but the minute's work is not: it waits for it, and is not lost.
+	set(time.Now(), time.Now().Add(-2*backstopEvery))
+	require.NoError(t, d.maintain(ctx))
+	require.Equal(t, StatePending, state())
+	d.mu.Lock()
+	d.lastScrub = time.Time{} // the minute's work due; the backstop as the last call left it
+	d.mu.Unlock()
+	require.NoError(t, d.maintain(ctx))
+	require.Equal(t, StateDead, state(), "the backstop ran: queued work whose payload it scrubbed is dead")
+}

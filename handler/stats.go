@@ -23,6 +23,10 @@ import (
 // handful of ANALYZEs (a bounded sample each) while a table grows from
 // nothing to millions, none in a steady state (the settles' updates are
 // autovacuum's business: they changed nothing the plans depend on as much).
+// Only while they are queried: the deliveries while a handler exists, the
+// archive's rows while a handler revalidates (every projector runs a
+// dispatcher; one without handlers analyzed a growing archive for nothing,
+// two ANALYZEs during bench-projector's 100k-row apply).
 //
 // Only the columns the per-delivery statements filter and join on are
 // analyzed (not the payloads and row images, whose statistics cost the most
@@ -31,10 +35,11 @@ import (
 const analyzeGrownSQL = `
 SELECT n.nspname, c.relname, c.relname = 'deliveries'
 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE s.relid IN (SELECT to_regclass('epitaph.deliveries')
+WHERE s.relid IN (SELECT to_regclass('epitaph.deliveries') WHERE EXISTS (SELECT 1 FROM epitaph.handlers)
                   UNION ALL
                   SELECT to_regclass(format('%I.rows', v.schema_name)) FROM epitaph.projection_versions v
-                  WHERE v.projection = 'archive' AND v.state = 'live')
+                  WHERE v.projection = 'archive' AND v.state = 'live'
+                    AND EXISTS (SELECT 1 FROM epitaph.handlers WHERE revalidate))
   AND s.n_live_tup > $1 + 2 * greatest(c.reltuples, 0)`
 
 // analyzeMinRows: smaller tables are left to autovacuum.

@@ -327,3 +327,18 @@ func RecordFailure(ctx context.Context, db DB, l Lease, category string) error {
 	}
 	return nil
 }
+
+// ClearFailures resets l's count of consecutive failures once the partition
+// works again without advancing (an idle partition whose broker or target
+// was briefly unreachable): it no longer counts as failing. The last
+// failure's category and time stay, as history. Fenced by the epoch.
+func ClearFailures(ctx context.Context, db DB, l Lease) error {
+	_, err := db.Exec(ctx, `
+		UPDATE epitaph.progress SET attempts = 0
+		WHERE projection = $1 AND version = $2 AND partition = $3 AND epoch = $4 AND attempts > 0`,
+		l.Projection, l.Version, l.Partition, l.Epoch)
+	if err != nil {
+		return fmt.Errorf("clear failures of %s: %w", l.Key, err)
+	}
+	return nil
+}

@@ -58,3 +58,31 @@ func TestNATSOutage(t *testing.T) {
 		"rows: %d", count(t, c, `SELECT count(*) FROM archive.rows`))
 	require.Equal(t, 30, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root`))
 }
+
+// An idle partition that keeps failing (the broker is down) counts as
+// failing; once the broker is back it is not failing any more, and the
+// archive is ready again, with no new event to apply (only an applied page
+// used to clear the count, so a quiet archive stayed "failing").
+func TestReadyAgainAfterIdleFailures(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	c := e.conn()
+	e.start(e.config("w1"))
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	e.heartbeat()
+	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready when caught up")
+
+	e.nats.Stop()
+	eventually(t, 30*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE attempts >= 3`) == 1
+	}, "failing while the broker is down")
+	st := readStatus(t, c)
+	require.False(t, st.ready)
+	require.Contains(t, st.reasons, "1 partitions failing")
+
+	e.nats.Start()
+	eventually(t, 30*time.Second, func() bool { return readyNow(c) }, "ready again, with nothing new to apply")
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE attempts > 0`))
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE last_failure_category LIKE 'transient:%'`),
+		"the last failure stays, as history")
+}

@@ -162,6 +162,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 	bo.MaxInterval = w.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
 	needInit, resets := true, 0
+	failed := false // a failure is recorded and not yet cleared
 	for !w.StopRequested() && ctx.Err() == nil {
 		var err error
 		if needInit {
@@ -180,6 +181,11 @@ func (w *partitionWorker) run(ctx context.Context) {
 		case err == nil:
 			bo.Reset()
 			resets = 0
+			if failed {
+				// Working again (an applied page cleared the count
+				// already; an idle round did not): not failing.
+				failed = w.clearFailures(ctx) != nil
+			}
 			continue
 		case errors.Is(err, progress.ErrLostOwnership):
 			w.log.Warn("lost the partition lease to another worker; stopping it", "err", err)
@@ -204,6 +210,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 		wait := bo.NextBackOff()
 		w.log.Warn("transient failure; retrying", "kind", kind, "err", quarantine.Sanitize(err), "retry_in", wait)
 		w.recordFailure(ctx, kind)
+		failed = true
 		w.wait(ctx, wait)
 	}
 }
@@ -217,6 +224,12 @@ func (w *partitionWorker) wait(ctx context.Context, d time.Duration) {
 	case <-w.Stopping():
 	case <-ctx.Done():
 	}
+}
+
+func (w *partitionWorker) clearFailures(ctx context.Context) error {
+	c, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	return progress.ClearFailures(c, w.pool, w.lease)
 }
 
 func (w *partitionWorker) recordFailure(ctx context.Context, kind string) {

@@ -52,6 +52,9 @@ WITH sets AS MATERIALIZED (
     SELECT commit_lsn, schema_name, table_name, count(*)::int AS n, ` + pairMax + ` AS mx, ` + fingerprintExpr + ` AS fp
     FROM ` + rowsTable(schema) + `
     WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND verified AND (expires_at IS NULL OR expires_at > now())
+      -- No handler revalidates (a plain round): one look at the handlers,
+      -- not a probe of the page's deliveries (1,400 buffers a page).
+      AND EXISTS (SELECT 1 FROM epitaph.handlers WHERE revalidate)
       AND EXISTS (SELECT 1 FROM epitaph.deliveries w JOIN epitaph.handlers h ON h.id = w.handler_id AND h.revalidate
                   WHERE w.source = $1 AND w.commit_lsn = ANY($2::pg_lsn[])
                     AND w.state = 'pending' AND w.released_at IS NOT NULL AND w.fingerprint IS NULL)

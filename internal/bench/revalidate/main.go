@@ -59,6 +59,9 @@ type env struct {
 	o      options
 	target *pgxpool.Pool
 	ev     *revalidate.Evaluator
+	// pgData: the data directory of the bench's Postgres (its CPU is read
+	// from /proc).
+	pgData string
 }
 
 func run(ctx context.Context, o options) error {
@@ -77,6 +80,7 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	defer closeAll()
+	e.pgData = pg.DataDir
 	bench.Note("%d deliveries, sets of %d rows, %d at once", o.deliveries, o.group, o.parallelism)
 	if err := e.evaluations(ctx); err != nil {
 		return err
@@ -292,6 +296,7 @@ func (e *env) rates(ctx context.Context) error {
 	}))
 	defer srv.Close()
 	rate := map[bool]float64{}
+	cpu := map[bool]cpuUse{}
 	for _, on := range []bool{false, true} {
 		if _, err := e.seed(ctx, srv.URL); err != nil {
 			return err
@@ -304,11 +309,19 @@ func (e *env) rates(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		cpu0, err := e.cpu()
+		if err != nil {
+			return err
+		}
 		fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 		start := time.Now()
 		left, err := d.Flush(fctx)
 		took := time.Since(start)
 		cancel()
+		if err != nil {
+			return err
+		}
+		cpu1, err := e.cpu()
 		if err != nil {
 			return err
 		}
@@ -325,10 +338,31 @@ func (e *env) rates(ctx context.Context) error {
 		rate[on] = float64(done) / took.Seconds()
 		name := map[bool]string{false: "off", true: "on"}[on]
 		bench.Figure("deliveries_per_s_revalidation_"+name, rate[on], "deliveries/s (webhook, local server)")
+		// CPU per delivery: what a loaded machine does not distort.
+		cpu[on] = cpuUse{postgres: (cpu1.postgres - cpu0.postgres) / float64(done), bench: (cpu1.bench - cpu0.bench) / float64(done)}
+		bench.Figure("postgres_cpu_us_per_delivery_revalidation_"+name, cpu[on].postgres*1e6, "µs of Postgres CPU per delivery (the whole Flush)")
+		bench.Figure("dispatcher_cpu_us_per_delivery_revalidation_"+name, cpu[on].bench*1e6, "µs of this process's CPU per delivery (dispatcher, evaluator, webhook server)")
 	}
 	bench.Figure("revalidation_rate_ratio_on_off", rate[true]/rate[false], "target >= 0.75 (revalidation costs <= 25% of the delivery rate)")
+	bench.Figure("revalidation_cpu_ratio_off_on", (cpu[false].postgres+cpu[false].bench)/(cpu[true].postgres+cpu[true].bench),
+		"x: CPU per delivery (Postgres + process) off / on, the rate ratio a CPU-bound machine would see (target >= 0.75)")
 	mu.Lock()
 	bench.Note("the webhook saw %d requests", seen)
 	mu.Unlock()
 	return nil
+}
+
+// cpuUse is CPU seconds of Postgres and of this process.
+type cpuUse struct{ postgres, bench float64 }
+
+func (e *env) cpu() (cpuUse, error) {
+	pg, err := bench.PostgresCPU(e.pgData)
+	if err != nil {
+		return cpuUse{}, err
+	}
+	self, err := bench.ProcCPU(os.Getpid())
+	if err != nil {
+		return cpuUse{}, err
+	}
+	return cpuUse{postgres: pg, bench: self}, nil
 }
