@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -53,6 +54,7 @@ func TestConfigErrors(t *testing.T) {
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "fast"}, "use auto, async or default"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", Replicas: 3}, "1-replica stream"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", BrokerSyncInterval: -1}, "positive --broker-sync-interval"},
+		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", DuplicateWindow: 50 * time.Millisecond}, "duplicate window must be at least 100ms (JetStream's minimum), got 50ms"},
 	} {
 		_, err := New(tc.cfg)
 		requireFix(t, err, tc.want)
@@ -162,3 +164,23 @@ func TestWalLevelNotLogical(t *testing.T) {
 }
 
 var _ = event.StreamName
+
+// The dedupe window's default: 1 s, 2 m for a replicated stream (a hedge,
+// see DefaultClusterDuplicateWindow); a window given is kept.
+func TestDuplicateWindowDefaults(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		replicas int
+		given    time.Duration
+		want     time.Duration
+	}{
+		{1, 0, time.Second},
+		{3, 0, 2 * time.Minute},
+		{3, time.Second, time.Second},
+		{1, 5 * time.Minute, 5 * time.Minute},
+	} {
+		c := Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", Replicas: tc.replicas, DuplicateWindow: tc.given}
+		c.setDefaults()
+		require.Equal(t, tc.want, c.DuplicateWindow, "replicas %d, given %s", tc.replicas, tc.given)
+	}
+}

@@ -409,11 +409,17 @@ func TestImplausiblePositionIsRefused(t *testing.T) {
 // by the signing key, event.MsgIDTagger, so the real one cannot be
 // predicted). The rows are not dropped as duplicates; the commit is, and
 // the capture notices and publishes it under a distinct id; the signed
-// digest covers the real rows, not the forgeries.
+// digest covers the real rows, not the forgeries. (The commit's forgery is
+// inside the dedupe window: a long one here, as the default is short; past
+// it, see TestForgedIDsOutsideTheWindowStayBesideTheRealOnes.)
 func TestForgeryTakingAPendingDeletesIDIsNotBelieved(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	itemsTable(t, e, 20)
+	trustConfig := func(c *Config) {
+		trustConfig(c)
+		c.DuplicateWindow = 10 * time.Minute
+	}
 	svc := e.start(t, trustConfig)
 	pub := e.publicKey(t)
 	e.exec(t, `DELETE FROM items WHERE id <= 5`)

@@ -287,7 +287,8 @@ SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, %[4]s FROM del`
 
 const eraseSnapshotsSQL = `, docs AS (
     DELETE FROM %[1]s s USING del d
-    WHERE s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
+    WHERE s.correlation_id = d.correlation_id
+      AND s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
     RETURNING 1
 )`
 

@@ -94,11 +94,13 @@ WITH victims AS (
 SELECT schema_name || '.' || table_name, count(*)::int, %[3]s FROM del GROUP BY 1`
 
 // cleanupSnapshotsSQL prunes, in the same statement, the documents rooted
-// at deleted rows and the groups of transactions left without rows (by
+// at deleted rows (found by correlation id, the prefix of the documents'
+// unique index) and the groups of transactions left without rows (by
 // correlation id: the groups' key and an index of the rows).
 const cleanupSnapshotsSQL = `, snaps AS (
     DELETE FROM %[1]s s USING del d
-    WHERE s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
+    WHERE s.correlation_id = d.correlation_id
+      AND s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
     RETURNING 1
 ), groups AS (
     DELETE FROM %[2]s g

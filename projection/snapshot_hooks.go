@@ -68,7 +68,7 @@ func (s *Service) snapshotsCommitted(ctx context.Context, v Version, commits []*
 	txs := make([]snapshot.TxRef, 0, len(commits))
 	for _, c := range commits {
 		if c.category == "" {
-			txs = append(txs, snapshot.TxRef{Source: c.ev.Source, CommitLSN: c.ev.CommitLSN})
+			txs = append(txs, snapshot.TxRef{Source: c.ev.Source, XID: c.ev.XID, CommitLSN: c.ev.CommitLSN})
 		}
 	}
 	res, err := snapshot.RunBatchFor(ctx, s.pool, snapshot.Config{Schema: v.Schema}, txs)

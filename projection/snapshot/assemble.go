@@ -477,9 +477,15 @@ func (g *group) fingerprint() string {
 	})
 	h := sha256.New()
 	var line []byte
-	for _, id := range ids {
+	// A transaction's rows share their commit LSN: its text is made once
+	// per distinct LSN (in a row), not once per row.
+	var lsn string
+	for i, id := range ids {
+		if i == 0 || id[0] != ids[i-1][0] {
+			lsn = event.LSN(id[0]).String()
+		}
 		// "%s/%d\n" of the LSN and seq, without fmt.
-		line = append(append(append(line[:0], event.LSN(id[0]).String()...), '/'), strconv.FormatUint(id[1], 10)...)
+		line = strconv.AppendUint(append(append(line[:0], lsn...), '/'), id[1], 10)
 		h.Write(append(line, '\n'))
 	}
 	return hex.EncodeToString(h.Sum(nil))

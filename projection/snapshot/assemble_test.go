@@ -129,3 +129,33 @@ func TestMetaAndFingerprintAsBefore(t *testing.T) {
 	}
 	require.Equal(t, hex.EncodeToString(h.Sum(nil)), (&group{rows: rows}).fingerprint())
 }
+
+// keyIdentity makes two keys equal exactly when canonicalJSON does (the
+// in-page jobs are one per distinct key, like the batch's DISTINCT ON over
+// jsonb), and refuses what it refuses.
+func TestKeyIdentityAgreesWithCanonicalJSON(t *testing.T) {
+	keys := []string{
+		`{"id":1}`, `{"id": 1}`, ` {"id":1} `, `{"id":1.0}`, `{"id":"1"}`, `{"id":2}`, `{"id":1e0}`,
+		`{"a":1,"b":"x"}`, `{"b":"x","a":1}`, `{"a":1,"b":"x","c":null}`, `{"a":1,"b":"\u0078"}`,
+		`{"a":true}`, `{"a":"true"}`, `{"a":false}`, `{"a":null}`, `{"a":"null"}`, `{"a":"n"}`,
+		`{"ab":1}`, `{"a":"b1"}`, `{"a":1,"a":2}`, `{"a":2}`, `{"a":2,"a":1}`, `{}`, `{ }`,
+		`{"a":{"x":1,"y":2}}`, `{"a":{"y":2,"x":1}}`, `{"a":[1,2]}`, `{"a":[2,1]}`,
+		`1`, `"x"`, `[1]`, `null`, ``, `{`, `{"id":}`, `{"é":"ü"}`, `{"\u00e9":"\u00fc"}`,
+	}
+	for _, k := range keys {
+		want, wantOK := canonicalJSON(json.RawMessage(k))
+		got, gotOK := keyIdentity(json.RawMessage(k))
+		require.Equal(t, wantOK, gotOK, "key %q", k)
+		if !wantOK {
+			continue
+		}
+		for _, other := range keys {
+			w, wok := canonicalJSON(json.RawMessage(other))
+			g, gok := keyIdentity(json.RawMessage(other))
+			if !wok || !gok {
+				continue
+			}
+			require.Equal(t, want == w, got == g, "keys %q and %q", k, other)
+		}
+	}
+}

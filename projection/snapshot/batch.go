@@ -108,25 +108,25 @@ type Result struct {
 // job of the same transactions up to $3 jobs in all, so a transaction's
 // rows are read once for all of its documents; the transactions of the
 // oldest jobs come first. Each transaction's jobs are read by index (a
-// lateral lookup per transaction: joined as a set, the planner scanned the
-// whole table per batch).
+// lateral lookup per transaction, by correlation_id: the unique index's
+// prefix; joined as a set, the planner scanned the whole table per batch).
 const claimSQL = `
 WITH first AS MATERIALIZED (
-SELECT id, source, commit_lsn
+SELECT id, correlation_id
   FROM %[1]s
  WHERE status = 'pending' AND (next_attempt_at IS NULL OR next_attempt_at <= $1)
  ORDER BY next_attempt_at NULLS FIRST, id
  LIMIT $2
    FOR UPDATE SKIP LOCKED
 ), txs AS MATERIALIZED (
-SELECT source, commit_lsn, min(id) AS first_id FROM first GROUP BY source, commit_lsn
+SELECT correlation_id, min(id) AS first_id FROM first GROUP BY correlation_id
 )
 SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.root_seq, j.expected_tables, j.retry_count
   FROM txs t
  CROSS JOIN LATERAL (
        SELECT s.id, s.correlation_id, s.source, s.commit_lsn, s.root_table, s.root_seq, s.expected_tables, s.retry_count
          FROM %[1]s s
-        WHERE s.source = t.source AND s.commit_lsn = t.commit_lsn
+        WHERE s.correlation_id = t.correlation_id
           AND s.status = 'pending' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= $1)
         ORDER BY s.id
         LIMIT $3
@@ -134,21 +134,21 @@ SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.roo
  ORDER BY t.first_id, j.id
  LIMIT $3`
 
-// claimTxsSQL claims the due pending jobs of the transactions $2/$3 (by
-// the index on (source, commit_lsn)), up to $4 jobs, in the order they
-// were made.
+// claimTxsSQL claims the due pending jobs of the transactions whose
+// correlation ids are $2 (by the unique index's prefix), up to $3 jobs, in
+// the order they were made.
 const claimTxsSQL = `
 SELECT j.id, j.correlation_id, j.source, j.commit_lsn::text, j.root_table, j.root_seq, j.expected_tables, j.retry_count
-  FROM unnest($2::text[], $3::pg_lsn[]) AS t(source, commit_lsn)
+  FROM unnest($2::text[]) AS t(correlation_id)
  CROSS JOIN LATERAL (
        SELECT s.id, s.correlation_id, s.source, s.commit_lsn, s.root_table, s.root_seq, s.expected_tables, s.retry_count
          FROM %[1]s s
-        WHERE s.source = t.source AND s.commit_lsn = t.commit_lsn
+        WHERE s.correlation_id = t.correlation_id
           AND s.status = 'pending' AND (s.next_attempt_at IS NULL OR s.next_attempt_at <= $1)
         ORDER BY s.id
           FOR UPDATE SKIP LOCKED) j
  ORDER BY j.id
- LIMIT $4`
+ LIMIT $3`
 
 // groupRowsSQL reads the archive rows of many transactions at once.
 const groupRowsSQL = `
@@ -159,11 +159,12 @@ SELECT r.source, r.commit_lsn::text, r.schema_name, r.table_name, r.identity, r.
  ORDER BY r.source, r.commit_lsn, r.seq`
 
 // groupRootsSQL reads the root rows (jobs of any status) of many
-// transactions at once, for the unrelated count.
+// transactions at once, for the unrelated count, by correlation id (the
+// unique index's prefix).
 const groupRootsSQL = `
 SELECT source, commit_lsn::text, root_seq
   FROM %s
- WHERE (source, commit_lsn) IN (SELECT * FROM unnest($1::text[], $2::pg_lsn[]))`
+ WHERE correlation_id = ANY ($1::text[])`
 
 // writeSQL writes every claimed job's outcome in one statement: complete
 // (payload, fingerprint, completed_at), failed (parked with its reason) or
@@ -217,9 +218,12 @@ func RunBatch(ctx context.Context, db Beginner, cfg Config) (Result, error) {
 	})
 }
 
-// TxRef names a source transaction: its source and commit LSN.
+// TxRef names a source transaction: its source, transaction id and commit
+// LSN, the parts of its correlation id (event.CorrelationID), by which its
+// jobs are found.
 type TxRef struct {
 	Source    string
+	XID       int64
 	CommitLSN event.LSN
 }
 
@@ -232,26 +236,26 @@ type TxRef struct {
 // reads the jobs by transaction); jobs locked by another batch are skipped
 // and left to it.
 func RunBatchFor(ctx context.Context, db Beginner, cfg Config, txs []TxRef) (Result, error) {
-	var sources, lsns []string
+	var ids []string
 	seen := make(map[TxRef]bool, len(txs))
 	for _, t := range txs {
 		if !seen[t] {
 			seen[t] = true
-			sources, lsns = append(sources, t.Source), append(lsns, t.CommitLSN.String())
+			ids = append(ids, event.CorrelationID(t.Source, t.XID, t.CommitLSN))
 		}
 	}
-	if len(sources) == 0 {
+	if len(ids) == 0 {
 		return Result{}, nil
 	}
 	return runInTx(ctx, db, cfg, func(ctx context.Context, tx pgx.Tx, cfg *Config, snapshots string, now time.Time) ([]job, error) {
 		limit := max(cfg.BatchSize, min(groupFactor*cfg.BatchSize, maxClaim))
-		rows, err := tx.Query(ctx, fmt.Sprintf(claimTxsSQL, snapshots), now, sources, lsns, limit)
+		rows, err := tx.Query(ctx, fmt.Sprintf(claimTxsSQL, snapshots), now, ids, limit)
 		if err != nil {
-			return nil, fmt.Errorf("claim snapshot jobs of %d transactions: %w", len(sources), err)
+			return nil, fmt.Errorf("claim snapshot jobs of %d transactions: %w", len(ids), err)
 		}
 		jobs, err := pgx.CollectRows(rows, scanJob)
 		if err != nil {
-			return nil, fmt.Errorf("claim snapshot jobs of %d transactions: %w", len(sources), err)
+			return nil, fmt.Errorf("claim snapshot jobs of %d transactions: %w", len(ids), err)
 		}
 		return jobs, nil
 	})
@@ -392,12 +396,12 @@ type loadedGroup struct {
 // of jobs, two queries in all.
 func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[txKey]*loadedGroup, error) {
 	corr := map[txKey]string{}
-	var sources, lsns []string
+	var sources, lsns, ids []string
 	for _, j := range jobs {
 		k := txKey{j.source, j.commitLSN}
 		if _, ok := corr[k]; !ok {
 			corr[k] = j.correlationID
-			sources, lsns = append(sources, j.source), append(lsns, j.commitLSN)
+			sources, lsns, ids = append(sources, j.source), append(lsns, j.commitLSN), append(ids, j.correlationID)
 		}
 	}
 	rows, err := tx.Query(ctx, fmt.Sprintf(groupRowsSQL, table(schema, "rows")), sources, lsns)
@@ -418,11 +422,17 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 			refs     []byte
 			archived *time.Time
 			commit   *time.Time
+			key, row []byte
 		)
-		if err := rows.Scan(&k[0], &k[1], &r.Schema, &r.Table, &identity, &r.Key, &r.Row, &refs, &r.Seq, &archived, &commit); err != nil {
+		// key and row as bytes, not json.RawMessage: pgx scans jsonb into
+		// a RawMessage through json.Unmarshal, a full decode of every
+		// value (a quarter of a spanning batch's CPU); jsonb's text is
+		// valid JSON, copied as it is.
+		if err := rows.Scan(&k[0], &k[1], &r.Schema, &r.Table, &identity, &key, &row, &refs, &r.Seq, &archived, &commit); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
 		}
+		r.Key, r.Row = key, row
 		if identity != nil {
 			r.Identity = *identity
 		}
@@ -453,7 +463,7 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
 	}
-	seqs, err := tx.Query(ctx, fmt.Sprintf(groupRootsSQL, table(schema, "snapshots")), sources, lsns)
+	seqs, err := tx.Query(ctx, fmt.Sprintf(groupRootsSQL, table(schema, "snapshots")), ids)
 	if err != nil {
 		return nil, fmt.Errorf("read snapshot roots of %d transactions: %w", len(sources), err)
 	}

@@ -23,7 +23,7 @@ func TestRunBatchForClaimsOnlyTheGivenTransactions(t *testing.T) {
 		require.Equal(t, 1, txs[i].apply(t, orderRoots))
 	}
 	ref := func(s *sourceTx) snapshot.TxRef {
-		return snapshot.TxRef{Source: s.commit.Source, CommitLSN: s.commit.CommitLSN}
+		return snapshot.TxRef{Source: s.commit.Source, XID: s.commit.XID, CommitLSN: s.commit.CommitLSN}
 	}
 	res, err := snapshot.RunBatchFor(e.ctx, e.pool, snapshot.Config{Schema: "archive_v1"}, nil)
 	require.NoError(t, err)

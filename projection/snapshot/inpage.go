@@ -6,10 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/tidwall/gjson"
 
 	"github.com/epitaph-dev/epitaph/event"
 )
@@ -182,7 +184,7 @@ func assemble(gr Group, tables map[string]int, roots []string) ([]job, *loadedGr
 		if !slices.Contains(roots, q) {
 			continue
 		}
-		k, ok := canonicalJSON(r.Key)
+		k, ok := keyIdentity(r.Key)
 		if !ok {
 			return nil, nil, false
 		}
@@ -194,6 +196,64 @@ func assemble(gr Group, tables map[string]int, roots []string) ([]job, *loadedGr
 		}
 	}
 	return jobs, newLoadedGroup(g, rootSeqs), true
+}
+
+// keyIdentity is a string equal for keys canonicalJSON makes equal, and
+// false where it says false. A key is almost always a flat object of
+// scalars: for those it is the members sorted by name, each name and value
+// length-prefixed with the value's type, read by gjson (decoding every
+// root's key with encoding/json and encoding it again was a tenth of
+// assembly); anything else (nesting, not an object) is canonicalJSON's.
+func keyIdentity(raw json.RawMessage) (string, bool) {
+	s := string(raw)
+	if !gjson.Valid(s) {
+		return "", false
+	}
+	obj := gjson.Parse(s)
+	if !obj.IsObject() {
+		return canonicalJSON(raw)
+	}
+	type member struct{ name, value string }
+	var members []member
+	flat := true
+	obj.ForEach(func(k, v gjson.Result) bool {
+		var value string
+		switch v.Type {
+		case gjson.String:
+			value = "s" + v.Str
+		case gjson.Number:
+			value = "n" + strings.TrimSpace(v.Raw) // json.Number keeps the literal
+		case gjson.True, gjson.False, gjson.Null:
+			value = v.Raw
+		default:
+			flat = false
+			return false
+		}
+		members = append(members, member{k.Str, value})
+		return true
+	})
+	if !flat {
+		return canonicalJSON(raw)
+	}
+	// Stable: of a repeated name the last member counts, as decoding it
+	// into a map keeps the last.
+	slices.SortStableFunc(members, func(a, b member) int { return strings.Compare(a.name, b.name) })
+	n := 1
+	for _, m := range members {
+		n += len(m.name) + len(m.value) + 8
+	}
+	b := make([]byte, 0, n)
+	b = append(b, '{')
+	for i, m := range members {
+		if i+1 < len(members) && members[i+1].name == m.name {
+			continue
+		}
+		b = strconv.AppendInt(b, int64(len(m.name)), 10)
+		b = append(append(b, ':'), m.name...)
+		b = strconv.AppendInt(b, int64(len(m.value)), 10)
+		b = append(append(b, ':'), m.value...)
+	}
+	return string(b), true
 }
 
 // canonicalJSON is a JSON value with object keys sorted and no

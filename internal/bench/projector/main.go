@@ -12,9 +12,12 @@
 //     so they are assembled in the apply transaction), on a stream of
 //     -snapshot-orders-per-tx orders per transaction (the same, many more
 //     commits), and on the same stream with 400-event pages (every
-//     transaction spans pages: the batcher assembles them), each against an
-//     apply without snapshots in the same round and page size: the rate
-//     ratio, how long after the last archived row the last document is
+//     transaction spans pages: the batcher assembles them), each as
+//     -snapshot-pairs interleaved pairs of applies with and without
+//     snapshots in the same page size (the order alternating from pair to
+//     pair): each pair's rate ratio, their median and min, the CPU the
+//     documents added (projector and Postgres, per document), how long
+//     after the last archived row the last document is
 //     complete, and per document the time from its commit being applied
 //     to complete (by commit timestamps: the apply transaction that
 //     applied the commit, the transaction that wrote the document; p50,
@@ -88,6 +91,10 @@ type env struct {
 	// pgStats: pg_stat_statements is loaded (-pgstats); the snapshot phase
 	// and the handlers round print their statements too.
 	pgStats bool
+	// snapPairs is -snapshot-pairs; lastCPU the CPU seconds of the last
+	// apply (projector process, Postgres), for the snapshot phase.
+	snapPairs int
+	lastCPU   cpuTimes
 }
 
 // figure prints a figure of the current round.
@@ -120,13 +127,14 @@ func main() {
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the in-process apply to this file (implies -in-process)")
 	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
+	snapPairs := flag.Int("snapshot-pairs", 3, "with/without apply pairs per snapshot case, interleaved (each pair's ratio, the median and the min are printed)")
 	snapCases := flag.String("snapshot-cases", "bench,snap,spanning", "the snapshot phase's cases to run (comma-separated): bench (the main stream), snap (the -snapshot-orders-per-tx stream), spanning (the main stream in 400-event pages: the batcher)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E, onlyE2E: *onlyE2E,
-		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, snapCases: map[string]bool{}, handlers: *handlers, handlerPar: *handlerPar,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, snapPairs: max(1, *snapPairs), snapCases: map[string]bool{}, handlers: *handlers, handlerPar: *handlerPar,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	for _, c := range strings.Split(*snapCases, ",") {
 		switch c = strings.TrimSpace(c); c {
@@ -154,7 +162,7 @@ func main() {
 
 type opts struct {
 	rows, perTx, workers, batch int
-	snapPerTx                   int
+	snapPerTx, snapPairs        int
 	snapCases                   map[string]bool
 	skipSnapshots               bool
 	handlers                    bool
@@ -222,7 +230,7 @@ func run(o opts) (err error) {
 	}
 	defer srv.Shutdown()
 	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers,
-		inProcess: o.inProcess, cpuProfile: o.cpuProfile, pgStats: o.pgStats}
+		inProcess: o.inProcess, cpuProfile: o.cpuProfile, pgStats: o.pgStats, snapPairs: o.snapPairs}
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
 	if o.onlyE2E {
 		return e.endToEnd(ctx, rows, perTx, 0, 0)
@@ -724,6 +732,7 @@ func (e *env) applyFigures(n int64, start, first, end time.Time, cpu cpuTimes) f
 	e.figure("projector.apply_rows_per_sec_after_first_row", float64(n)/end.Sub(first).Seconds(), "rows/s")
 	e.figure("projector.apply_postgres_cpu_seconds", cpu.postgres, "s")
 	e.figure("projector.apply_projector_cpu_seconds", cpu.proc, "s (projector process; in-process: projector + JetStream server)")
+	e.lastCPU = cpu
 	return rate
 }
 
@@ -771,20 +780,22 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 	return rate, nil
 }
 
-// snapshotRounds runs round r's snapshot cases (o.snapCases).
-func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, orders int64, applyRate float64, snaps map[string][]float64) error {
+// snapshotRounds runs round r's snapshot cases (o.snapCases), each with
+// its own applies without snapshots (snapshotRound): the round's main
+// apply is not reused as the "without".
+func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, orders int64, _ float64, snaps map[string][]float64) error {
 	if o.snapCases["bench"] {
-		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, applyRate, snaps); err != nil {
+		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["snap"] {
-		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, 0, snaps); err != nil {
+		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["spanning"] {
-		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, 0, snaps); err != nil {
+		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, snaps); err != nil {
 			return err
 		}
 	}
@@ -806,76 +817,6 @@ func rootRows(events []*event.Event) int64 {
 		}
 	}
 	return n
-}
-
-// snapshotRound is the snapshot phase of a round for source's stream: an
-// apply with public.orders as snapshot root into a fresh database, against
-// the rate without (applied first into another fresh database when without
-// is 0). The figures of the round are printed and added to snaps (by
-// "name|unit") for the medians.
-func (e *env) snapshotRound(ctx context.Context, round int, source, label string, pageSize int, n, orders int64, without float64, snaps map[string][]float64) error {
-	suffix := e.suffix
-	e.pageSize = pageSize
-	defer func() { e.suffix, e.snapshotRoots, e.afterArchive, e.pageSize = suffix, "", nil, 0 }()
-	name := "projector.snapshots." + label + "."
-	record := func(figure string, v float64, unit string) {
-		e.figure(name+figure, v, unit)
-		snaps[name+figure+"|"+unit] = append(snaps[name+figure+"|"+unit], v)
-	}
-	if without == 0 {
-		url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_plain_%d", label, round))
-		if err != nil {
-			return err
-		}
-		e.suffix = ".snapshots." + label + ".without" + suffix
-		if without, err = e.apply(ctx, url, source, n); err != nil {
-			return err
-		}
-		if err := dropDatabase(ctx, e.pg, url); err != nil {
-			return err
-		}
-	}
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_snap_%d", label, round))
-	if err != nil {
-		return err
-	}
-	e.suffix = ".snapshots." + label + ".with" + suffix
-	e.snapshotRoots = "public.orders"
-	var docs documentFigures
-	e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
-		docs, err = waitDocuments(ctx, url, orders)
-		return err
-	}
-	if e.pgStats {
-		if err := pgStatsReset(ctx, url); err != nil {
-			return err
-		}
-	}
-	with, err := e.apply(ctx, url, source, n)
-	if err != nil {
-		return err
-	}
-	if e.pgStats {
-		if err := pgStatsPrint(ctx, url, "snapshots."+label); err != nil {
-			return err
-		}
-	}
-	if err := dropDatabase(ctx, e.pg, url); err != nil {
-		return err
-	}
-	e.suffix = suffix
-	record("apply_ratio", with/without, "x of the apply without snapshots (target >= 0.80)")
-	record("last_document_age_seconds", docs.lastAge.Seconds(), "s from the last archived row to the last document complete")
-	record("document_delay_max_seconds", docs.maxDelay, "s from the commit of the apply transaction that applied a group's commit to the commit that wrote its document complete, the slowest (target <= 2)")
-	record("document_delay_p99_seconds", docs.p99Delay, "s, 99th percentile")
-	record("document_delay_p50_seconds", docs.p50Delay, "s, median")
-	record("document_delay_from_apply_start_max_seconds", docs.maxFromStart, "s from the start of that apply transaction (the job's created_at) to completed_at, the slowest")
-	if docs.batches > 0 {
-		record("batcher_batches", float64(docs.batches), "batches that completed documents (the rest were assembled in the apply)")
-		record("batcher_documents_per_batch", docs.perBatch, "documents per batch (mean)")
-	}
-	record("in_page_share", docs.inPage, "of the documents assembled in the apply transaction")
-	return nil
 }
 
 type documentFigures struct {
