@@ -63,7 +63,9 @@ func TestCaptureCommandServesProbesAndBuildInfo(t *testing.T) {
 		case <-time.After(60 * time.Second):
 			t.Error("capture did not stop")
 		}
-		testenv.Exec(t, url, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot)
+		// The slot goes with the database (testenv ends its walsender
+		// first): dropped here, it could still be active for a moment
+		// after the capture stopped, and the drop failed the test.
 	})
 
 	get := func(path string) (int, string) {
