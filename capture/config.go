@@ -82,8 +82,7 @@ type Config struct {
 	// while streaming; default 10s; negative: only at start.
 	StreamCheckInterval time.Duration
 	// DuplicateWindow of the stream's Msg-Id dedupe; default
-	// DefaultDuplicateWindow (DefaultClusterDuplicateWindow with
-	// Replicas > 1). No guarantee rests on it (see
+	// DefaultDuplicateWindow. No guarantee rests on it (see
 	// DefaultDuplicateWindow); it costs the server memory and CPU per
 	// message id it holds.
 	DuplicateWindow time.Duration
@@ -171,19 +170,7 @@ const externalSyncInterval = 2 * time.Minute
 //     stays beside the real one: the real one is stored under its own id,
 //     and projectors believe only signed messages
 //     (capture/TestForgedIDsOutsideTheWindowStayBesideTheRealOnes).
-//
-// A replicated stream (Replicas > 1) keeps the old 2 minutes unless told
-// otherwise (DefaultClusterDuplicateWindow).
 const DefaultDuplicateWindow = time.Second
-
-// DefaultClusterDuplicateWindow is the default window of a replicated
-// stream. Nothing rests on the window there either; it is a hedge: in one
-// of eight runs of e2e/TestClusterLosesNodesUnderLoad with the 1 s window
-// (none of seven with 2 m, too few to tell) the surviving replicas of a
-// stopped leader refused to apply with "last msgid mismatch" and no leader
-// was elected, like the nats-server 2.15.2 defect deploy/README.md
-// describes for restarted nodes. Clustered servers have the memory.
-const DefaultClusterDuplicateWindow = 2 * time.Minute
 
 // minDuplicateWindow is the shortest window JetStream accepts.
 const minDuplicateWindow = 100 * time.Millisecond
@@ -225,9 +212,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.DuplicateWindow == 0 {
 		c.DuplicateWindow = DefaultDuplicateWindow
-		if c.Replicas > 1 {
-			c.DuplicateWindow = DefaultClusterDuplicateWindow
-		}
 	}
 	if c.NATSURL == "" && c.EmbeddedListen == "" {
 		c.EmbeddedListen = broker.DefaultListen

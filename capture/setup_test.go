@@ -164,23 +164,3 @@ func TestWalLevelNotLogical(t *testing.T) {
 }
 
 var _ = event.StreamName
-
-// The dedupe window's default: 1 s, 2 m for a replicated stream (a hedge,
-// see DefaultClusterDuplicateWindow); a window given is kept.
-func TestDuplicateWindowDefaults(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		replicas int
-		given    time.Duration
-		want     time.Duration
-	}{
-		{1, 0, time.Second},
-		{3, 0, 2 * time.Minute},
-		{3, time.Second, time.Second},
-		{1, 5 * time.Minute, 5 * time.Minute},
-	} {
-		c := Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", Replicas: tc.replicas, DuplicateWindow: tc.given}
-		c.setDefaults()
-		require.Equal(t, tc.want, c.DuplicateWindow, "replicas %d, given %s", tc.replicas, tc.given)
-	}
-}

@@ -79,8 +79,7 @@ refused, never replaced by the default.`,
 	f.Var(&retentionValue{cfg: &cfg}, "retention", "EPITAPH_RETENTION", "the stream limits that may discard events (default none: every event kept, rebuilds need them): a max age such as 720h, or max-age=D,max-bytes=N[K|M|G|T],max-msgs=N,max-msgs-per-subject=N. Any other discarding limit on the stream makes the capture refuse to start; one changed while it streams is restored")
 	f.Duration(&cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", 10*time.Second, "how often the stream's limits are checked (and restored) while streaming; negative: only at start", cli.NotZero())
 	f.Duration(&cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval (negative: no heartbeats)", cli.NotZero())
-	f.Duration(&cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", 0, "JetStream dedupe window (at least 100ms; unset: 1s, 2m with --replicas above 1); no guarantee rests on it, the server holds every message id of it in memory", cli.Positive())
-	root.Flags().Lookup("duplicate-window").DefValue = "" // its default depends on --replicas (the text says)
+	f.Duration(&cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", capture.DefaultDuplicateWindow, "JetStream dedupe window (at least 100ms); no guarantee rests on it, the server holds every message id of it in memory", cli.Positive())
 	f.Duration(&cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
 	f.Enum(&cfg.StreamPersist, "stream-persist", "EPITAPH_STREAM_PERSIST", capture.PersistAuto,
 		[]string{capture.PersistAuto, capture.PersistAsync, capture.PersistDefault},
