@@ -138,10 +138,33 @@ func clusterFaults() []string {
 // stopped and started again, several times). At the end the stream and object
 // store are on three replicas and the archive holds exactly the deleted
 // rows, none missing, none twice, every value equal.
+//
+// nats-server 2.15.2 sometimes wedges the stream when its leader is stopped:
+// the surviving replicas refuse to apply ("last msgid mismatch") and elect
+// no leader (deploy/README.md, "Known open defect"; seen in about one run
+// in ten). That run proves nothing about Epitaph either way, so it is
+// dropped (its subtest skipped, naming the defect) and the whole run is
+// repeated on a fresh cluster and database; the test fails if every one of
+// three attempts wedges, and fails as before on anything else.
 func TestClusterLosesNodesUnderLoad(t *testing.T) {
 	t.Parallel()
 	bins := binaries(t)
 	seed := testSeed(t)
+	const attempts = 3
+	for attempt := 1; attempt <= attempts; attempt++ {
+		wedged := false
+		t.Run(fmt.Sprintf("attempt-%d", attempt), func(t *testing.T) {
+			clusterLosesNodesUnderLoad(t, bins, seed+uint64(attempt-1), &wedged)
+		})
+		if !wedged || t.Failed() {
+			return
+		}
+		t.Logf("attempt %d: the stream wedged on the nats-server defect; again on a fresh cluster", attempt)
+	}
+	t.Fatalf("the JetStream cluster wedged on the nats-server defect in all %d attempts", attempts)
+}
+
+func clusterLosesNodesUnderLoad(t *testing.T, bins map[string]string, seed uint64, wedged *bool) {
 	t.Logf("seed %d", seed)
 	rng := rand.New(rand.NewPCG(seed, 7))
 
@@ -214,13 +237,19 @@ func TestClusterLosesNodesUnderLoad(t *testing.T) {
 		faults = append(faults, fmt.Sprintf("%s %s@%.1fs", role, victim, time.Since(start).Seconds()))
 		t.Logf("stopped the stream's %s %s at %.1fs", role, victim, time.Since(start).Seconds())
 		if role == "leader" {
-			require.NoError(t, workload.WaitFor(ctx, 90*time.Second, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
+			err := workload.WaitFor(ctx, 90*time.Second, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
 				cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 				defer cancel()
 				l, _, err := testenv.StreamCluster(cctx, js, stream)
 				seen = fmt.Sprintf("leader %q, err %v; nodes: %s", l, err, cluster.health())
 				return err == nil && l != "" && l != victim, nil
-			}), "a new stream leader after %s (faults: %s; last seen: %s)", victim, summary(faults), seen)
+			})
+			if err != nil && strings.Contains(seen, "last msgid mismatch") {
+				*wedged = true
+				t.Skipf("the stream wedged on the nats-server 2.15.2 defect, not Epitaph's doing (deploy/README.md): no leader after %s (faults: %s; last seen: %s)",
+					victim, summary(faults), seen)
+			}
+			require.NoError(t, err, "a new stream leader after %s (faults: %s; last seen: %s)", victim, summary(faults), seen)
 		}
 		select {
 		case <-ctx.Done():
