@@ -65,6 +65,11 @@ type Evaluator struct {
 	mu      sync.Mutex
 	sources map[string]*pgxpool.Pool // by URL (never logged)
 	closed  bool
+	// live and urlFiles: the live archive schema and the handlers'
+	// source_url_file as EvaluateClaimed last read them, its guesses for
+	// the next call (checked against that call's fresh read).
+	live     *string
+	urlFiles map[string]*string
 }
 
 // New returns an Evaluator on the target db. Close it to close the source

@@ -32,18 +32,14 @@ func needsRecord(res Result) bool {
 }
 
 // BatchRevalidator is the dispatcher's batch seam
-// (handler.BatchRevalidator): EvaluateBatch over a claimed batch, then, per
-// delivery, what Revalidator does after its evaluation.
+// (handler.BatchRevalidator): EvaluateClaimed over a claimed batch, then,
+// per delivery, what Revalidator does after its evaluation.
 func (e *Evaluator) BatchRevalidator() handler.BatchRevalidator {
 	return func(ctx context.Context, ds []handler.Delivery) []handler.Verdict {
-		ids := make([]string, len(ds))
-		for i, d := range ds {
-			ids[i] = d.ID
-		}
-		results, errs := e.EvaluateBatch(ctx, ids)
+		results := e.EvaluateClaimed(ctx, ds)
 		vs := make([]handler.Verdict, len(ds))
 		for i, res := range results {
-			vs[i] = e.verdict(ctx, res, errs[i])
+			vs[i] = e.verdict(ctx, res, nil)
 		}
 		return vs
 	}

@@ -35,6 +35,10 @@ import (
 
 type options struct {
 	deliveries, group, parallelism int
+	// cpuProfile: a CPU profile of this process during the revalidation-on
+	// Flush; pgStats: pg_stat_statements per Flush.
+	cpuProfile string
+	pgStats    bool
 }
 
 func main() {
@@ -42,6 +46,8 @@ func main() {
 	flag.IntVar(&o.deliveries, "deliveries", 5000, "deliveries (archived rows) per phase")
 	flag.IntVar(&o.group, "group", 10, "rows per source transaction (the set each delivery describes)")
 	flag.IntVar(&o.parallelism, "parallelism", handler.DefaultParallelism, "evaluations / deliveries at once")
+	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of this process during the revalidation-on Flush to this file")
+	flag.BoolVar(&o.pgStats, "pgstats", false, "load pg_stat_statements and print the statements of each Flush (off, on)")
 	flag.Parse()
 	if o.deliveries < 1 || o.group < 1 || o.parallelism < 1 {
 		fmt.Fprintln(os.Stderr, "bench-revalidate: -deliveries, -group and -parallelism must be at least 1")
@@ -75,6 +81,14 @@ func run(ctx context.Context, o options) error {
 		_ = pg.Stop()
 		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
 	}()
+	if o.pgStats {
+		if err := pg.SetConfig("shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all", "pg_stat_statements.track_planning = on"); err != nil {
+			return err
+		}
+		if err := pg.Restart(); err != nil {
+			return err
+		}
+	}
 	e, closeAll, err := setup(ctx, pg, o)
 	if err != nil {
 		return err
@@ -309,6 +323,14 @@ func (e *env) rates(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		name := map[bool]string{false: "off", true: "on"}[on]
+		if err := e.pgStatsReset(ctx); err != nil {
+			return err
+		}
+		stopProfile, err := e.profile(on)
+		if err != nil {
+			return err
+		}
 		cpu0, err := e.cpu()
 		if err != nil {
 			return err
@@ -318,11 +340,15 @@ func (e *env) rates(ctx context.Context) error {
 		left, err := d.Flush(fctx)
 		took := time.Since(start)
 		cancel()
+		stopProfile()
 		if err != nil {
 			return err
 		}
 		cpu1, err := e.cpu()
 		if err != nil {
+			return err
+		}
+		if err := e.pgStatsPrint(ctx, "flush "+name, e.o.deliveries); err != nil {
 			return err
 		}
 		if left != 0 {
@@ -336,7 +362,6 @@ func (e *env) rates(ctx context.Context) error {
 			return errors.New("not every delivery is done")
 		}
 		rate[on] = float64(done) / took.Seconds()
-		name := map[bool]string{false: "off", true: "on"}[on]
 		bench.Figure("deliveries_per_s_revalidation_"+name, rate[on], "deliveries/s (webhook, local server)")
 		// CPU per delivery: what a loaded machine does not distort.
 		cpu[on] = cpuUse{postgres: (cpu1.postgres - cpu0.postgres) / float64(done), bench: (cpu1.bench - cpu0.bench) / float64(done)}
