@@ -186,3 +186,67 @@ func TestClaimedBatchFollowsTheSourceURLFile(t *testing.T) {
 	got = e.ev.EvaluateClaimed(e.ctx, ds)
 	require.Equal(t, revalidate.Send, got[0].Outcome)
 }
+
+// The source check of a batch's keys is one statement for the table
+// (jsonb_populate_recordset, the keys typed as the table's columns) when
+// every key is an object of scalar values; each delivery gets what the
+// per-key lookup gives it alone: keys of several columns and types, text
+// that needs quoting, a key with a null value (the per-key lookup, then).
+func TestSourceKeysReadAsOneSet(t *testing.T) {
+	e := setup(t)
+	_, err := e.source.Exec(e.ctx, `CREATE TABLE public.accounts (region text, n int8, active boolean, note text,
+		PRIMARY KEY (region, n, active));
+		INSERT INTO public.accounts VALUES ('eu', 1, true, 'x'), ('it''s "quoted" ü', 2, false, 'y'), ('eu', 3, true, 'z')`)
+	require.NoError(t, err)
+	h := "00000000-0000-4000-8000-0000000000d1"
+	e.exec(`INSERT INTO epitaph.handlers (id, schema_name, table_name, kind, target) VALUES ($1, 'public', 'accounts', 'webhook', 'http://127.0.0.1:1/')`, h)
+	keys := []string{
+		`{"region":"eu","n":1,"active":true}`,                 // there: superseded
+		`{"region":"it's \"quoted\" ü","n":2,"active":false}`, // there
+		`{"region":"eu","n":2,"active":true}`,                 // not there: send
+		`{"region":"eu","n":3,"active":false}`,                // not there (active differs)
+		`{"region":"eu","n":3,"active":true}`,                 // there
+	}
+	queue := func(keys []string) []string {
+		g := e.newGroup()
+		var ids []string
+		for i, k := range keys {
+			e.exec(`INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, identity, correlation_id, is_root, commit_lsn, seq, verified)
+				VALUES ($1, 'public', 'accounts', $2::jsonb, $2::jsonb, 'full', $3, true, $4::pg_lsn, $5, true)`, src, k, g.corr, g.lsn, i)
+		}
+		for i, k := range keys {
+			var id string
+			require.NoError(t, e.target.QueryRow(e.ctx, `INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name,
+				table_name, key, correlation_id, version, released_at, payload)
+				VALUES (gen_random_uuid(), $1, $2, $3::pg_lsn, $4, 'public', 'accounts', $5::jsonb, $6, 1, now(), '{}')
+				RETURNING id::text`, h, src, g.lsn, i, k, g.corr).Scan(&id))
+			ids = append(ids, id)
+		}
+		tx, err := e.target.Begin(e.ctx)
+		require.NoError(t, err)
+		_, err = revalidate.StampGroups(e.ctx, tx, "archive_v1", src, []string{g.lsn})
+		require.NoError(t, err)
+		require.NoError(t, tx.Commit(e.ctx))
+		return ids
+	}
+	ids := queue(keys)
+	m := e.sourceQ.mark()
+	got := e.ev.EvaluateClaimed(e.ctx, e.claimed(ids...))
+	require.Equal(t, 1, e.sourceQ.since(m, ""), "one source statement")
+	require.Equal(t, 1, e.sourceQ.since(m, "jsonb_populate_recordset"))
+	e.requireSameAsAlone(ids, got)
+	for i, want := range []revalidate.Outcome{revalidate.StopSuperseded, revalidate.StopSuperseded, revalidate.Send,
+		revalidate.Send, revalidate.StopSuperseded} {
+		require.Equal(t, want, got[i].Outcome, keys[i])
+	}
+
+	// A key with a null value: the batch's keys are looked up one EXISTS
+	// each, as before.
+	ids = queue([]string{`{"region":"eu","n":1,"active":true}`, `{"region":null,"n":1,"active":true}`})
+	m = e.sourceQ.mark()
+	got = e.ev.EvaluateClaimed(e.ctx, e.claimed(ids...))
+	require.Equal(t, 0, e.sourceQ.since(m, "jsonb_populate_recordset"))
+	e.requireSameAsAlone(ids, got)
+	require.Equal(t, revalidate.StopSuperseded, got[0].Outcome)
+	require.Equal(t, revalidate.Send, got[1].Outcome)
+}

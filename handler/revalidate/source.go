@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // keyExists reads the source: is there a row with the delivery's key in its
@@ -114,6 +115,9 @@ func (e *Evaluator) decideSources(ctx context.Context, open []*pending, results 
 }
 
 func (e *Evaluator) decideSourceTable(ctx context.Context, url string, ps []*pending, results []Result) []*pending {
+	if still, ok := e.decideSourceSet(ctx, url, ps, results); ok {
+		return still
+	}
 	var exprs []string
 	var args []any
 	var asked []*pending
@@ -228,4 +232,123 @@ func keyPredicate(raw json.RawMessage, after int) (string, []any, error) {
 		where = append(where, pgx.Identifier{c}.Sanitize()+" = $"+strconv.Itoa(after+len(args)))
 	}
 	return strings.Join(where, " AND "), args, nil
+}
+
+// setKeys: when every key of ps is an object of the same columns whose
+// values are JSON strings, numbers or booleans, those columns (sorted) and
+// the keys as one JSON array; ok false otherwise (a null, an object or an
+// array value: their lookups are keyPredicate's).
+func setKeys(ps []*pending) (cols []string, keys []byte, ok bool) {
+	keys = append(make([]byte, 0, 16*len(ps)), '[')
+	for j, p := range ps {
+		var key map[string]json.RawMessage
+		if err := json.Unmarshal(p.d.key, &key); err != nil || len(key) == 0 {
+			return nil, nil, false
+		}
+		if j == 0 {
+			for c := range key {
+				cols = append(cols, c)
+			}
+			slices.Sort(cols)
+		}
+		if len(key) != len(cols) {
+			return nil, nil, false
+		}
+		for _, c := range cols {
+			v, found := key[c]
+			if !found || len(v) == 0 || v[0] == '{' || v[0] == '[' || string(v) == "null" {
+				return nil, nil, false
+			}
+		}
+		if j > 0 {
+			keys = append(keys, ',')
+		}
+		keys = append(keys, p.d.key...)
+	}
+	return cols, append(keys, ']'), true
+}
+
+// sourceSetSQL asks which keys of a JSON array exist in table, in one
+// statement whatever their number: jsonb_populate_recordset types each
+// key's values as the table's columns (a JSON string, number or boolean
+// is given to the column type's input as its text, as keyPredicate's text
+// parameters are), and each is looked up by the key's columns (one index
+// probe each). It returns the ordinals (from 1) of the keys found. Every
+// key is typed, also when the table is empty (a FILTER, not a join whose
+// plan may skip its outer side): a value the column rejects fails the
+// statement, as it fails keyPredicate's.
+func sourceSetSQL(schema, table string, cols []string) string {
+	t := pgx.Identifier{schema, table}.Sanitize()
+	where := make([]string, len(cols))
+	for i, c := range cols {
+		q := pgx.Identifier{c}.Sanitize()
+		where[i] = "t." + q + " = k." + q
+	}
+	return `SELECT COALESCE(array_agg(k.ordinality::int) FILTER (WHERE EXISTS (
+    SELECT 1 FROM ` + t + ` t WHERE ` + strings.Join(where, " AND ") + `)), '{}')
+FROM jsonb_populate_recordset(NULL::` + t + `, $1::jsonb) WITH ORDINALITY k`
+}
+
+// decideSourceSet is the source check of ps (one table) in one statement
+// of constant text (sourceSetSQL) instead of one EXISTS per key; ok false
+// when its keys do not allow it, or the source answered it with an error
+// (a key its column type rejects, a missing permission or table: the
+// per-key statement then gives each delivery its reason). A source that
+// does not answer (down, timed out) defers ps here, as the per-key
+// statement would.
+func (e *Evaluator) decideSourceSet(ctx context.Context, url string, ps []*pending, results []Result) ([]*pending, bool) {
+	if len(ps) < 2 {
+		return nil, false
+	}
+	cols, keys, ok := setKeys(ps)
+	if !ok {
+		return nil, false
+	}
+	found, err := e.readSourceSet(ctx, url, sourceSetSQL(ps[0].d.schemaName, ps[0].d.table, cols), keys)
+	var pe *pgconn.PgError
+	switch {
+	case errors.As(err, &pe):
+		return nil, false
+	case err != nil:
+		reason := ReasonSourceDown
+		if !errors.Is(err, errPool) {
+			reason = sourceReason(err)
+		}
+		e.warnSource(ps[0].d, len(ps), err)
+		for _, p := range ps {
+			settle(results, p, Result{Outcome: Defer, Reason: reason})
+		}
+		return nil, true
+	}
+	exists := make([]bool, len(ps))
+	for _, j := range found {
+		if j >= 1 && int(j) <= len(ps) {
+			exists[j-1] = true
+		}
+	}
+	var still []*pending
+	for j, p := range ps {
+		if exists[j] {
+			settle(results, p, Result{Outcome: StopSuperseded, Reason: ReasonKeyInSource})
+			continue
+		}
+		still = append(still, p)
+	}
+	return still, true
+}
+
+// readSourceSet runs q (sourceSetSQL) with keys on the source url, bounded
+// by the source timeout.
+func (e *Evaluator) readSourceSet(ctx context.Context, url, q string, keys []byte) ([]int32, error) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.SourceTimeout)
+	defer cancel()
+	p, err := e.pool(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errPool, err)
+	}
+	var found []int32
+	if err := p.QueryRow(ctx, q, string(keys)).Scan(&found); err != nil {
+		return nil, fmt.Errorf("read keys: %w", err)
+	}
+	return found, nil
 }

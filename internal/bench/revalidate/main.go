@@ -35,6 +35,8 @@ import (
 
 type options struct {
 	deliveries, group, parallelism int
+	// pairs: Flush rounds with revalidation off and on, interleaved.
+	pairs int
 	// cpuProfile: a CPU profile of this process during the revalidation-on
 	// Flush; pgStats: pg_stat_statements per Flush.
 	cpuProfile string
@@ -46,11 +48,12 @@ func main() {
 	flag.IntVar(&o.deliveries, "deliveries", 5000, "deliveries (archived rows) per phase")
 	flag.IntVar(&o.group, "group", 10, "rows per source transaction (the set each delivery describes)")
 	flag.IntVar(&o.parallelism, "parallelism", handler.DefaultParallelism, "evaluations / deliveries at once")
-	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of this process during the revalidation-on Flush to this file")
+	flag.IntVar(&o.pairs, "pairs", 3, "Flush rounds with revalidation off then on (interleaved pairs; medians reported)")
+	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write CPU profiles of this process during the last pair's Flushes to this file's name with .off and .on")
 	flag.BoolVar(&o.pgStats, "pgstats", false, "load pg_stat_statements and print the statements of each Flush (off, on)")
 	flag.Parse()
-	if o.deliveries < 1 || o.group < 1 || o.parallelism < 1 {
-		fmt.Fprintln(os.Stderr, "bench-revalidate: -deliveries, -group and -parallelism must be at least 1")
+	if o.deliveries < 1 || o.group < 1 || o.parallelism < 1 || o.pairs < 1 {
+		fmt.Fprintln(os.Stderr, "bench-revalidate: -deliveries, -group, -parallelism and -pairs must be at least 1")
 		os.Exit(2)
 	}
 	if err := run(context.Background(), o); err != nil {
@@ -224,14 +227,78 @@ func (e *env) evaluations(ctx context.Context) error {
 		per := took / time.Duration(len(ids))
 		bench.Figure("revalidate_"+phase.path+"_us_per_delivery", float64(per.Microseconds()), fmt.Sprintf("µs (wall, %d at once)", e.o.parallelism))
 		bench.Figure("revalidate_"+phase.path+"_per_s", float64(len(ids))/took.Seconds(), "evaluations/s")
+		cpu0, err := e.cpu()
+		if err != nil {
+			return err
+		}
 		took, err = e.evaluateBatches(ctx, ids, phase.path)
+		if err != nil {
+			return err
+		}
+		cpu1, err := e.cpu()
 		if err != nil {
 			return err
 		}
 		per = took / time.Duration(len(ids))
 		bench.Figure("revalidate_"+phase.path+"_us_per_delivery_batched", float64(per.Microseconds()),
-			fmt.Sprintf("µs (wall, batches of %d one at a time, as the dispatcher claims)", batchSize))
+			fmt.Sprintf("µs (wall, EvaluateBatch of %d ids one at a time)", batchSize))
+		n := float64(len(ids))
+		bench.Figure("revalidate_"+phase.path+"_cpu_us_per_delivery_batched", 1e6*(cpu1.postgres-cpu0.postgres+cpu1.bench-cpu0.bench)/n,
+			fmt.Sprintf("µs of CPU (Postgres %.1f + this process %.1f) per delivery, EvaluateBatch",
+				1e6*(cpu1.postgres-cpu0.postgres)/n, 1e6*(cpu1.bench-cpu0.bench)/n))
+		if err := e.evaluateClaimedBatches(ctx, ids, phase.path); err != nil {
+			return err
+		}
 	}
+	return nil
+}
+
+// evaluateClaimedBatches measures EvaluateClaimed, what the dispatcher
+// runs on each batch it claims, over the deliveries in claimed-batch sizes,
+// one batch at a time: wall time and CPU (Postgres, this process) per
+// delivery, the cost revalidation adds to a delivery.
+func (e *env) evaluateClaimedBatches(ctx context.Context, ids []string, path string) error {
+	rows, err := e.target.Query(ctx, `SELECT id::text, handler_id::text, source, commit_lsn::text, seq, generation,
+		schema_name, table_name, key, correlation_id, fingerprint, group_rows, group_max
+		FROM epitaph.deliveries ORDER BY commit_lsn, seq`)
+	if err != nil {
+		return err
+	}
+	ds, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (handler.Delivery, error) {
+		var d handler.Delivery
+		err := r.Scan(&d.ID, &d.HandlerID, &d.Source, &d.CommitLSN, &d.Seq, &d.Generation, &d.Schema, &d.Table, &d.Key,
+			&d.CorrelationID, &d.Fingerprint, &d.GroupRows, &d.GroupMax)
+		return d, err
+	})
+	if err != nil {
+		return fmt.Errorf("read the deliveries as claimed: %w", err)
+	}
+	// One batch first: the evaluator learns the live schema and the
+	// handler's source as the dispatcher's does on its first batch.
+	e.ev.EvaluateClaimed(ctx, ds[:1])
+	cpu0, err := e.cpu()
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	for chunk := range slices.Chunk(ds, batchSize) {
+		for i, res := range e.ev.EvaluateClaimed(ctx, chunk) {
+			if res.Outcome != revalidate.Send || res.Path != path {
+				return fmt.Errorf("delivery %s: %s (%s) on the %s path, want send on the %s path", chunk[i].ID, res.Outcome, res.Reason, res.Path, path)
+			}
+		}
+	}
+	took := time.Since(start)
+	cpu1, err := e.cpu()
+	if err != nil {
+		return err
+	}
+	n := float64(len(ds))
+	bench.Figure("revalidate_"+path+"_us_per_delivery_claimed", float64((took / time.Duration(len(ds))).Microseconds()),
+		fmt.Sprintf("µs (wall, EvaluateClaimed of %d claimed deliveries one at a time, as the dispatcher)", batchSize))
+	bench.Figure("revalidate_"+path+"_cpu_us_per_delivery_claimed", 1e6*(cpu1.postgres-cpu0.postgres+cpu1.bench-cpu0.bench)/n,
+		fmt.Sprintf("µs of CPU (Postgres %.1f + this process %.1f) per delivery: what revalidation adds to one",
+			1e6*(cpu1.postgres-cpu0.postgres)/n, 1e6*(cpu1.bench-cpu0.bench)/n))
 	return nil
 }
 
@@ -298,7 +365,10 @@ feed:
 }
 
 // rates runs every delivery through the real dispatcher to a local webhook
-// that answers at once, with revalidation off and then on.
+// that answers at once, with revalidation off and then on, o.pairs times
+// (off, on, off, on, ...: a machine whose load changes during the bench
+// moves both sides of a pair alike), and reports each pair and the
+// medians.
 func (e *env) rates(ctx context.Context) error {
 	var mu sync.Mutex
 	seen := 0
@@ -309,72 +379,123 @@ func (e *env) rates(ctx context.Context) error {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	defer srv.Close()
-	rate := map[bool]float64{}
-	cpu := map[bool]cpuUse{}
-	for _, on := range []bool{false, true} {
-		if _, err := e.seed(ctx, srv.URL); err != nil {
-			return err
+	var rateRatios, cpuRatios []float64
+	var runs [2][]flushRun
+	for pair := range e.o.pairs {
+		var r [2]flushRun
+		for k, on := range []bool{false, true} {
+			var err error
+			if r[k], err = e.flushRound(ctx, srv.URL, on, pair == e.o.pairs-1); err != nil {
+				return err
+			}
+			runs[k] = append(runs[k], r[k])
 		}
-		if _, err := e.target.Exec(ctx, `UPDATE epitaph.handlers SET revalidate = $1`, on); err != nil {
-			return err
-		}
-		d, err := handler.NewDispatcher(e.target, handler.Config{Parallelism: e.o.parallelism,
-			Revalidate: e.ev.Revalidator(), RevalidateBatch: e.ev.BatchRevalidator(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-		if err != nil {
-			return err
-		}
-		name := map[bool]string{false: "off", true: "on"}[on]
-		if err := e.pgStatsReset(ctx); err != nil {
-			return err
-		}
-		stopProfile, err := e.profile(on)
-		if err != nil {
-			return err
-		}
-		cpu0, err := e.cpu()
-		if err != nil {
-			return err
-		}
-		fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
-		start := time.Now()
-		left, err := d.Flush(fctx)
-		took := time.Since(start)
-		cancel()
-		stopProfile()
-		if err != nil {
-			return err
-		}
-		cpu1, err := e.cpu()
-		if err != nil {
-			return err
-		}
-		if err := e.pgStatsPrint(ctx, "flush "+name, e.o.deliveries); err != nil {
-			return err
-		}
-		if left != 0 {
-			return fmt.Errorf("flush left %d deliveries open", left)
-		}
-		var done int
-		if err := e.target.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done); err != nil {
-			return err
-		}
-		if done != e.o.deliveries {
-			return errors.New("not every delivery is done")
-		}
-		rate[on] = float64(done) / took.Seconds()
-		bench.Figure("deliveries_per_s_revalidation_"+name, rate[on], "deliveries/s (webhook, local server)")
-		// CPU per delivery: what a loaded machine does not distort.
-		cpu[on] = cpuUse{postgres: (cpu1.postgres - cpu0.postgres) / float64(done), bench: (cpu1.bench - cpu0.bench) / float64(done)}
-		bench.Figure("postgres_cpu_us_per_delivery_revalidation_"+name, cpu[on].postgres*1e6, "µs of Postgres CPU per delivery (the whole Flush)")
-		bench.Figure("dispatcher_cpu_us_per_delivery_revalidation_"+name, cpu[on].bench*1e6, "µs of this process's CPU per delivery (dispatcher, evaluator, webhook server)")
+		rateRatios = append(rateRatios, r[1].rate/r[0].rate)
+		cpuRatios = append(cpuRatios, (r[0].cpu.postgres+r[0].cpu.bench)/(r[1].cpu.postgres+r[1].cpu.bench))
+		bench.Note("pair %d: %.0f / %.0f deliveries/s (on/off %.2f); CPU per delivery off: Postgres %.0f µs, process %.0f µs; on: %.0f µs, %.0f µs (off/on %.2f)",
+			pair+1, r[1].rate, r[0].rate, rateRatios[pair], r[0].cpu.postgres*1e6, r[0].cpu.bench*1e6, r[1].cpu.postgres*1e6,
+			r[1].cpu.bench*1e6, cpuRatios[pair])
 	}
-	bench.Figure("revalidation_rate_ratio_on_off", rate[true]/rate[false], "target >= 0.75 (revalidation costs <= 25% of the delivery rate)")
-	bench.Figure("revalidation_cpu_ratio_off_on", (cpu[false].postgres+cpu[false].bench)/(cpu[true].postgres+cpu[true].bench),
-		"x: CPU per delivery (Postgres + process) off / on, the rate ratio a CPU-bound machine would see (target >= 0.75)")
+	for k, name := range []string{"off", "on"} {
+		bench.Figure("deliveries_per_s_revalidation_"+name, median(runs[k], func(r flushRun) float64 { return r.rate }),
+			fmt.Sprintf("deliveries/s (webhook, local server; median of %d)", e.o.pairs))
+		// CPU per delivery: what a loaded machine does not distort.
+		bench.Figure("postgres_cpu_us_per_delivery_revalidation_"+name, 1e6*median(runs[k], func(r flushRun) float64 { return r.cpu.postgres }),
+			"µs of Postgres CPU per delivery (the whole Flush; median)")
+		bench.Figure("dispatcher_cpu_us_per_delivery_revalidation_"+name, 1e6*median(runs[k], func(r flushRun) float64 { return r.cpu.bench }),
+			"µs of this process's CPU per delivery (dispatcher, evaluator, webhook server; median)")
+	}
+	same := func(v float64) float64 { return v }
+	bench.Figure("revalidation_rate_ratio_on_off", median(rateRatios, same),
+		fmt.Sprintf("median of %d pairs; target >= 0.75 (revalidation costs <= 25%% of the delivery rate)", e.o.pairs))
+	bench.Figure("revalidation_cpu_ratio_off_on", median(cpuRatios, same),
+		"x: CPU per delivery (Postgres + process) off / on, median of the pairs: the rate ratio a CPU-bound machine would see (target >= 0.75)")
 	mu.Lock()
 	bench.Note("the webhook saw %d requests", seen)
 	mu.Unlock()
 	return nil
+}
+
+// flushRun is one Flush of every delivery: its rate and CPU per delivery.
+type flushRun struct {
+	rate float64
+	cpu  cpuUse
+}
+
+func median[T any](xs []T, f func(T) float64) float64 {
+	vs := make([]float64, len(xs))
+	for i, x := range xs {
+		vs[i] = f(x)
+	}
+	slices.Sort(vs)
+	if len(vs) == 0 {
+		return 0
+	}
+	if len(vs)%2 == 1 {
+		return vs[len(vs)/2]
+	}
+	return (vs[len(vs)/2-1] + vs[len(vs)/2]) / 2
+}
+
+// flushRound seeds the deliveries, runs them through a new dispatcher's
+// Flush with revalidation on or off and checks every one is done; last:
+// the profile and the statements (-cpuprofile, -pgstats) are of this one.
+func (e *env) flushRound(ctx context.Context, url string, on, last bool) (flushRun, error) {
+	if _, err := e.seed(ctx, url); err != nil {
+		return flushRun{}, err
+	}
+	if _, err := e.target.Exec(ctx, `UPDATE epitaph.handlers SET revalidate = $1`, on); err != nil {
+		return flushRun{}, err
+	}
+	d, err := handler.NewDispatcher(e.target, handler.Config{Parallelism: e.o.parallelism,
+		Revalidate: e.ev.Revalidator(), RevalidateBatch: e.ev.BatchRevalidator(), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		return flushRun{}, err
+	}
+	name := map[bool]string{false: "off", true: "on"}[on]
+	if last {
+		if err := e.pgStatsReset(ctx); err != nil {
+			return flushRun{}, err
+		}
+	}
+	stopProfile, err := e.profile(name, last)
+	if err != nil {
+		return flushRun{}, err
+	}
+	cpu0, err := e.cpu()
+	if err != nil {
+		return flushRun{}, err
+	}
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	start := time.Now()
+	left, err := d.Flush(fctx)
+	took := time.Since(start)
+	cancel()
+	stopProfile()
+	if err != nil {
+		return flushRun{}, err
+	}
+	cpu1, err := e.cpu()
+	if err != nil {
+		return flushRun{}, err
+	}
+	if last {
+		if err := e.pgStatsPrint(ctx, "flush "+name, e.o.deliveries); err != nil {
+			return flushRun{}, err
+		}
+	}
+	if left != 0 {
+		return flushRun{}, fmt.Errorf("flush left %d deliveries open", left)
+	}
+	var done int
+	if err := e.target.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done); err != nil {
+		return flushRun{}, err
+	}
+	if done != e.o.deliveries {
+		return flushRun{}, errors.New("not every delivery is done")
+	}
+	return flushRun{rate: float64(done) / took.Seconds(),
+		cpu: cpuUse{postgres: (cpu1.postgres - cpu0.postgres) / float64(done), bench: (cpu1.bench - cpu0.bench) / float64(done)}}, nil
 }
 
 // cpuUse is CPU seconds of Postgres and of this process.

@@ -11,13 +11,13 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/bench"
 )
 
-// profile starts the CPU profile (-cpuprofile) for the revalidation-on
-// Flush; the returned function stops it.
-func (e *env) profile(on bool) (func(), error) {
-	if e.o.cpuProfile == "" || !on {
+// profile starts the CPU profile (-cpuprofile, its name with "."+name)
+// of the last pair's Flush; the returned function stops it.
+func (e *env) profile(name string, last bool) (func(), error) {
+	if e.o.cpuProfile == "" || !last {
 		return func() {}, nil
 	}
-	f, err := os.Create(e.o.cpuProfile)
+	f, err := os.Create(e.o.cpuProfile + "." + name)
 	if err != nil {
 		return nil, fmt.Errorf("create the CPU profile: %w", err)
 	}
