@@ -196,7 +196,8 @@ func TestSourceKeysReadAsOneSet(t *testing.T) {
 	e := setup(t)
 	_, err := e.source.Exec(e.ctx, `CREATE TABLE public.accounts (region text, n int8, active boolean, note text,
 		PRIMARY KEY (region, n, active));
-		INSERT INTO public.accounts VALUES ('eu', 1, true, 'x'), ('it''s "quoted" ü', 2, false, 'y'), ('eu', 3, true, 'z')`)
+		INSERT INTO public.accounts VALUES ('eu', 1, true, 'x'), ('it''s "quoted" ü', 2, false, 'y'), ('eu', 3, true, 'z'),
+			('eu', 9007199254740993, true, 'beyond 2^53')`)
 	require.NoError(t, err)
 	h := "00000000-0000-4000-8000-0000000000d1"
 	e.exec(`INSERT INTO epitaph.handlers (id, schema_name, table_name, kind, target) VALUES ($1, 'public', 'accounts', 'webhook', 'http://127.0.0.1:1/')`, h)
@@ -206,6 +207,8 @@ func TestSourceKeysReadAsOneSet(t *testing.T) {
 		`{"region":"eu","n":2,"active":true}`,                 // not there: send
 		`{"region":"eu","n":3,"active":false}`,                // not there (active differs)
 		`{"region":"eu","n":3,"active":true}`,                 // there
+		`{"region":"eu","n":9007199254740993,"active":true}`,  // there: typed exactly, not through a float
+		`{"region":"eu","n":9007199254740992,"active":true}`,  // not there
 	}
 	queue := func(keys []string) []string {
 		g := e.newGroup()
@@ -236,7 +239,7 @@ func TestSourceKeysReadAsOneSet(t *testing.T) {
 	require.Equal(t, 1, e.sourceQ.since(m, "jsonb_populate_recordset"))
 	e.requireSameAsAlone(ids, got)
 	for i, want := range []revalidate.Outcome{revalidate.StopSuperseded, revalidate.StopSuperseded, revalidate.Send,
-		revalidate.Send, revalidate.StopSuperseded} {
+		revalidate.Send, revalidate.StopSuperseded, revalidate.StopSuperseded, revalidate.Send} {
 		require.Equal(t, want, got[i].Outcome, keys[i])
 	}
 
