@@ -146,13 +146,14 @@ type group struct {
 	// by the root's document (walked once, not twice).
 	walked map[int]walk
 	// subtree's scratch: seen is all false between walks.
-	seen        []bool
-	queue, from []int
+	seen         []bool
+	queue, first []int
 }
 
+// walk is the rows a document holds: members in walk order, the root
+// first; the children of members[k] are members[first[k]:first[k+1]].
 type walk struct {
-	children map[string][]*node
-	members  []int
+	members, first []int
 }
 
 // index returns the position in g.rows of the row with the given seq. The
@@ -425,11 +426,17 @@ func writeNode(b *bytes.Buffer, table string, key, row json.RawMessage) {
 	b.Write(orNull(row))
 }
 
-// writeChildren writes children keyed by table, the tables sorted.
-func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
-	tables := make([]string, 0, len(kids))
-	for t := range kids {
-		tables = append(tables, t)
+// writeChildren writes the children of w's member k keyed by table, the
+// tables sorted, each table's rows in walk order: what encoding a node's
+// Children map wrote, without building the map.
+func (g *group) writeChildren(b *bytes.Buffer, w *walk, k int) {
+	lo, hi := w.first[k], w.first[k+1]
+	var few [8]string
+	tables := few[:0]
+	for _, m := range w.members[lo:hi] {
+		if t := g.rows[m].qualified(); !slices.Contains(tables, t) {
+			tables = append(tables, t)
+		}
 	}
 	slices.Sort(tables)
 	b.WriteByte('{')
@@ -439,13 +446,19 @@ func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
 		}
 		writeJSONString(b, t)
 		b.WriteString(":[")
-		for j, n := range kids[t] {
-			if j > 0 {
+		n := 0
+		for c := lo; c < hi; c++ {
+			r := g.rows[w.members[c]]
+			if r.qualified() != t {
+				continue
+			}
+			if n > 0 {
 				b.WriteByte(',')
 			}
-			writeNode(b, n.Table, n.Key, n.Row)
+			n++
+			writeNode(b, t, r.Key, r.Row)
 			b.WriteString(`,"children":`)
-			writeChildren(b, n.Children)
+			g.writeChildren(b, w, c)
 			b.WriteByte('}')
 		}
 		b.WriteByte(']')
@@ -453,48 +466,56 @@ func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
 	b.WriteByte('}')
 }
 
-// subtree walks breadth first from row root over the child edges and
-// returns the nested children and the rows reached (root included). Each
-// row appears once, under the parent nearest the root; a row already
+// walkFrom walks breadth first from row root over the child edges. Each
+// row is reached once, under the parent nearest the root; a row already
 // reached (a cycle, or a second foreign key to a row in the document) is
 // not entered again, so a cycle of self-references terminates.
-func (g *group) subtree(root int) (map[string][]*node, []int) {
+func (g *group) walkFrom(root int) walk {
 	if len(g.seen) < len(g.rows) {
 		g.seen = make([]bool, len(g.rows))
 	}
 	seen := g.seen
-	// Breadth first: queue is the members (reused from walk to walk);
-	// from[k] is the member whose child member k is.
+	// queue (reused from walk to walk) is the members in walk order; a
+	// member's children are enqueued together, so they are a range of it.
 	seen[root] = true
-	queue, from := append(g.queue[:0], root), append(g.from[:0], -1)
+	queue, first := append(g.queue[:0], root), append(g.first[:0], 1)
 	for k := 0; k < len(queue); k++ {
 		for _, c := range g.children[queue[k]] {
 			if !seen[c] {
 				seen[c] = true
 				queue = append(queue, c)
-				from = append(from, k)
 			}
 		}
+		first = append(first, len(queue))
 	}
 	for _, m := range queue {
 		seen[m] = false
 	}
-	g.queue, g.from = queue, from
-	members := slices.Clone(queue)
-	// The nodes in one array (nodes[0] stands for the root, whose
-	// children are returned).
-	nodes := make([]node, len(members))
-	for k := 1; k < len(members); k++ {
-		r := g.rows[members[k]]
-		n := &nodes[k]
-		*n = node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row)}
-		p := &nodes[from[k]]
-		if p.Children == nil { // a leaf's stays nil: written {}
-			p.Children = map[string][]*node{}
+	g.queue, g.first = queue, first
+	both := make([]int, len(queue)+len(first)) // one allocation for the two
+	w := walk{members: both[:len(queue):len(queue)], first: both[len(queue):]}
+	copy(w.members, queue)
+	copy(w.first, first)
+	return w
+}
+
+// subtree is the walk from root as nested nodes (the shape of a
+// document's children) and the rows reached, root included.
+func (g *group) subtree(root int) (map[string][]*node, []int) {
+	w := g.walkFrom(root)
+	nodes := make([]node, len(w.members)) // nodes[0] stands for the root
+	for k := range w.members {
+		for c := w.first[k]; c < w.first[k+1]; c++ {
+			r := g.rows[w.members[c]]
+			n := &nodes[c]
+			*n = node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row)}
+			if nodes[k].Children == nil { // a leaf's stays nil
+				nodes[k].Children = map[string][]*node{}
+			}
+			nodes[k].Children[n.Table] = append(nodes[k].Children[n.Table], n)
 		}
-		p.Children[n.Table] = append(p.Children[n.Table], n)
 	}
-	return nodes[0].Children, members
+	return nodes[0].Children, w.members
 }
 
 func orNull(m json.RawMessage) json.RawMessage {
@@ -512,12 +533,12 @@ func (g *group) unrelated(roots []int) int {
 		if reached[r] {
 			continue // its subtree is inside one already walked
 		}
-		children, members := g.subtree(r)
+		w := g.walkFrom(r)
 		if g.walked == nil {
 			g.walked = map[int]walk{}
 		}
-		g.walked[r] = walk{children, members}
-		for _, m := range members {
+		g.walked[r] = w
+		for _, m := range w.members {
 			if !reached[m] {
 				reached[m] = true
 				n++
@@ -534,9 +555,9 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 	if ok {
 		delete(g.walked, root)
 	} else {
-		w.children, w.members = g.subtree(root)
+		w = g.walkFrom(root)
 	}
-	children, members := w.children, w.members
+	members := w.members
 	r := g.rows[root]
 	meta := Meta{
 		CorrelationID:   g.correlationID,
@@ -569,7 +590,7 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 	b.WriteString(`{"root":`)
 	writeNode(&b, r.qualified(), r.Key, r.Row)
 	b.WriteString(`},"children":`)
-	writeChildren(&b, children)
+	g.writeChildren(&b, &w, 0)
 	b.WriteString(`,"meta":`)
 	if m == nil {
 		meta.write(&b)
