@@ -257,33 +257,52 @@ func newGroup(correlationID string, rows []*archiveRow) *group {
 		}
 		r.parse(want)
 	}
-	// The parents by key: head[key] is 1 + the first entry, next chains
-	// the entries of one key (a key is almost always one row's).
-	n = 0
+	g.link(indexParents(rows, wanted), qn)
+	return g
+}
+
+// parentIndex finds rows by (table, referenced columns, values): head[key]
+// is 1 + the key's first entry, next chains the entries of one key (a key
+// is almost always one row's), entryRow is each entry's row.
+type parentIndex struct {
+	head           map[string]int32
+	entryRow, next []int32
+}
+
+// indexParents indexes each row under the keys wanted names for its table.
+func indexParents(rows []*archiveRow, wanted map[string][][]string) parentIndex {
+	n := 0
 	for _, r := range rows {
 		n += len(wanted[r.q])
 	}
-	head := make(map[string]int32, n) // sized once: grown, it was rehashed several times
-	entryRow, next := make([]int32, 0, n), make([]int32, 0, n)
+	// Sized once: grown, the map was rehashed several times.
+	x := parentIndex{head: make(map[string]int32, n), entryRow: make([]int32, 0, n), next: make([]int32, 0, n)}
 	var kb []byte
 	for i, r := range rows {
 		for _, cols := range wanted[r.q] {
 			var ok bool
 			if kb, ok = appendRefKey(kb[:0], r.q, cols, r, cols); ok {
-				next = append(next, head[string(kb)]-1)
-				entryRow = append(entryRow, int32(i))
-				head[string(kb)] = int32(len(entryRow))
+				x.next = append(x.next, x.head[string(kb)]-1)
+				x.entryRow = append(x.entryRow, int32(i))
+				x.head[string(kb)] = int32(len(x.entryRow))
 			}
 		}
 	}
-	// The edges, in child order, then grouped by parent (stable): each
-	// parent's children in seq order, all in one array.
+	return x
+}
+
+// link sets g.children from the rows' foreign keys: the edges in child
+// order, then grouped by parent (stable), so each parent's children are in
+// seq order, all in one array.
+func (g *group) link(x parentIndex, qn names) {
+	rows := g.rows
 	var edges [][2]int32 // parent, child
 	last := make([]int32, len(rows))
 	for i := range last {
 		last[i] = -1
 	}
 	counts := make([]int32, len(rows)+1)
+	var kb []byte
 	for i, r := range rows {
 		for _, f := range r.Refs {
 			if len(f.Columns) == 0 || len(f.Columns) != len(f.RefColumns) {
@@ -293,9 +312,9 @@ func newGroup(correlationID string, rows []*archiveRow) *group {
 			if kb, ok = appendRefKey(kb[:0], qn.of(f.Schema, f.Table), f.RefColumns, r, f.Columns); !ok {
 				continue
 			}
-			for e := head[string(kb)] - 1; e >= 0; e = next[e] {
+			for e := x.head[string(kb)] - 1; e >= 0; e = x.next[e] {
 				// A duplicate (two foreign keys to one parent) is kept once.
-				if p := entryRow[e]; int(p) != i && last[p] != int32(i) {
+				if p := x.entryRow[e]; int(p) != i && last[p] != int32(i) {
 					last[p] = int32(i)
 					edges = append(edges, [2]int32{p, int32(i)})
 					counts[p+1]++
@@ -318,7 +337,6 @@ func newGroup(correlationID string, rows []*archiveRow) *group {
 			g.children[p] = flat[counts[p]:counts[p+1]:counts[p+1]]
 		}
 	}
-	return g
 }
 
 // node is one row of a document with its descendants.
