@@ -191,7 +191,7 @@ func (e *Evaluator) readClaimed(ctx context.Context, base []delivery) ([]claimed
 // whether erasures can be asked, and, when schema (the live version's, as
 // guessed) is not empty, the cheap pair of each distinct group of the
 // batch (aggregated once, as cheapBatchSQL) and the delivery's own archive
-// row.
+// row. The handler ids are text[] cast by the server (as settleSQL's ids).
 func claimedSQL(schema string) string {
 	archive, archiveJoin := `NULL::int, NULL::text, NULL::boolean, NULL::boolean`, ``
 	with := ``
@@ -218,7 +218,7 @@ CROSS JOIN LATERAL (
 	}
 	return `
 WITH b AS (
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::text[], $6::pg_lsn[], $7::int[], $8::text[])
+    SELECT * FROM unnest($1::text[]::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::text[], $6::pg_lsn[], $7::int[], $8::text[])
         WITH ORDINALITY AS b(hid, sch, tbl, key, src, lsn, seq, corr, i))` + with + `
 SELECT b.i::int, h.id IS NOT NULL, COALESCE(h.enabled, false), h.revoked_at IS NOT NULL,
        COALESCE(h.revalidate, true), h.source_url_file,

@@ -134,7 +134,7 @@ SELECT d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.ge
        (SELECT schema_name FROM epitaph.projection_versions WHERE projection = 'archive' AND state = 'live'),
        to_regclass('epitaph.erasures') IS NOT NULL
 FROM epitaph.deliveries d LEFT JOIN epitaph.handlers h ON h.id = d.handler_id
-WHERE d.id = ANY($1::uuid[])`
+WHERE d.id = ANY($1::text[]::uuid[])`
 
 // readDeliveries reads the deliveries ids, by id (a missing one is absent).
 func (e *Evaluator) readDeliveries(ctx context.Context, ids []string) (map[string]delivery, error) {
