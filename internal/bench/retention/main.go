@@ -262,6 +262,9 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, ap
 	if err := resetStatements(ctx, pool); err != nil {
 		return 0, 0, err
 	}
+	name := map[bool]string{false: "without_cleanup", true: "with_cleanup"}[cleanup]
+	stats0 := readServerStats(ctx, pool)
+	samp := startSampler(ctx, pool)
 	cpu0 := cpuNow(pg)
 	start := time.Now()
 	if err := svc.Start(ctx); err != nil {
@@ -295,7 +298,9 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, ap
 		}
 	}
 	cpu := cpuNow(pg).minus(cpu0)
-	name := map[bool]string{false: "without_cleanup", true: "with_cleanup"}[cleanup]
+	samp.report(name)
+	stats0.note(name, readServerStats(ctx, pool))
+	topStatements(ctx, pool, name, 12)
 	bench.Figure("retention.cpu_seconds.postgres."+name, cpu.postgres, "s (until applied and, with cleanup, cleaned)")
 	bench.Figure("retention.cpu_seconds.process."+name, cpu.proc, "s (projector, JetStream server and bench)")
 	rate := float64(apply) / applied.Sub(start).Seconds()
