@@ -78,8 +78,9 @@ type CleanupResult struct {
 // third of the batch's WAL and a quarter of its CPU): one cleaner at a time
 // cleans a version (cleanupLockSQL), and a row a concurrent erase or apply
 // changed in between is left to the next batch (the delete re-checks its
-// tuple id). It returns, per table, the newest expires_at deleted: a full
-// batch's OldestDue.
+// tuple id). The holds are probed per row only when there is a hold at
+// all (read once, in the statement's snapshot). It returns, per table, the
+// newest expires_at deleted: a full batch's OldestDue.
 const cleanupSQL = `
 WITH victims AS (
     SELECT r.ctid AS tid FROM %[1]s r
@@ -87,9 +88,10 @@ WITH victims AS (
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
                       WHERE d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
                         AND d.state IN ('pending', 'in_flight'))
-      AND NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
-                      WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
-                        AND (h.key = r.key OR r.row @> h.match))
+      AND (NOT (SELECT EXISTS (SELECT 1 FROM epitaph.legal_holds))
+           OR NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
+                          WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
+                            AND (h.key = r.key OR r.row @> h.match)))
     ORDER BY r.expires_at
     LIMIT $1
 ), del AS (
@@ -312,8 +314,26 @@ type CleanerConfig struct {
 	// takes about a quarter of StatementTimeout.
 	Batch            int
 	StatementTimeout time.Duration
-	Logger           *slog.Logger
+	// Rate paces the cleaner while Busy reports true (the projector is
+	// applying): after a full batch of n rows it waits until n/Rate seconds
+	// have passed since the batch began, and a batch is at most a quarter
+	// second of Rate. Unpaced while Busy is false, when Rate is 0, and
+	// while the backlog is behind: its rows expired more than
+	// cleanupBehind ago (then the batches follow at once, so retention
+	// catches up whatever the apply does).
+	Rate   int
+	Busy   func() bool
+	Logger *slog.Logger
 }
+
+// cleanupBehind is how far past expiry the newest row a full batch
+// deleted may be before pacing is lifted: the alert
+// EpitaphRetentionBehind's threshold.
+const cleanupBehind = time.Hour
+
+// DefaultCleanupRate is the retention worker's pace while the projector
+// applies (rows per second; Config.CleanupRate).
+const DefaultCleanupRate = 60000
 
 // Cleaner runs retention batches in the background (internal/startstop).
 type Cleaner struct {
@@ -321,7 +341,10 @@ type Cleaner struct {
 	cfg   CleanerConfig
 	m     *retentionMetrics
 	batch int
-	ss    startstop.Base
+	// behind: the last full batch deleted rows expired more than
+	// cleanupBehind ago (pacing lifted until one does not).
+	behind bool
+	ss     startstop.Base
 }
 
 func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cleaner {
@@ -340,13 +363,21 @@ func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cle
 	return &Cleaner{pool: pool, cfg: cfg, m: m, batch: min(max(cfg.Batch, MinCleanupBatch), MaxCleanupBatch)}
 }
 
+// liveBusy: a page of a live version was admitted within liveIdle (the
+// projector is applying); the cleaner paces itself then.
+func (s *Service) liveBusy() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return !s.lastLivePage.IsZero() && s.now().Sub(s.lastLivePage) <= liveIdle
+}
+
 // startCleaner starts the service's retention worker unless disabled.
 func (s *Service) startCleaner(ctx context.Context) error {
 	if s.cfg.CleanupInterval < 0 {
 		return nil
 	}
 	s.cleaner = newCleaner(s.pool, CleanerConfig{Interval: s.cfg.CleanupInterval, Batch: s.cfg.CleanupBatch,
-		StatementTimeout: s.cfg.CleanupTimeout, Logger: s.log}, s.retention)
+		StatementTimeout: s.cfg.CleanupTimeout, Rate: max(0, s.cfg.CleanupRate), Busy: s.liveBusy, Logger: s.log}, s.retention)
 	if err := s.cleaner.Start(ctx); err != nil {
 		return fmt.Errorf("retention cleanup: %w", err)
 	}
@@ -380,23 +411,28 @@ func (c *Cleaner) loop(soft, hard context.Context) {
 			return
 		case <-t.C:
 		}
-		full := c.step(hard)
+		full, pace := c.step(hard)
 		wait := c.cfg.Interval
 		if full {
-			wait = 0
+			wait = pace
 		}
 		t.Reset(wait)
 	}
 }
 
 // step runs one batch, records it and adapts the batch size; it reports
-// whether more is due at once.
-func (c *Cleaner) step(ctx context.Context) bool {
-	c.m.batch.Set(float64(c.batch))
-	res, err := CleanupBatch(ctx, c.pool, CleanupOptions{Projection: c.cfg.Projection, Batch: c.batch, StatementTimeout: c.cfg.StatementTimeout})
+// whether more is due, and how long to wait before it (the pace).
+func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
+	paced := c.paced(nil)
+	batch := c.batch
+	if paced {
+		batch = min(batch, max(MinCleanupBatch, c.cfg.Rate/4))
+	}
+	c.m.batch.Set(float64(batch))
+	res, err := CleanupBatch(ctx, c.pool, CleanupOptions{Projection: c.cfg.Projection, Batch: batch, StatementTimeout: c.cfg.StatementTimeout})
 	if err != nil {
 		if ctx.Err() != nil {
-			return false
+			return false, 0
 		}
 		c.m.errors.Inc()
 		var pg *pgconn.PgError
@@ -404,7 +440,7 @@ func (c *Cleaner) step(ctx context.Context) bool {
 			c.batch = max(MinCleanupBatch, c.batch/4)
 		}
 		c.cfg.Logger.Warn("retention cleanup batch failed", "err", quarantine.Sanitize(err), "batch", c.batch)
-		return false
+		return false, 0
 	}
 	for _, tbl := range slices.Sorted(maps.Keys(res.ByTable)) {
 		c.m.expired.WithLabelValues(tbl).Add(float64(res.ByTable[tbl]))
@@ -415,14 +451,31 @@ func (c *Cleaner) step(ctx context.Context) bool {
 	}
 	if res.Deleted > 0 {
 		c.cfg.Logger.Info("retention cleanup: expired rows deleted", "rows", res.Deleted, "by_table", res.ByTable,
-			"snapshots", res.Snapshots, "groups", res.Groups, "duration", res.Duration, "batch", c.batch)
+			"snapshots", res.Snapshots, "groups", res.Groups, "duration", res.Duration, "batch", batch)
 	}
 	target := c.cfg.StatementTimeout / 4
 	switch {
 	case res.Duration > target:
 		c.batch = max(MinCleanupBatch, c.batch/2)
-	case res.Full && res.Duration < target/2:
+	case res.Full && res.Duration < target/2 && batch == c.batch:
 		c.batch = min(MaxCleanupBatch, c.batch*2)
 	}
-	return res.Full
+	if !res.Full || !c.paced(res.OldestDue) {
+		return res.Full, 0
+	}
+	return true, max(0, time.Duration(float64(res.Deleted)/float64(c.cfg.Rate)*float64(time.Second))-res.Duration)
+}
+
+// paced: the next batch is paced (Rate set, the projector applying, and
+// the newest row deleted, when known, not behind).
+func (c *Cleaner) paced(newest *time.Time) bool {
+	if c.cfg.Rate <= 0 || c.cfg.Busy == nil || !c.cfg.Busy() {
+		return false
+	}
+	if newest != nil && time.Since(*newest) > cleanupBehind {
+		c.behind = true
+	} else if newest != nil {
+		c.behind = false
+	}
+	return !c.behind
 }
