@@ -61,6 +61,9 @@ type CleanupResult struct {
 	Statements int `json:"statements"`
 	// Full: the batch deleted as many rows as it could; more may be due.
 	Full bool `json:"full"`
+	// Skipped are the version schemas another cleaner was cleaning (this
+	// batch left them to it).
+	Skipped []string `json:"skipped,omitempty"`
 	// OldestDue is the expires_at of the oldest row still expired, present
 	// and deletable (not held, no open delivery) after the batch; nil: none.
 	// After a full batch it is the newest expires_at the batch deleted (the
@@ -238,6 +241,7 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, l
 		return 0, nil, fmt.Errorf("cleanup lock of %s: %w", vs.schema, err)
 	}
 	if !mine { // another cleaner is on this version
+		res.Skipped = append(res.Skipped, vs.schema)
 		return 0, nil, nil
 	}
 	extra, counts := "", "0, 0"

@@ -136,3 +136,51 @@ func TestLiveBusy(t *testing.T) {
 	require.False(t, s.liveBusy())
 	require.Equal(t, DefaultCleanupRate, s.cfg.CleanupRate)
 }
+
+// One cleaner cleans a version at a time: a batch skips a version whose
+// cleanup lock another holds (and says so), and cleans it once released. A
+// full batch's OldestDue is the newest expires_at it deleted.
+func TestRetentionOneCleanerPerVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testenv.NewDatabase(t)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	require.NoError(t, EnsureArchive(ctx, pool, 1, nil))
+	expireRows(t, pool, 1, 500, time.Minute)
+
+	other, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	var got bool
+	require.NoError(t, other.QueryRow(ctx, cleanupLockSQL, "archive_v1").Scan(&got))
+	require.True(t, got)
+	res, err := CleanupBatch(ctx, pool, CleanupOptions{Batch: 1000})
+	require.NoError(t, err)
+	require.Equal(t, 0, res.Deleted)
+	require.Equal(t, []string{"archive_v1"}, res.Skipped)
+	require.False(t, res.Full)
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM archive_v1.rows`).Scan(&left))
+	require.Equal(t, 500, left)
+
+	require.NoError(t, other.Rollback(ctx))
+	// A full batch reports the newest expires_at it deleted as OldestDue.
+	var newest time.Time
+	require.NoError(t, pool.QueryRow(ctx, `SELECT max(expires_at) FROM (SELECT expires_at FROM archive_v1.rows ORDER BY expires_at LIMIT 200) x`).Scan(&newest))
+	res, err = CleanupBatch(ctx, pool, CleanupOptions{Batch: 200})
+	require.NoError(t, err)
+	require.Equal(t, 200, res.Deleted)
+	require.True(t, res.Full)
+	require.NotNil(t, res.OldestDue)
+	require.True(t, newest.Equal(*res.OldestDue), "want %s, got %s", newest, *res.OldestDue)
+	res, err = CleanupBatch(ctx, pool, CleanupOptions{Batch: 1000})
+	require.NoError(t, err)
+	require.Equal(t, 300, res.Deleted)
+	require.False(t, res.Full)
+	require.Nil(t, res.OldestDue)
+	require.Empty(t, res.Skipped)
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM archive_v1.rows`).Scan(&left))
+	require.Equal(t, 0, left)
+}
