@@ -17,20 +17,21 @@ import (
 // sampler counts, every 20 ms, what the backends of the bench's database
 // (and autovacuum) are doing: per class (apply, cleanup, autovacuum), the
 // wait event of each active backend ("CPU" when it waits for nothing), and
-// the CPU seconds of each backend seen (from /proc, last reading).
+// the CPU seconds the backends used between samples (from /proc) by the
+// class of their statement.
 type sampler struct {
 	mu      sync.Mutex
 	samples int
 	waits   map[string]map[string]int // class -> wait -> count
-	cpu     map[int]float64           // pid -> CPU seconds, last seen
-	class   map[int]string            // pid -> class last seen
+	last    map[int]float64           // pid -> CPU seconds at the last sample
+	cpu     map[string]float64        // class -> CPU seconds between samples
 	cancel  context.CancelFunc
 	done    chan struct{}
 }
 
 func startSampler(ctx context.Context, pool *pgxpool.Pool) *sampler {
 	ctx, cancel := context.WithCancel(ctx)
-	s := &sampler{waits: map[string]map[string]int{}, cpu: map[int]float64{}, class: map[int]string{}, cancel: cancel, done: make(chan struct{})}
+	s := &sampler{waits: map[string]map[string]int{}, last: map[int]float64{}, cpu: map[string]float64{}, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(s.done)
 		t := time.NewTicker(20 * time.Millisecond)
@@ -76,11 +77,14 @@ func (s *sampler) sample(ctx context.Context, pool *pgxpool.Pool) {
 		default:
 			class = "apply"
 		}
+		// The CPU a backend used since the last sample goes to the class
+		// of its current (or, idle, its last) statement: the cleaner and
+		// the apply share the pool's connections.
 		if c, err := procTicks(pid); err == nil {
-			s.cpu[pid] = c
-			if class != "client backend" || s.class[pid] == "" {
-				s.class[pid] = class
+			if prev, ok := s.last[pid]; ok {
+				s.cpu[class] += c - prev
 			}
+			s.last[pid] = c
 		}
 		if !active && class != "checkpointer" && class != "background writer" && class != "walwriter" {
 			continue
@@ -119,15 +123,11 @@ func (s *sampler) report(name string) {
 		}
 		bench.Note("  %-18s %6d: %s", class, total, strings.Join(parts, ", "))
 	}
-	byClass := map[string]float64{}
-	for pid, c := range s.cpu {
-		byClass[s.class[pid]] += c
-	}
 	var parts []string
-	for _, class := range slices.Sorted(maps.Keys(byClass)) {
-		parts = append(parts, fmt.Sprintf("%s %.2f s", class, byClass[class]))
+	for _, class := range slices.Sorted(maps.Keys(s.cpu)) {
+		parts = append(parts, fmt.Sprintf("%s %.2f s", class, s.cpu[class]))
 	}
-	bench.Note("  CPU of the backends seen (lifetime, by first/last class): %s", strings.Join(parts, ", "))
+	bench.Note("  CPU of the backends between samples, by the class of their statement: %s", strings.Join(parts, ", "))
 }
 
 // topStatements prints the statements of pool's database by total time.
