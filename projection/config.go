@@ -69,7 +69,7 @@ type Config struct {
 	// CleanupRate paces the retention worker while this projector applies
 	// (rows per second; a batch is then at most a quarter second of it):
 	// default DefaultCleanupRate, negative: unpaced. Unpaced while idle,
-	// and while the rows it deletes expired more than an hour ago.
+	// and while catching up (its batches an hour behind for an hour).
 	CleanupRate int
 	// SnapshotRoots are the "schema.table" root tables of snapshot
 	// documents; empty = no snapshots.

@@ -322,16 +322,17 @@ type CleanerConfig struct {
 	// applying): after a full batch of n rows it waits until n/Rate seconds
 	// have passed since the batch began, and a batch is at most a quarter
 	// second of Rate. Unpaced while Busy is false, when Rate is 0, and
-	// while the backlog is behind: its rows expired more than
-	// cleanupBehind ago (then the batches follow at once, so retention
-	// catches up whatever the apply does).
+	// while catching up: once full batches have deleted rows expired more
+	// than cleanupBehind ago for cleanupBehind on end, the batches follow
+	// at once until one deletes rows expired within it (so retention never
+	// falls behind for good, whatever the apply does).
 	Rate   int
 	Busy   func() bool
 	Logger *slog.Logger
 }
 
 // cleanupBehind is how far past expiry the newest row a full batch
-// deleted may be before pacing is lifted: the alert
+// deleted may be, and for how long, before pacing is lifted: the alert
 // EpitaphRetentionBehind's threshold.
 const cleanupBehind = time.Hour
 
@@ -345,10 +346,10 @@ type Cleaner struct {
 	cfg   CleanerConfig
 	m     *retentionMetrics
 	batch int
-	// behind: the last full batch deleted rows expired more than
-	// cleanupBehind ago (pacing lifted until one does not).
-	behind bool
-	ss     startstop.Base
+	// behindSince: since when full batches have deleted rows expired
+	// more than cleanupBehind ago (zero: the last one did not).
+	behindSince time.Time
+	ss          startstop.Base
 }
 
 func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cleaner {
@@ -471,15 +472,21 @@ func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
 }
 
 // paced: the next batch is paced (Rate set, the projector applying, and
-// the newest row deleted, when known, not behind).
+// not catching up). newest, when known, is the newest expires_at a full
+// batch deleted: a backlog whose rows expired more than cleanupBehind ago
+// for cleanupBehind on end (the rate is below the rows expiring, the
+// alert is firing) is deleted unpaced until a batch is within the hour.
 func (c *Cleaner) paced(newest *time.Time) bool {
+	if newest != nil {
+		switch {
+		case time.Since(*newest) <= cleanupBehind:
+			c.behindSince = time.Time{}
+		case c.behindSince.IsZero():
+			c.behindSince = time.Now()
+		}
+	}
 	if c.cfg.Rate <= 0 || c.cfg.Busy == nil || !c.cfg.Busy() {
 		return false
 	}
-	if newest != nil && time.Since(*newest) > cleanupBehind {
-		c.behind = true
-	} else if newest != nil {
-		c.behind = false
-	}
-	return !c.behind
+	return c.behindSince.IsZero() || time.Since(c.behindSince) <= cleanupBehind
 }

@@ -57,10 +57,11 @@ func expireRows(t *testing.T, pool *pgxpool.Pool, from, n int, ago time.Duration
 
 // runCleaner runs a cleaner until archive_v1 holds no row; it returns how
 // long that took.
-func runCleaner(t *testing.T, pool *pgxpool.Pool, cfg CleanerConfig, limit time.Duration) time.Duration {
+func runCleaner(t *testing.T, pool *pgxpool.Pool, cfg CleanerConfig, behindSince time.Time, limit time.Duration) time.Duration {
 	t.Helper()
 	ctx := context.Background()
 	c := newCleaner(pool, cfg, newRetentionMetrics(prometheus.NewRegistry()))
+	c.behindSince = behindSince
 	start := time.Now()
 	require.NoError(t, c.Start(ctx))
 	defer func() {
@@ -76,8 +77,9 @@ func runCleaner(t *testing.T, pool *pgxpool.Pool, cfg CleanerConfig, limit time.
 }
 
 // While the projector applies, the cleaner deletes at most Rate rows a
-// second in batches of at most a quarter second of Rate; idle, or behind
-// (rows expired more than an hour ago), it is not paced.
+// second in batches of at most a quarter second of Rate, also through a
+// backlog of rows expired hours ago; idle, or catching up (its batches an
+// hour behind for an hour), it is not paced.
 func TestRetentionCleanerPace(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -92,29 +94,33 @@ func TestRetentionCleanerPace(t *testing.T) {
 	cfg := CleanerConfig{Interval: 20 * time.Millisecond, Batch: 1000, Rate: 4000, Busy: busy, Logger: slog.New(log)}
 
 	// Paced: 12,000 rows at 4,000 a second take at least 2.75 s (the
-	// first batch is not waited for), in batches of at most 1,000.
-	expireRows(t, pool, 1, 12000, time.Minute)
-	took := runCleaner(t, pool, cfg, 120*time.Second)
-	require.GreaterOrEqual(t, took, 2750*time.Millisecond)
-	batches := log.take()
-	sum := 0
-	for _, n := range batches {
-		require.LessOrEqual(t, n, 1000)
-		sum += n
+	// first batch is not waited for), in batches of at most 1,000; rows
+	// expired a minute ago, then two hours ago (a backlog, not yet behind
+	// for an hour).
+	for _, ago := range []time.Duration{time.Minute, 2 * time.Hour} {
+		expireRows(t, pool, 1, 12000, ago)
+		took := runCleaner(t, pool, cfg, time.Time{}, 120*time.Second)
+		require.GreaterOrEqual(t, took, 2750*time.Millisecond, "expired %s ago", ago)
+		sum := 0
+		for _, n := range log.take() {
+			require.LessOrEqual(t, n, 1000)
+			sum += n
+		}
+		require.Equal(t, 12000, sum)
 	}
-	require.Equal(t, 12000, sum)
 
-	// Behind: rows expired two hours ago are deleted at once; at the pace
-	// of 100 a second they would take two minutes.
+	// Catching up (an hour behind for two hours): rows expired two hours
+	// ago are deleted at once; at the pace of 100 a second they would
+	// take two minutes.
 	cfg.Rate = 100
 	expireRows(t, pool, 1, 12000, 2*time.Hour)
-	runCleaner(t, pool, cfg, 60*time.Second)
+	runCleaner(t, pool, cfg, time.Now().Add(-2*time.Hour), 60*time.Second)
 	require.Greater(t, slices.Max(log.take()), 100, "unpaced batches are not bound by a quarter second of the rate")
 
 	// Idle (nothing applied within the last second): unpaced.
 	cfg.Busy = func() bool { return false }
 	expireRows(t, pool, 1, 12000, time.Minute)
-	runCleaner(t, pool, cfg, 60*time.Second)
+	runCleaner(t, pool, cfg, time.Time{}, 60*time.Second)
 	require.NotEmpty(t, log.take())
 }
 
