@@ -191,6 +191,7 @@ func TestCommitCascadeTruncateMark(t *testing.T) {
 		require.Equal(t, p, pp, "a transaction lands in one partition")
 	}
 	require.Equal(t, 4, ms[4].ev.Rows)
+	require.Equal(t, e.tagger(t).CommitMsgID("main", tx), ms[4].msgID, "a commit's id carries the keyed tag")
 	require.Equal(t, map[string]int{"public.parent": 1, "public.child": 3}, ms[4].ev.Tables)
 	require.Equal(t, []event.Ref{{Columns: []string{"parent_id"}, Schema: "public", Table: "parent", RefColumns: []string{"id"}}}, ms[1].ev.Refs)
 
@@ -199,7 +200,7 @@ func TestCommitCascadeTruncateMark(t *testing.T) {
 		require.Equal(t, event.MarkUser, m.ev.Kind)
 		require.Equal(t, "deploy-42", m.ev.Content)
 		require.Equal(t, event.MarkSubject("main", m.ev.Partition), m.subject)
-		require.Equal(t, event.MarkMsgID("main", m.ev.LSN, m.ev.Partition), m.msgID)
+		require.Equal(t, e.tagger(t).MarkMsgID("main", m.ev.LSN, m.ev.Partition), m.msgID)
 		seen[m.ev.Partition] = true
 	}
 	require.Len(t, seen, 4, "a mark reaches every partition")

@@ -87,6 +87,22 @@ type Service struct {
 	db  string
 	js  jetstream.JetStream
 	obs jetstream.ObjectStore
+
+	// hooks: set by tests only (nil in production).
+	hooks *testHooks
+}
+
+// testHooks let a test stop the capture at a chosen point, on the stream
+// loop's goroutine, to play another writer there deterministically.
+type testHooks struct {
+	// beforeCommit runs before a commit message is published.
+	beforeCommit func(commitLSN event.LSN)
+	// holdAcks, returning true, makes the loop leave acknowledgements
+	// uncollected for now (as when they arrive late under load).
+	holdAcks func() bool
+	// untaggedIDs: publish plain message ids, as a capture before
+	// event.MsgIDTagger did.
+	untaggedIDs bool
 }
 
 // New validates cfg and builds a service. It connects to nothing.
@@ -495,6 +511,9 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 		resuming: rp.has, resume: rp.pos,
 		priv: s.priv, tagger: event.NewMsgIDTagger(s.priv), keyID: s.keyID, pubText: event.PublicKeyString(s.pub), partSeq: rp.partSeq, digest: event.NewDigest(),
 	}
+	if s.hooks != nil && s.hooks.untaggedIDs {
+		st.tagger = nil
+	}
 	if rp.adoptFrom != 0 {
 		st.adopt = &adopter{s: s, st: stream, next: rp.adoptFrom, to: rp.adoptTo}
 	}
@@ -718,7 +737,7 @@ func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 		if err != nil {
 			return fmt.Errorf("encode gap: %w", err)
 		}
-		if err := st.publish(ctx, event.GapSubject(st.src, p), p, event.GapMsgID(st.src, g.from, g.to, p), pos, body, "gap", kindSigned); err != nil {
+		if err := st.publish(ctx, event.GapSubject(st.src, p), p, st.tag(event.GapMsgID(st.src, g.from, g.to, p)), pos, body, "gap", kindSigned); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpGap)).Inc()

@@ -165,11 +165,12 @@ const externalSyncInterval = 2 * time.Minute
 //   - A session's first messages are published one at a time; one that
 //     JetStream does answer as a duplicate is published again under
 //     event.RepublishedMsgID, so even inside the window a copy is stored.
-//   - A foreign message holding one of the capture's predictable ids
-//     (commit, mark, gap) published longer ago than the window simply
-//     stays beside the real one: the real one is stored under its own id,
-//     and projectors believe only signed messages
-//     (capture/TestForgedIDsOutsideTheWindowStayBesideTheRealOnes).
+//   - No other writer can hold one of the capture's ids: each carries a
+//     tag keyed by the signing key (event.MsgIDTagger). A forgery under
+//     the plain id, inside the window or past it, stays beside the real
+//     message, which is stored under its own id, and projectors believe
+//     only signed messages (capture/TestForgedIDsInsideTheWindowNeverTakeTheRealOnes,
+//     TestForgedIDsOutsideTheWindowStayBesideTheRealOnes).
 const DefaultDuplicateWindow = time.Second
 
 // minDuplicateWindow is the shortest window JetStream accepts.

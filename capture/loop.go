@@ -55,7 +55,7 @@ type streamer struct {
 	// messages the replay may find itself in, and how many more messages
 	// are published one at a time, each acknowledged.
 	priv    ed25519.PrivateKey
-	tagger  *event.MsgIDTagger // row message ids (event.MsgIDTagger)
+	tagger  *event.MsgIDTagger // every message id's keyed tag (event.MsgIDTagger)
 	keyID   string
 	pubText string // event.HeaderPublicKey: lets a projector trust the key on first use
 	partSeq []uint64
@@ -91,6 +91,17 @@ type streamer struct {
 }
 
 func (st *streamer) now() time.Time { return st.s.now() }
+
+// tag is the Nats-Msg-Id of a commit, mark, heartbeat or gap whose plain
+// id is id: tagged with the signing key (event.MsgIDTagger), so no other
+// writer can take it before the capture publishes the message. Without a
+// tagger (a test playing an older capture) it is the plain id.
+func (st *streamer) tag(id string) string {
+	if st.tagger == nil {
+		return id
+	}
+	return st.tagger.Tag(id)
+}
 
 // run receives from the slot until ctx ends (a soft stop, returning nil)
 // or anything fails (returning the error; nothing past the acknowledged
@@ -381,7 +392,7 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		if err != nil {
 			return fmt.Errorf("encode mark: %w", err)
 		}
-		if err := st.publish(ctx, event.MarkSubject(st.src, p), p, event.MarkMsgID(st.src, lsn, p), pos, body, kind, kindSigned); err != nil {
+		if err := st.publish(ctx, event.MarkSubject(st.src, p), p, st.tag(event.MarkMsgID(st.src, lsn, p)), pos, body, kind, kindSigned); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpMark)).Inc()
@@ -425,7 +436,7 @@ func (st *streamer) handleTableGap(ctx context.Context, m *pglogrepl.LogicalDeco
 		if err != nil {
 			return fmt.Errorf("encode gap: %w", err)
 		}
-		if err := st.publish(ctx, event.GapSubject(st.src, p), p, event.TableGapMsgID(st.src, g.Schema, g.Table, lsn, lsn, p), pos, body, "gap "+g.Schema+"."+g.Table, kindSigned); err != nil {
+		if err := st.publish(ctx, event.GapSubject(st.src, p), p, st.tag(event.TableGapMsgID(st.src, g.Schema, g.Table, lsn, lsn, p)), pos, body, "gap "+g.Schema+"."+g.Table, kindSigned); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues(g.Schema, g.Table, string(event.OpGap)).Inc()
@@ -466,7 +477,10 @@ func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage
 			if err != nil {
 				return fmt.Errorf("encode commit: %w", err)
 			}
-			if err := st.publish(ctx, event.CommitSubject(st.src, st.txPart), st.txPart, event.CommitMsgID(st.src, st.tx.commitLSN), pos, body, "commit "+st.tx.commitLSN.String(), kindCommit); err != nil {
+			if h := st.s.hooks; h != nil && h.beforeCommit != nil {
+				h.beforeCommit(st.tx.commitLSN)
+			}
+			if err := st.publish(ctx, event.CommitSubject(st.src, st.txPart), st.txPart, st.tag(event.CommitMsgID(st.src, st.tx.commitLSN)), pos, body, "commit "+st.tx.commitLSN.String(), kindCommit); err != nil {
 				return err
 			}
 			st.s.m.published.WithLabelValues("", "", string(event.OpCommit)).Inc()
@@ -731,6 +745,9 @@ func (st *streamer) tick(force bool) error { return st.tickAt(st.now(), force) }
 
 // tickAt is tick with the time already read.
 func (st *streamer) tickAt(now time.Time, force bool) error {
+	if h := st.s.hooks; h != nil && h.holdAcks != nil && h.holdAcks() {
+		return nil
+	}
 	if err := st.tr.poll(now); err != nil {
 		st.s.m.publishErrors.Inc()
 		return err

@@ -65,18 +65,29 @@ import (
 //     ends the session; the capture starts a new one in the same process
 //     (the loop in runLoop) from the slot's confirmed position, which
 //     never passed a transaction whose messages were not all acknowledged.
-//   - Row message ids carry a tag keyed by the signing key
-//     (event.MsgIDTagger), so nobody without it can take a row's id before
-//     the capture publishes it (a row published without an
-//     acknowledgement of its own could not be told it was dropped as a
-//     duplicate). Commit, mark and gap ids are predictable, so a forger can
-//     take one before it is published; JetStream then drops the real one as a
-//     duplicate. The capture notices (a PubAck with Duplicate, or the chain
-//     failing on the next message), and the new session publishes its
-//     first messages one at a time, each acknowledged, republishing one
-//     acknowledged as a duplicate under event.RepublishedMsgID (id +
-//     "/r<n>"), so the real message is in the stream after its transaction
-//     started and the commit's digest covers it.
+//   - Every message id carries a tag keyed by the signing key
+//     (event.MsgIDTagger): rows, and commits, marks, heartbeats and gaps,
+//     so nobody without the key can take an id before the capture
+//     publishes its message. Had a forger done so, JetStream would drop the
+//     real message as a duplicate: a row published without an
+//     acknowledgement of its own could not be told it was dropped, and a
+//     forged commit stored between a transaction's last row and its
+//     commit would hold the id the next message expects as the stream's
+//     last, so that message would chain to the forgery and a new session
+//     would resume past a commit that is not in the stream. A forgery
+//     under a plain (or any other) id is only a foreign message in the
+//     chain. Nothing here reads an id's shape: the resume rests on
+//     signatures and positions, and adoption compares ids without their
+//     tags, so a stream written by an older capture with plain ids is
+//     resumed as its own. A message JetStream still answers as a
+//     duplicate (only a writer holding the key could cause it, or a
+//     stored message the replay did not adopt, inside the window) is
+//     noticed (a PubAck with Duplicate, or the chain failing on the next
+//     message), and the new session publishes its first messages one at a
+//     time, each acknowledged, republishing one acknowledged as a
+//     duplicate under event.RepublishedMsgID (id + "/r<n>"), so the real
+//     message is in the stream after its transaction started and the
+//     commit's digest covers it.
 
 // resumePoint is what the stream proves of the capture's earlier output.
 type resumePoint struct {
@@ -384,11 +395,11 @@ func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq 
 		if err != nil || !more {
 			return false, err
 		}
-		// The id without a republish suffix, and without a row tag on
-		// either side: a row stored by a capture before ids were tagged
-		// is adopted all the same (its body, place and partition
-		// sequence must still match exactly, and the commit's digest
-		// covers it).
+		// The id without a republish suffix, and without a tag on
+		// either side: a row or a transactional mark stored by a capture
+		// before ids were tagged is adopted all the same (a row's body,
+		// place and partition sequence must still match exactly, and the
+		// commit's digest covers it; a mark must verify there).
 		base, _ := event.BaseMsgID(m.header.Get(event.HeaderMsgID))
 		if m.subject == subject && event.UntaggedMsgID(base) == event.UntaggedMsgID(msgID) && m.header.Get(event.HeaderPosition) == pos &&
 			m.header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(partSeq, 10) &&

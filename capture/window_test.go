@@ -17,15 +17,18 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// The dedupe window (issue 20): no guarantee rests on it, so a forgery of
-// one of the capture's predictable ids (a commit's, a mark's, a gap's)
-// either sits beside the real message (published longer ago than the
-// window) or makes JetStream answer the real one as a duplicate (inside
-// it), which the capture republishes under another id. Either way every
-// real message is stored and verifies, and every row is stored once.
+// The dedupe window (issue 20): no guarantee rests on it. A forgery under
+// the plain id of a message the capture is about to publish (a commit's, a
+// mark's, a gap's: the best a writer without the signing key can predict)
+// sits beside the real message, inside the window or past it, since the
+// real id carries a keyed tag (event.MsgIDTagger). Only a writer holding
+// the key could take the real id: inside the window JetStream then answers
+// the real message as a duplicate, which the capture republishes under
+// another id. Every real message is stored and verifies, and every row is
+// stored once.
 
-// forgedIDs are the predictable ids of messages the capture is about to
-// publish, and the forgeries that took them.
+// forgedIDs are the ids of messages the capture is about to publish, and
+// the forgeries that took them.
 type forgedIDs struct {
 	commitLSN, markLSN, gapLSN event.LSN
 	forged                     []*nats.Msg
@@ -34,10 +37,10 @@ type forgedIDs struct {
 // forgePendingIDs stops nothing: with the capture down, it makes a delete
 // transaction, a mark and a table gap message in the source, reads their
 // LSNs from the slot (the capture's next output), and publishes, like an
-// outside client, a forgery under the id of each message the capture will
-// publish for them: the commit, and the mark's and the gap's copy to every
-// partition (unsigned, so believed by nobody).
-func (e *env) forgePendingIDs(t *testing.T, parts int) forgedIDs {
+// outside client, a forgery under idOf of the plain id of each message the
+// capture will publish for them: the commit, and the mark's and the gap's
+// copy to every partition (unsigned, so believed by nobody).
+func (e *env) forgePendingIDs(t *testing.T, parts int, idOf func(plain string) string) forgedIDs {
 	t.Helper()
 	e.exec(t, `DELETE FROM items WHERE id BETWEEN 6 AND 8`)
 	e.exec(t, `SELECT pg_logical_emit_message(false, 'epitaph.mark', 'pending mark')`)
@@ -79,12 +82,12 @@ func (e *env) forgePendingIDs(t *testing.T, parts int) forgedIDs {
 		m.Data = []byte(body)
 		f.forged = append(f.forged, m)
 	}
-	forge(event.CommitSubject("main", event.Partition(f.commitLSN, parts)), event.CommitMsgID("main", f.commitLSN),
+	forge(event.CommitSubject("main", event.Partition(f.commitLSN, parts)), idOf(event.CommitMsgID("main", f.commitLSN)),
 		fmt.Sprintf(`{"v":1,"op":"commit","source":"main","xid":1,"commit_lsn":"%s","commit_time":"2026-01-01T00:00:00Z","rows":0}`, f.commitLSN))
 	for p := 0; p < parts; p++ {
-		forge(event.MarkSubject("main", p), event.MarkMsgID("main", f.markLSN, p),
+		forge(event.MarkSubject("main", p), idOf(event.MarkMsgID("main", f.markLSN, p)),
 			fmt.Sprintf(`{"v":1,"op":"mark","source":"main","partition":%d,"lsn":"%s","kind":"mark","content":"FORGED"}`, p, f.markLSN))
-		forge(event.GapSubject("main", p), event.TableGapMsgID("main", "public", "gone", f.gapLSN, f.gapLSN, p),
+		forge(event.GapSubject("main", p), idOf(event.TableGapMsgID("main", "public", "gone", f.gapLSN, f.gapLSN, p)),
 			fmt.Sprintf(`{"v":1,"op":"gap","source":"main","partition":%d,"kind":"lost_upstream","schema":"public","table":"gone","from_lsn":"%s","to_lsn":"%s","lsn":"%s"}`, p, f.gapLSN, f.gapLSN, f.gapLSN))
 	}
 	return f
@@ -148,8 +151,10 @@ func (e *env) waitOutOfWindow(t *testing.T, m *nats.Msg) {
 
 // forgedIDsCase runs the forgery of pending ids with the stream's dedupe
 // window set to window; outside says whether the capture publishes only
-// after the forgeries left the window.
-func forgedIDsCase(t *testing.T, window time.Duration, outside bool) {
+// after the forgeries left the window; withKey, whether the forger holds
+// the signing key (a leaked key: it forges the real, tagged ids; without
+// it, a forger can only use the plain ids).
+func forgedIDsCase(t *testing.T, window time.Duration, outside, withKey bool) {
 	e := setup(t)
 	itemsTable(t, e, 20)
 	cfg := func(c *Config) {
@@ -159,12 +164,17 @@ func forgedIDsCase(t *testing.T, window time.Duration, outside bool) {
 	}
 	svc := e.start(t, cfg)
 	pub := e.publicKey(t)
+	tagger := e.tagger(t)
 	e.exec(t, `DELETE FROM items WHERE id <= 5`)
 	e.requireRealDeletes(t, pub, ids(1, 5))
 	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 
-	f := e.forgePendingIDs(t, 4)
+	idOf := func(plain string) string { return plain }
+	if withKey {
+		idOf = tagger.Tag
+	}
+	f := e.forgePendingIDs(t, 4, idOf)
 	if outside {
 		for _, m := range f.forged {
 			e.waitOutOfWindow(t, m)
@@ -174,15 +184,16 @@ func forgedIDsCase(t *testing.T, window time.Duration, outside bool) {
 	requireStreaming(t, svc)
 	e.requireRealDeletes(t, pub, ids(1, 8))
 
-	// Every forged id is held twice: by the forgery, and by the real
-	// message (under the id itself past the window, under <id>/r1 inside
-	// it), which verifies; the forgery does not.
+	// Every forged id is held twice (read without tags): by the forgery,
+	// and by the real message, which verifies; the forgery does not. The
+	// real message is under its tagged id, or, when a forger with the key
+	// took that inside the window, under <id>/r1.
 	byID := map[string][]*jetstream.RawStreamMsg{}
 	require.Eventually(t, func() bool {
 		clear(byID)
 		for _, m := range e.rawMsgs(t, "main") {
 			base, _ := event.BaseMsgID(m.Header.Get(event.HeaderMsgID))
-			byID[base] = append(byID[base], m)
+			byID[idOf(event.UntaggedMsgID(base))] = append(byID[idOf(event.UntaggedMsgID(base))], m)
 		}
 		for _, fm := range f.forged {
 			if len(byID[fm.Header.Get(event.HeaderMsgID)]) < 2 {
@@ -202,28 +213,28 @@ func forgedIDsCase(t *testing.T, window time.Duration, outside bool) {
 		require.NoError(t, event.VerifyMessage(pub, ms[1].Subject, ms[1].Header, ms[1].Data), "id %s: the real message verifies", id)
 		ev, err := event.Decode(ms[1].Data)
 		require.NoError(t, err)
-		switch {
-		case strings.HasSuffix(id, "/commit"):
+		switch plain := event.UntaggedMsgID(id); {
+		case strings.HasSuffix(plain, "/commit"):
 			require.Equal(t, event.OpCommit, ev.Op)
 			require.Equal(t, f.commitLSN, ev.CommitLSN)
 			require.Equal(t, 3, ev.Rows)
-		case strings.Contains(id, "/mark/"):
+		case strings.Contains(plain, "/mark/"):
 			require.Equal(t, event.OpMark, ev.Op)
 			require.Equal(t, "pending mark", ev.Content)
 		default:
 			require.Equal(t, event.OpGap, ev.Op)
 			require.Equal(t, "gone", ev.Table)
 		}
-		want := id
-		if !outside {
-			want = event.RepublishedMsgID(id, 1)
+		want := tagger.Tag(event.UntaggedMsgID(id))
+		if withKey && !outside {
+			want = event.RepublishedMsgID(want, 1)
 		}
 		require.Equal(t, want, ms[1].Header.Get(event.HeaderMsgID), "id %s", id)
 	}
-	if outside {
-		require.Zero(t, counterValue(t, svc.m.collisions), "past the window no real message is answered as a duplicate")
+	if withKey && !outside {
+		require.Equal(t, float64(len(f.forged)), counterValue(t, svc.m.collisions), "inside the window each real message whose id a forger with the key took is republished once")
 	} else {
-		require.Equal(t, float64(len(f.forged)), counterValue(t, svc.m.collisions), "inside the window each real message is republished once")
+		require.Zero(t, counterValue(t, svc.m.collisions), "no real message is answered as a duplicate")
 	}
 	require.GreaterOrEqual(t, counterValue(t, svc.m.foreign), 1.0, "the forgeries were noticed")
 
@@ -249,20 +260,30 @@ func forgedIDsCase(t *testing.T, window time.Duration, outside bool) {
 }
 
 // TestForgedIDsOutsideTheWindowStayBesideTheRealOnes: forgeries of a
-// pending commit's, mark's and gap's ids, published longer ago than the
-// (default, short) dedupe window, are stored beside the real messages;
-// those are published under their own ids, no collision, and verify.
+// pending commit's, mark's and gap's plain ids, published longer ago than
+// the (default, short) dedupe window, are stored beside the real messages;
+// those are published under their own tagged ids, no collision, and verify.
 func TestForgedIDsOutsideTheWindowStayBesideTheRealOnes(t *testing.T) {
 	t.Parallel()
-	forgedIDsCase(t, DefaultDuplicateWindow, true)
+	forgedIDsCase(t, DefaultDuplicateWindow, true, false)
 }
 
-// TestForgedIDsInsideTheWindowAreRepublished: the same forgeries inside a
-// long window make JetStream answer the real messages as duplicates; the
-// capture republishes each under <id>/r1.
-func TestForgedIDsInsideTheWindowAreRepublished(t *testing.T) {
+// TestForgedIDsInsideTheWindowNeverTakeTheRealOnes: the same forgeries
+// inside a long window are stored beside the real messages all the same:
+// the real ids carry the keyed tag, so no forgery holds one and nothing is
+// answered as a duplicate.
+func TestForgedIDsInsideTheWindowNeverTakeTheRealOnes(t *testing.T) {
 	t.Parallel()
-	forgedIDsCase(t, 10*time.Minute, false)
+	forgedIDsCase(t, 10*time.Minute, false, false)
+}
+
+// TestForgedIDsWithTheKeyInsideTheWindowAreRepublished: a forger holding
+// the signing key (leaked) takes the real, tagged ids inside a long window;
+// JetStream answers the real messages as duplicates and the capture
+// republishes each under <id>/r1.
+func TestForgedIDsWithTheKeyInsideTheWindowAreRepublished(t *testing.T) {
+	t.Parallel()
+	forgedIDsCase(t, 10*time.Minute, false, true)
 }
 
 // TestExistingStreamGetsTheConfiguredWindow: a stream made with the old

@@ -65,10 +65,10 @@ func forgedDelete(lsn event.LSN, seq, partition int, id string) *nats.Msg {
 }
 
 // Pre-empting forgeries race the capture for the ids of a transaction's
-// next rows while it publishes them: they follow the first row they see on
-// the stream and publish seqs 1-3 under the ids such a row would have
-// without its keyed tag (event.MsgIDTagger), the best a writer without the
-// signing key can predict. Before row ids were tagged, one that won the
+// next rows and its commit while it publishes them: they follow the first
+// row they see on the stream and publish seqs 1-3 and the commit under the
+// ids they would have without their keyed tag (event.MsgIDTagger), the
+// best a writer without the signing key can predict. Before row ids were tagged, one that won the
 // race displaced the real row (published without an acknowledgement of its
 // own, it was dropped as a duplicate unnoticed) and the transaction ended
 // in quarantine with its rows missing; now the forgeries are merely
@@ -107,6 +107,18 @@ func (f *forger) run(ctx context.Context, nc *nats.Conn) error {
 			for seq := 1; seq <= 3; seq++ {
 				f.publish(ctx, "pre-empting", forgedDelete(ev.CommitLSN, seq, p, event.MsgID("main", ev.CommitLSN, seq)))
 			}
+			// And the transaction's commit, under its plain id: before
+			// commit ids were tagged, one stored between the last row
+			// and the commit could keep the real commit out of the
+			// stream.
+			c := &event.Event{Op: event.OpCommit, Source: "main", XID: ev.XID, CommitLSN: ev.CommitLSN, CommitTime: ev.CommitTime, Rows: 1,
+				Tables: map[string]int{"public.orders": 1}}
+			b, _ := event.Encode(c)
+			fc := nats.NewMsg(event.CommitSubject("main", p))
+			fc.Data = b
+			fc.Header.Set(event.HeaderMsgID, event.CommitMsgID("main", ev.CommitLSN))
+			fc.Header.Set(event.HeaderVersion, "1")
+			f.publish(ctx, "pre-empting commit", fc)
 		case <-tick.C:
 			i++
 			p := f.rng.IntN(8)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -27,7 +29,8 @@ import (
 // has not published yet and of the next mark's copies (read from the slot,
 // as predictable as they are), and waits until they are past the stream's
 // dedupe window (the capture's default, 1 s). The restarted capture
-// publishes the real messages under the same ids, beside the forgeries;
+// publishes the real messages beside the forgeries, under the same ids
+// with the signing key's tag (event.MsgIDTagger);
 // the projector archives the transaction exactly once, row by row,
 // quarantines every forgery as unauthenticated, and the real marks (not
 // the forged ones) move every partition's watermark.
@@ -49,7 +52,8 @@ func TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction(t *testing.T) {
 	const slot = "epitaph_e2e_window"
 	// No heartbeats: the only marks are the test's, so a watermark at the
 	// mark's LSN was moved by the real mark.
-	cenv := joinEnv(bench.CaptureEnv(url, broker.URL, "", t.TempDir(), metrics, "main", slot), "EPITAPH_HEARTBEAT_INTERVAL=-1s")
+	dataDir := t.TempDir()
+	cenv := joinEnv(bench.CaptureEnv(url, broker.URL, "", dataDir, metrics, "main", slot), "EPITAPH_HEARTBEAT_INTERVAL=-1s")
 	capture := supervise(t, "capture", bins["capture"], cenv, seed)
 	watch, err := bench.WatchStream(broker.URL, "main")
 	require.NoError(t, err)
@@ -113,7 +117,8 @@ func TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction(t *testing.T) {
 		return commitLSN != 0 && markLSN != 0, nil
 	}))
 
-	// The forgeries: unsigned, under the ids the capture will use.
+	// The forgeries: unsigned, under the plain ids of the messages the
+	// capture will publish (the best a writer without the key can do).
 	forged := map[uint64]*nats.Msg{} // stream seq -> forgery
 	forge := func(m *nats.Msg) {
 		m.Header.Set(event.HeaderVersion, "1")
@@ -168,8 +173,12 @@ func TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction(t *testing.T) {
 		require.Equal(t, "unauthenticated", inQuarantine[seq], "forgery %s (stream seq %d)", m.Header.Get(event.HeaderMsgID), seq)
 	}
 
-	// The real commit and marks are stored under the forged ids
-	// themselves (past the window: no duplicate, no republished id).
+	// The real commit and marks are stored under the forged ids with the
+	// keyed tag (no duplicate, no republished id).
+	pubPEM, err := os.ReadFile(filepath.Join(dataDir, "signing.pub"))
+	require.NoError(t, err)
+	pub, err := event.ParsePublicKey(pubPEM)
+	require.NoError(t, err)
 	held := map[string]int{}
 	st, err := js.Stream(ctx, event.StreamName("main"))
 	require.NoError(t, err)
@@ -180,7 +189,10 @@ func TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction(t *testing.T) {
 		require.NoError(t, err)
 		id := m.Header.Get(event.HeaderMsgID)
 		require.NotRegexp(t, `/r[0-9]+$`, id, "stream seq %d: nothing republished", seq)
-		held[id]++
+		held[event.UntaggedMsgID(id)]++
+		if signed := strings.HasSuffix(m.Subject, ".commit") || strings.HasSuffix(m.Subject, ".mark"); signed && id != event.UntaggedMsgID(id) {
+			require.NoError(t, event.VerifyMessage(pub, m.Subject, m.Header, m.Data), "stream seq %d: a tagged id is the capture's", seq)
+		}
 	}
 	for _, m := range forged {
 		id := m.Header.Get(event.HeaderMsgID)

@@ -132,29 +132,34 @@ func Partition(commitLSN LSN, n int) int {
 	return int(h.Sum32() % uint32(n))
 }
 
-// MsgID is the Nats-Msg-Id of a row or truncate message: <src>/<lsn>/<seq>.
+// MsgID is the plain Nats-Msg-Id of a row or truncate message:
+// <src>/<lsn>/<seq>. The capture publishes it tagged (MsgIDTagger.RowMsgID).
 func MsgID(src string, commitLSN LSN, seq int) string {
 	return src + "/" + commitLSN.String() + "/" + strconv.Itoa(seq)
 }
 
-// CommitMsgID is the Nats-Msg-Id of a commit message.
+// CommitMsgID is the plain Nats-Msg-Id of a commit message. The capture
+// publishes it tagged (MsgIDTagger.CommitMsgID); an older capture did not.
 func CommitMsgID(src string, commitLSN LSN) string {
 	return src + "/" + commitLSN.String() + "/commit"
 }
 
-// MarkMsgID is the Nats-Msg-Id of a mark or heartbeat copy for partition p.
+// MarkMsgID is the plain Nats-Msg-Id of a mark or heartbeat copy for
+// partition p (published tagged: MsgIDTagger.MarkMsgID).
 func MarkMsgID(src string, lsn LSN, p int) string {
 	return src + "/" + lsn.String() + "/mark/" + strconv.Itoa(p)
 }
 
-// GapMsgID is the Nats-Msg-Id of a gap copy for partition p.
+// GapMsgID is the plain Nats-Msg-Id of a gap copy for partition p
+// (published tagged: MsgIDTagger.GapMsgID).
 func GapMsgID(src string, from, to LSN, p int) string {
 	return src + "/gap/" + from.String() + "-" + to.String() + "/" + strconv.Itoa(p)
 }
 
-// TableGapMsgID is the Nats-Msg-Id of a gap copy for partition p that
-// concerns one table only, distinct from the whole-source gap of the same
-// range and from another table's.
+// TableGapMsgID is the plain Nats-Msg-Id of a gap copy for partition p
+// that concerns one table only, distinct from the whole-source gap of the
+// same range and from another table's (published tagged:
+// MsgIDTagger.TableGapMsgID).
 func TableGapMsgID(src, schema, table string, from, to LSN, p int) string {
 	return src + "/gap/" + EscapeToken(schema) + "." + EscapeToken(table) + "/" + from.String() + "-" + to.String() + "/" + strconv.Itoa(p)
 }

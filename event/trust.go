@@ -395,7 +395,9 @@ func PublicKeyString(pub ed25519.PublicKey) string {
 
 // RepublishedMsgID is the Nats-Msg-Id under which the capture publishes a
 // message again when its own id was taken by a message it did not publish
-// (commit, mark and gap ids are predictable): "<id>/r<n>", n from 1. The signature and digest
+// in this session (its ids are tagged with the signing key, MsgIDTagger:
+// only a writer holding the key, or a stored message of its own it did not
+// adopt, can hold one): "<id>/r<n>", n from 1. The signature and digest
 // cover the message as republished; BaseMsgID returns the original id.
 func RepublishedMsgID(id string, n int) string { return id + "/r" + strconv.Itoa(n) }
 

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/tidwall/gjson"
 
@@ -52,10 +53,17 @@ func (r *archiveRow) qualified() string {
 
 // parse reads the columns in want from the row image, once, reading only
 // its top level. A row that is not a JSON object has no values; as with
-// encoding/json, a repeated name keeps its last value.
-func (r *archiveRow) parse(want map[string]bool) {
+// encoding/json, a repeated name keeps its last value. want is the few
+// columns the foreign keys of the row's table name (a slice: looking a
+// handful up by comparison is cheaper than hashing every member's name).
+func (r *archiveRow) parse(want []string) {
 	r.cols = r.cols[:0]
-	s := string(r.Row)
+	if len(want) == 0 {
+		return
+	}
+	// Read in place, not copied: a row image is never changed once read,
+	// and the forms kept (unescaped strings, numbers) are slices of it.
+	s := bytesString(r.Row)
 	if !gjson.Valid(s) {
 		return
 	}
@@ -64,13 +72,15 @@ func (r *archiveRow) parse(want map[string]bool) {
 		return
 	}
 	obj.ForEach(func(k, v gjson.Result) bool {
-		if want[k.Str] {
-			f, ok := matchForm(v)
-			if i := r.col(k.Str); i >= 0 {
-				r.cols[i] = colValue{k.Str, f, ok}
-			} else {
-				r.cols = append(r.cols, colValue{k.Str, f, ok})
-			}
+		w := slices.Index(want, k.Str)
+		if w < 0 {
+			return true
+		}
+		f, ok := matchForm(v)
+		if i := r.col(k.Str); i >= 0 {
+			r.cols[i] = colValue{want[w], f, ok}
+		} else {
+			r.cols = append(r.cols, colValue{want[w], f, ok})
 		}
 		return true
 	})
@@ -97,6 +107,12 @@ func (r *archiveRow) value(col string) (string, bool) {
 	}
 	return "", false
 }
+
+// bytesString is b as a string without copying it: for the buffers
+// assembly makes and hands on (a document's payload, a key's identity),
+// which nothing writes to after. Copying every payload into a string for
+// the statement's parameters was a fifth of assembly's allocated bytes.
+func bytesString(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // matchForm maps a value of the wire encoding to a string equal for equal
 // SQL values of compatible types: a string's content (text forms), a
@@ -126,25 +142,35 @@ type group struct {
 	correlationID string
 	rows          []*archiveRow // by seq
 	children      [][]int       // children[i]: rows whose foreign key points at row i, by seq
-	bySeq         map[int]int
 	// walked: the subtrees unrelated walked, by root row, each taken
 	// by the root's document (walked once, not twice).
 	walked map[int]walk
+	// subtree's scratch: seen is all false between walks.
+	seen         []bool
+	queue, first []int
 }
 
+// walk is the rows a document holds: members in walk order, the root
+// first; the children of members[k] are members[first[k]:first[k+1]].
 type walk struct {
-	children map[string][]*node
-	members  []int
+	members, first []int
 }
 
-// refKey identifies (table, columns, values) for the parent lookup: each
-// part length-prefixed, so distinct lists never make the same key.
-func refKey(table string, cols []string, vals []string) string {
-	n := len(table) + 8
-	for i := range cols {
-		n += len(cols[i]) + len(vals[i]) + 16
+// index returns the position in g.rows of the row with the given seq. The
+// rows are sorted by seq and, in a complete group, are seqs 0..n-1: the
+// row is usually at its seq; otherwise it is searched for.
+func (g *group) index(seq int) (int, bool) {
+	if seq >= 0 && seq < len(g.rows) && g.rows[seq].Seq == seq {
+		return seq, true
 	}
-	b := make([]byte, 0, n)
+	return slices.BinarySearchFunc(g.rows, seq, func(r *archiveRow, s int) int { return r.Seq - s })
+}
+
+// appendRefKey appends the key identifying (table, cols, the values of
+// r's columns vals) for the parent lookup: each part length-prefixed, so
+// distinct lists never make the same key. False when a value is absent or
+// NULL (a NULL foreign key references nothing).
+func appendRefKey(b []byte, table string, cols []string, r *archiveRow, vals []string) ([]byte, bool) {
 	add := func(s string) {
 		b = strconv.AppendInt(b, int64(len(s)), 10)
 		b = append(b, ':')
@@ -155,80 +181,162 @@ func refKey(table string, cols []string, vals []string) string {
 		add(c)
 	}
 	b = append(b, '=')
-	for _, v := range vals {
+	for _, c := range vals {
+		v, ok := r.value(c)
+		if !ok {
+			return b, false
+		}
 		add(v)
 	}
-	return string(b)
+	return b, true
+}
+
+// names interns "schema.table" per (schema, table): made once per group,
+// not once per row and foreign key.
+type names map[[2]string]string
+
+func (n names) of(schema, table string) string {
+	k := [2]string{schema, table}
+	q, ok := n[k]
+	if !ok {
+		q = schema + "." + table
+		n[k] = q
+	}
+	return q
+}
+
+// addNames appends to list the names it lacks.
+func addNames(list, add []string) []string {
+	for _, c := range add {
+		if !slices.Contains(list, c) {
+			list = append(list, c)
+		}
+	}
+	return list
 }
 
 func newGroup(correlationID string, rows []*archiveRow) *group {
-	slices.SortFunc(rows, func(a, b *archiveRow) int { return a.Seq - b.Seq })
-	g := &group{correlationID: correlationID, rows: rows, children: make([][]int, len(rows)), bySeq: map[int]int{}}
-	for i, r := range rows {
-		g.bySeq[r.Seq] = i
+	bySeq := func(a, b *archiveRow) int { return a.Seq - b.Seq }
+	if !slices.IsSortedFunc(rows, bySeq) {
+		slices.SortFunc(rows, bySeq)
+	}
+	g := &group{correlationID: correlationID, rows: rows}
+	qn := names{}
+	for _, r := range rows {
+		if r.q == "" {
+			r.q = qn.of(r.Schema, r.Table)
+		}
 	}
 	// Which (table, referenced columns) pairs are referenced at all, so
 	// each row is indexed only under the keys some child looks up; and
-	// which columns are read at all.
+	// which columns each table's rows are read for (its foreign keys' and
+	// those its children reference).
 	wanted := map[string][][]string{}
-	cols := map[string]bool{}
+	read := map[string][]string{}
 	for _, r := range rows {
 		for _, f := range r.Refs {
-			t := f.Schema + "." + f.Table
+			t := qn.of(f.Schema, f.Table)
 			if !slices.ContainsFunc(wanted[t], func(c []string) bool { return slices.Equal(c, f.RefColumns) }) {
 				wanted[t] = append(wanted[t], f.RefColumns)
+				read[t] = addNames(read[t], f.RefColumns)
 			}
-			for _, c := range f.Columns {
-				cols[c] = true
-			}
-			for _, c := range f.RefColumns {
-				cols[c] = true
-			}
+			read[r.q] = addNames(read[r.q], f.Columns)
 		}
 	}
+	// The rows' column values in one array, each row's part sized for
+	// its table's columns.
+	n := 0
 	for _, r := range rows {
-		r.parse(cols)
+		n += len(read[r.q])
 	}
-	parents := map[string][]int{}
+	cv := make([]colValue, n)
+	for _, r := range rows {
+		want := read[r.q]
+		if cap(r.cols) < len(want) {
+			r.cols, cv = cv[:0:len(want)], cv[len(want):]
+		}
+		r.parse(want)
+	}
+	g.link(indexParents(rows, wanted), qn)
+	return g
+}
+
+// parentIndex finds rows by (table, referenced columns, values): head[key]
+// is 1 + the key's first entry, next chains the entries of one key (a key
+// is almost always one row's), entryRow is each entry's row.
+type parentIndex struct {
+	head           map[string]int32
+	entryRow, next []int32
+}
+
+// indexParents indexes each row under the keys wanted names for its table.
+func indexParents(rows []*archiveRow, wanted map[string][][]string) parentIndex {
+	n := 0
+	for _, r := range rows {
+		n += len(wanted[r.q])
+	}
+	// Sized once: grown, the map was rehashed several times.
+	x := parentIndex{head: make(map[string]int32, n), entryRow: make([]int32, 0, n), next: make([]int32, 0, n)}
+	var kb []byte
 	for i, r := range rows {
-		for _, cols := range wanted[r.qualified()] {
-			if vals, ok := valuesOf(r, cols); ok {
-				k := refKey(r.qualified(), cols, vals)
-				parents[k] = append(parents[k], i)
+		for _, cols := range wanted[r.q] {
+			var ok bool
+			if kb, ok = appendRefKey(kb[:0], r.q, cols, r, cols); ok {
+				x.next = append(x.next, x.head[string(kb)]-1)
+				x.entryRow = append(x.entryRow, int32(i))
+				x.head[string(kb)] = int32(len(x.entryRow))
 			}
 		}
 	}
+	return x
+}
+
+// link sets g.children from the rows' foreign keys: the edges in child
+// order, then grouped by parent (stable), so each parent's children are in
+// seq order, all in one array.
+func (g *group) link(x parentIndex, qn names) {
+	rows := g.rows
+	var edges [][2]int32 // parent, child
+	last := make([]int32, len(rows))
+	for i := range last {
+		last[i] = -1
+	}
+	counts := make([]int32, len(rows)+1)
+	var kb []byte
 	for i, r := range rows {
 		for _, f := range r.Refs {
 			if len(f.Columns) == 0 || len(f.Columns) != len(f.RefColumns) {
 				continue
 			}
-			vals, ok := valuesOf(r, f.Columns)
-			if !ok {
+			var ok bool
+			if kb, ok = appendRefKey(kb[:0], qn.of(f.Schema, f.Table), f.RefColumns, r, f.Columns); !ok {
 				continue
 			}
-			for _, p := range parents[refKey(f.Schema+"."+f.Table, f.RefColumns, vals)] {
-				// i grows monotonically, so children stay in seq order and
-				// a duplicate (two foreign keys to one parent) is the last.
-				if ch := g.children[p]; p != i && (len(ch) == 0 || ch[len(ch)-1] != i) {
-					g.children[p] = append(ch, i)
+			for e := x.head[string(kb)] - 1; e >= 0; e = x.next[e] {
+				// A duplicate (two foreign keys to one parent) is kept once.
+				if p := x.entryRow[e]; int(p) != i && last[p] != int32(i) {
+					last[p] = int32(i)
+					edges = append(edges, [2]int32{p, int32(i)})
+					counts[p+1]++
 				}
 			}
 		}
 	}
-	return g
-}
-
-func valuesOf(r *archiveRow, cols []string) ([]string, bool) {
-	vals := make([]string, len(cols))
-	for i, c := range cols {
-		v, ok := r.value(c)
-		if !ok {
-			return nil, false
-		}
-		vals[i] = v
+	for p := range rows {
+		counts[p+1] += counts[p]
 	}
-	return vals, true
+	flat := make([]int, len(edges))
+	fill := slices.Clone(counts[:len(rows)])
+	for _, e := range edges {
+		flat[fill[e[0]]] = int(e[1])
+		fill[e[0]]++
+	}
+	g.children = make([][]int, len(rows))
+	for p := range rows {
+		if counts[p] < counts[p+1] {
+			g.children[p] = flat[counts[p]:counts[p+1]:counts[p+1]]
+		}
+	}
 }
 
 // node is one row of a document with its descendants.
@@ -259,27 +367,41 @@ type Meta struct {
 // time.Time marshals them (RFC 3339 with nanoseconds), and json.Marshal's
 // error for a time it cannot encode.
 func (m *Meta) appendJSON(b []byte) ([]byte, error) {
+	if !m.encodable() {
+		return json.Marshal(m)
+	}
+	w := bytes.NewBuffer(b)
+	m.write(w)
+	return w.Bytes(), nil
+}
+
+// encodable reports whether write can encode m: json.Marshal fails on a
+// year outside 0..9999.
+func (m *Meta) encodable() bool {
 	for _, t := range []time.Time{m.ArchivedAt, m.CommitTime} {
 		if y := t.Year(); y < 0 || y > 9999 {
-			return json.Marshal(m)
+			return false
 		}
 	}
-	var w bytes.Buffer
-	w.Write(b)
+	return true
+}
+
+// write writes what appendJSON appends for an encodable m, into w's spare
+// capacity where it has some (a document's buffer is sized for it).
+func (m *Meta) write(w *bytes.Buffer) {
 	w.WriteString(`{"correlation_id":`)
-	writeJSONString(&w, m.CorrelationID)
+	writeJSONString(w, m.CorrelationID)
 	w.WriteString(`,"archived_at":"`)
-	w.Write(m.ArchivedAt.AppendFormat(nil, time.RFC3339Nano))
+	w.Write(m.ArchivedAt.AppendFormat(w.AvailableBuffer(), time.RFC3339Nano))
 	w.WriteString(`","commit_time":"`)
-	w.Write(m.CommitTime.AppendFormat(nil, time.RFC3339Nano))
+	w.Write(m.CommitTime.AppendFormat(w.AvailableBuffer(), time.RFC3339Nano))
 	w.WriteString(`","entity_count":`)
-	w.WriteString(strconv.Itoa(m.EntityCount))
+	w.Write(strconv.AppendInt(w.AvailableBuffer(), int64(m.EntityCount), 10))
 	w.WriteString(`,"unrelated_count":`)
-	w.WriteString(strconv.Itoa(m.UnrelatedCount))
+	w.Write(strconv.AppendInt(w.AvailableBuffer(), int64(m.UnrelatedCount), 10))
 	w.WriteString(`,"transaction_rows":`)
-	w.WriteString(strconv.Itoa(m.TransactionRows))
+	w.Write(strconv.AppendInt(w.AvailableBuffer(), int64(m.TransactionRows), 10))
 	w.WriteByte('}')
-	return w.Bytes(), nil
 }
 
 // The document is written by hand rather than by encoding/json: the row
@@ -322,11 +444,17 @@ func writeNode(b *bytes.Buffer, table string, key, row json.RawMessage) {
 	b.Write(orNull(row))
 }
 
-// writeChildren writes children keyed by table, the tables sorted.
-func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
-	tables := make([]string, 0, len(kids))
-	for t := range kids {
-		tables = append(tables, t)
+// writeChildren writes the children of w's member k keyed by table, the
+// tables sorted, each table's rows in walk order: what encoding a node's
+// Children map wrote, without building the map.
+func (g *group) writeChildren(b *bytes.Buffer, w *walk, k int) {
+	lo, hi := w.first[k], w.first[k+1]
+	var few [8]string
+	tables := few[:0]
+	for _, m := range w.members[lo:hi] {
+		if t := g.rows[m].qualified(); !slices.Contains(tables, t) {
+			tables = append(tables, t)
+		}
 	}
 	slices.Sort(tables)
 	b.WriteByte('{')
@@ -336,13 +464,19 @@ func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
 		}
 		writeJSONString(b, t)
 		b.WriteString(":[")
-		for j, n := range kids[t] {
-			if j > 0 {
+		n := 0
+		for c := lo; c < hi; c++ {
+			r := g.rows[w.members[c]]
+			if r.qualified() != t {
+				continue
+			}
+			if n > 0 {
 				b.WriteByte(',')
 			}
-			writeNode(b, n.Table, n.Key, n.Row)
+			n++
+			writeNode(b, t, r.Key, r.Row)
 			b.WriteString(`,"children":`)
-			writeChildren(b, n.Children)
+			g.writeChildren(b, w, c)
 			b.WriteByte('}')
 		}
 		b.WriteByte(']')
@@ -350,39 +484,56 @@ func writeChildren(b *bytes.Buffer, kids map[string][]*node) {
 	b.WriteByte('}')
 }
 
-// subtree walks breadth first from row root over the child edges and
-// returns the nested children and the rows reached (root included). Each
-// row appears once, under the parent nearest the root; a row already
+// walkFrom walks breadth first from row root over the child edges. Each
+// row is reached once, under the parent nearest the root; a row already
 // reached (a cycle, or a second foreign key to a row in the document) is
 // not entered again, so a cycle of self-references terminates.
-func (g *group) subtree(root int) (map[string][]*node, []int) {
-	seen := map[int]bool{root: true}
-	top := &node{}
-	type item struct {
-		row    int
-		parent *node
+func (g *group) walkFrom(root int) walk {
+	if len(g.seen) < len(g.rows) {
+		g.seen = make([]bool, len(g.rows))
 	}
-	queue := []item{{root, top}}
-	members := []int{root}
-	for len(queue) > 0 {
-		it := queue[0]
-		queue = queue[1:]
-		for _, c := range g.children[it.row] {
-			if seen[c] {
-				continue
+	seen := g.seen
+	// queue (reused from walk to walk) is the members in walk order; a
+	// member's children are enqueued together, so they are a range of it.
+	seen[root] = true
+	queue, first := append(g.queue[:0], root), append(g.first[:0], 1)
+	for k := 0; k < len(queue); k++ {
+		for _, c := range g.children[queue[k]] {
+			if !seen[c] {
+				seen[c] = true
+				queue = append(queue, c)
 			}
-			seen[c] = true
-			members = append(members, c)
-			r := g.rows[c]
-			n := &node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row)}
-			if it.parent.Children == nil { // a leaf's stays nil: written {}
-				it.parent.Children = map[string][]*node{}
+		}
+		first = append(first, len(queue))
+	}
+	for _, m := range queue {
+		seen[m] = false
+	}
+	g.queue, g.first = queue, first
+	both := make([]int, len(queue)+len(first)) // one allocation for the two
+	w := walk{members: both[:len(queue):len(queue)], first: both[len(queue):]}
+	copy(w.members, queue)
+	copy(w.first, first)
+	return w
+}
+
+// subtree is the walk from root as nested nodes (the shape of a
+// document's children) and the rows reached, root included.
+func (g *group) subtree(root int) (map[string][]*node, []int) {
+	w := g.walkFrom(root)
+	nodes := make([]node, len(w.members)) // nodes[0] stands for the root
+	for k := range w.members {
+		for c := w.first[k]; c < w.first[k+1]; c++ {
+			r := g.rows[w.members[c]]
+			n := &nodes[c]
+			*n = node{Table: r.qualified(), Key: orNull(r.Key), Row: orNull(r.Row)}
+			if nodes[k].Children == nil { // a leaf's stays nil
+				nodes[k].Children = map[string][]*node{}
 			}
-			it.parent.Children[n.Table] = append(it.parent.Children[n.Table], n)
-			queue = append(queue, item{c, n})
+			nodes[k].Children[n.Table] = append(nodes[k].Children[n.Table], n)
 		}
 	}
-	return top.Children, members
+	return nodes[0].Children, w.members
 }
 
 func orNull(m json.RawMessage) json.RawMessage {
@@ -400,12 +551,12 @@ func (g *group) unrelated(roots []int) int {
 		if reached[r] {
 			continue // its subtree is inside one already walked
 		}
-		children, members := g.subtree(r)
+		w := g.walkFrom(r)
 		if g.walked == nil {
 			g.walked = map[int]walk{}
 		}
-		g.walked[r] = walk{children, members}
-		for _, m := range members {
+		g.walked[r] = w
+		for _, m := range w.members {
 			if !reached[m] {
 				reached[m] = true
 				n++
@@ -422,9 +573,9 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 	if ok {
 		delete(g.walked, root)
 	} else {
-		w.children, w.members = g.subtree(root)
+		w = g.walkFrom(root)
 	}
-	children, members := w.children, w.members
+	members := w.members
 	r := g.rows[root]
 	meta := Meta{
 		CorrelationID:   g.correlationID,
@@ -439,13 +590,16 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 		}
 	}
 	meta.ArchivedAt = meta.ArchivedAt.UTC()
-	m, err := meta.appendJSON(nil)
-	if err != nil {
-		return nil, fmt.Errorf("encode snapshot document: %w", err)
+	var m []byte
+	if !meta.encodable() {
+		var err error
+		if m, err = meta.appendJSON(nil); err != nil {
+			return nil, fmt.Errorf("encode snapshot document: %w", err)
+		}
 	}
-	// Sized for the rows and their framing at once: grown by doubling,
-	// a document of many rows was copied several times.
-	size := len(m) + 64
+	// Sized for the rows, their framing and the meta object at once:
+	// grown by doubling, a document of many rows was copied several times.
+	size := len(m) + 64 + 256 + len(meta.CorrelationID)
 	for _, i := range members {
 		size += len(g.rows[i].Key) + len(g.rows[i].Row) + len(g.rows[i].Table) + len(g.rows[i].Schema) + 48
 	}
@@ -454,9 +608,13 @@ func (g *group) document(root int, unrelated int) ([]byte, error) {
 	b.WriteString(`{"root":`)
 	writeNode(&b, r.qualified(), r.Key, r.Row)
 	b.WriteString(`},"children":`)
-	writeChildren(&b, children)
+	g.writeChildren(&b, &w, 0)
 	b.WriteString(`,"meta":`)
-	b.Write(m)
+	if m == nil {
+		meta.write(&b)
+	} else {
+		b.Write(m)
+	}
 	b.WriteByte('}')
 	return b.Bytes(), nil
 }

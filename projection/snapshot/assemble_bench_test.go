@@ -58,7 +58,8 @@ func BenchmarkAssembleShopTransaction(b *testing.B) {
 			if out.status != StatusComplete {
 				b.Fatalf("job %s: %s", out.status, out.reason)
 			}
-			w.add(gr.Commit, j, lg.g.rows[lg.g.bySeq[j.rootSeq]].Key, "{}", out, lg.fp)
+			root, _ := lg.g.index(j.rootSeq) // a row of the group
+			w.add(gr.Commit, j, lg.g.rows[root].Key, "{}", out, lg.fp)
 		}
 	}
 }

@@ -340,7 +340,7 @@ func (w *outcomes) add(id int64, out outcome, fp string) {
 	w.statuses = append(w.statuses, out.status)
 	var payload, reason *string
 	if out.payload != nil {
-		s := string(out.payload)
+		s := bytesString(out.payload)
 		payload = &s
 	}
 	if out.reason != "" {
@@ -501,7 +501,7 @@ func newLoadedGroup(g *group, rootSeqs []int) *loadedGroup {
 	}
 	var roots []int
 	for _, s := range rootSeqs {
-		if i, ok := g.bySeq[s]; ok {
+		if i, ok := g.index(s); ok {
 			roots = append(roots, i)
 		}
 	}
@@ -573,7 +573,7 @@ func (lg *loadedGroup) outcome(j job, cfg *Config) outcome {
 		return outcome{status: StatusPending, attempts: attempts, reason: fmt.Sprintf(
 			"incomplete transaction on attempt %d: %s", attempts, short)}
 	}
-	root, ok := lg.g.bySeq[j.rootSeq]
+	root, ok := lg.g.index(j.rootSeq)
 	if !ok {
 		return outcome{status: StatusFailed, attempts: attempts, reason: fmt.Sprintf(
 			"root row %s seq %d is no longer in the archive", sanitize(j.rootTable), j.rootSeq)}

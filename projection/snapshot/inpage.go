@@ -122,7 +122,8 @@ func CreateAssembled(ctx context.Context, tx pgx.Tx, schema string, groups []Gro
 		}
 		c := gr.Commit
 		for i, j := range jobs {
-			w.add(c, j, lg.g.rows[lg.g.bySeq[j.rootSeq]].Key, string(expected), outs[i], lg.fp)
+			root, _ := lg.g.index(j.rootSeq) // a row of the group
+			w.add(c, j, lg.g.rows[root].Key, string(expected), outs[i], lg.fp)
 		}
 		if countsRoot(tables, roots) {
 			recorded.add(c, string(expected))
@@ -157,18 +158,20 @@ func assemble(gr Group, tables map[string]int, roots []string) ([]job, *loadedGr
 	}
 	seen := make([]bool, c.Rows)
 	list := make([]*archiveRow, 0, len(gr.Rows))
-	for _, r := range gr.Rows {
+	slab := make([]archiveRow, len(gr.Rows)) // one allocation, not one a row
+	for i, r := range gr.Rows {
 		if r.Seq < 0 || r.Seq >= c.Rows || seen[r.Seq] {
 			return nil, nil, false
 		}
 		seen[r.Seq] = true
-		list = append(list, &archiveRow{
+		slab[i] = archiveRow{
 			Schema: r.Schema, Table: r.Table, Identity: r.Identity, Key: r.Key, Row: r.Row, Refs: r.Refs,
 			CommitLSN: c.CommitLSN, Seq: r.Seq,
 			// As stored: timestamptz keeps microseconds.
 			CommitTime: r.CommitTime.Truncate(time.Microsecond),
 			ArchivedAt: gr.ArchivedAt,
-		})
+		}
+		list = append(list, &slab[i])
 	}
 	g := newGroup(c.CorrelationID(), list)
 	if missing(tables, g.counts()) != "" {
@@ -253,7 +256,7 @@ func keyIdentity(raw json.RawMessage) (string, bool) {
 		b = strconv.AppendInt(b, int64(len(m.value)), 10)
 		b = append(append(b, ':'), m.value...)
 	}
-	return string(b), true
+	return bytesString(b), true
 }
 
 // canonicalJSON is a JSON value with object keys sorted and no
@@ -308,7 +311,7 @@ func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected
 	w.expected = append(w.expected, i)
 	w.expectedRows = append(w.expectedRows, int32(c.Rows))
 	w.statuses = append(w.statuses, out.status)
-	w.payloads = append(w.payloads, string(out.payload))
+	w.payloads = append(w.payloads, bytesString(out.payload))
 	w.fps = append(w.fps, fp)
 	w.attempts = append(w.attempts, int32(out.attempts))
 	w.reasons = append(w.reasons, out.reason)
