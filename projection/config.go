@@ -66,6 +66,11 @@ type Config struct {
 	// CleanupTimeout its statement timeout (default 10s).
 	CleanupBatch   int
 	CleanupTimeout time.Duration
+	// CleanupRate paces the retention worker while this projector applies
+	// (rows per second; a batch is then at most a quarter second of it):
+	// default DefaultCleanupRate, negative: unpaced. Unpaced while idle,
+	// and while catching up (its batches an hour behind for an hour).
+	CleanupRate int
 	// SnapshotRoots are the "schema.table" root tables of snapshot
 	// documents; empty = no snapshots.
 	SnapshotRoots []string
@@ -146,6 +151,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.RebuildShare == 0 {
 		c.RebuildShare = 0.5
+	}
+	if c.CleanupRate == 0 {
+		c.CleanupRate = DefaultCleanupRate
 	}
 	if c.ReadyMaxLag == 0 {
 		c.ReadyMaxLag = 1000

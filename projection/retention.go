@@ -61,18 +61,29 @@ type CleanupResult struct {
 	Statements int `json:"statements"`
 	// Full: the batch deleted as many rows as it could; more may be due.
 	Full bool `json:"full"`
+	// Skipped are the version schemas another cleaner was cleaning (this
+	// batch left them to it).
+	Skipped []string `json:"skipped,omitempty"`
 	// OldestDue is the expires_at of the oldest row still expired, present
 	// and deletable (not held, no open delivery) after the batch; nil: none.
+	// After a full batch it is the newest expires_at the batch deleted (the
+	// oldest left is at least as new; not looked up).
 	OldestDue *time.Time    `json:"oldest_due"`
 	Duration  time.Duration `json:"duration_ns"`
 }
 
 // cleanupSQL is one version's batch. The victims are found by the
 // expires_at index in expiry order (each checked against the holds and the
-// open deliveries by index), locked (SKIP LOCKED: concurrent cleaners take
-// different rows) and deleted by their tuple ids in the same statement: a
-// join back to the table on its key made Postgres hash the whole archive
-// (a sequential scan of every row) for each batch.
+// open deliveries by index) and deleted by their tuple ids in the same
+// statement: a join back to the table on its key made Postgres hash the
+// whole archive (a sequential scan of every row) for each batch. They are
+// not locked first (FOR UPDATE SKIP LOCKED wrote a lock record per row, a
+// third of the batch's WAL and a quarter of its CPU): one cleaner at a time
+// cleans a version (cleanupLockSQL), and a row a concurrent erase or apply
+// changed in between is left to the next batch (the delete re-checks its
+// tuple id). The holds are probed per row only when there is a hold at
+// all (read once, in the statement's snapshot). It returns, per table, the
+// newest expires_at deleted: a full batch's OldestDue.
 const cleanupSQL = `
 WITH victims AS (
     SELECT r.ctid AS tid FROM %[1]s r
@@ -80,18 +91,23 @@ WITH victims AS (
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
                       WHERE d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
                         AND d.state IN ('pending', 'in_flight'))
-      AND NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
-                      WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
-                        AND (h.key = r.key OR r.row @> h.match))
+      AND (NOT (SELECT EXISTS (SELECT 1 FROM epitaph.legal_holds))
+           OR NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
+                          WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
+                            AND (h.key = r.key OR r.row @> h.match)))
     ORDER BY r.expires_at
     LIMIT $1
-    FOR UPDATE OF r SKIP LOCKED
 ), del AS (
     DELETE FROM %[1]s r
     WHERE r.ctid = ANY (ARRAY(SELECT tid FROM victims))
-    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name, r.table_name
+    RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name, r.table_name, r.expires_at
 )%[2]s
-SELECT schema_name || '.' || table_name, count(*)::int, %[3]s FROM del GROUP BY 1`
+SELECT schema_name || '.' || table_name, count(*)::int, max(expires_at), %[3]s FROM del GROUP BY 1`
+
+// cleanupLockSQL is taken by a batch before it cleans a version (in its
+// transaction): a version held by another cleaner is skipped by this batch.
+// Two-key form, its own advisory lock space.
+const cleanupLockSQL = `SELECT pg_try_advisory_xact_lock(hashtext('epitaph.cleanup'), hashtext($1))`
 
 // cleanupSnapshotsSQL prunes, in the same statement, the documents rooted
 // at deleted rows (found by correlation id, the prefix of the documents'
@@ -146,17 +162,29 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 		return res, err
 	}
 	budget := opts.Batch
+	var newest *time.Time
 	for _, vs := range schemas {
 		if budget == 0 {
 			break
 		}
-		n, err := cleanupVersion(ctx, pool, vs, budget, opts.StatementTimeout, &res)
+		n, last, err := cleanupVersion(ctx, pool, vs, budget, opts.StatementTimeout, &res)
 		if err != nil {
 			return res, err
 		}
 		budget -= n
+		if last != nil && (newest == nil || last.After(*newest)) {
+			newest = last
+		}
 	}
 	res.Full = budget == 0
+	if res.Full {
+		// More is due: the oldest left is at least as new as the newest
+		// row deleted (oldest first). Looking it up would walk the
+		// index entries of every row just deleted, which stay until vacuum.
+		res.OldestDue = newest
+		res.Duration = time.Since(start)
+		return res, nil
+	}
 	for _, vs := range schemas {
 		var t *time.Time
 		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, ident(vs.schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
@@ -198,15 +226,23 @@ func versionSchemas(ctx context.Context, db interface {
 	return out, nil
 }
 
-func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, error) {
+func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("begin cleanup of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("begin cleanup of %s: %w", vs.schema, err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after commit, a no-op
 	// No JIT: compiling a large batch's plan costs more than it saves.
 	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL statement_timeout = %d; SET LOCAL jit = off`, timeout.Milliseconds())); err != nil {
-		return 0, fmt.Errorf("cleanup of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("cleanup of %s: %w", vs.schema, err)
+	}
+	var mine bool
+	if err := tx.QueryRow(ctx, cleanupLockSQL, vs.schema).Scan(&mine); err != nil {
+		return 0, nil, fmt.Errorf("cleanup lock of %s: %w", vs.schema, err)
+	}
+	if !mine { // another cleaner is on this version
+		res.Skipped = append(res.Skipped, vs.schema)
+		return 0, nil, nil
 	}
 	extra, counts := "", "0, 0"
 	if vs.snapshots {
@@ -215,29 +251,34 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, l
 	}
 	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, ident(vs.schema, "rows"), extra, counts), limit)
 	if err != nil {
-		return 0, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
 	}
 	res.Statements++
 	total := 0
 	var table string
 	var n, snaps, groups int
-	_, err = pgx.ForEachRow(rows, []any{&table, &n, &snaps, &groups}, func() error {
+	var last, newest *time.Time
+	_, err = pgx.ForEachRow(rows, []any{&table, &n, &last, &snaps, &groups}, func() error {
 		res.ByTable[table] += n
 		total += n
 		res.Snapshots, res.Groups = max(res.Snapshots, snaps), max(res.Groups, groups)
+		if last != nil && (newest == nil || last.After(*newest)) {
+			t := *last
+			newest = &t
+		}
 		return nil
 	})
 	if err != nil {
-		return 0, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return 0, fmt.Errorf("commit cleanup of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("commit cleanup of %s: %w", vs.schema, err)
 	}
 	if total > 0 {
 		res.ByVersion[vs.schema] += total
 	}
 	res.Deleted += total
-	return total, nil
+	return total, newest, nil
 }
 
 // retentionMetrics are the cleanup's and the fences' metrics.
@@ -277,8 +318,27 @@ type CleanerConfig struct {
 	// takes about a quarter of StatementTimeout.
 	Batch            int
 	StatementTimeout time.Duration
-	Logger           *slog.Logger
+	// Rate paces the cleaner while Busy reports true (the projector is
+	// applying): after a full batch of n rows it waits until n/Rate seconds
+	// have passed since the batch began, and a batch is at most a quarter
+	// second of Rate. Unpaced while Busy is false, when Rate is 0, and
+	// while catching up: once full batches have deleted rows expired more
+	// than cleanupBehind ago for cleanupBehind on end, the batches follow
+	// at once until one deletes rows expired within it (so retention never
+	// falls behind for good, whatever the apply does).
+	Rate   int
+	Busy   func() bool
+	Logger *slog.Logger
 }
+
+// cleanupBehind is how far past expiry the newest row a full batch
+// deleted may be, and for how long, before pacing is lifted: the alert
+// EpitaphRetentionBehind's threshold.
+const cleanupBehind = time.Hour
+
+// DefaultCleanupRate is the retention worker's pace while the projector
+// applies (rows per second; Config.CleanupRate).
+const DefaultCleanupRate = 60000
 
 // Cleaner runs retention batches in the background (internal/startstop).
 type Cleaner struct {
@@ -286,7 +346,10 @@ type Cleaner struct {
 	cfg   CleanerConfig
 	m     *retentionMetrics
 	batch int
-	ss    startstop.Base
+	// behindSince: since when full batches have deleted rows expired
+	// more than cleanupBehind ago (zero: the last one did not).
+	behindSince time.Time
+	ss          startstop.Base
 }
 
 func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cleaner {
@@ -305,13 +368,21 @@ func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cle
 	return &Cleaner{pool: pool, cfg: cfg, m: m, batch: min(max(cfg.Batch, MinCleanupBatch), MaxCleanupBatch)}
 }
 
+// liveBusy: a page of a live version was admitted within liveIdle (the
+// projector is applying); the cleaner paces itself then.
+func (s *Service) liveBusy() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return !s.lastLivePage.IsZero() && s.now().Sub(s.lastLivePage) <= liveIdle
+}
+
 // startCleaner starts the service's retention worker unless disabled.
 func (s *Service) startCleaner(ctx context.Context) error {
 	if s.cfg.CleanupInterval < 0 {
 		return nil
 	}
 	s.cleaner = newCleaner(s.pool, CleanerConfig{Interval: s.cfg.CleanupInterval, Batch: s.cfg.CleanupBatch,
-		StatementTimeout: s.cfg.CleanupTimeout, Logger: s.log}, s.retention)
+		StatementTimeout: s.cfg.CleanupTimeout, Rate: max(0, s.cfg.CleanupRate), Busy: s.liveBusy, Logger: s.log}, s.retention)
 	if err := s.cleaner.Start(ctx); err != nil {
 		return fmt.Errorf("retention cleanup: %w", err)
 	}
@@ -345,23 +416,28 @@ func (c *Cleaner) loop(soft, hard context.Context) {
 			return
 		case <-t.C:
 		}
-		full := c.step(hard)
+		full, pace := c.step(hard)
 		wait := c.cfg.Interval
 		if full {
-			wait = 0
+			wait = pace
 		}
 		t.Reset(wait)
 	}
 }
 
 // step runs one batch, records it and adapts the batch size; it reports
-// whether more is due at once.
-func (c *Cleaner) step(ctx context.Context) bool {
-	c.m.batch.Set(float64(c.batch))
-	res, err := CleanupBatch(ctx, c.pool, CleanupOptions{Projection: c.cfg.Projection, Batch: c.batch, StatementTimeout: c.cfg.StatementTimeout})
+// whether more is due, and how long to wait before it (the pace).
+func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
+	paced := c.paced(nil)
+	batch := c.batch
+	if paced {
+		batch = min(batch, max(MinCleanupBatch, c.cfg.Rate/4))
+	}
+	c.m.batch.Set(float64(batch))
+	res, err := CleanupBatch(ctx, c.pool, CleanupOptions{Projection: c.cfg.Projection, Batch: batch, StatementTimeout: c.cfg.StatementTimeout})
 	if err != nil {
 		if ctx.Err() != nil {
-			return false
+			return false, 0
 		}
 		c.m.errors.Inc()
 		var pg *pgconn.PgError
@@ -369,7 +445,7 @@ func (c *Cleaner) step(ctx context.Context) bool {
 			c.batch = max(MinCleanupBatch, c.batch/4)
 		}
 		c.cfg.Logger.Warn("retention cleanup batch failed", "err", quarantine.Sanitize(err), "batch", c.batch)
-		return false
+		return false, 0
 	}
 	for _, tbl := range slices.Sorted(maps.Keys(res.ByTable)) {
 		c.m.expired.WithLabelValues(tbl).Add(float64(res.ByTable[tbl]))
@@ -380,14 +456,37 @@ func (c *Cleaner) step(ctx context.Context) bool {
 	}
 	if res.Deleted > 0 {
 		c.cfg.Logger.Info("retention cleanup: expired rows deleted", "rows", res.Deleted, "by_table", res.ByTable,
-			"snapshots", res.Snapshots, "groups", res.Groups, "duration", res.Duration, "batch", c.batch)
+			"snapshots", res.Snapshots, "groups", res.Groups, "duration", res.Duration, "batch", batch)
 	}
 	target := c.cfg.StatementTimeout / 4
 	switch {
 	case res.Duration > target:
 		c.batch = max(MinCleanupBatch, c.batch/2)
-	case res.Full && res.Duration < target/2:
+	case res.Full && res.Duration < target/2 && batch == c.batch:
 		c.batch = min(MaxCleanupBatch, c.batch*2)
 	}
-	return res.Full
+	if !res.Full || !c.paced(res.OldestDue) {
+		return res.Full, 0
+	}
+	return true, max(0, time.Duration(float64(res.Deleted)/float64(c.cfg.Rate)*float64(time.Second))-res.Duration)
+}
+
+// paced: the next batch is paced (Rate set, the projector applying, and
+// not catching up). newest, when known, is the newest expires_at a full
+// batch deleted: a backlog whose rows expired more than cleanupBehind ago
+// for cleanupBehind on end (the rate is below the rows expiring, the
+// alert is firing) is deleted unpaced until a batch is within the hour.
+func (c *Cleaner) paced(newest *time.Time) bool {
+	if newest != nil {
+		switch {
+		case time.Since(*newest) <= cleanupBehind:
+			c.behindSince = time.Time{}
+		case c.behindSince.IsZero():
+			c.behindSince = time.Now()
+		}
+	}
+	if c.cfg.Rate <= 0 || c.cfg.Busy == nil || !c.cfg.Busy() {
+		return false
+	}
+	return c.behindSince.IsZero() || time.Since(c.behindSince) <= cleanupBehind
 }

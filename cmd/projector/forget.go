@@ -71,6 +71,9 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 			if res.Full {
 				fmt.Fprintln(env.Stdout, "the batch was full: more rows may be due")
 			}
+			if len(res.Skipped) > 0 {
+				fmt.Fprintf(env.Stdout, "skipped %s: another cleaner is cleaning it\n", strings.Join(res.Skipped, ", "))
+			}
 			return nil
 		})
 	}

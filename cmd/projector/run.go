@@ -33,7 +33,7 @@ type runOptions struct {
 	readyLag                                    int64
 	readyAge                                    time.Duration
 	cleanupInterval, cleanupTimeout             time.Duration
-	cleanupBatch                                int
+	cleanupBatch, cleanupRate                   int
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
 	sourceURL                                   string
@@ -77,6 +77,7 @@ address (run refuses to start without it).`,
 	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
 	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
 	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
+	f.Int(&o.cleanupRate, "cleanup-rate", "EPITAPH_CLEANUP_RATE", projection.DefaultCleanupRate, "retention: the most expired rows deleted per second while this worker applies (unpaced while idle, and while an hour behind for an hour); 0: unpaced", cli.NotNegative())
 	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
@@ -118,6 +119,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
+		CleanupRate: cleanupRate(o.cleanupRate),
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -192,6 +194,14 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	env.Logger.Info("projector stopped")
 	return svc.Wait()
+}
+
+// cleanupRate maps --cleanup-rate 0 (unpaced) to the config's negative.
+func cleanupRate(n int) int {
+	if n == 0 {
+		return -1
+	}
+	return n
 }
 
 // cleanupInterval maps --cleanup-interval 0 (disabled) to the config's

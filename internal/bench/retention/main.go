@@ -57,12 +57,15 @@ func main() {
 	rows := flag.Int("rows", 1_000_000, "rows in the archive before the apply")
 	apply := flag.Int("apply", 200_000, "delete events applied")
 	perTx := flag.Int("per-tx", 10, "rows per source transaction")
+	flag.StringVar(&explainTo, "explain", "", "copy auto_explain's plans (ANALYZE, BUFFERS) of statements over 200 ms to this file")
 	flag.Parse()
 	ctx := context.Background()
 	if err := run(ctx, *rows, *apply, *perTx); err != nil {
 		log.Fatal(err)
 	}
 }
+
+var explainTo string
 
 func run(ctx context.Context, rows, apply, perTx int) error {
 	bench.LoadNote("before")
@@ -80,7 +83,18 @@ func run(ctx context.Context, rows, apply, perTx int) error {
 		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
 	}()
 	// The database time of the cleanup and the erase: per statement.
-	if err := pg.SetConfig("shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all"); err != nil {
+	settings := []string{"shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all"}
+	if explainTo != "" {
+		settings = []string{"shared_preload_libraries = 'pg_stat_statements,auto_explain'", "pg_stat_statements.track = all",
+			"auto_explain.log_min_duration = '200ms'", "auto_explain.log_analyze = on", "auto_explain.log_buffers = on",
+			"auto_explain.log_timing = off", "auto_explain.log_level = warning"}
+		defer func() {
+			if b, err := os.ReadFile(filepath.Join(filepath.Dir(pg.DataDir), "postgres.log")); err == nil {
+				_ = os.WriteFile(explainTo, b, 0o644)
+			}
+		}()
+	}
+	if err := pg.SetConfig(settings...); err != nil {
 		return err
 	}
 	if err := pg.Restart(); err != nil {
@@ -185,7 +199,7 @@ func publish(ctx context.Context, natsURL string, apply, perTx int) error {
 			}
 		}
 		sent += n
-		if sent%5000 < perTx || sent == apply {
+		if sent%2000 < perTx || sent == apply { // at most ~2,200 messages pending (the limit is 4,000)
 			select {
 			case <-js.PublishAsyncComplete():
 			case <-time.After(time.Minute):
@@ -262,6 +276,9 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, ap
 	if err := resetStatements(ctx, pool); err != nil {
 		return 0, 0, err
 	}
+	name := map[bool]string{false: "without_cleanup", true: "with_cleanup"}[cleanup]
+	stats0 := readServerStats(ctx, pool)
+	samp := startSampler(ctx, pool)
 	cpu0 := cpuNow(pg)
 	start := time.Now()
 	if err := svc.Start(ctx); err != nil {
@@ -295,7 +312,9 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, ap
 		}
 	}
 	cpu := cpuNow(pg).minus(cpu0)
-	name := map[bool]string{false: "without_cleanup", true: "with_cleanup"}[cleanup]
+	samp.report(name)
+	stats0.note(name, readServerStats(ctx, pool))
+	topStatements(ctx, pool, name, 12)
 	bench.Figure("retention.cpu_seconds.postgres."+name, cpu.postgres, "s (until applied and, with cleanup, cleaned)")
 	bench.Figure("retention.cpu_seconds.process."+name, cpu.proc, "s (projector, JetStream server and bench)")
 	rate := float64(apply) / applied.Sub(start).Seconds()
