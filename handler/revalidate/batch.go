@@ -91,7 +91,18 @@ func cheapBatchSQL(schema string) string {
 WITH b AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::pg_lsn[], $6::int[])
         WITH ORDINALITY AS b(corr, sch, tbl, src, lsn, seq, i)),
-g AS MATERIALIZED (
+` + groupPairsSQL(schema) + `
+SELECT b.i::int, g.n, g.mx, m.present, m.live
+FROM b JOIN g ON g.corr = b.corr AND g.sch = b.sch AND g.tbl = b.tbl
+` + ownRowSQL(schema)
+}
+
+// groupPairsSQL is the CTE g: the cheap pair (n, mx) of each distinct
+// (correlation id, table) of the batch b, aggregated once over the group's
+// index. cheapBatchSQL and claimedSQL share it, so both paths decide on the
+// same pair.
+func groupPairsSQL(schema string) string {
+	return `g AS MATERIALIZED (
     SELECT k.corr, k.sch, k.tbl, a.n, a.mx
     FROM (SELECT DISTINCT corr, sch, tbl FROM b) k
     CROSS JOIN LATERAL (
@@ -100,9 +111,13 @@ g AS MATERIALIZED (
                    (extract(epoch FROM max(archived_at) FILTER (WHERE live)) * 1000000)::bigint::text, '') AS mx
         FROM (SELECT r.seq, r.archived_at, (r.expires_at IS NULL OR r.expires_at > now()) AS live
               FROM ` + rowsTable(schema) + ` r
-              WHERE r.correlation_id = k.corr AND r.schema_name = k.sch AND r.table_name = k.tbl AND r.verified) r) a)
-SELECT b.i::int, g.n, g.mx, m.present, m.live
-FROM b JOIN g ON g.corr = b.corr AND g.sch = b.sch AND g.tbl = b.tbl
+              WHERE r.correlation_id = k.corr AND r.schema_name = k.sch AND r.table_name = k.tbl AND r.verified) r) a)`
+}
+
+// ownRowSQL is the lateral m: whether each delivery's own archive row of b
+// is there and live (a probe of the primary key).
+func ownRowSQL(schema string) string {
+	return `
 CROSS JOIN LATERAL (
     SELECT count(*) > 0 AS present, COALESCE(bool_or(r.expires_at IS NULL OR r.expires_at > now()), false) AS live
     FROM ` + rowsTable(schema) + ` r

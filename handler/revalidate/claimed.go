@@ -197,24 +197,10 @@ func claimedSQL(schema string) string {
 	with := ``
 	if schema != "" {
 		with = `,
-g AS MATERIALIZED (
-    SELECT k.corr, k.sch, k.tbl, a.n, a.mx
-    FROM (SELECT DISTINCT corr, sch, tbl FROM b) k
-    CROSS JOIN LATERAL (
-        SELECT count(*) FILTER (WHERE live)::int AS n,
-               COALESCE(max(seq) FILTER (WHERE live)::text || '@' ||
-                   (extract(epoch FROM max(archived_at) FILTER (WHERE live)) * 1000000)::bigint::text, '') AS mx
-        FROM (SELECT r.seq, r.archived_at, (r.expires_at IS NULL OR r.expires_at > now()) AS live
-              FROM ` + rowsTable(schema) + ` r
-              WHERE r.correlation_id = k.corr AND r.schema_name = k.sch AND r.table_name = k.tbl AND r.verified) r) a)`
+` + groupPairsSQL(schema)
 		archive = `g.n, g.mx, m.present, m.live`
 		archiveJoin = `
-LEFT JOIN g ON g.corr = b.corr AND g.sch = b.sch AND g.tbl = b.tbl
-CROSS JOIN LATERAL (
-    SELECT count(*) > 0 AS present, COALESCE(bool_or(r.expires_at IS NULL OR r.expires_at > now()), false) AS live
-    FROM ` + rowsTable(schema) + ` r
-    WHERE r.source = b.src AND r.commit_lsn = b.lsn AND r.seq = b.seq
-      AND r.correlation_id = b.corr AND r.schema_name = b.sch AND r.table_name = b.tbl AND r.verified) m`
+LEFT JOIN g ON g.corr = b.corr AND g.sch = b.sch AND g.tbl = b.tbl` + ownRowSQL(schema)
 	}
 	return `
 WITH b AS (
