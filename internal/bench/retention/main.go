@@ -61,6 +61,7 @@ func main() {
 	perTx := flag.Int("per-tx", 10, "rows per source transaction")
 	pairs := flag.Int("pairs", 3, "interleaved without/with cleanup apply pairs (each pair's ratio, the median and the min are printed)")
 	flag.StringVar(&sharedBuffers, "shared-buffers", "", "the bench server's shared_buffers (default: the test server's, 128MB, Postgres' default)")
+	flag.IntVar(&cleanupRate, "cleanup-rate", 0, "the projector's --cleanup-rate (0: its default, 60,000 rows/s; negative: unpaced)")
 	flag.StringVar(&explainTo, "explain", "", "copy auto_explain's plans (ANALYZE, BUFFERS) of statements over 200 ms to this file")
 	flag.Parse()
 	ctx := context.Background()
@@ -69,7 +70,10 @@ func main() {
 	}
 }
 
-var explainTo, sharedBuffers string
+var (
+	explainTo, sharedBuffers string
+	cleanupRate              int
+)
 
 // startServer starts the bench's Postgres with pg_stat_statements (and
 // auto_explain with -explain, shared_buffers with -shared-buffers); stop
@@ -451,6 +455,7 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, la
 		ArchiveTTL: map[string]time.Duration{"*": 100 * 365 * 24 * time.Hour}, CleanupInterval: -1}
 	if cleanup {
 		cfg.CleanupInterval = 50 * time.Millisecond
+		cfg.CleanupRate = cleanupRate
 	}
 	svc, err := projection.New(cfg, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	if err != nil {
