@@ -1,17 +1,21 @@
 // Command retention is `make bench-retention`. On one throwaway Postgres
-// and an embedded JetStream server, with the projector service in process:
+// and an embedded JetStream server, with the projector service in process,
+// -pairs interleaved pairs (the order alternating from pair to pair) of
 //
-//  1. apply without cleanup: a stream of -apply delete events applied into
+//   - apply without cleanup: a stream of -apply delete events applied into
 //     an archive that already holds -rows unexpired rows;
-//  2. apply with cleanup: the same stream into an archive holding -rows
+//   - apply with cleanup: the same stream into an archive holding -rows
 //     expired rows, with the projector's cleaner running (every 50 ms while
-//     batches are not full): the apply rate, its ratio to 1, and the cleanup
-//     rate (expired rows deleted per second, from the start until none is
-//     left);
-//  3. erasure by --match on the first archive: the database time of
-//     Erase (the sum of its statements' execution times, from
-//     pg_stat_statements), its wall time, and whether the plan uses the GIN
-//     index.
+//     batches are not full): the apply rate, and the cleanup rate (expired
+//     rows deleted per second, from the start until none is left);
+//
+// each round into a file copy of an archive prefilled once, after a
+// checkpoint and with no autovacuum running, dropped after it. Each pair's
+// ratio, the median and the min, and the CPU per applied row with and
+// without cleanup are printed. Then an erasure by --match on a copy of the
+// unexpired archive: the database time of Erase (the sum of its statements'
+// execution times, from pg_stat_statements), its wall time, and whether the
+// plan uses the GIN index.
 //
 // Beside the rates it prints CPU seconds (postgres: the postmaster and its
 // backends; this process: the projector, the JetStream server and the
