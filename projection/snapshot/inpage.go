@@ -121,19 +121,40 @@ func CreateFromArchive(ctx context.Context, tx pgx.Tx, schema string, commits []
 	if len(roots) == 0 || len(commits) == 0 {
 		return 0, 0, nil
 	}
-	var sources, lsns []string
+	a := newAssembler(schema, roots)
+	var (
+		sources, lsns []string
+		load          []*event.Event
+		docs          int
+	)
 	for _, c := range commits {
 		if c == nil || c.Op != event.OpCommit {
 			return 0, 0, errors.New("create snapshot jobs from the archive: not a commit event")
 		}
+		// At most a batch's claim of documents in memory at once (a
+		// batch takes a huge transaction's jobs in bounded claims): the
+		// rest are the batcher's.
+		n := rootBound(c, roots)
+		if docs+n > maxClaim {
+			k, err := CreateJobs(ctx, tx, schema, c, roots)
+			if err != nil {
+				return a.created, a.pending, err
+			}
+			a.created, a.pending = a.created+k, a.pending+k
+			continue
+		}
+		docs += n
+		load = append(load, c)
 		sources, lsns = append(sources, c.Source), append(lsns, c.CommitLSN.String())
+	}
+	if len(load) == 0 {
+		return a.created, a.pending, nil
 	}
 	lists, loadErr, err := loadRows(ctx, tx, schema, sources, lsns)
 	if err != nil {
-		return 0, 0, err
+		return a.created, a.pending, err
 	}
-	a := newAssembler(schema, roots)
-	for _, c := range commits {
+	for _, c := range load {
 		k := txKey{c.Source, c.CommitLSN.String()}
 		if err := a.add(ctx, tx, c, func(tables map[string]int) ([]job, *loadedGroup, bool) {
 			if loadErr[k] != "" {
@@ -149,6 +170,19 @@ func CreateFromArchive(ctx context.Context, tx pgx.Tx, schema string, commits []
 		return a.created, a.pending, err
 	}
 	return a.created, a.pending + written - a.inserted, nil
+}
+
+// rootBound is at most how many documents commit c's transaction has: the
+// rows it counted of root tables, or all of its rows without counts.
+func rootBound(c *event.Event, roots []string) int {
+	if len(c.Tables) == 0 {
+		return c.Rows
+	}
+	n := 0
+	for _, r := range roots {
+		n += c.Tables[r]
+	}
+	return n
 }
 
 // assembler collects the assembled documents of many groups for one
