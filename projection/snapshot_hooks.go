@@ -59,7 +59,7 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commit
 
 // snapshotsCommitted runs, right after the apply transaction committed,
 // one batch of the batcher's for the jobs this page's commits left pending
-// (transactions spanning pages, rows archived earlier): it claims only
+// (a replayed commit's jobs, groups not complete at the commit): it claims only
 // those transactions' jobs (RunBatchFor), so their documents are complete a
 // moment after their commit is applied, instead of queueing behind the
 // batcher's older work while the apply runs at full speed. The apply waits

@@ -230,7 +230,8 @@ type TxRef struct {
 // RunBatchFor is RunBatch for the due pending jobs of the given
 // transactions only, up to 100 x BatchSize jobs (and at most 10,000): the
 // projector runs it right after committing the commits of transactions
-// whose jobs it left pending (they span pages), so their documents do not
+// whose jobs it left pending (a replayed commit's, or a group not complete
+// yet, or beyond what one apply transaction assembles), so their documents do not
 // wait for the batcher's turn behind older work. Claimed, loaded, assembled
 // and written like RunBatch (the same statements but the claim, which
 // reads the jobs by transaction); jobs locked by another batch are skipped
