@@ -23,6 +23,29 @@ import (
 // stream and reset the consumer to the cursor before fetching again.
 var errReset = errors.New("partition needs a reset to its cursor")
 
+// resetError is an errReset that says which condition asked for it (the
+// partition loop logs it; the consumer reset that may follow names it).
+type resetError struct {
+	cause string // short, for logs: "pending_elsewhere", "stalled", ...
+	msg   string
+}
+
+func (e *resetError) Error() string { return e.msg + ": " + errReset.Error() }
+func (e *resetError) Unwrap() error { return errReset }
+
+// resetCause is the cause a reset error names ("unnamed" for a bare errReset).
+func resetCause(err error) string {
+	if re := (*resetError)(nil); errors.As(err, &re) {
+		return re.cause
+	}
+	return "unnamed"
+}
+
+// resetf is errReset for cause, with a message saying what was seen.
+func resetf(cause, format string, args ...any) error {
+	return &resetError{cause: cause, msg: fmt.Sprintf(format, args...)}
+}
+
 // item is one fetched message.
 type item struct {
 	msg     jetstream.Msg // nil for messages read directly from the stream
@@ -95,6 +118,9 @@ type partitionWorker struct {
 	// though this worker had acknowledged all it was given.
 	elsewhere int
 	recreate  bool
+	// restart is why init runs again ("start", "transient failure",
+	// "reset: <cause>"): a consumer reset it leads to logs it.
+	restart string
 }
 
 // maxStalled is how many idle rounds (each a fetch of up to FetchWait) a
@@ -162,6 +188,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 	bo.MaxInterval = w.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
 	needInit, resets := true, 0
+	w.restart = "start"
 	failed := false // a failure is recorded and not yet cleared
 	for !w.StopRequested() && ctx.Err() == nil {
 		var err error
@@ -194,6 +221,8 @@ func (w *partitionWorker) run(ctx context.Context) {
 		case errors.Is(err, errReset):
 			needInit = true
 			resets++
+			w.restart = "reset: " + resetCause(err)
+			w.log.Info("partition resets to its cursor", "cause", resetCause(err), "err", err)
 			if resets <= 3 {
 				continue
 			}
@@ -205,6 +234,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 			return
 		}
 		needInit = true
+		w.restart = "transient failure"
 		kind := quarantine.TransientKind(err)
 		w.metrics.transient.WithLabelValues(kind).Inc()
 		wait := bo.NextBackOff()
@@ -450,14 +480,15 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	c, err := w.stream.Consumer(ctx, name)
 	if err == nil {
 		info := c.CachedInfo()
-		if !w.recreate && info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
-			info.Config.AckPolicy == jetstream.AckAllPolicy && info.Config.MaxAckPending >= maxAckPending {
+		reason := w.resetReason(info)
+		if reason == "" {
 			w.cons = c
 			return nil
 		}
-		w.log.Info("resetting consumer to the cursor", "consumer", name, "cursor", w.pos.Cursor,
-			"ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending)
-		w.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
+		w.log.Info("resetting consumer to the cursor", "consumer", name, "reason", reason, "after", w.restart,
+			"cursor", w.pos.Cursor, "ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending,
+			"num_pending", info.NumPending, "delivered", info.Delivered.Stream)
+		w.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), reason).Inc()
 		if err := w.stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return fmt.Errorf("delete consumer %s: %w", name, err)
 		}
@@ -480,6 +511,24 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	}
 	w.cons, w.recreate, w.stalled, w.elsewhere = c, false, 0, 0
 	return nil
+}
+
+// resetReason is why the consumer described by info cannot be kept as the
+// partition's (the label of epitaph_projector_consumer_resets_total), or ""
+// when it stands exactly at the cursor with nothing in flight.
+func (w *partitionWorker) resetReason(info *jetstream.ConsumerInfo) string {
+	switch {
+	case w.recreate:
+		return "stalled"
+	case info.Config.FilterSubject != w.filter || info.Config.AckPolicy != jetstream.AckAllPolicy ||
+		info.Config.MaxAckPending < maxAckPending:
+		return "config"
+	case info.NumAckPending > 0:
+		return "ack_pending"
+	case info.AckFloor.Stream != w.pos.Cursor:
+		return "ack_floor"
+	}
+	return ""
 }
 
 // page is one fetched and decoded group of pages.
@@ -658,7 +707,7 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 	ci, err := w.cons.Info(ctx)
 	if err != nil {
 		if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
-			return errReset
+			return resetf("consumer_missing", "consumer info: %v", err)
 		}
 		return fmt.Errorf("consumer info: %w", err)
 	}
@@ -670,7 +719,7 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		// processed the page's ack just sent, so only a second round in a
 		// row counts.
 		if w.elsewhere++; w.elsewhere >= 2 {
-			return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
+			return resetf("pending_elsewhere", "%d deliveries pending elsewhere (ack floor %d, cursor %d)", ci.NumAckPending, ci.AckFloor.Stream, w.pos.Cursor)
 		}
 		return nil
 	}
@@ -684,17 +733,17 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 			"consumer", ci.Name, "pending", ci.NumPending, "idle_fetches", w.stalled,
 			"stalled_for", time.Since(w.stalledSince).Round(time.Millisecond))
 		w.recreate = true
-		return fmt.Errorf("consumer %s stalled with %d pending: %w", ci.Name, ci.NumPending, errReset)
+		return resetf("stalled", "consumer %s stalled with %d pending", ci.Name, ci.NumPending)
 	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			return errReset
+			return resetf("stream_missing", "stream info: %v", err)
 		}
 		return fmt.Errorf("stream info: %w", err)
 	}
 	if info.State.LastSeq < w.pos.Cursor {
-		return errReset
+		return resetf("stream_behind", "the stream's last sequence %d is before the cursor %d", info.State.LastSeq, w.pos.Cursor)
 	}
 	if first := info.State.FirstSeq; first > w.pos.Cursor+1 && w.pos.Cursor >= w.legacy && w.pos.Trust.PartSeq > 0 {
 		return w.recordSuspectedGap(ctx, first) // trust.go
@@ -713,7 +762,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		return err
 	}
 	if rewound {
-		return fmt.Errorf("rewound to %d: %w", w.pos.Cursor, errReset)
+		return resetf("rewound", "rewound to %d", w.pos.Cursor)
 	}
 	fresh := items[:0]
 	var stale *item
@@ -733,7 +782,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	}
 	for i := 1; i < len(fresh); i++ {
 		if fresh[i].dseq != fresh[i-1].dseq+1 || fresh[i].seq <= fresh[i-1].seq {
-			return fmt.Errorf("deliveries out of order (another reader on %s?): %w", w.lease.ConsumerName(), errReset)
+			return resetf("out_of_order", "deliveries out of order at %d (another reader on %s?)", fresh[i].seq, w.lease.ConsumerName())
 		}
 	}
 	raw, err := w.stream.GetMsg(ctx, w.pos.Cursor+1, jetstream.WithGetMsgSubject(w.filter))
@@ -741,7 +790,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		return fmt.Errorf("check the next message after cursor %d: %w", w.pos.Cursor, err)
 	}
 	if raw.Sequence != fresh[0].seq {
-		return fmt.Errorf("page starts at %d but the partition continues at %d: %w", fresh[0].seq, raw.Sequence, errReset)
+		return resetf("page_gap", "page starts at %d but the partition continues at %d", fresh[0].seq, raw.Sequence)
 	}
 	release, err := w.svc.admit(ctx, w.ver) // rebuild share (lifecycle_worker.go)
 	if err != nil {
