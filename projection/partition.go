@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -570,16 +571,23 @@ func (w *partitionWorker) fetchPage() page {
 	}
 	var items []*item
 	bytes := 0
-	// The fetch's goroutine in nats.go ends when its context does: cancel it
-	// on every return, so that a page left early (a bad message) does not
-	// leave the goroutine waiting out the fetch's expiry.
-	fctx, cancel := context.WithTimeout(context.Background(), w.cfg.FetchWait)
-	defer cancel()
 	for n := 0; n < pages; n++ {
 		var batch jetstream.MessageBatch
 		var err error
 		if n == 0 {
-			batch, err = w.cons.Fetch(size, jetstream.FetchContext(fctx))
+			// The server ends the request: the batch is full, or its
+			// expiry (FetchWait) passed and it says so (408). A deadline
+			// of the client's own (a FetchContext with a timeout: nats.go
+			// gives the server 90% of it) ends the fetch first whenever
+			// the request reached the server more than that 10% late, as
+			// it does on a loaded machine; what the server then still
+			// delivered went to an inbox no longer read: delivered, never
+			// seen, pending for the consumer's AckWait, and the partition
+			// reset its consumer for it (a page gap, or deliveries
+			// "pending elsewhere") or failed the idle fetch (timeout). The
+			// batch is read to its end below, so that the fetch's
+			// goroutine in nats.go has ended when this returns.
+			batch, err = w.cons.Fetch(size, jetstream.FetchMaxWait(w.cfg.FetchWait))
 		} else {
 			batch, err = w.cons.FetchNoWait(size)
 		}
@@ -590,10 +598,13 @@ func (w *partitionWorker) fetchPage() page {
 			return page{err: fmt.Errorf("fetch: %w", err)}
 		}
 		got := 0
+		var bad error
 		for m := range batch.Messages() {
 			md, err := m.Metadata()
-			if err != nil {
-				return page{err: fmt.Errorf("message metadata: %w", err)}
+			if err != nil || bad != nil {
+				// Read on to the batch's end (see above); the page fails.
+				bad = cmp.Or(bad, err)
+				continue
 			}
 			it := &item{
 				msg: m, seq: md.Sequence.Stream, dseq: md.Sequence.Consumer, subject: m.Subject(),
@@ -609,6 +620,9 @@ func (w *partitionWorker) fetchPage() page {
 			items = append(items, it)
 			bytes += len(it.data)
 			got++
+		}
+		if bad != nil {
+			return page{err: fmt.Errorf("message metadata: %w", bad)}
 		}
 		if err := batch.Error(); err != nil {
 			if len(items) == 0 {
