@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // requireOnce checks that no message id appears twice and that the stream
@@ -104,7 +105,7 @@ func TestGapFailsClosed(t *testing.T) {
 	before := e.messages(t, "main", 2)
 	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
-	e.exec(t, `SELECT pg_drop_replication_slot($1)`, e.slot)
+	testenv.DropSlot(t, e.db, e.slot)       // once its walsender has exited
 	e.exec(t, `DELETE FROM g WHERE id = 2`) // lost: no slot
 
 	err := e.startErr(t, nil)

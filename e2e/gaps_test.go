@@ -142,8 +142,7 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 
 	// The capture stops, its slot is dropped, deletes meanwhile are lost.
 	require.NoError(t, capture.Stop(30*time.Second))
-	_, err = conn.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slot)
-	require.NoError(t, err)
+	testenv.DropSlot(t, url, slot) // once its walsender has exited
 	_, err = conn.Exec(ctx, `DELETE FROM public.items WHERE id > 100 AND id <= 200`)
 	require.NoError(t, err)
 	inside := lsnNow()

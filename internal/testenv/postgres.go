@@ -424,3 +424,37 @@ func reapOrphans(bin string) {
 		}
 	})
 }
+
+// DropSlot drops the replication slot of url's database once no walsender
+// holds it. A capture's Stop closes its replication connection, but the
+// server's walsender exits a moment later, and until then the slot is
+// active ("replication slot ... is active for PID n"): DropSlot waits up to
+// a minute for that, failing the test with the pid if it does not end.
+func DropSlot(tb testing.TB, url, slot string) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		tb.Fatalf("testenv: connect: %v", err)
+	}
+	defer conn.Close(context.Background())
+	for {
+		var pid *int32
+		err := conn.QueryRow(ctx, `SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&pid)
+		if err != nil {
+			tb.Fatalf("testenv: slot %s: %v", slot, err)
+		}
+		if pid == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			tb.Fatalf("testenv: slot %s still held by walsender pid %d after a minute", slot, *pid)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	if _, err := conn.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slot); err != nil {
+		tb.Fatalf("testenv: drop slot %s: %v", slot, err)
+	}
+}
