@@ -658,6 +658,7 @@ func (d *Dispatcher) decide(ctx context.Context, c *claimed) settlement {
 	case def.Revalidate && c.verdict != nil && time.Since(c.verdictAt) <= verdictMaxAge:
 		dec, err = c.verdict.Decision, c.verdict.Err
 	case def.Revalidate:
+		d.met.alone.WithLabelValues(def.ID).Inc()
 		dec, err = d.cfg.Revalidate(actx, c.d)
 	}
 	var s settlement

@@ -506,9 +506,11 @@ func TestBatchRevalidationSeam(t *testing.T) {
 		alone.Add(1)
 		return Decision{Outcome: Send}, nil
 	}
-	d := e.dispatcher(Config{Registry: reg, Parallelism: 1, Revalidate: reval, RevalidateBatch: batch})
+	preg := prometheus.NewRegistry()
+	d := e.dispatcher(Config{Registry: reg, Parallelism: 1, Revalidate: reval, RevalidateBatch: batch, Registerer: preg})
 	e.flush(d)
 	require.EqualValues(t, 1, batches.Load(), "one call for the claimed batch")
+	require.Zero(t, aloneMetric(t, preg), "no attempt revalidated alone")
 	require.EqualValues(t, 3, batched.Load())
 	require.Zero(t, alone.Load(), "fresh verdicts are not read again")
 	ds := e.deliveries()
@@ -528,8 +530,26 @@ func TestBatchRevalidationSeam(t *testing.T) {
 	e.flush(d)
 	require.EqualValues(t, 2, batches.Load())
 	require.EqualValues(t, 1, alone.Load(), "the stale verdict was read again, alone")
+	require.EqualValues(t, 1, aloneMetric(t, preg), "counted as revalidated alone")
 	require.EqualValues(t, 4, calls.Load())
 	for _, r := range e.deliveries()[3:] {
 		require.Equal(t, StateDone, r.State)
 	}
+}
+
+// aloneMetric is epitaph_projector_delivery_revalidations_alone_total,
+// summed over handlers.
+func aloneMetric(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() == "epitaph_projector_delivery_revalidations_alone_total" {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return n
 }

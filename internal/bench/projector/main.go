@@ -82,6 +82,10 @@ type env struct {
 	// beforeStart, when set, runs after the migration, before the
 	// projectors start (handlers.go adds the row handlers).
 	beforeStart func(ctx context.Context, targetURL string) error
+	// procs and metricsAddrs: the projectors of the running apply and
+	// their metrics listeners (for afterArchive).
+	procs        []*bench.Proc
+	metricsAddrs []string
 	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
 	handlerParallelism int
 	// revalidate: the row handlers revalidate against sourceURL, the
@@ -493,11 +497,13 @@ func exitedErr(p *bench.Proc) func() error {
 
 func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]*bench.Proc, error) {
 	var procs []*bench.Proc
+	e.metricsAddrs = nil
 	for i := 0; i < e.workers; i++ {
 		metrics, err := bench.LocalAddr()
 		if err != nil {
 			return procs, err
 		}
+		e.metricsAddrs = append(e.metricsAddrs, metrics)
 		penv := bench.ProjectorEnv(targetURL, e.natsURL, metrics, source, "bench-"+strconv.Itoa(i))
 		if e.snapshotRoots != "" {
 			penv = append(penv, "EPITAPH_SNAPSHOT_ROOTS="+e.snapshotRoots)
@@ -699,6 +705,7 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	if err != nil {
 		return 0, err
 	}
+	e.procs = procs
 	start := procs[0].Started()
 	cpu0 := e.cpu(procs[0].Pid())
 	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
