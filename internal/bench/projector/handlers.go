@@ -79,6 +79,12 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			}
 		}
 		if e.pgStats {
+			if e.revalidate {
+				// The source's statements are printed for the drain too.
+				if err := pgStatsReset(ctx, e.sourceURL); err != nil {
+					return err
+				}
+			}
 			return pgStatsReset(ctx, url)
 		}
 		return nil
