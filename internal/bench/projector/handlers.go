@@ -140,9 +140,9 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				}
 				if e.pgStats {
 					if e.revalidate {
-						// The source's statements first (the print resets
-						// every database's).
-						if err := pgStatsPrint(ctx, e.sourceURL, "handlers-drain-source"); err != nil {
+						// The source's statements first, kept for the
+						// target's print (its reset clears every database's).
+						if err := pgStatsShow(ctx, e.sourceURL, "handlers-drain-source", false); err != nil {
 							return err
 						}
 					}

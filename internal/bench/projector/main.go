@@ -1105,6 +1105,12 @@ func pgStatsReset(ctx context.Context, url string) error {
 // pgStatsPrint prints the statements that took the most execution time
 // since the last reset, then resets.
 func pgStatsPrint(ctx context.Context, url, phase string) error {
+	return pgStatsShow(ctx, url, phase, true)
+}
+
+// pgStatsShow is pgStatsPrint, resetting only when reset is set (the
+// reset clears every database's statements).
+func pgStatsShow(ctx context.Context, url, phase string, reset bool) error {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return err
@@ -1129,7 +1135,7 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 		bench.Note("pgstats %s: %7d calls %9.0f ms exec %6.0f ms plan %8d rows %8.0f buffers/call  %s", phase, calls, exec, plan, n,
 			float64(blocks)/float64(max(calls, 1)), q)
 	}
-	if err := rows.Err(); err != nil {
+	if err := rows.Err(); err != nil || !reset {
 		return err
 	}
 	_, err = conn.Exec(ctx, "SELECT pg_stat_statements_reset()")
