@@ -489,7 +489,9 @@ func (s *Service) prepareSlot(ctx context.Context, first bool, t tail) (slotPlan
 		}
 	}
 	if plan.create {
+		stop := s.reportSlotWaits(ctx, cfg.SlotName, s.repl.PID())
 		cp, err := createSlot(ctx, s.repl, cfg.SlotName)
+		stop()
 		if err != nil {
 			return plan, 0, err
 		}

@@ -3,6 +3,10 @@ package capture
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -11,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // TestStreamExistsOnlyOnceTheSlotDoes: on a first start the stream is
@@ -91,4 +96,50 @@ func TestFailedFirstStartLeavesNoSlot(t *testing.T) {
 	e.start(t, nil)
 	e.exec(t, `INSERT INTO items VALUES (1, 'a'); DELETE FROM items`)
 	require.Len(t, e.deletes(t, "main", 1), 1)
+}
+
+// Creating the slot waits for every transaction holding an xid in the
+// cluster, another database's too: while it waits, the capture says so and
+// names the blocker (its pid, database, how long its transaction has been
+// open), and keeps waiting; once the blocker commits, the capture starts.
+// Not parallel: the open transaction would hold up every other test's slot.
+func TestSlotCreationSaysWhatItWaitsFor(t *testing.T) {
+	e := setup(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	blocker, err := pgx.Connect(ctx, testenv.NewDatabase(t))
+	require.NoError(t, err)
+	defer blocker.Close(context.WithoutCancel(ctx))
+	tx, err := blocker.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var xid int64
+	require.NoError(t, tx.QueryRow(ctx, "SELECT txid_current()").Scan(&xid))
+	var pid int
+	require.NoError(t, tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+
+	var logs lockedBuffer
+	svc, err := New(e.config(), WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
+	started := make(chan error, 1)
+	go func() { started <- svc.Start(ctx) }()
+	want := fmt.Sprintf(`wait_event=Lock/transactionid blockers="[pid %d (database `, pid)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), want) }, 2*time.Minute, 50*time.Millisecond,
+		"the capture names the blocker while it waits")
+	require.Contains(t, logs.String(), `msg="creating the replication slot waits for transactions running in the cluster to end (in any database); still waiting" slot=`+e.slot)
+	require.Contains(t, logs.String(), "idle in transaction, transaction open ")
+	select {
+	case err := <-started:
+		require.Fail(t, "started while the slot could not be created", "err %v", err)
+	default:
+	}
+	require.NoError(t, tx.Commit(ctx))
+	select {
+	case err := <-started:
+		require.NoError(t, err)
+	case <-time.After(2 * time.Minute):
+		require.Fail(t, "the capture did not start once the blocker committed")
+	}
+	require.Equal(t, "1", queryString(t, e.db, `SELECT count(*)::text FROM pg_replication_slots WHERE slot_name = $1`, e.slot))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -98,6 +99,74 @@ func createSlot(ctx context.Context, conn *pgconn.PgConn, name string) (event.LS
 		return 0, fmt.Errorf("create replication slot %s: %w", name, err)
 	}
 	return lsn, nil
+}
+
+// While creating the slot takes long, the capture says what it waits for,
+// first after slotWaitFirst, then every slotWaitEvery, and keeps waiting:
+// PostgreSQL builds a logical slot's starting snapshot only once every
+// transaction that holds an xid anywhere in the cluster (another database's
+// too, a prepared one until it is committed) has ended.
+const (
+	slotWaitFirst = 5 * time.Second
+	slotWaitEvery = 30 * time.Second
+)
+
+// sqlSlotBlockers lists what blocks the walsender $1: the sessions
+// (pg_blocking_pids) and the prepared transactions (a prepared transaction
+// blocks as pid 0). No query text: it may hold data.
+const sqlSlotBlockers = `
+SELECT format('pid %s (database %s, %s, %s, transaction open %ss, xid %s)', b.pid, coalesce(b.datname, '-'),
+	coalesce(nullif(b.application_name, ''), b.backend_type), coalesce(b.state, '-'),
+	coalesce(round(extract(epoch FROM now() - b.xact_start))::text, '?'), coalesce(b.backend_xid::text, '-'))
+FROM pg_stat_activity b WHERE b.pid = ANY (pg_blocking_pids($1)) AND b.pid <> 0
+UNION ALL
+SELECT format('prepared transaction %s (database %s, prepared %ss ago, xid %s: COMMIT PREPARED or ROLLBACK PREPARED ends it)',
+	quote_literal(p.gid), p.database, round(extract(epoch FROM now() - p.prepared)), p.transaction)
+FROM pg_prepared_xacts p`
+
+// reportSlotWaits logs what creating slot on the replication connection
+// of backend pid waits for, until stop is called (stop returns once the
+// reporting goroutine has ended).
+func (s *Service) reportSlotWaits(ctx context.Context, slot string, pid uint32) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		start := time.Now()
+		t := time.NewTimer(slotWaitFirst)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			s.logSlotWaits(ctx, slot, pid, time.Since(start))
+			t.Reset(slotWaitEvery)
+		}
+	}()
+	return func() { cancel(); <-done }
+}
+
+func (s *Service) logSlotWaits(ctx context.Context, slot string, pid uint32, waited time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var waitEvent string
+	err := s.pool.QueryRow(ctx, `SELECT coalesce(wait_event_type || '/' || wait_event, 'none') FROM pg_stat_activity WHERE pid = $1`, int64(pid)).Scan(&waitEvent)
+	var blockers []string
+	if err == nil {
+		var rows pgx.Rows
+		if rows, err = s.pool.Query(ctx, sqlSlotBlockers, int64(pid)); err == nil {
+			blockers, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		}
+	}
+	if err != nil {
+		s.log.Warn("creating the replication slot takes long; cannot tell what it waits for", "slot", slot,
+			"waited", waited.Round(time.Second), "err", redactErr(err))
+		return
+	}
+	s.log.Warn("creating the replication slot waits for transactions running in the cluster to end (in any database); still waiting",
+		"slot", slot, "waited", waited.Round(time.Second), "walsender_pid", pid, "wait_event", waitEvent, "blockers", blockers)
 }
 
 func dropSlot(ctx context.Context, conn *pgconn.PgConn, name string) error {

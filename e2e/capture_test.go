@@ -50,7 +50,7 @@ func TestCaptureExactlyOnceUnderKills(t *testing.T) {
 	watch, err := bench.WatchStream(nats.URL, "main")
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_capture", time.Minute, nil),
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_capture", captureReadyTimeout, nil),
 		"the capture makes its stream and slot before the first delete")
 
 	// A workload of a fixed size runs while the faults happen (those after

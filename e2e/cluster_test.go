@@ -197,7 +197,7 @@ func clusterLosesNodesUnderLoad(t *testing.T, bins map[string]string, seed uint6
 	watch, err := bench.WatchStream(cluster.URL, "main", cluster.connect(t, "projector")...)
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_cluster", 2*time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_cluster", captureReadyTimeout, nil))
 
 	workers := superviseProjectors(t, bins["projector"], url, cluster.URL, 2, seed, cluster.env("projector")...)
 

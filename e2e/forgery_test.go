@@ -193,7 +193,7 @@ func TestForgeriesNeverReachTheArchive(t *testing.T) {
 	watch, err := bench.WatchStream(broker.URL, "main")
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_forgery", time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_forgery", captureReadyTimeout, nil))
 
 	workers := superviseProjectors(t, bins["projector"], url, broker.URL, 2, seed)
 	// The projectors' first run records the legacy boundaries (none: the

@@ -67,7 +67,7 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, time.Minute, nil), "capture ready")
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, captureReadyTimeout, nil), "capture ready")
 
 	pmetrics, err := bench.LocalAddr()
 	require.NoError(t, err)

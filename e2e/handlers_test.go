@@ -180,7 +180,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main", creds)
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_handlers", time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_handlers", captureReadyTimeout, nil))
 
 	// The handlers, through the CLI, before any delete.
 	cliEnv := joinEnv(bench.ProjectorEnv(url, natsURL, "", "main", "cli"), "EPITAPH_NATS_CREDS="+projectorCreds)

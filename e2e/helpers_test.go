@@ -26,6 +26,13 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
+// captureReadyTimeout is how long a test waits for a capture's stream and
+// slot: creating the slot waits for every transaction running in the shared
+// cluster, other tests' too (a seed, a 100 MiB row, a 50,000-row delete),
+// and a capture may restart first (bench.WaitCaptureReady says what it
+// waits for when this runs out).
+const captureReadyTimeout = 3 * time.Minute
+
 // binaries builds the real capture and projector for one test.
 func binaries(t *testing.T) map[string]string {
 	t.Helper()

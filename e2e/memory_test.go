@@ -63,7 +63,7 @@ func TestLargeRowPeakRSS(t *testing.T) {
 	watch, err := bench.WatchStream("nats://"+listen, "main", creds)
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_bigrow", time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_bigrow", captureReadyTimeout, nil))
 	pm, err := bench.LocalAddr()
 	require.NoError(t, err)
 	projector := supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, "nats://"+listen, pm, "main", "worker-0"),

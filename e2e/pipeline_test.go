@@ -54,7 +54,7 @@ func TestPipelineArchivesExactlyTheDeletedRows(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main", creds)
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_pipeline", time.Minute, nil),
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_pipeline", captureReadyTimeout, nil),
 		"the capture makes its stream and slot before the first delete")
 
 	workers := superviseProjectors(t, bins["projector"], url, natsURL, 2, seed, "EPITAPH_NATS_CREDS="+projectorCreds)

@@ -101,7 +101,7 @@ func TestMigrationsUnderKills(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_schema", time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_schema", captureReadyTimeout, nil))
 	m, err := bench.LocalAddr()
 	require.NoError(t, err)
 	projector := supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s",
@@ -327,7 +327,7 @@ func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_lost", time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_lost", captureReadyTimeout, nil))
 	m, err := bench.LocalAddr()
 	require.NoError(t, err)
 	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), "EPITAPH_LEASE_TTL=3s",

@@ -58,7 +58,7 @@ func TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction(t *testing.T) {
 	watch, err := bench.WatchStream(broker.URL, "main")
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, captureReadyTimeout, nil))
 	workers := superviseProjectors(t, bins["projector"], url, broker.URL, 1, seed)
 	require.NoError(t, workload.WaitFor(ctx, time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
 		n, err := bench.Count(ctx, url, "SELECT count(*) FROM epitaph.legacy_boundaries")

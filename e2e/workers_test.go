@@ -52,7 +52,7 @@ func TestManyWorkersShareEightPartitions(t *testing.T) {
 	watch, err := bench.WatchStream(natsURL, "main", creds)
 	require.NoError(t, err)
 	defer watch.Close()
-	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_workers", time.Minute, nil))
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_workers", captureReadyTimeout, nil))
 
 	logs := t.TempDir()
 	startWorker := func(i int) *bench.Proc {

@@ -90,3 +90,67 @@ func TestFetchPageBehindIsCutAtItsLastCommit(t *testing.T) {
 	require.Len(t, p.items, 305)
 	require.False(t, p.full, "less than a page stored: caught up")
 }
+
+// A fetch ends when the server ends it (the batch full, or its expiry
+// passed), not at a deadline of the client's own: a client that gave up
+// first left what the server still delivered to an inbox no longer read,
+// delivered and never seen, and the partition reset its consumer for the
+// gap (TestTwoTargetsFromOneStream's unexplained reset, "page starts at 153
+// but the partition continues at 152"). Messages published while short
+// fetches come and go all arrive, in order, no delivery skipped, and an
+// idle fetch is no error.
+func TestFetchPageLosesNoDeliveryToAnEndingFetch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.NewNATS(t)
+	nc, js := srv.Connect(t)
+	defer nc.Close()
+	const source = "ending"
+	stream, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(source), Subjects: []string{event.StreamSubjects(source)}})
+	require.NoError(t, err)
+	cons, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		Durable: "ending-p0", FilterSubject: event.PartitionFilter(source, 0),
+		AckPolicy: jetstream.AckAllPolicy, AckWait: 5 * time.Minute, MaxAckPending: maxAckPending,
+	})
+	require.NoError(t, err)
+	cfg := &Config{BatchSize: MaxBatchSize, FetchWait: 10 * time.Millisecond, Decoder: &event.Decoder{}}
+	w := &partitionWorker{workerEnv: workerEnv{cfg: cfg}, cons: cons, log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+
+	const n = 400
+	published := make(chan error, 1)
+	go func() {
+		// Paced so that messages arrive while fetches are open and end.
+		tick := time.NewTicker(time.Millisecond)
+		defer tick.Stop()
+		for i := 1; i <= n; i++ {
+			if i%4 == 0 {
+				<-tick.C
+			}
+			if _, err := js.Publish(ctx, event.CommitSubject(source, 0), []byte(itoa(i))); err != nil {
+				published <- err
+				return
+			}
+		}
+		published <- nil
+	}()
+	var seq, dseq uint64
+	idle := 0
+	for deadline := time.Now().Add(2 * time.Minute); seq < n; {
+		require.True(t, time.Now().Before(deadline), "received %d of %d messages", seq, n)
+		p := w.fetchPage()
+		require.NoError(t, p.err, "fetch after %d messages", seq)
+		if len(p.items) == 0 {
+			idle++
+			continue
+		}
+		for _, it := range p.items {
+			require.Equal(t, dseq+1, it.dseq, "delivery after %d (delivered to a fetch no longer read?)", dseq)
+			require.Equal(t, seq+1, it.seq)
+			require.Equal(t, itoa(int(it.seq)), string(it.data))
+			dseq, seq = it.dseq, it.seq
+		}
+		require.NoError(t, p.items[len(p.items)-1].msg.Ack())
+	}
+	require.NoError(t, <-published)
+	t.Logf("%d messages, %d deliveries, %d idle fetches", seq, dseq, idle)
+}

@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -22,6 +23,29 @@ import (
 // errReset asks the partition loop to re-read its progress row, verify the
 // stream and reset the consumer to the cursor before fetching again.
 var errReset = errors.New("partition needs a reset to its cursor")
+
+// resetError is an errReset that says which condition asked for it (the
+// partition loop logs it; the consumer reset that may follow names it).
+type resetError struct {
+	cause string // short, for logs: "pending_elsewhere", "stalled", ...
+	msg   string
+}
+
+func (e *resetError) Error() string { return e.msg + ": " + errReset.Error() }
+func (e *resetError) Unwrap() error { return errReset }
+
+// resetCause is the cause a reset error names ("unnamed" for a bare errReset).
+func resetCause(err error) string {
+	if re := (*resetError)(nil); errors.As(err, &re) {
+		return re.cause
+	}
+	return "unnamed"
+}
+
+// resetf is errReset for cause, with a message saying what was seen.
+func resetf(cause, format string, args ...any) error {
+	return &resetError{cause: cause, msg: fmt.Sprintf(format, args...)}
+}
 
 // item is one fetched message.
 type item struct {
@@ -95,6 +119,9 @@ type partitionWorker struct {
 	// though this worker had acknowledged all it was given.
 	elsewhere int
 	recreate  bool
+	// restart is why init runs again ("start", "transient failure",
+	// "reset: <cause>"): a consumer reset it leads to logs it.
+	restart string
 }
 
 // maxStalled is how many idle rounds (each a fetch of up to FetchWait) a
@@ -162,6 +189,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 	bo.MaxInterval = w.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
 	needInit, resets := true, 0
+	w.restart = "start"
 	failed := false // a failure is recorded and not yet cleared
 	for !w.StopRequested() && ctx.Err() == nil {
 		var err error
@@ -194,6 +222,8 @@ func (w *partitionWorker) run(ctx context.Context) {
 		case errors.Is(err, errReset):
 			needInit = true
 			resets++
+			w.restart = "reset: " + resetCause(err)
+			w.log.Info("partition resets to its cursor", "cause", resetCause(err), "err", err)
 			if resets <= 3 {
 				continue
 			}
@@ -205,6 +235,7 @@ func (w *partitionWorker) run(ctx context.Context) {
 			return
 		}
 		needInit = true
+		w.restart = "transient failure"
 		kind := quarantine.TransientKind(err)
 		w.metrics.transient.WithLabelValues(kind).Inc()
 		wait := bo.NextBackOff()
@@ -450,14 +481,15 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	c, err := w.stream.Consumer(ctx, name)
 	if err == nil {
 		info := c.CachedInfo()
-		if !w.recreate && info.Config.FilterSubject == w.filter && info.NumAckPending == 0 && info.AckFloor.Stream == w.pos.Cursor &&
-			info.Config.AckPolicy == jetstream.AckAllPolicy && info.Config.MaxAckPending >= maxAckPending {
+		reason := w.resetReason(info)
+		if reason == "" {
 			w.cons = c
 			return nil
 		}
-		w.log.Info("resetting consumer to the cursor", "consumer", name, "cursor", w.pos.Cursor,
-			"ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending)
-		w.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
+		w.log.Info("resetting consumer to the cursor", "consumer", name, "reason", reason, "after", w.restart,
+			"cursor", w.pos.Cursor, "ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending,
+			"num_pending", info.NumPending, "delivered", info.Delivered.Stream)
+		w.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), reason).Inc()
 		if err := w.stream.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return fmt.Errorf("delete consumer %s: %w", name, err)
 		}
@@ -480,6 +512,24 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	}
 	w.cons, w.recreate, w.stalled, w.elsewhere = c, false, 0, 0
 	return nil
+}
+
+// resetReason is why the consumer described by info cannot be kept as the
+// partition's (the label of epitaph_projector_consumer_resets_total), or ""
+// when it stands exactly at the cursor with nothing in flight.
+func (w *partitionWorker) resetReason(info *jetstream.ConsumerInfo) string {
+	switch {
+	case w.recreate:
+		return "stalled"
+	case info.Config.FilterSubject != w.filter || info.Config.AckPolicy != jetstream.AckAllPolicy ||
+		info.Config.MaxAckPending < maxAckPending:
+		return "config"
+	case info.NumAckPending > 0:
+		return "ack_pending"
+	case info.AckFloor.Stream != w.pos.Cursor:
+		return "ack_floor"
+	}
+	return ""
 }
 
 // page is one fetched and decoded group of pages.
@@ -521,16 +571,23 @@ func (w *partitionWorker) fetchPage() page {
 	}
 	var items []*item
 	bytes := 0
-	// The fetch's goroutine in nats.go ends when its context does: cancel it
-	// on every return, so that a page left early (a bad message) does not
-	// leave the goroutine waiting out the fetch's expiry.
-	fctx, cancel := context.WithTimeout(context.Background(), w.cfg.FetchWait)
-	defer cancel()
 	for n := 0; n < pages; n++ {
 		var batch jetstream.MessageBatch
 		var err error
 		if n == 0 {
-			batch, err = w.cons.Fetch(size, jetstream.FetchContext(fctx))
+			// The server ends the request: the batch is full, or its
+			// expiry (FetchWait) passed and it says so (408). A deadline
+			// of the client's own (a FetchContext with a timeout: nats.go
+			// gives the server 90% of it) ends the fetch first whenever
+			// the request reached the server more than that 10% late, as
+			// it does on a loaded machine; what the server then still
+			// delivered went to an inbox no longer read: delivered, never
+			// seen, pending for the consumer's AckWait, and the partition
+			// reset its consumer for it (a page gap, or deliveries
+			// "pending elsewhere") or failed the idle fetch (timeout). The
+			// batch is read to its end below, so that the fetch's
+			// goroutine in nats.go has ended when this returns.
+			batch, err = w.cons.Fetch(size, jetstream.FetchMaxWait(w.cfg.FetchWait))
 		} else {
 			batch, err = w.cons.FetchNoWait(size)
 		}
@@ -541,10 +598,13 @@ func (w *partitionWorker) fetchPage() page {
 			return page{err: fmt.Errorf("fetch: %w", err)}
 		}
 		got := 0
+		var bad error
 		for m := range batch.Messages() {
 			md, err := m.Metadata()
-			if err != nil {
-				return page{err: fmt.Errorf("message metadata: %w", err)}
+			if err != nil || bad != nil {
+				// Read on to the batch's end (see above); the page fails.
+				bad = cmp.Or(bad, err)
+				continue
 			}
 			it := &item{
 				msg: m, seq: md.Sequence.Stream, dseq: md.Sequence.Consumer, subject: m.Subject(),
@@ -560,6 +620,9 @@ func (w *partitionWorker) fetchPage() page {
 			items = append(items, it)
 			bytes += len(it.data)
 			got++
+		}
+		if bad != nil {
+			return page{err: fmt.Errorf("message metadata: %w", bad)}
 		}
 		if err := batch.Error(); err != nil {
 			if len(items) == 0 {
@@ -658,7 +721,7 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 	ci, err := w.cons.Info(ctx)
 	if err != nil {
 		if errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) {
-			return errReset
+			return resetf("consumer_missing", "consumer info: %v", err)
 		}
 		return fmt.Errorf("consumer info: %w", err)
 	}
@@ -670,7 +733,7 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		// processed the page's ack just sent, so only a second round in a
 		// row counts.
 		if w.elsewhere++; w.elsewhere >= 2 {
-			return fmt.Errorf("%d deliveries pending elsewhere: %w", ci.NumAckPending, errReset)
+			return resetf("pending_elsewhere", "%d deliveries pending elsewhere (ack floor %d, cursor %d)", ci.NumAckPending, ci.AckFloor.Stream, w.pos.Cursor)
 		}
 		return nil
 	}
@@ -684,17 +747,17 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 			"consumer", ci.Name, "pending", ci.NumPending, "idle_fetches", w.stalled,
 			"stalled_for", time.Since(w.stalledSince).Round(time.Millisecond))
 		w.recreate = true
-		return fmt.Errorf("consumer %s stalled with %d pending: %w", ci.Name, ci.NumPending, errReset)
+		return resetf("stalled", "consumer %s stalled with %d pending", ci.Name, ci.NumPending)
 	}
 	info, err := w.stream.Info(ctx)
 	if err != nil {
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			return errReset
+			return resetf("stream_missing", "stream info: %v", err)
 		}
 		return fmt.Errorf("stream info: %w", err)
 	}
 	if info.State.LastSeq < w.pos.Cursor {
-		return errReset
+		return resetf("stream_behind", "the stream's last sequence %d is before the cursor %d", info.State.LastSeq, w.pos.Cursor)
 	}
 	if first := info.State.FirstSeq; first > w.pos.Cursor+1 && w.pos.Cursor >= w.legacy && w.pos.Trust.PartSeq > 0 {
 		return w.recordSuspectedGap(ctx, first) // trust.go
@@ -713,7 +776,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		return err
 	}
 	if rewound {
-		return fmt.Errorf("rewound to %d: %w", w.pos.Cursor, errReset)
+		return resetf("rewound", "rewound to %d", w.pos.Cursor)
 	}
 	fresh := items[:0]
 	var stale *item
@@ -733,7 +796,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	}
 	for i := 1; i < len(fresh); i++ {
 		if fresh[i].dseq != fresh[i-1].dseq+1 || fresh[i].seq <= fresh[i-1].seq {
-			return fmt.Errorf("deliveries out of order (another reader on %s?): %w", w.lease.ConsumerName(), errReset)
+			return resetf("out_of_order", "deliveries out of order at %d (another reader on %s?)", fresh[i].seq, w.lease.ConsumerName())
 		}
 	}
 	raw, err := w.stream.GetMsg(ctx, w.pos.Cursor+1, jetstream.WithGetMsgSubject(w.filter))
@@ -741,7 +804,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		return fmt.Errorf("check the next message after cursor %d: %w", w.pos.Cursor, err)
 	}
 	if raw.Sequence != fresh[0].seq {
-		return fmt.Errorf("page starts at %d but the partition continues at %d: %w", fresh[0].seq, raw.Sequence, errReset)
+		return resetf("page_gap", "page starts at %d but the partition continues at %d", fresh[0].seq, raw.Sequence)
 	}
 	release, err := w.svc.admit(ctx, w.ver) // rebuild share (lifecycle_worker.go)
 	if err != nil {

@@ -3,6 +3,7 @@ package statuspage_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"image/png"
 	"io"
@@ -17,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -51,8 +53,26 @@ func chromium(t *testing.T) string {
 }
 
 // browse runs headless chromium on url with extra flags and returns its
-// standard output.
+// standard output. A browser that dies by a signal of its own (chromium
+// has segfaulted in CI with nothing wrong with the page) is run again, at
+// most three times in all, each crash logged; any other failure, a
+// non-zero exit or the deadline, fails the test at once.
 func browse(t *testing.T, bin, target string, extra ...string) string {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		out, crash, err := browseOnce(t, bin, target, extra...)
+		if crash == "" || attempt == 3 {
+			require.NoError(t, err, "chromium %s", strings.Join(extra, " "))
+			return out
+		}
+		t.Logf("chromium crashed (attempt %d, running it again): %s", attempt, crash)
+	}
+}
+
+// browseOnce runs chromium once. crash is set (with the signal and the
+// tail of its standard error) when the browser was killed by a signal
+// that the test's deadline did not send.
+func browseOnce(t *testing.T, bin, target string, extra ...string) (out, crash string, err error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
 	defer cancel()
@@ -63,9 +83,17 @@ func browse(t *testing.T, bin, target string, extra ...string) string {
 	cmd := exec.CommandContext(ctx, bin, args...)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	require.NoError(t, err, "chromium %s: %s", strings.Join(extra, " "), tail(stderr.String(), 2000))
-	return string(out)
+	b, err := cmd.Output()
+	if err == nil {
+		return string(b), "", nil
+	}
+	var exit *exec.ExitError
+	if errors.As(err, &exit) && ctx.Err() == nil {
+		if ws, ok := exit.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			crash = fmt.Sprintf("%v: %s", ws.Signal(), tail(stderr.String(), 2000))
+		}
+	}
+	return string(b), crash, fmt.Errorf("%w: %s", err, tail(stderr.String(), 2000))
 }
 
 func tail(s string, n int) string {
@@ -416,4 +444,27 @@ func TestPageKeepsLastCopyWhenRefreshFails(t *testing.T) {
 	require.Contains(t, dom, `<p id="stale" class="stale">Refresh failed (HTTP 502): showing the copy from before.</p>`)
 	require.Contains(t, dom, `data-testid="lag">40<`, "the last good copy is still shown")
 	require.Contains(t, dom, `<div id="page"><div data-fragment="body"`, "nothing was swapped in")
+}
+
+// browse runs a browser that crashed by a signal again, and only that: a
+// stand-in that kills itself with SIGSEGV on its first run prints on its
+// second, and one that exits 1 fails at once (checked by its run count).
+func TestBrowseRunsACrashedBrowserAgain(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	runs := filepath.Join(dir, "runs")
+	script := filepath.Join(dir, "browser")
+	require.NoError(t, os.WriteFile(script, []byte(`#!/bin/sh
+echo run >> "`+runs+`"
+if [ "$(wc -l < "`+runs+`")" -eq 1 ]; then kill -SEGV $$; fi
+echo "<html>rendered</html>"
+`), 0o755))
+	require.Equal(t, "<html>rendered</html>\n", browse(t, script, "http://127.0.0.1:1/"))
+	b, err := os.ReadFile(runs)
+	require.NoError(t, err)
+	require.Equal(t, 2, strings.Count(string(b), "run"), "one crash, one run again")
+
+	_, crash, err := browseOnce(t, "/bin/false", "http://127.0.0.1:1/")
+	require.Error(t, err)
+	require.Empty(t, crash, "an exit status is not a crash")
 }

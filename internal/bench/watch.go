@@ -101,9 +101,18 @@ func (w *StreamWatch) WaitDeletes(ctx context.Context, n int64, timeout time.Dur
 	}
 }
 
+// requestTimeout bounds each JetStream request of a watch: a request the
+// server took and died before answering (an embedded broker ends with its
+// capture, killed or failing at start) is never answered, and nats.go waits
+// for it until the caller's context ends: with a test's 10-minute context,
+// the wait for a capture's stream hung for the rest of the test.
+const requestTimeout = 5 * time.Second
+
 // StreamExists reports whether the source's stream has been created.
 func (w *StreamWatch) StreamExists(ctx context.Context) bool {
-	_, err := w.js.Stream(ctx, event.StreamName(w.source))
+	qctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	_, err := w.js.Stream(qctx, event.StreamName(w.source))
 	return err == nil
 }
 
@@ -168,6 +177,8 @@ func Scrape(ctx context.Context, addr string) (map[string]float64, error) {
 
 // LastSeq is the stream's last sequence (0 when it does not exist).
 func (w *StreamWatch) LastSeq(ctx context.Context) (uint64, error) {
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
 	s, err := w.js.Stream(ctx, event.StreamName(w.source))
 	if err != nil {
 		if err == jetstream.ErrStreamNotFound {
@@ -228,6 +239,11 @@ func Stalled(ctx context.Context, p *Proc, metricsAddr string, err error) error 
 // WaitCaptureReady waits until a capture has made both its stream and its
 // replication slot: only deletes after the slot exists reach the stream.
 // alive, when set, reports the capture's death.
+//
+// Every poll is bounded (requestTimeout), so that it fails at its deadline;
+// the error says which of the two is missing and, without a slot, what the
+// source's walsenders wait for (slot creation waits for every transaction
+// running in the cluster: SlotWaits).
 func WaitCaptureReady(ctx context.Context, watch *StreamWatch, sourceURL, slot string, timeout time.Duration, alive func() error) error {
 	deadline := time.Now().Add(timeout)
 	for {
@@ -236,14 +252,16 @@ func WaitCaptureReady(ctx context.Context, watch *StreamWatch, sourceURL, slot s
 				return err
 			}
 		}
-		if watch.StreamExists(ctx) {
-			c, err := Count(ctx, sourceURL, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", slot)
-			if err == nil && c > 0 {
-				return nil
-			}
+		stream := watch.StreamExists(ctx)
+		qctx, cancel := context.WithTimeout(ctx, requestTimeout)
+		c, err := Count(qctx, sourceURL, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", slot)
+		cancel()
+		if stream && err == nil && c > 0 {
+			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("capture made no stream and slot %q within %s", slot, timeout)
+			return fmt.Errorf("capture made no stream and slot %q within %s (stream exists: %t; slot exists: %t, %v)%s",
+				slot, timeout, stream, c > 0, err, SlotWaits(ctx, sourceURL))
 		}
 		select {
 		case <-ctx.Done():
@@ -251,6 +269,45 @@ func WaitCaptureReady(ctx context.Context, watch *StreamWatch, sourceURL, slot s
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// sqlSlotWaits lists the source cluster's walsenders of logical
+// replication connections that wait, what for, and the sessions and
+// prepared transactions that block them (their transaction's age, no query
+// text: it may hold data).
+const sqlSlotWaits = `
+SELECT format('walsender %s (%s, backend for %s) waits on %s/%s, blocked by %s', w.pid, w.datname, now() - w.backend_start,
+	coalesce(w.wait_event_type, '-'), coalesce(w.wait_event, '-'),
+	coalesce((SELECT string_agg(format('pid %s (database %s, %s, %s, transaction open for %s, xid %s)', b.pid, b.datname,
+		coalesce(nullif(b.application_name, ''), b.backend_type), b.state, now() - b.xact_start, b.backend_xid), '; ')
+		FROM pg_stat_activity b WHERE b.pid = ANY (pg_blocking_pids(w.pid)) AND b.pid <> 0), 'no session'))
+FROM pg_stat_activity w WHERE w.backend_type = 'walsender' AND w.datname IS NOT NULL AND w.wait_event_type IS DISTINCT FROM 'Client'
+UNION ALL
+SELECT format('prepared transaction %s (database %s, prepared %s ago, xid %s)', p.gid, p.database, now() - p.prepared, p.transaction)
+FROM pg_prepared_xacts p`
+
+// SlotWaits describes what creating a replication slot on the source waits
+// for (see sqlSlotWaits), one line each, or says why it cannot tell.
+func SlotWaits(ctx context.Context, sourceURL string) string {
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, sourceURL)
+	if err != nil {
+		return "\nslot waits: " + err.Error()
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	rows, err := conn.Query(ctx, sqlSlotWaits)
+	if err != nil {
+		return "\nslot waits: " + err.Error()
+	}
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "\nslot waits: " + err.Error()
+	}
+	if len(lines) == 0 {
+		return "\nslot waits: no walsender waits, no prepared transaction"
+	}
+	return "\nslot waits:\n  " + strings.Join(lines, "\n  ")
 }
 
 // WaitCreds waits until the credentials file a capture's embedded broker
