@@ -128,29 +128,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				if done != n {
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, n)
 				}
-				if n > done0 {
-					cpu := e.cpu(e.projectorPid()).sub(cpu0)
-					record("drain_postgres_cpu_us_per_delivery", cpu.postgres*1e6/float64(n-done0),
-						fmt.Sprintf("µs of Postgres CPU per delivery done after the last archived row (%d of them)", n-done0))
-					record("drain_projector_cpu_us_per_delivery", cpu.proc*1e6/float64(n-done0),
-						fmt.Sprintf("µs of projector process CPU per delivery done after the last archived row (%d of them)", n-done0))
-				}
-				if err := e.loneRevalidations(ctx, record); err != nil {
-					return err
-				}
-				if e.pgStats {
-					if e.revalidate {
-						// The source's statements first, kept for the
-						// target's print (its reset clears every database's).
-						if err := pgStatsShow(ctx, e.sourceURL, "handlers-drain-source", false); err != nil {
-							return err
-						}
-					}
-					if err := pgStatsPrint(ctx, url, "handlers-drain"); err != nil {
-						return err
-					}
-				}
-				return e.revalidationCost(ctx, url, record)
+				return e.drainFigures(ctx, url, n, done0, cpu0, record)
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries still open after 15 minutes")
@@ -173,6 +151,36 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
 	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
 	return deliveries, nil
+}
+
+// drainFigures records the drain's figures once every delivery is done:
+// the CPU per delivery since the last archived row (cpu0, done0 then),
+// the lone revalidations, the drain's statements with -pgstats, and the
+// revalidation cost.
+func (e *env) drainFigures(ctx context.Context, url string, n, done0 int64, cpu0 cpuTimes, record func(string, float64, string)) error {
+	if n > done0 {
+		cpu := e.cpu(e.projectorPid()).sub(cpu0)
+		record("drain_postgres_cpu_us_per_delivery", cpu.postgres*1e6/float64(n-done0),
+			fmt.Sprintf("µs of Postgres CPU per delivery done after the last archived row (%d of them)", n-done0))
+		record("drain_projector_cpu_us_per_delivery", cpu.proc*1e6/float64(n-done0),
+			fmt.Sprintf("µs of projector process CPU per delivery done after the last archived row (%d of them)", n-done0))
+	}
+	if err := e.loneRevalidations(ctx, record); err != nil {
+		return err
+	}
+	if e.pgStats {
+		if e.revalidate {
+			// The source's statements first, kept for the target's print
+			// (its reset clears every database's).
+			if err := pgStatsShow(ctx, e.sourceURL, "handlers-drain-source", false); err != nil {
+				return err
+			}
+		}
+		if err := pgStatsPrint(ctx, url, "handlers-drain"); err != nil {
+			return err
+		}
+	}
+	return e.revalidationCost(ctx, url, record)
 }
 
 // projectorPid is the first projector of the running apply (0 in-process:
