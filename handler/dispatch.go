@@ -80,6 +80,10 @@ type Dispatcher struct {
 	// size, counted against the queue's room.
 	evaluating sync.WaitGroup
 	inEval     atomic.Int64
+	// depth: the last room, whose half wakes the claim loop (a queue kept
+	// twice as deep is topped up when half of that is left, not a
+	// quarter).
+	depth atomic.Int64
 	// taken: deliveries the workers took from the queue; rate, rateAt,
 	// rateTaken and lastRevalidated (did the last claimed batch
 	// revalidate?) are the claim loop's own (room).
@@ -141,6 +145,7 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		wake:      make(chan struct{}, 1),
 		noAnalyze: map[string]bool{},
 	}
+	d.depth.Store(int64(claimAhead(cfg.Parallelism)))
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
 		return nil, err
@@ -208,7 +213,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 			defer workers.Done()
 			for c := range d.queue {
 				d.taken.Add(1)
-				if len(d.queue) <= claimAhead(d.cfg.Parallelism)/2 {
+				if len(d.queue) <= int(d.depth.Load())/2 {
 					d.Wake()
 				}
 				if soft.Err() != nil || c.waitedTooLong() {
@@ -231,7 +236,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
 		}
-		if n > 0 && len(d.queue) <= claimAhead(d.cfg.Parallelism)/2 {
+		if n > 0 && len(d.queue) <= int(d.depth.Load())/2 {
 			continue // more may be due
 		}
 		select {
@@ -260,6 +265,7 @@ func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
 	// never not at all.
 	inEval := int(d.inEval.Load())
 	room := d.room()
+	d.depth.Store(int64(room))
 	free := room - len(d.queue) - inEval
 	if free < (room+1)/2 || ctx.Err() != nil {
 		return 0, nil
