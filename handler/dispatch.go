@@ -283,10 +283,10 @@ func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
 		// their claims expire.
 		return 0, err
 	}
-	// The batch is revalidated while the loop claims the next one: the
-	// claim and the evaluation, each a round trip or two, overlap instead
-	// of adding up before the workers get the batch. One batch evaluates
-	// at a time, so the queue keeps the claims' order.
+	// The batch is revalidated beside the loop, which meanwhile claims the
+	// next one when the room allows: the claim and the evaluation, each a
+	// round trip or two, can overlap instead of adding up. One batch
+	// evaluates at a time, so the queue keeps the claims' order.
 	d.evaluating.Wait()
 	d.lastRevalidated = d.revalidates(cs)
 	if !d.lastRevalidated {
