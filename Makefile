@@ -79,7 +79,7 @@ bench-capture-large:
 bench-projector:
 	$(GO) run ./internal/bench/projector
 
-## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup, erasure by --match.
+## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup (3 interleaved pairs), erasure by --match.
 bench-retention:
 	$(GO) run ./internal/bench/retention
 ## bench-handlers: deliveries/s through a webhook handler on every table beside the apply rate of the same run; apply cost with handlers.

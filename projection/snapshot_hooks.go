@@ -19,9 +19,12 @@ func snapshotHooks() (func(ctx context.Context, tx pgx.Tx, schema string, commit
 // page's commits, after their rows are archived. A transaction whose rows
 // were all archived by this transaction (it fits in the page: inPage, and
 // every row of it inserted now) has its documents assembled in memory and
-// written complete; the others (spanning pages, rows archived earlier or
-// rejected) get pending jobs for the batcher. It returns the number of
-// pending jobs made.
+// written complete; one whose rows span pages has them assembled from the
+// archive (its earlier pages' rows and this page's), read in this
+// transaction, and written complete too. What neither can complete now
+// (rows missing or rejected) gets pending jobs for the batcher. It returns
+// the number of jobs to hand to a batch after the commit (the pending
+// ones, and those a replayed commit found already made).
 //
 // This is the seam for verified groups: a group reaches the in-page
 // assembly only once its rows are known complete; a check that a group's
@@ -34,7 +37,7 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commit
 	}
 	var byTx map[event.LSN][]snapshot.Row
 	var groups []snapshot.Group
-	pending := 0
+	var spanning []*event.Event
 	for _, c := range commits {
 		a, ok := archived[c.ev.CorrelationID()]
 		if inPage[c.ev.CommitLSN] && ok && a.rows == c.ev.Rows {
@@ -44,11 +47,11 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commit
 			groups = append(groups, snapshot.Group{Commit: c.ev, Rows: byTx[c.ev.CommitLSN], ArchivedAt: a.archivedAt})
 			continue
 		}
-		n, err := s.createJobs(ctx, tx, v.Schema, c.ev, s.cfg.SnapshotRoots)
-		if err != nil {
-			return pending, err
-		}
-		pending += n
+		spanning = append(spanning, c.ev)
+	}
+	_, pending, err := snapshot.CreateFromArchive(ctx, tx, v.Schema, spanning, s.cfg.SnapshotRoots)
+	if err != nil {
+		return pending, err
 	}
 	_, n, err := snapshot.CreateAssembled(ctx, tx, v.Schema, groups, s.cfg.SnapshotRoots)
 	return pending + n, err
@@ -56,7 +59,7 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commit
 
 // snapshotsCommitted runs, right after the apply transaction committed,
 // one batch of the batcher's for the jobs this page's commits left pending
-// (transactions spanning pages, rows archived earlier): it claims only
+// (a replayed commit's jobs, groups not complete at the commit): it claims only
 // those transactions' jobs (RunBatchFor), so their documents are complete a
 // moment after their commit is applied, instead of queueing behind the
 // batcher's older work while the apply runs at full speed. The apply waits

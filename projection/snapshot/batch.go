@@ -230,7 +230,8 @@ type TxRef struct {
 // RunBatchFor is RunBatch for the due pending jobs of the given
 // transactions only, up to 100 x BatchSize jobs (and at most 10,000): the
 // projector runs it right after committing the commits of transactions
-// whose jobs it left pending (they span pages), so their documents do not
+// whose jobs it left pending (a replayed commit's, or a group not complete
+// yet, or beyond what one apply transaction assembles), so their documents do not
 // wait for the batcher's turn behind older work. Claimed, loaded, assembled
 // and written like RunBatch (the same statements but the claim, which
 // reads the jobs by transaction); jobs locked by another batch are skipped
@@ -404,64 +405,9 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 			sources, lsns, ids = append(sources, j.source), append(lsns, j.commitLSN), append(ids, j.correlationID)
 		}
 	}
-	rows, err := tx.Query(ctx, fmt.Sprintf(groupRowsSQL, table(schema, "rows")), sources, lsns)
+	lists, loadErr, err := loadRows(ctx, tx, schema, sources, lsns)
 	if err != nil {
-		return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
-	}
-	lists := map[txKey][]*archiveRow{}
-	loadErr := map[txKey]string{}
-	// The rows of a table carry the same refs: each distinct text is
-	// decoded once per batch (decoding every row's was a visible share of
-	// a batch), the rows sharing the result, which is only read.
-	decoded := map[string][]event.Ref{}
-	for rows.Next() {
-		var (
-			r        archiveRow
-			k        txKey
-			identity *string
-			refs     []byte
-			archived *time.Time
-			commit   *time.Time
-			key, row []byte
-		)
-		// key and row as bytes, not json.RawMessage: pgx scans jsonb into
-		// a RawMessage through json.Unmarshal, a full decode of every
-		// value (a quarter of a spanning batch's CPU); jsonb's text is
-		// valid JSON, copied as it is.
-		if err := rows.Scan(&k[0], &k[1], &r.Schema, &r.Table, &identity, &key, &row, &refs, &r.Seq, &archived, &commit); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
-		}
-		r.Key, r.Row = key, row
-		if identity != nil {
-			r.Identity = *identity
-		}
-		if archived != nil {
-			r.ArchivedAt = *archived
-		}
-		if commit != nil {
-			r.CommitTime = *commit
-		}
-		if r.CommitLSN, err = event.ParseLSN(k[1]); err != nil {
-			rows.Close()
-			return nil, fmt.Errorf("read archive rows of %s: %w", corr[k], err)
-		}
-		if len(refs) > 0 && string(refs) != "null" {
-			var ok bool
-			if r.Refs, ok = decoded[string(refs)]; !ok {
-				if err := json.Unmarshal(refs, &r.Refs); err != nil {
-					if loadErr[k] == "" {
-						loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
-					}
-				} else {
-					decoded[string(refs)] = r.Refs
-				}
-			}
-		}
-		lists[k] = append(lists[k], &r)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
+		return nil, err
 	}
 	seqs, err := tx.Query(ctx, fmt.Sprintf(groupRootsSQL, table(schema, "snapshots")), ids)
 	if err != nil {
@@ -489,6 +435,73 @@ func loadGroups(ctx context.Context, tx pgx.Tx, schema string, jobs []job) (map[
 		out[k] = lg
 	}
 	return out, nil
+}
+
+// loadRows reads the verified archive rows of the transactions (sources[i],
+// lsns[i]), one query for all, by transaction in seq order; loadErr names
+// a transaction's permanent problem with its stored rows (not a database
+// error).
+func loadRows(ctx context.Context, tx pgx.Tx, schema string, sources, lsns []string) (map[txKey][]*archiveRow, map[txKey]string, error) {
+	rows, err := tx.Query(ctx, fmt.Sprintf(groupRowsSQL, table(schema, "rows")), sources, lsns)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
+	}
+	lists := map[txKey][]*archiveRow{}
+	loadErr := map[txKey]string{}
+	// The rows of a table carry the same refs: each distinct text is
+	// decoded once per batch (decoding every row's was a visible share of
+	// a batch), the rows sharing the result, which is only read.
+	decoded := map[string][]event.Ref{}
+	for rows.Next() {
+		var (
+			r        archiveRow
+			k        txKey
+			identity *string
+			refs     []byte
+			archived *time.Time
+			commit   *time.Time
+			key, row []byte
+		)
+		// key and row as bytes, not json.RawMessage: pgx scans jsonb into
+		// a RawMessage through json.Unmarshal, a full decode of every
+		// value (a quarter of a spanning batch's CPU); jsonb's text is
+		// valid JSON, copied as it is.
+		if err := rows.Scan(&k[0], &k[1], &r.Schema, &r.Table, &identity, &key, &row, &refs, &r.Seq, &archived, &commit); err != nil {
+			rows.Close()
+			return nil, nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
+		}
+		r.Key, r.Row = key, row
+		if identity != nil {
+			r.Identity = *identity
+		}
+		if archived != nil {
+			r.ArchivedAt = *archived
+		}
+		if commit != nil {
+			r.CommitTime = *commit
+		}
+		if r.CommitLSN, err = event.ParseLSN(k[1]); err != nil {
+			rows.Close()
+			return nil, nil, fmt.Errorf("read archive rows of %s at %s: %w", k[0], k[1], err)
+		}
+		if len(refs) > 0 && string(refs) != "null" {
+			var ok bool
+			if r.Refs, ok = decoded[string(refs)]; !ok {
+				if err := json.Unmarshal(refs, &r.Refs); err != nil {
+					if loadErr[k] == "" {
+						loadErr[k] = fmt.Sprintf("archive row %s seq %d has unreadable refs", sanitize(r.qualified()), r.Seq)
+					}
+				} else {
+					decoded[string(refs)] = r.Refs
+				}
+			}
+		}
+		lists[k] = append(lists[k], &r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, fmt.Errorf("read archive rows of %d transactions: %w", len(sources), err)
+	}
+	return lists, loadErr, nil
 }
 
 // newLoadedGroup computes what every job of the group shares: the

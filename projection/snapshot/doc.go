@@ -9,9 +9,12 @@
 // in the target transaction that also archived every row of it (the
 // transaction fits in the page), calls CreateAssembled: the documents are
 // assembled in memory, by the same code and rules as a batch, and written
-// complete in that transaction. Otherwise (rows archived by earlier pages,
-// or some rejected) it calls CreateJobs in the same target transaction:
-// one pending job per archived root-table row. RunBatch (one batch, any
+// complete in that transaction. A transaction whose rows earlier pages
+// archived too (it spans pages) goes to CreateFromArchive in the same
+// target transaction: its rows are read back from the archive with the
+// batch's query and its documents assembled and written complete the same
+// way. A group neither can complete now (rows missing or rejected) gets
+// CreateJobs: one pending job per archived root-table row. RunBatch (one batch, any
 // host, any schedule; the Batcher runs it on an interval, the live version
 // first) claims due jobs with FOR UPDATE SKIP LOCKED, with the other due
 // jobs of their transactions, reads the rows of all claimed transactions
@@ -61,7 +64,8 @@
 //     then for the commit events, after their rows: CreateAssembled(ctx,
 //     tx, schema, <groups whose rows this transaction archived, all of
 //     them, with the archived_at RETURNING gave>, roots) and
-//     CreateJobs(ctx, tx, schema, commit, roots) for the others;
+//     CreateFromArchive(ctx, tx, schema, <the other commits>, roots) (it
+//     calls CreateJobs for what it cannot complete);
 //   - in the background: a Batcher per process (NewBatcher(pool,
 //     BatcherConfig{Targets: <version schemas that have snapshots, the
 //     live one marked>, Registerer: reg}), Start, Wake after committing

@@ -86,65 +86,186 @@ func CreateAssembled(ctx context.Context, tx pgx.Tx, schema string, groups []Gro
 	if len(roots) == 0 || len(groups) == 0 {
 		return 0, 0, nil
 	}
-	cfg := Config{Schema: schema}
-	cfg.setDefaults()
-	var (
-		w        assembledJobs
-		recorded assembledGroups
-	)
+	a := newAssembler(schema, roots)
 	for _, gr := range groups {
 		if gr.Commit == nil || gr.Commit.Op != event.OpCommit {
-			return created, pending, errors.New("create assembled snapshot jobs: not a commit event")
+			return a.created, a.pending, errors.New("create assembled snapshot jobs: not a commit event")
 		}
-		tables := gr.Commit.Tables
-		if tables == nil {
-			tables = map[string]int{}
-		}
-		expected, err := json.Marshal(tables)
-		if err != nil {
-			return created, pending, fmt.Errorf("create snapshot jobs: encode table counts: %w", err)
-		}
-		jobs, lg, ok := assemble(gr, tables, roots)
-		outs := make([]outcome, len(jobs))
-		for i, j := range jobs {
-			if outs[i] = lg.outcome(j, &cfg); outs[i].status == StatusPending {
-				ok = false
-				break
-			}
-		}
-		if !ok {
-			n, err := CreateJobs(ctx, tx, schema, gr.Commit, roots)
-			if err != nil {
-				return created, pending, err
-			}
-			created, pending = created+n, pending+n
-			continue
-		}
-		c := gr.Commit
-		for i, j := range jobs {
-			root, _ := lg.g.index(j.rootSeq) // a row of the group
-			w.add(c, j, lg.g.rows[root].Key, string(expected), outs[i], lg.fp)
-		}
-		if countsRoot(tables, roots) {
-			recorded.add(c, string(expected))
+		if err := a.add(ctx, tx, gr.Commit, func(tables map[string]int) ([]job, *loadedGroup, bool) {
+			return assemble(gr, tables, roots)
+		}); err != nil {
+			return a.created, a.pending, err
 		}
 	}
+	err = a.flush(ctx, tx)
+	return a.created, a.pending, err
+}
+
+// CreateFromArchive is CreateAssembled for transactions whose rows are in
+// <schema>.rows as tx sees them, earlier pages' and the caller's own: the
+// projector calls it for the commits it applies of transactions that span
+// pages. It reads the rows of all the commits' transactions with the
+// batch's query (one for all), assembles and proves each group with the
+// code CreateAssembled and a batch use, and writes the documents complete
+// in the caller's transaction, so they are visible with the commit and a
+// spanning document is written once (a pending job completed by a batch
+// after the commit was written twice, never a HOT update, and its job
+// claimed in a transaction of its own). A group a batch would not complete
+// now (rows missing or rejected, unreadable refs) gets pending jobs
+// (CreateJobs) for the batcher, as before. Idempotent like CreateJobs.
+//
+// It returns the number of jobs created and the number the caller should
+// hand to a batch: the pending ones, and the documents that were already
+// there (a replayed commit), which may be pending from before.
+func CreateFromArchive(ctx context.Context, tx pgx.Tx, schema string, commits []*event.Event, roots []string) (created, pending int, err error) {
+	if len(roots) == 0 || len(commits) == 0 {
+		return 0, 0, nil
+	}
+	a := newAssembler(schema, roots)
+	var (
+		sources, lsns []string
+		load          []*event.Event
+		docs          int
+	)
+	for _, c := range commits {
+		if c == nil || c.Op != event.OpCommit {
+			return 0, 0, errors.New("create snapshot jobs from the archive: not a commit event")
+		}
+		// At most a batch's claim of documents in memory at once (a
+		// batch takes a huge transaction's jobs in bounded claims): the
+		// rest are the batcher's.
+		n := rootBound(c, roots)
+		if docs+n > maxClaim {
+			k, err := CreateJobs(ctx, tx, schema, c, roots)
+			if err != nil {
+				return a.created, a.pending, err
+			}
+			a.created, a.pending = a.created+k, a.pending+k
+			continue
+		}
+		docs += n
+		load = append(load, c)
+		sources, lsns = append(sources, c.Source), append(lsns, c.CommitLSN.String())
+	}
+	if len(load) == 0 {
+		return a.created, a.pending, nil
+	}
+	lists, loadErr, err := loadRows(ctx, tx, schema, sources, lsns)
+	if err != nil {
+		return a.created, a.pending, err
+	}
+	for _, c := range load {
+		k := txKey{c.Source, c.CommitLSN.String()}
+		if err := a.add(ctx, tx, c, func(tables map[string]int) ([]job, *loadedGroup, bool) {
+			if loadErr[k] != "" {
+				return nil, nil, false // the batch fails it, with its reason
+			}
+			return assembleRows(c, lists[k], tables, roots)
+		}); err != nil {
+			return a.created, a.pending, err
+		}
+	}
+	written := a.written()
+	if err := a.flush(ctx, tx); err != nil {
+		return a.created, a.pending, err
+	}
+	return a.created, a.pending + written - a.inserted, nil
+}
+
+// rootBound is at most how many documents commit c's transaction has: the
+// rows it counted of root tables, or all of its rows without counts.
+func rootBound(c *event.Event, roots []string) int {
+	if len(c.Tables) == 0 {
+		return c.Rows
+	}
+	n := 0
+	for _, r := range roots {
+		n += c.Tables[r]
+	}
+	return n
+}
+
+// assembler collects the assembled documents of many groups for one
+// createAssembledSQL, and hands the groups it cannot complete now to
+// CreateJobs.
+type assembler struct {
+	schema   string
+	roots    []string
+	cfg      Config
+	w        assembledJobs
+	recorded assembledGroups
+	created  int
+	pending  int
+	inserted int // of w, written by flush
+}
+
+func newAssembler(schema string, roots []string) *assembler {
+	a := &assembler{schema: schema, roots: roots, cfg: Config{Schema: schema}}
+	a.cfg.setDefaults()
+	return a
+}
+
+func (a *assembler) written() int { return len(a.w.corr) }
+
+// add assembles commit c's group (build returns the jobs and the loaded
+// group, false when the group is not provably complete) and queues its
+// documents, or makes pending jobs when a batch would not complete them.
+func (a *assembler) add(ctx context.Context, tx pgx.Tx, c *event.Event,
+	build func(tables map[string]int) ([]job, *loadedGroup, bool)) error {
+	tables := c.Tables
+	if tables == nil {
+		tables = map[string]int{}
+	}
+	expected, err := json.Marshal(tables)
+	if err != nil {
+		return fmt.Errorf("create snapshot jobs: encode table counts: %w", err)
+	}
+	jobs, lg, ok := build(tables)
+	outs := make([]outcome, len(jobs))
+	for i, j := range jobs {
+		if outs[i] = lg.outcome(j, &a.cfg); outs[i].status == StatusPending {
+			ok = false
+			break
+		}
+	}
+	if !ok {
+		n, err := CreateJobs(ctx, tx, a.schema, c, a.roots)
+		if err != nil {
+			return err
+		}
+		a.created, a.pending = a.created+n, a.pending+n
+		return nil
+	}
+	for i, j := range jobs {
+		root, _ := lg.g.index(j.rootSeq) // a row of the group
+		a.w.add(c, j, lg.g.rows[root].Key, string(expected), outs[i], lg.fp)
+	}
+	if countsRoot(tables, a.roots) {
+		a.recorded.add(c, string(expected))
+	}
+	return nil
+}
+
+// flush writes the queued documents and groups, two statements.
+func (a *assembler) flush(ctx context.Context, tx pgx.Tx) error {
+	w, recorded := &a.w, &a.recorded
 	if len(w.corr) > 0 {
-		tag, err := tx.Exec(ctx, fmt.Sprintf(createAssembledSQL, table(schema, "snapshots")),
+		tag, err := tx.Exec(ctx, fmt.Sprintf(createAssembledSQL, table(a.schema, "snapshots")),
 			w.corr, w.sources, w.lsns, w.rootTables, w.rootKeys, w.rootSeqs, w.distinct, w.expected, w.expectedRows,
 			w.statuses, w.payloads, w.fps, w.attempts, w.reasons)
 		if err != nil {
-			return created, pending, fmt.Errorf("write %d assembled snapshot jobs: %w", len(w.corr), err)
+			return fmt.Errorf("write %d assembled snapshot jobs: %w", len(w.corr), err)
 		}
-		created += int(tag.RowsAffected())
+		a.inserted = int(tag.RowsAffected())
+		a.created += a.inserted
 	}
 	if len(recorded.corr) > 0 {
-		if _, err := tx.Exec(ctx, fmt.Sprintf(recordGroupsSQL, table(schema, "snapshot_groups")),
-			recorded.corr, recorded.sources, recorded.lsns, roots, recorded.expected, recorded.expectedRows); err != nil {
-			return created, pending, fmt.Errorf("record %d snapshot groups: %w", len(recorded.corr), err)
+		if _, err := tx.Exec(ctx, fmt.Sprintf(recordGroupsSQL, table(a.schema, "snapshot_groups")),
+			recorded.corr, recorded.sources, recorded.lsns, a.roots, recorded.expected, recorded.expectedRows); err != nil {
+			return fmt.Errorf("record %d snapshot groups: %w", len(recorded.corr), err)
 		}
 	}
-	return created, pending, nil
+	return nil
 }
 
 // assemble turns a group into the jobs CreateJobs would make (one per
@@ -152,26 +273,34 @@ func CreateAssembled(ctx context.Context, tx pgx.Tx, schema string, groups []Gro
 // group a batch would read; false when the group is not provably the
 // whole transaction (or a root row has no key), so the batcher must do it.
 func assemble(gr Group, tables map[string]int, roots []string) ([]job, *loadedGroup, bool) {
-	c := gr.Commit
-	if len(gr.Rows) != c.Rows || c.Rows == 0 {
-		return nil, nil, false
-	}
-	seen := make([]bool, c.Rows)
 	list := make([]*archiveRow, 0, len(gr.Rows))
 	slab := make([]archiveRow, len(gr.Rows)) // one allocation, not one a row
 	for i, r := range gr.Rows {
-		if r.Seq < 0 || r.Seq >= c.Rows || seen[r.Seq] {
-			return nil, nil, false
-		}
-		seen[r.Seq] = true
 		slab[i] = archiveRow{
 			Schema: r.Schema, Table: r.Table, Identity: r.Identity, Key: r.Key, Row: r.Row, Refs: r.Refs,
-			CommitLSN: c.CommitLSN, Seq: r.Seq,
+			CommitLSN: gr.Commit.CommitLSN, Seq: r.Seq,
 			// As stored: timestamptz keeps microseconds.
 			CommitTime: r.CommitTime.Truncate(time.Microsecond),
 			ArchivedAt: gr.ArchivedAt,
 		}
 		list = append(list, &slab[i])
+	}
+	return assembleRows(gr.Commit, list, tables, roots)
+}
+
+// assembleRows is assemble over rows as a batch reads them: false unless
+// they are exactly seqs 0..Rows-1 of commit c, as many of each table as
+// it counted.
+func assembleRows(c *event.Event, list []*archiveRow, tables map[string]int, roots []string) ([]job, *loadedGroup, bool) {
+	if len(list) != c.Rows || c.Rows == 0 {
+		return nil, nil, false
+	}
+	seen := make([]bool, c.Rows)
+	for _, r := range list {
+		if r.Seq < 0 || r.Seq >= c.Rows || seen[r.Seq] {
+			return nil, nil, false
+		}
+		seen[r.Seq] = true
 	}
 	g := newGroup(c.CorrelationID(), list)
 	if missing(tables, g.counts()) != "" {

@@ -204,9 +204,10 @@ func TestThroughTheProjectorRuntime(t *testing.T) {
 // The runtime assembles a transaction whose rows and commit are in one
 // page inside the apply transaction: its documents are complete the moment
 // its commit is visible (completed_at is the rows' archived_at). A
-// transaction spanning pages gets a pending job the batcher completes. A
-// batch rebuilding the in-page documents from the archive writes the same
-// payload and fingerprint.
+// transaction spanning pages is assembled from the archive by the apply
+// transaction that applies its commit: complete the moment its commit is
+// visible too, written once (never a pending job). A batch rebuilding
+// either document from the archive writes the same payload and fingerprint.
 func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -248,18 +249,19 @@ func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	defer func() { require.NoError(t, svc.Stop(context.Background())) }()
 
 	type job struct {
-		status                          string
-		payload, fingerprint            string
-		created, completed, archivedMax time.Time
+		status                                       string
+		payload, fingerprint                         string
+		created, completed, archivedMin, archivedMax time.Time
 	}
 	get := func(s *sourceTx) (job, bool) {
 		var j job
 		var payload, fp *string
 		var completed *time.Time
 		err := pool.QueryRow(ctx, `SELECT s.status, s.payload::text, s.fingerprint, s.created_at, s.completed_at,
+			       (SELECT min(archived_at) FROM archive_v1.rows r WHERE r.correlation_id = s.correlation_id),
 			       (SELECT max(archived_at) FROM archive_v1.rows r WHERE r.correlation_id = s.correlation_id)
 			  FROM archive_v1.snapshots s WHERE s.correlation_id = $1`, s.correlationID()).
-			Scan(&j.status, &payload, &fp, &j.created, &completed, &j.archivedMax)
+			Scan(&j.status, &payload, &fp, &j.created, &completed, &j.archivedMin, &j.archivedMax)
 		if err != nil {
 			return j, false
 		}
@@ -282,25 +284,32 @@ func TestInPageAndSpanningThroughTheRuntime(t *testing.T) {
 	require.Equal(t, snapshot.StatusComplete, inPage.status)
 	require.True(t, inPage.completed.Equal(inPage.created), "assembled by the transaction that made the job")
 	require.True(t, inPage.completed.Equal(inPage.archivedMax), "and archived the rows")
-	require.True(t, spanning.completed.After(spanning.created), "the spanning transaction went through the batcher")
+	require.True(t, spanning.archivedMax.After(spanning.archivedMin), "the spanning transaction's rows were archived by several pages")
+	require.True(t, spanning.completed.Equal(spanning.created), "assembled by the transaction that made the job")
+	require.False(t, spanning.completed.Before(spanning.archivedMax), "the one that applied its commit")
 	require.Equal(t, len(big.rows), decodeDoc(t, e.show(t, big.correlationID())[`{"id":2}`]).Meta.EntityCount)
 	require.Equal(t, len(small.rows), decodeDoc(t, e.show(t, small.correlationID())[`{"id":1}`]).Meta.EntityCount)
 
-	// Rebuilt by a batch from the archive: the same document.
+	// Rebuilt by a batch from the archive: the same documents.
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = snapshot.Invalidate(ctx, tx, "archive_v1", []string{small.correlationID()})
+	_, err = snapshot.Invalidate(ctx, tx, "archive_v1", []string{small.correlationID(), big.correlationID()})
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 	_, err = snapshot.RunBatch(ctx, pool, snapshot.Config{Schema: "archive_v1"})
 	require.NoError(t, err)
-	var rebuilt job
-	require.Eventually(t, func() bool {
-		var ok bool
-		rebuilt, ok = get(small)
-		return ok && rebuilt.status == snapshot.StatusComplete
-	}, time.Minute, 50*time.Millisecond)
-	require.True(t, rebuilt.completed.After(rebuilt.created), "rebuilt by a batch")
-	require.Equal(t, inPage.payload, rebuilt.payload)
-	require.Equal(t, inPage.fingerprint, rebuilt.fingerprint)
+	for _, c := range []struct {
+		tx    *sourceTx
+		first job
+	}{{small, inPage}, {big, spanning}} {
+		var rebuilt job
+		require.Eventually(t, func() bool {
+			var ok bool
+			rebuilt, ok = get(c.tx)
+			return ok && rebuilt.status == snapshot.StatusComplete
+		}, time.Minute, 50*time.Millisecond)
+		require.True(t, rebuilt.completed.After(rebuilt.created), "rebuilt by a batch")
+		require.Equal(t, c.first.payload, rebuilt.payload)
+		require.Equal(t, c.first.fingerprint, rebuilt.fingerprint)
+	}
 }

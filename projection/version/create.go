@@ -1,6 +1,7 @@
 package version
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -229,25 +230,32 @@ func startsAt(ctx context.Context, stream jetstream.Stream, source string, parti
 }
 
 // firstSequence is the stream sequence of the first message c delivers,
-// 0 when none is.
-// The fetch's context ends with the call, so that nats.go's fetch
-// goroutine never outlives it.
+// 0 when none is. The server ends the fetch (the message, or its expiry):
+// with a deadline of the client's own (FetchContext), nats.go gives the
+// server only 90% of it, and a message the server sent after the client
+// gave up would be lost here, the partition started at the stream's end
+// (see fetchPage in the projection package). The batch is read to its end,
+// so nats.go's fetch goroutine has ended when this returns.
 func firstSequence(ctx context.Context, c jetstream.Consumer) (uint64, error) {
-	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	msgs, err := c.Fetch(1, jetstream.FetchContext(fctx))
+	wait := 5 * time.Second
+	if dl, ok := ctx.Deadline(); ok && time.Until(dl) < wait {
+		wait = max(time.Until(dl), time.Millisecond)
+	}
+	msgs, err := c.Fetch(1, jetstream.FetchMaxWait(wait))
 	if err != nil {
 		return 0, err
 	}
 	var seq uint64
+	var bad error
 	for m := range msgs.Messages() {
 		md, err := m.Metadata()
 		if err != nil {
-			return 0, err
+			bad = cmp.Or(bad, err)
+			continue
 		}
 		seq = md.Sequence.Stream
 	}
-	if err := msgs.Error(); err != nil {
+	if err := cmp.Or(bad, msgs.Error()); err != nil {
 		return 0, err
 	}
 	return seq, nil // 0: none delivered (they left the stream meanwhile)

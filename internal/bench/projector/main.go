@@ -132,7 +132,7 @@ func main() {
 	skipSnapshots := flag.Bool("skip-snapshots", false, "skip the snapshot phase")
 	snapPerTx := flag.Int("snapshot-orders-per-tx", 10, "orders per transaction of the snapshot phase's second stream (transactions that fit in a page)")
 	snapPairs := flag.Int("snapshot-pairs", 3, "with/without apply pairs per snapshot case, interleaved (each pair's ratio, the median and the min are printed)")
-	snapCases := flag.String("snapshot-cases", "bench,snap,spanning", "the snapshot phase's cases to run (comma-separated): bench (the main stream), snap (the -snapshot-orders-per-tx stream), spanning (the main stream in 400-event pages: the batcher)")
+	snapCases := flag.String("snapshot-cases", "bench,snap,spanning", "the snapshot phase's cases to run (comma-separated): bench (the main stream), snap (the -snapshot-orders-per-tx stream), spanning (the main stream in 400-event pages: every transaction spans pages, assembled from the archive)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
@@ -809,7 +809,7 @@ func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, order
 	return nil
 }
 
-// spanningPage is the page size of the snapshot phase's batcher case:
+// spanningPage is the page size of the snapshot phase's spanning case:
 // below the default, pages are not grouped and cut at commits, so every
 // 701-event transaction spans pages.
 const spanningPage = 400

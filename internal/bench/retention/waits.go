@@ -50,7 +50,7 @@ func startSampler(ctx context.Context, pool *pgxpool.Pool) *sampler {
 
 func (s *sampler) sample(ctx context.Context, pool *pgxpool.Pool) {
 	rows, err := pool.Query(ctx, `SELECT pid, backend_type, state = 'active', COALESCE(wait_event_type || ':' || wait_event, 'CPU'),
-		query LIKE '%expires_at <= now()%', query LIKE '%pg_stat_activity%' OR query LIKE '%FROM archive_v1.rows WHERE source =%'
+		query LIKE '%expires_at <= now()%', query LIKE '%pg_stat_activity%' OR query LIKE '%FROM archive_v1.rows WHERE%' OR query LIKE '%w(p, lsn)%'
 		FROM pg_stat_activity
 		WHERE pid <> pg_backend_pid() AND (datname = current_database() OR backend_type IN ('autovacuum worker', 'checkpointer', 'background writer', 'walwriter'))`)
 	if err != nil {
