@@ -297,3 +297,15 @@ func TestBackstopRunsHourlyWithTheMinutesWork(t *testing.T) {
 	require.NoError(t, d.maintain(ctx))
 	require.Equal(t, StateDead, state(), "the backstop ran: queued work whose payload it scrubbed is dead")
 }
+
+// The claim loop keeps twice claimAhead ahead only while its batches are
+// revalidated and the workers take that many in a quarter of a verdict's
+// age: a verdict then waits at most that long for a worker.
+func TestRoomDeepensOnlyForFastRevalidatedBatches(t *testing.T) {
+	ahead := claimAhead(4)
+	fast := float64(2*ahead) / (verdictMaxAge / 4).Seconds()
+	require.Equal(t, ahead, roomFor(ahead, false, 10*fast), "plain batches: claimAhead")
+	require.Equal(t, ahead, roomFor(ahead, true, fast*0.9), "slower workers: claimAhead")
+	require.Equal(t, 2*ahead, roomFor(ahead, true, fast), "fast workers, revalidated batches: twice")
+	require.Equal(t, ahead, roomFor(ahead, true, 0), "no rate yet: claimAhead")
+}

@@ -75,6 +75,23 @@ type Dispatcher struct {
 	// workers: the claim loop keeps it fed (claims ahead while handlers
 	// run), so a worker never waits for a claim query.
 	queue chan *claimed
+	// evaluating: the claimed batch being revalidated before it joins the
+	// queue (one at a time; only the claim loop starts one); inEval: its
+	// size, counted against the queue's room.
+	evaluating sync.WaitGroup
+	inEval     atomic.Int64
+	// depth: the last room, whose half wakes the claim loop (a queue kept
+	// twice as deep is topped up when half of that is left, not a
+	// quarter).
+	depth atomic.Int64
+	// taken: deliveries the workers took from the queue; rate, rateAt,
+	// rateTaken and lastRevalidated (did the last claimed batch
+	// revalidate?) are the claim loop's own (room).
+	taken           atomic.Int64
+	rate            float64
+	rateAt          time.Time
+	rateTaken       int64
+	lastRevalidated bool
 	// settles collects attempts' results; one writer records them in
 	// batches (one transaction per batch).
 	settles chan result
@@ -123,11 +140,12 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	}
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
 		run:       runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
-		queue:     make(chan *claimed, claimAhead(cfg.Parallelism)),
+		queue:     make(chan *claimed, 2*claimAhead(cfg.Parallelism)),
 		settles:   make(chan result, maxSettleBatch),
 		wake:      make(chan struct{}, 1),
 		noAnalyze: map[string]bool{},
 	}
+	d.depth.Store(int64(claimAhead(cfg.Parallelism)))
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
 		return nil, err
@@ -194,7 +212,8 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		go func() {
 			defer workers.Done()
 			for c := range d.queue {
-				if len(d.queue) <= cap(d.queue)/2 {
+				d.taken.Add(1)
+				if len(d.queue) <= int(d.depth.Load())/2 {
 					d.Wake()
 				}
 				if soft.Err() != nil || c.waitedTooLong() {
@@ -217,7 +236,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
 		}
-		if n > 0 && len(d.queue) <= cap(d.queue)/2 {
+		if n > 0 && len(d.queue) <= int(d.depth.Load())/2 {
 			continue // more may be due
 		}
 		select {
@@ -226,6 +245,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		case <-d.wake:
 		}
 	}
+	d.evaluating.Wait() // its batch joins the queue: handed back unstarted
 	close(d.queue)
 	stats.Wait()
 	workers.Wait()
@@ -240,8 +260,14 @@ const claimStatementTimeout = 30 * time.Second
 // claimAhead tops the queue up: when it is at most half full, one claim
 // query claims what fills it.
 func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
-	free := cap(d.queue) - len(d.queue)
-	if free < (cap(d.queue)+1)/2 || ctx.Err() != nil {
+	// inEval first: the batch being evaluated joins the queue before
+	// inEval drops, so read in this order it is counted once or twice,
+	// never not at all.
+	inEval := int(d.inEval.Load())
+	room := d.room()
+	d.depth.Store(int64(room))
+	free := room - len(d.queue) - inEval
+	if free < (room+1)/2 || ctx.Err() != nil {
 		return 0, nil
 	}
 	// Not cancelled by the soft stop: a claim statement cancelled midway
@@ -257,12 +283,68 @@ func (d *Dispatcher) claimAhead(ctx context.Context) (int, error) {
 		// their claims expire.
 		return 0, err
 	}
-	d.prevalidate(context.WithoutCancel(ctx), cs)
-	for _, c := range cs {
-		d.queue <- c // never blocks: only this loop sends
+	// The batch is revalidated beside the loop, which meanwhile claims the
+	// next one when the room allows: the claim and the evaluation, each a
+	// round trip or two, can overlap instead of adding up. One batch
+	// evaluates at a time, so the queue keeps the claims' order.
+	d.evaluating.Wait()
+	d.lastRevalidated = d.revalidates(cs)
+	if !d.lastRevalidated {
+		for _, c := range cs {
+			d.queue <- c // never blocks: only this loop sends now
+		}
+		return len(cs), nil
 	}
+	d.inEval.Store(int64(len(cs)))
+	d.evaluating.Add(1)
+	go func() {
+		defer d.evaluating.Done()
+		d.prevalidate(context.WithoutCancel(ctx), cs)
+		for _, c := range cs {
+			d.queue <- c // never blocks: counted in inEval when claimed
+		}
+		d.inEval.Store(0)
+		d.Wake() // the queue may be due a claim already
+	}()
 	return len(cs), nil
 }
+
+// room is how many claimed deliveries the claim loop keeps ahead of the
+// workers (queued or being revalidated): claimAhead, or twice that while
+// the batches are revalidated and the workers take twice that in a
+// quarter of verdictMaxAge (the rate of the last sample, see takeRate). A
+// batch's evaluation is one more batch in flight, whose latency the
+// deeper queue covers, and larger batches share their statements (the
+// claim, the target's read, the source's, each group's pair) among more
+// deliveries; at that rate a verdict still waits at most a quarter of its
+// age for a worker. Slower workers keep claimAhead (a deeper queue would
+// only age their verdicts).
+func (d *Dispatcher) room() int {
+	return roomFor(claimAhead(d.cfg.Parallelism), d.lastRevalidated, d.takeRate())
+}
+
+func roomFor(ahead int, revalidated bool, rate float64) int {
+	if revalidated && rate*(verdictMaxAge/4).Seconds() >= float64(2*ahead) {
+		return 2 * ahead
+	}
+	return ahead
+}
+
+// takeRate is the deliveries the workers took per second, over the last
+// sample of at least rateSample (only the claim loop calls it).
+func (d *Dispatcher) takeRate() float64 {
+	now, n := time.Now(), d.taken.Load()
+	if dt := now.Sub(d.rateAt); dt >= rateSample {
+		if !d.rateAt.IsZero() {
+			d.rate = float64(n-d.rateTaken) / dt.Seconds()
+		}
+		d.rateAt, d.rateTaken = now, n
+	}
+	return d.rate
+}
+
+// rateSample is the shortest sample of takeRate.
+const rateSample = 200 * time.Millisecond
 
 // settler records results in batches: what arrived while the previous
 // batch was written goes into the next one.
@@ -441,6 +523,23 @@ type claimed struct {
 // so a decision is never older than this.
 const verdictMaxAge = time.Second
 
+// revalidates: does prevalidate have work in cs?
+func (d *Dispatcher) revalidates(cs []*claimed) bool {
+	if d.cfg.RevalidateBatch == nil {
+		return false
+	}
+	for _, c := range cs {
+		if c.revalidates() {
+			return true
+		}
+	}
+	return false
+}
+
+// revalidates: the batch revalidation decides for c (its handler exists
+// and revalidates; a scrubbed payload dead-letters without it).
+func (c *claimed) revalidates() bool { return c.def.ID != "" && c.def.Revalidate && !c.scrubbed }
+
 // prevalidate runs the batch revalidation over the claimed deliveries
 // whose handler revalidates, bounded by the earliest of their deadlines.
 // Verdicts are taken per delivery (a deferred one defers alone).
@@ -452,7 +551,7 @@ func (d *Dispatcher) prevalidate(ctx context.Context, cs []*claimed) {
 	var ds []Delivery
 	var deadline time.Time
 	for _, c := range cs {
-		if c.def.ID == "" || !c.def.Revalidate || c.scrubbed {
+		if !c.revalidates() {
 			continue
 		}
 		if deadline.IsZero() || c.deadline.Before(deadline) {
@@ -658,6 +757,7 @@ func (d *Dispatcher) decide(ctx context.Context, c *claimed) settlement {
 	case def.Revalidate && c.verdict != nil && time.Since(c.verdictAt) <= verdictMaxAge:
 		dec, err = c.verdict.Decision, c.verdict.Err
 	case def.Revalidate:
+		d.met.alone.WithLabelValues(def.ID).Inc()
 		dec, err = d.cfg.Revalidate(actx, c.d)
 	}
 	var s settlement

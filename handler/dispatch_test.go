@@ -506,9 +506,11 @@ func TestBatchRevalidationSeam(t *testing.T) {
 		alone.Add(1)
 		return Decision{Outcome: Send}, nil
 	}
-	d := e.dispatcher(Config{Registry: reg, Parallelism: 1, Revalidate: reval, RevalidateBatch: batch})
+	preg := prometheus.NewRegistry()
+	d := e.dispatcher(Config{Registry: reg, Parallelism: 1, Revalidate: reval, RevalidateBatch: batch, Registerer: preg})
 	e.flush(d)
 	require.EqualValues(t, 1, batches.Load(), "one call for the claimed batch")
+	require.Zero(t, aloneMetric(t, preg), "no attempt revalidated alone")
 	require.EqualValues(t, 3, batched.Load())
 	require.Zero(t, alone.Load(), "fresh verdicts are not read again")
 	ds := e.deliveries()
@@ -528,8 +530,106 @@ func TestBatchRevalidationSeam(t *testing.T) {
 	e.flush(d)
 	require.EqualValues(t, 2, batches.Load())
 	require.EqualValues(t, 1, alone.Load(), "the stale verdict was read again, alone")
+	require.EqualValues(t, 1, aloneMetric(t, preg), "counted as revalidated alone")
 	require.EqualValues(t, 4, calls.Load())
 	for _, r := range e.deliveries()[3:] {
 		require.Equal(t, StateDone, r.State)
 	}
+}
+
+// aloneMetric is epitaph_projector_delivery_revalidations_alone_total,
+// summed over handlers.
+func aloneMetric(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() == "epitaph_projector_delivery_revalidations_alone_total" {
+			for _, m := range mf.GetMetric() {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return n
+}
+
+// The claim loop of the service evaluates each revalidated batch beside
+// it: more deliveries than the queue holds (twice over) each go through
+// one batch evaluation, run once, and the stops the verdicts say are
+// recorded.
+func TestServiceRevalidatesBatchesBesideTheClaimLoop(t *testing.T) {
+	e := newTenv(t)
+	reg := NewRegistry()
+	var mu sync.Mutex
+	sent := map[string]int{}
+	e.goHandler(reg, func(_ context.Context, d Delivery) error {
+		mu.Lock()
+		sent[string(d.Key)]++
+		mu.Unlock()
+		return nil
+	})
+	const n = 300
+	rows := make([]Row, n)
+	for i := range rows {
+		rows[i] = e.row(i + 1)
+	}
+	e.enqueue(1, rows...)
+	var batched, alone atomic.Int32
+	stop := func(d Delivery) bool { return strings.HasSuffix(string(d.Key), "7}") }
+	batch := func(_ context.Context, ds []Delivery) []Verdict {
+		batched.Add(int32(len(ds)))
+		vs := make([]Verdict, len(ds))
+		for i, d := range ds {
+			vs[i].Decision.Outcome = Send
+			if stop(d) {
+				vs[i].Decision.Outcome = StopSuperseded
+			}
+		}
+		return vs
+	}
+	// Read again alone only if a verdict aged a second before its worker
+	// took it (a stalled machine): the same decision, counted.
+	reval := func(_ context.Context, d Delivery) (Decision, error) {
+		alone.Add(1)
+		if stop(d) {
+			return Decision{Outcome: StopSuperseded}, nil
+		}
+		return Decision{Outcome: Send}, nil
+	}
+	preg := prometheus.NewRegistry()
+	d := e.dispatcher(Config{Registry: reg, Parallelism: 1, Revalidate: reval, RevalidateBatch: batch, Registerer: preg})
+	require.NoError(t, d.Start(context.Background()))
+	eventually(t, func() bool {
+		var open int
+		require.NoError(t, e.pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM epitaph.deliveries WHERE state IN ('pending', 'in_flight')`).Scan(&open))
+		return open == 0
+	}, "every delivery settled by the service")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	require.NoError(t, d.Stop(ctx))
+	require.NoError(t, d.Wait())
+	require.EqualValues(t, n, batched.Load(), "each delivery in one batch")
+	require.EqualValues(t, alone.Load(), aloneMetric(t, preg), "every lone evaluation counted")
+	t.Logf("%d of %d read again alone", alone.Load(), n)
+	ds := e.deliveries() // by key id: ds[i] is id i+1
+	require.Len(t, ds, n)
+	stopped := 0
+	for i, r := range ds {
+		key := fmt.Sprintf(`{"id": %d}`, i+1)
+		if (i+1)%10 == 7 {
+			stopped++
+			require.Equal(t, StateStopped, r.State, "delivery %s", key)
+			require.Equal(t, string(StopSuperseded), r.Outcome)
+			require.Zero(t, sent[key], "a stopped delivery was not sent")
+			continue
+		}
+		require.Equal(t, StateDone, r.State, "delivery %s", key)
+		require.Equal(t, 1, sent[key], "delivery %s sent once", key)
+	}
+	require.Equal(t, 30, stopped)
+	mu.Lock()
+	require.Len(t, sent, n-30, "nothing else was sent")
+	mu.Unlock()
 }

@@ -19,6 +19,9 @@ type metrics struct {
 	dead      *prometheus.CounterVec
 	reclaimed prometheus.Counter
 	stale     prometheus.Counter
+	// alone: attempts revalidated alone at their start (no batch verdict,
+	// or one older than verdictMaxAge).
+	alone *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, db DB, log *slog.Logger) (*metrics, error) {
@@ -33,11 +36,13 @@ func newMetrics(reg prometheus.Registerer, db DB, log *slog.Logger) (*metrics, e
 			Help: "In-flight deliveries whose claim expired and that this worker reclaimed."}),
 		stale: prometheus.NewCounter(prometheus.CounterOpts{Name: "epitaph_projector_delivery_stale_settles_total",
 			Help: "Attempt outcomes discarded because the delivery's claim had been reclaimed."}),
+		alone: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_delivery_revalidations_alone_total",
+			Help: "Attempts revalidated alone when they started, by handler: no verdict of their claimed batch, or one older than a second."}, []string{"handler"}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.attempts, m.duration, m.dead, m.reclaimed, m.stale, NewCollector(db, log)} {
+	for _, c := range []prometheus.Collector{m.attempts, m.duration, m.dead, m.reclaimed, m.stale, m.alone, NewCollector(db, log)} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register delivery metrics: %w", err)
 		}

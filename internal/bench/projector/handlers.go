@@ -79,6 +79,12 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			}
 		}
 		if e.pgStats {
+			if e.revalidate {
+				// The source's statements are printed for the drain too.
+				if err := pgStatsReset(ctx, e.sourceURL); err != nil {
+					return err
+				}
+			}
 			return pgStatsReset(ctx, url)
 		}
 		return nil
@@ -103,7 +109,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		// Postgres CPU per delivery while only the dispatcher runs (from the
 		// last archived row to the last delivery done): meaningful on a
 		// loaded machine, where the rates are not.
-		cpu0 := e.cpu(0)
+		cpu0 := e.cpu(e.projectorPid())
 		var done0 int64
 		if err := conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done0); err != nil {
 			return err
@@ -122,16 +128,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				if done != n {
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, n)
 				}
-				if n > done0 {
-					record("drain_postgres_cpu_us_per_delivery", e.cpu(0).sub(cpu0).postgres*1e6/float64(n-done0),
-						fmt.Sprintf("µs of Postgres CPU per delivery done after the last archived row (%d of them)", n-done0))
-				}
-				if e.pgStats {
-					if err := pgStatsPrint(ctx, url, "handlers-drain"); err != nil {
-						return err
-					}
-				}
-				return e.revalidationCost(ctx, url, record)
+				return e.drainFigures(ctx, url, n, done0, cpu0, record)
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries still open after 15 minutes")
@@ -154,6 +151,64 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
 	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
 	return deliveries, nil
+}
+
+// drainFigures records the drain's figures once every delivery is done:
+// the CPU per delivery since the last archived row (cpu0, done0 then),
+// the lone revalidations, the drain's statements with -pgstats, and the
+// revalidation cost.
+func (e *env) drainFigures(ctx context.Context, url string, n, done0 int64, cpu0 cpuTimes, record func(string, float64, string)) error {
+	if n > done0 {
+		cpu := e.cpu(e.projectorPid()).sub(cpu0)
+		record("drain_postgres_cpu_us_per_delivery", cpu.postgres*1e6/float64(n-done0),
+			fmt.Sprintf("µs of Postgres CPU per delivery done after the last archived row (%d of them)", n-done0))
+		record("drain_projector_cpu_us_per_delivery", cpu.proc*1e6/float64(n-done0),
+			fmt.Sprintf("µs of projector process CPU per delivery done after the last archived row (%d of them)", n-done0))
+	}
+	if err := e.loneRevalidations(ctx, record); err != nil {
+		return err
+	}
+	if e.pgStats {
+		if e.revalidate {
+			// The source's statements first, kept for the target's print
+			// (its reset clears every database's).
+			if err := pgStatsShow(ctx, e.sourceURL, "handlers-drain-source", false); err != nil {
+				return err
+			}
+		}
+		if err := pgStatsPrint(ctx, url, "handlers-drain"); err != nil {
+			return err
+		}
+	}
+	return e.revalidationCost(ctx, url, record)
+}
+
+// projectorPid is the first projector of the running apply (0 in-process:
+// no process CPU figure of its own).
+func (e *env) projectorPid() int {
+	if e.inProcess || len(e.procs) == 0 {
+		return 0
+	}
+	return e.procs[0].Pid()
+}
+
+// loneRevalidations records, in the revalidation round, how many attempts
+// the projectors revalidated alone (their claimed batch's verdict missing
+// or older than a second when a worker took them), from their metrics.
+func (e *env) loneRevalidations(ctx context.Context, record func(string, float64, string)) error {
+	if !e.revalidate {
+		return nil
+	}
+	var n float64
+	for _, addr := range e.metricsAddrs {
+		m, err := bench.Scrape(ctx, addr)
+		if err != nil {
+			return fmt.Errorf("lone revalidations: %w", err)
+		}
+		n += m["epitaph_projector_delivery_revalidations_alone_total"]
+	}
+	record("revalidations_alone", n, "attempts revalidated alone (batch verdict missing or older than 1 s), of every delivery of the round")
+	return nil
 }
 
 // openDeliveriesSQL: is any delivery pending (released or not) or in

@@ -82,6 +82,10 @@ type env struct {
 	// beforeStart, when set, runs after the migration, before the
 	// projectors start (handlers.go adds the row handlers).
 	beforeStart func(ctx context.Context, targetURL string) error
+	// procs and metricsAddrs: the projectors of the running apply and
+	// their metrics listeners (for afterArchive).
+	procs        []*bench.Proc
+	metricsAddrs []string
 	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
 	handlerParallelism int
 	// revalidate: the row handlers revalidate against sourceURL, the
@@ -493,11 +497,13 @@ func exitedErr(p *bench.Proc) func() error {
 
 func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]*bench.Proc, error) {
 	var procs []*bench.Proc
+	e.metricsAddrs = nil
 	for i := 0; i < e.workers; i++ {
 		metrics, err := bench.LocalAddr()
 		if err != nil {
 			return procs, err
 		}
+		e.metricsAddrs = append(e.metricsAddrs, metrics)
 		penv := bench.ProjectorEnv(targetURL, e.natsURL, metrics, source, "bench-"+strconv.Itoa(i))
 		if e.snapshotRoots != "" {
 			penv = append(penv, "EPITAPH_SNAPSHOT_ROOTS="+e.snapshotRoots)
@@ -699,6 +705,7 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	if err != nil {
 		return 0, err
 	}
+	e.procs = procs
 	start := procs[0].Started()
 	cpu0 := e.cpu(procs[0].Pid())
 	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
@@ -1098,6 +1105,12 @@ func pgStatsReset(ctx context.Context, url string) error {
 // pgStatsPrint prints the statements that took the most execution time
 // since the last reset, then resets.
 func pgStatsPrint(ctx context.Context, url, phase string) error {
+	return pgStatsShow(ctx, url, phase, true)
+}
+
+// pgStatsShow is pgStatsPrint, resetting only when reset is set (the
+// reset clears every database's statements).
+func pgStatsShow(ctx context.Context, url, phase string, reset bool) error {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return err
@@ -1122,7 +1135,7 @@ func pgStatsPrint(ctx context.Context, url, phase string) error {
 		bench.Note("pgstats %s: %7d calls %9.0f ms exec %6.0f ms plan %8d rows %8.0f buffers/call  %s", phase, calls, exec, plan, n,
 			float64(blocks)/float64(max(calls, 1)), q)
 	}
-	if err := rows.Err(); err != nil {
+	if err := rows.Err(); err != nil || !reset {
 		return err
 	}
 	_, err = conn.Exec(ctx, "SELECT pg_stat_statements_reset()")
