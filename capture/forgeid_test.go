@@ -247,6 +247,11 @@ func TestResumeOnAStreamWithUntaggedIDs(t *testing.T) {
 	}, 90*time.Second, 2*time.Millisecond)
 	require.NoError(t, old.Stop(context.Background()))
 	require.NoError(t, old.Wait())
+	// Rows published without an acknowledgement of their own, after the
+	// last acknowledged message, may still be stored after the stop
+	// returned (the closed connection's last writes): read the stream once
+	// its last sequence has settled.
+	settled(t, st)
 
 	signedPlain := func(m *jetstream.RawStreamMsg) bool {
 		return !strings.Contains(m.Subject, ".delete.") && !strings.Contains(m.Subject, ".truncate.")
@@ -303,4 +308,24 @@ func TestResumeOnAStreamWithUntaggedIDs(t *testing.T) {
 	require.Equal(t, 4, gaps, "the gap copies are not published again")
 	require.Zero(t, counterValue(t, svc.m.foreign), "nothing the older capture stored is foreign")
 	require.Zero(t, counterValue(t, svc.m.collisions))
+}
+
+// settled waits until st's last sequence has not moved for half a second
+// (up to a minute), so that what a stopped capture wrote is all stored.
+func settled(t *testing.T, st jetstream.Stream) {
+	t.Helper()
+	ctx := context.Background()
+	var last uint64
+	stable := time.Now()
+	require.Eventually(t, func() bool {
+		info, err := st.Info(ctx)
+		if err != nil {
+			return false
+		}
+		if info.State.LastSeq != last {
+			last, stable = info.State.LastSeq, time.Now()
+			return false
+		}
+		return time.Since(stable) >= 500*time.Millisecond
+	}, time.Minute, 50*time.Millisecond, "the stream's last sequence kept moving")
 }
