@@ -76,15 +76,33 @@ func TestPriorityOrderWithinARow(t *testing.T) {
 	}
 }
 
+// Each attempt's delay is its doubling from base with at most ±25% jitter
+// (cenkalti/backoff's randomization factor), so consecutive attempts'
+// ranges never overlap (0.75·2 > 1.25): every delay of an attempt exceeds
+// every delay of the one before, and their mean is the doubling. (The test
+// asked a single draw to grow by a quarter over the previous draw, which
+// ±25% jitter breaks now and then: 2·0.75/1.25 = 1.2.)
 func TestBackoffGrows(t *testing.T) {
 	base := 100 * time.Millisecond
-	prev := time.Duration(0)
+	prevMax := time.Duration(0)
 	for a := 1; a <= 6; a++ {
-		b := Backoff(base, a)
 		want := base << (a - 1)
-		require.InDelta(t, float64(want), float64(b), float64(want)*0.26, "attempt %d", a)
-		require.Greater(t, b, prev*5/4, "attempt %d grows", a)
-		prev = b
+		lo, hi := want*3/4, want*5/4
+		var sum, least, most time.Duration
+		const n = 400
+		for i := 0; i < n; i++ {
+			b := Backoff(base, a)
+			require.GreaterOrEqual(t, b, lo-time.Microsecond, "attempt %d: at most 25%% below the doubling", a)
+			require.LessOrEqual(t, b, hi+time.Microsecond, "attempt %d: at most 25%% above the doubling", a)
+			if i == 0 || b < least {
+				least = b
+			}
+			most = max(most, b)
+			sum += b
+		}
+		require.Greater(t, least, prevMax, "attempt %d: every delay exceeds every delay of attempt %d", a, a-1)
+		require.InDelta(t, float64(want), float64(sum/n), float64(want)*0.05, "attempt %d: the mean is the doubling", a)
+		prevMax = most
 	}
 	require.LessOrEqual(t, Backoff(time.Minute, 40), time.Hour+15*time.Minute)
 }
