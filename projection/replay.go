@@ -58,19 +58,18 @@ func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 	if r.log == nil {
 		r.log = slog.Default()
 	}
-	r.createJobs, r.extraDDL = snapshotHooks()
+	r.extraDDL = snapshotHooks()
 	return r.apply
 }
 
 // replayer holds what a ReplayFunc keeps between entries.
 type replayer struct {
-	cfg        ReplayConfig
-	dec        *event.Decoder
-	objects    *objectReader
-	retention  *retentionMetrics
-	log        *slog.Logger
-	createJobs func(ctx context.Context, tx pgx.Tx, schema string, commit *event.Event, roots []string) (int, error)
-	extraDDL   func(schema string) string
+	cfg       ReplayConfig
+	dec       *event.Decoder
+	objects   *objectReader
+	retention *retentionMetrics
+	log       *slog.Logger
+	extraDDL  func(schema string) string
 }
 
 func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) error {
@@ -165,7 +164,7 @@ func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v Version, partition
 func (r *replayer) service(ctx context.Context, tx pgx.Tx, source string) (*Service, error) {
 	s := &Service{
 		cfg: Config{SourceName: source, ArchiveTTL: r.cfg.ArchiveTTL, SnapshotRoots: r.cfg.SnapshotRoots, MaxRowBytes: r.cfg.MaxRowBytes},
-		log: r.log, objects: r.objects, retention: r.retention, createJobs: r.createJobs, extraDDL: r.extraDDL,
+		log: r.log, objects: r.objects, retention: r.retention, extraDDL: r.extraDDL,
 		fences: &fenceSet{}, handlers: handler.NewCache(tx, time.Second),
 	}
 	if err := s.fences.load(ctx, tx); err != nil {

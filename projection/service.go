@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -43,9 +42,6 @@ type Service struct {
 	js     jetstream.JetStream
 	leaser *progress.Leaser
 
-	// createJobs is snapshot.CreateJobs once the snapshot package provides
-	// it; nil = no snapshot jobs.
-	createJobs func(ctx context.Context, tx pgx.Tx, schema string, commit *event.Event, roots []string) (int, error)
 	// extraDDL adds per-version tables (snapshots) to a version's schema.
 	extraDDL func(schema string) string
 
@@ -100,7 +96,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
 	s.fences, s.retention = &fenceSet{}, newRetentionMetrics(o.registry)
-	s.createJobs, s.extraDDL = snapshotHooks()
+	s.extraDDL = snapshotHooks()
 	return s, nil
 }
 

@@ -9,11 +9,8 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
-// snapshotHooks returns the snapshot package's job creation and the DDL of
-// a version's snapshots table.
-func snapshotHooks() (func(ctx context.Context, tx pgx.Tx, schema string, commit *event.Event, roots []string) (int, error), func(schema string) string) {
-	return snapshot.CreateJobs, snapshot.DDL
-}
+// snapshotHooks returns the DDL of a version's snapshots table.
+func snapshotHooks() func(schema string) string { return snapshot.DDL }
 
 // snapshotJobs creates, in the apply transaction, the snapshot jobs of the
 // page's commits, after their rows are archived. A transaction whose rows
@@ -32,7 +29,7 @@ func snapshotHooks() (func(ctx context.Context, tx pgx.Tx, schema string, commit
 // not be handed to either path.
 func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commits []*item, rows []*archiveRow,
 	inPage map[event.LSN]bool, archived map[string]insertedTx) (int, error) {
-	if s.createJobs == nil || len(s.cfg.SnapshotRoots) == 0 {
+	if len(s.cfg.SnapshotRoots) == 0 {
 		return 0, nil
 	}
 	var byTx map[event.LSN][]snapshot.Row
