@@ -106,15 +106,6 @@ func (e *env) figure(name string, value float64, unit string) {
 	bench.Figure(name+e.suffix, value, unit)
 }
 
-func median(xs []float64) float64 {
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
-}
-
 func main() {
 	rows := flag.Int("rows", 300_000, "delete events (at least)")
 	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
@@ -390,19 +381,19 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 // reportRounds prints the medians of the rounds; it returns the apply rate.
 func (e *env) reportRounds(o opts, res *roundResults) float64 {
 	if len(res.compares) > 0 {
-		bench.Figure("projector.ratio_apply_to_raw.compare", median(res.compares), fmt.Sprintf("x (median; the -compare-bin build; min %.2f, max %.2f)", slices.Min(res.compares), slices.Max(res.compares)))
+		bench.Figure("projector.ratio_apply_to_raw.compare", bench.Median(res.compares), fmt.Sprintf("x (median; the -compare-bin build; min %.2f, max %.2f)", slices.Min(res.compares), slices.Max(res.compares)))
 	}
 	e.suffix = ""
-	applyRate := median(res.applies)
+	applyRate := bench.Median(res.applies)
 	if o.rounds > 1 {
-		e.figure("projector.raw_rows_per_sec", median(res.raws), fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
+		e.figure("projector.raw_rows_per_sec", bench.Median(res.raws), fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
 		e.figure("projector.apply_rows_per_sec", applyRate, fmt.Sprintf("rows/s (median of %d rounds)", o.rounds))
-		bench.Figure("projector.ratio_apply_to_raw", median(res.ratios), fmt.Sprintf("x (median of the rounds' ratios; min %.2f, max %.2f; target >= 0.70)", slices.Min(res.ratios), slices.Max(res.ratios)))
+		bench.Figure("projector.ratio_apply_to_raw", bench.Median(res.ratios), fmt.Sprintf("x (median of the rounds' ratios; min %.2f, max %.2f; target >= 0.70)", slices.Min(res.ratios), slices.Max(res.ratios)))
 	}
 	for _, k := range slices.Sorted(maps.Keys(res.snaps)) {
 		xs := res.snaps[k]
 		name, unit, _ := strings.Cut(k, "|")
-		bench.Figure(name, median(xs), fmt.Sprintf("%s (median of %d rounds; min %.2f, max %.2f)", unit, len(xs), slices.Min(xs), slices.Max(xs)))
+		bench.Figure(name, bench.Median(xs), fmt.Sprintf("%s (median of %d rounds; min %.2f, max %.2f)", unit, len(xs), slices.Min(xs), slices.Max(xs)))
 	}
 	return applyRate
 }

@@ -61,15 +61,15 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 		withs = append(withs, with)
 	}
 	bench.LoadNote(fmt.Sprintf("after snapshots %s", label))
-	record("apply_ratio", median(ratios), fmt.Sprintf("x of the apply without snapshots, median of %d interleaved pairs (target >= 0.80)", pairs))
+	record("apply_ratio", bench.Median(ratios), fmt.Sprintf("x of the apply without snapshots, median of %d interleaved pairs (target >= 0.80)", pairs))
 	record("apply_ratio_min", slices.Min(ratios), fmt.Sprintf("x, the lowest of the %d pairs (target >= 0.80)", pairs))
-	record("cpu_us_per_document_projector", median(procUS), "us of projector CPU added per document (median of the pairs)")
-	record("cpu_us_per_document_postgres", median(pgUS), "us of Postgres CPU added per document (median of the pairs)")
+	record("cpu_us_per_document_projector", bench.Median(procUS), "us of projector CPU added per document (median of the pairs)")
+	record("cpu_us_per_document_postgres", bench.Median(pgUS), "us of Postgres CPU added per document (median of the pairs)")
 	sum := make([]float64, len(procUS))
 	for i := range procUS {
 		sum[i] = procUS[i] + pgUS[i]
 	}
-	record("cpu_us_per_document", median(sum), "us of CPU added per document, projector + Postgres (median of the pairs; steadier than the rates, but CPU per unit of work also grows with the machine's load)")
+	record("cpu_us_per_document", bench.Median(sum), "us of CPU added per document, projector + Postgres (median of the pairs; steadier than the rates, but CPU per unit of work also grows with the machine's load)")
 	e.recordDocuments(withs, record)
 	return nil
 }
@@ -99,12 +99,12 @@ func (e *env) recordDocuments(withs []snapshotApply, record func(string, float64
 	record("document_delay_max_seconds", slices.Max(pick(func(d documentFigures) float64 { return d.maxDelay })),
 		"s from the commit of the apply transaction that applied a group's commit to the commit that wrote its document complete, the slowest of every pair (target <= 2)")
 	record("document_delay_p99_seconds", slices.Max(pick(func(d documentFigures) float64 { return d.p99Delay })), "s, 99th percentile (the slowest pair)")
-	record("document_delay_p50_seconds", median(pick(func(d documentFigures) float64 { return d.p50Delay })), "s, median (median of the pairs)")
+	record("document_delay_p50_seconds", bench.Median(pick(func(d documentFigures) float64 { return d.p50Delay })), "s, median (median of the pairs)")
 	record("document_delay_from_apply_start_max_seconds", slices.Max(pick(func(d documentFigures) float64 { return d.maxFromStart })),
 		"s from the start of that apply transaction (the job's created_at) to completed_at, the slowest")
 	if batches := pick(func(d documentFigures) float64 { return float64(d.batches) }); slices.Max(batches) > 0 {
-		record("batcher_batches", median(batches), "batches that completed documents (the rest were assembled in the apply; median of the pairs)")
-		record("batcher_documents_per_batch", median(pick(func(d documentFigures) float64 { return d.perBatch })), "documents per batch (mean; median of the pairs)")
+		record("batcher_batches", bench.Median(batches), "batches that completed documents (the rest were assembled in the apply; median of the pairs)")
+		record("batcher_documents_per_batch", bench.Median(pick(func(d documentFigures) float64 { return d.perBatch })), "documents per batch (mean; median of the pairs)")
 	}
 	record("in_page_share", slices.Min(pick(func(d documentFigures) float64 { return d.inPage })), "of the documents assembled in the apply transaction (the lowest pair)")
 }

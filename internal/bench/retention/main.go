@@ -309,28 +309,19 @@ func (p *pairFigures) add(i, apply int, without, with applyResult) {
 
 func (p *pairFigures) report(pairs, apply int) {
 	of := fmt.Sprintf("median of %d interleaved pairs", pairs)
-	bench.Figure("retention.apply_rows_per_sec.without_cleanup", median(p.without), "rows/s ("+of+")")
-	bench.Figure("retention.apply_rows_per_sec.with_cleanup", median(p.with), "rows/s ("+of+")")
-	bench.Figure("retention.apply_ratio", median(p.ratios), "(with / without cleanup, "+of+"; target >= 0.85)")
+	bench.Figure("retention.apply_rows_per_sec.without_cleanup", bench.Median(p.without), "rows/s ("+of+")")
+	bench.Figure("retention.apply_rows_per_sec.with_cleanup", bench.Median(p.with), "rows/s ("+of+")")
+	bench.Figure("retention.apply_ratio", bench.Median(p.ratios), "(with / without cleanup, "+of+"; target >= 0.85)")
 	bench.Figure("retention.apply_ratio_min", slices.Min(p.ratios), fmt.Sprintf("(the lowest of the %d pairs; target >= 0.85)", pairs))
-	bench.Figure("retention.cleanup_rows_per_sec", median(p.cleanup), "rows/s ("+of+"; target >= 50,000)")
+	bench.Figure("retention.cleanup_rows_per_sec", bench.Median(p.cleanup), "rows/s ("+of+"; target >= 50,000)")
 	bench.Figure("retention.cleanup_rows_per_sec_min", slices.Min(p.cleanup), "rows/s (the lowest pair; target >= 50,000)")
-	bench.Figure("retention.cpu_us_per_applied_row.postgres.without_cleanup", median(p.pgWithout), "us ("+of+", until applied)")
-	bench.Figure("retention.cpu_us_per_applied_row.postgres.with_cleanup", median(p.pgWith), "us ("+of+", until applied: the apply and the cleanup's share beside it)")
-	bench.Figure("retention.cpu_us_per_applied_row.process.without_cleanup", median(p.procWithout), "us ("+of+", until applied)")
-	bench.Figure("retention.cpu_us_per_applied_row.process.with_cleanup", median(p.procWith), "us ("+of+", until applied)")
-	bench.Figure("retention.cpu_us_per_applied_row.postgres.with_cleanup_until_cleaned", median(p.pgWithAll),
+	bench.Figure("retention.cpu_us_per_applied_row.postgres.without_cleanup", bench.Median(p.pgWithout), "us ("+of+", until applied)")
+	bench.Figure("retention.cpu_us_per_applied_row.postgres.with_cleanup", bench.Median(p.pgWith), "us ("+of+", until applied: the apply and the cleanup's share beside it)")
+	bench.Figure("retention.cpu_us_per_applied_row.process.without_cleanup", bench.Median(p.procWithout), "us ("+of+", until applied)")
+	bench.Figure("retention.cpu_us_per_applied_row.process.with_cleanup", bench.Median(p.procWith), "us ("+of+", until applied)")
+	bench.Figure("retention.cpu_us_per_applied_row.postgres.with_cleanup_until_cleaned", bench.Median(p.pgWithAll),
 		fmt.Sprintf("us (%s, until applied and cleaned, per applied row of %d)", of, apply))
-	bench.Figure("retention.cpu_us_per_applied_row.process.with_cleanup_until_cleaned", median(p.procWithAll), "us ("+of+", until applied and cleaned)")
-}
-
-func median(xs []float64) float64 {
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+	bench.Figure("retention.cpu_us_per_applied_row.process.with_cleanup_until_cleaned", bench.Median(p.procWithAll), "us ("+of+", until applied and cleaned)")
 }
 
 // publish writes the stream: apply delete events of public.sessions (ids
