@@ -3,8 +3,10 @@ package testenv
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -182,6 +184,13 @@ func moveRoutes(opts *server.Options, clusterPorts map[string]int) error {
 }
 
 // Start starts the node if it is stopped, with its port and store.
+//
+// A node restarts on the ports it had, so another process may hold one of
+// them (a test binary of an earlier, killed run): nats-server then never
+// becomes ready and says why only to a logger the test does not have. Start
+// therefore binds both ports itself first, retrying for a few seconds
+// while a port lingers after a stop, and fails with the bind error; then it
+// waits once for the server to accept connections.
 func (n *ClusterNode) Start() {
 	n.tb.Helper()
 	n.mu.Lock()
@@ -189,22 +198,47 @@ func (n *ClusterNode) Start() {
 	if n.srv != nil {
 		return
 	}
-	var err error
-	for i := 0; i < 50; i++ { // the ports may linger briefly after a stop
-		var s *server.Server
-		s, err = server.NewServer(n.opts.Clone())
-		if err == nil {
-			go s.Start()
-			if s.ReadyForConnections(20 * time.Second) {
-				n.srv = s
-				return
-			}
-			s.Shutdown()
-			err = fmt.Errorf("not ready for connections")
+	client := net.JoinHostPort(n.opts.Host, strconv.Itoa(n.opts.Port))
+	route := net.JoinHostPort(n.opts.Cluster.Host, strconv.Itoa(n.opts.Cluster.Port))
+	if err := waitPortsFree(10*time.Second, client, route); err != nil {
+		n.tb.Fatalf("testenv: start cluster node %s: %v", n.Name, err)
+	}
+	s, err := server.NewServer(n.opts.Clone())
+	if err != nil {
+		n.tb.Fatalf("testenv: start cluster node %s: %v", n.Name, err)
+	}
+	go s.Start()
+	if !s.ReadyForConnections(60 * time.Second) {
+		s.Shutdown()
+		n.tb.Fatalf("testenv: start cluster node %s: not ready for connections on %s within 60s", n.Name, client)
+	}
+	n.srv = s
+}
+
+// waitPortsFree binds each address (and lets it go) until all bind at
+// once or the timeout passes, and then returns the last bind error.
+func waitPortsFree(timeout time.Duration, addrs ...string) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := bindAll(addrs)
+		if err == nil || time.Now().After(deadline) {
+			return err
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	n.tb.Fatalf("testenv: start cluster node %s: %v", n.Name, err)
+}
+
+func bindAll(addrs []string) error {
+	for _, addr := range addrs {
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return fmt.Errorf("port %s is held (by another process?): %w", addr, err)
+		}
+		if err := l.Close(); err != nil {
+			return fmt.Errorf("release %s: %w", addr, err)
+		}
+	}
+	return nil
 }
 
 // Stop shuts the node down: its clients' connections drop, the other
