@@ -193,7 +193,12 @@ const maxSettleBatch = 256
 // idle connections per host cover every worker (keep-alive reuse; the
 // default transport keeps 2), no timeout of its own (the attempt's context
 // bounds each call).
-func newHTTPClient(parallelism int) *http.Client {
+func newHTTPClient(parallelism int) *http.Client { return NewHTTPClient(parallelism) }
+
+// NewHTTPClient is the webhook client a dispatcher of this parallelism
+// builds when Config.HTTPClient is nil (for benchmarks that measure a bare
+// call with the same transport).
+func NewHTTPClient(parallelism int) *http.Client {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConns = max(t.MaxIdleConns, 2*parallelism)
 	t.MaxIdleConnsPerHost = max(parallelism, 16)

@@ -3,9 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
-	"net"
-	"net/http"
+	"os"
+	"path/filepath"
 	"sync/atomic"
 	"time"
 
@@ -29,7 +28,8 @@ import (
 // With e.revalidate (revalidate.go) the handlers revalidate every delivery
 // against the source before sending it; the figures are named
 // projector.handlers.p<N>.revalidate.*. It returns the delivery rate.
-func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, without float64, out map[string][]float64) (float64, error) {
+func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, plain plainApply, out map[string][]float64) (float64, error) {
+	without := plain.rate
 	suffix := e.suffix
 	defer func() { e.suffix, e.afterArchive, e.beforeStart, e.handlerParallelism = suffix, nil, nil, 0 }()
 	e.handlerParallelism = parallelism
@@ -41,18 +41,18 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		e.figure(prefix+figure, v, unit)
 		out[prefix+figure+"|"+unit] = append(out[prefix+figure+"|"+unit], v)
 	}
-	var hits atomic.Int64
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	var hits, bodyBytes atomic.Int64
+	ln, srv, err := webhookServer(&hits, &bodyBytes)
 	if err != nil {
 		return 0, err
 	}
-	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.Copy(io.Discard, r.Body)
-		hits.Add(1)
-		w.WriteHeader(http.StatusOK)
-	})}
-	go func() { _ = srv.Serve(ln) }()
 	defer srv.Close()
+	// Every handler signs (Epitaph-Signature), as a webhook in production
+	// would: the floor below signs too.
+	secretFile := filepath.Join(e.dir, "webhook-secret")
+	if err := os.WriteFile(secretFile, []byte(benchSecret+"\n"), 0o600); err != nil {
+		return 0, err
+	}
 
 	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_%t", round, parallelism, e.revalidate))
 	if err != nil {
@@ -74,7 +74,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			s, tb := splitTable(t)
 			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
 				Kind: handler.KindWebhook, Target: "http://" + ln.Addr().String() + "/hook", MaxAttempts: 5, Backoff: time.Second,
-				ClaimTimeout: time.Minute, Revalidate: e.revalidate}); err != nil {
+				ClaimTimeout: time.Minute, Revalidate: e.revalidate, SecretFile: secretFile}); err != nil {
 				return err
 			}
 		}
@@ -90,7 +90,16 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		return nil
 	}
 	var deliveredAt time.Time
+	var lim limitInputs
+	start := time.Now()
+	busy0, total0, err := cpuBusy()
+	if err != nil {
+		return 0, err
+	}
 	e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
+		// The apply with handlers ends here: its CPU (projector process +
+		// Postgres, from the projector's start) is the last apply's.
+		lim.withCPU = e.lastCPU
 		if e.pgStats {
 			if err := pgStatsPrint(ctx, url, "handlers-apply"); err != nil {
 				return err
@@ -128,7 +137,20 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				if done != n {
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, n)
 				}
-				return e.drainFigures(ctx, url, n, done0, cpu0, record)
+				if lim.busy, err = busySince(busy0, total0); err != nil {
+					return err
+				}
+				lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(cpu0), done0
+				if err := e.drainFigures(ctx, url, n, done0, cpu0, record); err != nil {
+					return err
+				}
+				if e.revalidate {
+					return nil
+				}
+				// The floor of one call, while the projector idles.
+				lim.bodySize = int(bodyBytes.Load() / max(hits.Load(), 1))
+				lim.floor, err = e.webhookFloor(ctx, parallelism, lim.bodySize, secretFile)
+				return err
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries still open after 15 minutes")
@@ -136,11 +158,11 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			time.Sleep(250 * time.Millisecond)
 		}
 	}
-	start := time.Now()
 	with, err := e.apply(ctx, url, source, n)
 	if err != nil {
 		return 0, err
 	}
+
 	e.suffix = suffix
 	applyTook := float64(n) / with
 	deliveries := float64(n) / deliveredAt.Sub(start).Seconds()
@@ -150,6 +172,10 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
 	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
+	if !e.revalidate {
+		lim.n, lim.plain, lim.deliveries, lim.wall = n, plain, deliveries, deliveredAt.Sub(start).Seconds()
+		lim.record(record)
+	}
 	return deliveries, nil
 }
 

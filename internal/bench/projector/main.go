@@ -99,6 +99,10 @@ type env struct {
 	// apply (projector process, Postgres), for the snapshot phase.
 	snapPairs int
 	lastCPU   cpuTimes
+	// lastBusy: how many of the machine's CPUs were busy (every process)
+	// during the last apply, from /proc/stat over the same window as
+	// lastCPU (0 in-process).
+	lastBusy float64
 }
 
 // figure prints a figure of the current round.
@@ -107,6 +111,10 @@ func (e *env) figure(name string, value float64, unit string) {
 }
 
 func main() {
+	if os.Getenv(floorEnv) != "" {
+		// A child of the handlers phase: the webhook floor's client.
+		os.Exit(floorClient())
+	}
 	rows := flag.Int("rows", 300_000, "delete events (at least)")
 	perTx := flag.Int("orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
 	workers := flag.Int("workers", 1, "projector workers")
@@ -317,6 +325,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 	if err != nil {
 		return err
 	}
+	plain := plainApply{rate: applyRate, cpu: e.lastCPU, secs: float64(n) / applyRate, busy: e.lastBusy}
 	if o.pgStats {
 		if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
 			return err
@@ -333,7 +342,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 		}
 	}
 	if o.handlers {
-		if err := e.handlersRounds(ctx, o, r, events, n, applyRate, res); err != nil {
+		if err := e.handlersRounds(ctx, o, r, events, n, plain, res); err != nil {
 			return err
 		}
 	}
@@ -361,17 +370,17 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 
 // handlersRounds is round r's row handlers phase, once per
 // -handler-parallelism value.
-func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, applyRate float64, res *roundResults) error {
+func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, plain plainApply, res *roundResults) error {
 	for _, par := range strings.Split(o.handlerPar, ",") {
 		p, err := strconv.Atoi(strings.TrimSpace(par))
 		if err != nil || p < 1 {
 			return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
 		}
-		plain, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), applyRate, res.snaps)
+		rate, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), plain, res.snaps)
 		if err != nil {
 			return err
 		}
-		if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), applyRate, plain, res.snaps); err != nil {
+		if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), plain, rate, res.snaps); err != nil {
 			return err
 		}
 	}
@@ -699,12 +708,21 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	e.procs = procs
 	start := procs[0].Started()
 	cpu0 := e.cpu(procs[0].Pid())
+	busy0, total0, err := cpuBusy()
+	if err != nil {
+		return 0, err
+	}
 	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
 	if err != nil {
 		return 0, err
 	}
 	cpu := e.cpu(procs[0].Pid()).sub(cpu0)
+	busy1, total1, err := cpuBusy()
+	if err != nil {
+		return 0, err
+	}
 	rate := e.applyFigures(n, start, first, end, cpu)
+	e.lastBusy = float64(runtime.NumCPU()) * (busy1 - busy0) / max(total1-total0, 1)
 	if e.afterArchive != nil {
 		if err := e.afterArchive(ctx, targetURL, end); err != nil {
 			return 0, err
@@ -770,6 +788,7 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 		return 0, err
 	}
 	rate := e.applyFigures(n, start, first, end, e.cpu(os.Getpid()).sub(cpu0))
+	e.lastBusy = 0
 	if e.afterArchive != nil {
 		if err := e.afterArchive(ctx, targetURL, end); err != nil {
 			return 0, err
@@ -886,13 +905,17 @@ func waitDocuments(ctx context.Context, targetURL string, want int64) (documentF
 
 // cpuTimes are CPU seconds used: by a process (user+system, with its
 // reaped children) and by the Postgres server (postmaster, its reaped
-// children and the live backends).
-type cpuTimes struct{ proc, postgres float64 }
+// children and the live backends); bench: this process's own (the
+// embedded JetStream server, the handlers round's webhook server).
+type cpuTimes struct{ proc, postgres, bench float64 }
 
-func (a cpuTimes) sub(b cpuTimes) cpuTimes { return cpuTimes{a.proc - b.proc, a.postgres - b.postgres} }
+func (a cpuTimes) sub(b cpuTimes) cpuTimes {
+	return cpuTimes{a.proc - b.proc, a.postgres - b.postgres, a.bench - b.bench}
+}
 
 func (e *env) cpu(pid int) cpuTimes {
 	var t cpuTimes
+	t.bench, _ = procCPU(os.Getpid())
 	if pid > 0 {
 		t.proc, _ = procCPU(pid)
 	}

@@ -21,10 +21,10 @@ import (
 // (target >= 0.75: revalidation costs at most a quarter of it on the cheap
 // path), and, measured in this process on the delivered rows once they are
 // done, the cost per evaluation on the cheap path and with the full read.
-func (e *env) revalidationRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, applyRate, plain float64, out map[string][]float64) error {
+func (e *env) revalidationRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, plainApply plainApply, plain float64, out map[string][]float64) error {
 	e.revalidate, e.sourceURL = true, e.pg.URL("source")
 	defer func() { e.revalidate, e.sourceURL = false, "" }()
-	with, err := e.handlersRound(ctx, round, parallelism, source, n, tables, applyRate, out)
+	with, err := e.handlersRound(ctx, round, parallelism, source, n, tables, plainApply, out)
 	if err != nil {
 		return err
 	}
