@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"os"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -37,6 +40,7 @@ type runOptions struct {
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
 	sourceURL                                   string
+	cpuProfile                                  string
 }
 
 func runCommand(env *Env) *cobra.Command {
@@ -82,6 +86,7 @@ address (run refuses to start without it).`,
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
 	sourceURLFlag(f, &o.sourceURL)
+	f.String(&o.cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
 }
@@ -108,6 +113,20 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	} else if o.metrics != "" && !loopback(o.metrics) {
 		// The read API serves deleted rows to whoever reaches the address.
 		return cli.Usage("--metrics-addr %s is not a loopback address: the read API needs --http-token-file (EPITAPH_HTTP_TOKEN_FILE)", o.metrics)
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return fmt.Errorf("--cpu-profile: %w", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return fmt.Errorf("--cpu-profile: %w", err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

@@ -88,6 +88,9 @@ type env struct {
 	metricsAddrs []string
 	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
 	handlerParallelism int
+	// handlersProfile, when set, is the path prefix of the handlers
+	// rounds' projector CPU profiles (-handlers-cpuprofile).
+	handlersProfile string
 	// revalidate: the row handlers revalidate against sourceURL, the
 	// projectors' EPITAPH_SOURCE_URL (revalidate.go).
 	revalidate bool
@@ -133,6 +136,7 @@ func main() {
 	snapPairs := flag.Int("snapshot-pairs", 3, "with/without apply pairs per snapshot case, interleaved (each pair's ratio, the median and the min are printed)")
 	snapCases := flag.String("snapshot-cases", "bench,snap,spanning", "the snapshot phase's cases to run (comma-separated): bench (the main stream), snap (the -snapshot-orders-per-tx stream), spanning (the main stream in 400-event pages: every transaction spans pages, assembled from the archive)")
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
+	handlersProfile := flag.String("handlers-cpuprofile", "", "path prefix: the handlers rounds' projectors write CPU profiles (projector run --cpu-profile) to <prefix>.handlers.p<N>[.revalidate...].<i>.prof")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
@@ -158,6 +162,7 @@ func main() {
 		}
 		o.curve = append(o.curve, k)
 	}
+	o.handlersProfile = *handlersProfile
 	if err := run(o); err != nil {
 		log.Fatalf("bench-projector: %v", err)
 	}
@@ -177,6 +182,7 @@ type opts struct {
 	cpuProfile, projectorBin    string
 	compareBin                  string
 	curve                       []int
+	handlersProfile             string
 }
 
 func run(o opts) (err error) {
@@ -233,7 +239,7 @@ func run(o opts) (err error) {
 	}
 	defer srv.Shutdown()
 	e := &env{pg: pg, dir: dir, bins: bins, natsURL: "nats://" + listen, workers: workers,
-		inProcess: o.inProcess, cpuProfile: o.cpuProfile, pgStats: o.pgStats, snapPairs: o.snapPairs}
+		inProcess: o.inProcess, cpuProfile: o.cpuProfile, pgStats: o.pgStats, snapPairs: o.snapPairs, handlersProfile: o.handlersProfile}
 	bench.Note("postgres %s, jetstream %s, %d projector worker(s)", pg.BinDir, e.natsURL, workers)
 	if o.onlyE2E {
 		return e.endToEnd(ctx, rows, perTx, 0, 0)
@@ -513,6 +519,13 @@ func (e *env) startProjectors(ctx context.Context, targetURL, source string) ([]
 		}
 		if e.handlerParallelism > 0 {
 			penv = append(penv, "EPITAPH_HANDLER_PARALLELISM="+strconv.Itoa(e.handlerParallelism))
+			if e.handlersProfile != "" {
+				reval := ""
+				if e.revalidate {
+					reval = ".revalidate"
+				}
+				penv = append(penv, fmt.Sprintf("EPITAPH_CPU_PROFILE=%s%s%s.%d.prof", e.handlersProfile, e.suffix, reval, i))
+			}
 		}
 		if e.sourceURL != "" {
 			penv = append(penv, "EPITAPH_SOURCE_URL="+e.sourceURL) // the last one counts
