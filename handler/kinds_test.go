@@ -193,3 +193,38 @@ func TestNATSPublishWithMsgID(t *testing.T) {
 		require.Equal(t, StateDone, r.State)
 	}
 }
+
+// A webhook secret is read from its file once a second at most: a
+// rotated secret is used once the cached copy is a second old, and a
+// failed read is not cached (the next attempt reads the file again).
+func TestSecretCacheRereadsARotatedSecret(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "secret")
+	require.NoError(t, os.WriteFile(file, []byte("first\r\n"), 0o600))
+	var c secretCache
+	got, err := c.get(file)
+	require.NoError(t, err)
+	require.Equal(t, "first", string(got), "trailing line break trimmed")
+	require.NoError(t, os.WriteFile(file, []byte("second\n"), 0o600))
+	got, err = c.get(file)
+	require.NoError(t, err)
+	require.Equal(t, "first", string(got), "younger than a second: the cached copy")
+	age := func() {
+		c.mu.Lock()
+		s := c.m[file]
+		s.at = s.at.Add(-secretMaxAge)
+		c.m[file] = s
+		c.mu.Unlock()
+	}
+	age()
+	got, err = c.get(file)
+	require.NoError(t, err)
+	require.Equal(t, "second", string(got), "a second old: read again")
+	require.NoError(t, os.Remove(file))
+	age()
+	_, err = c.get(file)
+	require.Error(t, err, "a secret file gone is an error, not the old secret")
+	require.NoError(t, os.WriteFile(file, []byte("third"), 0o600))
+	got, err = c.get(file)
+	require.NoError(t, err)
+	require.Equal(t, "third", string(got), "the failed read was not cached")
+}

@@ -71,7 +71,7 @@ func handlersAddCommand(env *Env) *cobra.Command {
 	fs.IntVar(&d.MaxAttempts, "max-attempts", 25, "attempts before a delivery is dead")
 	fs.DurationVar(&d.Backoff, "backoff", time.Second, "base of the exponential backoff between attempts")
 	fs.DurationVar(&d.ClaimTimeout, "claim-timeout", 5*time.Minute, "how long an attempt holds its claim; the handler must finish within 9/10 of it")
-	fs.StringVar(&d.SecretFile, "secret-file", "", "webhook: a file holding the HMAC-SHA256 secret of Epitaph-Signature (read at each attempt; never stored)")
+	fs.StringVar(&d.SecretFile, "secret-file", "", "webhook: a file holding the HMAC-SHA256 secret of Epitaph-Signature (read again at most a second after it changes; never stored)")
 	fs.BoolVar(&noRevalidate, "no-revalidate", false, "do not revalidate a delivery against the source before each attempt")
 	asJSON := jsonFlag(cmd, "the handler")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
