@@ -137,20 +137,8 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				if done != n {
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, n)
 				}
-				if lim.busy, err = busySince(busy0, total0); err != nil {
-					return err
-				}
-				lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(cpu0), done0
-				if err := e.drainFigures(ctx, url, n, done0, cpu0, record); err != nil {
-					return err
-				}
-				if e.revalidate {
-					return nil
-				}
-				// The floor of one call, while the projector idles.
-				lim.bodySize = int(bodyBytes.Load() / max(hits.Load(), 1))
-				lim.floor, err = e.webhookFloor(ctx, parallelism, lim.bodySize, secretFile)
-				return err
+				return e.drained(ctx, url, n, done0, cpu0, &lim, drainProbe{parallelism: parallelism, hits: &hits, bodyBytes: &bodyBytes,
+					secretFile: secretFile, busy0: busy0, total0: total0}, record)
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("deliveries still open after 15 minutes")
@@ -177,6 +165,34 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		lim.record(record)
 	}
 	return deliveries, nil
+}
+
+// drainProbe is what drained needs of the round for the limit.
+type drainProbe struct {
+	parallelism     int
+	hits, bodyBytes *atomic.Int64
+	secretFile      string
+	busy0, total0   float64 // cpuBusy at the projector's start
+}
+
+// drained, once every delivery is done, takes the limit's drain figures
+// into lim, records the drain's (drainFigures) and, in a plain round,
+// measures the floor of one webhook call while the projector idles.
+func (e *env) drained(ctx context.Context, url string, n, done0 int64, cpu0 cpuTimes, lim *limitInputs, p drainProbe, record func(string, float64, string)) error {
+	var err error
+	if lim.busy, err = busySince(p.busy0, p.total0); err != nil {
+		return err
+	}
+	lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(cpu0), done0
+	if err := e.drainFigures(ctx, url, n, done0, cpu0, record); err != nil {
+		return err
+	}
+	if e.revalidate {
+		return nil
+	}
+	lim.bodySize = int(p.bodyBytes.Load() / max(p.hits.Load(), 1))
+	lim.floor, err = e.webhookFloor(ctx, p.parallelism, lim.bodySize, p.secretFile)
+	return err
 }
 
 // drainFigures records the drain's figures once every delivery is done:
