@@ -265,4 +265,6 @@ func (l limitInputs) record(record func(string, float64, string)) {
 	}
 	bench.Note("handlers limit: deliveries reach at most %.2f (apply CPU-bound) or %.2f (idle CPU used) of the plain apply rate with d at its floor, %.2f with this run's d; both targets need 0.68: %s",
 		a/(a+qq+floor), a/(a+qq+floor)/ownBusy, a/(a+qq+d), verdict)
+	bench.Note("handlers limit: the plain apply kept %.2f of %d CPUs busy with its own processes (it leaves %.2f idle; the whole machine was %.2f busy meanwhile)",
+		ownBusy*cpus, runtime.NumCPU(), cpus*(1-ownBusy), l.plain.busy)
 }
