@@ -296,6 +296,7 @@ func (b *backlogBench) run(ctx context.Context, run int) error {
 	res.limit = max(first, second)
 	p := fmt.Sprintf("capture.run%d.", run)
 	bench.Figure(p+"pg_recvlogical_rows_per_sec", res.limit, "rows/s (the faster of its two runs: the limit)")
+	bench.Figure(p+"load_average_1m", bench.Load1(), fmt.Sprintf("(at the run's end, on %d CPUs)", runtime.NumCPU()))
 	for _, mode := range b.modes {
 		d := res.by[mode]
 		total := float64(b.n) / d.total.Seconds()
