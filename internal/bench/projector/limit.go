@@ -223,48 +223,82 @@ type limitInputs struct {
 	busy       float64 // CPUs of the machine busy meanwhile (every process)
 }
 
+// limit is what limitInputs allow, in µs of CPU per row or delivery.
+type limit struct {
+	a, q, d, dPG, dProc, dSrv, floor float64
+	// ownBusy: the fraction of the CPUs the plain apply kept busy with
+	// its own processes (u).
+	ownBusy float64
+	// ceilFloor a/(a+q+d_floor), ceilD a/(a+q+d), ceilIdle
+	// C/(R_plain(a+q+d_floor)) = ceilFloor/u; a negative q counts as 0.
+	ceilFloor, ceilD, ceilIdle float64
+	verdict                    string
+}
+
+// bothTargets is deliveries / plain apply that the two targets need
+// together: deliveries / apply >= 0.80 and apply with / without >= 0.85.
+const bothTargets = 0.80 * 0.85
+
+// derive computes the limit on cpus CPUs; false when no delivery was
+// left for the drain (d not measured).
+func (l limitInputs) derive(cpus float64) (limit, bool) {
+	drained := l.n - l.done0
+	if l.n == 0 || drained <= 0 || l.plain.rate == 0 || l.plain.secs == 0 {
+		return limit{}, false
+	}
+	us := func(s float64, per int64) float64 { return s * 1e6 / float64(per) }
+	all := func(c cpuTimes) float64 { return c.postgres + c.proc + c.bench }
+	var m limit
+	m.a = us(all(l.plain.cpu), l.n)
+	m.dPG, m.dProc, m.dSrv = us(l.drainCPU.postgres, drained), us(l.drainCPU.proc, drained), us(l.drainCPU.bench, drained)
+	m.d = m.dPG + m.dProc + m.dSrv
+	// The apply with handlers' CPU also holds the deliveries done during
+	// it (each at the drain's cost), taken out here.
+	m.q = us(all(l.withCPU), l.n) - float64(l.done0)*m.d/float64(l.n) - m.a
+	m.floor = l.floor.perCall() * 1e6
+	q := max(m.q, 0)
+	m.ownBusy = all(l.plain.cpu) / (cpus * l.plain.secs)
+	m.ceilFloor, m.ceilD = m.a/(m.a+q+m.floor), m.a/(m.a+q+m.d)
+	m.ceilIdle = m.ceilFloor / m.ownBusy
+	switch {
+	case m.ceilIdle < bothTargets:
+		m.verdict = "NOT reachable by CPU on these cores even with idle CPU used"
+	case m.ceilFloor < bothTargets:
+		m.verdict = "reachable only with the CPU the plain apply leaves idle"
+	default:
+		m.verdict = "reachable by CPU"
+	}
+	return m, true
+}
+
 // record prints the limit's figures (µs of CPU per row or delivery).
 func (l limitInputs) record(record func(string, float64, string)) {
-	drained := l.n - l.done0
-	if l.n == 0 || drained <= 0 || l.plain.rate == 0 {
+	cpus := float64(runtime.NumCPU())
+	m, ok := l.derive(cpus)
+	if !ok {
 		bench.Note("handlers: no delivery left after the last archived row: the drain's CPU per delivery, hence the limit, is not measured")
 		return
 	}
-	cpus := float64(runtime.NumCPU())
 	us := func(s float64, per int64) float64 { return s * 1e6 / float64(per) }
 	all := func(c cpuTimes) float64 { return c.postgres + c.proc + c.bench }
-	a := us(all(l.plain.cpu), l.n)
-	dPG, dProc, dSrv := us(l.drainCPU.postgres, drained), us(l.drainCPU.proc, drained), us(l.drainCPU.bench, drained)
-	d := dPG + dProc + dSrv
-	// The apply with handlers' CPU also holds the deliveries done during
-	// it (each at the drain's cost), taken out here.
-	q := us(all(l.withCPU), l.n) - float64(l.done0)*d/float64(l.n) - a
-	floor := l.floor.perCall() * 1e6
-	qq := max(q, 0)
-	ownBusy := a * 1e-6 * float64(l.n) / (cpus * l.plain.secs)
-	record("limit.a_plain_apply_cpu_us_per_row", a, fmt.Sprintf("µs of CPU per archived row, plain apply (Postgres %.1f + projector %.1f + JetStream server %.1f)",
+	qq := max(m.q, 0)
+	record("limit.a_plain_apply_cpu_us_per_row", m.a, fmt.Sprintf("µs of CPU per archived row, plain apply (Postgres %.1f + projector %.1f + JetStream server %.1f)",
 		us(l.plain.cpu.postgres, l.n), us(l.plain.cpu.proc, l.n), us(l.plain.cpu.bench, l.n)))
-	record("limit.q_queueing_cpu_us_per_row", q, fmt.Sprintf("µs of CPU per row the handlers add to the apply (its CPU %.1f µs/row, less the %d deliveries done during it at d, less a)",
+	record("limit.q_queueing_cpu_us_per_row", m.q, fmt.Sprintf("µs of CPU per row the handlers add to the apply (its CPU %.1f µs/row, less the %d deliveries done during it at d, less a)",
 		us(all(l.withCPU), l.n), l.done0))
-	record("limit.d_delivery_cpu_us_per_delivery", d, fmt.Sprintf("µs of CPU per delivery of the drain (Postgres %.1f + projector %.1f + webhook server %.1f; %d deliveries)", dPG, dProc, dSrv, drained))
-	record("limit.floor_webhook_call_cpu_us", floor, fmt.Sprintf("µs of CPU per bare webhook POST (client %.1f + server %.1f; %d calls of %d bytes, signed, same transport, same parallelism)",
+	record("limit.d_delivery_cpu_us_per_delivery", m.d, fmt.Sprintf("µs of CPU per delivery of the drain (Postgres %.1f + projector %.1f + webhook server %.1f; %d deliveries)", m.dPG, m.dProc, m.dSrv, l.n-l.done0))
+	record("limit.floor_webhook_call_cpu_us", m.floor, fmt.Sprintf("µs of CPU per bare webhook POST (client %.1f + server %.1f; %d calls of %d bytes, signed, same transport, same parallelism)",
 		l.floor.client*1e6/float64(max(l.floor.calls, 1)), l.floor.server*1e6/float64(max(l.floor.calls, 1)), l.floor.calls, l.bodySize))
-	record("limit.ratio_ceiling_on_these_cores", a/(a+qq+floor), fmt.Sprintf("x of the plain apply rate: a/(a+q+d_floor) = %.1f/(%.1f+%.1f+%.1f), the apply CPU-bound; targets together need 0.80*0.85 = 0.68", a, a, qq, floor))
-	record("limit.ratio_ceiling_measured_d", a/(a+qq+d), fmt.Sprintf("x of the plain apply rate: a/(a+q+d) = %.1f/(%.1f+%.1f+%.1f), with this run's delivery CPU", a, a, qq, d))
-	record("limit.ratio_ceiling_with_idle_cpu", a/(a+qq+floor)/ownBusy, fmt.Sprintf("x of the plain apply rate: C/(R_plain*(a+q+d_floor)), the CPUs the plain apply left idle counted too (%d CPUs)", runtime.NumCPU()))
+	record("limit.ratio_ceiling_on_these_cores", m.ceilFloor, fmt.Sprintf("x of the plain apply rate: a/(a+q+d_floor) = %.1f/(%.1f+%.1f+%.1f), the apply CPU-bound; targets together need 0.80*0.85 = 0.68", m.a, m.a, qq, m.floor))
+	record("limit.ratio_ceiling_measured_d", m.ceilD, fmt.Sprintf("x of the plain apply rate: a/(a+q+d) = %.1f/(%.1f+%.1f+%.1f), with this run's delivery CPU", m.a, m.a, qq, m.d))
+	record("limit.ratio_ceiling_with_idle_cpu", m.ceilIdle, fmt.Sprintf("x of the plain apply rate: C/(R_plain*(a+q+d_floor)), the CPUs the plain apply left idle counted too (%d CPUs)", runtime.NumCPU()))
 	record("limit.deliveries_to_plain_apply", l.deliveries/l.plain.rate, "x: deliveries/s of this round / the plain apply rate (what the ceilings bound; both targets need >= 0.68)")
-	record("limit.plain_apply_own_cpus_busy", ownBusy*cpus, fmt.Sprintf("of %d CPUs: Postgres + projector + JetStream during the plain apply (a * rows / seconds)", runtime.NumCPU()))
+	record("limit.plain_apply_own_cpus_busy", m.ownBusy*cpus, fmt.Sprintf("of %d CPUs: Postgres + projector + JetStream during the plain apply (a * rows / seconds)", runtime.NumCPU()))
 	record("limit.plain_apply_machine_cpus_busy", l.plain.busy, fmt.Sprintf("of %d CPUs busy during the plain apply (the whole machine, other work included)", runtime.NumCPU()))
 	record("limit.round_own_cpus_busy", (all(l.withCPU)+all(l.drainCPU))/l.wall, fmt.Sprintf("of %d CPUs: Postgres + projector + this process (JetStream, webhook server) from the projector's start to the last delivery", runtime.NumCPU()))
 	record("limit.round_machine_cpus_busy", l.busy, fmt.Sprintf("of %d CPUs busy from the projector's start to the last delivery (the whole machine)", runtime.NumCPU()))
-	verdict := "reachable by CPU"
-	if a/(a+qq+floor)/ownBusy < 0.68 {
-		verdict = "NOT reachable by CPU on these cores even with idle CPU used"
-	} else if a/(a+qq+floor) < 0.68 {
-		verdict = "reachable only with the CPU the plain apply leaves idle"
-	}
 	bench.Note("handlers limit: deliveries reach at most %.2f (apply CPU-bound) or %.2f (idle CPU used) of the plain apply rate with d at its floor, %.2f with this run's d; both targets need 0.68: %s",
-		a/(a+qq+floor), a/(a+qq+floor)/ownBusy, a/(a+qq+d), verdict)
+		m.ceilFloor, m.ceilIdle, m.ceilD, m.verdict)
 	bench.Note("handlers limit: the plain apply kept %.2f of %d CPUs busy with its own processes (it leaves %.2f idle; the whole machine was %.2f busy meanwhile)",
-		ownBusy*cpus, runtime.NumCPU(), cpus*(1-ownBusy), l.plain.busy)
+		m.ownBusy*cpus, runtime.NumCPU(), cpus*(1-m.ownBusy), l.plain.busy)
 }
