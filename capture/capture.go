@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -53,6 +54,11 @@ type Service struct {
 	// background (startEmbedded) is up (embed) or failed (embedErr).
 	embedDone chan struct{}
 	embedErr  error
+
+	// The CPU mode (cpumode.go; nil: not limited) and the LSN the stream
+	// loop has received everything before (commits, idle keepalives).
+	cpu      *cpuGovernor
+	received atomic.Uint64
 
 	ss      startstop.Base
 	hardCtx context.Context    // done: the hard stop
@@ -134,6 +140,8 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 		return nil, fmt.Errorf("register capture metrics: %w", err)
 	}
 	s.m = m
+	s.cpu = newCPUGovernor(&s.cfg)
+	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
 	return s, nil
 }
 
@@ -417,6 +425,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		return err
 	}
 	s.setConfirmed(startLSN)
+	s.received.Store(uint64(startLSN))
 	if stream == nil {
 		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
 			if plan.create {
@@ -602,6 +611,13 @@ func (s *Service) activate(ctx context.Context) {
 	go s.pollSlot(ctx)
 	go s.watchCatalog(ctx)
 	go s.watchLimits(ctx, s.st.js)
+	if s.cpu != nil {
+		// The mode is decided before the first message is read: a start
+		// with a backlog catches up from its first row.
+		s.checkCPUs(ctx, true)
+		s.bgWG.Add(1)
+		go s.governCPUs(ctx)
+	}
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
 }
