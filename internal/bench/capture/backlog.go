@@ -422,6 +422,11 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 		bench.Note("stream timestamps of %s: %v (polled times used)", cs.slot, err)
 	}
 	d.total, d.startup, d.drain = end.Sub(p.Started()), first.Sub(p.Started()), end.Sub(first)
+	if m, err := bench.Scrape(ctx, cs.metrics); err == nil {
+		// A backlog is drained in catch-up mode, on every CPU (cpumode.go).
+		bench.Note("%s at the end of its drain: %v CPUs, catching up %v, %v CPU mode switches", cs.slot,
+			m["epitaph_capture_cpus"], m["epitaph_capture_catching_up"], m["epitaph_capture_cpu_mode_switches_total"])
+	}
 	d.cpu = procCPU(p)
 	d.serverCPU = procCPU(srv) - srv0
 	d.pgCPU = ws()
