@@ -29,9 +29,11 @@ const (
 // DefaultCatchUpBytes is Config.CatchUpBytes unless set: 64 MiB of WAL is
 // ~500,000 deleted rows of bench-capture's shop (REPLICA IDENTITY FULL,
 // ~130 bytes of WAL a row), several seconds of work for a capture on one
-// CPU: a burst of the source's own deletes stays under it (the 300,020-row
-// source-cost burst, deleted at full speed, left ~30 MB), a capture that
-// cannot follow a sustained rate on one CPU crosses it.
+// CPU (~100,000 rows/s there): a burst of deletes stays under it (the
+// 300,020-row source-cost burst, deleted as fast as two cores allow, left
+// the capture ~5 MB behind at its end under load, at most its whole 38 MB
+// on a quiet machine), while a capture that cannot follow a sustained rate
+// on one CPU crosses it within seconds.
 const DefaultCatchUpBytes = 64 << 20
 
 // minCatchUpBytes is the least Config.CatchUpBytes.
