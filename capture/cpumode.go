@@ -31,9 +31,9 @@ const (
 // ~130 bytes of WAL a row), several seconds of work for a capture on one
 // CPU (~100,000 rows/s there): a burst of deletes stays under it (the
 // 300,020-row source-cost burst, deleted as fast as two cores allow, left
-// the capture ~5 MB behind at its end under load, at most its whole 38 MB
-// on a quiet machine), while a capture that cannot follow a sustained rate
-// on one CPU crosses it within seconds.
+// the capture 4-31 MB behind at its end, at most its whole 38 MB), while a
+// capture that cannot follow a sustained rate on one CPU crosses it within
+// seconds.
 const DefaultCatchUpBytes = 64 << 20
 
 // minCatchUpBytes is the least Config.CatchUpBytes.
