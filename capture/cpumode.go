@@ -127,25 +127,32 @@ func (s *Service) checkCPUs(ctx context.Context, first bool) {
 	}
 	backlog := max(int64(cur)-int64(s.received.Load()), 0)
 	s.m.backlogBytes.Set(float64(backlog))
+	// The switch is made under the lock, the counter last: whoever sees
+	// the new mode (cpuState) or the count sees the CPUs set.
 	g.mu.Lock()
 	prev := g.mode
 	g.backlog = backlog
-	g.mode = g.next(prev, backlog, first)
-	mode := g.mode
+	mode := g.next(prev, backlog, first)
+	cpus := g.procs(mode)
+	if mode != prev {
+		g.set(cpus)
+		g.mode = mode
+		s.m.cpus.Set(float64(cpus))
+		catching := 0.0
+		if mode == CPUModeCatchUp {
+			catching = 1
+		}
+		s.m.catchingUp.Set(catching)
+		s.m.cpuModeSwitches.WithLabelValues(mode).Inc()
+	}
 	g.mu.Unlock()
 	if mode == prev {
 		return
 	}
-	cpus := g.procs(mode)
-	g.set(cpus)
-	s.m.cpus.Set(float64(cpus))
-	s.m.cpuModeSwitches.WithLabelValues(mode).Inc()
 	if mode == CPUModeCatchUp {
-		s.m.catchingUp.Set(1)
 		s.log.Info("catching up: using every CPU", "cpus", cpus, "backlog_bytes", backlog, "received_lsn", event.LSN(s.received.Load()).String())
 		return
 	}
-	s.m.catchingUp.Set(0)
 	s.log.Info("tailing the source: limited to --tail-cpus", "cpus", cpus, "backlog_bytes", backlog, "catch_up_bytes", g.high)
 }
 
@@ -156,9 +163,9 @@ func (s *Service) governCPUs(ctx context.Context) {
 	g := s.cpu
 	defer func() {
 		g.mu.Lock()
-		g.mode = CPUModeAll
-		g.mu.Unlock()
+		defer g.mu.Unlock()
 		g.set(g.all)
+		g.mode = CPUModeAll
 		s.m.cpus.Set(float64(g.all))
 		s.m.catchingUp.Set(0)
 	}()
