@@ -614,7 +614,7 @@ func (s *Service) activate(ctx context.Context) {
 	if s.cpu != nil {
 		// The mode is decided before the first message is read: a start
 		// with a backlog catches up from its first row.
-		s.checkCPUs(ctx, true)
+		s.checkCPUs(ctx)
 		s.bgWG.Add(1)
 		go s.governCPUs(ctx)
 	}

@@ -152,8 +152,9 @@ type Config struct {
 	TailCPUs int
 	// CatchUpBytes is how far behind the source's WAL end (WAL bytes) a
 	// tailing capture falls before it uses every CPU; it tails again once
-	// it is within caughtUpBytes. A capture that starts more than that
-	// behind catches up first. Default DefaultCatchUpBytes.
+	// it is within min(1 MiB, CatchUpBytes/4), and a capture that starts
+	// further behind than that catches up first. Default
+	// DefaultCatchUpBytes; at least 1 MiB.
 	CatchUpBytes int64
 }
 

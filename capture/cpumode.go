@@ -40,7 +40,7 @@ const DefaultCatchUpBytes = 64 << 20
 const minCatchUpBytes = 1 << 20
 
 // cpuCheckInterval is how often the backlog is measured (one
-// pg_current_wal_lsn() query) while TailCPUs limits the capture.
+// query of the WAL insert position) while TailCPUs limits the capture.
 const cpuCheckInterval = time.Second
 
 // sqlWALEnd is where the source's WAL ends: the insert position (with
@@ -71,15 +71,16 @@ func newCPUGovernor(cfg *Config) *cpuGovernor {
 }
 
 // next is the mode after a check that found the capture backlog bytes
-// behind the source, in mode cur. At the start (first) a backlog above
-// the caught-up mark is downtime's: caught up on every CPU. While
-// streaming, lag up to high is a burst the capture rides on its tail
-// CPUs; past high one CPU does not follow the source.
-func (g *cpuGovernor) next(cur string, backlog int64, first bool) string {
+// behind the source, in mode cur. The first decision (cur all: at the
+// start, or after checks that failed until now): a backlog above the
+// caught-up mark is downtime's, caught up on every CPU. While streaming,
+// lag up to high is a burst the capture rides on its tail CPUs; past high
+// one CPU does not follow the source.
+func (g *cpuGovernor) next(cur string, backlog int64) string {
 	switch {
-	case first && backlog > g.low:
+	case cur == CPUModeAll && backlog > g.low:
 		return CPUModeCatchUp
-	case first:
+	case cur == CPUModeAll:
 		return CPUModeTail
 	case cur == CPUModeTail && backlog >= g.high:
 		return CPUModeCatchUp
@@ -111,7 +112,7 @@ func (s *Service) cpuState() (mode string, cpus int, backlog int64) {
 
 // checkCPUs measures the backlog (the source's WAL position minus what
 // the stream loop has received) and switches the mode if it says so.
-func (s *Service) checkCPUs(ctx context.Context, first bool) {
+func (s *Service) checkCPUs(ctx context.Context) {
 	g := s.cpu
 	var text string
 	err := s.pool.QueryRow(ctx, sqlWALEnd).Scan(&text)
@@ -132,7 +133,7 @@ func (s *Service) checkCPUs(ctx context.Context, first bool) {
 	g.mu.Lock()
 	prev := g.mode
 	g.backlog = backlog
-	mode := g.next(prev, backlog, first)
+	mode := g.next(prev, backlog)
 	cpus := g.procs(mode)
 	if mode != prev {
 		g.set(cpus)
@@ -176,7 +177,7 @@ func (s *Service) governCPUs(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			s.checkCPUs(ctx, false)
+			s.checkCPUs(ctx)
 		}
 	}
 }

@@ -19,18 +19,17 @@ func TestCPUModeHysteresis(t *testing.T) {
 	for _, c := range []struct {
 		cur     string
 		backlog int64
-		first   bool
 		want    string
 	}{
-		{CPUModeAll, 0, true, CPUModeTail},
-		{CPUModeAll, 1 << 20, true, CPUModeTail},         // within the caught-up mark
-		{CPUModeAll, 1<<20 + 1, true, CPUModeCatchUp},    // a backlog found at start: caught up first
-		{CPUModeTail, 63 << 20, false, CPUModeTail},      // a burst below the mark: ridden on the tail CPUs
-		{CPUModeTail, 64 << 20, false, CPUModeCatchUp},   // one CPU does not follow
-		{CPUModeCatchUp, 2 << 20, false, CPUModeCatchUp}, // hysteresis: not yet caught up
-		{CPUModeCatchUp, 1 << 20, false, CPUModeTail},
+		{CPUModeAll, 0, CPUModeTail},              // the first decision
+		{CPUModeAll, 1 << 20, CPUModeTail},        // within the caught-up mark
+		{CPUModeAll, 1<<20 + 1, CPUModeCatchUp},   // a backlog found at start: caught up first
+		{CPUModeTail, 63 << 20, CPUModeTail},      // a burst below the mark: ridden on the tail CPUs
+		{CPUModeTail, 64 << 20, CPUModeCatchUp},   // one CPU does not follow
+		{CPUModeCatchUp, 2 << 20, CPUModeCatchUp}, // hysteresis: not yet caught up
+		{CPUModeCatchUp, 1 << 20, CPUModeTail},
 	} {
-		require.Equal(t, c.want, g.next(c.cur, c.backlog, c.first), "%+v", c)
+		require.Equal(t, c.want, g.next(c.cur, c.backlog), "%+v", c)
 	}
 	require.Equal(t, 1, g.procs(CPUModeTail))
 	require.Equal(t, 4, g.procs(CPUModeCatchUp))
