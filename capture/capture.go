@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -48,6 +49,16 @@ type Service struct {
 	natsURL string
 	obsrv   *observe.Server
 	st      *streamer
+
+	// embedDone is closed when the embedded server started in the
+	// background (startEmbedded) is up (embed) or failed (embedErr).
+	embedDone chan struct{}
+	embedErr  error
+
+	// The CPU mode (cpumode.go; nil: not limited) and the LSN the stream
+	// loop has received everything before (commits, idle keepalives).
+	cpu      *cpuGovernor
+	received atomic.Uint64
 
 	ss      startstop.Base
 	hardCtx context.Context    // done: the hard stop
@@ -129,6 +140,8 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 		return nil, fmt.Errorf("register capture metrics: %w", err)
 	}
 	s.m = m
+	s.cpu = newCPUGovernor(&s.cfg)
+	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
 	return s, nil
 }
 
@@ -175,6 +188,12 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	pcfg, err := pgxpool.ParseConfig(cfg.SourceURL)
 	if err != nil {
 		return configErr("source URL %s: %v", RedactURL(cfg.SourceURL), redactErr(err))
+	}
+	if !cfg.Standby && cfg.NATSURL == "" {
+		// The embedded server starts (and recovers its store) while the
+		// source is checked: nothing is published before setup has passed
+		// every check, it only waits for the server there.
+		s.startEmbedded()
 	}
 	pcfg.MaxConns = 3
 	pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
@@ -224,6 +243,48 @@ func (s *Service) startEndpoints(ctx context.Context) error {
 	s.obsrv = observe.New(observe.Config{Addr: s.cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy,
 		Live: s.live, Logger: s.log})
 	return s.obsrv.Start(ctx)
+}
+
+// startEmbedded starts the embedded JetStream server in the background:
+// awaitEmbedded waits for it.
+func (s *Service) startEmbedded() {
+	cfg := &s.cfg
+	bc := broker.Config{StoreDir: cfg.embeddedStoreDir(), Listen: cfg.EmbeddedListen,
+		Auth: &broker.Auth{Dir: EmbeddedCredsDir(cfg.DataDir), Source: cfg.SourceName}}
+	if cfg.BrokerSyncInterval < 0 {
+		bc.SyncAlways = true
+	} else {
+		bc.SyncInterval = cfg.BrokerSyncInterval
+	}
+	done := make(chan struct{})
+	s.embedDone = done
+	go func() {
+		defer close(done)
+		srv, err := broker.Start(bc)
+		if err != nil {
+			s.embedErr = err
+			return
+		}
+		s.embed = srv
+		s.log.Info("embedded JetStream started", "url", srv.ClientURL(), "store", bc.StoreDir,
+			"projector_creds", srv.ProjectorCreds())
+	}()
+}
+
+// awaitEmbedded waits for the server startEmbedded started and returns its
+// start's error. The first call sets s.natsURL.
+func (s *Service) awaitEmbedded() error {
+	if s.embedDone == nil {
+		s.startEmbedded()
+	}
+	<-s.embedDone
+	if s.embedErr != nil {
+		return s.embedErr
+	}
+	if s.embed != nil && s.natsURL == "" {
+		s.natsURL = s.embed.ClientURL()
+	}
+	return nil
 }
 
 // runStandby waits for the lease and the slot, sets up and streams. A
@@ -298,19 +359,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 
 	// Broker.
 	if cfg.NATSURL == "" {
-		bc := broker.Config{StoreDir: cfg.embeddedStoreDir(), Listen: cfg.EmbeddedListen,
-			Auth: &broker.Auth{Dir: EmbeddedCredsDir(cfg.DataDir), Source: cfg.SourceName}}
-		if cfg.BrokerSyncInterval < 0 {
-			bc.SyncAlways = true
-		} else {
-			bc.SyncInterval = cfg.BrokerSyncInterval
-		}
-		if s.embed, err = broker.Start(bc); err != nil {
+		if err := s.awaitEmbedded(); err != nil {
 			return err
 		}
-		s.natsURL = s.embed.ClientURL()
-		s.log.Info("embedded JetStream started", "url", s.natsURL, "store", bc.StoreDir,
-			"projector_creds", s.embed.ProjectorCreds())
 	}
 	var extra []nats.Option
 	if s.embed != nil {
@@ -374,6 +425,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		return err
 	}
 	s.setConfirmed(startLSN)
+	s.received.Store(uint64(startLSN))
 	if stream == nil {
 		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
 			if plan.create {
@@ -559,6 +611,13 @@ func (s *Service) activate(ctx context.Context) {
 	go s.pollSlot(ctx)
 	go s.watchCatalog(ctx)
 	go s.watchLimits(ctx, s.st.js)
+	if s.cpu != nil {
+		// The mode is decided before the first message is read: a start
+		// with a backlog catches up from its first row.
+		s.checkCPUs(ctx)
+		s.bgWG.Add(1)
+		go s.governCPUs(ctx)
+	}
 	s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName),
 		"nats", RedactURL(s.natsURL), "tables", len(s.pubTables), "standby", s.cfg.Standby)
 }
@@ -706,6 +765,9 @@ func (s *Service) closeAll() {
 	}
 	if s.nc != nil {
 		s.nc.Close()
+	}
+	if s.embedDone != nil {
+		_ = s.awaitEmbedded() // a start that failed before setup waited for it
 	}
 	if s.embed != nil {
 		s.embed.Shutdown()

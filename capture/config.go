@@ -140,6 +140,22 @@ type Config struct {
 	// command, so no DELETE can fail inside the poll window and a new table
 	// is published from the CREATE TABLE on.
 	InstallDDLGuard bool
+
+	// Sharing the source's CPUs (cpumode.go).
+
+	// TailCPUs caps the process's GOMAXPROCS while the capture is tailing
+	// (fewer than CatchUpBytes of WAL behind the source), so a capture on
+	// the source's machine keeps off the cores of its backends while it
+	// merely follows them; with a backlog it uses every CPU the process
+	// had at start. 0 (the library's default): never capped. It sets the
+	// process's GOMAXPROCS: one capture per process (the capture binary).
+	TailCPUs int
+	// CatchUpBytes is how far behind the source's WAL end (WAL bytes) a
+	// tailing capture falls before it uses every CPU; it tails again once
+	// it is within min(1 MiB, CatchUpBytes/4), and a capture that starts
+	// further behind than that catches up first. Default
+	// DefaultCatchUpBytes; at least 1 MiB.
+	CatchUpBytes int64
 }
 
 // EmbeddedSyncInterval is the file store sync interval of the embedded
@@ -222,6 +238,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.StandbyPoll == 0 {
 		c.StandbyPoll = time.Second
+	}
+	if c.CatchUpBytes == 0 {
+		c.CatchUpBytes = DefaultCatchUpBytes
 	}
 	if c.ApplicationName == "" {
 		c.ApplicationName = defaultApplicationName()
@@ -344,6 +363,12 @@ func (c *Config) streamErrors(errs []string) []string {
 	}
 	if c.StandbyPoll < 0 {
 		errs = append(errs, "standby poll interval must be positive")
+	}
+	if c.TailCPUs < 0 {
+		errs = append(errs, fmt.Sprintf("tail CPUs %d: use 0 (every CPU) or more", c.TailCPUs))
+	}
+	if c.CatchUpBytes < minCatchUpBytes {
+		errs = append(errs, fmt.Sprintf("catch-up bytes %d: at least %d (1 MiB)", c.CatchUpBytes, minCatchUpBytes))
 	}
 	return errs
 }

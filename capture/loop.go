@@ -163,6 +163,7 @@ func (st *streamer) handleCopyData(ctx context.Context, data []byte) error {
 			// once what we published is acknowledged, it may be confirmed,
 			// so an idle publication does not hold WAL.
 			st.tr.mark(event.LSN(ka.ServerWALEnd), st.now())
+			st.s.received.Store(uint64(ka.ServerWALEnd))
 		}
 		return st.tick(ka.ReplyRequested)
 	case pglogrepl.XLogDataByteID:
@@ -489,6 +490,7 @@ func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage
 		st.s.setLag(st.now().Sub(st.tx.commitTime))
 	}
 	st.tr.mark(event.LSN(m.TransactionEndLSN), st.now())
+	st.s.received.Store(uint64(m.TransactionEndLSN))
 	return nil
 }
 

@@ -30,6 +30,11 @@ type metrics struct {
 	tablesRemoved prometheus.Counter
 	madeFull      prometheus.Counter
 	catalogErrors prometheus.Counter
+	// The CPU mode (cpumode.go).
+	cpus            prometheus.Gauge
+	catchingUp      prometheus.Gauge
+	backlogBytes    prometheus.Gauge
+	cpuModeSwitches *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
@@ -67,6 +72,13 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		tablesRemoved: c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
 		madeFull:      c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
 		catalogErrors: c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
+		cpus:          g("epitaph_capture_cpus", "CPUs the capture process uses (GOMAXPROCS): --tail-cpus while tailing, every CPU while catching up or when not limited."),
+		catchingUp:    g("epitaph_capture_catching_up", "1 while the capture catches up on every CPU (a backlog of at least --catch-up-bytes, or found at start), 0 otherwise."),
+		backlogBytes:  g("epitaph_capture_backlog_bytes", "WAL bytes between what the capture has received and the source's current WAL position, at the last check (every second while --tail-cpus limits it; -1: not measured)."),
+		cpuModeSwitches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "epitaph_capture_cpu_mode_switches_total",
+			Help: "Switches of the CPU mode, by the mode switched to (tail, catch_up; the start's choice counts).",
+		}, []string{"mode"}),
 	}
 	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "epitaph_capture_heartbeat_age_seconds",
@@ -76,12 +88,17 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 	for _, l := range append(append([]string{}, limitNames...), "failed") {
 		m.limitsRestored.WithLabelValues(l)
 	}
+	for _, mode := range []string{CPUModeTail, CPUModeCatchUp} {
+		m.cpuModeSwitches.WithLabelValues(mode)
+	}
+	m.backlogBytes.Set(-1)
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
 		m.foreign, m.implausible, m.collisions, m.sessions,
-		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors} {
+		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,
+		m.cpus, m.catchingUp, m.backlogBytes, m.cpuModeSwitches} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}

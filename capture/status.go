@@ -106,6 +106,12 @@ type Status struct {
 	KeyIdentityTables  []string  `json:"key_identity_tables"`
 	Error              string    `json:"error,omitempty"`
 	BrokerSyncInterval string    `json:"broker_sync_interval"`
+	// CPUMode is all (not limited), tail (on --tail-cpus) or catch_up
+	// (every CPU); CPUs the GOMAXPROCS it runs with; BacklogBytes the WAL
+	// bytes it was behind the source at the last check (-1: not measured).
+	CPUMode      string `json:"cpu_mode"`
+	CPUs         int    `json:"cpus"`
+	BacklogBytes int64  `json:"backlog_bytes"`
 	// The key the capture signs with (public half only), so an operator
 	// can pin it in projectors (projector trust-key).
 	SigningKeyID         string `json:"signing_key_id,omitempty"`
@@ -127,6 +133,7 @@ func (s *Service) CurrentStatus() Status {
 		PublicationTables: s.pubTables, BrokerSyncInterval: s.cfg.BrokerSyncInterval.String(),
 		SigningKeyID: s.keyID, SigningPublicKeyFile: s.pubPath,
 	}
+	st.CPUMode, st.CPUs, st.BacklogBytes = s.cpuState()
 	if s.pub != nil {
 		st.SigningPublicKey = event.PublicKeyString(s.pub)
 	}

@@ -97,6 +97,9 @@ refused, never replaced by the default.`,
 	// Following the source's schema while streaming (issue 12).
 	f.Duration(&cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)", cli.NotZero())
 	f.Bool(&cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", false, "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
+	// Sharing the source's CPUs (issue 20): see capture.CPUModeTail.
+	f.Int(&cfg.TailCPUs, "tail-cpus", "EPITAPH_TAIL_CPUS", defaultTailCPUs, "CPUs (GOMAXPROCS) while the capture tails the source, leaving the others to the source's backends; every CPU while it catches up a backlog of --catch-up-bytes or one found at start (0: every CPU always)", cli.Min(0))
+	f.Int64(&cfg.CatchUpBytes, "catch-up-bytes", "EPITAPH_CATCH_UP_BYTES", capture.DefaultCatchUpBytes, "WAL bytes behind the source at which a tailing capture uses every CPU (at least 1 MiB; it tails again within 1 MiB)")
 	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
 		for _, t := range strings.Split(tables, ",") {
@@ -192,6 +195,13 @@ func (r *retentionValue) Set(s string) error {
 	r.cfg.Retention, r.cfg.RetentionMaxBytes, r.cfg.RetentionMaxMsgs, r.cfg.RetentionMaxMsgsPerSubject = l.MaxAge, l.MaxBytes, l.MaxMsgs, l.MaxMsgsPerSubject
 	return nil
 }
+
+// defaultTailCPUs is --tail-cpus unless set: one CPU while tailing.
+// bench-capture's source cost (300,020 deleted rows on two cores shared
+// with the source): the DELETEs slowed 1.74x with the capture on both
+// cores, 1.19x with it on one (GOMAXPROCS=1, the same run; a quiet
+// machine), at the price of lag during the burst, caught up after it.
+const defaultTailCPUs = 1
 
 // stopTimeout bounds the soft stop on a signal; past it the stop turns
 // hard. Below the grace period of deploy/kubernetes/capture.yaml (30s).

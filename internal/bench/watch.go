@@ -175,6 +175,29 @@ func Scrape(ctx context.Context, addr string) (map[string]float64, error) {
 	return out, sc.Err()
 }
 
+// DeleteTimes is when the server stored the stream's first and last delete
+// messages: a drain's start-up and end read from the stream itself, not
+// from when a poll of it noticed them (a watch connecting to a capture's
+// embedded server while it starts reconnects up to 200 ms after it is up).
+func (w *StreamWatch) DeleteTimes(ctx context.Context) (first, last time.Time, err error) {
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	s, err := w.js.Stream(ctx, event.StreamName(w.source))
+	if err != nil {
+		return first, last, err
+	}
+	subj := event.SubjectPrefix + "." + w.source + ".*.delete.>"
+	m, err := s.GetMsg(ctx, 1, jetstream.WithGetMsgSubject(subj))
+	if err != nil {
+		return first, last, fmt.Errorf("first delete: %w", err)
+	}
+	l, err := s.GetLastMsgForSubject(ctx, subj)
+	if err != nil {
+		return first, last, fmt.Errorf("last delete: %w", err)
+	}
+	return m.Time, l.Time, nil
+}
+
 // LastSeq is the stream's last sequence (0 when it does not exist).
 func (w *StreamWatch) LastSeq(ctx context.Context) (uint64, error) {
 	ctx, cancel := context.WithTimeout(ctx, requestTimeout)

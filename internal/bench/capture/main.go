@@ -85,13 +85,14 @@ func main() {
 		o.sourceVariants = append(o.sourceVariants, sourceVariant{name: name, env: strings.Split(env, ",")})
 		return nil
 	})
-	flag.BoolVar(&o.noSourceVariants, "no-default-source-variants", false, "do not measure the default source variants (the capture under nice -n 10, and with GOMAXPROCS=1)")
+	flag.BoolVar(&o.noSourceVariants, "no-default-source-variants", false, "do not measure the default source variants (the capture on every CPU, EPITAPH_TAIL_CPUS=0, and always on one, GOMAXPROCS=1)")
 	flag.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of each capture drain and of the external nats-server there")
 	flag.Parse()
 	if !o.noSourceVariants {
-		// On a machine shared with the source: the capture at a lower CPU
-		// priority, and on one core.
-		o.sourceVariants = append([]sourceVariant{{name: "nice10", env: []string{"NICE=10"}}, {name: "gomaxprocs1", env: []string{"GOMAXPROCS=1"}}}, o.sourceVariants...)
+		// On a machine shared with the source: the capture on every CPU
+		// (no tail mode, the default before --tail-cpus), and always on
+		// one (no catch-up either). The default tails on one CPU.
+		o.sourceVariants = append([]sourceVariant{{name: "all_cpus", env: []string{"EPITAPH_TAIL_CPUS=0"}}, {name: "gomaxprocs1", env: []string{"GOMAXPROCS=1"}}}, o.sourceVariants...)
 	}
 	if *rows >= 0 {
 		o.backlogRows, o.sourceRows = *rows, *rows

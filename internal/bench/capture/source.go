@@ -238,6 +238,13 @@ func (c *sourceCostRun) withCapture(label string, env ...string) func(url string
 			defer p.Kill()
 			deleted := time.Now()
 			atEnd := procCPU(p) - cpu0
+			// The CPU mode at the last DELETE (cpumode.go): what the capture
+			// ran on while the source deleted.
+			mode := ""
+			if m, err := bench.Scrape(c.ctx, metrics); err == nil {
+				mode = fmt.Sprintf("; at the last DELETE on %v CPUs, catching up %v, %v WAL bytes behind, %v mode switches",
+					m["epitaph_capture_cpus"], m["epitaph_capture_catching_up"], m["epitaph_capture_backlog_bytes"], m["epitaph_capture_cpu_mode_switches_total"])
+			}
 			n, err := bench.Count(c.ctx, url, `SELECT count(*) FROM public.order_lines`)
 			if err != nil {
 				return err
@@ -253,7 +260,7 @@ func (c *sourceCostRun) withCapture(label string, env ...string) func(url string
 			all := procCPU(p) - cpu0
 			prefix := "capture.source_cost." + label + "_"
 			bench.Figure(prefix+"catch_up_seconds", end.Sub(deleted).Seconds(), "s (after the last DELETE until the stream holds every row)")
-			bench.Figure(prefix+"cpu_us_per_row", all*1e6/float64(rows), fmt.Sprintf("µs (capture and its embedded server, %.2f CPU-s; %.2f CPU-s of it while the DELETEs ran)", all, atEnd))
+			bench.Figure(prefix+"cpu_us_per_row", all*1e6/float64(rows), fmt.Sprintf("µs (capture and its embedded server, %.2f CPU-s; %.2f CPU-s of it while the DELETEs ran%s)", all, atEnd, mode))
 			return p.Stop(30 * time.Second)
 		}, nil
 	}
