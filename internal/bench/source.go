@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -204,6 +205,20 @@ func LoadNote(when string) {
 	if len(f) >= 3 {
 		Note("load average %s: %s %s %s on %d CPUs", when, f[0], f[1], f[2], runtime.NumCPU())
 	}
+}
+
+// Load1 is the machine's 1-minute load average (0 when unknown).
+func Load1() float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(f[0], 64)
+	return v
 }
 
 // SampleWalsender follows the CPU seconds of the walsender serving slot

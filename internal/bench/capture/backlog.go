@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -295,6 +296,7 @@ func (b *backlogBench) run(ctx context.Context, run int) error {
 	res.limit = max(first, second)
 	p := fmt.Sprintf("capture.run%d.", run)
 	bench.Figure(p+"pg_recvlogical_rows_per_sec", res.limit, "rows/s (the faster of its two runs: the limit)")
+	bench.Figure(p+"load_average_1m", bench.Load1(), fmt.Sprintf("(at the run's end, on %d CPUs)", runtime.NumCPU()))
 	for _, mode := range b.modes {
 		d := res.by[mode]
 		total := float64(b.n) / d.total.Seconds()
@@ -463,9 +465,10 @@ func (b *backlogBench) summary() {
 	bench.Figure("capture.pg_recvlogical_rows_per_sec.min", lo, "rows/s")
 	bench.Figure("capture.pg_recvlogical_rows_per_sec.median", med, "rows/s")
 	for _, mode := range b.modes {
-		var ratio, drain, cpu, srv []float64
+		var ratio, drain, cpu, srv, ceiling []float64
 		for _, r := range b.results {
 			d := r.by[mode]
+			ceiling = append(ceiling, ceilingRate(float64(b.n), d)/r.limit)
 			ratio = append(ratio, float64(b.n)/d.total.Seconds()/r.limit)
 			drain = append(drain, float64(b.n)/d.drain.Seconds()/r.limit)
 			cpu = append(cpu, d.cpu*1e6/float64(b.n))
@@ -484,7 +487,34 @@ func (b *backlogBench) summary() {
 			_, med = minMedian(srv)
 			bench.Figure("capture."+mode+"_server_cpu_us_per_row.median", med, "µs (the nats-server process)")
 		}
+		lo, med = minMedian(ceiling)
+		bench.Figure("capture.ratio_"+mode+"_ceiling_on_these_cores.median", med, fmt.Sprintf(
+			"x (min %.2f; the most the CPU the drain's processes spent per row allows on %d CPUs: min(CPUs / (walsender + capture + server CPU per row), 1 / walsender CPU per row) / pg_recvlogical; target >= %.2f %s here)",
+			lo, runtime.NumCPU(), t, reachable(med >= t)))
 	}
+}
+
+// ceilingRate is the fastest the drain d of n rows could run on this
+// machine's CPUs with the CPU its processes spent: all of them busy all the
+// time on the rows, and the walsender (one process, one thread) never
+// waiting. A ratio above it needs less CPU per row, not better overlap.
+func ceilingRate(n float64, d drainResult) float64 {
+	total := (d.cpu + d.serverCPU + d.pgCPU) / n
+	if total <= 0 {
+		return 0
+	}
+	rate := float64(runtime.NumCPU()) / total
+	if d.pgCPU > 0 {
+		rate = min(rate, n/d.pgCPU)
+	}
+	return rate
+}
+
+func reachable(ok bool) string {
+	if ok {
+		return "reachable"
+	}
+	return "NOT reachable"
 }
 
 func met(ok bool) string {
