@@ -41,7 +41,7 @@ func execute(ctx context.Context, args []string, lookup func(string) (string, bo
 // newCommand is the capture's command line; logs and errors go to stderr.
 func newCommand(lookup func(string) (string, bool), stdout, stderr io.Writer) *cobra.Command {
 	var cfg capture.Config
-	var tables, cpuProfile string
+	var tables, cpuProfile, heapProfile string
 	root := &cobra.Command{
 		Use:   "capture [flags]",
 		Short: "publish the source database's deletes to JetStream",
@@ -98,6 +98,7 @@ refused, never replaced by the default.`,
 	f.Duration(&cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)", cli.NotZero())
 	f.Bool(&cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", false, "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
 	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
+	f.String(&heapProfile, "heap-profile", "EPITAPH_HEAP_PROFILE", "", "write a pprof heap profile to this file each time the live heap reaches a new high, so it holds the run's peak (diagnostics; empty: off)", cli.KeepEmpty())
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
 		for _, t := range strings.Split(tables, ",") {
 			if t = strings.TrimSpace(t); t != "" {
@@ -127,6 +128,17 @@ refused, never replaced by the default.`,
 			defer func() {
 				pprof.StopCPUProfile()
 				f.Close()
+			}()
+		}
+		if heapProfile != "" {
+			hp, err := startHeapProfile(heapProfile)
+			if err != nil {
+				return fmt.Errorf("--heap-profile: %w", err)
+			}
+			defer func() {
+				if err := hp.Stop(); err != nil {
+					log.Warn("heap profile", "err", err)
+				}
 			}()
 		}
 		reg := prometheus.NewRegistry()
