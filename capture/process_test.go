@@ -442,20 +442,21 @@ func procStatusBytes(pid int, field string) (int64, error) {
 const PeakRSSBound = 128 << 20
 
 // EmbeddedPeakRSSBound is the bound with the embedded JetStream server,
-// whose message caches and dedupe window live in the capture's process (the
-// broker package bounds the caches; see broker.Config and the README). The
-// window holds every message id of the last --duplicate-window (~136 bytes
-// each). With the default of 1 s (DefaultDuplicateWindow) and the embedded
-// GC target of 150 the process peaked at 96.7-117.4 MiB on a loaded machine
-// (10,900-13,900 rows/s) but at 150.3 MiB in a quiet clean-clone CI run
-// (33,000 rows/s), 138.6-155.7 MiB on the quiet machine at 74,000-79,000
-// rows/s and 189.0 MiB at 88,600: the peak grows with the rate (the GC
-// target lets garbage of a faster drain pile up further below GOMEMLIMIT).
-// Issue 20's target, 150 MiB, is not met at a quiet machine's rate, so this
-// bound is what is: 256 MiB, about 35% over the highest peak seen, and
-// still independent of the transaction's size. With the old 2m window it
-// peaked at 229 MiB even with GOMEMLIMIT=200MiB.
-const EmbeddedPeakRSSBound = 256 << 20
+// whose message caches and dedupe window live in the capture's process.
+// Issue 20's target. The window holds every message id of the last
+// --duplicate-window (~136 bytes each), and up to three windows' worth
+// until the server compacts its list of them, so it grows with the rate:
+// with a 1 s window the process peaked at 97-117 MiB on a loaded machine
+// (11,000-14,000 rows/s) but at 139-222 MiB on a quiet one (74,000-97,000
+// rows/s), 40-50 MB of ids live and GOGC 150 letting the heap grow to 2.5
+// times that. With the default now JetStream's minimum, 100ms
+// (DefaultDuplicateWindow), the ids are ~7 MB at 82,000 rows/s and the
+// rest of the live heap (~20 MB: the file store's 8 MB block buffers, the
+// in-flight messages) does not depend on the rate or the transaction's
+// size: 87.6 MiB at 82,000 rows/s against 191.5 MiB with 1 s, same
+// machine, back to back. With the old 2m window it peaked at 229 MiB even
+// with GOMEMLIMIT=200MiB.
+const EmbeddedPeakRSSBound = 150 << 20
 
 // deployedMemoryLimit is the GOMEMLIMIT deploy/kubernetes/capture.yaml
 // gives the capture: the test runs it as deployed.
