@@ -57,7 +57,9 @@ func keysOf(t *testing.T, c *pgx.Conn, sql string, args ...any) []string {
 
 // Expired rows vanish from archive.rows at once and from every version's
 // table within one batch; held rows and rows with open deliveries stay
-// (hidden); unexpired rows are untouched; snapshots go with their root.
+// (hidden); unexpired rows are untouched; snapshots go with their root; a
+// deleted row's terminal deliveries go with it once no version's archive
+// holds the row, an unexpired row's stay.
 func TestRetentionCleanup(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 2)
@@ -81,20 +83,34 @@ func TestRetentionCleanup(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t, e.url)
 	// Session 2 under a legal hold (by match), session 3 with a pending
-	// delivery, session 4 with a done one.
+	// delivery, session 4 with a done one and a dead one, session 5 with a
+	// stopped one; the unexpired order 1000 with a done one.
 	_, err := projection.AddLegalHold(ctx, pool, "public.sessions", nil, json.RawMessage(`{"token":"tok-2"}`), "litigation 7", "tester")
 	require.NoError(t, err)
-	for i, state := range map[int]string{3: "pending", 4: "done"} {
+	deliver := func(tx *txn, seq int, table, state string) {
 		_, err := c.Exec(ctx, `INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name,
-			key, correlation_id, version, state) VALUES (gen_random_uuid(), gen_random_uuid(), $1, $2::pg_lsn, $3, 'public', 'sessions',
-			'{}', 'x', 1, $4)`, src, t1.lsn.String(), i-1, state)
+			key, correlation_id, version, state) VALUES (gen_random_uuid(), gen_random_uuid(), $1, $2::pg_lsn, $3, 'public', $4,
+			'{}', 'x', 1, $5)`, src, tx.lsn.String(), seq, table, state)
 		require.NoError(t, err)
+	}
+	deliver(t1, 2, "sessions", "pending")
+	deliver(t1, 3, "sessions", "done")
+	deliver(t1, 3, "sessions", "dead")
+	deliver(t1, 4, "sessions", "stopped")
+	deliver(t2, 0, "orders", "done")
+	deliveriesOf := func(tx *txn, seq int) int {
+		return count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE commit_lsn = $1::pg_lsn AND seq = $2`, tx.lsn.String(), seq)
 	}
 	res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: 100})
 	require.NoError(t, err)
 	require.Equal(t, 3, res.Deleted)
 	require.Equal(t, map[string]int{"public.sessions": 3}, res.ByTable)
 	require.Equal(t, 3, res.Snapshots)
+	require.Equal(t, 3, res.Deliveries, "the done, dead and stopped deliveries of sessions 4 and 5")
+	require.Zero(t, deliveriesOf(t1, 3))
+	require.Zero(t, deliveriesOf(t1, 4))
+	require.Equal(t, 1, deliveriesOf(t1, 2), "the pending delivery keeps its row and itself")
+	require.Equal(t, 1, deliveriesOf(t2, 0), "an unexpired row's delivery stays")
 	require.False(t, res.Full)
 	require.Nil(t, res.OldestDue, "what is left expired is kept on purpose")
 	require.Equal(t, []string{`{"id": 2}`, `{"id": 3}`},
@@ -113,9 +129,28 @@ func TestRetentionCleanup(t *testing.T) {
 	require.True(t, ok)
 	_, err = c.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'done'`)
 	require.NoError(t, err)
+	// Another version (retired, its own copy of sessions 2 and 3, expiring
+	// later) still holds the rows: their deliveries stay with it.
+	_, err = c.Exec(ctx, `CREATE SCHEMA archive_v2;
+		CREATE TABLE archive_v2.rows (LIKE archive_v1.rows INCLUDING ALL);
+		INSERT INTO archive_v2.rows SELECT * FROM archive_v1.rows WHERE table_name = 'sessions';
+		UPDATE archive_v2.rows SET expires_at = now() + interval '1 day';
+		INSERT INTO epitaph.projection_versions (projection, version, state, schema_name) VALUES ('archive', 2, 'retired', 'archive_v2')`)
+	require.NoError(t, err)
 	res, err = projection.CleanupBatch(ctx, pool, projection.CleanupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Deleted)
+	require.Equal(t, map[string]int{"archive_v1": 2}, res.ByVersion)
+	require.Zero(t, res.Deliveries, "archive_v2 holds the rows")
+	require.Equal(t, 1, deliveriesOf(t1, 2))
+	_, err = c.Exec(ctx, `UPDATE archive_v2.rows SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	res, err = projection.CleanupBatch(ctx, pool, projection.CleanupOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[string]int{"archive_v2": 2}, res.ByVersion)
+	require.Equal(t, 1, res.Deliveries, "the last version's copy is gone: so is the delivery")
+	require.Zero(t, deliveriesOf(t1, 2))
+	require.Equal(t, 1, deliveriesOf(t2, 0))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE table_name = 'sessions'`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.snapshots`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.snapshot_groups WHERE commit_lsn = $1::pg_lsn`, t1.lsn.String()))

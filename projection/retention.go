@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -22,7 +23,8 @@ import (
 // archive.rows at once (the view filters them, PointViews) and deleted here,
 // in bounded batches, from every version of the archive. A row is kept
 // (hidden, present) while a delivery of it is pending or in flight
-// (epitaph.deliveries) or a legal hold covers it (epitaph.legal_holds).
+// (epitaph.deliveries) or a legal hold covers it (epitaph.legal_holds); its
+// terminal deliveries are deleted with it once no version holds it.
 // Snapshot documents go with their root row; a snapshot group goes with the
 // last row of its transaction.
 
@@ -56,6 +58,9 @@ type CleanupResult struct {
 	// groups pruned with their rows.
 	Snapshots int `json:"snapshots"`
 	Groups    int `json:"groups"`
+	// Deliveries are the terminal deliveries (done, stopped, dead) deleted
+	// with their rows: those of rows no other version's archive holds.
+	Deliveries int `json:"deliveries"`
 	// Statements is how many SQL statements deleted rows (one per version
 	// with expired rows, each bounded by the batch).
 	Statements int `json:"statements"`
@@ -82,8 +87,16 @@ type CleanupResult struct {
 // cleans a version (cleanupLockSQL), and a row a concurrent erase or apply
 // changed in between is left to the next batch (the delete re-checks its
 // tuple id). The holds are probed per row only when there is a hold at
-// all (read once, in the statement's snapshot). It returns, per table, the
-// newest expires_at deleted: a full batch's OldestDue.
+// all (read once, in the statement's snapshot). The deleted rows' terminal
+// deliveries go in the same statement, unless another version's archive
+// still holds the row (%[4]s: a NOT EXISTS per other version): a row that
+// expired leaves neither its key nor a record of its side effects behind,
+// and epitaph.deliveries does not outgrow the archive (open deliveries
+// keep their row, above). They are found per deleted row by the
+// deliveries' (source, commit_lsn, seq) index (a join on the CTE could hash
+// the whole table) and deleted by tuple id: one a concurrent retry moved
+// back to pending is left. It returns, per table, the newest expires_at
+// deleted: a full batch's OldestDue.
 const cleanupSQL = `
 WITH victims AS (
     SELECT r.ctid AS tid FROM %[1]s r
@@ -101,8 +114,17 @@ WITH victims AS (
     DELETE FROM %[1]s r
     WHERE r.ctid = ANY (ARRAY(SELECT tid FROM victims))
     RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name, r.table_name, r.expires_at
-)%[2]s
-SELECT schema_name || '.' || table_name, count(*)::int, max(expires_at), %[3]s FROM del GROUP BY 1`
+)%[2]s, dels AS (
+    DELETE FROM epitaph.deliveries d
+    WHERE d.ctid = ANY (ARRAY(
+        SELECT e.tid FROM del x CROSS JOIN LATERAL (
+            SELECT o.ctid AS tid FROM epitaph.deliveries o
+            WHERE o.source = x.source AND o.commit_lsn = x.commit_lsn AND o.seq = x.seq
+              AND o.state IN ('done', 'stopped', 'dead')) e
+        WHERE true%[4]s))
+    RETURNING 1
+)
+SELECT schema_name || '.' || table_name, count(*)::int, max(expires_at), %[3]s, (SELECT count(*)::int FROM dels) FROM del GROUP BY 1`
 
 // cleanupLockSQL is taken by a batch before it cleans a version (in its
 // transaction): a version held by another cleaner is skipped by this batch.
@@ -167,7 +189,7 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 		if budget == 0 {
 			break
 		}
-		n, last, err := cleanupVersion(ctx, pool, vs, budget, opts.StatementTimeout, &res)
+		n, last, err := cleanupVersion(ctx, pool, vs, schemas, budget, opts.StatementTimeout, &res)
 		if err != nil {
 			return res, err
 		}
@@ -226,7 +248,7 @@ func versionSchemas(ctx context.Context, db interface {
 	return out, nil
 }
 
-func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
+func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, all []versionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return 0, nil, fmt.Errorf("begin cleanup of %s: %w", vs.schema, err)
@@ -249,19 +271,26 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, l
 		extra = fmt.Sprintf(cleanupSnapshotsSQL, ident(vs.schema, "snapshots"), ident(vs.schema, "snapshot_groups"), ident(vs.schema, "rows"))
 		counts = "(SELECT count(*)::int FROM snaps), (SELECT count(*)::int FROM groups)"
 	}
-	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, ident(vs.schema, "rows"), extra, counts), limit)
+	var others strings.Builder
+	for _, o := range all {
+		if o.schema != vs.schema {
+			fmt.Fprintf(&others, "\n          AND NOT EXISTS (SELECT 1 FROM %s v WHERE v.source = x.source AND v.commit_lsn = x.commit_lsn AND v.seq = x.seq)", ident(o.schema, "rows"))
+		}
+	}
+	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, ident(vs.schema, "rows"), extra, counts, others.String()), limit)
 	if err != nil {
 		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
 	}
 	res.Statements++
 	total := 0
 	var table string
-	var n, snaps, groups int
+	var n, snaps, groups, dels int
 	var last, newest *time.Time
-	_, err = pgx.ForEachRow(rows, []any{&table, &n, &last, &snaps, &groups}, func() error {
+	// The pruned snapshots, groups and deliveries are the statement's
+	// totals, the same on every row.
+	_, err = pgx.ForEachRow(rows, []any{&table, &n, &last, &snaps, &groups, &dels}, func() error {
 		res.ByTable[table] += n
 		total += n
-		res.Snapshots, res.Groups = max(res.Snapshots, snaps), max(res.Groups, groups)
 		if last != nil && (newest == nil || last.After(*newest)) {
 			t := *last
 			newest = &t
@@ -276,6 +305,9 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, l
 	}
 	if total > 0 {
 		res.ByVersion[vs.schema] += total
+		res.Snapshots += snaps
+		res.Groups += groups
+		res.Deliveries += dels
 	}
 	res.Deleted += total
 	return total, newest, nil
@@ -456,7 +488,7 @@ func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
 	}
 	if res.Deleted > 0 {
 		c.cfg.Logger.Info("retention cleanup: expired rows deleted", "rows", res.Deleted, "by_table", res.ByTable,
-			"snapshots", res.Snapshots, "groups", res.Groups, "duration", res.Duration, "batch", batch)
+			"snapshots", res.Snapshots, "groups", res.Groups, "deliveries", res.Deliveries, "duration", res.Duration, "batch", batch)
 	}
 	target := c.cfg.StatementTimeout / 4
 	switch {

@@ -62,7 +62,7 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 			if *asJSON {
 				return writeJSON(env.Stdout, res)
 			}
-			fmt.Fprintf(env.Stdout, "deleted %d expired rows (%d snapshots, %d groups) in %s", res.Deleted, res.Snapshots, res.Groups,
+			fmt.Fprintf(env.Stdout, "deleted %d expired rows (%d snapshots, %d groups, %d deliveries) in %s", res.Deleted, res.Snapshots, res.Groups, res.Deliveries,
 				res.Duration.Round(time.Millisecond))
 			for _, t := range slices.Sorted(maps.Keys(res.ByTable)) {
 				fmt.Fprintf(env.Stdout, "; %s %d", t, res.ByTable[t])
