@@ -95,7 +95,8 @@ type CleanupResult struct {
 // keep their row, above). They are found per deleted row by the
 // deliveries' (source, commit_lsn, seq) index (a join on the CTE could hash
 // the whole table) and deleted by tuple id: one a concurrent retry moved
-// back to pending is left. It returns, per table, the newest expires_at
+// back to pending is left. Without any delivery at all (no handlers) the
+// probes are skipped, as the holds' are. It returns, per table, the newest expires_at
 // deleted: a full batch's OldestDue.
 const cleanupSQL = `
 WITH victims AS (
@@ -121,7 +122,7 @@ WITH victims AS (
             SELECT o.ctid AS tid FROM epitaph.deliveries o
             WHERE o.source = x.source AND o.commit_lsn = x.commit_lsn AND o.seq = x.seq
               AND o.state IN ('done', 'stopped', 'dead')) e
-        WHERE true%[4]s))
+        WHERE (SELECT EXISTS (SELECT 1 FROM epitaph.deliveries))%[4]s))
     RETURNING 1
 )
 SELECT schema_name || '.' || table_name, count(*)::int, max(expires_at), %[3]s, (SELECT count(*)::int FROM dels) FROM del GROUP BY 1`
