@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
-	"runtime/pprof"
 	"strings"
 	"syscall"
 	"time"
@@ -120,18 +119,11 @@ refused, never replaced by the default.`,
 			debug.SetGCPercent(embeddedGOGC)
 		}
 		if cpuProfile != "" {
-			f, err := os.Create(cpuProfile)
+			stop, err := cli.StartCPUProfile(cpuProfile)
 			if err != nil {
-				return fmt.Errorf("--cpu-profile: %w", err)
+				return err
 			}
-			if err := pprof.StartCPUProfile(f); err != nil {
-				f.Close()
-				return fmt.Errorf("--cpu-profile: %w", err)
-			}
-			defer func() {
-				pprof.StopCPUProfile()
-				f.Close()
-			}()
+			defer stop()
 		}
 		if heapProfile != "" {
 			hp, err := startHeapProfile(heapProfile)

@@ -2,10 +2,7 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"net"
-	"os"
-	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -115,18 +112,11 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		return cli.Usage("--metrics-addr %s is not a loopback address: the read API needs --http-token-file (EPITAPH_HTTP_TOKEN_FILE)", o.metrics)
 	}
 	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
+		stop, err := cli.StartCPUProfile(o.cpuProfile)
 		if err != nil {
-			return fmt.Errorf("--cpu-profile: %w", err)
+			return err
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			f.Close()
-			return fmt.Errorf("--cpu-profile: %w", err)
-		}
-		defer func() {
-			pprof.StopCPUProfile()
-			f.Close()
-		}()
+		defer stop()
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
