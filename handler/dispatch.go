@@ -136,7 +136,7 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.HTTPClient == nil {
-		cfg.HTTPClient = newHTTPClient(cfg.Parallelism)
+		cfg.HTTPClient = NewHTTPClient(cfg.Parallelism)
 	}
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
 		run:       runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
@@ -189,15 +189,12 @@ func claimAhead(parallelism int) int { return max(16*parallelism, 64) }
 // maxSettleBatch bounds the results recorded in one transaction.
 const maxSettleBatch = 256
 
-// newHTTPClient is the webhook client of a dispatcher: one transport whose
-// idle connections per host cover every worker (keep-alive reuse; the
-// default transport keeps 2), no timeout of its own (the attempt's context
-// bounds each call).
-func newHTTPClient(parallelism int) *http.Client { return NewHTTPClient(parallelism) }
-
 // NewHTTPClient is the webhook client a dispatcher of this parallelism
-// builds when Config.HTTPClient is nil (for benchmarks that measure a bare
-// call with the same transport).
+// builds when Config.HTTPClient is nil (exported for benchmarks that
+// measure a bare call with the same transport): one transport whose idle
+// connections per host cover every worker (keep-alive reuse; the default
+// transport keeps 2), no timeout of its own (the attempt's context bounds
+// each call).
 func NewHTTPClient(parallelism int) *http.Client {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConns = max(t.MaxIdleConns, 2*parallelism)

@@ -96,8 +96,8 @@ type CleanupResult struct {
 // deliveries' (source, commit_lsn, seq) index (a join on the CTE could hash
 // the whole table) and deleted by tuple id: one a concurrent retry moved
 // back to pending is left. Without any delivery at all (no handlers) the
-// probes are skipped, as the holds' are. It returns, per table, the newest expires_at
-// deleted: a full batch's OldestDue.
+// probes are skipped, as the holds' are. It returns, per table, the
+// newest expires_at deleted: a full batch's OldestDue.
 const cleanupSQL = `
 WITH victims AS (
     SELECT r.ctid AS tid FROM %[1]s r
