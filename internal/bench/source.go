@@ -35,6 +35,23 @@ func CreateDatabase(ctx context.Context, pg *testenv.Postgres, name string) (str
 	return pg.URL(name), nil
 }
 
+// DropDatabase drops the database name made by CreateDatabase, with its
+// replication slots (none may be active).
+func DropDatabase(ctx context.Context, pg *testenv.Postgres, name string) error {
+	conn, err := pgx.Connect(ctx, pg.URL("postgres"))
+	if err != nil {
+		return fmt.Errorf("connect postgres: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1", name); err != nil {
+		return fmt.Errorf("drop the slots of database %s: %w", name, err)
+	}
+	if _, err := conn.Exec(ctx, "DROP DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop database %s: %w", name, err)
+	}
+	return nil
+}
+
 // ShopFor sizes a seed so that deleting every order removes at least rows
 // rows (orders of 7 rows each by cascade, 10 orders per customer).
 func ShopFor(rows int) workload.SeedConfig {

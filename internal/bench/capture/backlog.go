@@ -67,6 +67,7 @@ type captureSlot struct {
 	env        []string
 	metrics    string
 	listen     string // the broker's address
+	dataDir    string // the capture's data dir (the embedded broker's store in it)
 	storeDir   string // the external server's store
 	watchOpts  []nats.Option
 	profile    string // the capture's CPU profile ("" = none)
@@ -183,8 +184,8 @@ func (b *backlogBench) newSlot(mode string, run int) (*captureSlot, error) {
 		return nil, err
 	}
 	name := fmt.Sprintf("%s_%d", strings.ReplaceAll(mode, ".", "_"), run) // a slot name: no dots
-	cs := &captureSlot{mode: mode, run: run, slot: "epitaph_" + name, metrics: metrics, listen: listen}
 	dataDir := filepath.Join(b.dir, "backlog-"+name)
+	cs := &captureSlot{mode: mode, run: run, slot: "epitaph_" + name, metrics: metrics, listen: listen, dataDir: dataDir}
 	natsURL := ""
 	switch baseMode(mode) {
 	case modeExternal:
@@ -355,6 +356,7 @@ func (b *backlogBench) recvlogical(ctx context.Context, run, i int) (float64, er
 // drain runs the capture until its stream holds every row and prints the
 // drain's figures under capture.run<N>.<mode>_*.
 func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time.Duration) (d drainResult, err error) {
+	defer discard(cs) // deferred first: runs after the processes are gone
 	var srv *bench.Proc
 	var profile chan error
 	if baseMode(cs.mode) == modeExternal {
@@ -446,6 +448,26 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 	}
 	b.print(cs, d)
 	return d, nil
+}
+
+// discard removes a drained capture's stream files (its data dir, with the
+// embedded broker's store, and the external server's store), as
+// recvlogical removes pg_recvlogical's output file: nothing reads them
+// again. Kept, every drain's ~300 MB stays in the page cache and each
+// later drain writes into memory the kernel has not used before, which on
+// this VM costs up to five times as much per byte as memory it has used
+// (the host backs a guest page on its first touch: docs/benchmarks.md,
+// "Twelfth session"), and each run of the bench came out slower than the
+// one before it.
+func discard(cs *captureSlot) {
+	for _, dir := range []string{cs.dataDir, cs.storeDir} {
+		if dir == "" {
+			continue
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			bench.Note("remove %s: %v", dir, err)
+		}
+	}
 }
 
 func (b *backlogBench) print(cs *captureSlot, d drainResult) {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -104,6 +105,7 @@ type sourceCostRun struct {
 	seed            workload.SeedConfig
 	perTx           int
 	n               int64              // rows deleted by each run (the same seed)
+	files           []string           // what the run's setup wrote (removed after the run)
 	slot            string             // the slot a setup decodes with ("" = none)
 	backend         map[string]float64 // µs of backend CPU per row, by run
 }
@@ -128,11 +130,12 @@ func (c *sourceCostRun) prepare(name string) (url string, n int64, err error) {
 // run deletes every order of a fresh database, with setup (nil: none)
 // started before and its stop called after, and reports the rate.
 func (c *sourceCostRun) run(name string, setup func(url string) (stop func() error, err error)) (float64, error) {
-	url, n, err := c.prepare("source_cost_" + name)
+	db := "source_cost_" + name
+	url, n, err := c.prepare(db)
 	if err != nil {
 		return 0, err
 	}
-	c.n, c.slot = n, ""
+	c.n, c.slot, c.files = n, "", nil
 	stop := func() error { return nil }
 	if setup != nil {
 		if stop, err = setup(url); err != nil {
@@ -153,6 +156,7 @@ func (c *sourceCostRun) run(name string, setup func(url string) (stop func() err
 	if err := stop(); err != nil {
 		return 0, err
 	}
+	c.discard(db)
 	prefix := "capture.source_cost." + name + "_"
 	bench.Figure(prefix+"backend_cpu_us_per_row", backend*1e6/float64(n), fmt.Sprintf("µs (the deleting backend, %.2f CPU-s)", backend))
 	if c.backend == nil {
@@ -165,6 +169,21 @@ func (c *sourceCostRun) run(name string, setup func(url string) (stop func() err
 	rate := float64(n) / took.Seconds()
 	bench.Figure("capture.source_cost."+name+"_delete_rows_per_sec", rate, fmt.Sprintf("rows/s (%d rows)", n))
 	return rate, nil
+}
+
+// discard drops a run's database and removes what its setup wrote (as
+// the drains do, backlog.go's discard): kept, every run's pages stay in
+// the page cache and each later run writes into memory the kernel has not
+// used before, dearer per byte on this VM.
+func (c *sourceCostRun) discard(db string) {
+	if err := bench.DropDatabase(c.ctx, c.pg, db); err != nil {
+		bench.Note("%v", err)
+	}
+	for _, f := range c.files {
+		if err := os.RemoveAll(f); err != nil {
+			bench.Note("remove %s: %v", f, err)
+		}
+	}
 }
 
 // withTrigger installs a trigger-based archive; its stop checks it kept
@@ -211,6 +230,7 @@ func (c *sourceCostRun) withCapture(label string, env ...string) func(url string
 		}
 		c.slot = "epitaph_source_cost_" + label
 		data := filepath.Join(c.dir, "source-cost-"+label)
+		c.files = append(c.files, data)
 		env := append(bench.CaptureEnv(url, "", listen, data, metrics, "main", "epitaph_source_cost_"+label), env...)
 		watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(data))
 		if err != nil {
@@ -281,9 +301,11 @@ func (c *sourceCostRun) withRecvlogical(url string) (func() error, error) {
 		return nil, err
 	}
 	c.slot = "source_cost"
+	out := filepath.Join(c.dir, "source-cost.out")
+	c.files = append(c.files, out)
 	cmd := exec.CommandContext(c.ctx, filepath.Join(c.pg.BinDir, "pg_recvlogical"),
 		"-d", url, "-S", "source_cost", "--start", "-o", "proto_version=1", "-o", "publication_names=source_cost",
-		"-f", filepath.Join(c.dir, "source-cost.out"))
+		"-f", out)
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
