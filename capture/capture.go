@@ -142,6 +142,10 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	s.m = m
 	s.cpu = newCPUGovernor(&s.cfg)
 	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
+	if g := s.cpu; g != nil && g.tailNice > 0 && g.setNice == nil {
+		s.log.Info("--tail-nice not applied: the source's backends get no precedence over the capture on shared CPUs",
+			"reason", g.niceWhy, "instead", "a lower CPU weight for the capture's cgroup (systemd: CPUWeight=), or --tail-cpus alone")
+	}
 	return s, nil
 }
 

@@ -156,6 +156,17 @@ type Config struct {
 	// further behind than that catches up first. Default
 	// DefaultCatchUpBytes; at least 1 MiB.
 	CatchUpBytes int64
+	// TailNice is the nice value (1-19; 0, the library's default: none)
+	// of the process's scheduling group while it tails within a quarter
+	// of CatchUpBytes of the source (a burst of deletes goes first), 0
+	// further behind (it tails again at nice TailNice within a sixteenth)
+	// and while it catches up: Linux shares the CPUs between sessions' autogroups
+	// first, so this, not a thread's nice, lets the source's backends go
+	// first on shared cores. Set where the capture leads its own session
+	// in the root CPU cgroup (cpunice_linux.go; elsewhere Status says why
+	// not). Needs TailCPUs > 0. It sets the process's autogroup: one
+	// capture per process.
+	TailNice int
 }
 
 // EmbeddedSyncInterval is the file store sync interval of the embedded
@@ -371,6 +382,9 @@ func (c *Config) streamErrors(errs []string) []string {
 	}
 	if c.TailCPUs < 0 {
 		errs = append(errs, fmt.Sprintf("tail CPUs %d: use 0 (every CPU) or more", c.TailCPUs))
+	}
+	if c.TailNice < 0 || c.TailNice > 19 {
+		errs = append(errs, fmt.Sprintf("tail nice %d: use 0 (none) to 19", c.TailNice))
 	}
 	if c.CatchUpBytes < minCatchUpBytes {
 		errs = append(errs, fmt.Sprintf("catch-up bytes %d: at least %d (1 MiB)", c.CatchUpBytes, minCatchUpBytes))

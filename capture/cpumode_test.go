@@ -3,7 +3,10 @@ package capture
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"runtime"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -37,7 +40,121 @@ func TestCPUModeHysteresis(t *testing.T) {
 	// Not limited: no governor.
 	all := runtime.GOMAXPROCS(0)
 	require.Nil(t, newCPUGovernor(&Config{TailCPUs: 0}))
+	require.Nil(t, newCPUGovernor(&Config{TailCPUs: 0, TailNice: 19}), "--tail-cpus 0: never limited")
 	require.Nil(t, newCPUGovernor(&Config{TailCPUs: all}))
+	// As many tail CPUs as there are, but a nice value to set: governed.
+	g = newCPUGovernor(&Config{TailCPUs: all + 1, TailNice: 19, CatchUpBytes: DefaultCatchUpBytes})
+	require.NotNil(t, g)
+	require.Equal(t, all, g.procs(CPUModeTail))
+	require.Equal(t, int64(16<<20), g.niceHigh, "a quarter of --catch-up-bytes")
+	require.Equal(t, int64(4<<20), g.niceLow)
+	for _, c := range []struct {
+		mode    string
+		backlog int64
+		on      bool
+		want    bool
+	}{
+		{CPUModeTail, 0, false, true},          // tailing: niced
+		{CPUModeTail, 4 << 20, false, true},    // within niceLow
+		{CPUModeTail, 4<<20 + 1, false, false}, // hysteresis: not yet back
+		{CPUModeTail, 16<<20 - 1, true, true},  // a burst: the source goes first
+		{CPUModeTail, 16 << 20, true, false},   // busier than a burst: an equal again
+		{CPUModeCatchUp, 0, true, false},       // catching up: never niced
+		{CPUModeAll, 0, true, false},           // stopped or not decided
+	} {
+		require.Equal(t, c.want, g.nextNice(c.mode, c.backlog, c.on), "%+v", c)
+	}
+	require.Equal(t, 19, g.niceFor(true))
+	require.Equal(t, 0, g.niceFor(false))
+	g.tailNice = 0
+	require.False(t, g.nextNice(CPUModeTail, 0, false), "--tail-nice 0: never")
+}
+
+// A nice value that could not be set is tried again at the next check and
+// reported once; one already set is not set again.
+func TestTailNiceRetried(t *testing.T) {
+	t.Parallel()
+	var calls []int
+	fail := 1
+	g := &cpuGovernor{tailNice: 19, setNice: func(n int) error {
+		calls = append(calls, n)
+		if fail > 0 {
+			fail--
+			return errors.New("resource temporarily unavailable")
+		}
+		return nil
+	}}
+	changed, err := g.applyNice(true)
+	require.False(t, changed)
+	require.Error(t, err, "the first failure is reported")
+	require.Equal(t, 0, g.nice)
+	changed, err = g.applyNice(true)
+	require.True(t, changed)
+	require.NoError(t, err)
+	require.Equal(t, 19, g.nice)
+	changed, err = g.applyNice(true)
+	require.False(t, changed, "already set")
+	require.NoError(t, err)
+	changed, _ = g.applyNice(false)
+	require.True(t, changed)
+	require.Equal(t, []int{19, 19, 0}, calls)
+	require.Equal(t, 0, g.nice)
+
+	// Failing again and again: reported once, still tried.
+	fail = 3
+	_, err = g.applyNice(true)
+	require.Error(t, err)
+	_, err = g.applyNice(true)
+	require.NoError(t, err, "reported once")
+	require.NotNil(t, g.niceErr)
+	_, err = g.applyNice(true)
+	require.NoError(t, err)
+	changed, err = g.applyNice(true)
+	require.True(t, changed)
+	require.NoError(t, err)
+	require.Nil(t, g.niceErr)
+	require.Equal(t, []int{19, 19, 0, 19, 19, 19, 19}, calls)
+}
+
+// cpuCgroup: the root CPU cgroup in cgroup v1 and v2 texts.
+func TestCPUCgroup(t *testing.T) {
+	t.Parallel()
+	none := func(string) ([]byte, error) { return []byte("memory pids"), nil }
+	withCPU := func(dir string) ([]byte, error) {
+		if dir == "/system.slice/epitaph.service" || dir == "/system.slice" {
+			return []byte("cpuset cpu io memory pids"), nil
+		}
+		return []byte("memory pids"), nil
+	}
+	for _, c := range []struct {
+		text     string
+		ctl      func(string) ([]byte, error)
+		wantPath string
+		root     bool
+	}{
+		{"4:memory:/x\n1:cpu,cpuacct:/\n0::/\n", none, "/", true},                       // v1, cpu at the root
+		{"1:cpu,cpuacct:/docker/abc\n0::/\n", none, "/docker/abc", false},               // v1, in a container's group
+		{"0::/\n", none, "/", true},                                                     // v2 at the root
+		{"0::/user.slice/session-3.scope\n", none, "/user.slice/session-3.scope", true}, // v2, no cpu controller below the root
+		{"0::/system.slice/epitaph.service\n", withCPU, "/system.slice/epitaph.service", false},
+		{"", none, "(unknown)", false},
+	} {
+		p, root := cpuCgroup([]byte(c.text), c.ctl)
+		require.Equal(t, c.wantPath, p, "%q", c.text)
+		require.Equal(t, c.root, root, "%q", c.text)
+	}
+	unreadable := func(string) ([]byte, error) { return nil, errors.New("no such file") }
+	_, root := cpuCgroup([]byte("0::/a/b\n"), unreadable)
+	require.False(t, root, "cannot tell: not applied")
+}
+
+func TestSessionOf(t *testing.T) {
+	t.Parallel()
+	sid, ok := sessionOf([]byte("4242 (a (strange) name) S 1 4242 4240 0 -1 4194560"))
+	require.True(t, ok)
+	require.Equal(t, 4240, sid)
+	_, ok = sessionOf([]byte("4242 (cut"))
+	require.False(t, ok)
 }
 
 // A real capture started with a backlog catches up on every CPU and drops
@@ -66,8 +183,26 @@ func TestCPUModeFollowsTheBacklog(t *testing.T) {
 
 	cfg := e.config()
 	cfg.TailCPUs, cfg.CatchUpBytes = 1, 2<<20 // caught up within 512 KiB
-	cfg.HeartbeatInterval = time.Second       // commits through the slot even when idle: the received position follows
+	cfg.TailNice = 19
+	cfg.HeartbeatInterval = time.Second // commits through the slot even when idle: the received position follows
 	svc := newService(t, cfg)
+	// The test process does not lead its session: its autogroup is not
+	// the capture's to set (cpunice_linux.go). The nice values the modes
+	// set are recorded instead (TestTailNiceSetsTheAutogroup sets a real
+	// one).
+	var niceMu sync.Mutex
+	var niceSet []int
+	svc.cpu.setNice = func(n int) error {
+		niceMu.Lock()
+		defer niceMu.Unlock()
+		niceSet = append(niceSet, n)
+		return nil
+	}
+	lastNice := func() []int {
+		niceMu.Lock()
+		defer niceMu.Unlock()
+		return slices.Clone(niceSet)
+	}
 	var hold atomic.Bool
 	held, release := make(chan struct{}), make(chan struct{})
 	done := make(chan struct{})
@@ -103,6 +238,16 @@ func TestCPUModeFollowsTheBacklog(t *testing.T) {
 				}
 				require.Equal(t, want, metricValue(t, svc.m.catchingUp))
 				require.GreaterOrEqual(t, st.BacklogBytes, int64(0))
+				wantNice := 0
+				if mode == CPUModeTail {
+					wantNice = 19
+				}
+				require.Equal(t, wantNice, st.CPUNice)
+				require.Empty(t, st.CPUNiceUnavailable)
+				require.Equal(t, float64(wantNice), metricValue(t, svc.m.cpuNice))
+				if set := lastNice(); len(set) > 0 || wantNice != 0 {
+					require.Equal(t, wantNice, set[len(set)-1])
+				}
 				return
 			}
 			require.True(t, time.Now().Before(deadline), "waiting for mode %s (switch %v): status %s %d cpus, backlog %d, switches %v", mode, n, st.CPUMode, st.CPUs, st.BacklogBytes, switches(mode))
@@ -144,4 +289,8 @@ func TestCPUModeFollowsTheBacklog(t *testing.T) {
 	require.NoError(t, svc.Wait())
 	require.Equal(t, all, runtime.GOMAXPROCS(0))
 	require.Equal(t, CPUModeAll, svc.CurrentStatus().CPUMode)
+	// Caught up from the start at nice 0 (nothing to set), tailing at 19,
+	// catching up at 0, tailing at 19, and 0 again when stopped.
+	require.Equal(t, []int{19, 0, 19, 0}, lastNice())
+	require.Equal(t, 0, svc.CurrentStatus().CPUNice)
 }

@@ -33,6 +33,7 @@ type metrics struct {
 	// The CPU mode (cpumode.go).
 	cpus            prometheus.Gauge
 	catchingUp      prometheus.Gauge
+	cpuNice         prometheus.Gauge
 	backlogBytes    prometheus.Gauge
 	cpuModeSwitches *prometheus.CounterVec
 }
@@ -73,6 +74,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		madeFull:      c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
 		catalogErrors: c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
 		cpus:          g("epitaph_capture_cpus", "CPUs the capture process uses (GOMAXPROCS): --tail-cpus while tailing, every CPU while catching up or when not limited."),
+		cpuNice:       g("epitaph_capture_autogroup_nice", "Nice value the capture set on its scheduling group (its Linux autogroup): --tail-nice while tailing, 0 otherwise or when it cannot be set (see /status cpu_nice_unavailable)."),
 		catchingUp:    g("epitaph_capture_catching_up", "1 while the capture catches up on every CPU (a backlog of at least --catch-up-bytes, or found at start), 0 otherwise."),
 		backlogBytes:  g("epitaph_capture_backlog_bytes", "WAL bytes between what the capture has received and the source's current WAL position, at the last check (every second while --tail-cpus limits it; -1: not measured)."),
 		cpuModeSwitches: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -98,7 +100,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
 		m.foreign, m.implausible, m.collisions, m.sessions,
 		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,
-		m.cpus, m.catchingUp, m.backlogBytes, m.cpuModeSwitches} {
+		m.cpus, m.catchingUp, m.cpuNice, m.backlogBytes, m.cpuModeSwitches} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}

@@ -46,6 +46,9 @@ type capProc struct {
 	env  []string
 	port int
 	log  string
+	// session: each process leads a session of its own (setsid), as a
+	// service does.
+	session bool
 
 	mu       sync.Mutex
 	cmd      *exec.Cmd
@@ -80,6 +83,13 @@ func testSigningKey(t *testing.T) string {
 
 func startCapProc(t *testing.T, name, bin string, env map[string]string) *capProc {
 	t.Helper()
+	return startCapProcWith(t, name, bin, env, false)
+}
+
+// startCapProcWith is startCapProc, with each process in a session of its
+// own if session.
+func startCapProcWith(t *testing.T, name, bin string, env map[string]string, session bool) *capProc {
+	t.Helper()
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	env["EPITAPH_METRICS_ADDR"] = "127.0.0.1:" + strconv.Itoa(port)
@@ -89,7 +99,7 @@ func startCapProc(t *testing.T, name, bin string, env map[string]string) *capPro
 		// working directory's default data dir.
 		env["EPITAPH_SIGNING_KEY"] = testSigningKey(t)
 	}
-	p := &capProc{t: t, name: name, bin: bin, env: captureEnv(env), port: port,
+	p := &capProc{t: t, name: name, bin: bin, env: captureEnv(env), port: port, session: session,
 		log: filepath.Join(t.TempDir(), name+".log"), revive: make(chan struct{}), gone: make(chan struct{})}
 	started := make(chan error, 1)
 	go p.supervise(started)
@@ -123,6 +133,9 @@ func (p *capProc) launch() error {
 	cmd := exec.Command(p.bin)
 	cmd.Env = p.env
 	cmd.Stdout, cmd.Stderr = f, f
+	if p.session {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	}
 	if err := cmd.Start(); err != nil {
 		return err
 	}

@@ -112,6 +112,11 @@ type Status struct {
 	CPUMode      string `json:"cpu_mode"`
 	CPUs         int    `json:"cpus"`
 	BacklogBytes int64  `json:"backlog_bytes"`
+	// CPUNice is the nice value the capture set on its scheduling group
+	// (--tail-nice while tailing, else 0); CPUNiceUnavailable why
+	// --tail-nice cannot be applied here (empty when it is, or is 0).
+	CPUNice            int    `json:"cpu_nice"`
+	CPUNiceUnavailable string `json:"cpu_nice_unavailable,omitempty"`
 	// The key the capture signs with (public half only), so an operator
 	// can pin it in projectors (projector trust-key).
 	SigningKeyID         string `json:"signing_key_id,omitempty"`
@@ -134,6 +139,7 @@ func (s *Service) CurrentStatus() Status {
 		SigningKeyID: s.keyID, SigningPublicKeyFile: s.pubPath,
 	}
 	st.CPUMode, st.CPUs, st.BacklogBytes = s.cpuState()
+	st.CPUNice, st.CPUNiceUnavailable = s.niceState()
 	if s.pub != nil {
 		st.SigningPublicKey = event.PublicKeyString(s.pub)
 	}

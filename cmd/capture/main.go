@@ -98,6 +98,7 @@ refused, never replaced by the default.`,
 	f.Bool(&cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", false, "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
 	// Sharing the source's CPUs (issue 20): see capture.CPUModeTail.
 	f.Int(&cfg.TailCPUs, "tail-cpus", "EPITAPH_TAIL_CPUS", defaultTailCPUs, "CPUs (GOMAXPROCS) while the capture tails the source, leaving the others to the source's backends; every CPU while it catches up a backlog of --catch-up-bytes or one found at start (0: every CPU always)", cli.Min(0))
+	f.Int(&cfg.TailNice, "tail-nice", "EPITAPH_TAIL_NICE", defaultTailNice, "nice value of the capture's scheduling group (its Linux autogroup) while it tails within a quarter of --catch-up-bytes of the source, so a burst of the source's deletes goes first on shared CPUs; 0 further behind and while it catches up (0: never lowered). Applied when the capture leads its own session (a service, or setsid) in the root CPU cgroup; /status cpu_nice_unavailable says why not", cli.Min(0), cli.Max(19))
 	f.Int64(&cfg.CatchUpBytes, "catch-up-bytes", "EPITAPH_CATCH_UP_BYTES", capture.DefaultCatchUpBytes, "WAL bytes behind the source at which a tailing capture uses every CPU (at least 1 MiB; it tails again within 1 MiB)")
 	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
 	f.String(&heapProfile, "heap-profile", "EPITAPH_HEAP_PROFILE", "", "write a pprof heap profile to this file each time the live heap reaches a new high, so it holds the run's peak (diagnostics; empty: off)", cli.KeepEmpty())
@@ -206,6 +207,14 @@ func (r *retentionValue) Set(s string) error {
 // cores, 1.19x with it on one (GOMAXPROCS=1, the same run; a quiet
 // machine), at the price of lag during the burst, caught up after it.
 const defaultTailCPUs = 1
+
+// defaultTailNice is --tail-nice unless set. Linux shares the CPUs between
+// sessions' autogroups before threads, so the capture (a session of its
+// own, like the postmaster's) took as much CPU as the source's backend and
+// walsender together during a burst; nice 19 on its group, in
+// bench-capture's source cost (five interleaved runs of each, a quiet
+// machine): the DELETEs slowed 1.03-1.29x against 1.44-1.47x without.
+const defaultTailNice = 19
 
 // stopTimeout bounds the soft stop on a signal; past it the stop turns
 // hard. Below the grace period of deploy/kubernetes/capture.yaml (30s).

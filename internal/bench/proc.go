@@ -68,6 +68,19 @@ type Proc struct {
 // StartProc starts bin with args and extra environment (appended to the
 // current one), output to logDir/<name>.log (appended across restarts).
 func StartProc(name, bin string, env []string, logDir string, args ...string) (*Proc, error) {
+	// Its own process group (a signal to the test's group does not reach
+	// it), and killed if the test or bench process dies first (a go test
+	// timeout), so nothing is left running.
+	return startProc(name, bin, env, logDir, &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}, args...)
+}
+
+// StartSessionProc is StartProc with the process in a session of its own
+// (setsid), as a service manager starts one: its own autogroup on Linux.
+func StartSessionProc(name, bin string, env []string, logDir string, args ...string) (*Proc, error) {
+	return startProc(name, bin, env, logDir, &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}, args...)
+}
+
+func startProc(name, bin string, env []string, logDir string, attr *syscall.SysProcAttr, args ...string) (*Proc, error) {
 	logPath := filepath.Join(logDir, name+".log")
 	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
@@ -78,10 +91,7 @@ func StartProc(name, bin string, env []string, logDir string, args ...string) (*
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout = f
 	cmd.Stderr = f
-	// Its own process group (a signal to the test's group does not reach
-	// it), and killed if the test or bench process dies first (a go test
-	// timeout), so nothing is left running.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = attr
 	if err := cmd.Start(); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)

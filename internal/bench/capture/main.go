@@ -92,7 +92,11 @@ func main() {
 		// On a machine shared with the source: the capture on every CPU
 		// (no tail mode, the default before --tail-cpus), and always on
 		// one (no catch-up either). The default tails on one CPU.
-		o.sourceVariants = append([]sourceVariant{{name: "all_cpus", env: []string{"EPITAPH_TAIL_CPUS=0"}}, {name: "gomaxprocs1", env: []string{"GOMAXPROCS=1"}}}, o.sourceVariants...)
+		o.sourceVariants = append([]sourceVariant{
+			{name: "all_cpus", env: []string{"EPITAPH_TAIL_CPUS=0"}},
+			{name: "tail_nice0", env: []string{"EPITAPH_TAIL_NICE=0"}},
+			{name: "gomaxprocs1", env: []string{"GOMAXPROCS=1", "EPITAPH_TAIL_NICE=0"}},
+		}, o.sourceVariants...)
 	}
 	if *rows >= 0 {
 		o.backlogRows, o.sourceRows = *rows, *rows

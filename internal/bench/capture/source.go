@@ -242,7 +242,10 @@ func (c *sourceCostRun) withCapture(label string, env ...string) func(url string
 			bin, args = "nice", []string{"-n", strings.TrimPrefix(env[i], "NICE="), c.captureBin}
 			env = slices.Delete(env, i, i+1)
 		}
-		p, err := bench.StartProc("capture-source-cost-"+label, bin, env, c.dir, args...)
+		// A session of its own, as a service runs (systemd starts each in
+		// one; pg_ctl does the same for the postmaster): where --tail-nice
+		// applies (cpunice_linux.go).
+		p, err := bench.StartSessionProc("capture-source-cost-"+label, bin, env, c.dir, args...)
 		if err != nil {
 			watch.Close()
 			return nil, err

@@ -164,7 +164,8 @@ func (e *env) startE2E(ctx context.Context, rows int) (*e2eRun, error) {
 	if r.watch, err = bench.WatchStream(e.natsURL, e2eSource); err != nil {
 		return r, err
 	}
-	if r.capt, err = bench.StartProc("capture-e2e", e.bins["capture"], cenv, e.dir); err != nil {
+	// A session of its own, as a service runs (--tail-nice applies).
+	if r.capt, err = bench.StartSessionProc("capture-e2e", e.bins["capture"], cenv, e.dir); err != nil {
 		return r, err
 	}
 	if err := waitStream(ctx, r.capt, r.watch, r.src, e2eSlot); err != nil {
