@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sort"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -95,8 +97,191 @@ func Stats(ctx context.Context, db DB) ([]Stat, error) {
 	return out, nil
 }
 
+// openStatsSQL counts the pending, in-flight and dead deliveries through
+// the partial indexes that hold exactly them (deliveries_due_idx and
+// deliveries_unreleased_idx for pending, deliveries_claims_idx,
+// deliveries_dead_idx): the backlog and the dead letters, never the
+// finished deliveries, which are kept as long as their rows.
+const openStatsSQL = `
+SELECT d.handler_id::text, d.tbl, d.state, count(*), COALESCE(extract(epoch FROM now() - min(d.created_at)), 0)::float8
+FROM (
+    SELECT handler_id, schema_name || '.' || table_name AS tbl, state, created_at FROM epitaph.deliveries
+        WHERE state = 'pending' AND released_at IS NOT NULL
+    UNION ALL
+    SELECT handler_id, schema_name || '.' || table_name, state, created_at FROM epitaph.deliveries
+        WHERE released_at IS NULL AND state = 'pending'
+    UNION ALL
+    SELECT handler_id, schema_name || '.' || table_name, state, created_at FROM epitaph.deliveries
+        WHERE state = 'in_flight'
+    UNION ALL
+    SELECT handler_id, schema_name || '.' || table_name, state, created_at FROM epitaph.deliveries
+        WHERE state = 'dead'
+) d
+GROUP BY 1, 2, 3`
+
+// finishedStatsSQL counts the done and stopped deliveries: the whole
+// table, so StatsReader runs it in the background, at most every
+// FinishedStatsRefresh.
+const finishedStatsSQL = `
+SELECT handler_id::text, schema_name || '.' || table_name, state, count(*), 0::float8
+FROM epitaph.deliveries WHERE state IN ('done', 'stopped')
+GROUP BY 1, 2, 3`
+
+// FinishedStatsRefresh is how often a StatsReader counts the done and
+// stopped deliveries (a read of the whole table).
+const FinishedStatsRefresh = 5 * time.Minute
+
+// firstCountWait is how long the first read waits for the first count of
+// the finished deliveries.
+const firstCountWait = time.Second
+
+// finishedStatsTimeout bounds one count of the finished deliveries.
+const finishedStatsTimeout = 2 * time.Minute
+
+// StatsReader reads deliveries by handler and state for the metrics: the
+// pending, in-flight and dead ones exactly at every read (a look through
+// partial indexes), the done and stopped ones from a count of the whole
+// table taken in the background at most every refresh, served as of that
+// count (none until the first one ends).
+type StatsReader struct {
+	db      DB
+	refresh time.Duration
+	log     *slog.Logger
+	now     func() time.Time
+
+	mu       sync.Mutex
+	finished []Stat
+	at       time.Time // when finished was counted (zero: never)
+	counting bool
+	done     chan struct{} // closed when the running count ends (tests)
+}
+
+// NewStatsReader returns a StatsReader of db counting the finished
+// deliveries every refresh (FinishedStatsRefresh when <= 0).
+func NewStatsReader(db DB, refresh time.Duration, log *slog.Logger) *StatsReader {
+	if refresh <= 0 {
+		refresh = FinishedStatsRefresh
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &StatsReader{db: db, refresh: refresh, log: log, now: time.Now}
+}
+
+// Read returns the open and dead deliveries' stats as of now and the
+// finished ones' as of the last count, starting a count when that one is
+// older than the refresh. Handlers without deliveries appear with state ""
+// and count 0, as in Stats.
+func (r *StatsReader) Read(ctx context.Context) ([]Stat, error) {
+	open, err := queryStats(ctx, r.db, openStatsSQL)
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	if !r.counting && (r.at.IsZero() || r.now().Sub(r.at) >= r.refresh) {
+		r.counting = true
+		r.done = make(chan struct{})
+		go r.countFinished(r.done)
+	}
+	first, done := r.at.IsZero(), r.done
+	r.mu.Unlock()
+	if first {
+		// No count yet (the process's first scrape): a small table's is
+		// waited for, a large one's is not (the read serves without it).
+		select {
+		case <-done:
+		case <-time.After(firstCountWait):
+		case <-ctx.Done():
+		}
+	}
+	r.mu.Lock()
+	finished := r.finished
+	r.mu.Unlock()
+	defs, err := List(ctx, r.db)
+	if err != nil {
+		return nil, err
+	}
+	return mergeStats(defs, open, finished), nil
+}
+
+// countFinished counts the done and stopped deliveries and keeps the
+// result (a failure keeps the last one and is tried again at the next
+// read after the refresh).
+func (r *StatsReader) countFinished(done chan struct{}) {
+	defer close(done)
+	ctx, cancel := context.WithTimeout(context.Background(), finishedStatsTimeout)
+	defer cancel()
+	start := r.now()
+	stats, err := queryStats(ctx, r.db, finishedStatsSQL)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.counting = false
+	r.at = start
+	if err != nil {
+		r.log.Warn("counting finished deliveries for the metrics (the last count is kept)", "err", err)
+		return
+	}
+	r.finished = stats
+}
+
+// queryStats runs a statement returning (handler, table, state, count,
+// oldest age in seconds).
+func queryStats(ctx context.Context, db DB, sql string) ([]Stat, error) {
+	rows, err := db.Query(ctx, sql)
+	if err != nil {
+		return nil, fmt.Errorf("delivery stats: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Stat, error) {
+		var s Stat
+		err := r.Scan(&s.HandlerID, &s.Table, &s.State, &s.Count, &s.OldestSec)
+		s.OldestAge = time.Duration(s.OldestSec * float64(time.Second))
+		return s, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("delivery stats: %w", err)
+	}
+	return out, nil
+}
+
+// mergeStats names the stats by their handlers (a delivery of a removed
+// handler keeps its table), adds the handlers without any, and orders
+// them by table, handler and state, as Stats does.
+func mergeStats(defs []Def, parts ...[]Stat) []Stat {
+	byID := map[string]Def{}
+	for _, d := range defs {
+		byID[d.ID] = d
+	}
+	seen := map[string]bool{}
+	var out []Stat
+	for _, part := range parts {
+		for _, s := range part {
+			if d, ok := byID[s.HandlerID]; ok {
+				s.Name, s.Table = d.Name, d.QualifiedTable()
+			}
+			seen[s.HandlerID] = true
+			out = append(out, s)
+		}
+	}
+	for _, d := range defs {
+		if !seen[d.ID] {
+			out = append(out, Stat{HandlerID: d.ID, Name: d.Name, Table: d.QualifiedTable()})
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Table != b.Table {
+			return a.Table < b.Table
+		}
+		if a.HandlerID != b.HandlerID {
+			return a.HandlerID < b.HandlerID
+		}
+		return a.State < b.State
+	})
+	return out
+}
+
 type collector struct {
-	db            DB
+	stats         *StatsReader
 	log           *slog.Logger
 	deliveries    *prometheus.Desc
 	oldestPending *prometheus.Desc
@@ -104,14 +289,16 @@ type collector struct {
 
 // NewCollector exports epitaph_projector_deliveries{handler,state} and
 // epitaph_projector_delivery_oldest_pending_age_seconds{handler}, read
-// from db at each scrape; nothing when the target cannot be read.
+// from db at each scrape through a StatsReader (the done and stopped
+// counts as of its last count, at most FinishedStatsRefresh old); nothing
+// when the target cannot be read.
 func NewCollector(db DB, log *slog.Logger) prometheus.Collector {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &collector{db: db, log: log,
+	return &collector{stats: NewStatsReader(db, FinishedStatsRefresh, log), log: log,
 		deliveries: prometheus.NewDesc("epitaph_projector_deliveries",
-			"Deliveries of row handlers, by handler and state.", []string{"handler", "state"}, nil),
+			"Deliveries of row handlers, by handler and state (done and stopped: as of a count at most 5 minutes old).", []string{"handler", "state"}, nil),
 		oldestPending: prometheus.NewDesc("epitaph_projector_delivery_oldest_pending_age_seconds",
 			"Age of the oldest pending delivery of a handler (0 when none).", []string{"handler"}, nil),
 	}
@@ -125,7 +312,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	stats, err := Stats(ctx, c.db)
+	stats, err := c.stats.Read(ctx)
 	if err != nil {
 		c.log.Debug("delivery metrics unavailable", "err", err)
 		return
@@ -140,7 +327,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(c.deliveries, prometheus.GaugeValue, float64(s.Count), s.HandlerID, s.State)
 		if s.State == StatePending {
-			oldest[s.HandlerID] = s.OldestSec
+			oldest[s.HandlerID] = max(oldest[s.HandlerID], s.OldestSec)
 		}
 	}
 	for h, age := range oldest {
