@@ -55,7 +55,7 @@ func main() {
 	flag.IntVar(&o.runs, "runs", 5, "drain the backlog this many times (each a slot and stream of its own, pg_recvlogical twice a run) and print each run and the min and median")
 	flag.IntVar(&o.perTx, "orders-per-tx", 100, "orders per cascading delete transaction (7 rows each)")
 	flag.IntVar(&o.bigRows, "big-tx-rows", 1_000_000, "rows of the single big transaction (0 = skip)")
-	flag.BoolVar(&o.keep, "keep", false, "keep the temporary directory (logs, stores)")
+	flag.BoolVar(&o.keep, "keep", false, "keep the temporary directory (logs; each drain's stores and each source-cost database are removed once measured, -keep or not)")
 	flag.BoolVar(&o.cost, "source-cost", true, "also measure the source's DELETE rate plain, with a trigger-based archive and while the capture streams (-source-rows rows each)")
 	flag.BoolVar(&o.embeddedDefault, "embedded-default", false, "also drain with the embedded broker in persist mode default")
 	flag.BoolVar(&o.external, "external", true, "also drain into an external nats-server process (file storage, persist mode default)")
