@@ -9,7 +9,9 @@ import (
 
 // WithHandlerStats shows the row handlers with their backlog and dead
 // letters, read through db (the projector's target pool) at most once per
-// interval (0: DefaultSnapshotStatsInterval).
+// interval (0: DefaultSnapshotStatsInterval); the done and stopped counts
+// as of a count of the whole table at most rowhandler.FinishedStatsRefresh
+// old (rowhandler.StatsReader).
 func WithHandlerStats(db rowhandler.DB, interval time.Duration) Option {
 	return func(o *options) { o.handlers, o.handlersInterval = db, interval }
 }
@@ -39,7 +41,14 @@ func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string, bool)
 	if !h.hAt.IsZero() && now.Sub(h.hAt) < interval {
 		return h.hRows, h.hNote, h.hUnavailable
 	}
-	stats, err := rowhandler.Stats(ctx, h.o.handlers)
+	if h.hStats == nil {
+		// The open and dead deliveries exactly at each read, the finished
+		// ones (kept as long as their rows) as of a count at most
+		// rowhandler.FinishedStatsRefresh old: a page left open does not
+		// read the whole table every interval.
+		h.hStats = rowhandler.NewStatsReader(h.o.handlers, rowhandler.FinishedStatsRefresh, h.o.log)
+	}
+	stats, err := h.hStats.Read(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
 			return h.hRows, h.hNote, h.hUnavailable
@@ -79,6 +88,10 @@ func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string, bool)
 	h.hRows, h.hNote, h.hUnavailable, h.hAt = rows, note, false, now
 	return rows, note, false
 }
+
+// handlerStatsReader reads the handler counts (statuspage.go names it
+// without importing the handler package).
+type handlerStatsReader = rowhandler.StatsReader
 
 // handlerDB is what the handler counts are read through.
 type handlerDB = rowhandler.DB

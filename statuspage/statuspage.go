@@ -174,7 +174,9 @@ type handler struct {
 	rmu     sync.Mutex // guards samples
 	samples []*projection.Status
 
-	// the row handlers' counts, cached like the snapshot counts (under mu)
+	// the row handlers' counts, cached like the snapshot counts (under mu),
+	// read through hStats (made at the first read)
+	hStats       *handlerStatsReader
 	hAt          time.Time
 	hRows        []handlerRow
 	hNote        string
