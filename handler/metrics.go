@@ -70,32 +70,26 @@ type Stat struct {
 	OldestSec float64       `json:"oldest_age_seconds"`
 }
 
-// Stats counts deliveries by handler and state (handlers with none appear
-// with state "" and count 0).
+// Stats counts deliveries by handler and state, exactly (one read of the
+// whole table; handlers with none appear with state "" and count 0). The
+// metrics and the status page read through a StatsReader instead.
 func Stats(ctx context.Context, db DB) ([]Stat, error) {
-	rows, err := db.Query(ctx, `
-		SELECT d.handler_id::text, COALESCE(h.name, ''), COALESCE(h.schema_name || '.' || h.table_name, d.schema_name || '.' || d.table_name),
-		       d.state, count(*), COALESCE(extract(epoch FROM now() - min(d.created_at)), 0)::float8
-		FROM epitaph.deliveries d LEFT JOIN epitaph.handlers h ON h.id = d.handler_id
-		GROUP BY 1, 2, 3, 4
-		UNION ALL
-		SELECT h.id::text, COALESCE(h.name, ''), h.schema_name || '.' || h.table_name, '', 0, 0
-		FROM epitaph.handlers h WHERE NOT EXISTS (SELECT 1 FROM epitaph.deliveries d WHERE d.handler_id = h.id)
-		ORDER BY 3, 1, 4`)
+	stats, err := queryStats(ctx, db, allStatsSQL)
 	if err != nil {
-		return nil, fmt.Errorf("delivery stats: %w", err)
+		return nil, err
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Stat, error) {
-		var s Stat
-		err := r.Scan(&s.HandlerID, &s.Name, &s.Table, &s.State, &s.Count, &s.OldestSec)
-		s.OldestAge = time.Duration(s.OldestSec * float64(time.Second))
-		return s, err
-	})
+	defs, err := List(ctx, db)
 	if err != nil {
-		return nil, fmt.Errorf("delivery stats: %w", err)
+		return nil, err
 	}
-	return out, nil
+	return mergeStats(defs, stats), nil
 }
+
+// allStatsSQL counts every delivery (Stats).
+const allStatsSQL = `
+SELECT handler_id::text, schema_name || '.' || table_name, state, count(*), COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8
+FROM epitaph.deliveries
+GROUP BY 1, 2, 3`
 
 // openStatsSQL counts the pending, in-flight and dead deliveries through
 // the partial indexes that hold exactly them (deliveries_due_idx and
