@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/cpuprofile"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
 
@@ -199,18 +199,11 @@ func startProfile(path string) (stop func(), err error) {
 	if path == "" {
 		return func() {}, nil
 	}
-	f, err := os.Create(path)
+	stop, err = cpuprofile.Start(path)
 	if err != nil {
 		return nil, fmt.Errorf("e2e cpu profile: %w", err)
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("e2e cpu profile: %w", err)
-	}
-	return func() {
-		pprof.StopCPUProfile()
-		f.Close()
-	}, nil
+	return stop, nil
 }
 
 // e2eTimes are the end-to-end phase's moments.

@@ -42,7 +42,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -56,6 +55,7 @@ import (
 	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/cpuprofile"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 	"github.com/epitaph-dev/epitaph/migrations"
@@ -780,15 +780,11 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 		return 0, err
 	}
 	if e.cpuProfile != "" {
-		f, err := os.Create(e.cpuProfile)
+		stop, err := cpuprofile.Start(e.cpuProfile)
 		if err != nil {
 			return 0, err
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return 0, err
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	cpu0 := e.cpu(os.Getpid())
 	start := time.Now()

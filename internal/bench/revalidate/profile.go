@@ -3,12 +3,11 @@ package main
 import (
 	"context"
 	"fmt"
-	"os"
-	"runtime/pprof"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/cpuprofile"
 )
 
 // profile starts the CPU profile (-cpuprofile, its name with "."+name)
@@ -17,15 +16,11 @@ func (e *env) profile(name string, last bool) (func(), error) {
 	if e.o.cpuProfile == "" || !last {
 		return func() {}, nil
 	}
-	f, err := os.Create(e.o.cpuProfile + "." + name)
+	stop, err := cpuprofile.Start(e.o.cpuProfile + "." + name)
 	if err != nil {
-		return nil, fmt.Errorf("create the CPU profile: %w", err)
-	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
 		return nil, fmt.Errorf("start the CPU profile: %w", err)
 	}
-	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+	return stop, nil
 }
 
 // pgStatsReset forgets the statements so far (-pgstats).
