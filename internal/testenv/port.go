@@ -1,7 +1,9 @@
 package testenv
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -39,6 +41,9 @@ func freePort(lo, hi int) (int, error) {
 	if err := os.MkdirAll(dir, 0o777); err != nil {
 		return 0, fmt.Errorf("free port: %w", err)
 	}
+	// Shared like /tmp: another user's test run may create its own lock
+	// files here (it fails only where its owner made it otherwise).
+	_ = os.Chmod(dir, 0o777|os.ModeSticky)
 	var lastErr error
 	for range 20 * (hi - lo + 1) {
 		p := lo + rand.IntN(hi-lo+1)
@@ -78,7 +83,11 @@ var (
 // lockPort takes an exclusive, non-blocking flock on dir/<port>: false if
 // another process holds it.
 func lockPort(dir string, port int) (bool, error) {
-	f, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(port)), os.O_CREATE|os.O_RDWR, 0o666)
+	// Read-only is enough for flock, and opens another user's lock file.
+	f, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(port)), os.O_CREATE|os.O_RDONLY, 0o666)
+	if errors.Is(err, fs.ErrPermission) {
+		return false, nil // another user's, unreadable: leave the port to them
+	}
 	if err != nil {
 		return false, err
 	}

@@ -57,7 +57,7 @@ func TestFreePortSkipsAPortAnotherProcessHolds(t *testing.T) {
 		if p == left {
 			continue
 		}
-		f, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(p)), os.O_CREATE|os.O_RDWR, 0o666)
+		f, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(p)), os.O_CREATE|os.O_RDONLY, 0o666)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = f.Close() })
 		require.NoError(t, syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB))
