@@ -47,36 +47,28 @@ func freePort(lo, hi int) (int, error) {
 	var lastErr error
 	for range 20 * (hi - lo + 1) {
 		p := lo + rand.IntN(hi-lo+1)
-		if portsTaken[p] {
-			continue
-		}
 		ok, err := lockPort(dir, p)
 		if err != nil {
 			return 0, fmt.Errorf("free port: %w", err)
 		}
 		if !ok {
-			continue // another test binary has it
+			continue // another test binary has it, or this one gave it already
 		}
-		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p)))
-		if err != nil {
+		if err := bindAll([]string{net.JoinHostPort("127.0.0.1", strconv.Itoa(p))}); err != nil {
 			lastErr = err // something else listens there; keep the lock so no one tries it again
-			portsTaken[p] = true
 			continue
 		}
-		if err := l.Close(); err != nil {
-			return 0, fmt.Errorf("free port: release %d: %w", p, err)
-		}
-		portsTaken[p] = true
 		return p, nil
 	}
 	return 0, fmt.Errorf("free port: no free port in %d-%d (last: %v)", lo, hi, lastErr)
 }
 
 var (
-	portsMu    sync.Mutex
-	portsTaken = map[int]bool{}
+	portsMu sync.Mutex
 	// portLocks keeps the lock files open (and so locked) for the life of
-	// the process; the kernel lets the locks go when it exits, however.
+	// the process; the kernel lets the locks go when it exits, however. A
+	// lock is also what keeps this process from giving a port twice: flock
+	// conflicts between two opens of one file in one process too.
 	portLocks []*os.File
 )
 
