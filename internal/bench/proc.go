@@ -245,6 +245,29 @@ func ProcCPU(pid int) (float64, error) {
 	return float64(ticks) / 100, nil
 }
 
+// MinorFaults is the process's minor page faults so far (with its reaped
+// children): each is a page the process touched for the first time since
+// it was mapped, its own heap's or the page cache's (a write into a file
+// page not in the cache), from /proc/<pid>/stat.
+func (p *Proc) MinorFaults() (int64, error) {
+	f, err := procStatFields(p.Pid())
+	if err != nil {
+		return 0, err
+	}
+	if len(f) < 9 {
+		return 0, fmt.Errorf("short /proc/%d/stat", p.Pid())
+	}
+	var n int64
+	for _, x := range f[7:9] { // minflt, cminflt
+		v, err := strconv.ParseInt(x, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/%d/stat: %w", p.Pid(), err)
+		}
+		n += v
+	}
+	return n, nil
+}
+
 // PostgresCPU is the CPU seconds of the Postgres server whose data
 // directory is dataDir: the postmaster with its reaped children and every
 // live child (backends, walsenders).

@@ -78,6 +78,7 @@ type drainResult struct {
 	total, startup, drain time.Duration // process start to last row; to first row; first to last
 	cpu, serverCPU, pgCPU float64       // CPU seconds: the capture process, the external server, the walsender
 	peakRSS, serverRSS    int64
+	faults, serverFaults  int64 // minor page faults: the capture process, the external server
 }
 
 type runResult struct {
@@ -259,7 +260,8 @@ func (b *backlogBench) startAndStop(ctx context.Context, cs *captureSlot) error 
 		return err
 	}
 	defer watch.Close()
-	p, err := bench.StartProc("capture-"+cs.slot, b.captureBin, cs.env, b.dir)
+	bin, env := b.binFor(cs.env)
+	p, err := bench.StartProc("capture-"+cs.slot, bin, env, b.dir)
 	if err != nil {
 		return err
 	}
@@ -383,7 +385,7 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 		return d, err
 	}
 	defer watch.Close()
-	srv0 := procCPU(srv)
+	srv0, srvFaults0 := procCPU(srv), procFaults(srv)
 	ws, err := bench.SampleWalsender(ctx, b.url, cs.slot)
 	if err != nil {
 		return d, err
@@ -393,7 +395,8 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 	if cs.profile != "" {
 		env = append(slices.Clip(env), "EPITAPH_CPU_PROFILE="+cs.profile)
 	}
-	p, err := bench.StartProc("capture-"+cs.slot, b.captureBin, env, b.dir)
+	bin, env := b.binFor(env)
+	p, err := bench.StartProc("capture-"+cs.slot, bin, env, b.dir)
 	if err != nil {
 		return d, err
 	}
@@ -433,6 +436,7 @@ func (b *backlogBench) drain(ctx context.Context, cs *captureSlot, estimate time
 	}
 	d.cpu = procCPU(p)
 	d.serverCPU = procCPU(srv) - srv0
+	d.faults, d.serverFaults = procFaults(p), procFaults(srv)-srvFaults0
 	d.pgCPU = ws()
 	d.peakRSS, _ = p.PeakRSS()
 	if srv != nil {
@@ -481,8 +485,10 @@ func (b *backlogBench) print(cs *captureSlot, d drainResult) {
 		what = "capture process with its embedded server"
 	}
 	bench.Figure(p+"cpu_us_per_row", d.cpu*1e6/n, fmt.Sprintf("µs (%s, %.2f CPU-s)", what, d.cpu))
+	bench.Figure(p+"faults_per_row", float64(d.faults)/n, fmt.Sprintf("minor page faults (%s, %d: memory it touched first)", what, d.faults))
 	if baseMode(cs.mode) == modeExternal {
 		bench.Figure(p+"server_cpu_us_per_row", d.serverCPU*1e6/n, fmt.Sprintf("µs (the nats-server process, %.2f CPU-s)", d.serverCPU))
+		bench.Figure(p+"server_faults_per_row", float64(d.serverFaults)/n, fmt.Sprintf("minor page faults (the nats-server process, %d)", d.serverFaults))
 		bench.Figure(p+"server_peak_rss_mib", float64(d.serverRSS)/(1<<20), "MiB")
 	}
 	bench.Figure(p+"walsender_cpu_us_per_row", d.pgCPU*1e6/n, fmt.Sprintf("µs (the walsender decoding for it, %.2f CPU-s)", d.pgCPU))
@@ -571,6 +577,18 @@ func minMedian(v []float64) (lo, med float64) {
 	return s[0], (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
+// procFaults is p's minor page faults (0 for no process).
+func procFaults(p *bench.Proc) int64 {
+	if p == nil {
+		return 0
+	}
+	n, err := p.MinorFaults()
+	if err != nil {
+		bench.Note("page faults: %v", err)
+	}
+	return n
+}
+
 // procCPU is p's CPU seconds (0 for no process).
 func procCPU(p *bench.Proc) float64 {
 	if p == nil {
@@ -623,4 +641,17 @@ func fetchProfile(ctx context.Context, port, secs int, path string) error {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return f.Close()
+}
+
+// binFor is the capture binary a drain runs and the environment it gets: a
+// variant's BIN=PATH (e.g. -variant embedded.old:BIN=/tmp/capture-old)
+// drains with another build of the capture in the same run; the rest run
+// the binary the bench built.
+func (b *backlogBench) binFor(env []string) (string, []string) {
+	for i, kv := range env {
+		if bin, ok := strings.CutPrefix(kv, "BIN="); ok {
+			return bin, append(slices.Clip(env[:i]), env[i+1:]...)
+		}
+	}
+	return b.captureBin, env
 }

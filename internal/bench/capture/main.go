@@ -67,7 +67,7 @@ func main() {
 		return nil
 	})
 	o.variants = map[string][]string{}
-	flag.Func("variant", "MODE.NAME:K=V[,K=V..]: also drain with a capture of MODE (embedded, external, embedded_default) with that environment, reported as MODE.NAME (repeatable)", func(v string) error {
+	flag.Func("variant", "MODE.NAME:K=V[,K=V..]: also drain with a capture of MODE (embedded, external, embedded_default) with that environment, reported as MODE.NAME (repeatable; BIN=PATH drains with that capture binary instead, e.g. an older build)", func(v string) error {
 		mode, env, ok := strings.Cut(v, ":")
 		base, name, dot := strings.Cut(mode, ".")
 		if !ok || !dot || name == "" || (base != modeEmbedded && base != modeExternal && base != modeEmbeddedDefault) {
