@@ -64,13 +64,13 @@ func MainNoLeaks(m *testing.M, opts ...goleak.Option) {
 	code := m.Run()
 	stopShared()
 	if code == 0 {
-		// nats.go v1.55.0 (the newest the proxy serves) leaks this one
+		// nats.go v1.56.0 (the newest the proxy serves) leaks this one
 		// goroutine now and then: an object store Put makes its own
 		// JetStream context, whose first async publish starts
 		// resetPendingAcksOnReconnect, and the Put's deferred cleanup may
 		// clear the status channel before that goroutine has read it, so
 		// it waits on a nil channel for good (jetstream/publish.go:565,
-		// jetstream.go:1326). Not ours to fix; everything else still
+		// jetstream.go:1327). Not ours to fix; everything else still
 		// counts.
 		opts = append(opts, goleak.IgnoreTopFunction("github.com/nats-io/nats.go/jetstream.(*jetStream).resetPendingAcksOnReconnect"))
 		if err := goleak.Find(opts...); err != nil {
