@@ -246,9 +246,9 @@ func ProcCPU(pid int) (float64, error) {
 }
 
 // MinorFaults is the process's minor page faults so far (with its reaped
-// children): each is a page the process touched for the first time since
-// it was mapped, its own heap's or the page cache's (a write into a file
-// page not in the cache), from /proc/<pid>/stat.
+// children), from /proc/<pid>/stat: each is a page of its own memory (its
+// heap, a file it maps) it touched for the first time. Page cache the
+// kernel fills inside the process's write calls is not counted.
 func (p *Proc) MinorFaults() (int64, error) {
 	f, err := procStatFields(p.Pid())
 	if err != nil {
