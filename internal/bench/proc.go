@@ -227,41 +227,30 @@ func (p *Proc) CPU() (float64, error) { return ProcCPU(p.Pid()) }
 // ProcCPU is a process's utime+stime+cutime+cstime in seconds (clock ticks
 // of 1/100 s, from /proc/<pid>/stat).
 func ProcCPU(pid int) (float64, error) {
-	f, err := procStatFields(pid)
-	if err != nil {
-		return 0, err
-	}
-	if len(f) < 15 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	var ticks int64
-	for _, x := range f[11:15] {
-		v, err := strconv.ParseInt(x, 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
-		}
-		ticks += v
-	}
-	return float64(ticks) / 100, nil
+	ticks, err := sumStatFields(pid, 11, 15)
+	return float64(ticks) / 100, err
 }
 
 // MinorFaults is the process's minor page faults so far (with its reaped
 // children), from /proc/<pid>/stat: each is a page of its own memory (its
 // heap, a file it maps) it touched for the first time. Page cache the
 // kernel fills inside the process's write calls is not counted.
-func (p *Proc) MinorFaults() (int64, error) {
-	f, err := procStatFields(p.Pid())
+func (p *Proc) MinorFaults() (int64, error) { return sumStatFields(p.Pid(), 7, 9) } // minflt, cminflt
+
+// sumStatFields is the sum of the numeric fields [lo, hi) of procStatFields.
+func sumStatFields(pid, lo, hi int) (int64, error) {
+	f, err := procStatFields(pid)
 	if err != nil {
 		return 0, err
 	}
-	if len(f) < 9 {
-		return 0, fmt.Errorf("short /proc/%d/stat", p.Pid())
+	if len(f) < hi {
+		return 0, fmt.Errorf("short /proc/%d/stat", pid)
 	}
 	var n int64
-	for _, x := range f[7:9] { // minflt, cminflt
+	for _, x := range f[lo:hi] {
 		v, err := strconv.ParseInt(x, 10, 64)
 		if err != nil {
-			return 0, fmt.Errorf("/proc/%d/stat: %w", p.Pid(), err)
+			return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
 		}
 		n += v
 	}
