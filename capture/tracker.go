@@ -150,7 +150,7 @@ func (t *tracker) written0(lsn event.LSN, now time.Time) {
 		// A bucket's time never moves: a later one would postpone every
 		// position in it, forever under steady traffic. A new bucket comes
 		// due at least a second after the previous one, so at most
-		// syncDelay/1s+1 are pending, and no position waits more than a
+		// syncDelay/1s+2 are pending, and no position waits more than a
 		// second past its own safe time.
 		if next := t.pending[n-1].safeAt.Add(time.Second); safeAt.Before(next) {
 			safeAt = next
@@ -318,7 +318,8 @@ func (t *tracker) unconfirmedSince() time.Time {
 	return time.Time{}
 }
 
-// reportLagTo makes the tracker keep a current (Unix nanoseconds, 0: none).
+// reportLagTo makes the tracker keep unconfirmedSince in a, as Unix
+// nanoseconds (0: none), for a reader on another goroutine.
 func (t *tracker) reportLagTo(a *atomic.Int64) {
 	t.lag = a
 	t.reportLag()
