@@ -135,11 +135,12 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	if s.now == nil {
 		s.now = time.Now
 	}
-	m, err := newMetrics(s.reg, s.heartbeatAge)
+	m, err := newMetrics(s.reg, s.heartbeatAge, s.now)
 	if err != nil {
 		return nil, fmt.Errorf("register capture metrics: %w", err)
 	}
 	s.m = m
+	s.m.syncInterval.Set(max(cfg.BrokerSyncInterval, 0).Seconds())
 	s.cpu = newCPUGovernor(&s.cfg)
 	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
 	if g := s.cpu; g != nil && g.tailNice > 0 && g.setNice == nil {
@@ -582,6 +583,7 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 		st.careful = carefulMsgs
 	}
 	st.tr.safe, st.flushed = startLSN, startLSN
+	st.tr.reportLagTo(&s.m.unconfirmedSince)
 	s.st = st
 	if rp.has {
 		var after uint64

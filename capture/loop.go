@@ -781,6 +781,7 @@ func (st *streamer) sendStatus(now time.Time, safe event.LSN) error {
 		return fmt.Errorf("send standby status: %w", err)
 	}
 	st.written, st.flushed, st.lastSt = written, safe, now
+	st.tr.sent(safe)
 	if safe > 0 {
 		st.s.setConfirmed(safe)
 	}

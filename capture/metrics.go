@@ -1,6 +1,9 @@
 package capture
 
 import (
+	"sync/atomic"
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -36,9 +39,16 @@ type metrics struct {
 	cpuNice         prometheus.Gauge
 	backlogBytes    prometheus.Gauge
 	cpuModeSwitches *prometheus.CounterVec
+
+	// confirmLag is the age of unconfirmedSince: the Unix nanoseconds at
+	// which the oldest written position not yet confirmed to the slot was
+	// written (0: none), kept by the session's tracker.
+	confirmLag       prometheus.GaugeFunc
+	unconfirmedSince atomic.Int64
+	syncInterval     prometheus.Gauge
 }
 
-func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics, error) {
+func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func() time.Time) (*metrics, error) {
 	g := func(name, help string) prometheus.Gauge {
 		return prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help})
 	}
@@ -86,6 +96,17 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		Name: "epitaph_capture_heartbeat_age_seconds",
 		Help: "Seconds since the last heartbeat came back through the replication slot (-1: none yet).",
 	}, heartbeatAge)
+	m.syncInterval = g("epitaph_capture_broker_sync_interval_seconds", "How long confirmations to the slot trail the broker's acknowledgements (--broker-sync-interval; 0: they do not).")
+	m.confirmLag = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "epitaph_capture_confirm_lag_seconds",
+		Help: "Seconds since the oldest position JetStream acknowledged but not yet confirmed to the replication slot was acknowledged (0: none). Normally at most the broker sync interval plus about a second.",
+	}, func() float64 {
+		n := m.unconfirmedSince.Load()
+		if n == 0 {
+			return 0
+		}
+		return max(now().Sub(time.Unix(0, n)).Seconds(), 0)
+	})
 	// Every label exists from the start, so increase() sees the first restore.
 	for _, l := range append(append([]string{}, limitNames...), "failed") {
 		m.limitsRestored.WithLabelValues(l)
@@ -98,6 +119,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
+		m.confirmLag, m.syncInterval,
 		m.foreign, m.implausible, m.collisions, m.sessions,
 		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,
 		m.cpus, m.catchingUp, m.cpuNice, m.backlogBytes, m.cpuModeSwitches} {

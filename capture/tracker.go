@@ -3,6 +3,7 @@ package capture
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -28,9 +29,12 @@ type trackItem struct {
 	lsn  event.LSN
 }
 
+// safePos is a bucket of written positions: lsn, the highest, may be
+// confirmed at safeAt; since is when its first position was written.
 type safePos struct {
 	lsn    event.LSN
 	safeAt time.Time
+	since  time.Time
 }
 
 // tracker decides which LSN may be confirmed to Postgres. Publishes and
@@ -39,7 +43,9 @@ type safePos struct {
 // "safe" (confirmable) once those acknowledgements are older than the
 // broker's sync delay, because a 1-replica JetStream acknowledges before it
 // fsyncs. Memory is bounded: at most MaxInFlight messages, consecutive
-// markers coalesce, and safe positions are bucketed per second.
+// markers coalesce, and written positions are bucketed: buckets come due
+// at least a second apart, and a position is safe at most a second after
+// its own acknowledgements are synced, whatever is written after it.
 //
 // Not every message asks for an acknowledgement: a message published
 // without one is "loose" until the next acknowledged publish, which covers
@@ -60,6 +66,13 @@ type tracker struct {
 	pending   []safePos // written, not yet safe; ascending
 	written   event.LSN
 	safe      event.LSN
+
+	// unsentSince is when the oldest safe position not yet confirmed to
+	// the slot (sent) was written; zero when every safe one is confirmed.
+	unsentSince time.Time
+	// lag, when set, holds unconfirmedSince as Unix nanoseconds (0: none)
+	// for the confirm lag gauge, read by the metrics scrape.
+	lag *atomic.Int64
 }
 
 // newTracker starts a tracker at now: the stream's tail, written by an
@@ -117,23 +130,36 @@ func (t *tracker) mark(lsn event.LSN, now time.Time) {
 	t.q = append(t.q, trackItem{lsn: lsn})
 }
 
-func (t *tracker) written0(lsn event.LSN, _ time.Time) {
+func (t *tracker) written0(lsn event.LSN, now time.Time) {
 	if lsn <= t.written {
 		return
 	}
 	t.written = lsn
+	if lsn <= t.safe {
+		return // already confirmable (a keepalive at the resume position)
+	}
 	safeAt := t.lastAckAt.Add(t.syncDelay)
-	if n := len(t.pending); n > 0 && !safeAt.After(t.pending[n-1].safeAt.Add(time.Second)) {
-		// Coalesce into the previous bucket, keeping the later time: this
-		// can only delay a confirmation, never advance it early.
-		p := &t.pending[n-1]
-		p.lsn = lsn
-		if safeAt.After(p.safeAt) {
-			p.safeAt = safeAt
-		}
+	n := len(t.pending)
+	if n > 0 && !safeAt.After(t.pending[n-1].safeAt) {
+		// The previous bucket comes due no earlier than this position is
+		// synced: it may carry it, and keeps its time.
+		t.pending[n-1].lsn = lsn
 		return
 	}
-	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt})
+	if n > 0 {
+		// A bucket's time never moves: a later one would postpone every
+		// position in it, forever under steady traffic. A new bucket comes
+		// due at least a second after the previous one, so at most
+		// syncDelay/1s+2 are pending, and no position waits more than a
+		// second past its own safe time.
+		if next := t.pending[n-1].safeAt.Add(time.Second); safeAt.Before(next) {
+			safeAt = next
+		}
+	}
+	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt, since: now})
+	if n == 0 {
+		t.reportLag()
+	}
 }
 
 // poll pops every acknowledged publish and marker at the front of the
@@ -258,9 +284,56 @@ func (t *tracker) safeLSN(now time.Time) event.LSN {
 		i++
 	}
 	if i > 0 {
-		t.pending = append(t.pending[:0], t.pending[i:]...)
+		t.popPending(i)
 	}
 	return t.safe
+}
+
+// popPending drops the first n buckets, now safe: they wait for sent.
+func (t *tracker) popPending(n int) {
+	if t.unsentSince.IsZero() {
+		t.unsentSince = t.pending[0].since
+	}
+	t.pending = append(t.pending[:0], t.pending[n:]...)
+	t.reportLag()
+}
+
+// sent records that lsn was confirmed to the slot.
+func (t *tracker) sent(lsn event.LSN) {
+	if lsn >= t.safe && !t.unsentSince.IsZero() {
+		t.unsentSince = time.Time{}
+		t.reportLag()
+	}
+}
+
+// unconfirmedSince is when the oldest written position not yet confirmed
+// to the slot was written (zero: none).
+func (t *tracker) unconfirmedSince() time.Time {
+	if !t.unsentSince.IsZero() {
+		return t.unsentSince
+	}
+	if len(t.pending) > 0 {
+		return t.pending[0].since
+	}
+	return time.Time{}
+}
+
+// reportLagTo makes the tracker keep unconfirmedSince in a, as Unix
+// nanoseconds (0: none), for a reader on another goroutine.
+func (t *tracker) reportLagTo(a *atomic.Int64) {
+	t.lag = a
+	t.reportLag()
+}
+
+func (t *tracker) reportLag() {
+	if t.lag == nil {
+		return
+	}
+	var n int64
+	if s := t.unconfirmedSince(); !s.IsZero() {
+		n = s.UnixNano()
+	}
+	t.lag.Store(n)
 }
 
 // trustAll makes every written position safe: used after the broker has
@@ -268,6 +341,6 @@ func (t *tracker) safeLSN(now time.Time) event.LSN {
 func (t *tracker) trustAll() {
 	if len(t.pending) > 0 {
 		t.safe = max(t.safe, t.pending[len(t.pending)-1].lsn)
-		t.pending = t.pending[:0]
+		t.popPending(len(t.pending))
 	}
 }

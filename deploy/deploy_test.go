@@ -54,6 +54,8 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_capture_active", nil},
 	{"epitaph_capture_large_rows_total", nil},
 	{"epitaph_capture_stream_limits_restored_total", []string{"limit"}},
+	{"epitaph_capture_confirm_lag_seconds", nil},
+	{"epitaph_capture_broker_sync_interval_seconds", nil},
 
 	{"epitaph_projector_lag_events", []string{"projection", "version", "partition"}},
 	{"epitaph_projector_lag_seconds", []string{"projection", "version", "partition"}},
