@@ -90,6 +90,49 @@ func (d *Def) Validate() error {
 	return nil
 }
 
+// RedactedTarget is the handler's target as every output shows it (see
+// RedactTarget).
+func (d Def) RedactedTarget() string { return RedactTarget(d.Kind, d.Target) }
+
+// redacted replaces what output must not show.
+const redacted = "xxxxx"
+
+// RedactTarget hides what a webhook URL may carry as a credential: its
+// userinfo, each query value (an api_key=... some receivers take; the
+// parameter's name stays, so an operator can tell which one it is), a
+// query part without "=" (a bare token) and the fragment. Other kinds'
+// targets are returned as they are. The target is still stored in clear in
+// epitaph.handlers: a signed secret (--secret-file) is the way to
+// authenticate.
+func RedactTarget(kind, target string) string {
+	if kind != KindWebhook {
+		return target
+	}
+	u, err := url.Parse(target)
+	if err != nil {
+		return "(an unparsable URL)"
+	}
+	if u.User != nil {
+		u.User = url.User(redacted)
+	}
+	if u.RawQuery != "" || u.ForceQuery {
+		parts := strings.Split(u.RawQuery, "&")
+		for i, p := range parts {
+			name, _, ok := strings.Cut(p, "=")
+			if ok && len(name) <= 64 {
+				parts[i] = name + "=" + redacted
+			} else {
+				parts[i] = redacted
+			}
+		}
+		u.RawQuery = strings.Join(parts, "&")
+	}
+	if u.Fragment != "" || u.RawFragment != "" {
+		u.Fragment, u.RawFragment = redacted, ""
+	}
+	return u.String()
+}
+
 // validateTarget checks a handler's target for its kind.
 func validateTarget(kind, target string) error {
 	switch kind {
