@@ -38,7 +38,7 @@ func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 	}
 	switch def.Kind {
 	case KindWebhook:
-		return r.webhook(ctx, def, d, body)
+		return r.webhook(ctx, def, d.ID, d.Attempt, 0, body)
 	case KindExec:
 		return runExec(ctx, def, d, body)
 	case KindNATS:
@@ -53,26 +53,32 @@ func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 	return Permanent("unknown_kind", fmt.Errorf("unknown handler kind %q", def.Kind))
 }
 
-func (r *runner) webhook(ctx context.Context, def Def, d Delivery, body []byte) error {
+// webhook POSTs body: a delivery's (batch 0), or a batch of n deliveries
+// whose message id is id and whose highest attempt is attempt.
+func (r *runner) webhook(ctx context.Context, def Def, id string, attempt, batch int, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, def.Target, bytes.NewReader(body))
 	if err != nil {
 		return Permanent("bad_url", err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", "epitaph-projector")
-	req.Header.Set(HeaderDeliveryID, d.ID)
-	req.Header.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
+	if batch > 0 {
+		req.Header.Set(HeaderBatchSize, strconv.Itoa(batch))
+	} else {
+		req.Header.Set(HeaderDeliveryID, id)
+	}
+	req.Header.Set(HeaderAttempt, strconv.Itoa(attempt))
 	// The body is the same on every attempt; the timestamp (and so the
 	// signature) is this attempt's, so a receiver's replay window holds.
 	now := time.Now()
-	req.Header.Set(HeaderWebhookID, d.ID)
+	req.Header.Set(HeaderWebhookID, id)
 	req.Header.Set(HeaderWebhookTimestamp, unixSeconds(now))
 	if def.SecretFile != "" {
 		secrets, err := r.secrets.get(def.SecretFile)
 		if err != nil {
 			return Retryable("secret_file", err)
 		}
-		if err := signWebhook(req.Header.Set, secrets, d.ID, now, body); err != nil {
+		if err := signWebhook(req.Header.Set, secrets, id, now, body); err != nil {
 			return Retryable("sign", err)
 		}
 	}

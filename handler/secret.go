@@ -29,6 +29,10 @@ const (
 
 	HeaderDeliveryID = "Epitaph-Delivery-Id"
 	HeaderAttempt    = "Epitaph-Attempt"
+	// HeaderBatchSize is on a batch's POST (which has no
+	// Epitaph-Delivery-Id: its deliveries' ids are in its body): how many
+	// deliveries it holds. Its Epitaph-Attempt is their highest attempt.
+	HeaderBatchSize = "Epitaph-Batch-Size"
 	// HeaderSignature is deprecated (kept for one release beside
 	// webhook-signature): "sha256=" and the hex HMAC-SHA256 of the body
 	// alone, with the current secret only.
