@@ -75,6 +75,8 @@ func handlersAddCommand(env *Env) *cobra.Command {
 	fs.DurationVar(&d.ClaimTimeout, "claim-timeout", 5*time.Minute, "how long an attempt holds its claim; the handler must finish within 9/10 of it")
 	fs.StringVar(&d.SecretFile, "secret-file", "", "webhook: a file holding the signing secret, whsec_<base64> (Standard Webhooks; the old raw form is deprecated); read again at most a second after it changes, never stored")
 	fs.BoolVar(&noRevalidate, "no-revalidate", false, "do not revalidate a delivery against the source before each attempt")
+	fs.IntVar(&d.BatchSize, "batch-size", 1, "webhook: one POST of up to this many deliveries, {\"deliveries\": [...]}, acknowledged or failed as a whole (1: each alone)")
+	fs.DurationVar(&d.BatchWait, "batch-wait", 100*time.Millisecond, "webhook with --batch-size > 1: send a partial batch once its first delivery waited this long (at most a tenth of --claim-timeout)")
 	asJSON := jsonFlag(cmd, "the handler")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -135,6 +137,7 @@ type handlerOut struct {
 	handler.Def
 	Backoff      string `json:"backoff"`
 	ClaimTimeout string `json:"claim_timeout"`
+	BatchWait    string `json:"batch_wait"`
 }
 
 func handlerJSON(d handler.Def) handlerOut {
@@ -142,7 +145,7 @@ func handlerJSON(d handler.Def) handlerOut {
 		d.Columns = []string{}
 	}
 	d.Target = d.RedactedTarget()
-	return handlerOut{Def: d, Backoff: d.Backoff.String(), ClaimTimeout: d.ClaimTimeout.String()}
+	return handlerOut{Def: d, Backoff: d.Backoff.String(), ClaimTimeout: d.ClaimTimeout.String(), BatchWait: d.BatchWait.String()}
 }
 
 func handlersListCommand(env *Env) *cobra.Command {
@@ -238,6 +241,9 @@ func handlersShowCommand(env *Env) *cobra.Command {
 			line("backoff", d.Backoff)
 			line("claim timeout", d.ClaimTimeout)
 			line("revalidate", d.Revalidate)
+			if d.BatchSize > 1 {
+				line("batches", fmt.Sprintf("up to %d deliveries, a partial one after %s", d.BatchSize, d.BatchWait))
+			}
 			if d.SecretFile != "" {
 				line("secret file", d.SecretFile)
 				line("signing", signingSummary(d.SecretFile, time.Now()))

@@ -290,6 +290,25 @@ func TestHandlersSecretsAndRedaction(t *testing.T) {
 	require.Contains(t, ds[0]["last_error"], "code=http_transport")
 	outs = append(outs, out, logs.String())
 	require.Contains(t, logs.String(), "delivery attempt failed")
+
+	// Batches: set, shown, and bounded.
+	const batchID = "3b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90"
+	_, _, err = run("handlers", "add", "--id", batchID, "--table", "public.orders", "--kind", "webhook", "--target", "https://hooks.example/b",
+		"--batch-size", "2000")
+	require.Equal(t, cli.ExitUsage, cli.Code(err), "%v", err)
+	_, _, err = run("handlers", "add", "--id", batchID, "--table", "public.orders", "--kind", "exec", "--target", `["/bin/true"]`,
+		"--batch-size", "10")
+	require.Equal(t, cli.ExitUsage, cli.Code(err), "%v", err)
+	out, _, err = run("handlers", "add", "--id", batchID, "--table", "public.orders", "--kind", "webhook", "--target", "https://hooks.example/b",
+		"--batch-size", "50", "--batch-wait", "250ms", "--json")
+	require.NoError(t, err)
+	var bh map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &bh))
+	require.Equal(t, 50.0, bh["batch_size"])
+	require.Equal(t, "250ms", bh["batch_wait"])
+	out, _, err = run("handlers", "show", batchID)
+	require.NoError(t, err)
+	require.Contains(t, out, "up to 50 deliveries, a partial one after 250ms")
 	for _, o := range outs {
 		require.NotContains(t, o, "SEKRIT")
 	}
