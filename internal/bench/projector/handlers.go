@@ -48,8 +48,8 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	}
 	defer srv.Close()
 	// Every handler signs (Standard Webhooks and the deprecated
-	// Epitaph-Signature), as a webhook in production
-	// would: the floor below signs too.
+	// Epitaph-Signature), as a webhook in production would: the floor
+	// below signs too.
 	secretFile := filepath.Join(e.dir, "webhook-secret")
 	if err := os.WriteFile(secretFile, []byte(benchSecret+"\n"), 0o600); err != nil {
 		return 0, err
