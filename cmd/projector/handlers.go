@@ -104,7 +104,7 @@ func handlersAddCommand(env *Env) *cobra.Command {
 			}
 			if secrets[0].Raw {
 				fmt.Fprintf(env.Stderr, "note: --secret-file holds a raw secret (deprecated): write it as whsec_<base64>, e.g. "+
-					"printf 'whsec_%%s\\n' \"$(base64 -w0 < %s)\" (the same key)\n", d.SecretFile)
+					"printf 'whsec_%%s\\n' \"$(tr -d '\\r\\n' < %s | base64 -w0)\" (the same key)\n", d.SecretFile)
 			}
 		}
 		if d.Kind == handler.KindWebhook && d.RedactedTarget() != d.Target {
