@@ -11,12 +11,14 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/broker"
@@ -30,11 +32,16 @@ import (
 // hookServer is the webhook target of the row handlers test: it fails the
 // first two attempts of some deliveries, hangs on the first attempt of
 // others (until the projector gives up), always refuses a few (422: dead)
-// and answers the rest at once. It records what it saw per delivery id.
+// and answers the rest at once. It verifies every request with the
+// Standard Webhooks library and records what it saw per delivery id.
 type hookServer struct {
 	mu sync.Mutex
-	// per delivery id: the distinct bodies (without the attempt number),
-	// the attempts seen, and when it first answered 2xx.
+	wh *standardwebhooks.Webhook
+	// unverified: requests the library refused (the first error kept).
+	unverified int
+	verifyErr  error
+	// per delivery id: the distinct bodies (byte for byte), the attempts
+	// seen, and when it first answered 2xx.
 	bodies  map[string]map[string]bool
 	seen    map[string]int
 	okAt    map[string]time.Time
@@ -81,14 +88,22 @@ func (s *hookServer) handle(refusedHandler string) http.HandlerFunc {
 		}
 		id := r.Header.Get(handler.HeaderDeliveryID)
 		attempt, _ := strconv.Atoi(r.Header.Get(handler.HeaderAttempt))
-		body.Attempt = 0
-		norm, _ := json.Marshal(body)
+		verr := s.wh.Verify(b, r.Header)
 		s.mu.Lock()
+		if verr != nil {
+			s.unverified++
+			if s.verifyErr == nil {
+				s.verifyErr = verr
+			}
+			s.mu.Unlock()
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
 		if s.bodies[id] == nil {
 			s.bodies[id] = map[string]bool{}
 			s.firstAt[id] = time.Now()
 		}
-		s.bodies[id][string(norm)] = true
+		s.bodies[id][string(b)] = true
 		s.seen[id]++
 		s.key[id] = body.HandlerID + " " + string(body.Key)
 		s.mu.Unlock()
@@ -154,7 +169,12 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	// deleted again has its later deletion queued before any of its
 	// deliveries is evaluated, so the older one must never be sent.
 	const late = "44444444-4444-4444-8444-444444444444"
-	srv := &hookServer{bodies: map[string]map[string]bool{}, seen: map[string]int{}, okAt: map[string]time.Time{},
+	secret := handler.NewSecret()
+	secretFile := filepath.Join(t.TempDir(), "hook.secret")
+	require.NoError(t, os.WriteFile(secretFile, []byte(secret+"\n"), 0o600))
+	wh, err := standardwebhooks.NewWebhook(secret)
+	require.NoError(t, err)
+	srv := &hookServer{wh: wh, bodies: map[string]map[string]bool{}, seen: map[string]int{}, okAt: map[string]time.Time{},
 		firstAt: map[string]time.Time{}, key: map[string]string{}, stop: make(chan struct{})}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -192,7 +212,8 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 		require.NoError(t, err, string(out))
 		return string(out)
 	}
-	common := []string{"--kind", "webhook", "--target", hook, "--backoff", "100ms", "--claim-timeout", "3s", "--max-attempts", "6"}
+	common := []string{"--kind", "webhook", "--target", hook, "--backoff", "100ms", "--claim-timeout", "3s", "--max-attempts", "6",
+		"--secret-file", secretFile}
 	projector(append([]string{"handlers", "add", "--id", first, "--table", "public.orders", "--columns", "status", "--priority", "0"}, common...)...)
 	projector(append([]string{"handlers", "add", "--id", second, "--table", "public.orders", "--priority", "1"}, common...)...)
 	projector(append([]string{"handlers", "add", "--id", lines, "--table", "public.order_lines", "--phase", "after-group"}, common...)...)
@@ -305,6 +326,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 		require.Equal(t, "stop_superseded", r.outcome, r.id)
 		require.Zero(t, srv.seen[r.id], "the older deletion %s was sent", r.id)
 	}
+	require.Zero(t, srv.unverified, "every request verifies with the Standard Webhooks library: %v", srv.verifyErr)
 	srv.mu.Unlock()
 	dead := count(`SELECT count(*) FROM archive.deliveries WHERE handler_id = $1 AND state = 'dead'`, second)
 	require.Positive(t, dead)
@@ -333,7 +355,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 			continue // revalidated as superseded (checked above)
 		}
 		require.Positive(t, srv.seen[d.id], "the server never saw delivery %s (%s)", d.id, d.state)
-		require.Len(t, srv.bodies[d.id], 1, "two different payloads for delivery %s", d.id)
+		require.Len(t, srv.bodies[d.id], 1, "two different bodies for delivery %s", d.id)
 		if d.state == "done" {
 			require.Contains(t, srv.okAt, d.id)
 		}

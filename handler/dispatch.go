@@ -110,6 +110,9 @@ type Dispatcher struct {
 	analyzing atomic.Bool
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
+	// Batched webhook handlers' claimed deliveries waiting for their
+	// batch (webhook_batch.go).
+	heldState
 }
 
 // NewDispatcher builds a dispatcher on the target pool.
@@ -223,6 +226,14 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 					d.settles <- result{c: c, s: settlement{state: StatePending, handBack: true}}
 					continue
 				}
+				if c.batched() {
+					if cs := d.hold(soft, hard, c); cs != nil {
+						for _, r := range d.runWebhookBatch(hard, cs) {
+							d.settles <- r
+						}
+					}
+					continue
+				}
 				d.settles <- result{c: c, s: d.decide(hard, c)}
 			}
 		}()
@@ -251,6 +262,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 	close(d.queue)
 	stats.Wait()
 	workers.Wait()
+	d.dropHeld() // a partial batch is handed back unstarted
 	close(d.settles)
 	settler.Wait()
 	d.ss.Finish(nil)
@@ -450,10 +462,12 @@ func (d *Dispatcher) flushClaim(ctx context.Context, first bool) ([]*claimed, er
 // runBatch runs a claimed batch, Parallelism at once, and returns the
 // results to record.
 func (d *Dispatcher) runBatch(ctx context.Context, cs []*claimed) []result {
-	results := make([]result, len(cs))
+	alone, batches := d.groupBatches(cs)
+	results := make([]result, len(alone))
+	batched := make([][]result, len(batches))
 	var wg sync.WaitGroup
 	slots := make(chan struct{}, d.cfg.Parallelism)
-	for i, c := range cs {
+	for i, c := range alone {
 		wg.Add(1)
 		slots <- struct{}{}
 		go func() {
@@ -461,7 +475,18 @@ func (d *Dispatcher) runBatch(ctx context.Context, cs []*claimed) []result {
 			results[i] = result{c: c, s: d.decide(ctx, c)}
 		}()
 	}
+	for i, b := range batches {
+		wg.Add(1)
+		slots <- struct{}{}
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			batched[i] = d.runWebhookBatch(ctx, b)
+		}()
+	}
 	wg.Wait()
+	for _, rs := range batched {
+		results = append(results, rs...)
+	}
 	return results
 }
 
@@ -591,6 +616,14 @@ WITH due AS (
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries e
                       WHERE e.source = d.source AND e.commit_lsn = d.commit_lsn AND e.seq = d.seq AND e.id <> d.id
                         AND e.state IN ('pending', 'in_flight') AND (e.priority, e.handler_id) < (d.priority, d.handler_id))
+      -- A batching handler sends a key's deliveries in commit order, each
+      -- after the previous one is terminal: never two in one batch, nor
+      -- a later one while an earlier one waits for its retry.
+      AND (h.batch_size <= 1 OR NOT EXISTS (
+              SELECT 1 FROM epitaph.deliveries k
+              WHERE k.handler_id = d.handler_id AND k.schema_name = d.schema_name AND k.table_name = d.table_name
+                AND k.key = d.key AND k.id <> d.id AND k.state IN ('pending', 'in_flight')
+                AND (k.commit_lsn, k.seq, k.generation) < (d.commit_lsn, d.seq, d.generation)))
     ORDER BY d.next_attempt_at
     LIMIT $1
     FOR UPDATE OF d SKIP LOCKED

@@ -79,6 +79,7 @@ type Delivery struct {
 }
 
 // Body is the JSON a webhook, a command (on stdin) and a NATS message get.
+// It holds no attempt number: a retry sends the same bytes.
 type Body struct {
 	DeliveryID    string                     `json:"delivery_id"`
 	HandlerID     string                     `json:"handler_id"`
@@ -88,17 +89,23 @@ type Body struct {
 	Group         json.RawMessage            `json:"group,omitempty"`
 	CorrelationID string                     `json:"correlation_id"`
 	CommitTime    *time.Time                 `json:"commit_time,omitempty"`
-	Attempt       int                        `json:"attempt"`
 }
 
-// Body is the delivery's payload as handlers get it.
+// Body is the delivery's payload as handlers get it: byte-identical on
+// every attempt, whichever worker makes it (the attempt is in a header or
+// the environment; the commit time is in UTC, not the worker's zone).
 func (d Delivery) Body() Body {
 	key := d.Key
 	if len(key) == 0 {
 		key = json.RawMessage("null")
 	}
+	ct := d.CommitTime
+	if ct != nil {
+		u := ct.UTC()
+		ct = &u
+	}
 	return Body{DeliveryID: d.ID, HandlerID: d.HandlerID, Table: d.Schema + "." + d.Table, Key: key,
-		Columns: d.Columns, Group: d.Group, CorrelationID: d.CorrelationID, CommitTime: d.CommitTime, Attempt: d.Attempt}
+		Columns: d.Columns, Group: d.Group, CorrelationID: d.CorrelationID, CommitTime: ct}
 }
 
 // Handler is a Go row handler, registered by name in a Registry by an

@@ -3,9 +3,6 @@ package handler
 import (
 	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,31 +12,15 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// Webhook headers.
-const (
-	HeaderDeliveryID = "Epitaph-Delivery-Id"
-	HeaderAttempt    = "Epitaph-Attempt"
-	HeaderSignature  = "Epitaph-Signature"
-)
-
 // ExitRetry is the exit status with which a command asks to be retried
 // (EX_TEMPFAIL); any other non-zero status is a failure.
 const ExitRetry = 75
-
-// Sign is the Epitaph-Signature of a webhook body: "sha256=" and the hex
-// HMAC-SHA256 of the body with the secret.
-func Sign(secret, body []byte) string {
-	m := hmac.New(sha256.New, secret)
-	m.Write(body)
-	return "sha256=" + hex.EncodeToString(m.Sum(nil))
-}
 
 // runner runs one attempt of a handler's kind. It returns nil (done), an
 // *Error, or another error (retried).
@@ -50,48 +31,6 @@ type runner struct {
 	secrets  secretCache
 }
 
-// secretCache holds webhook secrets read from their files, each read again
-// once it is older than secretMaxAge (a rotated secret is used within a
-// second, like a changed handler definition). Reading the file at every
-// attempt cost the dispatcher about a tenth of its CPU per delivery (open,
-// read, close: bench-handlers' profile).
-type secretCache struct {
-	mu sync.Mutex
-	m  map[string]cachedSecret
-}
-
-type cachedSecret struct {
-	secret []byte
-	at     time.Time
-}
-
-// secretMaxAge bounds how long a secret read from its file is used.
-const secretMaxAge = time.Second
-
-// get returns the secret in file (its trailing line break trimmed). A
-// failed read is not cached.
-func (c *secretCache) get(file string) ([]byte, error) {
-	now := time.Now()
-	c.mu.Lock()
-	s, ok := c.m[file]
-	c.mu.Unlock()
-	if ok && now.Sub(s.at) < secretMaxAge {
-		return s.secret, nil
-	}
-	b, err := os.ReadFile(file)
-	if err != nil {
-		return nil, err
-	}
-	s = cachedSecret{secret: bytes.TrimRight(b, "\r\n"), at: now}
-	c.mu.Lock()
-	if c.m == nil {
-		c.m = map[string]cachedSecret{}
-	}
-	c.m[file] = s
-	c.mu.Unlock()
-	return s.secret, nil
-}
-
 func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 	body, err := json.Marshal(d.Body())
 	if err != nil {
@@ -99,9 +38,9 @@ func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 	}
 	switch def.Kind {
 	case KindWebhook:
-		return r.webhook(ctx, def, d, body)
+		return r.webhook(ctx, def, d.ID, d.Attempt, 0, body)
 	case KindExec:
-		return runExec(ctx, def, body)
+		return runExec(ctx, def, d, body)
 	case KindNATS:
 		return r.publish(ctx, def, d, body)
 	case KindGo:
@@ -114,21 +53,34 @@ func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 	return Permanent("unknown_kind", fmt.Errorf("unknown handler kind %q", def.Kind))
 }
 
-func (r *runner) webhook(ctx context.Context, def Def, d Delivery, body []byte) error {
+// webhook POSTs body: a delivery's (batch 0), or a batch of n deliveries
+// whose message id is id and whose highest attempt is attempt.
+func (r *runner) webhook(ctx context.Context, def Def, id string, attempt, batch int, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, def.Target, bytes.NewReader(body))
 	if err != nil {
 		return Permanent("bad_url", err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", "epitaph-projector")
-	req.Header.Set(HeaderDeliveryID, d.ID)
-	req.Header.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
+	if batch > 0 {
+		req.Header.Set(HeaderBatchSize, strconv.Itoa(batch))
+	} else {
+		req.Header.Set(HeaderDeliveryID, id)
+	}
+	req.Header.Set(HeaderAttempt, strconv.Itoa(attempt))
+	// The body is the same on every attempt; the timestamp (and so the
+	// signature) is this attempt's, so a receiver's replay window holds.
+	now := time.Now()
+	req.Header.Set(HeaderWebhookID, id)
+	req.Header.Set(HeaderWebhookTimestamp, unixSeconds(now))
 	if def.SecretFile != "" {
-		secret, err := r.secrets.get(def.SecretFile)
+		secrets, err := r.secrets.get(def.SecretFile)
 		if err != nil {
 			return Retryable("secret_file", err)
 		}
-		req.Header.Set(HeaderSignature, Sign(secret, body))
+		if err := signWebhook(req.Header.Set, secrets, id, now, body); err != nil {
+			return Retryable("sign", err)
+		}
 	}
 	resp, err := r.client.Do(req)
 	if err != nil {
@@ -166,13 +118,16 @@ func ParseCommand(target string) ([]string, error) {
 	return argv, nil
 }
 
-func runExec(ctx context.Context, def Def, body []byte) error {
+func runExec(ctx context.Context, def Def, d Delivery, body []byte) error {
 	argv, err := ParseCommand(def.Target)
 	if err != nil {
 		return Permanent("bad_command", err)
 	}
 	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	cmd.Stdin = bytes.NewReader(body)
+	// The body is the same on every attempt: the attempt is in the
+	// environment, as it is in a webhook's headers.
+	cmd.Env = append(os.Environ(), "EPITAPH_DELIVERY_ID="+d.ID, "EPITAPH_ATTEMPT="+strconv.Itoa(d.Attempt))
 	// Output is the command's own business: never kept (it may hold data).
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	cmd.WaitDelay = 5 * time.Second

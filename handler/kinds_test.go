@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
@@ -26,6 +27,7 @@ func TestWebhook(t *testing.T) {
 	type call struct {
 		id, attempt, sig string
 		body             []byte
+		header           http.Header
 	}
 	var mu sync.Mutex
 	var calls []call
@@ -33,7 +35,7 @@ func TestWebhook(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
 		mu.Lock()
-		calls = append(calls, call{r.Header.Get(HeaderDeliveryID), r.Header.Get(HeaderAttempt), r.Header.Get(HeaderSignature), b})
+		calls = append(calls, call{r.Header.Get(HeaderDeliveryID), r.Header.Get(HeaderAttempt), r.Header.Get(HeaderSignature), b, r.Header.Clone()})
 		mu.Unlock()
 		var body Body
 		_ = json.Unmarshal(b, &body)
@@ -66,12 +68,21 @@ func TestWebhook(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Len(t, calls, 7)
+	// The old raw secret signs both ways: the deprecated header, and
+	// webhook-signature with its bytes as the key (whsec_ of their base64
+	// is the same secret to a standard verifier).
+	raw, err := standardwebhooks.NewWebhookRaw([]byte("s3cret"))
+	require.NoError(t, err)
+	std, err := standardwebhooks.NewWebhook(FormatSecret([]byte("s3cret")))
+	require.NoError(t, err)
 	for _, c := range calls {
 		require.Equal(t, Sign([]byte("s3cret"), c.body), c.sig, "HMAC-SHA256 of the body")
+		require.NoError(t, raw.Verify(c.body, c.header))
+		require.NoError(t, std.Verify(c.body, c.header))
 		var b Body
 		require.NoError(t, json.Unmarshal(c.body, &b))
 		require.Equal(t, c.id, b.DeliveryID)
-		require.Equal(t, c.attempt, strconv.Itoa(b.Attempt))
+		require.NotContains(t, string(c.body), "attempt", "the attempt is in a header only")
 		require.Equal(t, h.ID, b.HandlerID)
 		require.Equal(t, "public.orders", b.Table)
 		require.NotEmpty(t, b.CorrelationID)
@@ -201,13 +212,20 @@ func TestSecretCacheRereadsARotatedSecret(t *testing.T) {
 	file := filepath.Join(t.TempDir(), "secret")
 	require.NoError(t, os.WriteFile(file, []byte("first\r\n"), 0o600))
 	var c secretCache
-	got, err := c.get(file)
+	get := func() (string, error) {
+		s, err := c.get(file)
+		if err != nil {
+			return "", err
+		}
+		return string(s[0].Key), nil
+	}
+	got, err := get()
 	require.NoError(t, err)
-	require.Equal(t, "first", string(got), "trailing line break trimmed")
+	require.Equal(t, "first", got, "trailing line break trimmed")
 	require.NoError(t, os.WriteFile(file, []byte("second\n"), 0o600))
-	got, err = c.get(file)
+	got, err = get()
 	require.NoError(t, err)
-	require.Equal(t, "first", string(got), "younger than a second: the cached copy")
+	require.Equal(t, "first", got, "younger than a second: the cached copy")
 	age := func() {
 		c.mu.Lock()
 		s := c.m[file]
@@ -216,15 +234,15 @@ func TestSecretCacheRereadsARotatedSecret(t *testing.T) {
 		c.mu.Unlock()
 	}
 	age()
-	got, err = c.get(file)
+	got, err = get()
 	require.NoError(t, err)
-	require.Equal(t, "second", string(got), "a second old: read again")
+	require.Equal(t, "second", got, "a second old: read again")
 	require.NoError(t, os.Remove(file))
 	age()
-	_, err = c.get(file)
+	_, err = get()
 	require.Error(t, err, "a secret file gone is an error, not the old secret")
 	require.NoError(t, os.WriteFile(file, []byte("third"), 0o600))
-	got, err = c.get(file)
+	got, err = get()
 	require.NoError(t, err)
-	require.Equal(t, "third", string(got), "the failed read was not cached")
+	require.Equal(t, "third", got, "the failed read was not cached")
 }

@@ -38,6 +38,12 @@ type Def struct {
 	ClaimTimeout time.Duration `json:"-"`
 	SecretFile   string        `json:"secret_file,omitempty"`
 	Revalidate   bool          `json:"revalidate"`
+	// BatchSize > 1 (webhooks only): one POST of up to BatchSize
+	// deliveries, {"deliveries": [...]}, acknowledged or failed as a
+	// whole; a partial batch is sent once its first delivery has waited
+	// BatchWait.
+	BatchSize int           `json:"batch_size"`
+	BatchWait time.Duration `json:"-"`
 	// SourceURLFile: revalidation reads the source through the URL in this
 	// file (empty: the projector's --source-url).
 	SourceURLFile string     `json:"source_url_file,omitempty"`
@@ -79,6 +85,21 @@ func (d *Def) Validate() error {
 	if d.Backoff <= 0 || d.ClaimTimeout <= 0 {
 		return errors.New("--backoff and --claim-timeout must be positive")
 	}
+	if d.BatchSize == 0 {
+		d.BatchSize = 1
+	}
+	if d.BatchSize < 1 || d.BatchSize > MaxBatchSize {
+		return fmt.Errorf("--batch-size must be between 1 and %d", MaxBatchSize)
+	}
+	if d.BatchSize > 1 && d.Kind != KindWebhook {
+		return errors.New("--batch-size: only webhooks send batches")
+	}
+	if d.BatchWait < 0 || (d.BatchSize > 1 && (d.BatchWait <= 0 || d.BatchWait > d.ClaimTimeout/10)) {
+		return errors.New("--batch-wait must be positive and at most a tenth of --claim-timeout (its deliveries are claimed while they wait)")
+	}
+	if d.BatchSize == 1 {
+		d.BatchWait = 0
+	}
 	if d.Columns == nil {
 		d.Columns = []string{}
 	}
@@ -88,6 +109,49 @@ func (d *Def) Validate() error {
 		}
 	}
 	return nil
+}
+
+// RedactedTarget is the handler's target as every output shows it (see
+// RedactTarget).
+func (d Def) RedactedTarget() string { return RedactTarget(d.Kind, d.Target) }
+
+// redacted replaces what output must not show.
+const redacted = "xxxxx"
+
+// RedactTarget hides what a webhook URL may carry as a credential: its
+// userinfo, each query value (an api_key=... some receivers take; the
+// parameter's name stays, so an operator can tell which one it is), a
+// query part without "=" (a bare token) and the fragment. Other kinds'
+// targets are returned as they are. The target is still stored in clear in
+// epitaph.handlers: a signed secret (--secret-file) is the way to
+// authenticate.
+func RedactTarget(kind, target string) string {
+	if kind != KindWebhook {
+		return target
+	}
+	u, err := url.Parse(target)
+	if err != nil {
+		return "(an unparsable URL)"
+	}
+	if u.User != nil {
+		u.User = url.User(redacted)
+	}
+	if u.RawQuery != "" || u.ForceQuery {
+		parts := strings.Split(u.RawQuery, "&")
+		for i, p := range parts {
+			name, _, ok := strings.Cut(p, "=")
+			if ok && len(name) <= 64 {
+				parts[i] = name + "=" + redacted
+			} else {
+				parts[i] = redacted
+			}
+		}
+		u.RawQuery = strings.Join(parts, "&")
+	}
+	if u.Fragment != "" || u.RawFragment != "" {
+		u.Fragment, u.RawFragment = redacted, ""
+	}
+	return u.String()
 }
 
 // validateTarget checks a handler's target for its kind.
@@ -121,15 +185,17 @@ func validateTarget(kind, target string) error {
 
 const defColumns = `id::text, COALESCE(name, ''), schema_name, table_name, kind, target, priority, phase, columns,
 	max_attempts, (extract(epoch FROM backoff) * 1000)::bigint, (extract(epoch FROM claim_timeout) * 1000)::bigint,
-	COALESCE(secret_file, ''), revalidate, COALESCE(source_url_file, ''), enabled, revoked_at, created_at, updated_at`
+	COALESCE(secret_file, ''), revalidate, COALESCE(source_url_file, ''), enabled, revoked_at, created_at, updated_at,
+	batch_size, (extract(epoch FROM batch_wait) * 1000)::bigint`
 
 func scanDef(row pgx.Row) (Def, error) {
 	var d Def
-	var backoffMS, claimMS int64
+	var backoffMS, claimMS, batchWaitMS int64
 	err := row.Scan(&d.ID, &d.Name, &d.Schema, &d.Table, &d.Kind, &d.Target, &d.Priority, &d.Phase, &d.Columns,
 		&d.MaxAttempts, &backoffMS, &claimMS, &d.SecretFile, &d.Revalidate, &d.SourceURLFile, &d.Enabled,
-		&d.RevokedAt, &d.CreatedAt, &d.UpdatedAt)
+		&d.RevokedAt, &d.CreatedAt, &d.UpdatedAt, &d.BatchSize, &batchWaitMS)
 	d.Backoff, d.ClaimTimeout = time.Duration(backoffMS)*time.Millisecond, time.Duration(claimMS)*time.Millisecond
+	d.BatchWait = time.Duration(batchWaitMS) * time.Millisecond
 	return d, err
 }
 
@@ -142,11 +208,12 @@ func Add(ctx context.Context, db DB, d Def) error {
 		return err
 	}
 	_, err := db.Exec(ctx, `INSERT INTO epitaph.handlers (id, name, schema_name, table_name, kind, target, priority, phase,
-		columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled)
+		columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled, batch_size, batch_wait)
 		VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11 * interval '1 millisecond', $12 * interval '1 millisecond',
-		        NULLIF($13, ''), $14, NULLIF($15, ''), true)`,
+		        NULLIF($13, ''), $14, NULLIF($15, ''), true, $16, $17 * interval '1 millisecond')`,
 		d.ID, d.Name, d.Schema, d.Table, d.Kind, d.Target, d.Priority, d.Phase, d.Columns, d.MaxAttempts,
-		d.Backoff.Milliseconds(), d.ClaimTimeout.Milliseconds(), d.SecretFile, d.Revalidate, d.SourceURLFile)
+		d.Backoff.Milliseconds(), d.ClaimTimeout.Milliseconds(), d.SecretFile, d.Revalidate, d.SourceURLFile,
+		d.BatchSize, d.BatchWait.Milliseconds())
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) && pe.Code == "23505" {
 		return fmt.Errorf("a handler with id %s exists already", d.ID)

@@ -27,15 +27,17 @@ func init() {
 
 func handlersCommand(env *Env) *cobra.Command {
 	cmd := cli.Group(&cobra.Command{
-		Use:   "handlers <add | list | show | enable | disable | revoke | remove>",
-		Short: "row handlers (side effects of archived deletes): add | list | show | enable | disable | revoke | remove",
+		Use:   "handlers <add | list | show | enable | disable | revoke | remove | rotate-secret>",
+		Short: "row handlers (side effects of archived deletes): add | list | show | enable | disable | revoke | remove | rotate-secret",
 		Long: `A row handler runs for every archived row of one source table, at least once:
-a webhook (POST of a JSON body, signed with --secret-file), a command (JSON on
+a webhook (POST of a JSON body, signed as Standard Webhooks with the whsec_
+secret in --secret-file), a command (JSON on
 stdin, no shell) or a NATS subject (JetStream, Nats-Msg-Id = delivery id). Its
 deliveries are queued in the transaction that archives the row, by the live
 version only, and run by every "projector run" (see "projector deliveries").
 disable pauses (deliveries wait), revoke stops its open deliveries
-(stop_revoked), remove deletes it (open deliveries end stop_completed).`,
+(stop_revoked), remove deletes it (open deliveries end stop_completed),
+rotate-secret writes a new webhook secret and signs with both for a while.`,
 		Example: `  projector handlers add --id 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --table public.attachments \
     --kind webhook --target https://blobs.internal/purge --columns blob_name --secret-file /etc/epitaph/hook.secret
   projector handlers add --id 5d1e... --table public.orders --kind exec --target '["/usr/local/bin/reindex","--delete"]'
@@ -43,7 +45,7 @@ disable pauses (deliveries wait), revoke stops its open deliveries
 	})
 	cmd.AddCommand(handlersAddCommand(env), handlersListCommand(env), handlersShowCommand(env),
 		handlersToggleCommand(env, "enable", true), handlersToggleCommand(env, "disable", false),
-		handlersEndCommand(env, "revoke"), handlersEndCommand(env, "remove"))
+		handlersEndCommand(env, "revoke"), handlersEndCommand(env, "remove"), handlersRotateSecretCommand(env))
 	return cmd
 }
 
@@ -71,8 +73,10 @@ func handlersAddCommand(env *Env) *cobra.Command {
 	fs.IntVar(&d.MaxAttempts, "max-attempts", 25, "attempts before a delivery is dead")
 	fs.DurationVar(&d.Backoff, "backoff", time.Second, "base of the exponential backoff between attempts")
 	fs.DurationVar(&d.ClaimTimeout, "claim-timeout", 5*time.Minute, "how long an attempt holds its claim; the handler must finish within 9/10 of it")
-	fs.StringVar(&d.SecretFile, "secret-file", "", "webhook: a file holding the HMAC-SHA256 secret of Epitaph-Signature (read again at most a second after it changes; never stored)")
+	fs.StringVar(&d.SecretFile, "secret-file", "", "webhook: a file holding the signing secret, whsec_<base64> (Standard Webhooks; the old raw form is deprecated); read again at most a second after it changes, never stored")
 	fs.BoolVar(&noRevalidate, "no-revalidate", false, "do not revalidate a delivery against the source before each attempt")
+	fs.IntVar(&d.BatchSize, "batch-size", 1, "webhook: one POST of up to this many deliveries, {\"deliveries\": [...]}, acknowledged or failed as a whole (1: each alone)")
+	fs.DurationVar(&d.BatchWait, "batch-wait", 100*time.Millisecond, "webhook with --batch-size > 1: send a partial batch once its first delivery waited this long (at most a tenth of --claim-timeout)")
 	asJSON := jsonFlag(cmd, "the handler")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -88,11 +92,24 @@ func handlersAddCommand(env *Env) *cobra.Command {
 			return cli.Usage("%w", err)
 		}
 		if d.SecretFile != "" {
-			f, err := os.Open(d.SecretFile)
-			if err != nil {
+			if d.Kind != handler.KindWebhook {
+				return cli.Usage("--secret-file signs webhooks only")
+			}
+			secrets, err := handler.ReadSecrets(d.SecretFile)
+			if errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission) {
 				return cli.Usage("--secret-file %s cannot be read", d.SecretFile)
 			}
-			f.Close()
+			if err != nil {
+				return cli.Usage("--secret-file %w", err)
+			}
+			if secrets[0].Raw {
+				fmt.Fprintf(env.Stderr, "note: --secret-file holds a raw secret (deprecated): write it as whsec_<base64>, e.g. "+
+					"printf 'whsec_%%s\\n' \"$(tr -d '\\r\\n' < %s | base64 -w0)\" (the same key)\n", d.SecretFile)
+			}
+		}
+		if d.Kind == handler.KindWebhook && d.RedactedTarget() != d.Target {
+			fmt.Fprintln(env.Stderr, "note: the URL's query is stored in clear in the target database and hidden in every output; "+
+				"a receiver should authenticate deliveries by their signature (--secret-file)")
 		}
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
 			if err := migrations.Apply(ctx, pool); err != nil {
@@ -120,13 +137,15 @@ type handlerOut struct {
 	handler.Def
 	Backoff      string `json:"backoff"`
 	ClaimTimeout string `json:"claim_timeout"`
+	BatchWait    string `json:"batch_wait"`
 }
 
 func handlerJSON(d handler.Def) handlerOut {
 	if d.Columns == nil {
 		d.Columns = []string{}
 	}
-	return handlerOut{Def: d, Backoff: d.Backoff.String(), ClaimTimeout: d.ClaimTimeout.String()}
+	d.Target = d.RedactedTarget()
+	return handlerOut{Def: d, Backoff: d.Backoff.String(), ClaimTimeout: d.ClaimTimeout.String(), BatchWait: d.BatchWait.String()}
 }
 
 func handlersListCommand(env *Env) *cobra.Command {
@@ -167,7 +186,7 @@ func handlerStatus(d handler.Def) string {
 func writeHandlers(w io.Writer, defs []handler.Def) {
 	writeTable(w, "ID\tNAME\tTABLE\tKIND\tPHASE\tPRIORITY\tSTATUS\tTARGET", defs, "(no handlers)", func(w io.Writer, d handler.Def) {
 		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Name, d.QualifiedTable(), d.Kind, d.Phase, d.Priority,
-			handlerStatus(d), redact(d.Target))
+			handlerStatus(d), d.RedactedTarget())
 	})
 }
 
@@ -213,7 +232,7 @@ func handlersShowCommand(env *Env) *cobra.Command {
 			}
 			line("table", d.QualifiedTable())
 			line("kind", d.Kind)
-			line("target", redact(d.Target))
+			line("target", d.RedactedTarget())
 			line("status", handlerStatus(d))
 			line("priority", d.Priority)
 			line("phase", d.Phase)
@@ -222,8 +241,12 @@ func handlersShowCommand(env *Env) *cobra.Command {
 			line("backoff", d.Backoff)
 			line("claim timeout", d.ClaimTimeout)
 			line("revalidate", d.Revalidate)
+			if d.BatchSize > 1 {
+				line("batches", fmt.Sprintf("up to %d deliveries, a partial one after %s", d.BatchSize, d.BatchWait))
+			}
 			if d.SecretFile != "" {
 				line("secret file", d.SecretFile)
+				line("signing", signingSummary(d.SecretFile, time.Now()))
 			}
 			for _, s := range handler.States {
 				line("deliveries "+s, counts[s])
@@ -522,6 +545,97 @@ passed first (naming how many remain).`,
 			if !*asJSON {
 				fmt.Fprintln(env.Stdout, "flushed: no open deliveries left")
 			}
+			return nil
+		})
+	}
+	return cmd
+}
+
+// signingSummary says, without a secret, how a webhook is signed now.
+func signingSummary(file string, now time.Time) string {
+	secrets, err := handler.ReadSecrets(file)
+	if err != nil {
+		return "the secret file cannot be read or parsed: deliveries fail until it is fixed"
+	}
+	if secrets[0].Raw {
+		return "one raw secret (deprecated form: write it as whsec_<base64>)"
+	}
+	signing := secrets.Signing(now)
+	if len(signing) == 1 {
+		return "one whsec_ secret"
+	}
+	last := signing[1].Until
+	for _, k := range signing[2:] {
+		if k.Until.After(last) {
+			last = k.Until
+		}
+	}
+	return fmt.Sprintf("%d whsec_ secrets: the previous one(s) also sign until %s", len(signing), last.UTC().Format(time.RFC3339))
+}
+
+func handlersRotateSecretCommand(env *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "rotate-secret <id> [--window D] [--from-file FILE]",
+		Short: "write a new webhook secret into the handler's --secret-file; the old one keeps signing for --window",
+		Long: `Writes a new secret (32 random bytes, whsec_<base64>; or the one in --from-file)
+as the first line of the handler's secret file, and keeps the current secret
+on the next line with "until=<time>": until then every request carries both
+signatures (webhook-signature: "v1,<new> v1,<old>"), so the receiver can
+switch to the new secret at any moment within the window. The file is
+replaced atomically, its mode kept; run this where the projectors read the
+file (dispatchers use the new file within a second). No secret is printed:
+read the new one from the file's first line.`,
+		Example: "  projector handlers rotate-secret 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --window 48h",
+		Args:    cli.Args(1),
+	}
+	c := commonFlags(cmd, env)
+	window := cmd.Flags().Duration("window", handler.DefaultRotationWindow, "how long the old secret keeps signing beside the new one (0: replaced at once)")
+	from := cmd.Flags().String("from-file", "", "take the new secret (whsec_<base64>) from this file instead of generating one")
+	asJSON := jsonFlag(cmd, `{"id", "secret_file", "previous_signs_until"}`)
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		ctx := cmd.Context()
+		if !handler.ValidID(args[0]) {
+			return cli.Usage("handler id %q: want a UUID", args[0])
+		}
+		if *window < 0 {
+			return cli.Usage("--window must not be negative")
+		}
+		next := ""
+		if *from != "" {
+			b, err := os.ReadFile(*from)
+			if err != nil {
+				return cli.Usage("--from-file %s cannot be read", *from)
+			}
+			next = strings.TrimRight(string(b), "\r\n")
+			if s, err := handler.ParseSecrets([]byte(next)); err != nil || s[0].Raw || len(s) != 1 {
+				return cli.Usage("--from-file %s: want one whsec_<base64> secret", *from)
+			}
+		}
+		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
+			d, err := handler.Get(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
+			}
+			if d.Kind != handler.KindWebhook || d.SecretFile == "" {
+				return cli.Usage("handler %s is not a webhook with a --secret-file", d.ID)
+			}
+			until, err := handler.RotateSecretFile(d.SecretFile, next, *window, time.Now())
+			if err != nil {
+				return fmt.Errorf("rotate the secret of handler %s: %w", d.ID, err)
+			}
+			if *asJSON {
+				out := map[string]any{"id": d.ID, "secret_file": d.SecretFile, "previous_signs_until": nil}
+				if *window > 0 {
+					out["previous_signs_until"] = until.UTC()
+				}
+				return writeJSON(env.Stdout, out)
+			}
+			if *window == 0 {
+				fmt.Fprintf(env.Stdout, "handler %s: a new secret is the first line of %s; the old one no longer signs\n", d.ID, d.SecretFile)
+				return nil
+			}
+			fmt.Fprintf(env.Stdout, "handler %s: a new secret is the first line of %s; the old one also signs until %s\n",
+				d.ID, d.SecretFile, until.UTC().Format(time.RFC3339))
 			return nil
 		})
 	}

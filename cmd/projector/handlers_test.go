@@ -174,3 +174,142 @@ func TestHandlersAndDeliveriesCommands(t *testing.T) {
 	_, err = run("handlers", "show", id)
 	require.Equal(t, cli.ExitNotEqual, cli.Code(err))
 }
+
+// A webhook's secret file is checked when it is added (whsec_ or the old
+// raw form), rotate-secret writes a new one that signs beside the old,
+// and the URL's query and userinfo never reach output: list, show, their
+// JSON, the dispatcher's log lines and the deliveries' last_error.
+func TestHandlersSecretsAndRedaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testenv.NewDatabase(t)
+	var logs bytes.Buffer
+	run := func(args ...string) (string, string, error) {
+		var out, errOut bytes.Buffer
+		env := &Env{Getenv: func(k string) string {
+			return map[string]string{"EPITAPH_TARGET_URL": url, "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}[k]
+		}, Stdout: &out, Stderr: &errOut, Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+		err := dispatch(ctx, args, env)
+		return out.String(), errOut.String(), err
+	}
+	dir := t.TempDir()
+	secret := handler.NewSecret()
+	file := filepath.Join(dir, "hook.secret")
+	require.NoError(t, os.WriteFile(file, []byte(secret+"\n"), 0o600))
+	bad := filepath.Join(dir, "bad.secret")
+	require.NoError(t, os.WriteFile(bad, []byte("whsec_!!SEKRIT!!\n"), 0o600))
+	raw := filepath.Join(dir, "raw.secret")
+	require.NoError(t, os.WriteFile(raw, []byte("old-raw-key\n"), 0o600))
+	// Nothing listens here: every attempt fails in the transport, whose
+	// error names the URL.
+	srv := httptest.NewServer(http.NotFoundHandler())
+	target := srv.URL + "/purge?api_key=SEKRIT&v=2"
+	srv.Close()
+	const id, rawID, plainID = "0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90", "1b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90", "2b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90"
+	add := func(id, secretFile string) (string, string, error) {
+		return run("handlers", "add", "--id", id, "--table", "public.orders", "--kind", "webhook", "--target", target,
+			"--secret-file", secretFile, "--max-attempts", "1", "--no-revalidate")
+	}
+	_, _, err := add(id, bad)
+	require.Equal(t, cli.ExitUsage, cli.Code(err), "%v", err)
+	require.NotContains(t, err.Error(), "SEKRIT")
+	_, stderr, err := add(id, file)
+	require.NoError(t, err)
+	require.Contains(t, stderr, "hidden in every output")
+	require.NotContains(t, stderr, "SEKRIT")
+	_, stderr, err = add(rawID, raw)
+	require.NoError(t, err)
+	require.Contains(t, stderr, "raw secret (deprecated)")
+	require.NotContains(t, stderr, "old-raw-key")
+	_, _, err = run("handlers", "add", "--id", plainID, "--table", "public.orders", "--kind", "webhook", "--target", "https://hooks.example/p")
+	require.NoError(t, err)
+
+	var outs []string
+	for _, args := range [][]string{{"handlers", "list"}, {"handlers", "list", "--json"}, {"handlers", "show", id}, {"handlers", "show", id, "--json"}} {
+		out, _, err := run(args...)
+		require.NoError(t, err, args)
+		require.Contains(t, out, "/purge?api_key=xxxxx", args) // & is \u0026 in JSON
+		outs = append(outs, out)
+	}
+	out, _, err := run("handlers", "show", id)
+	require.NoError(t, err)
+	require.Contains(t, out, "one whsec_ secret")
+	out, _, err = run("handlers", "show", rawID)
+	require.NoError(t, err)
+	require.Contains(t, out, "one raw secret (deprecated form")
+
+	// rotate-secret: the new secret first, the old one until the window's end.
+	_, _, err = run("handlers", "rotate-secret", plainID)
+	require.Equal(t, cli.ExitUsage, cli.Code(err), "no secret file to rotate")
+	out, _, err = run("handlers", "rotate-secret", id, "--window", "2h", "--json")
+	require.NoError(t, err, out)
+	var rot map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &rot))
+	require.Equal(t, file, rot["secret_file"])
+	until, err := time.Parse(time.RFC3339, rot["previous_signs_until"].(string))
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(2*time.Hour), until, 5*time.Second)
+	s, err := handler.ReadSecrets(file)
+	require.NoError(t, err)
+	require.Len(t, s, 2)
+	require.NotEqual(t, secret, handler.FormatSecret(s[0].Key))
+	require.Equal(t, secret, handler.FormatSecret(s[1].Key))
+	require.NotContains(t, out, handler.FormatSecret(s[0].Key), "no secret printed")
+	out, _, err = run("handlers", "show", id)
+	require.NoError(t, err)
+	require.Contains(t, out, "2 whsec_ secrets: the previous one(s) also sign until "+until.UTC().Format(time.RFC3339))
+	outs = append(outs, out)
+
+	// A delivery whose attempt fails in the transport (its error quotes
+	// the URL): neither the log nor last_error holds the query.
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.projection_versions (projection, version, state, schema_name, partitions)
+		VALUES ('archive', 1, 'live', 'archive_v1', 1)`)
+	require.NoError(t, err)
+	cache := handler.NewCache(pool, time.Millisecond)
+	require.NoError(t, cache.Refresh(ctx))
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = handler.Enqueue(ctx, tx, cache, "archive", 1, []handler.Row{{Source: "main", Schema: "public", Table: "orders",
+		Key: json.RawMessage(`{"id":1}`), Image: json.RawMessage(`{"id":1}`), CorrelationID: "main:1:0/100", CommitLSN: "0/100",
+		Verified: true, Committed: true}})
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	_, err = pool.Exec(ctx, `UPDATE epitaph.handlers SET enabled = (id = $1)`, id)
+	require.NoError(t, err)
+	_, _, err = run("deliveries", "flush", "--timeout", "1m")
+	require.NoError(t, err)
+	out, _, err = run("deliveries", "list", "--handler", id, "--json")
+	require.NoError(t, err)
+	var ds []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &ds))
+	require.Len(t, ds, 1)
+	require.Equal(t, "dead", ds[0]["state"])
+	require.Contains(t, ds[0]["last_error"], "code=http_transport")
+	outs = append(outs, out, logs.String())
+	require.Contains(t, logs.String(), "delivery attempt failed")
+
+	// Batches: set, shown, and bounded.
+	const batchID = "3b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90"
+	_, _, err = run("handlers", "add", "--id", batchID, "--table", "public.orders", "--kind", "webhook", "--target", "https://hooks.example/b",
+		"--batch-size", "2000")
+	require.Equal(t, cli.ExitUsage, cli.Code(err), "%v", err)
+	_, _, err = run("handlers", "add", "--id", batchID, "--table", "public.orders", "--kind", "exec", "--target", `["/bin/true"]`,
+		"--batch-size", "10")
+	require.Equal(t, cli.ExitUsage, cli.Code(err), "%v", err)
+	out, _, err = run("handlers", "add", "--id", batchID, "--table", "public.orders", "--kind", "webhook", "--target", "https://hooks.example/b",
+		"--batch-size", "50", "--batch-wait", "250ms", "--json")
+	require.NoError(t, err)
+	var bh map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &bh))
+	require.Equal(t, 50.0, bh["batch_size"])
+	require.Equal(t, "250ms", bh["batch_wait"])
+	out, _, err = run("handlers", "show", batchID)
+	require.NoError(t, err)
+	require.Contains(t, out, "up to 50 deliveries, a partial one after 250ms")
+	for _, o := range outs {
+		require.NotContains(t, o, "SEKRIT")
+	}
+}

@@ -47,8 +47,9 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		return 0, err
 	}
 	defer srv.Close()
-	// Every handler signs (Epitaph-Signature), as a webhook in production
-	// would: the floor below signs too.
+	// Every handler signs (Standard Webhooks and the deprecated
+	// Epitaph-Signature), as a webhook in production would: the floor
+	// below signs too.
 	secretFile := filepath.Join(e.dir, "webhook-secret")
 	if err := os.WriteFile(secretFile, []byte(benchSecret+"\n"), 0o600); err != nil {
 		return 0, err

@@ -177,6 +177,20 @@ func floorCall(client *http.Client, url string, i int64, body, secret []byte) er
 	req.Header.Set("User-Agent", "epitaph-projector")
 	req.Header.Set(handler.HeaderDeliveryID, fmt.Sprintf("00000000-0000-4000-8000-%012d", i))
 	req.Header.Set(handler.HeaderAttempt, "1")
+	// Signed as the dispatcher signs: Standard Webhooks and the deprecated
+	// Epitaph-Signature.
+	id, now := req.Header.Get(handler.HeaderDeliveryID), time.Now()
+	secrets, err := handler.ParseSecrets(secret)
+	if err != nil {
+		return fmt.Errorf("secret: %w", err)
+	}
+	sig, err := secrets.SignatureHeader(id, now, body)
+	if err != nil {
+		return fmt.Errorf("sign: %w", err)
+	}
+	req.Header.Set(handler.HeaderWebhookID, id)
+	req.Header.Set(handler.HeaderWebhookTimestamp, strconv.FormatInt(now.Unix(), 10))
+	req.Header.Set(handler.HeaderWebhookSignature, sig)
 	req.Header.Set(handler.HeaderSignature, handler.Sign(secret, body))
 	resp, err := client.Do(req)
 	if err != nil {
