@@ -329,6 +329,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	for _, sk := range sel.skipped {
 		s.log.Warn("table not captured", "table", sk)
 	}
+	if cfg.RefuseKeyOnly && len(sel.keyOnly) > 0 {
+		return &KeyOnlyError{Tables: sel.keyOnly}
+	}
 	if len(sel.keyOnly) > 0 {
 		s.log.Warn("tables without REPLICA IDENTITY FULL: their delete events carry only the key (\"identity\":\"key\"); use --set-replica-identity-full to archive whole rows", "tables", sel.keyOnly)
 	}

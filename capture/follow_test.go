@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -519,4 +520,34 @@ func TestDDLGuardForAnApplicationRole(t *testing.T) {
 	gaps := gapsOf(ms)
 	require.Len(t, gaps, 4)
 	require.Equal(t, "public.t", gaps[0].QualifiedTable())
+}
+
+// TestRefuseKeyOnlyWhileStreaming: with RefuseKeyOnly, a key-only table
+// created while streaming stays out of the publication (warned about
+// once), while a FULL one created beside it is added and captured.
+func TestRefuseKeyOnlyWhileStreaming(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY, v text); ALTER TABLE base REPLICA IDENTITY FULL`)
+	var logs lockedBuffer
+	cfg := e.config()
+	fastPoll(&cfg)
+	cfg.RefuseKeyOnly = true
+	svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
+	require.NoError(t, svc.Start(context.Background()))
+
+	e.exec(t, `CREATE TABLE keyed (id int PRIMARY KEY, v text); INSERT INTO keyed VALUES (1, 'k');
+		CREATE TABLE whole (id int PRIMARY KEY, v text); ALTER TABLE whole REPLICA IDENTITY FULL; INSERT INTO whole VALUES (1, 'w')`)
+	e.waitPublication(t, e.slotPub(), "base", "whole")
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), `msg="new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key" table=public.keyed`)
+	}, 60*time.Second, 50*time.Millisecond)
+	e.exec(t, `DELETE FROM keyed WHERE id = 1; DELETE FROM whole WHERE id = 1`)
+	ms := e.deletes(t, "main", 1)
+	require.Len(t, deletesOf(ms, "public.whole"), 1)
+	require.Empty(t, deletesOf(ms, "public.keyed"))
+	require.Equal(t, []string{"public.base", "public.whole"}, svc.CurrentStatus().PublicationTables)
+	require.Equal(t, 1, strings.Count(logs.String(), "table=public.keyed"), "warned once")
 }

@@ -139,6 +139,13 @@ func (s *Service) reconcile(ctx context.Context) error {
 		if current[t.oid] {
 			continue
 		}
+		if cfg.RefuseKeyOnly && t.identity != "full" {
+			if s.warnedOwner("key-only " + t.qualified()) {
+				s.log.Warn("new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key", "table", t.qualified(),
+					"fix", "ALTER TABLE "+t.sanitized()+" REPLICA IDENTITY FULL, or restart the capture with --set-replica-identity-full or --allow-key-only")
+			}
+			continue
+		}
 		if !t.owned {
 			if s.warnedOwner(t.qualified()) {
 				s.log.Warn("new table not captured: the capture role is not a member of its owner role", "table", t.qualified(),
@@ -170,7 +177,8 @@ func (s *Service) reconcile(ctx context.Context) error {
 	return nil
 }
 
-// warnedOwner reports whether a warning about table is due (once per table).
+// warnedOwner reports whether a warning about table is due (once per
+// table); a key of its own ("key-only " + table) makes another warning once.
 func (s *Service) warnedOwner(table string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -235,7 +243,8 @@ func guardFunction(pub string) string {
 // it applies reconcile's rules to the publication (%[1]s: the publication's
 // name as a literal; %[2]s: the configured tables as a text[] literal, NULL
 // for every safe table; %[3]s: set FULL, true or false; %[4]s the gap
-// message prefix and %[5]s its reason, as literals). SECURITY DEFINER: the
+// message prefix and %[5]s its reason, as literals; %[6]s the function;
+// %[7]s: whether a table that is not FULL may be added, true or false). SECURITY DEFINER: the
 // application's role may not own the publication, and its DDL must never
 // fail because of the guard.
 const sqlDDLGuard = `
@@ -245,9 +254,11 @@ DECLARE
   v_pub     constant text    := %[1]s;
   wanted    constant text[]  := %[2]s;
   set_full  constant boolean := %[3]s;
+  key_ok    constant boolean := %[7]s;
   t record;
   l record;
   unsafe boolean;
+  all_full boolean;
 BEGIN
   IF current_setting('epitaph.ddl_guard_running', true) = 'on' THEN
     RETURN;
@@ -271,6 +282,7 @@ BEGIN
                       WHERE p.pubname = v_pub AND pr.prrelid = c.oid))
   LOOP
     unsafe := false;
+    all_full := true;
     FOR l IN
       SELECT r.oid, rn.nspname, r.relname, r.relreplident,
              EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
@@ -290,6 +302,9 @@ BEGIN
       IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
         unsafe := true;
       END IF;
+      IF l.relreplident <> 'f' THEN
+        all_full := false;
+      END IF;
     END LOOP;
     -- The application's DDL never fails because of the guard: a step
     -- that fails is a warning, and the catalog poll tries again.
@@ -299,7 +314,7 @@ BEGIN
         PERFORM pg_logical_emit_message(true, %[4]s,
           json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
         RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
-      ELSIF NOT unsafe AND NOT t.published THEN
+      ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
         EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
       END IF;
     EXCEPTION WHEN OTHERS THEN
@@ -336,7 +351,8 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		wanted = "ARRAY(SELECT json_array_elements_text(" + pgquote.Literal(string(b)) + "::json))"
 	}
 	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
-		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName))
+		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
+		fmt.Sprint(!cfg.RefuseKeyOnly))
 	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		for _, stmt := range []string{
