@@ -318,7 +318,7 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 // stream, and starts replication.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
-	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, false)
+	sel, err := selectTables(ctx, s.pool, cfg.PublicationName, cfg.Tables, cfg.SetReplicaIdentityFull, false)
 	if err != nil {
 		return err
 	}

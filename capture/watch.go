@@ -111,7 +111,7 @@ func (s *Service) reconcileIfChanged(ctx context.Context) error {
 // what the publication holds beyond that was settled at start.
 func (s *Service) reconcile(ctx context.Context) error {
 	cfg := &s.cfg
-	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, true)
+	sel, err := selectTables(ctx, s.pool, cfg.PublicationName, cfg.Tables, cfg.SetReplicaIdentityFull, true)
 	if err != nil {
 		return err
 	}
@@ -274,7 +274,7 @@ BEGIN
                    WHERE p.pubname = v_pub AND pr.prrelid = c.oid) AS published
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
     WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
-      AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive')
+      AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
       AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$'
       AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
       AND (wanted IS NULL OR n.nspname || '.' || c.relname = ANY (wanted)
@@ -292,6 +292,12 @@ BEGIN
     LOOP
       IF l.relreplident <> 'f' AND set_full THEN
         BEGIN
+          -- Recorded first, for capture uninstall: never FULL without it.
+          INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
+          VALUES (v_pub, l.oid, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
+                  (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+                    WHERE i.indrelid = l.oid AND i.indisreplident))
+          ON CONFLICT (publication, relid) DO NOTHING;
           EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
           RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
           CONTINUE;
@@ -354,13 +360,16 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
 		fmt.Sprint(!cfg.RefuseKeyOnly))
 	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
+	stmts := []string{"CREATE SCHEMA IF NOT EXISTS epitaph"}
+	if cfg.SetReplicaIdentityFull {
+		stmts = append(stmts, sqlIdentityTable) // where the guard records what it sets FULL
+	}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		for _, stmt := range []string{
-			"CREATE SCHEMA IF NOT EXISTS epitaph",
+		for _, stmt := range append(stmts,
 			fn,
-			"DROP EVENT TRIGGER IF EXISTS " + trigger,
-			"CREATE EVENT TRIGGER " + trigger + " ON ddl_command_end EXECUTE FUNCTION " + guardFunction(cfg.PublicationName) + "()",
-		} {
+			"DROP EVENT TRIGGER IF EXISTS "+trigger,
+			"CREATE EVENT TRIGGER "+trigger+" ON ddl_command_end EXECUTE FUNCTION "+guardFunction(cfg.PublicationName)+"()",
+		) {
 			if _, err := tx.Exec(ctx, stmt); err != nil {
 				return err
 			}

@@ -140,3 +140,81 @@ func TestKeyOnlyTablesAreRefused(t *testing.T) {
 	require.JSONEq(t, `{"id":2}`, string(ev.Row), "the key columns only, no total")
 	require.NoError(t, cp.Stop(30*time.Second))
 }
+
+// TestSetFullThenUninstall: the other way out, --set-replica-identity-full,
+// makes every table FULL (recording what each was) and captures whole
+// rows; `capture uninstall` refuses while the capture streams, prints its
+// plan and changes nothing without --yes, and with it leaves no slot, no
+// publication and every identity as it was before (pg_class.relreplident,
+// the replica identity index too), a table FULL before untouched.
+func TestSetFullThenUninstall(t *testing.T) {
+	t.Parallel()
+	bins := binaries(t)
+	url := testenv.NewDatabase(t)
+	testenv.Exec(t, url, `CREATE TABLE public.orders (id int PRIMARY KEY, note text);
+		CREATE TABLE public.lines (order_id int, sku text); ALTER TABLE public.lines REPLICA IDENTITY NOTHING;
+		CREATE TABLE public.codes (id int NOT NULL, code text NOT NULL UNIQUE); ALTER TABLE public.codes REPLICA IDENTITY USING INDEX codes_code_key;
+		CREATE TABLE public.notes (id int PRIMARY KEY, body text); ALTER TABLE public.notes REPLICA IDENTITY FULL;
+		INSERT INTO public.orders VALUES (1, 'first'), (2, 'second')`)
+	const name = "epitaph_uninstall"
+	env, listen, metrics, dataDir := identityEnv(t, url, name)
+	cp, err := bench.StartProc("capture", bins["capture"], append(env, "EPITAPH_SET_REPLICA_IDENTITY_FULL=true"), t.TempDir())
+	require.NoError(t, err)
+	defer cp.Kill()
+	waitHealthy(t, "http://"+metrics+"/readyz", cp)
+	for _, table := range []string{"public.orders", "public.lines", "public.codes", "public.notes"} {
+		require.Equal(t, "f", relReplIdent(t, url, table), table)
+	}
+	testenv.Exec(t, url, `DELETE FROM public.orders WHERE id = 2`)
+	watch, err := bench.WatchStream("nats://"+listen, "main", bench.EmbeddedCreds(dataDir))
+	require.NoError(t, err)
+	defer watch.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ev := firstDelete(t, ctx, watch)
+	require.Equal(t, event.IdentityFull, ev.Identity)
+	require.JSONEq(t, `{"id":2,"note":"second"}`, string(ev.Row), "the whole row")
+
+	source := []string{"EPITAPH_SOURCE_URL=" + url, "EPITAPH_SLOT=" + name, "EPITAPH_PUBLICATION=" + name}
+	_, stderr, code := runCapture(t, bins["capture"], source, "uninstall", "--yes")
+	require.Equal(t, 1, code, stderr)
+	require.Contains(t, stderr, "is in use by process", "refused while the capture streams")
+	require.NoError(t, cp.Stop(30*time.Second))
+
+	stdout, stderr, code := runCapture(t, bins["capture"], source, "uninstall")
+	require.Equal(t, 2, code, stderr)
+	require.Contains(t, stderr, "run again with --yes")
+	for _, want := range []string{
+		`DROP PUBLICATION "epitaph_uninstall";`,
+		`SELECT pg_drop_replication_slot('epitaph_uninstall');`,
+		`ALTER TABLE "public"."orders" REPLICA IDENTITY DEFAULT;`,
+		`ALTER TABLE "public"."lines" REPLICA IDENTITY NOTHING;`,
+		`ALTER TABLE "public"."codes" REPLICA IDENTITY USING INDEX "codes_code_key";`,
+	} {
+		require.Contains(t, stdout, want)
+	}
+	require.NotContains(t, stdout, `"notes"`, "FULL before the capture: not the capture's to put back")
+	slots, pubs := slotAndPublication(t, url, name)
+	require.Equal(t, []int{1, 1}, []int{slots, pubs}, "nothing done without --yes")
+	require.Equal(t, "f", relReplIdent(t, url, "public.orders"))
+
+	stdout, stderr, code = runCapture(t, bins["capture"], source, "uninstall", "--yes")
+	require.Equal(t, 0, code, stdout+stderr)
+	slots, pubs = slotAndPublication(t, url, name)
+	require.Zero(t, slots, "slot dropped")
+	require.Zero(t, pubs, "publication dropped")
+	for table, want := range map[string]string{"public.orders": "d", "public.lines": "n", "public.codes": "i", "public.notes": "f"} {
+		require.Equal(t, want, relReplIdent(t, url, table), table)
+	}
+	var idx string
+	require.NoError(t, queryRow(url, `SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = 'public.codes'::regclass AND indisreplident`, nil, &idx))
+	require.Equal(t, "codes_code_key", idx)
+	var schemaLeft bool
+	require.NoError(t, queryRow(url, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'epitaph_capture')`, nil, &schemaLeft))
+	require.False(t, schemaLeft, "the capture's record is gone with the rest")
+
+	// Again: nothing left to do, and it says so.
+	stdout, _, code = runCapture(t, bins["capture"], source, "uninstall", "--yes")
+	require.Equal(t, 0, code)
+	require.Contains(t, stdout, "(nothing to do)")
+}

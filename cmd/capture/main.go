@@ -181,6 +181,7 @@ refused, never replaced by the default.`,
 		}
 		return <-ended
 	}
+	root.AddCommand(newUninstallCommand(stdout))
 	cli.SetVersion(root)
 	cli.Prepare(root, stdout, stderr)
 	return root
