@@ -51,8 +51,9 @@ logical replication slot and publishes them to the JetStream stream
 EPITAPH_<SOURCE-NAME>. With no --nats-url it runs an embedded JetStream server.
 
 Every flag has an EPITAPH_* environment variable (named in its help); the
-command line overrides the environment. A malformed or out-of-range value is
-refused, never replaced by the default.`,
+command line overrides the environment, and both override the YAML file
+--config names (keys are the flags' names). A malformed or out-of-range value
+is refused, never replaced by the default.`,
 		Example: `  # one machine, embedded broker
   EPITAPH_SOURCE_URL=postgres://epitaph@db:5432/app capture
 
@@ -64,6 +65,7 @@ refused, never replaced by the default.`,
 		},
 	}
 	logging := cli.LogFlags(root)
+	cli.ConfigFlag(root)
 	f := cli.Local(root)
 	f.String(&cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)", cli.KeepEmpty())
 	f.String(&cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server", cli.KeepEmpty())
