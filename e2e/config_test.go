@@ -41,6 +41,13 @@ func TestConfigFileForBothBinaries(t *testing.T) {
 		require.Contains(t, stdout, `note: no publication "pub_file"`, tc.name)
 	}
 
+	// A file cannot say yes for the operator.
+	yesCfg := filepath.Join(dir, "yes.yaml")
+	require.NoError(t, os.WriteFile(yesCfg, []byte("source-url: "+source+"\nyes: true\n"), 0o600))
+	_, stderr, code := runCapture(t, bins["capture"], nil, "uninstall", "--config", yesCfg)
+	require.Equal(t, 2, code, stderr)
+	require.Contains(t, stderr, "run again with --yes")
+
 	// The projector: two targets, each with its own handler.
 	a, b := testenv.NewDatabase(t), testenv.NewDatabase(t)
 	projCfg := filepath.Join(dir, "projector.yaml")
@@ -69,7 +76,7 @@ func TestConfigFileForBothBinaries(t *testing.T) {
 	require.Equal(t, []string{"in.b"}, targets([]string{"EPITAPH_CONFIG=" + projCfg, "EPITAPH_TARGET_URL=" + b}), "the variable over the file")
 	require.Equal(t, []string{"in.a"}, targets([]string{"EPITAPH_TARGET_URL=" + b}, "--config", projCfg, "--target-url", a), "the flag over both")
 
-	_, stderr, code := runCapture(t, bins["projector"], []string{"EPITAPH_CONFIG=" + capCfg}, "handlers", "list")
+	_, stderr, code = runCapture(t, bins["projector"], []string{"EPITAPH_CONFIG=" + capCfg}, "handlers", "list")
 	require.Equal(t, 2, code)
 	require.True(t, strings.Contains(stderr, "slot: not a flag of projector"), stderr)
 	require.NotContains(t, stderr, "postgres://", "no URL in the message")

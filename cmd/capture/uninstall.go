@@ -35,7 +35,9 @@ Without --yes it prints the statements it would run and exits 2.`,
 			if err != nil {
 				return err
 			}
-			if !yes {
+			// Only the command line says yes: not a variable, not a
+			// configuration file that would uninstall at every run.
+			if !yes || !cmd.Flags().Changed("yes") {
 				fmt.Fprintf(stdout, "capture uninstall would run, on the source:\n%s", plan)
 				return cli.Usage("nothing done: run again with --yes to do it")
 			}
@@ -50,6 +52,6 @@ Without --yes it prints the statements it would run and exits 2.`,
 	f.String(&cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)", cli.KeepEmpty())
 	f.String(&cfg.SlotName, "slot", "EPITAPH_SLOT", "epitaph", "replication slot", cli.KeepEmpty())
 	f.String(&cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", "epitaph", "publication", cli.KeepEmpty())
-	f.Bool(&yes, "yes", "", false, "do it (without: print what it would do, and exit 2)")
+	f.Bool(&yes, "yes", "", false, "do it (without: print what it would do, and exit 2); on the command line only")
 	return cmd
 }
