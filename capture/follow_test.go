@@ -306,6 +306,24 @@ func TestDDLGuardSetsFull(t *testing.T) {
 	ms := e.deletes(t, "main", 1)
 	require.Equal(t, event.IdentityFull, ms[0].ev.Identity)
 	require.JSONEq(t, `{"id":2,"v":"two"}`, string(ms[0].ev.Row))
+	// Every change recorded, with what it was, for capture uninstall: the
+	// guard's (r2) as the start's (r, r1).
+	require.Equal(t, `"public"."r"=d,"public"."r1"=d,public.r2=d`, queryString(t, e.db,
+		`SELECT string_agg(relation || '=' || identity::text, ',' ORDER BY relation) FROM epitaph_capture.replica_identity`))
+}
+
+// TestDDLGuardRefusesKeyOnly: with RefuseKeyOnly the guard adds a new FULL
+// table and leaves a key-only one out (no catalog poll here to do either).
+func TestDDLGuardRefusesKeyOnly(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.RefuseKeyOnly = true })
+	e.exec(t, `CREATE TABLE keyed (id int PRIMARY KEY); CREATE TABLE whole (id int PRIMARY KEY); ALTER TABLE whole REPLICA IDENTITY FULL`)
+	e.waitPublication(t, e.slotPub(), "whole")
+	e.exec(t, `INSERT INTO keyed VALUES (1); INSERT INTO whole VALUES (1); DELETE FROM keyed; DELETE FROM whole`)
+	ms := e.deletes(t, "main", 1)
+	require.Len(t, ms, 1)
+	require.Equal(t, "public.whole", ms[0].ev.QualifiedTable())
 }
 
 // TestKeys: the key is the primary key when the tuple holds it, else the
