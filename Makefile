@@ -19,7 +19,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate clean
+.PHONY: all build dist docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate clean
 
 all: build
 
@@ -32,6 +32,29 @@ LDFLAGS    := -X $(CLI_PKG).version=$(VERSION) -X $(CLI_PKG).commit=$(COMMIT) -X
 
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/capture ./cmd/projector
+
+## dist: release archives of both binaries for linux and darwin (amd64, arm64) under dist/, each with its CycloneDX SBOM, and SHA256SUMS (docs/release.md).
+DIST           := dist
+DIST_PLATFORMS := linux/amd64 linux/arm64 darwin/amd64 darwin/arm64
+# The commit's time stamps the archives' files and the SBOMs, so one commit
+# always gives the same bytes.
+DIST_EPOCH     ?= $(shell git log -1 --format=%ct 2>/dev/null || date +%s)
+DIST_TIME       = $(shell date -u -d @$(DIST_EPOCH) +%Y-%m-%dT%H:%M:%SZ)
+DIST_LDFLAGS    = -X $(CLI_PKG).version=$(VERSION) -X $(CLI_PKG).commit=$(COMMIT) -X $(CLI_PKG).buildTime=$(DIST_TIME)
+dist:
+	rm -rf $(DIST) && mkdir -p $(DIST)
+	@set -e; \
+	for p in $(DIST_PLATFORMS); do \
+	  os=$${p%/*}; arch=$${p#*/}; name=epitaph_$(VERSION)_$${os}_$${arch}; dir=$(DIST)/$$name; \
+	  echo "dist: $$name"; mkdir -p $$dir; \
+	  CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags "$(DIST_LDFLAGS)" -o $$dir/ ./cmd/capture ./cmd/projector; \
+	  cp LICENSE README.md CHANGELOG.md $$dir/; \
+	  $(GO) run ./internal/sbom -name epitaph -version $(VERSION) -time $(DIST_TIME) $$dir/capture $$dir/projector > $(DIST)/$$name.cdx.json; \
+	  cp $(DIST)/$$name.cdx.json $$dir/sbom.cdx.json; \
+	  tar -C $(DIST) --sort=name --owner=0 --group=0 --numeric-owner --mtime=@$(DIST_EPOCH) -cf - $$name | gzip -n > $(DIST)/$$name.tar.gz; \
+	  rm -rf $$dir; \
+	done; \
+	cd $(DIST) && sha256sum *.tar.gz *.cdx.json > SHA256SUMS && cat SHA256SUMS
 
 ## docs: regenerate the CLI reference (docs/cli) from the command trees; a test fails when it is stale.
 docs:
@@ -91,4 +114,4 @@ bench-revalidate:
 	$(GO) run ./internal/bench/revalidate
 
 clean:
-	rm -rf $(BIN) .demo .bench
+	rm -rf $(BIN) $(DIST) .demo .bench

@@ -319,7 +319,7 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 // stream, and starts replication.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
-	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, false)
+	sel, err := selectTables(ctx, s.pool, cfg.PublicationName, cfg.Tables, cfg.SetReplicaIdentityFull, false)
 	if err != nil {
 		return err
 	}
@@ -329,6 +329,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	}
 	for _, sk := range sel.skipped {
 		s.log.Warn("table not captured", "table", sk)
+	}
+	if cfg.RefuseKeyOnly && len(sel.keyOnly) > 0 {
+		return &KeyOnlyError{Tables: sel.keyOnly}
 	}
 	if len(sel.keyOnly) > 0 {
 		s.log.Warn("tables without REPLICA IDENTITY FULL: their delete events carry only the key (\"identity\":\"key\"); use --set-replica-identity-full to archive whole rows", "tables", sel.keyOnly)

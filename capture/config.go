@@ -55,6 +55,13 @@ type Config struct {
 	// every captured table that is not FULL yet (the opt-in that gives
 	// whole old rows, and makes tables without a key capturable).
 	SetReplicaIdentityFull bool
+	// RefuseKeyOnly makes Start fail with a *KeyOnlyError when a selected
+	// table is not REPLICA IDENTITY FULL (its deletes would carry only the
+	// key), and keeps such tables created while streaming out of the
+	// publication. The capture command sets it unless --allow-key-only is
+	// given: whole rows are its default. SetReplicaIdentityFull leaves no
+	// table key-only.
+	RefuseKeyOnly bool
 	// RecreateSlot allows continuing after a gap: a missing slot while the
 	// stream already holds this source's messages, or an invalidated
 	// (wal_status lost) slot, is (re)created and a gap event is published
@@ -415,6 +422,18 @@ func EmbeddedCredsDir(dataDir string) string { return filepath.Join(dataDir, "na
 type ConfigError struct{ Msg string }
 
 func (e *ConfigError) Error() string { return e.Msg }
+
+// KeyOnlyError is the refusal of RefuseKeyOnly: Tables ("schema.table")
+// are not REPLICA IDENTITY FULL. It is a *ConfigError too (errors.As).
+type KeyOnlyError struct{ Tables []string }
+
+func (e *KeyOnlyError) Error() string {
+	return fmt.Sprintf("tables without REPLICA IDENTITY FULL, whose deletes would archive only the key: %s. "+
+		"Start with --set-replica-identity-full to make them FULL (capture uninstall puts them back), "+
+		"or with --allow-key-only to archive their keys only", strings.Join(e.Tables, ", "))
+}
+
+func (e *KeyOnlyError) Unwrap() error { return &ConfigError{Msg: e.Error()} }
 
 // IsPermanent reports whether err is a *ConfigError (fix, then restart)
 // rather than a transient failure (restart and it may pass).

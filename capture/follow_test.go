@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -305,6 +306,24 @@ func TestDDLGuardSetsFull(t *testing.T) {
 	ms := e.deletes(t, "main", 1)
 	require.Equal(t, event.IdentityFull, ms[0].ev.Identity)
 	require.JSONEq(t, `{"id":2,"v":"two"}`, string(ms[0].ev.Row))
+	// Every change recorded, with what it was, for capture uninstall: the
+	// guard's (r2) as the start's (r, r1).
+	require.Equal(t, `"public"."r"=d,"public"."r1"=d,public.r2=d`, queryString(t, e.db,
+		`SELECT string_agg(relation || '=' || identity::text, ',' ORDER BY relation) FROM epitaph_capture.replica_identity`))
+}
+
+// TestDDLGuardRefusesKeyOnly: with RefuseKeyOnly the guard adds a new FULL
+// table and leaves a key-only one out (no catalog poll here to do either).
+func TestDDLGuardRefusesKeyOnly(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.RefuseKeyOnly = true })
+	e.exec(t, `CREATE TABLE keyed (id int PRIMARY KEY); CREATE TABLE whole (id int PRIMARY KEY); ALTER TABLE whole REPLICA IDENTITY FULL`)
+	e.waitPublication(t, e.slotPub(), "whole")
+	e.exec(t, `INSERT INTO keyed VALUES (1); INSERT INTO whole VALUES (1); DELETE FROM keyed; DELETE FROM whole`)
+	ms := e.deletes(t, "main", 1)
+	require.Len(t, ms, 1)
+	require.Equal(t, "public.whole", ms[0].ev.QualifiedTable())
 }
 
 // TestKeys: the key is the primary key when the tuple holds it, else the
@@ -519,4 +538,34 @@ func TestDDLGuardForAnApplicationRole(t *testing.T) {
 	gaps := gapsOf(ms)
 	require.Len(t, gaps, 4)
 	require.Equal(t, "public.t", gaps[0].QualifiedTable())
+}
+
+// TestRefuseKeyOnlyWhileStreaming: with RefuseKeyOnly, a key-only table
+// created while streaming stays out of the publication (warned about
+// once), while a FULL one created beside it is added and captured.
+func TestRefuseKeyOnlyWhileStreaming(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY, v text); ALTER TABLE base REPLICA IDENTITY FULL`)
+	var logs lockedBuffer
+	cfg := e.config()
+	fastPoll(&cfg)
+	cfg.RefuseKeyOnly = true
+	svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
+	require.NoError(t, svc.Start(context.Background()))
+
+	e.exec(t, `CREATE TABLE keyed (id int PRIMARY KEY, v text); INSERT INTO keyed VALUES (1, 'k');
+		CREATE TABLE whole (id int PRIMARY KEY, v text); ALTER TABLE whole REPLICA IDENTITY FULL; INSERT INTO whole VALUES (1, 'w')`)
+	e.waitPublication(t, e.slotPub(), "base", "whole")
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), `msg="new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key" table=public.keyed`)
+	}, 60*time.Second, 50*time.Millisecond)
+	e.exec(t, `DELETE FROM keyed WHERE id = 1; DELETE FROM whole WHERE id = 1`)
+	ms := e.deletes(t, "main", 1)
+	require.Len(t, deletesOf(ms, "public.whole"), 1)
+	require.Empty(t, deletesOf(ms, "public.keyed"))
+	require.Equal(t, []string{"public.base", "public.whole"}, svc.CurrentStatus().PublicationTables)
+	require.Equal(t, 1, strings.Count(logs.String(), "table=public.keyed"), "warned once")
 }

@@ -56,10 +56,11 @@ func checkServer(ctx context.Context, pool *pgxpool.Pool) (db string, err error)
 
 // ownSchema reports whether a schema is Epitaph's own: never published,
 // so a target that is also the source does not feed itself. Exactly
-// epitaph, archive and archive_v<digits> (a version schema); a user's
+// epitaph, archive, epitaph_capture (the capture's record of the replica
+// identities it changed) and archive_v<digits> (a version schema); a user's
 // archive_vendors is not ours.
 func ownSchema(s string) bool {
-	if s == "epitaph" || s == "archive" {
+	if s == "epitaph" || s == "archive" || s == stateSchema {
 		return true
 	}
 	v, ok := strings.CutPrefix(s, "archive_v")
@@ -101,7 +102,7 @@ const sqlAllTables = `
 SELECT c.oid, n.nspname, c.relname, c.relkind::text, c.relpersistence::text, pg_has_role(c.relowner, 'USAGE')
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
-  AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive')
+  AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
   AND n.nspname NOT LIKE 'pg\_%' AND n.nspname !~ '^archive_v[0-9]+$'
   AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
 ORDER BY n.nspname, c.relname`
@@ -201,6 +202,9 @@ type tableSelection struct {
 	// madeFull are the relations --set-replica-identity-full changed,
 	// "schema"."name".
 	madeFull []string
+	// pub is the publication the identities makeFull changes are recorded
+	// under (capture uninstall puts them back).
+	pub string
 }
 
 // oids are the relations the selection publishes: the tables and, for a
@@ -223,13 +227,13 @@ func (s *tableSelection) names() []string {
 
 // selectTables resolves the configured tables (or every eligible one),
 // checking identity; with setFull it makes every selected table REPLICA
-// IDENTITY FULL.
+// IDENTITY FULL, recording what it was under publication pub.
 //
 // While streaming (watching), nothing in the catalog is an error: a named
 // table that is gone or unlogged is left out, one without usable identity
 // (or that cannot be set FULL) is listed in unsafe.
-func selectTables(ctx context.Context, pool *pgxpool.Pool, names []string, setFull, watching bool) (*tableSelection, error) {
-	sel := &tableSelection{}
+func selectTables(ctx context.Context, pool *pgxpool.Pool, pub string, names []string, setFull, watching bool) (*tableSelection, error) {
+	sel := &tableSelection{pub: pub}
 	var cands []*tableInfo
 	var err error
 	if len(names) == 0 {
@@ -333,15 +337,15 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 	return nil
 }
 
-// makeFull sets REPLICA IDENTITY FULL on t's relations that are not, and
-// selects it.
+// makeFull sets REPLICA IDENTITY FULL on t's relations that are not,
+// recording what they were, and selects it.
 func (sel *tableSelection) makeFull(ctx context.Context, pool *pgxpool.Pool, t *tableInfo) error {
 	if !t.notFullOwned {
 		return configErr("must own table %s to set REPLICA IDENTITY FULL on it: as a superuser, run GRANT <owner role> TO <capture role> (membership in the owner role is enough), or run ALTER TABLE %s REPLICA IDENTITY FULL as its owner", t.qualified(), t.sanitized())
 	}
 	for _, rel := range t.notFull {
-		if _, err := pool.Exec(ctx, "ALTER TABLE "+rel+" REPLICA IDENTITY FULL"); err != nil {
-			return fmt.Errorf("set replica identity full on %s: %w", rel, err)
+		if err := setFullRecorded(ctx, pool, sel.pub, rel); err != nil {
+			return err
 		}
 	}
 	sel.madeFull = append(sel.madeFull, t.notFull...)

@@ -111,7 +111,7 @@ func (s *Service) reconcileIfChanged(ctx context.Context) error {
 // what the publication holds beyond that was settled at start.
 func (s *Service) reconcile(ctx context.Context) error {
 	cfg := &s.cfg
-	sel, err := selectTables(ctx, s.pool, cfg.Tables, cfg.SetReplicaIdentityFull, true)
+	sel, err := selectTables(ctx, s.pool, cfg.PublicationName, cfg.Tables, cfg.SetReplicaIdentityFull, true)
 	if err != nil {
 		return err
 	}
@@ -137,6 +137,13 @@ func (s *Service) reconcile(ctx context.Context) error {
 	}
 	for _, t := range sel.tables {
 		if current[t.oid] {
+			continue
+		}
+		if cfg.RefuseKeyOnly && t.identity != "full" {
+			if s.warnedOwner("key-only " + t.qualified()) {
+				s.log.Warn("new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key", "table", t.qualified(),
+					"fix", "ALTER TABLE "+t.sanitized()+" REPLICA IDENTITY FULL, or restart the capture with --set-replica-identity-full or --allow-key-only")
+			}
 			continue
 		}
 		if !t.owned {
@@ -170,7 +177,8 @@ func (s *Service) reconcile(ctx context.Context) error {
 	return nil
 }
 
-// warnedOwner reports whether a warning about table is due (once per table).
+// warnedOwner reports whether a warning about table is due (once per
+// table); a key of its own ("key-only " + table) makes another warning once.
 func (s *Service) warnedOwner(table string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -235,7 +243,8 @@ func guardFunction(pub string) string {
 // it applies reconcile's rules to the publication (%[1]s: the publication's
 // name as a literal; %[2]s: the configured tables as a text[] literal, NULL
 // for every safe table; %[3]s: set FULL, true or false; %[4]s the gap
-// message prefix and %[5]s its reason, as literals). SECURITY DEFINER: the
+// message prefix and %[5]s its reason, as literals; %[6]s the function;
+// %[7]s: whether a table that is not FULL may be added, true or false). SECURITY DEFINER: the
 // application's role may not own the publication, and its DDL must never
 // fail because of the guard.
 const sqlDDLGuard = `
@@ -245,9 +254,11 @@ DECLARE
   v_pub     constant text    := %[1]s;
   wanted    constant text[]  := %[2]s;
   set_full  constant boolean := %[3]s;
+  key_ok    constant boolean := %[7]s;
   t record;
   l record;
   unsafe boolean;
+  all_full boolean;
 BEGIN
   IF current_setting('epitaph.ddl_guard_running', true) = 'on' THEN
     RETURN;
@@ -263,7 +274,7 @@ BEGIN
                    WHERE p.pubname = v_pub AND pr.prrelid = c.oid) AS published
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
     WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
-      AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive')
+      AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
       AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$'
       AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
       AND (wanted IS NULL OR n.nspname || '.' || c.relname = ANY (wanted)
@@ -271,6 +282,7 @@ BEGIN
                       WHERE p.pubname = v_pub AND pr.prrelid = c.oid))
   LOOP
     unsafe := false;
+    all_full := true;
     FOR l IN
       SELECT r.oid, rn.nspname, r.relname, r.relreplident,
              EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
@@ -280,6 +292,12 @@ BEGIN
     LOOP
       IF l.relreplident <> 'f' AND set_full THEN
         BEGIN
+          -- Recorded first, for capture uninstall: never FULL without it.
+          INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
+          VALUES (v_pub, l.oid, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
+                  (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+                    WHERE i.indrelid = l.oid AND i.indisreplident))
+          ON CONFLICT (publication, relid) DO NOTHING;
           EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
           RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
           CONTINUE;
@@ -290,6 +308,9 @@ BEGIN
       IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
         unsafe := true;
       END IF;
+      IF l.relreplident <> 'f' THEN
+        all_full := false;
+      END IF;
     END LOOP;
     -- The application's DDL never fails because of the guard: a step
     -- that fails is a warning, and the catalog poll tries again.
@@ -299,7 +320,7 @@ BEGIN
         PERFORM pg_logical_emit_message(true, %[4]s,
           json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
         RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
-      ELSIF NOT unsafe AND NOT t.published THEN
+      ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
         EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
       END IF;
     EXCEPTION WHEN OTHERS THEN
@@ -336,15 +357,19 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		wanted = "ARRAY(SELECT json_array_elements_text(" + pgquote.Literal(string(b)) + "::json))"
 	}
 	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
-		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName))
+		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
+		fmt.Sprint(!cfg.RefuseKeyOnly))
 	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
+	stmts := []string{"CREATE SCHEMA IF NOT EXISTS epitaph"}
+	if cfg.SetReplicaIdentityFull {
+		stmts = append(stmts, sqlIdentityTable) // where the guard records what it sets FULL
+	}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		for _, stmt := range []string{
-			"CREATE SCHEMA IF NOT EXISTS epitaph",
+		for _, stmt := range append(stmts,
 			fn,
-			"DROP EVENT TRIGGER IF EXISTS " + trigger,
-			"CREATE EVENT TRIGGER " + trigger + " ON ddl_command_end EXECUTE FUNCTION " + guardFunction(cfg.PublicationName) + "()",
-		} {
+			"DROP EVENT TRIGGER IF EXISTS "+trigger,
+			"CREATE EVENT TRIGGER "+trigger+" ON ddl_command_end EXECUTE FUNCTION "+guardFunction(cfg.PublicationName)+"()",
+		) {
 			if _, err := tx.Exec(ctx, stmt); err != nil {
 				return err
 			}

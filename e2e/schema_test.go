@@ -322,7 +322,8 @@ func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
 	cenv := joinEnv(bench.CaptureEnv(url, "", listen, dataDir, metrics, "main", "epitaph_e2e_lost"),
-		"EPITAPH_TABLES=", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s")
+		"EPITAPH_TABLES=", "EPITAPH_CATALOG_POLL=200ms", "EPITAPH_HEARTBEAT_INTERVAL=1s",
+		"EPITAPH_ALLOW_KEY_ONLY=true") // other is key-only, and items comes back key-only
 	supervise(t, "capture", bins["capture"], cenv, seed)
 	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
 	require.NoError(t, err)

@@ -282,6 +282,10 @@ func newDiagID() string {
 	return hex.EncodeToString(b[:])
 }
 
+// NewID is a fresh handler id, a random (version 4) UUID: what handlers
+// add uses when it is given no --id.
+func NewID() string { return newUUID() }
+
 // newUUID is a random (version 4) UUID.
 func newUUID() string {
 	var b [16]byte

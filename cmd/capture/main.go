@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -41,6 +42,7 @@ func execute(ctx context.Context, args []string, lookup func(string) (string, bo
 func newCommand(lookup func(string) (string, bool), stdout, stderr io.Writer) *cobra.Command {
 	var cfg capture.Config
 	var tables, cpuProfile, heapProfile string
+	var allowKeyOnly bool
 	root := &cobra.Command{
 		Use:   "capture [flags]",
 		Short: "publish the source database's deletes to JetStream",
@@ -49,8 +51,9 @@ logical replication slot and publishes them to the JetStream stream
 EPITAPH_<SOURCE-NAME>. With no --nats-url it runs an embedded JetStream server.
 
 Every flag has an EPITAPH_* environment variable (named in its help); the
-command line overrides the environment. A malformed or out-of-range value is
-refused, never replaced by the default.`,
+command line overrides the environment, and both override the YAML file
+--config names (keys are the flags' names). A malformed or out-of-range value
+is refused, never replaced by the default.`,
 		Example: `  # one machine, embedded broker
   EPITAPH_SOURCE_URL=postgres://epitaph@db:5432/app capture
 
@@ -62,6 +65,7 @@ refused, never replaced by the default.`,
 		},
 	}
 	logging := cli.LogFlags(root)
+	cli.ConfigFlag(root)
 	f := cli.Local(root)
 	f.String(&cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)", cli.KeepEmpty())
 	f.String(&cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server", cli.KeepEmpty())
@@ -73,7 +77,8 @@ refused, never replaced by the default.`,
 	f.String(&cfg.SlotName, "slot", "EPITAPH_SLOT", "epitaph", "replication slot", cli.KeepEmpty())
 	f.String(&cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", "epitaph", "publication", cli.KeepEmpty())
 	f.String(&cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /livez, /readyz, /healthz, /status; empty disables", cli.KeepEmpty())
-	f.Bool(&cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", false, "ALTER captured tables to REPLICA IDENTITY FULL")
+	f.Bool(&cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", false, "ALTER captured tables to REPLICA IDENTITY FULL, so their deletes archive whole rows (recorded on the source: capture uninstall puts them back)")
+	f.Bool(&allowKeyOnly, "allow-key-only", "EPITAPH_ALLOW_KEY_ONLY", false, "capture tables that are not REPLICA IDENTITY FULL, their deletes carrying only the key; without it (or --set-replica-identity-full) the capture refuses them")
 	f.Bool(&cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", false, "recreate a missing or invalidated slot and record a gap event")
 	f.Var(&retentionValue{cfg: &cfg}, "retention", "EPITAPH_RETENTION", "the stream limits that may discard events (default none: every event kept, rebuilds need them): a max age such as 720h, or max-age=D,max-bytes=N[K|M|G|T],max-msgs=N,max-msgs-per-subject=N. Any other discarding limit on the stream makes the capture refuse to start; one changed while it streams is restored")
 	f.Duration(&cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", 10*time.Second, "how often the stream's limits are checked (and restored) while streaming; negative: only at start", cli.NotZero())
@@ -108,6 +113,7 @@ refused, never replaced by the default.`,
 				cfg.Tables = append(cfg.Tables, t)
 			}
 		}
+		cfg.RefuseKeyOnly = !allowKeyOnly
 		logs := stderr
 		if logs == nil {
 			logs = os.Stderr
@@ -159,13 +165,13 @@ refused, never replaced by the default.`,
 		err = svc.Start(ctx)
 		abort()
 		if err != nil {
-			return err
+			return keyOnlyUsage(err)
 		}
 		ended := make(chan error, 1)
 		go func() { ended <- svc.Wait() }()
 		select {
 		case err := <-ended:
-			return err
+			return keyOnlyUsage(err)
 		case <-sig.Done():
 		}
 		stop()
@@ -177,9 +183,20 @@ refused, never replaced by the default.`,
 		}
 		return <-ended
 	}
+	root.AddCommand(newUninstallCommand(stdout))
 	cli.SetVersion(root)
 	cli.Prepare(root, stdout, stderr)
 	return root
+}
+
+// keyOnlyUsage makes the refusal of key-only tables exit 2, the code of a
+// setting the operator must choose: it names both flags that settle it.
+func keyOnlyUsage(err error) error {
+	var ko *capture.KeyOnlyError
+	if errors.As(err, &ko) {
+		return cli.WithCode(cli.ExitUsage, err)
+	}
+	return err
 }
 
 // retentionValue is --retention (capture.ParseRetention): it sets the

@@ -41,7 +41,7 @@ func (s *syncBuffer) String() string {
 // and /readyz answer, and --log-format json logs one object per line.
 func TestCaptureCommandServesProbesAndBuildInfo(t *testing.T) {
 	url := testenv.NewDatabase(t)
-	testenv.Exec(t, url, `CREATE TABLE public.orders (id int PRIMARY KEY, total numeric)`)
+	testenv.Exec(t, url, `CREATE TABLE public.orders (id int PRIMARY KEY, total numeric); ALTER TABLE public.orders REPLICA IDENTITY FULL`)
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	addr := "127.0.0.1:" + strconv.Itoa(port)

@@ -61,7 +61,9 @@ snapshot documents. ` + "`projector run`" + ` is the worker; the other commands
 inspect and operate it.
 
 Every flag has an EPITAPH_* environment variable (named in its help); the
-command line overrides the environment. A malformed or out-of-range value is
+command line overrides the environment, and both override the YAML file
+--config names (keys are the flags' names), which every command reads, so
+URLs and credentials are set once. A malformed or out-of-range value is
 refused, never replaced by the default.
 
 Exit status: 0 success, 1 error, 2 usage (unknown command or flag, bad value,
@@ -74,6 +76,7 @@ wait: see its help).`,
 	}
 	cli.Group(root)
 	logging := cli.LogFlags(root)
+	cli.ConfigFlag(root)
 	root.PersistentPreRunE = func(cmd *cobra.Command, _ []string) error {
 		if err := cli.ApplyEnv(cmd, env.lookup); err != nil {
 			return err

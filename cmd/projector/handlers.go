@@ -38,7 +38,7 @@ version only, and run by every "projector run" (see "projector deliveries").
 disable pauses (deliveries wait), revoke stops its open deliveries
 (stop_revoked), remove deletes it (open deliveries end stop_completed),
 rotate-secret writes a new webhook secret and signs with both for a while.`,
-		Example: `  projector handlers add --id 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --table public.attachments \
+		Example: `  projector handlers add --table public.attachments \
     --kind webhook --target https://blobs.internal/purge --columns blob_name --secret-file /etc/epitaph/hook.secret
   projector handlers add --id 5d1e... --table public.orders --kind exec --target '["/usr/local/bin/reindex","--delete"]'
   projector handlers list --json`,
@@ -51,10 +51,11 @@ rotate-secret writes a new webhook secret and signs with both for a while.`,
 
 func handlersAddCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "add --id UUID --table schema.table --kind webhook|exec|nats --target URL|COMMAND|SUBJECT",
-		Short: "add a row handler",
-		Example: `  projector handlers add --id 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --table public.attachments --kind webhook \
-    --target https://blobs.internal/purge --columns blob_name --phase after-group --secret-file /etc/epitaph/hook.secret`,
+		Use:   "add [--id UUID] --table schema.table --kind webhook|exec|nats --target URL|COMMAND|SUBJECT",
+		Short: "add a row handler (without --id, a generated id is printed)",
+		Example: `  projector handlers add --table public.attachments --kind webhook \
+    --target https://blobs.internal/purge --columns blob_name --phase after-group --secret-file /etc/epitaph/hook.secret
+  projector handlers add --id 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --table public.orders --kind nats --target orders.deleted`,
 		Args: cli.NoArgs,
 	}
 	c := commonFlags(cmd, env)
@@ -62,7 +63,7 @@ func handlersAddCommand(env *Env) *cobra.Command {
 	var table, columns string
 	var noRevalidate bool
 	fs := cmd.Flags()
-	fs.StringVar(&d.ID, "id", "", "the handler's stable id (a UUID; required)")
+	fs.StringVar(&d.ID, "id", "", "the handler's stable id (a UUID; default: a random one, printed)")
 	fs.StringVar(&d.Name, "name", "", "a name for people (the id is the identity)")
 	fs.StringVar(&table, "table", "", "the source table, schema.table (required)")
 	fs.StringVar(&d.Kind, "kind", "", "webhook, exec or nats (go: a handler an embedding program registered under --target)")
@@ -80,8 +81,12 @@ func handlersAddCommand(env *Env) *cobra.Command {
 	asJSON := jsonFlag(cmd, "the handler")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
-		if d.ID == "" || table == "" || d.Kind == "" || d.Target == "" {
-			return cli.Usage("handlers add needs --id, --table, --kind and --target")
+		if table == "" || d.Kind == "" || d.Target == "" {
+			return cli.Usage("handlers add needs --table, --kind and --target")
+		}
+		generated := d.ID == ""
+		if generated {
+			d.ID = handler.NewID()
 		}
 		schema, name, ok := strings.Cut(table, ".")
 		if !ok || schema == "" || name == "" || strings.Contains(name, ".") {
@@ -126,6 +131,9 @@ func handlersAddCommand(env *Env) *cobra.Command {
 				return writeJSON(env.Stdout, handlerJSON(got))
 			}
 			fmt.Fprintf(env.Stdout, "added handler %s (%s %s) for %s\n", got.ID, got.Kind, got.Phase, got.QualifiedTable())
+			if generated {
+				fmt.Fprintf(env.Stdout, "its id was generated: keep it for handlers show, disable, revoke and remove (handlers list shows it too)\n")
+			}
 			return nil
 		})
 	}
@@ -325,7 +333,7 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if *asJSON {
 				return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
 			}
-			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], strings.TrimSuffix(verb, "e"), n, outcome)
+			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], verb, n, outcome)
 			return nil
 		})
 	}

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -312,4 +313,51 @@ func TestHandlersSecretsAndRedaction(t *testing.T) {
 	for _, o := range outs {
 		require.NotContains(t, o, "SEKRIT")
 	}
+}
+
+// TestHandlersAddGeneratesID: handlers add without --id stores the handler
+// under a random (version 4) UUID it prints; two such adds get two ids;
+// revoke and remove say "revoked" and "removed".
+func TestHandlersAddGeneratesID(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testenv.NewDatabase(t)
+	run := func(args ...string) (string, error) {
+		var out, errOut bytes.Buffer
+		env := &Env{Getenv: func(k string) string {
+			return map[string]string{"EPITAPH_TARGET_URL": url, "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}[k]
+		}, Stdout: &out, Stderr: &errOut, Logger: slog.New(slog.DiscardHandler)}
+		err := dispatch(ctx, args, env)
+		return out.String(), err
+	}
+	_, err := run("handlers", "add", "--table", "public.orders", "--kind", "webhook")
+	require.Equal(t, cli.ExitUsage, cli.Code(err))
+	require.ErrorContains(t, err, "handlers add needs --table, --kind and --target")
+
+	added := regexp.MustCompile(`^added handler ([0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}) \(nats immediate\) for public\.orders\n` +
+		`its id was generated: keep it for handlers show, disable, revoke and remove`)
+	var ids []string
+	for range 2 {
+		out, err := run("handlers", "add", "--table", "public.orders", "--kind", "nats", "--target", "orders.deleted")
+		require.NoError(t, err, out)
+		m := added.FindStringSubmatch(out)
+		require.NotNil(t, m, out)
+		ids = append(ids, m[1])
+	}
+	require.NotEqual(t, ids[0], ids[1])
+	out, err := run("handlers", "list", "--json")
+	require.NoError(t, err)
+	var hs []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &hs))
+	require.Len(t, hs, 2)
+	require.ElementsMatch(t, ids, []string{hs[0]["id"].(string), hs[1]["id"].(string)}, "stored under the printed ids")
+
+	out, err = run("handlers", "revoke", ids[0])
+	require.NoError(t, err)
+	require.Equal(t, "handler "+ids[0]+" revoked; 0 open deliveries stopped as stop_revoked\n", out)
+	out, err = run("handlers", "remove", ids[0])
+	require.NoError(t, err)
+	require.Equal(t, "handler "+ids[0]+" removed; 0 open deliveries stopped as stop_completed\n", out)
+	_, err = run("handlers", "show", ids[0])
+	require.Equal(t, cli.ExitNotEqual, cli.Code(err), "removed")
 }

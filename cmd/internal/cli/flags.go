@@ -238,12 +238,14 @@ func EnvOf(fl *pflag.Flag) string {
 }
 
 // ApplyEnv sets every flag of cmd (its own and the inherited ones) that was
-// not given on the command line from its variable, through the flag's own
+// not given on the command line from its variable, else from the
+// configuration file (--config, see ConfigFlag), through the flag's own
 // parser and constraints: a malformed or out-of-range value is an error
-// naming the variable, never silently the default. All bad variables are
-// reported together, on one line.
+// naming the variable or the file's key, never silently the default. All
+// bad variables are reported together, on one line.
 func ApplyEnv(cmd *cobra.Command, lookup func(string) (string, bool)) error {
 	var bad []string
+	fromEnv := map[string]bool{}
 	cmd.Flags().VisitAll(func(fl *pflag.Flag) {
 		env := EnvOf(fl)
 		if env == "" || fl.Changed {
@@ -253,6 +255,7 @@ func ApplyEnv(cmd *cobra.Command, lookup func(string) (string, bool)) error {
 		if !ok || (v == "" && len(fl.Annotations[annotationKeepEmpty]) == 0) {
 			return
 		}
+		fromEnv[fl.Name] = true
 		if err := fl.Value.Set(v); err != nil {
 			bad = append(bad, fmt.Sprintf("%s=%q: %v", env, redact.URL(v), err))
 		}
@@ -260,5 +263,5 @@ func ApplyEnv(cmd *cobra.Command, lookup func(string) (string, bool)) error {
 	if len(bad) > 0 {
 		return Usage("bad environment: %s", strings.Join(bad, "; "))
 	}
-	return nil
+	return applyConfig(cmd, fromEnv)
 }

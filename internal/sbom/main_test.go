@@ -1,0 +1,67 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/debug"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The SBOM of a real Go binary (this test's own) lists every module it
+// links with its version, go.sum hash and package URL, and the toolchain;
+// the metadata carries the given version and time; a file that is not a
+// Go binary is refused.
+func TestSBOMOfABinary(t *testing.T) {
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	var out bytes.Buffer
+	require.NoError(t, run([]string{"-version", "v9.9.9", "-time", "2026-01-02T03:04:05Z", exe, exe}, &out))
+	var doc document
+	require.NoError(t, json.Unmarshal(out.Bytes(), &doc))
+	require.Equal(t, "CycloneDX", doc.BOMFormat)
+	require.Equal(t, "1.5", doc.SpecVersion)
+	require.Equal(t, "2026-01-02T03:04:05Z", doc.Metadata.Timestamp)
+	require.Equal(t, "v9.9.9", doc.Metadata.Component.Version)
+	require.Contains(t, doc.Metadata.Component.Properties, property{Name: "go:GOOS", Value: runtime.GOOS})
+
+	bi, ok := debug.ReadBuildInfo()
+	require.True(t, ok)
+	require.NotEmpty(t, bi.Deps, "a test binary links testify at least")
+	byPURL := map[string]component{}
+	for _, c := range doc.Components {
+		_, dup := byPURL[c.PURL]
+		require.False(t, dup, "each module once: %s", c.PURL)
+		byPURL[c.PURL] = c
+	}
+	require.Len(t, byPURL, len(bi.Deps)+1, "every module, and the toolchain")
+	for _, m := range bi.Deps {
+		if m.Replace != nil {
+			m = m.Replace
+		}
+		c, ok := byPURL[purl(m.Path, m.Version)]
+		require.True(t, ok, m.Path)
+		require.Equal(t, m.Version, c.Version)
+		require.Equal(t, []property{{Name: "go:module:sum", Value: m.Sum}}, c.Properties, m.Path)
+	}
+	require.Equal(t, runtime.Version(), byPURL["pkg:golang/std@"+runtime.Version()].Version)
+
+	notGo := filepath.Join(t.TempDir(), "x")
+	require.NoError(t, os.WriteFile(notGo, []byte("#!/bin/sh\n"), 0o755))
+	require.Error(t, run([]string{notGo}, &out))
+	require.Error(t, run(nil, &out), "no binary named")
+}
+
+func TestPURL(t *testing.T) {
+	for _, c := range []struct{ path, version, want string }{
+		{"github.com/jackc/pgx/v5", "v5.7.1", "pkg:golang/github.com/jackc/pgx/v5@v5.7.1"},
+		{"github.com/BurntSushi/toml", "v1.4.0", "pkg:golang/github.com/burntsushi/toml@v1.4.0"},
+		{"github.com/epitaph-dev/epitaph", "(devel)", "pkg:golang/github.com/epitaph-dev/epitaph"},
+	} {
+		require.Equal(t, c.want, purl(c.path, c.version))
+	}
+}
