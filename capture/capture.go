@@ -73,6 +73,7 @@ type Service struct {
 	slotStats   slotStats
 	lastHB      atomic.Int64 // unix nanos of the last heartbeat seen
 	activeState atomic.Bool
+	links       *links // the source's and the broker's connection state (outage.go)
 	role        string
 	standby     *StandbyStatus
 
@@ -140,6 +141,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 		return nil, fmt.Errorf("register capture metrics: %w", err)
 	}
 	s.m = m
+	s.links = newLinks(s.log, m.connected, s.now)
 	s.cpu = newCPUGovernor(&s.cfg)
 	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
 	if g := s.cpu; g != nil && g.tailNice > 0 && g.setNice == nil {
@@ -210,8 +212,12 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	}
 	db, err := checkServer(ctx, s.pool)
 	if err != nil {
+		if ce := sourceLoginErr(cfg.SourceURL, err); ce != nil {
+			return ce
+		}
 		return fmt.Errorf("check source %s: %w", RedactURL(cfg.SourceURL), err)
 	}
+	s.links.connected(linkSource)
 	if err := s.loadKey(); err != nil {
 		return err
 	}
@@ -367,7 +373,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 			return err
 		}
 	}
-	var extra []nats.Option
+	extra := s.links.natsHandlers()
 	if s.embed != nil {
 		// The capture's own connection to its embedded server needs no
 		// socket: ~20% more rows/s in bench-capture. Other processes
@@ -384,6 +390,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName, extra...); err != nil {
 		return err
 	}
+	s.links.connected(linkBroker)
 	js, err := jetstream.New(s.nc,
 		jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+64),
 		jetstream.WithPublishAsyncTimeout(time.Minute))
@@ -503,6 +510,9 @@ func (s *Service) connectReplication(ctx context.Context) error {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && (pgErr.Code == "28000" || pgErr.Code == "42501") {
 			return configErr("open a replication connection to %s: %s (the role needs the REPLICATION privilege and pg_hba.conf a 'replication' entry for it)", RedactURL(cfg.SourceURL), pgErr.Message)
+		}
+		if ce := sourceLoginErr(cfg.SourceURL, err); ce != nil {
+			return ce
 		}
 		return fmt.Errorf("open a replication connection to %s: %w", RedactURL(cfg.SourceURL), err)
 	}
@@ -628,21 +638,39 @@ func (s *Service) activate(ctx context.Context) {
 
 // runLoop streams until stopped or failed, then ends the service. When
 // another writer got in the way of a session (a foreign message broke the
-// chain, or took one of the capture's message ids), the capture is not
-// streaming until a new session, started here from the slot's confirmed
-// position, resumes after what the stream proves (trust.go).
+// chain, or took one of the capture's message ids), or the source or the
+// broker went away (outage), the capture is not streaming until a new
+// session, started here from the slot's confirmed position, resumes after
+// what the stream proves (trust.go): nothing is lost or stored twice, as
+// after a restart of the process. Outages are retried with backoff for as
+// long as they last; what a restart cannot fix ends the service.
 func (s *Service) runLoop(ctx context.Context) {
 	backoff := 100 * time.Millisecond
+	reconnect := newReconnectBackoff()
 	for {
 		err := s.st.run(ctx)
 		s.activeState.Store(false)
 		s.m.active.Set(0)
-		restarted := false
-		for err != nil && interference(err) && ctx.Err() == nil && s.lostLease() == nil {
-			s.m.sessions.Inc()
-			s.log.Warn("another writer got in the way of the capture's messages: starting a new session from the slot's confirmed position", "err", err)
-			err = s.restartSession(ctx, backoff)
-			backoff = min(2*backoff, 5*time.Second)
+		restarted, reconnecting := false, false
+		for err != nil && ctx.Err() == nil && s.lostLease() == nil {
+			var wait time.Duration
+			if to, ok := outage(err); ok {
+				s.links.lost(to, err)
+				if !reconnecting {
+					reconnect.Reset()
+					reconnecting = true
+				}
+				wait = reconnect.NextBackOff()
+				s.log.Debug("capture not streaming: will start a new session", "link", to, "in", wait, "err", redactErr(err))
+			} else if interference(err) {
+				s.m.sessions.Inc()
+				s.log.Warn("another writer got in the way of the capture's messages: starting a new session from the slot's confirmed position", "err", err)
+				wait = backoff
+				backoff = min(2*backoff, 5*time.Second)
+			} else {
+				break
+			}
+			err = s.restartSession(ctx, wait)
 			restarted = true
 		}
 		if restarted && err == nil && ctx.Err() != nil {
@@ -656,7 +684,13 @@ func (s *Service) runLoop(ctx context.Context) {
 		if restarted && err == nil && s.lostLease() == nil {
 			s.activeState.Store(true)
 			s.m.active.Set(1)
-			s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName), "session", "restarted")
+			if reconnecting {
+				// The links' own lines say what came back.
+				s.links.connected(linkSource)
+				s.links.connected(linkBroker)
+			} else {
+				s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName), "session", "restarted")
+			}
 			continue
 		}
 		if lost := s.lostLease(); lost != nil {
@@ -673,7 +707,10 @@ func (s *Service) runLoop(ctx context.Context) {
 				err = le
 			}
 		} else {
-			s.log.Error("capture stopped", "err", err)
+			if reconnecting {
+				err = fmt.Errorf("reconnect after an outage: %w", err)
+			}
+			s.log.Error("capture stopped", "err", redactErr(err))
 		}
 		s.finish(err)
 		return
@@ -681,7 +718,8 @@ func (s *Service) runLoop(ctx context.Context) {
 }
 
 // restartSession ends the current session (its publishes are answered or
-// abandoned, the replication connection closed) and starts the next one.
+// abandoned, the replication connection closed) and starts the next one
+// after wait, once the broker is connected.
 func (s *Service) restartSession(ctx context.Context, wait time.Duration) error {
 	select {
 	case <-s.js.PublishAsyncComplete():
@@ -700,9 +738,15 @@ func (s *Service) restartSession(ctx context.Context, wait time.Duration) error 
 	case <-ctx.Done():
 		return nil
 	}
+	if err := s.awaitBroker(ctx); err != nil {
+		return err
+	}
 	if err := s.startSession(ctx, false); err != nil {
 		if ctx.Err() != nil {
 			return nil
+		}
+		if ce := sourceLoginErr(s.cfg.SourceURL, err); ce != nil {
+			return ce // the password changed while the source was away
 		}
 		return err
 	}
@@ -830,7 +874,9 @@ func (s *Service) heartbeats(ctx context.Context) {
 		}
 		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, event.PrefixHeartbeat)
 		if err != nil && ctx.Err() == nil && !warned {
-			s.log.Warn("emit heartbeat", "err", err)
+			if _, ok := outage(err); !ok { // else the outage's own line says it
+				s.log.Warn("emit heartbeat", "err", err)
+			}
 			warned = true
 		} else if err == nil {
 			warned = false
