@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
@@ -455,4 +456,85 @@ func mustJS(t *testing.T, srv *testenv.NATS) jetstream.JetStream {
 	t.Helper()
 	_, js := srv.Connect(t)
 	return js
+}
+
+// TestEmbeddedBrokerServesThroughASourceOutage: with its embedded broker,
+// the capture keeps the broker serving while the source is down, so a
+// projector's connection to it never drops and it can read the stream;
+// the deletes before and after the outage are each stored once.
+func TestEmbeddedBrokerServesThroughASourceOutage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs a capture process, stops PostgreSQL")
+	}
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.NewPostgres(t)
+	db := pg.NewDatabase(t)
+	testenv.Exec(t, db, `CREATE TABLE items (id int PRIMARY KEY, pad text); ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT i, 'row ' || i FROM generate_series(1, 400) i`)
+	port, err := testenv.FreePort()
+	require.NoError(t, err)
+	listen := "127.0.0.1:" + strconv.Itoa(port)
+	dataDir := t.TempDir()
+	p := startCapProc(t, "capture-embedded-outage", buildCapture(t), map[string]string{
+		"EPITAPH_SOURCE_URL":         db,
+		"EPITAPH_DATA_DIR":           dataDir,
+		"EPITAPH_NATS_LISTEN":        listen,
+		"EPITAPH_SLOT":               dbName(t, db),
+		"EPITAPH_PUBLICATION":        dbName(t, db),
+		"EPITAPH_TABLES":             "items",
+		"EPITAPH_PARTITIONS":         "2",
+		"EPITAPH_HEARTBEAT_INTERVAL": "-1s",
+	})
+	streamingAgain(t, p, 60*time.Second, "start")
+	pid := p.pid()
+	testenv.Exec(t, db, `DELETE FROM items WHERE id <= 200`)
+
+	// A projector's connection to the embedded broker.
+	var disconnects int
+	var mu sync.Mutex
+	nc, err := nats.Connect("nats://"+listen, nats.UserCredentials(broker.ProjectorCreds(EmbeddedCredsDir(dataDir))),
+		nats.DisconnectErrHandler(func(*nats.Conn, error) { mu.Lock(); disconnects++; mu.Unlock() }))
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	stored := func() uint64 {
+		st, err := js.Stream(ctx, event.StreamName("main"))
+		require.NoError(t, err)
+		info, err := st.Info(ctx)
+		require.NoError(t, err)
+		return info.State.Msgs
+	}
+	require.Eventually(t, func() bool { return stored() == 200+1 }, 60*time.Second, 50*time.Millisecond)
+
+	require.NoError(t, pg.Stop())
+	require.Eventually(t, func() bool {
+		code, _ := httpGetCode(p.url("/readyz"))
+		v, ok := p.metric(`epitaph_capture_connected{to="source"}`)
+		return code == http.StatusServiceUnavailable && ok && v == 0
+	}, 30*time.Second, 20*time.Millisecond, "unready while the source is down")
+	// Down for a few reconnect attempts, the broker serving throughout.
+	for range 3 {
+		code, err := httpGetCode(p.url("/livez"))
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, code)
+		require.Equal(t, uint64(200+1), stored(), "the stream is readable while the source is down")
+		time.Sleep(time.Second) // the outage lasts: nothing to poll for
+	}
+	require.NoError(t, pg.Start())
+	streamingAgain(t, p, 60*time.Second, "the source's return")
+	testenv.Exec(t, db, `DELETE FROM items WHERE id > 200`)
+
+	e := &env{js: js}
+	ms := e.messages(t, "main", 400+2)
+	require.Len(t, ms, 400+2)
+	requireOnce(t, ms, 400)
+	mu.Lock()
+	require.Zero(t, disconnects, "the projector's connection to the embedded broker dropped")
+	mu.Unlock()
+	p.mu.Lock()
+	require.Zero(t, p.selfExit, "the capture process exited")
+	p.mu.Unlock()
+	require.Equal(t, pid, p.pid())
 }
