@@ -210,7 +210,11 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if s.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 		return fmt.Errorf("connect to source %s: %w", RedactURL(cfg.SourceURL), err)
 	}
-	db, err := checkServer(ctx, s.pool)
+	var db string
+	err = s.untilReachable(ctx, linkSource, func() (err error) {
+		db, err = checkServer(ctx, s.pool)
+		return err
+	})
 	if err != nil {
 		if ce := sourceLoginErr(cfg.SourceURL, err); ce != nil {
 			return ce
@@ -249,7 +253,12 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	return nil
 }
 
+// startEndpoints serves /metrics, the probes and /status; a second call
+// does nothing.
 func (s *Service) startEndpoints(ctx context.Context) error {
+	if s.obsrv != nil {
+		return nil
+	}
 	s.obsrv = observe.New(observe.Config{Addr: s.cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy,
 		Live: s.live, Logger: s.log})
 	return s.obsrv.Start(ctx)
@@ -387,7 +396,11 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		}
 		extra = append(extra, auth...)
 	}
-	if s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName, extra...); err != nil {
+	err = s.untilReachable(ctx, linkBroker, func() (err error) {
+		s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName, extra...)
+		return err
+	})
+	if err != nil {
 		return err
 	}
 	s.links.connected(linkBroker)

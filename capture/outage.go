@@ -263,3 +263,36 @@ func sourceLoginErr(sourceURL string, err error) error {
 	}
 	return configErr("connect to source %s: %s (SQLSTATE %s): %s; a restart will not fix this", RedactURL(sourceURL), pgErr.Message, pgErr.Code, fix)
 }
+
+// untilReachable runs f, the first contact with the link `to` at start,
+// until it succeeds, fails for another reason than an outage of that link,
+// or ctx ends (a stop). While it waits, the endpoints are served (/livez
+// 200, /readyz 503), and the wait and its end are logged once each.
+func (s *Service) untilReachable(ctx context.Context, to string, f func() error) error {
+	b := newReconnectBackoff()
+	var since time.Time
+	for {
+		err := f()
+		if err == nil {
+			if !since.IsZero() {
+				s.log.Info("the "+to+" is reachable", "waited", s.now().Sub(since).Round(time.Millisecond).String())
+			}
+			return nil
+		}
+		if t, ok := outage(err); !ok || t != to || ctx.Err() != nil {
+			return err
+		}
+		if since.IsZero() {
+			since = s.now()
+			s.log.Warn("the "+to+" is unreachable: waiting for it, retrying with backoff (/livez 200, /readyz 503 meanwhile)", "err", redactErr(err))
+			if err := s.startEndpoints(ctx); err != nil {
+				return err
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(b.NextBackOff()):
+		}
+	}
+}

@@ -538,3 +538,64 @@ func TestEmbeddedBrokerServesThroughASourceOutage(t *testing.T) {
 	p.mu.Unlock()
 	require.Equal(t, pid, p.pid())
 }
+
+// TestCaptureWaitsForItsDependenciesAtStart: started while the source and
+// the external broker are both down, the capture process waits for each
+// in turn (one line each), serving /livez 200 and /readyz 503, and streams
+// once they are up; it never exits.
+func TestCaptureWaitsForItsDependenciesAtStart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs a capture process, stops PostgreSQL")
+	}
+	t.Parallel()
+	pg := testenv.NewPostgres(t)
+	db := pg.NewDatabase(t)
+	testenv.Exec(t, db, `CREATE TABLE items (id int PRIMARY KEY, pad text); ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT i, 'row ' || i FROM generate_series(1, 100) i`)
+	js := testenv.NewNATS(t)
+	js.Stop()
+	require.NoError(t, pg.Stop())
+	p := startCapProc(t, "capture-waits", buildCapture(t), map[string]string{
+		"EPITAPH_SOURCE_URL":         db,
+		"EPITAPH_NATS_URL":           js.URL,
+		"EPITAPH_SLOT":               dbName(t, db),
+		"EPITAPH_PUBLICATION":        dbName(t, db),
+		"EPITAPH_TABLES":             "items",
+		"EPITAPH_PARTITIONS":         "2",
+		"EPITAPH_HEARTBEAT_INTERVAL": "-1s",
+	})
+	pid := p.pid()
+	logged := func(s string) bool {
+		b, err := os.ReadFile(p.log)
+		require.NoError(t, err)
+		return strings.Contains(string(b), s)
+	}
+	waiting := func(what string) {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			live, _ := httpGetCode(p.url("/livez"))
+			ready, _ := httpGetCode(p.url("/readyz"))
+			return live == http.StatusOK && ready == http.StatusServiceUnavailable && logged("the "+what+" is unreachable: waiting for it")
+		}, 60*time.Second, 50*time.Millisecond, "waiting for the %s", what)
+	}
+	waiting("source")
+	require.NoError(t, pg.Start())
+	waiting("broker")
+	js.Start()
+	streamingAgain(t, p, 60*time.Second, "start")
+	testenv.Exec(t, db, `DELETE FROM items`)
+	ms := (&env{js: mustJS(t, js)}).messages(t, "main", 100+1)
+	require.Len(t, ms, 100+1)
+	requireOnce(t, ms, 100)
+
+	p.mu.Lock()
+	require.Zero(t, p.selfExit, "the capture process exited")
+	p.mu.Unlock()
+	require.Equal(t, pid, p.pid())
+	b, err := os.ReadFile(p.log)
+	require.NoError(t, err)
+	for _, what := range []string{"source", "broker"} {
+		require.Equal(t, 1, strings.Count(string(b), "the "+what+" is unreachable"), "one line for the wait, none per retry")
+		require.Equal(t, 1, strings.Count(string(b), "the "+what+" is reachable"))
+	}
+}
