@@ -66,6 +66,29 @@ func TestBrokerRestartMidStream(t *testing.T) {
 	e.nats.Start()
 
 	_, e.js = e.nats.Connect(t)
+	st, err = e.js.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	info, err := st.Info(ctx)
+	require.NoError(t, err)
+	stored := info.State.Msgs
+	// The restarted server counts API requests from its start: wait for
+	// the whole stream counting this test's own (the two above, one stream
+	// info per poll), so that what remains is the capture's.
+	polls := uint64(0)
+	require.Eventually(t, func() bool {
+		polls++
+		info, err := st.Info(ctx)
+		return err == nil && info.State.Msgs >= 40000+1
+	}, 180*time.Second, 50*time.Millisecond)
+	after, err := e.js.AccountInfo(ctx)
+	require.NoError(t, err)
+	// The new session adopts the stored rows of the open transaction in
+	// batches, not with one request per row: a few dozen API requests
+	// (stream, object store, resume, the batches) for thousands of rows.
+	requests := after.API.Total - 2 - polls
+	t.Logf("the new session adopted %d stored messages with at most %d API requests", stored, requests)
+	require.Greater(t, stored, uint64(2000))
+	require.Less(t, requests, stored/10, "stored messages read one request each")
 	requireStreamsAgain(t, svc)
 	require.Equal(t, 1.0, metricValue(t, svc.m.connected.WithLabelValues(linkBroker)))
 	ms := e.messages(t, "main", 40000+1)
