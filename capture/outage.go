@@ -3,6 +3,7 @@ package capture
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -229,6 +230,11 @@ func (e *serverEndedError) Error() string {
 // connected, after a flush: every message published before is then with
 // the server before the stream's tail is read.
 func (s *Service) awaitBroker(ctx context.Context) error {
+	if s.nc.IsClosed() {
+		// The client gave up (the server refused the credentials on
+		// reconnecting): no reconnect will follow.
+		return fmt.Errorf("the NATS connection was closed: %v", s.nc.LastError())
+	}
 	if s.nc.Status() != nats.CONNECTED {
 		return errBrokerDown
 	}
