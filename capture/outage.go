@@ -82,13 +82,6 @@ func (l *links) lost(to string, err error) {
 	l.up[to] = false
 }
 
-// isUp reports whether the link to `to` is up.
-func (l *links) isUp(to string) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.up[to]
-}
-
 // ready is nil when no link is down.
 func (l *links) ready() error {
 	l.mu.Lock()
