@@ -202,10 +202,24 @@ func brokerOutage(err error) bool {
 		}
 	}
 	var apiErr *jetstream.APIError
-	// 503: JetStream is not available yet (a server still recovering its
-	// streams, a cluster without a leader).
-	return errors.As(err, &apiErr) && apiErr.Code == 503
+	if !errors.As(err, &apiErr) {
+		return false
+	}
+	// JetStream is not available yet: a server still recovering its
+	// streams, a cluster without a leader. Not every 503 is that: a stream
+	// that refuses to store a message (its limits) answers 503 too.
+	switch apiErr.ErrorCode {
+	case jsErrCodeClusterNotAvail, jsErrCodeLastSeqPerSubjectNotReady:
+		return true
+	}
+	return false
 }
+
+// JetStream's error codes of a system that is not available yet.
+const (
+	jsErrCodeClusterNotAvail           jetstream.ErrorCode = 10008 // JetStream system temporarily unavailable
+	jsErrCodeLastSeqPerSubjectNotReady jetstream.ErrorCode = 10163 // expected last sequence per subject temporarily unavailable
+)
 
 // errBrokerDown: the NATS connection is not connected (it reconnects in
 // the background).
