@@ -553,6 +553,12 @@ func (s *Service) prepareSlot(ctx context.Context, first bool, t tail) (slotPlan
 			return slotPlan{}, 0, err
 		}
 	}
+	if !first && slot.activePID != nil {
+		// Still held after a minute: after a network loss the source may
+		// keep the previous session's walsender until wal_sender_timeout
+		// tells it the capture is gone. Retried as an outage.
+		return slotPlan{}, 0, &slotBusyError{slot: cfg.SlotName, pid: *slot.activePID}
+	}
 	plan, err := planSlot(slot, cfg.SlotName, s.db, t, event.StreamName(cfg.SourceName), cfg.RecreateSlot)
 	if err != nil {
 		return plan, 0, err

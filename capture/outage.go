@@ -153,7 +153,8 @@ func outage(err error) (to string, ok bool) {
 		return linkSource, transientSQLState(pgErr.Code)
 	}
 	var se *serverEndedError
-	if errors.As(err, &se) {
+	var sb *slotBusyError
+	if errors.As(err, &se) || errors.As(err, &sb) {
 		return linkSource, true
 	}
 	if pgconn.Timeout(err) {
@@ -231,6 +232,18 @@ type serverEndedError struct{ slot string }
 
 func (e *serverEndedError) Error() string {
 	return "replication slot " + e.slot + ": the server ended replication"
+}
+
+// slotBusyError: a new session found the slot still streamed by another
+// process (after an outage, most likely the previous session's walsender,
+// which the source ends once wal_sender_timeout has passed).
+type slotBusyError struct {
+	slot string
+	pid  int32
+}
+
+func (e *slotBusyError) Error() string {
+	return fmt.Sprintf("replication slot %s is still active in process %d (the previous session's walsender until wal_sender_timeout ends it, or another capture)", e.slot, e.pid)
 }
 
 // awaitBroker returns errBrokerDown unless the NATS connection is

@@ -45,6 +45,7 @@ func TestOutageClassification(t *testing.T) {
 		{"too many connections", pgErr("53300"), linkSource},
 		{"wrapped shutdown", errors.Join(errors.New("read slot"), pgErr("57P01")), linkSource},
 		{"server ended replication", &serverEndedError{slot: "s"}, linkSource},
+		{"slot still held by the previous walsender", &slotBusyError{slot: "s", pid: 7}, linkSource},
 		{"connection closed", pgconn.ErrConnClosed, linkSource},
 		{"connection refused", &pgconn.ConnectError{}, linkSource},
 		{"NATS disconnected", nats.ErrDisconnected, linkBroker},
