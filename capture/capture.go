@@ -73,6 +73,7 @@ type Service struct {
 	slotStats   slotStats
 	lastHB      atomic.Int64 // unix nanos of the last heartbeat seen
 	activeState atomic.Bool
+	links       *links // the source's and the broker's connection state (outage.go)
 	role        string
 	standby     *StandbyStatus
 
@@ -141,6 +142,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	}
 	s.m = m
 	s.m.syncInterval.Set(max(cfg.BrokerSyncInterval, 0).Seconds())
+	s.links = newLinks(s.log, m.connected, s.now)
 	s.cpu = newCPUGovernor(&s.cfg)
 	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
 	if g := s.cpu; g != nil && g.tailNice > 0 && g.setNice == nil {
@@ -209,10 +211,18 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if s.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 		return fmt.Errorf("connect to source %s: %w", RedactURL(cfg.SourceURL), err)
 	}
-	db, err := checkServer(ctx, s.pool)
+	var db string
+	err = s.untilReachable(ctx, linkSource, func() (err error) {
+		db, err = checkServer(ctx, s.pool)
+		return err
+	})
 	if err != nil {
+		if ce := sourceLoginErr(cfg.SourceURL, err); ce != nil {
+			return ce
+		}
 		return fmt.Errorf("check source %s: %w", RedactURL(cfg.SourceURL), err)
 	}
+	s.links.connected(linkSource)
 	if err := s.loadKey(); err != nil {
 		return err
 	}
@@ -244,7 +254,12 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	return nil
 }
 
+// startEndpoints serves /metrics, the probes and /status; a second call
+// does nothing.
 func (s *Service) startEndpoints(ctx context.Context) error {
+	if s.obsrv != nil {
+		return nil
+	}
 	s.obsrv = observe.New(observe.Config{Addr: s.cfg.MetricsAddr, Registry: s.reg, Status: s.status, Healthy: s.healthy,
 		Live: s.live, Logger: s.log})
 	return s.obsrv.Start(ctx)
@@ -371,7 +386,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 			return err
 		}
 	}
-	var extra []nats.Option
+	extra := s.links.natsHandlers()
 	if s.embed != nil {
 		// The capture's own connection to its embedded server needs no
 		// socket: ~20% more rows/s in bench-capture. Other processes
@@ -385,9 +400,14 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		}
 		extra = append(extra, auth...)
 	}
-	if s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName, extra...); err != nil {
+	err = s.untilReachable(ctx, linkBroker, func() (err error) {
+		s.nc, err = connectNATS(s.natsURL, cfg.ApplicationName, extra...)
+		return err
+	})
+	if err != nil {
 		return err
 	}
+	s.links.connected(linkBroker)
 	js, err := jetstream.New(s.nc,
 		jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+64),
 		jetstream.WithPublishAsyncTimeout(time.Minute))
@@ -508,6 +528,9 @@ func (s *Service) connectReplication(ctx context.Context) error {
 		if errors.As(err, &pgErr) && (pgErr.Code == "28000" || pgErr.Code == "42501") {
 			return configErr("open a replication connection to %s: %s (the role needs the REPLICATION privilege and pg_hba.conf a 'replication' entry for it)", RedactURL(cfg.SourceURL), pgErr.Message)
 		}
+		if ce := sourceLoginErr(cfg.SourceURL, err); ce != nil {
+			return ce
+		}
 		return fmt.Errorf("open a replication connection to %s: %w", RedactURL(cfg.SourceURL), err)
 	}
 	return nil
@@ -533,6 +556,12 @@ func (s *Service) prepareSlot(ctx context.Context, first bool, t tail) (slotPlan
 		if slot, err = readSlot(ctx, s.pool, cfg.SlotName); err != nil {
 			return slotPlan{}, 0, err
 		}
+	}
+	if !first && slot.activePID != nil {
+		// Still held after a minute: after a network loss the source may
+		// keep the previous session's walsender until wal_sender_timeout
+		// tells it the capture is gone. Retried as an outage.
+		return slotPlan{}, 0, &slotBusyError{slot: cfg.SlotName, pid: *slot.activePID}
 	}
 	plan, err := planSlot(slot, cfg.SlotName, s.db, t, event.StreamName(cfg.SourceName), cfg.RecreateSlot)
 	if err != nil {
@@ -633,21 +662,39 @@ func (s *Service) activate(ctx context.Context) {
 
 // runLoop streams until stopped or failed, then ends the service. When
 // another writer got in the way of a session (a foreign message broke the
-// chain, or took one of the capture's message ids), the capture is not
-// streaming until a new session, started here from the slot's confirmed
-// position, resumes after what the stream proves (trust.go).
+// chain, or took one of the capture's message ids), or the source or the
+// broker went away (outage), the capture is not streaming until a new
+// session, started here from the slot's confirmed position, resumes after
+// what the stream proves (trust.go): nothing is lost or stored twice, as
+// after a restart of the process. Outages are retried with backoff for as
+// long as they last; what a restart cannot fix ends the service.
 func (s *Service) runLoop(ctx context.Context) {
 	backoff := 100 * time.Millisecond
+	reconnect := newReconnectBackoff()
 	for {
 		err := s.st.run(ctx)
 		s.activeState.Store(false)
 		s.m.active.Set(0)
-		restarted := false
-		for err != nil && interference(err) && ctx.Err() == nil && s.lostLease() == nil {
-			s.m.sessions.Inc()
-			s.log.Warn("another writer got in the way of the capture's messages: starting a new session from the slot's confirmed position", "err", err)
-			err = s.restartSession(ctx, backoff)
-			backoff = min(2*backoff, 5*time.Second)
+		restarted, reconnecting := false, false
+		for err != nil && ctx.Err() == nil && s.lostLease() == nil {
+			var wait time.Duration
+			if to, ok := outage(err); ok {
+				s.links.lost(to, err)
+				if !reconnecting {
+					reconnect.Reset()
+					reconnecting = true
+				}
+				wait = reconnect.NextBackOff()
+				s.log.Debug("capture not streaming: will start a new session", "link", to, "in", wait, "err", redactErr(err))
+			} else if interference(err) {
+				s.m.sessions.Inc()
+				s.log.Warn("another writer got in the way of the capture's messages: starting a new session from the slot's confirmed position", "err", err)
+				wait = backoff
+				backoff = min(2*backoff, 5*time.Second)
+			} else {
+				break
+			}
+			err = s.restartSession(ctx, wait)
 			restarted = true
 		}
 		if restarted && err == nil && ctx.Err() != nil {
@@ -661,7 +708,13 @@ func (s *Service) runLoop(ctx context.Context) {
 		if restarted && err == nil && s.lostLease() == nil {
 			s.activeState.Store(true)
 			s.m.active.Set(1)
-			s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName), "session", "restarted")
+			if reconnecting {
+				// The links' own lines say what came back.
+				s.links.connected(linkSource)
+				s.links.connected(linkBroker)
+			} else {
+				s.log.Info("capture streaming", "slot", s.cfg.SlotName, "from", s.st.flushed.String(), "stream", event.StreamName(s.cfg.SourceName), "session", "restarted")
+			}
 			continue
 		}
 		if lost := s.lostLease(); lost != nil {
@@ -678,7 +731,10 @@ func (s *Service) runLoop(ctx context.Context) {
 				err = le
 			}
 		} else {
-			s.log.Error("capture stopped", "err", err)
+			if reconnecting {
+				err = fmt.Errorf("reconnect after an outage: %w", err)
+			}
+			s.log.Error("capture stopped", "err", redactErr(err))
 		}
 		s.finish(err)
 		return
@@ -686,7 +742,8 @@ func (s *Service) runLoop(ctx context.Context) {
 }
 
 // restartSession ends the current session (its publishes are answered or
-// abandoned, the replication connection closed) and starts the next one.
+// abandoned, the replication connection closed) and starts the next one
+// after wait, once the broker is connected.
 func (s *Service) restartSession(ctx context.Context, wait time.Duration) error {
 	select {
 	case <-s.js.PublishAsyncComplete():
@@ -705,9 +762,15 @@ func (s *Service) restartSession(ctx context.Context, wait time.Duration) error 
 	case <-ctx.Done():
 		return nil
 	}
+	if err := s.awaitBroker(ctx); err != nil {
+		return err
+	}
 	if err := s.startSession(ctx, false); err != nil {
 		if ctx.Err() != nil {
 			return nil
+		}
+		if ce := sourceLoginErr(s.cfg.SourceURL, err); ce != nil {
+			return ce // the password changed while the source was away
 		}
 		return err
 	}
@@ -835,7 +898,9 @@ func (s *Service) heartbeats(ctx context.Context) {
 		}
 		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, event.PrefixHeartbeat)
 		if err != nil && ctx.Err() == nil && !warned {
-			s.log.Warn("emit heartbeat", "err", err)
+			if _, ok := outage(err); !ok { // else the outage's own line says it
+				s.log.Warn("emit heartbeat", "err", err)
+			}
 			warned = true
 		} else if err == nil {
 			warned = false

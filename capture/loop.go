@@ -142,7 +142,7 @@ func (st *streamer) run(ctx context.Context) error {
 		case *pgproto3.ErrorResponse:
 			return fmt.Errorf("replication slot %s: %w", st.s.cfg.SlotName, slotErr(st.s.cfg.SlotName, pgconn.ErrorResponseToPgError(m)))
 		case *pgproto3.CopyDone:
-			return fmt.Errorf("replication slot %s: the server ended replication", st.s.cfg.SlotName)
+			return &serverEndedError{slot: st.s.cfg.SlotName}
 		}
 	}
 }

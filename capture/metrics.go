@@ -20,7 +20,10 @@ type metrics struct {
 	withoutFull   prometheus.Gauge
 	heartbeatAge  prometheus.GaugeFunc
 	active        prometheus.Gauge
-	largeRows     prometheus.Counter
+	// connected is 1 per link (source, broker) while it is up, 0 while
+	// the capture has not connected yet or reconnects.
+	connected *prometheus.GaugeVec
+	largeRows prometheus.Counter
 	// limitsRestored counts stream limits restored after a change behind
 	// the capture's back, by limit ("failed": could not be restored).
 	limitsRestored *prometheus.CounterVec
@@ -92,6 +95,10 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 			Help: "Switches of the CPU mode, by the mode switched to (tail, catch_up; the start's choice counts).",
 		}, []string{"mode"}),
 	}
+	m.connected = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "epitaph_capture_connected",
+		Help: "1 while the capture's connection to the source (to=\"source\") or the broker (to=\"broker\") is up, 0 before it connected and while it reconnects after an outage.",
+	}, []string{"to"})
 	m.heartbeatAge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "epitaph_capture_heartbeat_age_seconds",
 		Help: "Seconds since the last heartbeat came back through the replication slot (-1: none yet).",
@@ -118,7 +125,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
-		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.connected, m.largeRows, m.limitsRestored,
 		m.confirmLag, m.syncInterval,
 		m.foreign, m.implausible, m.collisions, m.sessions,
 		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,

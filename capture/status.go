@@ -168,11 +168,11 @@ func (s *Service) live(context.Context) error {
 	}
 }
 
-// healthy: streaming, or waiting as a standby (or taking over) is healthy;
-// starting and stopped are not.
+// healthy: streaming with both links up, or waiting as a standby (or
+// taking over) is healthy; starting, reconnecting and stopped are not.
 func (s *Service) healthy(context.Context) error {
 	if s.activeState.Load() {
-		return nil
+		return s.links.ready()
 	}
 	s.mu.Lock()
 	role := s.role

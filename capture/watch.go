@@ -57,7 +57,7 @@ func (s *Service) watchCatalog(ctx context.Context) {
 			return
 		case err != nil:
 			s.m.catalogErrors.Inc()
-			if !failing {
+			if _, ok := outage(err); !ok && !failing { // an outage has the stream loop's line
 				s.log.Warn("catalog check failed; retrying at the next poll", "err", redactErr(err))
 			}
 			failing = true

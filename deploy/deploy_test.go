@@ -52,6 +52,7 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_capture_tables_without_full_identity", nil},
 	{"epitaph_capture_heartbeat_age_seconds", nil},
 	{"epitaph_capture_active", nil},
+	{"epitaph_capture_connected", []string{"to"}},
 	{"epitaph_capture_large_rows_total", nil},
 	{"epitaph_capture_stream_limits_restored_total", []string{"limit"}},
 	{"epitaph_capture_confirm_lag_seconds", nil},

@@ -2,8 +2,9 @@
 # Installs the Debian packages that some tests drive as real programs, when
 # they are missing: promtool and prometheus (alert rule tests, a real
 # Prometheus scraping the real processes), chromium (the status page in a
-# real headless browser) and docker-compose (schema validation of
-# deploy/compose.yaml). PostgreSQL's server packages are a prerequisite, not
+# real headless browser), docker-compose (schema validation of
+# deploy/compose.yaml) and systemd (systemd-analyze verify of the units in
+# deploy/systemd/). PostgreSQL's server packages are a prerequisite, not
 # installed here. Nothing is installed when everything is present.
 set -euo pipefail
 
@@ -11,6 +12,7 @@ need=()
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if ! command -v apt-get >/dev/null 2>&1; then

@@ -285,6 +285,20 @@ func (pg *Postgres) Restart() error {
 	return pg.Start()
 }
 
+// RestartMode restarts the server with `pg_ctl restart -m mode`: "fast"
+// (clients disconnected, a clean shutdown) or "immediate" (every process
+// killed, crash recovery at the start).
+func (pg *Postgres) RestartMode(mode string) error {
+	pg.mu.Lock()
+	defer pg.mu.Unlock()
+	if out, err := pg.run("pg_ctl", "-D", pg.DataDir, "-l", pg.logFile, "-m", mode, "-w", "-t", "120", "restart"); err != nil {
+		log, _ := os.ReadFile(pg.logFile)
+		return fmt.Errorf("pg_ctl restart -m %s: %v\n%s\n%s", mode, err, out, truncate(string(log), 4000))
+	}
+	pg.running = true
+	return nil
+}
+
 // SetConfig appends settings to postgresql.conf; call Restart to apply
 // settings that need it.
 func (pg *Postgres) SetConfig(lines ...string) error {
