@@ -85,6 +85,9 @@ type Service struct {
 	leaseErr atomic.Pointer[LeaseLostError]
 	// limitsErr: the stream's limits could not be kept (limits.go).
 	limitsErr atomic.Pointer[LimitsError]
+	// unsafeWarned: the stream settings that cannot be undone already
+	// logged while streaming (by name).
+	unsafeWarned sync.Map
 
 	// Trust (trust.go): the signing key, and the foreign and implausible
 	// messages already reported (by stream sequence).

@@ -21,10 +21,13 @@ type metrics struct {
 	// limitsRestored counts stream limits restored after a change behind
 	// the capture's back, by limit ("failed": could not be restored).
 	limitsRestored *prometheus.CounterVec
-	foreign        prometheus.Counter
-	implausible    prometheus.Counter
-	collisions     prometheus.Counter
-	sessions       prometheus.Counter
+	// streamUnsafe is 1 for a stream setting that lets events be removed
+	// and that the broker never lets the capture undo.
+	streamUnsafe *prometheus.GaugeVec
+	foreign      prometheus.Counter
+	implausible  prometheus.Counter
+	collisions   prometheus.Counter
+	sessions     prometheus.Counter
 	// Following the source's schema.
 	tablesAdded   prometheus.Counter
 	tablesRemoved prometheus.Counter
@@ -63,8 +66,12 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		largeRows:     c("epitaph_capture_large_rows_total", "Rows larger than the broker's payload limit, published via the object store."),
 		limitsRestored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "epitaph_capture_stream_limits_restored_total",
-			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit (limit=\"failed\": could not be restored, the capture stopped).",
+			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit; limit=\"deny_purge\" or \"allow_rollup_hdrs\": a setting that let the stream be purged, restored (limit=\"failed\": could not be restored, the capture stopped).",
 		}, []string{"limit"}),
+		streamUnsafe: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "epitaph_capture_stream_setting_unsafe",
+			Help: "1 when the stream has a setting that lets events be removed and that the broker never undoes (allow_msg_ttl, deny_delete, which breaks erase --purge-stream), by setting.",
+		}, []string{"setting"}),
 		foreign:       c("epitaph_capture_foreign_messages_total", "Messages found in the stream that this capture did not publish (ignored for the resume), each counted once."),
 		implausible:   c("epitaph_capture_implausible_positions_total", "Messages signed with this capture's key whose position is beyond the source's current WAL, refused as resume positions."),
 		collisions:    c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
@@ -87,8 +94,11 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 		Help: "Seconds since the last heartbeat came back through the replication slot (-1: none yet).",
 	}, heartbeatAge)
 	// Every label exists from the start, so increase() sees the first restore.
-	for _, l := range append(append([]string{}, limitNames...), "failed") {
+	for _, l := range append(append([]string{}, limitNames...), "failed", guardDenyPurge, guardAllowRollup) {
 		m.limitsRestored.WithLabelValues(l)
+	}
+	for _, g := range []string{guardAllowMsgTTL, guardDenyDelete} {
+		m.streamUnsafe.WithLabelValues(g)
 	}
 	for _, mode := range []string{CPUModeTail, CPUModeCatchUp} {
 		m.cpuModeSwitches.WithLabelValues(mode)
@@ -97,7 +107,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64) (*metrics
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
-		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored,
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.largeRows, m.limitsRestored, m.streamUnsafe,
 		m.foreign, m.implausible, m.collisions, m.sessions,
 		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,
 		m.cpus, m.catchingUp, m.cpuNice, m.backlogBytes, m.cpuModeSwitches} {
