@@ -13,9 +13,6 @@ const (
 	guardDenyDelete  = "deny_delete"
 )
 
-// guardNames are the settings checked, restorable ones first.
-var guardNames = []string{guardDenyPurge, guardAllowRollup, guardAllowMsgTTL, guardDenyDelete}
-
 // guardChange is one stream setting that is not the one the capture keeps.
 type guardChange struct {
 	name      string

@@ -26,11 +26,18 @@ type trackItem struct {
 	size int
 	what string
 	lsn  event.LSN
+	// part and partSeq of a signed message (partSeq 0: a row, or a
+	// tracker without partitions).
+	part    int
+	partSeq uint64
 }
 
 type safePos struct {
 	lsn    event.LSN
 	safeAt time.Time
+	// seqs: every partition's last acknowledged signed message when lsn
+	// was written (nil without partitions).
+	seqs []uint64
 }
 
 // tracker decides which LSN may be confirmed to Postgres. Publishes and
@@ -60,6 +67,22 @@ type tracker struct {
 	pending   []safePos // written, not yet safe; ascending
 	written   event.LSN
 	safe      event.LSN
+
+	// acked is every partition's last acknowledged signed message's
+	// partition sequence; safeSeqs is acked as it was when safe was
+	// written: the partition sequences the capture keeps outside the
+	// stream (seqrecord.go) along with the slot's confirmed position. A
+	// position is written only once everything before it is acknowledged
+	// and positions are marked at transaction boundaries, so safeSeqs never
+	// names a message of an unfinished transaction.
+	acked    []uint64
+	safeSeqs []uint64
+}
+
+// startSeqs starts the partition sequences at seqs (copied).
+func (t *tracker) startSeqs(seqs []uint64) {
+	t.acked = append([]uint64(nil), seqs...)
+	t.safeSeqs = append([]uint64(nil), seqs...)
 }
 
 // newTracker starts a tracker at now: the stream's tail, written by an
@@ -85,8 +108,12 @@ func (t *tracker) loose(size int) {
 
 // add queues an in-flight acknowledged publish, covering the loose
 // messages before it.
-func (t *tracker) add(fut ackFuture, size int, what string) {
-	t.q = append(t.q, trackItem{fut: fut, msgs: t.looseMsgs + 1, size: t.looseSize + size, what: what})
+func (t *tracker) add(fut ackFuture, size int, what string) { t.addSigned(fut, size, what, 0, 0) }
+
+// addSigned is add for a signed message of partition part with partition
+// sequence partSeq.
+func (t *tracker) addSigned(fut ackFuture, size int, what string, part int, partSeq uint64) {
+	t.q = append(t.q, trackItem{fut: fut, msgs: t.looseMsgs + 1, size: t.looseSize + size, what: what, part: part, partSeq: partSeq})
 	t.msgs++
 	t.bytes += size
 	t.looseMsgs, t.looseSize = 0, 0
@@ -128,12 +155,17 @@ func (t *tracker) written0(lsn event.LSN, _ time.Time) {
 		// can only delay a confirmation, never advance it early.
 		p := &t.pending[n-1]
 		p.lsn = lsn
+		copy(p.seqs, t.acked)
 		if safeAt.After(p.safeAt) {
 			p.safeAt = safeAt
 		}
 		return
 	}
-	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt})
+	var seqs []uint64
+	if t.acked != nil {
+		seqs = append([]uint64(nil), t.acked...)
+	}
+	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt, seqs: seqs})
 }
 
 // poll pops every acknowledged publish and marker at the front of the
@@ -216,6 +248,9 @@ func (it trackItem) duplicate(a *jetstream.PubAck) error {
 func (t *tracker) popFuture(now time.Time) {
 	it := t.q[t.head]
 	t.lastAckAt = now
+	if it.partSeq > 0 && it.part < len(t.acked) {
+		t.acked[it.part] = max(t.acked[it.part], it.partSeq)
+	}
 	t.msgs -= it.msgs
 	t.bytes -= it.size
 	t.q[t.head] = trackItem{}
@@ -255,6 +290,9 @@ func (t *tracker) safeLSN(now time.Time) event.LSN {
 	i := 0
 	for i < len(t.pending) && !t.pending[i].safeAt.After(now) {
 		t.safe = max(t.safe, t.pending[i].lsn)
+		if t.pending[i].seqs != nil {
+			t.safeSeqs = t.pending[i].seqs
+		}
 		i++
 	}
 	if i > 0 {
@@ -267,7 +305,11 @@ func (t *tracker) safeLSN(now time.Time) event.LSN {
 // been shut down cleanly (its files are synced).
 func (t *tracker) trustAll() {
 	if len(t.pending) > 0 {
-		t.safe = max(t.safe, t.pending[len(t.pending)-1].lsn)
+		last := t.pending[len(t.pending)-1]
+		t.safe = max(t.safe, last.lsn)
+		if last.seqs != nil {
+			t.safeSeqs = last.seqs
+		}
 		t.pending = t.pending[:0]
 	}
 }
