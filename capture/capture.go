@@ -280,7 +280,7 @@ func (s *Service) startEmbedded() {
 		}
 		s.embed = srv
 		s.log.Info("embedded JetStream started", "url", srv.ClientURL(), "store", bc.StoreDir,
-			"projector_creds", srv.ProjectorCreds())
+			"projector_creds", srv.ProjectorCreds(), "erase_creds", srv.EraseCreds())
 	}()
 }
 
