@@ -10,7 +10,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // A stream that could be emptied behind the capture's back, through a real
@@ -126,4 +128,57 @@ func unsafeGauge(t *testing.T, svc *Service, setting string) float64 {
 		}
 	}
 	return -1
+}
+
+// The attack with the capture's own credentials on its embedded broker: the
+// stream update allowing roll-ups (or cancelling deny_purge) is refused by
+// the server, and so are a roll-up message and a purge; every event stays.
+func TestCaptureCredentialsCannotEmptyTheStream(t *testing.T) {
+	t.Parallel()
+	db := testenv.NewDatabase(t)
+	testenv.Exec(t, db, `CREATE TABLE t (id int PRIMARY KEY); ALTER TABLE t REPLICA IDENTITY FULL; INSERT INTO t VALUES (1), (2)`)
+	dir := t.TempDir()
+	svc := newService(t, Config{SourceURL: db, DataDir: dir, EmbeddedListen: "127.0.0.1:0", SlotName: dbName(t, db),
+		Partitions: 2, HeartbeatInterval: -1})
+	require.NoError(t, svc.Start(context.Background()))
+	testenv.Exec(t, db, `DELETE FROM t`)
+
+	nc, err := nats.Connect(svc.NATSURL(), nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dir))))
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ctx := context.Background()
+	var info *jetstream.StreamInfo
+	require.Eventually(t, func() bool {
+		st, err := js.Stream(ctx, "EPITAPH_MAIN")
+		if err != nil {
+			return false
+		}
+		info, err = st.Info(ctx)
+		return err == nil && info.State.Msgs == 3 // two rows, a commit
+	}, 30*time.Second, 50*time.Millisecond)
+	require.True(t, info.Config.DenyPurge)
+
+	undo := info.Config
+	undo.AllowRollup, undo.DenyPurge = true, false
+	_, err = js.UpdateStream(ctx, undo)
+	require.ErrorContains(t, err, "can not cancel deny purge")
+	undo.DenyPurge = true
+	_, err = js.UpdateStream(ctx, undo)
+	require.ErrorContains(t, err, "roll-ups require the purge permission")
+	rollup := nats.NewMsg("epitaph.main.0.mark")
+	rollup.Header.Set(jetstream.MsgRollup, jetstream.MsgRollupAll)
+	_, err = js.PublishMsg(ctx, rollup)
+	require.Error(t, err, "a roll-up message")
+	st, err := js.Stream(ctx, "EPITAPH_MAIN")
+	require.NoError(t, err)
+	pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	require.Error(t, st.Purge(pctx))
+
+	info, err = st.Info(ctx)
+	require.NoError(t, err)
+	require.Equal(t, uint64(3), info.State.Msgs, "every event is still stored")
+	require.False(t, info.Config.AllowRollup)
 }
