@@ -23,7 +23,7 @@ import (
 // slot's position (sendStatus, before the standby status update), the
 // capture records every partition's last acknowledged signed message's
 // sequence (tracker.safeSeqs) in two places:
-//   - its data dir, seqFile, written atomically;
+//   - its data dir, seqFile, replaced atomically;
 //   - the source, seqTable, a table of Epitaph's own schema, so a standby
 //     capture taking over and a capture whose data dir was lost stay right.
 //
@@ -200,8 +200,10 @@ func (s *Service) recordFailed(where string, failing *bool, err error) {
 	}
 }
 
-// writeFileAtomic writes a 0600 file by renaming a complete, synced
-// temporary one over it.
+// writeFileAtomic writes a 0600 file by renaming a complete temporary one
+// over it. Not synced: it is written at every confirmation, in the
+// streaming loop, and a file an OS crash leaves older is no loss (a start
+// takes the highest of it, the source's record and the stream).
 func writeFileAtomic(path string, data []byte) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
 	if err != nil {
@@ -211,9 +213,6 @@ func writeFileAtomic(path string, data []byte) error {
 	err = tmp.Chmod(0o600)
 	if err == nil {
 		_, err = tmp.Write(data)
-	}
-	if err == nil {
-		err = tmp.Sync()
 	}
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
