@@ -80,9 +80,16 @@ func (s *Service) ensureSeqTable(ctx context.Context) {
 	if err == nil && !exists {
 		_, err = s.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS epitaph; `+sqlSeqTable)
 	}
+	if err == nil {
+		// Made by another role (a first run as a superuser, say).
+		var ok bool
+		if err = s.pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT, INSERT, UPDATE, DELETE')`, seqTable).Scan(&ok); err == nil && !ok {
+			err = errors.New("permission denied: grant SELECT, INSERT, UPDATE, DELETE ON " + seqTable + " to the capture's role")
+		}
+	}
 	if err != nil {
 		s.seqTableOK.Store(false)
-		s.log.Warn("cannot keep the partition sequences on the source (only in the data dir): a standby capture, or this one with its data dir lost, would number again messages removed from the stream's tail; create the table as its owner",
+		s.log.Warn("cannot keep the partition sequences on the source (only in the data dir): a standby capture, or this one with its data dir lost, would number again messages removed from the stream's tail",
 			"table", seqTable, "err", redactErr(err))
 		return
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // A deleted tail is a jump, never renumbered: a transaction's messages
@@ -181,4 +182,49 @@ func TestTrackerSafeSeqsFollowTheSafePosition(t *testing.T) {
 	require.NoError(t, tr.poll(t0.Add(21*time.Second)))
 	require.Equal(t, event.LSN(400), tr.safeLSN(t0.Add(time.Hour)))
 	require.Equal(t, []uint64{7, 9}, tr.safeSeqs, "the mark after 400 is not in 400's sequences")
+}
+
+// A source's record made by another role (a first run as a superuser) that
+// the capture's role may not write: the capture streams all the same, on
+// the data dir's record, and uses the table once granted.
+func TestSeqTableOfAnotherRole(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	db := dbName(t, e.db)
+	pg := testenv.SharedPostgres(t)
+	app, capRole := db+"_app", db+"_capture"
+	e.exec(t, `CREATE ROLE `+app+` LOGIN;
+		GRANT CREATE ON SCHEMA public TO `+app+`;
+		CREATE ROLE `+capRole+` LOGIN REPLICATION;
+		GRANT CREATE ON DATABASE `+db+` TO `+capRole+`;
+		GRANT `+app+` TO `+capRole+`;
+		CREATE SCHEMA epitaph; `+sqlSeqTable)
+	t.Cleanup(func() {
+		testenv.Exec(t, pg.URL("postgres"), `DROP OWNED BY `+app+`, `+capRole+` CASCADE`)
+	})
+	testenv.Exec(t, pg.UserURL(app, db), `CREATE TABLE items (id int PRIMARY KEY); ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT generate_series(1, 10)`)
+	mod := func(c *Config) { c.SourceURL = pg.UserURL(capRole, db); c.Tables = []string{"items"}; c.Partitions = 1 }
+
+	svc := e.start(t, mod)
+	require.False(t, svc.seqTableOK.Load(), "the table is not the capture role's to write")
+	testenv.Exec(t, pg.UserURL(app, db), `DELETE FROM items WHERE id = 1`)
+	require.Len(t, e.deletes(t, "main", 1), 1)
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+	b, err := os.ReadFile(seqFile(e.dir, "main"))
+	require.NoError(t, err)
+	var body seqFileBody
+	require.NoError(t, json.Unmarshal(b, &body))
+	require.Equal(t, []uint64{2}, body.Seqs, "the data dir's record: a row and its commit")
+	require.Equal(t, "0", queryString(t, e.db, `SELECT count(*)::text FROM epitaph.capture_partition_seqs`))
+
+	e.exec(t, `GRANT USAGE ON SCHEMA epitaph TO `+capRole+`; GRANT SELECT, INSERT, UPDATE, DELETE ON epitaph.capture_partition_seqs TO `+capRole)
+	svc = e.start(t, mod)
+	require.True(t, svc.seqTableOK.Load())
+	testenv.Exec(t, pg.UserURL(app, db), `DELETE FROM items WHERE id = 2`)
+	require.Len(t, e.deletes(t, "main", 2), 2)
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+	require.Equal(t, "4", queryString(t, e.db, `SELECT seq::text FROM epitaph.capture_partition_seqs WHERE stream = 'EPITAPH_MAIN' AND partition = 0`))
 }
