@@ -182,3 +182,29 @@ func TestCaptureCredentialsCannotEmptyTheStream(t *testing.T) {
 	require.Equal(t, uint64(3), info.State.Msgs, "every event is still stored")
 	require.False(t, info.Config.AllowRollup)
 }
+
+// A stream made by a capture before deny_purge (no roll-ups either) is an
+// upgrade: brought to deny_purge at start, not counted as a change behind
+// the capture's back.
+func TestOlderStreamGetsDenyPurge(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY); ALTER TABLE items REPLICA IDENTITY FULL; INSERT INTO items VALUES (1)`)
+	ctx := context.Background()
+	_, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: event.StreamName("main"), Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
+		Discard: jetstream.DiscardOld, Duplicates: 2 * time.Minute,
+		Metadata: map[string]string{MetaPartitions: "4", MetaSource: "main", MetaWireVersion: strconv.Itoa(event.Version), event.MetaLimits: "none"},
+	})
+	require.NoError(t, err)
+	svc := e.start(t, func(c *Config) { c.Tables = []string{"items"} })
+	st, err := e.js.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	info, err := st.Info(ctx)
+	require.NoError(t, err)
+	require.True(t, info.Config.DenyPurge)
+	require.False(t, info.Config.AllowRollup)
+	require.Zero(t, restoredCount(t, svc, guardDenyPurge), "an upgrade, not a change behind its back")
+	e.exec(t, `DELETE FROM items`)
+	require.Len(t, e.deletes(t, "main", 1), 1)
+}
