@@ -25,13 +25,18 @@ import (
 //     its stream and object store (the JetStream API, $O.>);
 //   - projector: consumes (creates, reads and deletes its consumers, fetches
 //     and acknowledges), reads stream information, messages and the object
-//     store, securely deletes messages (projector erase --purge-stream); it
-//     cannot publish to epitaph.> or write objects.
+//     store; it cannot publish to epitaph.>, write objects or delete
+//     messages;
+//   - erase: what the projector may, and securely deleting single messages
+//     (projector erase --purge-stream). Kept apart from the running
+//     projectors' credentials: a message deleted before every target
+//     applied it is lost to those targets, so only the operator's erase
+//     may remove one.
 //
 // The keys live in Dir and are made on the first start, so every restart
-// keeps the same identities; the users' credentials are Dir/capture.creds
-// and Dir/projector.creds in the standard NATS format (nats.UserCredentials
-// reads them). Dir is 0700, every file in it 0600.
+// keeps the same identities; the users' credentials are Dir/capture.creds,
+// Dir/projector.creds and Dir/erase.creds in the standard NATS format
+// (nats.UserCredentials reads them). Dir is 0700, every file in it 0600.
 type Auth struct {
 	// Dir holds the keys and the credentials files. Required.
 	Dir string
@@ -43,12 +48,16 @@ type Auth struct {
 const (
 	CaptureCredsFile   = "capture.creds"
 	ProjectorCredsFile = "projector.creds"
+	EraseCredsFile     = "erase.creds"
 )
 
 // CaptureCreds and ProjectorCreds are the paths of the roles' credentials
 // under dir (an Auth.Dir).
 func CaptureCreds(dir string) string   { return filepath.Join(dir, CaptureCredsFile) }
 func ProjectorCreds(dir string) string { return filepath.Join(dir, ProjectorCredsFile) }
+
+// EraseCreds is the path of the erase role's credentials under dir.
+func EraseCreds(dir string) string { return filepath.Join(dir, EraseCredsFile) }
 
 // Key seed files in Auth.Dir (never shown; only the server's process reads them).
 const (
@@ -95,9 +104,6 @@ func ProjectorPermissions() jwt.Permissions {
 				"$JS.API.STREAM.NAMES",
 				"$JS.API.STREAM.LIST",
 				"$JS.API.STREAM.MSG.GET.*",
-				// projector erase --purge-stream: secure deletes of erased
-				// rows' messages and their objects' chunks (issue 17).
-				"$JS.API.STREAM.MSG.DELETE.*",
 				"$JS.API.DIRECT.GET.>",
 				"$JS.API.CONSUMER.>", // create, info, delete its consumers; fetch (MSG.NEXT)
 				"$JS.ACK.>",          // acknowledge what it applied
@@ -108,6 +114,15 @@ func ProjectorPermissions() jwt.Permissions {
 		},
 		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
 	}
+}
+
+// ErasePermissions are the projector's and the secure delete of single
+// messages: the stream's erased rows and their objects' chunks (projector
+// erase --purge-stream). No purge, no stream delete.
+func ErasePermissions() jwt.Permissions {
+	p := ProjectorPermissions()
+	p.Pub.Allow = append(p.Pub.Allow, "$JS.API.STREAM.MSG.DELETE.*")
+	return p
 }
 
 // identities are the keys of an embedded server's operator mode.
@@ -167,6 +182,9 @@ func ensureAuth(a Auth, opts *server.Options) (string, error) {
 		return "", err
 	}
 	if err := ensureCreds(ProjectorCreds(a.Dir), "projector", id.account, ProjectorPermissions()); err != nil {
+		return "", err
+	}
+	if err := ensureCreds(EraseCreds(a.Dir), "erase", id.account, ErasePermissions()); err != nil {
 		return "", err
 	}
 

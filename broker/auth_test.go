@@ -78,7 +78,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	dir := t.TempDir()
 	s := startAuth(t, dir)
 
-	for _, f := range []string{s.CaptureCreds(), s.ProjectorCreds()} {
+	for _, f := range []string{s.CaptureCreds(), s.ProjectorCreds(), s.EraseCreds()} {
 		st, err := os.Stat(f)
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), f)
@@ -176,12 +176,36 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	_, err = obs.PutBytes(ctx, "big", bytes.Repeat([]byte("s"), 300_000))
 	require.NoError(t, err, "an object put again")
 
-	// projector erase --purge-stream: it may securely delete a message.
+	// A running projector's credentials delete no message (a delete before
+	// every target applied it would be silent loss to the others): the
+	// server refuses $JS.API.STREAM.MSG.DELETE, plain or secure.
 	ack, err := cjs.Publish(ctx, "epitaph.main.0.delete.public.items", []byte(`{"v":1,"op":"delete"}`))
 	require.NoError(t, err)
-	require.NoError(t, pstream.SecureDeleteMsg(ctx, ack.Sequence))
+	require.Error(t, pstream.DeleteMsg(short(t, ctx), ack.Sequence), "the projector deleting a message")
+	require.Error(t, pstream.SecureDeleteMsg(short(t, ctx), ack.Sequence), "the projector erasing a message")
+	stored, err := stream.GetMsg(ctx, ack.Sequence)
+	require.NoError(t, err, "still stored")
+	require.Equal(t, `{"v":1,"op":"delete"}`, string(stored.Data))
+
+	// projector erase --purge-stream, with the erase credentials: it may
+	// securely delete a message, and read what it reads to find it.
+	enc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.EraseCreds()))
+	require.NoError(t, err)
+	defer enc.Close()
+	ejs, err := jetstream.New(enc)
+	require.NoError(t, err)
+	estream, err := ejs.Stream(ctx, "EPITAPH_MAIN")
+	require.NoError(t, err)
+	stored, err = estream.GetMsg(ctx, ack.Sequence)
+	require.NoError(t, err)
+	require.Equal(t, `{"v":1,"op":"delete"}`, string(stored.Data))
+	require.NoError(t, estream.SecureDeleteMsg(ctx, ack.Sequence))
 	_, err = stream.GetMsg(ctx, ack.Sequence)
 	require.ErrorIs(t, err, jetstream.ErrMsgNotFound)
+	_, err = ejs.Publish(short(t, ctx), "epitaph.main.0.commit", []byte(`forged`))
+	require.Error(t, err, "the erase credentials publishing to the stream")
+	require.Error(t, estream.Purge(short(t, ctx)), "the erase credentials purging the stream")
+	require.Error(t, ejs.DeleteStream(short(t, ctx), "EPITAPH_MAIN"), "the erase credentials deleting the stream")
 
 	info, err := stream.Info(ctx)
 	require.NoError(t, err)
@@ -205,7 +229,7 @@ func TestEmbeddedServerKeepsIdentities(t *testing.T) {
 	before := map[string][]byte{}
 	entries, err := os.ReadDir(filepath.Join(dir, "nats"))
 	require.NoError(t, err)
-	require.Len(t, entries, 5, "operator, system account, account, two creds")
+	require.Len(t, entries, 6, "operator, system account, account, three creds")
 	for _, e := range entries {
 		b, err := os.ReadFile(filepath.Join(dir, "nats", e.Name()))
 		require.NoError(t, err)

@@ -124,6 +124,15 @@ func (s *Server) ProjectorCreds() string {
 	return ProjectorCreds(s.cfg.Auth.Dir)
 }
 
+// EraseCreds is the path of the erase role's credentials file (empty
+// without Config.Auth).
+func (s *Server) EraseCreds() string {
+	if s.cfg.Auth == nil {
+		return ""
+	}
+	return EraseCreds(s.cfg.Auth.Dir)
+}
+
 // ClientURL is the nats:// URL clients connect to.
 func (s *Server) ClientURL() string { return s.ns.ClientURL() }
 

@@ -86,6 +86,14 @@ type Service struct {
 	leaseErr atomic.Pointer[LeaseLostError]
 	// limitsErr: the stream's limits could not be kept (limits.go).
 	limitsErr atomic.Pointer[LimitsError]
+	// unsafeWarned: the stream settings that cannot be undone already
+	// logged while streaming (by name).
+	unsafeWarned sync.Map
+	// The partition sequences kept outside the stream (seqrecord.go):
+	// seqTableOK, the source's record can be used; the failing flags
+	// (streaming goroutine only) log a failing record once.
+	seqTableOK                      atomic.Bool
+	seqFileFailing, seqTableFailing bool
 
 	// Trust (trust.go): the signing key, and the foreign and implausible
 	// messages already reported (by stream sequence).
@@ -226,6 +234,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if err := s.loadKey(); err != nil {
 		return err
 	}
+	s.ensureSeqTable(ctx)
 
 	if !cfg.Standby {
 		if err := s.setup(ctx, db); err != nil {
@@ -287,7 +296,7 @@ func (s *Service) startEmbedded() {
 		}
 		s.embed = srv
 		s.log.Info("embedded JetStream started", "url", srv.ClientURL(), "store", bc.StoreDir,
-			"projector_creds", srv.ProjectorCreds())
+			"projector_creds", srv.ProjectorCreds(), "erase_creds", srv.EraseCreds())
 	}()
 }
 
@@ -455,6 +464,12 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	s.setConfirmed(startLSN)
 	s.received.Store(uint64(startLSN))
 	if stream == nil {
+		// A new stream numbers every partition from 1: the sequences
+		// recorded for an earlier stream of the name (deleted by an
+		// operator: neither role may) go first.
+		if err := s.resetSeqRecords(ctx); err != nil {
+			return err
+		}
 		if stream, err = ensureStream(ctx, js, cfg, s.startLimits); err != nil {
 			if plan.create {
 				// A first start that fails leaves no slot holding WAL.
@@ -504,6 +519,11 @@ func (s *Service) resumeFrom(ctx context.Context, stream jetstream.Stream) (resu
 	if rp, err = s.findResume(ctx, stream, cfg.Partitions, current); err != nil {
 		return rp, fmt.Errorf("find where to resume in stream %s: %w", event.StreamName(cfg.SourceName), err)
 	}
+	recs, err := s.readSeqRecords(ctx)
+	if err != nil {
+		return rp, err
+	}
+	s.raiseSeqs(rp.partSeq, recs)
 	return rp, nil
 }
 
@@ -605,6 +625,7 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 	if s.hooks != nil && s.hooks.untaggedIDs {
 		st.tagger = nil
 	}
+	st.tr.startSeqs(rp.partSeq)
 	if rp.adoptFrom != 0 {
 		st.adopt = &adopter{s: s, st: stream, next: rp.adoptFrom, to: rp.adoptTo}
 	}

@@ -185,6 +185,7 @@ func TestRefusedUnacknowledgedMessageKeepsAPrefix(t *testing.T) {
 	sc.MaxMsgsPerSubject = -1
 	sc.DiscardNewPerSubject = false
 	sc.Discard = jetstream.DiscardOld
+	sc.DenyPurge = true // the capture set it, and it cannot be cancelled
 	_, err = e.js.UpdateStream(ctx, sc)
 	require.NoError(t, err)
 	e.start(t, nil)

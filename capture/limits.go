@@ -274,7 +274,8 @@ func askFor(cs []limitChange, want Limits) string {
 	return l.String()
 }
 
-// enforceLimits brings the stream's limits to the asked ones. A limit that
+// enforceLimits brings the stream's limits to the asked ones, and its
+// purge settings to the ones the capture keeps (guardsPlan). A limit that
 // would discard events not asked for and that the capture did not set
 // itself (no record, or another value than its record) makes it refuse at
 // start (streaming is false); while streaming, and for every other
@@ -284,7 +285,9 @@ func askFor(cs []limitChange, want Limits) string {
 func (s *Service) enforceLimits(ctx context.Context, js jetstream.JetStream, sc jetstream.StreamConfig, streaming bool) ([]limitChange, error) {
 	want := s.cfg.limits()
 	changes, recordOK := limitsPlan(sc, want)
-	if len(changes) == 0 && recordOK {
+	guards := guardsPlan(sc)
+	if len(changes) == 0 && recordOK && !restorable(guards) {
+		s.reportGuards(sc.Name, guards, streaming)
 		return nil, nil
 	}
 	if !streaming {
@@ -299,13 +302,20 @@ func (s *Service) enforceLimits(ctx context.Context, js jetstream.JetStream, sc 
 		}
 	}
 	applyLimits(&sc, want)
+	applyGuards(&sc)
 	if _, err := js.UpdateStream(ctx, sc); err != nil {
-		names := make([]string, len(changes))
-		for i, c := range changes {
-			names[i] = c.String()
+		names := make([]string, 0, len(changes)+len(guards))
+		for _, c := range changes {
+			names = append(names, c.String())
 		}
-		return nil, fmt.Errorf("stream %s: restore the limits asked by --retention (%s) over %s: %w", sc.Name, want, strings.Join(names, ", "), err)
+		for _, g := range guards {
+			if g.restorable {
+				names = append(names, g.name+"="+strconv.FormatBool(g.now))
+			}
+		}
+		return nil, fmt.Errorf("stream %s: restore the limits asked by --retention (%s) and deny_purge over %s: %w", sc.Name, want, strings.Join(names, ", "), err)
 	}
+	s.reportGuards(sc.Name, guards, streaming)
 	for _, c := range changes {
 		if c.foreign {
 			s.m.limitsRestored.WithLabelValues(c.name).Inc()

@@ -59,11 +59,14 @@ type streamer struct {
 	keyID   string
 	pubText string // event.HeaderPublicKey: lets a projector trust the key on first use
 	partSeq []uint64
-	digest  *event.Digest
-	adopt   *adopter
-	careful int
-	seqBuf  [20]byte
-	sigBuf  []byte
+	// recordedSeqs: the partition sequences last recorded outside the
+	// stream (seqrecord.go); nil: none yet this session.
+	recordedSeqs []uint64
+	digest       *event.Digest
+	adopt        *adopter
+	careful      int
+	seqBuf       [20]byte
+	sigBuf       []byte
 
 	inTx   bool
 	tx     txInfo
@@ -623,7 +626,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	}
 	m := st.newMsg(!ack && st.careful == 0, subject, body, h)
 	if st.careful > 0 {
-		id, err := st.publishCareful(ctx, m, msgID, pos, seqText, digest, kind, what)
+		id, err := st.publishCareful(ctx, m, part, partSeq, msgID, pos, seqText, digest, kind, what)
 		if err != nil {
 			st.s.m.publishErrors.Inc()
 			return err
@@ -638,7 +641,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			st.s.m.publishErrors.Inc()
 			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
 		}
-		st.tr.add(fut, len(body), what)
+		st.tr.addSigned(fut, len(body), what, part, signedSeq(kind, partSeq))
 	} else {
 		if err := st.publishLoose(m); err != nil {
 			st.s.m.publishErrors.Inc()
@@ -649,6 +652,15 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
+}
+
+// signedSeq is partSeq for a signed message, 0 for a row or truncate: the
+// tracker keeps the sequences of signed messages only (see tracker.acked).
+func signedSeq(kind msgKind, partSeq uint64) uint64 {
+	if kind == kindRow {
+		return 0
+	}
+	return partSeq
 }
 
 // newMsg is the message to publish. A loose one (a core publish, no
@@ -685,7 +697,7 @@ func (st *streamer) sign(h nats.Header, subject, msgID, pos, seqText, digest str
 // duplicate means a message the capture did not publish holds its id: m is
 // published again under event.RepublishedMsgID (re-signed: the signature
 // covers the id) until it is stored. It returns the id it was stored under.
-func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, msgID, pos, seqText, digest string, kind msgKind, what string) (string, error) {
+func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, part int, partSeq uint64, msgID, pos, seqText, digest string, kind msgKind, what string) (string, error) {
 	if err := st.tr.drain(ctx, st.now); err != nil {
 		return "", err
 	}
@@ -697,7 +709,7 @@ func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, msgID, pos,
 		}
 		if !ack.Duplicate {
 			st.careful--
-			st.tr.add(doneFuture(ack), len(m.Data), what)
+			st.tr.addSigned(doneFuture(ack), len(m.Data), what, part, signedSeq(kind, partSeq))
 			return id, nil
 		}
 		st.careful = carefulMsgs
@@ -770,6 +782,12 @@ func (st *streamer) sendStatus(now time.Time, safe event.LSN) error {
 		// pglogrepl sends the write position as flush when flush is 0, which
 		// would confirm what is not safe yet.
 		written = 0
+	}
+	if safe > 0 && seqsChanged(st.recordedSeqs, st.tr.safeSeqs) {
+		// Recorded before the slot is told: a start after this
+		// confirmation finds every sequence it covers.
+		st.s.recordSeqs(safe, st.tr.safeSeqs)
+		st.recordedSeqs = append(st.recordedSeqs[:0], st.tr.safeSeqs...)
 	}
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: pglogrepl.LSN(written),

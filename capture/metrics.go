@@ -27,10 +27,16 @@ type metrics struct {
 	// limitsRestored counts stream limits restored after a change behind
 	// the capture's back, by limit ("failed": could not be restored).
 	limitsRestored *prometheus.CounterVec
-	foreign        prometheus.Counter
-	implausible    prometheus.Counter
-	collisions     prometheus.Counter
-	sessions       prometheus.Counter
+	// streamUnsafe is 1 for a stream setting that lets events be removed
+	// and that the broker never lets the capture undo.
+	streamUnsafe *prometheus.GaugeVec
+	// Partition sequences kept outside the stream.
+	tailRemoved     prometheus.Counter
+	seqRecordErrors prometheus.Counter
+	foreign         prometheus.Counter
+	implausible     prometheus.Counter
+	collisions      prometheus.Counter
+	sessions        prometheus.Counter
 	// Following the source's schema.
 	tablesAdded   prometheus.Counter
 	tablesRemoved prometheus.Counter
@@ -76,20 +82,26 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		largeRows:     c("epitaph_capture_large_rows_total", "Rows larger than the broker's payload limit, published via the object store."),
 		limitsRestored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "epitaph_capture_stream_limits_restored_total",
-			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit (limit=\"failed\": could not be restored, the capture stopped).",
+			Help: "Stream limits changed behind the capture's back and restored to what --retention asks, by limit; limit=\"deny_purge\" or \"allow_rollup_hdrs\": a setting that let the stream be purged, restored (limit=\"failed\": could not be restored, the capture stopped).",
 		}, []string{"limit"}),
-		foreign:       c("epitaph_capture_foreign_messages_total", "Messages found in the stream that this capture did not publish (ignored for the resume), each counted once."),
-		implausible:   c("epitaph_capture_implausible_positions_total", "Messages signed with this capture's key whose position is beyond the source's current WAL, refused as resume positions."),
-		collisions:    c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
-		sessions:      c("epitaph_capture_session_restarts_total", "Streaming sessions restarted in the same process because another writer got in the way (chain broken, id taken)."),
-		tablesAdded:   c("epitaph_capture_tables_added_total", "Tables added to the publication while streaming (new tables, or tables safe again)."),
-		tablesRemoved: c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
-		madeFull:      c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
-		catalogErrors: c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
-		cpus:          g("epitaph_capture_cpus", "CPUs the capture process uses (GOMAXPROCS): --tail-cpus while tailing, every CPU while catching up or when not limited."),
-		cpuNice:       g("epitaph_capture_autogroup_nice", "Nice value the capture set on its scheduling group (its Linux autogroup): --tail-nice while tailing, 0 otherwise or when it cannot be set (see /status cpu_nice_unavailable)."),
-		catchingUp:    g("epitaph_capture_catching_up", "1 while the capture catches up on every CPU (a backlog of at least --catch-up-bytes, or found at start), 0 otherwise."),
-		backlogBytes:  g("epitaph_capture_backlog_bytes", "WAL bytes between what the capture has received and the source's current WAL position, at the last check (every second while --tail-cpus limits it; -1: not measured)."),
+		streamUnsafe: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "epitaph_capture_stream_setting_unsafe",
+			Help: "1 when the stream has a setting that lets events be removed and that the broker never undoes (allow_msg_ttl, deny_delete, which breaks erase --purge-stream), by setting.",
+		}, []string{"setting"}),
+		tailRemoved:     c("epitaph_capture_partition_tail_removed_total", "Partitions found at start with their last published messages missing from the stream: their sequence continues after the missing ones (readers record a gap)."),
+		seqRecordErrors: c("epitaph_capture_partition_seq_record_errors_total", "Failed records of the partition sequences in the data dir or on the source (retried at the next confirmation)."),
+		foreign:         c("epitaph_capture_foreign_messages_total", "Messages found in the stream that this capture did not publish (ignored for the resume), each counted once."),
+		implausible:     c("epitaph_capture_implausible_positions_total", "Messages signed with this capture's key whose position is beyond the source's current WAL, refused as resume positions."),
+		collisions:      c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
+		sessions:        c("epitaph_capture_session_restarts_total", "Streaming sessions restarted in the same process because another writer got in the way (chain broken, id taken)."),
+		tablesAdded:     c("epitaph_capture_tables_added_total", "Tables added to the publication while streaming (new tables, or tables safe again)."),
+		tablesRemoved:   c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
+		madeFull:        c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
+		catalogErrors:   c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
+		cpus:            g("epitaph_capture_cpus", "CPUs the capture process uses (GOMAXPROCS): --tail-cpus while tailing, every CPU while catching up or when not limited."),
+		cpuNice:         g("epitaph_capture_autogroup_nice", "Nice value the capture set on its scheduling group (its Linux autogroup): --tail-nice while tailing, 0 otherwise or when it cannot be set (see /status cpu_nice_unavailable)."),
+		catchingUp:      g("epitaph_capture_catching_up", "1 while the capture catches up on every CPU (a backlog of at least --catch-up-bytes, or found at start), 0 otherwise."),
+		backlogBytes:    g("epitaph_capture_backlog_bytes", "WAL bytes between what the capture has received and the source's current WAL position, at the last check (every second while --tail-cpus limits it; -1: not measured)."),
 		cpuModeSwitches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "epitaph_capture_cpu_mode_switches_total",
 			Help: "Switches of the CPU mode, by the mode switched to (tail, catch_up; the start's choice counts).",
@@ -115,8 +127,11 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		return max(now().Sub(time.Unix(0, n)).Seconds(), 0)
 	})
 	// Every label exists from the start, so increase() sees the first restore.
-	for _, l := range append(append([]string{}, limitNames...), "failed") {
+	for _, l := range append(append([]string{}, limitNames...), "failed", guardDenyPurge, guardAllowRollup) {
 		m.limitsRestored.WithLabelValues(l)
+	}
+	for _, g := range []string{guardAllowMsgTTL, guardDenyDelete} {
+		m.streamUnsafe.WithLabelValues(g)
 	}
 	for _, mode := range []string{CPUModeTail, CPUModeCatchUp} {
 		m.cpuModeSwitches.WithLabelValues(mode)
@@ -125,9 +140,9 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
 	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
-		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.connected, m.largeRows, m.limitsRestored,
+		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.connected, m.largeRows, m.limitsRestored, m.streamUnsafe,
 		m.confirmLag, m.syncInterval,
-		m.foreign, m.implausible, m.collisions, m.sessions,
+		m.foreign, m.implausible, m.collisions, m.sessions, m.tailRemoved, m.seqRecordErrors,
 		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,
 		m.cpus, m.catchingUp, m.cpuNice, m.backlogBytes, m.cpuModeSwitches} {
 		if err := reg.Register(col); err != nil {

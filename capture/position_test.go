@@ -61,6 +61,7 @@ func TestMessageRightBeforeACommitKeepsPositionsIncreasing(t *testing.T) {
 	t.Logf("heartbeat at %s (position %s)", hb.ev.LSN, hb.pos)
 
 	sc.MaxMsgsPerSubject, sc.DiscardNewPerSubject, sc.Discard = -1, false, jetstream.DiscardOld
+	sc.DenyPurge = true // the capture set it, and it cannot be cancelled
 	_, err = e.js.UpdateStream(ctx, sc)
 	require.NoError(t, err)
 	e.start(t, mod)

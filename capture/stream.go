@@ -95,6 +95,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config, enfo
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
 		PersistMode: persistMode(cfg.StreamPersist),
+		// No purge, no roll-up: only single messages can be removed
+		// (erase --purge-stream), each a hole the readers see.
+		DenyPurge: true,
 		Metadata: map[string]string{
 			MetaPartitions:  strconv.Itoa(cfg.Partitions),
 			MetaSource:      cfg.SourceName,

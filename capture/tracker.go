@@ -27,6 +27,10 @@ type trackItem struct {
 	size int
 	what string
 	lsn  event.LSN
+	// part and partSeq of a signed message (partSeq 0: a row, or a
+	// tracker without partitions).
+	part    int
+	partSeq uint64
 }
 
 // safePos is a bucket of written positions: lsn, the highest, may be
@@ -35,6 +39,9 @@ type safePos struct {
 	lsn    event.LSN
 	safeAt time.Time
 	since  time.Time
+	// seqs: every partition's last acknowledged signed message when lsn
+	// was written (nil without partitions).
+	seqs []uint64
 }
 
 // tracker decides which LSN may be confirmed to Postgres. Publishes and
@@ -73,6 +80,22 @@ type tracker struct {
 	// lag, when set, holds unconfirmedSince as Unix nanoseconds (0: none)
 	// for the confirm lag gauge, read by the metrics scrape.
 	lag *atomic.Int64
+
+	// acked is every partition's last acknowledged signed message's
+	// partition sequence; safeSeqs is acked as it was when safe was
+	// written: the partition sequences the capture keeps outside the
+	// stream (seqrecord.go) along with the slot's confirmed position. A
+	// position is written only once everything before it is acknowledged
+	// and positions are marked at transaction boundaries, so safeSeqs never
+	// names a message of an unfinished transaction.
+	acked    []uint64
+	safeSeqs []uint64
+}
+
+// startSeqs starts the partition sequences at seqs (copied).
+func (t *tracker) startSeqs(seqs []uint64) {
+	t.acked = append([]uint64(nil), seqs...)
+	t.safeSeqs = append([]uint64(nil), seqs...)
 }
 
 // newTracker starts a tracker at now: the stream's tail, written by an
@@ -98,8 +121,12 @@ func (t *tracker) loose(size int) {
 
 // add queues an in-flight acknowledged publish, covering the loose
 // messages before it.
-func (t *tracker) add(fut ackFuture, size int, what string) {
-	t.q = append(t.q, trackItem{fut: fut, msgs: t.looseMsgs + 1, size: t.looseSize + size, what: what})
+func (t *tracker) add(fut ackFuture, size int, what string) { t.addSigned(fut, size, what, 0, 0) }
+
+// addSigned is add for a signed message of partition part with partition
+// sequence partSeq.
+func (t *tracker) addSigned(fut ackFuture, size int, what string, part int, partSeq uint64) {
+	t.q = append(t.q, trackItem{fut: fut, msgs: t.looseMsgs + 1, size: t.looseSize + size, what: what, part: part, partSeq: partSeq})
 	t.msgs++
 	t.bytes += size
 	t.looseMsgs, t.looseSize = 0, 0
@@ -143,7 +170,9 @@ func (t *tracker) written0(lsn event.LSN, now time.Time) {
 	if n > 0 && !safeAt.After(t.pending[n-1].safeAt) {
 		// The previous bucket comes due no earlier than this position is
 		// synced: it may carry it, and keeps its time.
-		t.pending[n-1].lsn = lsn
+		p := &t.pending[n-1]
+		p.lsn = lsn
+		copy(p.seqs, t.acked)
 		return
 	}
 	if n > 0 {
@@ -156,7 +185,11 @@ func (t *tracker) written0(lsn event.LSN, now time.Time) {
 			safeAt = next
 		}
 	}
-	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt, since: now})
+	var seqs []uint64
+	if t.acked != nil {
+		seqs = append([]uint64(nil), t.acked...)
+	}
+	t.pending = append(t.pending, safePos{lsn: lsn, safeAt: safeAt, since: now, seqs: seqs})
 	if n == 0 {
 		t.reportLag()
 	}
@@ -242,6 +275,9 @@ func (it trackItem) duplicate(a *jetstream.PubAck) error {
 func (t *tracker) popFuture(now time.Time) {
 	it := t.q[t.head]
 	t.lastAckAt = now
+	if it.partSeq > 0 && it.part < len(t.acked) {
+		t.acked[it.part] = max(t.acked[it.part], it.partSeq)
+	}
 	t.msgs -= it.msgs
 	t.bytes -= it.size
 	t.q[t.head] = trackItem{}
@@ -281,6 +317,9 @@ func (t *tracker) safeLSN(now time.Time) event.LSN {
 	i := 0
 	for i < len(t.pending) && !t.pending[i].safeAt.After(now) {
 		t.safe = max(t.safe, t.pending[i].lsn)
+		if t.pending[i].seqs != nil {
+			t.safeSeqs = t.pending[i].seqs
+		}
 		i++
 	}
 	if i > 0 {
@@ -340,7 +379,11 @@ func (t *tracker) reportLag() {
 // been shut down cleanly (its files are synced).
 func (t *tracker) trustAll() {
 	if len(t.pending) > 0 {
-		t.safe = max(t.safe, t.pending[len(t.pending)-1].lsn)
+		last := t.pending[len(t.pending)-1]
+		t.safe = max(t.safe, last.lsn)
+		if last.seqs != nil {
+			t.safeSeqs = last.seqs
+		}
 		t.popPending(len(t.pending))
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -30,14 +31,16 @@ func requireRolePermissions(t *testing.T, opts *server.Options) {
 		users[u.Username] = u
 		require.Equal(t, "EPITAPH", u.Account.Name, "user %s", u.Username)
 	}
-	require.Len(t, users, 2, "the capture and projector roles")
-	proj := broker.ProjectorPermissions()
-	require.Equal(t, []string(proj.Pub.Allow), users["projector"].Permissions.Publish.Allow)
-	require.Equal(t, []string(proj.Pub.Deny), users["projector"].Permissions.Publish.Deny)
-	require.Equal(t, []string(proj.Sub.Allow), users["projector"].Permissions.Subscribe.Allow)
+	require.Len(t, users, 3, "the capture, projector and erase roles")
+	for name, perms := range map[string]func() jwt.Permissions{"projector": broker.ProjectorPermissions, "erase": broker.ErasePermissions} {
+		want := perms()
+		require.Equal(t, []string(want.Pub.Allow), users[name].Permissions.Publish.Allow, name)
+		require.Equal(t, []string(want.Pub.Deny), users[name].Permissions.Publish.Deny, name)
+		require.Equal(t, []string(want.Sub.Allow), users[name].Permissions.Subscribe.Allow, name)
+	}
+	require.NotContains(t, users["projector"].Permissions.Publish.Allow, "$JS.API.STREAM.MSG.DELETE.*", "running projectors delete nothing")
 	capt := broker.CapturePermissions("main")
-	want := append([]string{"epitaph.>"}, capt.Pub.Allow[1:]...)
-	require.Equal(t, want, users["capture"].Permissions.Publish.Allow)
+	require.Equal(t, []string(capt.Pub.Allow), users["capture"].Permissions.Publish.Allow, "the capture user of source main")
 	require.Equal(t, []string(capt.Pub.Deny), users["capture"].Permissions.Publish.Deny)
 	require.Equal(t, []string(capt.Sub.Allow), users["capture"].Permissions.Subscribe.Allow)
 	require.Equal(t, "SYS", opts.SystemAccount)
@@ -81,7 +84,7 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 
 	// The roles' passwords, as compose gives them to every node.
 	secrets := t.TempDir()
-	passwords := map[string]string{"capture": "capture-pw-1", "projector": "projector-pw-2"}
+	passwords := map[string]string{"capture": "capture-pw-1", "projector": "projector-pw-2", "erase": "erase-pw-3"}
 	for role, pw := range passwords {
 		t.Setenv("EPITAPH_NATS_"+strings.ToUpper(role)+"_PASSWORD", pw)
 		require.NoError(t, os.WriteFile(filepath.Join(secrets, role), []byte(pw+"\n"), 0o600))
@@ -156,8 +159,8 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
 		stream, err = js.CreateStream(cctx, jetstream.StreamConfig{
-			Name:     "EPITAPH_DEPLOYTEST",
-			Subjects: []string{"epitaph.deploytest.>"},
+			Name:     "EPITAPH_MAIN",
+			Subjects: []string{"epitaph.main.>"},
 			Storage:  jetstream.FileStorage,
 			Replicas: 3,
 		})
@@ -165,7 +168,7 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 	}, time.Minute, 250*time.Millisecond, "three-replica stream on the cluster: %v", err)
 
 	for i := range 10 {
-		_, err := js.Publish(ctx, fmt.Sprintf("epitaph.deploytest.%d.delete", i%3), fmt.Appendf(nil, `{"seq":%d}`, i))
+		_, err := js.Publish(ctx, fmt.Sprintf("epitaph.main.%d.delete", i%3), fmt.Appendf(nil, `{"seq":%d}`, i))
 		require.NoError(t, err)
 	}
 
@@ -175,19 +178,42 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 	t.Cleanup(pnc.Close)
 	pjs, err := jetstream.New(pnc)
 	require.NoError(t, err)
-	pstream, err := pjs.Stream(ctx, "EPITAPH_DEPLOYTEST")
+	pstream, err := pjs.Stream(ctx, "EPITAPH_MAIN")
 	require.NoError(t, err)
 	m, err := pstream.GetMsg(ctx, 1)
 	require.NoError(t, err)
 	require.Equal(t, `{"seq":0}`, string(m.Data))
 	pctx, pcancel := context.WithTimeout(ctx, 3*time.Second)
-	_, err = pjs.Publish(pctx, "epitaph.deploytest.0.delete", []byte(`{"seq":"forged"}`))
+	_, err = pjs.Publish(pctx, "epitaph.main.0.delete", []byte(`{"seq":"forged"}`))
 	pcancel()
 	require.Error(t, err, "the projector publishes to the stream")
 	pctx, pcancel = context.WithTimeout(ctx, 3*time.Second)
-	err = pjs.DeleteStream(pctx, "EPITAPH_DEPLOYTEST")
+	err = pjs.DeleteStream(pctx, "EPITAPH_MAIN")
 	pcancel()
 	require.Error(t, err, "the projector deletes the stream")
+	pctx, pcancel = context.WithTimeout(ctx, 3*time.Second)
+	err = pstream.SecureDeleteMsg(pctx, 10)
+	pcancel()
+	require.Error(t, err, "the projector deletes a message")
+
+	// The erase user (projector erase --purge-stream) securely deletes one
+	// message, and may not purge.
+	enc, err := nats.Connect(urls, role("erase")...)
+	require.NoError(t, err)
+	t.Cleanup(enc.Close)
+	ejs, err := jetstream.New(enc)
+	require.NoError(t, err)
+	estream, err := ejs.Stream(ctx, "EPITAPH_MAIN")
+	require.NoError(t, err)
+	pctx, pcancel = context.WithTimeout(ctx, 3*time.Second)
+	err = estream.Purge(pctx)
+	pcancel()
+	require.Error(t, err, "the erase user purges the stream")
+	require.NoError(t, estream.SecureDeleteMsg(ctx, 10))
+	_, err = estream.GetMsg(ctx, 10)
+	require.ErrorIs(t, err, jetstream.ErrMsgNotFound)
+	_, err = js.Publish(ctx, "epitaph.main.1.delete", []byte(`{"seq":10}`))
+	require.NoError(t, err)
 
 	info, err := stream.Info(ctx)
 	require.NoError(t, err)
@@ -207,7 +233,7 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 	require.Eventually(t, func() bool {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 		defer ccancel()
-		st, err := js.Stream(cctx, "EPITAPH_DEPLOYTEST")
+		st, err := js.Stream(cctx, "EPITAPH_MAIN")
 		if err != nil {
 			return false
 		}
@@ -215,8 +241,8 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		if err != nil || info.Cluster == nil || info.Cluster.Leader == "" || info.Cluster.Leader == leader {
 			return false
 		}
-		msg, err := st.GetMsg(cctx, 10)
-		return err == nil && string(msg.Data) == `{"seq":9}` && info.State.Msgs == 10
+		msg, err := st.GetMsg(cctx, 11)
+		return err == nil && string(msg.Data) == `{"seq":10}` && info.State.Msgs == 10
 	}, time.Minute, 250*time.Millisecond, "stream readable with a new leader after %s is gone", leader)
 }
 

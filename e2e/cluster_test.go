@@ -35,7 +35,7 @@ func startNATSCluster(t *testing.T) *natsCluster {
 	dir := t.TempDir()
 	c := &natsCluster{passwords: map[string]string{}}
 	env := map[string]string{}
-	for _, role := range []string{"capture", "projector"} {
+	for _, role := range []string{"capture", "projector", "erase"} {
 		pw := fmt.Sprintf("%s-%d", role, rand.Uint64())
 		env["EPITAPH_NATS_"+strings.ToUpper(role)+"_PASSWORD"] = pw
 		f := filepath.Join(dir, role)

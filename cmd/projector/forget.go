@@ -250,7 +250,9 @@ version's apply, rebuilds included, skips fenced rows from then on.
 --with-children also erases the rows of the same transactions that reference an
 erased row by foreign key. --purge-stream also securely deletes the matching
 messages (and their large-row objects) from the stream, and checks they are
-gone. Running it again is harmless. A row under a legal hold is not erased:
+gone; it needs the erase NATS role (--nats-creds <capture data dir>/nats/erase.creds
+with the embedded broker, --nats-user erase with deploy/nats/nats.conf): running
+projectors' credentials may not delete messages. Running it again is harmless. A row under a legal hold is not erased:
 the command changes nothing and exits 3 (--ignore-holds erases it anyway).
 Exit status 3 also when the stream refuses deletes.`,
 		Example: `  projector erase --table public.customers --match '{"email": "ann@example.com"}' --with-children --reason "GDPR request 12" --yes`,
