@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/lowgc"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -157,7 +158,7 @@ func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items [
 		if it.ev == nil || it.category == CategoryUnauthenticated {
 			continue // undecodable or not authentic: keep the last known source position
 		}
-		next.CommitLSN = positionLSN(it.ev)
+		next.CommitLSN = PositionLSN(it.ev)
 		switch it.ev.Op {
 		case event.OpDelete:
 			next.Seq = it.ev.Seq
@@ -202,8 +203,8 @@ func laterTime(a, b time.Time) time.Time {
 // gapOf is the gap row an applied gap or truncate event records. A gap
 // event is published to every partition and concerns them all (partition
 // NULL, recorded once); a truncate is its partition's.
-func gapOf(e *event.Event, partition int) Gap {
-	g := Gap{Kind: e.GapKind()}
+func gapOf(e *event.Event, partition int) archive.Gap {
+	g := archive.Gap{Kind: e.GapKind()}
 	if e.Schema != "" {
 		g.Schema, g.Table = &e.Schema, &e.Table
 	}
@@ -445,7 +446,7 @@ func (s *Service) applyGaps(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	}
 	return isolate(ctx, tx, careful, gaps, func(sp pgx.Tx, part []*item) error {
 		for _, it := range part {
-			if err := insertGap(ctx, sp, p.v.Schema, gapOf(it.ev, p.l.Partition)); err != nil {
+			if err := archive.InsertGap(ctx, sp, p.v.Schema, gapOf(it.ev, p.l.Partition)); err != nil {
 				return err
 			}
 		}

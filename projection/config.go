@@ -14,9 +14,6 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
-// ArchiveProjection is the name of the built-in archive projection.
-const ArchiveProjection = "archive"
-
 // MaxBatchSize is the largest page a partition fetches and applies in one
 // transaction.
 const MaxBatchSize = 500

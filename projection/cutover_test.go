@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -62,7 +63,7 @@ func TestCutoverWaitsForSnapshotsAndCompareSeesDocuments(t *testing.T) {
 		failure_reason = 'incomplete transaction on attempt 1' WHERE root_key = '{"id":1}'`)
 	require.NoError(t, err)
 	require.Equal(t, projection.StateReady, state(t, pool, v2.Version))
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.ErrorIs(t, err, version.ErrNotReady)
 	require.ErrorContains(t, err, "1 snapshot documents pending or failed that the live v1 has complete")
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
@@ -108,7 +109,7 @@ func TestCutoverWaitsForSnapshotsAndCompareSeesDocuments(t *testing.T) {
 	require.Len(t, cmp.DifferingDocuments, 1)
 	require.Equal(t, "fingerprint", cmp.DifferingDocuments[0].What)
 
-	prev, err := version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	prev, err := version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, prev)
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")

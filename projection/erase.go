@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -242,7 +243,7 @@ func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode stri
 	}
 	for _, vs := range vss {
 		var hold *int64
-		err := tx.QueryRow(ctx, `SELECT min(h.id) FROM `+ident(vs.schema, "rows")+` r JOIN epitaph.legal_holds h
+		err := tx.QueryRow(ctx, `SELECT min(h.id) FROM `+archive.Ident(vs.schema, "rows")+` r JOIN epitaph.legal_holds h
 			ON h.schema_name = r.schema_name AND h.table_name = r.table_name AND (h.key = r.key OR r.row @> h.match)
 			WHERE r.schema_name = $1 AND r.table_name = $2 AND `+cond, schema, name, string(sel)).Scan(&hold)
 		if err != nil {
@@ -310,9 +311,9 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 	for _, vs := range vss {
 		extra, docs := "", "0"
 		if vs.snapshots {
-			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, ident(vs.schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
+			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, archive.Ident(vs.schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
 		}
-		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, ident(vs.schema, "rows"), extra, cond, docs),
+		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, archive.Ident(vs.schema, "rows"), extra, cond, docs),
 			schema, name, string(sel), withChildren, id)
 		if err != nil {
 			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)

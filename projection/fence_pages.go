@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // A fence with children holds for the whole source transaction, whatever
@@ -77,7 +78,7 @@ func (f *fenceSet) record(ctx context.Context, tx pgx.Tx, schema string, parents
 		return 0, err
 	}
 	f.remember(key, rows)
-	children, err := eraseChildren(ctx, tx, ident(schema, "rows"), rows)
+	children, err := eraseChildren(ctx, tx, archive.Ident(schema, "rows"), rows)
 	if err != nil || len(children) == 0 {
 		return 0, err
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -133,7 +134,7 @@ func TestEraseWithChildrenAcrossPages(t *testing.T) {
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE row::text LIKE '%ann@example.com%'`))
 
 	// A rebuild applies the same pages: the same rows, none of Ann's.
-	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: projection.ArchiveProjection})
+	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: archive.Projection})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, archived(v2.Schema))
 	check(v2.Schema)

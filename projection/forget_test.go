@@ -17,6 +17,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -299,7 +300,7 @@ func TestEraseWithChildren(t *testing.T) {
 	// The stream still has Ann's events: a rebuild and a re-published copy
 	// of her transaction (a replay) archive none of them.
 	e.publish(ann)
-	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: projection.ArchiveProjection})
+	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: archive.Projection})
 	require.NoError(t, err)
 	later := customerTx(e, 42, "ann@example.com", 9) // Ann deleted again later: fenced too
 	e.publish(later)
@@ -323,7 +324,7 @@ func TestEraseWithChildren(t *testing.T) {
 		(SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM archive_v1.rows EXCEPT SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM %[1]s.rows)
 		UNION ALL
 		(SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM %[1]s.rows EXCEPT SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM archive_v1.rows)) d`, v2.Schema)))
-	_, err = version.Promote(ctx, s.Pool(), projection.ArchiveProjection, v2.Version, true)
+	_, err = version.Promote(ctx, s.Pool(), archive.Projection, v2.Version, true)
 	require.NoError(t, err)
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE row::text LIKE '%ann@example.com%'`))
 

@@ -12,6 +12,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -130,7 +131,7 @@ func TestHandlersRebuildCreatesNoDeliveries(t *testing.T) {
 	eventually(t, time.Minute, func() bool { return state(t, pool, v2.Version) == projection.StateReady })
 	require.Equal(t, 15, count(t, c, `SELECT count(*) FROM archive_v2.rows`))
 	require.Equal(t, 5, count(t, c, `SELECT count(*) FROM epitaph.deliveries`), "the rebuild created none")
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.NoError(t, err)
 	e.publish(e.nextTx(orderRows(6, 1)...))
 	eventually(t, time.Minute, func() bool { return count(t, c, `SELECT count(*) FROM epitaph.deliveries`) == 6 })

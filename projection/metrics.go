@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 func itoa(i int) string { return strconv.Itoa(i) }
@@ -96,7 +97,7 @@ func (m *metrics) publish(st *Status) {
 			continue
 		}
 		m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)
-		if v.Projection == ArchiveProjection {
+		if v.Projection == archive.Projection {
 			// Every kind is exported, 0 when there is none, so alerts see it.
 			for _, k := range []string{event.GapLostUpstream, event.GapRemovedFromStream, event.GapTruncate} {
 				m.gaps.WithLabelValues(ver, k, "false").Set(0)

@@ -74,18 +74,6 @@ func identityOf(headers map[string][]string, data []byte) string {
 	return "sha256:" + hex.EncodeToString(sum[:16])
 }
 
-// positionLSN is the source position a message stands for.
-func positionLSN(e *event.Event) event.LSN {
-	switch e.Op {
-	case event.OpMark:
-		return e.LSN
-	case event.OpGap:
-		return e.ToLSN
-	default:
-		return e.CommitLSN
-	}
-}
-
 // partitionWorker applies one partition of one version while this worker
 // holds its lease. It is a service (internal/startstop): a soft stop
 // finishes the page (applies, commits the cursor, acks), the hard stop
@@ -412,7 +400,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 		if err != nil {
 			return raw.Sequence, 0, true, nil // unknown position: treat as "at or after"
 		}
-		return raw.Sequence, positionLSN(e), true, nil
+		return raw.Sequence, PositionLSN(e), true, nil
 	}
 	lo, hi := first, bound+1 // invariant: the answer m is in [lo, hi]
 	for lo < hi {

@@ -12,83 +12,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
-
-// statusQuery is archive.status for the versions that cond (SQL over v, a
-// row of epitaph.projection_versions) selects. A version is ready only when
-// it is live, every partition is leased, started and not failing, the lag
-// sampled by the workers is fresh and within their thresholds, no
-// quarantine is open and no blocking gap is unacknowledged; not_ready_reasons
-// says which of these fails. complete_up_to_lsn is how far into the source
-// the archive is complete: the lowest partition watermark, and not past the
-// first unacknowledged blocking gap nor any open quarantine (NULL while a
-// partition has no watermark); complete_up_to_time is the source time of
-// that position when it is a watermark (NULL when a gap or a quarantined
-// event caps it: its time is not known).
-//
-// It reads only epitaph tables and the versions' gaps tables (through
-// epitaph.version_gaps), never locks anything a worker holds, so readers
-// never wait on the projector.
-func statusQuery(cond string) string {
-	return `
-SELECT s.projection, s.version, s.state, s.schema_name, s.partitions, s.partitions_owned, s.partitions_started,
-       s.source_lsn, s.every_partition_has_watermark, s.last_advance_at, q.open AS quarantine_open,
-       (cardinality(r.reasons) = 0) AS ready,
-       s.lag_events, s.oldest_pending_age_seconds,
-       g.unacknowledged AS gaps_unacknowledged, g.truncates,
-       c.lsn AS complete_up_to_lsn,
-       CASE WHEN c.lsn IS NOT NULL AND c.lsn = s.source_lsn THEN s.source_time END AS complete_up_to_time,
-       r.reasons AS not_ready_reasons
-FROM (
-    SELECT v.projection, v.version, v.state, v.schema_name,
-           count(p.partition)::int AS partitions,
-           (count(p.partition) FILTER (WHERE p.owner IS NOT NULL AND p.lease_expires_at > now()))::int AS partitions_owned,
-           (count(p.partition) FILTER (WHERE p.last_advance_at IS NOT NULL))::int AS partitions_started,
-           (count(p.partition) FILTER (WHERE p.attempts >= ` + fmt.Sprint(failingAttempts) + `))::int AS partitions_failing,
-           min(p.source_lsn) AS source_lsn,
-           min(p.source_time) AS source_time,
-           bool_and(p.source_lsn IS NOT NULL) AS every_partition_has_watermark,
-           max(p.last_advance_at) AS last_advance_at,
-           COALESCE(sum(l.lag_events), 0)::bigint AS lag_events,
-           COALESCE(max(extract(epoch FROM now() - l.oldest_pending_at)), 0)::float8 AS oldest_pending_age_seconds,
-           (count(l.partition) FILTER (WHERE l.fresh_until > now()))::int AS lag_fresh,
-           min(l.max_lag_events) AS max_lag_events,
-           min(l.max_pending_seconds) AS max_pending_seconds
-    FROM epitaph.projection_versions v
-    LEFT JOIN epitaph.progress p ON p.projection = v.projection AND p.version = v.version
-    LEFT JOIN epitaph.partition_lag l ON l.projection = p.projection AND l.version = p.version AND l.partition = p.partition
-    WHERE ` + cond + ` AND v.state <> 'retired'
-    GROUP BY v.projection, v.version, v.state, v.schema_name
-) s
-CROSS JOIN LATERAL epitaph.version_gaps(s.schema_name) g
-CROSS JOIN LATERAL (
-    SELECT count(*)::int AS open, min(COALESCE(qq.after_lsn, '0/0'::pg_lsn)) AS first_lsn
-    FROM epitaph.quarantine qq
-    WHERE qq.projection = s.projection AND qq.version = s.version AND qq.status = 'open'
-) q
-CROSS JOIN LATERAL (
-    SELECT CASE WHEN s.every_partition_has_watermark THEN LEAST(s.source_lsn, g.first_lsn, q.first_lsn) END AS lsn
-) c
-CROSS JOIN LATERAL (
-    SELECT array_remove(ARRAY[
-        CASE WHEN s.state <> 'live' THEN 'version is ' || s.state || ', not live' END,
-        CASE WHEN s.partitions = 0 THEN 'no partitions' END,
-        CASE WHEN s.partitions_owned < s.partitions
-             THEN format('%s of %s partitions leased', s.partitions_owned, s.partitions) END,
-        CASE WHEN s.partitions_started < s.partitions
-             THEN format('%s of %s partitions started', s.partitions_started, s.partitions) END,
-        CASE WHEN s.partitions_failing > 0 THEN format('%s partitions failing', s.partitions_failing) END,
-        CASE WHEN s.partitions > 0 AND s.lag_fresh < s.partitions
-             THEN format('lag not sampled recently for %s of %s partitions', s.partitions - s.lag_fresh, s.partitions) END,
-        CASE WHEN s.lag_events > s.max_lag_events
-             THEN format('lag %s events (ready at most %s)', s.lag_events, s.max_lag_events) END,
-        CASE WHEN s.oldest_pending_age_seconds > s.max_pending_seconds
-             THEN format('oldest pending event %ss old (ready at most %ss)', round(s.oldest_pending_age_seconds::numeric, 1), s.max_pending_seconds) END,
-        CASE WHEN q.open > 0 THEN format('%s quarantined events open', q.open) END,
-        CASE WHEN g.unacknowledged > 0 THEN format('%s unacknowledged gaps', g.unacknowledged) END
-    ]::text[], NULL) AS reasons
-) r`
-}
 
 // Readiness is one version's row of archive.status.
 type Readiness struct {
@@ -112,7 +37,7 @@ type Readiness struct {
 func ReadReadiness(ctx context.Context, db progress.DB, projection string) ([]Readiness, error) {
 	rows, err := db.Query(ctx, `SELECT projection, version, state, ready, not_ready_reasons, source_lsn::text,
 		complete_up_to_lsn::text, complete_up_to_time, gaps_unacknowledged, truncates, quarantine_open
-		FROM (`+statusQuery(`($1 = '' OR v.projection = $1)`)+`) st ORDER BY projection, version`, projection)
+		FROM (`+archive.StatusQuery(`($1 = '' OR v.projection = $1)`)+`) st ORDER BY projection, version`, projection)
 	if err != nil {
 		return nil, fmt.Errorf("read readiness: %w", err)
 	}
@@ -145,7 +70,7 @@ func ReadReadiness(ctx context.Context, db progress.DB, projection string) ([]Re
 // unacknowledged blocking gap or an open quarantined event.
 type Blocker struct {
 	// Gap is set for a gap, Quarantine (its id) for a quarantined event.
-	Gap        *Gap
+	Gap        *archive.Gap
 	Quarantine int64
 	Partition  int
 	StreamSeq  int64
@@ -160,54 +85,11 @@ func (b Blocker) String() string {
 	return fmt.Sprintf("quarantined event %d (partition %d, stream seq %d, %s) after %s", b.Quarantine, b.Partition, b.StreamSeq, b.Category, b.After)
 }
 
-// String names a gap for people: id, kind, table, partition and range.
-func (g Gap) String() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "gap %d (%s", g.ID, g.Kind)
-	if g.Schema != nil && g.Table != nil {
-		fmt.Fprintf(&b, ", table %s.%s", *g.Schema, *g.Table)
-	}
-	if g.Partition != nil {
-		fmt.Fprintf(&b, ", partition %d", *g.Partition)
-	}
-	b.WriteString(")")
-	if g.FromLSN != nil || g.ToLSN != nil {
-		from, to := g.LSNRange()
-		fmt.Fprintf(&b, " after %s up to %s", from, to)
-	}
-	if g.FromSeq != nil || g.ToSeq != nil {
-		fmt.Fprintf(&b, " stream seq %s", g.SeqRange())
-	}
-	return b.String()
-}
-
-// LSNRange is the gap's range of source positions as text; an end that is
-// not known is "?".
-func (g Gap) LSNRange() (from, to string) { return lsnOrUnknown(g.FromLSN), lsnOrUnknown(g.ToLSN) }
-
-// SeqRange is the gap's range of stream sequences as "from-to"; an end that
-// is not known is "?".
-func (g Gap) SeqRange() string { return seqOrUnknown(g.FromSeq) + "-" + seqOrUnknown(g.ToSeq) }
-
 func orDash(s string) string {
 	if s == "" {
 		return "-"
 	}
 	return s
-}
-
-func lsnOrUnknown(l *event.LSN) string {
-	if l == nil {
-		return "?"
-	}
-	return l.String()
-}
-
-func seqOrUnknown(n *int64) string {
-	if n == nil {
-		return "?"
-	}
-	return fmt.Sprint(*n)
 }
 
 // Blockers lists what keeps the live version of projection from being

@@ -14,6 +14,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -73,7 +74,7 @@ type replayer struct {
 }
 
 func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) error {
-	if e.Projection != ArchiveProjection {
+	if e.Projection != archive.Projection {
 		return fmt.Errorf("replay: projection %q is not known to this projector", e.Projection)
 	}
 	v := Version{Projection: e.Projection, Version: e.Version}
@@ -181,7 +182,7 @@ func (r *replayer) service(ctx context.Context, tx pgx.Tx, source string) (*Serv
 func transactionCommitted(ctx context.Context, tx pgx.Tx, schema string, ev *event.Event) (bool, error) {
 	var committed bool
 	err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s.rows
-		WHERE source = $1 AND commit_lsn = $2::pg_lsn AND is_root IS NOT NULL)`, ident(schema)),
+		WHERE source = $1 AND commit_lsn = $2::pg_lsn AND is_root IS NOT NULL)`, archive.Ident(schema)),
 		ev.Source, ev.CommitLSN.String()).Scan(&committed)
 	if err != nil {
 		return false, fmt.Errorf("replay: look up transaction: %w", err)

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/internal/startstop"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -170,7 +171,7 @@ ORDER BY r.expires_at LIMIT 1`
 func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) (CleanupResult, error) {
 	start := time.Now()
 	if opts.Projection == "" {
-		opts.Projection = ArchiveProjection
+		opts.Projection = archive.Projection
 	}
 	if opts.Batch <= 0 {
 		opts.Batch = DefaultCleanupBatch
@@ -210,7 +211,7 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 	}
 	for _, vs := range schemas {
 		var t *time.Time
-		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, ident(vs.schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, archive.Ident(vs.schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return res, fmt.Errorf("oldest expired row of %s: %w", vs.schema, err)
 		}
 		if t != nil && (res.OldestDue == nil || t.Before(*res.OldestDue)) {
@@ -269,16 +270,16 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, a
 	}
 	extra, counts := "", "0, 0"
 	if vs.snapshots {
-		extra = fmt.Sprintf(cleanupSnapshotsSQL, ident(vs.schema, "snapshots"), ident(vs.schema, "snapshot_groups"), ident(vs.schema, "rows"))
+		extra = fmt.Sprintf(cleanupSnapshotsSQL, archive.Ident(vs.schema, "snapshots"), archive.Ident(vs.schema, "snapshot_groups"), archive.Ident(vs.schema, "rows"))
 		counts = "(SELECT count(*)::int FROM snaps), (SELECT count(*)::int FROM groups)"
 	}
 	var others strings.Builder
 	for _, o := range all {
 		if o.schema != vs.schema {
-			fmt.Fprintf(&others, "\n          AND NOT EXISTS (SELECT 1 FROM %s v WHERE v.source = x.source AND v.commit_lsn = x.commit_lsn AND v.seq = x.seq)", ident(o.schema, "rows"))
+			fmt.Fprintf(&others, "\n          AND NOT EXISTS (SELECT 1 FROM %s v WHERE v.source = x.source AND v.commit_lsn = x.commit_lsn AND v.seq = x.seq)", archive.Ident(o.schema, "rows"))
 		}
 	}
-	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, ident(vs.schema, "rows"), extra, counts, others.String()), limit)
+	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, archive.Ident(vs.schema, "rows"), extra, counts, others.String()), limit)
 	if err != nil {
 		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
 	}

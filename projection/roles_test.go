@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -57,7 +58,7 @@ func TestTargetRoleRecipe(t *testing.T) {
 	require.NoError(t, err)
 	e.heartbeat()
 	eventually(t, 60*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, v.Version, false)
 	require.NoError(t, err)
 	require.Equal(t, 6, count(t, rc, `SELECT count(*) FROM archive.rows`))
 	require.Equal(t, 1, count(t, rc, `SELECT count(*) FROM archive.status WHERE version = 2 AND state = 'live'`))

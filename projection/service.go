@@ -20,6 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -386,7 +387,7 @@ func (s *Service) balance(ctx context.Context) error {
 		}
 		s.partitions = n
 	}
-	vs, err := ListVersions(ctx, s.pool, ArchiveProjection)
+	vs, err := ListVersions(ctx, s.pool, archive.Projection)
 	if err != nil {
 		return err
 	}
@@ -399,7 +400,7 @@ func (s *Service) balance(ctx context.Context) error {
 		// created since would be remembered as ensured, and its tables
 		// never made (its schema never checked) by this worker.
 		s.versions = fingerprint(ensured)
-		if vs, err = ListVersions(ctx, s.pool, ArchiveProjection); err != nil {
+		if vs, err = ListVersions(ctx, s.pool, archive.Projection); err != nil {
 			return err
 		}
 	}

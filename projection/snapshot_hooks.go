@@ -6,6 +6,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -97,7 +98,7 @@ func snapshotRows(rows []*archiveRow) map[event.LSN][]snapshot.Row {
 // snapshotTargets lists the schemas of the active archive versions, the
 // live one marked (the batcher serves it first).
 func (s *Service) snapshotTargets(ctx context.Context) ([]snapshot.Target, error) {
-	vs, err := ListVersions(ctx, s.pool, ArchiveProjection)
+	vs, err := ListVersions(ctx, s.pool, archive.Projection)
 	if err != nil {
 		return nil, err
 	}

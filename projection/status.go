@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -58,8 +59,8 @@ type VersionStatus struct {
 	// Gaps: what the version is known to miss (archive_v<N>.gaps): the
 	// unacknowledged blocking ones and the most recent others, at most
 	// maxStatusGaps; GapCounts counts them all.
-	Gaps      []Gap      `json:"gaps"`
-	GapCounts []GapCount `json:"gap_counts"`
+	Gaps      []archive.Gap `json:"gaps"`
+	GapCounts []GapCount    `json:"gap_counts"`
 }
 
 // GapCount is how many gaps of a kind a version has, acknowledged or not.
@@ -114,10 +115,6 @@ type WorkerStatus struct {
 	HeartbeatAgeSeconds float64   `json:"heartbeat_age_seconds"`
 	Live                bool      `json:"live"`
 }
-
-// failingAttempts is how many consecutive failed attempts make a partition
-// count as failing (health "unavailable").
-const failingAttempts = 3
 
 // CollectStatus reads the status of every version of the projections of
 // source from the target database and the stream. It only reads; without
@@ -235,7 +232,7 @@ func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jet
 		if r.SourceLSN != 0 {
 			ps.SourceLSN = r.SourceLSN.String()
 		}
-		if !ps.Leased || r.Attempts >= failingAttempts {
+		if !ps.Leased || r.Attempts >= archive.FailingAttempts {
 			unavailable = true
 		}
 		if stream != nil {
@@ -279,17 +276,17 @@ func (st *Status) addReadiness(ctx context.Context, db progress.DB) error {
 
 // gapStatus fills the gaps of one version.
 func gapStatus(ctx context.Context, db progress.DB, v Version, vst *VersionStatus) error {
-	gs, err := listGaps(ctx, db, v.Schema, `id IN (SELECT id FROM `+ident(v.Schema, "gaps")+`
+	gs, err := listGaps(ctx, db, v.Schema, `id IN (SELECT id FROM `+archive.Ident(v.Schema, "gaps")+`
 		ORDER BY (acknowledged_at IS NULL AND kind <> 'truncate') DESC, id DESC LIMIT $1)`, 0, maxStatusGaps)
 	if err != nil {
 		return err
 	}
-	vst.Gaps = append([]Gap{}, gs...)
+	vst.Gaps = append([]archive.Gap{}, gs...)
 	vst.GapCounts = []GapCount{}
 	if len(gs) == 0 {
 		return nil
 	}
-	rows, err := db.Query(ctx, `SELECT kind, acknowledged_at IS NOT NULL, count(*)::int FROM `+ident(v.Schema, "gaps")+`
+	rows, err := db.Query(ctx, `SELECT kind, acknowledged_at IS NOT NULL, count(*)::int FROM `+archive.Ident(v.Schema, "gaps")+`
 		GROUP BY 1, 2 ORDER BY 1, 2`)
 	if err != nil {
 		return fmt.Errorf("count gaps of %s: %w", v.Schema, err)
@@ -339,18 +336,4 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	}
 	ps.LagEvents = max(n, 1)
 	return nil
-}
-
-// StreamPartitions reads the partition count P of a source's stream
-// from its metadata (event.MetaPartitions).
-func StreamPartitions(info *jetstream.StreamInfo) (int, error) {
-	s, ok := info.Config.Metadata[event.MetaPartitions]
-	if !ok {
-		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
-	}
-	var n int
-	if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 {
-		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
-	}
-	return n, nil
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -620,7 +621,7 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
-		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: positionLSN(b.ev)})
+		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: PositionLSN(b.ev)})
 		pv.w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
 			"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
 	} else if st.PartSeq > 0 {
@@ -926,11 +927,11 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		for i, r := range vd.drop {
 			lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
 		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(v.Schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
 			WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, s.cfg.SourceName, lsns, seqs); err != nil {
 			return fmt.Errorf("drop unverified rows: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
 			WHERE p.partition = $1 AND p.commit_lsn = u.lsn::pg_lsn AND p.seq = u.seq`, l.Partition, lsns, seqs); err != nil {
 			return fmt.Errorf("drop unverified truncates: %w", err)
 		}
@@ -940,15 +941,15 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		for i, l := range vd.promote {
 			lsns[i] = l.String()
 		}
-		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "rows")+` SET verified = true
+		if _, err := tx.Exec(ctx, `UPDATE `+archive.Ident(v.Schema, "rows")+` SET verified = true
 			WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND NOT verified`, s.cfg.SourceName, lsns); err != nil {
 			return fmt.Errorf("make verified rows visible: %w", err)
 		}
 		// Their truncates of earlier pages become gap rows now.
 		if _, err := tx.Exec(ctx, `WITH moved AS (
-				DELETE FROM `+ident(v.Schema, "pending_truncates")+` WHERE partition = $1 AND commit_lsn = ANY($2::pg_lsn[])
+				DELETE FROM `+archive.Ident(v.Schema, "pending_truncates")+` WHERE partition = $1 AND commit_lsn = ANY($2::pg_lsn[])
 				RETURNING partition, commit_lsn, schema_name, table_name)
-			INSERT INTO `+ident(v.Schema, "gaps")+` (kind, schema_name, table_name, partition, from_lsn, to_lsn)
+			INSERT INTO `+archive.Ident(v.Schema, "gaps")+` (kind, schema_name, table_name, partition, from_lsn, to_lsn)
 			SELECT 'truncate', schema_name, table_name, partition, commit_lsn, commit_lsn FROM moved`, l.Partition, lsns); err != nil {
 			return fmt.Errorf("record verified truncates: %w", err)
 		}
@@ -968,7 +969,7 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		}
 	}
 	for _, from := range vd.continued {
-		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
+		if _, err := tx.Exec(ctx, `UPDATE `+archive.Ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
 			WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND to_lsn IS NULL AND acknowledged_at IS NULL`,
 			l.Partition, int64(from+1), suspectedGapCleared); err != nil {
 			return fmt.Errorf("clear suspected gap: %w", err)
@@ -980,7 +981,7 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 // recordGap records a removed_from_stream gap of a partition, or completes
 // the open one that starts at the same stream sequence (a suspected gap).
 func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g gapRow) error {
-	tag, err := tx.Exec(ctx, `UPDATE `+ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
+	tag, err := tx.Exec(ctx, `UPDATE `+archive.Ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
 		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND acknowledged_at IS NULL`,
 		partition, int64(g.fromSeq), int64(g.toSeq), nullLSNText(g.toLSN))
 	if err != nil {
@@ -989,7 +990,7 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 	if tag.RowsAffected() > 0 {
 		return nil
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
 		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
 		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
@@ -1012,14 +1013,14 @@ func (w *partitionWorker) recordSuspectedGap(ctx context.Context, first uint64) 
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	var exists bool
-	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+ident(w.ver.Schema, "gaps")+`
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+archive.Ident(w.ver.Schema, "gaps")+`
 		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2)`, w.lease.Partition, int64(from)).Scan(&exists); err != nil {
 		return fmt.Errorf("record suspected gap: %w", err)
 	}
 	if exists {
 		return nil
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn, from_seq, to_seq)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn, from_seq, to_seq)
 		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3, $4)`,
 		w.lease.Partition, nullLSNText(w.pos.SourceLSN), int64(from), int64(first-1)); err != nil {
 		return fmt.Errorf("record suspected gap: %w", err)
@@ -1082,7 +1083,7 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *tim
 	}
 	recreated := recorded != nil // even at cursor 0: the old stream may have held this partition's first messages
 	if recreated {
-		if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn)
+		if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn)
 			VALUES ('removed_from_stream', $1, $2::pg_lsn)`, w.lease.Partition, nullLSNText(w.pos.SourceLSN)); err != nil {
 			return fmt.Errorf("record a removed_from_stream gap: %w", err)
 		}
@@ -1103,7 +1104,7 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *tim
 // gap row then, or drops it with the transaction's other unverified
 // messages. Readers never see a truncate that may be forged.
 func stagePendingTruncate(ctx context.Context, tx pgx.Tx, schema string, partition int, e *event.Event) error {
-	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "pending_truncates")+`
+	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "pending_truncates")+`
 		(partition, commit_lsn, seq, schema_name, table_name) VALUES ($1, $2::pg_lsn, $3, $4, $5)
 		ON CONFLICT DO NOTHING`, partition, e.CommitLSN.String(), e.Seq, e.Schema, e.Table); err != nil {
 		return fmt.Errorf("stage an unverified truncate: %w", err)

@@ -16,6 +16,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // signed returns tx's messages signed by s (in publish order), unpublished.
@@ -408,14 +409,14 @@ func removal(t *testing.T, limits func(*jetstream.StreamConfig), remove func(e *
 	last := streamLast(t, e)
 	require.Equal(t, []gap{{partition: 1, fromSeq: 4, toSeq: int64(last - 3), toLSN: ptr(tx4.lsn.String())}}, gaps(t, c, 1))
 	// Readers are told: not ready, and waiting for tx4 cannot succeed.
-	rs, err := projection.ReadReadiness(ctx, c, projection.ArchiveProjection)
+	rs, err := projection.ReadReadiness(ctx, c, archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, rs, 1)
 	require.False(t, rs[0].Ready)
 	require.GreaterOrEqual(t, rs[0].GapsUnacknowledged, 1)
 	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
 	defer wcancel()
-	_, err = projection.WaitComplete(wctx, c, projection.ArchiveProjection, tx4.lsn, 0)
+	_, err = projection.WaitComplete(wctx, c, archive.Projection, tx4.lsn, 0)
 	var incomplete *projection.IncompleteError
 	require.ErrorAs(t, err, &incomplete, "wait --lsn exits 3")
 	require.Equal(t, expected(t, c, tx1, tx4), archived(t, c, "(SELECT * FROM archive.rows WHERE commit_lsn IN ('"+tx1.lsn.String()+"', '"+tx2.lsn.String()+"', '"+tx3.lsn.String()+"', '"+tx4.lsn.String()+"')) r"))

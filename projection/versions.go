@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -164,7 +165,7 @@ func ensureArchive(ctx context.Context, db interface {
 		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
-		vs, err := ListVersions(ctx, tx, ArchiveProjection)
+		vs, err := ListVersions(ctx, tx, archive.Projection)
 		if err != nil {
 			return err
 		}
@@ -176,11 +177,11 @@ func ensureArchive(ctx context.Context, db interface {
 				INSERT INTO epitaph.projection_versions
 				    (projection, version, state, schema_name, partitions, boundary_seq, live_at, config)
 				VALUES ($1, 1, 'live', $2, $3, 0, now(), '{"created":"first run"}')`,
-				ArchiveProjection, ArchiveSchema(1), partitions)
+				archive.Projection, archive.Schema(1), partitions)
 			if err != nil {
 				return fmt.Errorf("create archive v1: %w", err)
 			}
-			vs, err = ListVersions(ctx, tx, ArchiveProjection)
+			vs, err = ListVersions(ctx, tx, archive.Projection)
 			if err != nil {
 				return err
 			}
@@ -229,7 +230,7 @@ func ensureArchive(ctx context.Context, db interface {
 // snapshot tables) for the version's schema in a savepoint (so a rejected
 // DDL leaves tx usable). Idempotent.
 func CreateVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL func(schema string) string) error {
-	ddl := archiveDDL(v.Schema)
+	ddl := archive.DDL(v.Schema)
 	if extraDDL != nil {
 		ddl += extraDDL(v.Schema)
 	}

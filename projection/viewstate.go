@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // What a reader of the live version is told (the read API's
@@ -51,7 +52,7 @@ func ViewState(ctx context.Context, db progress.DB, projection string) (string, 
 		return ViewUnavailable, live, nil
 	}
 	var unavailable bool
-	if err := db.QueryRow(ctx, unavailableSQL, projection, live.Version, failingAttempts).Scan(&unavailable); err != nil {
+	if err := db.QueryRow(ctx, unavailableSQL, projection, live.Version, archive.FailingAttempts).Scan(&unavailable); err != nil {
 		return ViewUnavailable, live, fmt.Errorf("read partitions of %s v%d: %w", projection, live.Version, err)
 	}
 	if unavailable {

@@ -39,6 +39,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -71,7 +72,7 @@ func Register(mux interface {
 	Handle(pattern string, h http.Handler)
 }, cfg Config) {
 	if cfg.Projection == "" {
-		cfg.Projection = projection.ArchiveProjection
+		cfg.Projection = archive.Projection
 	}
 	a := &api{cfg: cfg}
 	mux.Handle("GET /v1/rows", a.endpoint(tableKey, a.rows))

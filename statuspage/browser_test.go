@@ -34,6 +34,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/workload"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -264,7 +265,7 @@ func TestPageInBrowser(t *testing.T) {
 	require.Regexp(t, `data-testid="version-complete">(–|0/0)<`, dom, "not complete past the quarantine or the gap")
 
 	// Acknowledged, the gap says so and no longer counts as open.
-	vg, err := projection.ListGaps(ctx, svc.Pool(), projection.ArchiveProjection)
+	vg, err := projection.ListGaps(ctx, svc.Pool(), archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, vg, 1)
 	var gapID int64
@@ -273,7 +274,7 @@ func TestPageInBrowser(t *testing.T) {
 			gapID = g.ID
 		}
 	}
-	_, err = projection.AckGap(ctx, svc.Pool(), projection.ArchiveProjection, 0, gapID, "known: slot recreated in the test")
+	_, err = projection.AckGap(ctx, svc.Pool(), archive.Projection, 0, gapID, "known: slot recreated in the test")
 	require.NoError(t, err)
 	dom = browse(t, bin, pageURL, "--dump-dom")
 	require.Contains(t, dom, `data-testid="version-gaps">0<`)

@@ -22,6 +22,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	pversion "github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -96,7 +97,7 @@ func startWorker(t *testing.T, target, natsURL string, batch int) (*projection.S
 // version returns the status of one archive version (nil if absent).
 func version(st *projection.Status, v int) *projection.VersionStatus {
 	for i := range st.Versions {
-		if st.Versions[i].Projection == projection.ArchiveProjection && st.Versions[i].Version == v {
+		if st.Versions[i].Projection == archive.Projection && st.Versions[i].Version == v {
 			return &st.Versions[i]
 		}
 	}

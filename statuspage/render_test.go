@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -38,7 +39,7 @@ func sampleStatus() *projection.Status {
 			Projection: "archive", Version: 1, State: "live", Health: "quarantined", Schema: "archive_v1",
 			LagEvents: 40, OldestPendingAgeSeconds: 75, QuarantineOpen: 3,
 			NotReadyReasons: []string{"3 quarantined events open", "1 unacknowledged gaps"}, CompleteUpToLSN: "0/16B3748",
-			Gaps: []projection.Gap{
+			Gaps: []archive.Gap{
 				{ID: 7, Kind: event.GapLostUpstream, FromLSN: lsn(0x16B3748), ToLSN: lsn(0x2000000), DetectedAt: at},
 				{ID: 8, Kind: event.GapTruncate, Schema: str("public"), Table: str("<sessions>"), Partition: &p1,
 					FromLSN: lsn(0x2100000), ToLSN: lsn(0x2100000), DetectedAt: at},

@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -321,7 +322,7 @@ func etaText(s float64) string {
 	return age(s)
 }
 
-func newGapView(g projection.Gap) gapView {
+func newGapView(g archive.Gap) gapView {
 	v := gapView{ID: g.ID, Kind: g.Kind, Table: "every table", Partition: "every", From: "?", To: "?", Seqs: "–",
 		Detected: g.DetectedAt.UTC().Format("2006-01-02 15:04:05 UTC"), Blocking: g.Blocking()}
 	if g.Schema != nil && g.Table != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -112,7 +113,7 @@ func orDash(s string) string {
 
 // writeGapRow prints one gap as a row of the gaps table (status and
 // `projector gaps`).
-func writeGapRow(w io.Writer, g projection.Gap) {
+func writeGapRow(w io.Writer, g archive.Gap) {
 	table, part := "(all)", "(all)"
 	if g.Schema != nil && g.Table != nil {
 		table = *g.Schema + "." + *g.Table

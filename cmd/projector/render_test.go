@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -68,7 +69,7 @@ func TestComparisonText(t *testing.T) {
 func TestGapsText(t *testing.T) {
 	schema, table, from := "public", "orders", int64(5)
 	detected := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
-	vgs := []projection.VersionGaps{{Projection: "archive", Version: 2, State: "building", Gaps: []projection.Gap{
+	vgs := []projection.VersionGaps{{Projection: "archive", Version: 2, State: "building", Gaps: []archive.Gap{
 		{ID: 7, Kind: "truncate", Schema: &schema, Table: &table, FromSeq: &from, DetectedAt: detected},
 	}}, {Projection: "archive", Version: 3, State: "building"}}
 	var buf bytes.Buffer

@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -44,9 +45,9 @@ archive_v<N> with --version.`,
 			return err
 		}
 		defer pool.Close()
-		schema := projection.ReaderSchema
+		schema := archive.ReaderSchema
 		if *version > 0 {
-			schema = projection.ArchiveSchema(*version)
+			schema = archive.Schema(*version)
 		}
 		list, err := snapshot.Show(ctx, pool, schema, pos[0])
 		if err != nil {
@@ -117,7 +118,7 @@ func snapshotsBatchCommand(env *Env) *cobra.Command {
 // snapshotSchema is archive_v<version>, or the live version's schema.
 func snapshotSchema(ctx context.Context, pool *pgxpool.Pool, version int) (string, error) {
 	if version > 0 {
-		return projection.ArchiveSchema(version), nil
+		return archive.Schema(version), nil
 	}
 	versions, err := projection.ListVersions(ctx, pool, "archive")
 	if err != nil {

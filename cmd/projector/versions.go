@@ -18,6 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -451,8 +452,8 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 			return err
 		}
 		if *drop && !*yes {
-			if err := confirm(env, fmt.Sprintf("drop schema %s (every row and snapshot of %s v%d)?", projection.ArchiveSchema(n), pos[0], n),
-				projection.ArchiveSchema(n)); err != nil {
+			if err := confirm(env, fmt.Sprintf("drop schema %s (every row and snapshot of %s v%d)?", archive.Schema(n), pos[0], n),
+				archive.Schema(n)); err != nil {
 				return err
 			}
 		}
@@ -513,7 +514,7 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 	lsnText := cmd.Flags().String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
 	var timeout time.Duration
 	cli.Local(cmd).Duration(&timeout, "timeout", "", 30*time.Second, "give up after this long (exit status 2)", cli.Positive())
-	proj := cmd.Flags().String("projection", projection.ArchiveProjection, "projection")
+	proj := cmd.Flags().String("projection", archive.Projection, "projection")
 	asJSON := jsonFlag(cmd, "the live version's readiness (archive.status) once complete")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()

@@ -9,6 +9,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -117,7 +118,7 @@ func hash64(md5 string) string {
 // reads.
 func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison, error) {
 	if o.Projection == "" {
-		o.Projection = projection.ArchiveProjection
+		o.Projection = archive.Projection
 	}
 	if o.MaxKeys <= 0 {
 		o.MaxKeys = 20

@@ -15,12 +15,13 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
 // RebuildOptions say how a new version is built.
 type RebuildOptions struct {
-	// Projection to rebuild; only projection.ArchiveProjection exists.
+	// Projection to rebuild; only archive.Projection exists.
 	Projection string
 	// Source names the stream (EPITAPH_<SOURCE>); default "main".
 	Source string
@@ -44,10 +45,10 @@ type RebuildOptions struct {
 // error nothing is created.
 func CreateVersion(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, opts RebuildOptions) (projection.Version, error) {
 	if opts.Projection == "" {
-		opts.Projection = projection.ArchiveProjection
+		opts.Projection = archive.Projection
 	}
-	if opts.Projection != projection.ArchiveProjection {
-		return projection.Version{}, fmt.Errorf("rebuild %q: unknown projection (only %q exists)", opts.Projection, projection.ArchiveProjection)
+	if opts.Projection != archive.Projection {
+		return projection.Version{}, fmt.Errorf("rebuild %q: unknown projection (only %q exists)", opts.Projection, archive.Projection)
 	}
 	if opts.Source == "" {
 		opts.Source = "main"
@@ -157,7 +158,7 @@ func (p *rebuildPlan) create(ctx context.Context, tx pgx.Tx, name string) (proje
 	if n == 1 {
 		return projection.Version{}, errors.New("no live version yet: start a projector worker first (it creates version 1)")
 	}
-	v := projection.Version{Projection: name, Version: n, State: projection.StateBuilding, Schema: projection.ArchiveSchema(n),
+	v := projection.Version{Projection: name, Version: n, State: projection.StateBuilding, Schema: archive.Schema(n),
 		Partitions: p.partitions}
 	_, err := tx.Exec(ctx, `
 		INSERT INTO epitaph.projection_versions
