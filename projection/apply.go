@@ -19,6 +19,7 @@ import (
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -40,7 +41,7 @@ type applyResult struct {
 // Transient failures return an error and nothing is committed. vd is the
 // page's verification (trust.go): refused items carry their category
 // already, rows of transactions not verified yet are inserted invisible.
-func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
+func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
 	if vd == nil {
 		vd = &verdict{trust: pos.Trust}
 	}
@@ -94,7 +95,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 // apply (or by a replay: replay.go) and written by applyPage, again with
 // isolation when something in it is rejected.
 type applyPlan struct {
-	v         Version
+	v         version.Version
 	l         progress.Lease
 	pos, next progress.Position // the cursor before and after the page
 	items     []*item
@@ -148,7 +149,7 @@ func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*
 
 // advance returns the partition's position after the page and the page's
 // commits; it logs what the archive will miss (truncates, gaps).
-func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items []*item) (progress.Position, []*item) {
+func (s *Service) advance(v version.Version, pos progress.Position, vd *verdict, items []*item) (progress.Position, []*item) {
 	next := pos
 	next.Trust = vd.trust
 	var commits []*item
@@ -158,7 +159,7 @@ func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items [
 		if it.ev == nil || it.category == CategoryUnauthenticated {
 			continue // undecodable or not authentic: keep the last known source position
 		}
-		next.CommitLSN = PositionLSN(it.ev)
+		next.CommitLSN = version.PositionLSN(it.ev)
 		switch it.ev.Op {
 		case event.OpDelete:
 			next.Seq = it.ev.Seq
@@ -181,7 +182,7 @@ func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items [
 	return next, commits
 }
 
-func (s *Service) logGap(v Version, e *event.Event) {
+func (s *Service) logGap(v version.Version, e *event.Event) {
 	if e.Table != "" {
 		// A table the capture took out of its publication (it lost
 		// its replica identity): its deletes from here on are missed.

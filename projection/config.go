@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // MaxBatchSize is the largest page a partition fetches and applies in one
@@ -181,7 +182,7 @@ func (c *Config) validate() error {
 		errs = append(errs, errors.New("worker id is required (EPITAPH_WORKER_ID)"))
 	}
 	if c.Group != "" {
-		errs = append(errs, ValidateGroup(c.Group))
+		errs = append(errs, version.ValidateGroup(c.Group))
 	}
 	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
 		errs = append(errs, fmt.Errorf("batch size %d: must be 1..%d", c.BatchSize, MaxBatchSize))

@@ -78,8 +78,8 @@
 //     built from the start of the stream. Version 1 of "archive" is created
 //     live on the first run. PointViews re-points the reader views in the
 //     caller's transaction (promotion, rollback).
-//   - Lifecycle (lifecycle_worker.go here; the administration is package
-//     projection/version, which this package does not import). CreateVersion
+//   - Lifecycle (lifecycle_worker.go here; the registry and the
+//     administration are package projection/version). CreateVersion
 //     (`projector rebuild`) makes version N+1, building, with a new schema
 //     from the projection's own DDL, new consumers and progress rows, and
 //     the boundary: the stream's last sequence and its source LSN. It is

@@ -17,6 +17,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // Erasure fences (DESIGN section 7): every version's apply, rebuilds
@@ -434,7 +435,7 @@ func digestOf(key []byte, table, mode string, columns []string, vals []json.RawM
 // rows of their transactions archived by earlier pages that reference them
 // are erased from the version (fenceSet.record): a fence with children
 // holds for the whole source transaction, in any order of its pages.
-func (s *Service) unfenced(ctx context.Context, tx pgx.Tx, v Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
+func (s *Service) unfenced(ctx context.Context, tx pgx.Tx, v version.Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
 	keep, dropped, epoch, parents, err := s.fences.filter(ctx, tx, rows)
 	if err != nil {
 		return nil, 0, err

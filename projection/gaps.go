@@ -12,6 +12,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 const gapColumns = `id, kind, schema_name, table_name, partition, from_lsn::text, to_lsn::text, from_seq, to_seq,
@@ -86,7 +87,7 @@ type VersionGaps struct {
 // ListGaps returns the gaps of every active version of projection (live
 // first), oldest first within each.
 func ListGaps(ctx context.Context, db progress.DB, projection string) ([]VersionGaps, error) {
-	vs, err := ListVersions(ctx, db, projection)
+	vs, err := version.ListVersions(ctx, db, projection)
 	if err != nil {
 		return nil, err
 	}
@@ -103,7 +104,7 @@ func ListGaps(ctx context.Context, db progress.DB, projection string) ([]Version
 		if vg.Gaps == nil {
 			vg.Gaps = []archive.Gap{}
 		}
-		if v.State == StateLive {
+		if v.State == version.StateLive {
 			out = append([]VersionGaps{vg}, out...)
 		} else {
 			out = append(out, vg)
@@ -115,18 +116,18 @@ func ListGaps(ctx context.Context, db progress.DB, projection string) ([]Version
 // ErrGapNotFound is returned by AckGap for an id the version does not have.
 var ErrGapNotFound = errors.New("no such gap")
 
-// AckGap acknowledges gap id of projection's version (the live version when
-// version is 0): an operator says the loss is known and accepted, with a
+// AckGap acknowledges gap id of projection's version n (the live version when
+// n is 0): an operator says the loss is known and accepted, with a
 // reason (required), recorded in acknowledged_at and ack_reason. An
 // acknowledged lost_upstream or removed_from_stream gap no longer keeps the
 // archive from being ready or complete. Acknowledging twice is refused.
-func AckGap(ctx context.Context, db progress.DB, projection string, version int, id int64, reason string) (archive.Gap, error) {
+func AckGap(ctx context.Context, db progress.DB, projection string, n int, id int64, reason string) (archive.Gap, error) {
 	reason = strings.TrimSpace(reason)
 	if reason == "" {
 		return archive.Gap{}, errors.New("acknowledge a gap: a reason is required (--reason TEXT)")
 	}
-	var v *Version
-	if version == 0 {
+	var v *version.Version
+	if n == 0 {
 		lv, err := liveVersion(ctx, db, projection)
 		if err != nil {
 			return archive.Gap{}, err
@@ -136,7 +137,7 @@ func AckGap(ctx context.Context, db progress.DB, projection string, version int,
 		}
 		v = lv
 	} else {
-		gv, err := GetVersion(ctx, db, projection, version)
+		gv, err := version.GetVersion(ctx, db, projection, n)
 		if err != nil {
 			return archive.Gap{}, err
 		}

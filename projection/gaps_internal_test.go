@@ -12,6 +12,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // The gaps table exists in every version's schema and archive.gaps shows
@@ -62,7 +63,7 @@ func TestGapsTableAndView(t *testing.T) {
 	require.ErrorContains(t, err, "record mystery gap in archive_v1")
 
 	// Views follow the version pointed at.
-	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return PointViews(ctx, tx, 1) }))
+	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return version.PointViews(ctx, tx, 1) }))
 	type gapRow struct {
 		Kind, Schema, Table, From, To string
 		Partition                     int
@@ -84,7 +85,7 @@ func TestGapsTableAndView(t *testing.T) {
 		{Kind: "lost_upstream", Schema: "public", Table: "t", From: "0/60", To: "0/9000", Partition: -1, FromSeq: -1, ToSeq: -1},
 		{Kind: "removed_from_stream", Partition: 3, FromSeq: 10, ToSeq: 19},
 	}, read())
-	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return PointViews(ctx, tx, 2) }))
+	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return version.PointViews(ctx, tx, 2) }))
 	require.Equal(t, []gapRow{
 		{Kind: "truncate", Schema: "public", Table: "t", From: "0/70", To: "0/70", Partition: 3, FromSeq: -1, ToSeq: -1},
 	}, read())

@@ -8,14 +8,15 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // resolveGroup is group when set (validated), else the target's default.
 func resolveGroup(ctx context.Context, db progress.DB, group string) (string, error) {
 	if group != "" {
-		return group, ValidateGroup(group)
+		return group, version.ValidateGroup(group)
 	}
-	return DefaultGroup(ctx, db)
+	return version.DefaultGroup(ctx, db)
 }
 
 // unitConsumer is the consumer a progress row's unit is read through: the

@@ -1,6 +1,7 @@
 package projection
 
 import "github.com/prometheus/client_golang/prometheus"
+import "github.com/epitaph-dev/epitaph/projection/version"
 
 // lifecycleMetrics show how far each version being built has come.
 type lifecycleMetrics struct {
@@ -35,7 +36,7 @@ func (m *lifecycleMetrics) publish(st *Status) {
 	}
 	for _, v := range st.Versions {
 		lc := v.Lifecycle
-		if lc == nil || v.State == StateRetired {
+		if lc == nil || v.State == version.StateRetired {
 			continue
 		}
 		l := []string{v.Projection, itoa(v.Version)}

@@ -28,9 +28,9 @@ func (e *env) pool() *pgxpool.Pool {
 	return p
 }
 
-func state(t *testing.T, p *pgxpool.Pool, version int) string {
+func state(t *testing.T, p *pgxpool.Pool, n int) string {
 	t.Helper()
-	v, err := projection.GetVersion(context.Background(), p, archive.Projection, version)
+	v, err := version.GetVersion(context.Background(), p, archive.Projection, n)
 	require.NoError(t, err)
 	return v.State
 }
@@ -137,7 +137,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, v2.Version)
 	require.Equal(t, "archive_v2", v2.Schema)
-	require.Equal(t, projection.StateBuilding, v2.State)
+	require.Equal(t, version.StateBuilding, v2.State)
 	require.NotNil(t, v2.BoundarySeq)
 	require.Positive(t, *v2.BoundarySeq)
 	require.NotZero(t, v2.BoundaryLSN)
@@ -147,9 +147,9 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		st := state(t, pool, 2)
 		seen[st] = true
-		return st == projection.StateReady
+		return st == version.StateReady
 	})
-	v2, err = projection.GetVersion(ctx, pool, archive.Projection, 2)
+	v2, err = version.GetVersion(ctx, pool, archive.Projection, 2)
 	require.NoError(t, err)
 	require.NotNil(t, v2.CatchingUpAt, "passed through catching_up")
 	require.NotNil(t, v2.ReadyAt)
@@ -213,12 +213,12 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	}()
 
 	_, err = version.Promote(ctx, pool, archive.Projection, 3, false)
-	require.ErrorIs(t, err, projection.ErrNoVersion)
+	require.ErrorIs(t, err, version.ErrNoVersion)
 	prev, err := version.Promote(ctx, pool, archive.Projection, 2, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, prev)
-	require.Equal(t, projection.StateLive, state(t, pool, 2))
-	require.Equal(t, projection.StateReady, state(t, pool, 1), "the old live version stays ready for a rollback")
+	require.Equal(t, version.StateLive, state(t, pool, 2))
+	require.Equal(t, version.StateReady, state(t, pool, 1), "the old live version stays ready for a rollback")
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	for i := 0; i < 5; i++ {
 		from, to, err := version.Rollback(ctx, pool, archive.Projection)
@@ -244,7 +244,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	published := stopTraffic()
 	require.NoError(t, version.Retire(ctx, pool, e.js, archive.Projection, 1,
 		version.RetireOptions{Source: src, Drop: true}))
-	require.Equal(t, projection.StateRetired, state(t, pool, 1))
+	require.Equal(t, version.StateRetired, state(t, pool, 1))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE version = 1`))
 	stream, err := e.js.Stream(ctx, event.StreamName(src))

@@ -7,6 +7,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func itoa(i int) string { return strconv.Itoa(i) }
@@ -86,14 +87,14 @@ func (m *metrics) publish(st *Status) {
 	m.gaps.Reset()
 	for _, v := range st.Versions {
 		ver := itoa(v.Version)
-		for _, s := range States {
+		for _, s := range version.States {
 			val := 0.0
 			if s == v.State {
 				val = 1
 			}
 			m.versionState.WithLabelValues(v.Projection, ver, s).Set(val)
 		}
-		if v.State == StateRetired {
+		if v.State == version.StateRetired {
 			continue
 		}
 		m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)

@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -82,7 +83,7 @@ type partitionWorker struct {
 	startstop.Base
 	workerEnv
 	svc    workerRuntime
-	ver    Version
+	ver    version.Version
 	lease  progress.Lease
 	filter string
 	log    *slog.Logger
@@ -141,13 +142,13 @@ type workerEnv struct {
 // share (lifecycle_worker.go), the apply path (apply.go), the live
 // version's side effects, and the hand-over of a lost lease.
 type workerRuntime interface {
-	admit(ctx context.Context, v Version) (release func(), err error)
-	apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error)
-	afterPage(ctx context.Context, v Version, partition int, items []*item)
+	admit(ctx context.Context, v version.Version) (release func(), err error)
+	apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error)
+	afterPage(ctx context.Context, v version.Version, partition int, items []*item)
 	leaseLost(w *partitionWorker)
 }
 
-func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
+func newPartitionWorker(s *Service, v version.Version, l progress.Lease) *partitionWorker {
 	return &partitionWorker{
 		workerEnv: workerEnv{cfg: &s.cfg, pool: s.pool, js: s.js, group: s.group, partitions: s.partitions, keys: s.keys, metrics: s.metrics},
 		svc:       s, ver: v, lease: l,
@@ -400,7 +401,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 		if err != nil {
 			return raw.Sequence, 0, true, nil // unknown position: treat as "at or after"
 		}
-		return raw.Sequence, PositionLSN(e), true, nil
+		return raw.Sequence, version.PositionLSN(e), true, nil
 	}
 	lo, hi := first, bound+1 // invariant: the answer m is in [lo, hi]
 	for lo < hi {

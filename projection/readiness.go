@@ -13,6 +13,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // Readiness is one version's row of archive.status.
@@ -140,13 +141,13 @@ func notMigrated(err error) bool {
 	return errors.As(err, &pg) && (pg.Code == "42P01" || pg.Code == "3F000" || pg.Code == "42883")
 }
 
-func liveVersion(ctx context.Context, db progress.DB, projection string) (*Version, error) {
-	vs, err := ListVersions(ctx, db, projection)
+func liveVersion(ctx context.Context, db progress.DB, projection string) (*version.Version, error) {
+	vs, err := version.ListVersions(ctx, db, projection)
 	if err != nil {
 		return nil, err
 	}
 	for _, v := range vs {
-		if v.State == StateLive {
+		if v.State == version.StateLive {
 			return &v, nil
 		}
 	}
@@ -211,7 +212,7 @@ func WaitComplete(ctx context.Context, db progress.DB, projection string, lsn ev
 		if err == nil {
 			last = nil
 			for i := range rs {
-				if rs[i].State == StateLive {
+				if rs[i].State == version.StateLive {
 					last = &rs[i]
 				}
 			}
@@ -268,7 +269,7 @@ func (s *Service) recordLag(ctx context.Context, st *Status) error {
 	var lags []int64
 	var oldest []*time.Time
 	for _, v := range st.Versions {
-		if v.State == StateRetired {
+		if v.State == version.StateRetired {
 			continue
 		}
 		for _, p := range v.Partitions {

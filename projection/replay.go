@@ -15,6 +15,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -77,7 +78,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 	if e.Projection != archive.Projection {
 		return fmt.Errorf("replay: projection %q is not known to this projector", e.Projection)
 	}
-	v := Version{Projection: e.Projection, Version: e.Version}
+	v := version.Version{Projection: e.Projection, Version: e.Version}
 	err := tx.QueryRow(ctx, `SELECT schema_name FROM epitaph.projection_versions WHERE projection = $1 AND version = $2`,
 		e.Projection, e.Version).Scan(&v.Schema)
 	if err != nil {
@@ -115,7 +116,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 }
 
 // applyOne applies the event of it as a page of its own, in tx.
-func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v Version, partition int, it *item) error {
+func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v version.Version, partition int, it *item) error {
 	ev := it.ev
 	s, err := r.service(ctx, tx, ev.Source)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // batchLog records the rows of each batch the cleaner logs.
@@ -88,7 +89,7 @@ func TestRetentionCleanerPace(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	require.NoError(t, EnsureArchive(ctx, pool, 1, nil))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 1, nil))
 	log := &batchLog{}
 	busy := func() bool { return true }
 	cfg := CleanerConfig{Interval: 20 * time.Millisecond, Batch: 1000, Rate: 4000, Busy: busy, Logger: slog.New(log)}
@@ -129,8 +130,8 @@ func TestRetentionCleanerPace(t *testing.T) {
 func TestLiveBusy(t *testing.T) {
 	s, err := New(Config{TargetURL: "postgres://x", NATSURL: "nats://x", WorkerID: "w"})
 	require.NoError(t, err)
-	live := Version{Projection: "archive", Version: 1, State: StateLive}
-	s.setLive([]Version{live})
+	live := version.Version{Projection: "archive", Version: 1, State: version.StateLive}
+	s.setLive([]version.Version{live})
 	clock := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
 	s.now = func() time.Time { return clock }
 	require.False(t, s.liveBusy(), "nothing applied yet")
@@ -154,7 +155,7 @@ func TestRetentionOneCleanerPerVersion(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	require.NoError(t, EnsureArchive(ctx, pool, 1, nil))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 1, nil))
 	expireRows(t, pool, 1, 500, time.Minute)
 
 	other, err := pool.Begin(ctx)

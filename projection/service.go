@@ -22,6 +22,7 @@ import (
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -62,9 +63,9 @@ type Service struct {
 	closing    bool
 	workers    map[progress.Key]*partitionWorker
 	partitions int
-	versions   string              // fingerprint of the active versions last ensured
-	live       map[string]int      // live version per projection, as of the last balance
-	throttled  map[VersionKey]bool // versions building or catching up (RebuildShare applies)
+	versions   string                      // fingerprint of the active versions last ensured
+	live       map[string]int              // live version per projection, as of the last balance
+	throttled  map[version.VersionKey]bool // versions building or catching up (RebuildShare applies)
 	// rebuildGate bounds the pages of non-live versions applied at once
 	// (Config.RebuildShare); nil until the partition count is known.
 	rebuildGate  chan struct{}
@@ -381,18 +382,18 @@ func (s *Service) balance(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("stream %s (is the capture running?): %w", event.StreamName(s.cfg.SourceName), err)
 		}
-		n, err := StreamPartitions(stream.CachedInfo())
+		n, err := version.StreamPartitions(stream.CachedInfo())
 		if err != nil {
 			return err
 		}
 		s.partitions = n
 	}
-	vs, err := ListVersions(ctx, s.pool, archive.Projection)
+	vs, err := version.ListVersions(ctx, s.pool, archive.Projection)
 	if err != nil {
 		return err
 	}
 	if fp := fingerprint(vs); fp != s.versions || len(vs) == 0 {
-		ensured, err := ensureArchive(ctx, s.pool, s.partitions, s.extraDDL)
+		ensured, err := version.EnsureArchiveVersions(ctx, s.pool, s.partitions, s.extraDDL)
 		if err != nil {
 			return err
 		}
@@ -400,12 +401,12 @@ func (s *Service) balance(ctx context.Context) error {
 		// created since would be remembered as ensured, and its tables
 		// never made (its schema never checked) by this worker.
 		s.versions = fingerprint(ensured)
-		if vs, err = ListVersions(ctx, s.pool, archive.Projection); err != nil {
+		if vs, err = version.ListVersions(ctx, s.pool, archive.Projection); err != nil {
 			return err
 		}
 	}
 	s.setLive(vs)
-	active := map[VersionKey]bool{}
+	active := map[version.VersionKey]bool{}
 	for _, v := range vs {
 		if !v.Active() {
 			continue
@@ -419,7 +420,7 @@ func (s *Service) balance(ctx context.Context) error {
 	var gone []*partitionWorker
 	s.mu.Lock()
 	for k, w := range s.workers {
-		if !active[VersionKey{Projection: k.Projection, Version: k.Version}] {
+		if !active[version.VersionKey{Projection: k.Projection, Version: k.Version}] {
 			gone = append(gone, w)
 		}
 	}
@@ -427,7 +428,7 @@ func (s *Service) balance(ctx context.Context) error {
 	return s.stopAndRelease(ctx, gone)
 }
 
-func fingerprint(vs []Version) string {
+func fingerprint(vs []version.Version) string {
 	out := ""
 	for _, v := range vs {
 		out += fmt.Sprintf("%s/%d/%s/%s;", v.Projection, v.Version, v.State, v.Schema)
@@ -435,7 +436,7 @@ func fingerprint(vs []Version) string {
 	return out
 }
 
-func (s *Service) balanceVersion(ctx context.Context, v Version) error {
+func (s *Service) balanceVersion(ctx context.Context, v version.Version) error {
 	n := v.Partitions
 	if n == 0 {
 		n = s.partitions

@@ -13,6 +13,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -122,7 +123,7 @@ type WorkerStatus struct {
 // why.
 func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, source string, now time.Time) (*Status, error) {
 	st := &Status{Source: source, Stream: event.StreamName(source), At: now}
-	vs, err := ListVersions(ctx, db, "")
+	vs, err := version.ListVersions(ctx, db, "")
 	if err != nil {
 		return nil, err
 	}
@@ -132,9 +133,9 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	if st.Quarantine, err = quarantineStatus(ctx, db); err != nil {
 		return nil, err
 	}
-	open := map[VersionKey]int{}
+	open := map[version.VersionKey]int{}
 	for _, q := range st.Quarantine {
-		open[VersionKey{q.Projection, q.Version}] += q.Unresolved
+		open[version.VersionKey{Projection: q.Projection, Version: q.Version}] += q.Unresolved
 	}
 	stream := st.readStream(ctx, js)
 	var dbNow time.Time
@@ -144,7 +145,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	for _, v := range vs {
 		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
 			QuarantineOpen: open[v.Key()]}
-		if v.State != StateRetired {
+		if v.State != version.StateRetired {
 			if err := st.collectVersion(ctx, db, stream, v, &vst, dbNow); err != nil {
 				return nil, err
 			}
@@ -212,14 +213,14 @@ func (st *Status) readStream(ctx context.Context, js jetstream.JetStream) jetstr
 	}
 	info := stream.CachedInfo()
 	st.StreamLast = info.State.LastSeq
-	st.Partitions, _ = StreamPartitions(info)
+	st.Partitions, _ = version.StreamPartitions(info)
 	return stream
 }
 
 // collectVersion fills the status of an active version: its partitions
 // (leases, positions, lag), lifecycle, gaps and health. dbNow is the
 // database's time (leases), st.At the clock of the ages.
-func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jetstream.Stream, v Version, vst *VersionStatus, dbNow time.Time) error {
+func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jetstream.Stream, v version.Version, vst *VersionStatus, dbNow time.Time) error {
 	prs, err := progress.List(ctx, db, v.Projection, v.Version)
 	if err != nil {
 		return err
@@ -275,7 +276,7 @@ func (st *Status) addReadiness(ctx context.Context, db progress.DB) error {
 }
 
 // gapStatus fills the gaps of one version.
-func gapStatus(ctx context.Context, db progress.DB, v Version, vst *VersionStatus) error {
+func gapStatus(ctx context.Context, db progress.DB, v version.Version, vst *VersionStatus) error {
 	gs, err := listGaps(ctx, db, v.Schema, `id IN (SELECT id FROM `+archive.Ident(v.Schema, "gaps")+`
 		ORDER BY (acknowledged_at IS NULL AND kind <> 'truncate') DESC, id DESC LIMIT $1)`, 0, maxStatusGaps)
 	if err != nil {
@@ -302,7 +303,7 @@ func gapStatus(ctx context.Context, db progress.DB, v Version, vst *VersionStatu
 // partition after the cursor (its stream time is the oldest pending), and
 // the count of pending messages from the consumer (from the stream's
 // per-subject counts when there is no consumer yet).
-func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
+func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v version.Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
 	filter := event.PartitionFilter(source, r.Partition)
 	raw, err := stream.GetMsg(ctx, r.Cursor+1, jetstream.WithGetMsgSubject(filter))
 	if errors.Is(err, jetstream.ErrMsgNotFound) {

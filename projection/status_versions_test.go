@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // Events/s come from two samples; the ETA is what is left to the
@@ -17,20 +18,20 @@ func TestFillRates(t *testing.T) {
 		return &projection.Status{At: at, Versions: []projection.VersionStatus{{Projection: "archive", Version: 2, State: state,
 			LagEvents: lag, Lifecycle: &projection.VersionLifecycle{EventsDone: done, EventsToBoundary: toBoundary, ETASeconds: -1}}}}
 	}
-	first := sample(at, projection.StateBuilding, 1000, 10000, 9000)
-	second := sample(at.Add(2*time.Second), projection.StateBuilding, 3000, 10000, 7000)
+	first := sample(at, version.StateBuilding, 1000, 10000, 9000)
+	second := sample(at.Add(2*time.Second), version.StateBuilding, 3000, 10000, 7000)
 	second.FillRates(first)
 	lc := second.Versions[0].Lifecycle
 	require.InDelta(t, 1000, lc.EventsPerSecond, 0.001)
 	require.Equal(t, 7.0, lc.ETASeconds)
 
-	third := sample(at.Add(4*time.Second), projection.StateCatchingUp, 11000, 10000, 50)
+	third := sample(at.Add(4*time.Second), version.StateCatchingUp, 11000, 10000, 50)
 	third.FillRates(second)
 	lc = third.Versions[0].Lifecycle
 	require.InDelta(t, 4000, lc.EventsPerSecond, 0.001)
 	require.Equal(t, 0.0, lc.ETASeconds)
 
-	none := sample(at.Add(6*time.Second), projection.StateCatchingUp, 11000, 10000, 50)
+	none := sample(at.Add(6*time.Second), version.StateCatchingUp, 11000, 10000, 50)
 	none.FillRates(nil)
 	require.Equal(t, -1.0, none.Versions[0].Lifecycle.ETASeconds, "one sample: unknown")
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -621,7 +622,7 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
-		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: PositionLSN(b.ev)})
+		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev)})
 		pv.w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
 			"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
 	} else if st.PartSeq > 0 {
@@ -918,7 +919,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 
 // applyVerdict writes the verdict's decisions that concern earlier pages
 // and the gaps, in the page's transaction.
-func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l progress.Lease, vd *verdict) error {
+func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version, l progress.Lease, vd *verdict) error {
 	if vd == nil {
 		return nil
 	}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // What a reader of the live version is told (the read API's
@@ -37,7 +38,7 @@ func ViewState(ctx context.Context, db progress.DB, projection string) (string, 
 	}
 	var live *Readiness
 	for i := range rs {
-		if rs[i].State == StateLive {
+		if rs[i].State == version.StateLive {
 			live = &rs[i]
 		}
 	}

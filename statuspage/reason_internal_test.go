@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // The reason a page shows is a class, never the error's text (which names
@@ -50,7 +51,7 @@ func TestRatesFromPageSamples(t *testing.T) {
 	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	sample := func(d time.Duration, done uint64, rate float64) *projection.Status {
 		return &projection.Status{At: at.Add(d), Versions: []projection.VersionStatus{{Projection: "archive", Version: 2,
-			State: projection.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: done, EventsToBoundary: 1000,
+			State: version.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: done, EventsToBoundary: 1000,
 				EventsPerSecond: rate, ETASeconds: -1}}}}
 	}
 	h := Handler(nil).(*handler)
@@ -83,7 +84,7 @@ func TestStalledRebuildHasNoETA(t *testing.T) {
 	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	sample := func(d time.Duration, eta float64) *projection.Status {
 		return &projection.Status{At: at.Add(d), Versions: []projection.VersionStatus{{Projection: "archive", Version: 2,
-			State: projection.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: 100, EventsToBoundary: 1000,
+			State: version.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: 100, EventsToBoundary: 1000,
 				EventsPerSecond: 5, ETASeconds: eta, Progress: 0.1}}}}
 	}
 	h := Handler(nil).(*handler)
@@ -115,16 +116,16 @@ func TestRebuildViews(t *testing.T) {
 		pct, eta, towards  string
 		part1Pct, part1Pos int
 	}{
-		{projection.VersionStatus{State: projection.StateBuilding, Lifecycle: lc(1234, 5000, 0.2468), Partitions: parts},
+		{projection.VersionStatus{State: version.StateBuilding, Lifecycle: lc(1234, 5000, 0.2468), Partitions: parts},
 			true, "24.6%", "1m30s", "the boundary (stream seq 5000)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateCatchingUp, LagEvents: 100, Lifecycle: lc(900, 5000, 1), Partitions: parts},
+		{projection.VersionStatus{State: version.StateCatchingUp, LagEvents: 100, Lifecycle: lc(900, 5000, 1), Partitions: parts},
 			true, "90.0%", "1m30s", "the stream's last message (no lag)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateReady, Lifecycle: lc(6000, 5000, 1), Partitions: parts},
+		{projection.VersionStatus{State: version.StateReady, Lifecycle: lc(6000, 5000, 1), Partitions: parts},
 			true, "100.0%", "1m30s", "the stream's last message (no lag)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateFailed, Lifecycle: lc(10, 5000, 0.002), Partitions: parts},
+		{projection.VersionStatus{State: version.StateFailed, Lifecycle: lc(10, 5000, 0.002), Partitions: parts},
 			true, "0.2%", "never (failed)", "the boundary (stream seq 5000)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateLive, Lifecycle: lc(6000, 5000, 1)}, false, "", "", "", 0, 0},
-		{projection.VersionStatus{State: projection.StateBuilding}, false, "", "", "", 0, 0},
+		{projection.VersionStatus{State: version.StateLive, Lifecycle: lc(6000, 5000, 1)}, false, "", "", "", 0, 0},
+		{projection.VersionStatus{State: version.StateBuilding}, false, "", "", "", 0, 0},
 	} {
 		r, ok := newRebuildView(tc.v)
 		require.Equal(t, tc.ok, ok, tc.v.State)

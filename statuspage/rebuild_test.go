@@ -154,7 +154,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	}
 	poll(t, 120*time.Second, "v1 caught up", func() bool {
 		v1 := version(status(), 1)
-		return v1 != nil && v1.State == projection.StateLive && v1.LagEvents == 0 && len(v1.Partitions) == 4
+		return v1 != nil && v1.State == pversion.StateLive && v1.LagEvents == 0 && len(v1.Partitions) == 4
 	})
 
 	lock, err := pgx.Connect(ctx, target)
@@ -172,7 +172,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	done := func() uint64 {
 		v2 := version(status(), 2)
 		require.NotNil(t, v2)
-		require.Equal(t, projection.StateBuilding, v2.State, "the rebuild ended before the test looked")
+		require.Equal(t, pversion.StateBuilding, v2.State, "the rebuild ended before the test looked")
 		return v2.Lifecycle.EventsDone
 	}
 
@@ -234,7 +234,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	// To the end: caught up and ready, the bar full.
 	poll(t, 180*time.Second, "v2 ready", func() bool {
 		v := version(status(), 2)
-		return v != nil && v.State == projection.StateReady
+		return v != nil && v.State == pversion.StateReady
 	})
 	dom = browse(t, bin, pageURL, "--dump-dom")
 	require.Contains(t, dom, `data-testid="rebuild" data-version="2" data-state="ready"`)

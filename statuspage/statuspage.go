@@ -50,6 +50,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -315,7 +316,7 @@ func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]s
 	var rows []snapshotRow
 	note := ""
 	for _, v := range st.Versions {
-		if v.Projection != archive.Projection || v.State == projection.StateRetired || v.Schema == "" {
+		if v.Projection != archive.Projection || v.State == version.StateRetired || v.Schema == "" {
 			continue
 		}
 		s, err := snapshot.GetStats(ctx, h.o.snapshots, v.Schema)

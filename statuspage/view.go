@@ -13,6 +13,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -214,7 +215,7 @@ func (p *page) fill(st *projection.Status) {
 	for _, v := range st.Versions {
 		vv := versionView{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.Health, Schema: v.Schema,
 			LagEvents: v.LagEvents, OldestPending: age(v.OldestPendingAgeSeconds), QuarantineOpen: v.QuarantineOpen,
-			Retired: v.State == projection.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
+			Retired: v.State == version.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
 			CompleteUpTo: v.CompleteUpToLSN}
 		if vv.CompleteUpTo == "" {
 			vv.CompleteUpTo = "–"
@@ -272,8 +273,8 @@ func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
 	switch {
 	case lc == nil:
 		return rebuildView{}, false
-	case v.State == projection.StateBuilding, v.State == projection.StateCatchingUp, v.State == projection.StateReady:
-	case v.State == projection.StateFailed && lc.BoundarySeq > 0:
+	case v.State == version.StateBuilding, v.State == version.StateCatchingUp, v.State == version.StateReady:
+	case v.State == version.StateFailed && lc.BoundarySeq > 0:
 	default:
 		return rebuildView{}, false
 	}
@@ -282,9 +283,9 @@ func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
 		AtBoundary: lc.PartitionsAtBoundary, Partitions: len(v.Partitions), BoundarySeq: lc.BoundarySeq, FailedReason: lc.FailedReason}
 	frac := lc.Progress
 	switch v.State {
-	case projection.StateBuilding, projection.StateFailed:
+	case version.StateBuilding, version.StateFailed:
 		r.Target, r.Total = fmt.Sprintf("the boundary (stream seq %d)", lc.BoundarySeq), lc.EventsToBoundary
-		if v.State == projection.StateFailed {
+		if v.State == version.StateFailed {
 			r.ETA = "never (failed)"
 		}
 	default: // caught up to the stream's end: done of done + lag

@@ -37,7 +37,7 @@ func writeStatusTable(w io.Writer, st *projection.Status) error {
 			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
 	}
 	for _, v := range st.Versions {
-		if v.State == projection.StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
+		if v.State == version.StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
 			fmt.Fprintf(tw, "\n%s v%d is not ready: %s\n", v.Projection, v.Version, strings.Join(v.NotReadyReasons, "; "))
 		}
 	}
@@ -162,7 +162,7 @@ func writeGaps(w io.Writer, vgs []projection.VersionGaps) error {
 func writeLifecycle(w io.Writer, st *projection.Status) {
 	for _, v := range st.Versions {
 		lc := v.Lifecycle
-		if lc == nil || v.State == projection.StateRetired {
+		if lc == nil || v.State == version.StateRetired {
 			continue
 		}
 		fmt.Fprintf(w, "\n%s v%d %s: boundary seq %d (lsn %s)", v.Projection, v.Version, v.State, lc.BoundarySeq, orDash(lc.BoundaryLSN))
@@ -185,13 +185,13 @@ func writeLifecycle(w io.Writer, st *projection.Status) {
 		if lc.FailedReason != "" {
 			fmt.Fprintf(w, "  failed: %s\n", lc.FailedReason)
 		}
-		if lc.BoundarySeq == 0 && v.State == projection.StateLive {
+		if lc.BoundarySeq == 0 && v.State == version.StateLive {
 			continue // the first version: nothing was rebuilt
 		}
 		fmt.Fprintf(w, "  %s  %d/%d events  %.0f events/s  ETA %s  partitions at boundary %d/%d\n",
 			bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary, lc.EventsPerSecond, eta(lc.ETASeconds),
 			lc.PartitionsAtBoundary, len(v.Partitions))
-		if v.State == projection.StateLive {
+		if v.State == version.StateLive {
 			continue
 		}
 		fmt.Fprintln(w, "  PARTITION\tCURSOR\tNEXT\tBOUNDARY\tREACHED")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func init() { register(statusCommand) }
@@ -87,11 +88,11 @@ func statusCheck(st *projection.Status) error {
 	var bad []string
 	live := 0
 	for _, v := range st.Versions {
-		if v.State != projection.StateLive {
+		if v.State != version.StateLive {
 			continue
 		}
 		live++
-		if v.Health != projection.StateLive {
+		if v.Health != version.StateLive {
 			bad = append(bad, fmt.Sprintf("%s v%d is %s", v.Projection, v.Version, v.Health))
 		}
 	}

@@ -143,7 +143,7 @@ func isTerminal(w io.Writer) bool { return cli.IsTerminal(w) }
 // waitReady follows a version until it is ready (or live): a progress bar
 // redrawn in place on a terminal, a line every few seconds otherwise. When
 // every partition reaches the boundary it prints the rebuild rate.
-func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, v projection.Version, w io.Writer) error {
+func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, v version.Version, w io.Writer) error {
 	tty := isTerminal(w)
 	var prev *projection.Status
 	var firstDone time.Time
@@ -167,7 +167,7 @@ func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, 
 			}
 		}
 		if vs == nil || vs.Lifecycle == nil {
-			return fmt.Errorf("%s v%d: %w", v.Projection, v.Version, projection.ErrNoVersion)
+			return fmt.Errorf("%s v%d: %w", v.Projection, v.Version, version.ErrNoVersion)
 		}
 		lc := vs.Lifecycle
 		if firstDone.IsZero() && lc.EventsDone > 0 {
@@ -197,14 +197,14 @@ func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, 
 			fmt.Fprintln(w)
 		}
 		switch vs.State {
-		case projection.StateReady, projection.StateLive:
+		case version.StateReady, version.StateLive:
 			if tty {
 				fmt.Fprintln(w)
 			}
 			fmt.Fprintf(w, "%s v%d is %s after %s; compare it with `projector compare %s <live> %d`, then `projector promote %s %d`\n",
 				v.Projection, v.Version, vs.State, time.Since(start).Round(time.Second), v.Projection, v.Version, v.Projection, v.Version)
 			return nil
-		case projection.StateFailed, projection.StateRetired:
+		case version.StateFailed, version.StateRetired:
 			if tty {
 				fmt.Fprintln(w)
 			}
@@ -337,12 +337,12 @@ live version stays ready and keeps consuming, so rollback is instant.`,
 			out = env.Stderr
 		}
 		if !*force {
-			vs, err := projection.ListVersions(ctx, pool, pos[0])
+			vs, err := version.ListVersions(ctx, pool, pos[0])
 			if err != nil {
 				return err
 			}
 			for _, v := range vs {
-				if v.State != projection.StateLive || v.Version == n {
+				if v.State != version.StateLive || v.Version == n {
 					continue
 				}
 				cmp, err := version.Compare(ctx, pool, version.CompareOptions{Projection: pos[0], A: v.Version, B: n,
@@ -467,7 +467,7 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 			return err
 		}
 		if *asJSON {
-			return writeJSON(env.Stdout, map[string]any{"projection": pos[0], "version": n, "state": projection.StateRetired, "dropped": *drop})
+			return writeJSON(env.Stdout, map[string]any{"projection": pos[0], "version": n, "state": version.StateRetired, "dropped": *drop})
 		}
 		what := "its consumers and progress rows deleted; schema kept"
 		if *drop {
@@ -554,7 +554,7 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, source string, first *projection.Status, d time.Duration) (*projection.Status, error) {
 	busy := false
 	for _, v := range first.Versions {
-		busy = busy || v.State == projection.StateBuilding || v.State == projection.StateCatchingUp
+		busy = busy || v.State == version.StateBuilding || v.State == version.StateCatchingUp
 	}
 	if !busy || d <= 0 || js == nil {
 		return first, nil
@@ -575,13 +575,13 @@ func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, 
 // followVersions waits, one after the other, for every version that is
 // building or catching up to become ready (`projector status --wait`).
 func followVersions(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, w io.Writer) error {
-	vs, err := projection.ListVersions(ctx, pool, "")
+	vs, err := version.ListVersions(ctx, pool, "")
 	if err != nil {
 		return err
 	}
 	followed := 0
 	for _, v := range vs {
-		if v.State != projection.StateBuilding && v.State != projection.StateCatchingUp {
+		if v.State != version.StateBuilding && v.State != version.StateCatchingUp {
 			continue
 		}
 		followed++

@@ -52,6 +52,7 @@ import (
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 const (
@@ -411,7 +412,7 @@ func prefill(ctx context.Context, url string, rows int, expired bool) error {
 	if err := migrations.Apply(ctx, pool); err != nil {
 		return err
 	}
-	if err := projection.EnsureArchive(ctx, pool, partitions, snapshot.DDL); err != nil {
+	if err := version.EnsureArchive(ctx, pool, partitions, snapshot.DDL); err != nil {
 		return err
 	}
 	expiry := "now() + interval '100 years'"

@@ -1,4 +1,4 @@
-package projection
+package version
 
 import (
 	"context"
@@ -149,15 +149,15 @@ func LockVersions(ctx context.Context, tx pgx.Tx) error {
 func EnsureArchive(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) error {
-	_, err := ensureArchive(ctx, db, partitions, extraDDL)
+	_, err := EnsureArchiveVersions(ctx, db, partitions, extraDDL)
 	return err
 }
 
-// ensureArchive is EnsureArchive, returning the versions it processed, with
+// EnsureArchiveVersions is EnsureArchive, returning the versions it processed, with
 // the states it gave them. A caller that remembers which versions it has
 // ensured must remember these, not a list read after the commit: a version
 // inserted in between would be remembered without having been ensured.
-func ensureArchive(ctx context.Context, db interface {
+func EnsureArchiveVersions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) ([]Version, error) {
 	var ensured []Version
