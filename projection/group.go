@@ -19,15 +19,6 @@ func resolveGroup(ctx context.Context, db progress.DB, group string) (string, er
 	return version.DefaultGroup(ctx, db)
 }
 
-// unitConsumer is the consumer a progress row's unit is read through: the
-// one recorded on the row, else the group's name for it.
-func unitConsumer(r progress.Row, group string) string {
-	if r.Consumer != "" {
-		return r.Consumer
-	}
-	return r.GroupConsumerName(group)
-}
-
 // deleteConsumers deletes the named consumers of a stream, those already
 // gone ignored.
 func deleteConsumers(ctx context.Context, stream jetstream.Stream, names ...string) error {

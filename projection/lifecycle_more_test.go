@@ -10,8 +10,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -194,7 +194,7 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 	require.ErrorIs(t, err, version.ErrNotReady)
 	require.ErrorContains(t, err, "1 unacknowledged gaps")
 
-	vg, err := projection.ListGaps(ctx, s.Pool(), archive.Projection)
+	vg, err := status.ListGaps(ctx, s.Pool(), archive.Projection)
 	require.NoError(t, err)
 	var id int64
 	for _, g := range vg {
@@ -203,7 +203,7 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 			id = g.Gaps[0].ID
 		}
 	}
-	_, err = projection.AckGap(ctx, pool, archive.Projection, v.Version, id, "history before the purge is gone on purpose")
+	_, err = status.AckGap(ctx, pool, archive.Projection, v.Version, id, "history before the purge is gone on purpose")
 	require.NoError(t, err)
 	_, err = version.Promote(ctx, pool, archive.Projection, v.Version, false)
 	require.NoError(t, err)

@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -318,14 +319,14 @@ func TestWaitLSN(t *testing.T) {
 	current := e.heartbeat() // "pg_current_wal_lsn()" after the delete, fanned to every partition
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	at, err := projection.WaitLSN(wctx, pool, archive.Projection, current, 0)
+	at, err := status.WaitLSN(wctx, pool, archive.Projection, current, 0)
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, at, current)
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.rows WHERE key = '{"id":42}'`))
 
 	short, cancel2 := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel2()
-	_, err = projection.WaitLSN(short, pool, archive.Projection, current+0x100000, 0)
+	_, err = status.WaitLSN(short, pool, archive.Projection, current+0x100000, 0)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -198,8 +199,8 @@ func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v vers
 	var lag uint64
 	var age float64
 	for _, r := range prs {
-		var ps PartitionStatus
-		if err := partitionLag(ctx, stream, s.cfg.SourceName, v, r, &ps, s.now()); err != nil {
+		var ps status.PartitionStatus
+		if err := status.PartitionLag(ctx, stream, s.cfg.SourceName, v, r, &ps, s.now()); err != nil {
 			return v.State, err
 		}
 		lag += ps.LagEvents

@@ -7,6 +7,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -75,7 +76,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 }
 
 // publish sets the gauges from a status document.
-func (m *metrics) publish(st *Status) {
+func (m *metrics) publish(st *status.Status) {
 	m.lagEvents.Reset()
 	m.lagSeconds.Reset()
 	m.partitionOldest.Reset()

@@ -96,7 +96,7 @@ type partitionWorker struct {
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
 	legacy  uint64    // the partition's legacy boundary (trust.go)
-	// recorded is the consumer named on the progress row (group.go).
+	// recorded is the consumer named on the progress row (version.UnitConsumer).
 	recorded string
 	// stalled counts idle rounds in a row in which the consumer had
 	// messages pending but delivered none; at maxStalled the consumer is
@@ -429,7 +429,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 // ensureConsumer keeps the durable consumer if it stands exactly at the
 // cursor with nothing in flight, else deletes and recreates it to start at
 // cursor+1: the Postgres cursor is the truth. The consumer is the group's
-// (group.go); once it stands at the cursor, the one used before (the name
+// (version.UnitConsumer); once it stands at the cursor, the one used before (the name
 // from before consumer groups, or another group's recorded on the row) is
 // deleted.
 func (w *partitionWorker) ensureConsumer(ctx context.Context) error {

@@ -22,6 +22,7 @@ import (
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -70,7 +71,7 @@ type Service struct {
 	// (Config.RebuildShare); nil until the partition count is known.
 	rebuildGate  chan struct{}
 	lastLivePage time.Time // when a page of a live version was last admitted
-	lastStatus   *Status
+	lastStatus   *status.Status
 
 	ss     startstop.Base
 	runCtx context.Context       // the hard-stop context partition workers run on
@@ -534,8 +535,8 @@ func (s *Service) Owned() []progress.Key {
 }
 
 // Status collects the status document now.
-func (s *Service) Status(ctx context.Context) (*Status, error) {
-	st, err := CollectStatus(ctx, s.pool, s.js, s.cfg.SourceName, s.now())
+func (s *Service) Status(ctx context.Context) (*status.Status, error) {
+	st, err := status.CollectStatus(ctx, s.pool, s.js, s.cfg.SourceName, s.now())
 	if err != nil {
 		return nil, err
 	}

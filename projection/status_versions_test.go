@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -14,9 +14,9 @@ import (
 // boundary while building, the lag after.
 func TestFillRates(t *testing.T) {
 	at := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
-	sample := func(at time.Time, state string, done, toBoundary, lag uint64) *projection.Status {
-		return &projection.Status{At: at, Versions: []projection.VersionStatus{{Projection: "archive", Version: 2, State: state,
-			LagEvents: lag, Lifecycle: &projection.VersionLifecycle{EventsDone: done, EventsToBoundary: toBoundary, ETASeconds: -1}}}}
+	sample := func(at time.Time, state string, done, toBoundary, lag uint64) *status.Status {
+		return &status.Status{At: at, Versions: []status.VersionStatus{{Projection: "archive", Version: 2, State: state,
+			LagEvents: lag, Lifecycle: &status.VersionLifecycle{EventsDone: done, EventsToBoundary: toBoundary, ETASeconds: -1}}}}
 	}
 	first := sample(at, version.StateBuilding, 1000, 10000, 9000)
 	second := sample(at.Add(2*time.Second), version.StateBuilding, 3000, 10000, 7000)

@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 // signed returns tx's messages signed by s (in publish order), unpublished.
@@ -409,15 +410,15 @@ func removal(t *testing.T, limits func(*jetstream.StreamConfig), remove func(e *
 	last := streamLast(t, e)
 	require.Equal(t, []gap{{partition: 1, fromSeq: 4, toSeq: int64(last - 3), toLSN: ptr(tx4.lsn.String())}}, gaps(t, c, 1))
 	// Readers are told: not ready, and waiting for tx4 cannot succeed.
-	rs, err := projection.ReadReadiness(ctx, c, archive.Projection)
+	rs, err := status.ReadReadiness(ctx, c, archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, rs, 1)
 	require.False(t, rs[0].Ready)
 	require.GreaterOrEqual(t, rs[0].GapsUnacknowledged, 1)
 	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
 	defer wcancel()
-	_, err = projection.WaitComplete(wctx, c, archive.Projection, tx4.lsn, 0)
-	var incomplete *projection.IncompleteError
+	_, err = status.WaitComplete(wctx, c, archive.Projection, tx4.lsn, 0)
+	var incomplete *status.IncompleteError
 	require.ErrorAs(t, err, &incomplete, "wait --lsn exits 3")
 	require.Equal(t, expected(t, c, tx1, tx4), archived(t, c, "(SELECT * FROM archive.rows WHERE commit_lsn IN ('"+tx1.lsn.String()+"', '"+tx2.lsn.String()+"', '"+tx3.lsn.String()+"', '"+tx4.lsn.String()+"')) r"))
 	for _, q := range quarantined(t, c) {

@@ -21,8 +21,8 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/quarantine"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -75,8 +75,8 @@ func quarantineSetup(t *testing.T) (pool *pgxpool.Pool, srv *httptest.Server, id
 		return err
 	}
 	actions := statuspage.QuarantineActions(pool, apply)
-	collect := func(ctx context.Context) (*projection.Status, error) {
-		return projection.CollectStatus(ctx, pool, nil, source, time.Now())
+	collect := func(ctx context.Context) (*status.Status, error) {
+		return status.CollectStatus(ctx, pool, nil, source, time.Now())
 	}
 	mux := http.NewServeMux()
 	mux.Handle("GET /{$}", statuspage.Handler(collect, statuspage.WithQuarantineEntries(pool, 0),

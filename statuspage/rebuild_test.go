@@ -23,6 +23,7 @@ import (
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	pversion "github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -95,7 +96,7 @@ func startWorker(t *testing.T, target, natsURL string, batch int) (*projection.S
 }
 
 // version returns the status of one archive version (nil if absent).
-func version(st *projection.Status, v int) *projection.VersionStatus {
+func version(st *status.Status, v int) *status.VersionStatus {
 	for i := range st.Versions {
 		if st.Versions[i].Projection == archive.Projection && st.Versions[i].Version == v {
 			return &st.Versions[i]
@@ -147,7 +148,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	publishDeletes(t, js, 4, txs)
 	target := testenv.NewDatabase(t)
 	svc, pageURL := startWorker(t, target, n.URL, 2)
-	status := func() *projection.Status {
+	status := func() *status.Status {
 		st, err := svc.Status(ctx)
 		require.NoError(t, err)
 		return st

@@ -10,9 +10,9 @@ import (
 	"time"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -208,7 +208,7 @@ type snapshotRow struct {
 	Oldest      string
 }
 
-func (p *page) fill(st *projection.Status) {
+func (p *page) fill(st *status.Status) {
 	p.Source, p.Stream, p.StreamLast, p.Partitions = st.Source, st.Stream, st.StreamLast, st.Partitions
 	p.Worker, p.StreamError = st.Worker, st.StreamError
 	p.At = st.At.UTC().Format("2006-01-02 15:04:05 UTC")
@@ -268,7 +268,7 @@ func (p *page) fill(st *projection.Status) {
 
 // newRebuildView is the progress of a version being built, caught up or
 // ready to promote; ok is false for the others.
-func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
+func newRebuildView(v status.VersionStatus) (rebuildView, bool) {
 	lc := v.Lifecycle
 	switch {
 	case lc == nil:
@@ -384,7 +384,7 @@ func newCaptureView(cs *captureStatus) captureView {
 	return v
 }
 
-func newSnapshotRow(v projection.VersionStatus, s snapshot.Stats) snapshotRow {
+func newSnapshotRow(v status.VersionStatus, s snapshot.Stats) snapshotRow {
 	total := float64(s.Pending + s.Complete + s.Failed)
 	r := snapshotRow{Schema: v.Schema, Version: v.Version, Pending: s.Pending, Complete: s.Complete, Failed: s.Failed,
 		PendingPct: pct(float64(s.Pending), total), FailedPct: pct(float64(s.Failed), total),

@@ -7,8 +7,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 func init() { register(gapsCommand) }
@@ -35,7 +35,7 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 			return err
 		}
 		defer pool.Close()
-		vgs, err := projection.ListGaps(ctx, pool, *proj)
+		vgs, err := status.ListGaps(ctx, pool, *proj)
 		if err != nil {
 			return err
 		}
@@ -78,7 +78,7 @@ func gapsAckCommand(env *Env) *cobra.Command {
 			return err
 		}
 		defer pool.Close()
-		g, err := projection.AckGap(ctx, pool, *proj, *version, id, *reason)
+		g, err := status.AckGap(ctx, pool, *proj, *version, id, *reason)
 		if err != nil {
 			return err
 		}

@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -18,7 +18,7 @@ import (
 // comparison tables. The documents themselves (JSON) are the packages'.
 
 // writeStatusTable prints the status (`projector status`) as aligned text tables for people.
-func writeStatusTable(w io.Writer, st *projection.Status) error {
+func writeStatusTable(w io.Writer, st *status.Status) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "source %s\tstream %s\tlast seq %d\tpartitions %d\n", st.Source, st.Stream, st.StreamLast, st.Partitions)
 	if st.StreamError != "" {
@@ -138,7 +138,7 @@ func writeGapRow(w io.Writer, g archive.Gap) {
 }
 
 // writeGaps prints the gaps of versions as text tables (`projector gaps`).
-func writeGaps(w io.Writer, vgs []projection.VersionGaps) error {
+func writeGaps(w io.Writer, vgs []status.VersionGaps) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	for i, vg := range vgs {
 		if i > 0 {
@@ -159,7 +159,7 @@ func writeGaps(w io.Writer, vgs []projection.VersionGaps) error {
 // writeLifecycle prints the lifecycle of every version that is not simply
 // live: boundary, state times, progress, rate, ETA and per-partition
 // positions against the boundary.
-func writeLifecycle(w io.Writer, st *projection.Status) {
+func writeLifecycle(w io.Writer, st *status.Status) {
 	for _, v := range st.Versions {
 		lc := v.Lifecycle
 		if lc == nil || v.State == version.StateRetired {

@@ -16,6 +16,7 @@ import (
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/readapi"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -171,7 +172,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
 		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
-	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), archive.Projection))
+	srv.Handle("GET /wait", status.WaitHandler(svc.Pool(), archive.Projection))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()

@@ -17,8 +17,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -145,7 +145,7 @@ func isTerminal(w io.Writer) bool { return cli.IsTerminal(w) }
 // every partition reaches the boundary it prints the rebuild rate.
 func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, v version.Version, w io.Writer) error {
 	tty := isTerminal(w)
-	var prev *projection.Status
+	var prev *status.Status
 	var firstDone time.Time
 	var firstEvents uint64
 	start := time.Now()
@@ -154,13 +154,13 @@ func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, 
 	t := time.NewTicker(500 * time.Millisecond)
 	defer t.Stop()
 	for {
-		st, err := projection.CollectStatus(ctx, pool, js, source, time.Now())
+		st, err := status.CollectStatus(ctx, pool, js, source, time.Now())
 		if err != nil {
 			return err
 		}
 		st.FillRates(prev)
 		prev = st
-		var vs *projection.VersionStatus
+		var vs *status.VersionStatus
 		for i := range st.Versions {
 			if st.Versions[i].Projection == v.Projection && st.Versions[i].Version == v.Version {
 				vs = &st.Versions[i]
@@ -529,9 +529,9 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 		defer pool.Close()
 		wctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		r, err := projection.WaitComplete(wctx, pool, *proj, lsn, 0)
-		var ie *projection.IncompleteError
-		var te *projection.TimeoutError
+		r, err := status.WaitComplete(wctx, pool, *proj, lsn, 0)
+		var ie *status.IncompleteError
+		var te *status.TimeoutError
 		switch {
 		case errors.As(err, &ie):
 			return cli.WithCode(cli.ExitNotEqual, err)
@@ -551,7 +551,7 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 
 // sampleRates takes a second status sample after d when a version is
 // being built or caught up, so events/s and the ETA can be shown.
-func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, source string, first *projection.Status, d time.Duration) (*projection.Status, error) {
+func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, source string, first *status.Status, d time.Duration) (*status.Status, error) {
 	busy := false
 	for _, v := range first.Versions {
 		busy = busy || v.State == version.StateBuilding || v.State == version.StateCatchingUp
@@ -564,7 +564,7 @@ func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, 
 		return nil, ctx.Err()
 	case <-time.After(d):
 	}
-	st, err := projection.CollectStatus(ctx, db, js, source, time.Now())
+	st, err := status.CollectStatus(ctx, db, js, source, time.Now())
 	if err != nil {
 		return nil, err
 	}

@@ -39,3 +39,12 @@ func DefaultGroup(ctx context.Context, db progress.DB) (string, error) {
 	sum := sha256.Sum256([]byte(id))
 	return hex.EncodeToString(sum[:])[:8], nil
 }
+
+// UnitConsumer is the consumer a progress row's unit is read through: the
+// one recorded on the row, else the group's name for it.
+func UnitConsumer(r progress.Row, group string) string {
+	if r.Consumer != "" {
+		return r.Consumer
+	}
+	return r.GroupConsumerName(group)
+}

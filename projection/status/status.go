@@ -1,4 +1,4 @@
-package projection
+package status
 
 import (
 	"context"
@@ -49,9 +49,9 @@ type VersionStatus struct {
 	OldestPendingAgeSeconds float64           `json:"oldest_pending_age_seconds"`
 	QuarantineOpen          int               `json:"quarantine_open"`
 	Partitions              []PartitionStatus `json:"partitions"`
-	// Lifecycle: boundary, transitions, rebuild progress (status_versions.go).
+	// Lifecycle: boundary, transitions, rebuild progress (VersionLifecycle).
 	Lifecycle *VersionLifecycle `json:"lifecycle,omitempty"`
-	// Readiness as archive.status says it (readiness.go): ready, why not,
+	// Readiness as archive.status says it (Readiness): ready, why not,
 	// and how far into the source the version is complete.
 	Ready            bool       `json:"ready"`
 	NotReadyReasons  []string   `json:"not_ready_reasons,omitempty"`
@@ -237,7 +237,7 @@ func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jet
 			unavailable = true
 		}
 		if stream != nil {
-			if err := partitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
+			if err := PartitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
 				st.StreamError = err.Error()
 			}
 		}
@@ -299,11 +299,11 @@ func gapStatus(ctx context.Context, db progress.DB, v version.Version, vst *Vers
 	return nil
 }
 
-// partitionLag fills the lag of one partition: the first message of the
+// PartitionLag fills the lag of one partition: the first message of the
 // partition after the cursor (its stream time is the oldest pending), and
 // the count of pending messages from the consumer (from the stream's
 // per-subject counts when there is no consumer yet).
-func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v version.Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
+func PartitionLag(ctx context.Context, stream jetstream.Stream, source string, v version.Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
 	filter := event.PartitionFilter(source, r.Partition)
 	raw, err := stream.GetMsg(ctx, r.Cursor+1, jetstream.WithGetMsgSubject(filter))
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -317,7 +317,7 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	ps.OldestPendingAt = &t
 	ps.OldestPendingAgeSeconds = max(0, now.Sub(t).Seconds())
 	ps.LagSeconds = ps.OldestPendingAgeSeconds
-	c, err := stream.Consumer(ctx, unitConsumer(r, ""))
+	c, err := stream.Consumer(ctx, version.UnitConsumer(r, ""))
 	if err == nil {
 		// The consumer trails the cursor by at most the page in flight:
 		// what it has not had acknowledged is the lag.
