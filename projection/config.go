@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -151,7 +152,7 @@ func (c *Config) setDefaults() {
 		c.RebuildShare = 0.5
 	}
 	if c.CleanupRate == 0 {
-		c.CleanupRate = DefaultCleanupRate
+		c.CleanupRate = retention.DefaultCleanupRate
 	}
 	if c.ReadyMaxLag == 0 {
 		c.ReadyMaxLag = 1000

@@ -448,7 +448,7 @@ func (s *Service) unfenced(ctx context.Context, tx pgx.Tx, v version.Version, ro
 		dropped += n
 	}
 	if dropped > 0 {
-		s.retention.fenced.WithLabelValues(v.Projection, fmt.Sprint(v.Version)).Add(float64(dropped))
+		s.retention.Fenced.WithLabelValues(v.Projection, fmt.Sprint(v.Version)).Add(float64(dropped))
 		s.log.Info("erased rows not archived (erasure fence)", "version", v.Version, "rows", dropped)
 	}
 	return keep, epoch, nil

@@ -18,6 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -102,7 +103,7 @@ func TestRetentionCleanup(t *testing.T) {
 	deliveriesOf := func(tx *txn, seq int) int {
 		return count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE commit_lsn = $1::pg_lsn AND seq = $2`, tx.lsn.String(), seq)
 	}
-	res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: 100})
+	res, err := retention.CleanupBatch(ctx, pool, retention.CleanupOptions{Batch: 100})
 	require.NoError(t, err)
 	require.Equal(t, 3, res.Deleted)
 	require.Equal(t, map[string]int{"public.sessions": 3}, res.ByTable)
@@ -138,7 +139,7 @@ func TestRetentionCleanup(t *testing.T) {
 		UPDATE archive_v2.rows SET expires_at = now() + interval '1 day';
 		INSERT INTO epitaph.projection_versions (projection, version, state, schema_name) VALUES ('archive', 2, 'retired', 'archive_v2')`)
 	require.NoError(t, err)
-	res, err = projection.CleanupBatch(ctx, pool, projection.CleanupOptions{})
+	res, err = retention.CleanupBatch(ctx, pool, retention.CleanupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Deleted)
 	require.Equal(t, map[string]int{"archive_v1": 2}, res.ByVersion)
@@ -146,7 +147,7 @@ func TestRetentionCleanup(t *testing.T) {
 	require.Equal(t, 1, deliveriesOf(t1, 2))
 	_, err = c.Exec(ctx, `UPDATE archive_v2.rows SET expires_at = now() - interval '1 second'`)
 	require.NoError(t, err)
-	res, err = projection.CleanupBatch(ctx, pool, projection.CleanupOptions{})
+	res, err = retention.CleanupBatch(ctx, pool, retention.CleanupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, map[string]int{"archive_v2": 2}, res.ByVersion)
 	require.Equal(t, 1, res.Deliveries, "the last version's copy is gone: so is the delivery")
@@ -179,7 +180,7 @@ func TestRetentionBatchBound(t *testing.T) {
 	const bound = 30000
 	batches := 0
 	for {
-		res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: bound})
+		res, err := retention.CleanupBatch(ctx, pool, retention.CleanupOptions{Batch: bound})
 		require.NoError(t, err)
 		require.LessOrEqual(t, res.Deleted, bound)
 		require.Equal(t, 1, res.Statements)

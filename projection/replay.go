@@ -15,6 +15,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -53,7 +54,7 @@ type ReplayConfig struct {
 // replay's transaction is not written to.
 func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 	r := &replayer{cfg: cfg, dec: cfg.Decoder, objects: newObjectReader(cfg.JetStream),
-		retention: newRetentionMetrics(prometheus.NewRegistry()), log: cfg.Logger}
+		retention: retention.NewMetrics(prometheus.NewRegistry()), log: cfg.Logger}
 	if r.dec == nil {
 		r.dec = &event.Decoder{}
 	}
@@ -69,7 +70,7 @@ type replayer struct {
 	cfg       ReplayConfig
 	dec       *event.Decoder
 	objects   *objectReader
-	retention *retentionMetrics
+	retention *retention.Metrics
 	log       *slog.Logger
 	extraDDL  func(schema string) string
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 )
 
 // Retention and erasure (issue 17): cleanup, hold, erase, erasures.
@@ -46,7 +47,7 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 	var batch int
 	var timeout time.Duration
 	f := cli.Local(cmd)
-	f.Int(&batch, "batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "most rows deleted", cli.Min(1), cli.Max(projection.MaxCleanupBatch))
+	f.Int(&batch, "batch", "EPITAPH_CLEANUP_BATCH", retention.DefaultCleanupBatch, "most rows deleted", cli.Min(1), cli.Max(retention.MaxCleanupBatch))
 	f.Duration(&timeout, "timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "statement timeout", cli.Positive())
 	asJSON := jsonFlag(cmd, "what the batch deleted (counts, never values)")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
@@ -55,7 +56,7 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 			if err := migrations.Apply(ctx, pool); err != nil {
 				return err
 			}
-			res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: batch, StatementTimeout: timeout})
+			res, err := retention.CleanupBatch(ctx, pool, retention.CleanupOptions{Batch: batch, StatementTimeout: timeout})
 			if err != nil {
 				return err
 			}

@@ -1,4 +1,4 @@
-package projection
+package retention
 
 import (
 	"context"
@@ -61,7 +61,7 @@ func expireRows(t *testing.T, pool *pgxpool.Pool, from, n int, ago time.Duration
 func runCleaner(t *testing.T, pool *pgxpool.Pool, cfg CleanerConfig, behindSince time.Time, limit time.Duration) time.Duration {
 	t.Helper()
 	ctx := context.Background()
-	c := newCleaner(pool, cfg, newRetentionMetrics(prometheus.NewRegistry()))
+	c := NewCleaner(pool, cfg, NewMetrics(prometheus.NewRegistry()))
 	c.behindSince = behindSince
 	start := time.Now()
 	require.NoError(t, c.Start(ctx))
@@ -123,25 +123,6 @@ func TestRetentionCleanerPace(t *testing.T) {
 	expireRows(t, pool, 1, 12000, time.Minute)
 	runCleaner(t, pool, cfg, time.Time{}, 60*time.Second)
 	require.NotEmpty(t, log.take())
-}
-
-// liveBusy follows the live version's pages: busy for a second after one
-// was admitted.
-func TestLiveBusy(t *testing.T) {
-	s, err := New(Config{TargetURL: "postgres://x", NATSURL: "nats://x", WorkerID: "w"})
-	require.NoError(t, err)
-	live := version.Version{Projection: "archive", Version: 1, State: version.StateLive}
-	s.setLive([]version.Version{live})
-	clock := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
-	s.now = func() time.Time { return clock }
-	require.False(t, s.liveBusy(), "nothing applied yet")
-	release, err := s.admit(context.Background(), live)
-	require.NoError(t, err)
-	release()
-	require.True(t, s.liveBusy())
-	clock = clock.Add(liveIdle + time.Millisecond)
-	require.False(t, s.liveBusy())
-	require.Equal(t, DefaultCleanupRate, s.cfg.CleanupRate)
 }
 
 // One cleaner cleans a version at a time: a batch skips a version whose
