@@ -18,6 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/lowgc"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -73,9 +74,9 @@ func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease
 
 	careful := false
 	res, err := s.applyTx(ctx, p, careful)
-	for errors.Is(err, errCareful) || errors.Is(err, errFencesChanged) {
+	for errors.Is(err, errCareful) || errors.Is(err, erasure.ErrFencesChanged) {
 		// Something in the page is rejected: apply again, isolating it
-		// (again when hold mode holds more rows behind it: hold.go). Or
+		// (again when hold mode holds more rows behind it: holdonquarantine.go). Or
 		// an erasure was recorded meanwhile: apply again with its fence.
 		careful = careful || errors.Is(err, errCareful)
 		res, err = s.applyTx(ctx, p, careful)
@@ -291,7 +292,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	if err := s.applyVerdict(ctx, tx, p.v, p.l, p.vd); err != nil {
 		return 0, err
 	}
-	// Hold mode (hold.go): rows waiting behind a quarantined one are left out.
+	// Hold mode (holdonquarantine.go): rows waiting behind a quarantined one are left out.
 	hold, ins, err := s.holdBefore(ctx, tx, p.v, p.items, p.rows)
 	if err != nil {
 		return 0, err
@@ -319,7 +320,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 }
 
 // archiveRows inserts the rows ins, set-based; a rejected row is isolated
-// by bisection. Erased rows are never archived again (fence.go): the rows
+// by bisection. Erased rows are never archived again (package erasure's fences): the rows
 // are filtered by the fences of erasure counter "fenced"; an insert that
 // reads another counter returns errFencesChanged (apply again). It returns
 // what it archived per source transaction, and the rows it tried (ins
@@ -358,8 +359,8 @@ func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins 
 		return nil
 	}, rejectRow)
 	if err == nil && seen != fenced {
-		s.fences.saw(seen)
-		err = errFencesChanged
+		s.fences.Saw(seen)
+		err = erasure.ErrFencesChanged
 	}
 	return archived, ins, err
 }

@@ -28,6 +28,10 @@ type archiveRow struct {
 	pending bool
 }
 
+// Event and Image make an archiveRow a row the erasure fences judge.
+func (r *archiveRow) Event() *event.Event    { return r.ev }
+func (r *archiveRow) Image() json.RawMessage { return r.row }
+
 const insertRowsSQL = `
 WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
@@ -45,7 +49,7 @@ RETURNING correlation_id, archived_at, verified
 )
 SELECT correlation_id, count(*), max(archived_at) FROM ins WHERE verified GROUP BY correlation_id
 UNION ALL
-SELECT NULL, epitaph.erasure_epoch(), NULL` // fence.go: the erasure counter, read under the erasure lock
+SELECT NULL, epitaph.erasure_epoch(), NULL` // erasure fences: the erasure counter, read under the erasure lock
 
 func nullableJSON(b json.RawMessage) *string {
 	if len(b) == 0 {
@@ -128,7 +132,7 @@ type insertedTx struct {
 // insertRowsCounted is insertRows saying, per transaction, how many
 // verified rows were actually inserted and with which archived_at (rows
 // of transactions not verified yet are not counted), and the erasure
-// counter the statement read (fence.go).
+// counter the statement read (erasure.FenceSet).
 func insertRowsCounted(ctx context.Context, tx pgx.Tx, schema string, rows []*archiveRow) ([]insertedTx, int64, error) {
 	n := len(rows)
 	var (

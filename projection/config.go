@@ -57,7 +57,7 @@ type Config struct {
 	// long archived rows are kept: expires_at = commit_time + TTL. A table
 	// with no entry (and no "*") is kept forever (expires_at NULL).
 	ArchiveTTL map[string]time.Duration
-	// CleanupInterval is how often the retention worker (retention.go)
+	// CleanupInterval is how often the retention worker (package retention)
 	// looks for expired rows when the last batch was not full; default
 	// 10s, negative: no retention worker in this process.
 	CleanupInterval time.Duration
@@ -111,7 +111,7 @@ type Config struct {
 	// again); a version promoted or demoted is seen as such within a
 	// BalanceInterval. An error is logged and counted, not retried.
 	SideEffects func(ctx context.Context, page SideEffectPage) error
-	// HoldOnQuarantine turns on hold mode (hold.go): a delete event whose
+	// HoldOnQuarantine turns on hold mode (holdonquarantine.go): a delete event whose
 	// source row (schema, table, key) has an open quarantine entry, or an
 	// earlier event in the same page being quarantined, is quarantined as
 	// "held" instead of applied, so the order per row is kept; replay

@@ -46,7 +46,7 @@
 //   - Large rows above Config.MaxRowBytes (default 256 MiB, by the
 //     event's ObjectRef.Size) are quarantined as oversized and never
 //     fetched.
-//   - Hold mode (Config.HoldOnQuarantine, hold.go; off by default, then no
+//   - Hold mode (Config.HoldOnQuarantine, holdonquarantine.go; off by default, then no
 //     extra query): a delete whose source row (schema, table, key) has an
 //     open quarantine entry of its version, or an earlier event in the same
 //     page being quarantined, is quarantined as held instead of applied, so

@@ -15,6 +15,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -109,7 +110,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 		if rbErr := sp.Rollback(ctx); rbErr != nil {
 			return fmt.Errorf("replay: rollback savepoint: %w (after %w)", rbErr, err)
 		}
-		if !errors.Is(err, errFencesChanged) {
+		if !errors.Is(err, erasure.ErrFencesChanged) {
 			return err
 		}
 		it.category, it.failure = "", nil
@@ -168,9 +169,9 @@ func (r *replayer) service(ctx context.Context, tx pgx.Tx, source string) (*Serv
 	s := &Service{
 		cfg: Config{SourceName: source, ArchiveTTL: r.cfg.ArchiveTTL, SnapshotRoots: r.cfg.SnapshotRoots, MaxRowBytes: r.cfg.MaxRowBytes},
 		log: r.log, objects: r.objects, retention: r.retention, extraDDL: r.extraDDL,
-		fences: &fenceSet{}, handlers: handler.NewCache(tx, time.Second),
+		fences: &erasure.FenceSet{}, handlers: handler.NewCache(tx, time.Second),
 	}
-	if err := s.fences.load(ctx, tx); err != nil {
+	if err := s.fences.Load(ctx, tx); err != nil {
 		return nil, err
 	}
 	if err := s.handlers.Refresh(ctx); err != nil {

@@ -67,7 +67,7 @@ func TestMarkRootsSQLMatchesMemory(t *testing.T) {
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)
 	defer pool.Close()
-	require.NoError(t, migrations.Apply(ctx, pool)) // the insert reads the erasure counter (fence.go)
+	require.NoError(t, migrations.Apply(ctx, pool)) // the insert reads the erasure counter (erasure fences)
 	schema := archive.Schema(1)
 	_, err = conn.Exec(ctx, archive.DDL(schema))
 	require.NoError(t, err)

@@ -21,6 +21,7 @@ import (
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/status"
@@ -57,9 +58,9 @@ type Service struct {
 	// (handlers.go).
 	handlers *handler.Cache
 
-	fences    *fenceSet          // erasure fences (fence.go)
-	retention *retention.Metrics // retention.go
-	cleaner   *retention.Cleaner // retention.go; nil when disabled
+	fences    *erasure.FenceSet  // erasure fences (fencecheck.go)
+	retention *retention.Metrics // cleanup and fence metrics
+	cleaner   *retention.Cleaner // cleaner.go; nil when disabled
 
 	mu         sync.Mutex
 	closing    bool
@@ -99,7 +100,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	}
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
-	s.fences, s.retention = &fenceSet{}, retention.NewMetrics(o.registry)
+	s.fences, s.retention = &erasure.FenceSet{}, retention.NewMetrics(o.registry)
 	s.extraDDL = snapshotHooks()
 	return s, nil
 }

@@ -14,7 +14,7 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -103,7 +103,7 @@ func TestForgetCommands(t *testing.T) {
 	out, err = run("erasures", "--json")
 	require.NoError(t, err)
 	require.NotContains(t, out, "ann@example.com")
-	var rs []projection.Receipt
+	var rs []erasure.Receipt
 	require.NoError(t, json.Unmarshal([]byte(out), &rs))
 	require.Len(t, rs, 1)
 	require.Equal(t, 1, rs[0].Removed["archive_v1.rows"])

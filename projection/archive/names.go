@@ -17,3 +17,10 @@ func Schema(n int) string { return fmt.Sprintf("archive_v%d", n) }
 
 // Ident quotes a qualified SQL identifier (schema, table, ...).
 func Ident(parts ...string) string { return pgx.Identifier(parts).Sanitize() }
+
+// VersionSchema is the schema of one version and whether it has a
+// snapshots table.
+type VersionSchema struct {
+	Schema    string
+	Snapshots bool
+}

@@ -213,18 +213,11 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 	return res, nil
 }
 
-// VersionSchema is the schema of one version and whether it has a
-// snapshots table.
-type VersionSchema struct {
-	Schema    string
-	Snapshots bool
-}
-
 // VersionSchemas are the schemas of every version of projection whose
 // rows table exists (retired ones included: every version's rows expire).
 func VersionSchemas(ctx context.Context, db interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}, projection string) ([]VersionSchema, error) {
+}, projection string) ([]archive.VersionSchema, error) {
 	rows, err := db.Query(ctx, `
 		SELECT schema_name, to_regclass(quote_ident(schema_name) || '.snapshots') IS NOT NULL
 		FROM epitaph.projection_versions
@@ -233,8 +226,8 @@ func VersionSchemas(ctx context.Context, db interface {
 	if err != nil {
 		return nil, fmt.Errorf("list version schemas: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (VersionSchema, error) {
-		var v VersionSchema
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (archive.VersionSchema, error) {
+		var v archive.VersionSchema
 		return v, r.Scan(&v.Schema, &v.Snapshots)
 	})
 	if err != nil {
@@ -243,7 +236,7 @@ func VersionSchemas(ctx context.Context, db interface {
 	return out, nil
 }
 
-func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs VersionSchema, all []VersionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
+func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs archive.VersionSchema, all []archive.VersionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return 0, nil, fmt.Errorf("begin cleanup of %s: %w", vs.Schema, err)

@@ -51,6 +51,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -590,7 +591,7 @@ func eraseRun(ctx context.Context, url string, rows int) error {
 		return err
 	}
 	start := time.Now()
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers", Match: json.RawMessage(match),
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers", Match: json.RawMessage(match),
 		WithChildren: true, Actor: "bench"})
 	if err != nil {
 		return err

@@ -1,4 +1,4 @@
-package projection
+package erasure
 
 import (
 	"context"
@@ -15,7 +15,6 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection/archive"
-	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -37,7 +36,7 @@ type EraseOptions struct {
 	// Actor is who erases (the CLI defaults it to the OS user).
 	Actor string
 	// PurgeStream is recorded on the receipt; the stream purge itself is
-	// PurgeStream (erase_stream.go), run after Erase.
+	// PurgeStream (purge.go), run after Erase.
 	PurgeStream bool
 	// LockTimeout bounds the wait for applies in flight; default 60s.
 	LockTimeout time.Duration
@@ -62,7 +61,7 @@ type Receipt struct {
 	// Unchecked counts, per place, what the last run could not match by
 	// value and so could not rule out: "epitaph.quarantine" is the
 	// quarantine entries whose message cannot be decoded and did not match
-	// by what could be read of them (erase_quarantine.go).
+	// by what could be read of them (quarantine.go).
 	Unchecked   map[string]int `json:"unchecked"`
 	CreatedAt   time.Time      `json:"created_at"`
 	UpdatedAt   time.Time      `json:"updated_at"`
@@ -308,7 +307,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 	}
 	seen := map[rowIdentity]bool{}
 	var ids []rowIdentity
-	var parents []parentRow // with children: kept for the pages not applied yet (fence_pages.go)
+	var parents []parentRow // with children: kept for the pages not applied yet (fence_children.go)
 	for _, vs := range vss {
 		extra, docs := "", "0"
 		if vs.Snapshots {
@@ -368,7 +367,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 
 // allVersionSchemas are the archive schemas of every version of every
 // projection that has a rows table.
-func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]retention.VersionSchema, error) {
+func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]archive.VersionSchema, error) {
 	rows, err := tx.Query(ctx, `
 		SELECT DISTINCT schema_name, to_regclass(quote_ident(schema_name) || '.snapshots') IS NOT NULL
 		FROM epitaph.projection_versions
@@ -377,8 +376,8 @@ func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]retention.VersionSchem
 	if err != nil {
 		return nil, fmt.Errorf("list version schemas: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (retention.VersionSchema, error) {
-		var v retention.VersionSchema
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (archive.VersionSchema, error) {
+		var v archive.VersionSchema
 		return v, r.Scan(&v.Schema, &v.Snapshots)
 	})
 	if err != nil {
