@@ -20,6 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/trust"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -157,7 +158,7 @@ func (s *Service) advance(v version.Version, pos progress.Position, vd *verdict,
 	for _, it := range items {
 		it.after = next.SourceLSN
 		next.Cursor, next.MsgID, next.Seq = it.seq, it.id, -1
-		if it.ev == nil || it.category == CategoryUnauthenticated {
+		if it.ev == nil || it.category == trust.CategoryUnauthenticated {
 			continue // undecodable or not authentic: keep the last known source position
 		}
 		next.CommitLSN = version.PositionLSN(it.ev)

@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/retention"
+	"github.com/epitaph-dev/epitaph/projection/trust"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -86,7 +87,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 	if err != nil {
 		return fmt.Errorf("replay: version %d of %s: %w", e.Version, e.Projection, err)
 	}
-	if e.Category == CategoryUnauthenticated {
+	if e.Category == trust.CategoryUnauthenticated {
 		// Replaying one message alone would skip its verification.
 		return quarantine.Permanent(quarantine.CategoryUnauthenticated, fmt.Errorf("not replayed: it failed verification (trust.go); "+
 			"if its key is trusted now (projector trust-key), rebuild the version, which verifies the stream again; else discard it"))
