@@ -41,7 +41,7 @@ type applyResult struct {
 // quarantined in that transaction and the partition moves past them; the
 // failing event is isolated with savepoints so the rest of the page applies.
 // Transient failures return an error and nothing is committed. vd is the
-// page's verification (trust.go): refused items carry their category
+// page's verification (verify.go): refused items carry their category
 // already, rows of transactions not verified yet are inserted invisible.
 func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
 	if vd == nil {
@@ -289,7 +289,7 @@ func (s *Service) quarantineItem(ctx context.Context, tx pgx.Tx, p *applyPlan, i
 // jobs left to the batcher. Careful isolates rejected events with
 // savepoints; without it a rejection returns errCareful.
 func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) (int, error) {
-	// Verification's decisions about earlier pages and its gaps (trust.go).
+	// Verification's decisions about earlier pages and its gaps (verify.go).
 	if err := s.applyVerdict(ctx, tx, p.v, p.l, p.vd); err != nil {
 		return 0, err
 	}
@@ -430,7 +430,7 @@ func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, arc
 // applyGaps records the page's gaps and truncates for readers
 // (archive.gaps) in this transaction: the partition is never seen past one
 // without it. A truncate of a transaction not verified yet (its commit is
-// in a later page) may be a forgery (trust.go): it waits in
+// in a later page) may be a forgery (verify.go): it waits in
 // pending_truncates and becomes a gap row when its commit verifies
 // (applyVerdict).
 func (s *Service) applyGaps(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) error {

@@ -95,7 +95,7 @@ type partitionWorker struct {
 	carry   []*item   // fetched, not applied: the next group starts with them (splitAtCommit)
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
-	legacy  uint64    // the partition's legacy boundary (trust.go)
+	legacy  uint64    // the partition's legacy boundary (verify.go)
 	// recorded is the consumer named on the progress row (version.UnitConsumer).
 	recorded string
 	// stalled counts idle rounds in a row in which the consumer had
@@ -139,7 +139,7 @@ type workerEnv struct {
 }
 
 // workerRuntime is the service's part around a worker's pages: the rebuild
-// share (lifecycle_worker.go), the apply path (apply.go), the live
+// share (states.go), the apply path (apply.go), the live
 // version's side effects, and the hand-over of a lost lease.
 type workerRuntime interface {
 	admit(ctx context.Context, v version.Version) (release func(), err error)
@@ -276,7 +276,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
-	if err := w.checkStreamIdentity(ctx, row.StreamCreated); err != nil { // trust.go
+	if err := w.checkStreamIdentity(ctx, row.StreamCreated); err != nil { // verify.go
 		return err
 	}
 	if w.legacy, err = w.legacyBoundary(ctx); err != nil {
@@ -749,7 +749,7 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		return resetf("stream_behind", "the stream's last sequence %d is before the cursor %d", info.State.LastSeq, w.pos.Cursor)
 	}
 	if first := info.State.FirstSeq; first > w.pos.Cursor+1 && w.pos.Cursor >= w.legacy && w.pos.Trust.PartSeq > 0 {
-		return w.recordSuspectedGap(ctx, first) // trust.go
+		return w.recordSuspectedGap(ctx, first) // verify.go
 	}
 	return nil
 }
@@ -795,11 +795,11 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	if raw.Sequence != fresh[0].seq {
 		return resetf("page_gap", "page starts at %d but the partition continues at %d", fresh[0].seq, raw.Sequence)
 	}
-	release, err := w.svc.admit(ctx, w.ver) // rebuild share (lifecycle_worker.go)
+	release, err := w.svc.admit(ctx, w.ver) // rebuild share (states.go)
 	if err != nil {
 		return err
 	}
-	vd, err := w.verifyPage(ctx, fresh) // trust.go
+	vd, err := w.verifyPage(ctx, fresh) // verify.go
 	if err != nil {
 		release()
 		return err

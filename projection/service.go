@@ -38,7 +38,7 @@ type Service struct {
 	reg     *prometheus.Registry
 	now     func() time.Time
 	metrics *metrics
-	// lifecycle: rebuild progress gauges (lifecycle_metrics.go)
+	// lifecycle: rebuild progress gauges (states_metrics.go)
 	lifecycle *lifecycleMetrics
 
 	pool   *pgxpool.Pool
@@ -53,7 +53,7 @@ type Service struct {
 	batcher *snapshot.Batcher
 
 	objects *objectReader
-	keys    *keyring // trusted signing keys (trust.go)
+	keys    *keyring // trusted signing keys (verify.go)
 	// handlers: the row handlers per table, for queueing deliveries
 	// (handlers.go).
 	handlers *handler.Cache

@@ -50,7 +50,7 @@ CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, ta
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
 CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
--- erase --match and hold --match: JSON containment on the row (erase.go).
+-- erase --match and hold --match: JSON containment on the row (package projection/erasure).
 CREATE INDEX IF NOT EXISTS rows_row_match_idx ON ` + s + `.rows USING gin (row jsonb_path_ops);
 DO $$ BEGIN
     -- Not ALTER TABLE .. IF NOT EXISTS: that takes an exclusive lock even

@@ -101,7 +101,7 @@ func selector(table string, key, match json.RawMessage) (schema, name, mode stri
 // of their deliveries (pending work stops as stop_revoked); quarantine
 // entries that cannot be decoded are matched by what can be read of them
 // and the rest counted on the receipt (Receipt.Unchecked). Applies in
-// flight finish first; later ones see the fence (fence.go).
+// flight finish first; later ones see the fence (fence.go here).
 func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt, error) {
 	schema, name, mode, sel, cols, err := selector(opts.Table, opts.Key, opts.Match)
 	if err != nil {
