@@ -323,7 +323,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 // archiveRows inserts the rows ins, set-based; a rejected row is isolated
 // by bisection. Erased rows are never archived again (package erasure's fences): the rows
 // are filtered by the fences of erasure counter "fenced"; an insert that
-// reads another counter returns errFencesChanged (apply again). It returns
+// reads another counter returns erasure.ErrFencesChanged (apply again). It returns
 // what it archived per source transaction, and the rows it tried (ins
 // without the fenced ones; the rejected ones have their category).
 func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {

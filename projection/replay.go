@@ -98,7 +98,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 	}
 	it := &item{seq: e.StreamSeq, subject: e.Subject, headers: e.Headers, data: e.Data, ev: ev, after: e.After}
 	for {
-		// An erasure recorded meanwhile (errFencesChanged): apply again,
+		// An erasure recorded meanwhile (erasure.ErrFencesChanged): apply again,
 		// with its fence, as the runtime does.
 		sp, err := tx.Begin(ctx)
 		if err != nil {

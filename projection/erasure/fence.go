@@ -40,7 +40,7 @@ const (
 	EraseByMatch = "match"
 )
 
-// errFencesChanged: an erasure was recorded since the fences were loaded;
+// ErrFencesChanged: an erasure was recorded since the fences were loaded;
 // the page is applied again with the new ones.
 var ErrFencesChanged = errors.New("erasure fences changed")
 
@@ -73,7 +73,7 @@ type erasedParent struct {
 	cols    map[string]string
 }
 
-// fenceSet is a worker's cache of the fences.
+// FenceSet is a worker's cache of the fences.
 type FenceSet struct {
 	mu      sync.Mutex
 	loaded  bool
@@ -174,7 +174,7 @@ func (f *FenceSet) Saw(epoch int64) {
 	}
 }
 
-// filterRows returns rows without the fenced ones (and, for a fence with
+// FilterRows returns rows without the fenced ones (and, for a fence with
 // children, without the rows of the same transaction that reference a
 // fenced row by their foreign keys, transitively: in rows, or erased before
 // in another page, epitaph.erased_parents), loading the fences first when
@@ -235,7 +235,7 @@ type Row interface {
 	Image() json.RawMessage
 }
 
-// erasedWith is a row erased with its children by erasure id.
+// ErasedWith is a row erased with its children by erasure id.
 type ErasedWith struct {
 	r  Row
 	id int64
