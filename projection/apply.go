@@ -17,7 +17,11 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/lowgc"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/trust"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -37,9 +41,9 @@ type applyResult struct {
 // quarantined in that transaction and the partition moves past them; the
 // failing event is isolated with savepoints so the rest of the page applies.
 // Transient failures return an error and nothing is committed. vd is the
-// page's verification (trust.go): refused items carry their category
+// page's verification (verify.go): refused items carry their category
 // already, rows of transactions not verified yet are inserted invisible.
-func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
+func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
 	if vd == nil {
 		vd = &verdict{trust: pos.Trust}
 	}
@@ -71,9 +75,9 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 
 	careful := false
 	res, err := s.applyTx(ctx, p, careful)
-	for errors.Is(err, errCareful) || errors.Is(err, errFencesChanged) {
+	for errors.Is(err, errCareful) || errors.Is(err, erasure.ErrFencesChanged) {
 		// Something in the page is rejected: apply again, isolating it
-		// (again when hold mode holds more rows behind it: hold.go). Or
+		// (again when hold mode holds more rows behind it: holdonquarantine.go). Or
 		// an erasure was recorded meanwhile: apply again with its fence.
 		careful = careful || errors.Is(err, errCareful)
 		res, err = s.applyTx(ctx, p, careful)
@@ -93,7 +97,7 @@ func (s *Service) apply(ctx context.Context, v Version, l progress.Lease, pos pr
 // apply (or by a replay: replay.go) and written by applyPage, again with
 // isolation when something in it is rejected.
 type applyPlan struct {
-	v         Version
+	v         version.Version
 	l         progress.Lease
 	pos, next progress.Position // the cursor before and after the page
 	items     []*item
@@ -147,17 +151,17 @@ func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*
 
 // advance returns the partition's position after the page and the page's
 // commits; it logs what the archive will miss (truncates, gaps).
-func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items []*item) (progress.Position, []*item) {
+func (s *Service) advance(v version.Version, pos progress.Position, vd *verdict, items []*item) (progress.Position, []*item) {
 	next := pos
 	next.Trust = vd.trust
 	var commits []*item
 	for _, it := range items {
 		it.after = next.SourceLSN
 		next.Cursor, next.MsgID, next.Seq = it.seq, it.id, -1
-		if it.ev == nil || it.category == CategoryUnauthenticated {
+		if it.ev == nil || it.category == trust.CategoryUnauthenticated {
 			continue // undecodable or not authentic: keep the last known source position
 		}
-		next.CommitLSN = positionLSN(it.ev)
+		next.CommitLSN = version.PositionLSN(it.ev)
 		switch it.ev.Op {
 		case event.OpDelete:
 			next.Seq = it.ev.Seq
@@ -180,7 +184,7 @@ func (s *Service) advance(v Version, pos progress.Position, vd *verdict, items [
 	return next, commits
 }
 
-func (s *Service) logGap(v Version, e *event.Event) {
+func (s *Service) logGap(v version.Version, e *event.Event) {
 	if e.Table != "" {
 		// A table the capture took out of its publication (it lost
 		// its replica identity): its deletes from here on are missed.
@@ -202,8 +206,8 @@ func laterTime(a, b time.Time) time.Time {
 // gapOf is the gap row an applied gap or truncate event records. A gap
 // event is published to every partition and concerns them all (partition
 // NULL, recorded once); a truncate is its partition's.
-func gapOf(e *event.Event, partition int) Gap {
-	g := Gap{Kind: e.GapKind()}
+func gapOf(e *event.Event, partition int) archive.Gap {
+	g := archive.Gap{Kind: e.GapKind()}
 	if e.Schema != "" {
 		g.Schema, g.Table = &e.Schema, &e.Table
 	}
@@ -285,11 +289,11 @@ func (s *Service) quarantineItem(ctx context.Context, tx pgx.Tx, p *applyPlan, i
 // jobs left to the batcher. Careful isolates rejected events with
 // savepoints; without it a rejection returns errCareful.
 func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) (int, error) {
-	// Verification's decisions about earlier pages and its gaps (trust.go).
+	// Verification's decisions about earlier pages and its gaps (verify.go).
 	if err := s.applyVerdict(ctx, tx, p.v, p.l, p.vd); err != nil {
 		return 0, err
 	}
-	// Hold mode (hold.go): rows waiting behind a quarantined one are left out.
+	// Hold mode (holdonquarantine.go): rows waiting behind a quarantined one are left out.
 	hold, ins, err := s.holdBefore(ctx, tx, p.v, p.items, p.rows)
 	if err != nil {
 		return 0, err
@@ -317,9 +321,9 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 }
 
 // archiveRows inserts the rows ins, set-based; a rejected row is isolated
-// by bisection. Erased rows are never archived again (fence.go): the rows
+// by bisection. Erased rows are never archived again (package erasure's fences): the rows
 // are filtered by the fences of erasure counter "fenced"; an insert that
-// reads another counter returns errFencesChanged (apply again). It returns
+// reads another counter returns erasure.ErrFencesChanged (apply again). It returns
 // what it archived per source transaction, and the rows it tried (ins
 // without the fenced ones; the rejected ones have their category).
 func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
@@ -356,8 +360,8 @@ func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins 
 		return nil
 	}, rejectRow)
 	if err == nil && seen != fenced {
-		s.fences.saw(seen)
-		err = errFencesChanged
+		s.fences.Saw(seen)
+		err = erasure.ErrFencesChanged
 	}
 	return archived, ins, err
 }
@@ -426,7 +430,7 @@ func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, arc
 // applyGaps records the page's gaps and truncates for readers
 // (archive.gaps) in this transaction: the partition is never seen past one
 // without it. A truncate of a transaction not verified yet (its commit is
-// in a later page) may be a forgery (trust.go): it waits in
+// in a later page) may be a forgery (verify.go): it waits in
 // pending_truncates and becomes a gap row when its commit verifies
 // (applyVerdict).
 func (s *Service) applyGaps(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) error {
@@ -445,7 +449,7 @@ func (s *Service) applyGaps(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	}
 	return isolate(ctx, tx, careful, gaps, func(sp pgx.Tx, part []*item) error {
 		for _, it := range part {
-			if err := insertGap(ctx, sp, p.v.Schema, gapOf(it.ev, p.l.Partition)); err != nil {
+			if err := archive.InsertGap(ctx, sp, p.v.Schema, gapOf(it.ev, p.l.Partition)); err != nil {
 				return err
 			}
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // The staged statement is insertRowsSQL with each of its three changes made
@@ -36,8 +37,8 @@ func TestLargeRowImagesAreStaged(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	schema := ArchiveSchema(1)
-	_, err = pool.Exec(ctx, archiveDDL(schema))
+	schema := archive.Schema(1)
+	_, err = pool.Exec(ctx, archive.DDL(schema))
 	require.NoError(t, err)
 
 	big := func(seq int, fill string) string {
@@ -66,7 +67,7 @@ func TestLargeRowImagesAreStaged(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 
-	rows, err := pool.Query(ctx, `SELECT seq, md5(row::text) FROM `+ident(schema, "rows")+` ORDER BY seq`)
+	rows, err := pool.Query(ctx, `SELECT seq, md5(row::text) FROM `+archive.Ident(schema, "rows")+` ORDER BY seq`)
 	require.NoError(t, err)
 	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct {
 		Seq int

@@ -12,10 +12,9 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/projection/retention"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
-
-// ArchiveProjection is the name of the built-in archive projection.
-const ArchiveProjection = "archive"
 
 // MaxBatchSize is the largest page a partition fetches and applies in one
 // transaction.
@@ -58,7 +57,7 @@ type Config struct {
 	// long archived rows are kept: expires_at = commit_time + TTL. A table
 	// with no entry (and no "*") is kept forever (expires_at NULL).
 	ArchiveTTL map[string]time.Duration
-	// CleanupInterval is how often the retention worker (retention.go)
+	// CleanupInterval is how often the retention worker (package retention)
 	// looks for expired rows when the last batch was not full; default
 	// 10s, negative: no retention worker in this process.
 	CleanupInterval time.Duration
@@ -112,7 +111,7 @@ type Config struct {
 	// again); a version promoted or demoted is seen as such within a
 	// BalanceInterval. An error is logged and counted, not retried.
 	SideEffects func(ctx context.Context, page SideEffectPage) error
-	// HoldOnQuarantine turns on hold mode (hold.go): a delete event whose
+	// HoldOnQuarantine turns on hold mode (holdonquarantine.go): a delete event whose
 	// source row (schema, table, key) has an open quarantine entry, or an
 	// earlier event in the same page being quarantined, is quarantined as
 	// "held" instead of applied, so the order per row is kept; replay
@@ -153,7 +152,7 @@ func (c *Config) setDefaults() {
 		c.RebuildShare = 0.5
 	}
 	if c.CleanupRate == 0 {
-		c.CleanupRate = DefaultCleanupRate
+		c.CleanupRate = retention.DefaultCleanupRate
 	}
 	if c.ReadyMaxLag == 0 {
 		c.ReadyMaxLag = 1000
@@ -184,7 +183,7 @@ func (c *Config) validate() error {
 		errs = append(errs, errors.New("worker id is required (EPITAPH_WORKER_ID)"))
 	}
 	if c.Group != "" {
-		errs = append(errs, ValidateGroup(c.Group))
+		errs = append(errs, version.ValidateGroup(c.Group))
 	}
 	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
 		errs = append(errs, fmt.Errorf("batch size %d: must be 1..%d", c.BatchSize, MaxBatchSize))

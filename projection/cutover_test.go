@@ -8,7 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -38,7 +38,7 @@ func TestCutoverWaitsForSnapshotsAndCompareSeesDocuments(t *testing.T) {
 	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	eventually(t, 30*time.Second, func() bool {
-		return state(t, pool, v2.Version) == projection.StateReady &&
+		return state(t, pool, v2.Version) == version.StateReady &&
 			count(t, c, `SELECT count(*) FROM archive_v2.snapshots WHERE status = 'complete'`) == 4
 	})
 	e.heartbeat()
@@ -61,8 +61,8 @@ func TestCutoverWaitsForSnapshotsAndCompareSeesDocuments(t *testing.T) {
 		retry_count = 1, next_attempt_at = now() + interval '1 hour', pending_since = now(),
 		failure_reason = 'incomplete transaction on attempt 1' WHERE root_key = '{"id":1}'`)
 	require.NoError(t, err)
-	require.Equal(t, projection.StateReady, state(t, pool, v2.Version))
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	require.Equal(t, version.StateReady, state(t, pool, v2.Version))
+	_, err = version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.ErrorIs(t, err, version.ErrNotReady)
 	require.ErrorContains(t, err, "1 snapshot documents pending or failed that the live v1 has complete")
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
@@ -71,12 +71,12 @@ func TestCutoverWaitsForSnapshotsAndCompareSeesDocuments(t *testing.T) {
 	// Waiting longer than twice the readiness age: no longer ready.
 	_, err = c.Exec(ctx, `UPDATE archive_v2.snapshots SET pending_since = now() - interval '10 minutes' WHERE root_key = '{"id":1}'`)
 	require.NoError(t, err)
-	eventually(t, 20*time.Second, func() bool { return state(t, pool, v2.Version) == projection.StateCatchingUp })
+	eventually(t, 20*time.Second, func() bool { return state(t, pool, v2.Version) == version.StateCatchingUp })
 
 	// The retry comes due: the batcher completes it, the version is ready.
 	_, err = c.Exec(ctx, `UPDATE archive_v2.snapshots SET next_attempt_at = NULL WHERE root_key = '{"id":1}'`)
 	require.NoError(t, err)
-	eventually(t, 20*time.Second, func() bool { return state(t, pool, v2.Version) == projection.StateReady })
+	eventually(t, 20*time.Second, func() bool { return state(t, pool, v2.Version) == version.StateReady })
 	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive_v2.snapshots WHERE status = 'complete'`))
 
 	// A document that differs is named by compare.
@@ -108,7 +108,7 @@ func TestCutoverWaitsForSnapshotsAndCompareSeesDocuments(t *testing.T) {
 	require.Len(t, cmp.DifferingDocuments, 1)
 	require.Equal(t, "fingerprint", cmp.DifferingDocuments[0].What)
 
-	prev, err := version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	prev, err := version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, prev)
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")

@@ -2,6 +2,21 @@
 // apply a source's JetStream stream to versioned read models in the target
 // Postgres, and the built-in "archive" projection.
 //
+// # Packages
+//
+// The runtime (this package: the service, the partition workers, the
+// apply, page verification, roots, version states, replay) builds on the
+// jobs below it, and imports point one way (imports_test.go checks it):
+//
+//	projection/archive, projection/snapshot   the read model: tables, views, gaps table; snapshot documents
+//	projection/version                        the version registry and its administration
+//	projection/status, erasure, retention,    readiness, waits, gaps, status; erasures, fences, legal holds;
+//	projection/trust                          retention cleanup; trusted keys
+//	projection                                the runtime
+//
+// Readers (packages readapi, statuspage) import status, archive and
+// version, never the runtime.
+//
 // # Guarantees
 //
 // The work unit is partition p of version N of a projection. Its durable
@@ -46,7 +61,7 @@
 //   - Large rows above Config.MaxRowBytes (default 256 MiB, by the
 //     event's ObjectRef.Size) are quarantined as oversized and never
 //     fetched.
-//   - Hold mode (Config.HoldOnQuarantine, hold.go; off by default, then no
+//   - Hold mode (Config.HoldOnQuarantine, holdonquarantine.go; off by default, then no
 //     extra query): a delete whose source row (schema, table, key) has an
 //     open quarantine entry of its version, or an earlier event in the same
 //     page being quarantined, is quarantined as held instead of applied, so
@@ -76,10 +91,10 @@
 //     side; a new version (a row in epitaph.projection_versions) gets its
 //     schema, tables and progress rows on the next balance round and is
 //     built from the start of the stream. Version 1 of "archive" is created
-//     live on the first run. PointViews re-points the reader views in the
+//     live on the first run. version.PointViews re-points the reader views in the
 //     caller's transaction (promotion, rollback).
-//   - Lifecycle (lifecycle_worker.go here; the administration is package
-//     projection/version, which this package does not import). CreateVersion
+//   - Lifecycle (states.go here; the registry and the
+//     administration are package projection/version). CreateVersion
 //     (`projector rebuild`) makes version N+1, building, with a new schema
 //     from the projection's own DDL, new consumers and progress rows, and
 //     the boundary: the stream's last sequence and its source LSN. It is
@@ -99,18 +114,18 @@
 //     failed and not run. Pages of non-live versions share
 //     Config.RebuildShare of a worker while the live version is busy; the
 //     side-effect hook Config.SideEffects runs for the live version only.
-//     WaitComplete (`projector wait --lsn`, GET /wait) returns once the
+//     status.WaitComplete (`projector wait --lsn`, GET /wait) returns once the
 //     live version is complete up to an LSN, and fails at once naming the
 //     gaps and quarantined events that keep it from ever being (WaitLSN
 //     only compares the watermarks). Compare compares two versions up to
 //     the watermark both reflect.
-//   - Readers are told (readiness.go, gaps.go, archive.go): gap and
+//   - Readers are told (packages status and archive): gap and
 //     truncate events become rows of the version's gaps table
 //     (archive.gaps) in the transaction that applies them; archive.status
 //     says whether a version is ready (leased, advancing, lag sampled by
 //     the workers within the thresholds, no open quarantine, no
 //     unacknowledged blocking gap), why not, and how far it is complete;
-//     AckGap acknowledges a gap with a reason.
+//     status.AckGap acknowledges a gap with a reason.
 //   - Fair sharing: a worker claims up to ceil(P / live workers) partitions
 //     of each version (live = heartbeat within its lease TTL); a worker over
 //     its share soft-stops and releases the excess; a graceful Stop releases

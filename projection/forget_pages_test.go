@@ -9,7 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -58,7 +59,7 @@ func TestEraseUndecodableQuarantine(t *testing.T) {
 	quarantine(7, `{"op":"delete","table":"customers","key":{"id":440}`, nil, nil)
 
 	pool := newPool(t, e.url)
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers",
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers",
 		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Actor: "dpo"})
 	require.NoError(t, err)
 	require.Equal(t, 4, rc.Removed["archive_v1.rows"])
@@ -71,13 +72,13 @@ func TestEraseUndecodableQuarantine(t *testing.T) {
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE position(convert_to('"ann@example.com"', 'UTF8') IN data) > 0`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE strpos(row::text, 'ann@example.com') > 0`))
 
-	rc, err = projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers", Key: json.RawMessage(key44), Actor: "dpo"})
+	rc, err = erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers", Key: json.RawMessage(key44), Actor: "dpo"})
 	require.NoError(t, err)
 	require.Equal(t, 1, rc.Removed["epitaph.quarantine"])
 	require.Equal(t, map[string]int{"epitaph.quarantine": 4}, rc.Unchecked)
 	require.Equal(t, []string{"3", "4", "5", "7"},
 		keysOf(t, c, `SELECT stream_seq::text FROM epitaph.quarantine WHERE length(data) > 0 ORDER BY 1`))
-	list, err := projection.ListErasures(ctx, pool)
+	list, err := erasure.ListErasures(ctx, pool)
 	require.NoError(t, err)
 	require.Len(t, list, 2)
 	require.Equal(t, map[string]int{"epitaph.quarantine": 5}, list[0].Unchecked)
@@ -98,7 +99,7 @@ func TestEraseWithChildrenAcrossPages(t *testing.T) {
 	ctx := context.Background()
 	pool := newPool(t, e.url)
 	// The fence first: nothing archived yet, every row of Ann's comes later.
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers",
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers",
 		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Actor: "dpo"})
 	require.NoError(t, err)
 	require.Empty(t, rc.Removed)
@@ -133,7 +134,7 @@ func TestEraseWithChildrenAcrossPages(t *testing.T) {
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE row::text LIKE '%ann@example.com%'`))
 
 	// A rebuild applies the same pages: the same rows, none of Ann's.
-	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: projection.ArchiveProjection})
+	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: archive.Projection})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, archived(v2.Schema))
 	check(v2.Schema)
@@ -158,7 +159,7 @@ func TestEraseBetweenPages(t *testing.T) {
 		require.NoError(t, err)
 	}
 	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v1.rows`) == 2 })
-	rc, err := projection.Erase(ctx, newPool(t, e.url), projection.EraseOptions{Table: "public.customers",
+	rc, err := erasure.Erase(ctx, newPool(t, e.url), erasure.EraseOptions{Table: "public.customers",
 		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Actor: "dpo"})
 	require.NoError(t, err)
 	require.Equal(t, 2, rc.Removed["archive_v1.rows"])

@@ -17,6 +17,9 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -85,7 +88,7 @@ func TestRetentionCleanup(t *testing.T) {
 	// Session 2 under a legal hold (by match), session 3 with a pending
 	// delivery, session 4 with a done one and a dead one, session 5 with a
 	// stopped one; the unexpired order 1000 with a done one.
-	_, err := projection.AddLegalHold(ctx, pool, "public.sessions", nil, json.RawMessage(`{"token":"tok-2"}`), "litigation 7", "tester")
+	_, err := erasure.AddLegalHold(ctx, pool, "public.sessions", nil, json.RawMessage(`{"token":"tok-2"}`), "litigation 7", "tester")
 	require.NoError(t, err)
 	deliver := func(tx *txn, seq int, table, state string) {
 		_, err := c.Exec(ctx, `INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name,
@@ -101,7 +104,7 @@ func TestRetentionCleanup(t *testing.T) {
 	deliveriesOf := func(tx *txn, seq int) int {
 		return count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE commit_lsn = $1::pg_lsn AND seq = $2`, tx.lsn.String(), seq)
 	}
-	res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: 100})
+	res, err := retention.CleanupBatch(ctx, pool, retention.CleanupOptions{Batch: 100})
 	require.NoError(t, err)
 	require.Equal(t, 3, res.Deleted)
 	require.Equal(t, map[string]int{"public.sessions": 3}, res.ByTable)
@@ -121,10 +124,10 @@ func TestRetentionCleanup(t *testing.T) {
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE table_name = 'sessions'`), "kept rows stay hidden")
 
 	// Released: the next batch deletes them, and the group with them.
-	hs, err := projection.ListLegalHolds(ctx, pool)
+	hs, err := erasure.ListLegalHolds(ctx, pool)
 	require.NoError(t, err)
 	require.Len(t, hs, 1)
-	ok, err := projection.RemoveLegalHold(ctx, pool, hs[0].ID)
+	ok, err := erasure.RemoveLegalHold(ctx, pool, hs[0].ID)
 	require.NoError(t, err)
 	require.True(t, ok)
 	_, err = c.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'done'`)
@@ -137,7 +140,7 @@ func TestRetentionCleanup(t *testing.T) {
 		UPDATE archive_v2.rows SET expires_at = now() + interval '1 day';
 		INSERT INTO epitaph.projection_versions (projection, version, state, schema_name) VALUES ('archive', 2, 'retired', 'archive_v2')`)
 	require.NoError(t, err)
-	res, err = projection.CleanupBatch(ctx, pool, projection.CleanupOptions{})
+	res, err = retention.CleanupBatch(ctx, pool, retention.CleanupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Deleted)
 	require.Equal(t, map[string]int{"archive_v1": 2}, res.ByVersion)
@@ -145,7 +148,7 @@ func TestRetentionCleanup(t *testing.T) {
 	require.Equal(t, 1, deliveriesOf(t1, 2))
 	_, err = c.Exec(ctx, `UPDATE archive_v2.rows SET expires_at = now() - interval '1 second'`)
 	require.NoError(t, err)
-	res, err = projection.CleanupBatch(ctx, pool, projection.CleanupOptions{})
+	res, err = retention.CleanupBatch(ctx, pool, retention.CleanupOptions{})
 	require.NoError(t, err)
 	require.Equal(t, map[string]int{"archive_v2": 2}, res.ByVersion)
 	require.Equal(t, 1, res.Deliveries, "the last version's copy is gone: so is the delivery")
@@ -178,7 +181,7 @@ func TestRetentionBatchBound(t *testing.T) {
 	const bound = 30000
 	batches := 0
 	for {
-		res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: bound})
+		res, err := retention.CleanupBatch(ctx, pool, retention.CleanupOptions{Batch: bound})
 		require.NoError(t, err)
 		require.LessOrEqual(t, res.Deleted, bound)
 		require.Equal(t, 1, res.Statements)
@@ -271,7 +274,7 @@ func TestEraseWithChildren(t *testing.T) {
 	stopTraffic := e.traffic(ctx, 20*time.Millisecond)
 	defer stopTraffic()
 	pool := newPool(t, e.url)
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers",
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers",
 		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Reason: "GDPR art. 17 request 12", Actor: "dpo"})
 	require.NoError(t, err)
 	require.Equal(t, 7, rc.Removed["archive_v1.rows"])
@@ -289,7 +292,7 @@ func TestEraseWithChildren(t *testing.T) {
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE length(data) = 0 AND status = 'discarded'`))
 
 	// Idempotent: a second run removes nothing and counts a run.
-	rc2, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers",
+	rc2, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers",
 		Match: json.RawMessage(`{"email": "ann@example.com"}`), WithChildren: true, Actor: "dpo"})
 	require.NoError(t, err)
 	require.Equal(t, rc.ID, rc2.ID)
@@ -299,7 +302,7 @@ func TestEraseWithChildren(t *testing.T) {
 	// The stream still has Ann's events: a rebuild and a re-published copy
 	// of her transaction (a replay) archive none of them.
 	e.publish(ann)
-	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: projection.ArchiveProjection})
+	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: archive.Projection})
 	require.NoError(t, err)
 	later := customerTx(e, 42, "ann@example.com", 9) // Ann deleted again later: fenced too
 	e.publish(later)
@@ -323,13 +326,13 @@ func TestEraseWithChildren(t *testing.T) {
 		(SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM archive_v1.rows EXCEPT SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM %[1]s.rows)
 		UNION ALL
 		(SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM %[1]s.rows EXCEPT SELECT source, commit_lsn, seq, table_name, key, row, is_root FROM archive_v1.rows)) d`, v2.Schema)))
-	_, err = version.Promote(ctx, s.Pool(), projection.ArchiveProjection, v2.Version, true)
+	_, err = version.Promote(ctx, s.Pool(), archive.Projection, v2.Version, true)
 	require.NoError(t, err)
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows WHERE row::text LIKE '%ann@example.com%'`))
 
 	// Nothing in the epitaph schema or any archive holds the erased value.
 	requireNowhere(t, c, "ann@example.com")
-	list, err := projection.ListErasures(ctx, pool)
+	list, err := erasure.ListErasures(ctx, pool)
 	require.NoError(t, err)
 	b, err := json.Marshal(list)
 	require.NoError(t, err)
@@ -379,7 +382,7 @@ func TestEraseConcurrentWithApply(t *testing.T) {
 		eventually(t, 20*time.Second, func() bool {
 			return count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE key = $1::jsonb`, fmt.Sprintf(`{"id":%d}`, round)) > 0
 		})
-		_, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.users",
+		_, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.users",
 			Key: json.RawMessage(fmt.Sprintf(`{"id":%d}`, round)), Actor: "t"})
 		require.NoError(t, err)
 		wg.Wait()
@@ -418,11 +421,11 @@ func TestErasePurgeStream(t *testing.T) {
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 8 })
 	pool := newPool(t, e.url)
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":42}`),
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":42}`),
 		WithChildren: true, Actor: "dpo", PurgeStream: true})
 	require.NoError(t, err)
 	require.Equal(t, 4, rc.Removed["archive_v1.rows"])
-	rc, err = projection.PurgeStream(ctx, pool, e.js, src, rc.ID)
+	rc, err = erasure.PurgeStream(ctx, pool, e.js, src, rc.ID)
 	require.NoError(t, err)
 	require.Equal(t, 4, rc.Removed["stream:"+event.StreamName(src)])
 	require.Equal(t, 1, rc.Removed["objects"])
@@ -443,7 +446,7 @@ func TestErasePurgeStream(t *testing.T) {
 	}
 	require.Len(t, left, 1+5, "Ann's commit, Bob's four rows and commit")
 	// Idempotent.
-	rc2, err := projection.PurgeStream(ctx, pool, e.js, src, rc.ID)
+	rc2, err := erasure.PurgeStream(ctx, pool, e.js, src, rc.ID)
 	require.NoError(t, err)
 	require.Equal(t, rc.Removed, rc2.Removed)
 
@@ -452,7 +455,7 @@ func TestErasePurgeStream(t *testing.T) {
 	cfg.DenyDelete = true
 	_, err = e.js.UpdateStream(ctx, cfg)
 	require.NoError(t, err)
-	require.ErrorIs(t, projection.CheckStreamDeletes(ctx, e.js, src), projection.ErrStreamDeniesDeletes)
-	_, err = projection.PurgeStream(ctx, pool, e.js, src, rc.ID)
-	require.ErrorIs(t, err, projection.ErrStreamDeniesDeletes)
+	require.ErrorIs(t, erasure.CheckStreamDeletes(ctx, e.js, src), erasure.ErrStreamDeniesDeletes)
+	_, err = erasure.PurgeStream(ctx, pool, e.js, src, rc.ID)
+	require.ErrorIs(t, err, erasure.ErrStreamDeniesDeletes)
 }

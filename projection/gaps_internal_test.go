@@ -11,6 +11,8 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // The gaps table exists in every version's schema and archive.gaps shows
@@ -28,10 +30,10 @@ func TestGapsTableAndView(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	require.NoError(t, migrations.Apply(ctx, pool))
-	_, err = conn.Exec(ctx, archiveDDL("archive_v1")+archiveDDL("archive_v2"))
+	_, err = conn.Exec(ctx, archive.DDL("archive_v1")+archive.DDL("archive_v2"))
 	require.NoError(t, err)
 	// Idempotent.
-	_, err = conn.Exec(ctx, archiveDDL("archive_v1"))
+	_, err = conn.Exec(ctx, archive.DDL("archive_v1"))
 	require.NoError(t, err)
 
 	lsn := func(l event.LSN) *event.LSN { return &l }
@@ -40,28 +42,28 @@ func TestGapsTableAndView(t *testing.T) {
 	seq := func(n int64) *int64 { return &n }
 	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 		for p := 0; p < 4; p++ { // one copy per partition
-			if err := insertGap(ctx, tx, "archive_v1", Gap{Kind: event.GapLostUpstream, FromLSN: lsn(0x60), ToLSN: lsn(0x9000)}); err != nil {
+			if err := archive.InsertGap(ctx, tx, "archive_v1", archive.Gap{Kind: event.GapLostUpstream, FromLSN: lsn(0x60), ToLSN: lsn(0x9000)}); err != nil {
 				return err
 			}
 		}
-		if err := insertGap(ctx, tx, "archive_v1", Gap{Kind: event.GapLostUpstream, Schema: str("public"), Table: str("t"),
+		if err := archive.InsertGap(ctx, tx, "archive_v1", archive.Gap{Kind: event.GapLostUpstream, Schema: str("public"), Table: str("t"),
 			FromLSN: lsn(0x60), ToLSN: lsn(0x9000)}); err != nil {
 			return err
 		}
-		if err := insertGap(ctx, tx, "archive_v1", Gap{Kind: event.GapRemovedFromStream, Partition: &p3,
+		if err := archive.InsertGap(ctx, tx, "archive_v1", archive.Gap{Kind: event.GapRemovedFromStream, Partition: &p3,
 			FromSeq: seq(10), ToSeq: seq(19)}); err != nil {
 			return err
 		}
-		return insertGap(ctx, tx, "archive_v2", Gap{Kind: event.GapTruncate, Schema: str("public"), Table: str("t"),
+		return archive.InsertGap(ctx, tx, "archive_v2", archive.Gap{Kind: event.GapTruncate, Schema: str("public"), Table: str("t"),
 			Partition: &p3, FromLSN: lsn(0x70), ToLSN: lsn(0x70)})
 	}))
 	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-		return insertGap(ctx, tx, "archive_v1", Gap{Kind: "mystery"})
+		return archive.InsertGap(ctx, tx, "archive_v1", archive.Gap{Kind: "mystery"})
 	})
 	require.ErrorContains(t, err, "record mystery gap in archive_v1")
 
 	// Views follow the version pointed at.
-	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return PointViews(ctx, tx, 1) }))
+	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return version.PointViews(ctx, tx, 1) }))
 	type gapRow struct {
 		Kind, Schema, Table, From, To string
 		Partition                     int
@@ -83,7 +85,7 @@ func TestGapsTableAndView(t *testing.T) {
 		{Kind: "lost_upstream", Schema: "public", Table: "t", From: "0/60", To: "0/9000", Partition: -1, FromSeq: -1, ToSeq: -1},
 		{Kind: "removed_from_stream", Partition: 3, FromSeq: 10, ToSeq: 19},
 	}, read())
-	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return PointViews(ctx, tx, 2) }))
+	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error { return version.PointViews(ctx, tx, 2) }))
 	require.Equal(t, []gapRow{
 		{Kind: "truncate", Schema: "public", Table: "t", From: "0/70", To: "0/70", Partition: 3, FromSeq: -1, ToSeq: -1},
 	}, read())

@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // archivedRow is a target's archive.rows, one entry per row: table, key and
@@ -75,7 +76,7 @@ func groupOf(t *testing.T, url string) string {
 	c, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	defer c.Close(ctx)
-	g, err := projection.DefaultGroup(ctx, c)
+	g, err := version.DefaultGroup(ctx, c)
 	require.NoError(t, err)
 	return g
 }
@@ -89,10 +90,10 @@ func TestDefaultGroupPerTarget(t *testing.T) {
 	require.Regexp(t, regexp.MustCompile(`^[0-9a-f]{8}$`), ga)
 	require.Equal(t, ga, groupOf(t, a))
 	require.NotEqual(t, ga, gb)
-	require.Error(t, projection.ValidateGroup("a_b"))
-	require.Error(t, projection.ValidateGroup("a.b"))
-	require.Error(t, projection.ValidateGroup(""))
-	require.NoError(t, projection.ValidateGroup("blue-2"))
+	require.Error(t, version.ValidateGroup("a_b"))
+	require.Error(t, version.ValidateGroup("a.b"))
+	require.Error(t, version.ValidateGroup(""))
+	require.NoError(t, version.ValidateGroup("blue-2"))
 }
 
 // Two projectors write to different target databases from one stream:

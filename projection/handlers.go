@@ -8,6 +8,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // queueDeliveries is the row handlers' part of a page's transaction
@@ -16,7 +17,7 @@ import (
 // table (live version only: handler.Enqueue checks it in the statement),
 // and the deliveries of transactions whose commit this page applied are
 // released. Nothing at all (no query) while no handler exists.
-func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v Version, rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, vd *verdict) error {
+func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v version.Version, rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, vd *verdict) error {
 	if s.handlers == nil || !s.handlers.Any() {
 		return nil
 	}

@@ -11,7 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -127,10 +127,10 @@ func TestHandlersRebuildCreatesNoDeliveries(t *testing.T) {
 	e.heartbeat()
 	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
-	eventually(t, time.Minute, func() bool { return state(t, pool, v2.Version) == projection.StateReady })
+	eventually(t, time.Minute, func() bool { return state(t, pool, v2.Version) == version.StateReady })
 	require.Equal(t, 15, count(t, c, `SELECT count(*) FROM archive_v2.rows`))
 	require.Equal(t, 5, count(t, c, `SELECT count(*) FROM epitaph.deliveries`), "the rebuild created none")
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.NoError(t, err)
 	e.publish(e.nextTx(orderRows(6, 1)...))
 	eventually(t, time.Minute, func() bool { return count(t, c, `SELECT count(*) FROM epitaph.deliveries`) == 6 })

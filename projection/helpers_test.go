@@ -24,6 +24,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
@@ -300,14 +301,14 @@ func storeRow(t *testing.T, obs jetstream.ObjectStore, name string, row []byte) 
 }
 
 // consumerName is the durable consumer of partition p of archive version
-// `version` for the test's target (its default consumer group).
-func (e *env) consumerName(version, p int) string {
+// n for the test's target (its default consumer group).
+func (e *env) consumerName(n, p int) string {
 	e.t.Helper()
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, e.url)
 	require.NoError(e.t, err)
 	defer conn.Close(ctx)
-	group, err := projection.DefaultGroup(ctx, conn)
+	group, err := version.DefaultGroup(ctx, conn)
 	require.NoError(e.t, err)
-	return fmt.Sprintf("%s_archive-v%d-p%d", group, version, p)
+	return fmt.Sprintf("%s_archive-v%d-p%d", group, n, p)
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // The rebuild share: pages of non-live versions take one of
@@ -22,8 +23,8 @@ func TestRebuildGateAndSideEffects(t *testing.T) {
 		}})
 	require.NoError(t, err)
 	s.partitions = 8
-	live, building := Version{Projection: "archive", Version: 1, State: StateLive}, Version{Projection: "archive", Version: 2, State: StateBuilding}
-	s.setLive([]Version{live, building})
+	live, building := version.Version{Projection: "archive", Version: 1, State: version.StateLive}, version.Version{Projection: "archive", Version: 2, State: version.StateBuilding}
+	s.setLive([]version.Version{live, building})
 	require.Equal(t, 2, cap(s.rebuildGate))
 
 	ctx := context.Background()
@@ -69,7 +70,7 @@ func TestRebuildGateAndSideEffects(t *testing.T) {
 	s.afterPage(ctx, live, 0, items)
 	require.Equal(t, []int{1}, calls)
 	// Promoted: the next balance sees v2 live, and only v2 acts.
-	s.setLive([]Version{{Projection: "archive", Version: 1, State: StateReady}, {Projection: "archive", Version: 2, State: StateLive}})
+	s.setLive([]version.Version{{Projection: "archive", Version: 1, State: version.StateReady}, {Projection: "archive", Version: 2, State: version.StateLive}})
 	s.afterPage(ctx, live, 0, items)
 	s.afterPage(ctx, building, 0, items)
 	require.Equal(t, []int{1, 2}, calls)
@@ -78,9 +79,9 @@ func TestRebuildGateAndSideEffects(t *testing.T) {
 	rl0, err = s.admit(ctx, building) // v2 is live: the live version is busy
 	require.NoError(t, err)
 	rl0()
-	s.setLive([]Version{{Projection: "archive", Version: 1, State: StateReady}, {Projection: "archive", Version: 2, State: StateLive},
-		{Projection: "archive", Version: 3, State: StateCatchingUp}})
-	catching := Version{Projection: "archive", Version: 3, State: StateCatchingUp}
+	s.setLive([]version.Version{{Projection: "archive", Version: 1, State: version.StateReady}, {Projection: "archive", Version: 2, State: version.StateLive},
+		{Projection: "archive", Version: 3, State: version.StateCatchingUp}})
+	catching := version.Version{Projection: "archive", Version: 3, State: version.StateCatchingUp}
 	var held []func()
 	for i := 0; i < cap(s.rebuildGate); i++ {
 		r, err := s.admit(ctx, catching)

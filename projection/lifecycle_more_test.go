@@ -10,7 +10,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -36,7 +37,7 @@ func TestPartialRebuildFromTime(t *testing.T) {
 	v, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src, FromTime: from})
 	require.NoError(t, err)
 	require.NotNil(t, v.FromTime)
-	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
+	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == version.StateReady })
 	require.Equal(t, 12, count(t, c, `SELECT count(*) FROM archive_v2.rows`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v2.rows WHERE key->>'id' IN ('1','2','3','10')`))
 	cmp, err := version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2})
@@ -62,8 +63,8 @@ func TestVersionFailsWhenItsSchemaCannotBeCreated(t *testing.T) {
 		INSERT INTO epitaph.projection_versions (projection, version, state, schema_name, partitions, boundary_seq)
 		VALUES ('archive', 2, 'building', 'archive_v2', 2, 0)`)
 	require.NoError(t, err)
-	eventually(t, 20*time.Second, func() bool { return state(t, pool, 2) == projection.StateFailed })
-	v, err := projection.GetVersion(ctx, pool, projection.ArchiveProjection, 2)
+	eventually(t, 20*time.Second, func() bool { return state(t, pool, 2) == version.StateFailed })
+	v, err := version.GetVersion(ctx, pool, archive.Projection, 2)
 	require.NoError(t, err)
 	require.NotEmpty(t, v.FailedReason)
 	require.NotNil(t, v.FailedAt)
@@ -72,14 +73,14 @@ func TestVersionFailsWhenItsSchemaCannotBeCreated(t *testing.T) {
 	for _, k := range s.Owned() {
 		require.Equal(t, 1, k.Version, "a failed version is not run")
 	}
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, 2, true)
+	_, err = version.Promote(ctx, pool, archive.Projection, 2, true)
 	require.Error(t, err)
 	_, err = c.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, data, category, error)
 		VALUES ('archive', 2, 0, 1, 'x', '\x00', 'malformed', 'test')`)
 	require.NoError(t, err)
-	require.NoError(t, version.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, version.RetireOptions{Source: src, Drop: true}))
+	require.NoError(t, version.Retire(ctx, pool, e.js, archive.Projection, 2, version.RetireOptions{Source: src, Drop: true}))
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE version = 2 AND status = 'discarded' AND resolution_reason = 'version retired'`))
-	require.Equal(t, projection.StateRetired, state(t, pool, 2))
+	require.Equal(t, version.StateRetired, state(t, pool, 2))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v2'`))
 }
 
@@ -137,7 +138,7 @@ func TestRebuildWithNewSnapshotRoots(t *testing.T) {
 	_, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	eventually(t, 30*time.Second, func() bool {
-		return state(t, pool, 2) == projection.StateReady &&
+		return state(t, pool, 2) == version.StateReady &&
 			count(t, c, `SELECT count(*) FROM archive_v2.snapshots WHERE status = 'complete'`) == 6
 	})
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.snapshots`))
@@ -188,12 +189,12 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive_v2.gaps WHERE kind = 'removed_from_stream'
 		AND partition IS NULL AND from_seq = 1 AND to_seq = 3 AND from_lsn IS NULL AND to_lsn IS NOT NULL AND acknowledged_at IS NULL`))
-	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	eventually(t, 30*time.Second, func() bool { return state(t, pool, v.Version) == version.StateReady })
+	_, err = version.Promote(ctx, pool, archive.Projection, v.Version, false)
 	require.ErrorIs(t, err, version.ErrNotReady)
 	require.ErrorContains(t, err, "1 unacknowledged gaps")
 
-	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	vg, err := status.ListGaps(ctx, s.Pool(), archive.Projection)
 	require.NoError(t, err)
 	var id int64
 	for _, g := range vg {
@@ -202,9 +203,9 @@ func TestRebuildFromAStreamMissingItsHeadIsAGap(t *testing.T) {
 			id = g.Gaps[0].ID
 		}
 	}
-	_, err = projection.AckGap(ctx, pool, projection.ArchiveProjection, v.Version, id, "history before the purge is gone on purpose")
+	_, err = status.AckGap(ctx, pool, archive.Projection, v.Version, id, "history before the purge is gone on purpose")
 	require.NoError(t, err)
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, v.Version, false)
 	require.NoError(t, err)
 
 	// A stream that holds its beginning gives a rebuild no gap.

@@ -16,6 +16,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -27,9 +29,9 @@ func (e *env) pool() *pgxpool.Pool {
 	return p
 }
 
-func state(t *testing.T, p *pgxpool.Pool, version int) string {
+func state(t *testing.T, p *pgxpool.Pool, n int) string {
 	t.Helper()
-	v, err := projection.GetVersion(context.Background(), p, projection.ArchiveProjection, version)
+	v, err := version.GetVersion(context.Background(), p, archive.Projection, n)
 	require.NoError(t, err)
 	return v.State
 }
@@ -136,7 +138,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, v2.Version)
 	require.Equal(t, "archive_v2", v2.Schema)
-	require.Equal(t, projection.StateBuilding, v2.State)
+	require.Equal(t, version.StateBuilding, v2.State)
 	require.NotNil(t, v2.BoundarySeq)
 	require.Positive(t, *v2.BoundarySeq)
 	require.NotZero(t, v2.BoundaryLSN)
@@ -146,9 +148,9 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		st := state(t, pool, 2)
 		seen[st] = true
-		return st == projection.StateReady
+		return st == version.StateReady
 	})
-	v2, err = projection.GetVersion(ctx, pool, projection.ArchiveProjection, 2)
+	v2, err = version.GetVersion(ctx, pool, archive.Projection, 2)
 	require.NoError(t, err)
 	require.NotNil(t, v2.CatchingUpAt, "passed through catching_up")
 	require.NotNil(t, v2.ReadyAt)
@@ -211,20 +213,20 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 		readerErr <- nil
 	}()
 
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, 3, false)
-	require.ErrorIs(t, err, projection.ErrNoVersion)
-	prev, err := version.Promote(ctx, pool, projection.ArchiveProjection, 2, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, 3, false)
+	require.ErrorIs(t, err, version.ErrNoVersion)
+	prev, err := version.Promote(ctx, pool, archive.Projection, 2, false)
 	require.NoError(t, err)
 	require.Equal(t, 1, prev)
-	require.Equal(t, projection.StateLive, state(t, pool, 2))
-	require.Equal(t, projection.StateReady, state(t, pool, 1), "the old live version stays ready for a rollback")
+	require.Equal(t, version.StateLive, state(t, pool, 2))
+	require.Equal(t, version.StateReady, state(t, pool, 1), "the old live version stays ready for a rollback")
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	for i := 0; i < 5; i++ {
-		from, to, err := version.Rollback(ctx, pool, projection.ArchiveProjection)
+		from, to, err := version.Rollback(ctx, pool, archive.Projection)
 		require.NoError(t, err)
 		require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 		require.Contains(t, viewTarget(t, c), "archive_v1.rows")
-		_, err = version.Promote(ctx, pool, projection.ArchiveProjection, 2, false)
+		_, err = version.Promote(ctx, pool, archive.Projection, 2, false)
 		require.NoError(t, err)
 		require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	}
@@ -238,12 +240,12 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	_ = before1
 
 	// The live version cannot be retired; v1 can, with its schema.
-	err = version.Retire(ctx, pool, e.js, projection.ArchiveProjection, 2, version.RetireOptions{Source: src})
+	err = version.Retire(ctx, pool, e.js, archive.Projection, 2, version.RetireOptions{Source: src})
 	require.Error(t, err)
 	published := stopTraffic()
-	require.NoError(t, version.Retire(ctx, pool, e.js, projection.ArchiveProjection, 1,
+	require.NoError(t, version.Retire(ctx, pool, e.js, archive.Projection, 1,
 		version.RetireOptions{Source: src, Drop: true}))
-	require.Equal(t, projection.StateRetired, state(t, pool, 1))
+	require.Equal(t, version.StateRetired, state(t, pool, 1))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE version = 1`))
 	stream, err := e.js.Stream(ctx, event.StreamName(src))
@@ -281,19 +283,19 @@ func TestPromoteRefusesUnlessReady(t *testing.T) {
 	s := e.start(cfg)
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 10 })
 	require.NoError(t, s.Stop(context.Background())) // nothing builds v2
-	_, _, err = version.Rollback(ctx, pool, projection.ArchiveProjection)
+	_, _, err = version.Rollback(ctx, pool, archive.Projection)
 	require.Error(t, err)
 
 	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, false)
+	_, err = version.Promote(ctx, pool, archive.Projection, v2.Version, false)
 	require.ErrorIs(t, err, version.ErrNotReady)
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v2.Version, true)
+	_, err = version.Promote(ctx, pool, archive.Projection, v2.Version, true)
 	require.NoError(t, err)
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows`), "forced: the empty version is served")
-	from, to, err := version.Rollback(ctx, pool, projection.ArchiveProjection)
+	from, to, err := version.Rollback(ctx, pool, archive.Projection)
 	require.NoError(t, err)
 	require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 	require.Equal(t, 10, count(t, c, `SELECT count(*) FROM archive.rows`))
@@ -317,14 +319,14 @@ func TestWaitLSN(t *testing.T) {
 	current := e.heartbeat() // "pg_current_wal_lsn()" after the delete, fanned to every partition
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	at, err := projection.WaitLSN(wctx, pool, projection.ArchiveProjection, current, 0)
+	at, err := status.WaitLSN(wctx, pool, archive.Projection, current, 0)
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, at, current)
 	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive.rows WHERE key = '{"id":42}'`))
 
 	short, cancel2 := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel2()
-	_, err = projection.WaitLSN(short, pool, projection.ArchiveProjection, current+0x100000, 0)
+	_, err = status.WaitLSN(short, pool, archive.Projection, current+0x100000, 0)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 }
 

@@ -6,6 +6,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func itoa(i int) string { return strconv.Itoa(i) }
@@ -73,7 +76,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 }
 
 // publish sets the gauges from a status document.
-func (m *metrics) publish(st *Status) {
+func (m *metrics) publish(st *status.Status) {
 	m.lagEvents.Reset()
 	m.lagSeconds.Reset()
 	m.partitionOldest.Reset()
@@ -85,18 +88,18 @@ func (m *metrics) publish(st *Status) {
 	m.gaps.Reset()
 	for _, v := range st.Versions {
 		ver := itoa(v.Version)
-		for _, s := range States {
+		for _, s := range version.States {
 			val := 0.0
 			if s == v.State {
 				val = 1
 			}
 			m.versionState.WithLabelValues(v.Projection, ver, s).Set(val)
 		}
-		if v.State == StateRetired {
+		if v.State == version.StateRetired {
 			continue
 		}
 		m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)
-		if v.Projection == ArchiveProjection {
+		if v.Projection == archive.Projection {
 			// Every kind is exported, 0 when there is none, so alerts see it.
 			for _, k := range []string{event.GapLostUpstream, event.GapRemovedFromStream, event.GapTruncate} {
 				m.gaps.WithLabelValues(ver, k, "false").Set(0)

@@ -17,6 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -74,18 +75,6 @@ func identityOf(headers map[string][]string, data []byte) string {
 	return "sha256:" + hex.EncodeToString(sum[:16])
 }
 
-// positionLSN is the source position a message stands for.
-func positionLSN(e *event.Event) event.LSN {
-	switch e.Op {
-	case event.OpMark:
-		return e.LSN
-	case event.OpGap:
-		return e.ToLSN
-	default:
-		return e.CommitLSN
-	}
-}
-
 // partitionWorker applies one partition of one version while this worker
 // holds its lease. It is a service (internal/startstop): a soft stop
 // finishes the page (applies, commits the cursor, acks), the hard stop
@@ -94,7 +83,7 @@ type partitionWorker struct {
 	startstop.Base
 	workerEnv
 	svc    workerRuntime
-	ver    Version
+	ver    version.Version
 	lease  progress.Lease
 	filter string
 	log    *slog.Logger
@@ -106,8 +95,8 @@ type partitionWorker struct {
 	carry   []*item   // fetched, not applied: the next group starts with them (splitAtCommit)
 	open    *openTx   // keys of the transaction still open (see decideEarly)
 	applied uint64    // events applied by this worker (metrics)
-	legacy  uint64    // the partition's legacy boundary (trust.go)
-	// recorded is the consumer named on the progress row (group.go).
+	legacy  uint64    // the partition's legacy boundary (verify.go)
+	// recorded is the consumer named on the progress row (version.UnitConsumer).
 	recorded string
 	// stalled counts idle rounds in a row in which the consumer had
 	// messages pending but delivered none; at maxStalled the consumer is
@@ -150,16 +139,16 @@ type workerEnv struct {
 }
 
 // workerRuntime is the service's part around a worker's pages: the rebuild
-// share (lifecycle_worker.go), the apply path (apply.go), the live
+// share (states.go), the apply path (apply.go), the live
 // version's side effects, and the hand-over of a lost lease.
 type workerRuntime interface {
-	admit(ctx context.Context, v Version) (release func(), err error)
-	apply(ctx context.Context, v Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error)
-	afterPage(ctx context.Context, v Version, partition int, items []*item)
+	admit(ctx context.Context, v version.Version) (release func(), err error)
+	apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error)
+	afterPage(ctx context.Context, v version.Version, partition int, items []*item)
 	leaseLost(w *partitionWorker)
 }
 
-func newPartitionWorker(s *Service, v Version, l progress.Lease) *partitionWorker {
+func newPartitionWorker(s *Service, v version.Version, l progress.Lease) *partitionWorker {
 	return &partitionWorker{
 		workerEnv: workerEnv{cfg: &s.cfg, pool: s.pool, js: s.js, group: s.group, partitions: s.partitions, keys: s.keys, metrics: s.metrics},
 		svc:       s, ver: v, lease: l,
@@ -287,7 +276,7 @@ func (w *partitionWorker) init(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open stream: %w", err)
 	}
-	if err := w.checkStreamIdentity(ctx, row.StreamCreated); err != nil { // trust.go
+	if err := w.checkStreamIdentity(ctx, row.StreamCreated); err != nil { // verify.go
 		return err
 	}
 	if w.legacy, err = w.legacyBoundary(ctx); err != nil {
@@ -412,7 +401,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 		if err != nil {
 			return raw.Sequence, 0, true, nil // unknown position: treat as "at or after"
 		}
-		return raw.Sequence, positionLSN(e), true, nil
+		return raw.Sequence, version.PositionLSN(e), true, nil
 	}
 	lo, hi := first, bound+1 // invariant: the answer m is in [lo, hi]
 	for lo < hi {
@@ -440,7 +429,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 // ensureConsumer keeps the durable consumer if it stands exactly at the
 // cursor with nothing in flight, else deletes and recreates it to start at
 // cursor+1: the Postgres cursor is the truth. The consumer is the group's
-// (group.go); once it stands at the cursor, the one used before (the name
+// (version.UnitConsumer); once it stands at the cursor, the one used before (the name
 // from before consumer groups, or another group's recorded on the row) is
 // deleted.
 func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
@@ -760,7 +749,7 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		return resetf("stream_behind", "the stream's last sequence %d is before the cursor %d", info.State.LastSeq, w.pos.Cursor)
 	}
 	if first := info.State.FirstSeq; first > w.pos.Cursor+1 && w.pos.Cursor >= w.legacy && w.pos.Trust.PartSeq > 0 {
-		return w.recordSuspectedGap(ctx, first) // trust.go
+		return w.recordSuspectedGap(ctx, first) // verify.go
 	}
 	return nil
 }
@@ -806,11 +795,11 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	if raw.Sequence != fresh[0].seq {
 		return resetf("page_gap", "page starts at %d but the partition continues at %d", fresh[0].seq, raw.Sequence)
 	}
-	release, err := w.svc.admit(ctx, w.ver) // rebuild share (lifecycle_worker.go)
+	release, err := w.svc.admit(ctx, w.ver) // rebuild share (states.go)
 	if err != nil {
 		return err
 	}
-	vd, err := w.verifyPage(ctx, fresh) // trust.go
+	vd, err := w.verifyPage(ctx, fresh) // verify.go
 	if err != nil {
 		release()
 		return err

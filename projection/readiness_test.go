@@ -18,6 +18,8 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 // statusRow is the reader's view of archive.status for the live version.
@@ -114,10 +116,10 @@ func TestGapMakesArchiveNotReadyUntilAcknowledged(t *testing.T) {
 	// Up to the gap's start the archive is complete; inside it, it cannot be.
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	_, err = projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, before, 0)
+	_, err = status.WaitComplete(wctx, s.Pool(), archive.Projection, before, 0)
 	require.NoError(t, err)
-	_, err = projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, before+0x100, 0)
-	var ie *projection.IncompleteError
+	_, err = status.WaitComplete(wctx, s.Pool(), archive.Projection, before+0x100, 0)
+	var ie *status.IncompleteError
 	require.ErrorAs(t, err, &ie)
 	require.Len(t, ie.Blockers, 1)
 	require.NotNil(t, ie.Blockers[0].Gap)
@@ -125,27 +127,27 @@ func TestGapMakesArchiveNotReadyUntilAcknowledged(t *testing.T) {
 	require.Contains(t, err.Error(), "after "+before.String()+" up to "+to.String())
 
 	// Acknowledging needs a reason; then the archive is ready and complete.
-	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	vg, err := status.ListGaps(ctx, s.Pool(), archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, vg, 1)
 	require.Len(t, vg[0].Gaps, 1)
 	id := vg[0].Gaps[0].ID
-	_, err = projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id, "  ")
+	_, err = status.AckGap(ctx, s.Pool(), archive.Projection, 0, id, "  ")
 	require.ErrorContains(t, err, "reason is required")
-	g, err := projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id, "slot dropped by the DBA on purpose")
+	g, err := status.AckGap(ctx, s.Pool(), archive.Projection, 0, id, "slot dropped by the DBA on purpose")
 	require.NoError(t, err)
 	require.NotNil(t, g.AcknowledgedAt)
 	require.Equal(t, "slot dropped by the DBA on purpose", *g.AckReason)
-	_, err = projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id, "again")
+	_, err = status.AckGap(ctx, s.Pool(), archive.Projection, 0, id, "again")
 	require.ErrorContains(t, err, "already acknowledged")
-	_, err = projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, id+100, "no such")
-	require.ErrorIs(t, err, projection.ErrGapNotFound)
+	_, err = status.AckGap(ctx, s.Pool(), archive.Projection, 0, id+100, "no such")
+	require.ErrorIs(t, err, status.ErrGapNotFound)
 
 	eventually(t, 10*time.Second, func() bool { return readyNow(c) }, "ready after the ack")
 	st = readStatus(t, c)
 	require.Equal(t, after.String(), *st.complete)
 	require.Zero(t, st.gapsOpen)
-	r, err := projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, before+0x100, 0)
+	r, err := status.WaitComplete(wctx, s.Pool(), archive.Projection, before+0x100, 0)
 	require.NoError(t, err)
 	require.Equal(t, after.String(), r.CompleteUpToLSN)
 
@@ -266,8 +268,8 @@ func TestWaitQuarantineAndTimeout(t *testing.T) {
 	// Timeout: an LSN far ahead; the error names where the archive is.
 	wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
-	_, err := projection.WaitComplete(wctx, s.Pool(), projection.ArchiveProjection, hb+0x100000, 0)
-	var te *projection.TimeoutError
+	_, err := status.WaitComplete(wctx, s.Pool(), archive.Projection, hb+0x100000, 0)
+	var te *status.TimeoutError
 	require.ErrorAs(t, err, &te)
 	require.True(t, errors.Is(err, context.DeadlineExceeded))
 	require.Contains(t, err.Error(), "complete up to "+hb.String())
@@ -289,10 +291,10 @@ func TestWaitQuarantineAndTimeout(t *testing.T) {
 
 	wctx2, cancel2 := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel2()
-	_, err = projection.WaitComplete(wctx2, s.Pool(), projection.ArchiveProjection, hb, 0)
+	_, err = status.WaitComplete(wctx2, s.Pool(), archive.Projection, hb, 0)
 	require.NoError(t, err)
-	_, err = projection.WaitComplete(wctx2, s.Pool(), projection.ArchiveProjection, hb2, 0)
-	var ie *projection.IncompleteError
+	_, err = status.WaitComplete(wctx2, s.Pool(), archive.Projection, hb2, 0)
+	var ie *status.IncompleteError
 	require.ErrorAs(t, err, &ie)
 	require.Len(t, ie.Blockers, 1)
 	require.NotZero(t, ie.Blockers[0].Quarantine)
@@ -301,7 +303,7 @@ func TestWaitQuarantineAndTimeout(t *testing.T) {
 
 	// GET /wait answers the same: 200 before the quarantined event, 409
 	// after it naming it, 504 on a timeout naming where the archive is.
-	srv := httptest.NewServer(projection.WaitHandler(s.Pool(), projection.ArchiveProjection))
+	srv := httptest.NewServer(status.WaitHandler(s.Pool(), archive.Projection))
 	defer srv.Close()
 	getWait := func(lsn event.LSN, timeout string) (int, map[string]any) {
 		resp, err := http.Get(srv.URL + "?lsn=" + lsn.String() + "&timeout=" + timeout)
@@ -361,8 +363,8 @@ func TestWaitBeforeTheTargetIsSetUp(t *testing.T) {
 	t.Cleanup(pool.Close)
 	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
-	_, err = projection.WaitComplete(wctx, pool, projection.ArchiveProjection, 0x1000, 0)
-	var te *projection.TimeoutError
+	_, err = status.WaitComplete(wctx, pool, archive.Projection, 0x1000, 0)
+	var te *status.TimeoutError
 	require.ErrorAs(t, err, &te)
 	require.Contains(t, err.Error(), "no live version")
 }
@@ -430,11 +432,11 @@ func TestRecreatedStreamIsAGap(t *testing.T) {
 	require.Equal(t, before.String(), *st.complete, "complete only up to where the old stream was left")
 
 	// Acknowledged, the archive is ready again; a restart records no more.
-	vg, err := projection.ListGaps(ctx, s.Pool(), projection.ArchiveProjection)
+	vg, err := status.ListGaps(ctx, s.Pool(), archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, vg, 1)
 	for _, g := range vg[0].Gaps {
-		_, err := projection.AckGap(ctx, s.Pool(), projection.ArchiveProjection, 0, g.ID, "stream re-created on purpose in a test")
+		_, err := status.AckGap(ctx, s.Pool(), archive.Projection, 0, g.ID, "stream re-created on purpose in a test")
 		require.NoError(t, err)
 	}
 	require.NoError(t, s.Stop(ctx))

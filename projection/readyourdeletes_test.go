@@ -15,7 +15,8 @@ import (
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 // Read your deletes with the real capture: DELETE in the source, take
@@ -61,7 +62,7 @@ func TestReadYourDeletesWithCapture(t *testing.T) {
 		lsn, err := event.ParseLSN(current)
 		require.NoError(t, err)
 		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		at, err := projection.WaitLSN(wctx, pool, projection.ArchiveProjection, lsn, 0)
+		at, err := status.WaitLSN(wctx, pool, archive.Projection, lsn, 0)
 		cancel()
 		require.NoError(t, err)
 		require.GreaterOrEqual(t, at, lsn)

@@ -14,6 +14,11 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/retention"
+	"github.com/epitaph-dev/epitaph/projection/trust"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -51,7 +56,7 @@ type ReplayConfig struct {
 // replay's transaction is not written to.
 func ReplayFunc(cfg ReplayConfig) quarantine.ApplyFunc {
 	r := &replayer{cfg: cfg, dec: cfg.Decoder, objects: newObjectReader(cfg.JetStream),
-		retention: newRetentionMetrics(prometheus.NewRegistry()), log: cfg.Logger}
+		retention: retention.NewMetrics(prometheus.NewRegistry()), log: cfg.Logger}
 	if r.dec == nil {
 		r.dec = &event.Decoder{}
 	}
@@ -67,22 +72,22 @@ type replayer struct {
 	cfg       ReplayConfig
 	dec       *event.Decoder
 	objects   *objectReader
-	retention *retentionMetrics
+	retention *retention.Metrics
 	log       *slog.Logger
 	extraDDL  func(schema string) string
 }
 
 func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) error {
-	if e.Projection != ArchiveProjection {
+	if e.Projection != archive.Projection {
 		return fmt.Errorf("replay: projection %q is not known to this projector", e.Projection)
 	}
-	v := Version{Projection: e.Projection, Version: e.Version}
+	v := version.Version{Projection: e.Projection, Version: e.Version}
 	err := tx.QueryRow(ctx, `SELECT schema_name FROM epitaph.projection_versions WHERE projection = $1 AND version = $2`,
 		e.Projection, e.Version).Scan(&v.Schema)
 	if err != nil {
 		return fmt.Errorf("replay: version %d of %s: %w", e.Version, e.Projection, err)
 	}
-	if e.Category == CategoryUnauthenticated {
+	if e.Category == trust.CategoryUnauthenticated {
 		// Replaying one message alone would skip its verification.
 		return quarantine.Permanent(quarantine.CategoryUnauthenticated, fmt.Errorf("not replayed: it failed verification (trust.go); "+
 			"if its key is trusted now (projector trust-key), rebuild the version, which verifies the stream again; else discard it"))
@@ -93,7 +98,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 	}
 	it := &item{seq: e.StreamSeq, subject: e.Subject, headers: e.Headers, data: e.Data, ev: ev, after: e.After}
 	for {
-		// An erasure recorded meanwhile (errFencesChanged): apply again,
+		// An erasure recorded meanwhile (erasure.ErrFencesChanged): apply again,
 		// with its fence, as the runtime does.
 		sp, err := tx.Begin(ctx)
 		if err != nil {
@@ -106,7 +111,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 		if rbErr := sp.Rollback(ctx); rbErr != nil {
 			return fmt.Errorf("replay: rollback savepoint: %w (after %w)", rbErr, err)
 		}
-		if !errors.Is(err, errFencesChanged) {
+		if !errors.Is(err, erasure.ErrFencesChanged) {
 			return err
 		}
 		it.category, it.failure = "", nil
@@ -114,7 +119,7 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 }
 
 // applyOne applies the event of it as a page of its own, in tx.
-func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v Version, partition int, it *item) error {
+func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v version.Version, partition int, it *item) error {
 	ev := it.ev
 	s, err := r.service(ctx, tx, ev.Source)
 	if err != nil {
@@ -165,9 +170,9 @@ func (r *replayer) service(ctx context.Context, tx pgx.Tx, source string) (*Serv
 	s := &Service{
 		cfg: Config{SourceName: source, ArchiveTTL: r.cfg.ArchiveTTL, SnapshotRoots: r.cfg.SnapshotRoots, MaxRowBytes: r.cfg.MaxRowBytes},
 		log: r.log, objects: r.objects, retention: r.retention, extraDDL: r.extraDDL,
-		fences: &fenceSet{}, handlers: handler.NewCache(tx, time.Second),
+		fences: &erasure.FenceSet{}, handlers: handler.NewCache(tx, time.Second),
 	}
-	if err := s.fences.load(ctx, tx); err != nil {
+	if err := s.fences.Load(ctx, tx); err != nil {
 		return nil, err
 	}
 	if err := s.handlers.Refresh(ctx); err != nil {
@@ -181,7 +186,7 @@ func (r *replayer) service(ctx context.Context, tx pgx.Tx, source string) (*Serv
 func transactionCommitted(ctx context.Context, tx pgx.Tx, schema string, ev *event.Event) (bool, error) {
 	var committed bool
 	err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s.rows
-		WHERE source = $1 AND commit_lsn = $2::pg_lsn AND is_root IS NOT NULL)`, ident(schema)),
+		WHERE source = $1 AND commit_lsn = $2::pg_lsn AND is_root IS NOT NULL)`, archive.Ident(schema)),
 		ev.Source, ev.CommitLSN.String()).Scan(&committed)
 	if err != nil {
 		return false, fmt.Errorf("replay: look up transaction: %w", err)

@@ -13,6 +13,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -53,8 +54,8 @@ func TestReplayEndsAsLive(t *testing.T) {
 
 	// Order 3's line is erased while its event is in quarantine: the entry
 	// cannot be decoded (v2) but its raw bytes match, so it loses its
-	// payload and is discarded, not replayed (erase_quarantine.go).
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.order_lines", Key: json.RawMessage(`{"id":3001}`),
+	// payload and is discarded, not replayed (erasure/quarantine.go).
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.order_lines", Key: json.RawMessage(`{"id":3001}`),
 		Reason: "test", Actor: "test"})
 	require.NoError(t, err)
 	require.Equal(t, 1, rc.Removed["epitaph.quarantine"])

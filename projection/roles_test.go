@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -56,8 +56,8 @@ func TestTargetRoleRecipe(t *testing.T) {
 	v, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
 	require.NoError(t, err)
 	e.heartbeat()
-	eventually(t, 60*time.Second, func() bool { return state(t, pool, v.Version) == projection.StateReady })
-	_, err = version.Promote(ctx, pool, projection.ArchiveProjection, v.Version, false)
+	eventually(t, 60*time.Second, func() bool { return state(t, pool, v.Version) == version.StateReady })
+	_, err = version.Promote(ctx, pool, archive.Projection, v.Version, false)
 	require.NoError(t, err)
 	require.Equal(t, 6, count(t, rc, `SELECT count(*) FROM archive.rows`))
 	require.Equal(t, 1, count(t, rc, `SELECT count(*) FROM archive.status WHERE version = 2 AND state = 'live'`))

@@ -13,6 +13,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // randomTx is a transaction of random rows of a small schema with single,
@@ -66,9 +67,9 @@ func TestMarkRootsSQLMatchesMemory(t *testing.T) {
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)
 	defer pool.Close()
-	require.NoError(t, migrations.Apply(ctx, pool)) // the insert reads the erasure counter (fence.go)
-	schema := ArchiveSchema(1)
-	_, err = conn.Exec(ctx, archiveDDL(schema))
+	require.NoError(t, migrations.Apply(ctx, pool)) // the insert reads the erasure counter (erasure fences)
+	schema := archive.Schema(1)
+	_, err = conn.Exec(ctx, archive.DDL(schema))
 	require.NoError(t, err)
 
 	rng := rand.New(rand.NewPCG(7, 11))
@@ -108,7 +109,7 @@ func TestMarkRootsSQLMatchesMemory(t *testing.T) {
 	require.NoError(t, markRoots(ctx, tx, schema, "main", odd, true))
 	for i, r := range all {
 		var got *bool
-		require.NoError(t, tx.QueryRow(ctx, `SELECT is_root FROM `+ident(schema, "rows")+` WHERE commit_lsn = $1 AND seq = $2`,
+		require.NoError(t, tx.QueryRow(ctx, `SELECT is_root FROM `+archive.Ident(schema, "rows")+` WHERE commit_lsn = $1 AND seq = $2`,
 			r.ev.CommitLSN.String(), r.ev.Seq).Scan(&got))
 		expect := want[i]
 		if pre[i] != nil && slicesIndex(odd, r.ev.CommitLSN) {

@@ -20,7 +20,12 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -33,7 +38,7 @@ type Service struct {
 	reg     *prometheus.Registry
 	now     func() time.Time
 	metrics *metrics
-	// lifecycle: rebuild progress gauges (lifecycle_metrics.go)
+	// lifecycle: rebuild progress gauges (states_metrics.go)
 	lifecycle *lifecycleMetrics
 
 	pool   *pgxpool.Pool
@@ -48,27 +53,27 @@ type Service struct {
 	batcher *snapshot.Batcher
 
 	objects *objectReader
-	keys    *keyring // trusted signing keys (trust.go)
+	keys    *keyring // trusted signing keys (verify.go)
 	// handlers: the row handlers per table, for queueing deliveries
 	// (handlers.go).
 	handlers *handler.Cache
 
-	fences    *fenceSet         // erasure fences (fence.go)
-	retention *retentionMetrics // retention.go
-	cleaner   *Cleaner          // retention.go; nil when disabled
+	fences    *erasure.FenceSet  // erasure fences (fencecheck.go)
+	retention *retention.Metrics // cleanup and fence metrics
+	cleaner   *retention.Cleaner // cleaner.go; nil when disabled
 
 	mu         sync.Mutex
 	closing    bool
 	workers    map[progress.Key]*partitionWorker
 	partitions int
-	versions   string              // fingerprint of the active versions last ensured
-	live       map[string]int      // live version per projection, as of the last balance
-	throttled  map[VersionKey]bool // versions building or catching up (RebuildShare applies)
+	versions   string                      // fingerprint of the active versions last ensured
+	live       map[string]int              // live version per projection, as of the last balance
+	throttled  map[version.VersionKey]bool // versions building or catching up (RebuildShare applies)
 	// rebuildGate bounds the pages of non-live versions applied at once
 	// (Config.RebuildShare); nil until the partition count is known.
 	rebuildGate  chan struct{}
 	lastLivePage time.Time // when a page of a live version was last admitted
-	lastStatus   *Status
+	lastStatus   *status.Status
 
 	ss     startstop.Base
 	runCtx context.Context       // the hard-stop context partition workers run on
@@ -95,7 +100,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	}
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
-	s.fences, s.retention = &fenceSet{}, newRetentionMetrics(o.registry)
+	s.fences, s.retention = &erasure.FenceSet{}, retention.NewMetrics(o.registry)
 	s.extraDDL = snapshotHooks()
 	return s, nil
 }
@@ -380,18 +385,18 @@ func (s *Service) balance(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("stream %s (is the capture running?): %w", event.StreamName(s.cfg.SourceName), err)
 		}
-		n, err := StreamPartitions(stream.CachedInfo())
+		n, err := version.StreamPartitions(stream.CachedInfo())
 		if err != nil {
 			return err
 		}
 		s.partitions = n
 	}
-	vs, err := ListVersions(ctx, s.pool, ArchiveProjection)
+	vs, err := version.ListVersions(ctx, s.pool, archive.Projection)
 	if err != nil {
 		return err
 	}
 	if fp := fingerprint(vs); fp != s.versions || len(vs) == 0 {
-		ensured, err := ensureArchive(ctx, s.pool, s.partitions, s.extraDDL)
+		ensured, err := version.EnsureArchiveVersions(ctx, s.pool, s.partitions, s.extraDDL)
 		if err != nil {
 			return err
 		}
@@ -399,12 +404,12 @@ func (s *Service) balance(ctx context.Context) error {
 		// created since would be remembered as ensured, and its tables
 		// never made (its schema never checked) by this worker.
 		s.versions = fingerprint(ensured)
-		if vs, err = ListVersions(ctx, s.pool, ArchiveProjection); err != nil {
+		if vs, err = version.ListVersions(ctx, s.pool, archive.Projection); err != nil {
 			return err
 		}
 	}
 	s.setLive(vs)
-	active := map[VersionKey]bool{}
+	active := map[version.VersionKey]bool{}
 	for _, v := range vs {
 		if !v.Active() {
 			continue
@@ -418,7 +423,7 @@ func (s *Service) balance(ctx context.Context) error {
 	var gone []*partitionWorker
 	s.mu.Lock()
 	for k, w := range s.workers {
-		if !active[VersionKey{Projection: k.Projection, Version: k.Version}] {
+		if !active[version.VersionKey{Projection: k.Projection, Version: k.Version}] {
 			gone = append(gone, w)
 		}
 	}
@@ -426,7 +431,7 @@ func (s *Service) balance(ctx context.Context) error {
 	return s.stopAndRelease(ctx, gone)
 }
 
-func fingerprint(vs []Version) string {
+func fingerprint(vs []version.Version) string {
 	out := ""
 	for _, v := range vs {
 		out += fmt.Sprintf("%s/%d/%s/%s;", v.Projection, v.Version, v.State, v.Schema)
@@ -434,7 +439,7 @@ func fingerprint(vs []Version) string {
 	return out
 }
 
-func (s *Service) balanceVersion(ctx context.Context, v Version) error {
+func (s *Service) balanceVersion(ctx context.Context, v version.Version) error {
 	n := v.Partitions
 	if n == 0 {
 		n = s.partitions
@@ -532,8 +537,8 @@ func (s *Service) Owned() []progress.Key {
 }
 
 // Status collects the status document now.
-func (s *Service) Status(ctx context.Context) (*Status, error) {
-	st, err := CollectStatus(ctx, s.pool, s.js, s.cfg.SourceName, s.now())
+func (s *Service) Status(ctx context.Context) (*status.Status, error) {
+	st, err := status.CollectStatus(ctx, s.pool, s.js, s.cfg.SourceName, s.now())
 	if err != nil {
 		return nil, err
 	}

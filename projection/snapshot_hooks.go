@@ -6,7 +6,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // snapshotHooks returns the DDL of a version's snapshots table.
@@ -27,7 +29,7 @@ func snapshotHooks() func(schema string) string { return snapshot.DDL }
 // assembly only once its rows are known complete; a check that a group's
 // rows are authentic belongs before this call, and a group failing it must
 // not be handed to either path.
-func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commits []*item, rows []*archiveRow,
+func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v version.Version, commits []*item, rows []*archiveRow,
 	inPage map[event.LSN]bool, archived map[string]insertedTx) (int, error) {
 	if len(s.cfg.SnapshotRoots) == 0 {
 		return 0, nil
@@ -64,7 +66,7 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v Version, commit
 // leaves (a failure, a group not complete yet, jobs another batch holds) is
 // the batcher's, which it wakes when the batch claimed fewer than the
 // pending jobs the page made.
-func (s *Service) snapshotsCommitted(ctx context.Context, v Version, commits []*item, pending int) {
+func (s *Service) snapshotsCommitted(ctx context.Context, v version.Version, commits []*item, pending int) {
 	txs := make([]snapshot.TxRef, 0, len(commits))
 	for _, c := range commits {
 		if c.category == "" {
@@ -97,14 +99,14 @@ func snapshotRows(rows []*archiveRow) map[event.LSN][]snapshot.Row {
 // snapshotTargets lists the schemas of the active archive versions, the
 // live one marked (the batcher serves it first).
 func (s *Service) snapshotTargets(ctx context.Context) ([]snapshot.Target, error) {
-	vs, err := ListVersions(ctx, s.pool, ArchiveProjection)
+	vs, err := version.ListVersions(ctx, s.pool, archive.Projection)
 	if err != nil {
 		return nil, err
 	}
 	var out []snapshot.Target
 	for _, v := range vs {
 		if v.Active() {
-			out = append(out, snapshot.Target{Schema: v.Schema, Projection: v.Projection, Version: v.Version, Live: v.State == StateLive})
+			out = append(out, snapshot.Target{Schema: v.Schema, Projection: v.Projection, Version: v.Version, Live: v.State == version.StateLive})
 		}
 	}
 	return out, nil

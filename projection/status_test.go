@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 // With no worker running, the status says so: lag in events and age of the
@@ -41,7 +41,7 @@ func TestStatusLagAndMetrics(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	// Ages are measured against the clock given: ten seconds later.
-	st, err := projection.CollectStatus(ctx, pool, e.js, src, published.Add(10*time.Second))
+	st, err := status.CollectStatus(ctx, pool, e.js, src, published.Add(10*time.Second))
 	require.NoError(t, err)
 	require.Len(t, st.Versions, 1)
 	v := st.Versions[0]

@@ -15,7 +15,9 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/trust"
 )
 
 // signed returns tx's messages signed by s (in publish order), unpublished.
@@ -137,20 +139,20 @@ func TestUnauthenticatedTransactionsAreQuarantined(t *testing.T) {
 	require.Equal(t, expected(t, c, good1, good2), archived(t, c, "archive.rows"))
 	require.Equal(t, expected(t, c, good1, good2), archived(t, c, "archive_v1.rows"), "nothing refused is archived, not even invisibly")
 	var want []qrow
-	want = append(want, seqs(4, 6, subjects(uMsgs), projection.CategoryUnauthenticated)...)
-	want = append(want, seqs(7, 9, subjects(tMsgs), projection.CategoryUnauthenticated)...)
-	want = append(want, seqs(10, 12, subjects(wMsgs), projection.CategoryUnauthenticated)...)
+	want = append(want, seqs(4, 6, subjects(uMsgs), trust.CategoryUnauthenticated)...)
+	want = append(want, seqs(7, 9, subjects(tMsgs), trust.CategoryUnauthenticated)...)
+	want = append(want, seqs(10, 12, subjects(wMsgs), trust.CategoryUnauthenticated)...)
 	require.Equal(t, want, quarantined(t, c))
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.gaps`), "refused messages are not a removal")
 
-	keys, err := projection.TrustedKeys(ctx, c)
+	keys, err := trust.TrustedKeys(ctx, c)
 	require.NoError(t, err)
 	require.Len(t, keys, 1)
 	require.Equal(t, event.KeyID(e.signer.Public()), keys[0].KeyID)
 	require.Equal(t, "first use", keys[0].TrustedBy)
 
 	// Key rotation: the operator trusts the new key; the old one stays.
-	added, err := projection.TrustKey(ctx, c, other.Public(), "test", "rotated")
+	added, err := trust.TrustKey(ctx, c, other.Public(), "test", "rotated")
 	require.NoError(t, err)
 	require.True(t, added)
 	rotated := e.nextTx(orderRows(6, 1)...)
@@ -218,8 +220,8 @@ func TestForgedRowPreemptingARealOneLoses(t *testing.T) {
 			require.Equal(t, expected(t, c, tx, after), archived(t, c, "archive.rows"))
 			require.Equal(t, expected(t, c, tx, after), archived(t, c, "archive_v1.rows"))
 			require.Equal(t, []qrow{
-				{seq: 3, subject: forged.Subject, category: projection.CategoryUnauthenticated},
-				{seq: 6, subject: extra.Subject, category: projection.CategoryUnauthenticated},
+				{seq: 3, subject: forged.Subject, category: trust.CategoryUnauthenticated},
+				{seq: 6, subject: extra.Subject, category: trust.CategoryUnauthenticated},
 			}, quarantined(t, c))
 			require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.gaps`))
 		})
@@ -267,7 +269,7 @@ func TestForgedMarkDoesNotMoveSourceLSN(t *testing.T) {
 	require.Len(t, q, 3)
 	for i, r := range q {
 		require.Equal(t, int64(5+i), r.seq)
-		require.Equal(t, projection.CategoryUnauthenticated, r.category)
+		require.Equal(t, trust.CategoryUnauthenticated, r.category)
 	}
 	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
 }
@@ -314,7 +316,7 @@ func TestLegacyBoundary(t *testing.T) {
 	e.start(e.config("w1"))
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 7 })
-	bs, err := projection.LegacyBoundaries(context.Background(), c)
+	bs, err := trust.LegacyBoundaries(context.Background(), c)
 	require.NoError(t, err)
 	require.Len(t, bs, 1)
 	require.Equal(t, uint64(7), bs[0].BoundarySeq)
@@ -327,7 +329,7 @@ func TestLegacyBoundary(t *testing.T) {
 	e.publish(signed) // seq 11-13
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 13 })
 	require.Equal(t, expected(t, c, old1, old2, signed), archived(t, c, "archive.rows"))
-	require.Equal(t, seqs(8, 10, subjects(lMsgs), projection.CategoryUnauthenticated), quarantined(t, c))
+	require.Equal(t, seqs(8, 10, subjects(lMsgs), trust.CategoryUnauthenticated), quarantined(t, c))
 }
 
 type gap struct {
@@ -408,15 +410,15 @@ func removal(t *testing.T, limits func(*jetstream.StreamConfig), remove func(e *
 	last := streamLast(t, e)
 	require.Equal(t, []gap{{partition: 1, fromSeq: 4, toSeq: int64(last - 3), toLSN: ptr(tx4.lsn.String())}}, gaps(t, c, 1))
 	// Readers are told: not ready, and waiting for tx4 cannot succeed.
-	rs, err := projection.ReadReadiness(ctx, c, projection.ArchiveProjection)
+	rs, err := status.ReadReadiness(ctx, c, archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, rs, 1)
 	require.False(t, rs[0].Ready)
 	require.GreaterOrEqual(t, rs[0].GapsUnacknowledged, 1)
 	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
 	defer wcancel()
-	_, err = projection.WaitComplete(wctx, c, projection.ArchiveProjection, tx4.lsn, 0)
-	var incomplete *projection.IncompleteError
+	_, err = status.WaitComplete(wctx, c, archive.Projection, tx4.lsn, 0)
+	var incomplete *status.IncompleteError
 	require.ErrorAs(t, err, &incomplete, "wait --lsn exits 3")
 	require.Equal(t, expected(t, c, tx1, tx4), archived(t, c, "(SELECT * FROM archive.rows WHERE commit_lsn IN ('"+tx1.lsn.String()+"', '"+tx2.lsn.String()+"', '"+tx3.lsn.String()+"', '"+tx4.lsn.String()+"')) r"))
 	for _, q := range quarantined(t, c) {

@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func viewTarget(t *testing.T, c *pgx.Conn) string {
@@ -60,7 +60,7 @@ func TestVersionsSideBySideAndViewFollowsLive(t *testing.T) {
 		if _, err := tx.Exec(ctx, `UPDATE epitaph.projection_versions SET state = 'live', live_at = now() WHERE version = 2`); err != nil {
 			return err
 		}
-		return projection.PointViews(ctx, tx, 2)
+		return version.PointViews(ctx, tx, 2)
 	}))
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	require.Equal(t, 26, count(t, c, `SELECT count(*) FROM archive.rows`))

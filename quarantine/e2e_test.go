@@ -18,6 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -129,7 +130,7 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 		require.Equal(t, 1, archived(id), "row %d", id)
 	}
 	require.Zero(t, archived(2))
-	recs, err := quarantine.List(ctx, pool, quarantine.Filter{Projection: projection.ArchiveProjection, Version: 1})
+	recs, err := quarantine.List(ctx, pool, quarantine.Filter{Projection: archive.Projection, Version: 1})
 	require.NoError(t, err)
 	require.Len(t, recs, 3)
 	got := map[uint64]string{}

@@ -38,7 +38,8 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/progress"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -71,7 +72,7 @@ func Register(mux interface {
 	Handle(pattern string, h http.Handler)
 }, cfg Config) {
 	if cfg.Projection == "" {
-		cfg.Projection = projection.ArchiveProjection
+		cfg.Projection = archive.Projection
 	}
 	a := &api{cfg: cfg}
 	mux.Handle("GET /v1/rows", a.endpoint(tableKey, a.rows))
@@ -152,13 +153,13 @@ func (a *api) serve(w http.ResponseWriter, r *http.Request, parse func(*http.Req
 		}
 		reached = true
 	}
-	state, st, err := projection.ViewState(ctx, a.cfg.DB, a.cfg.Projection)
+	state, st, err := status.ViewState(ctx, a.cfg.DB, a.cfg.Projection)
 	if err != nil {
-		req.setHeaders(projection.ViewUnavailable, nil)
+		req.setHeaders(status.ViewUnavailable, nil)
 		return nil, err
 	}
 	req.setHeaders(state, st)
-	if state != projection.ViewReady && !reached {
+	if state != status.ViewReady && !reached {
 		he := fail(http.StatusServiceUnavailable, "the archive is %s: an answer now could miss rows (check archive.status, or pass wait_lsn=)", state)
 		he.body["view_state"] = state
 		if st != nil {
@@ -174,12 +175,12 @@ func (a *api) serve(w http.ResponseWriter, r *http.Request, parse func(*http.Req
 func (a *api) wait(ctx context.Context, req *request) error {
 	wctx, cancel := context.WithTimeout(ctx, req.timeout)
 	defer cancel()
-	st, err := projection.WaitComplete(wctx, a.cfg.DB, a.cfg.Projection, req.waitLSN, 0)
+	st, err := status.WaitComplete(wctx, a.cfg.DB, a.cfg.Projection, req.waitLSN, 0)
 	if st != nil && st.CompleteUpToLSN != "" {
 		req.w.Header().Set(HeaderCompleteUpTo, st.CompleteUpToLSN)
 	}
-	var ie *projection.IncompleteError
-	var te *projection.TimeoutError
+	var ie *status.IncompleteError
+	var te *status.TimeoutError
 	switch {
 	case err == nil:
 		return nil
@@ -237,12 +238,12 @@ func parseRequest(w http.ResponseWriter, r *http.Request) (*request, error) {
 		if err != nil || d <= 0 {
 			return nil, fail(http.StatusBadRequest, "timeout: want a positive duration such as 10s")
 		}
-		req.timeout = min(d, projection.MaxWaitTimeout)
+		req.timeout = min(d, status.MaxWaitTimeout)
 	}
 	return req, nil
 }
 
-func (req *request) setHeaders(state string, st *projection.Readiness) {
+func (req *request) setHeaders(state string, st *status.Readiness) {
 	req.w.Header().Set(HeaderViewState, state)
 	if st != nil && st.CompleteUpToLSN != "" {
 		req.w.Header().Set(HeaderCompleteUpTo, st.CompleteUpToLSN)

@@ -21,7 +21,8 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/quarantine"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -52,7 +53,7 @@ func quarantineSetup(t *testing.T) (pool *pgxpool.Pool, srv *httptest.Server, id
 		}
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
-		require.NoError(t, quarantine.Insert(ctx, tx, quarantine.Entry{Projection: projection.ArchiveProjection, Version: 1, Partition: i,
+		require.NoError(t, quarantine.Insert(ctx, tx, quarantine.Entry{Projection: archive.Projection, Version: 1, Partition: i,
 			StreamSeq: uint64(100 + i), Subject: "epitaph.main.delete.0.public.orders", Data: []byte(body), Category: string(cat),
 			Error:   "ERROR: insert or update on table \"orders\" violates a constraint (SQLSTATE 23503)",
 			Headers: map[string][]string{"Nats-Msg-Id": {"m" + fmt.Sprint(i)}}}))
@@ -74,8 +75,8 @@ func quarantineSetup(t *testing.T) (pool *pgxpool.Pool, srv *httptest.Server, id
 		return err
 	}
 	actions := statuspage.QuarantineActions(pool, apply)
-	collect := func(ctx context.Context) (*projection.Status, error) {
-		return projection.CollectStatus(ctx, pool, nil, source, time.Now())
+	collect := func(ctx context.Context) (*status.Status, error) {
+		return status.CollectStatus(ctx, pool, nil, source, time.Now())
 	}
 	mux := http.NewServeMux()
 	mux.Handle("GET /{$}", statuspage.Handler(collect, statuspage.WithQuarantineEntries(pool, 0),

@@ -34,6 +34,8 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/workload"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -264,7 +266,7 @@ func TestPageInBrowser(t *testing.T) {
 	require.Regexp(t, `data-testid="version-complete">(–|0/0)<`, dom, "not complete past the quarantine or the gap")
 
 	// Acknowledged, the gap says so and no longer counts as open.
-	vg, err := projection.ListGaps(ctx, svc.Pool(), projection.ArchiveProjection)
+	vg, err := status.ListGaps(ctx, svc.Pool(), archive.Projection)
 	require.NoError(t, err)
 	require.Len(t, vg, 1)
 	var gapID int64
@@ -273,7 +275,7 @@ func TestPageInBrowser(t *testing.T) {
 			gapID = g.ID
 		}
 	}
-	_, err = projection.AckGap(ctx, svc.Pool(), projection.ArchiveProjection, 0, gapID, "known: slot recreated in the test")
+	_, err = status.AckGap(ctx, svc.Pool(), archive.Projection, 0, gapID, "known: slot recreated in the test")
 	require.NoError(t, err)
 	dom = browse(t, bin, pageURL, "--dump-dom")
 	require.Contains(t, dom, `data-testid="version-gaps">0<`)
@@ -300,8 +302,8 @@ func TestPageInBrowser(t *testing.T) {
 	pool, err := pgxpool.New(ctx, target)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	collect := func(ctx context.Context) (*projection.Status, error) {
-		return projection.CollectStatus(ctx, pool, js, source, time.Now())
+	collect := func(ctx context.Context) (*status.Status, error) {
+		return status.CollectStatus(ctx, pool, js, source, time.Now())
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for {
@@ -335,7 +337,7 @@ func TestPageInBrowser(t *testing.T) {
 // of the two workers, caught up, the bad event in quarantine, the
 // snapshots built. It returns the status that showed it and the
 // partitions each worker owned then.
-func waitSettled(t *testing.T, svc *projection.Service, capSvc *capture.Service, target string, deleted int64) (*projection.Status, map[string]int) {
+func waitSettled(t *testing.T, svc *projection.Service, capSvc *capture.Service, target string, deleted int64) (*status.Status, map[string]int) {
 	t.Helper()
 	ctx := t.Context()
 	owners := map[string]int{}
@@ -431,7 +433,7 @@ func TestPageKeepsLastCopyWhenRefreshFails(t *testing.T) {
 	t.Parallel()
 	bin := chromium(t)
 	st := sampleStatus()
-	page := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil })
+	page := statuspage.Handler(func(context.Context) (*status.Status, error) { return st, nil })
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Query().Get("fragment") != "" {
 			http.Error(w, "bad gateway", http.StatusBadGateway)

@@ -11,7 +11,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -35,8 +35,8 @@ func TestHandlersOnThePage(t *testing.T) {
 			correlation_id, version, state, created_at, released_at) VALUES (gen_random_uuid(), $1, 'main', '0/10', $2, 'public', 'attachments',
 			'{"id":1}', 'main:1:0/10', 1, $3, now() - interval '2 hours', now())`, busy, i, state)
 	}
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) {
-		return &projection.Status{Source: "main", At: time.Now()}, nil
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) {
+		return &status.Status{Source: "main", At: time.Now()}, nil
 	}, statuspage.WithHandlerStats(pool, time.Second))
 	_, _, body := get(t, h, "/")
 	require.Contains(t, body, `data-handler="`+busy+`"`)
@@ -48,8 +48,8 @@ func TestHandlersOnThePage(t *testing.T) {
 	require.Contains(t, body, `data-testid="handler-oldest"><span class="badge no">2h`)
 	require.Contains(t, body, `data-testid="handler-pending">0<`, "the idle handler")
 
-	_, _, body = get(t, statuspage.Handler(func(context.Context) (*projection.Status, error) {
-		return &projection.Status{Source: "main", At: time.Now()}, nil
+	_, _, body = get(t, statuspage.Handler(func(context.Context) (*status.Status, error) {
+		return &status.Status{Source: "main", At: time.Now()}, nil
 	}), "/")
 	require.Contains(t, body, `data-testid="handlers-note">not shown`)
 }

@@ -12,7 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // The reason a page shows is a class, never the error's text (which names
@@ -48,9 +49,9 @@ func TestUnavailableReason(t *testing.T) {
 func TestRatesFromPageSamples(t *testing.T) {
 	t.Parallel()
 	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
-	sample := func(d time.Duration, done uint64, rate float64) *projection.Status {
-		return &projection.Status{At: at.Add(d), Versions: []projection.VersionStatus{{Projection: "archive", Version: 2,
-			State: projection.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: done, EventsToBoundary: 1000,
+	sample := func(d time.Duration, done uint64, rate float64) *status.Status {
+		return &status.Status{At: at.Add(d), Versions: []status.VersionStatus{{Projection: "archive", Version: 2,
+			State: version.StateBuilding, Lifecycle: &status.VersionLifecycle{EventsDone: done, EventsToBoundary: 1000,
 				EventsPerSecond: rate, ETASeconds: -1}}}}
 	}
 	h := Handler(nil).(*handler)
@@ -81,9 +82,9 @@ func TestRatesFromPageSamples(t *testing.T) {
 func TestStalledRebuildHasNoETA(t *testing.T) {
 	t.Parallel()
 	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
-	sample := func(d time.Duration, eta float64) *projection.Status {
-		return &projection.Status{At: at.Add(d), Versions: []projection.VersionStatus{{Projection: "archive", Version: 2,
-			State: projection.StateBuilding, Lifecycle: &projection.VersionLifecycle{EventsDone: 100, EventsToBoundary: 1000,
+	sample := func(d time.Duration, eta float64) *status.Status {
+		return &status.Status{At: at.Add(d), Versions: []status.VersionStatus{{Projection: "archive", Version: 2,
+			State: version.StateBuilding, Lifecycle: &status.VersionLifecycle{EventsDone: 100, EventsToBoundary: 1000,
 				EventsPerSecond: 5, ETASeconds: eta, Progress: 0.1}}}}
 	}
 	h := Handler(nil).(*handler)
@@ -104,27 +105,27 @@ func TestStalledRebuildHasNoETA(t *testing.T) {
 // finishes; a live version or the first one has none.
 func TestRebuildViews(t *testing.T) {
 	t.Parallel()
-	lc := func(done, toBoundary uint64, progress float64) *projection.VersionLifecycle {
-		return &projection.VersionLifecycle{BoundarySeq: 5000, EventsDone: done, EventsToBoundary: toBoundary, Progress: progress,
+	lc := func(done, toBoundary uint64, progress float64) *status.VersionLifecycle {
+		return &status.VersionLifecycle{BoundarySeq: 5000, EventsDone: done, EventsToBoundary: toBoundary, Progress: progress,
 			EventsPerSecond: 250, ETASeconds: 90, PartitionsAtBoundary: 1}
 	}
-	parts := []projection.PartitionStatus{{Partition: 0, Cursor: 5200, ReachedBoundary: true}, {Partition: 1, Cursor: 1200, NextSeq: 2501}}
+	parts := []status.PartitionStatus{{Partition: 0, Cursor: 5200, ReachedBoundary: true}, {Partition: 1, Cursor: 1200, NextSeq: 2501}}
 	for _, tc := range []struct {
-		v                  projection.VersionStatus
+		v                  status.VersionStatus
 		ok                 bool
 		pct, eta, towards  string
 		part1Pct, part1Pos int
 	}{
-		{projection.VersionStatus{State: projection.StateBuilding, Lifecycle: lc(1234, 5000, 0.2468), Partitions: parts},
+		{status.VersionStatus{State: version.StateBuilding, Lifecycle: lc(1234, 5000, 0.2468), Partitions: parts},
 			true, "24.6%", "1m30s", "the boundary (stream seq 5000)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateCatchingUp, LagEvents: 100, Lifecycle: lc(900, 5000, 1), Partitions: parts},
+		{status.VersionStatus{State: version.StateCatchingUp, LagEvents: 100, Lifecycle: lc(900, 5000, 1), Partitions: parts},
 			true, "90.0%", "1m30s", "the stream's last message (no lag)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateReady, Lifecycle: lc(6000, 5000, 1), Partitions: parts},
+		{status.VersionStatus{State: version.StateReady, Lifecycle: lc(6000, 5000, 1), Partitions: parts},
 			true, "100.0%", "1m30s", "the stream's last message (no lag)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateFailed, Lifecycle: lc(10, 5000, 0.002), Partitions: parts},
+		{status.VersionStatus{State: version.StateFailed, Lifecycle: lc(10, 5000, 0.002), Partitions: parts},
 			true, "0.2%", "never (failed)", "the boundary (stream seq 5000)", 50, 2500},
-		{projection.VersionStatus{State: projection.StateLive, Lifecycle: lc(6000, 5000, 1)}, false, "", "", "", 0, 0},
-		{projection.VersionStatus{State: projection.StateBuilding}, false, "", "", "", 0, 0},
+		{status.VersionStatus{State: version.StateLive, Lifecycle: lc(6000, 5000, 1)}, false, "", "", "", 0, 0},
+		{status.VersionStatus{State: version.StateBuilding}, false, "", "", "", 0, 0},
 	} {
 		r, ok := newRebuildView(tc.v)
 		require.Equal(t, tc.ok, ok, tc.v.State)

@@ -22,6 +22,8 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	pversion "github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -94,9 +96,9 @@ func startWorker(t *testing.T, target, natsURL string, batch int) (*projection.S
 }
 
 // version returns the status of one archive version (nil if absent).
-func version(st *projection.Status, v int) *projection.VersionStatus {
+func version(st *status.Status, v int) *status.VersionStatus {
 	for i := range st.Versions {
-		if st.Versions[i].Projection == projection.ArchiveProjection && st.Versions[i].Version == v {
+		if st.Versions[i].Projection == archive.Projection && st.Versions[i].Version == v {
 			return &st.Versions[i]
 		}
 	}
@@ -146,14 +148,14 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	publishDeletes(t, js, 4, txs)
 	target := testenv.NewDatabase(t)
 	svc, pageURL := startWorker(t, target, n.URL, 2)
-	status := func() *projection.Status {
+	status := func() *status.Status {
 		st, err := svc.Status(ctx)
 		require.NoError(t, err)
 		return st
 	}
 	poll(t, 120*time.Second, "v1 caught up", func() bool {
 		v1 := version(status(), 1)
-		return v1 != nil && v1.State == projection.StateLive && v1.LagEvents == 0 && len(v1.Partitions) == 4
+		return v1 != nil && v1.State == pversion.StateLive && v1.LagEvents == 0 && len(v1.Partitions) == 4
 	})
 
 	lock, err := pgx.Connect(ctx, target)
@@ -171,7 +173,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	done := func() uint64 {
 		v2 := version(status(), 2)
 		require.NotNil(t, v2)
-		require.Equal(t, projection.StateBuilding, v2.State, "the rebuild ended before the test looked")
+		require.Equal(t, pversion.StateBuilding, v2.State, "the rebuild ended before the test looked")
 		return v2.Lifecycle.EventsDone
 	}
 
@@ -233,7 +235,7 @@ func TestRebuildProgressInBrowser(t *testing.T) {
 	// To the end: caught up and ready, the bar full.
 	poll(t, 180*time.Second, "v2 ready", func() bool {
 		v := version(status(), 2)
-		return v != nil && v.State == projection.StateReady
+		return v != nil && v.State == pversion.StateReady
 	})
 	dom = browse(t, bin, pageURL, "--dump-dom")
 	require.Contains(t, dom, `data-testid="rebuild" data-version="2" data-state="ready"`)

@@ -16,7 +16,8 @@ import (
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -25,35 +26,35 @@ func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
 // sampleStatus is a status document as a projector with one live version,
 // two partitions (one without an owner, behind) and quarantine would
 // collect it. Names carry markup to prove it is escaped.
-func sampleStatus() *projection.Status {
+func sampleStatus() *status.Status {
 	at := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
 	exp := at.Add(10 * time.Second)
 	adv := at.Add(-3 * time.Second)
 	lsn := func(l event.LSN) *event.LSN { return &l }
 	str := func(s string) *string { return &s }
 	p1 := 1
-	return &projection.Status{
+	return &status.Status{
 		Worker: `w1<script>alert(1)</script>`, Source: "main", Stream: "EPITAPH_MAIN", StreamLast: 1234, Partitions: 2, At: at,
-		Versions: []projection.VersionStatus{{
+		Versions: []status.VersionStatus{{
 			Projection: "archive", Version: 1, State: "live", Health: "quarantined", Schema: "archive_v1",
 			LagEvents: 40, OldestPendingAgeSeconds: 75, QuarantineOpen: 3,
 			NotReadyReasons: []string{"3 quarantined events open", "1 unacknowledged gaps"}, CompleteUpToLSN: "0/16B3748",
-			Gaps: []projection.Gap{
+			Gaps: []archive.Gap{
 				{ID: 7, Kind: event.GapLostUpstream, FromLSN: lsn(0x16B3748), ToLSN: lsn(0x2000000), DetectedAt: at},
 				{ID: 8, Kind: event.GapTruncate, Schema: str("public"), Table: str("<sessions>"), Partition: &p1,
 					FromLSN: lsn(0x2100000), ToLSN: lsn(0x2100000), DetectedAt: at},
 			},
-			GapCounts: []projection.GapCount{{Kind: event.GapLostUpstream, Count: 1}, {Kind: event.GapTruncate, Count: 1}},
-			Partitions: []projection.PartitionStatus{
+			GapCounts: []status.GapCount{{Kind: event.GapLostUpstream, Count: 1}, {Kind: event.GapTruncate, Count: 1}},
+			Partitions: []status.PartitionStatus{
 				{Partition: 0, Owner: `w1<script>alert(1)</script>`, Epoch: 2, Leased: true, LeaseExpiresAt: &exp, Cursor: 900,
 					SourceLSN: "0/1A2B3C", LastAdvanceAt: &adv},
 				{Partition: 1, Owner: "w-gone", Epoch: 5, Cursor: 300, LagEvents: 40, LagSeconds: 75, OldestPendingAgeSeconds: 75,
 					Attempts: 3, LastFailureCategory: "transient"},
 			},
 		}, {Projection: "archive", Version: 0, State: "retired", Health: "retired", Schema: "archive_v0"}},
-		Quarantine: []projection.QuarantineStatus{{Projection: "archive", Version: 1, Unresolved: 3,
+		Quarantine: []status.QuarantineStatus{{Projection: "archive", Version: 1, Unresolved: 3,
 			ByCategory: map[string]int{"malformed": 2, "invalid": 1}, OldestAgeSeconds: 4000}},
-		Workers: []projection.WorkerStatus{{ID: `w1<script>alert(1)</script>`, HeartbeatAt: at, HeartbeatAgeSeconds: 0.4, Live: true},
+		Workers: []status.WorkerStatus{{ID: `w1<script>alert(1)</script>`, HeartbeatAt: at, HeartbeatAgeSeconds: 0.4, Live: true},
 			{ID: "w-gone", HeartbeatAt: at.Add(-time.Minute), HeartbeatAgeSeconds: 60, Live: false}},
 	}
 }
@@ -73,7 +74,7 @@ func get(t *testing.T, h http.Handler, target string) (int, http.Header, string)
 func TestRenderPage(t *testing.T) {
 	t.Parallel()
 	st := sampleStatus()
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil })
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) { return st, nil })
 	code, hdr, body := get(t, h, "/")
 	require.Equal(t, http.StatusOK, code)
 	require.Equal(t, "text/html; charset=utf-8", hdr.Get("Content-Type"))
@@ -120,7 +121,7 @@ func TestRenderPage(t *testing.T) {
 // fragment the refresh can swap in; the page keeps refreshing.
 func TestRenderStatusError(t *testing.T) {
 	t.Parallel()
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) {
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) {
 		return nil, errors.New("read versions: <connection refused>")
 	})
 	code, _, body := get(t, h, "/")
@@ -152,7 +153,7 @@ func TestCaptureSection(t *testing.T) {
 	}))
 	t.Cleanup(srv.Close)
 	st := sampleStatus()
-	src := func(context.Context) (*projection.Status, error) { return st, nil }
+	src := func(context.Context) (*status.Status, error) { return st, nil }
 
 	_, _, body := get(t, statuspage.Handler(src, statuspage.WithCaptureStatusURL(srv.URL+"/status")), "/")
 	for _, want := range []string{
@@ -179,7 +180,7 @@ func TestCaptureSection(t *testing.T) {
 // status cannot be read.
 func TestRenderUnavailableHeader(t *testing.T) {
 	t.Parallel()
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return nil, context.DeadlineExceeded },
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) { return nil, context.DeadlineExceeded },
 		statuspage.WithLogger(quietLogger()))
 	_, _, body := get(t, h, "/")
 	require.Contains(t, body, `data-testid="header-unavailable"`)
@@ -192,7 +193,7 @@ func TestRenderUnavailableHeader(t *testing.T) {
 func TestRenderActionsOff(t *testing.T) {
 	t.Parallel()
 	st := sampleStatus()
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil },
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) { return st, nil },
 		statuspage.WithActions(statuspage.QuarantineActions(nil, nil), nil))
 	_, _, body := get(t, h, "/")
 	require.NotContains(t, body, `data-testid="actions-form"`)

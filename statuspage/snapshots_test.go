@@ -10,8 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
@@ -37,7 +37,7 @@ func TestSnapshotCounts(t *testing.T) {
 	insert("complete", 5)
 	insert("failed", 1)
 
-	st := &projection.Status{Source: "main", At: time.Now(), Versions: []projection.VersionStatus{
+	st := &status.Status{Source: "main", At: time.Now(), Versions: []status.VersionStatus{
 		{Projection: "archive", Version: 1, State: "live", Health: "live", Schema: "archive_v1"},
 		{Projection: "archive", Version: 2, State: "building", Health: "building", Schema: "archive_v2"},
 	}}
@@ -46,7 +46,7 @@ func TestSnapshotCounts(t *testing.T) {
 		now = time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
 	)
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	h := statuspage.Handler(func(context.Context) (*projection.Status, error) { return st, nil },
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) { return st, nil },
 		statuspage.WithSnapshotStats(pool, 10*time.Second), statuspage.WithClock(clock))
 
 	_, _, body := get(t, h, "/")

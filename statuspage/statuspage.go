@@ -47,8 +47,10 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -136,7 +138,7 @@ func WithClock(now func() time.Time) Option { return func(o *options) { o.now = 
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
 // StatusFunc returns the projector's status document (projection.Service.Status).
-type StatusFunc func(ctx context.Context) (*projection.Status, error)
+type StatusFunc func(ctx context.Context) (*status.Status, error)
 
 // Handler serves the status page as HTML for GET requests on any path it
 // is mounted on (mount it on "GET /{$}"). "?fragment=1" serves the body
@@ -172,7 +174,7 @@ type handler struct {
 	snapErr string
 
 	rmu     sync.Mutex // guards samples
-	samples []*projection.Status
+	samples []*status.Status
 
 	// the row handlers' counts, cached like the snapshot counts (under mu),
 	// read through hStats (made at the first read)
@@ -301,7 +303,7 @@ func (h *handler) fetchCapture(ctx context.Context) (*captureStatus, error) {
 
 // snapshotStats returns the snapshot job counts of the active archive
 // versions, read at most once per interval.
-func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]snapshotRow, string) {
+func (h *handler) snapshotStats(ctx context.Context, st *status.Status) ([]snapshotRow, string) {
 	if h.o.snapshots == nil {
 		return nil, "not shown: this page was not given the target database"
 	}
@@ -314,7 +316,7 @@ func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]s
 	var rows []snapshotRow
 	note := ""
 	for _, v := range st.Versions {
-		if v.Projection != projection.ArchiveProjection || v.State == projection.StateRetired || v.Schema == "" {
+		if v.Projection != archive.Projection || v.State == version.StateRetired || v.Schema == "" {
 			continue
 		}
 		s, err := snapshot.GetStats(ctx, h.o.snapshots, v.Schema)
@@ -344,7 +346,7 @@ func (h *handler) snapshotStats(ctx context.Context, st *projection.Status) ([]s
 // rates fills each version's rate and ETA from the page's own sample of
 // the status at least rateMinAge old (the oldest within rateWindow), and
 // keeps st as a sample. Without such a sample the source's rates stay.
-func (h *handler) rates(st *projection.Status) {
+func (h *handler) rates(st *status.Status) {
 	h.rmu.Lock()
 	defer h.rmu.Unlock()
 	keep := h.samples[:0]

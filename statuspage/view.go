@@ -10,8 +10,10 @@ import (
 	"time"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -206,14 +208,14 @@ type snapshotRow struct {
 	Oldest      string
 }
 
-func (p *page) fill(st *projection.Status) {
+func (p *page) fill(st *status.Status) {
 	p.Source, p.Stream, p.StreamLast, p.Partitions = st.Source, st.Stream, st.StreamLast, st.Partitions
 	p.Worker, p.StreamError = st.Worker, st.StreamError
 	p.At = st.At.UTC().Format("2006-01-02 15:04:05 UTC")
 	for _, v := range st.Versions {
 		vv := versionView{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.Health, Schema: v.Schema,
 			LagEvents: v.LagEvents, OldestPending: age(v.OldestPendingAgeSeconds), QuarantineOpen: v.QuarantineOpen,
-			Retired: v.State == projection.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
+			Retired: v.State == version.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
 			CompleteUpTo: v.CompleteUpToLSN}
 		if vv.CompleteUpTo == "" {
 			vv.CompleteUpTo = "–"
@@ -266,13 +268,13 @@ func (p *page) fill(st *projection.Status) {
 
 // newRebuildView is the progress of a version being built, caught up or
 // ready to promote; ok is false for the others.
-func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
+func newRebuildView(v status.VersionStatus) (rebuildView, bool) {
 	lc := v.Lifecycle
 	switch {
 	case lc == nil:
 		return rebuildView{}, false
-	case v.State == projection.StateBuilding, v.State == projection.StateCatchingUp, v.State == projection.StateReady:
-	case v.State == projection.StateFailed && lc.BoundarySeq > 0:
+	case v.State == version.StateBuilding, v.State == version.StateCatchingUp, v.State == version.StateReady:
+	case v.State == version.StateFailed && lc.BoundarySeq > 0:
 	default:
 		return rebuildView{}, false
 	}
@@ -281,9 +283,9 @@ func newRebuildView(v projection.VersionStatus) (rebuildView, bool) {
 		AtBoundary: lc.PartitionsAtBoundary, Partitions: len(v.Partitions), BoundarySeq: lc.BoundarySeq, FailedReason: lc.FailedReason}
 	frac := lc.Progress
 	switch v.State {
-	case projection.StateBuilding, projection.StateFailed:
+	case version.StateBuilding, version.StateFailed:
 		r.Target, r.Total = fmt.Sprintf("the boundary (stream seq %d)", lc.BoundarySeq), lc.EventsToBoundary
-		if v.State == projection.StateFailed {
+		if v.State == version.StateFailed {
 			r.ETA = "never (failed)"
 		}
 	default: // caught up to the stream's end: done of done + lag
@@ -321,7 +323,7 @@ func etaText(s float64) string {
 	return age(s)
 }
 
-func newGapView(g projection.Gap) gapView {
+func newGapView(g archive.Gap) gapView {
 	v := gapView{ID: g.ID, Kind: g.Kind, Table: "every table", Partition: "every", From: "?", To: "?", Seqs: "–",
 		Detected: g.DetectedAt.UTC().Format("2006-01-02 15:04:05 UTC"), Blocking: g.Blocking()}
 	if g.Schema != nil && g.Table != nil {
@@ -382,7 +384,7 @@ func newCaptureView(cs *captureStatus) captureView {
 	return v
 }
 
-func newSnapshotRow(v projection.VersionStatus, s snapshot.Stats) snapshotRow {
+func newSnapshotRow(v status.VersionStatus, s snapshot.Stats) snapshotRow {
 	total := float64(s.Pending + s.Complete + s.Failed)
 	r := snapshotRow{Schema: v.Schema, Version: v.Version, Pending: s.Pending, Complete: s.Complete, Failed: s.Failed,
 		PendingPct: pct(float64(s.Pending), total), FailedPct: pct(float64(s.Failed), total),

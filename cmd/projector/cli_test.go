@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 // every runnable command of the tree, by path without "projector ".
@@ -175,21 +175,21 @@ func TestVersionAndCompletion(t *testing.T) {
 
 func TestStatusCheckRule(t *testing.T) {
 	t.Parallel()
-	v := func(state, health string) projection.VersionStatus {
-		return projection.VersionStatus{Projection: "archive", Version: 1, State: state, Health: health}
+	v := func(state, health string) status.VersionStatus {
+		return status.VersionStatus{Projection: "archive", Version: 1, State: state, Health: health}
 	}
 	for _, tc := range []struct {
-		versions []projection.VersionStatus
+		versions []status.VersionStatus
 		fail     string
 	}{
 		{nil, "no live version"},
-		{[]projection.VersionStatus{v("building", "building")}, "no live version"},
-		{[]projection.VersionStatus{v("live", "live")}, ""},
-		{[]projection.VersionStatus{v("live", "live"), v("building", "unavailable")}, ""},
-		{[]projection.VersionStatus{v("live", "quarantined")}, "archive v1 is quarantined"},
-		{[]projection.VersionStatus{v("live", "unavailable")}, "archive v1 is unavailable"},
+		{[]status.VersionStatus{v("building", "building")}, "no live version"},
+		{[]status.VersionStatus{v("live", "live")}, ""},
+		{[]status.VersionStatus{v("live", "live"), v("building", "unavailable")}, ""},
+		{[]status.VersionStatus{v("live", "quarantined")}, "archive v1 is quarantined"},
+		{[]status.VersionStatus{v("live", "unavailable")}, "archive v1 is unavailable"},
 	} {
-		err := statusCheck(&projection.Status{Versions: tc.versions})
+		err := statusCheck(&status.Status{Versions: tc.versions})
 		if tc.fail == "" {
 			require.NoError(t, err)
 			continue

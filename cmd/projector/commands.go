@@ -13,7 +13,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
@@ -167,7 +167,7 @@ func checkGroup(g string) error {
 	if g == "" {
 		return nil
 	}
-	if err := projection.ValidateGroup(g); err != nil {
+	if err := version.ValidateGroup(g); err != nil {
 		return cli.Usage("--group: %w", err)
 	}
 	return nil

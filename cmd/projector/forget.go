@@ -19,7 +19,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/retention"
 )
 
 // Retention and erasure (issue 17): cleanup, hold, erase, erasures.
@@ -46,7 +47,7 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 	var batch int
 	var timeout time.Duration
 	f := cli.Local(cmd)
-	f.Int(&batch, "batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "most rows deleted", cli.Min(1), cli.Max(projection.MaxCleanupBatch))
+	f.Int(&batch, "batch", "EPITAPH_CLEANUP_BATCH", retention.DefaultCleanupBatch, "most rows deleted", cli.Min(1), cli.Max(retention.MaxCleanupBatch))
 	f.Duration(&timeout, "timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "statement timeout", cli.Positive())
 	asJSON := jsonFlag(cmd, "what the batch deleted (counts, never values)")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
@@ -55,7 +56,7 @@ hold (projector hold) or with a pending or in-flight delivery are kept. Every
 			if err := migrations.Apply(ctx, pool); err != nil {
 				return err
 			}
-			res, err := projection.CleanupBatch(ctx, pool, projection.CleanupOptions{Batch: batch, StatementTimeout: timeout})
+			res, err := retention.CleanupBatch(ctx, pool, retention.CleanupOptions{Batch: batch, StatementTimeout: timeout})
 			if err != nil {
 				return err
 			}
@@ -122,7 +123,7 @@ func osUser() string {
 }
 
 func usageIfBadSelector(err error) error {
-	if errors.Is(err, projection.ErrBadSelector) {
+	if errors.Is(err, erasure.ErrBadSelector) {
 		return cli.Usage("%w", err)
 	}
 	return err
@@ -169,7 +170,7 @@ func holdAddCommand(env *Env) *cobra.Command {
 			if err := migrations.Apply(ctx, pool); err != nil {
 				return err
 			}
-			h, err := projection.AddLegalHold(ctx, pool, sel.table, key, match, *reason, *actor)
+			h, err := erasure.AddLegalHold(ctx, pool, sel.table, key, match, *reason, *actor)
 			if err != nil {
 				return usageIfBadSelector(err)
 			}
@@ -190,7 +191,7 @@ func holdListCommand(env *Env) *cobra.Command {
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
-			hs, err := projection.ListLegalHolds(ctx, pool)
+			hs, err := erasure.ListLegalHolds(ctx, pool)
 			if err != nil {
 				return err
 			}
@@ -223,7 +224,7 @@ func holdRemoveCommand(env *Env) *cobra.Command {
 		}
 		ctx := cmd.Context()
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
-			ok, err := projection.RemoveLegalHold(ctx, pool, id)
+			ok, err := erasure.RemoveLegalHold(ctx, pool, id)
 			if err != nil {
 				return err
 			}
@@ -301,21 +302,21 @@ Exit status 3 also when the stream refuses deletes.`,
 			if js, err = jetstream.New(nc); err != nil {
 				return fmt.Errorf("jetstream: %w", err)
 			}
-			if err := projection.CheckStreamDeletes(ctx, js, c.sourceName); err != nil {
+			if err := erasure.CheckStreamDeletes(ctx, js, c.sourceName); err != nil {
 				return cli.WithCode(3, err)
 			}
 		}
-		rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: sel.table, Key: key, Match: match,
+		rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: sel.table, Key: key, Match: match,
 			WithChildren: *withChildren, Reason: *reason, Actor: *actor, PurgeStream: *purge, IgnoreHolds: *ignoreHolds})
-		if errors.Is(err, projection.ErrHeld) {
+		if errors.Is(err, erasure.ErrHeld) {
 			return cli.WithCode(3, err)
 		}
 		if err != nil {
 			return usageIfBadSelector(err)
 		}
 		if *purge {
-			if rc, err = projection.PurgeStream(ctx, pool, js, c.sourceName, rc.ID); err != nil {
-				if errors.Is(err, projection.ErrStreamDeniesDeletes) {
+			if rc, err = erasure.PurgeStream(ctx, pool, js, c.sourceName, rc.ID); err != nil {
+				if errors.Is(err, erasure.ErrStreamDeniesDeletes) {
 					return cli.WithCode(3, err)
 				}
 				return err
@@ -330,7 +331,7 @@ Exit status 3 also when the stream refuses deletes.`,
 	return cmd
 }
 
-func writeReceipt(env *Env, rc projection.Receipt) {
+func writeReceipt(env *Env, rc erasure.Receipt) {
 	var parts []string
 	for _, k := range slices.Sorted(maps.Keys(rc.Removed)) {
 		parts = append(parts, fmt.Sprintf("%s %d", k, rc.Removed[k]))
@@ -362,7 +363,7 @@ func erasuresCommand(env *Env) *cobra.Command {
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
-			rs, err := projection.ListErasures(ctx, pool)
+			rs, err := erasure.ListErasures(ctx, pool)
 			if err != nil {
 				return err
 			}

@@ -14,8 +14,9 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // hold, cleanup, erase and erasures against a real target: usage errors
@@ -28,7 +29,7 @@ func TestForgetCommands(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	require.NoError(t, projection.EnsureArchive(ctx, pool, 1, snapshot.DDL))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 1, snapshot.DDL))
 	_, err = pool.Exec(ctx, `INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, correlation_id, commit_lsn, seq, expires_at)
 		SELECT 'main', 'public', 'sessions', jsonb_build_object('id', i), jsonb_build_object('id', i), 'main:1:0/10', '0/10'::pg_lsn, i,
 		       now() - interval '1 hour' FROM generate_series(1, 5) i
@@ -102,7 +103,7 @@ func TestForgetCommands(t *testing.T) {
 	out, err = run("erasures", "--json")
 	require.NoError(t, err)
 	require.NotContains(t, out, "ann@example.com")
-	var rs []projection.Receipt
+	var rs []erasure.Receipt
 	require.NoError(t, json.Unmarshal([]byte(out), &rs))
 	require.Len(t, rs, 1)
 	require.Equal(t, 1, rs[0].Removed["archive_v1.rows"])

@@ -1,14 +1,14 @@
 package main
 
 import (
-	"strconv"
-
 	"fmt"
+	"strconv"
 
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 func init() { register(gapsCommand) }
@@ -26,7 +26,7 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 		Args: cli.NoArgs,
 	}
 	c := commonFlags(cmd, env)
-	proj := cmd.Flags().String("projection", projection.ArchiveProjection, "projection")
+	proj := cmd.Flags().String("projection", archive.Projection, "projection")
 	asJSON := jsonFlag(cmd, "one object per active version with its gaps")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -35,7 +35,7 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 			return err
 		}
 		defer pool.Close()
-		vgs, err := projection.ListGaps(ctx, pool, *proj)
+		vgs, err := status.ListGaps(ctx, pool, *proj)
 		if err != nil {
 			return err
 		}
@@ -60,7 +60,7 @@ func gapsAckCommand(env *Env) *cobra.Command {
 		Args:    cli.Args(1),
 	}
 	c := commonFlags(cmd, env)
-	proj := cmd.Flags().String("projection", projection.ArchiveProjection, "projection")
+	proj := cmd.Flags().String("projection", archive.Projection, "projection")
 	version := cmd.Flags().Int("version", 0, "the version whose gap it is (default: the live version)")
 	reason := cmd.Flags().String("reason", "", "why the loss is accepted (required; kept in archive.gaps.ack_reason)")
 	asJSON := jsonFlag(cmd, "the acknowledged gap")
@@ -78,7 +78,7 @@ func gapsAckCommand(env *Env) *cobra.Command {
 			return err
 		}
 		defer pool.Close()
-		g, err := projection.AckGap(ctx, pool, *proj, *version, id, *reason)
+		g, err := status.AckGap(ctx, pool, *proj, *version, id, *reason)
 		if err != nil {
 			return err
 		}

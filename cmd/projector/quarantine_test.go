@@ -16,8 +16,8 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -32,7 +32,7 @@ func TestQuarantineCommands(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	require.NoError(t, projection.EnsureArchive(ctx, pool, 1, snapshot.DDL))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 1, snapshot.DDL))
 
 	good, err := event.Encode(&event.Event{Op: event.OpDelete, Source: "main", Schema: "public", Table: "orders",
 		XID: 9, CommitLSN: 0x900, CommitTime: time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC), Identity: event.IdentityFull,

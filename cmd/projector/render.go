@@ -9,7 +9,8 @@ import (
 	"time"
 
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -17,7 +18,7 @@ import (
 // comparison tables. The documents themselves (JSON) are the packages'.
 
 // writeStatusTable prints the status (`projector status`) as aligned text tables for people.
-func writeStatusTable(w io.Writer, st *projection.Status) error {
+func writeStatusTable(w io.Writer, st *status.Status) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "source %s\tstream %s\tlast seq %d\tpartitions %d\n", st.Source, st.Stream, st.StreamLast, st.Partitions)
 	if st.StreamError != "" {
@@ -36,7 +37,7 @@ func writeStatusTable(w io.Writer, st *projection.Status) error {
 			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
 	}
 	for _, v := range st.Versions {
-		if v.State == projection.StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
+		if v.State == version.StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
 			fmt.Fprintf(tw, "\n%s v%d is not ready: %s\n", v.Projection, v.Version, strings.Join(v.NotReadyReasons, "; "))
 		}
 	}
@@ -112,7 +113,7 @@ func orDash(s string) string {
 
 // writeGapRow prints one gap as a row of the gaps table (status and
 // `projector gaps`).
-func writeGapRow(w io.Writer, g projection.Gap) {
+func writeGapRow(w io.Writer, g archive.Gap) {
 	table, part := "(all)", "(all)"
 	if g.Schema != nil && g.Table != nil {
 		table = *g.Schema + "." + *g.Table
@@ -137,7 +138,7 @@ func writeGapRow(w io.Writer, g projection.Gap) {
 }
 
 // writeGaps prints the gaps of versions as text tables (`projector gaps`).
-func writeGaps(w io.Writer, vgs []projection.VersionGaps) error {
+func writeGaps(w io.Writer, vgs []status.VersionGaps) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	for i, vg := range vgs {
 		if i > 0 {
@@ -158,10 +159,10 @@ func writeGaps(w io.Writer, vgs []projection.VersionGaps) error {
 // writeLifecycle prints the lifecycle of every version that is not simply
 // live: boundary, state times, progress, rate, ETA and per-partition
 // positions against the boundary.
-func writeLifecycle(w io.Writer, st *projection.Status) {
+func writeLifecycle(w io.Writer, st *status.Status) {
 	for _, v := range st.Versions {
 		lc := v.Lifecycle
-		if lc == nil || v.State == projection.StateRetired {
+		if lc == nil || v.State == version.StateRetired {
 			continue
 		}
 		fmt.Fprintf(w, "\n%s v%d %s: boundary seq %d (lsn %s)", v.Projection, v.Version, v.State, lc.BoundarySeq, orDash(lc.BoundaryLSN))
@@ -184,13 +185,13 @@ func writeLifecycle(w io.Writer, st *projection.Status) {
 		if lc.FailedReason != "" {
 			fmt.Fprintf(w, "  failed: %s\n", lc.FailedReason)
 		}
-		if lc.BoundarySeq == 0 && v.State == projection.StateLive {
+		if lc.BoundarySeq == 0 && v.State == version.StateLive {
 			continue // the first version: nothing was rebuilt
 		}
 		fmt.Fprintf(w, "  %s  %d/%d events  %.0f events/s  ETA %s  partitions at boundary %d/%d\n",
 			bar(lc.Progress, 30), lc.EventsDone, lc.EventsToBoundary, lc.EventsPerSecond, eta(lc.ETASeconds),
 			lc.PartitionsAtBoundary, len(v.Partitions))
-		if v.State == projection.StateLive {
+		if v.State == version.StateLive {
 			continue
 		}
 		fmt.Fprintln(w, "  PARTITION\tCURSOR\tNEXT\tBOUNDARY\tREACHED")

@@ -8,8 +8,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -31,10 +32,10 @@ func TestBar(t *testing.T) {
 // The status table names an unavailable version and shows a partition no
 // worker holds as "(none)", its lag and its pending age.
 func TestStatusTable(t *testing.T) {
-	st := &projection.Status{Source: "main", Stream: "EPITAPH_MAIN", StreamLast: 30, Partitions: 2,
-		Versions: []projection.VersionStatus{{Projection: "archive", Version: 1, State: "live", Health: "unavailable",
+	st := &status.Status{Source: "main", Stream: "EPITAPH_MAIN", StreamLast: 30, Partitions: 2,
+		Versions: []status.VersionStatus{{Projection: "archive", Version: 1, State: "live", Health: "unavailable",
 			Schema: "archive_v1", LagEvents: 12, OldestPendingAgeSeconds: 10,
-			Partitions: []projection.PartitionStatus{
+			Partitions: []status.PartitionStatus{
 				{Partition: 0, Owner: "w1", Epoch: 3, Cursor: 18, LagEvents: 12, OldestPendingAgeSeconds: 10},
 				{Partition: 1, Owner: "w2", Leased: true, Epoch: 1, Cursor: 12},
 			}}}}
@@ -68,7 +69,7 @@ func TestComparisonText(t *testing.T) {
 func TestGapsText(t *testing.T) {
 	schema, table, from := "public", "orders", int64(5)
 	detected := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
-	vgs := []projection.VersionGaps{{Projection: "archive", Version: 2, State: "building", Gaps: []projection.Gap{
+	vgs := []status.VersionGaps{{Projection: "archive", Version: 2, State: "building", Gaps: []archive.Gap{
 		{ID: 7, Kind: "truncate", Schema: &schema, Table: &table, FromSeq: &from, DetectedAt: detected},
 	}}, {Projection: "archive", Version: 3, State: "building"}}
 	var buf bytes.Buffer

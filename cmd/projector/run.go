@@ -15,6 +15,9 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/retention"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/readapi"
 	"github.com/epitaph-dev/epitaph/statuspage"
 )
@@ -76,9 +79,9 @@ address (run refuses to start without it).`,
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", 30*time.Second, "... and its oldest unapplied event at most this old", cli.Positive())
 	o.group = groupFlag(cmd)
 	f.Duration(&o.cleanupInterval, "cleanup-interval", "EPITAPH_CLEANUP_INTERVAL", 10*time.Second, "retention: how often expired rows are looked for (a full batch is followed at once); 0 disables this worker's cleanup", cli.NotNegative())
-	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", projection.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(projection.MinCleanupBatch), cli.Max(projection.MaxCleanupBatch))
+	f.Int(&o.cleanupBatch, "cleanup-batch", "EPITAPH_CLEANUP_BATCH", retention.DefaultCleanupBatch, "retention: the first batch size (it adapts to how long batches take)", cli.Min(retention.MinCleanupBatch), cli.Max(retention.MaxCleanupBatch))
 	f.Duration(&o.cleanupTimeout, "cleanup-timeout", "EPITAPH_CLEANUP_TIMEOUT", 10*time.Second, "retention: statement timeout of a cleanup batch", cli.Positive())
-	f.Int(&o.cleanupRate, "cleanup-rate", "EPITAPH_CLEANUP_RATE", projection.DefaultCleanupRate, "retention: the most expired rows deleted per second while this worker applies (unpaced while idle, and while an hour behind for an hour); 0: unpaced", cli.NotNegative())
+	f.Int(&o.cleanupRate, "cleanup-rate", "EPITAPH_CLEANUP_RATE", retention.DefaultCleanupRate, "retention: the most expired rows deleted per second while this worker applies (unpaced while idle, and while an hour behind for an hour); 0: unpaced", cli.NotNegative())
 	f.Int(&o.handlerParallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "row handler deliveries run at once by this worker", cli.Min(1))
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
@@ -170,7 +173,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
 		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
-	srv.Handle("GET /wait", projection.WaitHandler(svc.Pool(), projection.ArchiveProjection))
+	srv.Handle("GET /wait", status.WaitHandler(svc.Pool(), archive.Projection))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()

@@ -10,8 +10,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func init() { register(snapshotsCommand) }
@@ -44,9 +45,9 @@ archive_v<N> with --version.`,
 			return err
 		}
 		defer pool.Close()
-		schema := projection.ReaderSchema
+		schema := archive.ReaderSchema
 		if *version > 0 {
-			schema = projection.ArchiveSchema(*version)
+			schema = archive.Schema(*version)
 		}
 		list, err := snapshot.Show(ctx, pool, schema, pos[0])
 		if err != nil {
@@ -114,18 +115,18 @@ func snapshotsBatchCommand(env *Env) *cobra.Command {
 	return cmd
 }
 
-// snapshotSchema is archive_v<version>, or the live version's schema.
-func snapshotSchema(ctx context.Context, pool *pgxpool.Pool, version int) (string, error) {
-	if version > 0 {
-		return projection.ArchiveSchema(version), nil
+// snapshotSchema is archive_v<n>, or the live version's schema.
+func snapshotSchema(ctx context.Context, pool *pgxpool.Pool, n int) (string, error) {
+	if n > 0 {
+		return archive.Schema(n), nil
 	}
-	versions, err := projection.ListVersions(ctx, pool, "archive")
+	versions, err := version.ListVersions(ctx, pool, "archive")
 	if err != nil {
 		return "", err
 	}
 	var live []string
 	for _, v := range versions {
-		if v.State == projection.StateLive {
+		if v.State == version.StateLive {
 			live = append(live, v.Schema)
 		}
 	}

@@ -12,7 +12,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func init() { register(statusCommand) }
@@ -61,7 +62,7 @@ quarantine).`,
 			}
 			return followVersions(ctx, pool, js, c.sourceName, env.Stdout)
 		}
-		st, err := projection.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
+		st, err := status.CollectStatus(ctx, pool, js, c.sourceName, time.Now())
 		if err != nil {
 			return err
 		}
@@ -83,15 +84,15 @@ quarantine).`,
 
 // statusCheck is --check: a live version exists and every live version's
 // health is "live".
-func statusCheck(st *projection.Status) error {
+func statusCheck(st *status.Status) error {
 	var bad []string
 	live := 0
 	for _, v := range st.Versions {
-		if v.State != projection.StateLive {
+		if v.State != version.StateLive {
 			continue
 		}
 		live++
-		if v.Health != projection.StateLive {
+		if v.Health != version.StateLive {
 			bad = append(bad, fmt.Sprintf("%s v%d is %s", v.Projection, v.Version, v.Health))
 		}
 	}

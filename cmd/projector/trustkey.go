@@ -10,10 +10,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
-
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/trust"
 )
 
 func init() { register(trustKeyCommand) }
@@ -84,7 +83,7 @@ func trustKey(ctx context.Context, c *common, env *Env, show, asJSON bool, keyFi
 		return err
 	}
 	if pub != nil {
-		added, err := projection.TrustKey(ctx, pool, pub, by, note)
+		added, err := trust.TrustKey(ctx, pool, pub, by, note)
 		if err != nil {
 			return err
 		}
@@ -98,11 +97,11 @@ func trustKey(ctx context.Context, c *common, env *Env, show, asJSON bool, keyFi
 			return nil
 		}
 	}
-	keys, err := projection.TrustedKeys(ctx, pool)
+	keys, err := trust.TrustedKeys(ctx, pool)
 	if err != nil {
 		return err
 	}
-	bounds, err := projection.LegacyBoundaries(ctx, pool)
+	bounds, err := trust.LegacyBoundaries(ctx, pool)
 	if err != nil {
 		return err
 	}

@@ -17,7 +17,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -142,9 +143,9 @@ func isTerminal(w io.Writer) bool { return cli.IsTerminal(w) }
 // waitReady follows a version until it is ready (or live): a progress bar
 // redrawn in place on a terminal, a line every few seconds otherwise. When
 // every partition reaches the boundary it prints the rebuild rate.
-func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, v projection.Version, w io.Writer) error {
+func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, v version.Version, w io.Writer) error {
 	tty := isTerminal(w)
-	var prev *projection.Status
+	var prev *status.Status
 	var firstDone time.Time
 	var firstEvents uint64
 	start := time.Now()
@@ -153,20 +154,20 @@ func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, 
 	t := time.NewTicker(500 * time.Millisecond)
 	defer t.Stop()
 	for {
-		st, err := projection.CollectStatus(ctx, pool, js, source, time.Now())
+		st, err := status.CollectStatus(ctx, pool, js, source, time.Now())
 		if err != nil {
 			return err
 		}
 		st.FillRates(prev)
 		prev = st
-		var vs *projection.VersionStatus
+		var vs *status.VersionStatus
 		for i := range st.Versions {
 			if st.Versions[i].Projection == v.Projection && st.Versions[i].Version == v.Version {
 				vs = &st.Versions[i]
 			}
 		}
 		if vs == nil || vs.Lifecycle == nil {
-			return fmt.Errorf("%s v%d: %w", v.Projection, v.Version, projection.ErrNoVersion)
+			return fmt.Errorf("%s v%d: %w", v.Projection, v.Version, version.ErrNoVersion)
 		}
 		lc := vs.Lifecycle
 		if firstDone.IsZero() && lc.EventsDone > 0 {
@@ -196,14 +197,14 @@ func waitReady(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, 
 			fmt.Fprintln(w)
 		}
 		switch vs.State {
-		case projection.StateReady, projection.StateLive:
+		case version.StateReady, version.StateLive:
 			if tty {
 				fmt.Fprintln(w)
 			}
 			fmt.Fprintf(w, "%s v%d is %s after %s; compare it with `projector compare %s <live> %d`, then `projector promote %s %d`\n",
 				v.Projection, v.Version, vs.State, time.Since(start).Round(time.Second), v.Projection, v.Version, v.Projection, v.Version)
 			return nil
-		case projection.StateFailed, projection.StateRetired:
+		case version.StateFailed, version.StateRetired:
 			if tty {
 				fmt.Fprintln(w)
 			}
@@ -336,12 +337,12 @@ live version stays ready and keeps consuming, so rollback is instant.`,
 			out = env.Stderr
 		}
 		if !*force {
-			vs, err := projection.ListVersions(ctx, pool, pos[0])
+			vs, err := version.ListVersions(ctx, pool, pos[0])
 			if err != nil {
 				return err
 			}
 			for _, v := range vs {
-				if v.State != projection.StateLive || v.Version == n {
+				if v.State != version.StateLive || v.Version == n {
 					continue
 				}
 				cmp, err := version.Compare(ctx, pool, version.CompareOptions{Projection: pos[0], A: v.Version, B: n,
@@ -451,8 +452,8 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 			return err
 		}
 		if *drop && !*yes {
-			if err := confirm(env, fmt.Sprintf("drop schema %s (every row and snapshot of %s v%d)?", projection.ArchiveSchema(n), pos[0], n),
-				projection.ArchiveSchema(n)); err != nil {
+			if err := confirm(env, fmt.Sprintf("drop schema %s (every row and snapshot of %s v%d)?", archive.Schema(n), pos[0], n),
+				archive.Schema(n)); err != nil {
 				return err
 			}
 		}
@@ -466,7 +467,7 @@ given; --drop asks for confirmation on a terminal and needs --yes otherwise.`,
 			return err
 		}
 		if *asJSON {
-			return writeJSON(env.Stdout, map[string]any{"projection": pos[0], "version": n, "state": projection.StateRetired, "dropped": *drop})
+			return writeJSON(env.Stdout, map[string]any{"projection": pos[0], "version": n, "state": version.StateRetired, "dropped": *drop})
 		}
 		what := "its consumers and progress rows deleted; schema kept"
 		if *drop {
@@ -513,7 +514,7 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 	lsnText := cmd.Flags().String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
 	var timeout time.Duration
 	cli.Local(cmd).Duration(&timeout, "timeout", "", 30*time.Second, "give up after this long (exit status 2)", cli.Positive())
-	proj := cmd.Flags().String("projection", projection.ArchiveProjection, "projection")
+	proj := cmd.Flags().String("projection", archive.Projection, "projection")
 	asJSON := jsonFlag(cmd, "the live version's readiness (archive.status) once complete")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -528,9 +529,9 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 		defer pool.Close()
 		wctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		r, err := projection.WaitComplete(wctx, pool, *proj, lsn, 0)
-		var ie *projection.IncompleteError
-		var te *projection.TimeoutError
+		r, err := status.WaitComplete(wctx, pool, *proj, lsn, 0)
+		var ie *status.IncompleteError
+		var te *status.TimeoutError
 		switch {
 		case errors.As(err, &ie):
 			return cli.WithCode(cli.ExitNotEqual, err)
@@ -550,10 +551,10 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 
 // sampleRates takes a second status sample after d when a version is
 // being built or caught up, so events/s and the ETA can be shown.
-func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, source string, first *projection.Status, d time.Duration) (*projection.Status, error) {
+func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, source string, first *status.Status, d time.Duration) (*status.Status, error) {
 	busy := false
 	for _, v := range first.Versions {
-		busy = busy || v.State == projection.StateBuilding || v.State == projection.StateCatchingUp
+		busy = busy || v.State == version.StateBuilding || v.State == version.StateCatchingUp
 	}
 	if !busy || d <= 0 || js == nil {
 		return first, nil
@@ -563,7 +564,7 @@ func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, 
 		return nil, ctx.Err()
 	case <-time.After(d):
 	}
-	st, err := projection.CollectStatus(ctx, db, js, source, time.Now())
+	st, err := status.CollectStatus(ctx, db, js, source, time.Now())
 	if err != nil {
 		return nil, err
 	}
@@ -574,13 +575,13 @@ func sampleRates(ctx context.Context, db *pgxpool.Pool, js jetstream.JetStream, 
 // followVersions waits, one after the other, for every version that is
 // building or catching up to become ready (`projector status --wait`).
 func followVersions(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, source string, w io.Writer) error {
-	vs, err := projection.ListVersions(ctx, pool, "")
+	vs, err := version.ListVersions(ctx, pool, "")
 	if err != nil {
 		return err
 	}
 	followed := 0
 	for _, v := range vs {
-		if v.State != projection.StateBuilding && v.State != projection.StateCatchingUp {
+		if v.State != version.StateBuilding && v.State != version.StateCatchingUp {
 			continue
 		}
 		followed++

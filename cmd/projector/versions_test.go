@@ -25,7 +25,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // heartbeatAll publishes a heartbeat mark at lsn to every partition, as the
@@ -336,7 +336,7 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Equal(t, 2, exitCode(err), rout)
 	require.Contains(t, rout, "pass --yes")
 	require.Equal(t, 1, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
-	group, err := projection.DefaultGroup(ctx, conn)
+	group, err := version.DefaultGroup(ctx, conn)
 	require.NoError(t, err)
 	_, err = stream.Consumer(ctx, group+"_archive-v1-p0")
 	require.NoError(t, err, "the consumer of the target's group exists before retire")

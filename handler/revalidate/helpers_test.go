@@ -21,7 +21,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
@@ -101,7 +101,7 @@ func setupWith(t *testing.T, sourceURL string) *env {
 	e := &env{t: t, ctx: ctx, targetQ: &counter{}, sourceQ: &counter{}, reg: prometheus.NewRegistry(), sourceURL: sourceURL}
 	e.target = tracedPool(t, testenv.NoSearchPath(testenv.NewDatabase(t)), e.targetQ)
 	require.NoError(t, migrations.Apply(ctx, e.target))
-	require.NoError(t, projection.EnsureArchive(ctx, e.target, 1, nil))
+	require.NoError(t, version.EnsureArchive(ctx, e.target, 1, nil))
 	e.source = tracedPool(t, sourceURL, nil)
 	_, err := e.source.Exec(ctx, `CREATE TABLE IF NOT EXISTS public.customers (id int8 PRIMARY KEY, name text)`)
 	require.NoError(t, err)

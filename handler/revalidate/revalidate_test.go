@@ -8,7 +8,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 )
 
 // The test that matters most comes first: a row of the group archived
@@ -145,7 +145,7 @@ func TestErasedRowStopsRevoked(t *testing.T) {
 	// table (a keyed hash, never the values), the row removed from every
 	// version; an evaluation racing it (the delivery in flight) stops
 	// revoked, never completed.
-	_, err := projection.Erase(e.ctx, e.target, projection.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":2}`),
+	_, err := erasure.Erase(e.ctx, e.target, erasure.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":2}`),
 		Actor: "test", Reason: "test"})
 	require.NoError(t, err)
 	res = e.evaluate(other)

@@ -8,7 +8,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -117,16 +117,16 @@ func hash64(md5 string) string {
 // reads.
 func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison, error) {
 	if o.Projection == "" {
-		o.Projection = projection.ArchiveProjection
+		o.Projection = archive.Projection
 	}
 	if o.MaxKeys <= 0 {
 		o.MaxKeys = 20
 	}
-	va, err := projection.GetVersion(ctx, db, o.Projection, o.A)
+	va, err := GetVersion(ctx, db, o.Projection, o.A)
 	if err != nil {
 		return nil, err
 	}
-	vb, err := projection.GetVersion(ctx, db, o.Projection, o.B)
+	vb, err := GetVersion(ctx, db, o.Projection, o.B)
 	if err != nil {
 		return nil, err
 	}

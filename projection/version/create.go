@@ -14,13 +14,13 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
 // RebuildOptions say how a new version is built.
 type RebuildOptions struct {
-	// Projection to rebuild; only projection.ArchiveProjection exists.
+	// Projection to rebuild; only archive.Projection exists.
 	Projection string
 	// Source names the stream (EPITAPH_<SOURCE>); default "main".
 	Source string
@@ -42,30 +42,30 @@ type RebuildOptions struct {
 // the message there. Running workers discover it on their next balance and
 // build it beside the live version. Everything is one transaction: on
 // error nothing is created.
-func CreateVersion(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, opts RebuildOptions) (projection.Version, error) {
+func CreateVersion(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, opts RebuildOptions) (Version, error) {
 	if opts.Projection == "" {
-		opts.Projection = projection.ArchiveProjection
+		opts.Projection = archive.Projection
 	}
-	if opts.Projection != projection.ArchiveProjection {
-		return projection.Version{}, fmt.Errorf("rebuild %q: unknown projection (only %q exists)", opts.Projection, projection.ArchiveProjection)
+	if opts.Projection != archive.Projection {
+		return Version{}, fmt.Errorf("rebuild %q: unknown projection (only %q exists)", opts.Projection, archive.Projection)
 	}
 	if opts.Source == "" {
 		opts.Source = "main"
 	}
 	p, err := planRebuild(ctx, js, opts)
 	if err != nil {
-		return projection.Version{}, err
+		return Version{}, err
 	}
-	var v projection.Version
+	var v Version
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		var err error
 		v, err = p.create(ctx, tx, opts.Projection)
 		return err
 	})
 	if err != nil {
-		return projection.Version{}, err
+		return Version{}, err
 	}
-	return projection.GetVersion(ctx, pool, v.Projection, v.Version)
+	return GetVersion(ctx, pool, v.Projection, v.Version)
 }
 
 // rebuildPlan is what the stream says a new version starts from, read
@@ -102,7 +102,7 @@ func planRebuild(ctx context.Context, js jetstream.JetStream, opts RebuildOption
 		return nil, fmt.Errorf("stream info: %w", err)
 	}
 	p := &rebuildPlan{boundary: info.State.LastSeq}
-	if p.partitions, err = projection.StreamPartitions(info); err != nil {
+	if p.partitions, err = StreamPartitions(info); err != nil {
 		return nil, err
 	}
 	if p.boundaryLSN, err = boundaryLSN(ctx, stream, p.boundary); err != nil {
@@ -133,8 +133,8 @@ func boundaryLSN(ctx context.Context, stream jetstream.Stream, boundary uint64) 
 	raw, err := stream.GetMsg(ctx, boundary)
 	switch {
 	case err == nil:
-		if e, err := (&event.Decoder{}).Decode(raw.Data); err == nil && projection.PositionLSN(e) != 0 {
-			return projection.PositionLSN(e).String(), nil
+		if e, err := (&event.Decoder{}).Decode(raw.Data); err == nil && PositionLSN(e) != 0 {
+			return PositionLSN(e).String(), nil
 		}
 	case errors.Is(err, jetstream.ErrMsgNotFound):
 	default:
@@ -145,19 +145,19 @@ func boundaryLSN(ctx context.Context, stream jetstream.Stream, boundary uint64) 
 
 // create makes the version in tx: its row, tables, progress rows, the gap
 // of the removed head and the starts of a partial rebuild.
-func (p *rebuildPlan) create(ctx context.Context, tx pgx.Tx, name string) (projection.Version, error) {
-	if err := projection.LockVersions(ctx, tx); err != nil {
-		return projection.Version{}, err
+func (p *rebuildPlan) create(ctx context.Context, tx pgx.Tx, name string) (Version, error) {
+	if err := LockVersions(ctx, tx); err != nil {
+		return Version{}, err
 	}
 	var n int
 	if err := tx.QueryRow(ctx, `SELECT COALESCE(max(version), 0) + 1 FROM epitaph.projection_versions WHERE projection = $1`,
 		name).Scan(&n); err != nil {
-		return projection.Version{}, fmt.Errorf("next version: %w", err)
+		return Version{}, fmt.Errorf("next version: %w", err)
 	}
 	if n == 1 {
-		return projection.Version{}, errors.New("no live version yet: start a projector worker first (it creates version 1)")
+		return Version{}, errors.New("no live version yet: start a projector worker first (it creates version 1)")
 	}
-	v := projection.Version{Projection: name, Version: n, State: projection.StateBuilding, Schema: projection.ArchiveSchema(n),
+	v := Version{Projection: name, Version: n, State: StateBuilding, Schema: archive.Schema(n),
 		Partitions: p.partitions}
 	_, err := tx.Exec(ctx, `
 		INSERT INTO epitaph.projection_versions
@@ -165,20 +165,20 @@ func (p *rebuildPlan) create(ctx context.Context, tx pgx.Tx, name string) (proje
 		VALUES ($1, $2, 'building', $3, $4, $5, $6::pg_lsn, now(), $7, $8)`,
 		v.Projection, v.Version, v.Schema, p.partitions, int64(p.boundary), p.boundaryLSN, p.fromTime, string(p.config))
 	if err != nil {
-		return projection.Version{}, fmt.Errorf("create %s v%d: %w", v.Projection, v.Version, err)
+		return Version{}, fmt.Errorf("create %s v%d: %w", v.Projection, v.Version, err)
 	}
-	if err := projection.CreateVersionTables(ctx, tx, v, snapshot.DDL); err != nil {
-		return projection.Version{}, err
+	if err := CreateVersionTables(ctx, tx, v, snapshot.DDL); err != nil {
+		return Version{}, err
 	}
 	if err := progress.Ensure(ctx, tx, v.Projection, v.Version, p.partitions); err != nil {
-		return projection.Version{}, err
+		return Version{}, err
 	}
 	return v, p.position(ctx, tx, v)
 }
 
 // position records the removed head as a gap and sets the cursors of a
 // partial rebuild.
-func (p *rebuildPlan) position(ctx context.Context, tx pgx.Tx, v projection.Version) error {
+func (p *rebuildPlan) position(ctx context.Context, tx pgx.Tx, v Version) error {
 	if p.head != nil {
 		var toLSN any
 		if p.head.toLSN != 0 {
@@ -280,7 +280,7 @@ func removedHead(ctx context.Context, stream jetstream.Stream, info *jetstream.S
 		switch {
 		case err == nil:
 			if e, err := (&event.Decoder{}).Decode(raw.Data); err == nil {
-				g.toLSN = projection.PositionLSN(e)
+				g.toLSN = PositionLSN(e)
 			}
 		case errors.Is(err, jetstream.ErrMsgNotFound):
 		default:

@@ -8,7 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -26,19 +25,19 @@ var ErrNotReady = errors.New("version is not ready")
 // comparison with the live version is the caller's (see Compare).
 func Promote(ctx context.Context, pool *pgxpool.Pool, name string, version int, force bool) (previous int, err error) {
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if err := projection.LockVersions(ctx, tx); err != nil {
+		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
-		v, err := projection.GetVersion(ctx, tx, name, version)
+		v, err := GetVersion(ctx, tx, name, version)
 		if err != nil {
 			return err
 		}
 		switch {
-		case v.State == projection.StateLive:
+		case v.State == StateLive:
 			return fmt.Errorf("%s v%d is live already", name, version)
 		case !v.Active():
 			return fmt.Errorf("%s v%d is %s: it cannot be promoted", name, version, v.State)
-		case v.State != projection.StateReady && !force:
+		case v.State != StateReady && !force:
 			return fmt.Errorf("%s v%d is %s: %w (wait for it, or --force)", name, version, v.State, ErrNotReady)
 		}
 		if !force {
@@ -54,7 +53,7 @@ func Promote(ctx context.Context, pool *pgxpool.Pool, name string, version int, 
 
 // promotable refuses (ErrNotReady) a version with unresolved quarantine,
 // unacknowledged gaps, or snapshot documents behind the live version's.
-func promotable(ctx context.Context, tx pgx.Tx, v projection.Version) error {
+func promotable(ctx context.Context, tx pgx.Tx, v Version) error {
 	var open int
 	if err := tx.QueryRow(ctx, `SELECT count(*) FROM epitaph.quarantine
 		WHERE projection = $1 AND version = $2 AND status = 'open'`, v.Projection, v.Version).Scan(&open); err != nil {
@@ -76,14 +75,14 @@ func promotable(ctx context.Context, tx pgx.Tx, v projection.Version) error {
 // snapshotsCaughtUp refuses (ErrNotReady) a version that has documents
 // pending or failed which the live version has complete: readers would get
 // "pending" (or nothing) where they had a document.
-func snapshotsCaughtUp(ctx context.Context, tx pgx.Tx, v projection.Version) error {
-	var live projection.Version
-	vs, err := projection.ListVersions(ctx, tx, v.Projection)
+func snapshotsCaughtUp(ctx context.Context, tx pgx.Tx, v Version) error {
+	var live Version
+	vs, err := ListVersions(ctx, tx, v.Projection)
 	if err != nil {
 		return err
 	}
 	for _, o := range vs {
-		if o.State == projection.StateLive {
+		if o.State == StateLive {
 			live = o
 		}
 	}
@@ -115,9 +114,9 @@ func switchLive(ctx context.Context, tx pgx.Tx, name string, version int) (previ
 		return 0, fmt.Errorf("make %s v%d live: %w", name, version, err)
 	}
 	if tag.RowsAffected() != 1 {
-		return 0, fmt.Errorf("make %s v%d live: %w", name, version, projection.ErrNoVersion)
+		return 0, fmt.Errorf("make %s v%d live: %w", name, version, ErrNoVersion)
 	}
-	if err := projection.PointViews(ctx, tx, version); err != nil {
+	if err := PointViews(ctx, tx, version); err != nil {
 		return 0, err
 	}
 	return previous, nil
@@ -128,7 +127,7 @@ func switchLive(ctx context.Context, tx pgx.Tx, name string, version int) (previ
 // in one transaction with the view switch, and returns (from, to).
 func Rollback(ctx context.Context, pool *pgxpool.Pool, name string) (from, to int, err error) {
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if err := projection.LockVersions(ctx, tx); err != nil {
+		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
 		err := tx.QueryRow(ctx, `SELECT version FROM epitaph.projection_versions

@@ -13,7 +13,6 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
-	"github.com/epitaph-dev/epitaph/projection"
 )
 
 // RetireOptions say how a version is retired.
@@ -27,7 +26,7 @@ type RetireOptions struct {
 	WaitReleased time.Duration
 	// Group is the consumer group whose consumers are deleted besides the
 	// ones recorded on the progress rows; default the target's
-	// (projection.DefaultGroup).
+	// (DefaultGroup).
 	Group string
 }
 
@@ -81,17 +80,17 @@ func Retire(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, nam
 
 // markRetired marks the version retired (refusing the live one) under the
 // version lock.
-func markRetired(ctx context.Context, pool *pgxpool.Pool, name string, version int) (projection.Version, error) {
-	var v projection.Version
+func markRetired(ctx context.Context, pool *pgxpool.Pool, name string, version int) (Version, error) {
+	var v Version
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if err := projection.LockVersions(ctx, tx); err != nil {
+		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
 		var err error
-		if v, err = projection.GetVersion(ctx, tx, name, version); err != nil {
+		if v, err = GetVersion(ctx, tx, name, version); err != nil {
 			return err
 		}
-		if v.State == projection.StateLive {
+		if v.State == StateLive {
 			return fmt.Errorf("%s v%d is live: promote another version (or roll back) first", name, version)
 		}
 		_, err = tx.Exec(ctx, `UPDATE epitaph.projection_versions SET state = 'retired', retired_at = COALESCE(retired_at, now())
@@ -103,7 +102,7 @@ func markRetired(ctx context.Context, pool *pgxpool.Pool, name string, version i
 
 // waitReleased waits, up to limit, until no live lease holds a partition
 // of the version.
-func waitReleased(ctx context.Context, pool *pgxpool.Pool, v projection.Version, limit time.Duration) error {
+func waitReleased(ctx context.Context, pool *pgxpool.Pool, v Version, limit time.Duration) error {
 	deadline := time.Now().Add(limit)
 	for {
 		var held int
@@ -128,17 +127,17 @@ func waitReleased(ctx context.Context, pool *pgxpool.Pool, v projection.Version,
 // deleteVersionConsumers deletes every consumer the version's partitions
 // may have: the one recorded on its progress row, the group's, and the
 // name from before consumer groups.
-func deleteVersionConsumers(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, v projection.Version, opts RetireOptions) error {
+func deleteVersionConsumers(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, v Version, opts RetireOptions) error {
 	stream, err := js.Stream(ctx, event.StreamName(opts.Source))
 	if err != nil {
 		return fmt.Errorf("stream: %w", err)
 	}
 	group := opts.Group
 	if group == "" {
-		if group, err = projection.DefaultGroup(ctx, pool); err != nil {
+		if group, err = DefaultGroup(ctx, pool); err != nil {
 			return err
 		}
-	} else if err := projection.ValidateGroup(group); err != nil {
+	} else if err := ValidateGroup(group); err != nil {
 		return err
 	}
 	rows, err := progress.List(ctx, pool, v.Projection, v.Version)

@@ -13,7 +13,6 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -43,18 +42,18 @@ func TestAdministrationWithoutWorkers(t *testing.T) {
 	require.ErrorContains(t, err, `rebuild "orders": unknown projection`)
 	_, err = version.CreateVersion(ctx, pool, js, version.RebuildOptions{})
 	require.ErrorContains(t, err, "no live version yet")
-	vs, err := projection.ListVersions(ctx, pool, "")
+	vs, err := version.ListVersions(ctx, pool, "")
 	require.NoError(t, err)
 	require.Empty(t, vs, "nothing is created on error")
 
-	require.NoError(t, projection.EnsureArchive(ctx, pool, 2, snapshot.DDL))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 2, snapshot.DDL))
 	for i := range 3 {
 		_, err := js.Publish(ctx, event.CommitSubject(src, i%2), []byte("not an event "+strconv.Itoa(i)))
 		require.NoError(t, err)
 	}
 	v2, err := version.CreateVersion(ctx, pool, js, version.RebuildOptions{Note: "unit"})
 	require.NoError(t, err)
-	require.Equal(t, projection.Version{Projection: "archive", Version: 2, State: projection.StateBuilding, Schema: "archive_v2",
+	require.Equal(t, version.Version{Projection: "archive", Version: 2, State: version.StateBuilding, Schema: "archive_v2",
 		Partitions: 2, BoundarySeq: ptr(int64(3)), CreatedAt: v2.CreatedAt, BuildingAt: v2.BuildingAt}, v2)
 	require.Equal(t, []string{"0:0", "1:0"}, cursors(t, pool, 2))
 	var note, from string
@@ -64,7 +63,7 @@ func TestAdministrationWithoutWorkers(t *testing.T) {
 	_, err = version.Promote(ctx, pool, "archive", 2, false)
 	require.ErrorIs(t, err, version.ErrNotReady)
 	_, err = version.Promote(ctx, pool, "archive", 9, true)
-	require.ErrorIs(t, err, projection.ErrNoVersion)
+	require.ErrorIs(t, err, version.ErrNoVersion)
 	err = version.Retire(ctx, pool, js, "archive", 1, version.RetireOptions{})
 	require.ErrorContains(t, err, "archive v1 is live: promote another version (or roll back) first")
 	_, _, err = version.Rollback(ctx, pool, "archive")
@@ -125,7 +124,7 @@ func cursors(t *testing.T, pool *pgxpool.Pool, v int) []string {
 
 func states(t *testing.T, pool *pgxpool.Pool) map[int]string {
 	t.Helper()
-	vs, err := projection.ListVersions(context.Background(), pool, "archive")
+	vs, err := version.ListVersions(context.Background(), pool, "archive")
 	require.NoError(t, err)
 	out := map[int]string{}
 	for _, v := range vs {

@@ -60,6 +60,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/workload"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 type env struct {
@@ -1007,7 +1008,7 @@ func (e *env) raw(ctx context.Context, targetURL string, events []*event.Event, 
 		pool.Close()
 		return 0, fmt.Errorf("raw: migrate: %w", err)
 	}
-	if err := projection.EnsureArchive(ctx, pool, 8, nil); err != nil {
+	if err := version.EnsureArchive(ctx, pool, 8, nil); err != nil {
 		pool.Close()
 		return 0, fmt.Errorf("raw: create archive_v1: %w", err)
 	}

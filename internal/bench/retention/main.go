@@ -51,7 +51,9 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 const (
@@ -411,7 +413,7 @@ func prefill(ctx context.Context, url string, rows int, expired bool) error {
 	if err := migrations.Apply(ctx, pool); err != nil {
 		return err
 	}
-	if err := projection.EnsureArchive(ctx, pool, partitions, snapshot.DDL); err != nil {
+	if err := version.EnsureArchive(ctx, pool, partitions, snapshot.DDL); err != nil {
 		return err
 	}
 	expiry := "now() + interval '100 years'"
@@ -589,7 +591,7 @@ func eraseRun(ctx context.Context, url string, rows int) error {
 		return err
 	}
 	start := time.Now()
-	rc, err := projection.Erase(ctx, pool, projection.EraseOptions{Table: "public.customers", Match: json.RawMessage(match),
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers", Match: json.RawMessage(match),
 		WithChildren: true, Actor: "bench"})
 	if err != nil {
 		return err

@@ -30,7 +30,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
-	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 type options struct {
@@ -136,7 +136,7 @@ func setup(ctx context.Context, pg *testenv.Postgres, o options) (*env, func(), 
 		target.Close()
 		return nil, nil, err
 	}
-	if err := projection.EnsureArchive(ctx, target, 1, nil); err != nil {
+	if err := version.EnsureArchive(ctx, target, 1, nil); err != nil {
 		target.Close()
 		return nil, nil, err
 	}

@@ -1,6 +1,8 @@
 package projection
 
 import "github.com/prometheus/client_golang/prometheus"
+import "github.com/epitaph-dev/epitaph/projection/status"
+import "github.com/epitaph-dev/epitaph/projection/version"
 
 // lifecycleMetrics show how far each version being built has come.
 type lifecycleMetrics struct {
@@ -29,13 +31,13 @@ func newLifecycleMetrics(reg prometheus.Registerer) *lifecycleMetrics {
 	return m
 }
 
-func (m *lifecycleMetrics) publish(st *Status) {
+func (m *lifecycleMetrics) publish(st *status.Status) {
 	for _, g := range []*prometheus.GaugeVec{m.progress, m.rate, m.eta, m.boundary, m.atBoundary} {
 		g.Reset()
 	}
 	for _, v := range st.Versions {
 		lc := v.Lifecycle
-		if lc == nil || v.State == StateRetired {
+		if lc == nil || v.State == version.StateRetired {
 			continue
 		}
 		l := []string{v.Projection, itoa(v.Version)}

@@ -1,4 +1,4 @@
-package projection
+package erasure
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
@@ -35,7 +36,7 @@ type EraseOptions struct {
 	// Actor is who erases (the CLI defaults it to the OS user).
 	Actor string
 	// PurgeStream is recorded on the receipt; the stream purge itself is
-	// PurgeStream (erase_stream.go), run after Erase.
+	// PurgeStream (purge.go), run after Erase.
 	PurgeStream bool
 	// LockTimeout bounds the wait for applies in flight; default 60s.
 	LockTimeout time.Duration
@@ -60,7 +61,7 @@ type Receipt struct {
 	// Unchecked counts, per place, what the last run could not match by
 	// value and so could not rule out: "epitaph.quarantine" is the
 	// quarantine entries whose message cannot be decoded and did not match
-	// by what could be read of them (erase_quarantine.go).
+	// by what could be read of them (quarantine.go).
 	Unchecked   map[string]int `json:"unchecked"`
 	CreatedAt   time.Time      `json:"created_at"`
 	UpdatedAt   time.Time      `json:"updated_at"`
@@ -100,7 +101,7 @@ func selector(table string, key, match json.RawMessage) (schema, name, mode stri
 // of their deliveries (pending work stops as stop_revoked); quarantine
 // entries that cannot be decoded are matched by what can be read of them
 // and the rest counted on the receipt (Receipt.Unchecked). Applies in
-// flight finish first; later ones see the fence (fence.go).
+// flight finish first; later ones see the fence (fence.go here).
 func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt, error) {
 	schema, name, mode, sel, cols, err := selector(opts.Table, opts.Key, opts.Match)
 	if err != nil {
@@ -242,7 +243,7 @@ func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode stri
 	}
 	for _, vs := range vss {
 		var hold *int64
-		err := tx.QueryRow(ctx, `SELECT min(h.id) FROM `+ident(vs.schema, "rows")+` r JOIN epitaph.legal_holds h
+		err := tx.QueryRow(ctx, `SELECT min(h.id) FROM `+archive.Ident(vs.Schema, "rows")+` r JOIN epitaph.legal_holds h
 			ON h.schema_name = r.schema_name AND h.table_name = r.table_name AND (h.key = r.key OR r.row @> h.match)
 			WHERE r.schema_name = $1 AND r.table_name = $2 AND `+cond, schema, name, string(sel)).Scan(&hold)
 		if err != nil {
@@ -306,16 +307,16 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 	}
 	seen := map[rowIdentity]bool{}
 	var ids []rowIdentity
-	var parents []parentRow // with children: kept for the pages not applied yet (fence_pages.go)
+	var parents []parentRow // with children: kept for the pages not applied yet (fence_children.go)
 	for _, vs := range vss {
 		extra, docs := "", "0"
-		if vs.snapshots {
-			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, ident(vs.schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
+		if vs.Snapshots {
+			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, archive.Ident(vs.Schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
 		}
-		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, ident(vs.schema, "rows"), extra, cond, docs),
+		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, archive.Ident(vs.Schema, "rows"), extra, cond, docs),
 			schema, name, string(sel), withChildren, id)
 		if err != nil {
-			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 		}
 		var r rowIdentity
 		var lsn, corr, tbl string
@@ -328,9 +329,9 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 				return err
 			}
 			r.lsn = l
-			removed[vs.schema+".rows"]++
+			removed[vs.Schema+".rows"]++
 			removed["rows:"+tbl]++
-			removed[vs.schema+".snapshots"] = max(removed[vs.schema+".snapshots"], ndocs)
+			removed[vs.Schema+".snapshots"] = max(removed[vs.Schema+".snapshots"], ndocs)
 			corrs[corr] = true
 			if !seen[r] {
 				seen[r] = true
@@ -342,23 +343,23 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			return nil
 		})
 		if err != nil {
-			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.schema, err)
+			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 		}
-		if vs.snapshots && len(corrs) > 0 {
+		if vs.Snapshots && len(corrs) > 0 {
 			list := make([]string, 0, len(corrs))
 			for c := range corrs {
 				list = append(list, c)
 			}
 			// The other documents of these transactions: rebuilt without
 			// the erased rows (their payload is cleared at once).
-			n, err := snapshot.Invalidate(ctx, tx, vs.schema, list)
+			n, err := snapshot.Invalidate(ctx, tx, vs.Schema, list)
 			if err != nil {
 				return nil, nil, err
 			}
-			removed[vs.schema+".snapshots_rebuilt"] += n
+			removed[vs.Schema+".snapshots_rebuilt"] += n
 		}
-		if removed[vs.schema+".snapshots"] == 0 {
-			delete(removed, vs.schema+".snapshots")
+		if removed[vs.Schema+".snapshots"] == 0 {
+			delete(removed, vs.Schema+".snapshots")
 		}
 	}
 	return ids, parents, nil
@@ -366,7 +367,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 
 // allVersionSchemas are the archive schemas of every version of every
 // projection that has a rows table.
-func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]versionSchema, error) {
+func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]archive.VersionSchema, error) {
 	rows, err := tx.Query(ctx, `
 		SELECT DISTINCT schema_name, to_regclass(quote_ident(schema_name) || '.snapshots') IS NOT NULL
 		FROM epitaph.projection_versions
@@ -375,9 +376,9 @@ func allVersionSchemas(ctx context.Context, tx pgx.Tx) ([]versionSchema, error) 
 	if err != nil {
 		return nil, fmt.Errorf("list version schemas: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (versionSchema, error) {
-		var v versionSchema
-		return v, r.Scan(&v.schema, &v.snapshots)
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (archive.VersionSchema, error) {
+		var v archive.VersionSchema
+		return v, r.Scan(&v.Schema, &v.Snapshots)
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list version schemas: %w", err)

@@ -1,4 +1,4 @@
-package projection
+package erasure
 
 import (
 	"context"
@@ -10,9 +10,11 @@ import (
 )
 
 // LegalHold keeps the archived rows it covers past their expires_at
-// (retention.go): the rows of Table whose key equals Key, or whose row
-// contains Match. Not to be confused with hold mode (hold.go), which keeps
-// later events of a quarantined row back.
+// (package projection/retention honours it) and refuses their erasure:
+// the rows of Table whose key equals Key, or whose row contains Match.
+// Not to be confused with hold mode (Config.HoldOnQuarantine of package
+// projection, holdonquarantine.go), which keeps later events of a
+// quarantined row back.
 type LegalHold struct {
 	ID        int64           `json:"id"`
 	Table     string          `json:"table"`

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -40,7 +41,7 @@ type holder struct {
 // holdBefore marks the page's delete events that must wait (category held)
 // and returns the rows to insert: those not quarantined for any reason.
 // Off: rows unchanged, nil holder, no query.
-func (s *Service) holdBefore(ctx context.Context, tx pgx.Tx, v Version, items []*item, rows []*archiveRow) (*holder, []*archiveRow, error) {
+func (s *Service) holdBefore(ctx context.Context, tx pgx.Tx, v version.Version, items []*item, rows []*archiveRow) (*holder, []*archiveRow, error) {
 	if !s.cfg.HoldOnQuarantine {
 		return nil, rows, nil
 	}
@@ -115,7 +116,7 @@ func (h *holder) mark(items []*item) int {
 
 // queryOpen looks up, in one query, which of the rows have an open entry
 // (the condition of quarantine.Held, for the whole page at once).
-func (h *holder) queryOpen(ctx context.Context, tx pgx.Tx, v Version, keys []rowKey) error {
+func (h *holder) queryOpen(ctx context.Context, tx pgx.Tx, v version.Version, keys []rowKey) error {
 	if len(keys) == 0 {
 		return nil
 	}

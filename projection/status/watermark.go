@@ -1,4 +1,4 @@
-package projection
+package status
 
 import (
 	"context"
@@ -67,7 +67,3 @@ func WaitLSN(ctx context.Context, db progress.DB, projection string, lsn event.L
 		}
 	}
 }
-
-// PositionLSN is the source position a message stands for (its commit
-// LSN; a mark's LSN; a gap's end), as the runtime's cursors record it.
-func PositionLSN(e *event.Event) event.LSN { return positionLSN(e) }

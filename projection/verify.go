@@ -13,13 +13,15 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/trust"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -57,17 +59,6 @@ import (
 //
 // Messages at or before the partition's legacy boundary (a stream written
 // before signing) are believed as before.
-
-// CategoryUnauthenticated is the quarantine category of messages that fail
-// verification.
-const CategoryUnauthenticated = string(quarantine.CategoryUnauthenticated)
-
-// MetaSigningKey is the stream metadata key where a projector meeting its
-// first key may also find the public key (event.PublicKeyString), besides
-// the message's event.HeaderPublicKey. Either is only believed for a
-// message whose signature it verifies, and only while no key is trusted
-// yet (trust on first use).
-const MetaSigningKey = event.MetaSigningKey
 
 // maxChoices bounds the slow path: how many combinations of candidates
 // (messages claiming the same commit LSN and seq) are hashed against a
@@ -145,58 +136,8 @@ func newKeyring(pool *pgxpool.Pool, log *slog.Logger) *keyring {
 	return &keyring{pool: pool, log: log, warned: map[string]bool{}}
 }
 
-// TrustedKey is one row of epitaph.trusted_keys.
-type TrustedKey struct {
-	KeyID       string
-	PublicKey   ed25519.PublicKey
-	FirstSeenAt time.Time
-	TrustedAt   time.Time
-	TrustedBy   string
-	Note        string
-}
-
-// TrustedKeys lists the keys the target trusts, oldest first.
-func TrustedKeys(ctx context.Context, db interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}) ([]TrustedKey, error) {
-	rows, err := db.Query(ctx, `SELECT key_id, public_key, first_seen_at, trusted_at, trusted_by, COALESCE(note, '')
-		FROM epitaph.trusted_keys ORDER BY trusted_at, key_id`)
-	if err != nil {
-		return nil, fmt.Errorf("list trusted keys: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (TrustedKey, error) {
-		var k TrustedKey
-		var pub []byte
-		err := r.Scan(&k.KeyID, &pub, &k.FirstSeenAt, &k.TrustedAt, &k.TrustedBy, &k.Note)
-		k.PublicKey = ed25519.PublicKey(pub)
-		return k, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("list trusted keys: %w", err)
-	}
-	return out, nil
-}
-
-// TrustKey adds pub to the target's trusted keys (idempotent: a key
-// already trusted keeps its record). It returns false when it was trusted
-// already. Keys are only ever added: messages signed by an older key stay
-// verifiable after a rotation.
-func TrustKey(ctx context.Context, db interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-}, pub ed25519.PublicKey, by, note string) (bool, error) {
-	if len(pub) != ed25519.PublicKeySize {
-		return false, fmt.Errorf("trust key: a public key of %d bytes, not %d", len(pub), ed25519.PublicKeySize)
-	}
-	tag, err := db.Exec(ctx, `INSERT INTO epitaph.trusted_keys (key_id, public_key, trusted_by, note)
-		VALUES ($1, $2, $3, NULLIF($4, '')) ON CONFLICT (key_id) DO NOTHING`, event.KeyID(pub), []byte(pub), by, note)
-	if err != nil {
-		return false, fmt.Errorf("trust key %s: %w", event.KeyID(pub), err)
-	}
-	return tag.RowsAffected() == 1, nil
-}
-
 func (k *keyring) load(ctx context.Context) error {
-	ks, err := TrustedKeys(ctx, k.pool)
+	ks, err := trust.TrustedKeys(ctx, k.pool)
 	if err != nil {
 		return err
 	}
@@ -314,35 +255,6 @@ func kindName(subject string) string {
 		return "unknown"
 	}
 	return parts[3]
-}
-
-// LegacyBoundary is the recorded legacy boundary of one partition.
-type LegacyBoundary struct {
-	Stream      string
-	Partition   int
-	BoundarySeq uint64
-	RecordedAt  time.Time
-}
-
-// LegacyBoundaries lists the recorded legacy boundaries.
-func LegacyBoundaries(ctx context.Context, db interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}) ([]LegacyBoundary, error) {
-	rows, err := db.Query(ctx, `SELECT stream, partition, boundary_seq, recorded_at FROM epitaph.legacy_boundaries ORDER BY stream, partition`)
-	if err != nil {
-		return nil, fmt.Errorf("list legacy boundaries: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LegacyBoundary, error) {
-		var b LegacyBoundary
-		var seq int64
-		err := r.Scan(&b.Stream, &b.Partition, &seq, &b.RecordedAt)
-		b.BoundarySeq = uint64(seq)
-		return b, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("list legacy boundaries: %w", err)
-	}
-	return out, nil
 }
 
 // legacyBoundary returns the partition's legacy boundary, recording it on
@@ -620,7 +532,7 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
-		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: positionLSN(b.ev)})
+		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev)})
 		pv.w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
 			"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
 	} else if st.PartSeq > 0 {
@@ -646,7 +558,7 @@ func (pv *pageVerifier) finish() (*verdict, error) {
 }
 
 func (w *partitionWorker) refuse(it *item, why string) {
-	it.category, it.failure = CategoryUnauthenticated, errors.New(why)
+	it.category, it.failure = trust.CategoryUnauthenticated, errors.New(why)
 }
 
 // streamKey is the public key in the stream's metadata (MetaSigningKey).
@@ -658,7 +570,7 @@ func (w *partitionWorker) streamKey(ctx context.Context) string {
 	if err != nil {
 		return ""
 	}
-	return info.Config.Metadata[MetaSigningKey]
+	return info.Config.Metadata[trust.MetaSigningKey]
 }
 
 // closeWindow settles the pending row messages at a verified boundary b and
@@ -812,7 +724,7 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 				if ev, err := w.cfg.Decoder.Decode(it.data); err == nil {
 					it.ev = ev
 					if event.Partition(ev.CommitLSN, w.partitions) != w.lease.Partition {
-						it.category = CategoryUnauthenticated // refused on arrival
+						it.category = trust.CategoryUnauthenticated // refused on arrival
 					}
 				} else {
 					it.category = "malformed"
@@ -917,7 +829,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 
 // applyVerdict writes the verdict's decisions that concern earlier pages
 // and the gaps, in the page's transaction.
-func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l progress.Lease, vd *verdict) error {
+func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version, l progress.Lease, vd *verdict) error {
 	if vd == nil {
 		return nil
 	}
@@ -926,11 +838,11 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		for i, r := range vd.drop {
 			lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
 		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(v.Schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
 			WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, s.cfg.SourceName, lsns, seqs); err != nil {
 			return fmt.Errorf("drop unverified rows: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
 			WHERE p.partition = $1 AND p.commit_lsn = u.lsn::pg_lsn AND p.seq = u.seq`, l.Partition, lsns, seqs); err != nil {
 			return fmt.Errorf("drop unverified truncates: %w", err)
 		}
@@ -940,15 +852,15 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		for i, l := range vd.promote {
 			lsns[i] = l.String()
 		}
-		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "rows")+` SET verified = true
+		if _, err := tx.Exec(ctx, `UPDATE `+archive.Ident(v.Schema, "rows")+` SET verified = true
 			WHERE source = $1 AND commit_lsn = ANY($2::pg_lsn[]) AND NOT verified`, s.cfg.SourceName, lsns); err != nil {
 			return fmt.Errorf("make verified rows visible: %w", err)
 		}
 		// Their truncates of earlier pages become gap rows now.
 		if _, err := tx.Exec(ctx, `WITH moved AS (
-				DELETE FROM `+ident(v.Schema, "pending_truncates")+` WHERE partition = $1 AND commit_lsn = ANY($2::pg_lsn[])
+				DELETE FROM `+archive.Ident(v.Schema, "pending_truncates")+` WHERE partition = $1 AND commit_lsn = ANY($2::pg_lsn[])
 				RETURNING partition, commit_lsn, schema_name, table_name)
-			INSERT INTO `+ident(v.Schema, "gaps")+` (kind, schema_name, table_name, partition, from_lsn, to_lsn)
+			INSERT INTO `+archive.Ident(v.Schema, "gaps")+` (kind, schema_name, table_name, partition, from_lsn, to_lsn)
 			SELECT 'truncate', schema_name, table_name, partition, commit_lsn, commit_lsn FROM moved`, l.Partition, lsns); err != nil {
 			return fmt.Errorf("record verified truncates: %w", err)
 		}
@@ -968,7 +880,7 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 		}
 	}
 	for _, from := range vd.continued {
-		if _, err := tx.Exec(ctx, `UPDATE `+ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
+		if _, err := tx.Exec(ctx, `UPDATE `+archive.Ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
 			WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND to_lsn IS NULL AND acknowledged_at IS NULL`,
 			l.Partition, int64(from+1), suspectedGapCleared); err != nil {
 			return fmt.Errorf("clear suspected gap: %w", err)
@@ -980,7 +892,7 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v Version, l prog
 // recordGap records a removed_from_stream gap of a partition, or completes
 // the open one that starts at the same stream sequence (a suspected gap).
 func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g gapRow) error {
-	tag, err := tx.Exec(ctx, `UPDATE `+ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
+	tag, err := tx.Exec(ctx, `UPDATE `+archive.Ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
 		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND acknowledged_at IS NULL`,
 		partition, int64(g.fromSeq), int64(g.toSeq), nullLSNText(g.toLSN))
 	if err != nil {
@@ -989,7 +901,7 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 	if tag.RowsAffected() > 0 {
 		return nil
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
 		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
 		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
@@ -1012,14 +924,14 @@ func (w *partitionWorker) recordSuspectedGap(ctx context.Context, first uint64) 
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	var exists bool
-	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+ident(w.ver.Schema, "gaps")+`
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+archive.Ident(w.ver.Schema, "gaps")+`
 		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2)`, w.lease.Partition, int64(from)).Scan(&exists); err != nil {
 		return fmt.Errorf("record suspected gap: %w", err)
 	}
 	if exists {
 		return nil
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn, from_seq, to_seq)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn, from_seq, to_seq)
 		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3, $4)`,
 		w.lease.Partition, nullLSNText(w.pos.SourceLSN), int64(from), int64(first-1)); err != nil {
 		return fmt.Errorf("record suspected gap: %w", err)
@@ -1082,7 +994,7 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *tim
 	}
 	recreated := recorded != nil // even at cursor 0: the old stream may have held this partition's first messages
 	if recreated {
-		if _, err := tx.Exec(ctx, `INSERT INTO `+ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn)
+		if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(w.ver.Schema, "gaps")+` (kind, partition, from_lsn)
 			VALUES ('removed_from_stream', $1, $2::pg_lsn)`, w.lease.Partition, nullLSNText(w.pos.SourceLSN)); err != nil {
 			return fmt.Errorf("record a removed_from_stream gap: %w", err)
 		}
@@ -1103,7 +1015,7 @@ func (w *partitionWorker) checkStreamIdentity(ctx context.Context, recorded *tim
 // gap row then, or drops it with the transaction's other unverified
 // messages. Readers never see a truncate that may be forged.
 func stagePendingTruncate(ctx context.Context, tx pgx.Tx, schema string, partition int, e *event.Event) error {
-	if _, err := tx.Exec(ctx, `INSERT INTO `+ident(schema, "pending_truncates")+`
+	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "pending_truncates")+`
 		(partition, commit_lsn, seq, schema_name, table_name) VALUES ($1, $2::pg_lsn, $3, $4, $5)
 		ON CONFLICT DO NOTHING`, partition, e.CommitLSN.String(), e.Seq, e.Schema, e.Table); err != nil {
 		return fmt.Errorf("stage an unverified truncate: %w", err)

@@ -1,4 +1,4 @@
-package projection
+package retention
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // batchLog records the rows of each batch the cleaner logs.
@@ -60,7 +61,7 @@ func expireRows(t *testing.T, pool *pgxpool.Pool, from, n int, ago time.Duration
 func runCleaner(t *testing.T, pool *pgxpool.Pool, cfg CleanerConfig, behindSince time.Time, limit time.Duration) time.Duration {
 	t.Helper()
 	ctx := context.Background()
-	c := newCleaner(pool, cfg, newRetentionMetrics(prometheus.NewRegistry()))
+	c := NewCleaner(pool, cfg, NewMetrics(prometheus.NewRegistry()))
 	c.behindSince = behindSince
 	start := time.Now()
 	require.NoError(t, c.Start(ctx))
@@ -88,7 +89,7 @@ func TestRetentionCleanerPace(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	require.NoError(t, EnsureArchive(ctx, pool, 1, nil))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 1, nil))
 	log := &batchLog{}
 	busy := func() bool { return true }
 	cfg := CleanerConfig{Interval: 20 * time.Millisecond, Batch: 1000, Rate: 4000, Busy: busy, Logger: slog.New(log)}
@@ -124,25 +125,6 @@ func TestRetentionCleanerPace(t *testing.T) {
 	require.NotEmpty(t, log.take())
 }
 
-// liveBusy follows the live version's pages: busy for a second after one
-// was admitted.
-func TestLiveBusy(t *testing.T) {
-	s, err := New(Config{TargetURL: "postgres://x", NATSURL: "nats://x", WorkerID: "w"})
-	require.NoError(t, err)
-	live := Version{Projection: "archive", Version: 1, State: StateLive}
-	s.setLive([]Version{live})
-	clock := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
-	s.now = func() time.Time { return clock }
-	require.False(t, s.liveBusy(), "nothing applied yet")
-	release, err := s.admit(context.Background(), live)
-	require.NoError(t, err)
-	release()
-	require.True(t, s.liveBusy())
-	clock = clock.Add(liveIdle + time.Millisecond)
-	require.False(t, s.liveBusy())
-	require.Equal(t, DefaultCleanupRate, s.cfg.CleanupRate)
-}
-
 // One cleaner cleans a version at a time: a batch skips a version whose
 // cleanup lock another holds (and says so), and cleans it once released. A
 // full batch's OldestDue is the newest expires_at it deleted.
@@ -154,7 +136,7 @@ func TestRetentionOneCleanerPerVersion(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	require.NoError(t, migrations.Apply(ctx, pool))
-	require.NoError(t, EnsureArchive(ctx, pool, 1, nil))
+	require.NoError(t, version.EnsureArchive(ctx, pool, 1, nil))
 	expireRows(t, pool, 1, 500, time.Minute)
 
 	other, err := pool.Begin(ctx)

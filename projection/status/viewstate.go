@@ -1,10 +1,12 @@
-package projection
+package status
 
 import (
 	"context"
 	"fmt"
 
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // What a reader of the live version is told (the read API's
@@ -36,7 +38,7 @@ func ViewState(ctx context.Context, db progress.DB, projection string) (string, 
 	}
 	var live *Readiness
 	for i := range rs {
-		if rs[i].State == StateLive {
+		if rs[i].State == version.StateLive {
 			live = &rs[i]
 		}
 	}
@@ -51,7 +53,7 @@ func ViewState(ctx context.Context, db progress.DB, projection string) (string, 
 		return ViewUnavailable, live, nil
 	}
 	var unavailable bool
-	if err := db.QueryRow(ctx, unavailableSQL, projection, live.Version, failingAttempts).Scan(&unavailable); err != nil {
+	if err := db.QueryRow(ctx, unavailableSQL, projection, live.Version, archive.FailingAttempts).Scan(&unavailable); err != nil {
 		return ViewUnavailable, live, fmt.Errorf("read partitions of %s v%d: %w", projection, live.Version, err)
 	}
 	if unavailable {

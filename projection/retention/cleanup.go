@@ -1,4 +1,4 @@
-package projection
+package retention
 
 import (
 	"context"
@@ -16,17 +16,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/epitaph-dev/epitaph/internal/startstop"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
-
-// Retention (DESIGN section 7): rows past expires_at are hidden from
-// archive.rows at once (the view filters them, PointViews) and deleted here,
-// in bounded batches, from every version of the archive. A row is kept
-// (hidden, present) while a delivery of it is pending or in flight
-// (epitaph.deliveries) or a legal hold covers it (epitaph.legal_holds); its
-// terminal deliveries are deleted with it once no version holds it.
-// Snapshot documents go with their root row; a snapshot group goes with the
-// last row of its transaction.
 
 // CleanupOptions bound one retention batch.
 type CleanupOptions struct {
@@ -170,7 +162,7 @@ ORDER BY r.expires_at LIMIT 1`
 func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) (CleanupResult, error) {
 	start := time.Now()
 	if opts.Projection == "" {
-		opts.Projection = ArchiveProjection
+		opts.Projection = archive.Projection
 	}
 	if opts.Batch <= 0 {
 		opts.Batch = DefaultCleanupBatch
@@ -180,7 +172,7 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 		opts.StatementTimeout = 10 * time.Second
 	}
 	res := CleanupResult{ByTable: map[string]int{}, ByVersion: map[string]int{}}
-	schemas, err := versionSchemas(ctx, pool, opts.Projection)
+	schemas, err := VersionSchemas(ctx, pool, opts.Projection)
 	if err != nil {
 		return res, err
 	}
@@ -210,8 +202,8 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 	}
 	for _, vs := range schemas {
 		var t *time.Time
-		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, ident(vs.schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return res, fmt.Errorf("oldest expired row of %s: %w", vs.schema, err)
+		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, archive.Ident(vs.Schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return res, fmt.Errorf("oldest expired row of %s: %w", vs.Schema, err)
 		}
 		if t != nil && (res.OldestDue == nil || t.Before(*res.OldestDue)) {
 			res.OldestDue = t
@@ -221,16 +213,11 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 	return res, nil
 }
 
-type versionSchema struct {
-	schema    string
-	snapshots bool
-}
-
-// versionSchemas are the schemas of every version of projection whose
+// VersionSchemas are the schemas of every version of projection whose
 // rows table exists (retired ones included: every version's rows expire).
-func versionSchemas(ctx context.Context, db interface {
+func VersionSchemas(ctx context.Context, db interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}, projection string) ([]versionSchema, error) {
+}, projection string) ([]archive.VersionSchema, error) {
 	rows, err := db.Query(ctx, `
 		SELECT schema_name, to_regclass(quote_ident(schema_name) || '.snapshots') IS NOT NULL
 		FROM epitaph.projection_versions
@@ -239,9 +226,9 @@ func versionSchemas(ctx context.Context, db interface {
 	if err != nil {
 		return nil, fmt.Errorf("list version schemas: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (versionSchema, error) {
-		var v versionSchema
-		return v, r.Scan(&v.schema, &v.snapshots)
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (archive.VersionSchema, error) {
+		var v archive.VersionSchema
+		return v, r.Scan(&v.Schema, &v.Snapshots)
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list version schemas: %w", err)
@@ -249,38 +236,38 @@ func versionSchemas(ctx context.Context, db interface {
 	return out, nil
 }
 
-func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, all []versionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
+func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs archive.VersionSchema, all []archive.VersionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
-		return 0, nil, fmt.Errorf("begin cleanup of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("begin cleanup of %s: %w", vs.Schema, err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after commit, a no-op
 	// No JIT: compiling a large batch's plan costs more than it saves.
 	if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL statement_timeout = %d; SET LOCAL jit = off`, timeout.Milliseconds())); err != nil {
-		return 0, nil, fmt.Errorf("cleanup of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("cleanup of %s: %w", vs.Schema, err)
 	}
 	var mine bool
-	if err := tx.QueryRow(ctx, cleanupLockSQL, vs.schema).Scan(&mine); err != nil {
-		return 0, nil, fmt.Errorf("cleanup lock of %s: %w", vs.schema, err)
+	if err := tx.QueryRow(ctx, cleanupLockSQL, vs.Schema).Scan(&mine); err != nil {
+		return 0, nil, fmt.Errorf("cleanup lock of %s: %w", vs.Schema, err)
 	}
 	if !mine { // another cleaner is on this version
-		res.Skipped = append(res.Skipped, vs.schema)
+		res.Skipped = append(res.Skipped, vs.Schema)
 		return 0, nil, nil
 	}
 	extra, counts := "", "0, 0"
-	if vs.snapshots {
-		extra = fmt.Sprintf(cleanupSnapshotsSQL, ident(vs.schema, "snapshots"), ident(vs.schema, "snapshot_groups"), ident(vs.schema, "rows"))
+	if vs.Snapshots {
+		extra = fmt.Sprintf(cleanupSnapshotsSQL, archive.Ident(vs.Schema, "snapshots"), archive.Ident(vs.Schema, "snapshot_groups"), archive.Ident(vs.Schema, "rows"))
 		counts = "(SELECT count(*)::int FROM snaps), (SELECT count(*)::int FROM groups)"
 	}
 	var others strings.Builder
 	for _, o := range all {
-		if o.schema != vs.schema {
-			fmt.Fprintf(&others, "\n          AND NOT EXISTS (SELECT 1 FROM %s v WHERE v.source = x.source AND v.commit_lsn = x.commit_lsn AND v.seq = x.seq)", ident(o.schema, "rows"))
+		if o.Schema != vs.Schema {
+			fmt.Fprintf(&others, "\n          AND NOT EXISTS (SELECT 1 FROM %s v WHERE v.source = x.source AND v.commit_lsn = x.commit_lsn AND v.seq = x.seq)", archive.Ident(o.Schema, "rows"))
 		}
 	}
-	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, ident(vs.schema, "rows"), extra, counts, others.String()), limit)
+	rows, err := tx.Query(ctx, fmt.Sprintf(cleanupSQL, archive.Ident(vs.Schema, "rows"), extra, counts, others.String()), limit)
 	if err != nil {
-		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.Schema, err)
 	}
 	res.Statements++
 	total := 0
@@ -299,13 +286,13 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, a
 		return nil
 	})
 	if err != nil {
-		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("delete expired rows of %s: %w", vs.Schema, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return 0, nil, fmt.Errorf("commit cleanup of %s: %w", vs.schema, err)
+		return 0, nil, fmt.Errorf("commit cleanup of %s: %w", vs.Schema, err)
 	}
 	if total > 0 {
-		res.ByVersion[vs.schema] += total
+		res.ByVersion[vs.Schema] += total
 		res.Snapshots += snaps
 		res.Groups += groups
 		res.Deliveries += dels
@@ -314,17 +301,18 @@ func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs versionSchema, a
 	return total, newest, nil
 }
 
-// retentionMetrics are the cleanup's and the fences' metrics.
-type retentionMetrics struct {
+// Metrics are the cleanup's and the fences' metrics.
+type Metrics struct {
 	expired   *prometheus.CounterVec
 	oldestDue prometheus.Gauge
 	errors    prometheus.Counter
 	batch     prometheus.Gauge
-	fenced    *prometheus.CounterVec
+	Fenced    *prometheus.CounterVec
 }
 
-func newRetentionMetrics(reg prometheus.Registerer) *retentionMetrics {
-	m := &retentionMetrics{
+// NewMetrics registers the cleanup's and the fences' metrics with reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
 		expired: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_rows_expired_total",
 			Help: "Archive rows deleted by retention cleanup (every version), by source table."}, []string{"table"}),
 		oldestDue: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_projector_expired_oldest_seconds",
@@ -333,10 +321,10 @@ func newRetentionMetrics(reg prometheus.Registerer) *retentionMetrics {
 			Help: "Retention cleanup batches that failed."}),
 		batch: prometheus.NewGauge(prometheus.GaugeOpts{Name: "epitaph_projector_cleanup_batch_size",
 			Help: "The retention cleanup's current batch size (adapted to how long batches take)."}),
-		fenced: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_fenced_rows_total",
+		Fenced: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_fenced_rows_total",
 			Help: "Rows not archived because an erasure fences them, by projection version."}, []string{"projection", "version"}),
 	}
-	reg.MustRegister(m.expired, m.oldestDue, m.errors, m.batch, m.fenced)
+	reg.MustRegister(m.expired, m.oldestDue, m.errors, m.batch, m.Fenced)
 	return m
 }
 
@@ -377,7 +365,7 @@ const DefaultCleanupRate = 60000
 type Cleaner struct {
 	pool  *pgxpool.Pool
 	cfg   CleanerConfig
-	m     *retentionMetrics
+	m     *Metrics
 	batch int
 	// behindSince: since when full batches have deleted rows expired
 	// more than cleanupBehind ago (zero: the last one did not).
@@ -385,7 +373,9 @@ type Cleaner struct {
 	ss          startstop.Base
 }
 
-func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cleaner {
+// NewCleaner returns a Cleaner of pool; zero fields of cfg take their
+// defaults.
+func NewCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *Metrics) *Cleaner {
 	if cfg.Interval <= 0 {
 		cfg.Interval = 10 * time.Second
 	}
@@ -399,27 +389,6 @@ func newCleaner(pool *pgxpool.Pool, cfg CleanerConfig, m *retentionMetrics) *Cle
 		cfg.Logger = slog.Default()
 	}
 	return &Cleaner{pool: pool, cfg: cfg, m: m, batch: min(max(cfg.Batch, MinCleanupBatch), MaxCleanupBatch)}
-}
-
-// liveBusy: a page of a live version was admitted within liveIdle (the
-// projector is applying); the cleaner paces itself then.
-func (s *Service) liveBusy() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return !s.lastLivePage.IsZero() && s.now().Sub(s.lastLivePage) <= liveIdle
-}
-
-// startCleaner starts the service's retention worker unless disabled.
-func (s *Service) startCleaner(ctx context.Context) error {
-	if s.cfg.CleanupInterval < 0 {
-		return nil
-	}
-	s.cleaner = newCleaner(s.pool, CleanerConfig{Interval: s.cfg.CleanupInterval, Batch: s.cfg.CleanupBatch,
-		StatementTimeout: s.cfg.CleanupTimeout, Rate: max(0, s.cfg.CleanupRate), Busy: s.liveBusy, Logger: s.log}, s.retention)
-	if err := s.cleaner.Start(ctx); err != nil {
-		return fmt.Errorf("retention cleanup: %w", err)
-	}
-	return nil
 }
 
 // Start runs batches until Stop (the batch in flight finishes) or ctx is

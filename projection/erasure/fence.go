@@ -1,4 +1,4 @@
-package projection
+package erasure
 
 import (
 	"bytes"
@@ -19,7 +19,7 @@ import (
 	"github.com/epitaph-dev/epitaph/progress"
 )
 
-// Erasure fences (DESIGN section 7): every version's apply, rebuilds
+// Erasure fences: every version's apply, rebuilds
 // included, skips the rows an erasure fenced, so erased data never returns.
 //
 // A fence holds no erased value: the table, the sorted names of the matched
@@ -40,9 +40,9 @@ const (
 	EraseByMatch = "match"
 )
 
-// errFencesChanged: an erasure was recorded since the fences were loaded;
+// ErrFencesChanged: an erasure was recorded since the fences were loaded;
 // the page is applied again with the new ones.
-var errFencesChanged = errors.New("erasure fences changed")
+var ErrFencesChanged = errors.New("erasure fences changed")
 
 type fence struct {
 	id           int64
@@ -73,8 +73,8 @@ type erasedParent struct {
 	cols    map[string]string
 }
 
-// fenceSet is a worker's cache of the fences.
-type fenceSet struct {
+// FenceSet is a worker's cache of the fences.
+type FenceSet struct {
 	mu      sync.Mutex
 	loaded  bool
 	epoch   int64
@@ -84,8 +84,8 @@ type fenceSet struct {
 	parents map[txKey][]erasedParent
 }
 
-// load reads the fences (three queries; only at start and after a change).
-func (f *fenceSet) load(ctx context.Context, db progress.DB) error {
+// Load reads the fences (three queries; only at start and after a change).
+func (f *FenceSet) Load(ctx context.Context, db progress.DB) error {
 	var epoch int64
 	var key []byte
 	err := db.QueryRow(ctx, `SELECT (SELECT epoch FROM epitaph.erasure_epoch), (SELECT key FROM epitaph.erasure_secret)`).Scan(&epoch, &key)
@@ -164,9 +164,9 @@ func loadErasedParents(ctx context.Context, db progress.DB) (map[txKey][]erasedP
 	return out, nil
 }
 
-// saw records that a statement read the erasure counter epoch: a cache
+// Saw records that a statement read the erasure counter epoch: a cache
 // older than that is reloaded on next use (the counter only grows).
-func (f *fenceSet) saw(epoch int64) {
+func (f *FenceSet) Saw(epoch int64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if epoch > f.epoch {
@@ -174,19 +174,20 @@ func (f *fenceSet) saw(epoch int64) {
 	}
 }
 
-// filter returns rows without the fenced ones (and, for a fence with
+// FilterRows returns rows without the fenced ones (and, for a fence with
 // children, without the rows of the same transaction that reference a
 // fenced row by their foreign keys, transitively: in rows, or erased before
 // in another page, epitaph.erased_parents), loading the fences first when
 // needed. It returns how many rows it left out, the erasure counter of the
 // fences it used, and the rows it left out as erased with their children
-// (to be recorded, fenceSet.record).
-func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRow) ([]*archiveRow, int, int64, []erasedWith, error) {
+// (to be recorded, FenceSet.Record). A generic function, not a method:
+// the kept rows are returned as the caller's own row type.
+func FilterRows[R Row](f *FenceSet, ctx context.Context, db progress.DB, rows []R) ([]R, int, int64, []ErasedWith, error) {
 	f.mu.Lock()
 	loaded := f.loaded
 	f.mu.Unlock()
 	if !loaded {
-		if err := f.load(ctx, db); err != nil {
+		if err := f.Load(ctx, db); err != nil {
 			return nil, 0, 0, nil, err
 		}
 	}
@@ -195,8 +196,8 @@ func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRo
 	if len(f.byTable) == 0 && len(f.rows) == 0 && len(f.parents) == 0 {
 		return rows, 0, f.epoch, nil, nil
 	}
-	var keep []*archiveRow
-	var parents []erasedWith
+	var keep []R
+	var parents []ErasedWith
 	for _, r := range rows {
 		fenced, children := f.fenced(r)
 		if children == 0 {
@@ -204,7 +205,7 @@ func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRo
 		}
 		switch {
 		case children != 0:
-			parents = append(parents, erasedWith{r, children})
+			parents = append(parents, ErasedWith{r, children})
 		case !fenced:
 			keep = append(keep, r)
 		}
@@ -212,11 +213,11 @@ func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRo
 	dropped := len(rows) - len(keep) // so far: the fenced ones
 	all := parents
 	for len(parents) > 0 {
-		var next []erasedWith
+		var next []ErasedWith
 		kept := keep[:0]
 		for _, r := range keep {
 			if id := referencesAny(r, parents); id != 0 {
-				next = append(next, erasedWith{r, id})
+				next = append(next, ErasedWith{r, id})
 				continue
 			}
 			kept = append(kept, r)
@@ -228,24 +229,30 @@ func (f *fenceSet) filter(ctx context.Context, db progress.DB, rows []*archiveRo
 	return keep, dropped, f.epoch, all, nil
 }
 
-// erasedWith is a row erased with its children by erasure id.
-type erasedWith struct {
-	r  *archiveRow
+// Row is a row the fences judge: its delete event and its row image.
+type Row interface {
+	Event() *event.Event
+	Image() json.RawMessage
+}
+
+// ErasedWith is a row erased with its children by erasure id.
+type ErasedWith struct {
+	r  Row
 	id int64
 }
 
 // childOfErased returns the erasure of a row erased before (another page of
 // r's transaction) that r references by a foreign key, or 0.
-func (f *fenceSet) childOfErased(r *archiveRow) int64 {
-	ps := f.parents[txKey{r.ev.Source, r.ev.CommitLSN}]
-	if len(ps) == 0 || len(r.ev.Refs) == 0 {
+func (f *FenceSet) childOfErased(r Row) int64 {
+	ps := f.parents[txKey{r.Event().Source, r.Event().CommitLSN}]
+	if len(ps) == 0 || len(r.Event().Refs) == 0 {
 		return 0
 	}
-	child := decodeObject(r.row)
+	child := decodeObject(r.Image())
 	if child == nil {
 		return 0
 	}
-	for _, ref := range r.ev.Refs {
+	for _, ref := range r.Event().Refs {
 		if len(ref.Columns) == 0 || len(ref.Columns) != len(ref.RefColumns) {
 			continue
 		}
@@ -261,7 +268,7 @@ func (f *fenceSet) childOfErased(r *archiveRow) int64 {
 
 // sameDigests: child's columns cc have the values whose digests parent's
 // columns pc have.
-func (f *fenceSet) sameDigests(table string, child map[string]json.RawMessage, cc []string, parent map[string]string, pc []string) bool {
+func (f *FenceSet) sameDigests(table string, child map[string]json.RawMessage, cc []string, parent map[string]string, pc []string) bool {
 	for i := range cc {
 		v, ok := child[cc[i]]
 		want, ok2 := parent[pc[i]]
@@ -288,13 +295,13 @@ func columnDigest(key []byte, table, column string, v json.RawMessage) (string, 
 
 // fenced says whether r is fenced, and by which fence with children (0:
 // none).
-func (f *fenceSet) fenced(r *archiveRow) (fenced bool, children int64) {
-	e := r.ev
+func (f *FenceSet) fenced(r Row) (fenced bool, children int64) {
+	e := r.Event()
 	if f.rows[rowIdentity{e.Source, e.CommitLSN, e.Seq}] {
 		return true, 0
 	}
 	for _, fc := range f.byTable[e.QualifiedTable()] {
-		obj := json.RawMessage(r.row)
+		obj := json.RawMessage(r.Image())
 		if fc.mode == EraseByKey {
 			obj = e.Key
 		}
@@ -311,22 +318,22 @@ func (f *fenceSet) fenced(r *archiveRow) (fenced bool, children int64) {
 
 // referencesAny returns the erasure of the one of parents (same source
 // transaction) that r references by one of its foreign keys, or 0.
-func referencesAny(r *archiveRow, parents []erasedWith) int64 {
-	child := decodeObject(r.row)
+func referencesAny(r Row, parents []ErasedWith) int64 {
+	child := decodeObject(r.Image())
 	if child == nil {
 		return 0
 	}
 	for _, pw := range parents {
 		p := pw.r
-		if p.ev.CommitLSN != r.ev.CommitLSN || p.ev.Source != r.ev.Source {
+		if p.Event().CommitLSN != r.Event().CommitLSN || p.Event().Source != r.Event().Source {
 			continue
 		}
-		parent := decodeObject(p.row)
+		parent := decodeObject(p.Image())
 		if parent == nil {
-			parent = decodeObject(p.ev.Key)
+			parent = decodeObject(p.Event().Key)
 		}
-		for _, ref := range r.ev.Refs {
-			if ref.Schema != p.ev.Schema || ref.Table != p.ev.Table || len(ref.Columns) != len(ref.RefColumns) || parent == nil {
+		for _, ref := range r.Event().Refs {
+			if ref.Schema != p.Event().Schema || ref.Table != p.Event().Table || len(ref.Columns) != len(ref.RefColumns) || parent == nil {
 				continue
 			}
 			if sameValues(child, ref.Columns, parent, ref.RefColumns) {
@@ -426,29 +433,4 @@ func digestOf(key []byte, table, mode string, columns []string, vals []json.RawM
 	}{table, mode, slices.Clone(columns), vals})
 	h.Write(b)
 	return hex.EncodeToString(h.Sum(nil))
-}
-
-// unfenced leaves the fenced rows out of a page's rows (called by archiveRows,
-// in the page's transaction tx) and returns the erasure counter of the fences it
-// used. Rows left out as erased with their children are recorded, and the
-// rows of their transactions archived by earlier pages that reference them
-// are erased from the version (fenceSet.record): a fence with children
-// holds for the whole source transaction, in any order of its pages.
-func (s *Service) unfenced(ctx context.Context, tx pgx.Tx, v Version, rows []*archiveRow) ([]*archiveRow, int64, error) {
-	keep, dropped, epoch, parents, err := s.fences.filter(ctx, tx, rows)
-	if err != nil {
-		return nil, 0, err
-	}
-	if len(parents) > 0 {
-		n, err := s.fences.record(ctx, tx, v.Schema, parents)
-		if err != nil {
-			return nil, 0, err
-		}
-		dropped += n
-	}
-	if dropped > 0 {
-		s.retention.fenced.WithLabelValues(v.Projection, fmt.Sprint(v.Version)).Add(float64(dropped))
-		s.log.Info("erased rows not archived (erasure fence)", "version", v.Version, "rows", dropped)
-	}
-	return keep, epoch, nil
 }

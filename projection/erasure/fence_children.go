@@ -1,4 +1,4 @@
-package projection
+package erasure
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // A fence with children holds for the whole source transaction, whatever
@@ -56,15 +57,15 @@ type parentRow struct {
 	erasure int64
 }
 
-// record keeps parents (rows a page left out as erased with their
+// Record keeps parents (rows a page left out as erased with their
 // children) and erases the rows of their transactions that earlier pages
 // archived into schema and that reference them. It returns how many rows it
 // erased from the version.
-func (f *fenceSet) record(ctx context.Context, tx pgx.Tx, schema string, parents []erasedWith) (int, error) {
+func (f *FenceSet) Record(ctx context.Context, tx pgx.Tx, schema string, parents []ErasedWith) (int, error) {
 	rows := make([]parentRow, 0, len(parents))
 	for _, p := range parents {
-		e := p.r.ev
-		row := json.RawMessage(p.r.row)
+		e := p.r.Event()
+		row := json.RawMessage(p.r.Image())
 		if decodeObject(row) == nil {
 			row = e.Key
 		}
@@ -77,7 +78,7 @@ func (f *fenceSet) record(ctx context.Context, tx pgx.Tx, schema string, parents
 		return 0, err
 	}
 	f.remember(key, rows)
-	children, err := eraseChildren(ctx, tx, ident(schema, "rows"), rows)
+	children, err := eraseChildren(ctx, tx, archive.Ident(schema, "rows"), rows)
 	if err != nil || len(children) == 0 {
 		return 0, err
 	}
@@ -110,7 +111,7 @@ func (f *fenceSet) record(ctx context.Context, tx pgx.Tx, schema string, parents
 }
 
 // remember adds rows to the cached erased parents.
-func (f *fenceSet) remember(key []byte, rows []parentRow) {
+func (f *FenceSet) remember(key []byte, rows []parentRow) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.parents == nil {

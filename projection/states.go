@@ -12,6 +12,8 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -27,7 +29,7 @@ type SideEffectPage struct {
 }
 
 // isLive reports whether v is the live version as of the last balance.
-func (s *Service) isLive(v Version) bool {
+func (s *Service) isLive(v version.Version) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.live[v.Projection] == v.Version
@@ -35,14 +37,14 @@ func (s *Service) isLive(v Version) bool {
 
 // setLive records the live versions seen by a balance, and sizes the
 // rebuild gate once the partition count is known.
-func (s *Service) setLive(vs []Version) {
+func (s *Service) setLive(vs []version.Version) {
 	live := map[string]int{}
-	throttled := map[VersionKey]bool{}
+	throttled := map[version.VersionKey]bool{}
 	for _, v := range vs {
 		switch v.State {
-		case StateLive:
+		case version.StateLive:
 			live[v.Projection] = v.Version
-		case StateBuilding, StateCatchingUp:
+		case version.StateBuilding, version.StateCatchingUp:
 			throttled[v.Key()] = true
 		}
 	}
@@ -64,7 +66,7 @@ const liveIdle = time.Second
 // live version, and of a ready one (the previous live version kept
 // current for a rollback), pass at once. The returned release must be
 // called after the page.
-func (s *Service) admit(ctx context.Context, v Version) (release func(), err error) {
+func (s *Service) admit(ctx context.Context, v version.Version) (release func(), err error) {
 	now := s.now()
 	s.mu.Lock()
 	gate := s.rebuildGate
@@ -88,7 +90,7 @@ func (s *Service) admit(ctx context.Context, v Version) (release func(), err err
 
 // afterPage runs the side-effect hook for a committed page of the live
 // version (and never for any other version).
-func (s *Service) afterPage(ctx context.Context, v Version, partition int, items []*item) {
+func (s *Service) afterPage(ctx context.Context, v version.Version, partition int, items []*item) {
 	if s.cfg.SideEffects == nil || !s.isLive(v) {
 		return
 	}
@@ -120,7 +122,7 @@ func (s *Service) lifecycleLoop(ctx context.Context) {
 		case <-t.C:
 		}
 		c, cancel := context.WithTimeout(ctx, max(s.cfg.BalanceInterval, 5*time.Second))
-		vs, err := ListVersions(c, s.pool, "")
+		vs, err := version.ListVersions(c, s.pool, "")
 		if err == nil {
 			err = s.advanceStates(c, vs)
 		}
@@ -146,10 +148,10 @@ func (s *Service) lifecycleLoop(ctx context.Context) {
 //     snapshots) or gets quarantine (the live version is never touched).
 //
 // Every worker may run it; each step is a compare-and-swap on the state.
-func (s *Service) advanceStates(ctx context.Context, vs []Version) error {
+func (s *Service) advanceStates(ctx context.Context, vs []version.Version) error {
 	var stream jetstream.Stream
 	for _, v := range vs {
-		if v.State != StateBuilding && v.State != StateCatchingUp && v.State != StateReady {
+		if v.State != version.StateBuilding && v.State != version.StateCatchingUp && v.State != version.StateReady {
 			continue
 		}
 		if stream == nil {
@@ -176,12 +178,12 @@ func (s *Service) advanceStates(ctx context.Context, vs []Version) error {
 	return nil
 }
 
-func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v Version) (string, error) {
+func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v version.Version) (string, error) {
 	prs, err := progress.List(ctx, s.pool, v.Projection, v.Version)
 	if err != nil || len(prs) == 0 {
 		return v.State, err
 	}
-	if v.State == StateBuilding {
+	if v.State == version.StateBuilding {
 		boundary := uint64(0)
 		if v.BoundarySeq != nil {
 			boundary = uint64(*v.BoundarySeq)
@@ -192,13 +194,13 @@ func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v Vers
 				return v.State, err
 			}
 		}
-		return StateCatchingUp, nil
+		return version.StateCatchingUp, nil
 	}
 	var lag uint64
 	var age float64
 	for _, r := range prs {
-		var ps PartitionStatus
-		if err := partitionLag(ctx, stream, s.cfg.SourceName, v, r, &ps, s.now()); err != nil {
+		var ps status.PartitionStatus
+		if err := status.PartitionLag(ctx, stream, s.cfg.SourceName, v, r, &ps, s.now()); err != nil {
 			return v.State, err
 		}
 		lag += ps.LagEvents
@@ -218,15 +220,15 @@ func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v Vers
 	}
 	maxAge := s.cfg.ReadyMaxPendingAge.Seconds()
 	switch v.State {
-	case StateCatchingUp:
+	case version.StateCatchingUp:
 		if open == 0 && lag <= s.cfg.ReadyMaxLag && age <= maxAge &&
 			uint64(snapLag) <= s.cfg.ReadyMaxLag && snapAge.Seconds() <= maxAge {
-			return StateReady, nil
+			return version.StateReady, nil
 		}
-	case StateReady:
+	case version.StateReady:
 		if open > 0 || lag > 2*s.cfg.ReadyMaxLag || age > 2*maxAge ||
 			uint64(snapLag) > 2*s.cfg.ReadyMaxLag || snapAge.Seconds() > 2*maxAge {
-			return StateCatchingUp, nil
+			return version.StateCatchingUp, nil
 		}
 	}
 	return v.State, nil
@@ -252,15 +254,15 @@ func reachedBoundary(ctx context.Context, stream jetstream.Stream, source string
 // false when it was not in from), stamping the transition's time. Only the
 // building, catching_up and ready states move this way; live, retired and
 // failed are set by Promote, Rollback, Retire and EnsureArchive.
-func SetState(ctx context.Context, db progress.DB, projection string, version int, from, to string) (bool, error) {
-	col := map[string]string{StateBuilding: "building_at", StateCatchingUp: "catching_up_at", StateReady: "ready_at"}[to]
-	if col == "" || (from != StateBuilding && from != StateCatchingUp && from != StateReady) {
-		return false, fmt.Errorf("set state of %s v%d: %s -> %s is not a worker transition", projection, version, from, to)
+func SetState(ctx context.Context, db progress.DB, projection string, n int, from, to string) (bool, error) {
+	col := map[string]string{version.StateBuilding: "building_at", version.StateCatchingUp: "catching_up_at", version.StateReady: "ready_at"}[to]
+	if col == "" || (from != version.StateBuilding && from != version.StateCatchingUp && from != version.StateReady) {
+		return false, fmt.Errorf("set state of %s v%d: %s -> %s is not a worker transition", projection, n, from, to)
 	}
 	tag, err := db.Exec(ctx, `UPDATE epitaph.projection_versions SET state = $4, `+col+` = now()
-		WHERE projection = $1 AND version = $2 AND state = $3`, projection, version, from, to)
+		WHERE projection = $1 AND version = $2 AND state = $3`, projection, n, from, to)
 	if err != nil {
-		return false, fmt.Errorf("set state of %s v%d to %s: %w", projection, version, to, err)
+		return false, fmt.Errorf("set state of %s v%d to %s: %w", projection, n, to, err)
 	}
 	return tag.RowsAffected() == 1, nil
 }

@@ -1,4 +1,4 @@
-package projection
+package status
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -47,9 +49,9 @@ type VersionStatus struct {
 	OldestPendingAgeSeconds float64           `json:"oldest_pending_age_seconds"`
 	QuarantineOpen          int               `json:"quarantine_open"`
 	Partitions              []PartitionStatus `json:"partitions"`
-	// Lifecycle: boundary, transitions, rebuild progress (status_versions.go).
+	// Lifecycle: boundary, transitions, rebuild progress (VersionLifecycle).
 	Lifecycle *VersionLifecycle `json:"lifecycle,omitempty"`
-	// Readiness as archive.status says it (readiness.go): ready, why not,
+	// Readiness as archive.status says it (Readiness): ready, why not,
 	// and how far into the source the version is complete.
 	Ready            bool       `json:"ready"`
 	NotReadyReasons  []string   `json:"not_ready_reasons,omitempty"`
@@ -58,8 +60,8 @@ type VersionStatus struct {
 	// Gaps: what the version is known to miss (archive_v<N>.gaps): the
 	// unacknowledged blocking ones and the most recent others, at most
 	// maxStatusGaps; GapCounts counts them all.
-	Gaps      []Gap      `json:"gaps"`
-	GapCounts []GapCount `json:"gap_counts"`
+	Gaps      []archive.Gap `json:"gaps"`
+	GapCounts []GapCount    `json:"gap_counts"`
 }
 
 // GapCount is how many gaps of a kind a version has, acknowledged or not.
@@ -115,17 +117,13 @@ type WorkerStatus struct {
 	Live                bool      `json:"live"`
 }
 
-// failingAttempts is how many consecutive failed attempts make a partition
-// count as failing (health "unavailable").
-const failingAttempts = 3
-
 // CollectStatus reads the status of every version of the projections of
 // source from the target database and the stream. It only reads; without
 // a stream (js nil or unreachable) lags are left zero and StreamError says
 // why.
 func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, source string, now time.Time) (*Status, error) {
 	st := &Status{Source: source, Stream: event.StreamName(source), At: now}
-	vs, err := ListVersions(ctx, db, "")
+	vs, err := version.ListVersions(ctx, db, "")
 	if err != nil {
 		return nil, err
 	}
@@ -135,9 +133,9 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	if st.Quarantine, err = quarantineStatus(ctx, db); err != nil {
 		return nil, err
 	}
-	open := map[VersionKey]int{}
+	open := map[version.VersionKey]int{}
 	for _, q := range st.Quarantine {
-		open[VersionKey{q.Projection, q.Version}] += q.Unresolved
+		open[version.VersionKey{Projection: q.Projection, Version: q.Version}] += q.Unresolved
 	}
 	stream := st.readStream(ctx, js)
 	var dbNow time.Time
@@ -147,7 +145,7 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 	for _, v := range vs {
 		vst := VersionStatus{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.State, Schema: v.Schema,
 			QuarantineOpen: open[v.Key()]}
-		if v.State != StateRetired {
+		if v.State != version.StateRetired {
 			if err := st.collectVersion(ctx, db, stream, v, &vst, dbNow); err != nil {
 				return nil, err
 			}
@@ -215,14 +213,14 @@ func (st *Status) readStream(ctx context.Context, js jetstream.JetStream) jetstr
 	}
 	info := stream.CachedInfo()
 	st.StreamLast = info.State.LastSeq
-	st.Partitions, _ = StreamPartitions(info)
+	st.Partitions, _ = version.StreamPartitions(info)
 	return stream
 }
 
 // collectVersion fills the status of an active version: its partitions
 // (leases, positions, lag), lifecycle, gaps and health. dbNow is the
 // database's time (leases), st.At the clock of the ages.
-func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jetstream.Stream, v Version, vst *VersionStatus, dbNow time.Time) error {
+func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jetstream.Stream, v version.Version, vst *VersionStatus, dbNow time.Time) error {
 	prs, err := progress.List(ctx, db, v.Projection, v.Version)
 	if err != nil {
 		return err
@@ -235,11 +233,11 @@ func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jet
 		if r.SourceLSN != 0 {
 			ps.SourceLSN = r.SourceLSN.String()
 		}
-		if !ps.Leased || r.Attempts >= failingAttempts {
+		if !ps.Leased || r.Attempts >= archive.FailingAttempts {
 			unavailable = true
 		}
 		if stream != nil {
-			if err := partitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
+			if err := PartitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
 				st.StreamError = err.Error()
 			}
 		}
@@ -278,18 +276,18 @@ func (st *Status) addReadiness(ctx context.Context, db progress.DB) error {
 }
 
 // gapStatus fills the gaps of one version.
-func gapStatus(ctx context.Context, db progress.DB, v Version, vst *VersionStatus) error {
-	gs, err := listGaps(ctx, db, v.Schema, `id IN (SELECT id FROM `+ident(v.Schema, "gaps")+`
+func gapStatus(ctx context.Context, db progress.DB, v version.Version, vst *VersionStatus) error {
+	gs, err := listGaps(ctx, db, v.Schema, `id IN (SELECT id FROM `+archive.Ident(v.Schema, "gaps")+`
 		ORDER BY (acknowledged_at IS NULL AND kind <> 'truncate') DESC, id DESC LIMIT $1)`, 0, maxStatusGaps)
 	if err != nil {
 		return err
 	}
-	vst.Gaps = append([]Gap{}, gs...)
+	vst.Gaps = append([]archive.Gap{}, gs...)
 	vst.GapCounts = []GapCount{}
 	if len(gs) == 0 {
 		return nil
 	}
-	rows, err := db.Query(ctx, `SELECT kind, acknowledged_at IS NOT NULL, count(*)::int FROM `+ident(v.Schema, "gaps")+`
+	rows, err := db.Query(ctx, `SELECT kind, acknowledged_at IS NOT NULL, count(*)::int FROM `+archive.Ident(v.Schema, "gaps")+`
 		GROUP BY 1, 2 ORDER BY 1, 2`)
 	if err != nil {
 		return fmt.Errorf("count gaps of %s: %w", v.Schema, err)
@@ -301,11 +299,11 @@ func gapStatus(ctx context.Context, db progress.DB, v Version, vst *VersionStatu
 	return nil
 }
 
-// partitionLag fills the lag of one partition: the first message of the
+// PartitionLag fills the lag of one partition: the first message of the
 // partition after the cursor (its stream time is the oldest pending), and
 // the count of pending messages from the consumer (from the stream's
 // per-subject counts when there is no consumer yet).
-func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
+func PartitionLag(ctx context.Context, stream jetstream.Stream, source string, v version.Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
 	filter := event.PartitionFilter(source, r.Partition)
 	raw, err := stream.GetMsg(ctx, r.Cursor+1, jetstream.WithGetMsgSubject(filter))
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -319,7 +317,7 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	ps.OldestPendingAt = &t
 	ps.OldestPendingAgeSeconds = max(0, now.Sub(t).Seconds())
 	ps.LagSeconds = ps.OldestPendingAgeSeconds
-	c, err := stream.Consumer(ctx, unitConsumer(r, ""))
+	c, err := stream.Consumer(ctx, version.UnitConsumer(r, ""))
 	if err == nil {
 		// The consumer trails the cursor by at most the page in flight:
 		// what it has not had acknowledged is the lag.
@@ -339,18 +337,4 @@ func partitionLag(ctx context.Context, stream jetstream.Stream, source string, v
 	}
 	ps.LagEvents = max(n, 1)
 	return nil
-}
-
-// StreamPartitions reads the partition count P of a source's stream
-// from its metadata (event.MetaPartitions).
-func StreamPartitions(info *jetstream.StreamInfo) (int, error) {
-	s, ok := info.Config.Metadata[event.MetaPartitions]
-	if !ok {
-		return 0, fmt.Errorf("stream %s has no epitaph.partitions metadata", info.Config.Name)
-	}
-	var n int
-	if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 {
-		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
-	}
-	return n, nil
 }

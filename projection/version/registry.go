@@ -1,4 +1,4 @@
-package projection
+package version
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -148,15 +149,15 @@ func LockVersions(ctx context.Context, tx pgx.Tx) error {
 func EnsureArchive(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) error {
-	_, err := ensureArchive(ctx, db, partitions, extraDDL)
+	_, err := EnsureArchiveVersions(ctx, db, partitions, extraDDL)
 	return err
 }
 
-// ensureArchive is EnsureArchive, returning the versions it processed, with
+// EnsureArchiveVersions is EnsureArchive, returning the versions it processed, with
 // the states it gave them. A caller that remembers which versions it has
 // ensured must remember these, not a list read after the commit: a version
 // inserted in between would be remembered without having been ensured.
-func ensureArchive(ctx context.Context, db interface {
+func EnsureArchiveVersions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) ([]Version, error) {
 	var ensured []Version
@@ -164,7 +165,7 @@ func ensureArchive(ctx context.Context, db interface {
 		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
-		vs, err := ListVersions(ctx, tx, ArchiveProjection)
+		vs, err := ListVersions(ctx, tx, archive.Projection)
 		if err != nil {
 			return err
 		}
@@ -176,11 +177,11 @@ func ensureArchive(ctx context.Context, db interface {
 				INSERT INTO epitaph.projection_versions
 				    (projection, version, state, schema_name, partitions, boundary_seq, live_at, config)
 				VALUES ($1, 1, 'live', $2, $3, 0, now(), '{"created":"first run"}')`,
-				ArchiveProjection, ArchiveSchema(1), partitions)
+				archive.Projection, archive.Schema(1), partitions)
 			if err != nil {
 				return fmt.Errorf("create archive v1: %w", err)
 			}
-			vs, err = ListVersions(ctx, tx, ArchiveProjection)
+			vs, err = ListVersions(ctx, tx, archive.Projection)
 			if err != nil {
 				return err
 			}
@@ -229,7 +230,7 @@ func ensureArchive(ctx context.Context, db interface {
 // snapshot tables) for the version's schema in a savepoint (so a rejected
 // DDL leaves tx usable). Idempotent.
 func CreateVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL func(schema string) string) error {
-	ddl := archiveDDL(v.Schema)
+	ddl := archive.DDL(v.Schema)
 	if extraDDL != nil {
 		ddl += extraDDL(v.Schema)
 	}

@@ -1,10 +1,12 @@
-package projection
+package status
 
 import (
 	"math"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // VersionLifecycle is the lifecycle part of a version's status: its
@@ -36,7 +38,7 @@ type VersionLifecycle struct {
 	ETASeconds      float64 `json:"eta_seconds"`
 }
 
-func lifecycleOf(v Version, vst *VersionStatus, stream jetstream.Stream) *VersionLifecycle {
+func lifecycleOf(v version.Version, vst *VersionStatus, stream jetstream.Stream) *VersionLifecycle {
 	lc := &VersionLifecycle{FromTime: v.FromTime, CreatedAt: v.CreatedAt, BuildingAt: v.BuildingAt, CatchingUpAt: v.CatchingUpAt,
 		ReadyAt: v.ReadyAt, LiveAt: v.LiveAt, FailedReason: v.FailedReason, ETASeconds: -1}
 	if v.BoundarySeq != nil {
@@ -64,7 +66,7 @@ func lifecycleOf(v Version, vst *VersionStatus, stream jetstream.Stream) *Versio
 		lc.EventsToBoundary = min(boundary-state.FirstSeq+1, state.Msgs)
 	}
 	lc.Progress = 1
-	if v.State == StateBuilding && lc.EventsToBoundary > 0 {
+	if v.State == version.StateBuilding && lc.EventsToBoundary > 0 {
 		lc.Progress = min(1, float64(lc.EventsDone)/float64(lc.EventsToBoundary))
 	}
 	return lc
@@ -77,13 +79,13 @@ func (st *Status) FillRates(prev *Status) {
 		return
 	}
 	dt := st.At.Sub(prev.At).Seconds()
-	before := map[VersionKey]*VersionLifecycle{}
+	before := map[version.VersionKey]*VersionLifecycle{}
 	for _, v := range prev.Versions {
-		before[VersionKey{v.Projection, v.Version}] = v.Lifecycle
+		before[version.VersionKey{Projection: v.Projection, Version: v.Version}] = v.Lifecycle
 	}
 	for i := range st.Versions {
 		v := &st.Versions[i]
-		lc, was := v.Lifecycle, before[VersionKey{v.Projection, v.Version}]
+		lc, was := v.Lifecycle, before[version.VersionKey{Projection: v.Projection, Version: v.Version}]
 		if lc == nil || was == nil {
 			continue
 		}
@@ -93,7 +95,7 @@ func (st *Status) FillRates(prev *Status) {
 			lc.EventsPerSecond = float64(lc.EventsDone-was.EventsDone) / dt
 		}
 		remaining := float64(v.LagEvents)
-		if v.State == StateBuilding {
+		if v.State == version.StateBuilding {
 			remaining = float64(lc.EventsToBoundary) - float64(lc.EventsDone)
 		}
 		switch {

@@ -1,4 +1,4 @@
-package projection
+package erasure
 
 import (
 	"context"
@@ -45,7 +45,7 @@ func PurgeStream(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream
 	if err := CheckStreamDeletes(ctx, js, source); err != nil {
 		return Receipt{}, err
 	}
-	fs := &fenceSet{}
+	fs := &FenceSet{}
 	var table string
 	var fc fence
 	err := pool.QueryRow(ctx, `SELECT schema_name || '.' || table_name, mode, columns, digest, with_children, (SELECT key FROM epitaph.erasure_secret)
@@ -116,7 +116,7 @@ func deleteRefused(stream string, err error) error {
 
 // matchingMessages reads every delete event of the source's stream and
 // returns the sequences of those fs fences (and the objects they point at).
-func matchingMessages(ctx context.Context, js jetstream.JetStream, source string, fs *fenceSet) ([]uint64, []*event.ObjectRef, error) {
+func matchingMessages(ctx context.Context, js jetstream.JetStream, source string, fs *FenceSet) ([]uint64, []*event.ObjectRef, error) {
 	stream, err := js.Stream(ctx, event.StreamName(source))
 	if err != nil {
 		return nil, nil, fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
@@ -132,7 +132,7 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 	}
 	var seqs []uint64
 	var objects []*event.ObjectRef
-	parents := map[event.LSN][]erasedWith{}
+	parents := map[event.LSN][]ErasedWith{}
 	for {
 		batch, cancel, err := fetchBatch(ctx, cons, 500)
 		if err != nil {
@@ -151,7 +151,7 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 			if err != nil || e.Op != event.OpDelete {
 				continue
 			}
-			ar := &archiveRow{ev: e, row: e.Row}
+			ar := streamRow{e}
 			fenced, children := fs.fenced(ar)
 			if !fenced && children == 0 {
 				// A child of a row erased in another page, or in this read.
@@ -165,7 +165,7 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 				objects = append(objects, e.RowRef)
 			}
 			if children != 0 {
-				parents[e.CommitLSN] = append(parents[e.CommitLSN], erasedWith{ar, children})
+				parents[e.CommitLSN] = append(parents[e.CommitLSN], ErasedWith{ar, children})
 			}
 		}
 		cancel()
@@ -249,3 +249,10 @@ func fetchBatch(ctx context.Context, cons jetstream.Consumer, n int) (jetstream.
 	}
 	return batch, cancel, nil
 }
+
+// streamRow is a delete event read from the stream, judged by the fences
+// with the image it carries.
+type streamRow struct{ ev *event.Event }
+
+func (r streamRow) Event() *event.Event    { return r.ev }
+func (r streamRow) Image() json.RawMessage { return r.ev.Row }
