@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -484,4 +485,71 @@ func TestTruncateInATransactionSpanningPagesIsRecorded(t *testing.T) {
 	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.pending_truncates`))
 	require.Equal(t, 9, count(t, c, `SELECT count(*) FROM archive.rows`))
 	require.Equal(t, 1, readStatus(t, c).truncates)
+}
+
+// A projector started over a backlog is not ready until its workers have
+// measured the lag since they took their leases: the previous run's last
+// sample ("caught up", still fresh when the restart is quick) says nothing
+// of what arrived while no worker ran. Sampled every 20 ms while the new
+// run catches up, archive.status is never ready while more rows are
+// missing than ready's lag threshold allows.
+func TestNotReadyOverABacklogAfterRestart(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	cfg := e.config("w1")
+	cfg.StatusInterval = 2 * time.Second // a sample stays fresh for 6 s
+	cfg.ReadyMaxLag = 100
+	first, err := projection.New(cfg, projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, first.Start(ctx))
+	c := e.conn()
+	e.publish(e.nextTx(orderRows(1, 0)...))
+	e.heartbeat()
+	eventually(t, 20*time.Second, func() bool { return readyNow(c) }, "ready when caught up")
+	require.NoError(t, first.Stop(ctx))
+
+	// 5,000 rows deleted while no projector ran.
+	var msgs []*nats.Msg
+	for i := 0; i < 500; i++ {
+		msgs = append(msgs, e.messages(e.nextTx(orderRows(100+i, 9)...))...)
+	}
+	e.publishAll(msgs)
+	e.heartbeat()
+	const want = 1 + 5000
+
+	// The apply waits behind a lock at first, so the window in which the
+	// stale sample would be believed cannot be missed.
+	lock, err := pgx.Connect(ctx, e.url)
+	require.NoError(t, err)
+	defer lock.Close(ctx)
+	ltx, err := lock.Begin(ctx)
+	require.NoError(t, err)
+	_, err = ltx.Exec(ctx, `LOCK TABLE archive_v1.rows IN EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	e.start(cfg)
+	released := false
+	deadline := time.Now().Add(90 * time.Second)
+	samples, readySamples := 0, 0
+	for {
+		require.True(t, time.Now().Before(deadline), "caught up and ready within 90 s")
+		if !released && samples >= 100 { // 2 s under the lock
+			require.NoError(t, ltx.Rollback(ctx))
+			released = true
+		}
+		st, err := tryStatus(c)
+		require.NoError(t, err)
+		n := count(t, c, `SELECT count(*) FROM archive.rows`)
+		samples++
+		if st.ready {
+			readySamples++
+			require.LessOrEqual(t, want-n, int(cfg.ReadyMaxLag),
+				"sample %d: ready while %d of %d rows are missing (reasons %v)", samples, want-n, want, st.reasons)
+			if released && n == want {
+				break
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.Positive(t, readySamples)
 }

@@ -61,9 +61,9 @@ func replaceView(ctx context.Context, tx pgx.Tx, view, query string) error {
 // StatusQuery is archive.status for the versions that cond (SQL over v, a
 // row of epitaph.projection_versions) selects. A version is ready only when
 // it is live, every partition is leased, started and not failing, the lag
-// sampled by the workers is fresh and within their thresholds, no
-// quarantine is open and no blocking gap is unacknowledged; not_ready_reasons
-// says which of these fails. complete_up_to_lsn is how far into the source
+// sampled by the workers under their current leases is fresh and within
+// their thresholds, no quarantine is open and no blocking gap is
+// unacknowledged; not_ready_reasons says which of these fails. complete_up_to_lsn is how far into the source
 // the archive is complete: the lowest partition watermark, and not past the
 // first unacknowledged blocking gap nor any open quarantine (NULL while a
 // partition has no watermark); complete_up_to_time is the source time of
@@ -95,7 +95,7 @@ FROM (
            max(p.last_advance_at) AS last_advance_at,
            COALESCE(sum(l.lag_events), 0)::bigint AS lag_events,
            COALESCE(max(extract(epoch FROM now() - l.oldest_pending_at)), 0)::float8 AS oldest_pending_age_seconds,
-           (count(l.partition) FILTER (WHERE l.fresh_until > now()))::int AS lag_fresh,
+           (count(l.partition) FILTER (WHERE l.fresh_until > now() AND l.epoch = p.epoch))::int AS lag_fresh,
            min(l.max_lag_events) AS max_lag_events,
            min(l.max_pending_seconds) AS max_pending_seconds
     FROM epitaph.projection_versions v

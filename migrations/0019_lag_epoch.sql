@@ -1,0 +1,11 @@
+-- 0019_lag_epoch: a lag sample is believed only from the lease it was taken
+-- under.
+--
+-- partition_lag.epoch is the lease epoch of the worker that measured the
+-- sample. archive.status counts a sample as fresh only while it is the
+-- partition's current epoch, so a projector restarted over a backlog is not
+-- ready on its predecessor's last "caught up" sample (still within
+-- fresh_until after a quick restart) before it has measured the lag itself.
+-- Samples from before this migration have no epoch: unknown until the next
+-- one.
+ALTER TABLE epitaph.partition_lag ADD COLUMN IF NOT EXISTS epoch bigint;
