@@ -174,3 +174,47 @@ func TestEraseBetweenPages(t *testing.T) {
 	require.Equal(t, []string{"markers:1"}, keysOf(t, c, `SELECT table_name || ':' || (key->>'id') FROM archive_v1.rows ORDER BY 1`))
 	requireNowhere(t, c, "ann@example.com")
 }
+
+// An entry whose body is whole JSON naming the erased table and key, but
+// undecodable as an event (here a bad commit_lsn), is scrubbed like a
+// decodable one, whatever the spacing or the order of its fields; so is one
+// naming the table by schema and name. Only an entry that cannot be read
+// as JSON, and that nothing else matches, counts as unchecked.
+func TestEraseScrubsQuarantinedJSONNamingTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.start(retentionConfig(e, "w1"))
+	c := e.conn()
+	ctx := context.Background()
+	e.publish(customerTx(e, 87, "eve@example.com"))
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 1 })
+
+	quarantine := func(seq int, data string) {
+		t.Helper()
+		_, err := c.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, headers, data, category, error)
+			VALUES ('archive', 1, 0, $1, 'x', '{}', $2, 'malformed', 'x')`, seq, []byte(data))
+		require.NoError(t, err)
+	}
+	// Matched: customer 88's whole event with a commit_lsn no decoder takes.
+	quarantine(1, `{"v":1,"op":"delete","source":"main","schema":"public","table":"customers","xid":9,`+
+		`"commit_lsn":"not-an-lsn","commit_time":"2026-11-30T09:00:00Z","seq":0,"identity":"full",`+
+		`"columns":[{"name":"id","type":"int8","pk":true},{"name":"email","type":"text"}],`+
+		`"key":{"id":88},"row":{"id":88,"email":"carol@example.com"}}`)
+	// Matched: fields in another order, the key spaced out, the row first.
+	quarantine(2, `{"row":{"email":"carol@example.com","id":88},"key":{ "id" : 88 },"table":"customers","schema":"public","op":"delete","v":"1"}`)
+	// Not matched, and readable: another table's row 88, customer 880.
+	quarantine(3, `{"v":1,"op":"delete","schema":"public","table":"orders","commit_lsn":"x","key":{"id":88},"row":{"id":88,"customer_id":1}}`)
+	quarantine(4, `{"v":1,"op":"delete","schema":"public","table":"customers","commit_lsn":"x","key":{"id":880},"row":{"id":880,"email":"x@example.com"}}`)
+	// Not JSON at all: unchecked.
+	quarantine(5, "\x00\x01 customers 88")
+
+	pool := newPool(t, e.url)
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers",
+		Key: json.RawMessage(`{"id":88}`), Actor: "dpo"})
+	require.NoError(t, err)
+	require.Equal(t, 2, rc.Removed["epitaph.quarantine"])
+	require.Equal(t, map[string]int{"epitaph.quarantine": 1}, rc.Unchecked, "only the entry that is no JSON")
+	require.Equal(t, []string{"3", "4", "5"},
+		keysOf(t, c, `SELECT stream_seq::text FROM epitaph.quarantine WHERE length(data) > 0 ORDER BY 1`))
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE position(convert_to('carol@example.com', 'UTF8') IN data) > 0`))
+}

@@ -17,12 +17,14 @@ import (
 // events of a matched row (by the fence's digest, as apply matches them)
 // and the events of the rows erased with it (by identity).
 //
-// An entry whose message cannot be decoded cannot be matched by value the
-// way an event is. It is matched by what can be read of it: its message id
-// (the row's identity, for an erased child), the source key recorded when
-// the body was read far enough, and its raw bytes (the table's name and
-// every selected column with its value, as JSON writes them). An entry none
-// of these match is left as it is and counted on the receipt as unchecked
+// An entry whose message cannot be decoded as an event is matched by what
+// can be read of it: its message id (the row's identity, for an erased
+// child), the source key recorded when the body was read far enough, the
+// table, key and row of a body that is still a JSON object (matched by
+// value as an event is), and the raw bytes of one that is not (the table's
+// name and every selected column with its value, as JSON writes them). A
+// JSON object that names a table is read, match or not. An entry none of
+// these can read is left as it is and counted on the receipt as unchecked
 // (Receipt.Unchecked["epitaph.quarantine"]): it may still hold the data, in
 // an encoding this cannot read, and the operator is told so.
 type quarantineMatcher struct {
@@ -146,12 +148,48 @@ func (q *quarantineMatcher) matches(data []byte, headers map[string][]string, sr
 			return true, true
 		}
 	}
+	if m, ok := q.matchesJSON(data); ok {
+		return m, false
+	}
 	for _, re := range q.raw {
 		if !re.Match(data) {
 			return false, true
 		}
 	}
 	return len(q.raw) > 0, true
+}
+
+// looseEvent is what an undecodable message that is still a JSON object
+// says of its row: the fields of a row event, whatever their order or
+// spacing, with nothing else of the event required to be valid.
+type looseEvent struct {
+	Schema *string         `json:"schema"`
+	Table  *string         `json:"table"`
+	Key    json.RawMessage `json:"key"`
+	Row    json.RawMessage `json:"row"`
+}
+
+// matchesJSON matches a message that is a JSON object but not a decodable
+// event (a bad commit_lsn, a wrong version) by the table it names and its
+// key or row, as a decoded event is matched. ok is false when the bytes are
+// no JSON object, or name no table (then only the raw patterns can tell).
+// A JSON object naming another table, or this table with another row, is
+// read and not a match: it is not counted as unchecked.
+func (q *quarantineMatcher) matchesJSON(data []byte) (matched, ok bool) {
+	var le looseEvent
+	if !json.Valid(data) || json.Unmarshal(data, &le) != nil || le.Table == nil {
+		return false, false
+	}
+	schema, name, _ := strings.Cut(q.table, ".")
+	if *le.Table != name || (le.Schema != nil && *le.Schema != schema) {
+		return false, true
+	}
+	for _, obj := range []json.RawMessage{le.Key, le.Row} {
+		if d, ok := rowDigest(q.key, q.table, q.mode, q.cols, obj); ok && d == q.digest {
+			return true, true
+		}
+	}
+	return false, true
 }
 
 // rawPatterns are the patterns an undecodable message's bytes must all
