@@ -37,8 +37,14 @@ const (
 	// partition, exactly one more than the previous message of the
 	// partition. A reader that sees it jump knows messages were removed.
 	HeaderPartitionSeq = "Epitaph-Partition-Seq"
-	// HeaderDigest is on commit messages: "sha256:<hex>", see NewDigest.
+	// HeaderDigest is on commit messages: "sha256:<hex>", see NewDigest
+	// and NewDigestV2.
 	HeaderDigest = "Epitaph-Digest"
+	// HeaderDigestAlg names the algorithm of a transaction's digest: "v2"
+	// (DigestAlgV2) on the commit and on every row and truncate message of
+	// a transaction digested with NewDigestV2; absent for digest v1. It is
+	// not signed: a changed value makes the digest, which is, fail.
+	HeaderDigestAlg = "Epitaph-Digest-Alg"
 	// HeaderKeyID is on signed messages: KeyID of the signing key.
 	HeaderKeyID = "Epitaph-Key-Id"
 	// HeaderSignature is on commits, marks, heartbeats and gaps:
@@ -63,11 +69,15 @@ const (
 // use).
 const MetaSigningKey = "epitaph.signing_key"
 
+// DigestAlgV2 is HeaderDigestAlg's value for digest v2.
+const DigestAlgV2 = "v2"
+
 const (
-	digestPrefix    = "sha256:"
-	signaturePrefix = "ed25519:"
-	sigContext      = "epitaph-sig-v1\n"
-	digestStateTag  = "epitaph-digest-v1:"
+	digestPrefix     = "sha256:"
+	signaturePrefix  = "ed25519:"
+	sigContext       = "epitaph-sig-v1\n"
+	digestStateTag   = "epitaph-digest-v1:"
+	digestStateTagV2 = "epitaph-digest-v2:"
 )
 
 // ErrBadSignature is wrapped by every Verify failure: a missing, malformed
@@ -75,33 +85,74 @@ const (
 var ErrBadSignature = errors.New("bad signature")
 
 // Digest is the incremental hash of a transaction's row and truncate
-// messages, in seq order: for each message, its 8-byte big-endian partition
-// sequence, the 4-byte big-endian length of its body, then the body. Adding
-// a message does not allocate. Its state marshals (encoding.BinaryMarshaler)
-// so a reader can persist a half-hashed transaction that spans pages.
-// The zero value is not usable; use NewDigest.
+// messages, in seq order. Version 1 (NewDigest) hashes, for each message,
+// its 8-byte big-endian partition sequence, the 4-byte big-endian length of
+// its body, then the body. Version 2 (NewDigestV2) hashes, for each
+// message, the sha256 of its body (BodyHash): a reader missing a message
+// whose body hash it knows from elsewhere (an erasure ledger) can still
+// check the rest with AddBodyHash; the partition sequences are covered by
+// each message's own signature instead. Adding a message does not
+// allocate. Its state marshals (encoding.BinaryMarshaler) so a reader can
+// persist a half-hashed transaction that spans pages.
+// The zero value is not usable; use NewDigest or NewDigestV2.
 type Digest struct {
 	h   hash.Hash
 	n   uint64
-	pre [12]byte
+	v2  bool
+	pre [sha256.Size]byte
 }
 
-// NewDigest returns an empty digest.
+// NewDigest returns an empty digest v1.
 func NewDigest() *Digest { return &Digest{h: sha256.New()} }
 
-// Reset empties d for the next transaction.
+// NewDigestV2 returns an empty digest v2.
+func NewDigestV2() *Digest { return &Digest{h: sha256.New(), v2: true} }
+
+// BodyHash is the sha256 of a message body, as digest v2 and the erasure
+// ledger record it.
+func BodyHash(body []byte) [sha256.Size]byte { return sha256.Sum256(body) }
+
+// V2 reports whether d is a digest v2.
+func (d *Digest) V2() bool { return d.v2 }
+
+// Reset empties d for the next transaction, keeping its version.
 func (d *Digest) Reset() {
 	d.h.Reset()
 	d.n = 0
 }
 
-// Add hashes one row or truncate message: its partition sequence and body.
+// ResetAlg empties d for the next transaction, of digest v2 when v2.
+func (d *Digest) ResetAlg(v2 bool) {
+	d.Reset()
+	d.v2 = v2
+}
+
+// Add hashes one row or truncate message: its partition sequence and body
+// (v1), or its body's hash (v2).
 func (d *Digest) Add(partSeq uint64, body []byte) {
+	if d.v2 {
+		d.pre = sha256.Sum256(body)
+		d.h.Write(d.pre[:])
+		d.n++
+		return
+	}
 	binary.BigEndian.PutUint64(d.pre[0:8], partSeq)
 	binary.BigEndian.PutUint32(d.pre[8:12], uint32(len(body)))
-	d.h.Write(d.pre[:])
+	d.h.Write(d.pre[:12])
 	d.h.Write(body)
 	d.n++
+}
+
+// AddBodyHash hashes a message known only by its body hash (BodyHash), in
+// its place in seq order. Only a digest v2 can: it returns an error for v1,
+// whose input is the body itself.
+func (d *Digest) AddBodyHash(sum [sha256.Size]byte) error {
+	if !d.v2 {
+		return errors.New("digest v1 covers whole bodies: a body hash cannot stand for one")
+	}
+	d.h.Write(sum[:])
+	d.n++
+	return nil
 }
 
 // Len is the number of messages added since NewDigest or Reset.
@@ -119,16 +170,25 @@ func (d *Digest) MarshalBinary() ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("marshal digest state: %w", err)
 	}
-	out := make([]byte, 0, len(digestStateTag)+8+len(st))
-	out = append(out, digestStateTag...)
+	tag := digestStateTag
+	if d.v2 {
+		tag = digestStateTagV2
+	}
+	out := make([]byte, 0, len(tag)+8+len(st))
+	out = append(out, tag...)
 	out = binary.BigEndian.AppendUint64(out, d.n)
 	return append(out, st...), nil
 }
 
-// UnmarshalBinary restores a state from MarshalBinary
+// UnmarshalBinary restores a state from MarshalBinary, of either version
 // (encoding.BinaryUnmarshaler). It works on a zero Digest too.
 func (d *Digest) UnmarshalBinary(data []byte) error {
+	v2 := false
 	rest, ok := bytes.CutPrefix(data, []byte(digestStateTag))
+	if !ok {
+		rest, ok = bytes.CutPrefix(data, []byte(digestStateTagV2))
+		v2 = true
+	}
 	if !ok || len(rest) < 8 {
 		return errors.New("unmarshal digest state: not an epitaph digest state")
 	}
@@ -136,7 +196,7 @@ func (d *Digest) UnmarshalBinary(data []byte) error {
 	if err := h.(encoding.BinaryUnmarshaler).UnmarshalBinary(rest[8:]); err != nil {
 		return fmt.Errorf("unmarshal digest state: %w", err)
 	}
-	d.h, d.n = h, binary.BigEndian.Uint64(rest[:8])
+	d.h, d.n, d.v2 = h, binary.BigEndian.Uint64(rest[:8]), v2
 	return nil
 }
 
