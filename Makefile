@@ -13,8 +13,8 @@ FUZZTIME  ?= 300000x
 
 # The packages where goroutines share state run under the race detector
 # (it costs ~2-10x CPU there); the rest run plain.
-RACE_PKGS := ./broker/... ./capture/... ./internal/startstop/... ./observe/... ./progress/... ./projection/... ./quarantine/...
-PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epitaph/(broker|capture|internal/startstop|observe|progress|projection|quarantine)(/|$$)')
+RACE_PKGS := ./internal/broker/... ./capture/... ./internal/startstop/... ./internal/observe/... ./progress/... ./projection/... ./quarantine/...
+PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epitaph/(internal/broker|capture|internal/startstop|internal/observe|progress|projection|quarantine)(/|$$)')
 # golangci-lint, built from tools/go.mod (version pinned there) through the
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint

@@ -22,12 +22,12 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/observe"
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
+	"github.com/epitaph-dev/epitaph/internal/redact"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
-	"github.com/epitaph-dev/epitaph/observe"
-	"github.com/epitaph-dev/epitaph/redact"
 )
 
 // Service captures the source's deletes into JetStream. It is a service

@@ -13,8 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 

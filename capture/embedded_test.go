@@ -13,8 +13,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 

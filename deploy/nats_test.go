@@ -17,7 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )

@@ -16,10 +16,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/broker"
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )

@@ -9,9 +9,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/broker"
 	capturepkg "github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/internal/bench"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )

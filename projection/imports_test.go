@@ -71,7 +71,7 @@ func TestImportDirection(t *testing.T) {
 // API, the status page) or the version package imports the runtime: they
 // need its read models and registry, not its workers.
 func TestReadersImportNoRuntime(t *testing.T) {
-	for _, pkg := range []string{"readapi", "statuspage", "projection/version", "projection/status", "projection/archive"} {
+	for _, pkg := range []string{"internal/readapi", "internal/statuspage", "projection/version", "projection/status", "projection/archive"} {
 		out, err := exec.Command("go", "list", "-deps", module+pkg).Output()
 		if err != nil {
 			t.Fatalf("go list -deps %s: %v", pkg, err)

@@ -13,8 +13,8 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	redactpkg "github.com/epitaph-dev/epitaph/internal/redact"
 	"github.com/epitaph-dev/epitaph/projection/version"
-	redactpkg "github.com/epitaph-dev/epitaph/redact"
 )
 
 // Env is what a subcommand gets from the process: environment, terminal,

@@ -13,13 +13,13 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
-	"github.com/epitaph-dev/epitaph/observe"
+	"github.com/epitaph-dev/epitaph/internal/observe"
+	"github.com/epitaph-dev/epitaph/internal/readapi"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/status"
-	"github.com/epitaph-dev/epitaph/readapi"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 func init() { register(runCommand) }

@@ -17,7 +17,7 @@ import (
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
 
-	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )

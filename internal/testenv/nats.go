@@ -8,7 +8,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/epitaph-dev/epitaph/broker"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 )
 
 // NATS is a real in-process JetStream server for one test, stopped when the

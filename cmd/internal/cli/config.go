@@ -12,7 +12,7 @@ import (
 	"github.com/spf13/pflag"
 	"go.yaml.in/yaml/v3"
 
-	"github.com/epitaph-dev/epitaph/redact"
+	"github.com/epitaph-dev/epitaph/internal/redact"
 )
 
 // configFlag is the flag (and configEnv its variable) naming the

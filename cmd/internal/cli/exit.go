@@ -10,7 +10,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/epitaph-dev/epitaph/redact"
+	"github.com/epitaph-dev/epitaph/internal/redact"
 )
 
 // Exit codes of both binaries.

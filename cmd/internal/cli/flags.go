@@ -13,7 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/epitaph-dev/epitaph/redact"
+	"github.com/epitaph-dev/epitaph/internal/redact"
 )
 
 // Flag annotations: the flag's environment variable, and whether an empty

@@ -30,13 +30,13 @@ import (
 
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/observe"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
-	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 const source = "main"

@@ -9,10 +9,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/status"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 // The snapshot job counts of the active archive versions come from their

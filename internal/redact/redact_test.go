@@ -5,7 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/redact"
+	"github.com/epitaph-dev/epitaph/internal/redact"
 )
 
 func TestURL(t *testing.T) {

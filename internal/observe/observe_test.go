@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/epitaph-dev/epitaph/observe"
+	"github.com/epitaph-dev/epitaph/internal/observe"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -19,12 +19,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/quarantine"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 // plantedValue is a row value inside a quarantined message: it must never

@@ -15,10 +15,10 @@ import (
 
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }

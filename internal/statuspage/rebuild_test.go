@@ -19,13 +19,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/observe"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
-	"github.com/epitaph-dev/epitaph/observe"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
 	pversion "github.com/epitaph-dev/epitaph/projection/version"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 // publishDeletes creates the stream of source with the given partitions

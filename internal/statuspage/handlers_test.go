@@ -9,10 +9,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/status"
-	"github.com/epitaph-dev/epitaph/statuspage"
 )
 
 // The page lists every row handler with its deliveries by state, the dead
