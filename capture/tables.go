@@ -351,9 +351,16 @@ func (sel *tableSelection) makeFull(ctx context.Context, pool *pgxpool.Pool, t *
 }
 
 const (
-	sqlPublication       = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot FROM pg_publication WHERE pubname = $1`
-	sqlPublicationTables = `
-SELECT pr.prrelid FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1
+	// sqlPublication also says whether the server has schema publications
+	// (FOR TABLES IN SCHEMA, pg_publication_namespace: PostgreSQL 15+).
+	sqlPublication = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot,
+       current_setting('server_version_num')::int >= 150000
+FROM pg_publication WHERE pubname = $1`
+	sqlPublicationRelTables = `
+SELECT pr.prrelid FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`
+	// A schema of the publication counts as oid 0, a member nobody wants,
+	// so that SET TABLE replaces it.
+	sqlPublicationTables = sqlPublicationRelTables + `
 UNION ALL
 SELECT 0 FROM pg_publication_namespace pn JOIN pg_publication p ON p.oid = pn.pnpubid WHERE p.pubname = $1`
 	publicationOptions = `publish = 'delete, truncate', publish_via_partition_root = true`
@@ -400,8 +407,8 @@ type publicationState struct {
 // ConfigError.
 func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*publicationState, error) {
 	st := &publicationState{exists: true, tables: map[uint32]bool{}}
-	var allTables bool
-	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root)
+	var allTables, schemas bool
+	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root, &schemas)
 	if errors.Is(err, pgx.ErrNoRows) {
 		st.exists = false
 		return st, nil
@@ -411,7 +418,11 @@ func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*pub
 	if allTables {
 		return nil, configErr("publication %q is FOR ALL TABLES, which would publish tables whose deletes then fail (and Epitaph's own schemas): drop it, or pass another --publication", name)
 	}
-	rows, err := pool.Query(ctx, sqlPublicationTables, name)
+	q := sqlPublicationTables
+	if !schemas {
+		q = sqlPublicationRelTables
+	}
+	rows, err := pool.Query(ctx, q, name)
 	if err != nil {
 		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
 	}
