@@ -356,13 +356,19 @@ const (
 	sqlPublication = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot,
        current_setting('server_version_num')::int >= 150000
 FROM pg_publication WHERE pubname = $1`
-	sqlPublicationRelTables = `
-SELECT pr.prrelid FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`
-	// A schema of the publication counts as oid 0, a member nobody wants,
-	// so that SET TABLE replaces it.
-	sqlPublicationTables = sqlPublicationRelTables + `
+	// PostgreSQL 14: tables only, never filtered.
+	sqlPublicationTables14 = `
+SELECT pr.prrelid, false FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`
+	// PostgreSQL 15+: a table with a row filter or a column list is
+	// reported as such (a row filter drops the deletes of the rows it
+	// leaves out; a column list narrower than a FULL identity makes the
+	// application's DELETEs fail), and a schema of the publication counts
+	// as oid 0, a member nobody wants: SET TABLE replaces both.
+	sqlPublicationTables = `
+SELECT pr.prrelid, pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL
+FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1
 UNION ALL
-SELECT 0 FROM pg_publication_namespace pn JOIN pg_publication p ON p.oid = pn.pnpubid WHERE p.pubname = $1`
+SELECT 0, false FROM pg_publication_namespace pn JOIN pg_publication p ON p.oid = pn.pnpubid WHERE p.pubname = $1`
 	publicationOptions = `publish = 'delete, truncate', publish_via_partition_root = true`
 )
 
@@ -401,6 +407,7 @@ type publicationState struct {
 	exists                     bool
 	ins, upd, del, trunc, root bool            // its options
 	tables                     map[uint32]bool // relation oids it holds (0: a schema)
+	filtered                   bool            // a table has a row filter or a column list
 }
 
 // readPublication reads the publication name; one FOR ALL TABLES is a
@@ -420,19 +427,23 @@ func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*pub
 	}
 	q := sqlPublicationTables
 	if !schemas {
-		q = sqlPublicationRelTables
+		q = sqlPublicationTables14
 	}
 	rows, err := pool.Query(ctx, q, name)
 	if err != nil {
 		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
 	}
 	for rows.Next() {
-		var oid uint32
-		if err := rows.Scan(&oid); err != nil {
+		var (
+			oid      uint32
+			filtered bool
+		)
+		if err := rows.Scan(&oid, &filtered); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
 		}
 		st.tables[oid] = true
+		st.filtered = st.filtered || filtered
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
@@ -450,7 +461,7 @@ func (st *publicationState) statements(pub string, list []string, want map[uint3
 	if !st.exists {
 		return []string{"CREATE PUBLICATION " + pub + " WITH (" + publicationOptions + ")"}
 	}
-	sameTables := len(st.tables) == len(want)
+	sameTables := len(st.tables) == len(want) && !st.filtered
 	for oid := range st.tables {
 		if !want[oid] {
 			sameTables = false
