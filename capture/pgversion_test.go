@@ -1,10 +1,15 @@
 package capture
 
 import (
+	"context"
+	"os"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // serverVersion is the server_version_num of the test's source.
@@ -45,4 +50,85 @@ func TestPublicationRowFilterAndColumnListAreRemoved(t *testing.T) {
 	require.JSONEq(t, `{"id":1,"v":"hidden"}`, string(ms[0].ev.Row), "the row the filter left out")
 	require.Equal(t, "narrow", ms[1].ev.Table)
 	require.JSONEq(t, `{"id":1,"v":"a","w":"b"}`, string(ms[1].ev.Row), "every column, not the list's")
+}
+
+// slotFailover is the failover column of the test's slot (PostgreSQL 17+).
+func (e *env) slotFailover(t *testing.T) string {
+	t.Helper()
+	return queryString(t, e.db, `SELECT failover::text FROM pg_replication_slots WHERE slot_name = $1`, e.slot)
+}
+
+// waitStatusFailover polls /status until its slot_stats say failover want.
+func waitStatusFailover(t *testing.T, svc *Service, want bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for svc.CurrentStatus().SlotStats.Failover != want || svc.CurrentStatus().SlotStats.At.IsZero() {
+		if time.Now().After(deadline) {
+			t.Fatalf("status slot_stats.failover is %t after 30s, want %t", svc.CurrentStatus().SlotStats.Failover, want)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// On PostgreSQL 17+ the slot is made with FAILOVER, so a standby with
+// sync_replication_slots keeps a copy that survives its promotion;
+// --failover-slot=false (NoFailoverSlot) turns it off on the existing slot
+// at the next start, and the default turns it on again. /status and the
+// metric report it.
+func TestSlotFailoverOn17(t *testing.T) {
+	t.Parallel()
+	if !testenv.HasMajor(17) {
+		if os.Getenv("CI") != "" {
+			t.Fatal("PostgreSQL 17 server binaries are missing: run make test-deps")
+		}
+		t.Skip("PostgreSQL 17 server binaries are missing (make test-deps installs them)")
+	}
+	pg := testenv.NewPostgresMajor(t, 17)
+	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
+	e.slot = dbName(t, e.db)
+	_, e.js = e.nats.Connect(t)
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY, v text);
+		ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items VALUES (1, 'a'), (2, 'b'), (3, 'c')`)
+
+	svc := e.start(t, nil)
+	require.Equal(t, "true", e.slotFailover(t), "a new slot has FAILOVER")
+	waitStatusFailover(t, svc, true)
+	require.Equal(t, 1.0, metricValue(t, svc.m.slotFailover))
+	e.exec(t, `DELETE FROM items WHERE id = 1`)
+	ms := e.deletes(t, "main", 1)
+	require.JSONEq(t, `{"id":1,"v":"a"}`, string(ms[0].ev.Row), "a failover slot streams as any other")
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+
+	svc = e.start(t, func(c *Config) { c.NoFailoverSlot = true })
+	require.Equal(t, "false", e.slotFailover(t), "--failover-slot=false alters the existing slot")
+	waitStatusFailover(t, svc, false)
+	require.Equal(t, 0.0, metricValue(t, svc.m.slotFailover))
+	e.exec(t, `DELETE FROM items WHERE id = 2`)
+	ms = e.deletes(t, "main", 2)
+	require.JSONEq(t, `{"id":2,"v":"b"}`, string(ms[1].ev.Row))
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+
+	svc = e.start(t, nil)
+	require.Equal(t, "true", e.slotFailover(t), "the default turns FAILOVER on again")
+	waitStatusFailover(t, svc, true)
+	e.exec(t, `DELETE FROM items WHERE id = 3`)
+	ms = e.deletes(t, "main", 3)
+	require.JSONEq(t, `{"id":3,"v":"c"}`, string(ms[2].ev.Row))
+}
+
+// Before PostgreSQL 17 the slot is made as before (no FAILOVER, no
+// error), and /status says it has none.
+func TestSlotWithoutFailoverBefore17(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	if v := e.serverVersion(t); v >= 170000 {
+		t.Skipf("PostgreSQL %d has failover slots (TestSlotFailoverOn17)", v/10000)
+	}
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY)`)
+	svc := e.start(t, nil)
+	waitStatusFailover(t, svc, false)
+	require.Equal(t, 0.0, metricValue(t, svc.m.slotFailover))
 }
