@@ -2,6 +2,7 @@ package capture
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strconv"
 	"testing"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -131,4 +133,68 @@ func TestSlotWithoutFailoverBefore17(t *testing.T) {
 	svc := e.start(t, nil)
 	waitStatusFailover(t, svc, false)
 	require.Equal(t, 0.0, metricValue(t, svc.m.slotFailover))
+}
+
+// A failover slot is what lets the capture survive a promotion: on
+// PostgreSQL 17 a standby with sync_replication_slots holds a copy of the
+// capture's slot; the primary is killed while the capture streams, the
+// standby promoted, and a capture started on it resumes from the synced
+// slot: every delete of before and after the promotion is in the stream
+// exactly once, no gap.
+func TestFailoverSlotSurvivesPromotion(t *testing.T) {
+	t.Parallel()
+	if !testenv.HasMajor(17) {
+		if os.Getenv("CI") != "" {
+			t.Fatal("PostgreSQL 17 server binaries are missing: run make test-deps")
+		}
+		t.Skip("PostgreSQL 17 server binaries are missing (make test-deps installs them)")
+	}
+	pg := testenv.NewPostgresMajor(t, 17)
+	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
+	e.slot = dbName(t, e.db)
+	_, e.js = e.nats.Connect(t)
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY, v text);
+		ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 10) g`)
+	sb := pg.NewStandby(t)
+	sbURL := sb.URL(e.slot) // the slot is named after the database
+
+	// Heartbeats keep the slot's confirmed position moving, so the
+	// standby's sync worker keeps its short interval.
+	svc := e.start(t, func(c *Config) { c.HeartbeatInterval = 100 * time.Millisecond })
+	e.exec(t, `DELETE FROM items WHERE id <= 3`)
+	e.exec(t, `DELETE FROM items WHERE id IN (4, 5)`)
+	require.Len(t, e.deletes(t, "main", 5), 5)
+	// The standby's copy of the slot, synced from the primary; it is kept
+	// at a promotion once it is no longer temporary (the primary's slot
+	// has moved past where the copy started). A running-transactions record
+	// lets the slot's restart_lsn move now rather than at the next one
+	// PostgreSQL writes on its own (every 15s).
+	deadline := time.Now().Add(90 * time.Second)
+	for queryString(t, sbURL, `SELECT count(*)::text FROM pg_replication_slots WHERE slot_name = $1 AND synced AND failover AND NOT temporary`, e.slot) != "1" {
+		if time.Now().After(deadline) {
+			t.Fatal("the standby has no synced copy of the capture's slot after 90s")
+		}
+		e.exec(t, `SELECT pg_log_standby_snapshot()`)
+		time.Sleep(200 * time.Millisecond)
+	}
+
+	require.NoError(t, pg.Kill())
+	_ = svc.Stop(context.Background()) // its source is gone: it may report that
+	require.NoError(t, sb.Promote())
+	e.db = sbURL
+	e.exec(t, `DELETE FROM items WHERE id > 5`)
+
+	e.start(t, nil)
+	// A sentinel deleted last: a re-sent delete would come before it.
+	e.exec(t, `INSERT INTO items VALUES (11, 'v11'); DELETE FROM items WHERE id = 11`)
+	ms := e.deletes(t, "main", 11)
+	require.Len(t, ms, 11, "every delete once")
+	for i, m := range ms {
+		require.Equal(t, "items", m.ev.Table)
+		require.JSONEq(t, fmt.Sprintf(`{"id":%d,"v":"v%d"}`, i+1, i+1), string(m.ev.Row), "delete %d", i)
+	}
+	for _, m := range e.messages(t, "main", 0) {
+		require.NotEqual(t, event.OpGap, m.ev.Op, "no gap: the slot survived the promotion")
+	}
 }
