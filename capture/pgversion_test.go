@@ -135,6 +135,37 @@ func TestSlotWithoutFailoverBefore17(t *testing.T) {
 	require.Equal(t, 0.0, metricValue(t, svc.m.slotFailover))
 }
 
+// promotionEnv is a PostgreSQL 17 primary with a physical standby, table
+// items (ids 1-10) and a capture streaming the primary (with FAILOVER
+// unless noFailover) that has published the deletes of ids 1-5.
+func promotionEnv(t *testing.T, noFailover bool) (e *env, pg, sb *testenv.Postgres, svc *Service) {
+	t.Helper()
+	if !testenv.HasMajor(17) {
+		if os.Getenv("CI") != "" {
+			t.Fatal("PostgreSQL 17 server binaries are missing: run make test-deps")
+		}
+		t.Skip("PostgreSQL 17 server binaries are missing (make test-deps installs them)")
+	}
+	pg = testenv.NewPostgresMajor(t, 17)
+	e = &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
+	e.slot = dbName(t, e.db)
+	_, e.js = e.nats.Connect(t)
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY, v text);
+		ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 10) g`)
+	sb = pg.NewStandby(t)
+	// Heartbeats keep the slot's confirmed position moving, so the
+	// standby's sync worker keeps its short interval.
+	svc = e.start(t, func(c *Config) {
+		c.HeartbeatInterval = 100 * time.Millisecond
+		c.NoFailoverSlot = noFailover
+	})
+	e.exec(t, `DELETE FROM items WHERE id <= 3`)
+	e.exec(t, `DELETE FROM items WHERE id IN (4, 5)`)
+	require.Len(t, e.deletes(t, "main", 5), 5)
+	return e, pg, sb, svc
+}
+
 // A failover slot is what lets the capture survive a promotion: on
 // PostgreSQL 17 a standby with sync_replication_slots holds a copy of the
 // capture's slot; the primary is killed while the capture streams, the
@@ -143,28 +174,8 @@ func TestSlotWithoutFailoverBefore17(t *testing.T) {
 // exactly once, no gap.
 func TestFailoverSlotSurvivesPromotion(t *testing.T) {
 	t.Parallel()
-	if !testenv.HasMajor(17) {
-		if os.Getenv("CI") != "" {
-			t.Fatal("PostgreSQL 17 server binaries are missing: run make test-deps")
-		}
-		t.Skip("PostgreSQL 17 server binaries are missing (make test-deps installs them)")
-	}
-	pg := testenv.NewPostgresMajor(t, 17)
-	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
-	e.slot = dbName(t, e.db)
-	_, e.js = e.nats.Connect(t)
-	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY, v text);
-		ALTER TABLE items REPLICA IDENTITY FULL;
-		INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 10) g`)
-	sb := pg.NewStandby(t)
-	sbURL := sb.URL(e.slot) // the slot is named after the database
-
-	// Heartbeats keep the slot's confirmed position moving, so the
-	// standby's sync worker keeps its short interval.
-	svc := e.start(t, func(c *Config) { c.HeartbeatInterval = 100 * time.Millisecond })
-	e.exec(t, `DELETE FROM items WHERE id <= 3`)
-	e.exec(t, `DELETE FROM items WHERE id IN (4, 5)`)
-	require.Len(t, e.deletes(t, "main", 5), 5)
+	e, pg, sb, svc := promotionEnv(t, false)
+	sbURL := sb.URL(e.slot) // the database is named like the slot
 	// The standby's copy of the slot, synced from the primary; it is kept
 	// at a promotion once it is no longer temporary (the primary's slot
 	// has moved past where the copy started). A running-transactions record
@@ -197,4 +208,53 @@ func TestFailoverSlotSurvivesPromotion(t *testing.T) {
 	for _, m := range e.messages(t, "main", 0) {
 		require.NotEqual(t, event.OpGap, m.ev.Op, "no gap: the slot survived the promotion")
 	}
+}
+
+// Without FAILOVER (before PostgreSQL 17, or --failover-slot=false) the
+// promoted standby has no copy of the slot: the capture refuses to start
+// on it, and with --recreate-slot records a gap over the deletes it could
+// not read, then captures again.
+func TestPromotionWithoutFailoverSlotRecordsAGap(t *testing.T) {
+	t.Parallel()
+	e, pg, sb, svc := promotionEnv(t, true)
+	sbURL := sb.URL(e.slot)
+	// The standby has replayed everything the capture read, and has no
+	// copy of the slot.
+	var lsn string
+	require.NoError(t, queryRow(t, e.db, `SELECT pg_current_wal_lsn()::text`, nil, &lsn))
+	deadline := time.Now().Add(60 * time.Second)
+	for queryString(t, sbURL, `SELECT (pg_last_wal_replay_lsn() >= $1::pg_lsn)::text`, lsn) != "true" {
+		if time.Now().After(deadline) {
+			t.Fatal("the standby has not replayed the primary's WAL after 60s")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	require.Equal(t, "0", queryString(t, sbURL, `SELECT count(*)::text FROM pg_replication_slots WHERE slot_name = $1`, e.slot))
+
+	require.NoError(t, pg.Kill())
+	_ = svc.Stop(context.Background())
+	require.NoError(t, sb.Promote())
+	e.db = sbURL
+	e.exec(t, `DELETE FROM items WHERE id > 5`)
+	var lostText string
+	require.NoError(t, queryRow(t, e.db, `SELECT pg_current_wal_lsn()::text`, nil, &lostText))
+	lost, err := event.ParseLSN(lostText)
+	require.NoError(t, err)
+	requireFix(t, e.startErr(t, nil), "is missing", "--recreate-slot")
+
+	e.start(t, func(c *Config) { c.RecreateSlot = true })
+	e.exec(t, `INSERT INTO items VALUES (11, 'v11'); DELETE FROM items WHERE id = 11`)
+	ms := e.deletes(t, "main", 6)
+	require.Len(t, ms, 6)
+	require.JSONEq(t, `{"id":11,"v":"v11"}`, string(ms[5].ev.Row), "ids 6-10 were deleted before the new slot: lost")
+	var gaps int
+	for _, m := range e.messages(t, "main", 0) {
+		if m.ev.Op == event.OpGap {
+			gaps++
+			require.Contains(t, m.ev.Reason, "missing")
+			require.Less(t, m.ev.FromLSN, m.ev.ToLSN)
+			require.GreaterOrEqual(t, m.ev.ToLSN, lost, "the gap covers the deletes it could not read")
+		}
+	}
+	require.Equal(t, 4, gaps, "a gap on every partition")
 }
