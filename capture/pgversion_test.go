@@ -137,7 +137,8 @@ func TestSlotWithoutFailoverBefore17(t *testing.T) {
 
 // promotionEnv is a PostgreSQL 17 primary with a physical standby, table
 // items (ids 1-10) and a capture streaming the primary (with FAILOVER
-// unless noFailover) that has published the deletes of ids 1-5.
+// unless noFailover) that has published the deletes of ids 1-5. e.db is a
+// multi-host URL of both servers.
 func promotionEnv(t *testing.T, noFailover bool) (e *env, pg, sb *testenv.Postgres, svc *Service) {
 	t.Helper()
 	if !testenv.HasMajor(17) {
@@ -154,6 +155,10 @@ func promotionEnv(t *testing.T, noFailover bool) (e *env, pg, sb *testenv.Postgr
 		ALTER TABLE items REPLICA IDENTITY FULL;
 		INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 10) g`)
 	sb = pg.NewStandby(t)
+	// One URL for both servers, as a failover setup names them:
+	// target_session_attrs picks the one that takes writes.
+	e.db = fmt.Sprintf("postgres://postgres@%s:%d,%s:%d/%s?sslmode=disable&target_session_attrs=read-write",
+		pg.Host, pg.Port, sb.Host, sb.Port, e.slot)
 	// Heartbeats keep the slot's confirmed position moving, so the
 	// standby's sync worker keeps its short interval.
 	svc = e.start(t, func(c *Config) {
@@ -193,10 +198,9 @@ func TestFailoverSlotSurvivesPromotion(t *testing.T) {
 	require.NoError(t, pg.Kill())
 	_ = svc.Stop(context.Background()) // its source is gone: it may report that
 	require.NoError(t, sb.Promote())
-	e.db = sbURL
 	e.exec(t, `DELETE FROM items WHERE id > 5`)
 
-	e.start(t, nil)
+	e.start(t, nil) // the same multi-host URL: the new primary
 	// A sentinel deleted last: a re-sent delete would come before it.
 	e.exec(t, `INSERT INTO items VALUES (11, 'v11'); DELETE FROM items WHERE id = 11`)
 	ms := e.deletes(t, "main", 11)
@@ -234,7 +238,6 @@ func TestPromotionWithoutFailoverSlotRecordsAGap(t *testing.T) {
 	require.NoError(t, pg.Kill())
 	_ = svc.Stop(context.Background())
 	require.NoError(t, sb.Promote())
-	e.db = sbURL
 	e.exec(t, `DELETE FROM items WHERE id > 5`)
 	var lostText string
 	require.NoError(t, queryRow(t, e.db, `SELECT pg_current_wal_lsn()::text`, nil, &lostText))
