@@ -58,12 +58,14 @@ for v in "${missing[@]}"; do
       try { fs.unlinkSync(path.join(dir, dst)); } catch (e) {}
       fs.symlinkSync(path.basename(src), path.join(dir, dst));
     }' "$native"
-  if ldd "$native/bin/postgres" | grep -q 'not found'; then
-    echo "test-deps: PostgreSQL $v: libraries still missing:" >&2
-    ldd "$native/bin/postgres" | grep 'not found' >&2
-    exit 1
-  fi
-  "$native/bin/postgres" --version >/dev/null
+  for b in postgres initdb pg_ctl; do
+    if ldd "$native/bin/$b" | grep -q 'not found'; then
+      echo "test-deps: PostgreSQL $v: $b: libraries still missing:" >&2
+      ldd "$native/bin/$b" | grep 'not found' >&2
+      exit 1
+    fi
+    "$native/bin/$b" --version >/dev/null
+  done
   echo "$v" >"$native/VERSION"
   chmod -R a+rX "$native"
   rm -rf "$cache/$major.old"
