@@ -11,18 +11,16 @@ import (
 )
 
 type slotStats struct {
-	At             time.Time `json:"at"`
-	CurrentLSN     string    `json:"current_lsn"`
-	ConfirmedLSN   string    `json:"confirmed_flush_lsn"`
-	RestartLSN     string    `json:"restart_lsn"`
-	WALStatus      string    `json:"wal_status"`
-	RetainedBytes  int64     `json:"retained_wal_bytes"`
-	LagBytes       int64     `json:"lag_bytes"`
-	SafeBytes      int64     `json:"safe_wal_bytes"` // -1: unlimited
-	TimeToInvalidS float64   `json:"time_to_invalidation_seconds"`
-	// Failover: the slot has FAILOVER (PostgreSQL 17+), so standbys with
-	// sync_replication_slots keep a copy that survives their promotion.
-	Failover        bool `json:"failover"`
+	At              time.Time `json:"at"`
+	CurrentLSN      string    `json:"current_lsn"`
+	ConfirmedLSN    string    `json:"confirmed_flush_lsn"`
+	RestartLSN      string    `json:"restart_lsn"`
+	WALStatus       string    `json:"wal_status"`
+	RetainedBytes   int64     `json:"retained_wal_bytes"`
+	LagBytes        int64     `json:"lag_bytes"`
+	SafeBytes       int64     `json:"safe_wal_bytes"` // -1: unlimited
+	TimeToInvalidS  float64   `json:"time_to_invalidation_seconds"`
+	Failover        bool      `json:"failover"` // the slot has FAILOVER (PostgreSQL 17+): a synced standby keeps it
 	currentLSNValue event.LSN
 }
 
