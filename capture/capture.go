@@ -42,15 +42,16 @@ type Service struct {
 	now func() time.Time
 	m   *metrics
 
-	pool *pgxpool.Pool
-	repl *pgconn.PgConn
+	pool    *pgxpool.Pool
+	repl    *pgconn.PgConn
+	embed   *broker.Server
+	nc      *nats.Conn
+	natsURL string
+	obsrv   *observe.Server
+	st      *streamer
+
 	// failoverOnce: the server's lack of failover slots is logged once.
 	failoverOnce sync.Once
-	embed        *broker.Server
-	nc           *nats.Conn
-	natsURL      string
-	obsrv        *observe.Server
-	st           *streamer
 
 	// embedDone is closed when the embedded server started in the
 	// background (startEmbedded) is up (embed) or failed (embedErr).
