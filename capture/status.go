@@ -20,14 +20,16 @@ type slotStats struct {
 	LagBytes        int64     `json:"lag_bytes"`
 	SafeBytes       int64     `json:"safe_wal_bytes"` // -1: unlimited
 	TimeToInvalidS  float64   `json:"time_to_invalidation_seconds"`
+	Failover        bool      `json:"failover"` // the slot has FAILOVER (PostgreSQL 17+): a synced standby keeps it
 	currentLSNValue event.LSN
 }
 
 const sqlSlotStats = `
 SELECT pg_current_wal_lsn()::text, coalesce(confirmed_flush_lsn::text, ''), coalesce(restart_lsn::text, ''),
        coalesce(wal_status, ''), coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint,
-       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint, safe_wal_size
-FROM pg_replication_slots WHERE slot_name = $1`
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint, safe_wal_size,
+       coalesce((to_jsonb(s) ->> 'failover')::boolean, false)
+FROM pg_replication_slots s WHERE slot_name = $1`
 
 const slotPollInterval = 5 * time.Second
 
@@ -52,7 +54,7 @@ func (s *Service) readSlotStats(ctx context.Context) {
 		safe *int64
 	)
 	err := s.pool.QueryRow(ctx, sqlSlotStats, s.cfg.SlotName).Scan(&st.CurrentLSN, &st.ConfirmedLSN, &st.RestartLSN,
-		&st.WALStatus, &st.RetainedBytes, &st.LagBytes, &safe)
+		&st.WALStatus, &st.RetainedBytes, &st.LagBytes, &safe, &st.Failover)
 	if err != nil {
 		if ctx.Err() == nil && !errors.Is(err, pgx.ErrNoRows) {
 			s.log.Debug("read slot statistics", "err", err)
@@ -79,6 +81,11 @@ func (s *Service) readSlotStats(ctx context.Context) {
 	s.m.lagBytes.Set(float64(st.LagBytes))
 	s.m.safeWAL.Set(float64(st.SafeBytes))
 	s.m.timeToInvalid.Set(st.TimeToInvalidS)
+	if st.Failover {
+		s.m.slotFailover.Set(1)
+	} else {
+		s.m.slotFailover.Set(0)
+	}
 }
 
 // Status is the /status document of a capture.

@@ -355,11 +355,24 @@ func (sel *tableSelection) makeFull(ctx context.Context, pool *pgxpool.Pool, t *
 }
 
 const (
-	sqlPublication       = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot FROM pg_publication WHERE pubname = $1`
+	// sqlPublication also says whether the server has schema publications
+	// (FOR TABLES IN SCHEMA, pg_publication_namespace: PostgreSQL 15+).
+	sqlPublication = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot,
+       current_setting('server_version_num')::int >= 150000
+FROM pg_publication WHERE pubname = $1`
+	// PostgreSQL 14: tables only, never filtered.
+	sqlPublicationTables14 = `
+SELECT pr.prrelid, false FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`
+	// PostgreSQL 15+: a table with a row filter or a column list is
+	// reported as such (a row filter drops the deletes of the rows it
+	// leaves out; a column list narrower than a FULL identity makes the
+	// application's DELETEs fail), and a schema of the publication counts
+	// as oid 0, a member nobody wants: SET TABLE replaces both.
 	sqlPublicationTables = `
-SELECT pr.prrelid FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1
+SELECT pr.prrelid, pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL
+FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1
 UNION ALL
-SELECT 0 FROM pg_publication_namespace pn JOIN pg_publication p ON p.oid = pn.pnpubid WHERE p.pubname = $1`
+SELECT 0, false FROM pg_publication_namespace pn JOIN pg_publication p ON p.oid = pn.pnpubid WHERE p.pubname = $1`
 	publicationOptions = `publish = 'delete, truncate', publish_via_partition_root = true`
 )
 
@@ -398,14 +411,15 @@ type publicationState struct {
 	exists                     bool
 	ins, upd, del, trunc, root bool            // its options
 	tables                     map[uint32]bool // relation oids it holds (0: a schema)
+	filtered                   bool            // a table has a row filter or a column list
 }
 
 // readPublication reads the publication name; one FOR ALL TABLES is a
 // ConfigError.
 func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*publicationState, error) {
 	st := &publicationState{exists: true, tables: map[uint32]bool{}}
-	var allTables bool
-	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root)
+	var allTables, schemas bool
+	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root, &schemas)
 	if errors.Is(err, pgx.ErrNoRows) {
 		st.exists = false
 		return st, nil
@@ -415,17 +429,25 @@ func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*pub
 	if allTables {
 		return nil, configErr("publication %q is FOR ALL TABLES, which would publish tables whose deletes then fail (and Epitaph's own schemas): drop it, or pass another --publication", name)
 	}
-	rows, err := pool.Query(ctx, sqlPublicationTables, name)
+	q := sqlPublicationTables
+	if !schemas {
+		q = sqlPublicationTables14
+	}
+	rows, err := pool.Query(ctx, q, name)
 	if err != nil {
 		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
 	}
 	for rows.Next() {
-		var oid uint32
-		if err := rows.Scan(&oid); err != nil {
+		var (
+			oid      uint32
+			filtered bool
+		)
+		if err := rows.Scan(&oid, &filtered); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
 		}
 		st.tables[oid] = true
+		st.filtered = st.filtered || filtered
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
@@ -443,7 +465,7 @@ func (st *publicationState) statements(pub string, list []string, want map[uint3
 	if !st.exists {
 		return []string{"CREATE PUBLICATION " + pub + " WITH (" + publicationOptions + ")"}
 	}
-	sameTables := len(st.tables) == len(want)
+	sameTables := len(st.tables) == len(want) && !st.filtered
 	for oid := range st.tables {
 		if !want[oid] {
 			sameTables = false

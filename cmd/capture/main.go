@@ -43,6 +43,7 @@ func newCommand(lookup func(string) (string, bool), stdout, stderr io.Writer) *c
 	var cfg capture.Config
 	var tables, cpuProfile, heapProfile string
 	var allowKeyOnly bool
+	var failoverSlot bool
 	root := &cobra.Command{
 		Use:   "capture [flags]",
 		Short: "publish the source database's deletes to JetStream",
@@ -80,6 +81,7 @@ is refused, never replaced by the default.`,
 	f.Bool(&cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", false, "ALTER captured tables to REPLICA IDENTITY FULL, so their deletes archive whole rows (recorded on the source: capture uninstall puts them back)")
 	f.Bool(&allowKeyOnly, "allow-key-only", "EPITAPH_ALLOW_KEY_ONLY", false, "capture tables that are not REPLICA IDENTITY FULL, their deletes carrying only the key; without it (or --set-replica-identity-full) the capture refuses them")
 	f.Bool(&cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", false, "recreate a missing or invalidated slot and record a gap event")
+	f.Bool(&failoverSlot, "failover-slot", "EPITAPH_FAILOVER_SLOT", true, "create (or alter at start) the slot with FAILOVER on PostgreSQL 17+, so standbys with sync_replication_slots keep a copy that survives their promotion; ignored on older servers")
 	f.Var(&retentionValue{cfg: &cfg}, "retention", "EPITAPH_RETENTION", "the stream limits that may discard events (default none: every event kept, rebuilds need them): a max age such as 720h, or max-age=D,max-bytes=N[K|M|G|T],max-msgs=N,max-msgs-per-subject=N. Any other discarding limit on the stream makes the capture refuse to start; one changed while it streams is restored")
 	f.Duration(&cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", 10*time.Second, "how often the stream's limits are checked (and restored) while streaming; negative: only at start", cli.NotZero())
 	f.Duration(&cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval (negative: no heartbeats)", cli.NotZero())
@@ -108,6 +110,7 @@ is refused, never replaced by the default.`,
 	f.String(&cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
 	f.String(&heapProfile, "heap-profile", "EPITAPH_HEAP_PROFILE", "", "write a pprof heap profile to this file each time the live heap reaches a new high, so it holds the run's peak (diagnostics; empty: off)", cli.KeepEmpty())
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
+		cfg.NoFailoverSlot = !failoverSlot
 		for _, t := range strings.Split(tables, ",") {
 			if t = strings.TrimSpace(t); t != "" {
 				cfg.Tables = append(cfg.Tables, t)

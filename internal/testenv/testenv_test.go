@@ -2,6 +2,8 @@ package testenv_test
 
 import (
 	"context"
+	"os"
+	"strconv"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -62,4 +64,22 @@ func TestNoSearchPathFailsAnUnqualifiedName(t *testing.T) {
 	require.ErrorContains(t, err, `relation "items" does not exist`)
 	require.NoError(t, conn.QueryRow(ctx, "SELECT id FROM public.items").Scan(&n))
 	require.Equal(t, 7, n)
+}
+
+// The version matrix relies on EPITAPH_TEST_PG choosing the server: a
+// fallback to Debian's would pass every test on the wrong version.
+func TestServerIsTheRequestedMajor(t *testing.T) {
+	t.Parallel()
+	want := os.Getenv("EPITAPH_TEST_PG")
+	if want == "" {
+		t.Skip("EPITAPH_TEST_PG is not set: the default server is whichever is installed")
+	}
+	url := testenv.NewDatabase(t)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	var num int
+	require.NoError(t, conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&num))
+	require.Equal(t, want, strconv.Itoa(num/10000))
 }
