@@ -190,7 +190,7 @@ const externalSyncInterval = 2 * time.Minute
 
 // DefaultDuplicateWindow is the stream's dedupe window unless
 // --duplicate-window says otherwise: JetStream's minimum. It is short on
-// purpose (issue 20): the server keeps every message id of the window in
+// purpose: the server keeps every message id of the window in
 // memory (~136 bytes each: at 150,000 rows/s a 2m window held 1.2M ids,
 // ~136 MB and a quarter of the server's CPU in garbage collection), and up
 // to three windows' worth until it compacts its list of them, so what it
@@ -321,7 +321,7 @@ func (c *Config) connectionErrors(errs []string) []string {
 	} else if c.DataDir == "" && c.SigningKey == "" {
 		errs = append(errs, "a data directory (EPITAPH_DATA_DIR) or a signing key file (EPITAPH_SIGNING_KEY) is required: the capture signs what it publishes")
 	}
-	// NATS authentication (issue 11).
+	// NATS authentication.
 	if c.NATSURL == "" && !c.NATSAuth.IsZero() {
 		errs = append(errs, "--nats-creds, --nats-nkey, --nats-user and --nats-tls-* are for an external JetStream server (EPITAPH_NATS_URL): the embedded one makes its own credentials under <data-dir>/nats")
 	} else if err := c.NATSAuth.Validate(c.NATSURL); err != nil {

@@ -20,7 +20,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
-// Tests of following the source's schema while streaming (issue 12).
+// Tests of following the source's schema while streaming.
 
 func fastPoll(c *Config) { c.CatalogPoll = 100 * time.Millisecond }
 

@@ -456,7 +456,7 @@ const PeakRSSBound = 128 << 20
 
 // EmbeddedPeakRSSBound is the bound with the embedded JetStream server,
 // whose message caches and dedupe window live in the capture's process.
-// Issue 20's target. The window holds every message id of the last
+// The bench's peak target. The window holds every message id of the last
 // --duplicate-window (~136 bytes each), and up to three windows' worth
 // until the server compacts its list of them, so it grows with the rate:
 // with a 1 s window the process peaked at 97-117 MiB on a loaded machine

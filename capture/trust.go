@@ -17,7 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// The capture never believes a foreign message (DESIGN section 6).
+// The capture never believes a foreign message.
 //
 // Anyone who can publish to the stream can write anything there, with any
 // header: positions, message ids and partition sequences are predictable.

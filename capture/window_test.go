@@ -17,7 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// The dedupe window (issue 20): no guarantee rests on it. A forgery under
+// The dedupe window: no guarantee rests on it. A forgery under
 // the plain id of a message the capture is about to publish (a commit's, a
 // mark's, a gap's: the best a writer without the signing key can predict)
 // sits beside the real message, inside the window or past it, since the

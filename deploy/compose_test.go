@@ -501,7 +501,7 @@ func TestDockerfile(t *testing.T) {
 }
 
 // pendingEnv are settings the deployment files already use for behaviour
-// issue 7 asks of the code and the code does not have yet. While a binary
+// the deployment asks of the code and the code does not have yet. While a binary
 // does not read one, it is ignored; once it does, the entry is harmless.
 var pendingEnv = map[string]string{}
 

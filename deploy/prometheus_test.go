@@ -87,7 +87,7 @@ func TestAlertRulesAreWellFormed(t *testing.T) {
 	require.Contains(t, out, "SUCCESS")
 }
 
-// TestAlertsCoverTheOperatorsConcerns pins the alerts issue 7 asks for, so
+// TestAlertsCoverTheOperatorsConcerns pins the alerts operators rely on, so
 // none is dropped by an edit.
 func TestAlertsCoverTheOperatorsConcerns(t *testing.T) {
 	t.Parallel()

@@ -164,7 +164,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	require.NoError(t, err)
 
 	const first, second, lines = "11111111-1111-4111-8111-111111111111", "22222222-2222-4222-8222-222222222222", "33333333-3333-4333-8333-333333333333"
-	// late (issue 16) is disabled while the workload runs and enabled once
+	// late is disabled while the workload runs and enabled once
 	// the archive is complete: then every key deleted, re-inserted and
 	// deleted again has its later deletion queued before any of its
 	// deliveries is evaluated, so the older one must never be sent.
@@ -295,7 +295,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE handler_id <> $1 AND state <> 'done' AND NOT `+superseded, second))
 	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE handler_id = $1 AND state <> 'done' AND NOT ((key->>'id')::bigint % 7 = 0) AND NOT `+superseded, second))
 	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE outcome = 'stop_changed'`), "no set changes after its commit here")
-	// Revalidation (issue 16): of a key deleted, re-inserted and deleted
+	// Revalidation: of a key deleted, re-inserted and deleted
 	// again, only the latest deletion is sent to late; every older one
 	// stopped superseded, and the server never saw it.
 	rows, err := conn.Query(ctx, `SELECT d.id::text, d.state, COALESCE(d.outcome, ''),

@@ -23,7 +23,7 @@ import (
 )
 
 // TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction is the
-// projector half of the short dedupe window (issue 20), through the real
+// projector half of the short dedupe window, through the real
 // binaries on a broker open to any writer: while the capture is down, a
 // hostile client takes the ids of the commit of a transaction the capture
 // has not published yet and of the next mark's copies (read from the slot,

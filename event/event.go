@@ -24,7 +24,7 @@ const (
 // HeaderPublicKey is on signed messages beside Epitaph-Key-Id: the signing
 // public key (PublicKeyString). It is not believed for itself: a projector
 // that trusts no key yet trusts it on first use when it verifies the
-// message's signature (DESIGN section 6); after that only keys recorded in
+// message's signature; after that only keys recorded in
 // its target count.
 const HeaderPublicKey = "Epitaph-Public-Key"
 

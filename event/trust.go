@@ -21,7 +21,7 @@ import (
 	"strings"
 )
 
-// Trust headers (DESIGN section 6). Together they let a reader prove that a
+// Trust headers. Together they let a reader prove that a
 // transaction, mark, heartbeat or gap was published by the capture holding
 // a known key, and notice messages removed from a partition.
 const (

@@ -1,4 +1,4 @@
-// Package handler runs row handlers (DESIGN section 7): durable, at-least-
+// Package handler runs row handlers: durable, at-least-
 // once side effects of an archived delete. A handler (epitaph.handlers) is
 // a webhook, a command, a NATS subject or a Go Handler registered by an
 // embedding program; a delivery (epitaph.deliveries) is one (handler,
@@ -174,7 +174,7 @@ func (r *Registry) Names() []string {
 	return out
 }
 
-// Outcome is a revalidation's decision (issue 16) or a dispatcher's result.
+// Outcome is a revalidation's decision or a dispatcher's result.
 type Outcome string
 
 // Outcomes before an attempt (Decision) and recorded on deliveries.
@@ -208,7 +208,7 @@ type Decision struct {
 }
 
 // Revalidator decides, before every attempt, whether a delivery is still
-// to be sent (issue 16 builds it). An error counts as a failed attempt.
+// to be sent (package revalidate builds it). An error counts as a failed attempt.
 type Revalidator func(ctx context.Context, d Delivery) (Decision, error)
 
 // Verdict is a BatchRevalidator's answer for one delivery: what a

@@ -11,12 +11,12 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
-// queueDeliveries is the row handlers' part of a page's transaction
-// (DESIGN section 7): deliveries of rows that verification dropped are
-// stopped, the page's archived rows get one delivery per handler of their
-// table (live version only: handler.Enqueue checks it in the statement),
-// and the deliveries of transactions whose commit this page applied are
-// released. Nothing at all (no query) while no handler exists.
+// queueDeliveries is the row handlers' part of a page's transaction:
+// deliveries of rows that verification dropped are stopped, the page's
+// archived rows get one delivery per handler of their table (live version
+// only: handler.Enqueue checks it in the statement), and the deliveries of
+// transactions whose commit this page applied are released. Nothing at all
+// (no query) while no handler exists.
 func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v version.Version, rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, vd *verdict) error {
 	if s.handlers == nil || !s.handlers.Any() {
 		return nil
@@ -67,7 +67,7 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v version.Vers
 	if err := handler.Release(ctx, tx, s.cfg.SourceName, release); err != nil {
 		return err
 	}
-	// Revalidation's promise (issue 16): the fingerprint of each released
+	// Revalidation's promise: the fingerprint of each released
 	// delivery's set, now that its rows are archived and verified.
 	for _, r := range queue {
 		if r.Verified {

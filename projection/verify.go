@@ -25,7 +25,7 @@ import (
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
-// Verification (DESIGN section 6, "Signed transactions").
+// Verification of signed transactions.
 //
 // A partition is a sequence of the capture's transactions (row and truncate
 // messages, then their commit) and of marks, heartbeats and gaps; the

@@ -22,7 +22,7 @@ import (
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
-// Issue 5, end to end through the real projector runtime: garbage, a "v":2
+// Quarantine end to end through the real projector runtime: garbage, a "v":2
 // row, a row the read model rejects (jsonb refuses \u0000) and a valid
 // transaction behind each are published to one partition with a plain NATS
 // client. The valid rows are archived, the bad events are quarantined with

@@ -39,8 +39,8 @@ const (
 	// CategoryHeld is not a failure of the event itself: in hold mode it waits behind
 	// an open entry for the same source row, so order per row is kept.
 	CategoryHeld Category = "held"
-	// CategoryUnauthenticated: the message failed verification (DESIGN
-	// section 6): unsigned, a bad signature or an untrusted key, or rows not
+	// CategoryUnauthenticated: the message failed verification:
+	// unsigned, a bad signature or an untrusted key, or rows not
 	// matching their commit's signed digest. Never replayed alone.
 	CategoryUnauthenticated Category = "unauthenticated"
 )

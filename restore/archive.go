@@ -128,7 +128,7 @@ func canonical(b []byte) json.RawMessage {
 
 func nodeID(table string, key json.RawMessage) string { return table + " " + string(canonical(key)) }
 
-// snapshotNode is one node of a snapshot payload (DESIGN section 4).
+// snapshotNode is one node of a snapshot payload.
 type snapshotNode struct {
 	Table    string                    `json:"table"`
 	Key      json.RawMessage           `json:"key"`

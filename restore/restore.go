@@ -1,6 +1,6 @@
 // Package restore puts archived rows back into the source database: the
 // rows one source transaction deleted, one root's snapshot subtree of it,
-// or one row (DESIGN section 7, `projector restore`).
+// or one row (`projector restore`).
 //
 // A restore is one source transaction: every row is inserted, parents
 // before children in the foreign-key order of the source's current

@@ -14,7 +14,7 @@ import (
 // written (checked every heapProfileEvery), so at the end of a run the
 // file holds the heap at (near) its peak, which a profile written at exit
 // would not show. The profile is the runtime's, as of the last collection
-// (issue 20: where a transaction's memory was).
+// (where a transaction's memory was).
 type heapProfiler struct {
 	path string
 	stop chan struct{}

@@ -94,16 +94,16 @@ is refused, never replaced by the default.`,
 	f.Int(&cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created", cli.Min(1), cli.Max(5))
 	f.Bool(&cfg.Standby, "standby", "EPITAPH_STANDBY", false, "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
 	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it", cli.Positive())
-	// NATS authentication (issue 11): the flags both binaries share.
+	// NATS authentication: the flags both binaries share.
 	for _, nf := range natsconn.Flags {
 		f.String(nf.Field(&cfg.NATSAuth), nf.Name, nf.Env, "", nf.Usage+"; external server only")
 	}
 	// Trust: the key the capture signs with.
 	f.String(&cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed; mode 0600, or group-readable 0440/0640 if owned by root); empty: <data-dir>/signing.key, generated on first start")
-	// Following the source's schema while streaming (issue 12).
+	// Following the source's schema while streaming.
 	f.Duration(&cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)", cli.NotZero())
 	f.Bool(&cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", false, "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
-	// Sharing the source's CPUs (issue 20): see capture.CPUModeTail.
+	// Sharing the source's CPUs: see capture.CPUModeTail.
 	f.Int(&cfg.TailCPUs, "tail-cpus", "EPITAPH_TAIL_CPUS", defaultTailCPUs, "CPUs (GOMAXPROCS) while the capture tails the source, leaving the others to the source's backends; every CPU while it catches up a backlog of --catch-up-bytes or one found at start (0: every CPU always)", cli.Min(0))
 	f.Int(&cfg.TailNice, "tail-nice", "EPITAPH_TAIL_NICE", defaultTailNice, "nice value of the capture's scheduling group (its Linux autogroup) while it tails within a quarter of --catch-up-bytes of the source, so a burst of the source's deletes goes first on shared CPUs; 0 further behind and while it catches up (0: never lowered). Applied when the capture leads its own session (a service, or setsid) in the root CPU cgroup; /status cpu_nice_unavailable says why not", cli.Min(0), cli.Max(19))
 	f.Int64(&cfg.CatchUpBytes, "catch-up-bytes", "EPITAPH_CATCH_UP_BYTES", capture.DefaultCatchUpBytes, "WAL bytes behind the source at which a tailing capture uses every CPU (at least 1 MiB; it tails again within 1 MiB)")
@@ -242,7 +242,7 @@ const stopTimeout = 25 * time.Second
 
 // embeddedGOGC is the GC target percentage with the embedded broker
 // (unless GOGC is set). 200 paid off while the 2m dedupe window kept
-// ~136 MB of message ids live; with the 1 s window (issue 20) the live heap
+// ~136 MB of message ids live; with the 1 s window the live heap
 // is ~20-40 MB and bench-capture measured the same CPU per row at 150
 // (12.13 against 12.43 µs, medians of 3 runs, load 17-32) with 10-15% less
 // peak RSS (91-109 against 108-116 MiB), and 100 another 20-30% less RSS

@@ -98,7 +98,7 @@ func TestHelpAndArguments(t *testing.T) {
 	}
 }
 
-// wait keeps DESIGN section 6's codes: 2 is a timeout, so its usage
+// wait keeps its documented exit codes: 2 is a timeout, so its usage
 // errors exit 1.
 func TestWaitUsageExitsOne(t *testing.T) {
 	t.Parallel()

@@ -120,7 +120,7 @@ func commonFlags(cmd *cobra.Command, env *Env) *common {
 	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: EPITAPH_SOURCE_URL)")
 	f.String(&c.natsURL, "nats-url", "EPITAPH_NATS_URL", "nats://127.0.0.1:4222", "JetStream URL")
 	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name")
-	// NATS authentication (issue 11): the flags both binaries share.
+	// NATS authentication: the flags both binaries share.
 	for _, nf := range natsconn.Flags {
 		usage := nf.Usage
 		if nf.Name == "nats-creds" {
@@ -153,7 +153,7 @@ func (c *common) natsConnect(opts ...nats.Option) (*nats.Conn, error) {
 	return nats.Connect(c.natsURL, append(opts, auth...)...)
 }
 
-// groupFlag registers --group, the consumer group (DESIGN section 7), on
+// groupFlag registers --group, the consumer group, on
 // the commands that create or delete the projector's JetStream consumers.
 func groupFlag(cmd *cobra.Command) *string {
 	g := new(string)

@@ -23,7 +23,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/retention"
 )
 
-// Retention and erasure (issue 17): cleanup, hold, erase, erasures.
+// Retention and erasure: cleanup, hold, erase, erasures.
 func init() {
 	register(cleanupCommand)
 	register(holdCommand)

@@ -10,7 +10,7 @@ import (
 )
 
 // sourceURLFlag registers --source-url: the source database that
-// revalidation reads before every delivery attempt (issue 16).
+// revalidation reads before every delivery attempt.
 func sourceURLFlag(f cli.Flags, p *string) {
 	f.String(p, "source-url", "EPITAPH_SOURCE_URL", "", "source Postgres URL that revalidation reads before every delivery attempt (is the deleted key back?); "+
 		"a handler with a source URL file reads its own; without either, deliveries of handlers that revalidate defer")

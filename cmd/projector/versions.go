@@ -509,7 +509,7 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 		Example: `  projector wait --lsn 0/1A2B3C8 --timeout 10s`,
 		Args:    cli.NoArgs,
 	}
-	cli.UsageExit(cmd, cli.ExitError) // 2 is a timeout here (DESIGN section 6)
+	cli.UsageExit(cmd, cli.ExitError) // 2 is a timeout here (wait's exit codes)
 	c := commonFlags(cmd, env)
 	lsnText := cmd.Flags().String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
 	var timeout time.Duration

@@ -98,7 +98,7 @@ func metric(t *testing.T, addr, name, labels string) float64 {
 	return 0
 }
 
-// The proof of issue 6 with the real binary, under continuous delete
+// Rebuild, compare and promote with the real binary, under continuous delete
 // traffic: `rebuild --wait` of v2 with a changed TTL policy (the worker is
 // SIGKILLed during the rebuild and resumes from its cursors), `compare`
 // (equal except the intended expires_at difference), `promote` while a

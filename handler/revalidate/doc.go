@@ -1,6 +1,5 @@
 // Package revalidate decides, before every attempt of a row handler's
-// delivery, whether the deletion it was queued for still stands (DESIGN
-// section 7, issue 16). A queued delivery is evidence of an earlier state,
+// delivery, whether the deletion it was queued for still stands. A queued delivery is evidence of an earlier state,
 // not authority: between queueing and running, the key can be inserted
 // again, the row erased, a row of the same source transaction archived
 // late, the key deleted again, the handler revoked.

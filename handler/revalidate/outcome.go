@@ -6,7 +6,7 @@ import "github.com/epitaph-dev/epitaph/handler"
 // dispatcher's type (handler.Outcome).
 type Outcome = handler.Outcome
 
-// The outcomes (DESIGN section 7). Every one but Send and Defer ends the
+// The outcomes. Every one but Send and Defer ends the
 // delivery as stopped; Defer retries later without spending an attempt.
 const (
 	// Send: the deletion still stands; run the handler.

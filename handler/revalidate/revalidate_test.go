@@ -141,7 +141,7 @@ func TestErasedRowStopsRevoked(t *testing.T) {
 	require.Equal(t, revalidate.StopCompleted, res.Outcome)
 	require.Equal(t, revalidate.ReasonRowRemoved, res.Reason)
 
-	// projector erase (issue 17): a fence in epitaph.erasures naming the
+	// projector erase: a fence in epitaph.erasures naming the
 	// table (a keyed hash, never the values), the row removed from every
 	// version; an evaluation racing it (the delivery in flight) stops
 	// revoked, never completed.

@@ -16,8 +16,8 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// Auth makes an embedded server require credentials (DESIGN section 6,
-// "One writer"). The server runs in operator mode with an in-memory account
+// Auth makes an embedded server require credentials: one writer, the
+// capture. The server runs in operator mode with an in-memory account
 // resolver: one operator, a system account and one account with JetStream,
 // whose two users are the roles
 //

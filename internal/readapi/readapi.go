@@ -1,6 +1,6 @@
-// Package readapi is the projector's HTTP read API for support tools
-// (DESIGN section 7): the archived versions of a row, the rows of a source
-// transaction, the snapshots of a root.
+// Package readapi is the projector's HTTP read API for support tools: the
+// archived versions of a row, the rows of a source transaction, the
+// snapshots of a root.
 //
 //	GET /v1/rows?table=schema.table&key=JSON       every archived version of the row, newest first
 //	GET /v1/transactions/{correlation_id}          the transaction's archived rows, in delete order

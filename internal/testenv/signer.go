@@ -12,13 +12,13 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 )
 
-// Signer signs messages a test publishes itself the way the capture does
-// (DESIGN section 6): every message gets Epitaph-Partition-Seq (per
-// partition, +1 each), commits get Epitaph-Digest over the row and
-// truncate messages signed since the partition's last commit, and
-// commits, marks, heartbeats and gaps get Epitaph-Key-Id, the public key
-// (Epitaph-Public-Key, so a projector can trust it on first use) and
-// Epitaph-Signature. Sign messages in the order they are published.
+// Signer signs messages a test publishes itself the way the capture does:
+// every message gets Epitaph-Partition-Seq (per partition, +1 each), commits
+// get Epitaph-Digest over the row and truncate messages signed since the
+// partition's last commit, and commits, marks, heartbeats and gaps get
+// Epitaph-Key-Id, the public key (Epitaph-Public-Key, so a projector can
+// trust it on first use) and Epitaph-Signature. Sign messages in the order
+// they are published.
 type Signer struct {
 	Key ed25519.PrivateKey
 

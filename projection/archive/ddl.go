@@ -68,7 +68,7 @@ END $$;
 ` + gapsDDL(s)
 }
 
-// gapsDDL creates the version's gaps table (DESIGN section 6): what the
+// gapsDDL creates the version's gaps table: what the
 // archive is known to miss; and pending_truncates, where a truncate of a
 // transaction not verified yet waits for its commit (package projection's trust check). partition is NULL for a gap that concerns every
 // partition (a loss upstream, published to each of them, is one row); the

@@ -25,7 +25,7 @@
 // after its commit was applied (a quarantined event replayed), the runtime
 // calls Invalidate and the jobs are rebuilt.
 //
-// Choices, where DESIGN.md leaves them open:
+// Choices where the wire format and the read model leave them open:
 //   - Completeness is the commit's per-table counts: a group with fewer
 //     archive rows of some table than counted is short (retried, then failed
 //     naming each short table as "schema.table has N of M rows"); more rows

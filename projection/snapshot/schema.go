@@ -18,7 +18,7 @@ const (
 )
 
 // snapshotsDDL creates <schema>.snapshots. The first columns are the read
-// model of DESIGN.md section 4; the rest are the job machinery:
+// model (docs/projector.md, archive.snapshots); the rest are the job machinery:
 //   - source, commit_lsn: the transaction, matching the archive rows' primary
 //     key prefix so a group is read by index (its jobs are found by
 //     correlation_id, the unique index's prefix);

@@ -10,7 +10,7 @@ import (
 )
 
 // What a reader of the live version is told (the read API's
-// Epitaph-View-State header, DESIGN section 7).
+// Epitaph-View-State header).
 const (
 	// ViewReady: archive.status.ready; a result is complete up to
 	// complete_up_to_lsn.

@@ -28,8 +28,7 @@ func ValidateGroup(g string) error {
 }
 
 // DefaultGroup is the consumer group of a target database: the first 8
-// hex digits of sha256 of "<system_identifier>/<database name>" (DESIGN
-// section 7). Two databases of one server, or one database name on two
+// hex digits of sha256 of "<system_identifier>/<database name>". Two databases of one server, or one database name on two
 // servers, get different groups; the same database always the same.
 func DefaultGroup(ctx context.Context, db progress.DB) (string, error) {
 	var id string

@@ -15,7 +15,7 @@ import (
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
-// Version states (DESIGN.md section 4). A version moves
+// Version states. A version moves
 // building -> catching_up -> ready -> live -> retired; promotion turns the
 // previous live version back to ready (it keeps consuming, so a rollback is
 // instant and current). failed: its schema could not be created; workers

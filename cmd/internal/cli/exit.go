@@ -20,8 +20,8 @@ const (
 	// ExitUsage: the command line or the environment is wrong (unknown
 	// command or flag, a bad value, missing or extra arguments).
 	ExitUsage = 2
-	// ExitTimeout: `projector wait` gave up (DESIGN section 6 fixes 2 for
-	// it; the same number as a usage error).
+	// ExitTimeout: `projector wait` gave up (2 by the documented contract
+	// of wait; the same number as a usage error).
 	ExitTimeout = 2
 	// ExitNotEqual: the command worked and the answer is "no": compare
 	// found differences, wait timed out or cannot complete, a status check
@@ -80,7 +80,7 @@ func Report(w io.Writer, name string, err error) int {
 }
 
 // annotationUsageExit on a command replaces ExitUsage for its usage errors
-// (wait: DESIGN section 6 gives 2 to a timeout, so a usage error is 1).
+// (wait gives 2 to a timeout, so a usage error is 1).
 const annotationUsageExit = "epitaph_usage_exit"
 
 // UsageExit makes cmd's usage errors exit with code instead of ExitUsage.

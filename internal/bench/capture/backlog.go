@@ -23,7 +23,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
 
-// Targets of issue 20, printed beside the figures they judge.
+// The capture's targets, printed beside the figures they judge.
 const (
 	targetEmbedded = 0.9 // capture (embedded broker) / pg_recvlogical
 	targetExternal = 0.8 // capture (external JetStream, persist mode default) / pg_recvlogical

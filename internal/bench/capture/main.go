@@ -194,7 +194,7 @@ func run(o options) (err error) {
 	return nil
 }
 
-// bigTxPeakTarget and bigTxExternalPeakTarget are issue 20's bound on the
+// bigTxPeakTarget and bigTxExternalPeakTarget are the bound on the
 // capture's peak RSS for the big transaction with its embedded broker, and
 // the stated bound with an external server (the tests'
 // EmbeddedPeakRSSBound and PeakRSSBound).

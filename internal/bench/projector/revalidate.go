@@ -14,13 +14,13 @@ import (
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
 )
 
-// revalidationRound is the handlers round again with revalidation on
-// (issue 16): every delivery is revalidated against the source the stream
-// was captured from (its orders are deleted: every key is absent, every
-// delivery sends). Figures: the delivery rate against the plain round's
-// (target >= 0.75: revalidation costs at most a quarter of it on the cheap
-// path), and, measured in this process on the delivered rows once they are
-// done, the cost per evaluation on the cheap path and with the full read.
+// revalidationRound is the handlers round again with revalidation on: every
+// delivery is revalidated against the source the stream was captured from
+// (its orders are deleted: every key is absent, every delivery sends).
+// Figures: the delivery rate against the plain round's (target >= 0.75:
+// revalidation costs at most a quarter of it on the cheap path), and,
+// measured in this process on the delivered rows once they are done, the
+// cost per evaluation on the cheap path and with the full read.
 func (e *env) revalidationRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, plainApply plainApply, plain float64, out map[string][]float64) error {
 	e.revalidate, e.sourceURL = true, e.pg.URL("source")
 	defer func() { e.revalidate, e.sourceURL = false, "" }()

@@ -1,5 +1,5 @@
 // Command revalidate measures what revalidating row handlers' deliveries
-// costs (issue 16, `make bench-revalidate`): the evaluation per delivery on
+// costs (`make bench-revalidate`): the evaluation per delivery on
 // the cheap path (the set unchanged: one aggregate) and with the full read
 // (the pair differs: the set read and hashed), and the delivery rate of the
 // real dispatcher through a webhook to a local server that answers at once,
