@@ -2,6 +2,7 @@ package projection_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -100,4 +102,42 @@ func TestPartitionedArchiveRebuildPromoteRollback(t *testing.T) {
 	})
 	require.Equal(t, 2, count(t, c, fmt.Sprintf(`SELECT count(*) FROM archive_v2.%s`, archive.PartitionName(archive.PeriodStart(archive.PeriodWeek, late.time)))))
 	same()
+}
+
+// An erasure finds and removes its rows in every partition (a customer
+// deleted in September and again in October), and leaves the others'
+// rows where they are.
+func TestEraseAcrossPartitions(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.start(retentionConfig(e, "w1"))
+	sep := customerTx(e, 42, "ann@example.com", 1)
+	sep.time = time.Date(2026, 9, 3, 8, 0, 0, 0, time.UTC)
+	oct := customerTx(e, 42, "ann@example.com")
+	oct.time = time.Date(2026, 10, 3, 8, 0, 0, 0, time.UTC)
+	bob := customerTx(e, 43, "bob@example.com", 3)
+	bob.time = oct.time.Add(time.Minute)
+	for _, tx := range []*txn{sep, oct, bob} {
+		e.publish(tx)
+	}
+	e.heartbeat()
+	c := e.conn()
+	ctx := context.Background()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4+1+4 })
+	where := `SELECT tableoid::regclass::text || ':' || table_name || ':' || (key->>'id') FROM archive_v1.rows ORDER BY 1`
+	require.Equal(t, []string{
+		"archive_v1.rows_p20260901:customers:42", "archive_v1.rows_p20260901:order_lines:1000", "archive_v1.rows_p20260901:order_lines:1001",
+		"archive_v1.rows_p20260901:orders:1",
+		"archive_v1.rows_p20261001:customers:42", "archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:order_lines:3000",
+		"archive_v1.rows_p20261001:order_lines:3001", "archive_v1.rows_p20261001:orders:3",
+	}, keysOf(t, c, where))
+
+	rc, err := erasure.Erase(ctx, newPool(t, e.url), erasure.EraseOptions{Table: "public.customers",
+		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Reason: "request 9", Actor: "dpo"})
+	require.NoError(t, err)
+	require.Equal(t, 4+1, rc.Removed["archive_v1.rows"])
+	require.Equal(t, []string{
+		"archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:order_lines:3000",
+		"archive_v1.rows_p20261001:order_lines:3001", "archive_v1.rows_p20261001:orders:3",
+	}, keysOf(t, c, where))
 }
