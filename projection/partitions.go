@@ -18,6 +18,30 @@ import (
 type partitionCache struct {
 	mu    sync.Mutex
 	known map[string]map[time.Time]bool
+	// failed: when making a schema's partitions last failed; the pages
+	// of the next partitionRetry do not try again (each try may wait out
+	// its lock timeout behind a long reader).
+	failed map[string]time.Time
+}
+
+// partitionRetry is how long after a failed attempt partitions are not
+// tried again (rows meanwhile go to the default partition).
+const partitionRetry = time.Minute
+
+func (c *partitionCache) backingOff(schema string, now time.Time) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t, ok := c.failed[schema]
+	return ok && now.Sub(t) < partitionRetry
+}
+
+func (c *partitionCache) fail(schema string, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.failed == nil {
+		c.failed = map[string]time.Time{}
+	}
+	c.failed[schema] = now
 }
 
 func (c *partitionCache) missing(schema string, starts []time.Time) []time.Time {
@@ -68,7 +92,7 @@ func (s *Service) ensurePartitions(ctx context.Context, v version.Version, rows 
 		}
 	}
 	need := s.partitionsKnown.missing(v.Schema, starts)
-	if len(need) == 0 {
+	if len(need) == 0 || s.partitionsKnown.backingOff(v.Schema, now) {
 		return
 	}
 	var made []time.Time
@@ -84,8 +108,9 @@ func (s *Service) ensurePartitions(ctx context.Context, v version.Version, rows 
 	})
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.Warn("archive partitions not created; rows go to the default partition", "schema", v.Schema,
-				"err", quarantine.Sanitize(err))
+			s.partitionsKnown.fail(v.Schema, now)
+			s.log.Warn("archive partitions not created; rows go to the default partition meanwhile", "schema", v.Schema,
+				"retry_in", partitionRetry, "err", quarantine.Sanitize(err))
 		}
 		return
 	}

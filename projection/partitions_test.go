@@ -141,3 +141,30 @@ func TestEraseAcrossPartitions(t *testing.T) {
 		"archive_v1.rows_p20261001:order_lines:3001", "archive_v1.rows_p20261001:orders:3",
 	}, keysOf(t, c, where))
 }
+
+// A partition that cannot be made (a reader holds the rows table) never
+// holds up or fails the apply: the rows go to the default partition.
+func TestApplyDoesNotWaitForAPartition(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.start(e.config("w1"))
+	first := e.nextTx(orderRows(1, 1)...)
+	e.publish(first)
+	c := e.conn()
+	ctx := context.Background()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+
+	reader := e.conn()
+	tx, err := reader.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `LOCK TABLE archive_v1.rows IN ACCESS SHARE MODE`)
+	require.NoError(t, err)
+	old := e.nextTx(orderRows(2, 1)...)
+	old.time = time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC)
+	e.publish(old)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4 })
+	require.Equal(t, []string{"archive_v1.rows_default", "archive_v1.rows_default"},
+		keysOf(t, c, `SELECT tableoid::regclass::text FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, old.lsn.String()))
+	require.Zero(t, count(t, c, `SELECT count(*) FROM pg_class WHERE relname = 'rows_p20240201'`))
+}
