@@ -97,7 +97,9 @@ LOCK TABLE epitaph.legal_holds IN SHARE MODE; LOCK TABLE epitaph.deliveries IN S
 			return nil
 		}
 		byTable := map[string]int{}
-		rows, err := tx.Query(ctx, `SELECT schema_name || '.' || table_name, count(*)::int FROM `+tbl+` GROUP BY 1`)
+		// Grouped by the columns (not their concatenation), so that the
+		// scan may be of the (schema_name, table_name, key) index alone.
+		rows, err := tx.Query(ctx, `SELECT schema_name || '.' || table_name, count(*)::int FROM `+tbl+` GROUP BY schema_name, table_name`)
 		if err != nil {
 			return fmt.Errorf("count %s: %w", tbl, err)
 		}
