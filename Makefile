@@ -19,7 +19,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build dist docs demo test test-deps test-pg-matrix vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate clean
+.PHONY: all build dist docs demo test test-deps test-pg-matrix vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-scale clean
 
 all: build
 
@@ -110,6 +110,10 @@ bench-projector:
 ## bench-retention: cleanup rate on a 1M-row archive while applying, apply rate with/without cleanup (3 interleaved pairs), erasure by --match.
 bench-retention:
 	$(GO) run ./internal/bench/retention
+## bench-scale: apply rate, lookups, retention drop and erase on archives of 1, 5 and 20 million rows (SIZES=... to choose); GIN A/B.
+bench-scale:
+	$(GO) run ./internal/bench/scale $(if $(SIZES),-sizes $(SIZES))
+
 ## bench-handlers: deliveries/s through a webhook handler on every table beside the apply rate of the same run; apply cost with handlers.
 bench-handlers:
 	$(GO) run ./internal/bench/projector -handlers -skip-snapshots -skip-e2e -rows 100000 -rounds 1

@@ -56,6 +56,7 @@ func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease
 	if err != nil {
 		return applyResult{quarantined: map[string]int{}}, err
 	}
+	s.ensurePartitions(ctx, v, rows)
 	p := &applyPlan{v: v, l: l, pos: pos, items: items, rows: rows, vd: vd}
 	p.next, p.commits = s.advance(v, pos, vd, items)
 	// Transactions complete in this page get their roots computed here and

@@ -70,6 +70,10 @@ type Config struct {
 	// default DefaultCleanupRate, negative: unpaced. Unpaced while idle,
 	// and while catching up (its batches an hour behind for an hour).
 	CleanupRate int
+	// ArchivePartition is the partition period (day, week, month; ""
+	// month) of the rows of archive version 1 when this worker creates it;
+	// every later version has the period it was rebuilt with.
+	ArchivePartition string
 	// SnapshotRoots are the "schema.table" root tables of snapshot
 	// documents; empty = no snapshots.
 	SnapshotRoots []string

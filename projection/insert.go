@@ -32,6 +32,11 @@ type archiveRow struct {
 func (r *archiveRow) Event() *event.Event    { return r.ev }
 func (r *archiveRow) Image() json.RawMessage { return r.row }
 
+// insertRowsSQL names no conflict target: the rows table's unique key is
+// (source, commit_lsn, seq) in an unpartitioned table (an earlier
+// release's) and (source, commit_lsn, seq, commit_time) in a partitioned
+// one; an event applied twice conflicts on either (it has one commit_time),
+// and the table has no other unique index.
 const insertRowsSQL = `
 WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
@@ -44,7 +49,7 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text
             $16::boolean[], $17::text[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
           commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
-ON CONFLICT (source, commit_lsn, seq) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING correlation_id, archived_at, verified
 )
 SELECT correlation_id, count(*), max(archived_at) FROM ins WHERE verified GROUP BY correlation_id

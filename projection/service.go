@@ -58,6 +58,10 @@ type Service struct {
 	// (handlers.go).
 	handlers *handler.Cache
 
+	// partitionsKnown: the archive partitions this worker made sure of
+	// (partitions.go).
+	partitionsKnown partitionCache
+
 	fences    *erasure.FenceSet  // erasure fences (fencecheck.go)
 	retention *retention.Metrics // cleanup and fence metrics
 	cleaner   *retention.Cleaner // cleaner.go; nil when disabled
@@ -87,6 +91,9 @@ const workerRetention = time.Hour
 // New validates cfg and builds a Service; nothing is connected until Start.
 func New(cfg Config, opts ...Option) (*Service, error) {
 	cfg.setDefaults()
+	if _, err := archive.ParsePeriod(cfg.ArchivePartition); err != nil {
+		return nil, err
+	}
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("projector config: %w", err)
 	}
@@ -396,7 +403,7 @@ func (s *Service) balance(ctx context.Context) error {
 		return err
 	}
 	if fp := fingerprint(vs); fp != s.versions || len(vs) == 0 {
-		ensured, err := version.EnsureArchiveVersions(ctx, s.pool, s.partitions, s.extraDDL)
+		ensured, err := version.EnsureArchiveVersionsPeriod(ctx, s.pool, s.partitions, s.cfg.ArchivePartition, s.extraDDL)
 		if err != nil {
 			return err
 		}

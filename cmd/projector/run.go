@@ -37,6 +37,7 @@ type runOptions struct {
 	readyAge                                    time.Duration
 	cleanupInterval, cleanupTimeout             time.Duration
 	cleanupBatch, cleanupRate                   int
+	archivePartition                            string
 	handlerParallelism                          int
 	settleTimeout, payloadRetention             time.Duration
 	sourceURL                                   string
@@ -67,6 +68,7 @@ address (run refuses to start without it).`,
 	f.String(&o.worker, "worker-id", "EPITAPH_WORKER_ID", "", "worker id in leases (default: <hostname>-<pid>); a worker restarted with the same id takes its leases back at once, so never run two at once with one id")
 	f.String(&o.metrics, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9188", "address of /metrics /livez /readyz /healthz /status; empty disables", cli.KeepEmpty())
 	f.String(&o.ttls, "archive-ttl", "EPITAPH_ARCHIVE_TTL", "", `archive retention per table, e.g. "public.sessions=720h,*=8760h"`)
+	f.String(&o.archivePartition, "archive-partition", "EPITAPH_ARCHIVE_PARTITION", archive.DefaultPeriod, "partition the archive's rows by commit_time: day, week or month (for archive v1 when this worker creates it; a rebuild takes its own)")
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
 	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", 15*time.Second, "partition lease TTL", cli.Positive())
 	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
@@ -131,7 +133,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
-		CleanupRate: cleanupRate(o.cleanupRate),
+		CleanupRate: cleanupRate(o.cleanupRate), ArchivePartition: o.archivePartition,
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err

@@ -78,10 +78,14 @@ PARTIAL, from --from-time) beside the live version, which keeps serving.`,
 	fromTime := cmd.Flags().String("from-time", "", "PARTIAL rebuild: start every partition at its first message stored at or after this RFC 3339 time; older deletes are not in the new version")
 	wait := cmd.Flags().Bool("wait", false, "wait until the version is ready, showing progress (a bar on a terminal, lines otherwise)")
 	note := cmd.Flags().String("note", "", "why, recorded in the version's config")
+	period := cmd.Flags().String("archive-partition", archive.DefaultPeriod, "partition the new version's rows by commit_time: day, week or month")
 	asJSON := jsonFlag(cmd, "the created version")
 	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
 		ctx := cmd.Context()
-		opts := version.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note}
+		opts := version.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note, Period: *period}
+		if _, err := archive.ParsePeriod(*period); err != nil {
+			return cli.Usage("--archive-partition %q: want day, week or month", *period)
+		}
 		if *fromTime != "" {
 			t, err := time.Parse(time.RFC3339, *fromTime)
 			if err != nil {

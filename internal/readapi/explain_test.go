@@ -41,20 +41,26 @@ func TestReadAPILookupsUseIndexes(t *testing.T) {
 		require.NoError(t, err)
 		return strings.Join(lines, "\n")
 	}
+	// The rows table is partitioned: the 50,000 rows (no commit time) are
+	// in its default partition, scanned by its copy of each index; the
+	// other partitions hold a row or none and are rightly scanned whole.
+	const tableKey, correlation = `(rows_table_key_idx|rows_default_schema_name_table_name_key_idx)`, `(rows_correlation_idx|rows_default_correlation_id_idx)`
+	const bigSeqScan = `Seq Scan on (rows|rows_default|snapshots) `
 	plan := explain(rowsSQL, "public", "t7", `{"id": 7}`, nil, nil, 101)
-	require.Contains(t, plan, "Index Scan using rows_table_key_idx", plan)
+	require.Regexp(t, "Index Scan using "+tableKey, plan)
+	require.NotRegexp(t, bigSeqScan, plan)
 	plan = explain(rowsSQL, "public", "t7", `{"id": 7}`, "0/10", 3, 101)
-	require.Contains(t, plan, "rows_table_key_idx", plan)
-	require.NotContains(t, plan, "Seq Scan", plan)
+	require.Regexp(t, tableKey, plan)
+	require.NotRegexp(t, bigSeqScan, plan)
 	plan = explain(transactionSQL, "main:77:0/4d", -1, 101)
-	require.Contains(t, plan, "rows_correlation_idx", plan)
-	require.NotContains(t, plan, "Seq Scan", plan)
+	require.Regexp(t, correlation, plan)
+	require.NotRegexp(t, bigSeqScan, plan)
 	plan = explain(snapshotsSQL, "public.t3", `{"id": 3}`, nil, 101)
 	require.Contains(t, plan, "snapshots_root_idx", plan)
-	require.NotContains(t, plan, "Seq Scan", plan)
+	require.NotRegexp(t, bigSeqScan, plan)
 	// The README's support query.
 	plan = explain(`SELECT correlation_id, row FROM archive.rows
 		WHERE schema_name = 'public' AND table_name = 't2' AND key = '{"id": 42}' ORDER BY commit_lsn DESC`)
-	require.Contains(t, plan, "rows_table_key_idx", plan)
-	require.NotContains(t, plan, "Seq Scan", plan)
+	require.Regexp(t, tableKey, plan)
+	require.NotRegexp(t, bigSeqScan, plan)
 }

@@ -27,29 +27,10 @@ func DDL(schema string) string {
 	s := Ident(schema)
 	return `
 CREATE SCHEMA IF NOT EXISTS ` + s + `;
-CREATE TABLE IF NOT EXISTS ` + s + `.rows (
-    source         text        NOT NULL,
-    schema_name    text        NOT NULL,
-    table_name     text        NOT NULL,
-    key            jsonb,
-    row            jsonb,
-    identity       text,
-    correlation_id text        NOT NULL,
-    is_root        boolean,
-    xid            bigint,
-    commit_lsn     pg_lsn      NOT NULL,
-    commit_time    timestamptz,
-    seq            integer     NOT NULL,
-    archived_at    timestamptz NOT NULL DEFAULT now(),
-    expires_at     timestamptz,
-    refs           jsonb,
-    columns        jsonb,
-    PRIMARY KEY (source, commit_lsn, seq)
-);
+` + rowsTableDDL(s) + `
 CREATE INDEX IF NOT EXISTS rows_table_key_idx ON ` + s + `.rows (schema_name, table_name, key);
 CREATE INDEX IF NOT EXISTS rows_correlation_idx ON ` + s + `.rows (correlation_id);
 CREATE INDEX IF NOT EXISTS rows_commit_time_idx ON ` + s + `.rows (commit_time);
-CREATE INDEX IF NOT EXISTS rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;
 -- erase --match and hold --match: JSON containment on the row (package projection/erasure).
 CREATE INDEX IF NOT EXISTS rows_row_match_idx ON ` + s + `.rows USING gin (row jsonb_path_ops);
 DO $$ BEGIN
@@ -84,4 +65,59 @@ CREATE UNIQUE INDEX IF NOT EXISTS gaps_source_wide_idx ON ` + s + `.gaps
 CREATE TABLE IF NOT EXISTS ` + s + `.pending_truncates (partition int NOT NULL, commit_lsn pg_lsn NOT NULL,
   seq int NOT NULL, schema_name text NOT NULL, table_name text NOT NULL, PRIMARY KEY (partition, commit_lsn, seq));
 `
+}
+
+// rowsColumns are the rows table's columns as the first release created
+// them (later ones are added by DDL's DO block).
+const rowsColumns = `
+    source         text        NOT NULL,
+    schema_name    text        NOT NULL,
+    table_name     text        NOT NULL,
+    key            jsonb,
+    row            jsonb,
+    identity       text,
+    correlation_id text        NOT NULL,
+    is_root        boolean,
+    xid            bigint,
+    commit_lsn     pg_lsn      NOT NULL,
+    commit_time    timestamptz,
+    seq            integer     NOT NULL,
+    archived_at    timestamptz NOT NULL DEFAULT now(),
+    expires_at     timestamptz,
+    refs           jsonb,
+    columns        jsonb`
+
+// rowsTableDDL creates the rows table when it does not exist: on
+// PostgreSQL 15 and later range-partitioned by commit_time, with its
+// default partition (rows no partition covers: older than the oldest, or
+// a NULL commit_time), so an insert never fails for want of a partition;
+// the partitions proper are made by EnsurePartitions. A partitioned
+// table's unique key must include the partition key, and commit_time may
+// be NULL (a primary key may not), so the key is UNIQUE NULLS NOT DISTINCT
+// (source, commit_lsn, seq, commit_time): one event has one commit_time, so
+// an event applied twice still conflicts (the inserts' ON CONFLICT DO
+// NOTHING), and a transaction's rows, sharing their commit_time, share a
+// partition. Its expires_at index is not partial: it also finds the rows
+// that never expire, which keep a partition from being dropped
+// (package retention). An existing table (an earlier release's, not
+// partitioned) is left as it is and keeps working.
+func rowsTableDDL(s string) string {
+	partitioned := `CREATE TABLE ` + s + `.rows (` + rowsColumns + `,
+    CONSTRAINT rows_key UNIQUE NULLS NOT DISTINCT (source, commit_lsn, seq, commit_time)
+) PARTITION BY RANGE (commit_time);
+CREATE TABLE ` + s + `.` + DefaultPartition + ` PARTITION OF ` + s + `.rows DEFAULT;
+CREATE INDEX rows_expires_at_idx ON ` + s + `.rows (expires_at);`
+	plain := `CREATE TABLE ` + s + `.rows (` + rowsColumns + `,
+    PRIMARY KEY (source, commit_lsn, seq)
+);
+CREATE INDEX rows_expires_at_idx ON ` + s + `.rows (expires_at) WHERE expires_at IS NOT NULL;`
+	return `DO $ddl$ BEGIN
+    IF to_regclass(` + pgquote.Literal(s+".rows") + `) IS NULL THEN
+        IF current_setting('server_version_num')::int >= 150000 THEN
+            EXECUTE ` + pgquote.Literal(partitioned) + `;
+        ELSE
+            EXECUTE ` + pgquote.Literal(plain) + `;
+        END IF;
+    END IF;
+END $ddl$;`
 }

@@ -58,6 +58,10 @@ type CleanupResult struct {
 	Statements int `json:"statements"`
 	// Full: the batch deleted as many rows as it could; more may be due.
 	Full bool `json:"full"`
+	// Dropped are the partitions ("schema.table") dropped whole, their rows
+	// all expired, none held, none with an open delivery (their rows are
+	// counted in Deleted, ByTable and ByVersion too).
+	Dropped []string `json:"dropped,omitempty"`
 	// Skipped are the version schemas another cleaner was cleaning (this
 	// batch left them to it).
 	Skipped []string `json:"skipped,omitempty"`
@@ -89,10 +93,12 @@ type CleanupResult struct {
 // the whole table) and deleted by tuple id: one a concurrent retry moved
 // back to pending is left. Without any delivery at all (no handlers) the
 // probes are skipped, as the holds' are. It returns, per table, the
-// newest expires_at deleted: a full batch's OldestDue.
+// newest expires_at deleted: a full batch's OldestDue. A tuple id names a
+// row only within its partition (every partition of a partitioned rows
+// table has a tuple (0,1)), so the delete matches the victims' table too.
 const cleanupSQL = `
 WITH victims AS (
-    SELECT r.ctid AS tid FROM %[1]s r
+    SELECT r.tableoid AS rel, r.ctid AS tid FROM %[1]s r
     WHERE r.expires_at <= now()
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
                       WHERE d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
@@ -105,7 +111,7 @@ WITH victims AS (
     LIMIT $1
 ), del AS (
     DELETE FROM %[1]s r
-    WHERE r.ctid = ANY (ARRAY(SELECT tid FROM victims))
+    WHERE r.ctid = ANY (ARRAY(SELECT tid FROM victims)) AND (r.tableoid, r.ctid) IN (SELECT rel, tid FROM victims)
     RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name, r.table_name, r.expires_at
 )%[2]s, dels AS (
     DELETE FROM epitaph.deliveries d
@@ -175,6 +181,11 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 	schemas, err := VersionSchemas(ctx, pool, opts.Projection)
 	if err != nil {
 		return res, err
+	}
+	for _, vs := range schemas {
+		if err := dropExpiredPartitions(ctx, pool, vs, schemas, opts.StatementTimeout, &res); err != nil {
+			return res, err
+		}
 	}
 	budget := opts.Batch
 	var newest *time.Time

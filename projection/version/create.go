@@ -31,6 +31,9 @@ type RebuildOptions struct {
 	FromTime time.Time
 	// Note is recorded in the version's config (who asked and why).
 	Note string
+	// Period partitions the new version's rows by commit_time
+	// (archive.PeriodDay, PeriodWeek, PeriodMonth; "" the default).
+	Period string
 }
 
 // CreateVersion creates the next version of a projection for a rebuild:
@@ -82,6 +85,7 @@ type rebuildPlan struct {
 	starts   []uint64
 	fromTime *time.Time
 	config   []byte
+	period   string
 }
 
 // removedGap is the removed_from_stream gap of a stream's removed head.
@@ -118,7 +122,12 @@ func planRebuild(ctx context.Context, js jetstream.JetStream, opts RebuildOption
 		}
 		from, p.fromTime = "time", &opts.FromTime
 	}
-	if p.config, err = json.Marshal(map[string]any{"created": "rebuild", "note": opts.Note, "from": from}); err != nil {
+	period, err := archive.ParsePeriod(opts.Period)
+	if err != nil {
+		return nil, err
+	}
+	p.period = period
+	if p.config, err = json.Marshal(map[string]any{"created": "rebuild", "note": opts.Note, "from": from, "archive_partition": period}); err != nil {
 		return nil, fmt.Errorf("encode version config: %w", err)
 	}
 	return p, nil
@@ -158,7 +167,7 @@ func (p *rebuildPlan) create(ctx context.Context, tx pgx.Tx, name string) (Versi
 		return Version{}, errors.New("no live version yet: start a projector worker first (it creates version 1)")
 	}
 	v := Version{Projection: name, Version: n, State: StateBuilding, Schema: archive.Schema(n),
-		Partitions: p.partitions}
+		Partitions: p.partitions, Period: p.period}
 	_, err := tx.Exec(ctx, `
 		INSERT INTO epitaph.projection_versions
 		    (projection, version, state, schema_name, partitions, boundary_seq, boundary_lsn, building_at, from_time, config)

@@ -56,6 +56,11 @@ type Version struct {
 	RetiredAt    *time.Time
 	FailedAt     *time.Time
 	FailedReason string
+	// Period is the rows table's partition period (archive.PeriodDay,
+	// PeriodWeek or PeriodMonth), stored in the version's config
+	// ("archive_partition"); archive.DefaultPeriod when the config names
+	// none.
+	Period string
 }
 
 // VersionKey identifies one version of a projection: the key of maps
@@ -78,7 +83,7 @@ func ListVersions(ctx context.Context, db progress.DB, projection string) ([]Ver
 	rows, err := db.Query(ctx, `
 		SELECT projection, version, state, schema_name, COALESCE(partitions, 0), boundary_seq, boundary_lsn::text,
 		       from_time, created_at, building_at, catching_up_at, ready_at, live_at, retired_at, failed_at,
-		       COALESCE(failed_reason, '')
+		       COALESCE(failed_reason, ''), COALESCE(config->>'archive_partition', '')
 		FROM epitaph.projection_versions
 		WHERE $1 = '' OR projection = $1
 		ORDER BY projection, version`, projection)
@@ -90,9 +95,12 @@ func ListVersions(ctx context.Context, db progress.DB, projection string) ([]Ver
 		var n, p int32
 		var lsn *string
 		err := r.Scan(&v.Projection, &n, &v.State, &v.Schema, &p, &v.BoundarySeq, &lsn, &v.FromTime, &v.CreatedAt,
-			&v.BuildingAt, &v.CatchingUpAt, &v.ReadyAt, &v.LiveAt, &v.RetiredAt, &v.FailedAt, &v.FailedReason)
+			&v.BuildingAt, &v.CatchingUpAt, &v.ReadyAt, &v.LiveAt, &v.RetiredAt, &v.FailedAt, &v.FailedReason, &v.Period)
 		if err != nil {
 			return v, err
+		}
+		if v.Period, err = archive.ParsePeriod(v.Period); err != nil {
+			v.Period = archive.DefaultPeriod // a hand-edited config: the default, not a dead worker
 		}
 		v.Version, v.Partitions = int(n), int(p)
 		if lsn != nil {
@@ -160,8 +168,21 @@ func EnsureArchive(ctx context.Context, db interface {
 func EnsureArchiveVersions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) ([]Version, error) {
+	return EnsureArchiveVersionsPeriod(ctx, db, partitions, "", extraDDL)
+}
+
+// EnsureArchiveVersionsPeriod is EnsureArchiveVersions creating version 1
+// (when there is none) with the rows partitioned by period (""
+// archive.DefaultPeriod); an existing version keeps its own.
+func EnsureArchiveVersionsPeriod(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, partitions int, period string, extraDDL func(schema string) string) ([]Version, error) {
+	period, err := archive.ParsePeriod(period)
+	if err != nil {
+		return nil, err
+	}
 	var ensured []Version
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		if err := LockVersions(ctx, tx); err != nil {
 			return err
 		}
@@ -176,8 +197,8 @@ func EnsureArchiveVersions(ctx context.Context, db interface {
 			_, err := tx.Exec(ctx, `
 				INSERT INTO epitaph.projection_versions
 				    (projection, version, state, schema_name, partitions, boundary_seq, live_at, config)
-				VALUES ($1, 1, 'live', $2, $3, 0, now(), '{"created":"first run"}')`,
-				archive.Projection, archive.Schema(1), partitions)
+				VALUES ($1, 1, 'live', $2, $3, 0, now(), jsonb_build_object('created', 'first run', 'archive_partition', $4::text))`,
+				archive.Projection, archive.Schema(1), partitions, period)
 			if err != nil {
 				return fmt.Errorf("create archive v1: %w", err)
 			}
@@ -228,7 +249,8 @@ func EnsureArchiveVersions(ctx context.Context, db interface {
 
 // CreateVersionTables runs the projection's DDL (and extraDDL, e.g. the
 // snapshot tables) for the version's schema in a savepoint (so a rejected
-// DDL leaves tx usable). Idempotent.
+// DDL leaves tx usable), and creates the partitions of the current and
+// the next period. Idempotent.
 func CreateVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL func(schema string) string) error {
 	ddl := archive.DDL(v.Schema)
 	if extraDDL != nil {
@@ -241,6 +263,10 @@ func CreateVersionTables(ctx context.Context, tx pgx.Tx, v Version, extraDDL fun
 	if _, err := sp.Exec(ctx, ddl); err != nil {
 		_ = sp.Rollback(ctx)
 		return fmt.Errorf("create tables of %s: %w", v.Schema, err)
+	}
+	if _, err := EnsurePartitionsAhead(ctx, sp, v, time.Now()); err != nil {
+		_ = sp.Rollback(ctx)
+		return err
 	}
 	return sp.Commit(ctx)
 }
@@ -258,4 +284,16 @@ func ddlRejected(err error) bool {
 		return true
 	}
 	return false
+}
+
+// EnsurePartitionsAhead creates, in tx, the version's partitions of the
+// period holding now and of the next one (none for a rows table that is
+// not partitioned), and returns their starts.
+func EnsurePartitionsAhead(ctx context.Context, tx pgx.Tx, v Version, now time.Time) ([]time.Time, error) {
+	period := v.Period
+	if period == "" {
+		period = archive.DefaultPeriod
+	}
+	cur := archive.PeriodStart(period, now)
+	return archive.EnsurePartitions(ctx, tx, v.Schema, period, cur, archive.PeriodEnd(period, cur))
 }

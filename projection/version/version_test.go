@@ -13,6 +13,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -54,7 +55,7 @@ func TestAdministrationWithoutWorkers(t *testing.T) {
 	v2, err := version.CreateVersion(ctx, pool, js, version.RebuildOptions{Note: "unit"})
 	require.NoError(t, err)
 	require.Equal(t, version.Version{Projection: "archive", Version: 2, State: version.StateBuilding, Schema: "archive_v2",
-		Partitions: 2, BoundarySeq: ptr(int64(3)), CreatedAt: v2.CreatedAt, BuildingAt: v2.BuildingAt}, v2)
+		Partitions: 2, BoundarySeq: ptr(int64(3)), CreatedAt: v2.CreatedAt, BuildingAt: v2.BuildingAt, Period: archive.PeriodMonth}, v2)
 	require.Equal(t, []string{"0:0", "1:0"}, cursors(t, pool, 2))
 	var note, from string
 	require.NoError(t, pool.QueryRow(ctx, `SELECT config->>'note', config->>'from' FROM epitaph.projection_versions WHERE version = 2`).Scan(&note, &from))

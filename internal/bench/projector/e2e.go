@@ -467,8 +467,10 @@ func stageTimeline(ctx context.Context, watch *bench.StreamWatch, targetURL, sou
 	// reach the statistics once each backend flushes them (within ~1 s of
 	// its last transaction): wait for the inserts to show.
 	err = workload.WaitFor(ctx, 30*time.Second, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
-		err := conn.QueryRow(ctx, `SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables
-			WHERE schemaname = 'archive_v1' AND relname = 'rows'`).Scan(&tl.inserted, &tl.updated, &tl.hotUpdated, &tl.deleted)
+		// Summed over the partitions (a partitioned table has no counters).
+		err := conn.QueryRow(ctx, `SELECT COALESCE(sum(n_tup_ins), 0)::bigint, COALESCE(sum(n_tup_upd), 0)::bigint,
+			COALESCE(sum(n_tup_hot_upd), 0)::bigint, COALESCE(sum(n_tup_del), 0)::bigint FROM pg_stat_user_tables
+			WHERE relid IN (SELECT relid FROM pg_partition_tree('archive_v1.rows') WHERE isleaf)`).Scan(&tl.inserted, &tl.updated, &tl.hotUpdated, &tl.deleted)
 		return tl.inserted >= tl.rows, err
 	})
 	if err != nil {

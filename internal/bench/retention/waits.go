@@ -165,8 +165,10 @@ func readServerStats(ctx context.Context, pool *pgxpool.Pool) serverStats {
 	var s serverStats
 	_ = pool.QueryRow(ctx, `SELECT (SELECT wal_bytes::float8 FROM pg_stat_wal),
 		buffers_backend::float8, buffers_clean::float8, buffers_checkpoint::float8, (checkpoints_timed + checkpoints_req)::float8,
-		(SELECT autovacuum_count::float8 FROM pg_stat_user_tables WHERE schemaname = 'archive_v1' AND relname = 'rows'),
-		(SELECT autoanalyze_count::float8 FROM pg_stat_user_tables WHERE schemaname = 'archive_v1' AND relname = 'rows')
+		(SELECT COALESCE(sum(autovacuum_count), 0)::float8 FROM pg_stat_user_tables
+		 WHERE relid IN (SELECT relid FROM pg_partition_tree('archive_v1.rows') WHERE isleaf)),
+		(SELECT COALESCE(sum(autoanalyze_count), 0)::float8 FROM pg_stat_user_tables
+		 WHERE relid IN (SELECT relid FROM pg_partition_tree('archive_v1.rows') WHERE isleaf))
 		FROM pg_stat_bgwriter`).Scan(&s.walBytes, &s.buffersBackend, &s.buffersClean, &s.buffersCheckpoint, &s.checkpoints, &s.autovacuums, &s.autoanalyzes)
 	return s
 }

@@ -1,0 +1,170 @@
+package projection_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/version"
+)
+
+// legacyArchiveDDL is archive v1 as an earlier release left it: one
+// unpartitioned rows table keyed (source, commit_lsn, seq).
+const legacyArchiveDDL = `CREATE SCHEMA archive_v1;
+CREATE TABLE archive_v1.rows (source text NOT NULL, schema_name text NOT NULL, table_name text NOT NULL, key jsonb, row jsonb,
+    identity text, correlation_id text NOT NULL, is_root boolean, xid bigint, commit_lsn pg_lsn NOT NULL, commit_time timestamptz,
+    seq integer NOT NULL, archived_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz, refs jsonb, columns jsonb,
+    PRIMARY KEY (source, commit_lsn, seq));
+CREATE INDEX rows_expires_at_idx ON archive_v1.rows (expires_at) WHERE expires_at IS NOT NULL;
+INSERT INTO epitaph.projection_versions (projection, version, state, schema_name, partitions, boundary_seq, live_at)
+VALUES ('archive', 1, 'live', 'archive_v1', 2, 0, now());`
+
+// An archive left unpartitioned by an earlier release keeps applying;
+// "rebuild archive" makes a partitioned version of it (weekly here), every
+// row in the partition of its commit week, the current and next weeks made
+// ahead; it is promoted, rolled back and promoted again with the same
+// rows served throughout, and both keep applying.
+func TestPartitionedArchiveRebuildPromoteRollback(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	pool := e.pool()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	_, err := pool.Exec(ctx, legacyArchiveDDL)
+	require.NoError(t, err)
+	e.start(e.config("w1"))
+
+	times := []time.Time{time.Date(2026, 9, 2, 10, 0, 0, 0, time.UTC), time.Date(2026, 10, 15, 10, 0, 0, 0, time.UTC),
+		time.Date(2026, 10, 16, 10, 0, 0, 0, time.UTC), time.Date(2026, 11, 30, 23, 59, 0, 0, time.UTC)}
+	for i, at := range times {
+		tx := e.nextTx(orderRows(i+1, 2)...)
+		tx.time = at
+		e.publish(tx)
+	}
+	e.heartbeat()
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 12 })
+	require.Zero(t, count(t, c, `SELECT count(*) FROM pg_inherits WHERE inhparent = 'archive_v1.rows'::regclass`),
+		"the earlier release's table stays as it is")
+
+	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src, Period: archive.PeriodWeek})
+	require.NoError(t, err)
+	require.Equal(t, archive.PeriodWeek, v2.Period)
+	v2, err = version.GetVersion(ctx, pool, archive.Projection, 2)
+	require.NoError(t, err)
+	require.Equal(t, archive.PeriodWeek, v2.Period, "stored with the version")
+	eventually(t, 60*time.Second, func() bool { return state(t, pool, 2) == version.StateReady })
+	require.Equal(t, 12, count(t, c, `SELECT count(*) FROM archive_v2.rows`))
+	// Every row in its week's partition (weeks from Monday, UTC).
+	require.Equal(t, 12, count(t, c, `SELECT count(*) FROM archive_v2.rows
+		WHERE tableoid::regclass::text = 'archive_v2.rows_p' || to_char(date_trunc('week', commit_time AT TIME ZONE 'UTC'), 'YYYYMMDD')`))
+	for _, want := range []string{"rows_p20260831", "rows_p20261012", "rows_p20261130", archive.DefaultPartition,
+		archive.PartitionName(archive.PeriodStart(archive.PeriodWeek, time.Now())),
+		archive.PartitionName(archive.PeriodStart(archive.PeriodWeek, time.Now()).AddDate(0, 0, 7))} {
+		require.Equal(t, 1, count(t, c, `SELECT count(*) FROM pg_inherits WHERE inhparent = 'archive_v2.rows'::regclass
+			AND inhrelid = to_regclass('archive_v2.' || $1)`, want), want)
+	}
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v2.rows_default`))
+
+	same := func() {
+		t.Helper()
+		require.Zero(t, count(t, c, `SELECT count(*) FROM (
+			(SELECT commit_lsn, seq, row FROM archive_v1.rows EXCEPT SELECT commit_lsn, seq, row FROM archive.rows)
+			UNION ALL
+			(SELECT commit_lsn, seq, row FROM archive.rows EXCEPT SELECT commit_lsn, seq, row FROM archive_v1.rows)) d`))
+	}
+	_, err = version.Promote(ctx, pool, archive.Projection, 2, false)
+	require.NoError(t, err)
+	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
+	same()
+	from, to, err := version.Rollback(ctx, pool, archive.Projection)
+	require.NoError(t, err)
+	require.Equal(t, [2]int{2, 1}, [2]int{from, to})
+	require.Contains(t, viewTarget(t, c), "archive_v1.rows")
+	same()
+	_, err = version.Promote(ctx, pool, archive.Projection, 2, false)
+	require.NoError(t, err)
+
+	// Both keep applying; a late row, older than every partition, gets its
+	// week's partition made before its apply.
+	late := e.nextTx(orderRows(50, 1)...)
+	late.time = time.Date(2025, 1, 8, 0, 0, 0, 0, time.UTC)
+	e.publish(late)
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM archive_v1.rows`) == 14 && count(t, c, `SELECT count(*) FROM archive.rows`) == 14
+	})
+	require.Equal(t, 2, count(t, c, fmt.Sprintf(`SELECT count(*) FROM archive_v2.%s`, archive.PartitionName(archive.PeriodStart(archive.PeriodWeek, late.time)))))
+	same()
+}
+
+// An erasure finds and removes its rows in every partition (a customer
+// deleted in September and again in October), and leaves the others'
+// rows where they are.
+func TestEraseAcrossPartitions(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.start(retentionConfig(e, "w1"))
+	sep := customerTx(e, 42, "ann@example.com", 1)
+	sep.time = time.Date(2026, 9, 3, 8, 0, 0, 0, time.UTC)
+	oct := customerTx(e, 42, "ann@example.com")
+	oct.time = time.Date(2026, 10, 3, 8, 0, 0, 0, time.UTC)
+	bob := customerTx(e, 43, "bob@example.com", 3)
+	bob.time = oct.time.Add(time.Minute)
+	for _, tx := range []*txn{sep, oct, bob} {
+		e.publish(tx)
+	}
+	e.heartbeat()
+	c := e.conn()
+	ctx := context.Background()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4+1+4 })
+	where := `SELECT tableoid::regclass::text || ':' || table_name || ':' || (key->>'id') FROM archive_v1.rows ORDER BY 1`
+	require.Equal(t, []string{
+		"archive_v1.rows_p20260901:customers:42", "archive_v1.rows_p20260901:order_lines:1000", "archive_v1.rows_p20260901:order_lines:1001",
+		"archive_v1.rows_p20260901:orders:1",
+		"archive_v1.rows_p20261001:customers:42", "archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:order_lines:3000",
+		"archive_v1.rows_p20261001:order_lines:3001", "archive_v1.rows_p20261001:orders:3",
+	}, keysOf(t, c, where))
+
+	rc, err := erasure.Erase(ctx, newPool(t, e.url), erasure.EraseOptions{Table: "public.customers",
+		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Reason: "request 9", Actor: "dpo"})
+	require.NoError(t, err)
+	require.Equal(t, 4+1, rc.Removed["archive_v1.rows"])
+	require.Equal(t, []string{
+		"archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:order_lines:3000",
+		"archive_v1.rows_p20261001:order_lines:3001", "archive_v1.rows_p20261001:orders:3",
+	}, keysOf(t, c, where))
+}
+
+// A partition that cannot be made (a reader holds the rows table) never
+// holds up or fails the apply: the rows go to the default partition.
+func TestApplyDoesNotWaitForAPartition(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.start(e.config("w1"))
+	first := e.nextTx(orderRows(1, 1)...)
+	e.publish(first)
+	c := e.conn()
+	ctx := context.Background()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+
+	reader := e.conn()
+	tx, err := reader.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `LOCK TABLE archive_v1.rows IN ACCESS SHARE MODE`)
+	require.NoError(t, err)
+	old := e.nextTx(orderRows(2, 1)...)
+	old.time = time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC)
+	e.publish(old)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4 })
+	require.Equal(t, []string{"archive_v1.rows_default", "archive_v1.rows_default"},
+		keysOf(t, c, `SELECT tableoid::regclass::text FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, old.lsn.String()))
+	require.Zero(t, count(t, c, `SELECT count(*) FROM pg_class WHERE relname = 'rows_p20240201'`))
+}
