@@ -199,7 +199,9 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		st.txPart = event.Partition(st.tx.commitLSN, st.parts)
 		st.txN, st.seq, st.rows = 0, 0, 0
 		clear(st.tables)
-		st.digest.Reset()
+		// Digest v2, unless the transaction's first row is adopted from
+		// a stream a v1 capture wrote (see publishMsg).
+		st.digest.ResetAlg(!st.s.cfg.digestV1)
 	case *pglogrepl.RelationMessage:
 		r, err := buildRelation(ctx, st.cat, m, st.rels[m.RelationID], st.src, st.parts, st.s.m.published)
 		if err != nil {
@@ -552,7 +554,15 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		digest = st.digest.Sum()
 	}
 	if st.adopt != nil {
-		found, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest)
+		// A transaction goes on in the digest version its stored rows
+		// were written in: its first adopted row decides (a transaction
+		// begun by a capture before digest v2 stays v1, as its commit's
+		// digest must cover those rows the way they were hashed).
+		alg := st.digestAlg()
+		if kind == kindRow && st.digest.Len() == 0 {
+			alg = anyDigestAlg
+		}
+		found, storedAlg, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest, alg)
 		if err != nil {
 			return err
 		}
@@ -560,6 +570,9 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			// Already in the stream, exactly: counted, hashed, not sent.
 			st.partSeq[part] = partSeq
 			if kind == kindRow {
+				if st.digest.Len() == 0 {
+					st.digest.ResetAlg(storedAlg == event.DigestAlgV2)
+				}
 				st.digest.Add(partSeq, body)
 			}
 			return nil
@@ -602,6 +615,11 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		h[HeaderPosition] = st.hdrVals[0:1:1]
 		h[jetstream.MsgIDHeader] = st.hdrVals[1:2:2]
 		h[event.HeaderPartitionSeq] = st.hdrVals[3:4:4]
+		if st.digest.V2() {
+			h[event.HeaderDigestAlg] = digestAlgV2Val
+		} else {
+			delete(h, event.HeaderDigestAlg)
+		}
 	} else {
 		h = nats.Header{
 			event.HeaderVersion:      headerVersion1,
@@ -613,6 +631,9 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		}
 		if digest != "" {
 			h[event.HeaderDigest] = []string{digest}
+			if st.digest.V2() {
+				h[event.HeaderDigestAlg] = digestAlgV2Val
+			}
 		}
 		st.sign(h, subject, msgID, pos, seqText, digest, body)
 	}
@@ -652,6 +673,23 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
+}
+
+// digestAlgV2Val is the Epitaph-Digest-Alg header value of digest v2,
+// shared by every row header (never modified).
+var digestAlgV2Val = []string{event.DigestAlgV2}
+
+// anyDigestAlg, as the alg find is asked for, accepts a stored row of
+// either digest version (the first row of a transaction).
+const anyDigestAlg = "*"
+
+// digestAlg is the Epitaph-Digest-Alg header value of the open
+// transaction's messages: "v2", or "" for digest v1.
+func (st *streamer) digestAlg() string {
+	if st.digest.V2() {
+		return event.DigestAlgV2
+	}
+	return ""
 }
 
 // signedSeq is partSeq for a signed message, 0 for a row or truncate: the
