@@ -2,16 +2,24 @@ package projection_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"sort"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/trust"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // publishSeqs publishes tx like the capture and returns the stream
@@ -175,4 +183,151 @@ func TestLedgerEntryNeverMakesAMessageBelieved(t *testing.T) {
 			require.Len(t, subjects, 3, "tx1's two other rows and its commit: %v", subjects)
 		})
 	}
+}
+
+// sharedTx deletes customer cust and, in the same transaction, an order
+// with two lines of each customer of owners (orders numbered from base).
+func sharedTx(e *env, cust int, base int, owners ...int) *txn {
+	rows := []row{{schema: "public", table: "customers", key: fmt.Sprintf(`{"id":%d}`, cust),
+		image: fmt.Sprintf(`{"id":%d,"email":"c%d@example.com"}`, cust, cust)}}
+	for i, k := range owners {
+		o := base + i
+		for _, r := range orderRows(o, 2) {
+			if r.table == "orders" {
+				r.image = fmt.Sprintf(`{"id":%d,"customer_id":%d,"note":"for c%d@example.com"}`, o, k, k)
+			}
+			rows = append(rows, r)
+		}
+	}
+	return e.nextTx(rows...)
+}
+
+// rowsOf lists "table:id" of every row of txs but the erased customers
+// and their children: their orders and those orders' lines deleted in the
+// same transaction as the customer (what --with-children erases), sorted.
+func rowsOf(txs []*txn, erased ...int) []string {
+	var out []string
+	for _, tx := range txs {
+		var cust struct{ ID int }
+		_ = json.Unmarshal([]byte(tx.rows[0].image), &cust)
+		if !containsInt(erased, cust.ID) {
+			cust.ID = -1 // this transaction deletes no erased customer
+		}
+		gone := map[int]bool{} // order ids of the erased customer
+		for _, r := range tx.rows {
+			var img struct{ ID, CustomerID, OrderID int }
+			_ = json.Unmarshal([]byte(strings.ReplaceAll(strings.ReplaceAll(r.image, "customer_id", "customerid"), "order_id", "orderid")), &img)
+			switch r.table {
+			case "customers":
+				if containsInt(erased, img.ID) {
+					continue
+				}
+			case "orders":
+				if img.CustomerID == cust.ID {
+					gone[img.ID] = true
+					continue
+				}
+			case "order_lines":
+				if gone[img.OrderID] {
+					continue
+				}
+			}
+			out = append(out, fmt.Sprintf("%s:%d", r.table, img.ID))
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// The issue's scenario: transactions each deleting a customer with orders
+// and lines of several customers; some customers erased with
+// --with-children --purge-stream, one fence only. A rebuilt version
+// archives every row nobody erased (row by row), none of the erased ones,
+// quarantines nothing and becomes ready; so does a second target (its own
+// database and consumer group) started after the purge, which knows
+// nothing of the erasures but the ledger: it gets every row but the purged
+// ones.
+func TestPurgeInSharedTransactionsCostsNoOtherRow(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.signer = testenv.NewSignerV2()
+	ctx := context.Background()
+	s := e.start(retentionConfig(e, "w1"))
+	var txs []*txn
+	for cust := 1; cust <= 6; cust++ {
+		// Its own order, and one of the next two customers.
+		txs = append(txs, sharedTx(e, cust, cust*10, cust, cust%6+1, (cust+1)%6+1))
+	}
+	for _, tx := range txs {
+		e.publish(tx)
+	}
+	total := 0
+	for _, tx := range txs {
+		total += len(tx.rows)
+	}
+	c := e.conn()
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == total })
+
+	pool := newPool(t, e.url)
+	for _, cust := range []int{1, 2, 3} {
+		purge := cust != 3
+		rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers", Key: json.RawMessage(fmt.Sprintf(`{"id":%d}`, cust)),
+			WithChildren: true, Actor: "dpo", PurgeStream: purge})
+		require.NoError(t, err)
+		if purge {
+			rc, err = erasure.PurgeStream(ctx, pool, e.js, src, rc.ID)
+			require.NoError(t, err)
+			require.Equal(t, 1+3, rc.Removed["stream:"+event.StreamName(src)], "customer %d, its order and two lines", cust)
+		}
+	}
+	kv, err := erasure.OpenLedger(ctx, e.js, src, false)
+	require.NoError(t, err)
+	require.NotNil(t, kv)
+	st, err := kv.Status(ctx)
+	require.NoError(t, err)
+	require.Equal(t, uint64(2*4), st.Values(), "every purged message is in the ledger")
+
+	keys := func(schema string) []string {
+		return keysOf(t, c, fmt.Sprintf(`SELECT table_name || ':' || (key->>'id') FROM %s.rows ORDER BY 1`, schema))
+	}
+	kept := rowsOf(txs, 1, 2, 3)
+	require.Equal(t, kept, keys("archive_v1"))
+
+	v2, err := version.CreateVersion(ctx, s.Pool(), e.js, version.RebuildOptions{Projection: archive.Projection})
+	require.NoError(t, err)
+	e.heartbeat()
+	eventually(t, 60*time.Second, func() bool {
+		return state(t, s.Pool(), v2.Version) == version.StateReady && count(t, c, fmt.Sprintf(`SELECT count(*) FROM %s.rows`, v2.Schema)) == len(kept)
+	}, "the rebuilt version is ready with every row nobody erased")
+	require.Equal(t, kept, keys(v2.Schema))
+	require.Equal(t, 0, count(t, c, fmt.Sprintf(`SELECT count(*) FROM (
+		(SELECT commit_lsn, seq, table_name, key, row FROM archive_v1.rows EXCEPT SELECT commit_lsn, seq, table_name, key, row FROM %[1]s.rows)
+		UNION ALL
+		(SELECT commit_lsn, seq, table_name, key, row FROM %[1]s.rows EXCEPT SELECT commit_lsn, seq, table_name, key, row FROM archive_v1.rows)) d`, v2.Schema)),
+		"the same values as the live version")
+	require.Empty(t, quarantined(t, c))
+	require.Empty(t, keysOf(t, c, fmt.Sprintf(`SELECT concat_ws(' ', kind, partition, 'from_seq=' || coalesce(from_seq::text, '-'), 'to_seq=' || coalesce(to_seq::text, '-'), 'from_lsn=' || coalesce(from_lsn::text, '-'), 'to_lsn=' || coalesce(to_lsn::text, '-'), acknowledged_at IS NOT NULL) FROM %s.gaps`, v2.Schema)))
+
+	// A second target, started after the purge.
+	url2 := testenv.NewDatabase(t)
+	cfg2 := retentionConfig(e, "t2")
+	cfg2.TargetURL = testenv.NoSearchPath(url2)
+	cfg2.Group = "second"
+	e.start(cfg2)
+	e.heartbeat()
+	c2, err := pgx.Connect(ctx, url2)
+	require.NoError(t, err)
+	t.Cleanup(func() { c2.Close(context.Background()) })
+	pool2 := newPool(t, url2)
+	purgedOnly := rowsOf(txs, 1, 2)
+	eventually(t, 60*time.Second, func() bool {
+		return count(t, c2, `SELECT count(*) FROM archive.rows`) == len(purgedOnly) && state(t, pool2, 1) == version.StateLive
+	}, "the second target archives every row but the purged ones")
+	require.Equal(t, purgedOnly, keysOf(t, c2, `SELECT table_name || ':' || (key->>'id') FROM archive.rows ORDER BY 1`))
+	require.Equal(t, 0, count(t, c2, `SELECT count(*) FROM epitaph.quarantine`))
+	require.Equal(t, 0, count(t, c2, `SELECT count(*) FROM archive_v1.gaps`))
+	rs, err := status.ReadReadiness(ctx, c2, archive.Projection)
+	require.NoError(t, err)
+	require.Len(t, rs, 1)
+	require.True(t, rs[0].Ready, "%+v", rs[0])
 }
