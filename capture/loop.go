@@ -554,28 +554,9 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		digest = st.digest.Sum()
 	}
 	if st.adopt != nil {
-		// A transaction goes on in the digest version its stored rows
-		// were written in: its first adopted row decides (a transaction
-		// begun by a capture before digest v2 stays v1, as its commit's
-		// digest must cover those rows the way they were hashed).
-		alg := st.digestAlg()
-		if kind == kindRow && st.digest.Len() == 0 {
-			alg = anyDigestAlg
-		}
-		found, storedAlg, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest, alg)
-		if err != nil {
+		found, err := st.adoptStored(ctx, subject, part, msgID, pos, partSeq, body, digest, kind)
+		if err != nil || found {
 			return err
-		}
-		if found {
-			// Already in the stream, exactly: counted, hashed, not sent.
-			st.partSeq[part] = partSeq
-			if kind == kindRow {
-				if st.digest.Len() == 0 {
-					st.digest.ResetAlg(storedAlg == event.DigestAlgV2)
-				}
-				st.digest.Add(partSeq, body)
-			}
-			return nil
 		}
 		st.adopt = nil
 	}
@@ -629,12 +610,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			event.HeaderKeyID:        {st.keyID},
 			event.HeaderPublicKey:    {st.pubText},
 		}
-		if digest != "" {
-			h[event.HeaderDigest] = []string{digest}
-			if st.digest.V2() {
-				h[event.HeaderDigestAlg] = digestAlgV2Val
-			}
-		}
+		st.commitDigest(h, digest)
 		st.sign(h, subject, msgID, pos, seqText, digest, body)
 	}
 	switch {
@@ -673,6 +649,44 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
+}
+
+// adoptStored looks for the message about to be published among the
+// stored ones (see adopter). Found, it is counted and hashed, not sent.
+//
+// A transaction goes on in the digest version its stored rows were
+// written in: its first adopted row decides (a transaction begun by a
+// capture before digest v2 stays v1, as its commit's digest must cover
+// those rows the way they were hashed).
+func (st *streamer) adoptStored(ctx context.Context, subject string, part int, msgID, pos string, partSeq uint64, body []byte, digest string, kind msgKind) (bool, error) {
+	alg := st.digestAlg()
+	if kind == kindRow && st.digest.Len() == 0 {
+		alg = anyDigestAlg
+	}
+	found, storedAlg, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest, alg)
+	if err != nil || !found {
+		return false, err
+	}
+	st.partSeq[part] = partSeq
+	if kind == kindRow {
+		if st.digest.Len() == 0 {
+			st.digest.ResetAlg(storedAlg == event.DigestAlgV2)
+		}
+		st.digest.Add(partSeq, body)
+	}
+	return true, nil
+}
+
+// commitDigest sets a commit's Epitaph-Digest (digest, empty on other
+// signed messages) and, for digest v2, its Epitaph-Digest-Alg.
+func (st *streamer) commitDigest(h nats.Header, digest string) {
+	if digest == "" {
+		return
+	}
+	h[event.HeaderDigest] = []string{digest}
+	if st.digest.V2() {
+		h[event.HeaderDigestAlg] = digestAlgV2Val
+	}
 }
 
 // digestAlgV2Val is the Epitaph-Digest-Alg header value of digest v2,

@@ -326,8 +326,12 @@ func TestPurgeInSharedTransactionsCostsNoOtherRow(t *testing.T) {
 	require.Equal(t, purgedOnly, keysOf(t, c2, `SELECT table_name || ':' || (key->>'id') FROM archive.rows ORDER BY 1`))
 	require.Equal(t, 0, count(t, c2, `SELECT count(*) FROM epitaph.quarantine`))
 	require.Equal(t, 0, count(t, c2, `SELECT count(*) FROM archive_v1.gaps`))
-	rs, err := status.ReadReadiness(ctx, c2, archive.Projection)
-	require.NoError(t, err)
-	require.Len(t, rs, 1)
-	require.True(t, rs[0].Ready, "%+v", rs[0])
+	var last status.Readiness
+	eventually(t, 20*time.Second, func() bool {
+		rs, err := status.ReadReadiness(ctx, c2, archive.Projection)
+		require.NoError(t, err)
+		require.Len(t, rs, 1)
+		last = rs[0]
+		return last.Ready
+	}, "the second target becomes ready: %+v", &last)
 }

@@ -813,27 +813,17 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 	d := event.NewDigest()
 	d.ResetAlg(v2)
 	lastK := maxSeq + 1
-	var ledger map[int]*[sha256.Size]byte // absent seqs the ledger accounts for
+	var absent *absentSums // absent seqs the ledger accounts for (v2 only)
 	if v2 && purged != nil {
 		lastK = max(lastK, rows) // the last members may be the purged ones
-		ledger = map[int]*[sha256.Size]byte{}
+		absent = &absentSums{lookup: purged, sums: map[int]*[sha256.Size]byte{}}
 	}
 	for k := max(rows, 1); k <= lastK && budget > 0; k++ {
 		choices := 1
 		for s := 0; s < k && choices <= budget; s++ {
-			n := len(bySeq[s])
-			if n == 0 && ledger != nil {
-				sum, ok := ledger[s]
-				if !ok {
-					var err error
-					if sum, err = purged(s); err != nil {
-						return nil, 0, err
-					}
-					ledger[s] = sum
-				}
-				if sum != nil {
-					n = 1
-				}
+			n, err := absent.choices(bySeq, s)
+			if err != nil {
+				return nil, 0, err
 			}
 			choices *= n
 		}
@@ -846,30 +836,10 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 		budget -= choices
 		pick := make([]int, k)
 		for n := 0; n < choices; n++ {
-			d.Reset()
-			absent := 0
-			for s := 0; s < k; s++ {
-				if len(bySeq[s]) == 0 {
-					_ = d.AddBodyHash(*ledger[s]) // v2: cannot fail
-					absent++
-					continue
-				}
-				it := bySeq[s][pick[s]]
-				d.Add(partSeqOf(it), it.data)
-			}
+			absent.hash(d, bySeq, pick)
 			if d.Sum() == want {
-				out := make(map[*item]bool, k)
-				for s := 0; s < k; s++ {
-					if len(bySeq[s]) == 0 {
-						continue
-					}
-					c := bySeq[s][pick[s]]
-					out[c] = true
-					for _, cp := range copies[c] {
-						out[cp] = true
-					}
-				}
-				return out, absent, nil
+				out, nAbsent := chosenSet(bySeq, copies, pick)
+				return out, nAbsent, nil
 			}
 			for s := 0; s < k; s++ { // next combination
 				pick[s]++
