@@ -335,3 +335,30 @@ func TestPurgeInSharedTransactionsCostsNoOtherRow(t *testing.T) {
 		return last.Ready
 	}, "the second target becomes ready: %+v", &last)
 }
+
+// A digest v2 transaction spanning pages: its half-hashed digest is kept
+// with the cursor (in v2) and its rows become visible at its commit.
+func TestV2TransactionSpanningPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.signer = testenv.NewSignerV2()
+	cfg := e.config("w1")
+	cfg.BatchSize = 10
+	e.start(cfg)
+	c := e.conn()
+	tx := e.nextTx(orderRows(1, 40)...)
+	msgs := e.messages(tx)
+	for _, m := range msgs[:len(msgs)-1] {
+		_, err := e.pubMsg(context.Background(), m)
+		require.NoError(t, err)
+		require.Equal(t, "v2", m.Header.Get(event.HeaderDigestAlg))
+	}
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 41 })
+	require.Equal(t, 41, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE NOT verified`))
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows`))
+	_, err := e.pubMsg(context.Background(), msgs[len(msgs)-1])
+	require.NoError(t, err)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 41 })
+	require.Equal(t, expected(t, c, tx), archived(t, c, "archive.rows"))
+	require.Empty(t, quarantined(t, c))
+}
