@@ -626,7 +626,7 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 		src: cfg.SourceName, parts: cfg.Partitions, tables: map[string]int{},
 		maxMsg:   int(s.nc.MaxPayload()) - payloadHeadroom,
 		resuming: rp.has, resume: rp.pos,
-		priv: s.priv, tagger: event.NewMsgIDTagger(s.priv), keyID: s.keyID, pubText: event.PublicKeyString(s.pub), partSeq: rp.partSeq, digest: event.NewDigest(),
+		priv: s.priv, tagger: event.NewMsgIDTagger(s.priv), keyID: s.keyID, pubText: event.PublicKeyString(s.pub), partSeq: rp.partSeq, digest: event.NewDigestV2(),
 	}
 	if s.hooks != nil && s.hooks.untaggedIDs {
 		st.tagger = nil

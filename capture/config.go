@@ -179,6 +179,10 @@ type Config struct {
 	// not). Needs TailCPUs > 0. It sets the process's autogroup: one
 	// capture per process.
 	TailNice int
+
+	// digestV1 makes the capture write digest v1, as one before digest v2
+	// did (tests of an upgrade).
+	digestV1 bool
 }
 
 // EmbeddedSyncInterval is the file store sync interval of the embedded

@@ -199,7 +199,9 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		st.txPart = event.Partition(st.tx.commitLSN, st.parts)
 		st.txN, st.seq, st.rows = 0, 0, 0
 		clear(st.tables)
-		st.digest.Reset()
+		// Digest v2, unless the transaction's first row is adopted from
+		// a stream a v1 capture wrote (see publishMsg).
+		st.digest.ResetAlg(!st.s.cfg.digestV1)
 	case *pglogrepl.RelationMessage:
 		r, err := buildRelation(ctx, st.cat, m, st.rels[m.RelationID], st.src, st.parts, st.s.m.published)
 		if err != nil {
@@ -552,17 +554,9 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		digest = st.digest.Sum()
 	}
 	if st.adopt != nil {
-		found, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest)
-		if err != nil {
+		found, err := st.adoptStored(ctx, subject, part, msgID, pos, partSeq, body, digest, kind)
+		if err != nil || found {
 			return err
-		}
-		if found {
-			// Already in the stream, exactly: counted, hashed, not sent.
-			st.partSeq[part] = partSeq
-			if kind == kindRow {
-				st.digest.Add(partSeq, body)
-			}
-			return nil
 		}
 		st.adopt = nil
 	}
@@ -602,6 +596,11 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		h[HeaderPosition] = st.hdrVals[0:1:1]
 		h[jetstream.MsgIDHeader] = st.hdrVals[1:2:2]
 		h[event.HeaderPartitionSeq] = st.hdrVals[3:4:4]
+		if st.digest.V2() {
+			h[event.HeaderDigestAlg] = digestAlgV2Val
+		} else {
+			delete(h, event.HeaderDigestAlg)
+		}
 	} else {
 		h = nats.Header{
 			event.HeaderVersion:      headerVersion1,
@@ -611,9 +610,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			event.HeaderKeyID:        {st.keyID},
 			event.HeaderPublicKey:    {st.pubText},
 		}
-		if digest != "" {
-			h[event.HeaderDigest] = []string{digest}
-		}
+		st.commitDigest(h, digest)
 		st.sign(h, subject, msgID, pos, seqText, digest, body)
 	}
 	switch {
@@ -652,6 +649,61 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	st.partSeq[part] = partSeq
 	st.lastMsgID = msgID
 	return nil
+}
+
+// adoptStored looks for the message about to be published among the
+// stored ones (see adopter). Found, it is counted and hashed, not sent.
+//
+// A transaction goes on in the digest version its stored rows were
+// written in: its first adopted row decides (a transaction begun by a
+// capture before digest v2 stays v1, as its commit's digest must cover
+// those rows the way they were hashed).
+func (st *streamer) adoptStored(ctx context.Context, subject string, part int, msgID, pos string, partSeq uint64, body []byte, digest string, kind msgKind) (bool, error) {
+	alg := st.digestAlg()
+	if kind == kindRow && st.digest.Len() == 0 {
+		alg = anyDigestAlg
+	}
+	found, storedAlg, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest, alg)
+	if err != nil || !found {
+		return false, err
+	}
+	st.partSeq[part] = partSeq
+	if kind == kindRow {
+		if st.digest.Len() == 0 {
+			st.digest.ResetAlg(storedAlg == event.DigestAlgV2)
+		}
+		st.digest.Add(partSeq, body)
+	}
+	return true, nil
+}
+
+// commitDigest sets a commit's Epitaph-Digest (digest, empty on other
+// signed messages) and, for digest v2, its Epitaph-Digest-Alg.
+func (st *streamer) commitDigest(h nats.Header, digest string) {
+	if digest == "" {
+		return
+	}
+	h[event.HeaderDigest] = []string{digest}
+	if st.digest.V2() {
+		h[event.HeaderDigestAlg] = digestAlgV2Val
+	}
+}
+
+// digestAlgV2Val is the Epitaph-Digest-Alg header value of digest v2,
+// shared by every row header (never modified).
+var digestAlgV2Val = []string{event.DigestAlgV2}
+
+// anyDigestAlg, as the alg find is asked for, accepts a stored row of
+// either digest version (the first row of a transaction).
+const anyDigestAlg = "*"
+
+// digestAlg is the Epitaph-Digest-Alg header value of the open
+// transaction's messages: "v2", or "" for digest v1.
+func (st *streamer) digestAlg() string {
+	if st.digest.V2() {
+		return event.DigestAlgV2
+	}
+	return ""
 }
 
 // signedSeq is partSeq for a signed message, 0 for a row or truncate: the

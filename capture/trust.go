@@ -387,14 +387,17 @@ type storedMsg struct {
 const adoptBatchBytes = 8 << 20
 
 // find looks for a stored message identical to the one about to be
-// published (for a signed one: at the same place, signed with our key). It returns its partition sequence, or ok=false: not stored,
-// and adoption is over (the caller drops the adopter).
-func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq uint64, body []byte, digest string) (ok bool, err error) {
+// published (for a signed one: at the same place, signed with our key),
+// whose Epitaph-Digest-Alg is alg (anyDigestAlg: either version). It
+// returns ok and the stored message's alg, or ok=false: not stored, and
+// adoption is over (the caller drops the adopter).
+func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq uint64, body []byte, digest, alg string) (ok bool, storedAlg string, err error) {
 	for {
 		m, more, err := a.read(ctx)
 		if err != nil || !more {
-			return false, err
+			return false, "", err
 		}
+		storedAlg = m.header.Get(event.HeaderDigestAlg)
 		// The id without a republish suffix, and without a tag on
 		// either side: a row or a transactional mark stored by a capture
 		// before ids were tagged is adopted all the same (a row's body,
@@ -409,10 +412,10 @@ func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq 
 				// its body differs (a transactional mark's time is when
 				// the slot sent it).
 				if err := event.VerifyMessage(a.s.pub, m.subject, m.header, m.data); err == nil {
-					return true, nil
+					return true, storedAlg, nil
 				}
-			} else if bytes.Equal(m.data, body) {
-				return true, nil
+			} else if bytes.Equal(m.data, body) && (alg == anyDigestAlg || storedAlg == alg) {
+				return true, storedAlg, nil
 			}
 		}
 		a.s.foreign(m.seq, m.subject, "does not match what the capture publishes at position "+pos)

@@ -116,7 +116,11 @@ func verifiedTransactions(t *testing.T, ms []*jetstream.RawStreamMsg, pub ed2551
 			}
 			return false
 		}
-		require.True(t, try(0, event.NewDigest()), "signed commit %s (stream seq %d): no choice of its %d stored row messages matches its digest", ev.CommitLSN, c.Sequence, n)
+		d := event.NewDigest()
+		if c.Header.Get(event.HeaderDigestAlg) == event.DigestAlgV2 {
+			d = event.NewDigestV2()
+		}
+		require.True(t, try(0, d), "signed commit %s (stream seq %d): no choice of its %d stored row messages matches its digest", ev.CommitLSN, c.Sequence, n)
 		out[ev.CommitLSN] = verifiedTx{commit: c, rows: append([]*jetstream.RawStreamMsg(nil), chosen...)}
 	}
 	return out
@@ -277,6 +281,13 @@ func TestEveryMessageIsSignedOrDigested(t *testing.T) {
 			require.Regexp(t, `^sha256:[0-9a-f]{64}$`, m.Header.Get(event.HeaderDigest))
 		} else {
 			require.Empty(t, m.Header.Get(event.HeaderDigest))
+		}
+		// Digest v2 on every message of a transaction: its rows,
+		// truncates and commit; none on a non-transactional mark.
+		if strings.HasSuffix(m.Subject, ".mark") {
+			require.Empty(t, m.Header.Get(event.HeaderDigestAlg), "stream seq %d", m.Sequence)
+		} else {
+			require.Equal(t, event.DigestAlgV2, m.Header.Get(event.HeaderDigestAlg), "stream seq %d (%s)", m.Sequence, m.Subject)
 		}
 	}
 	require.GreaterOrEqual(t, signed, 2+4, "two commits and a mark on each of 4 partitions")
@@ -654,5 +665,82 @@ func TestRestartInsideTransactionWithAMark(t *testing.T) {
 	for k, n := range real {
 		require.Equal(t, 1, n, "row %s stored once", k)
 	}
+	require.Zero(t, counterValue(t, svc.m.foreign))
+}
+
+// TestRestartUpgradesDigestAfterAV1Transaction: a capture writing digest
+// v1 (as one before digest v2) is stopped inside a big transaction; the
+// restarted capture, writing v2, adopts the stored v1 rows and finishes
+// that transaction in v1 (its commit's digest covers the stored rows the
+// way they were hashed), then writes the next transaction in v2.
+func TestRestartUpgradesDigestAfterAV1Transaction(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	itemsTable(t, e, 6000)
+	cfg := func(v1 bool) func(c *Config) {
+		return func(c *Config) {
+			trustConfig(c)
+			c.HeartbeatInterval = -1
+			c.BrokerSyncInterval = time.Hour // nothing confirmed: the restart replays it all
+			c.MaxInFlight = 64
+			c.digestV1 = v1
+		}
+	}
+	svc := e.start(t, cfg(true))
+	pub := e.publicKey(t)
+	ctx := context.Background()
+	st, err := e.js.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	e.exec(t, `BEGIN; DELETE FROM items WHERE id <= 2000;
+		SELECT pg_logical_emit_message(true, 'epitaph.mark', 'inside');
+		DELETE FROM items WHERE id BETWEEN 2001 AND 5000; COMMIT`)
+	require.Eventually(t, func() bool {
+		m, err := st.GetLastMsgForSubject(ctx, event.MarkSubject("main", 3))
+		return err == nil && m != nil
+	}, 90*time.Second, 2*time.Millisecond)
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+	stored := 0
+	for _, m := range e.rawMsgs(t, "main") {
+		require.NotEqual(t, ".commit", m.Subject[len(m.Subject)-7:], "stopped inside the transaction")
+		if strings.Contains(m.Subject, ".delete.") {
+			require.Empty(t, m.Header.Get(event.HeaderDigestAlg), "a v1 capture's row")
+			stored++
+		}
+	}
+	require.GreaterOrEqual(t, stored, 2000, "the rows before the mark are stored")
+
+	svc = e.start(t, cfg(false))
+	requireStreaming(t, svc)
+	e.requireRealDeletes(t, pub, ids(1, 5000))
+	e.exec(t, `DELETE FROM items WHERE id > 5000`)
+	e.requireRealDeletes(t, pub, ids(1, 6000))
+	algs := map[string]map[string]int{} // commit LSN -> alg -> messages
+	for _, m := range e.rawMsgs(t, "main") {
+		ev, err := event.Decode(m.Data)
+		require.NoError(t, err)
+		if ev.Op != event.OpDelete && !strings.HasSuffix(m.Subject, ".commit") {
+			continue
+		}
+		k := ev.CommitLSN.String()
+		if algs[k] == nil {
+			algs[k] = map[string]int{}
+		}
+		algs[k][m.Header.Get(event.HeaderDigestAlg)]++
+	}
+	require.Len(t, algs, 2, "two transactions")
+	var sawV1, sawV2 bool
+	for lsn, a := range algs {
+		require.Len(t, a, 1, "transaction %s: one digest version for all its messages: %v", lsn, a)
+		switch {
+		case a[""] == 5000+1:
+			sawV1 = true
+		case a[event.DigestAlgV2] == 1000+1:
+			sawV2 = true
+		default:
+			t.Fatalf("transaction %s: %v", lsn, a)
+		}
+	}
+	require.True(t, sawV1 && sawV2, "the interrupted transaction stayed v1, the next one is v2: %v", algs)
 	require.Zero(t, counterValue(t, svc.m.foreign))
 }

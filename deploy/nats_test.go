@@ -32,8 +32,7 @@ func requireRolePermissions(t *testing.T, opts *server.Options) {
 		require.Equal(t, "EPITAPH", u.Account.Name, "user %s", u.Username)
 	}
 	require.Len(t, users, 3, "the capture, projector and erase roles")
-	for name, perms := range map[string]func() jwt.Permissions{"projector": broker.ProjectorPermissions, "erase": broker.ErasePermissions} {
-		want := perms()
+	for name, want := range map[string]jwt.Permissions{"projector": broker.ProjectorPermissions(), "erase": broker.ErasePermissions("main")} {
 		require.Equal(t, []string(want.Pub.Allow), users[name].Permissions.Publish.Allow, name)
 		require.Equal(t, []string(want.Pub.Deny), users[name].Permissions.Publish.Deny, name)
 		require.Equal(t, []string(want.Sub.Allow), users[name].Permissions.Subscribe.Allow, name)

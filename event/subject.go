@@ -26,6 +26,11 @@ func ValidateSourceName(src string) error {
 // StreamName is the JetStream stream of a source: EPITAPH_<SOURCE>.
 func StreamName(src string) string { return "EPITAPH_" + strings.ToUpper(src) }
 
+// ErasedBucket is the JetStream KV bucket of source src's erasure ledger:
+// EPITAPH_<SOURCE>_ERASED, a record of every message an erasure deleted
+// from the stream (projector erase --purge-stream).
+func ErasedBucket(src string) string { return StreamName(src) + "_ERASED" }
+
 // RowBucket is the object store bucket of source src holding the rows too
 // large for one message (a delete's row_ref names it).
 func RowBucket(src string) string { return "epitaph_" + src + "_rows" }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/ed25519"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -435,6 +436,7 @@ type pageVerifier struct {
 	vd     *verdict
 	inPage map[uint64]*item // built when the slow path needs it
 	page   []*item          // this page's pending rows
+	ledger *ledgerCache     // the erasure ledger's answers, this page only (verify_ledger.go)
 }
 
 func newPageVerifier(w *partitionWorker, items []*item) *pageVerifier {
@@ -473,6 +475,9 @@ func (pv *pageVerifier) reset(it *item) {
 func (pv *pageVerifier) row(it *item) {
 	if pv.st.Pending == 0 {
 		pv.st.TxFirst = it.seq
+		// The transaction's first row says its digest version; a row
+		// that lies about it only makes the digest fail.
+		pv.d.ResetAlg(header(it, event.HeaderDigestAlg) == event.DigestAlgV2)
 	}
 	pv.d.Add(partSeqOf(it), it.data)
 	pv.st.Pending++
@@ -590,8 +595,20 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 		}
 		return st.Pending, false, nil
 	}
+	v2 := header(b, event.HeaderDigestAlg) == event.DigestAlgV2
 	if st.Pending == 0 {
 		if kind == kindCommit {
+			// Every row purged by an erasure: the ledger may account for
+			// all of them (digest v2 only).
+			if v2 && want != "" {
+				chosen, purged, err := chooseCandidates(nil, b.ev.CommitLSN, b.ev.Rows, want, true, pv.purgedLookup(ctx, b.ev.CommitLSN))
+				if err != nil {
+					return 0, false, err
+				}
+				if chosen != nil {
+					return purged, false, nil
+				}
+			}
 			w.refuse(b, "commit of a transaction none of whose rows is in the stream")
 			return 0, b.ev.Rows > 0, nil
 		}
@@ -603,8 +620,12 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 		return 0, false, err
 	}
 	var chosen map[*item]bool
+	purged := 0 // members absent from the stream that the erasure ledger accounts for
 	if kind == kindCommit {
-		chosen = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want)
+		chosen, purged, err = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want, v2, pv.purgedLookup(ctx, b.ev.CommitLSN))
+		if err != nil {
+			return 0, false, err
+		}
 		if chosen == nil {
 			w.refuse(b, "the transaction's rows do not match its signed digest")
 			w.log.Error("a transaction failed verification: its rows and commit are quarantined as unauthenticated",
@@ -616,7 +637,9 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 		n, short := heldRows(window, b)
 		return n, short, nil
 	}
-	return n, false, nil
+	// Purged members count among the transaction's partition sequences:
+	// the jump they leave is no gap.
+	return n + purged, false, nil
 }
 
 // settleWindow decides every message of the slow path's window: the chosen
@@ -756,10 +779,13 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 // seq order is want, for the smallest k >= rows (the commit's count of
 // deletes; truncates add to it) that has one; nil when there is no such
 // choice within maxChoices digests. Candidates with a seq beyond the
-// transaction's (forged) are never chosen.
-func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[*item]bool {
+// transaction's (forged) are never chosen. For a digest v2 (v2), a seq
+// with no candidate at all is looked up with purged (the erasure ledger):
+// its body hash stands for the absent message, which is not chosen (it is
+// not there) but counted in the second result. Errors are transient.
+func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 bool, purged func(seq int) (*[sha256.Size]byte, error)) (map[*item]bool, int, error) {
 	if want == "" {
-		return nil
+		return nil, 0, nil
 	}
 	bySeq := map[int][]*item{}
 	// Copies of one message (the capture sent it again: same partition
@@ -785,35 +811,35 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 	}
 	budget := maxChoices
 	d := event.NewDigest()
-	for k := max(rows, 1); k <= maxSeq+1 && budget > 0; k++ {
+	d.ResetAlg(v2)
+	lastK := maxSeq + 1
+	var absent *absentSums // absent seqs the ledger accounts for (v2 only)
+	if v2 && purged != nil {
+		lastK = max(lastK, rows) // the last members may be the purged ones
+		absent = &absentSums{lookup: purged, sums: map[int]*[sha256.Size]byte{}}
+	}
+	for k := max(rows, 1); k <= lastK && budget > 0; k++ {
 		choices := 1
 		for s := 0; s < k && choices <= budget; s++ {
-			choices *= len(bySeq[s])
+			n, err := absent.choices(bySeq, s)
+			if err != nil {
+				return nil, 0, err
+			}
+			choices *= n
 		}
 		if choices == 0 {
-			return nil // a seq below k is missing: so it is for every larger k
+			return nil, 0, nil // a seq below k is missing: so it is for every larger k
 		}
 		if choices > budget {
-			return nil
+			return nil, 0, nil
 		}
 		budget -= choices
 		pick := make([]int, k)
 		for n := 0; n < choices; n++ {
-			d.Reset()
-			for s := 0; s < k; s++ {
-				it := bySeq[s][pick[s]]
-				d.Add(partSeqOf(it), it.data)
-			}
+			absent.hash(d, bySeq, pick)
 			if d.Sum() == want {
-				out := make(map[*item]bool, k)
-				for s := 0; s < k; s++ {
-					c := bySeq[s][pick[s]]
-					out[c] = true
-					for _, cp := range copies[c] {
-						out[cp] = true
-					}
-				}
-				return out
+				out, nAbsent := chosenSet(bySeq, copies, pick)
+				return out, nAbsent, nil
 			}
 			for s := 0; s < k; s++ { // next combination
 				pick[s]++
@@ -824,7 +850,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string) map[
 			}
 		}
 	}
-	return nil
+	return nil, 0, nil
 }
 
 // applyVerdict writes the verdict's decisions that concern earlier pages

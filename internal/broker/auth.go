@@ -116,12 +116,17 @@ func ProjectorPermissions() jwt.Permissions {
 	}
 }
 
-// ErasePermissions are the projector's and the secure delete of single
-// messages: the stream's erased rows and their objects' chunks (projector
-// erase --purge-stream). No purge, no stream delete.
-func ErasePermissions() jwt.Permissions {
+// ErasePermissions are the projector's, the secure delete of single
+// messages (the stream's erased rows and their objects' chunks) and the
+// source's erasure ledger: creating its bucket and putting there what it
+// deletes (projector erase --purge-stream). No purge, no stream delete.
+// The projector role only reads the ledger (its stream info and direct
+// gets are among its permissions already).
+func ErasePermissions(source string) jwt.Permissions {
 	p := ProjectorPermissions()
-	p.Pub.Allow = append(p.Pub.Allow, "$JS.API.STREAM.MSG.DELETE.*")
+	p.Pub.Allow = append(p.Pub.Allow, "$JS.API.STREAM.MSG.DELETE.*",
+		"$JS.API.STREAM.CREATE.KV_"+event.ErasedBucket(source),
+		"$KV."+event.ErasedBucket(source)+".>")
 	return p
 }
 
@@ -184,7 +189,7 @@ func ensureAuth(a Auth, opts *server.Options) (string, error) {
 	if err := ensureCreds(ProjectorCreds(a.Dir), "projector", id.account, ProjectorPermissions()); err != nil {
 		return "", err
 	}
-	if err := ensureCreds(EraseCreds(a.Dir), "erase", id.account, ErasePermissions()); err != nil {
+	if err := ensureCreds(EraseCreds(a.Dir), "erase", id.account, ErasePermissions(a.Source)); err != nil {
 		return "", err
 	}
 

@@ -21,13 +21,24 @@ import (
 // they are published.
 type Signer struct {
 	Key ed25519.PrivateKey
+	// V2 signs with digest v2, as a capture does now: rows, truncates and
+	// commits get Epitaph-Digest-Alg: v2. Without it, digest v1 (a stream
+	// written before v2). Set it before the first Sign.
+	V2 bool
 
 	mu      sync.Mutex
 	seq     map[int]uint64
 	digests map[int]*event.Digest
 }
 
-// NewSigner makes a signer with a fresh key.
+// NewSignerV2 makes a signer with a fresh key that signs digest v2.
+func NewSignerV2() *Signer {
+	s := NewSigner()
+	s.V2 = true
+	return s
+}
+
+// NewSigner makes a signer with a fresh key (digest v1).
 func NewSigner() *Signer {
 	_, priv, err := ed25519.GenerateKey(rand.Reader)
 	if err != nil {
@@ -65,14 +76,23 @@ func (s *Signer) Sign(m *nats.Msg) {
 	d := s.digests[p]
 	if d == nil {
 		d = event.NewDigest()
+		if s.V2 {
+			d = event.NewDigestV2()
+		}
 		s.digests[p] = d
 	}
 	switch kind {
 	case "delete", "truncate":
+		if s.V2 {
+			m.Header.Set(event.HeaderDigestAlg, event.DigestAlgV2)
+		}
 		d.Add(s.seq[p], m.Data)
 		return
 	case "commit":
 		m.Header.Set(event.HeaderDigest, d.Sum())
+		if s.V2 {
+			m.Header.Set(event.HeaderDigestAlg, event.DigestAlgV2)
+		}
 		d.Reset()
 	case "mark", "gap":
 	default:

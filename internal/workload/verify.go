@@ -548,6 +548,12 @@ func matchDigest(byseq map[int][]rowCandidate, digest string) ([]*event.Event, b
 		}
 		return false
 	}
+	// Digest v2 (what a capture writes now), or v1 (a stream written
+	// before it).
+	if try(0, event.NewDigestV2()) {
+		return chosen, true
+	}
+	chosen, budget = nil, 1_000_000
 	if !try(0, event.NewDigest()) {
 		return nil, false
 	}

@@ -69,7 +69,7 @@ func PurgeStream(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream
 	}); err != nil {
 		return Receipt{}, fmt.Errorf("read erased rows: %w", err)
 	}
-	seqs, objects, err := matchingMessages(ctx, js, source, fs)
+	seqs, entries, objects, err := matchingMessages(ctx, js, source, fs)
 	if err != nil {
 		return Receipt{}, err
 	}
@@ -77,7 +77,20 @@ func PurgeStream(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream
 	if err != nil {
 		return Receipt{}, fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
 	}
-	for _, seq := range seqs {
+	var ledger jetstream.KeyValue
+	if len(seqs) > 0 {
+		if ledger, err = OpenLedger(ctx, js, source, true); err != nil {
+			return Receipt{}, err
+		}
+	}
+	for i, seq := range seqs {
+		// Recorded first: a target that reads the transaction after the
+		// delete verifies it with the ledger's hash standing for this
+		// message; a delete without its entry would cost the
+		// transaction's other rows.
+		if err := RecordErased(ctx, ledger, entries[i]); err != nil {
+			return Receipt{}, err
+		}
 		if err := stream.SecureDeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
 			return Receipt{}, deleteRefused(event.StreamName(source), err)
 		}
@@ -115,28 +128,30 @@ func deleteRefused(stream string, err error) error {
 }
 
 // matchingMessages reads every delete event of the source's stream and
-// returns the sequences of those fs fences (and the objects they point at).
-func matchingMessages(ctx context.Context, js jetstream.JetStream, source string, fs *FenceSet) ([]uint64, []*event.ObjectRef, error) {
+// returns the sequences of those fs fences, their erasure ledger entries
+// (one per sequence) and the objects they point at.
+func matchingMessages(ctx context.Context, js jetstream.JetStream, source string, fs *FenceSet) ([]uint64, []LedgerEntry, []*event.ObjectRef, error) {
 	stream, err := js.Stream(ctx, event.StreamName(source))
 	if err != nil {
-		return nil, nil, fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
+		return nil, nil, nil, fmt.Errorf("open stream %s: %w", event.StreamName(source), err)
 	}
 	last := stream.CachedInfo().State.LastSeq
 	if last == 0 {
-		return nil, nil, nil
+		return nil, nil, nil, nil
 	}
 	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
 		FilterSubjects: []string{event.SubjectPrefix + "." + source + ".*.delete.>"}})
 	if err != nil {
-		return nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
+		return nil, nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
 	}
 	var seqs []uint64
+	var entries []LedgerEntry
 	var objects []*event.ObjectRef
 	parents := map[event.LSN][]ErasedWith{}
 	for {
 		batch, cancel, err := fetchBatch(ctx, cons, 500)
 		if err != nil {
-			return nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
+			return nil, nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
 		}
 		n := 0
 		var seen uint64
@@ -161,6 +176,7 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 				continue
 			}
 			seqs = append(seqs, seen)
+			entries = append(entries, ledgerEntry(source, seen, e, m.Data()))
 			if e.RowRef != nil {
 				objects = append(objects, e.RowRef)
 			}
@@ -170,10 +186,10 @@ func matchingMessages(ctx context.Context, js jetstream.JetStream, source string
 		}
 		cancel()
 		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
-			return nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
+			return nil, nil, nil, fmt.Errorf("read stream %s: %w", event.StreamName(source), err)
 		}
 		if n == 0 || seen >= last {
-			return seqs, objects, nil
+			return seqs, entries, objects, nil
 		}
 	}
 }

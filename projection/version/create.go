@@ -115,6 +115,17 @@ func planRebuild(ctx context.Context, js jetstream.JetStream, opts RebuildOption
 	if p.head, err = removedHead(ctx, stream, info, opts.FromTime); err != nil {
 		return nil, err
 	}
+	if p.head != nil {
+		// A head removed by erasures alone (every message in the
+		// erasure ledger) is no gap.
+		erased, err := headErased(ctx, js, opts.Source, p.head.toSeq)
+		if err != nil {
+			return nil, fmt.Errorf("read the erasure ledger: %w", err)
+		}
+		if erased {
+			p.head = nil
+		}
+	}
 	from := "start"
 	if !opts.FromTime.IsZero() {
 		if p.starts, err = startsAt(ctx, stream, opts.Source, p.partitions, opts.FromTime, p.boundary); err != nil {
