@@ -32,6 +32,11 @@ type relation struct {
 	// root's, while pgoutput labels every old tuple by the root's.
 	partitioned bool
 	weakLeaves  bool
+	// moveIdx are the key columns (primary key, else replica identity
+	// index) outside every partition key: a delete followed at once by an
+	// insert equal in them is a row an UPDATE moved to another partition.
+	// Nil when there are none, so no move can be told from a delete.
+	moveIdx []int
 
 	name      string // schema.table
 	what      string // "delete schema.table", for errors
@@ -132,6 +137,17 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 	}
 	if r.identIdx == nil && prev != nil {
 		r.identIdx = indexesOf(m, prev.identNames())
+	}
+	if r.partitioned {
+		key := r.pkIdx
+		if len(key) == 0 {
+			key = r.identIdx
+		}
+		for _, i := range key {
+			if !slices.Contains(facts.partCols, r.cols[i].name) {
+				r.moveIdx = append(r.moveIdx, i)
+			}
+		}
 	}
 	isPK := make([]bool, len(m.Columns))
 	for _, i := range r.pkIdx {

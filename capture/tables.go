@@ -459,11 +459,17 @@ func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*pub
 // exactly list (the tables, sanitized; want their oids) with
 // publicationOptions: none when it does.
 func (st *publicationState) statements(pub string, list []string, want map[uint32]bool) []string {
+	return st.statementsWith(pub, list, want, publicationOptions, st.ins || st.upd || !st.del || !st.trunc || !st.root)
+}
+
+// statementsWith is statements for a publication with options opts;
+// reopt says its current options differ from them.
+func (st *publicationState) statementsWith(pub string, list []string, want map[uint32]bool, opts string, reopt bool) []string {
 	if !st.exists && len(list) > 0 {
-		return []string{"CREATE PUBLICATION " + pub + " FOR TABLE " + strings.Join(list, ", ") + " WITH (" + publicationOptions + ")"}
+		return []string{"CREATE PUBLICATION " + pub + " FOR TABLE " + strings.Join(list, ", ") + " WITH (" + opts + ")"}
 	}
 	if !st.exists {
-		return []string{"CREATE PUBLICATION " + pub + " WITH (" + publicationOptions + ")"}
+		return []string{"CREATE PUBLICATION " + pub + " WITH (" + opts + ")"}
 	}
 	sameTables := len(st.tables) == len(want) && !st.filtered
 	for oid := range st.tables {
@@ -477,13 +483,53 @@ func (st *publicationState) statements(pub string, list []string, want map[uint3
 			stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET TABLE "+strings.Join(list, ", "))
 		} else {
 			// SET needs at least one table: drop and recreate empty.
-			stmts = append(stmts, "DROP PUBLICATION "+pub, "CREATE PUBLICATION "+pub+" WITH ("+publicationOptions+")")
+			stmts = append(stmts, "DROP PUBLICATION "+pub, "CREATE PUBLICATION "+pub+" WITH ("+opts+")")
 		}
 	}
-	if st.ins || st.upd || !st.del || !st.trunc || !st.root {
-		stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET ("+publicationOptions+")")
+	if reopt {
+		stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET ("+opts+")")
 	}
 	return stmts
+}
+
+// movesOptions are those of the moves publication (movesPublication): the
+// inserts of the partitioned tables only, via their roots, so that a row an
+// UPDATE moves to another partition (a delete and an insert in the WAL) is
+// recognised as a move and not archived.
+const movesOptions = `publish = 'insert', publish_via_partition_root = true`
+
+// movesPublication names the publication that sends the inserts of the
+// partitioned tables name publishes, within PostgreSQL's 63 bytes.
+func movesPublication(name string) string {
+	const suffix = "_moves"
+	if len(name)+len(suffix) > 63 {
+		name = name[:63-len(suffix)]
+	}
+	return name + suffix
+}
+
+// syncMovesPublication makes the moves publication of name hold exactly the
+// partitioned tables of sel; created reports it did not exist before.
+func syncMovesPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *tableSelection) (created bool, err error) {
+	moves := movesPublication(name)
+	cur, err := readPublication(ctx, pool, moves)
+	if err != nil {
+		return false, err
+	}
+	want := map[uint32]bool{}
+	var list []string
+	for _, t := range sel.tables {
+		if t.kind == 'p' {
+			want[t.oid] = true
+			list = append(list, t.sanitized())
+		}
+	}
+	for _, s := range cur.statementsWith(pgx.Identifier{moves}.Sanitize(), list, want, movesOptions, !cur.ins || cur.upd || cur.del || cur.trunc || !cur.root) {
+		if _, err := pool.Exec(ctx, s); err != nil {
+			return false, fmt.Errorf("sync publication %s: %w", moves, err)
+		}
+	}
+	return !cur.exists, nil
 }
 
 // publicationTables lists the tables a publication holds, "schema.table".

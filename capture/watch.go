@@ -163,6 +163,9 @@ func (s *Service) reconcile(ctx context.Context) error {
 		s.m.tablesAdded.Inc()
 		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
 	}
+	if err := s.addMoves(ctx, sel); err != nil {
+		return err
+	}
 	if err := s.cat.remember(ctx, sel.oids()); err != nil {
 		return err
 	}
@@ -190,6 +193,35 @@ func (s *Service) warnedOwner(table string) bool {
 	}
 	s.ownerWarned[table] = true
 	return true
+}
+
+// addMoves adds the partitioned tables the publication holds and its
+// moves publication lacks (new ones, or added by the DDL guard) to the
+// latter, so their rows moved by an UPDATE are recognised.
+func (s *Service) addMoves(ctx context.Context, sel *tableSelection) error {
+	name := s.cfg.PublicationName
+	inPub, err := publicationOIDs(ctx, s.pool, name)
+	if err != nil {
+		return err
+	}
+	inMoves, err := publicationOIDs(ctx, s.pool, movesPublication(name))
+	if err != nil {
+		return err
+	}
+	moves := pgx.Identifier{movesPublication(name)}.Sanitize()
+	for _, t := range sel.tables {
+		if t.kind != 'p' || !inPub[t.oid] || inMoves[t.oid] {
+			continue
+		}
+		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+moves+" ADD TABLE "+t.sanitized()); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710" || pgErr.Code == "42704") {
+				continue // dropped meanwhile, added meanwhile, or no moves publication (dropped by hand)
+			}
+			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), movesPublication(name), err)
+		}
+	}
+	return nil
 }
 
 func publicationOIDs(ctx context.Context, pool *pgxpool.Pool, name string) (map[uint32]bool, error) {

@@ -1,0 +1,53 @@
+package capture
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestPartitionMoveNotADelete: a row an UPDATE moves to another partition
+// (pgoutput: a delete from the old leaf, an insert into the new one) is not
+// published as a delete; a real delete on a partition is, under the root's
+// name; a row moved and then deleted in one transaction is published once,
+// as it was when deleted.
+func TestPartitionMoveNotADelete(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE m (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+		CREATE TABLE m_eu PARTITION OF m FOR VALUES IN ('eu');
+		CREATE TABLE m_us PARTITION OF m FOR VALUES IN ('us');
+		ALTER TABLE m REPLICA IDENTITY FULL; ALTER TABLE m_eu REPLICA IDENTITY FULL; ALTER TABLE m_us REPLICA IDENTITY FULL;
+		CREATE TABLE sentinel (id int PRIMARY KEY);
+		INSERT INTO sentinel VALUES (1);
+		INSERT INTO m VALUES (1, 'eu', 'one'), (2, 'eu', 'two'), (3, 'eu', 'three'), (4, 'us', 'four'), (5, 'eu', 'five')`)
+	svc := e.start(t, func(c *Config) { c.Tables = []string{"m", "sentinel"}; c.CatalogPoll = -1 })
+
+	e.exec(t, `UPDATE m SET region = 'us' WHERE id = 1`)
+	e.exec(t, `UPDATE m SET region = 'us', v = v || ' moved' WHERE id IN (2, 3)`)
+	e.exec(t, `DELETE FROM m WHERE id = 4`)
+	e.exec(t, `BEGIN; UPDATE m SET region = 'eu' WHERE id = 2; DELETE FROM m WHERE id = 2; COMMIT`)
+	e.exec(t, `DELETE FROM m_us WHERE id = 3`)
+	// A delete and an insert of another key in one transaction: both real.
+	e.exec(t, `BEGIN; DELETE FROM m WHERE id = 5; INSERT INTO m VALUES (6, 'us', 'six'); COMMIT`)
+	e.exec(t, `DELETE FROM sentinel`)
+
+	ms := e.deletes(t, "main", 1)
+	for len(deletesOf(ms, "public.sentinel")) == 0 {
+		ms = e.deletes(t, "main", len(ms)+1)
+	}
+	var rows []string
+	for _, ev := range deletesOf(ms, "public.m") {
+		rows = append(rows, string(ev.Row))
+	}
+	require.Equal(t, []string{
+		`{"id":4,"region":"us","v":"four"}`,
+		`{"id":2,"region":"eu","v":"two moved"}`,
+		`{"id":3,"region":"us","v":"three moved"}`,
+		`{"id":5,"region":"eu","v":"five"}`,
+	}, rows, "moved rows are not deletes; deleted ones are, once each")
+	require.Equal(t, 4.0, metricValue(t, svc.m.partitionMoves), "ids 1, 2, 3, then 2 back")
+	var n int
+	require.NoError(t, queryRow(t, e.db, `SELECT count(*) FROM m WHERE id = 1 AND region = 'us'`, nil, &n))
+	require.Equal(t, 1, n, "the moved row lives on")
+}
