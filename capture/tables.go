@@ -93,6 +93,18 @@ type tableInfo struct {
 func (t *tableInfo) qualified() string { return t.schema + "." + t.name }
 func (t *tableInfo) sanitized() string { return pgx.Identifier{t.schema, t.name}.Sanitize() }
 
+// member is t as a publication's table list names it: an ordinary table
+// ONLY, since without it PostgreSQL adds its inheritance children too (not
+// necessarily selected, and an ADD TABLE of a parent whose child is already
+// a member fails). A partitioned table's partitions are published through
+// it either way.
+func (t *tableInfo) member() string {
+	if t.kind == 'r' {
+		return "ONLY " + t.sanitized()
+	}
+	return t.sanitized()
+}
+
 const sqlTableByName = `
 SELECT c.oid, n.nspname, c.relname, c.relkind::text, c.relpersistence::text, pg_has_role(c.relowner, 'USAGE')
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -388,7 +400,7 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 	var list []string
 	for _, t := range sel.tables {
 		want[t.oid] = true
-		list = append(list, t.sanitized())
+		list = append(list, t.member())
 		if !cur.tables[t.oid] && !t.owned {
 			return false, configErr("must own table %s to publish it: as a superuser, run GRANT <owner role of %s> TO <capture role> (membership is enough; ALTER TABLE .. OWNER TO would break the application's migrations), then start again", t.qualified(), t.sanitized())
 		}

@@ -153,7 +153,7 @@ func (s *Service) reconcile(ctx context.Context) error {
 			}
 			continue
 		}
-		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.sanitized()); err != nil {
+		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.member()); err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
 				continue // dropped meanwhile, or added meanwhile (the DDL guard)
