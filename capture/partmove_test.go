@@ -82,3 +82,35 @@ func TestInheritanceTreePublishedWhateverTheOrder(t *testing.T) {
 		"public.bnew":    `{"id":4,"v":"new child"}`,
 	}, got)
 }
+
+// TestSetFullRefusesATableWithAColumnList: --set-replica-identity-full on
+// a table another publication publishes with a column list would make the
+// application's DELETEs fail: the start is refused with one line naming
+// both, the table is left as it was and its DELETEs work. A column list
+// with every column is no obstacle; a table in that case created while
+// streaming is left key-only, its DELETEs working.
+func TestSetFullRefusesATableWithAColumnList(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	if queryString(t, e.db, `SELECT (current_setting('server_version_num')::int >= 150000)::text`) != "true" {
+		t.Skip("column lists are PostgreSQL 15+")
+	}
+	e.exec(t, `CREATE TABLE narrow (id int PRIMARY KEY, a text, b text); INSERT INTO narrow VALUES (1, 'a', 'b'), (2, 'a', 'b');
+		CREATE TABLE wide (id int PRIMARY KEY, a text); INSERT INTO wide VALUES (1, 'a');
+		CREATE PUBLICATION other FOR TABLE narrow (id, a), wide (id, a)`)
+	err := e.startErr(t, func(c *Config) { c.SetReplicaIdentityFull = true })
+	require.Contains(t, err.Error(), `cannot set REPLICA IDENTITY FULL on public.narrow (--set-replica-identity-full): publication other publishes public.narrow with a column list`)
+	require.Equal(t, "d", queryString(t, e.db, `SELECT relreplident::text FROM pg_class WHERE relname = 'narrow'`))
+	e.exec(t, `DELETE FROM narrow WHERE id = 1`)
+
+	e.exec(t, `ALTER PUBLICATION other DROP TABLE narrow`)
+	e.start(t, func(c *Config) { c.SetReplicaIdentityFull = true; fastPoll(c) })
+	require.Equal(t, "f", queryString(t, e.db, `SELECT string_agg(DISTINCT relreplident::text, ',') FROM pg_class WHERE relname IN ('narrow', 'wide')`))
+	e.exec(t, `BEGIN; CREATE TABLE later (id int PRIMARY KEY, a text, b text); INSERT INTO later VALUES (1, 'a', 'b');
+		CREATE PUBLICATION other2 FOR TABLE later (id, a); COMMIT`)
+	e.waitPublication(t, e.slotPub(), "later", "narrow", "wide")
+	require.Equal(t, "d", queryString(t, e.db, `SELECT relreplident::text FROM pg_class WHERE relname = 'later'`))
+	e.exec(t, `DELETE FROM later`)
+	ms := e.deletes(t, "main", 1)
+	require.JSONEq(t, `{"id":1}`, string(deletesOf(ms, "public.later")[0].Row), "captured by its key")
+}

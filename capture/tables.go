@@ -330,7 +330,21 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 			return nil
 		}
 	} else if setFull {
-		return sel.makeFull(ctx, pool, t)
+		blocker, err := columnListBlocker(ctx, pool, t, sel.pub)
+		if err != nil {
+			return err
+		}
+		if blocker == "" {
+			return sel.makeFull(ctx, pool, t)
+		}
+		if !watching {
+			return configErr("cannot set REPLICA IDENTITY FULL on %s (--set-replica-identity-full): %s, so the application's UPDATEs and DELETEs would fail (\"column list used by the publication does not cover the replica identity\"); drop the column list, or leave the table out of EPITAPH_TABLES", t.qualified(), blocker)
+		}
+		sel.skipped = append(sel.skipped, t.qualified()+": not set FULL: "+blocker)
+		if t.identity == "" {
+			sel.unsafe = append(sel.unsafe, t)
+			return nil
+		}
 	}
 	if t.identity == "" {
 		if watching {
@@ -347,6 +361,43 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 	sel.keyOnly = append(sel.keyOnly, t.qualified())
 	sel.tables = append(sel.tables, t)
 	return nil
+}
+
+// sqlColumnListBlocker finds a publication other than $2 that publishes
+// the table $1, one of its leaves or one of its ancestors with a column
+// list leaving out a column, with updates or deletes: once the table is
+// REPLICA IDENTITY FULL, PostgreSQL refuses its UPDATEs and DELETEs.
+// PostgreSQL 15+ (column lists).
+const sqlColumnListBlocker = `
+WITH rels AS (SELECT $1::oid::regclass AS relid
+              UNION SELECT relid FROM pg_partition_tree($1::oid::regclass)
+              UNION SELECT relid FROM pg_partition_ancestors($1::oid::regclass))
+SELECT format('publication %I publishes %s with a column list', p.pubname, pr.prrelid::regclass)
+FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid JOIN rels ON rels.relid = pr.prrelid
+WHERE pr.prattrs IS NOT NULL AND p.pubname <> $2 AND (p.pubdelete OR p.pubupdate)
+  AND EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = pr.prrelid AND a.attnum > 0
+              AND NOT a.attisdropped AND a.attgenerated = '' AND NOT a.attnum = ANY (pr.prattrs::int2[]))
+ORDER BY p.pubname LIMIT 1`
+
+// columnListBlocker says why t cannot be made REPLICA IDENTITY FULL
+// without breaking the application's DELETEs ("" when nothing stops it).
+func columnListBlocker(ctx context.Context, pool *pgxpool.Pool, t *tableInfo, pub string) (string, error) {
+	var version int
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
+		return "", fmt.Errorf("read server version: %w", err)
+	}
+	if version < 150000 {
+		return "", nil // no column lists before PostgreSQL 15
+	}
+	var why string
+	err := pool.QueryRow(ctx, sqlColumnListBlocker, t.oid, pub).Scan(&why)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("read publications of %s: %w", t.qualified(), err)
+	}
+	return why, nil
 }
 
 // makeFull sets REPLICA IDENTITY FULL on t's relations that are not,

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -118,6 +119,11 @@ func (s *Service) reconcile(ctx context.Context) error {
 	if len(sel.madeFull) > 0 {
 		s.log.Info("set REPLICA IDENTITY FULL (--set-replica-identity-full)", "tables", sel.madeFull)
 		s.m.madeFull.Add(float64(len(sel.madeFull)))
+	}
+	for _, sk := range sel.skipped {
+		if strings.Contains(sk, ": not set FULL: ") && s.warnedOwner("column list "+sk) {
+			s.log.Warn("table not set REPLICA IDENTITY FULL: another publication publishes it with a column list, and FULL would make the application's UPDATEs and DELETEs fail", "table", sk)
+		}
 	}
 	current, err := publicationOIDs(ctx, s.pool, cfg.PublicationName)
 	if err != nil {
