@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -97,4 +98,51 @@ func TestCaptureProcessFollowsPromotion(t *testing.T) {
 	selfExit := p.selfExit
 	p.mu.Unlock()
 	require.Zero(t, selfExit, "the process never exited")
+}
+
+// TestIdleTimeoutInvalidationReported: PostgreSQL 18 invalidates a slot
+// left inactive longer than idle_replication_slot_timeout (at a
+// checkpoint). The capture refuses to start on it as on a slot
+// max_slot_wal_keep_size invalidated, naming the cause, and with
+// --recreate-slot records a gap.
+func TestIdleTimeoutInvalidationReported(t *testing.T) {
+	t.Parallel()
+	if !testenv.HasMajor(18) {
+		t.Skip("PostgreSQL 18 server binaries are missing (make test-deps installs them)")
+	}
+	pg := testenv.NewPostgresMajor(t, 18)
+	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
+	e.slot = dbName(t, e.db)
+	_, e.js = e.nats.Connect(t)
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY, v text); ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items VALUES (1, 'a'), (2, 'b')`)
+	svc := e.start(t, nil)
+	e.exec(t, `DELETE FROM items WHERE id = 1`)
+	e.deletes(t, "main", 1)
+	require.NoError(t, svc.Stop(context.Background()))
+
+	e.exec(t, `ALTER SYSTEM SET idle_replication_slot_timeout = '1s'`)
+	e.exec(t, `SELECT pg_reload_conf()`)
+	deadline := time.Now().Add(60 * time.Second)
+	for queryString(t, e.db, `SELECT coalesce(invalidation_reason, '') FROM pg_replication_slots WHERE slot_name = $1`, e.slot) != "idle_timeout" {
+		if time.Now().After(deadline) {
+			t.Fatal("the slot was not invalidated by idle_replication_slot_timeout after 60s")
+		}
+		e.exec(t, `CHECKPOINT`)
+		time.Sleep(200 * time.Millisecond)
+	}
+	e.exec(t, `ALTER SYSTEM RESET idle_replication_slot_timeout`)
+	e.exec(t, `SELECT pg_reload_conf()`)
+	requireFix(t, e.startErr(t, nil), "invalidated (idle_timeout: inactive longer than idle_replication_slot_timeout)", "--recreate-slot")
+
+	e.exec(t, `DELETE FROM items WHERE id = 2`) // lost: the slot cannot read it
+	e.start(t, func(c *Config) { c.RecreateSlot = true })
+	var gaps int
+	for _, m := range e.messages(t, "main", 0) {
+		if m.ev.Op == event.OpGap {
+			gaps++
+			require.Contains(t, m.ev.Reason, "idle_replication_slot_timeout")
+		}
+	}
+	require.Equal(t, 4, gaps, "a gap on every partition")
 }
