@@ -1,6 +1,7 @@
 package capture
 
 import (
+	"encoding/json"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -14,7 +15,7 @@ import (
 func TestPartitionMoveNotADelete(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	e.exec(t, `CREATE TABLE m (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+	e.exec(t, `CREATE TABLE m (id int, region text, v text, vlen int GENERATED ALWAYS AS (length(v)) STORED, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
 		CREATE TABLE m_eu PARTITION OF m FOR VALUES IN ('eu');
 		CREATE TABLE m_us PARTITION OF m FOR VALUES IN ('us');
 		ALTER TABLE m REPLICA IDENTITY FULL; ALTER TABLE m_eu REPLICA IDENTITY FULL; ALTER TABLE m_us REPLICA IDENTITY FULL;
@@ -38,7 +39,13 @@ func TestPartitionMoveNotADelete(t *testing.T) {
 	}
 	var rows []string
 	for _, ev := range deletesOf(ms, "public.m") {
-		rows = append(rows, string(ev.Row))
+		var row map[string]any
+		require.NoError(t, json.Unmarshal(ev.Row, &row))
+		delete(row, "vlen") // sent on PostgreSQL 18 only (publish_generated_columns)
+		b, err := json.Marshal(map[string]any{"id": row["id"], "region": row["region"], "v": row["v"]})
+		require.NoError(t, err)
+		require.Len(t, row, 3)
+		rows = append(rows, string(b))
 	}
 	require.Equal(t, []string{
 		`{"id":4,"region":"us","v":"four"}`,

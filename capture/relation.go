@@ -183,8 +183,9 @@ func (r *relation) identNames() []string {
 // that column is not in the message.
 func withGenerated(cols []event.Column, gen []generatedColumn) []event.Column {
 	for _, g := range gen {
-		if slices.ContainsFunc(cols, func(c event.Column) bool { return c.Name == g.name }) {
-			continue // sent after all (PostgreSQL 18 with publish_generated_columns)
+		if i := slices.IndexFunc(cols, func(c event.Column) bool { return c.Name == g.name }); i >= 0 {
+			cols[i].Generated = true // sent after all (PostgreSQL 18 with publish_generated_columns)
+			continue
 		}
 		at := len(cols)
 		if g.after == "" {

@@ -421,8 +421,8 @@ const (
 	// sqlPublication also says whether the server has schema publications
 	// (FOR TABLES IN SCHEMA, pg_publication_namespace: PostgreSQL 15+).
 	sqlPublication = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot,
-       current_setting('server_version_num')::int >= 150000
-FROM pg_publication WHERE pubname = $1`
+       current_setting('server_version_num')::int >= 150000, coalesce(to_jsonb(p) ->> 'pubgencols', '')
+FROM pg_publication p WHERE pubname = $1`
 	// PostgreSQL 14: tables only, never filtered.
 	sqlPublicationTables14 = `
 SELECT pr.prrelid, false FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`
@@ -457,6 +457,12 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 		}
 	}
 	stmts := cur.statements(pub, list, want)
+	if gen, err := hasGeneratedColumnsOption(ctx, pool); err != nil {
+		return false, err
+	} else if gen {
+		stmts = cur.statementsWith(pub, list, want, publicationOptions+", "+generatedOption,
+			cur.ins || cur.upd || !cur.del || !cur.trunc || !cur.root || cur.gencols != "s")
+	}
 	for _, s := range stmts {
 		if _, err := pool.Exec(ctx, s); err != nil {
 			var pgErr *pgconn.PgError
@@ -473,6 +479,7 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 type publicationState struct {
 	exists                     bool
 	ins, upd, del, trunc, root bool            // its options
+	gencols                    string          // pubgencols (PostgreSQL 18+): "s" publishes stored generated columns
 	tables                     map[uint32]bool // relation oids it holds (0: a schema)
 	filtered                   bool            // a table has a row filter or a column list
 }
@@ -482,7 +489,7 @@ type publicationState struct {
 func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*publicationState, error) {
 	st := &publicationState{exists: true, tables: map[uint32]bool{}}
 	var allTables, schemas bool
-	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root, &schemas)
+	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root, &schemas, &st.gencols)
 	if errors.Is(err, pgx.ErrNoRows) {
 		st.exists = false
 		return st, nil
@@ -555,6 +562,21 @@ func (st *publicationState) statementsWith(pub string, list []string, want map[u
 	return stmts
 }
 
+// generatedOption makes pgoutput send the stored generated columns'
+// values (PostgreSQL 18+), so a deleted row is archived as it was, not
+// with values computed again.
+const generatedOption = `publish_generated_columns = stored`
+
+// hasGeneratedColumnsOption reports whether the server has
+// publish_generated_columns (PostgreSQL 18+).
+func hasGeneratedColumnsOption(ctx context.Context, pool *pgxpool.Pool) (bool, error) {
+	var ok bool
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int >= 180000`).Scan(&ok); err != nil {
+		return false, fmt.Errorf("read server version: %w", err)
+	}
+	return ok, nil
+}
+
 // movesOptions are those of the moves publication (movesPublication): the
 // inserts of the partitioned tables only, via their roots, so that a row an
 // UPDATE moves to another partition (a delete and an insert in the WAL) is
@@ -587,7 +609,15 @@ func syncMovesPublication(ctx context.Context, pool *pgxpool.Pool, name string, 
 			list = append(list, t.sanitized())
 		}
 	}
-	for _, s := range cur.statementsWith(pgx.Identifier{moves}.Sanitize(), list, want, movesOptions, !cur.ins || cur.upd || cur.del || cur.trunc || !cur.root) {
+	opts, reopt := movesOptions, !cur.ins || cur.upd || cur.del || cur.trunc || !cur.root
+	// pgoutput refuses a table two publications publish with different
+	// publish_generated_columns: the same as the publication's.
+	if gen, err := hasGeneratedColumnsOption(ctx, pool); err != nil {
+		return false, err
+	} else if gen {
+		opts, reopt = opts+", "+generatedOption, reopt || cur.gencols != "s"
+	}
+	for _, s := range cur.statementsWith(pgx.Identifier{moves}.Sanitize(), list, want, opts, reopt) {
 		if _, err := pool.Exec(ctx, s); err != nil {
 			return false, fmt.Errorf("sync publication %s: %w", moves, err)
 		}
