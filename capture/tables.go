@@ -27,10 +27,14 @@ func checkServerVersion(num int) error {
 
 const sqlServerFacts = `
 SELECT current_setting('server_version_num')::int, current_setting('wal_level'),
-       r.rolreplication OR r.rolsuper, current_user, current_database()
+       r.rolreplication OR r.rolsuper
+         OR coalesce((SELECT pg_has_role(current_user, g.oid, 'MEMBER') FROM pg_roles g WHERE g.rolname = 'rds_replication'), false),
+       current_user, current_database()
 FROM pg_roles r WHERE r.rolname = current_user`
 
-// checkServer verifies version, wal_level and the REPLICATION privilege.
+// checkServer verifies version, wal_level and the REPLICATION privilege:
+// the attribute, or on Amazon RDS and Aurora membership in rds_replication,
+// which grants it there.
 func checkServer(ctx context.Context, pool *pgxpool.Pool) (db string, err error) {
 	var (
 		version   int
@@ -49,7 +53,7 @@ func checkServer(ctx context.Context, pool *pgxpool.Pool) (db string, err error)
 		return "", configErr("wal_level is %q but capture needs \"logical\": run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL", walLevel)
 	}
 	if !canRepl {
-		return "", configErr("role %q lacks the REPLICATION privilege: run ALTER ROLE %s WITH REPLICATION as a superuser", user, pgx.Identifier{user}.Sanitize())
+		return "", configErr("role %q lacks the REPLICATION privilege: run ALTER ROLE %s WITH REPLICATION as a superuser (on Amazon RDS and Aurora: GRANT rds_replication TO %s)", user, pgx.Identifier{user}.Sanitize(), pgx.Identifier{user}.Sanitize())
 	}
 	return currentDB, nil
 }
