@@ -535,8 +535,8 @@ func (st *streamer) handleTableGap(ctx context.Context, m *pglogrepl.LogicalDeco
 		}
 		st.s.m.published.WithLabelValues(g.Schema, g.Table, string(event.OpGap)).Inc()
 	}
-	st.s.log.Warn("gap recorded: the table was removed from the publication, its deletes are not captured until it is added again",
-		"table", g.Schema+"."+g.Table, "lsn", lsn.String())
+	st.s.log.Warn("gap recorded for a table: some of its deletes are not captured",
+		"table", g.Schema+"."+g.Table, "lsn", lsn.String(), "reason", g.Reason)
 	if !m.Transactional || !st.inTx {
 		st.tr.mark(lsn, st.now())
 	}

@@ -3,8 +3,11 @@ package capture
 import (
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/event"
 )
 
 // TestPartitionMoveNotADelete: a row an UPDATE moves to another partition
@@ -120,4 +123,42 @@ func TestSetFullRefusesATableWithAColumnList(t *testing.T) {
 	e.exec(t, `DELETE FROM later`)
 	ms := e.deletes(t, "main", 1)
 	require.JSONEq(t, `{"id":1}`, string(deletesOf(ms, "public.later")[0].Row), "captured by its key")
+}
+
+// TestNewTableDeletesBeforePublishedRecordAGap: rows deleted from a new
+// table before the catalog poll publishes it cannot be captured; the add
+// records a gap naming the table instead of losing them silently. A new
+// table without deletes before its add records none.
+func TestNewTableDeletesBeforePublishedRecordAGap(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY)`)
+	svc := e.start(t, func(c *Config) { c.SetReplicaIdentityFull = true; c.CatalogPoll = time.Hour })
+	// The statistics (which tell the capture about the deletes) reach the
+	// server seconds after the deleting session's transaction: wait.
+	e.exec(t, `CREATE TABLE fresh (id int PRIMARY KEY, v text); INSERT INTO fresh SELECT g, 'x' FROM generate_series(1, 5) g;
+		DELETE FROM fresh WHERE id <= 3; CREATE TABLE quiet (id int PRIMARY KEY)`)
+	deadline := time.Now().Add(30 * time.Second)
+	for queryString(t, e.db, `SELECT pg_stat_get_tuples_deleted('fresh'::regclass)::text`) != "3" {
+		if time.Now().After(deadline) {
+			t.Fatal("the deletes never reached the statistics")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	svc.kickCatalog() // the poll, now that the statistics have the deletes
+	e.waitPublication(t, e.slotPub(), "base", "fresh", "quiet")
+	e.exec(t, `DELETE FROM fresh`)
+	ms := e.deletes(t, "main", 2)
+	var rows []string
+	for _, ev := range deletesOf(ms, "public.fresh") {
+		rows = append(rows, string(ev.Row))
+	}
+	require.Equal(t, []string{`{"id":4,"v":"x"}`, `{"id":5,"v":"x"}`}, rows, "captured from the add on")
+	gaps := gapsOf(e.messages(t, "main", 0))
+	require.Len(t, gaps, 4, "one gap, on every partition")
+	for _, g := range gaps {
+		require.Equal(t, "public.fresh", g.QualifiedTable())
+		require.Equal(t, event.GapLostUpstream, g.Kind)
+		require.Contains(t, g.Reason, "deleted before it was published")
+	}
 }

@@ -159,12 +159,17 @@ func (s *Service) reconcile(ctx context.Context) error {
 			}
 			continue
 		}
-		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.member()); err != nil {
+		lost, err := addTable(ctx, s.pool, pub, t, !s.knewTable(t.oid))
+		if err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
 				continue // dropped meanwhile, or added meanwhile (the DDL guard)
 			}
 			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), cfg.PublicationName, err)
+		}
+		if lost > 0 {
+			s.log.Warn("new table had deletes before it was published: they are not captured; a gap naming it is recorded",
+				"table", t.qualified(), "deleted_rows", lost)
 		}
 		s.m.tablesAdded.Inc()
 		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
@@ -199,6 +204,66 @@ func (s *Service) warnedOwner(table string) bool {
 	}
 	s.ownerWarned[table] = true
 	return true
+}
+
+// sqlDeletedBefore counts the rows deleted from a table (and its
+// partitions) as the server's statistics have them: they reach the
+// statistics up to seconds after the deleting transaction, and count
+// aborted deletes too.
+const sqlDeletedBefore = `
+SELECT coalesce(sum(pg_stat_get_tuples_deleted(r.relid)), 0)::bigint
+FROM (SELECT $1::oid::regclass AS relid UNION SELECT relid FROM pg_partition_tree($1::oid::regclass)) r`
+
+const reasonDeletedBefore = "deleted before it was published: rows were deleted from this new table before the catalog poll added it to the publication, and those deletes are not captured"
+
+// addTable adds t to the publication pub. For a table new to the capture
+// (fresh) it also reads how many rows the statistics say were deleted from
+// it and, when any were, writes a gap naming it in the same transaction:
+// a new table's deletes before it was published are never silent.
+func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo, fresh bool) (lost int64, err error) {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.member()); err != nil {
+			return err
+		}
+		if !fresh {
+			return nil
+		}
+		if err := tx.QueryRow(ctx, sqlDeletedBefore, t.oid).Scan(&lost); err != nil {
+			return err
+		}
+		if lost == 0 {
+			return nil
+		}
+		content, err := json.Marshal(tableGap{Schema: t.schema, Table: t.name, Reason: reasonDeletedBefore})
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, event.PrefixGap, string(content))
+		return err
+	})
+	return lost, err
+}
+
+// knewTable reports whether the capture's last selection held the table
+// (published, refused or unsafe): one it knew is not new, and its deletes
+// before were accounted for (captured, or a gap when it was removed).
+func (s *Service) knewTable(oid uint32) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.sel == nil {
+		return false
+	}
+	for _, t := range s.sel.tables {
+		if t.oid == oid {
+			return true
+		}
+	}
+	for _, t := range s.sel.unsafe {
+		if t.oid == oid {
+			return true
+		}
+	}
+	return false
 }
 
 // addMoves adds the partitioned tables the publication holds and its
