@@ -378,18 +378,8 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if changed {
 		s.log.Info("publication synced", "publication", cfg.PublicationName, "tables", sel.names())
 	}
-	var slotExists bool
-	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, cfg.SlotName).Scan(&slotExists); err != nil {
-		return fmt.Errorf("read replication slots: %w", err)
-	}
-	created, err := syncMovesPublication(ctx, s.pool, cfg.PublicationName, sel)
-	if err != nil {
+	if err := s.setupMoves(ctx, sel); err != nil {
 		return err
-	}
-	if created && slotExists {
-		s.movesOff = true
-		s.log.Warn("publication created for an existing slot: rows an UPDATE moves between partitions are recognised from the next start; until then they are archived as deletes",
-			"publication", movesPublication(cfg.PublicationName))
 	}
 	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
 	if err != nil {
@@ -522,6 +512,26 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	})
 	if err != nil {
 		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
+	}
+	return nil
+}
+
+// setupMoves syncs the moves publication with sel; created now for a slot
+// that exists, it is not read by this process (movesOff).
+func (s *Service) setupMoves(ctx context.Context, sel *tableSelection) error {
+	cfg := &s.cfg
+	var slotExists bool
+	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, cfg.SlotName).Scan(&slotExists); err != nil {
+		return fmt.Errorf("read replication slots: %w", err)
+	}
+	created, err := syncMovesPublication(ctx, s.pool, cfg.PublicationName, sel)
+	if err != nil {
+		return err
+	}
+	if created && slotExists {
+		s.movesOff = true
+		s.log.Warn("publication created for an existing slot: rows an UPDATE moves between partitions are recognised from the next start; until then they are archived as deletes",
+			"publication", movesPublication(cfg.PublicationName))
 	}
 	return nil
 }
