@@ -162,3 +162,17 @@ func TestNewTableDeletesBeforePublishedRecordAGap(t *testing.T) {
 		require.Contains(t, g.Reason, "deleted before it was published")
 	}
 }
+
+// TestDDLGuardPublishesInheritanceTrees: the DDL guard adds an inheritance
+// parent whose child is already published ONLY (without, the add recursed
+// into the child, failed as "already member", and left the parent out).
+func TestDDLGuardPublishesInheritanceTrees(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY)`)
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true })
+	e.exec(t, `CREATE TABLE zparent (id int, v text); CREATE TABLE achild () INHERITS (zparent); ALTER TABLE achild ADD PRIMARY KEY (id)`)
+	e.waitPublication(t, e.slotPub(), "achild", "base") // the parent has no key yet
+	e.exec(t, `ALTER TABLE zparent ADD PRIMARY KEY (id)`)
+	e.waitPublication(t, e.slotPub(), "achild", "base", "zparent")
+}

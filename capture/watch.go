@@ -372,7 +372,7 @@ BEGIN
   PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
   -- Candidates: published tables, and tables that fit the configuration.
   FOR t IN
-    SELECT c.oid, n.nspname, c.relname,
+    SELECT c.oid, n.nspname, c.relname, c.relkind,
            EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
                    WHERE p.pubname = v_pub AND pr.prrelid = c.oid) AS published
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -424,7 +424,9 @@ BEGIN
           json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
         RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
       ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
-        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+        -- ONLY: an inheritance parent's children are candidates of their own.
+        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
+          CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
       END IF;
     EXCEPTION WHEN OTHERS THEN
       RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
