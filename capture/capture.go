@@ -525,6 +525,16 @@ func (s *Service) setupMoves(ctx context.Context, sel *tableSelection) error {
 		return fmt.Errorf("read replication slots: %w", err)
 	}
 	created, err := syncMovesPublication(ctx, s.pool, cfg.PublicationName, sel)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		// A publication made by a DBA for a role without CREATE: capture
+		// as before, moved rows archived as deletes, and say how to fix it.
+		s.movesOff = true
+		s.log.Warn("cannot create or change the moves publication: rows an UPDATE moves between partitions are archived as deletes",
+			"publication", movesPublication(cfg.PublicationName), "err", pgErr.Message,
+			"fix", "grant CREATE on the database, or have the tables' owner run CREATE PUBLICATION "+pgx.Identifier{movesPublication(cfg.PublicationName)}.Sanitize()+" FOR TABLE <the partitioned tables> WITH ("+movesOptions+")")
+		return nil
+	}
 	if err != nil {
 		return err
 	}

@@ -286,8 +286,8 @@ func (s *Service) addMoves(ctx context.Context, sel *tableSelection) error {
 		}
 		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+moves+" ADD TABLE "+t.sanitized()); err != nil {
 			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710" || pgErr.Code == "42704") {
-				continue // dropped meanwhile, added meanwhile, or no moves publication (dropped by hand)
+			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710" || pgErr.Code == "42704" || pgErr.Code == "42501") {
+				continue // dropped meanwhile, added meanwhile, no moves publication, or not ours to change (logged at start)
 			}
 			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), movesPublication(name), err)
 		}
