@@ -53,6 +53,13 @@ type Service struct {
 	// failoverOnce: the server's lack of failover slots is logged once.
 	failoverOnce sync.Once
 
+	// movesOff: the sessions do not read the moves publication
+	// (movesPublication), which keeps a row moved between partitions out of
+	// the archive. Set for the life of a process that created it for an
+	// existing slot: pgoutput fails on WAL older than a publication it is
+	// asked for.
+	movesOff bool
+
 	// embedDone is closed when the embedded server started in the
 	// background (startEmbedded) is up (embed) or failed (embedErr).
 	embedDone chan struct{}
@@ -371,6 +378,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if changed {
 		s.log.Info("publication synced", "publication", cfg.PublicationName, "tables", sel.names())
 	}
+	if err := s.setupMoves(ctx, sel); err != nil {
+		return err
+	}
 	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
 	if err != nil {
 		return err
@@ -496,7 +506,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		Mode: pglogrepl.LogicalReplication,
 		PluginArgs: []string{
 			"proto_version '1'",
-			"publication_names " + pgquote.Literal(quoteIdent(cfg.PublicationName)),
+			"publication_names " + pgquote.Literal(s.publicationNames()),
 			"messages 'true'",
 		},
 	})
@@ -504,6 +514,46 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
 	}
 	return nil
+}
+
+// setupMoves syncs the moves publication with sel; created now for a slot
+// that exists, it is not read by this process (movesOff).
+func (s *Service) setupMoves(ctx context.Context, sel *tableSelection) error {
+	cfg := &s.cfg
+	var slotExists bool
+	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)`, cfg.SlotName).Scan(&slotExists); err != nil {
+		return fmt.Errorf("read replication slots: %w", err)
+	}
+	created, err := syncMovesPublication(ctx, s.pool, cfg.PublicationName, sel)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		// A publication made by a DBA for a role without CREATE: capture
+		// as before, moved rows archived as deletes, and say how to fix it.
+		s.movesOff = true
+		s.log.Warn("cannot create or change the moves publication: rows an UPDATE moves between partitions are archived as deletes",
+			"publication", movesPublication(cfg.PublicationName), "err", pgErr.Message,
+			"fix", "grant CREATE on the database, or have the tables' owner run CREATE PUBLICATION "+pgx.Identifier{movesPublication(cfg.PublicationName)}.Sanitize()+" FOR TABLE <the partitioned tables> WITH ("+movesOptions+")")
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if created && slotExists {
+		s.movesOff = true
+		s.log.Warn("publication created for an existing slot: rows an UPDATE moves between partitions are recognised from the next start; until then they are archived as deletes",
+			"publication", movesPublication(cfg.PublicationName))
+	}
+	return nil
+}
+
+// publicationNames is pgoutput's publication_names: the publication, and
+// the moves publication when the sessions read it.
+func (s *Service) publicationNames() string {
+	names := quoteIdent(s.cfg.PublicationName)
+	if !s.movesOff {
+		names += "," + quoteIdent(movesPublication(s.cfg.PublicationName))
+	}
+	return names
 }
 
 // resumeFrom is where the session resumes in stream (nil: none yet, start

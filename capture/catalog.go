@@ -52,6 +52,11 @@ type tableFacts struct {
 	// dropped.
 	pkPos []int
 	ncols int
+	// partCols are the columns of the partition keys of every level of a
+	// partitioned table's tree (an expression key names none): an UPDATE
+	// that changes them moves the row, which pgoutput sends as a delete
+	// and an insert whose keys differ in these columns only.
+	partCols []string
 }
 
 // generatedColumn is a generated column and the column before it, so it is
@@ -197,6 +202,15 @@ func (c *catalog) remember(ctx context.Context, relIDs []uint32) error {
 	return nil
 }
 
+// sqlPartitionColumns names the columns of the partition keys of every
+// partitioned table in $1's tree (names, since attnums differ by level).
+const sqlPartitionColumns = `
+SELECT coalesce(array_agg(DISTINCT a.attname::text), '{}')
+FROM pg_partition_tree($1::oid::regclass) t
+JOIN pg_partitioned_table p ON p.partrelid = t.relid
+CROSS JOIN LATERAL unnest(p.partattrs::int2[]) AS k(attnum)
+JOIN pg_attribute a ON a.attrelid = t.relid AND a.attnum = k.attnum`
+
 func (c *catalog) read(ctx context.Context, relID uint32) (tableFacts, error) {
 	var f tableFacts
 	err := c.pool.QueryRow(ctx, sqlRelationFacts, relID).Scan(&f.partitioned, &f.replIdx, &f.pkPos, &f.ncols, &f.weakLeaves)
@@ -207,6 +221,11 @@ func (c *catalog) read(ctx context.Context, relID uint32) (tableFacts, error) {
 		return f, fmt.Errorf("read relation %d: %w", relID, err)
 	}
 	f.exists = true
+	if f.partitioned {
+		if err := c.pool.QueryRow(ctx, sqlPartitionColumns, relID).Scan(&f.partCols); err != nil {
+			return f, fmt.Errorf("read partition keys of relation %d: %w", relID, err)
+		}
+	}
 	rows, err := c.pool.Query(ctx, sqlGenerated, relID)
 	if err != nil {
 		return f, fmt.Errorf("read generated columns of relation %d: %w", relID, err)

@@ -82,6 +82,11 @@ type streamer struct {
 	hdrVals []string
 	nc      *nats.Conn
 	del     deleteDecoder
+	// held is a delete of a partitioned table (its pgoutput message) kept
+	// until the next message says whether it is half of a move (movedRow).
+	held    []byte
+	heldRel *relation // as it was when the delete came
+	holding bool
 	written event.LSN // highest LSN sent to Postgres as written
 	flushed event.LSN // highest LSN sent to Postgres as flushed
 	walEnd  event.LSN
@@ -175,12 +180,42 @@ func (st *streamer) handleCopyData(ctx context.Context, data []byte) error {
 			return fmt.Errorf("parse xlogdata: %w", err)
 		}
 		st.walEnd = max(st.walEnd, event.LSN(xld.ServerWALEnd))
-		if len(xld.WALData) > 0 && xld.WALData[0] == byte(pglogrepl.MessageTypeDelete) {
+		if len(xld.WALData) == 0 {
+			return nil
+		}
+		if st.holding && (xld.WALData[0] == byte(pglogrepl.MessageTypeRelation) || xld.WALData[0] == byte(pglogrepl.MessageTypeType)) {
+			// pgoutput describes the root again before the first change of
+			// each leaf: the insert of a move may come after that.
+		} else if st.holding {
+			moved, err := st.movedRow(xld.WALData)
+			if err != nil {
+				return err
+			}
+			if moved {
+				st.holding = false
+				st.s.m.partitionMoves.Inc()
+				return nil
+			}
+			if err := st.flushHeld(ctx); err != nil {
+				return err
+			}
+		}
+		switch xld.WALData[0] {
+		case byte(pglogrepl.MessageTypeDelete):
 			d, err := st.del.decode(xld.WALData)
 			if err != nil {
 				return fmt.Errorf("parse pgoutput message: %w", err)
 			}
+			if r := st.rels[d.RelationID]; r != nil && r.moveIdx != nil && !st.s.movesOff {
+				st.held = append(st.held[:0], xld.WALData...)
+				st.holding, st.heldRel = true, r
+				return nil
+			}
 			return st.handleDelete(ctx, d)
+		case byte(pglogrepl.MessageTypeInsert):
+			// Only the moves publication sends inserts: the one after a
+			// held delete was handled above, any other is nothing to us.
+			return nil
 		}
 		msg, err := pglogrepl.Parse(xld.WALData)
 		if err != nil {
@@ -245,11 +280,66 @@ func (st *streamer) relationOf(id uint32) (*relation, error) {
 	return r, nil
 }
 
+// movedRow reports whether msg, the message after the held delete, is
+// the other half of a row an UPDATE moved to another partition: PostgreSQL
+// writes such a move as the delete from the old partition directly followed
+// by the insert into the new one, both sent as changes of the root, equal
+// in every key column the partition keys leave out. An application deleting
+// a row and at once inserting one with the same such key in the same
+// partitioned table looks the same, and is taken for a move too: at commit
+// the row still exists.
+func (st *streamer) movedRow(msg []byte) (bool, error) {
+	if msg[0] != byte(pglogrepl.MessageTypeInsert) {
+		return false, nil
+	}
+	m, err := pglogrepl.Parse(msg)
+	if err != nil {
+		return false, fmt.Errorf("parse pgoutput message: %w", err)
+	}
+	ins, ok := m.(*pglogrepl.InsertMessage)
+	if !ok || ins.Tuple == nil {
+		return false, nil
+	}
+	d, err := st.del.decode(st.held)
+	if err != nil {
+		return false, fmt.Errorf("parse pgoutput message: %w", err)
+	}
+	r := st.heldRel
+	if ins.RelationID != d.RelationID || d.OldTuple == nil {
+		return false, nil
+	}
+	for _, i := range r.moveIdx {
+		if i >= len(d.OldTuple.Columns) || i >= len(ins.Tuple.Columns) {
+			return false, nil
+		}
+		o, n := d.OldTuple.Columns[i], ins.Tuple.Columns[i]
+		if o.DataType != pglogrepl.TupleDataTypeText || n.DataType != pglogrepl.TupleDataTypeText || !bytes.Equal(o.Data, n.Data) {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// flushHeld handles the held delete as the delete it is.
+func (st *streamer) flushHeld(ctx context.Context) error {
+	st.holding = false
+	d, err := st.del.decode(st.held)
+	if err != nil {
+		return fmt.Errorf("parse pgoutput message: %w", err)
+	}
+	return st.deleteOf(ctx, st.heldRel, d)
+}
+
 func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage) error {
 	r, err := st.relationOf(m.RelationID)
 	if err != nil {
 		return err
 	}
+	return st.deleteOf(ctx, r, m)
+}
+
+// deleteOf publishes m, a delete of a row of r.
+func (st *streamer) deleteOf(ctx context.Context, r *relation, m *pglogrepl.DeleteMessage) error {
 	seq := st.seq
 	st.seq++
 	st.rows++
@@ -266,7 +356,7 @@ func (st *streamer) handleDelete(ctx context.Context, m *pglogrepl.DeleteMessage
 		stream = valuesSize(m.OldTuple)+r.head.Size()+512 > st.maxMsg
 	}
 	st.img.stream = stream
-	err = r.encodeRow(&st.img, m.OldTupleType, m.OldTuple)
+	err := r.encodeRow(&st.img, m.OldTupleType, m.OldTuple)
 	st.img.stream = false
 	if err != nil {
 		return err
@@ -447,8 +537,8 @@ func (st *streamer) handleTableGap(ctx context.Context, m *pglogrepl.LogicalDeco
 		}
 		st.s.m.published.WithLabelValues(g.Schema, g.Table, string(event.OpGap)).Inc()
 	}
-	st.s.log.Warn("gap recorded: the table was removed from the publication, its deletes are not captured until it is added again",
-		"table", g.Schema+"."+g.Table, "lsn", lsn.String())
+	st.s.log.Warn("gap recorded for a table: some of its deletes are not captured",
+		"table", g.Schema+"."+g.Table, "lsn", lsn.String(), "reason", g.Reason)
 	if !m.Transactional || !st.inTx {
 		st.tr.mark(lsn, st.now())
 	}

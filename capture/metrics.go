@@ -39,10 +39,11 @@ type metrics struct {
 	collisions      prometheus.Counter
 	sessions        prometheus.Counter
 	// Following the source's schema.
-	tablesAdded   prometheus.Counter
-	tablesRemoved prometheus.Counter
-	madeFull      prometheus.Counter
-	catalogErrors prometheus.Counter
+	tablesAdded    prometheus.Counter
+	partitionMoves prometheus.Counter
+	tablesRemoved  prometheus.Counter
+	madeFull       prometheus.Counter
+	catalogErrors  prometheus.Counter
 	// The CPU mode (cpumode.go).
 	cpus            prometheus.Gauge
 	catchingUp      prometheus.Gauge
@@ -97,6 +98,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		collisions:      c("epitaph_capture_msg_id_collisions_total", "Messages of the capture whose Nats-Msg-Id a foreign message had taken, republished under another id."),
 		sessions:        c("epitaph_capture_session_restarts_total", "Streaming sessions restarted in the same process because another writer got in the way (chain broken, id taken)."),
 		tablesAdded:     c("epitaph_capture_tables_added_total", "Tables added to the publication while streaming (new tables, or tables safe again)."),
+		partitionMoves:  c("epitaph_capture_partition_moves_total", "Rows an UPDATE moved to another partition: their delete was not published."),
 		tablesRemoved:   c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
 		madeFull:        c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
 		catalogErrors:   c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
@@ -145,7 +147,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.connected, m.largeRows, m.limitsRestored, m.streamUnsafe,
 		m.confirmLag, m.syncInterval,
 		m.foreign, m.implausible, m.collisions, m.sessions, m.tailRemoved, m.seqRecordErrors,
-		m.tablesAdded, m.tablesRemoved, m.madeFull, m.catalogErrors,
+		m.tablesAdded, m.partitionMoves, m.tablesRemoved, m.madeFull, m.catalogErrors,
 		m.cpus, m.catchingUp, m.cpuNice, m.backlogBytes, m.cpuModeSwitches} {
 		if err := reg.Register(col); err != nil {
 			return nil, err

@@ -141,6 +141,22 @@ func TestSlotWithoutFailoverBefore17(t *testing.T) {
 // multi-host URL of both servers.
 func promotionEnv(t *testing.T, noFailover bool) (e *env, pg, sb *testenv.Postgres, svc *Service) {
 	t.Helper()
+	e, pg, sb = promotionSource(t)
+	// Heartbeats keep the slot's confirmed position moving, so the
+	// standby's sync worker keeps its short interval.
+	svc = e.start(t, func(c *Config) {
+		c.HeartbeatInterval = 100 * time.Millisecond
+		c.NoFailoverSlot = noFailover
+	})
+	e.exec(t, `DELETE FROM items WHERE id <= 3`)
+	e.exec(t, `DELETE FROM items WHERE id IN (4, 5)`)
+	require.Len(t, e.deletes(t, "main", 5), 5)
+	return e, pg, sb, svc
+}
+
+// promotionSource is promotionEnv's servers and table, no capture yet.
+func promotionSource(t *testing.T) (e *env, pg, sb *testenv.Postgres) {
+	t.Helper()
 	if !testenv.HasMajor(17) {
 		if os.Getenv("CI") != "" {
 			t.Fatal("PostgreSQL 17 server binaries are missing: run make test-deps")
@@ -159,16 +175,7 @@ func promotionEnv(t *testing.T, noFailover bool) (e *env, pg, sb *testenv.Postgr
 	// target_session_attrs picks the one that takes writes.
 	e.db = fmt.Sprintf("postgres://postgres@%s:%d,%s:%d/%s?sslmode=disable&target_session_attrs=read-write",
 		pg.Host, pg.Port, sb.Host, sb.Port, e.slot)
-	// Heartbeats keep the slot's confirmed position moving, so the
-	// standby's sync worker keeps its short interval.
-	svc = e.start(t, func(c *Config) {
-		c.HeartbeatInterval = 100 * time.Millisecond
-		c.NoFailoverSlot = noFailover
-	})
-	e.exec(t, `DELETE FROM items WHERE id <= 3`)
-	e.exec(t, `DELETE FROM items WHERE id IN (4, 5)`)
-	require.Len(t, e.deletes(t, "main", 5), 5)
-	return e, pg, sb, svc
+	return e, pg, sb
 }
 
 // A failover slot is what lets the capture survive a promotion: on

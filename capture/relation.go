@@ -32,6 +32,11 @@ type relation struct {
 	// root's, while pgoutput labels every old tuple by the root's.
 	partitioned bool
 	weakLeaves  bool
+	// moveIdx are the key columns (primary key, else replica identity
+	// index) outside every partition key: a delete followed at once by an
+	// insert equal in them is a row an UPDATE moved to another partition.
+	// Nil when there are none, so no move can be told from a delete.
+	moveIdx []int
 
 	name      string // schema.table
 	what      string // "delete schema.table", for errors
@@ -133,6 +138,17 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 	if r.identIdx == nil && prev != nil {
 		r.identIdx = indexesOf(m, prev.identNames())
 	}
+	if r.partitioned {
+		key := r.pkIdx
+		if len(key) == 0 {
+			key = r.identIdx
+		}
+		for _, i := range key {
+			if !slices.Contains(facts.partCols, r.cols[i].name) {
+				r.moveIdx = append(r.moveIdx, i)
+			}
+		}
+	}
 	isPK := make([]bool, len(m.Columns))
 	for _, i := range r.pkIdx {
 		isPK[i] = true
@@ -167,8 +183,9 @@ func (r *relation) identNames() []string {
 // that column is not in the message.
 func withGenerated(cols []event.Column, gen []generatedColumn) []event.Column {
 	for _, g := range gen {
-		if slices.ContainsFunc(cols, func(c event.Column) bool { return c.Name == g.name }) {
-			continue // sent after all (PostgreSQL 18 with publish_generated_columns)
+		if i := slices.IndexFunc(cols, func(c event.Column) bool { return c.Name == g.name }); i >= 0 {
+			cols[i].Generated = true // sent after all (PostgreSQL 18 with publish_generated_columns)
+			continue
 		}
 		at := len(cols)
 		if g.after == "" {

@@ -25,18 +25,22 @@ type slotState struct {
 	walStatus *string
 	confirmed *string
 	failover  bool // created or altered with FAILOVER (PostgreSQL 17+)
+	// invalidation is pg_replication_slots.invalidation_reason
+	// (PostgreSQL 17+; 18 adds idle_timeout, idle_replication_slot_timeout),
+	// "" when valid or not reported.
+	invalidation string
 }
 
 // sqlSlot reads failover through to_jsonb: the column exists from
 // PostgreSQL 17 on, and the same query serves every version.
 const sqlSlot = `
 SELECT slot_type, coalesce(plugin, ''), coalesce(database::text, ''), active_pid, wal_status, confirmed_flush_lsn::text,
-       coalesce((to_jsonb(s) ->> 'failover')::boolean, false)
+       coalesce((to_jsonb(s) ->> 'failover')::boolean, false), coalesce(to_jsonb(s) ->> 'invalidation_reason', '')
 FROM pg_replication_slots s WHERE slot_name = $1`
 
 func readSlot(ctx context.Context, pool *pgxpool.Pool, name string) (slotState, error) {
 	var s slotState
-	err := pool.QueryRow(ctx, sqlSlot, name).Scan(&s.slotType, &s.plugin, &s.database, &s.activePID, &s.walStatus, &s.confirmed, &s.failover)
+	err := pool.QueryRow(ctx, sqlSlot, name).Scan(&s.slotType, &s.plugin, &s.database, &s.activePID, &s.walStatus, &s.confirmed, &s.failover, &s.invalidation)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return slotState{}, nil
 	}
@@ -81,13 +85,29 @@ func planSlot(s slotState, name, db string, t tail, streamName string, recreate 
 	if s.activePID != nil {
 		return slotPlan{}, configErr("replication slot %q is active in process %d (another capture?): stop it, or use another --slot", name, *s.activePID)
 	}
-	if (s.walStatus != nil && *s.walStatus == "lost") || s.confirmed == nil {
+	if (s.walStatus != nil && *s.walStatus == "lost") || s.confirmed == nil || s.invalidation != "" {
+		why := invalidationCause(s)
 		if !recreate {
-			return slotPlan{}, configErr("replication slot %q was invalidated (wal_status lost: max_slot_wal_keep_size exceeded): deletes were lost upstream. Restart once with --recreate-slot to recreate it and record a gap event", name)
+			return slotPlan{}, configErr("replication slot %q was invalidated (%s): deletes were lost upstream. Restart once with --recreate-slot to recreate it and record a gap event", name, why)
 		}
-		return slotPlan{create: true, drop: true, gap: fmt.Sprintf("replication slot %q was invalidated (wal_status lost)", name)}, nil
+		return slotPlan{create: true, drop: true, gap: fmt.Sprintf("replication slot %q was invalidated (%s)", name, why)}, nil
 	}
 	return slotPlan{}, nil
+}
+
+// invalidationCause says why PostgreSQL invalidated slot s, for a user.
+func invalidationCause(s slotState) string {
+	switch s.invalidation {
+	case "idle_timeout":
+		return "idle_timeout: inactive longer than idle_replication_slot_timeout"
+	case "rows_removed":
+		return "rows_removed: catalog rows it needed were vacuumed away"
+	case "wal_level_insufficient":
+		return "wal_level_insufficient: the primary's wal_level is below logical"
+	case "", "wal_removed":
+		return "wal_status lost: max_slot_wal_keep_size exceeded"
+	}
+	return s.invalidation
 }
 
 // minFailoverMajor is the first PostgreSQL with failover slots: a slot

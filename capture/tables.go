@@ -27,10 +27,14 @@ func checkServerVersion(num int) error {
 
 const sqlServerFacts = `
 SELECT current_setting('server_version_num')::int, current_setting('wal_level'),
-       r.rolreplication OR r.rolsuper, current_user, current_database()
+       r.rolreplication OR r.rolsuper
+         OR coalesce((SELECT pg_has_role(current_user, g.oid, 'MEMBER') FROM pg_roles g WHERE g.rolname = 'rds_replication'), false),
+       current_user, current_database()
 FROM pg_roles r WHERE r.rolname = current_user`
 
-// checkServer verifies version, wal_level and the REPLICATION privilege.
+// checkServer verifies version, wal_level and the REPLICATION privilege:
+// the attribute, or on Amazon RDS and Aurora membership in rds_replication,
+// which grants it there.
 func checkServer(ctx context.Context, pool *pgxpool.Pool) (db string, err error) {
 	var (
 		version   int
@@ -49,7 +53,7 @@ func checkServer(ctx context.Context, pool *pgxpool.Pool) (db string, err error)
 		return "", configErr("wal_level is %q but capture needs \"logical\": run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL", walLevel)
 	}
 	if !canRepl {
-		return "", configErr("role %q lacks the REPLICATION privilege: run ALTER ROLE %s WITH REPLICATION as a superuser", user, pgx.Identifier{user}.Sanitize())
+		return "", configErr("role %q lacks the REPLICATION privilege: run ALTER ROLE %s WITH REPLICATION as a superuser (on Amazon RDS and Aurora: GRANT rds_replication TO %s)", user, pgx.Identifier{user}.Sanitize(), pgx.Identifier{user}.Sanitize())
 	}
 	return currentDB, nil
 }
@@ -92,6 +96,18 @@ type tableInfo struct {
 
 func (t *tableInfo) qualified() string { return t.schema + "." + t.name }
 func (t *tableInfo) sanitized() string { return pgx.Identifier{t.schema, t.name}.Sanitize() }
+
+// member is t as a publication's table list names it: an ordinary table
+// ONLY, since without it PostgreSQL adds its inheritance children too (not
+// necessarily selected, and an ADD TABLE of a parent whose child is already
+// a member fails). A partitioned table's partitions are published through
+// it either way.
+func (t *tableInfo) member() string {
+	if t.kind == 'r' {
+		return "ONLY " + t.sanitized()
+	}
+	return t.sanitized()
+}
 
 const sqlTableByName = `
 SELECT c.oid, n.nspname, c.relname, c.relkind::text, c.relpersistence::text, pg_has_role(c.relowner, 'USAGE')
@@ -318,7 +334,21 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 			return nil
 		}
 	} else if setFull {
-		return sel.makeFull(ctx, pool, t)
+		blocker, err := columnListBlocker(ctx, pool, t, sel.pub)
+		if err != nil {
+			return err
+		}
+		if blocker == "" {
+			return sel.makeFull(ctx, pool, t)
+		}
+		if !watching {
+			return configErr("cannot set REPLICA IDENTITY FULL on %s (--set-replica-identity-full): %s, so the application's UPDATEs and DELETEs would fail (\"column list used by the publication does not cover the replica identity\"); drop the column list, or leave the table out of EPITAPH_TABLES", t.qualified(), blocker)
+		}
+		sel.skipped = append(sel.skipped, t.qualified()+": not set FULL: "+blocker)
+		if t.identity == "" {
+			sel.unsafe = append(sel.unsafe, t)
+			return nil
+		}
 	}
 	if t.identity == "" {
 		if watching {
@@ -335,6 +365,43 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 	sel.keyOnly = append(sel.keyOnly, t.qualified())
 	sel.tables = append(sel.tables, t)
 	return nil
+}
+
+// sqlColumnListBlocker finds a publication other than $2 that publishes
+// the table $1, one of its leaves or one of its ancestors with a column
+// list leaving out a column, with updates or deletes: once the table is
+// REPLICA IDENTITY FULL, PostgreSQL refuses its UPDATEs and DELETEs.
+// PostgreSQL 15+ (column lists).
+const sqlColumnListBlocker = `
+WITH rels AS (SELECT $1::oid::regclass AS relid
+              UNION SELECT relid FROM pg_partition_tree($1::oid::regclass)
+              UNION SELECT relid FROM pg_partition_ancestors($1::oid::regclass))
+SELECT format('publication %I publishes %s with a column list', p.pubname, pr.prrelid::regclass)
+FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid JOIN rels ON rels.relid = pr.prrelid
+WHERE pr.prattrs IS NOT NULL AND p.pubname <> $2 AND (p.pubdelete OR p.pubupdate)
+  AND EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = pr.prrelid AND a.attnum > 0
+              AND NOT a.attisdropped AND a.attgenerated = '' AND NOT a.attnum = ANY (pr.prattrs::int2[]))
+ORDER BY p.pubname LIMIT 1`
+
+// columnListBlocker says why t cannot be made REPLICA IDENTITY FULL
+// without breaking the application's DELETEs ("" when nothing stops it).
+func columnListBlocker(ctx context.Context, pool *pgxpool.Pool, t *tableInfo, pub string) (string, error) {
+	var version int
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
+		return "", fmt.Errorf("read server version: %w", err)
+	}
+	if version < 150000 {
+		return "", nil // no column lists before PostgreSQL 15
+	}
+	var why string
+	err := pool.QueryRow(ctx, sqlColumnListBlocker, t.oid, pub).Scan(&why)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("read publications of %s: %w", t.qualified(), err)
+	}
+	return why, nil
 }
 
 // makeFull sets REPLICA IDENTITY FULL on t's relations that are not,
@@ -358,8 +425,8 @@ const (
 	// sqlPublication also says whether the server has schema publications
 	// (FOR TABLES IN SCHEMA, pg_publication_namespace: PostgreSQL 15+).
 	sqlPublication = `SELECT puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot,
-       current_setting('server_version_num')::int >= 150000
-FROM pg_publication WHERE pubname = $1`
+       current_setting('server_version_num')::int >= 150000, coalesce(to_jsonb(p) ->> 'pubgencols', '')
+FROM pg_publication p WHERE pubname = $1`
 	// PostgreSQL 14: tables only, never filtered.
 	sqlPublicationTables14 = `
 SELECT pr.prrelid, false FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`
@@ -388,12 +455,18 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 	var list []string
 	for _, t := range sel.tables {
 		want[t.oid] = true
-		list = append(list, t.sanitized())
+		list = append(list, t.member())
 		if !cur.tables[t.oid] && !t.owned {
 			return false, configErr("must own table %s to publish it: as a superuser, run GRANT <owner role of %s> TO <capture role> (membership is enough; ALTER TABLE .. OWNER TO would break the application's migrations), then start again", t.qualified(), t.sanitized())
 		}
 	}
 	stmts := cur.statements(pub, list, want)
+	if gen, err := hasGeneratedColumnsOption(ctx, pool); err != nil {
+		return false, err
+	} else if gen {
+		stmts = cur.statementsWith(pub, list, want, publicationOptions+", "+generatedOption,
+			cur.ins || cur.upd || !cur.del || !cur.trunc || !cur.root || cur.gencols != "s")
+	}
 	for _, s := range stmts {
 		if _, err := pool.Exec(ctx, s); err != nil {
 			var pgErr *pgconn.PgError
@@ -410,6 +483,7 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 type publicationState struct {
 	exists                     bool
 	ins, upd, del, trunc, root bool            // its options
+	gencols                    string          // pubgencols (PostgreSQL 18+): "s" publishes stored generated columns
 	tables                     map[uint32]bool // relation oids it holds (0: a schema)
 	filtered                   bool            // a table has a row filter or a column list
 }
@@ -419,7 +493,7 @@ type publicationState struct {
 func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*publicationState, error) {
 	st := &publicationState{exists: true, tables: map[uint32]bool{}}
 	var allTables, schemas bool
-	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root, &schemas)
+	err := pool.QueryRow(ctx, sqlPublication, name).Scan(&allTables, &st.ins, &st.upd, &st.del, &st.trunc, &st.root, &schemas, &st.gencols)
 	if errors.Is(err, pgx.ErrNoRows) {
 		st.exists = false
 		return st, nil
@@ -459,11 +533,17 @@ func readPublication(ctx context.Context, pool *pgxpool.Pool, name string) (*pub
 // exactly list (the tables, sanitized; want their oids) with
 // publicationOptions: none when it does.
 func (st *publicationState) statements(pub string, list []string, want map[uint32]bool) []string {
+	return st.statementsWith(pub, list, want, publicationOptions, st.ins || st.upd || !st.del || !st.trunc || !st.root)
+}
+
+// statementsWith is statements for a publication with options opts;
+// reopt says its current options differ from them.
+func (st *publicationState) statementsWith(pub string, list []string, want map[uint32]bool, opts string, reopt bool) []string {
 	if !st.exists && len(list) > 0 {
-		return []string{"CREATE PUBLICATION " + pub + " FOR TABLE " + strings.Join(list, ", ") + " WITH (" + publicationOptions + ")"}
+		return []string{"CREATE PUBLICATION " + pub + " FOR TABLE " + strings.Join(list, ", ") + " WITH (" + opts + ")"}
 	}
 	if !st.exists {
-		return []string{"CREATE PUBLICATION " + pub + " WITH (" + publicationOptions + ")"}
+		return []string{"CREATE PUBLICATION " + pub + " WITH (" + opts + ")"}
 	}
 	sameTables := len(st.tables) == len(want) && !st.filtered
 	for oid := range st.tables {
@@ -477,13 +557,76 @@ func (st *publicationState) statements(pub string, list []string, want map[uint3
 			stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET TABLE "+strings.Join(list, ", "))
 		} else {
 			// SET needs at least one table: drop and recreate empty.
-			stmts = append(stmts, "DROP PUBLICATION "+pub, "CREATE PUBLICATION "+pub+" WITH ("+publicationOptions+")")
+			stmts = append(stmts, "DROP PUBLICATION "+pub, "CREATE PUBLICATION "+pub+" WITH ("+opts+")")
 		}
 	}
-	if st.ins || st.upd || !st.del || !st.trunc || !st.root {
-		stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET ("+publicationOptions+")")
+	if reopt {
+		stmts = append(stmts, "ALTER PUBLICATION "+pub+" SET ("+opts+")")
 	}
 	return stmts
+}
+
+// generatedOption makes pgoutput send the stored generated columns'
+// values (PostgreSQL 18+), so a deleted row is archived as it was, not
+// with values computed again.
+const generatedOption = `publish_generated_columns = stored`
+
+// hasGeneratedColumnsOption reports whether the server has
+// publish_generated_columns (PostgreSQL 18+).
+func hasGeneratedColumnsOption(ctx context.Context, pool *pgxpool.Pool) (bool, error) {
+	var ok bool
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int >= 180000`).Scan(&ok); err != nil {
+		return false, fmt.Errorf("read server version: %w", err)
+	}
+	return ok, nil
+}
+
+// movesOptions are those of the moves publication (movesPublication): the
+// inserts of the partitioned tables only, via their roots, so that a row an
+// UPDATE moves to another partition (a delete and an insert in the WAL) is
+// recognised as a move and not archived.
+const movesOptions = `publish = 'insert', publish_via_partition_root = true`
+
+// movesPublication names the publication that sends the inserts of the
+// partitioned tables name publishes, within PostgreSQL's 63 bytes.
+func movesPublication(name string) string {
+	const suffix = "_moves"
+	if len(name)+len(suffix) > 63 {
+		name = name[:63-len(suffix)]
+	}
+	return name + suffix
+}
+
+// syncMovesPublication makes the moves publication of name hold exactly the
+// partitioned tables of sel; created reports it did not exist before.
+func syncMovesPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *tableSelection) (created bool, err error) {
+	moves := movesPublication(name)
+	cur, err := readPublication(ctx, pool, moves)
+	if err != nil {
+		return false, err
+	}
+	want := map[uint32]bool{}
+	var list []string
+	for _, t := range sel.tables {
+		if t.kind == 'p' {
+			want[t.oid] = true
+			list = append(list, t.sanitized())
+		}
+	}
+	opts, reopt := movesOptions, !cur.ins || cur.upd || cur.del || cur.trunc || !cur.root
+	// pgoutput refuses a table two publications publish with different
+	// publish_generated_columns: the same as the publication's.
+	if gen, err := hasGeneratedColumnsOption(ctx, pool); err != nil {
+		return false, err
+	} else if gen {
+		opts, reopt = opts+", "+generatedOption, reopt || cur.gencols != "s"
+	}
+	for _, s := range cur.statementsWith(pgx.Identifier{moves}.Sanitize(), list, want, opts, reopt) {
+		if _, err := pool.Exec(ctx, s); err != nil {
+			return false, fmt.Errorf("sync publication %s: %w", moves, err)
+		}
+	}
+	return !cur.exists, nil
 }
 
 // publicationTables lists the tables a publication holds, "schema.table".

@@ -123,6 +123,13 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	} else {
 		p.Notes = append(p.Notes, fmt.Sprintf("no publication %q", cfg.PublicationName))
 	}
+	moves := movesPublication(cfg.PublicationName)
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)`, moves).Scan(&pubExists); err != nil {
+		return nil, fmt.Errorf("read publication %s: %w", moves, err)
+	}
+	if pubExists {
+		p.Steps = append(p.Steps, "DROP PUBLICATION "+pgx.Identifier{moves}.Sanitize())
+	}
 
 	var (
 		slotDB, curDB string

@@ -302,6 +302,17 @@ func TestPlanSlot(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, p.drop && p.create && p.gap != "")
 
+	// PostgreSQL 18 invalidates a slot inactive for longer than
+	// idle_replication_slot_timeout: wal_status need not say lost.
+	idle := healthy
+	idle.walStatus, idle.invalidation = s("reserved"), "idle_timeout"
+	_, err = planSlot(idle, "epitaph", "db", tl, "EPITAPH_MAIN", false)
+	requireFix(t, err, "invalidated (idle_timeout: inactive longer than idle_replication_slot_timeout)", "--recreate-slot")
+	p, err = planSlot(idle, "epitaph", "db", tl, "EPITAPH_MAIN", true)
+	require.NoError(t, err)
+	require.True(t, p.drop && p.create)
+	require.Contains(t, p.gap, "idle_replication_slot_timeout")
+
 	active := healthy
 	active.activePID = &pid
 	_, err = planSlot(active, "epitaph", "db", tl, "EPITAPH_MAIN", false)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -119,6 +120,11 @@ func (s *Service) reconcile(ctx context.Context) error {
 		s.log.Info("set REPLICA IDENTITY FULL (--set-replica-identity-full)", "tables", sel.madeFull)
 		s.m.madeFull.Add(float64(len(sel.madeFull)))
 	}
+	for _, sk := range sel.skipped {
+		if strings.Contains(sk, ": not set FULL: ") && s.warnedOwner("column list "+sk) {
+			s.log.Warn("table not set REPLICA IDENTITY FULL: another publication publishes it with a column list, and FULL would make the application's UPDATEs and DELETEs fail", "table", sk)
+		}
+	}
 	current, err := publicationOIDs(ctx, s.pool, cfg.PublicationName)
 	if err != nil {
 		return err
@@ -153,15 +159,23 @@ func (s *Service) reconcile(ctx context.Context) error {
 			}
 			continue
 		}
-		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.sanitized()); err != nil {
+		lost, err := addTable(ctx, s.pool, pub, t, !s.knewTable(t.oid))
+		if err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
 				continue // dropped meanwhile, or added meanwhile (the DDL guard)
 			}
 			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), cfg.PublicationName, err)
 		}
+		if lost > 0 {
+			s.log.Warn("new table had deletes before it was published: they are not captured; a gap naming it is recorded",
+				"table", t.qualified(), "deleted_rows", lost)
+		}
 		s.m.tablesAdded.Inc()
 		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
+	}
+	if err := s.addMoves(ctx, sel); err != nil {
+		return err
 	}
 	if err := s.cat.remember(ctx, sel.oids()); err != nil {
 		return err
@@ -190,6 +204,95 @@ func (s *Service) warnedOwner(table string) bool {
 	}
 	s.ownerWarned[table] = true
 	return true
+}
+
+// sqlDeletedBefore counts the rows deleted from a table (and its
+// partitions) as the server's statistics have them: they reach the
+// statistics up to seconds after the deleting transaction, and count
+// aborted deletes too.
+const sqlDeletedBefore = `
+SELECT coalesce(sum(pg_stat_get_tuples_deleted(r.relid)), 0)::bigint
+FROM (SELECT $1::oid::regclass AS relid UNION SELECT relid FROM pg_partition_tree($1::oid::regclass)) r`
+
+const reasonDeletedBefore = "deleted before it was published: rows were deleted from this new table before the catalog poll added it to the publication, and those deletes are not captured"
+
+// addTable adds t to the publication pub. For a table new to the capture
+// (fresh) it also reads how many rows the statistics say were deleted from
+// it and, when any were, writes a gap naming it in the same transaction:
+// a new table's deletes before it was published are never silent.
+func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo, fresh bool) (lost int64, err error) {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.member()); err != nil {
+			return err
+		}
+		if !fresh {
+			return nil
+		}
+		if err := tx.QueryRow(ctx, sqlDeletedBefore, t.oid).Scan(&lost); err != nil {
+			return err
+		}
+		if lost == 0 {
+			return nil
+		}
+		content, err := json.Marshal(tableGap{Schema: t.schema, Table: t.name, Reason: reasonDeletedBefore})
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, event.PrefixGap, string(content))
+		return err
+	})
+	return lost, err
+}
+
+// knewTable reports whether the capture's last selection held the table
+// (published, refused or unsafe): one it knew is not new, and its deletes
+// before were accounted for (captured, or a gap when it was removed).
+func (s *Service) knewTable(oid uint32) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.sel == nil {
+		return false
+	}
+	for _, t := range s.sel.tables {
+		if t.oid == oid {
+			return true
+		}
+	}
+	for _, t := range s.sel.unsafe {
+		if t.oid == oid {
+			return true
+		}
+	}
+	return false
+}
+
+// addMoves adds the partitioned tables the publication holds and its
+// moves publication lacks (new ones, or added by the DDL guard) to the
+// latter, so their rows moved by an UPDATE are recognised.
+func (s *Service) addMoves(ctx context.Context, sel *tableSelection) error {
+	name := s.cfg.PublicationName
+	inPub, err := publicationOIDs(ctx, s.pool, name)
+	if err != nil {
+		return err
+	}
+	inMoves, err := publicationOIDs(ctx, s.pool, movesPublication(name))
+	if err != nil {
+		return err
+	}
+	moves := pgx.Identifier{movesPublication(name)}.Sanitize()
+	for _, t := range sel.tables {
+		if t.kind != 'p' || !inPub[t.oid] || inMoves[t.oid] {
+			continue
+		}
+		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+moves+" ADD TABLE "+t.sanitized()); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710" || pgErr.Code == "42704" || pgErr.Code == "42501") {
+				continue // dropped meanwhile, added meanwhile, no moves publication, or not ours to change (logged at start)
+			}
+			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), movesPublication(name), err)
+		}
+	}
+	return nil
 }
 
 func publicationOIDs(ctx context.Context, pool *pgxpool.Pool, name string) (map[uint32]bool, error) {
@@ -269,7 +372,7 @@ BEGIN
   PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
   -- Candidates: published tables, and tables that fit the configuration.
   FOR t IN
-    SELECT c.oid, n.nspname, c.relname,
+    SELECT c.oid, n.nspname, c.relname, c.relkind,
            EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
                    WHERE p.pubname = v_pub AND pr.prrelid = c.oid) AS published
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -321,7 +424,9 @@ BEGIN
           json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
         RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
       ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
-        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+        -- ONLY: an inheritance parent's children are candidates of their own.
+        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
+          CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
       END IF;
     EXCEPTION WHEN OTHERS THEN
       RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;

@@ -66,15 +66,19 @@ func loadRows(ctx context.Context, target *pgxpool.Pool, cfg Config) ([]*archive
 		return nil, fmt.Errorf("read archived rows of %s: %w", cfg.CorrelationID, err)
 	}
 	// A key deleted twice in one transaction (deleted, inserted again,
-	// deleted) is put back as it was last: the later version wins.
+	// deleted) is put back as it was last: the later version wins. Rows of
+	// a table without a key are each a row of their own, duplicates
+	// included: nothing says two of them were one row.
 	last := map[string]int{}
 	for i, a := range all {
-		last[nodeID(a.qualified(), a.key)] = i
+		if hasKey(a.key) {
+			last[nodeID(a.qualified(), a.key)] = i
+		}
 	}
 	var out []*archived
 	for i, a := range all {
 		id := nodeID(a.qualified(), a.key)
-		if last[id] == i && (want == nil || want[id]) {
+		if (!hasKey(a.key) || last[id] == i) && (want == nil || want[id]) {
 			out = append(out, a)
 		}
 	}
@@ -97,6 +101,9 @@ func scanArchived(r pgx.CollectableRow) (*archived, error) {
 	}
 	if err := json.Unmarshal(row, &a.row); err != nil || a.row == nil {
 		return nil, fmt.Errorf("archived row %s %s is not a JSON object", a.qualified(), a.key)
+	}
+	if len(a.row) == 0 {
+		return nil, cannot("%s has no columns: its archived rows hold no value, so how many there were and what they were cannot be put back", a.qualified())
 	}
 	if len(cols) == 0 || json.Unmarshal(cols, &a.columns) != nil || len(a.columns) == 0 {
 		return nil, cannot("%s %s has no column types in the archive", a.qualified(), a.key)
@@ -124,6 +131,13 @@ func canonical(b []byte) json.RawMessage {
 		return b
 	}
 	return out
+}
+
+// hasKey reports whether key names a row: a JSON object with a member
+// (a table without a primary key or replica identity index has none).
+func hasKey(key json.RawMessage) bool {
+	var m map[string]json.RawMessage
+	return json.Unmarshal(key, &m) == nil && len(m) > 0
 }
 
 func nodeID(table string, key json.RawMessage) string { return table + " " + string(canonical(key)) }

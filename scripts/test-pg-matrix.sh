@@ -9,7 +9,7 @@ set -euo pipefail
 GO="${GO:-go}"
 versions="${PG_MATRIX:-14 16 17 18}"
 # TestServerIsTheRequestedMajor proves each run is on the version it names.
-run='^(TestServerIsTheRequestedMajor|TestLosslessValues|TestReplicaIdentity|TestKeys|TestMixedIdentityPartitions|TestPartitionedTableNamesParent|TestPublicationRowFilterAndColumnListAreRemoved|TestSlotWithoutFailoverBefore17|TestCaptureExactlyOnceUnderKills)$'
+run='^(TestServerIsTheRequestedMajor|TestLosslessValues|TestReplicaIdentity|TestKeys|TestMixedIdentityPartitions|TestPartitionedTableNamesParent|TestPublicationRowFilterAndColumnListAreRemoved|TestSlotWithoutFailoverBefore17|TestPartitionMoveNotADelete|TestGeneratedColumns|TestCaptureExactlyOnceUnderKills)$'
 cache="${EPITAPH_PG_CACHE:-/var/cache/epitaph-pg}"
 
 skipped=()
