@@ -34,6 +34,10 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	defer func() { e.suffix, e.afterArchive, e.beforeStart, e.handlerParallelism = suffix, nil, nil, 0 }()
 	e.handlerParallelism = parallelism
 	prefix := fmt.Sprintf("projector.handlers.p%d.", parallelism)
+	batch := max(e.handlerBatch, 1)
+	if batch > 1 {
+		prefix = fmt.Sprintf("projector.handlers.p%d.b%d.", parallelism, batch)
+	}
 	if e.revalidate {
 		prefix += "revalidate."
 	}
@@ -55,12 +59,12 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		return 0, err
 	}
 
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_%t", round, parallelism, e.revalidate))
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_b%d_%t", round, parallelism, batch, e.revalidate))
 	if err != nil {
 		return 0, err
 	}
 	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
-	e.suffix = fmt.Sprintf(".handlers.p%d%s", parallelism, suffix)
+	e.suffix = fmt.Sprintf(".handlers.p%d.b%d%s", parallelism, batch, suffix)
 	// The handlers exist before the projector starts (after its migrate).
 	e.beforeStart = func(ctx context.Context, url string) error {
 		pool, err := pgxpool.New(ctx, url)
@@ -75,7 +79,8 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			s, tb := splitTable(t)
 			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
 				Kind: handler.KindWebhook, Target: "http://" + ln.Addr().String() + "/hook", MaxAttempts: 5, Backoff: time.Second,
-				ClaimTimeout: time.Minute, Revalidate: e.revalidate, SecretFile: secretFile}); err != nil {
+				ClaimTimeout: time.Minute, Revalidate: e.revalidate, SecretFile: secretFile,
+				BatchSize: batch, BatchWait: 20 * time.Millisecond}); err != nil {
 				return err
 			}
 		}
@@ -156,12 +161,12 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	applyTook := float64(n) / with
 	deliveries := float64(n) / deliveredAt.Sub(start).Seconds()
 	record("apply_rows_per_sec", with, "rows/s (apply with a webhook handler on every table)")
-	record("deliveries_per_sec", deliveries, fmt.Sprintf("deliveries/s (webhook, --handler-parallelism %d; from the projector's start to the last done)", parallelism))
+	record("deliveries_per_sec", deliveries, fmt.Sprintf("deliveries/s (webhook, --handler-parallelism %d, --batch-size %d; from the projector's start to the last done)", parallelism, batch))
 	record("ratio_deliveries_to_apply", deliveries/with, "x of the apply rate of the same run (target >= 0.80)")
 	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
 	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
-	if !e.revalidate {
+	if !e.revalidate && batch == 1 {
 		lim.n, lim.plain, lim.deliveries, lim.wall = n, plain, deliveries, deliveredAt.Sub(start).Seconds()
 		lim.record(record)
 	}

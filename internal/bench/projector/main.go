@@ -89,6 +89,9 @@ type env struct {
 	metricsAddrs []string
 	// handlerParallelism, when set, is EPITAPH_HANDLER_PARALLELISM.
 	handlerParallelism int
+	// handlerBatch is the handlers round's webhook --batch-size (0 or 1:
+	// one POST per delivery).
+	handlerBatch int
 	// handlersProfile, when set, is the path prefix of the handlers
 	// rounds' projector CPU profiles (-handlers-cpuprofile).
 	handlersProfile string
@@ -139,10 +142,11 @@ func main() {
 	handlers := flag.Bool("handlers", false, "also run the row handlers phase (make bench-handlers): a webhook handler on every table")
 	handlersProfile := flag.String("handlers-cpuprofile", "", "path prefix: the handlers rounds' projectors write CPU profiles (projector run --cpu-profile) to <prefix>.handlers.p<N>[.revalidate...].<i>.prof")
 	handlerPar := flag.String("handler-parallelism", "4,16", "the row handlers phase runs once per value (comma-separated)")
+	handlerBatch := flag.String("handler-batch", "1", "the row handlers phase runs once per webhook batch size (comma-separated; --batch-size of the handlers)")
 	curve := flag.String("worker-curve", "1,2,4", "apply the same stream with this many projector processes each (comma-separated; empty skips): the scaling figures")
 	flag.Parse()
 	o := opts{rows: *rows, perTx: *perTx, workers: *workers, keep: *keep, batch: *batch, skipE2E: *skipE2E, onlyE2E: *onlyE2E,
-		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, snapPairs: max(1, *snapPairs), snapCases: map[string]bool{}, handlers: *handlers, handlerPar: *handlerPar,
+		skipSnapshots: *skipSnapshots, snapPerTx: *snapPerTx, snapPairs: max(1, *snapPairs), snapCases: map[string]bool{}, handlers: *handlers, handlerPar: *handlerPar, handlerBatch: *handlerBatch,
 		inProcess: *inProcess || *cpuProfile != "", cpuProfile: *cpuProfile, pgStats: *pgStats, projectorBin: *projectorBin, compareBin: *compareBin, rounds: max(1, *rounds)}
 	for _, c := range strings.Split(*snapCases, ",") {
 		switch c = strings.TrimSpace(c); c {
@@ -176,6 +180,7 @@ type opts struct {
 	skipSnapshots               bool
 	handlers                    bool
 	handlerPar                  string
+	handlerBatch                string
 	rounds                      int
 	keep, skipE2E, inProcess    bool
 	onlyE2E                     bool
@@ -376,22 +381,47 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 }
 
 // handlersRounds is round r's row handlers phase, once per
-// -handler-parallelism value.
+// -handler-parallelism value and -handler-batch size; the revalidation
+// round runs beside the unbatched one.
 func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, plain plainApply, res *roundResults) error {
-	for _, par := range strings.Split(o.handlerPar, ",") {
-		p, err := strconv.Atoi(strings.TrimSpace(par))
-		if err != nil || p < 1 {
-			return fmt.Errorf("-handler-parallelism %q: want positive numbers", o.handlerPar)
-		}
-		rate, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), plain, res.snaps)
-		if err != nil {
-			return err
-		}
-		if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), plain, rate, res.snaps); err != nil {
-			return err
+	pars, err := positives("-handler-parallelism", o.handlerPar)
+	if err != nil {
+		return err
+	}
+	batches, err := positives("-handler-batch", o.handlerBatch)
+	if err != nil {
+		return err
+	}
+	for _, p := range pars {
+		for _, b := range batches {
+			e.handlerBatch = b
+			rate, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), plain, res.snaps)
+			e.handlerBatch = 0
+			if err != nil {
+				return err
+			}
+			if b > 1 {
+				continue
+			}
+			if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), plain, rate, res.snaps); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
+}
+
+// positives parses a comma-separated list of positive integers.
+func positives(flagName, list string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(list, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("%s %q: want positive numbers", flagName, list)
+		}
+		out = append(out, v)
+	}
+	return out, nil
 }
 
 // reportRounds prints the medians of the rounds; it returns the apply rate.
