@@ -65,6 +65,9 @@ type item struct {
 	// quarantine: set when the event cannot be applied (permanent)
 	category string
 	failure  error
+	// replay: a verified message applied already, published again; it is
+	// ignored (verify.go, replayed).
+	replay bool
 }
 
 func identityOf(headers map[string][]string, data []byte) string {
@@ -820,6 +823,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	w.svc.afterPage(ctx, w.ver, w.lease.Partition, fresh) // side effects: live version only
 	w.applied += uint64(len(fresh))
 	w.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
+	w.metrics.replayed.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.replayed))
 	for cat, n := range res.quarantined {
 		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
 	}

@@ -392,6 +392,8 @@ type verdict struct {
 	// continued: the partition sequence continued from this stream
 	// sequence + 1 (a suspected gap starting there is cleared).
 	continued []uint64
+	// replayed counts the messages ignored as replays (item.replay).
+	replayed int
 }
 
 // verifyPage verifies a page (see the comment at the top of this file). It
@@ -435,10 +437,11 @@ type pageVerifier struct {
 	vd     *verdict
 	inPage map[uint64]*item // built when the slow path needs it
 	page   []*item          // this page's pending rows
+	lsn    event.LSN        // the source position applied so far (replayed)
 }
 
 func newPageVerifier(w *partitionWorker, items []*item) *pageVerifier {
-	pv := &pageVerifier{w: w, items: items, st: w.pos.Trust, d: event.NewDigest(), vd: &verdict{pending: map[*item]bool{}}}
+	pv := &pageVerifier{w: w, items: items, st: w.pos.Trust, d: event.NewDigest(), vd: &verdict{pending: map[*item]bool{}}, lsn: w.pos.SourceLSN}
 	if pv.st.Pending > 0 {
 		if err := pv.d.UnmarshalBinary(pv.st.Digest); err != nil {
 			pv.broken = true
@@ -508,13 +511,56 @@ func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) er
 			return nil
 		}
 	}
+	if pv.replayed(it) {
+		pv.replay(it, kind)
+		return nil
+	}
 	rows, short, err := pv.closeWindow(ctx, it, kind)
 	if err != nil {
 		return err
 	}
 	pv.checkPartSeq(it, rows, short)
 	pv.reset(it)
+	if l := version.PositionLSN(it.ev); l > pv.lsn {
+		pv.lsn = l
+	}
 	return nil
+}
+
+// replayed tells whether verified boundary b is a message the capture
+// signed at or before the partition's last applied one, again: its
+// partition sequence is not above the last applied one and its source
+// position is not past what the partition applied. The capture never
+// numbers two messages alike, so such a message was applied already (or
+// lies in a gap recorded then); one with a lower partition sequence whose
+// position is new is a regression (checkPartSeq).
+func (pv *pageVerifier) replayed(b *item) bool {
+	ps := partSeqOf(b)
+	return pv.st.PartSeq > 0 && ps > 0 && ps <= pv.st.PartSeq && version.PositionLSN(b.ev) <= pv.lsn
+}
+
+// replay ignores a replayed boundary b: it moves nothing (neither the
+// partition sequence nor the source position) and records no gap. A
+// replayed commit whose pending rows are exactly its signed transaction
+// (the fast path's digest) takes them along, ignored too: their rows are
+// archived already. Otherwise the open window stays as it is, for the
+// boundary that really closes it.
+func (pv *pageVerifier) replay(b *item, kind msgKind) {
+	b.replay = true
+	pv.vd.replayed++
+	st := pv.st
+	if st.Pending == 0 {
+		pv.reset(b)
+		return
+	}
+	if want := header(b, event.HeaderDigest); kind == kindCommit && !pv.broken && want != "" && pv.d.Sum() == want {
+		for _, it := range pv.page {
+			delete(pv.vd.pending, it)
+			it.replay = true
+			pv.vd.replayed++
+		}
+		pv.reset(b)
+	}
 }
 
 // checkPartSeq compares boundary b's partition sequence with the last one
@@ -527,14 +573,22 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 	if ps == 0 && !short {
 		return
 	}
-	if short || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
+	// regressed: a sequence not above the last applied one on a message
+	// whose position is new (replayed said it is not a replay): the
+	// capture numbered again from an earlier point, so what it numbered
+	// past it may be gone. Never a continuation.
+	regressed := st.PartSeq > 0 && ps > 0 && ps <= st.PartSeq
+	if short || regressed || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
 		to := b.seq - 1
 		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
 		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev)})
-		pv.w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
-			"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
+		msg := "messages were removed from the stream before this version applied them: recorded a removed_from_stream gap"
+		if regressed {
+			msg = "the partition sequence went back on a new message (the capture numbered again, so messages it numbered may be gone): recorded a removed_from_stream gap"
+		}
+		pv.w.log.Error(msg, "from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
 	} else if st.PartSeq > 0 {
 		pv.vd.continued = append(pv.vd.continued, st.TxStart)
 	}
@@ -891,10 +945,18 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 
 // recordGap records a removed_from_stream gap of a partition, or completes
 // the open one that starts at the same stream sequence (a suspected gap).
+//
+// A regression (a partition sequence that went back) right after the last
+// verified boundary names no message of the stream: its range is empty and
+// recorded with NULL sequences, never as from_seq > to_seq.
 func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g gapRow) error {
-	tag, err := tx.Exec(ctx, `UPDATE `+archive.Ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
+	var fromSeq, toSeq any = int64(g.fromSeq), int64(g.toSeq)
+	if g.toSeq < g.fromSeq {
+		fromSeq, toSeq = nil, nil
+	}
+	tag, err := tx.Exec(ctx, `UPDATE `+archive.Ident(schema, "gaps")+` SET to_seq = GREATEST(to_seq, $3), to_lsn = $4::pg_lsn
 		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND acknowledged_at IS NULL`,
-		partition, int64(g.fromSeq), int64(g.toSeq), nullLSNText(g.toLSN))
+		partition, int64(g.fromSeq), toSeq, nullLSNText(g.toLSN))
 	if err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
 	}
@@ -903,7 +965,7 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
 		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
-		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
+		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), fromSeq, toSeq); err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
 	}
 	return nil
