@@ -58,7 +58,7 @@ import (
 //     the same transaction.
 //
 // Messages at or before the partition's legacy boundary (a stream written
-// before signing) are believed as before.
+// before signing, recorded by an operator) are believed as before.
 
 // maxChoices bounds the slow path: how many combinations of candidates
 // (messages claiming the same commit LSN and seq) are hashed against a
@@ -67,10 +67,6 @@ const maxChoices = 256
 
 // maxWindow bounds how many messages the slow path re-reads.
 const maxWindow = 500_000
-
-// legacyScan bounds how far back from a partition's end the first run
-// looks for the last unsigned message.
-const legacyScan = 2000
 
 type msgKind int
 
@@ -257,105 +253,27 @@ func kindName(subject string) string {
 	return parts[3]
 }
 
-// legacyBoundary returns the partition's legacy boundary, recording it on
-// the first run: the last unsigned message of the partition in the stream
-// now (looking back at most legacyScan messages from its end), 0 when
-// there is none. Every version and every later run uses the recorded one.
+// legacyBoundary is the partition's legacy boundary as an operator
+// recorded it (projector trust-key --legacy-boundary), 0 when none is.
+// It is never inferred from the stream: unsigned messages found on a first
+// run may as well be a forger's, published into a stream emptied behind
+// the capture's back, so they are believed only below a boundary someone
+// vouched for.
 func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
-	name := event.StreamName(w.cfg.SourceName)
 	var seq int64
 	err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
-		name, w.lease.Partition).Scan(&seq)
-	if err == nil {
-		return uint64(seq), nil
+		event.StreamName(w.cfg.SourceName), w.lease.Partition).Scan(&seq)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
 	}
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return 0, fmt.Errorf("read legacy boundary: %w", err)
-	}
-	boundary, err := w.findLegacyBoundary(ctx)
 	if err != nil {
-		return 0, err
-	}
-	if _, err := w.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
-		VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`, name, w.lease.Partition, int64(boundary)); err != nil {
-		return 0, fmt.Errorf("record legacy boundary: %w", err)
-	}
-	if err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
-		name, w.lease.Partition).Scan(&seq); err != nil {
 		return 0, fmt.Errorf("read legacy boundary: %w", err)
 	}
 	if seq > 0 {
-		w.log.Warn("the stream holds messages written before signing: they are believed up to this legacy boundary, unsigned messages after it are quarantined",
+		w.log.Info("unsigned messages at or before the recorded legacy boundary are believed; unsigned messages after it are quarantined",
 			"boundary_seq", seq)
 	}
 	return uint64(seq), nil
-}
-
-// findLegacyBoundary looks back from the partition's end (at most
-// legacyScan messages) for the first message of the signing era (one that
-// carries a partition sequence or a signature) and returns the last
-// unsigned message before it. Unsigned messages after the signing era began
-// are not legacy (a foreign client published them), so a forgery that
-// arrives before a projector's first run does not become believed. When the
-// whole scanned range is unsigned, the partition's last message is the
-// boundary; when it is all signing era, 0.
-func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error) {
-	last, err := w.stream.GetLastMsgForSubject(ctx, w.filter)
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, fmt.Errorf("read the partition's last message: %w", err)
-	}
-	info, err := w.stream.Info(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("stream info: %w", err)
-	}
-	signed := func(h nats.Header) bool {
-		return h.Get(event.HeaderPartitionSeq) != "" || h.Get(event.HeaderSignature) != ""
-	}
-	// The common case, a stream signed from its start: the partition's
-	// first message says so in one read.
-	if first, err := w.stream.GetMsg(ctx, info.State.FirstSeq, jetstream.WithGetMsgSubject(w.filter)); err == nil && signed(first.Header) {
-		return 0, nil
-	} else if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
-		return 0, fmt.Errorf("read the partition's first message: %w", err)
-	}
-	prefix := strings.TrimSuffix(w.filter, ">")
-	var unsigned []uint64 // newest first
-	firstSigned := uint64(0)
-	if signed(last.Header) {
-		firstSigned = last.Sequence
-	} else {
-		unsigned = append(unsigned, last.Sequence)
-	}
-	for seq, n := last.Sequence, 0; seq > info.State.FirstSeq && n < legacyScan; n++ {
-		seq--
-		m, err := w.stream.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
-		}
-		if err != nil {
-			return 0, fmt.Errorf("read message %d: %w", seq, err)
-		}
-		if !strings.HasPrefix(m.Subject, prefix) {
-			continue
-		}
-		if signed(m.Header) {
-			firstSigned = m.Sequence
-		} else {
-			unsigned = append(unsigned, m.Sequence)
-		}
-	}
-	if firstSigned == 0 {
-		return last.Sequence, nil
-	}
-	for _, u := range unsigned {
-		if u < firstSigned {
-			return u, nil
-		}
-	}
-	return 0, nil
 }
 
 // rowID names an archived row.
