@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -141,4 +142,38 @@ func TestRegressedPartitionSequenceIsAGap(t *testing.T) {
 	rs := readiness(t, e)
 	require.False(t, rs.Ready)
 	require.Equal(t, 1, rs.GapsUnacknowledged)
+}
+
+// A new target on a stream whose head was removed (purged, aged out, or
+// deleted by a holder of a deleting credential) records the removed head
+// as a removed_from_stream gap on its first run, as a rebuild does: it is
+// not ready and a wait for a later position fails as incomplete, while
+// what the stream still holds is archived.
+func TestFirstRunOnAStreamMissingItsHeadIsAGap(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	tx1, tx2, tx3 := e.nextTx(orderRows(1, 1)...), e.nextTx(orderRows(2, 1)...), e.nextTx(orderRows(3, 1)...)
+	e.publish(tx1) // seq 1-3
+	e.publish(tx2) // 4-6
+	e.publish(tx3) // 7-9
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	require.NoError(t, stream.Purge(ctx, jetstream.WithPurgeSequence(4)))
+
+	e.start(e.config("w1"))
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
+	require.Equal(t, expected(t, c, tx2, tx3), archived(t, c, "archive.rows"))
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive_v1.gaps`))
+	require.Equal(t, 1, count(t, c, `SELECT count(*) FROM archive_v1.gaps WHERE kind = 'removed_from_stream'
+		AND partition IS NULL AND from_seq = 1 AND to_seq = 3 AND to_lsn = $1::pg_lsn AND acknowledged_at IS NULL`, tx2.lsn.String()))
+	rs := readiness(t, e)
+	require.False(t, rs.Ready)
+	require.Equal(t, 1, rs.GapsUnacknowledged)
+	wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	_, err = status.WaitComplete(wctx, c, archive.Projection, tx3.lsn, 0)
+	var incomplete *status.IncompleteError
+	require.ErrorAs(t, err, &incomplete, "wait --lsn exits 3")
 }

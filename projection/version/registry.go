@@ -160,6 +160,17 @@ func EnsureArchive(ctx context.Context, db interface {
 func EnsureArchiveVersions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) ([]Version, error) {
+	return EnsureArchiveVersionsFrom(ctx, db, partitions, extraDDL, nil)
+}
+
+// EnsureArchiveVersionsFrom is EnsureArchiveVersions; when it creates
+// version 1 and head is not nil (StreamHead: the stream lost its
+// beginning), version 1 records the removed head as a removed_from_stream
+// gap, as a rebuild does: a new target must not take a stream that starts
+// late for the whole history.
+func EnsureArchiveVersionsFrom(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, partitions int, extraDDL func(schema string) string, head *Head) ([]Version, error) {
 	var ensured []Version
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		if err := LockVersions(ctx, tx); err != nil {
@@ -169,7 +180,8 @@ func EnsureArchiveVersions(ctx context.Context, db interface {
 		if err != nil {
 			return err
 		}
-		if len(vs) == 0 {
+		created := len(vs) == 0
+		if created {
 			if partitions < 1 {
 				return errors.New("create archive v1: partition count unknown")
 			}
@@ -215,6 +227,12 @@ func EnsureArchiveVersions(ctx context.Context, db interface {
 			}
 		}
 		ensured = vs
+		if created && head != nil {
+			p := &rebuildPlan{head: &removedGap{toSeq: head.ToSeq, toLSN: head.ToLSN}}
+			if err := p.position(ctx, tx, vs[0]); err != nil {
+				return err
+			}
+		}
 		if live > 0 {
 			return PointViews(ctx, tx, live)
 		}
