@@ -29,7 +29,6 @@ import (
 type applyResult struct {
 	pos         progress.Position
 	applied     int
-	replayed    int // verified messages applied already, ignored
 	quarantined map[string]int
 	open        *openTx // the partition's transaction still open after the page
 	// snapshotsPending counts the snapshot jobs the page left to the batcher.
@@ -251,9 +250,7 @@ func (s *Service) applyTx(ctx context.Context, p *applyPlan, careful bool) (appl
 			res.quarantined[it.category]++
 			continue
 		}
-		if it.replay {
-			res.replayed++
-		} else if it.ev != nil {
+		if it.ev != nil && !it.replay {
 			res.applied++
 		}
 	}

@@ -49,7 +49,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		applied: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_applied_events_total",
 			Help: "Events applied by this worker."}, pv),
 		replayed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_replayed_events_total",
-			Help: "Signed events published again after they were applied (partition sequence not above the last applied one, position not new): ignored."}, pv),
+			Help: "Signed messages (commits, marks) published again after they were applied (partition sequence not above the last applied one, position not new): ignored with their transaction's rows."}, pv),
 		quarantined: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_quarantined_events_total",
 			Help: "Events this worker set aside in quarantine, by category."}, []string{"projection", "version", "category"}),
 		versionState: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_version_state",

@@ -907,7 +907,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	w.svc.afterPage(ctx, w.ver, w.lease.Partition, fresh) // side effects: live version only
 	w.applied += uint64(len(fresh))
 	w.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
-	w.metrics.replayed.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.replayed))
+	w.metrics.replayed.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(vd.replayed))
 	for cat, n := range res.quarantined {
 		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
 	}

@@ -310,7 +310,8 @@ type verdict struct {
 	// continued: the partition sequence continued from this stream
 	// sequence + 1 (a suspected gap starting there is cleared).
 	continued []uint64
-	// replayed counts the messages ignored as replays (item.replay).
+	// replayed counts the signed messages (commits, marks) ignored as
+	// replays; the rows they take along are not counted.
 	replayed int
 }
 
@@ -475,7 +476,6 @@ func (pv *pageVerifier) replay(b *item, kind msgKind) {
 		for _, it := range pv.page {
 			delete(pv.vd.pending, it)
 			it.replay = true
-			pv.vd.replayed++
 		}
 		pv.reset(b)
 	}
