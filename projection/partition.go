@@ -547,6 +547,14 @@ func consumerMismatch(got, want *jetstream.ConsumerConfig) string {
 		return "backoff"
 	case got.ReplayPolicy != want.ReplayPolicy:
 		return "replay_policy"
+	}
+	return limitsMismatch(got, want)
+}
+
+// limitsMismatch is consumerMismatch for the limits and modes a worker
+// never sets: any of them set is a difference.
+func limitsMismatch(got, want *jetstream.ConsumerConfig) string {
+	switch {
 	case got.RateLimit != 0:
 		return "rate_limit"
 	case got.SampleFrequency != "":
