@@ -117,15 +117,15 @@ func TestRegressedPartitionSequenceIsAGap(t *testing.T) {
 	e.start(e.config("w1"))
 	c := e.conn()
 	tx1, tx2 := e.nextTx(orderRows(1, 1)...), e.nextTx(orderRows(2, 1)...)
-	signedTx(t, e, tx1) // seq 1-3, partition sequences 1-2
-	signedTx(t, e, tx2) // seq 4-6, 3-4
+	signedTx(t, e, tx1) // seq 1-3, partition sequences 1-3
+	signedTx(t, e, tx2) // seq 4-6, 4-6
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 6 })
 
-	e.signer.Rewind(0, 2) // numbered from 3 again: the tail after tx1 was lost to the capture
+	e.signer.Rewind(0, 2) // numbered from 3 again, as a capture that lost its counters
 	tx3 := e.nextTx(orderRows(3, 1)...)
-	signedTx(t, e, tx3) // seq 7-9, 3-4 again
+	signedTx(t, e, tx3) // seq 7-9, 3-5 again
 	tx4 := e.nextTx(orderRows(4, 1)...)
-	signedTx(t, e, tx4) // seq 10-12, 5-6: continues the new numbering
+	signedTx(t, e, tx4) // seq 10-12, 6-8: continues the new numbering
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 12 })
 
 	require.Equal(t, expected(t, c, tx1, tx2, tx3, tx4), archived(t, c, "archive.rows"))
@@ -176,4 +176,40 @@ func TestFirstRunOnAStreamMissingItsHeadIsAGap(t *testing.T) {
 	_, err = status.WaitComplete(wctx, c, archive.Projection, tx3.lsn, 0)
 	var incomplete *status.IncompleteError
 	require.ErrorAs(t, err, &incomplete, "wait --lsn exits 3")
+}
+
+// A suspected gap (the stream's first sequence moved past an idle
+// partition's cursor) is not acknowledged by a signed message whose
+// partition sequence went back (a capture that numbered again after the
+// stream was emptied): the gap is completed at that message and stays
+// unacknowledged; the target is not ready.
+func TestSuspectedGapIsNotClearedByARegressedSequence(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	tx1 := e.nextTx(orderRows(1, 1)...)
+	e.publish(tx1) // seq 1-3, partition sequences 1-3
+	svc := e.start(e.config("w1"))
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 3 })
+	require.NoError(t, svc.Stop(ctx))
+
+	tx2 := e.nextTx(orderRows(2, 1)...)
+	e.publish(tx2) // seq 4-6, 4-6: never applied
+	stream, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	require.NoError(t, stream.Purge(ctx))
+	e.start(e.config("w2"))
+	eventually(t, 20*time.Second, func() bool { return len(gaps(t, c, 0)) == 1 }, "a suspected gap")
+	require.Equal(t, []gap{{partition: 0, fromSeq: 4, toSeq: 6}}, gaps(t, c, 0))
+
+	e.signer.Rewind(0, 1) // the capture counts again from 2: below the continuation
+	tx3 := e.nextTx(orderRows(3, 1)...)
+	e.publish(tx3) // seq 7-9, partition sequences 2-4
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
+	require.Equal(t, expected(t, c, tx1, tx3), archived(t, c, "archive.rows"))
+	require.Equal(t, []gap{{partition: 0, fromSeq: 4, toSeq: 6, toLSN: ptr(tx3.lsn.String())}}, gaps(t, c, 0), "completed, not acknowledged")
+	rs := readiness(t, e)
+	require.False(t, rs.Ready)
+	require.Equal(t, 1, rs.GapsUnacknowledged)
 }

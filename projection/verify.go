@@ -491,11 +491,12 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 	if ps == 0 && !short {
 		return
 	}
-	// regressed: a sequence not above the last applied one on a message
-	// whose position is new (replayed said it is not a replay): the
-	// capture numbered again from an earlier point, so what it numbered
-	// past it may be gone. Never a continuation.
-	regressed := st.PartSeq > 0 && ps > 0 && ps <= st.PartSeq
+	// regressed: a sequence below the continuation (the last applied one +
+	// 1 + the transaction's rows) on a message whose position is new
+	// (replayed said it is not a replay): the capture numbered again from
+	// an earlier point, so what it numbered past it may be gone. Never a
+	// continuation.
+	regressed := st.PartSeq > 0 && ps > 0 && ps < st.PartSeq+1+uint64(rows)
 	if short || regressed || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
 		to := b.seq - 1
 		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
