@@ -61,8 +61,8 @@ func TestForgedIDsPastTheWindowNeverDisplaceTheRealTransaction(t *testing.T) {
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, slot, captureReadyTimeout, nil))
 	workers := superviseProjectors(t, bins["projector"], url, broker.URL, 1, seed)
 	require.NoError(t, workload.WaitFor(ctx, time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
-		n, err := bench.Count(ctx, url, "SELECT count(*) FROM epitaph.legacy_boundaries")
-		return n == 8, err
+		n, err := bench.Count(ctx, url, "SELECT count(*) FROM epitaph.progress")
+		return n >= 8, err
 	}))
 
 	archived := func(want int) {

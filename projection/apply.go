@@ -120,7 +120,7 @@ type applyPlan struct {
 func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*archiveRow, error) {
 	var rows []*archiveRow
 	for _, it := range append(vd.extraRows[:len(vd.extraRows):len(vd.extraRows)], items...) {
-		if it.ev == nil || it.ev.Op != event.OpDelete || it.category != "" {
+		if it.ev == nil || it.ev.Op != event.OpDelete || it.category != "" || it.replay {
 			continue
 		}
 		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row, pending: vd.pending[it]}
@@ -159,8 +159,8 @@ func (s *Service) advance(v version.Version, pos progress.Position, vd *verdict,
 	for _, it := range items {
 		it.after = next.SourceLSN
 		next.Cursor, next.MsgID, next.Seq = it.seq, it.id, -1
-		if it.ev == nil || it.category == trust.CategoryUnauthenticated {
-			continue // undecodable or not authentic: keep the last known source position
+		if it.ev == nil || it.category == trust.CategoryUnauthenticated || it.replay {
+			continue // undecodable, not authentic or a replay: keep the last known source position
 		}
 		next.CommitLSN = version.PositionLSN(it.ev)
 		switch it.ev.Op {
@@ -251,7 +251,7 @@ func (s *Service) applyTx(ctx context.Context, p *applyPlan, careful bool) (appl
 			res.quarantined[it.category]++
 			continue
 		}
-		if it.ev != nil {
+		if it.ev != nil && !it.replay {
 			res.applied++
 		}
 	}

@@ -21,6 +21,7 @@ type metrics struct {
 	oldestPending    *prometheus.GaugeVec
 	partitionOldest  *prometheus.GaugeVec
 	applied          *prometheus.CounterVec
+	replayed         *prometheus.CounterVec
 	quarantined      *prometheus.CounterVec
 	versionState     *prometheus.GaugeVec
 	owned            *prometheus.GaugeVec
@@ -47,6 +48,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Age of the oldest unapplied event of the partition (stream timestamp)."}, pvp),
 		applied: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_applied_events_total",
 			Help: "Events applied by this worker."}, pv),
+		replayed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_replayed_events_total",
+			Help: "Signed messages (commits, marks) published again after they were applied (partition sequence not above the last applied one, position not new): ignored with their transaction's rows."}, pv),
 		quarantined: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_quarantined_events_total",
 			Help: "Events this worker set aside in quarantine, by category."}, []string{"projection", "version", "category"}),
 		versionState: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "epitaph_projector_version_state",
@@ -70,7 +73,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Rows of the version's gaps table (archive.gaps for the live version) by kind and acknowledgement: lost_upstream and removed_from_stream keep the archive from being ready until acknowledged; truncate is informational."},
 			[]string{"version", "kind", "acknowledged"}),
 	}
-	reg.MustRegister(m.lagEvents, m.lagSeconds, m.oldestPending, m.partitionOldest, m.applied, m.quarantined,
+	reg.MustRegister(m.lagEvents, m.lagSeconds, m.oldestPending, m.partitionOldest, m.applied, m.replayed, m.quarantined,
 		m.versionState, m.owned, m.unowned, m.heartbeatAge, m.transient, m.rewinds, m.consumerResets, m.statusRefreshErr, m.gaps)
 	return m
 }

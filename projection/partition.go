@@ -65,6 +65,9 @@ type item struct {
 	// quarantine: set when the event cannot be applied (permanent)
 	category string
 	failure  error
+	// replay: a verified message applied already, published again; it is
+	// ignored (verify.go, replayed).
+	replay bool
 }
 
 func identityOf(headers map[string][]string, data []byte) string {
@@ -475,7 +478,8 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 			w.cons = c
 			return nil
 		}
-		w.log.Info("resetting consumer to the cursor", "consumer", name, "reason", reason, "after", w.restart,
+		want := w.wantConsumer(name)
+		w.log.Info("resetting consumer to the cursor", "consumer", name, "reason", reason, "setting", consumerMismatch(&info.Config, &want), "after", w.restart,
 			"cursor", w.pos.Cursor, "ack_floor", info.AckFloor.Stream, "ack_pending", info.NumAckPending,
 			"num_pending", info.NumPending, "delivered", info.Delivered.Stream)
 		w.metrics.consumerResets.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), reason).Inc()
@@ -485,7 +489,18 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 	} else if !errors.Is(err, jetstream.ErrConsumerNotFound) {
 		return fmt.Errorf("look up consumer %s: %w", name, err)
 	}
-	c, err = w.stream.CreateConsumer(ctx, jetstream.ConsumerConfig{
+	c, err = w.stream.CreateConsumer(ctx, w.wantConsumer(name))
+	if err != nil {
+		return fmt.Errorf("create consumer %s at %d: %w", name, w.pos.Cursor+1, err)
+	}
+	w.cons, w.recreate, w.stalled, w.elsewhere = c, false, 0, 0
+	return nil
+}
+
+// wantConsumer is the configuration of the partition's durable consumer,
+// starting after the cursor.
+func (w *partitionWorker) wantConsumer(name string) jetstream.ConsumerConfig {
+	return jetstream.ConsumerConfig{
 		Durable:       name,
 		Description:   "epitaph projector " + name,
 		FilterSubject: w.filter,
@@ -495,23 +510,82 @@ func (w *partitionWorker) openConsumer(ctx context.Context, name string) error {
 		AckWait:       5 * time.Minute,
 		MaxAckPending: maxAckPending,
 		MaxDeliver:    -1,
-	})
-	if err != nil {
-		return fmt.Errorf("create consumer %s at %d: %w", name, w.pos.Cursor+1, err)
 	}
-	w.cons, w.recreate, w.stalled, w.elsewhere = c, false, 0, 0
-	return nil
+}
+
+// serverMaxWaiting is the pull requests a consumer holds at once when its
+// configuration does not say (the server's default).
+const serverMaxWaiting = 512
+
+// consumerMismatch names the first setting of got (a consumer on the
+// server) that differs from want (wantConsumer), or "". The whole
+// configuration is compared, not only what a worker sets: whoever may
+// create consumers can make one under the partition's name that delivers
+// headers only, skips, throttles, pauses or forgets deliveries; a worker
+// that kept it would quarantine or miss what it delivers. The start
+// sequence is not compared (the cursor moves on; resetReason checks the
+// ack floor), nor the description, metadata and replicas, which change
+// nothing delivered.
+func consumerMismatch(got, want *jetstream.ConsumerConfig) string {
+	switch {
+	case got.HeadersOnly != want.HeadersOnly:
+		return "headers_only"
+	case got.FilterSubject != want.FilterSubject || len(got.FilterSubjects) > 1 ||
+		len(got.FilterSubjects) == 1 && got.FilterSubjects[0] != want.FilterSubject:
+		return "filter_subject"
+	case got.AckPolicy != want.AckPolicy:
+		return "ack_policy"
+	case got.MaxAckPending != want.MaxAckPending:
+		return "max_ack_pending"
+	case got.DeliverPolicy != want.DeliverPolicy:
+		return "deliver_policy"
+	case got.AckWait != want.AckWait:
+		return "ack_wait"
+	case got.MaxDeliver != want.MaxDeliver:
+		return "max_deliver"
+	case len(got.BackOff) > 0:
+		return "backoff"
+	case got.ReplayPolicy != want.ReplayPolicy:
+		return "replay_policy"
+	}
+	return limitsMismatch(got, want)
+}
+
+// limitsMismatch is consumerMismatch for the limits and modes a worker
+// never sets: any of them set is a difference.
+func limitsMismatch(got, want *jetstream.ConsumerConfig) string {
+	switch {
+	case got.RateLimit != 0:
+		return "rate_limit"
+	case got.SampleFrequency != "":
+		return "sample_freq"
+	case got.MaxWaiting != 0 && got.MaxWaiting < serverMaxWaiting:
+		return "max_waiting"
+	case got.MaxRequestBatch != 0 || got.MaxRequestExpires != 0 || got.MaxRequestMaxBytes != 0:
+		return "max_request"
+	case got.InactiveThreshold != 0:
+		return "inactive_threshold"
+	case got.MemoryStorage != want.MemoryStorage:
+		return "mem_storage"
+	case got.PauseUntil != nil && got.PauseUntil.After(time.Now()):
+		return "paused"
+	case got.PriorityPolicy != jetstream.PriorityPolicyNone || len(got.PriorityGroups) > 0:
+		return "priority_policy"
+	case got.DeliverSubject != "" || got.DeliverGroup != "":
+		return "push"
+	}
+	return ""
 }
 
 // resetReason is why the consumer described by info cannot be kept as the
 // partition's (the label of epitaph_projector_consumer_resets_total), or ""
 // when it stands exactly at the cursor with nothing in flight.
 func (w *partitionWorker) resetReason(info *jetstream.ConsumerInfo) string {
+	want := w.wantConsumer(info.Name)
 	switch {
 	case w.recreate:
 		return "stalled"
-	case info.Config.FilterSubject != w.filter || info.Config.AckPolicy != jetstream.AckAllPolicy ||
-		info.Config.MaxAckPending < maxAckPending:
+	case consumerMismatch(&info.Config, &want) != "":
 		return "config"
 	case info.NumAckPending > 0:
 		return "ack_pending"
@@ -714,6 +788,10 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 		}
 		return fmt.Errorf("consumer info: %w", err)
 	}
+	if want := w.wantConsumer(ci.Name); consumerMismatch(&ci.Config, &want) != "" {
+		// Made anew under the partition's name by someone else.
+		return resetf("consumer_config", "consumer %s is not configured as the partition's (%s)", ci.Name, consumerMismatch(&ci.Config, &want))
+	}
 	if ci.NumAckPending > 0 {
 		// This worker has acknowledged everything it was given, so these
 		// deliveries went to another reader (a worker that lost its lease):
@@ -760,6 +838,23 @@ func (w *partitionWorker) idle(ctx context.Context) error {
 // between), decodes, and applies the page in one transaction with the cursor
 // advance, then acks.
 func (w *partitionWorker) process(ctx context.Context, items []*item) error {
+	for _, it := range items {
+		if len(it.data) > 0 || it.msg == nil {
+			continue
+		}
+		// A delivery without a body: the stored message has one when the
+		// consumer delivers headers only (made anew under the partition's
+		// name by someone else). Read again from the cursor on a consumer
+		// of the partition's own, never quarantined as malformed; a message
+		// stored empty is malformed as it is.
+		raw, err := w.stream.GetMsg(ctx, it.seq)
+		if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return fmt.Errorf("read the message of a delivery without a body: %w", err)
+		}
+		if err != nil || len(raw.Data) > 0 {
+			return resetf("headers_only", "a delivery without a body at stream sequence %d (a consumer delivering headers only)", it.seq)
+		}
+	}
 	rewound, err := w.verify(ctx)
 	if err != nil {
 		return err
@@ -820,6 +915,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	w.svc.afterPage(ctx, w.ver, w.lease.Partition, fresh) // side effects: live version only
 	w.applied += uint64(len(fresh))
 	w.metrics.applied.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(res.applied))
+	w.metrics.replayed.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(vd.replayed))
 	for cat, n := range res.quarantined {
 		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
 	}

@@ -403,7 +403,18 @@ func (s *Service) balance(ctx context.Context) error {
 		return err
 	}
 	if fp := fingerprint(vs); fp != s.versions || len(vs) == 0 {
-		ensured, err := version.EnsureArchiveVersionsPeriod(ctx, s.pool, s.partitions, s.cfg.ArchivePartition, s.extraDDL)
+		var head *version.Head
+		if len(vs) == 0 {
+			// A first run: a stream that lost its beginning is a gap.
+			stream, err := s.js.Stream(ctx, event.StreamName(s.cfg.SourceName))
+			if err != nil {
+				return fmt.Errorf("stream %s: %w", event.StreamName(s.cfg.SourceName), err)
+			}
+			if head, err = version.StreamHead(ctx, stream); err != nil {
+				return err
+			}
+		}
+		ensured, err := version.EnsureArchiveVersionsFrom(ctx, s.pool, s.partitions, s.cfg.ArchivePartition, s.extraDDL, head)
 		if err != nil {
 			return err
 		}

@@ -96,7 +96,7 @@ func (s *Service) afterPage(ctx context.Context, v version.Version, partition in
 	}
 	page := SideEffectPage{Projection: v.Projection, Version: v.Version, Partition: partition}
 	for _, it := range items {
-		if it.ev != nil && it.category == "" {
+		if it.ev != nil && it.category == "" && !it.replay {
 			page.Events = append(page.Events, it.ev)
 		}
 	}

@@ -9,12 +9,14 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/trust"
@@ -310,20 +312,26 @@ func TestTransactionSpanningPagesIsInvisibleUntilVerified(t *testing.T) {
 	require.Empty(t, quarantined(t, c))
 }
 
-// A stream written before signing: the first run records the last unsigned
-// message of each partition as its legacy boundary and believes what is at
-// or before it; unsigned messages after it are quarantined, signed ones
-// archived.
+// A stream written before signing: an operator records each partition's
+// legacy boundary (projector trust-key --legacy-boundary, here the stream's
+// last sequence) before the first run; unsigned messages at or before it
+// are believed, unsigned ones after it quarantined, signed ones archived.
 func TestLegacyBoundary(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
 	old1, old2 := e.nextTx(orderRows(1, 1)...), e.nextTx(orderRows(2, 2)...)
 	e.publishRaw(e.messages(old1))
 	e.publishRaw(e.messages(old2)) // seq 1-7, unsigned
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, e.url)
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	require.NoError(t, trust.RecordLegacyBoundary(ctx, pool, event.StreamName(src), 0, streamLast(t, e)))
 	e.start(e.config("w1"))
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 7 })
-	bs, err := trust.LegacyBoundaries(context.Background(), c)
+	bs, err := trust.LegacyBoundaries(ctx, c)
 	require.NoError(t, err)
 	require.Len(t, bs, 1)
 	require.Equal(t, uint64(7), bs[0].BoundarySeq)
@@ -337,6 +345,32 @@ func TestLegacyBoundary(t *testing.T) {
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 13 })
 	require.Equal(t, expected(t, c, old1, old2, signed), archived(t, c, "archive.rows"))
 	require.Equal(t, seqs(8, 10, subjects(lMsgs), trust.CategoryUnauthenticated), quarantined(t, c))
+}
+
+// Unsigned messages in a stream and no legacy boundary recorded (a stream
+// emptied behind the capture's back and refilled with forged, unsigned
+// deletes, or a stream written before signing that nobody vouched for): a
+// new target's first run believes none of them. They are quarantined as
+// unauthenticated, no boundary is inferred, nothing forged is archived;
+// the signed transaction after them is.
+func TestUnsignedStreamWithoutBoundaryIsNotBelieved(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	forged1, forged2 := e.nextTx(orderRows(150, 1)...), e.nextTx(orderRows(151, 1)...)
+	f1, f2 := e.messages(forged1), e.messages(forged2)
+	e.publishRaw(f1)
+	e.publishRaw(f2) // seq 1-6, unsigned
+	e.start(e.config("w1"))
+	c := e.conn()
+	real := e.nextTx(orderRows(4, 1)...)
+	e.publish(real) // seq 7-9
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
+	require.Equal(t, expected(t, c, real), archived(t, c, "archive.rows"))
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE (key->>'id')::bigint IN (150, 150000, 151, 151000)`), "nothing forged, not even invisibly")
+	require.Equal(t, seqs(1, 6, append(subjects(f1), subjects(f2)...), trust.CategoryUnauthenticated), quarantined(t, c))
+	bs, err := trust.LegacyBoundaries(context.Background(), c)
+	require.NoError(t, err)
+	require.Empty(t, bs, "no boundary inferred")
 }
 
 type gap struct {

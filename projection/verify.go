@@ -59,7 +59,7 @@ import (
 //     the same transaction.
 //
 // Messages at or before the partition's legacy boundary (a stream written
-// before signing) are believed as before.
+// before signing, recorded by an operator) are believed as before.
 
 // maxChoices bounds the slow path: how many combinations of candidates
 // (messages claiming the same commit LSN and seq) are hashed against a
@@ -68,10 +68,6 @@ const maxChoices = 256
 
 // maxWindow bounds how many messages the slow path re-reads.
 const maxWindow = 500_000
-
-// legacyScan bounds how far back from a partition's end the first run
-// looks for the last unsigned message.
-const legacyScan = 2000
 
 type msgKind int
 
@@ -258,105 +254,27 @@ func kindName(subject string) string {
 	return parts[3]
 }
 
-// legacyBoundary returns the partition's legacy boundary, recording it on
-// the first run: the last unsigned message of the partition in the stream
-// now (looking back at most legacyScan messages from its end), 0 when
-// there is none. Every version and every later run uses the recorded one.
+// legacyBoundary is the partition's legacy boundary as an operator
+// recorded it (projector trust-key --legacy-boundary), 0 when none is.
+// It is never inferred from the stream: unsigned messages found on a first
+// run may as well be a forger's, published into a stream emptied behind
+// the capture's back, so they are believed only below a boundary someone
+// vouched for.
 func (w *partitionWorker) legacyBoundary(ctx context.Context) (uint64, error) {
-	name := event.StreamName(w.cfg.SourceName)
 	var seq int64
 	err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
-		name, w.lease.Partition).Scan(&seq)
-	if err == nil {
-		return uint64(seq), nil
+		event.StreamName(w.cfg.SourceName), w.lease.Partition).Scan(&seq)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
 	}
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return 0, fmt.Errorf("read legacy boundary: %w", err)
-	}
-	boundary, err := w.findLegacyBoundary(ctx)
 	if err != nil {
-		return 0, err
-	}
-	if _, err := w.pool.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq)
-		VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`, name, w.lease.Partition, int64(boundary)); err != nil {
-		return 0, fmt.Errorf("record legacy boundary: %w", err)
-	}
-	if err := w.pool.QueryRow(ctx, `SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2`,
-		name, w.lease.Partition).Scan(&seq); err != nil {
 		return 0, fmt.Errorf("read legacy boundary: %w", err)
 	}
 	if seq > 0 {
-		w.log.Warn("the stream holds messages written before signing: they are believed up to this legacy boundary, unsigned messages after it are quarantined",
+		w.log.Info("unsigned messages at or before the recorded legacy boundary are believed; unsigned messages after it are quarantined",
 			"boundary_seq", seq)
 	}
 	return uint64(seq), nil
-}
-
-// findLegacyBoundary looks back from the partition's end (at most
-// legacyScan messages) for the first message of the signing era (one that
-// carries a partition sequence or a signature) and returns the last
-// unsigned message before it. Unsigned messages after the signing era began
-// are not legacy (a foreign client published them), so a forgery that
-// arrives before a projector's first run does not become believed. When the
-// whole scanned range is unsigned, the partition's last message is the
-// boundary; when it is all signing era, 0.
-func (w *partitionWorker) findLegacyBoundary(ctx context.Context) (uint64, error) {
-	last, err := w.stream.GetLastMsgForSubject(ctx, w.filter)
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, fmt.Errorf("read the partition's last message: %w", err)
-	}
-	info, err := w.stream.Info(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("stream info: %w", err)
-	}
-	signed := func(h nats.Header) bool {
-		return h.Get(event.HeaderPartitionSeq) != "" || h.Get(event.HeaderSignature) != ""
-	}
-	// The common case, a stream signed from its start: the partition's
-	// first message says so in one read.
-	if first, err := w.stream.GetMsg(ctx, info.State.FirstSeq, jetstream.WithGetMsgSubject(w.filter)); err == nil && signed(first.Header) {
-		return 0, nil
-	} else if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
-		return 0, fmt.Errorf("read the partition's first message: %w", err)
-	}
-	prefix := strings.TrimSuffix(w.filter, ">")
-	var unsigned []uint64 // newest first
-	firstSigned := uint64(0)
-	if signed(last.Header) {
-		firstSigned = last.Sequence
-	} else {
-		unsigned = append(unsigned, last.Sequence)
-	}
-	for seq, n := last.Sequence, 0; seq > info.State.FirstSeq && n < legacyScan; n++ {
-		seq--
-		m, err := w.stream.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
-		}
-		if err != nil {
-			return 0, fmt.Errorf("read message %d: %w", seq, err)
-		}
-		if !strings.HasPrefix(m.Subject, prefix) {
-			continue
-		}
-		if signed(m.Header) {
-			firstSigned = m.Sequence
-		} else {
-			unsigned = append(unsigned, m.Sequence)
-		}
-	}
-	if firstSigned == 0 {
-		return last.Sequence, nil
-	}
-	for _, u := range unsigned {
-		if u < firstSigned {
-			return u, nil
-		}
-	}
-	return 0, nil
 }
 
 // rowID names an archived row.
@@ -393,6 +311,9 @@ type verdict struct {
 	// continued: the partition sequence continued from this stream
 	// sequence + 1 (a suspected gap starting there is cleared).
 	continued []uint64
+	// replayed counts the signed messages (commits, marks) ignored as
+	// replays; the rows they take along are not counted.
+	replayed int
 }
 
 // verifyPage verifies a page (see the comment at the top of this file). It
@@ -437,10 +358,11 @@ type pageVerifier struct {
 	inPage map[uint64]*item // built when the slow path needs it
 	page   []*item          // this page's pending rows
 	ledger *ledgerCache     // the erasure ledger's answers, this page only (verify_ledger.go)
+	lsn    event.LSN        // the source position applied so far (replayed)
 }
 
 func newPageVerifier(w *partitionWorker, items []*item) *pageVerifier {
-	pv := &pageVerifier{w: w, items: items, st: w.pos.Trust, d: event.NewDigest(), vd: &verdict{pending: map[*item]bool{}}}
+	pv := &pageVerifier{w: w, items: items, st: w.pos.Trust, d: event.NewDigest(), vd: &verdict{pending: map[*item]bool{}}, lsn: w.pos.SourceLSN}
 	if pv.st.Pending > 0 {
 		if err := pv.d.UnmarshalBinary(pv.st.Digest); err != nil {
 			pv.broken = true
@@ -513,13 +435,55 @@ func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) er
 			return nil
 		}
 	}
+	if pv.replayed(it) {
+		pv.replay(it, kind)
+		return nil
+	}
 	rows, short, err := pv.closeWindow(ctx, it, kind)
 	if err != nil {
 		return err
 	}
 	pv.checkPartSeq(it, rows, short)
 	pv.reset(it)
+	if l := version.PositionLSN(it.ev); l > pv.lsn {
+		pv.lsn = l
+	}
 	return nil
+}
+
+// replayed tells whether verified boundary b is a message the capture
+// signed at or before the partition's last applied one, again: its
+// partition sequence is not above the last applied one and its source
+// position is not past what the partition applied. The capture never
+// numbers two messages alike, so such a message was applied already (or
+// lies in a gap recorded then); one with a lower partition sequence whose
+// position is new is a regression (checkPartSeq).
+func (pv *pageVerifier) replayed(b *item) bool {
+	ps := partSeqOf(b)
+	return pv.st.PartSeq > 0 && ps > 0 && ps <= pv.st.PartSeq && version.PositionLSN(b.ev) <= pv.lsn
+}
+
+// replay ignores a replayed boundary b: it moves nothing (neither the
+// partition sequence nor the source position) and records no gap. A
+// replayed commit whose pending rows are exactly its signed transaction
+// (the fast path's digest) takes them along, ignored too: their rows are
+// archived already. Otherwise the open window stays as it is, for the
+// boundary that really closes it.
+func (pv *pageVerifier) replay(b *item, kind msgKind) {
+	b.replay = true
+	pv.vd.replayed++
+	st := pv.st
+	if st.Pending == 0 {
+		pv.reset(b)
+		return
+	}
+	if want := header(b, event.HeaderDigest); kind == kindCommit && !pv.broken && want != "" && pv.d.Sum() == want {
+		for _, it := range pv.page {
+			delete(pv.vd.pending, it)
+			it.replay = true
+		}
+		pv.reset(b)
+	}
 }
 
 // checkPartSeq compares boundary b's partition sequence with the last one
@@ -532,14 +496,23 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 	if ps == 0 && !short {
 		return
 	}
-	if short || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
+	// regressed: a sequence below the continuation (the last applied one +
+	// 1 + the transaction's rows) on a message whose position is new
+	// (replayed said it is not a replay): the capture numbered again from
+	// an earlier point, so what it numbered past it may be gone. Never a
+	// continuation.
+	regressed := st.PartSeq > 0 && ps > 0 && ps < st.PartSeq+1+uint64(rows)
+	if short || regressed || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
 		to := b.seq - 1
 		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
 		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev)})
-		pv.w.log.Error("messages were removed from the stream before this version applied them: recorded a removed_from_stream gap",
-			"from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
+		msg := "messages were removed from the stream before this version applied them: recorded a removed_from_stream gap"
+		if regressed {
+			msg = "the partition sequence went back on a new message (the capture numbered again, so messages it numbered may be gone): recorded a removed_from_stream gap"
+		}
+		pv.w.log.Error(msg, "from_seq", st.TxStart+1, "to_seq", to, "partition_seq", ps, "last_partition_seq", st.PartSeq)
 	} else if st.PartSeq > 0 {
 		pv.vd.continued = append(pv.vd.continued, st.TxStart)
 	}
@@ -917,10 +890,18 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 
 // recordGap records a removed_from_stream gap of a partition, or completes
 // the open one that starts at the same stream sequence (a suspected gap).
+//
+// A regression (a partition sequence that went back) right after the last
+// verified boundary names no message of the stream: its range is empty and
+// recorded with NULL sequences, never as from_seq > to_seq.
 func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g gapRow) error {
-	tag, err := tx.Exec(ctx, `UPDATE `+archive.Ident(schema, "gaps")+` SET to_seq = $3, to_lsn = $4::pg_lsn
+	var fromSeq, toSeq any = int64(g.fromSeq), int64(g.toSeq)
+	if g.toSeq < g.fromSeq {
+		fromSeq, toSeq = nil, nil
+	}
+	tag, err := tx.Exec(ctx, `UPDATE `+archive.Ident(schema, "gaps")+` SET to_seq = GREATEST(to_seq, $3), to_lsn = $4::pg_lsn
 		WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND acknowledged_at IS NULL`,
-		partition, int64(g.fromSeq), int64(g.toSeq), nullLSNText(g.toLSN))
+		partition, int64(g.fromSeq), toSeq, nullLSNText(g.toLSN))
 	if err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
 	}
@@ -929,7 +910,7 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
 		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
-		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), int64(g.fromSeq), int64(g.toSeq)); err != nil {
+		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), fromSeq, toSeq); err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
 	}
 	return nil

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"strings"
 	"time"
@@ -175,8 +176,19 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
 		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
-	srv.Handle("GET /wait", status.WaitHandler(svc.Pool(), archive.Projection))
-	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
+	// Waits (GET /wait, the read API's wait_lsn) poll on a small pool of
+	// their own, a bounded number at once: however many arrive, the apply
+	// keeps its connections.
+	waitPool, err := status.NewWaitPool(ctx, c.targetURL)
+	if err != nil {
+		_ = disp.Stop(context.WithoutCancel(ctx))
+		_ = svc.Stop(context.WithoutCancel(ctx))
+		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
+	}
+	defer waitPool.Close()
+	waitLimit := status.NewWaitLimiter(maxWaits)
+	srv.Handle("GET /wait", status.WaitHandler(waitPool, archive.Projection, status.WithWaitLimit(waitLimit)))
+	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token, WaitDB: waitPool, WaitLimit: waitLimit})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {
@@ -255,3 +267,7 @@ func loopback(addr string) bool {
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
 }
+
+// maxWaits bounds the waits (GET /wait, wait_lsn) a projector runs at
+// once; more are answered 503 with Retry-After.
+const maxWaits = 64

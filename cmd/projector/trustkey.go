@@ -4,29 +4,43 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/trust"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 func init() { register(trustKeyCommand) }
 
 func trustKeyCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "trust-key [--show | --key-file FILE | --key KEY]",
+		Use:   "trust-key [--show | --key-file FILE | --key KEY | --legacy-boundary last|P=SEQ,...]",
 		Short: "signing keys the target trusts: --show | --key-file FILE (or --key KEY) [--note TEXT] adds one",
 		Long: `trust-key lists the capture signing keys the target trusts and the legacy
 boundaries (unsigned messages at or before them are believed), or adds a key:
 the first key a projector meets is trusted; a new one is refused (its
-transactions quarantined as unauthenticated) until trust-key adds it.`,
+transactions quarantined as unauthenticated) until trust-key adds it.
+
+--legacy-boundary vouches for a stream written before signing: unsigned
+messages of a partition at or before its boundary (a stream sequence) are
+believed, unsigned ones after it quarantined. "last" records the stream's
+last sequence now for every partition; P=SEQ,... records the given ones.
+A projector never infers a boundary: without one, every unsigned message
+is quarantined (a stream emptied and refilled by a forger looks just like
+an old one). Workers read it when a partition starts: record it before
+the first run (or restart the projectors).`,
 		Example: `  projector trust-key --show --json
-  projector trust-key --key-file /var/lib/epitaph/signing.pub --note "capture moved hosts"`,
+  projector trust-key --key-file /var/lib/epitaph/signing.pub --note "capture moved hosts"
+  projector trust-key --legacy-boundary last`,
 		Args: cli.NoArgs,
 	}
 	c := commonFlags(cmd, env)
@@ -35,12 +49,24 @@ transactions quarantined as unauthenticated) until trust-key adds it.`,
 	keyFile := cmd.Flags().String("key-file", "", "trust the public key in FILE: the capture's <data-dir>/signing.pub (PEM), or its 32 bytes in base64 or hex")
 	keyText := cmd.Flags().String("key", "", "trust this public key (base64 or hex of its 32 bytes, as the capture logs it)")
 	note := cmd.Flags().String("note", "", "why the key is trusted (kept with it)")
+	legacy := cmd.Flags().String("legacy-boundary", "", `record legacy boundaries: "last" (the stream's last sequence now, every partition) or P=SEQ[,P=SEQ...]`)
 	by := cmd.Flags().String("by", "", "who trusts it (kept with it; default: $USER, else \"operator\")")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		if *by == "" {
 			*by = "operator"
 			if u, ok := env.lookup("USER"); ok && u != "" {
 				*by = u
+			}
+		}
+		if *legacy != "" {
+			if *keyFile != "" || *keyText != "" {
+				return cli.Usage("trust-key: give --legacy-boundary alone, not with a key")
+			}
+			if err := legacyBoundary(cmd.Context(), c, env, *legacy); err != nil {
+				return err
+			}
+			if !*show {
+				return nil
 			}
 		}
 		return trustKey(cmd.Context(), c, env, *show, *asJSON, *keyFile, *keyText, *note, *by)
@@ -151,6 +177,88 @@ func trustKey(ctx context.Context, c *common, env *Env, show, asJSON bool, keyFi
 	fmt.Fprintln(env.Stdout, "legacy boundaries (unsigned messages at or before them are believed):")
 	for _, b := range bounds {
 		fmt.Fprintf(env.Stdout, "  %s partition %d: sequence %d (recorded %s)\n", b.Stream, b.Partition, b.BoundarySeq, b.RecordedAt.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+// parseBoundaries reads P=SEQ[,P=SEQ...] (partition, stream sequence).
+func parseBoundaries(spec string) (map[int]uint64, error) {
+	out := map[int]uint64{}
+	for _, part := range strings.Split(spec, ",") {
+		ps, ss, ok := strings.Cut(strings.TrimSpace(part), "=")
+		p, err1 := strconv.Atoi(ps)
+		seq, err2 := strconv.ParseUint(ss, 10, 63)
+		if !ok || err1 != nil || err2 != nil || p < 0 {
+			return nil, cli.Usage("--legacy-boundary: %q is not \"last\" or PARTITION=SEQUENCE[,...]", spec)
+		}
+		if _, dup := out[p]; dup {
+			return nil, cli.Usage("--legacy-boundary: partition %d given twice", p)
+		}
+		out[p] = seq
+	}
+	return out, nil
+}
+
+// legacyBoundary records the legacy boundaries spec names ("last": the
+// stream's last sequence now, for every partition of the stream).
+func legacyBoundary(ctx context.Context, c *common, env *Env, spec string) error {
+	var bounds map[int]uint64
+	if spec != "last" {
+		var err error
+		if bounds, err = parseBoundaries(spec); err != nil {
+			return err
+		}
+	}
+	if err := c.check(); err != nil {
+		return err
+	}
+	nc, err := c.natsConnect()
+	if err != nil {
+		return fmt.Errorf("connect to NATS %s: %w", redact(c.natsURL), err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	name := event.StreamName(c.sourceName)
+	st, err := js.Stream(ctx, name)
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", name, err)
+	}
+	info := st.CachedInfo()
+	parts, err := version.StreamPartitions(info)
+	if err != nil {
+		return err
+	}
+	if bounds == nil {
+		bounds = map[int]uint64{}
+		for p := 0; p < parts; p++ {
+			bounds[p] = info.State.LastSeq
+		}
+	}
+	for p := range bounds {
+		if p >= parts {
+			return cli.Usage("--legacy-boundary: stream %s has %d partitions, no partition %d", name, parts, p)
+		}
+	}
+	pool, err := pgxpool.New(ctx, c.targetURL)
+	if err != nil {
+		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
+	}
+	defer pool.Close()
+	if err := migrations.Apply(ctx, pool); err != nil {
+		return err
+	}
+	for p := 0; p < parts; p++ {
+		seq, ok := bounds[p]
+		if !ok {
+			continue
+		}
+		if err := trust.RecordLegacyBoundary(ctx, pool, name, p, seq); err != nil {
+			return err
+		}
+		fmt.Fprintf(env.Stdout, "legacy boundary of %s partition %d: sequence %d (unsigned messages at or before it are believed)\n", name, p, seq)
 	}
 	return nil
 }

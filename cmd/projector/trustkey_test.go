@@ -128,12 +128,11 @@ func TestTrustKeyFlow(t *testing.T) {
 	require.Equal(t, event.KeyID(rotated.Public()), shown.Keys[1].KeyID)
 	require.Equal(t, event.PublicKeyString(rotated.Public()), shown.Keys[1].PublicKey)
 	require.Equal(t, "capture moved hosts", shown.Keys[1].Note)
-	require.Len(t, shown.Bounds, 1)
-	require.Zero(t, shown.Bounds[0].BoundarySeq, "the stream was signed from its start")
+	require.Empty(t, shown.Bounds, "no legacy boundary is inferred")
 	out, err = runBin(bin, env, "trust-key")
 	require.NoError(t, err, out)
 	require.Contains(t, out, event.KeyID(rotated.Public())+"  "+event.PublicKeyString(rotated.Public()))
-	require.Contains(t, out, "EPITAPH_MAIN partition 0: sequence 0")
+	require.Contains(t, out, "legacy boundaries: none recorded yet")
 }
 
 // txMessages is publishTx's one-row transaction, unsigned and unpublished.
@@ -167,4 +166,51 @@ func pgxCollect(ctx context.Context, conn *pgx.Conn, sql string, dst *[]int) err
 	got, err := pgx.CollectRows(rows, pgx.RowTo[int])
 	*dst = got
 	return err
+}
+
+// trust-key --legacy-boundary records boundaries an operator vouches for:
+// "last" the stream's last sequence for every partition, P=SEQ the given
+// ones; a malformed spec or a partition the stream does not have is a
+// usage error that records nothing.
+func TestTrustKeyLegacyBoundary(t *testing.T) {
+	t.Parallel()
+	bin := build(t)
+	url := testenv.NewDatabase(t)
+	n := testenv.NewNATS(t)
+	_, js := n.Connect(t)
+	ctx := context.Background()
+	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
+		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
+		Metadata: map[string]string{event.MetaPartitions: "2"}})
+	require.NoError(t, err)
+	for i := 0; i < 3; i++ {
+		_, err := js.Publish(ctx, event.CommitSubject("main", i%2), []byte(`{}`))
+		require.NoError(t, err)
+	}
+	env := append(os.Environ(), "EPITAPH_TARGET_URL="+url, "EPITAPH_NATS_URL="+n.URL)
+	bounds := func() []string {
+		conn, err := pgx.Connect(ctx, url)
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+		rows, err := conn.Query(ctx, `SELECT stream || ' ' || partition || ' ' || boundary_seq FROM epitaph.legacy_boundaries ORDER BY partition`)
+		require.NoError(t, err)
+		out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return out
+	}
+	for _, bad := range []string{"x", "0=", "0=1,0=2", "-1=3", "2=1"} {
+		out, err := runBin(bin, env, "trust-key", "--legacy-boundary", bad)
+		require.Error(t, err, bad)
+		require.Contains(t, out, "--legacy-boundary", bad)
+	}
+	out, err := runBin(bin, env, "trust-key", "--show")
+	require.NoError(t, err, out)
+	require.Empty(t, bounds())
+	out, err = runBin(bin, env, "trust-key", "--legacy-boundary", "last")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "partition 1: sequence 3")
+	require.Equal(t, []string{"EPITAPH_MAIN 0 3", "EPITAPH_MAIN 1 3"}, bounds())
+	out, err = runBin(bin, env, "trust-key", "--legacy-boundary", "1=2")
+	require.NoError(t, err, out)
+	require.Equal(t, []string{"EPITAPH_MAIN 0 3", "EPITAPH_MAIN 1 2"}, bounds())
 }

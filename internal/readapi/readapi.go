@@ -65,6 +65,11 @@ type Config struct {
 	Token *httptoken.Token
 	// Projection is the archive projection's name (default "archive").
 	Projection string
+	// WaitDB, when set, is what wait_lsn polls (a small pool of the
+	// waits' own, status.NewWaitPool) instead of DB; WaitLimit bounds the
+	// waits at once (503 with Retry-After past it), shared with GET /wait.
+	WaitDB    progress.DB
+	WaitLimit *status.WaitLimiter
 }
 
 // Register adds the read API's routes to mux.
@@ -173,9 +178,19 @@ func (a *api) serve(w http.ResponseWriter, r *http.Request, parse func(*http.Req
 // wait answers wait_lsn as GET /wait does: 504 on timeout, 409 when the
 // archive cannot be complete up to it.
 func (a *api) wait(ctx context.Context, req *request) error {
+	release, ok := a.cfg.WaitLimit.TryAcquire()
+	if !ok {
+		req.w.Header().Set("Retry-After", "1")
+		return fail(http.StatusServiceUnavailable, "too many waits at once: retry later")
+	}
+	defer release()
+	db := a.cfg.WaitDB
+	if db == nil {
+		db = a.cfg.DB
+	}
 	wctx, cancel := context.WithTimeout(ctx, req.timeout)
 	defer cancel()
-	st, err := status.WaitComplete(wctx, a.cfg.DB, a.cfg.Projection, req.waitLSN, 0)
+	st, err := status.WaitComplete(wctx, db, a.cfg.Projection, req.waitLSN, 0)
 	if st != nil && st.CompleteUpToLSN != "" {
 		req.w.Header().Set(HeaderCompleteUpTo, st.CompleteUpToLSN)
 	}

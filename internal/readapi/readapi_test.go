@@ -24,6 +24,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/projection"
+	"github.com/epitaph-dev/epitaph/projection/status"
 )
 
 func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
@@ -274,4 +275,43 @@ func TestReadAPIToken(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return e.get(path, "Authorization", "Bearer s3cret-token-of-the-read-api").status == http.StatusOK
 	}, 120*time.Second, 100*time.Millisecond)
+}
+
+// wait_lsn past the shared wait limit (held here as a GET /wait in flight
+// would) is answered 503 with Retry-After at once; once the place is free,
+// the wait is admitted and answers from the waits' own pool.
+func TestReadAPIWaitLimit(t *testing.T) {
+	t.Parallel()
+	e := setup(t, "")
+	e.deleteTx(42)
+	e.startProjector()
+	ctx := context.Background()
+	waits, err := status.NewWaitPool(ctx, e.url)
+	require.NoError(t, err)
+	defer waits.Close()
+	limit := status.NewWaitLimiter(1)
+	mux := http.NewServeMux()
+	Register(mux, Config{DB: e.pool, WaitDB: waits, WaitLimit: limit})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	path := rowsPath("public.customers", `{"id":42}`, "wait_lsn", "0/1", "timeout", "30s")
+	get := func() (*http.Response, []byte) {
+		res, err := http.Get(srv.URL + path)
+		require.NoError(t, err)
+		defer res.Body.Close()
+		b, err := io.ReadAll(res.Body)
+		require.NoError(t, err)
+		return res, b
+	}
+
+	release, ok := limit.TryAcquire() // a wait in flight
+	require.True(t, ok)
+	res, body := get()
+	require.Equal(t, http.StatusServiceUnavailable, res.StatusCode, string(body))
+	require.Equal(t, "1", res.Header.Get("Retry-After"))
+	require.Contains(t, string(body), "too many waits")
+	release()
+	res, body = get()
+	require.Equal(t, http.StatusOK, res.StatusCode, string(body))
+	require.Contains(t, string(body), `"key":{"id":42}`)
 }

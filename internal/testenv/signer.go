@@ -117,3 +117,11 @@ func (s *Signer) Skip(p int, n uint64) {
 	defer s.mu.Unlock()
 	s.seq[p] += n
 }
+
+// Rewind numbers partition p's next messages from n+1 again, as a capture
+// that lost its counters would (a partition sequence that goes back).
+func (s *Signer) Rewind(p int, n uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.seq[p] = n
+}

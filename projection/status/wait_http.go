@@ -4,8 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -24,8 +27,24 @@ const MaxWaitTimeout = 5 * time.Minute
 // is), 400 on bad parameters, 503 when the target cannot be read. The body
 // is {"lsn": asked, "complete_up_to": how far the live version is complete,
 // "reflects": its lowest watermark, "done"}.
-func WaitHandler(db progress.DB, projection string) http.Handler {
+//
+// With a WaitLimiter (WithWaitLimit), at most its number of waits run at
+// once and a request past it is answered 503 with Retry-After at once;
+// db should then be a small pool of the waits' own (NewWaitPool), so that
+// waits, which anyone who can reach the port may send, never take
+// connections from the apply.
+func WaitHandler(db progress.DB, projection string, opts ...WaitOption) http.Handler {
+	var o waitOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		release, ok := o.limit.TryAcquire()
+		if !ok {
+			o.limit.Refuse(w)
+			return
+		}
+		defer release()
 		lsn, err := event.ParseLSN(r.URL.Query().Get("lsn"))
 		if err != nil || lsn == 0 {
 			http.Error(w, "lsn: want a source LSN such as 0/16B3748", http.StatusBadRequest)
@@ -71,4 +90,55 @@ func WaitHandler(db progress.DB, projection string) http.Handler {
 		}
 		_ = json.NewEncoder(w).Encode(body)
 	})
+}
+
+// WaitOption configures WaitHandler.
+type WaitOption func(*waitOptions)
+
+type waitOptions struct{ limit *WaitLimiter }
+
+// WithWaitLimit bounds the waits WaitHandler runs at once.
+func WithWaitLimit(l *WaitLimiter) WaitOption { return func(o *waitOptions) { o.limit = l } }
+
+// WaitLimiter bounds how many waits (GET /wait, the read API's wait_lsn)
+// run at once; a nil *WaitLimiter bounds nothing.
+type WaitLimiter struct{ sem chan struct{} }
+
+// NewWaitLimiter allows n waits at once.
+func NewWaitLimiter(n int) *WaitLimiter { return &WaitLimiter{sem: make(chan struct{}, max(n, 1))} }
+
+// TryAcquire takes a place, or says there is none: the caller answers
+// Refuse. release gives the place back.
+func (l *WaitLimiter) TryAcquire() (release func(), ok bool) {
+	if l == nil {
+		return func() {}, true
+	}
+	select {
+	case l.sem <- struct{}{}:
+		return func() { <-l.sem }, true
+	default:
+		return nil, false
+	}
+}
+
+// Refuse answers a wait past the limit: 503 with Retry-After.
+func (l *WaitLimiter) Refuse(w http.ResponseWriter) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Retry-After", "1")
+	w.WriteHeader(http.StatusServiceUnavailable)
+	_ = json.NewEncoder(w).Encode(map[string]any{"error": fmt.Sprintf("too many waits at once (at most %d): retry later", cap(l.sem))})
+}
+
+// WaitPoolConns is the connections of the waits' own pool (NewWaitPool).
+const WaitPoolConns = 4
+
+// NewWaitPool opens the small pool the waits poll the target on, apart
+// from the apply's.
+func NewWaitPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns, cfg.MinConns = WaitPoolConns, 0
+	return pgxpool.NewWithConfig(ctx, cfg)
 }

@@ -21,8 +21,10 @@
 //
 // Legacy boundaries (epitaph.legacy_boundaries). Messages at or before a
 // partition's legacy boundary were written before the stream was signed
-// and are believed as before; LegacyBoundaries lists what the runtime
-// recorded, per stream and partition.
+// and are believed as before. Only an operator records one
+// (RecordLegacyBoundary, from projector trust-key --legacy-boundary); the
+// runtime never infers it, so without one every unsigned message is
+// quarantined. LegacyBoundaries lists them, per stream and partition.
 //
 // The page verification itself (the pending window, the slow path over
 // candidate messages, suspected gaps) is the runtime's: it runs inside the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -101,4 +102,24 @@ func LegacyBoundaries(ctx context.Context, db interface {
 		return nil, fmt.Errorf("list legacy boundaries: %w", err)
 	}
 	return out, nil
+}
+
+// RecordLegacyBoundary records partition's legacy boundary in stream: the
+// partition's unsigned messages at stream sequence seq or before are
+// believed as written before signing (replacing a boundary recorded
+// before). Only an operator records one (projector trust-key
+// --legacy-boundary); a projector never infers it. Workers read it when a
+// partition starts.
+func RecordLegacyBoundary(ctx context.Context, db interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}, stream string, partition int, seq uint64) error {
+	if partition < 0 || seq > math.MaxInt64 {
+		return fmt.Errorf("record legacy boundary: partition %d, sequence %d out of range", partition, seq)
+	}
+	if _, err := db.Exec(ctx, `INSERT INTO epitaph.legacy_boundaries (stream, partition, boundary_seq) VALUES ($1, $2, $3)
+		ON CONFLICT (stream, partition) DO UPDATE SET boundary_seq = EXCLUDED.boundary_seq, recorded_at = now()`,
+		stream, partition, int64(seq)); err != nil {
+		return fmt.Errorf("record legacy boundary of %s partition %d: %w", stream, partition, err)
+	}
+	return nil
 }

@@ -281,6 +281,27 @@ func firstSequence(ctx context.Context, c jetstream.Consumer) (uint64, error) {
 	return seq, nil // 0: none delivered (they left the stream meanwhile)
 }
 
+// Head is a stream's removed beginning: the messages up to ToSeq are gone,
+// ToLSN is the source position of the first one still there (0: unknown).
+type Head struct {
+	ToSeq uint64
+	ToLSN event.LSN
+}
+
+// StreamHead reads what the stream has lost of its beginning (nil: it
+// starts at sequence 1).
+func StreamHead(ctx context.Context, stream jetstream.Stream) (*Head, error) {
+	info, err := stream.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("stream info: %w", err)
+	}
+	g, err := removedHead(ctx, stream, info, time.Time{})
+	if err != nil || g == nil {
+		return nil, err
+	}
+	return &Head{ToSeq: g.toSeq, ToLSN: g.toLSN}, nil
+}
+
 // removedHead is what a full rebuild cannot see: the stream's first
 // sequences, removed (purged, aged out, discarded by a limit) before the
 // version was created. A version built from such a stream lacks their

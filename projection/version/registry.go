@@ -168,15 +168,19 @@ func EnsureArchive(ctx context.Context, db interface {
 func EnsureArchiveVersions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, partitions int, extraDDL func(schema string) string) ([]Version, error) {
-	return EnsureArchiveVersionsPeriod(ctx, db, partitions, "", extraDDL)
+	return EnsureArchiveVersionsFrom(ctx, db, partitions, "", extraDDL, nil)
 }
 
-// EnsureArchiveVersionsPeriod is EnsureArchiveVersions creating version 1
+// EnsureArchiveVersionsFrom is EnsureArchiveVersions creating version 1
 // (when there is none) with the rows partitioned by period (""
-// archive.DefaultPeriod); an existing version keeps its own.
-func EnsureArchiveVersionsPeriod(ctx context.Context, db interface {
+// archive.DefaultPeriod; an existing version keeps its own); when it
+// creates version 1 and head is not nil (StreamHead: the stream lost its
+// beginning), version 1 records the removed head as a removed_from_stream
+// gap, as a rebuild does: a new target must not take a stream that starts
+// late for the whole history.
+func EnsureArchiveVersionsFrom(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
-}, partitions int, period string, extraDDL func(schema string) string) ([]Version, error) {
+}, partitions int, period string, extraDDL func(schema string) string, head *Head) ([]Version, error) {
 	period, err := archive.ParsePeriod(period)
 	if err != nil {
 		return nil, err
@@ -190,7 +194,8 @@ func EnsureArchiveVersionsPeriod(ctx context.Context, db interface {
 		if err != nil {
 			return err
 		}
-		if len(vs) == 0 {
+		created := len(vs) == 0
+		if created {
 			if partitions < 1 {
 				return errors.New("create archive v1: partition count unknown")
 			}
@@ -236,6 +241,12 @@ func EnsureArchiveVersionsPeriod(ctx context.Context, db interface {
 			}
 		}
 		ensured = vs
+		if created && head != nil {
+			p := &rebuildPlan{head: &removedGap{toSeq: head.ToSeq, toLSN: head.ToLSN}}
+			if err := p.position(ctx, tx, vs[0]); err != nil {
+				return err
+			}
+		}
 		if live > 0 {
 			return PointViews(ctx, tx, live)
 		}
