@@ -406,11 +406,8 @@ func (s *Service) balance(ctx context.Context) error {
 		var head *version.Head
 		if len(vs) == 0 {
 			// A first run: a stream that lost its beginning is a gap.
-			stream, err := s.js.Stream(ctx, event.StreamName(s.cfg.SourceName))
-			if err != nil {
-				return fmt.Errorf("stream %s: %w", event.StreamName(s.cfg.SourceName), err)
-			}
-			if head, err = version.StreamHead(ctx, stream); err != nil {
+			var err error
+			if head, err = version.StreamHead(ctx, s.js, s.cfg.SourceName); err != nil {
 				return err
 			}
 		}

@@ -288,9 +288,14 @@ type Head struct {
 	ToLSN event.LSN
 }
 
-// StreamHead reads what the stream has lost of its beginning (nil: it
-// starts at sequence 1).
-func StreamHead(ctx context.Context, stream jetstream.Stream) (*Head, error) {
+// StreamHead reads what source's stream has lost of its beginning (nil:
+// it starts at sequence 1, or only erasures removed it: every removed
+// message is in the erasure ledger, as for a rebuild).
+func StreamHead(ctx context.Context, js jetstream.JetStream, source string) (*Head, error) {
+	stream, err := js.Stream(ctx, event.StreamName(source))
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: %w", event.StreamName(source), err)
+	}
 	info, err := stream.Info(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("stream info: %w", err)
@@ -298,6 +303,13 @@ func StreamHead(ctx context.Context, stream jetstream.Stream) (*Head, error) {
 	g, err := removedHead(ctx, stream, info, time.Time{})
 	if err != nil || g == nil {
 		return nil, err
+	}
+	erased, err := headErased(ctx, js, source, g.toSeq)
+	if err != nil {
+		return nil, fmt.Errorf("read the erasure ledger: %w", err)
+	}
+	if erased {
+		return nil, nil
 	}
 	return &Head{ToSeq: g.toSeq, ToLSN: g.toLSN}, nil
 }
