@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/console"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/internal/observe"
 	"github.com/epitaph-dev/epitaph/internal/readapi"
@@ -175,6 +176,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", status.WaitHandler(svc.Pool(), archive.Projection))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
+	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL, Logger: env.Logger})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {
