@@ -87,6 +87,8 @@ func TestConsoleBrowser(t *testing.T) {
 	require.NotEmpty(t, b.textOf("complete-up-to"))
 	require.Contains(t, b.textOf("rows"), fmt.Sprintf(`{"id": %d}`, first.id))
 	b.screenshot("console-search.png")
+	b.open(base + "/console/?table=public.custmers")
+	require.Contains(t, b.textOf("error"), "public.custmers: the archive holds no row of it", "an unknown table is named, never an empty result")
 
 	// The row page: the row, its transaction by table, its snapshot.
 	rowURL := base + "/console/row?" + url.Values{"correlation_id": {first.corr}, "seq": {fmt.Sprint(first.seq)}}.Encode()

@@ -267,4 +267,3 @@ func (b *browser) screenshot(name string) {
 	}
 	b.t.Logf("screenshot %s: %d bytes, %d colours", name, len(data), len(colours))
 }
-

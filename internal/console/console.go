@@ -73,7 +73,7 @@ type Config struct {
 var pageFS embed.FS
 
 var pages = template.Must(template.New("").Funcs(template.FuncMap{
-	"json":  func(v json.RawMessage) string { return string(v) },
+	"json":   func(v json.RawMessage) string { return string(v) },
 	"pretty": prettyJSON,
 	"time": func(t *time.Time) string {
 		if t == nil {
@@ -287,45 +287,12 @@ func (c *console) search(r *http.Request, v *view) (string, error) {
 		return "search", nil
 	}
 	d.Searched = true
-	var schema, table, key, corr *string
-	if d.Table != "" {
-		s, t, ok := strings.Cut(d.Table, ".")
-		if !ok || s == "" || t == "" || strings.Contains(t, ".") {
-			return "search", fail(http.StatusBadRequest, "table %q: want schema.table", d.Table)
-		}
-		schema, table = &s, &t
-	}
-	if d.Key != "" {
-		if d.Table == "" {
-			return "search", fail(http.StatusBadRequest, "a key needs its table")
-		}
-		var obj map[string]any
-		if json.Unmarshal([]byte(d.Key), &obj) != nil || obj == nil {
-			return "search", fail(http.StatusBadRequest, `key %q: want a JSON object such as {"id":42}`, d.Key)
-		}
-		key = &d.Key
-	}
-	if d.Corr != "" {
-		corr = &d.Corr
-	}
-	since, err := parseTime("since", d.Since)
+	a, err := parseSearch(d, q.Get("cursor"))
 	if err != nil {
 		return "search", err
 	}
-	until, err := parseTime("until", d.Until)
-	if err != nil {
-		return "search", err
-	}
-	var lsn *string
-	var seq *int
-	if s := q.Get("cursor"); s != "" {
-		l, n, ok := decodeCursor(s)
-		if !ok {
-			return "search", fail(http.StatusBadRequest, "cursor: not one of this page's")
-		}
-		lsn, seq = &l, &n
-	}
-	rows, err := c.cfg.DB.Query(r.Context(), searchSQL, schema, table, key, since, until, corr, lsn, seq, PageSize+1)
+	schema, table, lsn := a.schema, a.table, a.lsn
+	rows, err := c.cfg.DB.Query(r.Context(), searchSQL, a.schema, a.table, a.key, a.since, a.until, a.corr, a.lsn, a.seq, PageSize+1)
 	if err != nil {
 		return "search", err
 	}
@@ -349,6 +316,52 @@ func (c *console) search(r *http.Request, v *view) (string, error) {
 		}
 	}
 	return "search", nil
+}
+
+// searchArgs are the search's query parameters (nil: unbounded).
+type searchArgs struct {
+	schema, table, key, corr, lsn *string
+	since, until                  *time.Time
+	seq                           *int
+}
+
+func parseSearch(d *searchData, cursor string) (searchArgs, error) {
+	var a searchArgs
+	if d.Table != "" {
+		s, t, ok := strings.Cut(d.Table, ".")
+		if !ok || s == "" || t == "" || strings.Contains(t, ".") {
+			return a, fail(http.StatusBadRequest, "table %q: want schema.table", d.Table)
+		}
+		a.schema, a.table = &s, &t
+	}
+	if d.Key != "" {
+		if d.Table == "" {
+			return a, fail(http.StatusBadRequest, "a key needs its table")
+		}
+		var obj map[string]any
+		if json.Unmarshal([]byte(d.Key), &obj) != nil || obj == nil {
+			return a, fail(http.StatusBadRequest, `key %q: want a JSON object such as {"id":42}`, d.Key)
+		}
+		a.key = &d.Key
+	}
+	if d.Corr != "" {
+		a.corr = &d.Corr
+	}
+	var err error
+	if a.since, err = parseTime("since", d.Since); err != nil {
+		return a, err
+	}
+	if a.until, err = parseTime("until", d.Until); err != nil {
+		return a, err
+	}
+	if cursor != "" {
+		l, n, ok := decodeCursor(cursor)
+		if !ok {
+			return a, fail(http.StatusBadRequest, "cursor: not one of this page's")
+		}
+		a.lsn, a.seq = &l, &n
+	}
+	return a, nil
 }
 
 func parseTime(name, s string) (*time.Time, error) {

@@ -3,7 +3,6 @@ package console_test
 import (
 	"context"
 	"encoding/json"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -141,23 +140,6 @@ func (e *env) count(sql string, args ...any) int {
 	var n int
 	require.NoError(e.t, e.target.QueryRow(context.Background(), sql, args...).Scan(&n))
 	return n
-}
-
-// post sends a write to the console the way a tool would.
-func (e *env) post(path, body string, header ...string) (int, string) {
-	e.t.Helper()
-	req, err := http.NewRequest(http.MethodPost, e.console.URL+path, strings.NewReader(body))
-	require.NoError(e.t, err)
-	req.Header.Set("Content-Type", "application/json")
-	for i := 0; i+1 < len(header); i += 2 {
-		req.Header.Set(header[i], header[i+1])
-	}
-	res, err := http.DefaultClient.Do(req)
-	require.NoError(e.t, err)
-	defer res.Body.Close()
-	b, err := io.ReadAll(res.Body)
-	require.NoError(e.t, err)
-	return res.StatusCode, string(b)
 }
 
 // receiver is a webhook that fails while failing is set, and records the
