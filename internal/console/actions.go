@@ -244,3 +244,30 @@ func (c *console) deliveries(r *http.Request, body []byte) (int, any) {
 	}
 	return code, ans
 }
+
+// HoldRequest is the body of POST /console/api/holds: a legal hold on one
+// row (Key) or on the rows matching Match, with its reason.
+type HoldRequest struct {
+	Table  string          `json:"table"`
+	Key    json.RawMessage `json:"key,omitempty"`
+	Match  json.RawMessage `json:"match,omitempty"`
+	Reason string          `json:"reason"`
+}
+
+func (c *console) addHold(r *http.Request, body []byte) (int, any) {
+	var req HoldRequest
+	if err := json.Unmarshal(body, &req); err != nil {
+		return errorAnswer(http.StatusBadRequest, `want {"table": "schema.table", "key": {...}, "reason": "..."} (the key as JSON)`)
+	}
+	if strings.TrimSpace(req.Reason) == "" {
+		return errorAnswer(http.StatusBadRequest, "a legal hold needs a reason")
+	}
+	h, err := erasure.AddLegalHold(r.Context(), c.cfg.DB, req.Table, req.Key, req.Match, req.Reason, Actor)
+	switch {
+	case err == nil:
+		return http.StatusOK, h
+	case errors.Is(err, erasure.ErrBadSelector):
+		return errorAnswer(http.StatusBadRequest, "%s", err.Error())
+	}
+	return errorAnswer(http.StatusServiceUnavailable, "adding the hold failed: %s", quarantine.Sanitize(err))
+}

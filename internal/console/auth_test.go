@@ -66,6 +66,7 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 		"/console/api/restore":    `{"correlation_id": "main:1:0/1", "dry_run": false}`,
 		"/console/api/erase":      `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
 		"/console/api/deliveries": `{"action": "retry", "all": true, "filter": {"state": "dead"}}`,
+		"/console/api/holds":      `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
 	}
 	bearer := "Bearer " + token
 	for path, body := range writes {
@@ -93,8 +94,10 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 		require.Equal(t, http.StatusUnauthorized, code, "%s without a configured token", path)
 		require.Contains(t, text, "writes are off")
 	}
-	var restores, erasures int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM epitaph.restores), (SELECT count(*) FROM epitaph.erasures)`).Scan(&restores, &erasures))
+	var restores, erasures, holds int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM epitaph.restores), (SELECT count(*) FROM epitaph.erasures),
+		(SELECT count(*) FROM epitaph.legal_holds)`).Scan(&restores, &erasures, &holds))
+	require.Zero(t, holds, "no hold was added")
 	require.Zero(t, restores, "nothing was restored")
 	require.Zero(t, erasures, "nothing was erased")
 

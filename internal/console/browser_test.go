@@ -163,6 +163,17 @@ func TestConsoleBrowser(t *testing.T) {
 	require.Equal(t, 1, e.count(`SELECT count(*) FROM epitaph.erasures WHERE id = $1 AND actor = 'console' AND reason = 'GDPR request 2026-118'`, receipt.ID))
 	b.screenshot("console-erase.png")
 
+	// A legal hold on the restored customer, with its reason.
+	b.open(base + "/console/holds")
+	b.typeInto("[data-testid=hold-table]", "public.customers")
+	b.typeInto("[data-testid=hold-key]", fmt.Sprintf(`{"id": %d}`, first.id))
+	b.typeInto("[data-testid=hold-reason]", "litigation 7")
+	b.click("hold-add")
+	b.waitFor(`document.querySelectorAll("[data-testid=hold]").length === 1`, "the hold is listed")
+	require.Contains(t, b.textOf("holds"), fmt.Sprintf(`{"id": %d}`, first.id))
+	require.Equal(t, 1, e.count(`SELECT count(*) FROM epitaph.legal_holds WHERE key = $1::jsonb AND reason = 'litigation 7' AND created_by = 'console'`,
+		fmt.Sprintf(`{"id": %d}`, first.id)), "the key keeps every digit")
+
 	// Failed work: 40 dead deliveries, retried in one action.
 	require.Eventually(t, func() bool {
 		return e.count(`SELECT count(*) FROM epitaph.deliveries WHERE table_name = 'notes' AND state = 'dead'`) == 40

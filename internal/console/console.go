@@ -39,6 +39,7 @@ import (
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -146,6 +147,8 @@ func Register(mux interface {
 	mux.Handle("GET /console/row", c.read(c.row))
 	mux.Handle("GET /console/restores/{id}", c.read(c.restoreRecord))
 	mux.Handle("GET /console/failed", c.read(c.failed))
+	mux.Handle("GET /console/holds", c.read(c.holds))
+	mux.Handle("POST /console/api/holds", c.write(c.addHold))
 	mux.Handle("POST /console/api/restore", c.write(c.restore))
 	mux.Handle("POST /console/api/erase", c.write(c.erase))
 	mux.Handle("POST /console/api/deliveries", c.write(c.deliveries))
@@ -560,4 +563,11 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 	}
 	d.Deliveries, err = handler.ListDeliveries(r.Context(), c.cfg.DB, f)
 	return "failed", err
+}
+
+func (c *console) holds(r *http.Request, v *view) (string, error) {
+	v.Title = "Legal holds"
+	hs, err := erasure.ListLegalHolds(r.Context(), c.cfg.DB)
+	v.Data = hs
+	return "holds", err
 }
