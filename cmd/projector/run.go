@@ -176,7 +176,8 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	srv.Handle(statuspage.ActionPattern, statuspage.ActionHandler(actions, token, env.Logger))
 	srv.Handle("GET /wait", status.WaitHandler(svc.Pool(), archive.Projection))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token})
-	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL, Logger: env.Logger})
+	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL,
+		Quarantine: actions, Logger: env.Logger})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {

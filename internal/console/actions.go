@@ -271,3 +271,59 @@ func (c *console) addHold(r *http.Request, body []byte) (int, any) {
 	}
 	return errorAnswer(http.StatusServiceUnavailable, "adding the hold failed: %s", quarantine.Sanitize(err))
 }
+
+// QuarantineRequest is the body of POST /console/api/quarantine: replay
+// or discard (with a reason) the entries IDs.
+type QuarantineRequest struct {
+	Action string  `json:"action"`
+	IDs    []int64 `json:"ids"`
+	Reason string  `json:"reason"`
+}
+
+func (c *console) quarantine(r *http.Request, body []byte) (int, any) {
+	var req QuarantineRequest
+	if err := json.Unmarshal(body, &req); err != nil || len(req.IDs) == 0 {
+		return errorAnswer(http.StatusBadRequest, `want {"action": "replay"|"discard", "ids": [...], "reason": "..."}`)
+	}
+	if c.cfg.Quarantine == nil {
+		return errorAnswer(http.StatusServiceUnavailable, "quarantine actions are not available in this process")
+	}
+	if len(req.IDs) > MaxSelection {
+		return errorAnswer(http.StatusBadRequest, "%d entries: at most %d an action", len(req.IDs), MaxSelection)
+	}
+	ans := DeliveriesAnswer{Action: req.Action, Failed: map[string]string{}}
+	switch req.Action {
+	case "replay":
+		for _, id := range req.IDs {
+			res, err := c.cfg.Quarantine.Replay(r.Context(), id)
+			switch {
+			case err != nil:
+				ans.Failed[fmt.Sprint(id)] = quarantine.Sanitize(err)
+			case len(res.Failed) > 0:
+				ans.Failed[fmt.Sprint(id)] = "the entry still fails"
+			case len(res.Held) > 0:
+				ans.Failed[fmt.Sprint(id)] = "held behind an earlier open entry for the same row"
+			default:
+				ans.Done++
+			}
+		}
+	case "discard":
+		if strings.TrimSpace(req.Reason) == "" {
+			return errorAnswer(http.StatusBadRequest, "a discard needs a reason (kept in the audit record)")
+		}
+		for _, id := range req.IDs {
+			if err := c.cfg.Quarantine.Discard(r.Context(), id, req.Reason+" (by "+Actor+")"); err != nil {
+				ans.Failed[fmt.Sprint(id)] = quarantine.Sanitize(err)
+				continue
+			}
+			ans.Done++
+		}
+	default:
+		return errorAnswer(http.StatusBadRequest, "action %q: want replay or discard", req.Action)
+	}
+	code := http.StatusOK
+	if ans.Done == 0 {
+		code = http.StatusConflict
+	}
+	return code, ans
+}

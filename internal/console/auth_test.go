@@ -16,6 +16,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/internal/console"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 )
@@ -32,12 +33,17 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	require.NoError(t, migrations.Apply(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, data, category, error,
+		source_schema, source_table, source_key) VALUES ('archive', 1, 0, 7, 'epitaph.main.delete.0', 'x', 'decode',
+		'cannot decode <b>bold</b>', 'public', '<script>q=1</script>', '{"id": 1}')`)
+	require.NoError(t, err)
 	file := filepath.Join(t.TempDir(), "token")
 	require.NoError(t, os.WriteFile(file, []byte(token), 0o600))
 	tok, err := httptoken.Load(file)
 	require.NoError(t, err)
 	mux := http.NewServeMux()
-	console.Register(mux, console.Config{DB: pool, Token: tok, Source: "main", SourceURL: "postgres://127.0.0.1:1/none", Logger: testLogger()})
+	console.Register(mux, console.Config{DB: pool, Token: tok, Source: "main", SourceURL: "postgres://127.0.0.1:1/none",
+		Quarantine: statuspage.QuarantineActions(pool, nil), Logger: testLogger()})
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	open := http.NewServeMux()
@@ -67,6 +73,7 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 		"/console/api/erase":      `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
 		"/console/api/deliveries": `{"action": "retry", "all": true, "filter": {"state": "dead"}}`,
 		"/console/api/holds":      `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
+		"/console/api/quarantine": `{"action": "discard", "ids": [1], "reason": "r"}`,
 	}
 	bearer := "Bearer " + token
 	for path, body := range writes {
@@ -98,6 +105,9 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM epitaph.restores), (SELECT count(*) FROM epitaph.erasures),
 		(SELECT count(*) FROM epitaph.legal_holds)`).Scan(&restores, &erasures, &holds))
 	require.Zero(t, holds, "no hold was added")
+	var stillOpen int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.quarantine WHERE status = 'open'`).Scan(&stillOpen))
+	require.Equal(t, 1, stillOpen, "the quarantine entry is still open")
 	require.Zero(t, restores, "nothing was restored")
 	require.Zero(t, erasures, "nothing was erased")
 
@@ -117,8 +127,22 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 	code, _, text = do(srv.URL, http.MethodGet, "/console/", "", "Authorization", "Basic "+basic(token))
 	require.Equal(t, http.StatusOK, code, text)
 	require.Contains(t, text, "Search the live archive")
-	code, _, _ = do(srv.URL, http.MethodGet, "/console/failed", "", "Authorization", bearer)
-	require.Equal(t, http.StatusOK, code)
+	code, _, text = do(srv.URL, http.MethodGet, "/console/failed", "", "Authorization", bearer)
+	require.Equal(t, http.StatusOK, code, text)
+	require.Contains(t, text, `public.&lt;script&gt;q=1&lt;/script&gt;`, "the entry's table, escaped")
+	require.Contains(t, text, `cannot decode &lt;b&gt;bold&lt;/b&gt;`)
+	require.NotContains(t, text, "<script>q=1")
+
+	// With the token: a discard needs a reason, then resolves the entry.
+	code, _, text = do(srv.URL, http.MethodPost, "/console/api/quarantine", `{"action": "discard", "ids": [1]}`, "Authorization", bearer)
+	require.Equal(t, http.StatusBadRequest, code, text)
+	code, _, text = do(srv.URL, http.MethodPost, "/console/api/quarantine", `{"action": "discard", "ids": [1], "reason": "bad bytes"}`, "Authorization", bearer)
+	require.Equal(t, http.StatusOK, code, text)
+	require.Contains(t, text, `"done":1`)
+	var status, reason string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT status, resolution_reason FROM epitaph.quarantine WHERE id = 1`).Scan(&status, &reason))
+	require.Equal(t, "discarded", status)
+	require.Equal(t, "bad bytes (by console)", reason)
 }
 
 func basic(password string) string {

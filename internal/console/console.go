@@ -38,6 +38,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
+	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/status"
@@ -65,6 +66,10 @@ type Config struct {
 	// Source is the source name (archive.rows.source) and SourceURL its
 	// database, where restores write; empty SourceURL: restores are off.
 	Source, SourceURL string
+	// Quarantine replays and discards quarantine entries (the status
+	// page's actions, statuspage.QuarantineActions); nil: the console
+	// lists the entries only.
+	Quarantine statuspage.Actions
 	// Projection is the archive projection (default "archive").
 	Projection string
 	Logger     *slog.Logger
@@ -149,6 +154,7 @@ func Register(mux interface {
 	mux.Handle("GET /console/failed", c.read(c.failed))
 	mux.Handle("GET /console/holds", c.read(c.holds))
 	mux.Handle("POST /console/api/holds", c.write(c.addHold))
+	mux.Handle("POST /console/api/quarantine", c.write(c.quarantine))
 	mux.Handle("POST /console/api/restore", c.write(c.restore))
 	mux.Handle("POST /console/api/erase", c.write(c.erase))
 	mux.Handle("POST /console/api/deliveries", c.write(c.deliveries))
@@ -528,7 +534,8 @@ type failedData struct {
 	Deliveries []handler.Info
 	Filter     handler.Filter
 	States     []string
-	Quarantine int
+	// Quarantine is the open entries (never their message).
+	Quarantine []quarantine.Record
 }
 
 type handlerView struct {
@@ -561,7 +568,10 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 	if s, t, ok := strings.Cut(f.Table, "."); ok {
 		f.Schema, f.Table = s, t
 	}
-	d.Deliveries, err = handler.ListDeliveries(r.Context(), c.cfg.DB, f)
+	if d.Deliveries, err = handler.ListDeliveries(r.Context(), c.cfg.DB, f); err != nil {
+		return "failed", err
+	}
+	d.Quarantine, err = quarantine.List(r.Context(), c.cfg.DB, quarantine.Filter{Status: quarantine.StatusOpen, Limit: FailedLimit})
 	return "failed", err
 }
 
