@@ -9,10 +9,12 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/quarantine"
 	"github.com/epitaph-dev/epitaph/restore"
@@ -326,4 +328,35 @@ func (c *console) quarantine(r *http.Request, body []byte) (int, any) {
 		code = http.StatusConflict
 	}
 	return code, ans
+}
+
+// PruneRequest is the body of POST /console/api/workers/prune: forget the
+// workers silent for longer than OlderThan (a Go duration, default 1m,
+// at least 10s: a live worker heartbeats well within its lease).
+type PruneRequest struct {
+	OlderThan string `json:"older_than"`
+}
+
+func (c *console) pruneWorkers(r *http.Request, body []byte) (int, any) {
+	var req PruneRequest
+	if err := json.Unmarshal(body, &req); err != nil {
+		return errorAnswer(http.StatusBadRequest, `want {"older_than": "1m"}`)
+	}
+	age := time.Minute
+	if req.OlderThan != "" {
+		d, err := time.ParseDuration(req.OlderThan)
+		if err != nil || d < 10*time.Second {
+			return errorAnswer(http.StatusBadRequest, "older_than %q: want a duration of at least 10s", req.OlderThan)
+		}
+		age = d
+	}
+	l, err := progress.NewLeaser(c.cfg.DB, Actor, time.Minute)
+	if err != nil {
+		return errorAnswer(http.StatusInternalServerError, "%s", err.Error())
+	}
+	n, err := l.PruneWorkers(r.Context(), age)
+	if err != nil {
+		return errorAnswer(http.StatusServiceUnavailable, "removing workers failed: %s", quarantine.Sanitize(err))
+	}
+	return http.StatusOK, map[string]any{"removed": n, "older_than": age.String()}
 }

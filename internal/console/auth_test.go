@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -35,7 +36,9 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 	require.NoError(t, migrations.Apply(ctx, pool))
 	_, err = pool.Exec(ctx, `INSERT INTO epitaph.quarantine (projection, version, partition, stream_seq, subject, data, category, error,
 		source_schema, source_table, source_key) VALUES ('archive', 1, 0, 7, 'epitaph.main.delete.0', 'x', 'decode',
-		'cannot decode <b>bold</b>', 'public', '<script>q=1</script>', '{"id": 1}')`)
+		'cannot decode <b>bold</b>', 'public', '<script>q=1</script>', '{"id": 1}');
+		INSERT INTO epitaph.workers (worker_id, heartbeat_at, lease_ttl) VALUES
+		  ('gone', now() - interval '10 minutes', interval '3 seconds'), ('alive', now(), interval '1 hour')`)
 	require.NoError(t, err)
 	file := filepath.Join(t.TempDir(), "token")
 	require.NoError(t, os.WriteFile(file, []byte(token), 0o600))
@@ -69,11 +72,12 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 		return res.StatusCode, res.Header, string(b)
 	}
 	writes := map[string]string{
-		"/console/api/restore":    `{"correlation_id": "main:1:0/1", "dry_run": false}`,
-		"/console/api/erase":      `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
-		"/console/api/deliveries": `{"action": "retry", "all": true, "filter": {"state": "dead"}}`,
-		"/console/api/holds":      `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
-		"/console/api/quarantine": `{"action": "discard", "ids": [1], "reason": "r"}`,
+		"/console/api/restore":       `{"correlation_id": "main:1:0/1", "dry_run": false}`,
+		"/console/api/erase":         `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
+		"/console/api/deliveries":    `{"action": "retry", "all": true, "filter": {"state": "dead"}}`,
+		"/console/api/holds":         `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
+		"/console/api/quarantine":    `{"action": "discard", "ids": [1], "reason": "r"}`,
+		"/console/api/workers/prune": `{"older_than": "1m"}`,
 	}
 	bearer := "Bearer " + token
 	for path, body := range writes {
@@ -143,6 +147,22 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT status, resolution_reason FROM epitaph.quarantine WHERE id = 1`).Scan(&status, &reason))
 	require.Equal(t, "discarded", status)
 	require.Equal(t, "bad bytes (by console)", reason)
+
+	// Dead workers: listed as such, then removed; the live one stays.
+	code, _, text = do(srv.URL, http.MethodGet, "/console/failed", "", "Authorization", bearer)
+	require.Equal(t, http.StatusOK, code)
+	require.Regexp(t, `gone</td>.*dead`, text)
+	code, _, text = do(srv.URL, http.MethodPost, "/console/api/workers/prune", `{"older_than": "5s"}`, "Authorization", bearer)
+	require.Equal(t, http.StatusBadRequest, code, text)
+	code, _, text = do(srv.URL, http.MethodPost, "/console/api/workers/prune", `{"older_than": "1m"}`, "Authorization", bearer)
+	require.Equal(t, http.StatusOK, code, text)
+	require.Contains(t, text, `"removed":1`)
+	var workers []string
+	rows, err := pool.Query(ctx, `SELECT worker_id FROM epitaph.workers ORDER BY worker_id`)
+	require.NoError(t, err)
+	workers, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"alive"}, workers)
 }
 
 func basic(password string) string {

@@ -155,6 +155,7 @@ func Register(mux interface {
 	mux.Handle("GET /console/holds", c.read(c.holds))
 	mux.Handle("POST /console/api/holds", c.write(c.addHold))
 	mux.Handle("POST /console/api/quarantine", c.write(c.quarantine))
+	mux.Handle("POST /console/api/workers/prune", c.write(c.pruneWorkers))
 	mux.Handle("POST /console/api/restore", c.write(c.restore))
 	mux.Handle("POST /console/api/erase", c.write(c.erase))
 	mux.Handle("POST /console/api/deliveries", c.write(c.deliveries))
@@ -536,6 +537,15 @@ type failedData struct {
 	States     []string
 	// Quarantine is the open entries (never their message).
 	Quarantine []quarantine.Record
+	Workers    []workerView
+}
+
+// workerView is a row of epitaph.workers; Dead: silent past its lease.
+type workerView struct {
+	ID        string
+	Heartbeat time.Time
+	Silent    string
+	Dead      bool
 }
 
 type handlerView struct {
@@ -572,6 +582,19 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 		return "failed", err
 	}
 	d.Quarantine, err = quarantine.List(r.Context(), c.cfg.DB, quarantine.Filter{Status: quarantine.StatusOpen, Limit: FailedLimit})
+	if err != nil {
+		return "failed", err
+	}
+	rows, err := c.cfg.DB.Query(r.Context(), `SELECT worker_id, heartbeat_at, justify_interval(date_trunc('second', now() - heartbeat_at))::text,
+		now() - heartbeat_at > lease_ttl FROM epitaph.workers ORDER BY heartbeat_at DESC, worker_id`)
+	if err != nil {
+		return "failed", err
+	}
+	d.Workers, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (workerView, error) {
+		var w workerView
+		err := r.Scan(&w.ID, &w.Heartbeat, &w.Silent, &w.Dead)
+		return w, err
+	})
 	return "failed", err
 }
 
