@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/console"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
@@ -87,6 +88,35 @@ func TestConsoleBrowser(t *testing.T) {
 	require.NotEmpty(t, b.textOf("complete-up-to"))
 	require.Contains(t, b.textOf("rows"), fmt.Sprintf(`{"id": %d}`, first.id))
 	b.screenshot("console-search.png")
+	// Cursor pages, newest first, without a gap or an overlap.
+	lines := e.count(`SELECT count(*) FROM archive.rows WHERE table_name = 'order_lines'`)
+	require.Greater(t, lines, console.PageSize, "the workload deleted more than a page of order lines")
+	var seen []string
+	b.open(base + "/console/?table=public.order_lines")
+	for {
+		var page []string
+		require.NoError(t, json.Unmarshal(b.eval(`Array.from(document.querySelectorAll("[data-testid=rows] tbody tr td:first-child a")).map(function (a) { return a.getAttribute("href"); })`), &page))
+		require.LessOrEqual(t, len(page), console.PageSize)
+		seen = append(seen, page...)
+		if string(b.eval(`!!document.querySelector("[data-testid=next]")`)) != "true" {
+			break
+		}
+		b.call("Page.navigate", map[string]any{"url": base + (mustString(t, b.eval(`document.querySelector("[data-testid=next]").getAttribute("href")`)))}, nil)
+		b.waitFor(`document.readyState === "complete" && location.search.includes("cursor=")`, "the next page")
+	}
+	require.Len(t, seen, lines, "every order line once over the pages")
+	var want []string
+	wrows, err := e.target.Query(ctx, `SELECT correlation_id, seq FROM archive.rows WHERE table_name = 'order_lines' ORDER BY commit_lsn DESC, seq DESC`)
+	require.NoError(t, err)
+	for wrows.Next() {
+		var corr string
+		var seq int
+		require.NoError(t, wrows.Scan(&corr, &seq))
+		want = append(want, "/console/row?"+url.Values{"correlation_id": {corr}, "seq": {fmt.Sprint(seq)}}.Encode())
+	}
+	require.NoError(t, wrows.Err())
+	require.Equal(t, want, seen, "newest first")
+
 	b.open(base + "/console/?table=public.custmers")
 	require.Contains(t, b.textOf("error"), "public.custmers: the archive holds no row of it", "an unknown table is named, never an empty result")
 
@@ -206,4 +236,11 @@ func TestConsoleBrowser(t *testing.T) {
 	require.Contains(t, b.textOf("rows"), `<img src=x onerror=pwned=3>`)
 	require.Equal(t, "true", string(b.eval(`window.pwned === undefined && document.querySelectorAll("img").length === 0`)))
 	require.Equal(t, "1", string(b.eval(`document.querySelectorAll("script").length`)), "the console's own script only")
+}
+
+func mustString(t *testing.T, raw json.RawMessage) string {
+	t.Helper()
+	var s string
+	require.NoError(t, json.Unmarshal(raw, &s))
+	return s
 }

@@ -109,14 +109,16 @@ var pages = template.Must(template.New("").Funcs(template.FuncMap{
 		b, _ := json.Marshal(req)
 		return string(b)
 	},
-	"query": func(kv ...string) string {
+	// query builds a link's query string; it is already encoded, and typed
+	// so that html/template normalizes it instead of encoding it again.
+	"query": func(kv ...string) template.URL {
 		q := url.Values{}
 		for i := 0; i+1 < len(kv); i += 2 {
 			if kv[i+1] != "" {
 				q.Set(kv[i], kv[i+1])
 			}
 		}
-		return q.Encode()
+		return template.URL(q.Encode()) //nolint:gosec // url.Values.Encode escapes every value
 	},
 }).ParseFS(pageFS, "page.html"))
 
