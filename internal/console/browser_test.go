@@ -79,6 +79,13 @@ func TestConsoleBrowser(t *testing.T) {
 	b := newBrowser(t, token)
 	base := e.console.URL
 
+	// Reading works without scripts: a search link and a row page.
+	b.call("Emulation.setScriptExecutionDisabled", map[string]any{"value": true}, nil)
+	b.open(base + "/console/?" + url.Values{"table": {"public.customers"}}.Encode())
+	require.Contains(t, b.textOf("rows"), fmt.Sprintf(`{"id": %d}`, first.id))
+	require.Equal(t, "true", string(b.eval(`document.getElementById("token-bar").hidden`)), "no script ran")
+	b.call("Emulation.setScriptExecutionDisabled", map[string]any{"value": false}, nil)
+
 	// Search by table, newest first; the customer is on the page.
 	b.open(base + "/console/")
 	b.typeInto(`input[name=table]`, "public.customers")
