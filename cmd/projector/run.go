@@ -13,6 +13,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/console"
 	"github.com/epitaph-dev/epitaph/internal/httptoken"
 	"github.com/epitaph-dev/epitaph/internal/observe"
 	"github.com/epitaph-dev/epitaph/internal/readapi"
@@ -189,6 +190,8 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	waitLimit := status.NewWaitLimiter(maxWaits)
 	srv.Handle("GET /wait", status.WaitHandler(waitPool, archive.Projection, status.WithWaitLimit(waitLimit)))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token, WaitDB: waitPool, WaitLimit: waitLimit})
+	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL,
+		Quarantine: actions, Logger: env.Logger})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()
 	if err := srv.Start(runCtx); err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"net/http"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/epitaph-dev/epitaph/event"
 )
 
@@ -18,6 +20,17 @@ WHERE r.schema_name = $1 AND r.table_name = $2 AND r.key = $3::jsonb
   AND ($4::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($4::pg_lsn, $5::int))
 ORDER BY r.commit_lsn DESC, r.seq DESC
 LIMIT $6`
+	// tableRowsSQL lists a table's rows deleted in [since, until).
+	tableRowsSQL = `
+SELECT to_jsonb(r)::text, r.commit_lsn::text, r.seq FROM archive.rows r
+WHERE r.schema_name = $1 AND r.table_name = $2
+  AND ($3::timestamptz IS NULL OR r.commit_time >= $3) AND ($4::timestamptz IS NULL OR r.commit_time < $4)
+  AND ($5::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($5::pg_lsn, $6::int))
+ORDER BY r.commit_lsn DESC, r.seq DESC
+LIMIT $7`
+	// tableSeenSQL: whether the archive holds any row of the table (what
+	// retention or erasure removed does not count).
+	tableSeenSQL   = `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE schema_name = $1 AND table_name = $2)`
 	transactionSQL = `
 SELECT to_jsonb(r)::text, r.seq FROM archive.rows r
 WHERE r.correlation_id = $1 AND r.seq > $2
@@ -53,13 +66,31 @@ func (a *api) rows(ctx context.Context, _ *http.Request, req *request) (*page, e
 			return nil, fail(http.StatusBadRequest, "cursor: not a next_cursor of this API")
 		}
 	}
-	res, err := a.cfg.DB.Query(ctx, rowsSQL, req.schema, req.table, req.key, lsn, req.cursorInt("seq"), req.limit+1)
+	cursorOf := func(v []any) map[string]any { return map[string]any{"commit_lsn": v[1], "seq": v[2]} }
+	var res pgx.Rows
+	var err error
+	if req.key != "" {
+		res, err = a.cfg.DB.Query(ctx, rowsSQL, req.schema, req.table, req.key, lsn, req.cursorInt("seq"), req.limit+1)
+	} else {
+		res, err = a.cfg.DB.Query(ctx, tableRowsSQL, req.schema, req.table, req.since, req.until, lsn, req.cursorInt("seq"), req.limit+1)
+	}
 	if err != nil {
 		return nil, err
 	}
-	return collect(res, "rows", req.limit, func(v []any) map[string]any {
-		return map[string]any{"commit_lsn": v[1], "seq": v[2]}
-	})
+	p, err := collect(res, "rows", req.limit, cursorOf)
+	if err != nil || len(p.items) > 0 || lsn != nil {
+		return p, err
+	}
+	// An empty first page: say so when the table itself is unknown (a
+	// typo in table= must not look like "nothing was deleted").
+	var seen bool
+	if err := a.cfg.DB.QueryRow(ctx, tableSeenSQL, req.schema, req.table).Scan(&seen); err != nil {
+		return nil, err
+	}
+	if !seen {
+		return nil, fail(http.StatusNotFound, "table %s.%s: the archive holds no row of it (never seen, or all expired or erased)", req.schema, req.table)
+	}
+	return p, nil
 }
 
 func (a *api) transaction(ctx context.Context, r *http.Request, req *request) (*page, error) {

@@ -3,10 +3,13 @@
 // snapshots of a root.
 //
 //	GET /v1/rows?table=schema.table&key=JSON       every archived version of the row, newest first
+//	GET /v1/rows?table=schema.table&since=&until=  the table's archived rows, newest first
 //	GET /v1/transactions/{correlation_id}          the transaction's archived rows, in delete order
 //	GET /v1/snapshots?table=schema.table&key=JSON  the root's snapshots, newest first
 //
-// Each takes limit= (default 100, at most 1000) and cursor= (next_cursor of
+// Without key=, /v1/rows lists the table's rows deleted in [since, until)
+// (RFC 3339 times, both optional), and answers 404 naming a table the
+// archive holds no row of. Each takes limit= (default 100, at most 1000) and cursor= (next_cursor of
 // the previous page), and wait_lsn= (with timeout=, default 30s) to read
 // its own deletes: the answer waits until the archive is complete up to
 // that source LSN (504 when the timeout passes first, 409 when it cannot
@@ -80,7 +83,7 @@ func Register(mux interface {
 		cfg.Projection = archive.Projection
 	}
 	a := &api{cfg: cfg}
-	mux.Handle("GET /v1/rows", a.endpoint(tableKey, a.rows))
+	mux.Handle("GET /v1/rows", a.endpoint(tableKeyOrRange, a.rows))
 	mux.Handle("GET /v1/transactions/{correlation_id}", a.endpoint(nil, a.transaction))
 	mux.Handle("GET /v1/snapshots", a.endpoint(tableKey, a.snapshots))
 }
@@ -223,6 +226,8 @@ type request struct {
 	timeout time.Duration
 	// table= and key= of /v1/rows and /v1/snapshots.
 	schema, table, key string
+	// since= and until= of /v1/rows without key= (nil: unbounded).
+	since, until *time.Time
 }
 
 func parseRequest(w http.ResponseWriter, r *http.Request) (*request, error) {
@@ -277,6 +282,36 @@ func tableKey(r *http.Request, req *request) error {
 		return fail(http.StatusBadRequest, `key: want a JSON object such as {"id":42}`)
 	}
 	req.schema, req.table, req.key = schema, table, q.Get("key")
+	return nil
+}
+
+// tableKeyOrRange parses /v1/rows: table= with key=, or table= with the
+// optional time range since= and until=.
+func tableKeyOrRange(r *http.Request, req *request) error {
+	q := r.URL.Query()
+	if q.Has("key") {
+		if q.Has("since") || q.Has("until") {
+			return fail(http.StatusBadRequest, "since=/until=: list a table without key=, or read one row's versions with key=")
+		}
+		return tableKey(r, req)
+	}
+	schema, table, ok := strings.Cut(q.Get("table"), ".")
+	if !ok || schema == "" || table == "" || strings.Contains(table, ".") {
+		return fail(http.StatusBadRequest, "table: want schema.table")
+	}
+	req.schema, req.table = schema, table
+	for name, dst := range map[string]**time.Time{"since": &req.since, "until": &req.until} {
+		if s := q.Get(name); s != "" {
+			at, err := time.Parse(time.RFC3339Nano, s)
+			if err != nil {
+				return fail(http.StatusBadRequest, "%s: want an RFC 3339 time such as 2026-11-24T09:00:00Z", name)
+			}
+			*dst = &at
+		}
+	}
+	if req.since != nil && req.until != nil && !req.since.Before(*req.until) {
+		return fail(http.StatusBadRequest, "since= must be before until=")
+	}
 	return nil
 }
 
