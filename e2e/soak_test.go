@@ -141,7 +141,7 @@ type flakyHook struct {
 	// (false: only after hanging past the claim timeout, when the sender
 	// had given the attempt up).
 	accepted map[string]map[string]bool
-	acceptAt map[string][]time.Time // the same key -> when accepted
+	acceptAt map[string][]time.Time // the same key -> when each accepted request arrived
 	ids      map[string]bool
 	requests int
 	failed   int
@@ -155,6 +155,7 @@ func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(400)
 		return
 	}
+	arrived := time.Now()
 	id := r.Header.Get(handler.HeaderDeliveryID)
 	x := rand.IntN(100)
 	inTime := true
@@ -188,7 +189,9 @@ func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
 		h.accepted[k] = map[string]bool{}
 	}
 	h.accepted[k][id] = h.accepted[k][id] || inTime
-	h.acceptAt[k] = append(h.acceptAt[k], time.Now())
+	// When the request arrived: a request sent before an erasure may be
+	// answered after it.
+	h.acceptAt[k] = append(h.acceptAt[k], arrived)
 	h.ids[id] = true
 	h.mu.Unlock()
 	w.WriteHeader(http.StatusOK)
@@ -754,6 +757,7 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 	mayPurge := rebuildAfterPurgeFixed || s.rebuilt
 	s.mu.Unlock()
 	purge := (whole || purgeInsideSharedTx) && mayPurge && rng.IntN(3) > 0
+	var at time.Time // when the first target, the webhook's, finished erasing
 	for i, tg := range s.targets {
 		args := []string{"erase", "--table", "public.orders", "--key", key, "--with-children", "--reason", "soak", "--yes"}
 		if purge && i == 0 {
@@ -764,8 +768,10 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 			s.violation("erase order %d on %s (purge=%v): exit %d: %s", o, tg.name, purge && i == 0, code, out)
 			return false
 		}
+		if i == 0 {
+			at = time.Now()
+		}
 	}
-	at := time.Now()
 	s.mu.Lock()
 	for _, r := range set {
 		s.erased[r.rowKey] = &erasedRow{rowKey: r.rowKey, commitLSN: r.commitLSN, seq: r.seq, correlation: r.correlation,
