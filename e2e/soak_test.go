@@ -66,7 +66,10 @@ const readyAfterRestartFixed = false
 // sample every 5 s and its application all take time).
 const readyGrace = 20 * time.Second
 
-const readyRestartGrace = 25 * time.Second
+// readyRestartGrace covers the defect's window: a killed worker's leases
+// expire (3 s), the partitions start again and their lag is sampled
+// (every 5 s).
+const readyRestartGrace = 12 * time.Second
 
 // soakReadyMaxLag is the workers' --ready-max-lag: small, so the readiness
 // check is sharp, but above the heartbeats an idle stream always has in
@@ -207,19 +210,22 @@ func compactJSON(b json.RawMessage) string {
 }
 
 type soak struct {
-	t        *testing.T
-	ctx      context.Context
-	seed     uint64
-	rng      *rand.Rand
-	bins     map[string]string
-	src      string
-	natsURL  string
-	creds    string
-	credsOpt natsgo.Option
-	targets  []*soakTarget
-	capture  *supervised
-	hook     *flakyHook
-	watch    *bench.StreamWatch
+	t         *testing.T
+	ctx       context.Context
+	seed      uint64
+	rng       *rand.Rand
+	bins      map[string]string
+	src       string
+	natsURL   string
+	creds     string
+	credsOpts []natsgo.Option
+	// jetStream is the external broker the schedule restarts; nil with
+	// the embedded one.
+	jetStream *testenv.NATS
+	targets   []*soakTarget
+	capture   *supervised
+	hook      *flakyHook
+	watch     *bench.StreamWatch
 
 	mu       sync.Mutex
 	phase    string
@@ -234,6 +240,7 @@ type soak struct {
 	counts   map[string]int
 	purgedAt time.Time
 	rebuilt  bool // the rebuild, compare, promote and rollback are done
+	tried    map[string]bool
 }
 
 func (s *soak) note(action string) {
@@ -257,7 +264,10 @@ func (s *soak) projector(tg *soakTarget, timeout time.Duration, args ...string) 
 	defer cancel()
 	cmd := exec.CommandContext(ctx, s.bins["projector"], args...)
 	cmd.Env = append(os.Environ(), soakEnv(tg.url, s.src, s.natsURL, "cli")...)
-	cmd.Env = append(cmd.Env, "EPITAPH_NATS_CREDS="+s.creds, "EPITAPH_METRICS_ADDR=")
+	cmd.Env = append(cmd.Env, "EPITAPH_METRICS_ADDR=")
+	if s.creds != "" {
+		cmd.Env = append(cmd.Env, "EPITAPH_NATS_CREDS="+s.creds)
+	}
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
@@ -283,8 +293,10 @@ func soakEnv(target, source, natsURL, worker string) []string {
 // for SOAK_DURATION (default 2 minutes), from a seed (EPITAPH_SOAK_SEED
 // reproduces the schedule): the cascading workload and Django-shaped
 // transactions (savepoints, rollbacks, children deleted before their
-// parent), SIGKILLs of the capture (its embedded JetStream with it) and of
-// the projector workers of two targets (two consumer groups), erasures
+// parent), SIGKILLs of the capture and of the projector workers of two
+// targets (two consumer groups), restarts of the external JetStream server
+// (EPITAPH_SOAK_BROKER=embedded uses the capture's own broker instead,
+// restarted with each kill of the capture), erasures
 // (fenced or purged), legal holds refusing an erasure, retention cleanups,
 // a flaky webhook, restores, and one rebuild with compare, promote and
 // rollback. After every phase (deletes paused, both targets complete up to
@@ -329,27 +341,47 @@ func TestSoakWholeSystem(t *testing.T) {
 		_ = hs.Close()
 	}()
 
-	listen, err := bench.LocalAddr()
-	require.NoError(t, err)
-	natsURL := "nats://" + listen
+	// The broker: an external JetStream server in the test (the default),
+	// which the schedule restarts, or with EPITAPH_SOAK_BROKER=embedded the
+	// capture's own, which restarts with every kill of the capture.
+	embedded := os.Getenv("EPITAPH_SOAK_BROKER") == "embedded"
 	metrics, err := bench.LocalAddr()
 	require.NoError(t, err)
 	dataDir := t.TempDir()
 	const slot = "epitaph_e2e_soak"
-	cenv := bench.CaptureEnv(src, "", listen, dataDir, metrics, "main", slot)
+	var (
+		natsURL, projectorCreds string
+		credsOpts               []natsgo.Option
+		jetStream               *testenv.NATS
+		cenv                    []string
+	)
+	if embedded {
+		listen, err := bench.LocalAddr()
+		require.NoError(t, err)
+		natsURL = "nats://" + listen
+		cenv = bench.CaptureEnv(src, "", listen, dataDir, metrics, "main", slot)
+		projectorCreds = broker.ProjectorCreds(capturepkg.EmbeddedCredsDir(dataDir))
+	} else {
+		jetStream = testenv.NewNATS(t)
+		natsURL = jetStream.URL
+		cenv = bench.CaptureEnv(src, natsURL, "", dataDir, metrics, "main", slot)
+	}
 	capture := supervise(t, "capture", bins["capture"], joinEnv(cenv, "EPITAPH_HEARTBEAT_INTERVAL=1s"), seed)
-	projectorCreds := broker.ProjectorCreds(capturepkg.EmbeddedCredsDir(dataDir))
-	creds, err := bench.WaitCreds(ctx, projectorCreds, time.Minute)
-	require.NoError(t, err)
-	watch, err := bench.WatchStream(natsURL, "main", creds)
+	if embedded {
+		creds, err := bench.WaitCreds(ctx, projectorCreds, time.Minute)
+		require.NoError(t, err)
+		credsOpts = append(credsOpts, creds)
+	}
+	t.Logf("broker: %s", map[bool]string{true: "the capture's embedded JetStream", false: "an external JetStream server"}[embedded])
+	watch, err := bench.WatchStream(natsURL, "main", credsOpts...)
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, src, slot, captureReadyTimeout, nil))
 
 	s := &soak{t: t, ctx: ctx, seed: seed, rng: rand.New(rand.NewPCG(seed, 36)), bins: bins, src: src, natsURL: natsURL,
-		creds: projectorCreds, credsOpt: creds, capture: capture, hook: hook, watch: watch, phase: "setup",
+		creds: projectorCreds, credsOpts: credsOpts, jetStream: jetStream, capture: capture, hook: hook, watch: watch, phase: "setup",
 		erased: map[rowKey]*erasedRow{}, restored: map[rowKey]int{}, restRows: map[rowKey]workload.Row{}, held: map[int64]bool{},
-		kills: map[string][]time.Time{}, counts: map[string]int{}}
+		kills: map[string][]time.Time{}, counts: map[string]int{}, tried: map[string]bool{}}
 	s.targets = []*soakTarget{{name: "target-a", url: testenv.NewDatabase(t)}, {name: "target-b", url: testenv.NewDatabase(t)}}
 
 	secretFile := filepath.Join(t.TempDir(), "hook.secret")
@@ -371,8 +403,11 @@ func TestSoakWholeSystem(t *testing.T) {
 			m, err := bench.LocalAddr()
 			require.NoError(t, err)
 			env := joinEnv(soakEnv(tg.url, src, natsURL, fmt.Sprintf("%s-w%d", tg.name, i)),
-				"EPITAPH_METRICS_ADDR="+m, "EPITAPH_LEASE_TTL=3s", "EPITAPH_NATS_CREDS="+projectorCreds,
+				"EPITAPH_METRICS_ADDR="+m, "EPITAPH_LEASE_TTL=3s",
 				"EPITAPH_READY_MAX_LAG="+strconv.Itoa(soakReadyMaxLag), "EPITAPH_SNAPSHOT_ROOTS=public.orders", "EPITAPH_ARCHIVE_TTL=*=8760h")
+			if projectorCreds != "" {
+				env = append(env, "EPITAPH_NATS_CREDS="+projectorCreds)
+			}
 			tg.workers = append(tg.workers, supervise(t, fmt.Sprintf("%s-w%d", tg.name, i), bins["projector"], env, seed+uint64(10*ti+i)+1, "run"))
 		}
 	}
@@ -482,10 +517,16 @@ func (s *soak) runPhase(p int, d time.Duration) {
 		defer wg.Done()
 		s.djangoDeletes(ctx, rand.New(rand.NewPCG(s.seed+uint64(p), 99)))
 	}()
-	actions := []string{"kill-capture", "kill-a0", "kill-a1", "kill-b0", "erase", "erase", "hold", "cleanup", "restore"}
+	// Faults are two actions in five: between them, long enough quiet
+	// stretches for the readiness samples to be judged.
+	faults := []string{"kill-capture", "kill-a0", "kill-a1", "kill-b0"}
+	if s.jetStream != nil {
+		faults = append(faults, "restart-jetstream")
+	}
+	operations := []string{"erase", "erase", "hold", "cleanup", "restore"}
 	rng := rand.New(rand.NewPCG(s.seed, uint64(p)))
 	for ctx.Err() == nil {
-		gap := time.Duration(500+rng.IntN(2500)) * time.Millisecond
+		gap := time.Duration(1000+rng.IntN(3000)) * time.Millisecond
 		select {
 		case <-ctx.Done():
 		case <-time.After(gap):
@@ -493,7 +534,22 @@ func (s *soak) runPhase(p int, d time.Duration) {
 		if ctx.Err() != nil {
 			break
 		}
-		a := actions[rng.IntN(len(actions))]
+		a := operations[rng.IntN(len(operations))]
+		// Every kind of operation early, so a short soak has them all.
+		s.mu.Lock()
+		for _, o := range operations {
+			if !s.tried[o] && len(s.last) > 0 {
+				a = o
+				break
+			}
+		}
+		if len(s.last) > 0 {
+			s.tried[a] = true
+		}
+		s.mu.Unlock()
+		if rng.IntN(5) < 2 {
+			a = faults[rng.IntN(len(faults))]
+		}
 		s.act(a, rng)
 	}
 	wg.Wait()
@@ -507,6 +563,13 @@ func (s *soak) act(a string, rng *rand.Rand) {
 		s.mu.Lock()
 		s.kills["capture"] = append(s.kills["capture"], now)
 		s.mu.Unlock()
+	case "restart-jetstream":
+		// Every client loses the broker at once; readiness samples are
+		// judged after it as after a capture kill.
+		s.mu.Lock()
+		s.kills["capture"] = append(s.kills["capture"], now)
+		s.mu.Unlock()
+		s.jetStream.Restart()
 	case "kill-a0", "kill-a1", "kill-b0":
 		tg := s.targets[0]
 		if a == "kill-b0" {
@@ -1274,7 +1337,7 @@ func (s *soak) checkStream() {
 	if len(purged) == 0 {
 		return
 	}
-	events, err := workload.StreamDeletes(s.ctx, s.natsURL, "main", s.credsOpt)
+	events, err := workload.StreamDeletes(s.ctx, s.natsURL, "main", s.credsOpts...)
 	if err != nil {
 		s.violation("read the stream: %v", err)
 		return
