@@ -1088,7 +1088,7 @@ func (s *soak) checkpoint(rebuild bool) {
 		out, code := s.projector(a, 6*time.Minute, st...)
 		s.t.Logf("projector %s: exit %d\n%s", strings.Join(st, " "), code, lastLines(out, 12))
 		if code != 0 {
-			s.violation("projector %s on %s: exit %d: %s", strings.Join(st, " "), a.name, code, lastLines(out, 20))
+			s.violation("projector %s on %s: exit %d: %s\n%s", strings.Join(st, " "), a.name, code, lastLines(out, 20), versionsState(s.ctx, a.url))
 			return
 		}
 	}
@@ -1105,6 +1105,45 @@ func (s *soak) checkpoint(rebuild bool) {
 	s.rebuilt = true
 	s.mu.Unlock()
 	s.checkAll()
+}
+
+// versionsState says why versions are not ready: their status, the first
+// pending snapshot documents and open quarantine entries.
+func versionsState(ctx context.Context, url string) string {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err.Error()
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var b strings.Builder
+	queries := []string{
+		`SELECT format('v%s %s ready=%s lag=%s reasons=%s', version, state, ready, lag_events, not_ready_reasons) FROM archive.status ORDER BY version`,
+		`SELECT format('quarantine v%s %s: %s', version, category, left(error, 150)) FROM epitaph.quarantine WHERE status = 'open' LIMIT 5`,
+	}
+	rows, err := conn.Query(ctx, `SELECT nspname FROM pg_namespace n WHERE nspname ~ '^archive_v[0-9]+$'
+		AND EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = 'snapshots') ORDER BY 1`)
+	if err == nil {
+		schemas, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, sc := range schemas {
+			queries = append(queries, `SELECT format('`+sc+` snapshot pending since %s: %s %s: %s', pending_since, correlation_id, root_key, left(failure_reason, 200))
+				FROM `+pgx.Identifier{sc, "snapshots"}.Sanitize()+` WHERE status = 'pending' ORDER BY pending_since LIMIT 3`)
+		}
+	}
+	for _, q := range queries {
+		rows, err := conn.Query(ctx, q)
+		if err != nil {
+			fmt.Fprintf(&b, "%v\n", err)
+			continue
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			fmt.Fprintf(&b, "%v\n", err)
+		}
+		for _, l := range lines {
+			b.WriteString(l + "\n")
+		}
+	}
+	return b.String()
 }
 
 func lastLines(s string, n int) string {
