@@ -19,7 +19,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build dist docs demo test test-deps test-pg-matrix vet lint fmt-check fuzz bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-scale clean
+.PHONY: all build dist docs demo test test-deps test-pg-matrix vet lint fmt-check fuzz soak bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-scale clean
 
 all: build
 
@@ -89,6 +89,11 @@ lint:
 fmt-check:
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+
+## soak: the whole-system soak (e2e TestSoakWholeSystem) for SOAK_DURATION (default 10m); EPITAPH_SOAK_SEED replays a printed seed. `make test` runs it for 2 minutes.
+SOAK_DURATION ?= 10m
+soak:
+	SOAK_DURATION=$(SOAK_DURATION) $(GO) test ./e2e -run '^TestSoakWholeSystem$$' -count=1 -v -timeout 3h
 
 ## fuzz: each fuzz target of the event package for FUZZTIME executions (go test takes one -fuzz target at a time).
 fuzz:

@@ -22,7 +22,10 @@ BEGIN
     END IF;
     INSERT INTO workload.ledger (table_name, pk, gen, row)
     SELECT TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, jsonb_build_object('id', n.id), n.gen, to_jsonb(n)
-    FROM new_rows n;
+    FROM new_rows n
+    -- A restore puts a deleted row back with its values and generation:
+    -- the ledger already has that image.
+    ON CONFLICT (table_name, pk, gen) DO NOTHING;
     RETURN NULL;
 END
 $$;

@@ -128,12 +128,15 @@ func Seed(ctx context.Context, url string, cfg SeedConfig) (Counts, error) {
 		}
 	}
 	var custBase, ordBase, lineBase, shipBase, itemBase int64
+	// After the largest id ever inserted, deleted ones included (the
+	// ledger's): a new row must never take the id and generation of a
+	// deleted one, which the verifiers would take for the same row.
 	err = tx.QueryRow(ctx, `SELECT
-		coalesce((SELECT max(id) FROM public.customers), $1),
-		coalesce((SELECT max(id) FROM public.orders), 0),
-		coalesce((SELECT max(id) FROM public.order_lines), 0),
-		coalesce((SELECT max(id) FROM public.shipments), 0),
-		coalesce((SELECT max(id) FROM public.shipment_items), 0)`, CustomerIDBase).
+		coalesce(greatest((SELECT max(id) FROM public.customers), `+ledgerMax+`'public.customers')), $1),
+		coalesce(greatest((SELECT max(id) FROM public.orders), `+ledgerMax+`'public.orders')), 0),
+		coalesce(greatest((SELECT max(id) FROM public.order_lines), `+ledgerMax+`'public.order_lines')), 0),
+		coalesce(greatest((SELECT max(id) FROM public.shipments), `+ledgerMax+`'public.shipments')), 0),
+		coalesce(greatest((SELECT max(id) FROM public.shipment_items), `+ledgerMax+`'public.shipment_items')), 0)`, CustomerIDBase).
 		Scan(&custBase, &ordBase, &lineBase, &shipBase, &itemBase)
 	if err != nil {
 		return Counts{}, fmt.Errorf("seed: read id bases: %w", err)
@@ -172,6 +175,10 @@ func Seed(ctx context.Context, url string, cfg SeedConfig) (Counts, error) {
 	}
 	return c, nil
 }
+
+// ledgerMax, followed by a quoted table name and ")", is the
+// largest id the ledger recorded for that table.
+const ledgerMax = `(SELECT max((pk->>'id')::bigint) FROM workload.ledger WHERE table_name = `
 
 const seedCustomers = `
 INSERT INTO public.customers (id, name, email, credit, tags, created_at, profile, gen)
