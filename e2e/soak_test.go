@@ -36,7 +36,7 @@ import (
 // makes the next rebuild quarantine the transaction's other rows as
 // unauthenticated (a known defect being fixed); with it off, only rows
 // whose whole transaction is erased are purged, the others fenced only.
-const purgeInsideSharedTx = false
+const purgeInsideSharedTx = true
 
 // rebuildAfterPurgeFixed lets the soak purge before its rebuild. Off while
 // a rebuilt version quarantines the commit of a wholly purged transaction
@@ -44,7 +44,7 @@ const purgeInsideSharedTx = false
 // the stream") and records the purge as a blocking removed_from_stream gap,
 // so it never becomes ready (the known erasure-versus-signed-transactions
 // defect being fixed); with it off, purges start once the rebuild is done.
-const rebuildAfterPurgeFixed = false
+const rebuildAfterPurgeFixed = true
 
 // eraseInsideSharedTx lets the soak erase an order whose source transaction
 // holds other orders too. Off while such an erasure (fenced, not purged)
@@ -61,7 +61,7 @@ const eraseInsideSharedTx = false
 // another branch). While false, readiness samples taken within
 // readyRestartGrace of a start of one of the target's workers are not
 // judged.
-const readyAfterRestartFixed = false
+const readyAfterRestartFixed = true
 
 // readyGrace: a sample is a violation only for rows whose deletes committed
 // at least this long before it (the capture's publish, the workers' lag
