@@ -66,35 +66,7 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
 	e.suffix = fmt.Sprintf(".handlers.p%d.b%d%s", parallelism, batch, suffix)
 	// The handlers exist before the projector starts (after its migrate).
-	e.beforeStart = func(ctx context.Context, url string) error {
-		pool, err := pgxpool.New(ctx, url)
-		if err != nil {
-			return err
-		}
-		defer pool.Close()
-		if err := migrations.Apply(ctx, pool); err != nil {
-			return err
-		}
-		for i, t := range tables {
-			s, tb := splitTable(t)
-			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
-				Kind: handler.KindWebhook, Target: "http://" + ln.Addr().String() + "/hook", MaxAttempts: 5, Backoff: time.Second,
-				ClaimTimeout: time.Minute, Revalidate: e.revalidate, SecretFile: secretFile,
-				BatchSize: batch, BatchWait: 20 * time.Millisecond}); err != nil {
-				return err
-			}
-		}
-		if e.pgStats {
-			if e.revalidate {
-				// The source's statements are printed for the drain too.
-				if err := pgStatsReset(ctx, e.sourceURL); err != nil {
-					return err
-				}
-			}
-			return pgStatsReset(ctx, url)
-		}
-		return nil
-	}
+	e.beforeStart = e.addHandlers(tables, "http://"+ln.Addr().String()+"/hook", secretFile, batch)
 	var deliveredAt time.Time
 	var lim limitInputs
 	start := time.Now()
@@ -285,4 +257,38 @@ func eventTables(events []*event.Event) []string {
 		}
 	}
 	return out
+}
+
+// addHandlers is the handlers round's beforeStart: a webhook handler to
+// hook on every table (batch: its --batch-size), after the migrations.
+func (e *env) addHandlers(tables []string, hook, secretFile string, batch int) func(ctx context.Context, url string) error {
+	return func(ctx context.Context, url string) error {
+		pool, err := pgxpool.New(ctx, url)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		if err := migrations.Apply(ctx, pool); err != nil {
+			return err
+		}
+		for i, t := range tables {
+			s, tb := splitTable(t)
+			if err := handler.Add(ctx, pool, handler.Def{ID: fmt.Sprintf("00000000-0000-4000-8000-%012d", i+1), Schema: s, Table: tb,
+				Kind: handler.KindWebhook, Target: hook, MaxAttempts: 5, Backoff: time.Second,
+				ClaimTimeout: time.Minute, Revalidate: e.revalidate, SecretFile: secretFile,
+				BatchSize: batch, BatchWait: 20 * time.Millisecond}); err != nil {
+				return err
+			}
+		}
+		if e.pgStats {
+			if e.revalidate {
+				// The source's statements are printed for the drain too.
+				if err := pgStatsReset(ctx, e.sourceURL); err != nil {
+					return err
+				}
+			}
+			return pgStatsReset(ctx, url)
+		}
+		return nil
+	}
 }
