@@ -726,13 +726,13 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		fut, err := st.js.PublishMsgAsync(m, noRetries)
 		if err != nil {
 			st.s.m.publishErrors.Inc()
-			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
+			return fmt.Errorf("publish %s to %s: %w", what, subject, brokerIO(err))
 		}
 		st.tr.addSigned(fut, len(body), what, part, signedSeq(kind, partSeq))
 	} else {
 		if err := st.publishLoose(m); err != nil {
 			st.s.m.publishErrors.Inc()
-			return fmt.Errorf("publish %s to %s: %w", what, subject, err)
+			return fmt.Errorf("publish %s to %s: %w", what, subject, brokerIO(err))
 		}
 		st.tr.loose(len(body))
 	}
@@ -847,7 +847,7 @@ func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, part int, p
 	for n := 1; ; n++ {
 		ack, err := st.js.PublishMsg(ctx, m, noRetries)
 		if err != nil {
-			return "", fmt.Errorf("publish %s to %s: %w", what, m.Subject, err)
+			return "", fmt.Errorf("publish %s to %s: %w", what, m.Subject, brokerIO(err))
 		}
 		if !ack.Duplicate {
 			st.careful--

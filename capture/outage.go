@@ -165,14 +165,18 @@ func outage(err error) (to string, ok bool) {
 		// error; the source's ends as a pgconn timeout (above).
 		return linkBroker, true
 	}
+	var onBroker *brokerIOError
+	if errors.As(err, &onBroker) {
+		return linkBroker, true
+	}
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	switch {
 	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed),
 		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed),
 		errors.As(err, &netErr):
-		// The capture's only plain network connections are the source's:
-		// the NATS client reports its failures as its own errors.
+		// Network errors from a publish are marked (brokerIO); the
+		// capture's other plain network connections are the source's.
 		return linkSource, true
 	}
 	return "", false
@@ -321,4 +325,23 @@ func (s *Service) untilReachable(ctx context.Context, to string, f func() error)
 		case <-time.After(b.NextBackOff()):
 		}
 	}
+}
+
+// brokerIOError marks a network error a publish returned: the NATS client
+// can hand back its connection's raw write error (a reset, a broken pipe)
+// instead of one of its own, which without the mark would read as the
+// source's.
+type brokerIOError struct{ err error }
+
+func (e *brokerIOError) Error() string { return e.err.Error() }
+func (e *brokerIOError) Unwrap() error { return e.err }
+
+// brokerIO marks err as the broker's when it is a network error; a
+// JetStream answer (a stream refusing a message) stays as it is.
+func brokerIO(err error) error {
+	var netErr net.Error
+	if errors.As(err, &netErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) {
+		return &brokerIOError{err: err}
+	}
+	return err
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -63,6 +64,8 @@ func TestOutageClassification(t *testing.T) {
 		{"no database", pgErr("3D000"), ""},
 		{"slot in use", pgErr("55006"), ""},
 		{"connection reset", &net.OpError{Op: "read", Err: syscall.ECONNRESET}, linkSource},
+		{"publish's connection reset", fmt.Errorf("publish delete x to y: %w", brokerIO(&net.OpError{Op: "write", Err: syscall.ECONNRESET})), linkBroker},
+		{"publish refused, not marked", brokerIO(&jetstream.APIError{Code: 400, ErrorCode: 10077}), ""},
 		{"config", configErr("replication slot %q is missing", "s"), ""},
 		{"config wrapping a shutdown", &LeaseLostError{Err: pgErr("57P01")}, ""},
 		{"limits", &LimitsError{Err: errors.New("x")}, ""},

@@ -256,9 +256,9 @@ func (it trackItem) err(err error) error {
 	if it.msgs > 1 {
 		// A refused message fails every later one on its expected last
 		// message id: the first cause may be one of the loose messages.
-		return fmt.Errorf("publish %s (acknowledging it and the %d messages before it): %w", it.what, it.msgs-1, err)
+		return fmt.Errorf("publish %s (acknowledging it and the %d messages before it): %w", it.what, it.msgs-1, brokerIO(err))
 	}
-	return fmt.Errorf("publish %s: %w", it.what, err)
+	return fmt.Errorf("publish %s: %w", it.what, brokerIO(err))
 }
 
 // duplicate: JetStream acknowledges a message dropped as a duplicate of a

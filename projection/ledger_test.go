@@ -122,6 +122,7 @@ func TestPurgedMembersInTheLedgerCostNoOtherRow(t *testing.T) {
 			g := gaps(t, c, 0)
 			require.Len(t, g, 1, "the unrecorded removal is a gap")
 			require.Equal(t, int64(s5[0]), g[0].fromSeq)
+			require.GreaterOrEqual(t, g[0].toSeq, int64(s5[1]), "the range holds the removed member")
 			q := quarantined(t, c)
 			require.NotEmpty(t, q)
 			for _, r := range q {

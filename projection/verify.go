@@ -503,8 +503,10 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 	// continuation.
 	regressed := st.PartSeq > 0 && ps > 0 && ps < st.PartSeq+1+uint64(rows)
 	if short || regressed || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
+		// Messages removed before the open transaction's first end the
+		// range there; members missing from it (short) put it inside.
 		to := b.seq - 1
-		if st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
+		if !short && st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
 		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev)})

@@ -17,8 +17,10 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/trust"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -99,6 +101,15 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 		return err == nil && info.CachedInfo().State.Msgs == uint64(published)
 	}, 10*time.Second, 20*time.Millisecond)
 
+	// The stream is written before signing, as an operator says with
+	// projector trust-key --legacy-boundary: its unsigned messages up to
+	// here are believed.
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	require.NoError(t, migrations.Apply(ctx, pool))
+	require.NoError(t, trust.RecordLegacyBoundary(ctx, pool, event.StreamName(src), 0, uint64(published)))
+
 	svc, err := projection.New(projection.Config{
 		TargetURL: url, NATSURL: ns.URL, SourceName: src, WorkerID: "w1",
 		LeaseTTL: 3 * time.Second, BalanceInterval: 300 * time.Millisecond, FetchWait: 100 * time.Millisecond,
@@ -108,9 +119,6 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 	require.NoError(t, svc.Start(ctx))
 	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 
-	pool, err := pgxpool.New(ctx, url)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
 	count := func(sql string, args ...any) int {
 		var n int
 		if err := pool.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
