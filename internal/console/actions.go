@@ -274,6 +274,51 @@ func (c *console) addHold(r *http.Request, body []byte) (int, any) {
 	return errorAnswer(http.StatusServiceUnavailable, "adding the hold failed: %s", quarantine.Sanitize(err))
 }
 
+// HoldRemoveRequest is the body of POST /console/api/holds/remove: the
+// hold's id and why it is lifted.
+type HoldRemoveRequest struct {
+	ID     int64  `json:"id"`
+	Reason string `json:"reason"`
+}
+
+// removeHold lifts a legal hold. The hold's row goes (erasure keeps no
+// history of holds), so the removal is recorded in the log with what the
+// hold was, who added it and why, the reason it is lifted and the actor.
+func (c *console) removeHold(r *http.Request, body []byte) (int, any) {
+	var req HoldRemoveRequest
+	if err := json.Unmarshal(body, &req); err != nil || req.ID <= 0 {
+		return errorAnswer(http.StatusBadRequest, `want {"id": <the hold's id>, "reason": "..."}`)
+	}
+	if strings.TrimSpace(req.Reason) == "" {
+		return errorAnswer(http.StatusBadRequest, "removing a legal hold needs a reason (kept in the log)")
+	}
+	ctx := r.Context()
+	hs, err := erasure.ListLegalHolds(ctx, c.cfg.DB)
+	if err != nil {
+		return errorAnswer(http.StatusServiceUnavailable, "reading the holds failed: %s", quarantine.Sanitize(err))
+	}
+	var held *erasure.LegalHold
+	for i := range hs {
+		if hs[i].ID == req.ID {
+			held = &hs[i]
+		}
+	}
+	ok := false
+	if held != nil {
+		ok, err = erasure.RemoveLegalHold(ctx, c.cfg.DB, req.ID)
+		if err != nil {
+			return errorAnswer(http.StatusServiceUnavailable, "removing the hold failed: %s", quarantine.Sanitize(err))
+		}
+	}
+	if !ok {
+		return errorAnswer(http.StatusNotFound, "no legal hold %d", req.ID)
+	}
+	c.cfg.Logger.Info("console: legal hold removed", "id", held.ID, "table", held.Table,
+		"key", string(held.Key), "match", string(held.Match), "hold_reason", held.Reason, "added_by", held.CreatedBy,
+		"reason", req.Reason, "actor", Actor)
+	return http.StatusOK, map[string]any{"removed": held.ID, "table": held.Table, "reason": req.Reason, "actor": Actor}
+}
+
 // QuarantineRequest is the body of POST /console/api/quarantine: replay
 // or discard (with a reason) the entries IDs.
 type QuarantineRequest struct {

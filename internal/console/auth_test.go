@@ -76,6 +76,7 @@ func TestConsoleWritesNeedToken(t *testing.T) {
 		"/console/api/erase":         `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
 		"/console/api/deliveries":    `{"action": "retry", "all": true, "filter": {"state": "dead"}}`,
 		"/console/api/holds":         `{"table": "public.customers", "key": {"id": 1}, "reason": "r"}`,
+		"/console/api/holds/remove":  `{"id": 1, "reason": "r"}`,
 		"/console/api/quarantine":    `{"action": "discard", "ids": [1], "reason": "r"}`,
 		"/console/api/workers/prune": `{"older_than": "1m"}`,
 	}

@@ -156,6 +156,7 @@ func Register(mux interface {
 	mux.Handle("GET /console/failed", c.read(c.failed))
 	mux.Handle("GET /console/holds", c.read(c.holds))
 	mux.Handle("POST /console/api/holds", c.write(c.addHold))
+	mux.Handle("POST /console/api/holds/remove", c.write(c.removeHold))
 	mux.Handle("POST /console/api/quarantine", c.write(c.quarantine))
 	mux.Handle("POST /console/api/workers/prune", c.write(c.pruneWorkers))
 	mux.Handle("POST /console/api/restore", c.write(c.restore))
