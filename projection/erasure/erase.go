@@ -355,8 +355,17 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			// The other documents of these transactions: rebuilt without
 			// the erased rows (their payload is cleared at once), which
 			// their transactions' counts no longer expect.
-			if _, err := snapshot.Discount(ctx, tx, vs.Schema, gone); err != nil {
-				return nil, nil, err
+			// A version retired before snapshot_fenced existed has none
+			// (the DDL runs for active versions): its counts stay.
+			var fencedTable bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`,
+				archive.Ident(vs.Schema, "snapshot_fenced")).Scan(&fencedTable); err != nil {
+				return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
+			}
+			if fencedTable {
+				if _, err := snapshot.Discount(ctx, tx, vs.Schema, gone); err != nil {
+					return nil, nil, err
+				}
 			}
 			n, err := snapshot.Invalidate(ctx, tx, vs.Schema, list)
 			if err != nil {
