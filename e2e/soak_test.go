@@ -54,7 +54,7 @@ const rebuildAfterPurgeFixed = true
 // rows), so readers lose documents nobody erased and a rebuilt version
 // never leaves catching_up (a product defect found by this soak); with it
 // off, only orders whose whole transaction goes are erased.
-const eraseInsideSharedTx = false
+const eraseInsideSharedTx = true
 
 // readyAfterRestartFixed: archive.status.ready may read true after a worker
 // starts and before it has measured its lag (a known defect, fixed on
