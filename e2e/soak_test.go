@@ -47,13 +47,11 @@ const purgeInsideSharedTx = true
 const rebuildAfterPurgeFixed = true
 
 // eraseInsideSharedTx lets the soak erase an order whose source transaction
-// holds other orders too. Off while such an erasure (fenced, not purged)
-// leaves the snapshot documents of the transaction's other roots pending
-// for good, their payload gone, in every version ("incomplete transaction:
-// public.orders has 38 of 39 rows": the job still expects the erased
-// rows), so readers lose documents nobody erased and a rebuilt version
-// never leaves catching_up (a product defect found by this soak); with it
-// off, only orders whose whole transaction goes are erased.
+// holds other orders too: the documents of the transaction's other roots
+// must complete again without the erased rows, in every version, and a
+// rebuilt version must become ready (each version discounts the rows it
+// will never hold from the transaction's counts). Off, only orders whose
+// whole transaction goes are erased.
 const eraseInsideSharedTx = true
 
 // readyAfterRestartFixed: archive.status.ready may read true after a worker
