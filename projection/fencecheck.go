@@ -56,8 +56,23 @@ func (s *Service) unfenced(ctx context.Context, tx pgx.Tx, v version.Version, ro
 			Seq: e.Seq, Table: e.QualifiedTable()})
 	}
 	if snapshots {
-		if _, err := snapshot.Discount(ctx, tx, v.Schema, gone); err != nil {
+		n, err := snapshot.Discount(ctx, tx, v.Schema, gone)
+		if err != nil {
 			return nil, 0, nil, err
+		}
+		if n > 0 {
+			// A transaction whose commit was applied before (a replayed
+			// row fenced now): its jobs, parked or waiting out a retry,
+			// are due again with the counts they can meet.
+			ids := make([]string, 0, len(gone))
+			for _, g := range gone {
+				if len(ids) == 0 || ids[len(ids)-1] != g.CorrelationID {
+					ids = append(ids, g.CorrelationID)
+				}
+			}
+			if _, err := snapshot.Invalidate(ctx, tx, v.Schema, ids); err != nil {
+				return nil, 0, nil, err
+			}
 		}
 	}
 	return keep, epoch, txs, nil
