@@ -110,6 +110,9 @@ type applyPlan struct {
 	inPage map[event.LSN]bool
 	open   map[event.LSN]*openTx
 	vd     *verdict
+	// fenced: the transactions of which this attempt left rows out
+	// (erasure fences): their documents are assembled from the archive.
+	fenced map[event.LSN]bool
 }
 
 // pageRows are the page's delete events to archive (with the rows of
@@ -328,10 +331,11 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 // what it archived per source transaction, and the rows it tried (ins
 // without the fenced ones; the rejected ones have their category).
 func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
-	ins, fenced, err := s.unfenced(ctx, tx, p.v, ins)
+	ins, fenced, left, err := s.unfenced(ctx, tx, p.v, ins)
 	if err != nil {
 		return nil, nil, err
 	}
+	p.fenced = left
 	seen := fenced
 	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
@@ -419,7 +423,7 @@ func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, arc
 		if err := markRoots(ctx, sp, p.v.Schema, s.cfg.SourceName, undecided, true); err != nil {
 			return err
 		}
-		n, err := s.snapshotJobs(ctx, sp, p.v, part, p.rows, p.inPage, archived)
+		n, err := s.snapshotJobs(ctx, sp, p.v, part, p.rows, p.inPage, p.fenced, archived)
 		if err == nil {
 			pending += n
 		}

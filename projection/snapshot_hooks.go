@@ -20,7 +20,8 @@ func snapshotHooks() func(schema string) string { return snapshot.DDL }
 // every row of it inserted now) has its documents assembled in memory and
 // written complete; one whose rows span pages has them assembled from the
 // archive (its earlier pages' rows and this page's), read in this
-// transaction, and written complete too. What neither can complete now
+// transaction, and written complete too, as is one of which the erasure
+// fences left rows out (fenced: the archive knows which). What neither can complete now
 // (rows missing or rejected) gets pending jobs for the batcher. It returns
 // the number of jobs to hand to a batch after the commit (the pending
 // ones, and those a replayed commit found already made).
@@ -30,7 +31,7 @@ func snapshotHooks() func(schema string) string { return snapshot.DDL }
 // rows are authentic belongs before this call, and a group failing it must
 // not be handed to either path.
 func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v version.Version, commits []*item, rows []*archiveRow,
-	inPage map[event.LSN]bool, archived map[string]insertedTx) (int, error) {
+	inPage, fenced map[event.LSN]bool, archived map[string]insertedTx) (int, error) {
 	if len(s.cfg.SnapshotRoots) == 0 {
 		return 0, nil
 	}
@@ -39,7 +40,7 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v version.Version
 	var spanning []*event.Event
 	for _, c := range commits {
 		a, ok := archived[c.ev.CorrelationID()]
-		if inPage[c.ev.CommitLSN] && ok && a.rows == c.ev.Rows {
+		if inPage[c.ev.CommitLSN] && !fenced[c.ev.CommitLSN] && ok && a.rows == c.ev.Rows {
 			if byTx == nil {
 				byTx = snapshotRows(rows)
 			}

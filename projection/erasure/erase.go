@@ -323,6 +323,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 		var row json.RawMessage
 		var ndocs int
 		corrs := map[string]bool{}
+		var gone []snapshot.FencedRow
 		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &ndocs}, func() error {
 			l, err := event.ParseLSN(lsn)
 			if err != nil {
@@ -333,6 +334,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			removed["rows:"+tbl]++
 			removed[vs.Schema+".snapshots"] = max(removed[vs.Schema+".snapshots"], ndocs)
 			corrs[corr] = true
+			gone = append(gone, snapshot.FencedRow{CorrelationID: corr, Source: r.source, CommitLSN: r.lsn, Seq: r.seq, Table: tbl})
 			if !seen[r] {
 				seen[r] = true
 				ids = append(ids, r)
@@ -351,7 +353,20 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 				list = append(list, c)
 			}
 			// The other documents of these transactions: rebuilt without
-			// the erased rows (their payload is cleared at once).
+			// the erased rows (their payload is cleared at once), which
+			// their transactions' counts no longer expect.
+			// A version retired before snapshot_fenced existed has none
+			// (the DDL runs for active versions): its counts stay.
+			var fencedTable bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`,
+				archive.Ident(vs.Schema, "snapshot_fenced")).Scan(&fencedTable); err != nil {
+				return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
+			}
+			if fencedTable {
+				if _, err := snapshot.Discount(ctx, tx, vs.Schema, gone); err != nil {
+					return nil, nil, err
+				}
+			}
 			n, err := snapshot.Invalidate(ctx, tx, vs.Schema, list)
 			if err != nil {
 				return nil, nil, err

@@ -11,6 +11,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
 )
 
 // A fence with children holds for the whole source transaction, whatever
@@ -47,7 +48,7 @@ WITH RECURSIVE p AS (
 )
 DELETE FROM %[1]s r USING p
 WHERE r.source = p.source AND r.commit_lsn = p.commit_lsn AND r.seq = p.seq
-RETURNING r.source, r.commit_lsn::text, r.seq, r.schema_name, r.table_name, r.row, p.erasure`
+RETURNING r.source, r.commit_lsn::text, r.seq, r.schema_name, r.table_name, r.row, p.erasure, r.correlation_id`
 
 // parentRow is a row erased with its children, to be recorded.
 type parentRow struct {
@@ -55,13 +56,15 @@ type parentRow struct {
 	table   string // schema.table
 	row     json.RawMessage
 	erasure int64
+	corr    string // set by eraseChildren only
 }
 
 // Record keeps parents (rows a page left out as erased with their
 // children) and erases the rows of their transactions that earlier pages
-// archived into schema and that reference them. It returns how many rows it
-// erased from the version.
-func (f *FenceSet) Record(ctx context.Context, tx pgx.Tx, schema string, parents []ErasedWith) (int, error) {
+// archived into schema and that reference them (with snapshots, taken out
+// of their transactions' snapshot counts: snapshot.Discount). It returns
+// how many rows it erased from the version.
+func (f *FenceSet) Record(ctx context.Context, tx pgx.Tx, schema string, snapshots bool, parents []ErasedWith) (int, error) {
 	rows := make([]parentRow, 0, len(parents))
 	for _, p := range parents {
 		e := p.r.Event()
@@ -100,6 +103,15 @@ func (f *FenceSet) Record(ctx context.Context, tx pgx.Tx, schema string, parents
 	}
 	if err := eraseDeliveries(ctx, tx, ids, map[string]int{}); err != nil {
 		return 0, err
+	}
+	if snapshots {
+		gone := make([]snapshot.FencedRow, len(children))
+		for i, c := range children {
+			gone[i] = snapshot.FencedRow{CorrelationID: c.corr, Source: c.id.source, CommitLSN: c.id.lsn, Seq: c.id.seq, Table: c.table}
+		}
+		if _, err := snapshot.Discount(ctx, tx, schema, gone); err != nil {
+			return 0, err
+		}
 	}
 	f.remember(key, children)
 	f.mu.Lock()
@@ -183,7 +195,7 @@ func eraseChildren(ctx context.Context, tx pgx.Tx, table string, parents []paren
 	var out []parentRow
 	var c parentRow
 	var lsn, schema, name string
-	_, err = pgx.ForEachRow(rows, []any{&c.id.source, &lsn, &c.id.seq, &schema, &name, &c.row, &c.erasure}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&c.id.source, &lsn, &c.id.seq, &schema, &name, &c.row, &c.erasure, &c.corr}, func() error {
 		l, err := event.ParseLSN(lsn)
 		if err != nil {
 			return err

@@ -91,7 +91,7 @@ func CreateAssembled(ctx context.Context, tx pgx.Tx, schema string, groups []Gro
 		if gr.Commit == nil || gr.Commit.Op != event.OpCommit {
 			return a.created, a.pending, errors.New("create assembled snapshot jobs: not a commit event")
 		}
-		if err := a.add(ctx, tx, gr.Commit, func(tables map[string]int) ([]job, *loadedGroup, bool) {
+		if err := a.add(ctx, tx, gr.Commit, nil, func(tables map[string]int) ([]job, *loadedGroup, bool) {
 			return assemble(gr, tables, roots)
 		}); err != nil {
 			return a.created, a.pending, err
@@ -154,13 +154,17 @@ func CreateFromArchive(ctx context.Context, tx pgx.Tx, schema string, commits []
 	if err != nil {
 		return a.created, a.pending, err
 	}
+	fenced, err := loadFenced(ctx, tx, schema, sources, lsns)
+	if err != nil {
+		return a.created, a.pending, err
+	}
 	for _, c := range load {
 		k := txKey{c.Source, c.CommitLSN.String()}
-		if err := a.add(ctx, tx, c, func(tables map[string]int) ([]job, *loadedGroup, bool) {
+		if err := a.add(ctx, tx, c, fenced[k], func(tables map[string]int) ([]job, *loadedGroup, bool) {
 			if loadErr[k] != "" {
 				return nil, nil, false // the batch fails it, with its reason
 			}
-			return assembleRows(c, lists[k], tables, roots)
+			return assembleRows(c, lists[k], fenced[k], tables, roots)
 		}); err != nil {
 			return a.created, a.pending, err
 		}
@@ -210,12 +214,9 @@ func (a *assembler) written() int { return len(a.w.corr) }
 // add assembles commit c's group (build returns the jobs and the loaded
 // group, false when the group is not provably complete) and queues its
 // documents, or makes pending jobs when a batch would not complete them.
-func (a *assembler) add(ctx context.Context, tx pgx.Tx, c *event.Event,
+func (a *assembler) add(ctx context.Context, tx pgx.Tx, c *event.Event, fenced *fencedTx,
 	build func(tables map[string]int) ([]job, *loadedGroup, bool)) error {
-	tables := c.Tables
-	if tables == nil {
-		tables = map[string]int{}
-	}
+	tables, nrows := fenced.counts(c)
 	expected, err := json.Marshal(tables)
 	if err != nil {
 		return fmt.Errorf("create snapshot jobs: encode table counts: %w", err)
@@ -238,10 +239,10 @@ func (a *assembler) add(ctx context.Context, tx pgx.Tx, c *event.Event,
 	}
 	for i, j := range jobs {
 		root, _ := lg.g.index(j.rootSeq) // a row of the group
-		a.w.add(c, j, lg.g.rows[root].Key, string(expected), outs[i], lg.fp)
+		a.w.add(c, j, lg.g.rows[root].Key, string(expected), nrows, outs[i], lg.fp)
 	}
 	if countsRoot(tables, a.roots) {
-		a.recorded.add(c, string(expected))
+		a.recorded.add(c, string(expected), nrows)
 	}
 	return nil
 }
@@ -285,17 +286,27 @@ func assemble(gr Group, tables map[string]int, roots []string) ([]job, *loadedGr
 		}
 		list = append(list, &slab[i])
 	}
-	return assembleRows(gr.Commit, list, tables, roots)
+	return assembleRows(gr.Commit, list, nil, tables, roots)
 }
 
 // assembleRows is assemble over rows as a batch reads them: false unless
-// they are exactly seqs 0..Rows-1 of commit c, as many of each table as
-// it counted.
-func assembleRows(c *event.Event, list []*archiveRow, tables map[string]int, roots []string) ([]job, *loadedGroup, bool) {
-	if len(list) != c.Rows || c.Rows == 0 {
+// they and the fenced rows are exactly seqs 0..Rows-1 of commit c, as many
+// of each table as it counted less the fenced ones (tables).
+func assembleRows(c *event.Event, list []*archiveRow, fenced *fencedTx, tables map[string]int, roots []string) ([]job, *loadedGroup, bool) {
+	var gone []int
+	if fenced != nil {
+		gone = fenced.seqs
+	}
+	if len(list)+len(gone) != c.Rows || len(list) == 0 {
 		return nil, nil, false
 	}
 	seen := make([]bool, c.Rows)
+	for _, s := range gone {
+		if s < 0 || s >= c.Rows || seen[s] {
+			return nil, nil, false
+		}
+		seen[s] = true
+	}
 	for _, r := range list {
 		if r.Seq < 0 || r.Seq >= c.Rows || seen[r.Seq] {
 			return nil, nil, false
@@ -421,7 +432,7 @@ type assembledJobs struct {
 	attempts                                  []int32
 }
 
-func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected string, out outcome, fp string) {
+func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected string, expectedRows int, out outcome, fp string) {
 	w.corr = append(w.corr, j.correlationID)
 	w.rootKeys = append(w.rootKeys, string(key))
 	w.sources = append(w.sources, c.Source)
@@ -438,7 +449,7 @@ func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected
 		w.index[expected] = i
 	}
 	w.expected = append(w.expected, i)
-	w.expectedRows = append(w.expectedRows, int32(c.Rows))
+	w.expectedRows = append(w.expectedRows, int32(expectedRows))
 	w.statuses = append(w.statuses, out.status)
 	w.payloads = append(w.payloads, bytesString(out.payload))
 	w.fps = append(w.fps, fp)
@@ -452,10 +463,10 @@ type assembledGroups struct {
 	expectedRows                  []int32
 }
 
-func (g *assembledGroups) add(c *event.Event, expected string) {
+func (g *assembledGroups) add(c *event.Event, expected string, expectedRows int) {
 	g.corr = append(g.corr, c.CorrelationID())
 	g.sources = append(g.sources, c.Source)
 	g.lsns = append(g.lsns, c.CommitLSN.String())
 	g.expected = append(g.expected, expected)
-	g.expectedRows = append(g.expectedRows, int32(c.Rows))
+	g.expectedRows = append(g.expectedRows, int32(expectedRows))
 }

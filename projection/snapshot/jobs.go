@@ -51,7 +51,8 @@ ON CONFLICT (correlation_id, root_table, root_key) DO NOTHING`
 // per archived row of a root table ("schema.table" in roots) of the
 // transaction that commit ends. Call it when applying the commit event,
 // after the transaction's rows are in <schema>.rows; the commit's per-table
-// counts are kept as the job's completeness check.
+// counts, less the rows erased or fenced out of the version (Discount), are
+// kept as the job's completeness check.
 //
 // It is idempotent: re-applying the commit creates nothing new. Rows of
 // tables not in roots get no job. It returns the number of jobs created.
@@ -62,23 +63,24 @@ func CreateJobs(ctx context.Context, tx pgx.Tx, schema string, commit *event.Eve
 	if len(roots) == 0 {
 		return 0, nil
 	}
-	tables := commit.Tables
-	if tables == nil {
-		tables = map[string]int{}
+	fenced, err := loadFenced(ctx, tx, schema, []string{commit.Source}, []string{commit.CommitLSN.String()})
+	if err != nil {
+		return 0, err
 	}
+	tables, nrows := fenced[txKey{commit.Source, commit.CommitLSN.String()}].counts(commit)
 	expected, err := json.Marshal(tables)
 	if err != nil {
 		return 0, fmt.Errorf("create snapshot jobs: encode table counts: %w", err)
 	}
 	q := fmt.Sprintf(createJobsSQL, table(schema, "snapshots"), table(schema, "rows"))
 	tag, err := tx.Exec(ctx, q, commit.CorrelationID(), commit.Source, commit.CommitLSN.String(),
-		roots, expected, commit.Rows)
+		roots, expected, nrows)
 	if err != nil {
 		return 0, fmt.Errorf("create snapshot jobs for %s: %w", commit.CorrelationID(), err)
 	}
 	if countsRoot(tables, roots) {
 		if _, err := tx.Exec(ctx, fmt.Sprintf(recordGroupSQL, table(schema, "snapshot_groups")),
-			commit.CorrelationID(), commit.Source, commit.CommitLSN.String(), roots, expected, commit.Rows); err != nil {
+			commit.CorrelationID(), commit.Source, commit.CommitLSN.String(), roots, expected, nrows); err != nil {
 			return 0, fmt.Errorf("record snapshot group %s: %w", commit.CorrelationID(), err)
 		}
 	}

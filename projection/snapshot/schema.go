@@ -23,7 +23,8 @@ const (
 //     key prefix so a group is read by index (its jobs are found by
 //     correlation_id, the unique index's prefix);
 //   - root_seq: the archive row the document is rooted at;
-//   - expected_tables / expected_rows: the commit event's counts, the
+//   - expected_tables / expected_rows: the commit event's counts less the
+//     rows erased or fenced out of the version (snapshot_fenced), the
 //     completeness check;
 //   - next_attempt_at: NULL means due now (new or invalidated jobs), a time
 //     means a retry waits until then;
@@ -65,6 +66,17 @@ CREATE TABLE IF NOT EXISTS %[1]s.snapshot_groups (
 	expected_tables jsonb       NOT NULL,
 	expected_rows   integer     NOT NULL,
 	created_at      timestamptz NOT NULL DEFAULT now()
+);
+-- The rows of a transaction this version will never hold because an
+-- erasure removed them or its fence kept them out (Discount): the commit's
+-- counts less these are the documents' completeness check.
+CREATE TABLE IF NOT EXISTS %[1]s.snapshot_fenced (
+	source          text        NOT NULL,
+	commit_lsn      pg_lsn      NOT NULL,
+	seq             integer     NOT NULL,
+	correlation_id  text        NOT NULL,
+	table_name      text        NOT NULL,
+	PRIMARY KEY (source, commit_lsn, seq)
 );
 CREATE INDEX IF NOT EXISTS snapshots_due ON %[1]s.snapshots (next_attempt_at NULLS FIRST, id)
 	WHERE status = 'pending';
