@@ -39,8 +39,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
@@ -120,7 +118,7 @@ func run(ctx context.Context, sizes []int, apply, perTx, ginPairs int) error {
 	}
 	defer srv.Shutdown()
 	natsURL := "nats://" + listen
-	last, err := publish(ctx, natsURL, apply, perTx)
+	last, err := bench.PublishSessions(ctx, natsURL, source, partitions, apply, perTx, 10_000_000_000, 0x100000000)
 	if err != nil {
 		return err
 	}
@@ -400,81 +398,4 @@ func eraseOne(ctx context.Context, pool *pgxpool.Pool, n int) error {
 	}
 	bench.Figure("scale.erase_match_ms_"+label(n), float64(took.Microseconds())/1000, "ms (erase --match of one customer, wall)")
 	return nil
-}
-
-// publish writes the stream: apply delete events of public.sessions,
-// committed now (the current month's partition), signed.
-func publish(ctx context.Context, natsURL string, apply, perTx int) (map[int]event.LSN, error) {
-	nc, err := nats.Connect(natsURL)
-	if err != nil {
-		return nil, err
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return nil, err
-	}
-	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(source), Subjects: []string{event.StreamSubjects(source)},
-		Storage: jetstream.FileStorage, Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions),
-			event.MetaSource: source, event.MetaWireVersion: "1"}}); err != nil {
-		return nil, err
-	}
-	signer := testenv.NewSigner()
-	lsn := event.LSN(0x100000000)
-	commitTime := time.Now().UTC()
-	sent := 0
-	last := map[int]event.LSN{}
-	for id := 0; sent < apply; {
-		lsn += 0x100
-		p := event.Partition(lsn, partitions)
-		last[p] = lsn
-		n := min(perTx, apply-sent)
-		var msgs []*nats.Msg
-		for i := 0; i < n; i++ {
-			id++
-			ev := &event.Event{Op: event.OpDelete, Source: source, Schema: "public", Table: "sessions", XID: int64(lsn) / 16,
-				CommitLSN: lsn, CommitTime: commitTime, Seq: i, Identity: event.IdentityFull,
-				Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}},
-				Key:     json.RawMessage(fmt.Sprintf(`{"id":%d}`, 10_000_000_000+id)),
-				Row:     json.RawMessage(fmt.Sprintf(`{"id":%d,"email":"s%d@example.com","token":"%032d"}`, 10_000_000_000+id, id, id))}
-			m, err := message(event.DeleteSubject(source, p, "public", "sessions"), event.MsgID(source, lsn, i), ev)
-			if err != nil {
-				return nil, err
-			}
-			msgs = append(msgs, m)
-		}
-		commit := &event.Event{Op: event.OpCommit, Source: source, XID: int64(lsn) / 16, CommitLSN: lsn, CommitTime: commitTime,
-			Rows: n, Tables: map[string]int{"public.sessions": n}}
-		m, err := message(event.CommitSubject(source, p), event.CommitMsgID(source, lsn), commit)
-		if err != nil {
-			return nil, err
-		}
-		for _, m := range append(msgs, m) {
-			signer.Sign(m)
-			if _, err := js.PublishMsgAsync(m); err != nil {
-				return nil, err
-			}
-		}
-		sent += n
-		if sent%2000 < perTx || sent == apply {
-			select {
-			case <-js.PublishAsyncComplete():
-			case <-time.After(time.Minute):
-				return nil, fmt.Errorf("publish did not complete")
-			}
-		}
-	}
-	return last, nil
-}
-
-func message(subject, id string, ev *event.Event) (*nats.Msg, error) {
-	b, err := event.Encode(ev)
-	if err != nil {
-		return nil, err
-	}
-	m := nats.NewMsg(subject)
-	m.Data = b
-	m.Header.Set(event.HeaderMsgID, id)
-	m.Header.Set(event.HeaderVersion, "1")
-	return m, nil
 }
