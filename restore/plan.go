@@ -312,7 +312,9 @@ func insertAll(ctx context.Context, tx pgx.Tx, p *planned, skip bool, res *Resul
 		var pg *pgconn.PgError
 		switch {
 		case errors.As(err, &pg) && pg.Code == "23505":
-			return &ConflictError{Rows: []RowRef{a.ref()}}
+			// The key was checked free in conflicts: another unique
+			// constraint, or a row inserted since by a concurrent writer.
+			return &ConflictError{Rows: []RowRef{a.ref()}, Constraint: pg.ConstraintName}
 		case err != nil:
 			return fmt.Errorf("restore %s: %w", a.ref(), err)
 		case tag.RowsAffected() == 0:

@@ -141,9 +141,22 @@ func (r RowRef) String() string { return r.Table + " " + string(r.Key) }
 
 // ConflictError is a restore stopped by rows whose keys exist in the
 // source (OnConflictAbort). Nothing was written to the source.
-type ConflictError struct{ Rows []RowRef }
+//
+// Constraint is empty when the rows' own keys exist. It names a unique
+// constraint other than the key when the key was free but another row of
+// the source holds a value the restored row needs (a unique email taken
+// since): that row is not one of the restored ones, so --on-conflict skip
+// leaves the restored row out too.
+type ConflictError struct {
+	Rows       []RowRef
+	Constraint string
+}
 
 func (e *ConflictError) Error() string {
+	if e.Constraint != "" && len(e.Rows) == 1 {
+		return fmt.Sprintf("restore aborted: %s conflicts with a row of the source on unique constraint %s; nothing was written (--on-conflict skip leaves it out)",
+			e.Rows[0], e.Constraint)
+	}
 	names := make([]string, 0, 3)
 	for i, r := range e.Rows {
 		if i == 3 {

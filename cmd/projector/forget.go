@@ -336,7 +336,7 @@ func writeReceipt(env *Env, rc erasure.Receipt) {
 	for _, k := range slices.Sorted(maps.Keys(rc.Removed)) {
 		parts = append(parts, fmt.Sprintf("%s %d", k, rc.Removed[k]))
 	}
-	removed := "nothing"
+	removed := "nothing (nothing archived matches yet; the fence keeps later arrivals out)"
 	if len(parts) > 0 {
 		removed = strings.Join(parts, ", ")
 	}

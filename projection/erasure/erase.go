@@ -122,6 +122,9 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 	if opts.Reason != "" {
 		reason = &opts.Reason
 	}
+	if err := checkShape(ctx, pool, schema, name, mode, sel); err != nil {
+		return Receipt{}, err
+	}
 	if !opts.IgnoreHolds {
 		if err := refuseHeld(ctx, pool, schema, name, mode, sel); err != nil {
 			return Receipt{}, err

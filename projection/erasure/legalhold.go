@@ -39,8 +39,11 @@ func nullRaw(b json.RawMessage) *string {
 
 // AddLegalHold records a hold (exactly one of key and match) and returns it.
 func AddLegalHold(ctx context.Context, db querier, table string, key, match json.RawMessage, reason, actor string) (LegalHold, error) {
-	schema, name, _, _, _, err := selector(table, key, match)
+	schema, name, mode, sel, _, err := selector(table, key, match)
 	if err != nil {
+		return LegalHold{}, err
+	}
+	if err := checkShape(ctx, db, schema, name, mode, sel); err != nil {
 		return LegalHold{}, err
 	}
 	if reason == "" {

@@ -1,0 +1,112 @@
+package erasure
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// checkShape refuses a selector that can never match what the archive
+// holds of the table, so an erasure or a hold typed wrong fails loudly
+// instead of recording a fence that matches nothing: a --key whose columns
+// are not the table's key columns, or whose values are of another JSON
+// kind ({"id": "88"} for an integer key: fences compare values exactly),
+// and a --match naming a column no archived row of the table has. A table
+// with nothing archived passes: its rows may still be on their way, and
+// the fence is what keeps them out.
+func checkShape(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) error {
+	want := decodeObject(sel)
+	if mode == EraseByKey {
+		var sample []byte
+		err := queryOne(ctx, db, `SELECT key::text FROM archive.rows
+			WHERE schema_name = $1 AND table_name = $2 AND key IS NOT NULL LIMIT 1`, []any{schema, name}, &sample)
+		if err != nil || sample == nil {
+			return err
+		}
+		have := decodeObject(sample)
+		if !sameColumns(have, want) {
+			return fmt.Errorf("%w: --key has the columns %s, but the archived keys of %s.%s have %s: a key with other columns never matches (--match selects by any columns)",
+				ErrBadSelector, columnList(want), schema, name, columnList(have))
+		}
+		for c, v := range want {
+			if k, hk := kindOf(v), kindOf(have[c]); k != "null" && hk != "null" && k != hk {
+				return fmt.Errorf("%w: --key column %q is a JSON %s, but in the archived keys of %s.%s it is a %s: fences compare values exactly, so it would never match",
+					ErrBadSelector, c, k, schema, name, hk)
+			}
+		}
+		return nil
+	}
+	var archived bool
+	if err := queryOne(ctx, db, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE schema_name = $1 AND table_name = $2)`,
+		[]any{schema, name}, &archived); err != nil || !archived {
+		return err
+	}
+	for _, c := range slices.Sorted(maps.Keys(want)) {
+		var has bool
+		if err := queryOne(ctx, db, `SELECT EXISTS (SELECT 1 FROM archive.rows
+			WHERE schema_name = $1 AND table_name = $2 AND row ? $3)`, []any{schema, name, c}, &has); err != nil {
+			return err
+		}
+		if !has {
+			return fmt.Errorf("%w: --match column %q: no archived row of %s.%s has it, so the match would never match",
+				ErrBadSelector, c, schema, name)
+		}
+	}
+	return nil
+}
+
+// queryOne scans the single row of sql into dst; no row leaves dst as is.
+func queryOne(ctx context.Context, db querier, sql string, args []any, dst any) error {
+	rows, err := db.Query(ctx, sql, args...)
+	if err == nil {
+		_, err = pgx.CollectOneRow(rows, func(r pgx.CollectableRow) (struct{}, error) { return struct{}{}, r.Scan(dst) })
+	}
+	var pg *pgconn.PgError
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		// Nothing archived of the table.
+	case errors.As(err, &pg) && (pg.Code == "42P01" || pg.Code == "3F000"):
+		// No archive yet: no version has been created on this target.
+	case err != nil:
+		return fmt.Errorf("check the selector against the archive: %w", err)
+	}
+	return nil
+}
+
+func sameColumns(a, b map[string]json.RawMessage) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for c := range a {
+		if _, ok := b[c]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+func columnList(m map[string]json.RawMessage) string {
+	return strings.Join(slices.Sorted(maps.Keys(m)), ", ")
+}
+
+// kindOf is the JSON kind of a scalar value.
+func kindOf(v json.RawMessage) string {
+	t := strings.TrimSpace(string(v))
+	switch {
+	case t == "" || t == "null":
+		return "null"
+	case t[0] == '"':
+		return "string"
+	case t == "true" || t == "false":
+		return "boolean"
+	default:
+		return "number"
+	}
+}
