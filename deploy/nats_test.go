@@ -32,7 +32,7 @@ func requireRolePermissions(t *testing.T, opts *server.Options) {
 		require.Equal(t, "EPITAPH", u.Account.Name, "user %s", u.Username)
 	}
 	require.Len(t, users, 3, "the capture, projector and erase roles")
-	for name, want := range map[string]jwt.Permissions{"projector": broker.ProjectorPermissions(), "erase": broker.ErasePermissions("main")} {
+	for name, want := range map[string]jwt.Permissions{"projector": broker.ProjectorPermissions("main"), "erase": broker.ErasePermissions("main")} {
 		require.Equal(t, []string(want.Pub.Allow), users[name].Permissions.Publish.Allow, name)
 		require.Equal(t, []string(want.Pub.Deny), users[name].Permissions.Publish.Deny, name)
 		require.Equal(t, []string(want.Sub.Allow), users[name].Permissions.Subscribe.Allow, name)
@@ -194,6 +194,22 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 	err = pstream.SecureDeleteMsg(pctx, 10)
 	pcancel()
 	require.Error(t, err, "the projector deletes a message")
+
+	// Holders of the capture's and the projector's real credentials try,
+	// each at once, what the role may not do (another target's consumer is
+	// the victim): the server refuses every attempt, and the stream and
+	// the consumer stay as they were.
+	victim, err := pstream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: "other_archive-v1-p0", FilterSubject: "epitaph.main.0.>", AckPolicy: jetstream.AckAllPolicy})
+	require.NoError(t, err)
+	proj := testenv.NewAttacker(t, urls, role("projector")...)
+	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", "other_archive-v1-p0", 1))
+	capt := testenv.NewAttacker(t, urls, role("capture")...)
+	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", "other_archive-v1-p0", 1))
+	vi, err := victim.Info(ctx)
+	require.NoError(t, err)
+	require.Equal(t, uint64(4), vi.NumPending, "the other target's consumer still has its partition's messages pending")
+	require.False(t, vi.Paused, "not paused")
+	require.NoError(t, pstream.DeleteConsumer(ctx, "other_archive-v1-p0"))
 
 	// The erase user (projector erase --purge-stream) securely deletes one
 	// message, and may not purge.

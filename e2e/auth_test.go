@@ -171,6 +171,70 @@ func TestEmbeddedBrokerRefusesOutsideWriters(t *testing.T) {
 	}
 	require.Equal(t, want, got, "every deleted row once, real values, no forgery")
 
+	// Holders of the running roles' real credentials, while the pipeline
+	// runs, try what the role may not do (the running projector's consumer
+	// is the victim): the server refuses every attempt.
+	var victims []string
+	vrows, err := conn.Query(ctx, `SELECT consumer FROM epitaph.progress WHERE projection = 'archive' AND consumer IS NOT NULL ORDER BY partition`)
+	require.NoError(t, err)
+	for vrows.Next() {
+		var c string
+		require.NoError(t, vrows.Scan(&c))
+		victims = append(victims, c)
+	}
+	require.NoError(t, vrows.Err())
+	require.Len(t, victims, 2, "one consumer a partition")
+	proj := testenv.NewAttacker(t, natsURL, natsgo.UserCredentials(projectorCreds))
+	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", victims[0], 1))
+	capt := testenv.NewAttacker(t, natsURL, natsgo.UserCredentials(broker.CaptureCreds(credsDir)))
+	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", victims[1], 1))
+
+	// What the projector's credentials may do to another target: delete
+	// its consumers and make them anew under the same names, filters and
+	// limits, delivering headers only. The running projector resets them
+	// at its cursors; the rows deleted next are archived once each, with
+	// their values, nothing quarantined as malformed.
+	for _, name := range victims {
+		c, err := proj.JS.Consumer(ctx, event.StreamName("main"), name)
+		require.NoError(t, err)
+		hijack := c.CachedInfo().Config
+		hijack.HeadersOnly = true
+		hijack.DeliverPolicy, hijack.OptStartSeq = jetstream.DeliverAllPolicy, 0
+		require.NoError(t, proj.JS.DeleteConsumer(ctx, event.StreamName("main"), name))
+		_, err = proj.JS.CreateConsumer(ctx, event.StreamName("main"), hijack)
+		require.NoError(t, err)
+	}
+	for i := 11; i <= 15; i++ {
+		testenv.Exec(t, url, fmt.Sprintf(`DELETE FROM items WHERE id = %d`, i))
+	}
+	err = workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM archive.rows WHERE table_name = 'items'`)
+		return n >= 20, err
+	})
+	require.NoError(t, err, "archive after the hijack:\n%s", pp.LogTail(3000))
+	got = nil
+	rows, err = conn.Query(ctx, `SELECT (row->>'id')::int, row->>'v' FROM archive.rows WHERE table_name = 'items' ORDER BY 1`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var r row
+		require.NoError(t, rows.Scan(&r.id, &r.v))
+		got = append(got, r)
+	}
+	require.NoError(t, rows.Err())
+	want = nil
+	for i := 1; i <= 20; i++ {
+		want = append(want, row{i, fmt.Sprintf("item %d", i)})
+	}
+	require.Equal(t, want, got, "every deleted row once, despite the attempts and the hijack")
+	n, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.quarantine`)
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing quarantined")
+	for _, name := range victims {
+		c, err := proj.JS.Consumer(ctx, event.StreamName("main"), name)
+		require.NoError(t, err)
+		require.False(t, c.CachedInfo().Config.HeadersOnly, "the projector made %s anew", name)
+	}
+
 	after, err := stream.Info(ctx)
 	require.NoError(t, err)
 	require.Positive(t, after.State.LastSeq)

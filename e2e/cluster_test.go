@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	natsgo "github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
@@ -220,6 +221,27 @@ func clusterLosesNodesUnderLoad(t *testing.T, bins map[string]string, seed uint6
 	seq0, err := watch.LastSeq(ctx)
 	require.NoError(t, err)
 	require.NoError(t, watch.WaitProgress(ctx, seq0+3000, 2*time.Minute), "the workload reaches the stream")
+
+	// Holders of the capture's and the projector's passwords (nats.conf's
+	// users) try, while the workload runs, what their role may not do (a
+	// running projector's consumer is the victim): every attempt is a
+	// permissions violation, and the archive checked at the end is exact.
+	victim := "archive-v1-p0"
+	if err := workload.WaitFor(ctx, time.Minute, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
+		pool, err := pgx.Connect(ctx, url)
+		if err != nil {
+			return false, err
+		}
+		defer pool.Close(ctx)
+		err = pool.QueryRow(ctx, `SELECT consumer FROM epitaph.progress WHERE consumer IS NOT NULL ORDER BY partition LIMIT 1`).Scan(&victim)
+		return err == nil, nil
+	}); err != nil {
+		t.Logf("no consumer recorded yet; the attempts name %s", victim)
+	}
+	proj := testenv.NewAttacker(t, cluster.URL, cluster.connect(t, "projector")...)
+	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", victim, seq0))
+	capt := testenv.NewAttacker(t, cluster.URL, cluster.connect(t, "capture")...)
+	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", victim, seq0))
 	var faults []string
 	var seen string
 	start := time.Now()

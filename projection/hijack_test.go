@@ -58,3 +58,49 @@ func TestHijackedHeadersOnlyConsumerIsReset(t *testing.T) {
 	require.False(t, cons.CachedInfo().Config.HeadersOnly, "the worker made its consumer anew")
 	require.Positive(t, metricSumLabel(t, svc, "epitaph_projector_consumer_resets_total", "reason", "config"))
 }
+
+// A consumer switched to headers only in place (a consumer update, which
+// the projector's credentials may make): the worker's consumer keeps its
+// name and its pull requests, and the next deliveries come without a
+// body. A delivery without a body is a reset, never a quarantine: the
+// worker makes its consumer anew at the cursor, the archive stays exact
+// row by row and nothing is quarantined as malformed.
+func TestConsumerSwitchedToHeadersOnlyInPlaceIsReset(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	svc := e.start(e.config("w1"))
+	c := e.conn()
+	var txs []*txn
+	for i := 1; i <= 3; i++ {
+		tx := e.nextTx(orderRows(i, 1)...)
+		e.publish(tx)
+		txs = append(txs, tx)
+	}
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
+
+	ctx := context.Background()
+	st, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	name := e.consumerName(1, 0)
+	cons, err := st.Consumer(ctx, name)
+	require.NoError(t, err)
+	cfg := cons.CachedInfo().Config
+	require.False(t, cfg.HeadersOnly)
+	cfg.HeadersOnly = true
+	updated, err := st.UpdateConsumer(ctx, cfg)
+	require.NoError(t, err)
+	require.True(t, updated.CachedInfo().Config.HeadersOnly, "the server switched the running consumer in place")
+
+	for i := 4; i <= 6; i++ {
+		tx := e.nextTx(orderRows(i, 1)...)
+		e.publish(tx)
+		txs = append(txs, tx)
+	}
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 18 })
+	require.Equal(t, expectedArchive(t, txs), archiveOf(t, c))
+	require.Empty(t, quarantined(t, c), "nothing quarantined as malformed")
+	cons, err = st.Consumer(ctx, name)
+	require.NoError(t, err)
+	require.False(t, cons.CachedInfo().Config.HeadersOnly, "the worker made its consumer anew")
+	require.Positive(t, metricSumLabel(t, svc, "epitaph_projector_consumer_resets_total", "reason", "config"))
+}

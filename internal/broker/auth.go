@@ -19,16 +19,20 @@ import (
 // Auth makes an embedded server require credentials: one writer, the
 // capture. The server runs in operator mode with an in-memory account
 // resolver: one operator, a system account and one account with JetStream,
-// whose two users are the roles
+// whose three users are the roles, each limited to the source's own
+// streams (its stream, row object store and erasure ledger):
 //
-//   - capture: publishes the source's subjects (epitaph.<source>.>), manages
-//     its stream and object store (the JetStream API, $O.>);
-//   - projector: consumes (creates, reads and deletes its consumers, fetches
-//     and acknowledges), reads stream information, messages and the object
-//     store; it cannot publish to epitaph.>, write objects or delete
-//     messages;
+//   - capture: publishes the source's subjects (epitaph.<source>.>),
+//     creates, updates and reads its stream, writes its row object store;
+//     it cannot delete or purge messages of its stream, or touch any other
+//     stream or JetStream API;
+//   - projector: consumes (creates, reads and deletes consumers of the
+//     source's stream, fetches and acknowledges), reads stream information,
+//     messages, the object store and the erasure ledger; it cannot publish
+//     to epitaph.>, write objects, change a stream or delete messages;
 //   - erase: what the projector may, and securely deleting single messages
-//     (projector erase --purge-stream). Kept apart from the running
+//     of the stream and the object store and recording them in the erasure
+//     ledger (projector erase --purge-stream). Kept apart from the running
 //     projectors' credentials: a message deleted before every target
 //     applied it is lost to those targets, so only the operator's erase
 //     may remove one.
@@ -69,46 +73,88 @@ const (
 // AccountName is the name in the JWT of the account the roles share.
 const AccountName = "EPITAPH"
 
-// CapturePermissions are what the capture role may do.
+// Stream names of a source's JetStream data: its stream, the object store
+// of rows too large for a message, and the erasure ledger (a KV bucket).
+func streamsOf(source string) (stream, rows, ledger string) {
+	return event.StreamName(source), "OBJ_" + event.RowBucket(source), "KV_" + event.ErasedBucket(source)
+}
+
+// readStream is reading one stream: its information, single messages (by
+// sequence or last by subject, direct or through the API).
+func readStream(name string) []string {
+	return []string{
+		"$JS.API.STREAM.INFO." + name,
+		"$JS.API.STREAM.MSG.GET." + name,
+		"$JS.API.DIRECT.GET." + name,
+		"$JS.API.DIRECT.GET." + name + ".>",
+	}
+}
+
+// consumeStream is consuming one stream: creating, reading and deleting
+// its consumers, fetching, acknowledging and answering flow control. Not
+// listing, pausing, unpinning or resetting them, or stepping their leaders
+// down.
+func consumeStream(name string) []string {
+	return []string{
+		"$JS.API.CONSUMER.CREATE." + name,
+		"$JS.API.CONSUMER.CREATE." + name + ".>",
+		"$JS.API.CONSUMER.INFO." + name + ".*",
+		"$JS.API.CONSUMER.DELETE." + name + ".*",
+		"$JS.API.CONSUMER.MSG.NEXT." + name + ".*",
+		"$JS.ACK." + name + ".>",
+		"$JS.FC." + name + ".>",
+	}
+}
+
+// CapturePermissions are what the capture role of one source may do:
+// publish the source's subjects; create, update and read its stream (and
+// read it back through consumers of its own); create and write the row
+// object store (an object put again purges the object's old chunks).
+// Nothing of any other stream, no other JetStream API.
 func CapturePermissions(source string) jwt.Permissions {
+	stream, rows, _ := streamsOf(source)
+	allow := jwt.StringList{event.StreamSubjects(source), "$JS.API.INFO",
+		"$JS.API.STREAM.CREATE." + stream, "$JS.API.STREAM.UPDATE." + stream}
+	allow = append(allow, readStream(stream)...)
+	allow = append(allow, consumeStream(stream)...)
+	allow = append(allow, "$JS.API.STREAM.CREATE."+rows, "$JS.API.STREAM.PURGE."+rows, "$O."+event.RowBucket(source)+".>")
+	allow = append(allow, readStream(rows)...)
 	return jwt.Permissions{
-		Pub: jwt.Permission{Allow: jwt.StringList{
-			event.StreamSubjects(source),
-			"$JS.API.>", // its stream and object store: create, update, info, get
-			"$O.>",      // object store puts (rows larger than a message)
-			"$JS.ACK.>", "$JS.FC.>",
-		},
+		Pub: jwt.Permission{Allow: allow,
 			// The writer never removes: no stream or message deletes, no
-			// purge of its stream (a purge of the row bucket's chunks stays:
-			// the object store purges an object's old chunks when a name is
-			// put again). Removing is the operator's, not the writer's, so a
-			// leaked capture credential can forge (and be caught) but not
-			// erase what was written.
+			// purge of its stream. Removing is the operator's, not the
+			// writer's, so a leaked capture credential can forge (and be
+			// caught) but not erase what was written. Stated for whoever
+			// reads the JWT: the allow list grants none of these already.
 			Deny: jwt.StringList{
 				"$JS.API.STREAM.DELETE.*",
 				"$JS.API.STREAM.MSG.DELETE.*",
-				"$JS.API.STREAM.PURGE." + event.StreamName(source),
+				"$JS.API.STREAM.PURGE." + stream,
 			}},
 		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
 	}
 }
 
-// ProjectorPermissions are what the projector role may do: exactly what the
-// projector (run, status, versions, quarantine replay, wait) uses.
-func ProjectorPermissions() jwt.Permissions {
+// ProjectorPermissions are what the projector role of one source may do:
+// exactly what the projector (run, status, versions, quarantine replay,
+// wait) uses. It reads the source's stream, row object store and erasure
+// ledger, and consumes the stream and the object store; it cannot publish
+// to epitaph.>, write objects, delete or purge messages, or change a
+// stream. JetStream permissions are by subject token, and a consumer's
+// name is one token: the role reaches every consumer of its source's
+// stream, other targets' too (a worker resets a consumer it finds changed,
+// so such a change is seen and repaired, not believed).
+func ProjectorPermissions(source string) jwt.Permissions {
+	stream, rows, ledger := streamsOf(source)
+	allow := jwt.StringList{"$JS.API.INFO"}
+	for _, s := range []string{stream, rows, ledger} {
+		allow = append(allow, readStream(s)...)
+	}
+	allow = append(allow, consumeStream(stream)...)
+	allow = append(allow, consumeStream(rows)...)
 	return jwt.Permissions{
 		Pub: jwt.Permission{
-			Allow: jwt.StringList{
-				"$JS.API.INFO",
-				"$JS.API.STREAM.INFO.*",
-				"$JS.API.STREAM.NAMES",
-				"$JS.API.STREAM.LIST",
-				"$JS.API.STREAM.MSG.GET.*",
-				"$JS.API.DIRECT.GET.>",
-				"$JS.API.CONSUMER.>", // create, info, delete its consumers; fetch (MSG.NEXT)
-				"$JS.ACK.>",          // acknowledge what it applied
-				"$JS.FC.>",           // flow control of the object store's ordered consumer
-			},
+			Allow: allow,
 			// Stated for whoever reads the JWT: never the stream, never objects.
 			Deny: jwt.StringList{event.SubjectPrefix + ".>", "$O.>"},
 		},
@@ -117,15 +163,16 @@ func ProjectorPermissions() jwt.Permissions {
 }
 
 // ErasePermissions are the projector's, the secure delete of single
-// messages (the stream's erased rows and their objects' chunks) and the
-// source's erasure ledger: creating its bucket and putting there what it
-// deletes (projector erase --purge-stream). No purge, no stream delete.
-// The projector role only reads the ledger (its stream info and direct
-// gets are among its permissions already).
+// messages of the source's stream and row object store (an erased row and
+// its object's chunks) and the source's erasure ledger: creating its bucket
+// and putting there what it deletes (projector erase --purge-stream). No
+// purge, no stream delete. The projector role only reads the ledger.
 func ErasePermissions(source string) jwt.Permissions {
-	p := ProjectorPermissions()
-	p.Pub.Allow = append(p.Pub.Allow, "$JS.API.STREAM.MSG.DELETE.*",
-		"$JS.API.STREAM.CREATE.KV_"+event.ErasedBucket(source),
+	stream, rows, ledger := streamsOf(source)
+	p := ProjectorPermissions(source)
+	p.Pub.Allow = append(p.Pub.Allow,
+		"$JS.API.STREAM.MSG.DELETE."+stream, "$JS.API.STREAM.MSG.DELETE."+rows,
+		"$JS.API.STREAM.CREATE."+ledger,
 		"$KV."+event.ErasedBucket(source)+".>")
 	return p
 }
@@ -186,7 +233,7 @@ func ensureAuth(a Auth, opts *server.Options) (string, error) {
 	if err := ensureCreds(CaptureCreds(a.Dir), "capture", id.account, CapturePermissions(a.Source)); err != nil {
 		return "", err
 	}
-	if err := ensureCreds(ProjectorCreds(a.Dir), "projector", id.account, ProjectorPermissions()); err != nil {
+	if err := ensureCreds(ProjectorCreds(a.Dir), "projector", id.account, ProjectorPermissions(a.Source)); err != nil {
 		return "", err
 	}
 	if err := ensureCreds(EraseCreds(a.Dir), "erase", id.account, ErasePermissions(a.Source)); err != nil {

@@ -207,9 +207,25 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	require.Error(t, estream.Purge(short(t, ctx)), "the erase credentials purging the stream")
 	require.Error(t, ejs.DeleteStream(short(t, ctx), "EPITAPH_MAIN"), "the erase credentials deleting the stream")
 
+	// Holders of the running roles' real credentials try, each at once,
+	// what the role may not do (another target's consumer is the victim):
+	// the server refuses every attempt, and the stream and the consumer
+	// stay as they were.
+	victim, err := pstream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: "other_archive-v1-p0", FilterSubject: "epitaph.main.0.>", AckPolicy: jetstream.AckAllPolicy})
+	require.NoError(t, err)
+	proj := testenv.NewAttacker(t, s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", "other_archive-v1-p0", 1))
+	capt := testenv.NewAttacker(t, s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", "other_archive-v1-p0", 1))
+	vi, err := victim.Info(ctx)
+	require.NoError(t, err)
+	require.Equal(t, uint64(1), vi.NumPending, "the other target's consumer still has the message pending")
+	require.False(t, vi.Paused, "not paused")
+
 	info, err := stream.Info(ctx)
 	require.NoError(t, err)
 	require.Equal(t, uint64(1), info.State.Msgs, "only the capture's message is in the stream")
+	require.False(t, info.Config.AllowRollup, "no roll-ups allowed")
 	msg, err = stream.GetMsg(ctx, 1)
 	require.NoError(t, err)
 	require.Equal(t, `{"v":1,"op":"commit"}`, string(msg.Data))

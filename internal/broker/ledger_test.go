@@ -1,7 +1,9 @@
 package broker_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/hex"
 	"testing"
 	"time"
@@ -76,4 +78,41 @@ func TestErasureLedgerRoles(t *testing.T) {
 
 	_, err = erasure.OpenLedger(short(t, ctx), ejs, "other", true)
 	require.Error(t, err, "the erase role making another source's ledger")
+
+	// An erased row's object, as erase --purge-stream removes it: the
+	// capture wrote it; the erase role finds its chunks with an ordered
+	// consumer of the object store's stream and securely deletes them and
+	// its meta message, while the projector role may not.
+	bucket := event.RowBucket("main")
+	cobs, err := cjs.CreateObjectStore(ctx, jetstream.ObjectStoreConfig{Bucket: bucket, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	_, err = cobs.PutBytes(ctx, "row", bytes.Repeat([]byte("r"), 300_000))
+	require.NoError(t, err)
+	eobs, err := ejs.ObjectStore(ctx, bucket)
+	require.NoError(t, err)
+	oinfo, err := eobs.GetInfo(ctx, "row")
+	require.NoError(t, err)
+	ostream, err := ejs.Stream(ctx, "OBJ_"+bucket)
+	require.NoError(t, err)
+	cons, err := ostream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{"$O." + bucket + ".C." + oinfo.NUID}})
+	require.NoError(t, err)
+	batch, err := cons.Fetch(100, jetstream.FetchMaxWait(5*time.Second))
+	require.NoError(t, err)
+	var seqs []uint64
+	for m := range batch.Messages() {
+		md, err := m.Metadata()
+		require.NoError(t, err)
+		seqs = append(seqs, md.Sequence.Stream)
+	}
+	require.Len(t, seqs, int(oinfo.Chunks))
+	meta, err := ostream.GetLastMsgForSubject(ctx, "$O."+bucket+".M."+base64.URLEncoding.EncodeToString([]byte("row")))
+	require.NoError(t, err)
+	pstream, err := pjs.Stream(ctx, "OBJ_"+bucket)
+	require.NoError(t, err)
+	require.Error(t, pstream.SecureDeleteMsg(short(t, ctx), meta.Sequence), "the projector deleting an object's message")
+	for _, seq := range append(seqs, meta.Sequence) {
+		require.NoError(t, ostream.SecureDeleteMsg(ctx, seq))
+	}
+	_, err = eobs.GetInfo(ctx, "row")
+	require.ErrorIs(t, err, jetstream.ErrObjectNotFound)
 }
