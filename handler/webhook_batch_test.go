@@ -258,3 +258,77 @@ func TestBatchSettingsAreValidated(t *testing.T) {
 	require.Equal(t, 1, d.BatchSize)
 	require.Zero(t, d.BatchWait, "no batch, no wait")
 }
+
+// A claim that held deliveries of batching handlers makes the next claim
+// deep enough to fill a batch of each of them: with three handlers of
+// batch size 100 interleaved in due order, a claim of claimAhead (64)
+// fills none of their batches; the next claim takes the rest of the 300 at
+// once. The handlers then send three full batches, none partial.
+func TestClaimFillsTheBatchesOfEveryBatchingHandler(t *testing.T) {
+	e := newTenv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
+	tables := []string{"a", "b", "c"}
+	for _, tb := range tables {
+		e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
+			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, false, time.Minute })
+	}
+	rows := make([]Row, 300)
+	for i := range rows {
+		rows[i] = e.row(i + 1)
+		rows[i].Table = tables[i%3]
+	}
+	e.enqueue(1, rows...)
+
+	d := e.dispatcher(Config{Parallelism: 1})
+	take := func() []*claimed {
+		var cs []*claimed
+		for len(d.queue) > 0 {
+			cs = append(cs, <-d.queue)
+		}
+		return cs
+	}
+	n, err := d.claimAhead(ctx)
+	require.NoError(t, err)
+	require.Equal(t, claimAhead(1), n, "a cold dispatcher claims claimAhead")
+	first := take()
+	n, err = d.claimAhead(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 300-claimAhead(1), n, "room for a batch of each of the three handlers")
+	d.handBack(ctx, append(first, take()...))
+	for _, r := range e.deliveries() {
+		require.Equal(t, StatePending, r.State)
+		require.Zero(t, r.Attempt, "handed back: no attempt spent")
+	}
+
+	start := time.Now()
+	d = e.dispatcher(Config{Parallelism: 1})
+	require.NoError(t, d.Start(ctx))
+	eventually(t, func() bool { return len(br.got()) == 3 }, "three batches")
+	require.Less(t, time.Since(start), 5*time.Second, "full batches do not wait")
+	for _, p := range br.got() {
+		require.Len(t, p.ds, 100)
+	}
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	require.NoError(t, d.Stop(sctx))
+	require.NoError(t, d.Wait())
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateDone, r.State)
+	}
+}
+
+// The batch room counts each batching handler's size once, ignores
+// handlers that do not batch, and is bounded by the queue's spare room.
+func TestBatchRoomCountsEachBatchingHandlerOnce(t *testing.T) {
+	c := func(id, kind string, size int) *claimed {
+		return &claimed{def: Def{ID: id, Kind: kind, BatchSize: size}}
+	}
+	require.Zero(t, batchRoomFor(nil))
+	require.Zero(t, batchRoomFor([]*claimed{c("a", KindWebhook, 1), c("b", KindGo, 1)}))
+	require.Equal(t, 150, batchRoomFor([]*claimed{c("a", KindWebhook, 100), c("a", KindWebhook, 100),
+		c("b", KindWebhook, 50), c("g", KindGo, 1)}))
+	require.Equal(t, maxBatchRoom, batchRoomFor([]*claimed{c("a", KindWebhook, MaxBatchSize),
+		c("b", KindWebhook, MaxBatchSize), c("c", KindWebhook, MaxBatchSize)}))
+}

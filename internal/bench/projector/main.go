@@ -1171,6 +1171,7 @@ func pgStatsShow(ctx context.Context, url, phase string, reset bool) error {
 	}
 	defer conn.Close(ctx)
 	rows, err := conn.Query(ctx, `SELECT calls, total_exec_time, total_plan_time, rows, shared_blks_hit + shared_blks_read,
+			jit_generation_time + jit_inlining_time + jit_optimization_time + jit_emission_time,
 			regexp_replace(left(query, 110), '\s+', ' ', 'g')
 		FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 		ORDER BY total_exec_time + total_plan_time DESC LIMIT 14`)
@@ -1180,13 +1181,15 @@ func pgStatsShow(ctx context.Context, url, phase string, reset bool) error {
 	defer rows.Close()
 	for rows.Next() {
 		var calls, n, blocks int64
-		var exec, plan float64
+		var exec, plan, jit float64
 		var q string
-		if err := rows.Scan(&calls, &exec, &plan, &n, &blocks, &q); err != nil {
+		if err := rows.Scan(&calls, &exec, &plan, &n, &blocks, &jit, &q); err != nil {
 			return err
 		}
 		// Buffers per call: the work a statement does, whatever the load.
-		bench.Note("pgstats %s: %7d calls %9.0f ms exec %6.0f ms plan %8d rows %8.0f buffers/call  %s", phase, calls, exec, plan, n,
+		// JIT time is part of exec: a statement whose estimated cost
+		// passes jit_above_cost compiles its plan on every call.
+		bench.Note("pgstats %s: %7d calls %9.0f ms exec %6.0f ms plan %6.0f ms jit %8d rows %8.0f buffers/call  %s", phase, calls, exec, plan, jit, n,
 			float64(blocks)/float64(max(calls, 1)), q)
 	}
 	if err := rows.Err(); err != nil || !reset {
