@@ -33,8 +33,12 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 				open += c.Count
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
-			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
+		lag, oldest := lagText(v.LagUnknown, v.LagEvents, v.OldestPendingAgeSeconds)
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
+			lag, oldest, v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
+	}
+	for _, line := range st.LagsUnknown() {
+		fmt.Fprintf(tw, "%s\n", line)
 	}
 	for _, v := range st.Versions {
 		if v.State == version.StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
@@ -72,8 +76,9 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 			} else {
 				fail = fmt.Sprintf("%s (x%d)", fail, p.Attempts)
 			}
-			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
-				orDash(p.SourceLSN), p.LagEvents, seconds(p.OldestPendingAgeSeconds), last, fail)
+			lag, oldest := lagText(p.LagUnknown, p.LagEvents, p.OldestPendingAgeSeconds)
+			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
+				orDash(p.SourceLSN), lag, oldest, last, fail)
 		}
 	}
 	writeLifecycle(tw, st)
@@ -95,6 +100,15 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 		}
 	}
 	return tw.Flush()
+}
+
+// lagText is a lag and its oldest pending age for people: "unknown" when
+// it could not be measured.
+func lagText(unknown string, events uint64, oldest float64) (string, string) {
+	if unknown != "" {
+		return "unknown", "unknown"
+	}
+	return fmt.Sprint(events), seconds(oldest)
 }
 
 func seconds(s float64) string {
