@@ -60,9 +60,9 @@ dist:
 docs:
 	$(GO) test ./cmd/capture ./cmd/projector -run '^TestCLIReferenceIsCurrent$$' -count=1 -update-docs
 
-## demo: throwaway Postgres + capture (embedded JetStream) + projector, a shop workload, the archive.
+## demo: throwaway Postgres + capture (embedded JetStream) + projector, a shop workload, the archive; runs until Ctrl-C (DEMO_FLAGS=-exit: stops at once).
 demo: build
-	$(GO) run ./internal/demo
+	$(GO) run ./internal/demo $(DEMO_FLAGS)
 
 ## test: lint, then every test against a real PostgreSQL and a real JetStream server (the concurrent packages under the race detector), then a bounded fuzz run.
 test: test-deps vet fmt-check lint
