@@ -71,7 +71,7 @@ test: test-deps vet fmt-check lint
 	$(MAKE) test-pg-matrix
 	$(MAKE) fuzz
 
-## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose, npm), and the PostgreSQL 14/16/17/18 servers of the version matrix (npm registry), installed if missing.
+## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose, systemd, curl, psql, npm), and the PostgreSQL 14/16/17/18 servers of the version matrix (npm registry), installed if missing.
 test-deps:
 	@bash scripts/test-deps.sh
 
