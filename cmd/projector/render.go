@@ -25,18 +25,7 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 		fmt.Fprintf(tw, "stream: %s\n", st.StreamError)
 	}
 	fmt.Fprintln(tw)
-	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
-	for _, v := range st.Versions {
-		open := 0
-		for _, c := range v.GapCounts {
-			if !c.Acknowledged && c.Kind != event.GapTruncate {
-				open += c.Count
-			}
-		}
-		lag, oldest := lagText(v.LagUnknown, v.LagEvents, v.OldestPendingAgeSeconds)
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
-			lag, oldest, v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
-	}
+	writeVersionRows(tw, st)
 	for _, line := range st.LagsUnknown() {
 		fmt.Fprintf(tw, "%s\n", line)
 	}
@@ -100,6 +89,25 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 		}
 	}
 	return tw.Flush()
+}
+
+// writeVersionRows prints the versions table of the status.
+func writeVersionRows(tw io.Writer, st *status.Status) {
+	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
+	for _, v := range st.Versions {
+		open := 0
+		for _, c := range v.GapCounts {
+			if !c.Acknowledged && c.Kind != event.GapTruncate {
+				open += c.Count
+			}
+		}
+		lag, oldest := lagText(v.LagUnknown, v.LagEvents, v.OldestPendingAgeSeconds)
+		if v.State == version.StateRetired {
+			lag, oldest = "-", "-" // not measured
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
+			lag, oldest, v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
+	}
 }
 
 // lagText is a lag and its oldest pending age for people: "unknown" when

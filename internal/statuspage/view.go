@@ -217,8 +217,11 @@ func (p *page) fill(st *status.Status) {
 			LagEvents: fmt.Sprint(v.LagEvents), OldestPending: age(v.OldestPendingAgeSeconds), QuarantineOpen: v.QuarantineOpen,
 			Retired: v.State == version.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
 			CompleteUpTo: v.CompleteUpToLSN}
-		if v.LagUnknown != "" { // never a 0 nobody measured
+		switch {
+		case v.LagUnknown != "": // never a 0 nobody measured
 			vv.LagEvents, vv.OldestPending = "unknown", "unknown"
+		case vv.Retired:
+			vv.LagEvents, vv.OldestPending = "–", "–"
 		}
 		if vv.CompleteUpTo == "" {
 			vv.CompleteUpTo = "–"

@@ -197,10 +197,11 @@ func (st *Status) LagsUnknown() []string {
 	return out
 }
 
-// MarshalJSON writes the version with null lags when they are unknown.
+// MarshalJSON writes the version with null lags when they are unknown or
+// not measured (a retired version).
 func (v VersionStatus) MarshalJSON() ([]byte, error) {
 	type plain VersionStatus
-	if v.LagUnknown == "" {
+	if v.LagUnknown == "" && v.State != version.StateRetired {
 		return json.Marshal(plain(v))
 	}
 	return json.Marshal(struct {
