@@ -60,9 +60,9 @@ dist:
 docs:
 	$(GO) test ./cmd/capture ./cmd/projector -run '^TestCLIReferenceIsCurrent$$' -count=1 -update-docs
 
-## demo: throwaway Postgres + capture (embedded JetStream) + projector, a shop workload, the archive.
+## demo: throwaway Postgres + capture (embedded JetStream) + projector, a shop workload, the archive; runs until Ctrl-C (DEMO_FLAGS=-exit: stops at once).
 demo: build
-	$(GO) run ./internal/demo
+	$(GO) run ./internal/demo $(DEMO_FLAGS)
 
 ## test: lint, then every test against a real PostgreSQL and a real JetStream server (the concurrent packages under the race detector), then a bounded fuzz run.
 test: test-deps vet fmt-check lint
@@ -71,7 +71,7 @@ test: test-deps vet fmt-check lint
 	$(MAKE) test-pg-matrix
 	$(MAKE) fuzz
 
-## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose, npm), and the PostgreSQL 14/16/17/18 servers of the version matrix (npm registry), installed if missing.
+## test-deps: Debian packages some tests run as real programs (promtool/prometheus, chromium, docker-compose, systemd, curl, psql, npm), and the PostgreSQL 14/16/17/18 servers of the version matrix (npm registry), installed if missing.
 test-deps:
 	@bash scripts/test-deps.sh
 

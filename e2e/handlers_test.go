@@ -330,7 +330,7 @@ func TestRowHandlersAtLeastOnceUnderKills(t *testing.T) {
 	srv.mu.Unlock()
 	dead := count(`SELECT count(*) FROM archive.deliveries WHERE handler_id = $1 AND state = 'dead'`, second)
 	require.Positive(t, dead)
-	require.Equal(t, dead, count(`SELECT count(*) FROM archive.deliveries WHERE state = 'dead' AND last_error ~ '^type=\S+ code=http_422 diag=[0-9a-f]{12}$' AND attempt >= 1`), "a 422 is permanent: dead at its attempt (a kill between a claim and its settle spends one more)")
+	require.Equal(t, dead, count(`SELECT count(*) FROM archive.deliveries WHERE state = 'dead' AND last_error ~ '^type=\S+ code=http_422 diag=[0-9a-f]{12} cause=webhook answered 422 Unprocessable Entity$' AND attempt >= 1`), "a 422 is permanent: dead at its attempt (a kill between a claim and its settle spends one more)")
 	require.Zero(t, count(`SELECT count(*) FROM archive.deliveries WHERE payload IS NOT NULL`), "scrubbed once terminal")
 
 	rows, err = conn.Query(ctx, `SELECT id::text, handler_id::text, state, commit_lsn::text || '/' || seq, attempt FROM archive.deliveries`)

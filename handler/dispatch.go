@@ -861,7 +861,8 @@ func (d *Dispatcher) decide(ctx context.Context, c *claimed) settlement {
 
 // failure is a failed attempt: retried with backoff, or dead after the
 // handler's max attempts or at a permanent error, with a sanitized
-// last_error whose diagnostic id is also in the log line.
+// last_error whose diagnostic id is also in the log line, which carries
+// the whole error (logDetail) at the time of the failure.
 func (d *Dispatcher) failure(c *claimed, err error) settlement {
 	text, diag := sanitized(err)
 	var he *Error
@@ -871,7 +872,7 @@ func (d *Dispatcher) failure(c *claimed, err error) settlement {
 		s.state, s.delay = StateDead, 0
 	}
 	d.log.Warn("delivery attempt failed", "handler", c.d.HandlerID, "delivery", c.d.ID, "attempt", c.d.Attempt,
-		"max_attempts", c.def.MaxAttempts, "next_state", s.state, "last_error", text, "diag", diag)
+		"max_attempts", c.def.MaxAttempts, "next_state", s.state, "diag", diag, "error", logDetail(err), "last_error", text)
 	if s.state == StateDead {
 		d.met.dead.WithLabelValues(c.d.HandlerID).Inc()
 	}

@@ -14,8 +14,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/url"
+	"strings"
 	"sync"
 	"time"
+
+	"github.com/epitaph-dev/epitaph/internal/redact"
 )
 
 // Kinds of handler.
@@ -232,6 +236,11 @@ type Error struct {
 	Code      string
 	Permanent bool
 	Err       error
+	// cause is what the projector may store and log of Err: set only by
+	// the built-in kinds (webhook, exec, nats), whose error texts carry no
+	// row data, with the webhook URL redacted. A Go handler's own error
+	// text is never stored or logged: it may hold row values.
+	cause string
 }
 
 func (e *Error) Error() string {
@@ -250,16 +259,26 @@ func Permanent(code string, err error) error { return &Error{Code: code, Permane
 // Retryable marks err as a failure worth retrying, with a safe code.
 func Retryable(code string, err error) error { return &Error{Code: code, Err: err} }
 
+// Explained is a retryable failure whose text is stored in last_error and
+// logged as it is: for the projector's own failures (a missing setting),
+// never for text that may hold row values or secrets.
+func Explained(code, text string) error {
+	return &Error{Code: code, Err: errors.New(text), cause: text}
+}
+
 // sanitized is the last_error of a failure: its Go type, its safe code
-// where there is one, and a diagnostic id that is also in the log line.
-// Never the error's text.
+// where there is one, a diagnostic id that is also in the log line, and
+// the cause when a built-in kind gave one it may show (the transport's
+// error with the URL redacted, "webhook answered 503 Service
+// Unavailable", "exit status 3"). Never a Go handler's error text, a
+// response body or a command's output.
 func sanitized(err error) (text, diag string) {
 	diag = newDiagID()
 	typ := fmt.Sprintf("%T", err)
-	code := ""
+	code, cause := "", ""
 	var he *Error
 	if errors.As(err, &he) {
-		code = he.Code
+		code, cause = he.Code, he.cause
 		if he.Err != nil {
 			typ = fmt.Sprintf("%T", he.Err)
 		}
@@ -273,7 +292,51 @@ func sanitized(err error) (text, diag string) {
 	if code == "" {
 		code = "none"
 	}
-	return fmt.Sprintf("type=%s code=%s diag=%s", typ, code, diag), diag
+	text = fmt.Sprintf("type=%s code=%s diag=%s", typ, code, diag)
+	if cause != "" {
+		text += " cause=" + cause
+	}
+	return text, diag
+}
+
+// logDetail is the full error of a failure as the log line carrying its
+// diagnostic id shows it: a built-in kind's whole error text (secrets and
+// the webhook URL's credentials redacted); for a Go handler only that its
+// text is its own.
+func logDetail(err error) string {
+	var he *Error
+	if errors.As(err, &he) && he.cause != "" {
+		var ue *url.Error
+		if errors.As(he.Err, &ue) {
+			return redact.Text(fmt.Sprintf("%s %q: %s", ue.Op, RedactTarget(KindWebhook, ue.URL), he.cause))
+		}
+		return he.cause
+	}
+	if errors.As(err, &he) && he.Code == "deadline_exceeded" {
+		return "the attempt's deadline passed"
+	}
+	return "(a Go handler's error text is not logged: it may hold row values; log it in the handler)"
+}
+
+// kindError is the failure of a built-in kind, whose error text the
+// projector may store and log: err's text (for a *url.Error, the error
+// under it, without the URL) with secrets redacted and the target's
+// credentials hidden.
+func kindError(code string, permanent bool, target string, err error) error {
+	e := &Error{Code: code, Permanent: permanent, Err: err}
+	if err == nil {
+		return e
+	}
+	msg := err.Error()
+	var ue *url.Error
+	if errors.As(err, &ue) && ue.Err != nil {
+		msg = ue.Err.Error()
+	}
+	if target != "" {
+		msg = strings.ReplaceAll(msg, target, RedactTarget(KindWebhook, target))
+	}
+	e.cause = strings.Join(strings.Fields(redact.Text(msg)), " ")
+	return e
 }
 
 func newDiagID() string {

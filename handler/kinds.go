@@ -46,11 +46,11 @@ func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 	case KindGo:
 		h, ok := r.registry.Lookup(def.Target)
 		if !ok {
-			return Retryable("not_registered", errors.New("go handler not registered in this process"))
+			return kindError("not_registered", false, "", errors.New("go handler not registered in this process"))
 		}
 		return h.Handle(ctx, d)
 	}
-	return Permanent("unknown_kind", fmt.Errorf("unknown handler kind %q", def.Kind))
+	return kindError("unknown_kind", true, "", fmt.Errorf("unknown handler kind %q", def.Kind))
 }
 
 // webhook POSTs body: a delivery's (batch 0), or a batch of n deliveries
@@ -58,7 +58,7 @@ func (r *runner) run(ctx context.Context, def Def, d Delivery) error {
 func (r *runner) webhook(ctx context.Context, def Def, id string, attempt, batch int, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, def.Target, bytes.NewReader(body))
 	if err != nil {
-		return Permanent("bad_url", err)
+		return kindError("bad_url", true, def.Target, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", "epitaph-projector")
@@ -76,18 +76,18 @@ func (r *runner) webhook(ctx context.Context, def Def, id string, attempt, batch
 	if def.SecretFile != "" {
 		secrets, err := r.secrets.get(def.SecretFile)
 		if err != nil {
-			return Retryable("secret_file", err)
+			return kindError("secret_file", false, def.Target, err)
 		}
 		if err := signWebhook(req.Header.Set, secrets, id, now, body); err != nil {
-			return Retryable("sign", err)
+			return kindError("sign", false, def.Target, err)
 		}
 	}
 	resp, err := r.client.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
-			return Retryable("deadline_exceeded", ctx.Err())
+			return kindError("deadline_exceeded", false, def.Target, ctx.Err())
 		}
-		return Retryable("http_transport", err)
+		return kindError("http_transport", false, def.Target, err)
 	}
 	// The body is never kept or logged: drain a little for keep-alive.
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
@@ -97,11 +97,11 @@ func (r *runner) webhook(ctx context.Context, def Def, id string, attempt, batch
 	case resp.StatusCode >= 200 && resp.StatusCode < 300:
 		return nil
 	case resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode >= 500:
-		return Retryable(code, errors.New("webhook answered "+resp.Status))
+		return kindError(code, false, def.Target, errors.New("webhook answered "+resp.Status))
 	case resp.StatusCode == http.StatusRequestTimeout:
-		return Retryable(code, errors.New("webhook answered "+resp.Status))
+		return kindError(code, false, def.Target, errors.New("webhook answered "+resp.Status))
 	default:
-		return Permanent(code, errors.New("webhook answered "+resp.Status))
+		return kindError(code, true, def.Target, errors.New("webhook answered "+resp.Status))
 	}
 }
 
@@ -121,7 +121,7 @@ func ParseCommand(target string) ([]string, error) {
 func runExec(ctx context.Context, def Def, d Delivery, body []byte) error {
 	argv, err := ParseCommand(def.Target)
 	if err != nil {
-		return Permanent("bad_command", err)
+		return kindError("bad_command", true, "", err)
 	}
 	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	cmd.Stdin = bytes.NewReader(body)
@@ -137,25 +137,25 @@ func runExec(ctx context.Context, def Def, d Delivery, body []byte) error {
 	case err == nil:
 		return nil
 	case ctx.Err() != nil:
-		return Retryable("deadline_exceeded", ctx.Err())
+		return kindError("deadline_exceeded", false, "", ctx.Err())
 	case errors.As(err, &ee):
 		code := ee.ExitCode()
 		if code == ExitRetry {
-			return Retryable("exit_75", err)
+			return kindError("exit_75", false, "", err)
 		}
 		if code < 0 {
-			return Retryable("signaled", err)
+			return kindError("signaled", false, "", err)
 		}
-		return Permanent("exit_"+strconv.Itoa(code), err)
+		return kindError("exit_"+strconv.Itoa(code), true, "", err)
 	default:
 		// The program could not be started (missing, not executable).
-		return Retryable("start_failed", err)
+		return kindError("start_failed", false, "", err)
 	}
 }
 
 func (r *runner) publish(ctx context.Context, def Def, d Delivery, body []byte) error {
 	if r.js == nil {
-		return Retryable("no_nats", errors.New("no NATS connection"))
+		return kindError("no_nats", false, "", errors.New("no NATS connection"))
 	}
 	msg := nats.NewMsg(def.Target)
 	msg.Data = body
@@ -164,12 +164,12 @@ func (r *runner) publish(ctx context.Context, def Def, d Delivery, body []byte) 
 	msg.Header.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
 	if _, err := r.js.PublishMsg(ctx, msg); err != nil {
 		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
-			return Retryable("no_stream", err)
+			return kindError("no_stream", false, "", err)
 		}
 		if ctx.Err() != nil {
-			return Retryable("deadline_exceeded", ctx.Err())
+			return kindError("deadline_exceeded", false, "", ctx.Err())
 		}
-		return Retryable("publish", err)
+		return kindError("publish", false, "", err)
 	}
 	return nil
 }

@@ -101,7 +101,9 @@ func (m *metrics) publish(st *status.Status) {
 		if v.State == version.StateRetired {
 			continue
 		}
-		m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)
+		if v.LagUnknown == "" { // an unknown lag has no series, never a 0
+			m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)
+		}
 		if v.Projection == archive.Projection {
 			// Every kind is exported, 0 when there is none, so alerts see it.
 			for _, k := range []string{event.GapLostUpstream, event.GapRemovedFromStream, event.GapTruncate} {
@@ -115,9 +117,11 @@ func (m *metrics) publish(st *status.Status) {
 		owned, unowned := 0, 0
 		for _, p := range v.Partitions {
 			part := itoa(p.Partition)
-			m.lagEvents.WithLabelValues(v.Projection, ver, part).Set(float64(p.LagEvents))
-			m.lagSeconds.WithLabelValues(v.Projection, ver, part).Set(p.LagSeconds)
-			m.partitionOldest.WithLabelValues(v.Projection, ver, part).Set(p.OldestPendingAgeSeconds)
+			if p.LagUnknown == "" {
+				m.lagEvents.WithLabelValues(v.Projection, ver, part).Set(float64(p.LagEvents))
+				m.lagSeconds.WithLabelValues(v.Projection, ver, part).Set(p.LagSeconds)
+				m.partitionOldest.WithLabelValues(v.Projection, ver, part).Set(p.OldestPendingAgeSeconds)
+			}
 			if !p.Leased {
 				unowned++
 			} else if p.Owner == st.Worker {

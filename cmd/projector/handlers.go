@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -346,8 +347,10 @@ func deliveriesCommand(env *Env) *cobra.Command {
 		Short: "row handler deliveries: list | show <id> | retry <id> | discard <id> | flush [--timeout D]",
 		Long: `A delivery is one (handler, archived row) piece of work (archive.deliveries):
 pending, in_flight, done, stopped or dead. Dead ones carry a sanitized
-last_error (error type, machine code, diagnostic id that is also in the
-projector's log line; never error text). retry puts a dead or stopped one back
+last_error (error type, machine code, diagnostic id, and for webhooks,
+commands and NATS subjects the cause, e.g. "dial tcp 10.0.0.7:443: connect:
+connection refused", URL credentials redacted); the projector's log line
+with that diagnostic id has the whole error. retry puts a dead or stopped one back
 (a fresh attempt count); discard gives one up; flush runs queued work to
 completion now.`,
 		Example: `  projector deliveries list --state dead --json
@@ -411,6 +414,9 @@ func deref(s *string) string {
 	return *s
 }
 
+// diagRE finds the diagnostic id in a delivery's last_error.
+var diagRE = regexp.MustCompile(`\bdiag=([0-9a-f]{12})\b`)
+
 func deliveriesShowCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{Use: "show <id>", Short: "show one delivery; its payload (it holds row values) only with --payload",
 		Example: "  projector deliveries show 3f0c2b1e-9d7a-8c1b-a2e4-5f6a7b8c9d0e --payload --json", Args: cli.Args(1)}
@@ -443,6 +449,9 @@ func deliveriesShowCommand(env *Env) *cobra.Command {
 			line("attempt", d.Attempt)
 			line("outcome", deref(d.Outcome))
 			line("last error", deref(d.LastError))
+			if m := diagRE.FindStringSubmatch(deref(d.LastError)); m != nil {
+				line("full error", "search the projector's log for diag="+m[1]+" (the line \"delivery attempt failed\" with the whole error)")
+			}
 			line("phase", d.Phase)
 			line("released", d.Released)
 			if d.ReleasedUnsettled {

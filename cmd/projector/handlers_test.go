@@ -114,7 +114,7 @@ func TestHandlersAndDeliveriesCommands(t *testing.T) {
 	var ds []map[string]any
 	require.NoError(t, json.Unmarshal([]byte(out), &ds))
 	require.Len(t, ds, 1)
-	require.Regexp(t, `^type=\S+ code=http_422 diag=[0-9a-f]{12}$`, ds[0]["last_error"])
+	require.Regexp(t, `^type=\S+ code=http_422 diag=[0-9a-f]{12} cause=webhook answered 422 Unprocessable Entity$`, ds[0]["last_error"])
 	deadID := ds[0]["id"].(string)
 	require.NotContains(t, out, `"payload":`)
 	out, err = run("deliveries", "list", "--state", "done", "--handler", id, "--table", "public.orders", "--json")

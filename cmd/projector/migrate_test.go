@@ -11,8 +11,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 )
@@ -126,16 +128,29 @@ func TestMigrateRetriesWhileTheTargetIsDown(t *testing.T) {
 	require.Contains(t, logs.String(), "epitaph schema at version")
 }
 
-// status --check exits 3 when there is no healthy live version.
+// status --check exits 3 when there is no healthy live version, 1 when
+// it cannot reach NATS.
 func TestStatusCheck(t *testing.T) {
 	t.Parallel()
 	dbURL := testenv.NewDatabase(t)
-	vars := map[string]string{"EPITAPH_TARGET_URL": dbURL, "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}
+	n := testenv.NewNATS(t)
+	vars := map[string]string{"EPITAPH_TARGET_URL": dbURL, "EPITAPH_NATS_URL": n.URL}
 	code, _, stderr := projector(t, vars, "migrate")
 	require.Equal(t, 0, code, stderr)
 	code, out, stderr := projector(t, vars, "status", "--check")
+	require.Equal(t, 1, code, out)
+	require.Contains(t, stderr, "status check cannot tell: stream: ")
+	_, js := n.Connect(t)
+	_, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: event.StreamName("main"),
+		Subjects: []string{event.StreamSubjects("main")}, Metadata: map[string]string{event.MetaPartitions: "2"}})
+	require.NoError(t, err)
+	code, out, stderr = projector(t, vars, "status", "--check")
 	require.Equal(t, 3, code, out)
 	require.Contains(t, stderr, "status check failed: no live version")
+	vars["EPITAPH_NATS_URL"] = "nats://127.0.0.1:1"
+	code, out, stderr = projector(t, vars, "status", "--check")
+	require.Equal(t, 1, code, out)
+	require.Contains(t, stderr, "NATS nats://127.0.0.1:1 unreachable")
 	code, out, stderr = projector(t, vars, "status", "--json")
 	require.Equal(t, 0, code, stderr)
 	require.True(t, json.Valid([]byte(out)), out)

@@ -25,16 +25,9 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 		fmt.Fprintf(tw, "stream: %s\n", st.StreamError)
 	}
 	fmt.Fprintln(tw)
-	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
-	for _, v := range st.Versions {
-		open := 0
-		for _, c := range v.GapCounts {
-			if !c.Acknowledged && c.Kind != event.GapTruncate {
-				open += c.Count
-			}
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
-			v.LagEvents, seconds(v.OldestPendingAgeSeconds), v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
+	writeVersionRows(tw, st)
+	for _, line := range st.LagsUnknown() {
+		fmt.Fprintf(tw, "%s\n", line)
 	}
 	for _, v := range st.Versions {
 		if v.State == version.StateLive && !v.Ready && len(v.NotReadyReasons) > 0 {
@@ -72,8 +65,9 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 			} else {
 				fail = fmt.Sprintf("%s (x%d)", fail, p.Attempts)
 			}
-			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
-				orDash(p.SourceLSN), p.LagEvents, seconds(p.OldestPendingAgeSeconds), last, fail)
+			lag, oldest := lagText(p.LagUnknown, p.LagEvents, p.OldestPendingAgeSeconds)
+			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", p.Partition, owner, p.Epoch, p.Cursor,
+				orDash(p.SourceLSN), lag, oldest, last, fail)
 		}
 	}
 	writeLifecycle(tw, st)
@@ -95,6 +89,34 @@ func writeStatusTable(w io.Writer, st *status.Status) error {
 		}
 	}
 	return tw.Flush()
+}
+
+// writeVersionRows prints the versions table of the status.
+func writeVersionRows(tw io.Writer, st *status.Status) {
+	fmt.Fprintln(tw, "PROJECTION\tVERSION\tSTATE\tHEALTH\tSCHEMA\tLAG EVENTS\tOLDEST PENDING\tQUARANTINE\tGAPS OPEN\tREADY\tCOMPLETE UP TO")
+	for _, v := range st.Versions {
+		open := 0
+		for _, c := range v.GapCounts {
+			if !c.Acknowledged && c.Kind != event.GapTruncate {
+				open += c.Count
+			}
+		}
+		lag, oldest := lagText(v.LagUnknown, v.LagEvents, v.OldestPendingAgeSeconds)
+		if v.State == version.StateRetired {
+			lag, oldest = "-", "-" // not measured
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%t\t%s\n", v.Projection, v.Version, v.State, v.Health, v.Schema,
+			lag, oldest, v.QuarantineOpen, open, v.Ready, orDash(v.CompleteUpToLSN))
+	}
+}
+
+// lagText is a lag and its oldest pending age for people: "unknown" when
+// it could not be measured.
+func lagText(unknown string, events uint64, oldest float64) (string, string) {
+	if unknown != "" {
+		return "unknown", "unknown"
+	}
+	return fmt.Sprint(events), seconds(oldest)
 }
 
 func seconds(s float64) string {

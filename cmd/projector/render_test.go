@@ -48,6 +48,52 @@ func TestStatusTable(t *testing.T) {
 	require.Regexp(t, `(?m)^1\s+w2\s+1\s+12\s+-\s+0\s+-\s+-\s+-\s*$`, out)
 }
 
+// A lag that was not measured is "unknown" (a stream error) or "-" (a
+// retired version) in the table, and null in JSON; a measured 0 stays 0.
+func TestStatusUnmeasuredLag(t *testing.T) {
+	const why = "NATS nats://127.0.0.1:1 unreachable: nats: no servers available for connection"
+	st := &status.Status{Source: "main", Stream: "EPITAPH_MAIN", StreamError: why,
+		Versions: []status.VersionStatus{
+			{Projection: "archive", Version: 2, State: "live", Health: "live", Schema: "archive_v2", LagUnknown: why,
+				Partitions: []status.PartitionStatus{{Partition: 0, Owner: "w1", Leased: true, Epoch: 1, Cursor: 5, LagUnknown: why}}},
+			{Projection: "archive", Version: 1, State: "retired", Health: "retired", Schema: "archive_v1"},
+			{Projection: "archive", Version: 3, State: "building", Health: "building", Schema: "archive_v3",
+				Partitions: []status.PartitionStatus{{Partition: 0, Cursor: 9}}},
+		}}
+	var buf bytes.Buffer
+	require.NoError(t, writeStatusTable(&buf, st))
+	out := buf.String()
+	require.Regexp(t, `(?m)^archive\s+2\s+live\s+live\s+archive_v2\s+unknown\s+unknown\s`, out)
+	require.Regexp(t, `(?m)^archive\s+1\s+retired\s+retired\s+archive_v1\s+-\s+-\s`, out)
+	require.Regexp(t, `(?m)^archive\s+3\s+building\s+building\s+archive_v3\s+0\s+-\s`, out)
+	require.Regexp(t, `(?m)^0\s+w1\s+1\s+5\s+-\s+unknown\s+unknown\s`, out)
+	require.Contains(t, out, "archive v2 lag unknown: "+why)
+
+	raw, err := json.Marshal(st)
+	require.NoError(t, err)
+	var doc struct {
+		Versions []struct {
+			LagEvents  *uint64  `json:"lag_events"`
+			Oldest     *float64 `json:"oldest_pending_age_seconds"`
+			LagUnknown string   `json:"lag_unknown"`
+			Partitions []struct {
+				LagEvents  *uint64  `json:"lag_events"`
+				LagSeconds *float64 `json:"lag_seconds"`
+			} `json:"partitions"`
+		} `json:"versions"`
+	}
+	require.NoError(t, json.Unmarshal(raw, &doc))
+	require.Nil(t, doc.Versions[0].LagEvents, string(raw))
+	require.Nil(t, doc.Versions[0].Oldest)
+	require.Equal(t, why, doc.Versions[0].LagUnknown)
+	require.Nil(t, doc.Versions[0].Partitions[0].LagEvents)
+	require.Nil(t, doc.Versions[0].Partitions[0].LagSeconds)
+	require.Nil(t, doc.Versions[1].LagEvents, "a retired version is not measured")
+	require.NotNil(t, doc.Versions[2].LagEvents, "a measured 0")
+	require.Zero(t, *doc.Versions[2].LagEvents)
+	require.NotNil(t, doc.Versions[2].Partitions[0].LagEvents)
+}
+
 // A differing snapshot document is listed with the count, and the verdict
 // says what differs and how to accept it.
 func TestComparisonText(t *testing.T) {

@@ -20,7 +20,7 @@ func sourceURLFlag(f cli.Flags, p *string) {
 // attempt. Close it after the dispatcher stopped.
 func newRevalidator(pool *pgxpool.Pool, sourceURL string, env *Env, reg prometheus.Registerer) (*revalidate.Evaluator, handler.Revalidator, error) {
 	if sourceURL == "" {
-		env.Logger.Warn("no --source-url: deliveries of handlers that revalidate and have no source URL file defer until one is set")
+		env.Logger.Warn("no EPITAPH_SOURCE_URL (--source-url): every attempt of a handler that revalidates and has no source URL file fails, naming the setting; set it or add the handler with --no-revalidate")
 	}
 	ev, err := revalidate.New(pool, revalidate.Config{SourceURL: sourceURL, Logger: env.Logger, Registerer: reg})
 	if err != nil {

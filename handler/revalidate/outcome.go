@@ -56,6 +56,11 @@ const (
 	ReasonSourceKeyInvalid = "source_key_invalid"
 )
 
+// NoSourceURLText is the failure of an attempt of a revalidating handler
+// when the projector has no source to read.
+const NoSourceURLText = "revalidation reads the source database and the projector has none: " +
+	"set EPITAPH_SOURCE_URL (--source-url) on the projector and restart it, or add the handler with --no-revalidate"
+
 // Paths of the fingerprint check (Result.Path).
 const (
 	PathCheap = "cheap" // the pair matched: the set was not read

@@ -51,6 +51,12 @@ func (e *Evaluator) verdict(ctx context.Context, res Result, err error) handler.
 	if err != nil {
 		return handler.Verdict{Err: err}
 	}
+	if res.Outcome == Defer && res.Reason == ReasonNoSourceURL {
+		// A setting only the operator can give: a failed attempt that says
+		// so (retried with backoff, dead after the handler's attempts),
+		// never a silent wait.
+		return handler.Verdict{Err: handler.Explained(ReasonNoSourceURL, NoSourceURLText)}
+	}
 	if needsRecord(res) {
 		if err := e.Record(ctx, res); err != nil {
 			e.cfg.Logger.Warn("revalidation deferred: the evaluation could not be recorded", "delivery", res.d.id, "err", err)

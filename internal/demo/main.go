@@ -2,7 +2,10 @@
 // the capture with its embedded JetStream, one projector, a small shop whose
 // application deletes through cascades and plain SQL, and then what a user
 // came for: the archived rows grouped by transaction, a snapshot document,
-// and the status. It stops everything it started.
+// and the status. Then it keeps the pipeline running, with the status
+// page's address, a psql line and three next steps, until Ctrl-C (SIGINT)
+// or SIGTERM stops everything it started. -exit (EPITAPH_DEMO_EXIT=1) stops
+// at once instead, for scripts and CI.
 package main
 
 import (
@@ -10,6 +13,7 @@ import (
 	"context"
 	_ "embed"
 	"errors"
+	"flag"
 	"fmt"
 	"net/http"
 	"os"
@@ -37,16 +41,25 @@ var workload = []struct{ what, sql string }{
 }
 
 func main() {
+	exit := flag.Bool("exit", os.Getenv("EPITAPH_DEMO_EXIT") == "1",
+		"stop everything once the archive is shown instead of running until interrupted (EPITAPH_DEMO_EXIT=1)")
+	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx); err != nil {
+	go func() { <-ctx.Done(); stop() }() // a second Ctrl-C kills at once
+	err := run(ctx, *exit)
+	if err != nil && ctx.Err() != nil {
+		step("interrupted: everything it started is stopped")
+		return
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		stop()
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context) error {
+func run(ctx context.Context, exit bool) error {
 	dir, err := filepath.Abs(".demo")
 	if err != nil {
 		return err
@@ -115,8 +128,36 @@ func run(ctx context.Context) error {
 	if err := showArchive(ctx, url, natsListen, projectorCreds); err != nil {
 		return err
 	}
+	if !exit {
+		printNext(url, natsListen, projectorCreds, fmt.Sprintf("127.0.0.1:%d", projMetrics), dir)
+		<-ctx.Done()
+		step("stopping: projector, capture, then the database")
+		projector.stop()
+		capture.stop()
+	}
 	step(fmt.Sprintf("done: %d deleted rows archived; capture and projector stopped, database removed (logs were in %s)", deleted, dir))
 	return nil
+}
+
+// printNext says where to look while the demo runs: the status page, the
+// archive in psql, and three things to try.
+func printNext(url, natsListen, creds, projectorAddr, dir string) {
+	admin := fmt.Sprintf("EPITAPH_TARGET_URL='%s' EPITAPH_SOURCE_URL='%s' EPITAPH_NATS_URL=nats://%s EPITAPH_NATS_CREDS=%s",
+		url, url, natsListen, creds)
+	step("the pipeline keeps running: capture, JetStream, projector")
+	fmt.Printf(`    status page:  http://%s/
+    the archive:  psql '%s' -c 'SELECT correlation_id, table_name, row FROM archive.rows ORDER BY commit_time DESC, seq LIMIT 20'
+    logs:         %s
+
+    Next:
+    1. Delete more and watch it arrive (the status page refreshes itself):
+       psql '%s' -c 'DELETE FROM orders WHERE id = (SELECT max(id) FROM orders)'
+    2. Put customer 3 back into the shop, with its orders, their lines and shipments:
+       %s bin/projector restore --correlation "$(psql '%s' -Atc "SELECT correlation_id FROM archive.rows WHERE table_name = 'customers' LIMIT 1")"
+    3. Run it against your own database: README.md, "Quick start against your own database".
+
+    Ctrl-C stops everything and removes the database.
+`, projectorAddr, url, dir, url, admin, url)
 }
 
 // deleteAndWait runs the demo's deletes against url and waits for the
@@ -226,10 +267,11 @@ func waitSnapshot(ctx context.Context, url string) error {
 }
 
 type proc struct {
-	cmd  *exec.Cmd
-	name string
-	log  string
-	done chan error
+	cmd     *exec.Cmd
+	name    string
+	log     string
+	done    chan error
+	stopped bool
 }
 
 func startProc(ctx context.Context, dir, name string, env []string, args ...string) (*proc, error) {
@@ -240,6 +282,9 @@ func startProc(ctx context.Context, dir, name string, env []string, args ...stri
 	}
 	cmd := exec.Command(filepath.Join("bin", name), args...)
 	cmd.Env = env
+	// Its own process group: Ctrl-C reaches the demo alone, which stops
+	// the projector, then the capture, then the database.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	cmd.Stdout, cmd.Stderr = f, f
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s (run `make build` first): %w", name, err)
@@ -249,7 +294,13 @@ func startProc(ctx context.Context, dir, name string, env []string, args ...stri
 	return p, nil
 }
 
+// stop stops the process (SIGTERM, SIGKILL after 20 s) and says so when it
+// did not stop cleanly; once.
 func (p *proc) stop() {
+	if p.stopped {
+		return
+	}
+	p.stopped = true
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	var err error
 	select {

@@ -138,6 +138,27 @@ func TestRenderStatusError(t *testing.T) {
 	require.Contains(t, body, "var every")
 }
 
+// A lag that could not be measured (the stream unreadable) is "unknown"
+// on the page, never 0, and the reason is shown.
+func TestRenderUnknownLag(t *testing.T) {
+	t.Parallel()
+	st := sampleStatus()
+	st.StreamError = "NATS nats://127.0.0.1:4222 refused the credentials"
+	v := &st.Versions[0]
+	v.LagEvents, v.OldestPendingAgeSeconds, v.LagUnknown = 0, 0, st.StreamError
+	for i := range v.Partitions {
+		p := &v.Partitions[i]
+		p.LagEvents, p.LagSeconds, p.OldestPendingAgeSeconds, p.LagUnknown = 0, 0, 0, st.StreamError
+	}
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) { return st, nil })
+	code, _, body := get(t, h, "/")
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, `data-testid="stream-error">stream: NATS nats://127.0.0.1:4222 refused the credentials`)
+	require.Equal(t, 2, strings.Count(body, `data-testid="lag">unknown<`), "each partition's lag")
+	require.NotContains(t, body, `data-testid="lag">0<`)
+	require.Contains(t, body, `<td class="num">unknown</td><td class="num">unknown</td>`, "the version's lag and oldest pending")
+}
+
 // The capture's own /status document (capture.Status, JSON) is read by
 // field name: what the capture serves is what the page shows.
 func TestCaptureSection(t *testing.T) {

@@ -76,7 +76,7 @@ type versionView struct {
 	State          string
 	Health         string
 	Schema         string
-	LagEvents      uint64
+	LagEvents      string
 	OldestPending  string
 	QuarantineOpen int
 	Retired        bool
@@ -152,7 +152,7 @@ type partitionView struct {
 	Epoch       int64
 	Cursor      uint64
 	SourceLSN   string
-	LagEvents   uint64
+	LagEvents   string
 	LagPct      int
 	Oldest      string
 	OldestPct   int
@@ -214,9 +214,15 @@ func (p *page) fill(st *status.Status) {
 	p.At = st.At.UTC().Format("2006-01-02 15:04:05 UTC")
 	for _, v := range st.Versions {
 		vv := versionView{Projection: v.Projection, Version: v.Version, State: v.State, Health: v.Health, Schema: v.Schema,
-			LagEvents: v.LagEvents, OldestPending: age(v.OldestPendingAgeSeconds), QuarantineOpen: v.QuarantineOpen,
+			LagEvents: fmt.Sprint(v.LagEvents), OldestPending: age(v.OldestPendingAgeSeconds), QuarantineOpen: v.QuarantineOpen,
 			Retired: v.State == version.StateRetired, Ready: v.Ready, NotReady: strings.Join(v.NotReadyReasons, "; "),
 			CompleteUpTo: v.CompleteUpToLSN}
+		switch {
+		case v.LagUnknown != "": // never a 0 nobody measured
+			vv.LagEvents, vv.OldestPending = "unknown", "unknown"
+		case vv.Retired:
+			vv.LagEvents, vv.OldestPending = "–", "–"
+		}
 		if vv.CompleteUpTo == "" {
 			vv.CompleteUpTo = "–"
 		}
@@ -236,8 +242,11 @@ func (p *page) fill(st *status.Status) {
 		}
 		for _, ps := range v.Partitions {
 			pv := partitionView{Partition: ps.Partition, Owner: ps.Owner, Leased: ps.Leased, Epoch: ps.Epoch, Cursor: ps.Cursor,
-				SourceLSN: ps.SourceLSN, LagEvents: ps.LagEvents, LagPct: pct(float64(ps.LagEvents), float64(maxLag)),
+				SourceLSN: ps.SourceLSN, LagEvents: fmt.Sprint(ps.LagEvents), LagPct: pct(float64(ps.LagEvents), float64(maxLag)),
 				Oldest: age(ps.OldestPendingAgeSeconds), OldestPct: pct(ps.OldestPendingAgeSeconds, maxAge), LastAdvance: "never"}
+			if ps.LagUnknown != "" {
+				pv.LagEvents, pv.Oldest = "unknown", "unknown"
+			}
 			if ps.LastAdvanceAt != nil {
 				pv.LastAdvance = st.At.Sub(*ps.LastAdvanceAt).Round(time.Second).String() + " ago"
 			}

@@ -30,8 +30,8 @@
 // partition its lease, cursor, watermark and lag (PartitionLag, also what
 // the runtime's workers sample), per version its lifecycle
 // (VersionLifecycle: boundary, transitions, rebuild progress) and
-// readiness, and the workers seen. Without a stream the lags are zero
-// and StreamError says why.
+// readiness, and the workers seen. Without a stream the lags are unknown
+// (LagUnknown, null in JSON), never zero, and StreamError says why.
 //
 // Imports point one way: this package builds on projection/archive and
 // projection/version; the runtime (package projection) and the programs

@@ -2,6 +2,7 @@ package status
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -43,9 +44,13 @@ type VersionStatus struct {
 	// Health is the state, or "quarantined" (unresolved quarantine) or
 	// "unavailable" (a partition without a live lease, or failing 3 times
 	// in a row) when that is worse.
-	Health                  string            `json:"health"`
-	Schema                  string            `json:"schema"`
-	LagEvents               uint64            `json:"lag_events"`
+	Health    string `json:"health"`
+	Schema    string `json:"schema"`
+	LagEvents uint64 `json:"lag_events"`
+	// LagUnknown, when set, says why the lag of the version (some of
+	// its partitions) could not be measured: the lag fields are then null
+	// in JSON and "unknown" for people, never a 0 nobody measured.
+	LagUnknown              string            `json:"lag_unknown,omitempty"`
 	OldestPendingAgeSeconds float64           `json:"oldest_pending_age_seconds"`
 	QuarantineOpen          int               `json:"quarantine_open"`
 	Partitions              []PartitionStatus `json:"partitions"`
@@ -84,6 +89,9 @@ type PartitionStatus struct {
 	Cursor         uint64     `json:"cursor"`
 	SourceLSN      string     `json:"source_lsn,omitempty"`
 	LagEvents      uint64     `json:"lag_events"`
+	// LagUnknown, when set, says why the partition's lag could not be
+	// measured (the lag fields are null in JSON).
+	LagUnknown string `json:"lag_unknown,omitempty"`
 	// LagSeconds is how long the oldest unapplied event has been in the
 	// stream (0 when caught up); same as OldestPendingAgeSeconds.
 	LagSeconds              float64    `json:"lag_seconds"`
@@ -119,8 +127,8 @@ type WorkerStatus struct {
 
 // CollectStatus reads the status of every version of the projections of
 // source from the target database and the stream. It only reads; without
-// a stream (js nil or unreachable) lags are left zero and StreamError says
-// why.
+// a stream (js nil or unreachable) StreamError says why and every active
+// version's and partition's lag is unknown (LagUnknown).
 func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, source string, now time.Time) (*Status, error) {
 	st := &Status{Source: source, Stream: event.StreamName(source), At: now}
 	vs, err := version.ListVersions(ctx, db, "")
@@ -156,6 +164,65 @@ func CollectStatus(ctx context.Context, db progress.DB, js jetstream.JetStream, 
 		return nil, err
 	}
 	return st, nil
+}
+
+// SetStreamError replaces why the stream could not be read (reason: the
+// connection error of a caller that had none to give CollectStatus); every
+// lag that was unknown for want of the stream says so.
+func (st *Status) SetStreamError(reason string) {
+	old := st.StreamError
+	st.StreamError = reason
+	for i := range st.Versions {
+		v := &st.Versions[i]
+		if v.LagUnknown == old && old != "" {
+			v.LagUnknown = reason
+		}
+		for j := range v.Partitions {
+			if p := &v.Partitions[j]; p.LagUnknown == old && old != "" {
+				p.LagUnknown = reason
+			}
+		}
+	}
+}
+
+// LagsUnknown lists, one line each, the active versions whose lag could
+// not be measured, with why.
+func (st *Status) LagsUnknown() []string {
+	var out []string
+	for _, v := range st.Versions {
+		if v.LagUnknown != "" {
+			out = append(out, fmt.Sprintf("%s v%d lag unknown: %s", v.Projection, v.Version, v.LagUnknown))
+		}
+	}
+	return out
+}
+
+// MarshalJSON writes the version with null lags when they are unknown or
+// not measured (a retired version).
+func (v VersionStatus) MarshalJSON() ([]byte, error) {
+	type plain VersionStatus
+	if v.LagUnknown == "" && v.State != version.StateRetired {
+		return json.Marshal(plain(v))
+	}
+	return json.Marshal(struct {
+		plain
+		LagEvents               *uint64  `json:"lag_events"`
+		OldestPendingAgeSeconds *float64 `json:"oldest_pending_age_seconds"`
+	}{plain: plain(v)})
+}
+
+// MarshalJSON writes the partition with null lags when they are unknown.
+func (p PartitionStatus) MarshalJSON() ([]byte, error) {
+	type plain PartitionStatus
+	if p.LagUnknown == "" {
+		return json.Marshal(plain(p))
+	}
+	return json.Marshal(struct {
+		plain
+		LagEvents               *uint64  `json:"lag_events"`
+		LagSeconds              *float64 `json:"lag_seconds"`
+		OldestPendingAgeSeconds *float64 `json:"oldest_pending_age_seconds"`
+	}{plain: plain(p)})
 }
 
 // listWorkers reads the registered workers and whether their heartbeat
@@ -236,14 +303,23 @@ func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jet
 		if !ps.Leased || r.Attempts >= archive.FailingAttempts {
 			unavailable = true
 		}
-		if stream != nil {
-			if err := PartitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
-				st.StreamError = err.Error()
-			}
+		if stream == nil {
+			ps.LagUnknown = st.StreamError
+		} else if err := PartitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
+			st.StreamError = err.Error()
+			ps = PartitionStatus{Partition: ps.Partition, Owner: ps.Owner, Epoch: ps.Epoch, Leased: ps.Leased,
+				LeaseExpiresAt: ps.LeaseExpiresAt, Cursor: ps.Cursor, SourceLSN: ps.SourceLSN, LastAdvanceAt: ps.LastAdvanceAt,
+				Attempts: ps.Attempts, LastFailureCategory: ps.LastFailureCategory, LagUnknown: err.Error()}
+		}
+		if ps.LagUnknown != "" && vst.LagUnknown == "" {
+			vst.LagUnknown = ps.LagUnknown
 		}
 		vst.LagEvents += ps.LagEvents
 		vst.OldestPendingAgeSeconds = max(vst.OldestPendingAgeSeconds, ps.OldestPendingAgeSeconds)
 		vst.Partitions = append(vst.Partitions, ps)
+	}
+	if stream == nil {
+		vst.LagUnknown = st.StreamError
 	}
 	vst.Lifecycle = lifecycleOf(v, vst, stream)
 	if err := gapStatus(ctx, db, v, vst); err != nil {

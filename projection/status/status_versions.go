@@ -94,6 +94,10 @@ func (st *Status) FillRates(prev *Status) {
 		} else if lc.EventsDone >= was.EventsDone {
 			lc.EventsPerSecond = float64(lc.EventsDone-was.EventsDone) / dt
 		}
+		if v.LagUnknown != "" {
+			lc.ETASeconds = -1
+			continue
+		}
 		remaining := float64(v.LagEvents)
 		if v.State == version.StateBuilding {
 			remaining = float64(lc.EventsToBoundary) - float64(lc.EventsDone)
