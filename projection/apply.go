@@ -318,7 +318,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	}
 	// Deliveries of the rows archived (an erased row gets none: its image
 	// would be stored again in the delivery's payload).
-	if err := s.queueDeliveries(ctx, tx, p.v, ins, p.commits, p.inPage, p.vd); err != nil {
+	if err := s.queueDeliveries(ctx, tx, p, ins); err != nil {
 		return 0, err
 	}
 	return pending, nil
@@ -423,7 +423,7 @@ func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, arc
 		if err := markRoots(ctx, sp, p.v.Schema, s.cfg.SourceName, undecided, true); err != nil {
 			return err
 		}
-		n, err := s.snapshotJobs(ctx, sp, p.v, part, p.rows, p.inPage, p.fenced, archived)
+		n, err := s.snapshotJobs(ctx, sp, p, part, archived)
 		if err == nil {
 			pending += n
 		}
