@@ -43,7 +43,8 @@ type applyResult struct {
 // Transient failures return an error and nothing is committed. vd is the
 // page's verification (verify.go): refused items carry their category
 // already, rows of transactions not verified yet are inserted invisible.
-func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
+func (s *Service) apply(ctx context.Context, in applyParams) (applyResult, error) {
+	v, l, pos, items, open, vd := in.v, in.l, in.pos, in.items, in.open, in.vd
 	if vd == nil {
 		vd = &verdict{trust: pos.Trust}
 	}
@@ -92,6 +93,16 @@ func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease
 		}
 	}
 	return res, err
+}
+
+// applyParams is a page of one partition as its worker hands it to apply.
+type applyParams struct {
+	v     version.Version
+	l     progress.Lease
+	pos   progress.Position // the cursor before the page
+	items []*item
+	open  *openTx  // the partition's transaction open before the page, if any
+	vd    *verdict // the page's verification; nil: a verdict from pos.Trust alone
 }
 
 // applyPlan is one page of a partition on the apply path, prepared once by
