@@ -831,7 +831,8 @@ func (st *streamer) publishLoose(m *nats.Msg) error {
 
 // sign sets the Epitaph-Signature header of a signed message.
 func (st *streamer) sign(h nats.Header, subject, msgID, pos, seqText, digest string, body []byte) {
-	st.sigBuf = event.AppendSigningInput(st.sigBuf[:0], subject, msgID, pos, seqText, digest, body)
+	st.sigBuf = event.AppendSigningInput(st.sigBuf[:0], event.SignedFields{Subject: subject, MsgID: msgID,
+		Position: pos, PartSeq: seqText, Digest: digest}, body)
 	h[event.HeaderSignature] = []string{event.Sign(st.priv, st.sigBuf)}
 }
 
