@@ -368,5 +368,5 @@ func (tx *txInfo) position(n int) string { return tx.lsnText + "#" + strconv.Ito
 
 // encodeDelete writes a row's delete event with event.AppendDelete.
 func (r *relation) encodeDelete(dst []byte, tx *txInfo, seq int, img *rowImage, ref *event.ObjectRef) []byte {
-	return event.AppendDelete(dst, r.head, &tx.del, seq, img.identity, img.key, img.row, ref)
+	return event.AppendDelete(dst, r.head, &tx.del, event.DeleteRow{Seq: seq, Identity: img.identity, Key: img.key, Row: img.row, RowRef: ref})
 }
