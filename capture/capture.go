@@ -950,7 +950,8 @@ func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 		if err != nil {
 			return fmt.Errorf("encode gap: %w", err)
 		}
-		if err := st.publish(ctx, event.GapSubject(st.src, p), p, st.tag(event.GapMsgID(st.src, g.from, g.to, p)), pos, body, "gap", kindSigned); err != nil {
+		if err := st.publish(ctx, outMsg{subject: event.GapSubject(st.src, p), part: p, msgID: st.tag(event.GapMsgID(st.src, g.from, g.to, p)),
+			pos: pos.String(), body: body, what: "gap", kind: kindSigned}); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpGap)).Inc()

@@ -391,7 +391,7 @@ const adoptBatchBytes = 8 << 20
 // whose Epitaph-Digest-Alg is alg (anyDigestAlg: either version). It
 // returns ok and the stored message's alg, or ok=false: not stored, and
 // adoption is over (the caller drops the adopter).
-func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq uint64, body []byte, digest, alg string) (ok bool, storedAlg string, err error) {
+func (a *adopter) find(ctx context.Context, out outMsg, alg string) (ok bool, storedAlg string, err error) {
 	for {
 		m, more, err := a.read(ctx)
 		if err != nil || !more {
@@ -404,21 +404,21 @@ func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq 
 		// place and partition sequence must still match exactly, and the
 		// commit's digest covers it; a mark must verify there).
 		base, _ := event.BaseMsgID(m.header.Get(event.HeaderMsgID))
-		if m.subject == subject && event.UntaggedMsgID(base) == event.UntaggedMsgID(msgID) && m.header.Get(event.HeaderPosition) == pos &&
-			m.header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(partSeq, 10) &&
-			m.header.Get(event.HeaderDigest) == digest {
-			if _, signed, _ := signedSubject(a.s.cfg.SourceName, subject); signed {
+		if m.subject == out.subject && event.UntaggedMsgID(base) == event.UntaggedMsgID(out.msgID) && m.header.Get(event.HeaderPosition) == out.pos &&
+			m.header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(out.partSeq, 10) &&
+			m.header.Get(event.HeaderDigest) == out.digest {
+			if _, signed, _ := signedSubject(a.s.cfg.SourceName, out.subject); signed {
 				// Signed by us at this place of the output: ours, even if
 				// its body differs (a transactional mark's time is when
 				// the slot sent it).
 				if err := event.VerifyMessage(a.s.pub, m.subject, m.header, m.data); err == nil {
 					return true, storedAlg, nil
 				}
-			} else if bytes.Equal(m.data, body) && (alg == anyDigestAlg || storedAlg == alg) {
+			} else if bytes.Equal(m.data, out.body) && (alg == anyDigestAlg || storedAlg == alg) {
 				return true, storedAlg, nil
 			}
 		}
-		a.s.foreign(m.seq, m.subject, "does not match what the capture publishes at position "+pos)
+		a.s.foreign(m.seq, m.subject, "does not match what the capture publishes at position "+out.pos)
 	}
 }
 
