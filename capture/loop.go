@@ -238,7 +238,8 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		// a stream a v1 capture wrote (see publishMsg).
 		st.digest.ResetAlg(!st.s.cfg.digestV1)
 	case *pglogrepl.RelationMessage:
-		r, err := buildRelation(ctx, st.cat, m, st.rels[m.RelationID], st.src, st.parts, st.s.m.published)
+		r, err := buildRelation(ctx, relationEnv{cat: st.cat, src: st.src, partitions: st.parts, published: st.s.m.published},
+			m, st.rels[m.RelationID])
 		if err != nil {
 			return err
 		}
