@@ -223,7 +223,8 @@ func (s *Service) implausible(om ownMsg, current event.LSN) {
 // plausible, they give every partition's sequence (into partSeq), and the
 // latest of them is the last own signed message (best); walk says they do
 // not.
-func (s *Service) lastOwnOfPartitions(ctx context.Context, st streamReader, parts int, current event.LSN, partSeq []uint64) (best ownMsg, walk bool, err error) {
+func (s *Service) lastOwnOfPartitions(ctx context.Context, rs resumeStream, partSeq []uint64) (best ownMsg, walk bool, err error) {
+	st, parts, current := rs.st, rs.parts, rs.current
 	src := s.cfg.SourceName
 	for p := 0; p < parts; p++ {
 		for _, subj := range []string{event.CommitSubject(src, p), event.MarkSubject(src, p), event.GapSubject(src, p)} {
@@ -260,7 +261,8 @@ func (s *Service) lastOwnOfPartitions(ctx context.Context, st streamReader, part
 // (its sequence into partSeq): own messages after V (the open
 // transaction's, a transactional mark's copies) are adopted on replay,
 // which counts them again. V is zero when there is none.
-func (s *Service) walkBackResume(ctx context.Context, st streamReader, parts int, current event.LSN, first, last uint64, partSeq []uint64) (ownMsg, error) {
+func (s *Service) walkBackResume(ctx context.Context, rs resumeStream, first, last uint64, partSeq []uint64) (ownMsg, error) {
+	st, parts, current := rs.st, rs.parts, rs.current
 	src := s.cfg.SourceName
 	var v ownMsg
 	known := make([]bool, parts)
@@ -307,6 +309,14 @@ func (s *Service) walkBackResume(ctx context.Context, st streamReader, parts int
 	return v, nil
 }
 
+// resumeStream is the stream findResume reads, with its partition count
+// and the source's pg_current_wal_lsn (no own message is believed past it).
+type resumeStream struct {
+	st      streamReader
+	parts   int
+	current event.LSN
+}
+
 // findResume reads what the stream proves of the capture's earlier output
 // (see the comment at the top of this file). current is the source's
 // pg_current_wal_lsn.
@@ -320,7 +330,8 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	if info.State.Msgs == 0 {
 		return rp, nil
 	}
-	best, walk, err := s.lastOwnOfPartitions(ctx, st, parts, current, rp.partSeq)
+	rs := resumeStream{st: st, parts: parts, current: current}
+	best, walk, err := s.lastOwnOfPartitions(ctx, rs, rp.partSeq)
 	if err != nil {
 		return rp, err
 	}
@@ -330,7 +341,7 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	v := best
 	if walk {
 		clear(rp.partSeq)
-		if v, err = s.walkBackResume(ctx, st, parts, current, first, last, rp.partSeq); err != nil {
+		if v, err = s.walkBackResume(ctx, rs, first, last, rp.partSeq); err != nil {
 			return rp, err
 		}
 	}
