@@ -350,7 +350,10 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 }
 
 // setup checks and sets up the tables, the publication, the slot and the
-// stream, and starts replication.
+// stream, and starts replication. The slot is created before the stream,
+// so whoever sees the stream can rely on every delete committed from then
+// on reaching it: the stream is read first (where to resume, whether a
+// missing slot means a gap) and created last.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
 	sel, err := selectTables(ctx, s.pool, cfg.PublicationName, cfg.Tables, cfg.SetReplicaIdentityFull, false)

@@ -34,6 +34,12 @@ const (
 )
 
 // streamer is the replication loop's state. It runs on one goroutine.
+//
+// pgoutput's BEGIN carries the transaction's commit LSN, so its partition
+// (event.Partition) is known at once and rows are published as they
+// arrive: a transaction is never held in memory. Delete and truncate
+// messages share the transaction's seq counter (event.MsgID); the commit
+// counts only deletes in rows and tables.
 type streamer struct {
 	s      *Service
 	conn   *pgconn.PgConn
