@@ -139,7 +139,7 @@ func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*
 		}
 		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row, pending: vd.pending[it]}
 		if it.ev.RowRef != nil {
-			if it.ev.RowRef.Size > stageRowsAbove {
+			if it.ev.RowRef.Size > archive.StageRowsAbove {
 				// Until the page is written: the row's chunks and copies are
 				// collected as they fall (internal/lowgc).
 				defer lowgc.Hold()()
@@ -341,14 +341,14 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 // reads another counter returns erasure.ErrFencesChanged (apply again). It returns
 // what it archived per source transaction, and the rows it tried (ins
 // without the fenced ones; the rejected ones have their category).
-func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
+func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]archive.Inserted, []*archiveRow, error) {
 	ins, fenced, left, err := s.unfenced(ctx, tx, p.v, ins)
 	if err != nil {
 		return nil, nil, err
 	}
 	p.fenced = left
 	seen := fenced
-	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
+	archived := map[string]archive.Inserted{} // what this transaction archived, per source transaction
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
 		inserted, epoch, err := insertRowsCounted(ctx, sp, p.v.Schema, part)
 		if err == nil && epoch != fenced {
@@ -362,16 +362,16 @@ func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins 
 			// replayed or re-published event): rebuild those snapshots.
 			ids := make([]string, len(inserted))
 			for i, t := range inserted {
-				ids[i] = t.correlationID
+				ids[i] = t.CorrelationID
 			}
 			if _, err := snapshot.Invalidate(ctx, sp, p.v.Schema, ids); err != nil {
 				return err
 			}
 		}
 		for _, t := range inserted {
-			a := archived[t.correlationID]
-			a.rows, a.archivedAt = a.rows+t.rows, t.archivedAt
-			archived[t.correlationID] = a
+			a := archived[t.CorrelationID]
+			a.Rows, a.ArchivedAt = a.Rows+t.Rows, t.ArchivedAt
+			archived[t.CorrelationID] = a
 		}
 		return nil
 	}, rejectRow)
@@ -401,7 +401,7 @@ func reject(it *item, err error) {
 // then snapshot jobs. A row of a transaction complete in this page that was
 // rejected has its transaction's roots recomputed in SQL from what is
 // archived. It returns the number of snapshot jobs left to the batcher.
-func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, archived map[string]insertedTx, careful bool) (int, error) {
+func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, archived map[string]archive.Inserted, careful bool) (int, error) {
 	full := map[event.LSN]bool{}
 	for _, r := range p.rows {
 		if r.item.category == "" {
