@@ -582,6 +582,16 @@ func (e *env) migrate(ctx context.Context, targetURL, source string) error {
 	return nil
 }
 
+// archiveWait is what waitArchive waits for: the n rows of source in the
+// archive of targetURL (their last rows read from the stream at natsURL),
+// for at most timeout, failing when one of procs exits.
+type archiveWait struct {
+	targetURL, natsURL, source string
+	n                          int64
+	procs                      []*bench.Proc
+	timeout                    time.Duration
+}
+
 // waitArchive waits until archive.rows holds the n rows of source and
 // returns when it first did. Polling count(*) on a growing table would load
 // the very server being measured, so it polls the last row of every
@@ -589,39 +599,39 @@ func (e *env) migrate(ctx context.Context, targetURL, source string) error {
 // last row is archived, so are the rows before it), a few primary-key
 // lookups, and then confirms with one count(*); on a shortfall it falls
 // back to polling the count.
-func waitArchive(ctx context.Context, targetURL, natsURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (time.Time, error) {
-	_, at, err := waitArchiveFirst(ctx, targetURL, natsURL, source, n, procs, timeout)
+func waitArchive(ctx context.Context, w archiveWait) (time.Time, error) {
+	_, at, err := waitArchiveFirst(ctx, w)
 	return at, err
 }
 
 // waitArchiveFirst is waitArchive that also returns when the first row of
 // source was seen in the archive.
-func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (first, last time.Time, err error) {
+func waitArchiveFirst(ctx context.Context, w archiveWait) (first, last time.Time, err error) {
 	alive := func() error {
-		for _, p := range procs {
+		for _, p := range w.procs {
 			if err := exitedErr(p)(); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
-	lsns, seqs, err := lastRows(ctx, natsURL, source)
+	lsns, seqs, err := lastRows(ctx, w.natsURL, w.source)
 	if err != nil {
 		return time.Time{}, time.Time{}, err
 	}
-	conn, err := pgx.Connect(ctx, targetURL)
+	conn, err := pgx.Connect(ctx, w.targetURL)
 	if err != nil {
 		return time.Time{}, time.Time{}, err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var at time.Time
-	err = workload.WaitFor(ctx, timeout, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
+	err = workload.WaitFor(ctx, w.timeout, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
 		if err := alive(); err != nil {
 			return false, err
 		}
 		if first.IsZero() {
 			var seen bool
-			err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1)`, source).Scan(&seen)
+			err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1)`, w.source).Scan(&seen)
 			if err != nil && !isUndefinedTable(err) {
 				return false, err
 			}
@@ -634,7 +644,7 @@ func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n 
 		b := &pgx.Batch{}
 		for i := range lsns {
 			b.Queue(`SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1 AND commit_lsn = $2::pg_lsn AND seq = $3)`,
-				source, lsns[i], seqs[i])
+				w.source, lsns[i], seqs[i])
 		}
 		res := conn.SendBatch(ctx, b)
 		have := 0
@@ -661,26 +671,26 @@ func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n 
 		return time.Time{}, time.Time{}, fmt.Errorf("waiting for the last rows of each partition: %w", err)
 	}
 	count := func(ctx context.Context) (int64, error) {
-		return bench.Count(ctx, targetURL, "SELECT count(*) FROM archive.rows WHERE source = $1", source)
+		return bench.Count(ctx, w.targetURL, "SELECT count(*) FROM archive.rows WHERE source = $1", w.source)
 	}
 	c, err := count(ctx)
 	if err != nil {
 		return time.Time{}, time.Time{}, err
 	}
-	if c >= n {
+	if c >= w.n {
 		return first, at, nil
 	}
-	bench.Note("archive had %d of %d rows when each partition's last row was in; polling the count", c, n)
-	err = workload.WaitFor(ctx, timeout, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
+	bench.Note("archive had %d of %d rows when each partition's last row was in; polling the count", c, w.n)
+	err = workload.WaitFor(ctx, w.timeout, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
 		if err := alive(); err != nil {
 			return false, err
 		}
 		c, err = count(ctx)
 		at = time.Now()
-		return c >= n, err
+		return c >= w.n, err
 	})
 	if err != nil {
-		return time.Time{}, time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", c, n, err)
+		return time.Time{}, time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", c, w.n, err)
 	}
 	return first, at, nil
 }
@@ -756,7 +766,7 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	if err != nil {
 		return 0, err
 	}
-	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
+	first, end, err := waitArchiveFirst(ctx, archiveWait{targetURL: targetURL, natsURL: e.natsURL, source: source, n: n, procs: procs, timeout: 15 * time.Minute})
 	if err != nil {
 		return 0, err
 	}
@@ -823,7 +833,7 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 		return 0, err
 	}
 	defer func() { _ = svc.Stop(context.Background()) }() // a soft stop; the figures are taken
-	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, nil, 15*time.Minute)
+	first, end, err := waitArchiveFirst(ctx, archiveWait{targetURL: targetURL, natsURL: e.natsURL, source: source, n: n, timeout: 15 * time.Minute})
 	if err != nil {
 		return 0, err
 	}
