@@ -852,17 +852,17 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 // apply is not reused as the "without".
 func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, orders int64, _ float64, snaps map[string][]float64) error {
 	if o.snapCases["bench"] {
-		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "bench", n: n, orders: orders}, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["snap"] {
-		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "snap", label: "snap", n: snapN, orders: orders}, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["spanning"] {
-		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "spanning", pageSize: spanningPage, n: n, orders: orders}, snaps); err != nil {
 			return err
 		}
 	}
