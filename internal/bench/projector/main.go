@@ -395,7 +395,8 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 	for _, p := range pars {
 		for _, b := range batches {
 			e.handlerBatch = b
-			rate, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), plain, res.snaps)
+			c := handlersCase{round: r, parallelism: p, source: "bench", n: n, tables: eventTables(events), plain: plain}
+			rate, err := e.handlersRound(ctx, c, res.snaps)
 			e.handlerBatch = 0
 			if err != nil {
 				return err
@@ -403,7 +404,7 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 			if b > 1 {
 				continue
 			}
-			if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), plain, rate, res.snaps); err != nil {
+			if err := e.revalidationRound(ctx, c, rate, res.snaps); err != nil {
 				return err
 			}
 		}
