@@ -275,7 +275,7 @@ func run(o opts) (err error) {
 	// fresh database; on a shared machine the median is the figure.
 	res := &roundResults{snaps: map[string][]float64{}}
 	for r := 1; r <= o.rounds; r++ {
-		if err := e.round(ctx, o, r, events, n, snapN, orders, res); err != nil {
+		if err := e.round(ctx, o, r, backlog{events: events, n: n, snapN: snapN, orders: orders}, res); err != nil {
 			return err
 		}
 	}
@@ -296,10 +296,16 @@ type roundResults struct {
 	snaps                           map[string][]float64 // "name|unit" -> one figure a round
 }
 
+// backlog is what a round applies: the n events of stream "bench"
+// (orders of them snapshot roots) and the snapN deletes of stream "snap".
+type backlog struct {
+	events           []*event.Event
+	n, snapN, orders int64
+}
+
 // round is run's round r: raw writes and apply of the n backlog events,
-// the snapshot phases (snapN: the second stream's deletes; orders: the
-// backlog's roots), and the -compare-bin apply.
-func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n, snapN, orders int64, res *roundResults) error {
+// the snapshot phases, and the -compare-bin apply.
+func (e *env) round(ctx context.Context, o opts, r int, in backlog, res *roundResults) error {
 	if o.rounds > 1 {
 		e.suffix = fmt.Sprintf(".round%d", r)
 	}
@@ -316,7 +322,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 			return err
 		}
 	}
-	rawRate, err := e.raw(ctx, rawURL, events, o.batch)
+	rawRate, err := e.raw(ctx, rawURL, in.events, o.batch)
 	if err != nil {
 		return err
 	}
@@ -333,11 +339,11 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 	if err := dropDatabase(ctx, e.pg, rawURL); err != nil {
 		return err
 	}
-	applyRate, err := e.apply(ctx, targetURL, "bench", n)
+	applyRate, err := e.apply(ctx, targetURL, "bench", in.n)
 	if err != nil {
 		return err
 	}
-	plain := plainApply{rate: applyRate, cpu: e.lastCPU, secs: float64(n) / applyRate, busy: e.lastBusy}
+	plain := plainApply{rate: applyRate, cpu: e.lastCPU, secs: float64(in.n) / applyRate, busy: e.lastBusy}
 	if o.pgStats {
 		if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
 			return err
@@ -349,12 +355,12 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 	e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
 	res.raws, res.applies, res.ratios = append(res.raws, rawRate), append(res.applies, applyRate), append(res.ratios, applyRate/rawRate)
 	if !o.skipSnapshots {
-		if err := e.snapshotRounds(ctx, o, r, n, snapN, orders, applyRate, res.snaps); err != nil {
+		if err := e.snapshotRounds(ctx, o, r, in, res.snaps); err != nil {
 			return err
 		}
 	}
 	if o.handlers {
-		if err := e.handlersRounds(ctx, o, r, events, n, plain, res); err != nil {
+		if err := e.handlersRounds(ctx, o, r, in, plain, res); err != nil {
 			return err
 		}
 	}
@@ -366,7 +372,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 		}
 		own := e.bins["projector"]
 		e.bins["projector"], e.suffix = o.compareBin, e.suffix+".compare"
-		rate, err := e.apply(ctx, url, "bench", n)
+		rate, err := e.apply(ctx, url, "bench", in.n)
 		e.bins["projector"], e.suffix = own, strings.TrimSuffix(e.suffix, ".compare")
 		if err != nil {
 			return err
@@ -383,7 +389,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 // handlersRounds is round r's row handlers phase, once per
 // -handler-parallelism value and -handler-batch size; the revalidation
 // round runs beside the unbatched one.
-func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, plain plainApply, res *roundResults) error {
+func (e *env) handlersRounds(ctx context.Context, o opts, r int, in backlog, plain plainApply, res *roundResults) error {
 	pars, err := positives("-handler-parallelism", o.handlerPar)
 	if err != nil {
 		return err
@@ -395,7 +401,7 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 	for _, p := range pars {
 		for _, b := range batches {
 			e.handlerBatch = b
-			c := handlersCase{round: r, parallelism: p, source: "bench", n: n, tables: eventTables(events), plain: plain}
+			c := handlersCase{round: r, parallelism: p, source: "bench", n: in.n, tables: eventTables(in.events), plain: plain}
 			rate, err := e.handlersRound(ctx, c, res.snaps)
 			e.handlerBatch = 0
 			if err != nil {
@@ -851,19 +857,19 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 // snapshotRounds runs round r's snapshot cases (o.snapCases), each with
 // its own applies without snapshots (snapshotRound): the round's main
 // apply is not reused as the "without".
-func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, orders int64, _ float64, snaps map[string][]float64) error {
+func (e *env) snapshotRounds(ctx context.Context, o opts, r int, in backlog, snaps map[string][]float64) error {
 	if o.snapCases["bench"] {
-		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "bench", n: n, orders: orders}, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "bench", n: in.n, orders: in.orders}, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["snap"] {
-		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "snap", label: "snap", n: snapN, orders: orders}, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "snap", label: "snap", n: in.snapN, orders: in.orders}, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["spanning"] {
-		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "spanning", pageSize: spanningPage, n: n, orders: orders}, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "spanning", pageSize: spanningPage, n: in.n, orders: in.orders}, snaps); err != nil {
 			return err
 		}
 	}
