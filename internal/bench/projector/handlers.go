@@ -126,7 +126,7 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 				if done != c.n {
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, c.n)
 				}
-				return e.drained(ctx, url, c.n, done0, cpu0, &lim, drainProbe{parallelism: c.parallelism, hits: &hits, bodyBytes: &bodyBytes,
+				return e.drained(ctx, url, &lim, drainProbe{n: c.n, done0: done0, cpu0: cpu0, parallelism: c.parallelism, hits: &hits, bodyBytes: &bodyBytes,
 					secretFile: secretFile, busy0: busy0, total0: total0}, record)
 			}
 			if time.Now().After(deadline) {
@@ -158,6 +158,8 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 
 // drainProbe is what drained needs of the round for the limit.
 type drainProbe struct {
+	n, done0        int64    // the round's events, and the deliveries done at the projector's start
+	cpu0            cpuTimes // the projector's CPU at its start
 	parallelism     int
 	hits, bodyBytes *atomic.Int64
 	secretFile      string
@@ -167,13 +169,13 @@ type drainProbe struct {
 // drained, once every delivery is done, takes the limit's drain figures
 // into lim, records the drain's (drainFigures) and, in a plain round,
 // measures the floor of one webhook call while the projector idles.
-func (e *env) drained(ctx context.Context, url string, n, done0 int64, cpu0 cpuTimes, lim *limitInputs, p drainProbe, record func(string, float64, string)) error {
+func (e *env) drained(ctx context.Context, url string, lim *limitInputs, p drainProbe, record func(string, float64, string)) error {
 	var err error
 	if lim.busy, err = busySince(p.busy0, p.total0); err != nil {
 		return err
 	}
-	lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(cpu0), done0
-	if err := e.drainFigures(ctx, url, n, done0, cpu0, record); err != nil {
+	lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(p.cpu0), p.done0
+	if err := e.drainFigures(ctx, url, p.n, p.done0, p.cpu0, record); err != nil {
 		return err
 	}
 	if e.revalidate {
