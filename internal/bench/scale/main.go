@@ -118,7 +118,8 @@ func run(ctx context.Context, sizes []int, apply, perTx, ginPairs int) error {
 	}
 	defer srv.Shutdown()
 	natsURL := "nats://" + listen
-	last, err := bench.PublishSessions(ctx, natsURL, source, partitions, apply, perTx, 10_000_000_000, 0x100000000)
+	last, err := bench.PublishSessions(ctx, bench.Sessions{NATSURL: natsURL, Source: source, Partitions: partitions,
+		Apply: apply, PerTx: perTx, IDBase: 10_000_000_000, FirstLSN: 0x100000000})
 	if err != nil {
 		return err
 	}
