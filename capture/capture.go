@@ -350,7 +350,10 @@ func (s *Service) runStandby(ctx context.Context, db string) {
 }
 
 // setup checks and sets up the tables, the publication, the slot and the
-// stream, and starts replication.
+// stream, and starts replication. The slot is created before the stream,
+// so whoever sees the stream can rely on every delete committed from then
+// on reaching it: the stream is read first (where to resume, whether a
+// missing slot means a gap) and created last.
 func (s *Service) setup(ctx context.Context, db string) (err error) {
 	cfg := &s.cfg
 	sel, err := selectTables(ctx, s.pool, cfg.PublicationName, cfg.Tables, cfg.SetReplicaIdentityFull, false)
@@ -950,7 +953,8 @@ func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 		if err != nil {
 			return fmt.Errorf("encode gap: %w", err)
 		}
-		if err := st.publish(ctx, event.GapSubject(st.src, p), p, st.tag(event.GapMsgID(st.src, g.from, g.to, p)), pos, body, "gap", kindSigned); err != nil {
+		if err := st.publish(ctx, outMsg{subject: event.GapSubject(st.src, p), part: p, msgID: st.tag(event.GapMsgID(st.src, g.from, g.to, p)),
+			pos: pos.String(), body: body, what: "gap", kind: kindSigned}); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpGap)).Inc()

@@ -185,6 +185,20 @@ type Config struct {
 	digestV1 bool
 }
 
+// Defaults of the Config fields left zero, which the capture command's
+// flags show.
+const (
+	DefaultSourceName          = "main"
+	DefaultPartitions          = 8
+	DefaultSlotName            = "epitaph"
+	DefaultPublicationName     = "epitaph"
+	DefaultStreamCheckInterval = 10 * time.Second
+	DefaultHeartbeatInterval   = 10 * time.Second
+	DefaultMaxInFlight         = 4096
+	DefaultCatalogPoll         = 5 * time.Second
+	DefaultStandbyPoll         = time.Second
+)
+
 // EmbeddedSyncInterval is the file store sync interval of the embedded
 // JetStream server the capture runs itself.
 const EmbeddedSyncInterval = 10 * time.Second
@@ -236,25 +250,25 @@ func WithRegistry(r *prometheus.Registry) Option { return func(s *Service) { s.r
 
 func (c *Config) setDefaults() {
 	if c.SourceName == "" {
-		c.SourceName = "main"
+		c.SourceName = DefaultSourceName
 	}
 	if c.Partitions == 0 {
-		c.Partitions = 8
+		c.Partitions = DefaultPartitions
 	}
 	if c.SlotName == "" {
-		c.SlotName = "epitaph"
+		c.SlotName = DefaultSlotName
 	}
 	if c.PublicationName == "" {
-		c.PublicationName = "epitaph"
+		c.PublicationName = DefaultPublicationName
 	}
 	if c.StreamCheckInterval == 0 {
-		c.StreamCheckInterval = 10 * time.Second
+		c.StreamCheckInterval = DefaultStreamCheckInterval
 	}
 	if c.HeartbeatInterval == 0 {
-		c.HeartbeatInterval = 10 * time.Second
+		c.HeartbeatInterval = DefaultHeartbeatInterval
 	}
 	if c.MaxInFlight == 0 {
-		c.MaxInFlight = 4096
+		c.MaxInFlight = DefaultMaxInFlight
 	}
 	if c.Replicas == 0 {
 		c.Replicas = 1
@@ -266,10 +280,10 @@ func (c *Config) setDefaults() {
 		c.EmbeddedListen = broker.DefaultListen
 	}
 	if c.CatalogPoll == 0 {
-		c.CatalogPoll = 5 * time.Second
+		c.CatalogPoll = DefaultCatalogPoll
 	}
 	if c.StandbyPoll == 0 {
-		c.StandbyPoll = time.Second
+		c.StandbyPoll = DefaultStandbyPoll
 	}
 	if c.CatchUpBytes == 0 {
 		c.CatchUpBytes = DefaultCatchUpBytes

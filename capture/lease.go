@@ -23,10 +23,15 @@ var leaseKeepalive = map[string]string{
 	"tcp_user_timeout":        "20000",
 }
 
-// lease is the standby lease: a session advisory lock on the source, held
-// by a dedicated connection for as long as the capture streams. The lock
-// goes when the session goes (process death, closed or broken connection),
-// which is what lets a standby take over.
+// lease is the standby lease: a session advisory lock on the source
+// (pg_try_advisory_lock of leaseKey, in pg_locks as classid/objid with
+// objsubid 1), held by a dedicated connection for as long as the capture
+// streams. The lock goes when the session goes (process death, closed or
+// broken connection), which is what lets a standby take over. A standby
+// takes it before it touches the publication, the stream or the slot, and
+// then also waits for the slot to be inactive: the old holder's walsender
+// can outlive its lease session, and a capture started without Standby
+// takes no lease.
 type lease struct {
 	cfg  *pgx.ConnConfig
 	key  int64

@@ -34,6 +34,12 @@ const (
 )
 
 // streamer is the replication loop's state. It runs on one goroutine.
+//
+// pgoutput's BEGIN carries the transaction's commit LSN, so its partition
+// (event.Partition) is known at once and rows are published as they
+// arrive: a transaction is never held in memory. Delete and truncate
+// messages share the transaction's seq counter (event.MsgID); the commit
+// counts only deletes in rows and tables.
 type streamer struct {
 	s      *Service
 	conn   *pgconn.PgConn
@@ -238,7 +244,8 @@ func (st *streamer) handle(ctx context.Context, msg pglogrepl.Message, serverTim
 		// a stream a v1 capture wrote (see publishMsg).
 		st.digest.ResetAlg(!st.s.cfg.digestV1)
 	case *pglogrepl.RelationMessage:
-		r, err := buildRelation(ctx, st.cat, m, st.rels[m.RelationID], st.src, st.parts, st.s.m.published)
+		r, err := buildRelation(ctx, relationEnv{cat: st.cat, src: st.src, partitions: st.parts, published: st.s.m.published},
+			m, st.rels[m.RelationID])
 		if err != nil {
 			return err
 		}
@@ -378,7 +385,8 @@ func (st *streamer) deleteOf(ctx context.Context, r *relation, m *pglogrepl.Dele
 	// connection's write buffer before it returns, and with no retries
 	// (WithRetryAttempts(0)) it is never sent again.
 	st.body = r.encodeDelete(st.body[:0], &st.tx, seq, &st.img, ref)
-	if err := st.publishMsg(ctx, r.subjects[st.txPart], st.txPart, msgID, st.tx.position(pos.n), st.body, r.what, ref != nil, kindRow); err != nil {
+	if err := st.publishMsg(ctx, outMsg{subject: r.subjects[st.txPart], part: st.txPart, msgID: msgID,
+		pos: st.tx.position(pos.n), body: st.body, what: r.what, kind: kindRow}, ref != nil); err != nil {
 		return err
 	}
 	r.deletes.Inc()
@@ -446,7 +454,8 @@ func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMes
 			return fmt.Errorf("encode truncate: %w", err)
 		}
 		subject := event.TruncateSubject(st.src, st.txPart, r.schema, r.table)
-		if err := st.publish(ctx, subject, st.txPart, st.tx.msgID(seq), pos, body, "truncate "+r.qualified(), kindRow); err != nil {
+		if err := st.publish(ctx, outMsg{subject: subject, part: st.txPart, msgID: st.tx.msgID(seq),
+			pos: pos.String(), body: body, what: "truncate " + r.qualified(), kind: kindRow}); err != nil {
 			return err
 		}
 		r.truncates.Inc()
@@ -488,7 +497,8 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		if err != nil {
 			return fmt.Errorf("encode mark: %w", err)
 		}
-		if err := st.publish(ctx, event.MarkSubject(st.src, p), p, st.tag(event.MarkMsgID(st.src, lsn, p)), pos, body, kind, kindSigned); err != nil {
+		if err := st.publish(ctx, outMsg{subject: event.MarkSubject(st.src, p), part: p, msgID: st.tag(event.MarkMsgID(st.src, lsn, p)),
+			pos: pos.String(), body: body, what: kind, kind: kindSigned}); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues("", "", string(event.OpMark)).Inc()
@@ -532,7 +542,8 @@ func (st *streamer) handleTableGap(ctx context.Context, m *pglogrepl.LogicalDeco
 		if err != nil {
 			return fmt.Errorf("encode gap: %w", err)
 		}
-		if err := st.publish(ctx, event.GapSubject(st.src, p), p, st.tag(event.TableGapMsgID(st.src, g.Schema, g.Table, lsn, lsn, p)), pos, body, "gap "+g.Schema+"."+g.Table, kindSigned); err != nil {
+		if err := st.publish(ctx, outMsg{subject: event.GapSubject(st.src, p), part: p, msgID: st.tag(event.TableGapMsgID(st.src, g.Schema, g.Table, lsn, lsn, p)),
+			pos: pos.String(), body: body, what: "gap " + g.Schema + "." + g.Table, kind: kindSigned}); err != nil {
 			return err
 		}
 		st.s.m.published.WithLabelValues(g.Schema, g.Table, string(event.OpGap)).Inc()
@@ -576,7 +587,8 @@ func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage
 			if h := st.s.hooks; h != nil && h.beforeCommit != nil {
 				h.beforeCommit(st.tx.commitLSN)
 			}
-			if err := st.publish(ctx, event.CommitSubject(st.src, st.txPart), st.txPart, st.tag(event.CommitMsgID(st.src, st.tx.commitLSN)), pos, body, "commit "+st.tx.commitLSN.String(), kindCommit); err != nil {
+			if err := st.publish(ctx, outMsg{subject: event.CommitSubject(st.src, st.txPart), part: st.txPart, msgID: st.tag(event.CommitMsgID(st.src, st.tx.commitLSN)),
+				pos: pos.String(), body: body, what: "commit " + st.tx.commitLSN.String(), kind: kindCommit}); err != nil {
 				return err
 			}
 			st.s.m.published.WithLabelValues("", "", string(event.OpCommit)).Inc()
@@ -618,13 +630,28 @@ const (
 // another id (see trust.go).
 const carefulMsgs = 256
 
-// publish sends one message asynchronously and asks for its
-// acknowledgement, keeping the window of un-acknowledged publishes bounded.
-func (st *streamer) publish(ctx context.Context, subject string, part int, msgID string, pos position, body []byte, what string, kind msgKind) error {
-	return st.publishMsg(ctx, subject, part, msgID, pos.String(), body, what, true, kind)
+// outMsg is one message the streamer publishes: its subject, partition,
+// Epitaph headers and body. publishMsg sets partSeq, seqText and digest.
+type outMsg struct {
+	subject string
+	part    int
+	msgID   string
+	pos     string // Epitaph-Position
+	body    []byte
+	what    string // names the message in errors and logs
+	kind    msgKind
+	partSeq uint64 // Epitaph-Partition-Seq
+	seqText string // partSeq as text (see publishMsg)
+	digest  string // a commit's Epitaph-Digest, else empty
 }
 
-// publishMsg sends one message of partition part. Each message expects the
+// publish sends one message asynchronously and asks for its
+// acknowledgement, keeping the window of un-acknowledged publishes bounded.
+func (st *streamer) publish(ctx context.Context, out outMsg) error {
+	return st.publishMsg(ctx, out, true)
+}
+
+// publishMsg sends out. Each message expects the
 // previous one as the stream's last message id, so if one is lost or
 // refused every following one is refused too and the stream stays a prefix
 // of what was sent. That is also why most row messages are published
@@ -637,14 +664,14 @@ func (st *streamer) publish(ctx context.Context, subject string, part int, msgID
 // or truncate is hashed into the transaction's digest (one hash update, no
 // allocation); a commit carries the digest, and commits, marks, heartbeats
 // and gaps are signed.
-func (st *streamer) publishMsg(ctx context.Context, subject string, part int, msgID, pos string, body []byte, what string, ack bool, kind msgKind) error {
-	partSeq := st.partSeq[part] + 1
-	digest := ""
-	if kind == kindCommit {
-		digest = st.digest.Sum()
+func (st *streamer) publishMsg(ctx context.Context, out outMsg, ack bool) error {
+	out.partSeq = st.partSeq[out.part] + 1
+	out.digest = ""
+	if out.kind == kindCommit {
+		out.digest = st.digest.Sum()
 	}
 	if st.adopt != nil {
-		found, err := st.adoptStored(ctx, subject, part, msgID, pos, partSeq, body, digest, kind)
+		found, err := st.adoptStored(ctx, out)
 		if err != nil || found {
 			return err
 		}
@@ -658,23 +685,23 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	}
 	if !ack {
 		every := min(ackEvery, max(1, st.s.cfg.MaxInFlight/4))
-		ack = st.tr.looseMsgs+1 >= every || st.tr.looseSize+len(body) >= ackBytes
+		ack = st.tr.looseMsgs+1 >= every || st.tr.looseSize+len(out.body) >= ackBytes
 	}
 	// The partition sequence as text without an allocation: the header
 	// value is read only while the message is encoded into the
 	// connection's buffer, before publishMsg returns, and never again
 	// (no retries), so it may point into a buffer reused by the next one.
-	n := len(strconv.AppendUint(st.seqBuf[:0], partSeq, 10))
-	seqText := unsafe.String(&st.seqBuf[0], n)
-	if kind == kindRow {
-		st.digest.Add(partSeq, body)
+	n := len(strconv.AppendUint(st.seqBuf[:0], out.partSeq, 10))
+	out.seqText = unsafe.String(&st.seqBuf[0], n)
+	if out.kind == kindRow {
+		st.digest.Add(out.partSeq, out.body)
 	}
 	// One header map for rows, reused: both publish paths encode it into
 	// the connection's buffer before they return, and with no retries
 	// (WithRetryAttempts(0)) nothing is sent again from it. Signed
 	// messages get their own.
 	var h nats.Header
-	if kind == kindRow {
+	if out.kind == kindRow {
 		h = st.hdr
 		if h == nil {
 			h = make(nats.Header, 5)
@@ -682,7 +709,7 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 			st.hdr = h
 			st.hdrVals = make([]string, 4)
 		}
-		st.hdrVals[0], st.hdrVals[1], st.hdrVals[2], st.hdrVals[3] = pos, msgID, st.lastMsgID, seqText
+		st.hdrVals[0], st.hdrVals[1], st.hdrVals[2], st.hdrVals[3] = out.pos, out.msgID, st.lastMsgID, out.seqText
 		h[HeaderPosition] = st.hdrVals[0:1:1]
 		h[jetstream.MsgIDHeader] = st.hdrVals[1:2:2]
 		h[event.HeaderPartitionSeq] = st.hdrVals[3:4:4]
@@ -694,31 +721,31 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 	} else {
 		h = nats.Header{
 			event.HeaderVersion:      headerVersion1,
-			HeaderPosition:           {pos},
-			jetstream.MsgIDHeader:    {msgID},
-			event.HeaderPartitionSeq: {seqText},
+			HeaderPosition:           {out.pos},
+			jetstream.MsgIDHeader:    {out.msgID},
+			event.HeaderPartitionSeq: {out.seqText},
 			event.HeaderKeyID:        {st.keyID},
 			event.HeaderPublicKey:    {st.pubText},
 		}
-		st.commitDigest(h, digest)
-		st.sign(h, subject, msgID, pos, seqText, digest, body)
+		st.commitDigest(h, out.digest)
+		st.sign(h, out)
 	}
 	switch {
-	case st.lastMsgID != "" && kind == kindRow:
+	case st.lastMsgID != "" && out.kind == kindRow:
 		h[jetstream.ExpectedLastMsgIDHeader] = st.hdrVals[2:3:3]
 	case st.lastMsgID != "":
 		h[jetstream.ExpectedLastMsgIDHeader] = []string{st.lastMsgID}
 	default:
 		delete(h, jetstream.ExpectedLastMsgIDHeader)
 	}
-	m := st.newMsg(!ack && st.careful == 0, subject, body, h)
+	m := st.newMsg(!ack && st.careful == 0, out.subject, out.body, h)
 	if st.careful > 0 {
-		id, err := st.publishCareful(ctx, m, part, partSeq, msgID, pos, seqText, digest, kind, what)
+		id, err := st.publishCareful(ctx, m, out)
 		if err != nil {
 			st.s.m.publishErrors.Inc()
 			return err
 		}
-		st.partSeq[part] = partSeq
+		st.partSeq[out.part] = out.partSeq
 		st.lastMsgID = id
 		return nil
 	}
@@ -726,18 +753,18 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 		fut, err := st.js.PublishMsgAsync(m, noRetries)
 		if err != nil {
 			st.s.m.publishErrors.Inc()
-			return fmt.Errorf("publish %s to %s: %w", what, subject, brokerIO(err))
+			return fmt.Errorf("publish %s to %s: %w", out.what, out.subject, brokerIO(err))
 		}
-		st.tr.addSigned(fut, len(body), what, part, signedSeq(kind, partSeq))
+		st.tr.addSigned(fut, len(out.body), out.what, out.part, signedSeq(out.kind, out.partSeq))
 	} else {
 		if err := st.publishLoose(m); err != nil {
 			st.s.m.publishErrors.Inc()
-			return fmt.Errorf("publish %s to %s: %w", what, subject, brokerIO(err))
+			return fmt.Errorf("publish %s to %s: %w", out.what, out.subject, brokerIO(err))
 		}
-		st.tr.loose(len(body))
+		st.tr.loose(len(out.body))
 	}
-	st.partSeq[part] = partSeq
-	st.lastMsgID = msgID
+	st.partSeq[out.part] = out.partSeq
+	st.lastMsgID = out.msgID
 	return nil
 }
 
@@ -748,21 +775,21 @@ func (st *streamer) publishMsg(ctx context.Context, subject string, part int, ms
 // written in: its first adopted row decides (a transaction begun by a
 // capture before digest v2 stays v1, as its commit's digest must cover
 // those rows the way they were hashed).
-func (st *streamer) adoptStored(ctx context.Context, subject string, part int, msgID, pos string, partSeq uint64, body []byte, digest string, kind msgKind) (bool, error) {
+func (st *streamer) adoptStored(ctx context.Context, out outMsg) (bool, error) {
 	alg := st.digestAlg()
-	if kind == kindRow && st.digest.Len() == 0 {
+	if out.kind == kindRow && st.digest.Len() == 0 {
 		alg = anyDigestAlg
 	}
-	found, storedAlg, err := st.adopt.find(ctx, subject, msgID, pos, partSeq, body, digest, alg)
+	found, storedAlg, err := st.adopt.find(ctx, out, alg)
 	if err != nil || !found {
 		return false, err
 	}
-	st.partSeq[part] = partSeq
-	if kind == kindRow {
+	st.partSeq[out.part] = out.partSeq
+	if out.kind == kindRow {
 		if st.digest.Len() == 0 {
 			st.digest.ResetAlg(storedAlg == event.DigestAlgV2)
 		}
-		st.digest.Add(partSeq, body)
+		st.digest.Add(out.partSeq, out.body)
 	}
 	return true, nil
 }
@@ -830,8 +857,9 @@ func (st *streamer) publishLoose(m *nats.Msg) error {
 }
 
 // sign sets the Epitaph-Signature header of a signed message.
-func (st *streamer) sign(h nats.Header, subject, msgID, pos, seqText, digest string, body []byte) {
-	st.sigBuf = event.AppendSigningInput(st.sigBuf[:0], subject, msgID, pos, seqText, digest, body)
+func (st *streamer) sign(h nats.Header, out outMsg) {
+	st.sigBuf = event.AppendSigningInput(st.sigBuf[:0], event.SignedFields{Subject: out.subject, MsgID: out.msgID,
+		Position: out.pos, PartSeq: out.seqText, Digest: out.digest}, out.body)
 	h[event.HeaderSignature] = []string{event.Sign(st.priv, st.sigBuf)}
 }
 
@@ -839,30 +867,30 @@ func (st *streamer) sign(h nats.Header, subject, msgID, pos, seqText, digest str
 // duplicate means a message the capture did not publish holds its id: m is
 // published again under event.RepublishedMsgID (re-signed: the signature
 // covers the id) until it is stored. It returns the id it was stored under.
-func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, part int, partSeq uint64, msgID, pos, seqText, digest string, kind msgKind, what string) (string, error) {
+func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, out outMsg) (string, error) {
 	if err := st.tr.drain(ctx, st.now); err != nil {
 		return "", err
 	}
-	id := msgID
+	id := out.msgID
 	for n := 1; ; n++ {
 		ack, err := st.js.PublishMsg(ctx, m, noRetries)
 		if err != nil {
-			return "", fmt.Errorf("publish %s to %s: %w", what, m.Subject, brokerIO(err))
+			return "", fmt.Errorf("publish %s to %s: %w", out.what, m.Subject, brokerIO(err))
 		}
 		if !ack.Duplicate {
 			st.careful--
-			st.tr.addSigned(doneFuture(ack), len(m.Data), what, part, signedSeq(kind, partSeq))
+			st.tr.addSigned(doneFuture(ack), len(m.Data), out.what, out.part, signedSeq(out.kind, out.partSeq))
 			return id, nil
 		}
 		st.careful = carefulMsgs
 		st.s.m.collisions.Inc()
 		if n > maxRepublish {
-			return "", fmt.Errorf("publish %s: %w", what, &collisionError{what: what, msgID: id, seq: ack.Sequence})
+			return "", fmt.Errorf("publish %s: %w", out.what, &collisionError{what: out.what, msgID: id, seq: ack.Sequence})
 		}
-		next := event.RepublishedMsgID(msgID, n)
-		st.s.log.Warn("message id taken by a foreign message: publishing the capture's message under another id", "msg_id", id, "taken_by_stream_seq", ack.Sequence, "new_msg_id", next, "what", what)
+		next := event.RepublishedMsgID(out.msgID, n)
+		st.s.log.Warn("message id taken by a foreign message: publishing the capture's message under another id", "msg_id", id, "taken_by_stream_seq", ack.Sequence, "new_msg_id", next, "what", out.what)
 		id = next
-		if kind == kindRow {
+		if out.kind == kindRow {
 			// The row header map is reused: give this message its own.
 			h := make(nats.Header, len(m.Header))
 			for k, v := range m.Header {
@@ -871,8 +899,10 @@ func (st *streamer) publishCareful(ctx context.Context, m *nats.Msg, part int, p
 			m.Header = h
 		}
 		m.Header[jetstream.MsgIDHeader] = []string{id}
-		if kind != kindRow {
-			st.sign(m.Header, m.Subject, id, pos, seqText, digest, m.Data)
+		if out.kind != kindRow {
+			again := out
+			again.msgID = id
+			st.sign(m.Header, again)
 		}
 	}
 }

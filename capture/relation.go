@@ -81,13 +81,23 @@ func indexesOf(m *pglogrepl.RelationMessage, names []string) []int {
 	return out
 }
 
+// relationEnv is what buildRelation reads besides the message: the same
+// for every relation of a stream.
+type relationEnv struct {
+	cat        *catalog
+	src        string
+	partitions int
+	published  *prometheus.CounterVec // the events published, by table and op
+}
+
 // buildRelation combines a Relation message with the catalog's primary key,
 // foreign keys and type names. The message describes the table as it was
 // when the rows that follow were deleted; where the current catalog
 // disagrees (a key column renamed since, a table dropped), the message's
 // own names, the catalog's column positions, and what prev (the relation
 // this one replaces) knew decide the key.
-func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessage, prev *relation, src string, partitions int, published *prometheus.CounterVec) (*relation, error) {
+func buildRelation(ctx context.Context, env relationEnv, m *pglogrepl.RelationMessage, prev *relation) (*relation, error) {
+	cat, src := env.cat, env.src
 	r := &relation{id: m.RelationID, schema: m.Namespace, table: m.RelationName, name: m.Namespace + "." + m.RelationName}
 	r.what = "delete " + r.name
 	oids := make([]uint32, len(m.Columns))
@@ -161,12 +171,12 @@ func buildRelation(ctx context.Context, cat *catalog, m *pglogrepl.RelationMessa
 	if r.head, err = event.NewTableHead(src, r.schema, r.table, cols, facts.refs); err != nil {
 		return nil, fmt.Errorf("relation %s: %w", r.qualified(), err)
 	}
-	r.subjects = make([]string, partitions)
+	r.subjects = make([]string, env.partitions)
 	for p := range r.subjects {
 		r.subjects[p] = event.DeleteSubject(src, p, r.schema, r.table)
 	}
-	r.deletes = published.WithLabelValues(r.schema, r.table, string(event.OpDelete))
-	r.truncates = published.WithLabelValues(r.schema, r.table, string(event.OpTruncate))
+	r.deletes = env.published.WithLabelValues(r.schema, r.table, string(event.OpDelete))
+	r.truncates = env.published.WithLabelValues(r.schema, r.table, string(event.OpTruncate))
 	return r, nil
 }
 
@@ -368,5 +378,5 @@ func (tx *txInfo) position(n int) string { return tx.lsnText + "#" + strconv.Ito
 
 // encodeDelete writes a row's delete event with event.AppendDelete.
 func (r *relation) encodeDelete(dst []byte, tx *txInfo, seq int, img *rowImage, ref *event.ObjectRef) []byte {
-	return event.AppendDelete(dst, r.head, &tx.del, seq, img.identity, img.key, img.row, ref)
+	return event.AppendDelete(dst, r.head, &tx.del, event.DeleteRow{Seq: seq, Identity: img.identity, Key: img.key, Row: img.row, RowRef: ref})
 }

@@ -65,7 +65,9 @@ type slotPlan struct {
 	gap    string // reason, when the new slot starts after a gap
 }
 
-// planSlot decides, failing closed on a gap unless recreate is set.
+// planSlot decides, failing closed on a gap unless recreate is set. If the
+// process dies between creating the slot and the gap event being
+// acknowledged, the next start sees a healthy slot and publishes no gap.
 func planSlot(s slotState, name, db string, t tail, streamName string, recreate bool) (slotPlan, error) {
 	if !s.exists {
 		if !t.has {

@@ -26,7 +26,10 @@ const (
 	MetaWireVersion = event.MetaWireVersion
 )
 
-// position orders the capture's output.
+// position orders the capture's output: Epitaph-Position is
+// "<trigger lsn>#<n>", strictly increasing in output order. The trigger of
+// a transaction's messages is its commit LSN; of a non-transactional
+// message or a gap, the LSN just before the end of its record (endTrigger).
 type position struct {
 	lsn event.LSN
 	n   int

@@ -223,7 +223,8 @@ func (s *Service) implausible(om ownMsg, current event.LSN) {
 // plausible, they give every partition's sequence (into partSeq), and the
 // latest of them is the last own signed message (best); walk says they do
 // not.
-func (s *Service) lastOwnOfPartitions(ctx context.Context, st streamReader, parts int, current event.LSN, partSeq []uint64) (best ownMsg, walk bool, err error) {
+func (s *Service) lastOwnOfPartitions(ctx context.Context, rs resumeStream, partSeq []uint64) (best ownMsg, walk bool, err error) {
+	st, parts, current := rs.st, rs.parts, rs.current
 	src := s.cfg.SourceName
 	for p := 0; p < parts; p++ {
 		for _, subj := range []string{event.CommitSubject(src, p), event.MarkSubject(src, p), event.GapSubject(src, p)} {
@@ -260,7 +261,8 @@ func (s *Service) lastOwnOfPartitions(ctx context.Context, st streamReader, part
 // (its sequence into partSeq): own messages after V (the open
 // transaction's, a transactional mark's copies) are adopted on replay,
 // which counts them again. V is zero when there is none.
-func (s *Service) walkBackResume(ctx context.Context, st streamReader, parts int, current event.LSN, first, last uint64, partSeq []uint64) (ownMsg, error) {
+func (s *Service) walkBackResume(ctx context.Context, rs resumeStream, first, last uint64, partSeq []uint64) (ownMsg, error) {
+	st, parts, current := rs.st, rs.parts, rs.current
 	src := s.cfg.SourceName
 	var v ownMsg
 	known := make([]bool, parts)
@@ -307,6 +309,14 @@ func (s *Service) walkBackResume(ctx context.Context, st streamReader, parts int
 	return v, nil
 }
 
+// resumeStream is the stream findResume reads, with its partition count
+// and the source's pg_current_wal_lsn (no own message is believed past it).
+type resumeStream struct {
+	st      streamReader
+	parts   int
+	current event.LSN
+}
+
 // findResume reads what the stream proves of the capture's earlier output
 // (see the comment at the top of this file). current is the source's
 // pg_current_wal_lsn.
@@ -320,7 +330,8 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	if info.State.Msgs == 0 {
 		return rp, nil
 	}
-	best, walk, err := s.lastOwnOfPartitions(ctx, st, parts, current, rp.partSeq)
+	rs := resumeStream{st: st, parts: parts, current: current}
+	best, walk, err := s.lastOwnOfPartitions(ctx, rs, rp.partSeq)
 	if err != nil {
 		return rp, err
 	}
@@ -330,7 +341,7 @@ func (s *Service) findResume(ctx context.Context, st streamReader, parts int, cu
 	v := best
 	if walk {
 		clear(rp.partSeq)
-		if v, err = s.walkBackResume(ctx, st, parts, current, first, last, rp.partSeq); err != nil {
+		if v, err = s.walkBackResume(ctx, rs, first, last, rp.partSeq); err != nil {
 			return rp, err
 		}
 	}
@@ -391,7 +402,7 @@ const adoptBatchBytes = 8 << 20
 // whose Epitaph-Digest-Alg is alg (anyDigestAlg: either version). It
 // returns ok and the stored message's alg, or ok=false: not stored, and
 // adoption is over (the caller drops the adopter).
-func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq uint64, body []byte, digest, alg string) (ok bool, storedAlg string, err error) {
+func (a *adopter) find(ctx context.Context, out outMsg, alg string) (ok bool, storedAlg string, err error) {
 	for {
 		m, more, err := a.read(ctx)
 		if err != nil || !more {
@@ -404,21 +415,21 @@ func (a *adopter) find(ctx context.Context, subject, msgID, pos string, partSeq 
 		// place and partition sequence must still match exactly, and the
 		// commit's digest covers it; a mark must verify there).
 		base, _ := event.BaseMsgID(m.header.Get(event.HeaderMsgID))
-		if m.subject == subject && event.UntaggedMsgID(base) == event.UntaggedMsgID(msgID) && m.header.Get(event.HeaderPosition) == pos &&
-			m.header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(partSeq, 10) &&
-			m.header.Get(event.HeaderDigest) == digest {
-			if _, signed, _ := signedSubject(a.s.cfg.SourceName, subject); signed {
+		if m.subject == out.subject && event.UntaggedMsgID(base) == event.UntaggedMsgID(out.msgID) && m.header.Get(event.HeaderPosition) == out.pos &&
+			m.header.Get(event.HeaderPartitionSeq) == strconv.FormatUint(out.partSeq, 10) &&
+			m.header.Get(event.HeaderDigest) == out.digest {
+			if _, signed, _ := signedSubject(a.s.cfg.SourceName, out.subject); signed {
 				// Signed by us at this place of the output: ours, even if
 				// its body differs (a transactional mark's time is when
 				// the slot sent it).
 				if err := event.VerifyMessage(a.s.pub, m.subject, m.header, m.data); err == nil {
 					return true, storedAlg, nil
 				}
-			} else if bytes.Equal(m.data, body) && (alg == anyDigestAlg || storedAlg == alg) {
+			} else if bytes.Equal(m.data, out.body) && (alg == anyDigestAlg || storedAlg == alg) {
 				return true, storedAlg, nil
 			}
 		}
-		a.s.foreign(m.seq, m.subject, "does not match what the capture publishes at position "+pos)
+		a.s.foreign(m.seq, m.subject, "does not match what the capture publishes at position "+out.pos)
 	}
 }
 

@@ -69,18 +69,27 @@ func NewDeleteTx(xid uint32, commitLSN LSN, commitTime time.Time) DeleteTx {
 	return DeleteTx{xid: xid, lsnText: commitLSN.String(), time: commitTime.Format(time.RFC3339Nano)}
 }
 
+// DeleteRow is what AppendDelete writes of one row: the fields of a
+// delete event that are the row's own.
+type DeleteRow struct {
+	Seq      int
+	Identity string
+	Key, Row []byte
+	RowRef   *ObjectRef
+}
+
 // AppendDelete appends to dst the body of the delete event of one row:
 // what Encode writes for Event{Op: OpDelete, Source, Schema, Table,
-// Columns and Refs of h, XID, CommitLSN, CommitTime of tx, Seq: seq,
-// Identity: identity, Key: key, Row: row, RowRef: ref}.
+// Columns and Refs of h, XID, CommitLSN, CommitTime of tx, Seq, Identity,
+// Key, Row, RowRef of r}.
 //
-// key and row must be JSON objects in the compact form Encode writes (no
-// spaces, '<', '>' and '&' escaped: as AppendString writes strings); a nil
-// key leaves "key" out. With a ref, the row is in the object store: "row"
-// is left out and "row_ref" written instead. The caller guarantees what
-// Validate checks of the fields it passes (a commit LSN other than 0, a
-// known identity, a schema and a table): AppendDelete does not check.
-func AppendDelete(dst []byte, h *TableHead, tx *DeleteTx, seq int, identity string, key, row []byte, ref *ObjectRef) []byte {
+// r.Key and r.Row must be JSON objects in the compact form Encode writes
+// (no spaces, '<', '>' and '&' escaped: as AppendString writes strings); a
+// nil Key leaves "key" out. With a RowRef, the row is in the object store:
+// "row" is left out and "row_ref" written instead. The caller guarantees
+// what Validate checks of the fields it passes (a commit LSN other than 0,
+// a known identity, a schema and a table): AppendDelete does not check.
+func AppendDelete(dst []byte, h *TableHead, tx *DeleteTx, r DeleteRow) []byte {
 	dst = append(dst, deleteOpen...)
 	dst = append(dst, h.fields...)
 	if tx.xid != 0 { // as Encode, which omits it (never a committed transaction's)
@@ -92,20 +101,20 @@ func AppendDelete(dst []byte, h *TableHead, tx *DeleteTx, seq int, identity stri
 	dst = append(dst, `","commit_time":"`...)
 	dst = append(dst, tx.time...)
 	dst = append(dst, `","seq":`...)
-	dst = strconv.AppendInt(dst, int64(seq), 10)
+	dst = strconv.AppendInt(dst, int64(r.Seq), 10)
 	dst = append(dst, `,"identity":`...)
-	dst = AppendString(dst, []byte(identity))
+	dst = AppendString(dst, []byte(r.Identity))
 	dst = append(dst, `,"columns":`...)
 	dst = append(dst, h.columns...)
-	if key != nil {
+	if r.Key != nil {
 		dst = append(dst, `,"key":`...)
-		dst = append(dst, key...)
+		dst = append(dst, r.Key...)
 	}
-	if ref == nil {
+	if r.RowRef == nil {
 		dst = append(dst, `,"row":`...)
-		dst = append(dst, row...)
+		dst = append(dst, r.Row...)
 	} else {
-		b, _ := json.Marshal(ref) // strings and integers: cannot fail
+		b, _ := json.Marshal(r.RowRef) // strings and integers: cannot fail
 		dst = append(dst, `,"row_ref":`...)
 		dst = append(dst, b...)
 	}

@@ -207,7 +207,7 @@ func FuzzAppendDelete(f *testing.F) {
 		if withRowRef {
 			e.Row = nil
 		}
-		got := event.AppendDelete([]byte("junk"), head, &tx, seq, e.Identity, e.Key, row, e.RowRef)
+		got := event.AppendDelete([]byte("junk"), head, &tx, event.DeleteRow{Seq: seq, Identity: e.Identity, Key: e.Key, Row: row, RowRef: e.RowRef})
 		if !bytes.HasPrefix(got, []byte("junk")) {
 			t.Fatalf("AppendDelete dropped what dst held: %q", got)
 		}

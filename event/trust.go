@@ -200,21 +200,27 @@ func (d *Digest) UnmarshalBinary(data []byte) error {
 	return nil
 }
 
-// SigningInput is what a signature covers: "epitaph-sig-v1\n" + subject +
-// "\n" + msgID + "\n" + position + "\n" + partSeq + "\n" + digest + "\n" +
-// body. Every argument is the exact header text sent (msgID the
-// Nats-Msg-Id, position the Epitaph-Position, partSeq the
-// Epitaph-Partition-Seq, digest the Epitaph-Digest, empty on messages that
-// are not commits), so changing any of them, the subject or the body breaks
-// the signature.
-func SigningInput(subject, msgID, position, partSeq, digest string, body []byte) []byte {
-	return AppendSigningInput(nil, subject, msgID, position, partSeq, digest, body)
+// SignedFields are what a signature covers besides the body: the subject
+// and the exact header text sent.
+type SignedFields struct {
+	Subject  string
+	MsgID    string // Nats-Msg-Id
+	Position string // Epitaph-Position
+	PartSeq  string // Epitaph-Partition-Seq
+	Digest   string // Epitaph-Digest, empty on messages that are not commits
+}
+
+// SigningInput is what a signature covers: "epitaph-sig-v1\n" + Subject +
+// "\n" + MsgID + "\n" + Position + "\n" + PartSeq + "\n" + Digest + "\n" +
+// body, so changing any of the fields or the body breaks the signature.
+func SigningInput(f SignedFields, body []byte) []byte {
+	return AppendSigningInput(nil, f, body)
 }
 
 // AppendSigningInput appends SigningInput to dst (to reuse a buffer).
-func AppendSigningInput(dst []byte, subject, msgID, position, partSeq, digest string, body []byte) []byte {
+func AppendSigningInput(dst []byte, f SignedFields, body []byte) []byte {
 	dst = append(dst, sigContext...)
-	for _, s := range [...]string{subject, msgID, position, partSeq, digest} {
+	for _, s := range [...]string{f.Subject, f.MsgID, f.Position, f.PartSeq, f.Digest} {
 		dst = append(dst, s...)
 		dst = append(dst, '\n')
 	}
@@ -230,7 +236,8 @@ type HeaderGetter interface {
 // subject, headers (Nats-Msg-Id, Epitaph-Position, Epitaph-Partition-Seq,
 // Epitaph-Digest) and body.
 func MessageSigningInput(subject string, h HeaderGetter, body []byte) []byte {
-	return SigningInput(subject, h.Get(HeaderMsgID), h.Get(HeaderPosition), h.Get(HeaderPartitionSeq), h.Get(HeaderDigest), body)
+	return SigningInput(SignedFields{Subject: subject, MsgID: h.Get(HeaderMsgID), Position: h.Get(HeaderPosition),
+		PartSeq: h.Get(HeaderPartitionSeq), Digest: h.Get(HeaderDigest)}, body)
 }
 
 // VerifyMessage checks a received message's Epitaph-Key-Id and

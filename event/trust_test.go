@@ -110,9 +110,10 @@ func testKey(t *testing.T) (ed25519.PublicKey, ed25519.PrivateKey) {
 
 func TestSigningInputLayout(t *testing.T) {
 	t.Parallel()
-	got := event.SigningInput("epitaph.main.3.commit", "main/0/1/commit", "0/1#2", "17", "sha256:ab", []byte(`{"v":1}`))
+	got := event.SigningInput(event.SignedFields{Subject: "epitaph.main.3.commit", MsgID: "main/0/1/commit",
+		Position: "0/1#2", PartSeq: "17", Digest: "sha256:ab"}, []byte(`{"v":1}`))
 	require.Equal(t, "epitaph-sig-v1\nepitaph.main.3.commit\nmain/0/1/commit\n0/1#2\n17\nsha256:ab\n{\"v\":1}", string(got))
-	require.Equal(t, "epitaph-sig-v1\ns\nid\np\n1\n\nb", string(event.SigningInput("s", "id", "p", "1", "", []byte("b"))))
+	require.Equal(t, "epitaph-sig-v1\ns\nid\np\n1\n\nb", string(event.SigningInput(event.SignedFields{Subject: "s", MsgID: "id", Position: "p", PartSeq: "1"}, []byte("b"))))
 }
 
 // header is a minimal event.HeaderGetter.
@@ -183,7 +184,7 @@ func TestSignVerify(t *testing.T) {
 		require.True(t, errors.Is(err, event.ErrBadSignature), "%s: %v", c.name, err)
 	}
 	// Verify alone, with the raw signing input.
-	in := event.SigningInput("s", "id", "p", "1", "", []byte("b"))
+	in := event.SigningInput(event.SignedFields{Subject: "s", MsgID: "id", Position: "p", PartSeq: "1"}, []byte("b"))
 	sig := event.Sign(priv, in)
 	require.NoError(t, event.Verify(pub, in, sig))
 	require.ErrorIs(t, event.Verify(pub, append(in, 'x'), sig), event.ErrBadSignature)

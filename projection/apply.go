@@ -43,7 +43,8 @@ type applyResult struct {
 // Transient failures return an error and nothing is committed. vd is the
 // page's verification (verify.go): refused items carry their category
 // already, rows of transactions not verified yet are inserted invisible.
-func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error) {
+func (s *Service) apply(ctx context.Context, in applyParams) (applyResult, error) {
+	v, l, pos, items, open, vd := in.v, in.l, in.pos, in.items, in.open, in.vd
 	if vd == nil {
 		vd = &verdict{trust: pos.Trust}
 	}
@@ -94,6 +95,16 @@ func (s *Service) apply(ctx context.Context, v version.Version, l progress.Lease
 	return res, err
 }
 
+// applyParams is a page of one partition as its worker hands it to apply.
+type applyParams struct {
+	v     version.Version
+	l     progress.Lease
+	pos   progress.Position // the cursor before the page
+	items []*item
+	open  *openTx  // the partition's transaction open before the page, if any
+	vd    *verdict // the page's verification; nil: a verdict from pos.Trust alone
+}
+
 // applyPlan is one page of a partition on the apply path, prepared once by
 // apply (or by a replay: replay.go) and written by applyPage, again with
 // isolation when something in it is rejected.
@@ -128,7 +139,7 @@ func (s *Service) pageRows(ctx context.Context, items []*item, vd *verdict) ([]*
 		}
 		r := &archiveRow{item: it, ev: it.ev, row: it.ev.Row, pending: vd.pending[it]}
 		if it.ev.RowRef != nil {
-			if it.ev.RowRef.Size > stageRowsAbove {
+			if it.ev.RowRef.Size > archive.StageRowsAbove {
 				// Until the page is written: the row's chunks and copies are
 				// collected as they fall (internal/lowgc).
 				defer lowgc.Hold()()
@@ -318,7 +329,7 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 	}
 	// Deliveries of the rows archived (an erased row gets none: its image
 	// would be stored again in the delivery's payload).
-	if err := s.queueDeliveries(ctx, tx, p.v, ins, p.commits, p.inPage, p.vd); err != nil {
+	if err := s.queueDeliveries(ctx, tx, p, ins); err != nil {
 		return 0, err
 	}
 	return pending, nil
@@ -330,14 +341,14 @@ func (s *Service) applyPage(ctx context.Context, tx pgx.Tx, p *applyPlan, carefu
 // reads another counter returns erasure.ErrFencesChanged (apply again). It returns
 // what it archived per source transaction, and the rows it tried (ins
 // without the fenced ones; the rejected ones have their category).
-func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]insertedTx, []*archiveRow, error) {
+func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins []*archiveRow, careful bool) (map[string]archive.Inserted, []*archiveRow, error) {
 	ins, fenced, left, err := s.unfenced(ctx, tx, p.v, ins)
 	if err != nil {
 		return nil, nil, err
 	}
 	p.fenced = left
 	seen := fenced
-	archived := map[string]insertedTx{} // what this transaction archived, per source transaction
+	archived := map[string]archive.Inserted{} // what this transaction archived, per source transaction
 	err = isolate(ctx, tx, careful, ins, func(sp pgx.Tx, part []*archiveRow) error {
 		inserted, epoch, err := insertRowsCounted(ctx, sp, p.v.Schema, part)
 		if err == nil && epoch != fenced {
@@ -351,16 +362,16 @@ func (s *Service) archiveRows(ctx context.Context, tx pgx.Tx, p *applyPlan, ins 
 			// replayed or re-published event): rebuild those snapshots.
 			ids := make([]string, len(inserted))
 			for i, t := range inserted {
-				ids[i] = t.correlationID
+				ids[i] = t.CorrelationID
 			}
 			if _, err := snapshot.Invalidate(ctx, sp, p.v.Schema, ids); err != nil {
 				return err
 			}
 		}
 		for _, t := range inserted {
-			a := archived[t.correlationID]
-			a.rows, a.archivedAt = a.rows+t.rows, t.archivedAt
-			archived[t.correlationID] = a
+			a := archived[t.CorrelationID]
+			a.Rows, a.ArchivedAt = a.Rows+t.Rows, t.ArchivedAt
+			archived[t.CorrelationID] = a
 		}
 		return nil
 	}, rejectRow)
@@ -390,7 +401,7 @@ func reject(it *item, err error) {
 // then snapshot jobs. A row of a transaction complete in this page that was
 // rejected has its transaction's roots recomputed in SQL from what is
 // archived. It returns the number of snapshot jobs left to the batcher.
-func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, archived map[string]insertedTx, careful bool) (int, error) {
+func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, archived map[string]archive.Inserted, careful bool) (int, error) {
 	full := map[event.LSN]bool{}
 	for _, r := range p.rows {
 		if r.item.category == "" {
@@ -423,7 +434,7 @@ func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, arc
 		if err := markRoots(ctx, sp, p.v.Schema, s.cfg.SourceName, undecided, true); err != nil {
 			return err
 		}
-		n, err := s.snapshotJobs(ctx, sp, p.v, part, p.rows, p.inPage, p.fenced, archived)
+		n, err := s.snapshotJobs(ctx, sp, p, part, archived)
 		if err == nil {
 			pending += n
 		}

@@ -1,7 +1,6 @@
 package projection
 
 import (
-	"encoding/json"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -50,36 +49,5 @@ func TestSplitAtCommit(t *testing.T) {
 				require.Same(t, tc.items[i], it, "nothing lost or reordered")
 			}
 		})
-	}
-}
-
-func TestSchemaEncoderReusesOnlyEqualEncodings(t *testing.T) {
-	t.Parallel()
-	var enc schemaEncoder
-	refsA := []event.Ref{{Columns: []string{"order_id"}, Schema: "public", Table: "orders", RefColumns: []string{"id"}}}
-	refsB := []event.Ref{{Columns: []string{"order_id"}, Schema: "public", Table: "orders", RefColumns: []string{"no"}}}
-	colsA := []event.Column{{Name: "id", Type: "bigint", PK: true}}
-	colsB := []event.Column{{Name: "id", Type: "bigint"}}
-	for _, refs := range [][]event.Ref{refsA, refsA, refsB, nil, refsA} {
-		got, err := enc.refs(refs)
-		require.NoError(t, err)
-		if len(refs) == 0 {
-			require.Nil(t, got)
-			continue
-		}
-		want, err := json.Marshal(refs)
-		require.NoError(t, err)
-		require.JSONEq(t, string(want), *got)
-	}
-	for _, cols := range [][]event.Column{colsA, colsB, colsB, colsA, nil} {
-		got, err := enc.columns(cols)
-		require.NoError(t, err)
-		if len(cols) == 0 {
-			require.Nil(t, got)
-			continue
-		}
-		want, err := json.Marshal(cols)
-		require.NoError(t, err)
-		require.JSONEq(t, string(want), *got)
 	}
 }

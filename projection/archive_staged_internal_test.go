@@ -17,16 +17,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
-// The staged statement is insertRowsSQL with each of its three changes made
-// exactly once.
-func TestInsertStagedRowsSQL(t *testing.T) {
-	for _, part := range []string{"COALESCE(u.row, st.row)::jsonb,", ") WITH ORDINALITY\n", "text_values, ord)\n",
-		"LEFT JOIN pg_temp.epitaph_staged_rows st ON st.ord = u.ord\nON CONFLICT"} {
-		require.Equal(t, 1, strings.Count(insertStagedRowsSQL, part), part)
-	}
-}
-
-// Rows above stageRowsAbove go through the staging table and are archived
+// Rows above archive.StageRowsAbove go through the staging table and are archived
 // byte for byte with the small rows around them, in two inserts of one
 // transaction, and after a rolled-back savepoint that staged rows too.
 func TestLargeRowImagesAreStaged(t *testing.T) {
@@ -42,7 +33,7 @@ func TestLargeRowImagesAreStaged(t *testing.T) {
 	require.NoError(t, err)
 
 	big := func(seq int, fill string) string {
-		return fmt.Sprintf(`{"id":%d,"body":"%s"}`, seq, strings.Repeat(fill, stageRowsAbove/len(fill)+seq))
+		return fmt.Sprintf(`{"id":%d,"body":"%s"}`, seq, strings.Repeat(fill, archive.StageRowsAbove/len(fill)+seq))
 	}
 	row := func(seq int, image string) *archiveRow {
 		ev := &event.Event{Op: event.OpDelete, Source: "main", Schema: "public", Table: "docs", Identity: event.IdentityFull,

@@ -127,12 +127,22 @@ type Config struct {
 	MaxRowBytes int64
 }
 
+// Defaults of the Config fields left zero, which the projector command's
+// flags show.
+const (
+	DefaultSourceName         = "main"
+	DefaultLeaseTTL           = 15 * time.Second
+	DefaultRebuildShare       = 0.5
+	DefaultReadyMaxLag        = 1000
+	DefaultReadyMaxPendingAge = 30 * time.Second
+)
+
 func (c *Config) setDefaults() {
 	if c.SourceName == "" {
-		c.SourceName = "main"
+		c.SourceName = DefaultSourceName
 	}
 	if c.LeaseTTL == 0 {
-		c.LeaseTTL = 15 * time.Second
+		c.LeaseTTL = DefaultLeaseTTL
 	}
 	if c.BalanceInterval == 0 {
 		c.BalanceInterval = c.LeaseTTL / 3
@@ -153,16 +163,16 @@ func (c *Config) setDefaults() {
 		c.StatusInterval = 5 * time.Second
 	}
 	if c.RebuildShare == 0 {
-		c.RebuildShare = 0.5
+		c.RebuildShare = DefaultRebuildShare
 	}
 	if c.CleanupRate == 0 {
 		c.CleanupRate = retention.DefaultCleanupRate
 	}
 	if c.ReadyMaxLag == 0 {
-		c.ReadyMaxLag = 1000
+		c.ReadyMaxLag = DefaultReadyMaxLag
 	}
 	if c.ReadyMaxPendingAge == 0 {
-		c.ReadyMaxPendingAge = 30 * time.Second
+		c.ReadyMaxPendingAge = DefaultReadyMaxPendingAge
 	}
 	if c.MaxRowBytes == 0 {
 		c.MaxRowBytes = DefaultMaxRowBytes

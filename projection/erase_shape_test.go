@@ -46,11 +46,13 @@ func TestEraseRefusesSelectorThatCannotMatch(t *testing.T) {
 		require.ErrorIs(t, err, erasure.ErrBadSelector, "%s%s", tc.key, tc.match)
 		require.ErrorContains(t, err, tc.want)
 		require.NotContains(t, err.Error(), "88", "the selector's values stay out of the error")
+		hold := erasure.LegalHoldOptions{Table: "public.orders", Reason: "litigation", Actor: "dpo"}
 		if tc.key == "" {
-			_, err = erasure.AddLegalHold(ctx, pool, "public.orders", nil, json.RawMessage(tc.match), "litigation", "dpo")
+			hold.Match = json.RawMessage(tc.match)
 		} else {
-			_, err = erasure.AddLegalHold(ctx, pool, "public.orders", json.RawMessage(tc.key), nil, "litigation", "dpo")
+			hold.Key = json.RawMessage(tc.key)
 		}
+		_, err = erasure.AddLegalHold(ctx, pool, hold)
 		require.ErrorIs(t, err, erasure.ErrBadSelector, "hold %s%s", tc.key, tc.match)
 	}
 	require.Zero(t, count(t, c, `SELECT count(*) FROM epitaph.erasures`), "a refused selector records no fence")

@@ -88,7 +88,8 @@ func TestRetentionCleanup(t *testing.T) {
 	// Session 2 under a legal hold (by match), session 3 with a pending
 	// delivery, session 4 with a done one and a dead one, session 5 with a
 	// stopped one; the unexpired order 1000 with a done one.
-	_, err := erasure.AddLegalHold(ctx, pool, "public.sessions", nil, json.RawMessage(`{"token":"tok-2"}`), "litigation 7", "tester")
+	_, err := erasure.AddLegalHold(ctx, pool, erasure.LegalHoldOptions{
+		Table: "public.sessions", Match: json.RawMessage(`{"token":"tok-2"}`), Reason: "litigation 7", Actor: "tester"})
 	require.NoError(t, err)
 	deliver := func(tx *txn, seq int, table, state string) {
 		_, err := c.Exec(ctx, `INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name,

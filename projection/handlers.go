@@ -8,7 +8,6 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
-	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // queueDeliveries is the row handlers' part of a page's transaction:
@@ -16,8 +15,10 @@ import (
 // archived rows get one delivery per handler of their table (live version
 // only: handler.Enqueue checks it in the statement), and the deliveries of
 // transactions whose commit this page applied are released. Nothing at all
-// (no query) while no handler exists.
-func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, v version.Version, rows []*archiveRow, commits []*item, inPage map[event.LSN]bool, vd *verdict) error {
+// (no query) while no handler exists. rows are the rows of page p that
+// were archived.
+func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, p *applyPlan, rows []*archiveRow) error {
+	v, commits, inPage, vd := p.v, p.commits, p.inPage, p.vd
 	if s.handlers == nil || !s.handlers.Any() {
 		return nil
 	}

@@ -146,7 +146,7 @@ type workerEnv struct {
 // version's side effects, and the hand-over of a lost lease.
 type workerRuntime interface {
 	admit(ctx context.Context, v version.Version) (release func(), err error)
-	apply(ctx context.Context, v version.Version, l progress.Lease, pos progress.Position, items []*item, open *openTx, vd *verdict) (applyResult, error)
+	apply(ctx context.Context, in applyParams) (applyResult, error)
 	afterPage(ctx context.Context, v version.Version, partition int, items []*item)
 	leaseLost(w *partitionWorker)
 }
@@ -899,7 +899,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		release()
 		return err
 	}
-	res, err := w.svc.apply(ctx, w.ver, w.lease, w.pos, fresh, w.open, vd)
+	res, err := w.svc.apply(ctx, applyParams{v: w.ver, l: w.lease, pos: w.pos, items: fresh, open: w.open, vd: vd})
 	release()
 	if err != nil {
 		w.open = nil

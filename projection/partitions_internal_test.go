@@ -69,7 +69,7 @@ func TestPartitionedInsertIsIdempotent(t *testing.T) {
 			require.NoError(t, tx.Commit(ctx))
 			n := 0
 			for _, g := range got {
-				n += g.rows
+				n += g.Rows
 			}
 			if attempt == 0 {
 				require.Equal(t, 4, n, "%s: first apply", schema)

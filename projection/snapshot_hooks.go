@@ -14,8 +14,8 @@ import (
 // snapshotHooks returns the DDL of a version's snapshots table.
 func snapshotHooks() func(schema string) string { return snapshot.DDL }
 
-// snapshotJobs creates, in the apply transaction, the snapshot jobs of the
-// page's commits, after their rows are archived. A transaction whose rows
+// snapshotJobs creates, in the apply transaction, the snapshot jobs of
+// commits (of page p), after their rows are archived. A transaction whose rows
 // were all archived by this transaction (it fits in the page: inPage, and
 // every row of it inserted now) has its documents assembled in memory and
 // written complete; one whose rows span pages has them assembled from the
@@ -30,8 +30,8 @@ func snapshotHooks() func(schema string) string { return snapshot.DDL }
 // assembly only once its rows are known complete; a check that a group's
 // rows are authentic belongs before this call, and a group failing it must
 // not be handed to either path.
-func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v version.Version, commits []*item, rows []*archiveRow,
-	inPage, fenced map[event.LSN]bool, archived map[string]insertedTx) (int, error) {
+func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, p *applyPlan, commits []*item, archived map[string]archive.Inserted) (int, error) {
+	v, rows, inPage, fenced := p.v, p.rows, p.inPage, p.fenced
 	if len(s.cfg.SnapshotRoots) == 0 {
 		return 0, nil
 	}
@@ -40,11 +40,11 @@ func (s *Service) snapshotJobs(ctx context.Context, tx pgx.Tx, v version.Version
 	var spanning []*event.Event
 	for _, c := range commits {
 		a, ok := archived[c.ev.CorrelationID()]
-		if inPage[c.ev.CommitLSN] && !fenced[c.ev.CommitLSN] && ok && a.rows == c.ev.Rows {
+		if inPage[c.ev.CommitLSN] && !fenced[c.ev.CommitLSN] && ok && a.Rows == c.ev.Rows {
 			if byTx == nil {
 				byTx = snapshotRows(rows)
 			}
-			groups = append(groups, snapshot.Group{Commit: c.ev, Rows: byTx[c.ev.CommitLSN], ArchivedAt: a.archivedAt})
+			groups = append(groups, snapshot.Group{Commit: c.ev, Rows: byTx[c.ev.CommitLSN], ArchivedAt: a.ArchivedAt})
 			continue
 		}
 		spanning = append(spanning, c.ev)

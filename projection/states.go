@@ -200,7 +200,7 @@ func (s *Service) nextState(ctx context.Context, stream jetstream.Stream, v vers
 	var age float64
 	for _, r := range prs {
 		var ps status.PartitionStatus
-		if err := status.PartitionLag(ctx, stream, s.cfg.SourceName, v, r, &ps, s.now()); err != nil {
+		if err := status.PartitionLag(ctx, stream, s.cfg.SourceName, r, &ps, s.now()); err != nil {
 			return v.State, err
 		}
 		lag += ps.LagEvents

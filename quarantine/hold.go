@@ -19,16 +19,25 @@ func SourceRow(schema, table string, key []byte) (storedSchema, storedTable stri
 	return cleanText(schema), cleanText(table), k, true
 }
 
-// Held reports whether an open entry exists for the source row (schema,
-// table, key) in (projection, version). In hold mode the runtime then
+// HeldRow names the source row Held looks for, in one version of a
+// projection.
+type HeldRow struct {
+	Projection    string
+	Version       int
+	Schema, Table string
+	Key           []byte // the key as JSON
+}
+
+// Held reports whether an open entry exists for the source row (Schema,
+// Table, Key) in (Projection, Version). In hold mode the runtime then
 // quarantines the event with category Held instead of applying it, so the
 // events of one row are applied in order; Replay releases them in stream
 // order once the entry in front is resolved. Call it in the batch
 // transaction, after the batch's earlier events were applied or
 // quarantined, so entries made by the same batch count. A key that is not
 // a JSON object (or cannot be stored) is never held.
-func Held(ctx context.Context, tx pgx.Tx, projection string, version int, schema, table string, key []byte) (bool, error) {
-	k := normalizeKey(key)
+func Held(ctx context.Context, tx pgx.Tx, r HeldRow) (bool, error) {
+	k := normalizeKey(r.Key)
 	if k == nil {
 		return false, nil
 	}
@@ -38,9 +47,9 @@ SELECT EXISTS (
     SELECT 1 FROM epitaph.quarantine
     WHERE projection = $1 AND version = $2 AND status = 'open'
       AND source_schema = $3 AND source_table = $4 AND source_key = $5)`,
-		projection, version, cleanText(schema), cleanText(table), k).Scan(&held)
+		r.Projection, r.Version, cleanText(r.Schema), cleanText(r.Table), k).Scan(&held)
 	if err != nil {
-		return false, fmt.Errorf("check quarantine hold %s.%s: %w", schema, table, err)
+		return false, fmt.Errorf("check quarantine hold %s.%s: %w", r.Schema, r.Table, err)
 	}
 	return held, nil
 }

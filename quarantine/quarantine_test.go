@@ -378,7 +378,7 @@ func TestHoldKeepsOrderPerRow(t *testing.T) {
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		defer tx.Rollback(ctx) //nolint:errcheck
-		h, err := quarantine.Held(ctx, tx, "archive", 1, "public", "orders", []byte(key))
+		h, err := quarantine.Held(ctx, tx, quarantine.HeldRow{Projection: "archive", Version: 1, Schema: "public", Table: "orders", Key: []byte(key)})
 		require.NoError(t, err)
 		return h
 	}

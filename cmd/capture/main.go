@@ -20,6 +20,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/capture"
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
@@ -70,30 +71,30 @@ is refused, never replaced by the default.`,
 	f := cli.Local(root)
 	f.String(&cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)", cli.KeepEmpty())
 	f.String(&cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server", cli.KeepEmpty())
-	f.String(&cfg.EmbeddedListen, "nats-listen", "EPITAPH_NATS_LISTEN", "127.0.0.1:4222", "listen address of the embedded JetStream server", cli.KeepEmpty())
+	f.String(&cfg.EmbeddedListen, "nats-listen", "EPITAPH_NATS_LISTEN", broker.DefaultListen, "listen address of the embedded JetStream server", cli.KeepEmpty())
 	f.String(&cfg.DataDir, "data-dir", "EPITAPH_DATA_DIR", "./epitaph-data", "directory of the embedded JetStream server's files", cli.KeepEmpty())
-	f.String(&cfg.SourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name (stream EPITAPH_<NAME>)", cli.KeepEmpty())
+	f.String(&cfg.SourceName, "source-name", "EPITAPH_SOURCE_NAME", capture.DefaultSourceName, "source name (stream EPITAPH_<NAME>)", cli.KeepEmpty())
 	f.String(&tables, "tables", "EPITAPH_TABLES", "", "comma-separated schema.table list; empty: every table whose deletes can be published safely", cli.KeepEmpty())
-	f.Int(&cfg.Partitions, "partitions", "EPITAPH_PARTITIONS", 8, "stream partitions (fixed when the stream is made)", cli.Min(1), cli.Max(1024))
-	f.String(&cfg.SlotName, "slot", "EPITAPH_SLOT", "epitaph", "replication slot", cli.KeepEmpty())
-	f.String(&cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", "epitaph", "publication", cli.KeepEmpty())
+	f.Int(&cfg.Partitions, "partitions", "EPITAPH_PARTITIONS", capture.DefaultPartitions, "stream partitions (fixed when the stream is made)", cli.Min(1), cli.Max(1024))
+	f.String(&cfg.SlotName, "slot", "EPITAPH_SLOT", capture.DefaultSlotName, "replication slot", cli.KeepEmpty())
+	f.String(&cfg.PublicationName, "publication", "EPITAPH_PUBLICATION", capture.DefaultPublicationName, "publication", cli.KeepEmpty())
 	f.String(&cfg.MetricsAddr, "metrics-addr", "EPITAPH_METRICS_ADDR", "127.0.0.1:9187", "address of /metrics, /livez, /readyz, /healthz, /status; empty disables", cli.KeepEmpty())
 	f.Bool(&cfg.SetReplicaIdentityFull, "set-replica-identity-full", "EPITAPH_SET_REPLICA_IDENTITY_FULL", false, "ALTER captured tables to REPLICA IDENTITY FULL, so their deletes archive whole rows (recorded on the source: capture uninstall puts them back)")
 	f.Bool(&allowKeyOnly, "allow-key-only", "EPITAPH_ALLOW_KEY_ONLY", false, "capture tables that are not REPLICA IDENTITY FULL, their deletes carrying only the key; without it (or --set-replica-identity-full) the capture refuses them")
 	f.Bool(&cfg.RecreateSlot, "recreate-slot", "EPITAPH_RECREATE_SLOT", false, "recreate a missing or invalidated slot and record a gap event")
 	f.Bool(&failoverSlot, "failover-slot", "EPITAPH_FAILOVER_SLOT", true, "create (or alter at start) the slot with FAILOVER on PostgreSQL 17+, so standbys with sync_replication_slots keep a copy that survives their promotion; ignored on older servers")
 	f.Var(&retentionValue{cfg: &cfg}, "retention", "EPITAPH_RETENTION", "the stream limits that may discard events (default none: every event kept, rebuilds need them): a max age such as 720h, or max-age=D,max-bytes=N[K|M|G|T],max-msgs=N,max-msgs-per-subject=N. Any other discarding limit on the stream makes the capture refuse to start; one changed while it streams is restored")
-	f.Duration(&cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", 10*time.Second, "how often the stream's limits are checked (and restored) while streaming; negative: only at start", cli.NotZero())
-	f.Duration(&cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", 10*time.Second, "heartbeat interval (negative: no heartbeats)", cli.NotZero())
+	f.Duration(&cfg.StreamCheckInterval, "stream-check-interval", "EPITAPH_STREAM_CHECK_INTERVAL", capture.DefaultStreamCheckInterval, "how often the stream's limits are checked (and restored) while streaming; negative: only at start", cli.NotZero())
+	f.Duration(&cfg.HeartbeatInterval, "heartbeat-interval", "EPITAPH_HEARTBEAT_INTERVAL", capture.DefaultHeartbeatInterval, "heartbeat interval (negative: no heartbeats)", cli.NotZero())
 	f.Duration(&cfg.DuplicateWindow, "duplicate-window", "EPITAPH_DUPLICATE_WINDOW", capture.DefaultDuplicateWindow, "JetStream dedupe window (at least 100ms); no guarantee rests on it, the server holds every message id of it in memory", cli.Positive())
 	f.Duration(&cfg.BrokerSyncInterval, "broker-sync-interval", "EPITAPH_BROKER_SYNC_INTERVAL", 0, "how long confirmations trail acks for a 1-replica stream (0: embedded 10s, external 2m; negative: none)")
 	f.Enum(&cfg.StreamPersist, "stream-persist", "EPITAPH_STREAM_PERSIST", capture.PersistAuto,
 		[]string{capture.PersistAuto, capture.PersistAsync, capture.PersistDefault},
 		"persist mode of a new stream: async (acknowledge before the write; safe with the trailing confirmation), default (write, then acknowledge) or auto (async with the embedded broker)")
-	f.Int(&cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", 4096, "messages in flight (published, not yet acknowledged) at most", cli.Positive())
+	f.Int(&cfg.MaxInFlight, "max-in-flight", "EPITAPH_MAX_IN_FLIGHT", capture.DefaultMaxInFlight, "messages in flight (published, not yet acknowledged) at most", cli.Positive())
 	f.Int(&cfg.Replicas, "replicas", "EPITAPH_REPLICAS", 1, "stream replicas when the stream is created", cli.Min(1), cli.Max(5))
 	f.Bool(&cfg.Standby, "standby", "EPITAPH_STANDBY", false, "wait for the lease (an advisory lock on the source) instead of failing while another capture streams the slot; needs EPITAPH_NATS_URL")
-	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", time.Second, "how often a standby tries the lease and the holder checks it", cli.Positive())
+	f.Duration(&cfg.StandbyPoll, "standby-poll", "EPITAPH_STANDBY_POLL", capture.DefaultStandbyPoll, "how often a standby tries the lease and the holder checks it", cli.Positive())
 	// NATS authentication: the flags both binaries share.
 	for _, nf := range natsconn.Flags {
 		f.String(nf.Field(&cfg.NATSAuth), nf.Name, nf.Env, "", nf.Usage+"; external server only")
@@ -101,7 +102,7 @@ is refused, never replaced by the default.`,
 	// Trust: the key the capture signs with.
 	f.String(&cfg.SigningKey, "signing-key", "EPITAPH_SIGNING_KEY", "", "Ed25519 signing key file (PEM PKCS#8 or raw 32-byte seed; mode 0600, or group-readable 0440/0640 if owned by root); empty: <data-dir>/signing.key, generated on first start")
 	// Following the source's schema while streaming.
-	f.Duration(&cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", 5*time.Second, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)", cli.NotZero())
+	f.Duration(&cfg.CatalogPoll, "catalog-poll", "EPITAPH_CATALOG_POLL", capture.DefaultCatalogPoll, "how often the catalog is checked for new, changed and dropped tables while streaming (negative: never)", cli.NotZero())
 	f.Bool(&cfg.InstallDDLGuard, "install-ddl-guard", "EPITAPH_INSTALL_DDL_GUARD", false, "install an event trigger that applies the publication rules at DDL time, so no DELETE fails between two catalog polls (needs a superuser)")
 	// Sharing the source's CPUs: see capture.CPUModeTail.
 	f.Int(&cfg.TailCPUs, "tail-cpus", "EPITAPH_TAIL_CPUS", defaultTailCPUs, "CPUs (GOMAXPROCS) while the capture tails the source, leaving the others to the source's backends; every CPU while it catches up a backlog of --catch-up-bytes or one found at start (0: every CPU always)", cli.Min(0))

@@ -14,6 +14,7 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	redactpkg "github.com/epitaph-dev/epitaph/internal/redact"
+	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -119,7 +120,7 @@ func commonFlags(cmd *cobra.Command, env *Env) *common {
 	f := cli.Local(cmd)
 	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: EPITAPH_SOURCE_URL)")
 	f.String(&c.natsURL, "nats-url", "EPITAPH_NATS_URL", "nats://127.0.0.1:4222", "JetStream URL")
-	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", "main", "source name")
+	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", projection.DefaultSourceName, "source name")
 	// NATS authentication: the flags both binaries share.
 	for _, nf := range natsconn.Flags {
 		usage := nf.Usage

@@ -170,7 +170,8 @@ func holdAddCommand(env *Env) *cobra.Command {
 			if err := migrations.Apply(ctx, pool); err != nil {
 				return err
 			}
-			h, err := erasure.AddLegalHold(ctx, pool, sel.table, key, match, *reason, *actor)
+			h, err := erasure.AddLegalHold(ctx, pool, erasure.LegalHoldOptions{
+				Table: sel.table, Key: key, Match: match, Reason: *reason, Actor: *actor})
 			if err != nil {
 				return usageIfBadSelector(err)
 			}

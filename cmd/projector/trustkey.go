@@ -69,12 +69,20 @@ the first run (or restart the projectors).`,
 				return nil
 			}
 		}
-		return trustKey(cmd.Context(), c, env, *show, *asJSON, *keyFile, *keyText, *note, *by)
+		return trustKey(cmd.Context(), c, env, trustKeyParams{show: *show, asJSON: *asJSON,
+			keyFile: *keyFile, keyText: *keyText, note: *note, by: *by})
 	}
 	return cmd
 }
 
-func trustKey(ctx context.Context, c *common, env *Env, show, asJSON bool, keyFile, keyText, note, by string) error {
+// trustKeyParams are trust-key's flags but --legacy-boundary.
+type trustKeyParams struct {
+	show, asJSON               bool
+	keyFile, keyText, note, by string
+}
+
+func trustKey(ctx context.Context, c *common, env *Env, p trustKeyParams) error {
+	show, asJSON, keyFile, keyText, note, by := p.show, p.asJSON, p.keyFile, p.keyText, p.note, p.by
 	if keyFile != "" && keyText != "" {
 		return cli.Usage("trust-key: give --key-file or --key, not both")
 	}

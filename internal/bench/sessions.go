@@ -14,13 +14,22 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
-// PublishSessions makes source's stream (partitions partitions) and writes
-// apply delete events of public.sessions to it, perTx to a transaction,
-// committed now and signed like the capture's: the rows' ids start after
-// idBase (so they never meet rows a bench put in the archive itself), the
-// commit LSNs after firstLSN. It returns each partition's last commit LSN.
-func PublishSessions(ctx context.Context, natsURL, source string, partitions, apply, perTx int, idBase int64, firstLSN event.LSN) (map[int]event.LSN, error) {
-	nc, err := nats.Connect(natsURL)
+// Sessions is what PublishSessions writes.
+type Sessions struct {
+	NATSURL, Source          string
+	Partitions, Apply, PerTx int
+	IDBase                   int64
+	FirstLSN                 event.LSN
+}
+
+// PublishSessions makes s.Source's stream (s.Partitions partitions) and
+// writes s.Apply delete events of public.sessions to it, s.PerTx to a
+// transaction, committed now and signed like the capture's: the rows' ids
+// start after s.IDBase (so they never meet rows a bench put in the archive
+// itself), the commit LSNs after s.FirstLSN. It returns each partition's
+// last commit LSN.
+func PublishSessions(ctx context.Context, s Sessions) (map[int]event.LSN, error) {
+	nc, err := nats.Connect(s.NATSURL)
 	if err != nil {
 		return nil, err
 	}
@@ -29,38 +38,38 @@ func PublishSessions(ctx context.Context, natsURL, source string, partitions, ap
 	if err != nil {
 		return nil, err
 	}
-	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(source), Subjects: []string{event.StreamSubjects(source)},
-		Storage: jetstream.FileStorage, Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions),
-			event.MetaSource: source, event.MetaWireVersion: "1"}}); err != nil {
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName(s.Source), Subjects: []string{event.StreamSubjects(s.Source)},
+		Storage: jetstream.FileStorage, Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(s.Partitions),
+			event.MetaSource: s.Source, event.MetaWireVersion: "1"}}); err != nil {
 		return nil, err
 	}
 	signer := testenv.NewSigner()
-	lsn := firstLSN
+	lsn := s.FirstLSN
 	commitTime := time.Now().UTC()
 	sent := 0
 	last := map[int]event.LSN{}
-	for id := idBase; sent < apply; {
+	for id := s.IDBase; sent < s.Apply; {
 		lsn += 0x100
-		p := event.Partition(lsn, partitions)
+		p := event.Partition(lsn, s.Partitions)
 		last[p] = lsn
-		n := min(perTx, apply-sent)
+		n := min(s.PerTx, s.Apply-sent)
 		var msgs []*nats.Msg
 		for i := 0; i < n; i++ {
 			id++
-			ev := &event.Event{Op: event.OpDelete, Source: source, Schema: "public", Table: "sessions", XID: int64(lsn) / 16,
+			ev := &event.Event{Op: event.OpDelete, Source: s.Source, Schema: "public", Table: "sessions", XID: int64(lsn) / 16,
 				CommitLSN: lsn, CommitTime: commitTime, Seq: i, Identity: event.IdentityFull,
 				Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}},
 				Key:     json.RawMessage(fmt.Sprintf(`{"id":%d}`, id)),
-				Row:     json.RawMessage(fmt.Sprintf(`{"id":%d,"email":"s%d@example.com","token":"%032d"}`, id, id-idBase, id-idBase))}
-			m, err := sessionMessage(event.DeleteSubject(source, p, "public", "sessions"), event.MsgID(source, lsn, i), ev)
+				Row:     json.RawMessage(fmt.Sprintf(`{"id":%d,"email":"s%d@example.com","token":"%032d"}`, id, id-s.IDBase, id-s.IDBase))}
+			m, err := sessionMessage(event.DeleteSubject(s.Source, p, "public", "sessions"), event.MsgID(s.Source, lsn, i), ev)
 			if err != nil {
 				return nil, err
 			}
 			msgs = append(msgs, m)
 		}
-		commit := &event.Event{Op: event.OpCommit, Source: source, XID: int64(lsn) / 16, CommitLSN: lsn, CommitTime: commitTime,
+		commit := &event.Event{Op: event.OpCommit, Source: s.Source, XID: int64(lsn) / 16, CommitLSN: lsn, CommitTime: commitTime,
 			Rows: n, Tables: map[string]int{"public.sessions": n}}
-		m, err := sessionMessage(event.CommitSubject(source, p), event.CommitMsgID(source, lsn), commit)
+		m, err := sessionMessage(event.CommitSubject(s.Source, p), event.CommitMsgID(s.Source, lsn), commit)
 		if err != nil {
 			return nil, err
 		}
@@ -71,7 +80,7 @@ func PublishSessions(ctx context.Context, natsURL, source string, partitions, ap
 			}
 		}
 		sent += n
-		if sent%2000 < perTx || sent == apply { // at most ~2,200 messages pending (the limit is 4,000)
+		if sent%2000 < s.PerTx || sent == s.Apply { // at most ~2,200 messages pending (the limit is 4,000)
 			select {
 			case <-js.PublishAsyncComplete():
 			case <-time.After(time.Minute):

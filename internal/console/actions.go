@@ -264,7 +264,8 @@ func (c *console) addHold(r *http.Request, body []byte) (int, any) {
 	if strings.TrimSpace(req.Reason) == "" {
 		return errorAnswer(http.StatusBadRequest, "a legal hold needs a reason")
 	}
-	h, err := erasure.AddLegalHold(r.Context(), c.cfg.DB, req.Table, req.Key, req.Match, req.Reason, Actor)
+	h, err := erasure.AddLegalHold(r.Context(), c.cfg.DB, erasure.LegalHoldOptions{
+		Table: req.Table, Key: req.Key, Match: req.Match, Reason: req.Reason, Actor: Actor})
 	switch {
 	case err == nil:
 		return http.StatusOK, h

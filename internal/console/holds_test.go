@@ -67,9 +67,11 @@ func TestConsoleRemovesLegalHold(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	require.NoError(t, migrations.Apply(ctx, pool))
-	first, err := erasure.AddLegalHold(ctx, pool, "public.customers", json.RawMessage(`{"id": 7}`), nil, "litigation 2026-14", "cli")
+	first, err := erasure.AddLegalHold(ctx, pool, erasure.LegalHoldOptions{
+		Table: "public.customers", Key: json.RawMessage(`{"id": 7}`), Reason: "litigation 2026-14", Actor: "cli"})
 	require.NoError(t, err)
-	second, err := erasure.AddLegalHold(ctx, pool, "public.orders", nil, json.RawMessage(`{"customer_id": 7}`), "audit", "cli")
+	second, err := erasure.AddLegalHold(ctx, pool, erasure.LegalHoldOptions{
+		Table: "public.orders", Match: json.RawMessage(`{"customer_id": 7}`), Reason: "audit", Actor: "cli"})
 	require.NoError(t, err)
 
 	file := filepath.Join(t.TempDir(), "token")

@@ -1,6 +1,7 @@
 // Package archive is the read model of the built-in "archive" projection:
-// the tables of one version (DDL), the gaps table, and the reader views in
-// schema "archive" that point at the live version.
+// the tables of one version (DDL) and the insert of their rows, the gaps
+// table, and the reader views in schema "archive" that point at the live
+// version.
 //
 // # Contract
 //
@@ -31,8 +32,11 @@
 // that make a partition count as failing there and in package
 // projection/status.
 //
-// InsertGap records a Gap inside the transaction that applies it, once per
-// gap however many partitions apply its copies.
+// InsertRows archives delete events (Row) with one set-based statement,
+// idempotently: an event applied twice is archived once. A row of a
+// transaction not verified yet is inserted invisible. InsertGap records a
+// Gap inside the transaction that applies it, once per gap however many
+// partitions apply its copies.
 //
 // The package imports no other package of the projector: everything above
 // it (version, status, erasure, retention, trust, the runtime) builds on

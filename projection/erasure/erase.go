@@ -158,7 +158,8 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 	var removed map[string]int
 	for attempt := 1; ; attempt++ {
 		removed = map[string]int{}
-		err = eraseOnce(ctx, pool, opts, id, key, schema, name, mode, sel, cols, digest, removed)
+		err = eraseOnce(ctx, pool, eraseParams{opts: opts, id: id, key: key, schema: schema, name: name,
+			mode: mode, sel: sel, cols: cols, digest: digest, removed: removed})
 		var pg *pgconn.PgError
 		if attempt < 5 && errors.As(err, &pg) && pg.Code == "40P01" {
 			continue // a deadlock with an apply (which retries too): again
@@ -171,9 +172,22 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 	return GetErasure(ctx, pool, id)
 }
 
+// eraseParams is one removal of Erase: the erasure's fence and its
+// selector, read by eraseOnce and eraseVersions.
+type eraseParams struct {
+	opts               EraseOptions
+	id                 int64  // the fence in epitaph.erasures
+	key                []byte // the erasure secret the digests are keyed with
+	schema, name, mode string
+	sel                json.RawMessage
+	cols               []string
+	digest             string
+	removed            map[string]int // filled in: rows removed per place
+}
+
 // eraseOnce is the removal of Erase, in one transaction.
-func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id int64, key []byte, schema, name, mode string,
-	sel json.RawMessage, cols []string, digest string, removed map[string]int) error {
+func eraseOnce(ctx context.Context, pool *pgxpool.Pool, p eraseParams) error {
+	opts, id, key, removed := p.opts, p.id, p.key, p.removed
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = %d`, opts.LockTimeout.Milliseconds())); err != nil {
 			return err
@@ -186,7 +200,7 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0; SET LOCAL jit = off`); err != nil {
 			return err
 		}
-		ids, parents, err := eraseVersions(ctx, tx, id, schema, name, mode, sel, opts.WithChildren, removed)
+		ids, parents, err := eraseVersions(ctx, tx, p)
 		if err != nil {
 			return err
 		}
@@ -196,7 +210,7 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions, id in
 		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
 			return err
 		}
-		q := quarantineMatcher{key: key, table: opts.Table, mode: mode, cols: cols, sel: decodeObject(sel), digest: digest, erased: ids}
+		q := quarantineMatcher{key: key, table: opts.Table, mode: p.mode, cols: p.cols, sel: decodeObject(p.sel), digest: p.digest, erased: ids}
 		unchecked, err := q.erase(ctx, tx, id, removed)
 		if err != nil {
 			return err
@@ -298,8 +312,8 @@ const eraseSnapshotsSQL = `, docs AS (
 
 // eraseVersions removes the matched rows from every version of the archive
 // and returns their identities.
-func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode string, sel json.RawMessage,
-	withChildren bool, removed map[string]int) ([]rowIdentity, []parentRow, error) {
+func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity, []parentRow, error) {
+	id, mode, withChildren, removed := p.id, p.mode, p.opts.WithChildren, p.removed
 	vss, err := allVersionSchemas(ctx, tx)
 	if err != nil {
 		return nil, nil, err
@@ -317,7 +331,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, id int64, schema, name, mode 
 			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, archive.Ident(vs.Schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
 		}
 		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, archive.Ident(vs.Schema, "rows"), extra, cond, docs),
-			schema, name, string(sel), withChildren, id)
+			p.schema, p.name, string(p.sel), withChildren, id)
 		if err != nil {
 			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 		}

@@ -37,22 +37,30 @@ func nullRaw(b json.RawMessage) *string {
 	return &s
 }
 
+// LegalHoldOptions is what AddLegalHold records.
+type LegalHoldOptions struct {
+	Table      string          // schema.table
+	Key, Match json.RawMessage // exactly one: the key equal to Key, or the rows containing Match
+	Reason     string          // required
+	Actor      string          // recorded as created_by
+}
+
 // AddLegalHold records a hold (exactly one of key and match) and returns it.
-func AddLegalHold(ctx context.Context, db querier, table string, key, match json.RawMessage, reason, actor string) (LegalHold, error) {
-	schema, name, mode, sel, _, err := selector(table, key, match)
+func AddLegalHold(ctx context.Context, db querier, opts LegalHoldOptions) (LegalHold, error) {
+	schema, name, mode, sel, _, err := selector(opts.Table, opts.Key, opts.Match)
 	if err != nil {
 		return LegalHold{}, err
 	}
 	if err := checkShape(ctx, db, schema, name, mode, sel); err != nil {
 		return LegalHold{}, err
 	}
-	if reason == "" {
+	if opts.Reason == "" {
 		return LegalHold{}, fmt.Errorf("%w: a legal hold needs --reason TEXT", ErrBadSelector)
 	}
 	rows, err := db.Query(ctx, `
 		INSERT INTO epitaph.legal_holds (schema_name, table_name, key, match, reason, created_by)
 		VALUES ($1, $2, $3::jsonb, $4::jsonb, $5, $6)
-		RETURNING `+holdColumns, schema, name, nullRaw(key), nullRaw(match), reason, actor)
+		RETURNING `+holdColumns, schema, name, nullRaw(opts.Key), nullRaw(opts.Match), opts.Reason, opts.Actor)
 	if err != nil {
 		return LegalHold{}, fmt.Errorf("add legal hold: %w", err)
 	}

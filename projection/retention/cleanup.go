@@ -182,8 +182,9 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 	if err != nil {
 		return res, err
 	}
+	p := cleanupParams{pool: pool, all: schemas, timeout: opts.StatementTimeout, res: &res}
 	for _, vs := range schemas {
-		if err := dropExpiredPartitions(ctx, pool, vs, schemas, opts.StatementTimeout, &res); err != nil {
+		if err := dropExpiredPartitions(ctx, p, vs); err != nil {
 			return res, err
 		}
 	}
@@ -193,7 +194,7 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 		if budget == 0 {
 			break
 		}
-		n, last, err := cleanupVersion(ctx, pool, vs, schemas, budget, opts.StatementTimeout, &res)
+		n, last, err := cleanupVersion(ctx, p, vs, budget)
 		if err != nil {
 			return res, err
 		}
@@ -247,8 +248,18 @@ func VersionSchemas(ctx context.Context, db interface {
 	return out, nil
 }
 
-func cleanupVersion(ctx context.Context, pool *pgxpool.Pool, vs archive.VersionSchema, all []archive.VersionSchema, limit int, timeout time.Duration, res *CleanupResult) (int, *time.Time, error) {
-	tx, err := pool.Begin(ctx)
+// cleanupParams is what the steps of one CleanupBatch share.
+type cleanupParams struct {
+	pool    *pgxpool.Pool
+	all     []archive.VersionSchema // every version of the projection
+	timeout time.Duration           // each statement's statement_timeout
+	res     *CleanupResult          // filled in
+}
+
+// cleanupVersion deletes up to limit expired rows of version vs.
+func cleanupVersion(ctx context.Context, p cleanupParams, vs archive.VersionSchema, limit int) (int, *time.Time, error) {
+	all, timeout, res := p.all, p.timeout, p.res
+	tx, err := p.pool.Begin(ctx)
 	if err != nil {
 		return 0, nil, fmt.Errorf("begin cleanup of %s: %w", vs.Schema, err)
 	}

@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
 	"github.com/epitaph-dev/epitaph/projection/archive"
@@ -35,8 +34,8 @@ const dropLockTimeout = 500 * time.Millisecond
 // commit_time, hence a partition) and their terminal deliveries unless
 // another version's archive still holds the row. The default partition is
 // never dropped. A rows table that is not partitioned has nothing to drop.
-func dropExpiredPartitions(ctx context.Context, pool *pgxpool.Pool, vs archive.VersionSchema, all []archive.VersionSchema, timeout time.Duration, res *CleanupResult) error {
-	parts, err := archive.Partitions(ctx, pool, vs.Schema)
+func dropExpiredPartitions(ctx context.Context, cp cleanupParams, vs archive.VersionSchema) error {
+	parts, err := archive.Partitions(ctx, cp.pool, vs.Schema)
 	if err != nil {
 		return err
 	}
@@ -45,7 +44,7 @@ func dropExpiredPartitions(ctx context.Context, pool *pgxpool.Pool, vs archive.V
 		if p.To == nil || p.To.After(now) {
 			continue // the default partition, or a period not over
 		}
-		if err := dropPartition(ctx, pool, vs, all, p.Name, timeout, res); err != nil {
+		if err := dropPartition(ctx, cp, vs, p.Name); err != nil {
 			var pg *pgconn.PgError
 			if errors.As(err, &pg) && (pg.Code == "55P03" || pg.Code == "40P01") { // lock not available, deadlock
 				continue
@@ -71,9 +70,10 @@ SELECT CASE
         THEN 'open delivery'
     ELSE '' END`
 
-func dropPartition(ctx context.Context, pool *pgxpool.Pool, vs archive.VersionSchema, all []archive.VersionSchema, name string, timeout time.Duration, res *CleanupResult) error {
+func dropPartition(ctx context.Context, p cleanupParams, vs archive.VersionSchema, name string) error {
+	all, timeout, res := p.all, p.timeout, p.res
 	tbl := archive.Ident(vs.Schema, name)
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	return pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, fmt.Sprintf(`SET LOCAL statement_timeout = %d; SET LOCAL lock_timeout = %d; SET LOCAL jit = off`,
 			timeout.Milliseconds(), dropLockTimeout.Milliseconds())); err != nil {
 			return fmt.Errorf("drop %s: %w", tbl, err)

@@ -59,7 +59,8 @@ func BenchmarkAssembleShopTransaction(b *testing.B) {
 				b.Fatalf("job %s: %s", out.status, out.reason)
 			}
 			root, _ := lg.g.index(j.rootSeq) // a row of the group
-			w.add(gr.Commit, j, lg.g.rows[root].Key, "{}", gr.Commit.Rows, out, lg.fp)
+			w.add(assembledJob{commit: gr.Commit, job: j, rootKey: lg.g.rows[root].Key, expected: "{}",
+				expectedRows: gr.Commit.Rows, out: out, fp: lg.fp})
 		}
 	}
 }

@@ -239,7 +239,8 @@ func (a *assembler) add(ctx context.Context, tx pgx.Tx, c *event.Event, fenced *
 	}
 	for i, j := range jobs {
 		root, _ := lg.g.index(j.rootSeq) // a row of the group
-		a.w.add(c, j, lg.g.rows[root].Key, string(expected), nrows, outs[i], lg.fp)
+		a.w.add(assembledJob{commit: c, job: j, rootKey: lg.g.rows[root].Key, expected: string(expected),
+			expectedRows: nrows, out: outs[i], fp: lg.fp})
 	}
 	if countsRoot(tables, a.roots) {
 		a.recorded.add(c, string(expected), nrows)
@@ -432,29 +433,41 @@ type assembledJobs struct {
 	attempts                                  []int32
 }
 
-func (w *assembledJobs) add(c *event.Event, j job, key json.RawMessage, expected string, expectedRows int, out outcome, fp string) {
-	w.corr = append(w.corr, j.correlationID)
-	w.rootKeys = append(w.rootKeys, string(key))
-	w.sources = append(w.sources, c.Source)
-	w.lsns = append(w.lsns, j.commitLSN)
-	w.rootTables = append(w.rootTables, j.rootTable)
-	w.rootSeqs = append(w.rootSeqs, int32(j.rootSeq))
-	i, ok := w.index[expected]
+// assembledJob is one row of assembledJobs: a job of commit's
+// transaction, assembled in memory.
+type assembledJob struct {
+	commit       *event.Event
+	job          job
+	rootKey      json.RawMessage
+	expected     string // the transaction's expected_tables
+	expectedRows int
+	out          outcome
+	fp           string
+}
+
+func (w *assembledJobs) add(r assembledJob) {
+	w.corr = append(w.corr, r.job.correlationID)
+	w.rootKeys = append(w.rootKeys, string(r.rootKey))
+	w.sources = append(w.sources, r.commit.Source)
+	w.lsns = append(w.lsns, r.job.commitLSN)
+	w.rootTables = append(w.rootTables, r.job.rootTable)
+	w.rootSeqs = append(w.rootSeqs, int32(r.job.rootSeq))
+	i, ok := w.index[r.expected]
 	if !ok {
 		if w.index == nil {
 			w.index = map[string]int32{}
 		}
-		w.distinct = append(w.distinct, expected)
+		w.distinct = append(w.distinct, r.expected)
 		i = int32(len(w.distinct))
-		w.index[expected] = i
+		w.index[r.expected] = i
 	}
 	w.expected = append(w.expected, i)
-	w.expectedRows = append(w.expectedRows, int32(expectedRows))
-	w.statuses = append(w.statuses, out.status)
-	w.payloads = append(w.payloads, bytesString(out.payload))
-	w.fps = append(w.fps, fp)
-	w.attempts = append(w.attempts, int32(out.attempts))
-	w.reasons = append(w.reasons, out.reason)
+	w.expectedRows = append(w.expectedRows, int32(r.expectedRows))
+	w.statuses = append(w.statuses, r.out.status)
+	w.payloads = append(w.payloads, bytesString(r.out.payload))
+	w.fps = append(w.fps, r.fp)
+	w.attempts = append(w.attempts, int32(r.out.attempts))
+	w.reasons = append(w.reasons, r.out.reason)
 }
 
 // assembledGroups are the columns of recordGroupsSQL's unnest.

@@ -305,7 +305,7 @@ func (st *Status) collectVersion(ctx context.Context, db progress.DB, stream jet
 		}
 		if stream == nil {
 			ps.LagUnknown = st.StreamError
-		} else if err := PartitionLag(ctx, stream, st.Source, v, r, &ps, st.At); err != nil {
+		} else if err := PartitionLag(ctx, stream, st.Source, r, &ps, st.At); err != nil {
 			st.StreamError = err.Error()
 			ps = PartitionStatus{Partition: ps.Partition, Owner: ps.Owner, Epoch: ps.Epoch, Leased: ps.Leased,
 				LeaseExpiresAt: ps.LeaseExpiresAt, Cursor: ps.Cursor, SourceLSN: ps.SourceLSN, LastAdvanceAt: ps.LastAdvanceAt,
@@ -379,7 +379,7 @@ func gapStatus(ctx context.Context, db progress.DB, v version.Version, vst *Vers
 // partition after the cursor (its stream time is the oldest pending), and
 // the count of pending messages from the consumer (from the stream's
 // per-subject counts when there is no consumer yet).
-func PartitionLag(ctx context.Context, stream jetstream.Stream, source string, v version.Version, r progress.Row, ps *PartitionStatus, now time.Time) error {
+func PartitionLag(ctx context.Context, stream jetstream.Stream, source string, r progress.Row, ps *PartitionStatus, now time.Time) error {
 	filter := event.PartitionFilter(source, r.Partition)
 	raw, err := stream.GetMsg(ctx, r.Cursor+1, jetstream.WithGetMsgSubject(filter))
 	if errors.Is(err, jetstream.ErrMsgNotFound) {

@@ -177,7 +177,7 @@ func run(o options) (err error) {
 		}
 	}
 	if o.sourceRows > 0 && o.cost {
-		if err := sourceCost(ctx, pg, bins["capture"], dir, o.sourceRows, o.perTx, o.sourceVariants); err != nil {
+		if err := sourceCost(ctx, pg, bins["capture"], dir, o); err != nil {
 			return err
 		}
 	}

@@ -44,8 +44,10 @@ END $$;
 // its embedded broker) streams them from the WAL on the same two cores,
 // and while pg_recvlogical decodes them (the walsender's share).
 // The plain run goes first and last; the faster is the baseline.
-func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, rows, perTx int, variants []sourceVariant) error {
-	c := &sourceCostRun{ctx: ctx, pg: pg, captureBin: captureBin, dir: dir, seed: bench.ShopFor(rows), perTx: perTx}
+// It reads o's source rows, transaction size and variants.
+func sourceCost(ctx context.Context, pg *testenv.Postgres, captureBin, dir string, o options) error {
+	c := &sourceCostRun{ctx: ctx, pg: pg, captureBin: captureBin, dir: dir, seed: bench.ShopFor(o.sourceRows), perTx: o.perTx}
+	variants := o.sourceVariants
 	plain1, err := c.run("plain_first", nil)
 	if err != nil {
 		return err

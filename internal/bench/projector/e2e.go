@@ -83,7 +83,8 @@ func (e *env) endToEnd(ctx context.Context, rows, perTx int, captureRate, applyR
 		}
 	}
 	if err == nil {
-		m.archiveAt, err = waitArchive(ctx, r.target, e.natsURL, e2eSource, r.n, append([]*bench.Proc{r.capt}, r.procs...), 15*time.Minute)
+		m.archiveAt, err = waitArchive(ctx, archiveWait{targetURL: r.target, natsURL: e.natsURL, source: e2eSource, n: r.n,
+			procs: append([]*bench.Proc{r.capt}, r.procs...), timeout: 15 * time.Minute})
 	}
 	samples := smp.stop()
 	stopProfile()

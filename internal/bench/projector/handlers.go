@@ -17,6 +17,17 @@ import (
 	"github.com/epitaph-dev/epitaph/migrations"
 )
 
+// handlersCase is one case of the handlers phase: the n events of source
+// on tables, in round, with parallelism deliveries at once, against the
+// plain apply of the same round.
+type handlersCase struct {
+	round, parallelism int
+	source             string
+	n                  int64
+	tables             []string
+	plain              plainApply
+}
+
 // handlersRound is the row handlers phase (`make bench-handlers`): the
 // apply of the same stream with a webhook handler on every table of it
 // (one delivery per archived row) to a local server that answers 200 at
@@ -28,15 +39,15 @@ import (
 // With e.revalidate (revalidate.go) the handlers revalidate every delivery
 // against the source before sending it; the figures are named
 // projector.handlers.p<N>.revalidate.*. It returns the delivery rate.
-func (e *env) handlersRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, plain plainApply, out map[string][]float64) (float64, error) {
-	without := plain.rate
+func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string][]float64) (float64, error) {
+	without := c.plain.rate
 	suffix := e.suffix
 	defer func() { e.suffix, e.afterArchive, e.beforeStart, e.handlerParallelism = suffix, nil, nil, 0 }()
-	e.handlerParallelism = parallelism
-	prefix := fmt.Sprintf("projector.handlers.p%d.", parallelism)
+	e.handlerParallelism = c.parallelism
+	prefix := fmt.Sprintf("projector.handlers.p%d.", c.parallelism)
 	batch := max(e.handlerBatch, 1)
 	if batch > 1 {
-		prefix = fmt.Sprintf("projector.handlers.p%d.b%d.", parallelism, batch)
+		prefix = fmt.Sprintf("projector.handlers.p%d.b%d.", c.parallelism, batch)
 	}
 	if e.revalidate {
 		prefix += "revalidate."
@@ -59,14 +70,14 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 		return 0, err
 	}
 
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_b%d_%t", round, parallelism, batch, e.revalidate))
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("handlers_%d_p%d_b%d_%t", c.round, c.parallelism, batch, e.revalidate))
 	if err != nil {
 		return 0, err
 	}
 	defer func() { _ = dropDatabase(context.WithoutCancel(ctx), e.pg, url) }()
-	e.suffix = fmt.Sprintf(".handlers.p%d.b%d%s", parallelism, batch, suffix)
+	e.suffix = fmt.Sprintf(".handlers.p%d.b%d%s", c.parallelism, batch, suffix)
 	// The handlers exist before the projector starts (after its migrate).
-	e.beforeStart = e.addHandlers(tables, "http://"+ln.Addr().String()+"/hook", secretFile, batch)
+	e.beforeStart = e.addHandlers(c.tables, "http://"+ln.Addr().String()+"/hook", secretFile, batch)
 	var deliveredAt time.Time
 	var lim limitInputs
 	start := time.Now()
@@ -112,10 +123,10 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 				if err := conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done); err != nil {
 					return err
 				}
-				if done != n {
-					return fmt.Errorf("deliveries: %d of %d done, none open", done, n)
+				if done != c.n {
+					return fmt.Errorf("deliveries: %d of %d done, none open", done, c.n)
 				}
-				return e.drained(ctx, url, n, done0, cpu0, &lim, drainProbe{parallelism: parallelism, hits: &hits, bodyBytes: &bodyBytes,
+				return e.drained(ctx, url, &lim, drainProbe{n: c.n, done0: done0, cpu0: cpu0, parallelism: c.parallelism, hits: &hits, bodyBytes: &bodyBytes,
 					secretFile: secretFile, busy0: busy0, total0: total0}, record)
 			}
 			if time.Now().After(deadline) {
@@ -124,22 +135,22 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 			time.Sleep(250 * time.Millisecond)
 		}
 	}
-	with, err := e.apply(ctx, url, source, n)
+	with, err := e.apply(ctx, url, c.source, c.n)
 	if err != nil {
 		return 0, err
 	}
 
 	e.suffix = suffix
-	applyTook := float64(n) / with
-	deliveries := float64(n) / deliveredAt.Sub(start).Seconds()
+	applyTook := float64(c.n) / with
+	deliveries := float64(c.n) / deliveredAt.Sub(start).Seconds()
 	record("apply_rows_per_sec", with, "rows/s (apply with a webhook handler on every table)")
-	record("deliveries_per_sec", deliveries, fmt.Sprintf("deliveries/s (webhook, --handler-parallelism %d, --batch-size %d; from the projector's start to the last done)", parallelism, batch))
+	record("deliveries_per_sec", deliveries, fmt.Sprintf("deliveries/s (webhook, --handler-parallelism %d, --batch-size %d; from the projector's start to the last done)", c.parallelism, batch))
 	record("ratio_deliveries_to_apply", deliveries/with, "x of the apply rate of the same run (target >= 0.80)")
 	record("apply_ratio", with/without, "x of the apply without handlers (target >= 0.85)")
 	record("drain_seconds_after_archive", deliveredAt.Sub(start).Seconds()-applyTook, "s from the last archived row to the last delivery done")
-	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), n)
+	bench.Note("handlers: %d webhook calls for %d deliveries", hits.Load(), c.n)
 	if !e.revalidate && batch == 1 {
-		lim.n, lim.plain, lim.deliveries, lim.wall = n, plain, deliveries, deliveredAt.Sub(start).Seconds()
+		lim.n, lim.plain, lim.deliveries, lim.wall = c.n, c.plain, deliveries, deliveredAt.Sub(start).Seconds()
 		lim.record(record)
 	}
 	return deliveries, nil
@@ -147,6 +158,8 @@ func (e *env) handlersRound(ctx context.Context, round, parallelism int, source 
 
 // drainProbe is what drained needs of the round for the limit.
 type drainProbe struct {
+	n, done0        int64    // the round's events, and the deliveries done at the projector's start
+	cpu0            cpuTimes // the projector's CPU at its start
 	parallelism     int
 	hits, bodyBytes *atomic.Int64
 	secretFile      string
@@ -156,13 +169,13 @@ type drainProbe struct {
 // drained, once every delivery is done, takes the limit's drain figures
 // into lim, records the drain's (drainFigures) and, in a plain round,
 // measures the floor of one webhook call while the projector idles.
-func (e *env) drained(ctx context.Context, url string, n, done0 int64, cpu0 cpuTimes, lim *limitInputs, p drainProbe, record func(string, float64, string)) error {
+func (e *env) drained(ctx context.Context, url string, lim *limitInputs, p drainProbe, record func(string, float64, string)) error {
 	var err error
 	if lim.busy, err = busySince(p.busy0, p.total0); err != nil {
 		return err
 	}
-	lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(cpu0), done0
-	if err := e.drainFigures(ctx, url, n, done0, cpu0, record); err != nil {
+	lim.drainCPU, lim.done0 = e.cpu(e.projectorPid()).sub(p.cpu0), p.done0
+	if err := e.drainFigures(ctx, url, p.n, p.done0, p.cpu0, record); err != nil {
 		return err
 	}
 	if e.revalidate {

@@ -275,7 +275,7 @@ func run(o opts) (err error) {
 	// fresh database; on a shared machine the median is the figure.
 	res := &roundResults{snaps: map[string][]float64{}}
 	for r := 1; r <= o.rounds; r++ {
-		if err := e.round(ctx, o, r, events, n, snapN, orders, res); err != nil {
+		if err := e.round(ctx, o, r, backlog{events: events, n: n, snapN: snapN, orders: orders}, res); err != nil {
 			return err
 		}
 	}
@@ -296,10 +296,16 @@ type roundResults struct {
 	snaps                           map[string][]float64 // "name|unit" -> one figure a round
 }
 
+// backlog is what a round applies: the n events of stream "bench"
+// (orders of them snapshot roots) and the snapN deletes of stream "snap".
+type backlog struct {
+	events           []*event.Event
+	n, snapN, orders int64
+}
+
 // round is run's round r: raw writes and apply of the n backlog events,
-// the snapshot phases (snapN: the second stream's deletes; orders: the
-// backlog's roots), and the -compare-bin apply.
-func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n, snapN, orders int64, res *roundResults) error {
+// the snapshot phases, and the -compare-bin apply.
+func (e *env) round(ctx context.Context, o opts, r int, in backlog, res *roundResults) error {
 	if o.rounds > 1 {
 		e.suffix = fmt.Sprintf(".round%d", r)
 	}
@@ -316,7 +322,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 			return err
 		}
 	}
-	rawRate, err := e.raw(ctx, rawURL, events, o.batch)
+	rawRate, err := e.raw(ctx, rawURL, in.events, o.batch)
 	if err != nil {
 		return err
 	}
@@ -333,11 +339,11 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 	if err := dropDatabase(ctx, e.pg, rawURL); err != nil {
 		return err
 	}
-	applyRate, err := e.apply(ctx, targetURL, "bench", n)
+	applyRate, err := e.apply(ctx, targetURL, "bench", in.n)
 	if err != nil {
 		return err
 	}
-	plain := plainApply{rate: applyRate, cpu: e.lastCPU, secs: float64(n) / applyRate, busy: e.lastBusy}
+	plain := plainApply{rate: applyRate, cpu: e.lastCPU, secs: float64(in.n) / applyRate, busy: e.lastBusy}
 	if o.pgStats {
 		if err := pgStatsPrint(ctx, targetURL, "apply"); err != nil {
 			return err
@@ -349,12 +355,12 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 	e.figure("projector.ratio_apply_to_raw", applyRate/rawRate, "x (target >= 0.70)")
 	res.raws, res.applies, res.ratios = append(res.raws, rawRate), append(res.applies, applyRate), append(res.ratios, applyRate/rawRate)
 	if !o.skipSnapshots {
-		if err := e.snapshotRounds(ctx, o, r, n, snapN, orders, applyRate, res.snaps); err != nil {
+		if err := e.snapshotRounds(ctx, o, r, in, res.snaps); err != nil {
 			return err
 		}
 	}
 	if o.handlers {
-		if err := e.handlersRounds(ctx, o, r, events, n, plain, res); err != nil {
+		if err := e.handlersRounds(ctx, o, r, in, plain, res); err != nil {
 			return err
 		}
 	}
@@ -366,7 +372,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 		}
 		own := e.bins["projector"]
 		e.bins["projector"], e.suffix = o.compareBin, e.suffix+".compare"
-		rate, err := e.apply(ctx, url, "bench", n)
+		rate, err := e.apply(ctx, url, "bench", in.n)
 		e.bins["projector"], e.suffix = own, strings.TrimSuffix(e.suffix, ".compare")
 		if err != nil {
 			return err
@@ -383,7 +389,7 @@ func (e *env) round(ctx context.Context, o opts, r int, events []*event.Event, n
 // handlersRounds is round r's row handlers phase, once per
 // -handler-parallelism value and -handler-batch size; the revalidation
 // round runs beside the unbatched one.
-func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event.Event, n int64, plain plainApply, res *roundResults) error {
+func (e *env) handlersRounds(ctx context.Context, o opts, r int, in backlog, plain plainApply, res *roundResults) error {
 	pars, err := positives("-handler-parallelism", o.handlerPar)
 	if err != nil {
 		return err
@@ -395,7 +401,8 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 	for _, p := range pars {
 		for _, b := range batches {
 			e.handlerBatch = b
-			rate, err := e.handlersRound(ctx, r, p, "bench", n, eventTables(events), plain, res.snaps)
+			c := handlersCase{round: r, parallelism: p, source: "bench", n: in.n, tables: eventTables(in.events), plain: plain}
+			rate, err := e.handlersRound(ctx, c, res.snaps)
 			e.handlerBatch = 0
 			if err != nil {
 				return err
@@ -403,7 +410,7 @@ func (e *env) handlersRounds(ctx context.Context, o opts, r int, events []*event
 			if b > 1 {
 				continue
 			}
-			if err := e.revalidationRound(ctx, r, p, "bench", n, eventTables(events), plain, rate, res.snaps); err != nil {
+			if err := e.revalidationRound(ctx, c, rate, res.snaps); err != nil {
 				return err
 			}
 		}
@@ -582,6 +589,16 @@ func (e *env) migrate(ctx context.Context, targetURL, source string) error {
 	return nil
 }
 
+// archiveWait is what waitArchive waits for: the n rows of source in the
+// archive of targetURL (their last rows read from the stream at natsURL),
+// for at most timeout, failing when one of procs exits.
+type archiveWait struct {
+	targetURL, natsURL, source string
+	n                          int64
+	procs                      []*bench.Proc
+	timeout                    time.Duration
+}
+
 // waitArchive waits until archive.rows holds the n rows of source and
 // returns when it first did. Polling count(*) on a growing table would load
 // the very server being measured, so it polls the last row of every
@@ -589,39 +606,39 @@ func (e *env) migrate(ctx context.Context, targetURL, source string) error {
 // last row is archived, so are the rows before it), a few primary-key
 // lookups, and then confirms with one count(*); on a shortfall it falls
 // back to polling the count.
-func waitArchive(ctx context.Context, targetURL, natsURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (time.Time, error) {
-	_, at, err := waitArchiveFirst(ctx, targetURL, natsURL, source, n, procs, timeout)
+func waitArchive(ctx context.Context, w archiveWait) (time.Time, error) {
+	_, at, err := waitArchiveFirst(ctx, w)
 	return at, err
 }
 
 // waitArchiveFirst is waitArchive that also returns when the first row of
 // source was seen in the archive.
-func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n int64, procs []*bench.Proc, timeout time.Duration) (first, last time.Time, err error) {
+func waitArchiveFirst(ctx context.Context, w archiveWait) (first, last time.Time, err error) {
 	alive := func() error {
-		for _, p := range procs {
+		for _, p := range w.procs {
 			if err := exitedErr(p)(); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
-	lsns, seqs, err := lastRows(ctx, natsURL, source)
+	lsns, seqs, err := lastRows(ctx, w.natsURL, w.source)
 	if err != nil {
 		return time.Time{}, time.Time{}, err
 	}
-	conn, err := pgx.Connect(ctx, targetURL)
+	conn, err := pgx.Connect(ctx, w.targetURL)
 	if err != nil {
 		return time.Time{}, time.Time{}, err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var at time.Time
-	err = workload.WaitFor(ctx, timeout, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
+	err = workload.WaitFor(ctx, w.timeout, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
 		if err := alive(); err != nil {
 			return false, err
 		}
 		if first.IsZero() {
 			var seen bool
-			err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1)`, source).Scan(&seen)
+			err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1)`, w.source).Scan(&seen)
 			if err != nil && !isUndefinedTable(err) {
 				return false, err
 			}
@@ -634,7 +651,7 @@ func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n 
 		b := &pgx.Batch{}
 		for i := range lsns {
 			b.Queue(`SELECT EXISTS (SELECT 1 FROM archive.rows WHERE source = $1 AND commit_lsn = $2::pg_lsn AND seq = $3)`,
-				source, lsns[i], seqs[i])
+				w.source, lsns[i], seqs[i])
 		}
 		res := conn.SendBatch(ctx, b)
 		have := 0
@@ -661,26 +678,26 @@ func waitArchiveFirst(ctx context.Context, targetURL, natsURL, source string, n 
 		return time.Time{}, time.Time{}, fmt.Errorf("waiting for the last rows of each partition: %w", err)
 	}
 	count := func(ctx context.Context) (int64, error) {
-		return bench.Count(ctx, targetURL, "SELECT count(*) FROM archive.rows WHERE source = $1", source)
+		return bench.Count(ctx, w.targetURL, "SELECT count(*) FROM archive.rows WHERE source = $1", w.source)
 	}
 	c, err := count(ctx)
 	if err != nil {
 		return time.Time{}, time.Time{}, err
 	}
-	if c >= n {
+	if c >= w.n {
 		return first, at, nil
 	}
-	bench.Note("archive had %d of %d rows when each partition's last row was in; polling the count", c, n)
-	err = workload.WaitFor(ctx, timeout, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
+	bench.Note("archive had %d of %d rows when each partition's last row was in; polling the count", c, w.n)
+	err = workload.WaitFor(ctx, w.timeout, 200*time.Millisecond, func(ctx context.Context) (bool, error) {
 		if err := alive(); err != nil {
 			return false, err
 		}
 		c, err = count(ctx)
 		at = time.Now()
-		return c >= n, err
+		return c >= w.n, err
 	})
 	if err != nil {
-		return time.Time{}, time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", c, n, err)
+		return time.Time{}, time.Time{}, fmt.Errorf("archive has %d of %d rows: %w", c, w.n, err)
 	}
 	return first, at, nil
 }
@@ -756,7 +773,7 @@ func (e *env) apply(ctx context.Context, targetURL, source string, n int64) (flo
 	if err != nil {
 		return 0, err
 	}
-	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, procs, 15*time.Minute)
+	first, end, err := waitArchiveFirst(ctx, archiveWait{targetURL: targetURL, natsURL: e.natsURL, source: source, n: n, procs: procs, timeout: 15 * time.Minute})
 	if err != nil {
 		return 0, err
 	}
@@ -823,7 +840,7 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 		return 0, err
 	}
 	defer func() { _ = svc.Stop(context.Background()) }() // a soft stop; the figures are taken
-	first, end, err := waitArchiveFirst(ctx, targetURL, e.natsURL, source, n, nil, 15*time.Minute)
+	first, end, err := waitArchiveFirst(ctx, archiveWait{targetURL: targetURL, natsURL: e.natsURL, source: source, n: n, timeout: 15 * time.Minute})
 	if err != nil {
 		return 0, err
 	}
@@ -840,19 +857,19 @@ func (e *env) applyInProcess(ctx context.Context, targetURL, source string, n in
 // snapshotRounds runs round r's snapshot cases (o.snapCases), each with
 // its own applies without snapshots (snapshotRound): the round's main
 // apply is not reused as the "without".
-func (e *env) snapshotRounds(ctx context.Context, o opts, r int, n, snapN, orders int64, _ float64, snaps map[string][]float64) error {
+func (e *env) snapshotRounds(ctx context.Context, o opts, r int, in backlog, snaps map[string][]float64) error {
 	if o.snapCases["bench"] {
-		if err := e.snapshotRound(ctx, r, "bench", "bench", 0, n, orders, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "bench", n: in.n, orders: in.orders}, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["snap"] {
-		if err := e.snapshotRound(ctx, r, "snap", "snap", 0, snapN, orders, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "snap", label: "snap", n: in.snapN, orders: in.orders}, snaps); err != nil {
 			return err
 		}
 	}
 	if o.snapCases["spanning"] {
-		if err := e.snapshotRound(ctx, r, "bench", "spanning", spanningPage, n, orders, snaps); err != nil {
+		if err := e.snapshotRound(ctx, snapshotCase{round: r, source: "bench", label: "spanning", pageSize: spanningPage, n: in.n, orders: in.orders}, snaps); err != nil {
 			return err
 		}
 	}

@@ -21,14 +21,14 @@ import (
 // revalidation costs at most a quarter of it on the cheap path), and,
 // measured in this process on the delivered rows once they are done, the
 // cost per evaluation on the cheap path and with the full read.
-func (e *env) revalidationRound(ctx context.Context, round, parallelism int, source string, n int64, tables []string, plainApply plainApply, plain float64, out map[string][]float64) error {
+func (e *env) revalidationRound(ctx context.Context, c handlersCase, plain float64, out map[string][]float64) error {
 	e.revalidate, e.sourceURL = true, e.pg.URL("source")
 	defer func() { e.revalidate, e.sourceURL = false, "" }()
-	with, err := e.handlersRound(ctx, round, parallelism, source, n, tables, plainApply, out)
+	with, err := e.handlersRound(ctx, c, out)
 	if err != nil {
 		return err
 	}
-	name := fmt.Sprintf("projector.handlers.p%d.revalidate.ratio_deliveries_to_plain", parallelism)
+	name := fmt.Sprintf("projector.handlers.p%d.revalidate.ratio_deliveries_to_plain", c.parallelism)
 	unit := "x of the deliveries/s without revalidation (target >= 0.75)"
 	e.figure(name, with/plain, unit)
 	out[name+"|"+unit] = append(out[name+"|"+unit], with/plain)

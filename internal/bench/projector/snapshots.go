@@ -17,6 +17,16 @@ type snapshotApply struct {
 	docs documentFigures
 }
 
+// snapshotCase is one case of the snapshot phase: the n events of source
+// (orders of them snapshot roots) in round, applied in pageSize pages (0:
+// the default), its figures named by label.
+type snapshotCase struct {
+	round         int
+	source, label string
+	pageSize      int
+	n, orders     int64
+}
+
 // snapshotRound is the snapshot phase of a round for source's stream:
 // e.snapPairs pairs of applies, each into a fresh database, one without
 // snapshots and one with public.orders as snapshot root. The pairs are
@@ -26,8 +36,8 @@ type snapshotApply struct {
 // printed; the median and the min of the ratios, the median CPU per
 // document and the worst pair's document delays are added to snaps (by
 // "name|unit") for the rounds' medians.
-func (e *env) snapshotRound(ctx context.Context, round int, source, label string, pageSize int, n, orders int64, snaps map[string][]float64) error {
-	name := "projector.snapshots." + label + "."
+func (e *env) snapshotRound(ctx context.Context, c snapshotCase, snaps map[string][]float64) error {
+	name := "projector.snapshots." + c.label + "."
 	record := func(figure string, v float64, unit string) {
 		e.figure(name+figure, v, unit)
 		snaps[name+figure+"|"+unit] = append(snaps[name+figure+"|"+unit], v)
@@ -36,10 +46,10 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 	var ratios, procUS, pgUS []float64
 	var withs []snapshotApply
 	for p := 1; p <= pairs; p++ {
-		bench.LoadNote(fmt.Sprintf("before snapshots %s pair %d", label, p))
+		bench.LoadNote(fmt.Sprintf("before snapshots %s pair %d", c.label, p))
 		var with, without snapshotApply
 		for _, snapshots := range pairOrder(p) {
-			a, err := e.snapshotApply(ctx, round, p, source, label, pageSize, n, orders, snapshots)
+			a, err := e.snapshotApply(ctx, c, p, snapshots)
 			if err != nil {
 				return err
 			}
@@ -50,8 +60,8 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 			}
 		}
 		ratio := with.rate / without.rate
-		proc := (with.cpu.proc - without.cpu.proc) / float64(orders) * 1e6
-		pg := (with.cpu.postgres - without.cpu.postgres) / float64(orders) * 1e6
+		proc := (with.cpu.proc - without.cpu.proc) / float64(c.orders) * 1e6
+		pg := (with.cpu.postgres - without.cpu.postgres) / float64(c.orders) * 1e6
 		pair := fmt.Sprintf("pair%d.", p)
 		e.figure(name+pair+"apply_ratio", ratio, fmt.Sprintf("x of the apply without snapshots (%.0f / %.0f rows/s)", with.rate, without.rate))
 		e.figure(name+pair+"cpu_seconds_projector", with.cpu.proc, fmt.Sprintf("s with snapshots, %.2f s without", without.cpu.proc))
@@ -60,7 +70,7 @@ func (e *env) snapshotRound(ctx context.Context, round int, source, label string
 		ratios, procUS, pgUS = append(ratios, ratio), append(procUS, proc), append(pgUS, pg)
 		withs = append(withs, with)
 	}
-	bench.LoadNote(fmt.Sprintf("after snapshots %s", label))
+	bench.LoadNote(fmt.Sprintf("after snapshots %s", c.label))
 	record("apply_ratio", bench.Median(ratios), fmt.Sprintf("x of the apply without snapshots, median of %d interleaved pairs (target >= 0.80)", pairs))
 	record("apply_ratio_min", slices.Min(ratios), fmt.Sprintf("x, the lowest of the %d pairs (target >= 0.80)", pairs))
 	record("cpu_us_per_document_projector", bench.Median(procUS), "us of projector CPU added per document (median of the pairs)")
@@ -113,26 +123,26 @@ func (e *env) recordDocuments(withs []snapshotApply, record func(string, float64
 // public.orders as snapshot root when snapshots is set (then waiting for
 // the orders documents), in pageSize pages (0: the default), and drops the
 // database.
-func (e *env) snapshotApply(ctx context.Context, round, pair int, source, label string, pageSize int, n, orders int64, snapshots bool) (a snapshotApply, err error) {
+func (e *env) snapshotApply(ctx context.Context, c snapshotCase, pair int, snapshots bool) (a snapshotApply, err error) {
 	suffix := e.suffix
 	defer func() { e.suffix, e.snapshotRoots, e.afterArchive, e.pageSize = suffix, "", nil, 0 }()
 	side := "without"
 	if snapshots {
 		side = "with"
 	}
-	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_%s_%d_%d", label, side, round, pair))
+	url, err := bench.CreateDatabase(ctx, e.pg, fmt.Sprintf("%s_%s_%d_%d", c.label, side, c.round, pair))
 	if err != nil {
 		return a, err
 	}
-	e.pageSize = pageSize
-	e.suffix = fmt.Sprintf(".snapshots.%s.pair%d.%s%s", label, pair, side, suffix)
+	e.pageSize = c.pageSize
+	e.suffix = fmt.Sprintf(".snapshots.%s.pair%d.%s%s", c.label, pair, side, suffix)
 	// pg_stat_statements of the first pair's with-apply only: one listing a case.
 	stats := e.pgStats && snapshots && pair == 1
 	if snapshots {
 		e.snapshotRoots = "public.orders"
 		e.afterArchive = func(ctx context.Context, url string, _ time.Time) error {
 			var err error
-			a.docs, err = waitDocuments(ctx, url, orders)
+			a.docs, err = waitDocuments(ctx, url, c.orders)
 			return err
 		}
 		if stats {
@@ -142,12 +152,12 @@ func (e *env) snapshotApply(ctx context.Context, round, pair int, source, label 
 		}
 	}
 	e.lastCPU = cpuTimes{}
-	if a.rate, err = e.apply(ctx, url, source, n); err != nil {
+	if a.rate, err = e.apply(ctx, url, c.source, c.n); err != nil {
 		return a, err
 	}
 	a.cpu = e.lastCPU
 	if stats {
-		if err := pgStatsPrint(ctx, url, "snapshots."+label); err != nil {
+		if err := pgStatsPrint(ctx, url, "snapshots."+c.label); err != nil {
 			return a, err
 		}
 	}

@@ -139,7 +139,8 @@ func run(ctx context.Context, rows, apply, perTx, pairs int) error {
 	}
 	defer srv.Shutdown()
 	natsURL := "nats://" + listen
-	last, err := bench.PublishSessions(ctx, natsURL, source, partitions, apply, perTx, 10_000_000, 0x1000000)
+	last, err := bench.PublishSessions(ctx, bench.Sessions{NATSURL: natsURL, Source: source, Partitions: partitions,
+		Apply: apply, PerTx: perTx, IDBase: 10_000_000, FirstLSN: 0x1000000})
 	if err != nil {
 		return err
 	}
@@ -162,7 +163,7 @@ func run(ctx context.Context, rows, apply, perTx, pairs int) error {
 		bench.LoadNote(fmt.Sprintf("before pair %d", i))
 		var without, with applyResult
 		for _, cleanup := range pairOrder(i) {
-			r, err := round(ctx, pg, natsURL, last, apply, rows, i, cleanup)
+			r, err := round(ctx, applyCase{pg: pg, natsURL: natsURL, last: last, apply: apply, rows: rows, pair: i, cleanup: cleanup})
 			if err != nil {
 				return err
 			}
@@ -254,19 +255,30 @@ func dropDatabase(ctx context.Context, pg *testenv.Postgres, name string) error 
 	return nil
 }
 
+// applyCase is one apply of a pair: the stream at natsURL (last: each
+// partition's last LSN; apply of its events, holding rows rows) into a
+// database of pg, with or without cleanup.
+type applyCase struct {
+	pg                *testenv.Postgres
+	natsURL           string
+	last              map[int]event.LSN
+	apply, rows, pair int
+	cleanup           bool
+}
+
 // round is one apply of a pair into a fresh copy of a template archive,
 // dropped after.
-func round(ctx context.Context, pg *testenv.Postgres, natsURL string, last map[int]event.LSN, apply, rows, pair int, cleanup bool) (applyResult, error) {
-	name := fmt.Sprintf("%s_pair%d", sideName(cleanup), pair)
-	url, err := copyArchive(ctx, pg, name, cleanup)
+func round(ctx context.Context, c applyCase) (applyResult, error) {
+	name := fmt.Sprintf("%s_pair%d", sideName(c.cleanup), c.pair)
+	url, err := copyArchive(ctx, c.pg, name, c.cleanup)
 	if err != nil {
 		return applyResult{}, err
 	}
-	r, err := applyRun(ctx, pg, url, natsURL, last, apply, rows, pair, cleanup)
+	r, err := applyRun(ctx, c, url)
 	if err != nil {
 		return applyResult{}, err
 	}
-	return r, dropDatabase(ctx, pg, name)
+	return r, dropDatabase(ctx, c.pg, name)
 }
 
 func sideName(cleanup bool) string {
@@ -368,10 +380,10 @@ type applyResult struct {
 // applyRun applies the stream into url and returns its figures; it prints
 // the CPU seconds the run took, what the sampler saw and, with cleanup, the
 // database time of the cleanup's statements.
-func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, last map[int]event.LSN, apply, rows, pair int, cleanup bool) (applyResult, error) {
-	cfg := projection.Config{TargetURL: url, NATSURL: natsURL, SourceName: source, WorkerID: "bench",
+func applyRun(ctx context.Context, c applyCase, url string) (applyResult, error) {
+	cfg := projection.Config{TargetURL: url, NATSURL: c.natsURL, SourceName: source, WorkerID: "bench",
 		ArchiveTTL: map[string]time.Duration{"*": 100 * 365 * 24 * time.Hour}, CleanupInterval: -1}
-	if cleanup {
+	if c.cleanup {
 		cfg.CleanupInterval = 50 * time.Millisecond
 		cfg.CleanupRate = cleanupRate
 	}
@@ -387,10 +399,10 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, la
 	if err := resetStatements(ctx, pool); err != nil {
 		return applyResult{}, err
 	}
-	name := fmt.Sprintf("%s.pair%d", sideName(cleanup), pair)
+	name := fmt.Sprintf("%s.pair%d", sideName(c.cleanup), c.pair)
 	stats0 := readServerStats(ctx, pool)
 	samp := startSampler(ctx, pool)
-	cpu0 := cpuNow(pg)
+	cpu0 := cpuNow(c.pg)
 	start := time.Now()
 	if err := svc.Start(ctx); err != nil {
 		return applyResult{}, err
@@ -399,22 +411,22 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, la
 	var applied, cleaned time.Time
 	var r applyResult
 	deadline := time.Now().Add(30 * time.Minute)
-	for applied.IsZero() || (cleanup && cleaned.IsZero()) {
+	for applied.IsZero() || (c.cleanup && cleaned.IsZero()) {
 		if time.Now().After(deadline) {
 			return applyResult{}, fmt.Errorf("not done in 30 minutes")
 		}
 		time.Sleep(200 * time.Millisecond)
 		if applied.IsZero() {
-			done, err := appliedAll(ctx, pool, last, apply)
+			done, err := appliedAll(ctx, pool, c.last, c.apply)
 			if err != nil {
 				return applyResult{}, err
 			}
 			if done {
 				applied = time.Now()
-				r.applied = cpuNow(pg).minus(cpu0)
+				r.applied = cpuNow(c.pg).minus(cpu0)
 			}
 		}
-		if cleanup && cleaned.IsZero() {
+		if c.cleanup && cleaned.IsZero() {
 			// By the expires_at index (only the prefilled rows are
 			// expired): a scan of the heap would read the dead tuples the
 			// cleanup leaves at its start.
@@ -427,32 +439,32 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, url, natsURL string, la
 			}
 		}
 	}
-	r.total = cpuNow(pg).minus(cpu0)
+	r.total = cpuNow(c.pg).minus(cpu0)
 	samp.report(name)
 	stats0.note(name, readServerStats(ctx, pool))
-	if pair == 1 {
+	if c.pair == 1 {
 		topStatements(ctx, pool, name, 12)
 	}
 	bench.Figure("retention.cpu_seconds.postgres."+name, r.total.postgres, fmt.Sprintf("s (until applied and, with cleanup, cleaned; %.2f until applied)", r.applied.postgres))
 	bench.Figure("retention.cpu_seconds.process."+name, r.total.proc, fmt.Sprintf("s (projector, JetStream server and bench; %.2f until applied)", r.applied.proc))
-	r.rate = float64(apply) / applied.Sub(start).Seconds()
+	r.rate = float64(c.apply) / applied.Sub(start).Seconds()
 	bench.Figure("retention.apply_rows_per_sec."+name, r.rate, "rows/s")
-	if !cleanup {
+	if !c.cleanup {
 		return r, nil
 	}
 	dbTime, calls, err := statementTime(ctx, pool, "%expires_at <= now()%")
 	if err != nil {
 		return applyResult{}, err
 	}
-	bench.Figure("retention.cleanup_database_seconds.pair"+strconv.Itoa(pair), dbTime.Seconds(), fmt.Sprintf("s (%d statements: batches and oldest-due checks, for %d rows: %.0f rows per database second)",
-		calls, rows, float64(rows)/dbTime.Seconds()))
+	bench.Figure("retention.cleanup_database_seconds.pair"+strconv.Itoa(c.pair), dbTime.Seconds(), fmt.Sprintf("s (%d statements: batches and oldest-due checks, for %d rows: %.0f rows per database second)",
+		calls, c.rows, float64(c.rows)/dbTime.Seconds()))
 	if cleaned.Before(applied) {
 		bench.Note("%s: cleanup finished %s before the apply (all of it ran while applying)", name, applied.Sub(cleaned).Round(time.Millisecond))
 	} else {
 		bench.Note("%s: cleanup finished %s after the apply", name, cleaned.Sub(applied).Round(time.Millisecond))
 	}
-	r.cleanup = float64(rows) / cleaned.Sub(start).Seconds()
-	bench.Figure("retention.cleanup_rows_per_sec.pair"+strconv.Itoa(pair), r.cleanup, "rows/s (start to the last expired row)")
+	r.cleanup = float64(c.rows) / cleaned.Sub(start).Seconds()
+	bench.Figure("retention.cleanup_rows_per_sec.pair"+strconv.Itoa(c.pair), r.cleanup, "rows/s (start to the last expired row)")
 	return r, nil
 }
 

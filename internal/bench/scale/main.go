@@ -118,18 +118,20 @@ func run(ctx context.Context, sizes []int, apply, perTx, ginPairs int) error {
 	}
 	defer srv.Shutdown()
 	natsURL := "nats://" + listen
-	last, err := bench.PublishSessions(ctx, natsURL, source, partitions, apply, perTx, 10_000_000_000, 0x100000000)
+	last, err := bench.PublishSessions(ctx, bench.Sessions{NATSURL: natsURL, Source: source, Partitions: partitions,
+		Apply: apply, PerTx: perTx, IDBase: 10_000_000_000, FirstLSN: 0x100000000})
 	if err != nil {
 		return err
 	}
 	bench.Note("%d delete events in %d-row transactions, %d stream partitions, the projector in process; archive sizes %v", apply, perTx, partitions, sizes)
+	s := applyStream{pg: pg, natsURL: natsURL, last: last, apply: apply}
 
-	empty, err := sizeRun(ctx, pg, natsURL, last, 0, apply, true)
+	empty, err := sizeRun(ctx, s, 0, true)
 	if err != nil {
 		return err
 	}
 	for _, n := range sizes {
-		r, err := sizeRun(ctx, pg, natsURL, last, n, apply, true)
+		r, err := sizeRun(ctx, s, n, true)
 		if err != nil {
 			return err
 		}
@@ -142,20 +144,20 @@ func run(ctx context.Context, sizes []int, apply, perTx, ginPairs int) error {
 	}
 	bench.Figure("scale.cpu_us_per_row_e2e", empty.cpuPerRow, fmt.Sprintf("us (empty archive; ceiling %.0f rows/s on %d cores, measured %.0f rows/s; target <= 60)",
 		float64(runtime.NumCPU())*1e6/empty.cpuPerRow, runtime.NumCPU(), empty.rate))
-	return ginAB(ctx, pg, natsURL, last, apply, ginPairs)
+	return ginAB(ctx, s, ginPairs)
 }
 
 // ginAB applies the stream into empty archives with and without the GIN
 // index, pairs interleaved (the order alternating), and prints the medians
 // of the CPU per row and the index's share of it.
-func ginAB(ctx context.Context, pg *testenv.Postgres, natsURL string, last map[int]event.LSN, apply, pairs int) error {
+func ginAB(ctx context.Context, s applyStream, pairs int) error {
 	if pairs <= 0 {
 		return nil
 	}
 	var with, without, rateWith, rateWithout []float64
 	for i := range pairs {
 		for _, gin := range [][]bool{{true, false}, {false, true}}[i%2] {
-			r, err := sizeRun(ctx, pg, natsURL, last, 0, apply, gin)
+			r, err := sizeRun(ctx, s, 0, gin)
 			if err != nil {
 				return err
 			}
@@ -173,19 +175,28 @@ func ginAB(ctx context.Context, pg *testenv.Postgres, natsURL string, last map[i
 	return nil
 }
 
+// applyStream is what every run applies: apply events of the stream at
+// natsURL (last: each partition's last LSN), measured on pg.
+type applyStream struct {
+	pg      *testenv.Postgres
+	natsURL string
+	last    map[int]event.LSN
+	apply   int
+}
+
 // sizeRun fills a fresh archive with n rows, applies the stream on top and
 // measures it; for n > 0 it also measures lookups, the retention drop and
 // an erasure. withGIN false drops the GIN index before the apply.
-func sizeRun(ctx context.Context, pg *testenv.Postgres, natsURL string, last map[int]event.LSN, n, apply int, withGIN bool) (result, error) {
+func sizeRun(ctx context.Context, s applyStream, n int, withGIN bool) (result, error) {
 	name := "scale_" + label(n)
 	if !withGIN {
 		name += "_nogin"
 	}
-	url, err := bench.CreateDatabase(ctx, pg, name)
+	url, err := bench.CreateDatabase(ctx, s.pg, name)
 	if err != nil {
 		return result{}, err
 	}
-	defer func() { _ = bench.DropDatabase(context.WithoutCancel(ctx), pg, name) }()
+	defer func() { _ = bench.DropDatabase(context.WithoutCancel(ctx), s.pg, name) }()
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		return result{}, err
@@ -202,7 +213,7 @@ func sizeRun(ctx context.Context, pg *testenv.Postgres, natsURL string, last map
 	if _, err := pool.Exec(ctx, `CHECKPOINT`); err != nil {
 		return result{}, err
 	}
-	r, err := applyRun(ctx, pg, pool, url, natsURL, last, apply)
+	r, err := applyRun(ctx, s, pool, url)
 	if err != nil {
 		return result{}, err
 	}
@@ -274,14 +285,14 @@ func fill(ctx context.Context, pool *pgxpool.Pool, n int) error {
 
 // applyRun applies the stream into the archive of url with the projector
 // in process and returns the rate and the CPU per applied row.
-func applyRun(ctx context.Context, pg *testenv.Postgres, pool *pgxpool.Pool, url, natsURL string, last map[int]event.LSN, apply int) (result, error) {
-	cfg := projection.Config{TargetURL: url, NATSURL: natsURL, SourceName: source, WorkerID: "bench",
+func applyRun(ctx context.Context, s applyStream, pool *pgxpool.Pool, url string) (result, error) {
+	cfg := projection.Config{TargetURL: url, NATSURL: s.natsURL, SourceName: source, WorkerID: "bench",
 		ArchiveTTL: map[string]time.Duration{"*": 100 * 365 * 24 * time.Hour}, CleanupInterval: -1}
 	svc, err := projection.New(cfg, projection.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	if err != nil {
 		return result{}, err
 	}
-	cpu0, err := cpuNow(pg)
+	cpu0, err := cpuNow(s.pg)
 	if err != nil {
 		return result{}, err
 	}
@@ -296,7 +307,7 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, pool *pgxpool.Pool, url
 			return result{}, fmt.Errorf("not applied in 30 minutes")
 		}
 		time.Sleep(100 * time.Millisecond)
-		done, err := appliedAll(ctx, pool, last, apply)
+		done, err := appliedAll(ctx, pool, s.last, s.apply)
 		if err != nil {
 			return result{}, err
 		}
@@ -305,11 +316,11 @@ func applyRun(ctx context.Context, pg *testenv.Postgres, pool *pgxpool.Pool, url
 		}
 	}
 	took := time.Since(start)
-	cpu1, err := cpuNow(pg)
+	cpu1, err := cpuNow(s.pg)
 	if err != nil {
 		return result{}, err
 	}
-	return result{rate: float64(apply) / took.Seconds(), cpuPerRow: (cpu1 - cpu0) / float64(apply) * 1e6}, nil
+	return result{rate: float64(s.apply) / took.Seconds(), cpuPerRow: (cpu1 - cpu0) / float64(s.apply) * 1e6}, nil
 }
 
 func cpuNow(pg *testenv.Postgres) (float64, error) {
