@@ -146,43 +146,11 @@ func (s *Service) reconcile(ctx context.Context) error {
 		s.log.Warn("table removed from the publication: it lost its usable replica identity, so its deletes would fail; a gap is recorded and it is added again once it has one (a primary key, or REPLICA IDENTITY FULL)",
 			"table", t.qualified(), "relations", t.notFull)
 	}
-	for _, t := range sel.tables {
-		if current[t.oid] {
-			continue
-		}
-		if cfg.RefuseKeyOnly && t.identity != "full" {
-			if s.warnedOwner("key-only " + t.qualified()) {
-				s.log.Warn("new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key", "table", t.qualified(),
-					"fix", "ALTER TABLE "+t.sanitized()+" REPLICA IDENTITY FULL, or restart the capture with --set-replica-identity-full or --allow-key-only")
-			}
-			continue
-		}
-		if !t.owned {
-			if s.warnedOwner(t.qualified()) {
-				s.log.Warn("new table not captured: the capture role is not a member of its owner role", "table", t.qualified(),
-					"fix", "GRANT <owner role of "+t.sanitized()+"> TO <capture role>")
-			}
-			continue
-		}
-		lost, err := addTable(ctx, s.pool, pub, t, !s.knewTable(t.oid))
-		if err != nil {
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
-				continue // dropped meanwhile, or added meanwhile (the DDL guard)
-			}
-			if lockBusy(err) {
-				busy = append(busy, t.qualified())
-				continue
-			}
-			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), cfg.PublicationName, err)
-		}
-		if lost > 0 {
-			s.log.Warn("new table had deletes before it was published: they are not captured; a gap naming it is recorded",
-				"table", t.qualified(), "deleted_rows", lost)
-		}
-		s.m.tablesAdded.Inc()
-		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
+	added, err := s.addNewTables(ctx, pub, sel, current)
+	if err != nil {
+		return err
 	}
+	busy = append(busy, added...)
 	if len(busy) > 0 {
 		// Not remembered as known: the next poll handles them as new, gap
 		// included.
@@ -215,6 +183,49 @@ const sqlCatalogLockTimeout = "SET LOCAL lock_timeout = '2s'"
 func lockBusy(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
+
+// addNewTables adds the selected tables the publication lacks (current);
+// busy lists those whose add waited too long for a lock.
+func (s *Service) addNewTables(ctx context.Context, pub string, sel *tableSelection, current map[uint32]bool) (busy []string, err error) {
+	for _, t := range sel.tables {
+		if current[t.oid] {
+			continue
+		}
+		if s.cfg.RefuseKeyOnly && t.identity != "full" {
+			if s.warnedOwner("key-only " + t.qualified()) {
+				s.log.Warn("new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key", "table", t.qualified(),
+					"fix", "ALTER TABLE "+t.sanitized()+" REPLICA IDENTITY FULL, or restart the capture with --set-replica-identity-full or --allow-key-only")
+			}
+			continue
+		}
+		if !t.owned {
+			if s.warnedOwner(t.qualified()) {
+				s.log.Warn("new table not captured: the capture role is not a member of its owner role", "table", t.qualified(),
+					"fix", "GRANT <owner role of "+t.sanitized()+"> TO <capture role>")
+			}
+			continue
+		}
+		lost, err := addTable(ctx, s.pool, pub, t, !s.knewTable(t.oid))
+		if err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
+				continue // dropped meanwhile, or added meanwhile (the DDL guard)
+			}
+			if lockBusy(err) {
+				busy = append(busy, t.qualified())
+				continue
+			}
+			return busy, fmt.Errorf("add %s to publication %s: %w", t.qualified(), s.cfg.PublicationName, err)
+		}
+		if lost > 0 {
+			s.log.Warn("new table had deletes before it was published: they are not captured; a gap naming it is recorded",
+				"table", t.qualified(), "deleted_rows", lost)
+		}
+		s.m.tablesAdded.Inc()
+		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
+	}
+	return busy, nil
 }
 
 // warnedOwner reports whether a warning about table is due (once per
