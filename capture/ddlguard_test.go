@@ -255,7 +255,7 @@ func TestDDLGuardOverhead(t *testing.T) {
 		}
 		// Generous, for a shared machine: the guard before this one took
 		// ninety times as long on this catalog.
-		require.Less(t, ms(guarded), 3*ms(base)+50, "%s: the guard triples the DDL's time", kind)
+		require.Less(t, ms(guarded), 5*ms(base)+50, "%s: the guard makes the DDL five times slower", kind)
 	}
 }
 

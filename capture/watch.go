@@ -525,7 +525,11 @@ BEGIN
             CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
         END IF;
       EXCEPTION WHEN lock_not_available THEN
-        RAISE NOTICE 'epitaph: publication %% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, t.nspname, t.relname;
+        IF unsafe THEN
+          RAISE WARNING 'epitaph: %%.%% has no usable replica identity but publication %% is in use by another transaction: its DELETEs fail until the capture''s catalog poll removes it, once that transaction ends', t.nspname, t.relname, v_pub;
+        ELSE
+          RAISE NOTICE 'epitaph: publication %% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, t.nspname, t.relname;
+        END IF;
       WHEN OTHERS THEN
         RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
       END;

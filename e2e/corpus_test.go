@@ -59,22 +59,7 @@ func TestRegressionCorpus(t *testing.T) {
 	defer cancel()
 	bins := binaries(t)
 	pg := testenv.NewPostgres(t)
-	admin := pg.URL("postgres")
-	for _, sql := range []string{
-		`CREATE DATABASE regression TEMPLATE template0`,
-		`CREATE DATABASE regression_copy TEMPLATE template0`,
-		`CREATE DATABASE epitaph`,
-	} {
-		testenv.Exec(t, admin, sql)
-	}
-	// The settings pg_regress gives the databases it makes.
-	for _, db := range []string{"regression", "regression_copy"} {
-		testenv.Exec(t, admin, `ALTER DATABASE `+db+` SET lc_messages TO 'C'; ALTER DATABASE `+db+` SET lc_monetary TO 'C';
-			ALTER DATABASE `+db+` SET lc_numeric TO 'C'; ALTER DATABASE `+db+` SET lc_time TO 'C';
-			ALTER DATABASE `+db+` SET bytea_output TO 'hex'; ALTER DATABASE `+db+` SET timezone_abbreviations TO 'Default';
-			ALTER DATABASE `+db+` SET datestyle TO 'Postgres, MDY'; ALTER DATABASE `+db+` SET timezone TO 'PST8PDT';
-			ALTER DATABASE `+db+` SET intervalstyle TO 'postgres_verbose'`)
-	}
+	corpusDatabases(t, pg)
 	src, copyURL, target := pg.URL("regression"), pg.URL("regression_copy"), pg.URL("epitaph")
 
 	listen, err := bench.LocalAddr()
@@ -96,18 +81,97 @@ func TestRegressionCorpus(t *testing.T) {
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, src, slot, captureReadyTimeout, nil))
 	workers := superviseProjectors(t, bins["projector"], target, natsURL, 1, 1, "EPITAPH_NATS_CREDS="+projectorCreds)
 
-	// The suite, while the capture streams. Its own checks fail where a
-	// test needs the regress.so it ships as C source: its expected output
-	// is not the point, the tables it leaves are.
+	runRegressSuite(ctx, t, pg, dir, pgRegress)
+
+	conn, err := pgx.Connect(ctx, src)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	// Every table the capture may publish has been seen by its poll.
+	time.Sleep(5 * time.Second)
+	c := &corpus{t: t, ctx: ctx, conn: conn, tables: corpusTables(ctx, t, conn), byName: map[string]*corpusTable{}, published: map[string]bool{}}
+	for _, tb := range c.tables {
+		c.byName[tb.name] = tb
+	}
+	rows, err := conn.Query(ctx, `SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1`, slot)
+	require.NoError(t, err)
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	for _, n := range names {
+		c.published[n] = true
+	}
+
+	total := c.snapshot()
+	// The deletes from here on are the ones restored; the suite's own
+	// deletes are archived too, and left alone.
+	var from string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&from))
+	c.deleteAll()
+	deleted, expected := c.expected()
+	t.Logf("tables: %d, rows: %d, deleted: %d, published tables: %d", len(c.tables), total, deleted, len(c.published))
+
+	tconn, err := pgx.Connect(ctx, target)
+	require.NoError(t, err)
+	defer tconn.Close(ctx)
+	got, want, short := waitCorpusArchived(ctx, tconn, from, expected)
+	t.Logf("archived: %d of the %d rows deleted from published tables", got, want)
+
+	loadSchemaCopy(ctx, t, pg, src, copyURL)
+	cannot := restoreAll(ctx, t, bins["projector"], tconn, target, copyURL, from)
+
+	cconn, err := pgx.Connect(ctx, copyURL)
+	require.NoError(t, err)
+	defer cconn.Close(ctx)
+	r := c.compare(cconn, cannot)
+	t.Logf("CORPUS: %d tables with rows, %d rows, %d deleted; %d archived of %d deleted from published tables; %d tables restored and compared: %d equal (%d rows), %d differ; %d not compared",
+		countWithRows(c.tables), total, deleted, got, want, r.compared, r.equal, r.equalRows, len(r.mismatches), len(r.notCompared))
+	for _, m := range r.mismatches {
+		t.Logf("  DIFFERS %s", m)
+	}
+	for _, m := range r.notCompared {
+		t.Logf("  not compared: %s", m)
+	}
+	for _, s := range append([]*supervised{capture}, workers...) {
+		t.Logf("%s", s.Stats())
+		require.Zero(t, s.selfExit, "%s exited on its own:\n%s", s.name, s.logTail(20))
+	}
+	require.Empty(t, short, "deleted rows of published tables missing from the archive")
+	require.Equal(t, r.compared, r.equal, "restored tables that differ")
+}
+
+// corpusDatabases makes the source, its schema copy and the target, the
+// first two with the settings pg_regress gives the databases it makes.
+func corpusDatabases(t *testing.T, pg *testenv.Postgres) {
+	admin := pg.URL("postgres")
+	for _, sql := range []string{
+		`CREATE DATABASE regression TEMPLATE template0`,
+		`CREATE DATABASE regression_copy TEMPLATE template0`,
+		`CREATE DATABASE epitaph`,
+	} {
+		testenv.Exec(t, admin, sql)
+	}
+	for _, db := range []string{"regression", "regression_copy"} {
+		testenv.Exec(t, admin, `ALTER DATABASE `+db+` SET lc_messages TO 'C'; ALTER DATABASE `+db+` SET lc_monetary TO 'C';
+			ALTER DATABASE `+db+` SET lc_numeric TO 'C'; ALTER DATABASE `+db+` SET lc_time TO 'C';
+			ALTER DATABASE `+db+` SET bytea_output TO 'hex'; ALTER DATABASE `+db+` SET timezone_abbreviations TO 'Default';
+			ALTER DATABASE `+db+` SET datestyle TO 'Postgres, MDY'; ALTER DATABASE `+db+` SET timezone TO 'PST8PDT';
+			ALTER DATABASE `+db+` SET intervalstyle TO 'postgres_verbose'`)
+	}
+}
+
+// runRegressSuite runs the suite's parallel schedule on database
+// regression while the capture streams. Its own checks fail where a test
+// needs the regress.so it ships as C source: its expected output is not
+// the point, the tables it leaves are.
+func runRegressSuite(ctx context.Context, t *testing.T, pg *testenv.Postgres, dir, pgRegress string) {
 	began := time.Now()
 	out := t.TempDir()
-	sctx, scancel := context.WithTimeout(ctx, 40*time.Minute)
+	sctx, cancel := context.WithTimeout(ctx, 40*time.Minute)
+	defer cancel()
 	cmd := exec.CommandContext(sctx, pgRegress, "--use-existing", "--host=127.0.0.1", fmt.Sprintf("--port=%d", pg.Port),
 		"--user=postgres", "--dbname=regression", "--inputdir="+dir, "--outputdir="+out, "--bindir="+pg.BinDir,
 		"--dlpath="+out, "--schedule="+filepath.Join(dir, "parallel_schedule"), "--max-connections=20")
 	cmd.Env = append(os.Environ(), "PGOPTIONS=-c statement_timeout=300s")
 	res, err := cmd.CombinedOutput()
-	scancel()
 	var summary string
 	for _, l := range strings.Split(string(res), "\n") {
 		if strings.Contains(l, "tests") && (strings.Contains(l, "failed") || strings.Contains(l, "passed")) {
@@ -120,115 +184,122 @@ func TestRegressionCorpus(t *testing.T) {
 	}
 	t.Logf("regression suite: %s (%s)", summary, time.Since(began).Round(time.Second))
 	require.NotEmpty(t, summary, "pg_regress ran no schedule:\n%s", tail(string(res), 40))
+}
 
-	conn, err := pgx.Connect(ctx, src)
-	require.NoError(t, err)
-	defer conn.Close(ctx)
-	// Every table the capture may publish has been seen by its poll.
-	time.Sleep(5 * time.Second)
-	tables := corpusTables(ctx, t, conn)
-	published := map[string]bool{}
-	rows, err := conn.Query(ctx, `SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1`, slot)
-	require.NoError(t, err)
-	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	require.NoError(t, err)
-	for _, n := range names {
-		published[n] = true
-	}
+// corpus is the regression database's tables through the delete phase.
+type corpus struct {
+	t         *testing.T
+	ctx       context.Context
+	conn      *pgx.Conn
+	tables    []*corpusTable
+	byName    map[string]*corpusTable
+	published map[string]bool // stream names
+}
 
-	// Snapshot, by row text, then delete table by table.
-	var total int64
-	for _, tb := range tables {
-		if tb.rows, err = rowTexts(ctx, conn, tb.name); err != nil {
+// snapshot reads every table's rows before the deletes.
+func (c *corpus) snapshot() (total int64) {
+	for _, tb := range c.tables {
+		var err error
+		if tb.rows, err = rowTexts(c.ctx, c.conn, tb.name); err != nil {
 			tb.reason = "not readable: " + err.Error()
 			continue
 		}
 		total += int64(len(tb.rows))
 	}
-	// The deletes from here on are the ones restored; the suite's own
-	// deletes are archived too, and left alone.
-	var from string
-	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&from))
-	// Each DELETE's transaction reads the rows it removes, from its table
-	// and from the tables its foreign keys cascade into: triggers and rules
-	// of the suite change other tables' rows as it goes.
-	byName := map[string]*corpusTable{}
-	for _, tb := range tables {
-		byName[tb.name] = tb
+	return total
+}
+
+// readAlong names the tables a DELETE from tb can remove rows from: tb,
+// the tables its foreign keys cascade into, and every table when tb has a
+// trigger or a rule.
+func (c *corpus) readAlong(tb *corpusTable) ([]string, error) {
+	var acts bool
+	if err := c.conn.QueryRow(c.ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = $1::regclass AND NOT tgisinternal)
+		OR EXISTS (SELECT 1 FROM pg_rewrite WHERE ev_class = $1::regclass AND rulename <> '_RETURN')`, tb.name).Scan(&acts); err != nil {
+		return nil, err
 	}
-	deleteOne := func(tb *corpusTable) error {
-		rows, err := conn.Query(ctx, `
+	if acts {
+		var names []string
+		for _, o := range c.tables {
+			if o.reason == "" {
+				names = append(names, o.name)
+			}
+		}
+		return names, nil
+	}
+	rows, err := c.conn.Query(c.ctx, `
 WITH RECURSIVE fk(rel) AS (
   SELECT $1::regclass::oid
   UNION SELECT c.conrelid FROM pg_constraint c JOIN fk ON c.confrelid = fk.rel WHERE c.contype = 'f' AND c.confdeltype = 'c')
 SELECT DISTINCT format('%I.%I', n.nspname, r.relname)
 FROM fk, LATERAL (SELECT fk.rel AS relid UNION SELECT relid FROM pg_partition_tree(fk.rel)) l
 JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace WHERE r.relkind = 'r'`, tb.name)
-		if err != nil {
-			return err
-		}
-		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return err
-		}
-		if !slices.Contains(names, tb.name) {
-			names = append(names, tb.name)
-		}
-		// A trigger or rule on it may delete anywhere: read every table.
-		var acts bool
-		if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = $1::regclass AND NOT tgisinternal)
-			OR EXISTS (SELECT 1 FROM pg_rewrite WHERE ev_class = $1::regclass AND rulename <> '_RETURN')`, tb.name).Scan(&acts); err != nil {
-			return err
-		}
-		if acts {
-			names = names[:0]
-			for _, o := range tables {
-				if o.reason == "" {
-					names = append(names, o.name)
-				}
+	if err != nil {
+		return nil, err
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Contains(names, tb.name) {
+		names = append(names, tb.name)
+	}
+	return names, nil
+}
+
+// deleteOne deletes every row of tb in one transaction that reads, from
+// every table it can remove rows from, the rows it removes.
+func (c *corpus) deleteOne(tb *corpusTable) error {
+	names, err := c.readAlong(tb)
+	if err != nil {
+		return err
+	}
+	return pgx.BeginFunc(c.ctx, c.conn, func(tx pgx.Tx) error {
+		before := map[string][]string{}
+		for _, n := range names {
+			if c.byName[n] == nil {
+				continue
 			}
-		}
-		return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-			before := map[string][]string{}
-			for _, n := range names {
-				if byName[n] == nil {
-					continue
-				}
-				if before[n], err = rowTexts(ctx, tx.Conn(), n); err != nil {
-					return err
-				}
-			}
-			if _, err := tx.Exec(ctx, `DELETE FROM ONLY `+tb.name); err != nil {
+			if before[n], err = rowTexts(c.ctx, tx.Conn(), n); err != nil {
 				return err
 			}
-			for n, b := range before {
-				after, err := rowTexts(ctx, tx.Conn(), n)
-				if err != nil {
-					return err
-				}
-				gone := minus(b, after)
-				if n != tb.name && len(gone) != len(b)-len(after) {
-					// Updated by a trigger too: what was deleted is not told
-					// by the rows' text.
-					byName[n].pendingBlur = true
-				}
-				byName[n].pendingGone = append(byName[n].pendingGone, gone...)
+		}
+		if _, err := tx.Exec(c.ctx, `DELETE FROM ONLY `+tb.name); err != nil {
+			return err
+		}
+		for n, b := range before {
+			after, err := rowTexts(c.ctx, tx.Conn(), n)
+			if err != nil {
+				return err
 			}
-			return nil
-		})
-	}
+			gone := minus(b, after)
+			if n != tb.name && len(gone) != len(b)-len(after) {
+				// Changed by a trigger or rule too: what was deleted is
+				// not told by the rows' text.
+				c.byName[n].pendingBlur = true
+			}
+			c.byName[n].pendingGone = append(c.byName[n].pendingGone, gone...)
+		}
+		return nil
+	})
+}
+
+// deleteAll deletes every row of every table, table by table, in rounds:
+// a table a foreign key keeps is tried again after the others, one a rule
+// or trigger filled again is emptied again.
+func (c *corpus) deleteAll() {
 	for round := 0; round < 30; round++ {
 		progress := false
-		for _, tb := range tables {
+		for _, tb := range c.tables {
 			if tb.reason != "" {
 				continue
 			}
-			var n int64
-			if err := conn.QueryRow(ctx, `SELECT count(*) FROM ONLY `+tb.name).Scan(&n); err != nil || n == 0 {
+			n := c.count(tb)
+			if n <= 0 {
 				continue
 			}
-			err := deleteOne(tb)
-			for _, o := range tables {
+			err := c.deleteOne(tb)
+			for _, o := range c.tables {
 				if err == nil {
 					o.gone = append(o.gone, o.pendingGone...)
 					o.blurred = o.blurred || o.pendingBlur
@@ -241,41 +312,49 @@ JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace
 				// a row of another table refers to it: after that one
 			case err != nil:
 				tb.reason = "DELETE failed: " + err.Error()
-			default:
-				var left int64
-				if conn.QueryRow(ctx, `SELECT count(*) FROM ONLY `+tb.name).Scan(&left) == nil && left < n {
-					progress = true
-				}
+			case c.count(tb) < n:
+				progress = true
 			}
 		}
 		if !progress {
-			break
+			return
 		}
 	}
-	var deleted int64
-	expected := map[string]int64{}
+}
+
+// count is tb's row count, -1 when it cannot be read.
+func (c *corpus) count(tb *corpusTable) int64 {
+	var n int64
+	if err := c.conn.QueryRow(c.ctx, `SELECT count(*) FROM ONLY `+tb.name).Scan(&n); err != nil {
+		return -1
+	}
+	return n
+}
+
+// expected is the number of rows deleted, and per stream name of a
+// published table the rows the archive must hold.
+func (c *corpus) expected() (deleted int64, expected map[string]int64) {
+	expected = map[string]int64{}
 	blurred := map[string]bool{}
-	for _, tb := range tables {
+	for _, tb := range c.tables {
 		blurred[tb.streamAs] = blurred[tb.streamAs] || tb.blurred
 	}
-	for _, tb := range tables {
-		if err := conn.QueryRow(ctx, `SELECT count(*) FROM ONLY `+tb.name).Scan(&tb.left); err != nil {
-			tb.left = -1
-		}
+	for _, tb := range c.tables {
+		tb.left = c.count(tb)
 		slices.Sort(tb.gone)
 		n := int64(len(tb.gone))
 		deleted += n
-		if published[tb.streamAs] && !blurred[tb.streamAs] {
+		if c.published[tb.streamAs] && !blurred[tb.streamAs] {
 			expected[tb.streamAs] += n
 		}
 	}
-	t.Logf("tables: %d, rows: %d, deleted: %d, published tables: %d", len(tables), total, deleted, len(published))
+	return deleted, expected
+}
 
-	// The archive: every deleted row of every published table.
-	tconn, err := pgx.Connect(ctx, target)
-	require.NoError(t, err)
-	defer tconn.Close(ctx)
-	var want int64
+// waitCorpusArchived waits (up to 10 minutes) until the archive holds, from
+// commit position from on, the expected rows per table; short names the
+// tables that fall short.
+func waitCorpusArchived(ctx context.Context, tconn *pgx.Conn, from string, expected map[string]int64) (got, want int64, short []string) {
 	for _, n := range expected {
 		want += n
 	}
@@ -283,30 +362,25 @@ JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace
 	deadline := time.Now().Add(10 * time.Minute)
 	for {
 		clear(archived)
+		var all int64
 		rows, err := tconn.Query(ctx, `SELECT schema_name || '.' || table_name, count(*) FROM archive.rows
 			WHERE source = 'main' AND commit_lsn > $1::pg_lsn GROUP BY 1`, from)
 		if err == nil {
-			var got int64
 			for rows.Next() {
 				var n string
 				var c int64
 				if rows.Scan(&n, &c) == nil {
 					archived[n] = c
-					got += c
+					all += c
 				}
 			}
 			rows.Close()
-			if got >= want {
-				break
-			}
 		}
-		if time.Now().After(deadline) {
+		if all >= want || time.Now().After(deadline) {
 			break
 		}
 		time.Sleep(time.Second)
 	}
-	var short []string
-	var got int64
 	for n, c := range expected {
 		got += min(archived[n], c)
 		if archived[n] < c {
@@ -314,19 +388,20 @@ JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace
 		}
 	}
 	sort.Strings(short)
-	t.Logf("archived: %d of the %d rows deleted from published tables", got, want)
+	return got, want, short
+}
 
-	// A copy of the schema, and every archived transaction restored into it,
-	// the last deleted first (a referenced table's rows before the rows
-	// referring to them).
+// loadSchemaCopy copies src's schema into copyURL (pg_dump --schema-only;
+// what it cannot create shows as a restore failure later). The copy holds
+// rows only: its event triggers, user triggers and rules (which add rows
+// elsewhere, or refuse them) are off.
+func loadSchemaCopy(ctx context.Context, t *testing.T, pg *testenv.Postgres, src, copyURL string) {
 	dump := exec.CommandContext(ctx, filepath.Join(pg.BinDir, "pg_dump"), "--schema-only", "--no-publications", "--no-subscriptions", src)
 	schema, err := dump.Output()
 	require.NoError(t, err, "pg_dump --schema-only")
 	load := exec.CommandContext(ctx, filepath.Join(pg.BinDir, "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=0", copyURL)
 	load.Stdin = strings.NewReader(string(schema))
-	_, _ = load.CombinedOutput() // what it cannot create shows as a restore failure below
-	// The copy holds rows only: its event triggers, user triggers and rules
-	// (which add rows elsewhere, or refuse them) are off.
+	_, _ = load.CombinedOutput()
 	testenv.Exec(t, copyURL, `DO $$ DECLARE e text; r record; BEGIN
 		FOR e IN SELECT evtname FROM pg_event_trigger LOOP EXECUTE format('DROP EVENT TRIGGER %I', e); END LOOP;
 		FOR r IN SELECT DISTINCT tgrelid::regclass AS rel FROM pg_trigger JOIN pg_class c ON c.oid = tgrelid
@@ -335,22 +410,29 @@ JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace
 		FOR r IN SELECT ev_class::regclass AS rel, rulename FROM pg_rewrite JOIN pg_class c ON c.oid = ev_class
 			WHERE rulename <> '_RETURN' AND c.relkind IN ('r', 'p') LOOP
 			EXECUTE format('ALTER TABLE %s DISABLE RULE %I', r.rel, r.rulename); END LOOP; END $$`)
-	rows, err = tconn.Query(ctx, `SELECT correlation_id FROM archive.rows WHERE source = 'main' AND commit_lsn > $1::pg_lsn
+}
+
+// restoreAll restores every archived transaction from commit position from
+// on into copyURL with projector restore, the last deleted first (a
+// referenced table's rows before the rows referring to them). cannot says,
+// per stream name, why a restore of its rows was refused.
+func restoreAll(ctx context.Context, t *testing.T, bin string, tconn *pgx.Conn, target, copyURL, from string) (cannot map[string]string) {
+	rows, err := tconn.Query(ctx, `SELECT correlation_id FROM archive.rows WHERE source = 'main' AND commit_lsn > $1::pg_lsn
 		GROUP BY 1 ORDER BY max(commit_lsn) DESC`, from)
 	require.NoError(t, err)
 	corrs, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
-	failed := map[string]string{}
-	cannot := map[string]string{} // stream table: why its restore failed
+	cannot = map[string]string{}
+	refused := 0
 	for _, c := range corrs {
-		p := exec.CommandContext(ctx, bins["projector"], "restore", "--correlation", c, "--source-url", copyURL, "--actor", "corpus")
+		p := exec.CommandContext(ctx, bin, "restore", "--correlation", c, "--source-url", copyURL, "--actor", "corpus")
 		p.Env = joinEnv(os.Environ(), "EPITAPH_TARGET_URL="+target, "EPITAPH_SOURCE_NAME=main")
 		res, err := p.CombinedOutput()
 		if err == nil {
 			continue
 		}
+		refused++
 		msg := strings.ReplaceAll(strings.TrimSpace(tail(string(res), 2)), "\n", " ")
-		failed[c] = msg
 		rows, err := tconn.Query(ctx, `SELECT DISTINCT schema_name || '.' || table_name FROM archive.rows WHERE correlation_id = $1`, c)
 		require.NoError(t, err)
 		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
@@ -359,23 +441,29 @@ JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace
 			cannot[n] = "restore refused: " + msg
 		}
 	}
-	t.Logf("restore: %d transactions, %d refused", len(corrs), len(failed))
+	t.Logf("restore: %d transactions, %d refused", len(corrs), refused)
+	return cannot
+}
 
-	// Compare by row text.
-	cconn, err := pgx.Connect(ctx, copyURL)
-	require.NoError(t, err)
-	defer cconn.Close(ctx)
-	var equal, compared int
-	var equalRows int64
-	var mismatches, notCompared []string
-	for _, tb := range tables {
+// corpusResult is the comparison of the restored copy with the deletes.
+type corpusResult struct {
+	compared, equal         int
+	equalRows               int64
+	mismatches, notCompared []string
+}
+
+// compare reads every table back from the copy and compares it, by row
+// text, with what the deletes removed.
+func (c *corpus) compare(cconn *pgx.Conn, cannot map[string]string) corpusResult {
+	var r corpusResult
+	for _, tb := range c.tables {
 		switch {
 		case tb.reason != "":
 		case len(tb.rows) == 0 && len(tb.gone) == 0:
 			continue
 		case tb.left != 0:
 			tb.reason = fmt.Sprintf("%d rows not deleted (a rule or trigger keeps them)", tb.left)
-		case !published[tb.streamAs]:
+		case !c.published[tb.streamAs]:
 			tb.reason = "not published by the capture"
 		case cannot[tb.streamAs] != "":
 			tb.reason = cannot[tb.streamAs]
@@ -383,38 +471,24 @@ JOIN pg_class r ON r.oid = l.relid JOIN pg_namespace n ON n.oid = r.relnamespace
 			tb.reason = "another table's trigger or rule changed its rows besides deleting some: what was deleted is not told by row text"
 		}
 		if tb.reason != "" {
-			notCompared = append(notCompared, fmt.Sprintf("%s: %s", tb.name, tb.reason))
+			r.notCompared = append(r.notCompared, fmt.Sprintf("%s: %s", tb.name, tb.reason))
 			continue
 		}
-		compared++
-		back, err := rowTexts(ctx, cconn, tb.name)
-		if err != nil {
-			mismatches = append(mismatches, fmt.Sprintf("%s: not in the copy: %v", tb.name, err))
-			continue
+		r.compared++
+		back, err := rowTexts(c.ctx, cconn, tb.name)
+		switch {
+		case err != nil:
+			r.mismatches = append(r.mismatches, fmt.Sprintf("%s: not in the copy: %v", tb.name, err))
+		case slices.Equal(back, tb.gone):
+			r.equal++
+			r.equalRows += int64(len(back))
+		default:
+			r.mismatches = append(r.mismatches, fmt.Sprintf("%s: %d rows deleted, %d restored, %s", tb.name, len(tb.gone), len(back), firstDiff(tb.gone, back)))
 		}
-		if slices.Equal(back, tb.gone) {
-			equal++
-			equalRows += int64(len(back))
-			continue
-		}
-		mismatches = append(mismatches, fmt.Sprintf("%s: %d rows deleted, %d restored, %s", tb.name, len(tb.gone), len(back), firstDiff(tb.gone, back)))
 	}
-	sort.Strings(mismatches)
-	sort.Strings(notCompared)
-	t.Logf("CORPUS: %d tables with rows, %d rows, %d deleted; %d archived of %d deleted from published tables; %d tables restored and compared: %d equal (%d rows), %d differ; %d not compared",
-		countWithRows(tables), total, deleted, got, want, compared, equal, equalRows, len(mismatches), len(notCompared))
-	for _, m := range mismatches {
-		t.Logf("  DIFFERS %s", m)
-	}
-	for _, m := range notCompared {
-		t.Logf("  not compared: %s", m)
-	}
-	for _, s := range append([]*supervised{capture}, workers...) {
-		t.Logf("%s", s.Stats())
-		require.Zero(t, s.selfExit, "%s exited on its own:\n%s", s.name, s.logTail(20))
-	}
-	require.Empty(t, short, "deleted rows of published tables missing from the archive")
-	require.Equal(t, compared, equal, "restored tables that differ")
+	sort.Strings(r.mismatches)
+	sort.Strings(r.notCompared)
+	return r
 }
 
 // corpusTables lists the regression database's tables with their stream
