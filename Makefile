@@ -19,7 +19,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build dist docs demo test test-deps test-pg-matrix vet lint fmt-check fuzz soak bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-scale clean
+.PHONY: all build dist docs demo test test-deps test-pg-matrix test-corpus vet lint fmt-check fuzz soak bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-scale clean
 
 all: build
 
@@ -78,6 +78,10 @@ test-deps:
 ## test-pg-matrix: the capture's value-type and replica-identity tests and the exactly-once e2e on PostgreSQL 14, 16, 17 and 18 (PG_MATRIX); a major without binaries is skipped outside CI.
 test-pg-matrix:
 	@GO=$(GO) bash scripts/test-pg-matrix.sh
+
+## test-corpus: PostgreSQL's regression suite (Debian's postgresql-15 source, fetched once) run against a captured source, then every row deleted, archived, restored into a schema copy and compared by row text. Not part of `make test`.
+test-corpus:
+	@GO=$(GO) bash scripts/test-corpus.sh
 
 vet:
 	$(GO) vet $(PKGS)

@@ -130,22 +130,69 @@ func (s *Service) reconcile(ctx context.Context) error {
 		return err
 	}
 	pub := pgx.Identifier{cfg.PublicationName}.Sanitize()
+	var busy []string // tables whose change waited too long for a lock: the next poll tries again
 	for _, t := range sel.unsafe {
 		if !current[t.oid] {
 			continue
 		}
 		if err := removeTable(ctx, s.pool, pub, t, reasonLostIdentity); err != nil {
+			if lockBusy(err) {
+				busy = append(busy, t.qualified())
+				continue
+			}
 			return err
 		}
 		s.m.tablesRemoved.Inc()
 		s.log.Warn("table removed from the publication: it lost its usable replica identity, so its deletes would fail; a gap is recorded and it is added again once it has one (a primary key, or REPLICA IDENTITY FULL)",
 			"table", t.qualified(), "relations", t.notFull)
 	}
+	added, err := s.addNewTables(ctx, pub, sel, current)
+	if err != nil {
+		return err
+	}
+	busy = append(busy, added...)
+	if len(busy) > 0 {
+		// Not remembered as known: the next poll handles them as new, gap
+		// included.
+		return fmt.Errorf("publication %s not changed for %s: another transaction (a prepared one, or a long migration) holds a lock it needs; retrying",
+			cfg.PublicationName, strings.Join(busy, ", "))
+	}
+	if err := s.addMoves(ctx, sel); err != nil {
+		return err
+	}
+	if err := s.cat.remember(ctx, sel.oids()); err != nil {
+		return err
+	}
+	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.sel, s.pubTables = sel, pubTables
+	s.mu.Unlock()
+	s.m.withoutFull.Set(float64(len(sel.keyOnly)))
+	return nil
+}
+
+// sqlCatalogLockTimeout bounds the wait of the capture's own publication
+// changes for a lock: a prepared transaction may hold the publication for
+// hours, and the catalog poll must keep serving every other table.
+const sqlCatalogLockTimeout = "SET LOCAL lock_timeout = '2s'"
+
+// lockBusy reports whether err is a lock wait that timed out.
+func lockBusy(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
+
+// addNewTables adds the selected tables the publication lacks (current);
+// busy lists those whose add waited too long for a lock.
+func (s *Service) addNewTables(ctx context.Context, pub string, sel *tableSelection, current map[uint32]bool) (busy []string, err error) {
 	for _, t := range sel.tables {
 		if current[t.oid] {
 			continue
 		}
-		if cfg.RefuseKeyOnly && t.identity != "full" {
+		if s.cfg.RefuseKeyOnly && t.identity != "full" {
 			if s.warnedOwner("key-only " + t.qualified()) {
 				s.log.Warn("new table not captured: it is not REPLICA IDENTITY FULL, its deletes would carry only the key", "table", t.qualified(),
 					"fix", "ALTER TABLE "+t.sanitized()+" REPLICA IDENTITY FULL, or restart the capture with --set-replica-identity-full or --allow-key-only")
@@ -165,7 +212,11 @@ func (s *Service) reconcile(ctx context.Context) error {
 			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
 				continue // dropped meanwhile, or added meanwhile (the DDL guard)
 			}
-			return fmt.Errorf("add %s to publication %s: %w", t.qualified(), cfg.PublicationName, err)
+			if lockBusy(err) {
+				busy = append(busy, t.qualified())
+				continue
+			}
+			return busy, fmt.Errorf("add %s to publication %s: %w", t.qualified(), s.cfg.PublicationName, err)
 		}
 		if lost > 0 {
 			s.log.Warn("new table had deletes before it was published: they are not captured; a gap naming it is recorded",
@@ -174,21 +225,7 @@ func (s *Service) reconcile(ctx context.Context) error {
 		s.m.tablesAdded.Inc()
 		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
 	}
-	if err := s.addMoves(ctx, sel); err != nil {
-		return err
-	}
-	if err := s.cat.remember(ctx, sel.oids()); err != nil {
-		return err
-	}
-	pubTables, err := publicationTables(ctx, s.pool, cfg.PublicationName)
-	if err != nil {
-		return err
-	}
-	s.mu.Lock()
-	s.sel, s.pubTables = sel, pubTables
-	s.mu.Unlock()
-	s.m.withoutFull.Set(float64(len(sel.keyOnly)))
-	return nil
+	return busy, nil
 }
 
 // warnedOwner reports whether a warning about table is due (once per
@@ -222,6 +259,9 @@ const reasonDeletedBefore = "deleted before it was published: rows were deleted 
 // a new table's deletes before it was published are never silent.
 func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo, fresh bool) (lost int64, err error) {
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlCatalogLockTimeout); err != nil {
+			return err
+		}
 		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.member()); err != nil {
 			return err
 		}
@@ -284,7 +324,14 @@ func (s *Service) addMoves(ctx context.Context, sel *tableSelection) error {
 		if t.kind != 'p' || !inPub[t.oid] || inMoves[t.oid] {
 			continue
 		}
-		if _, err := s.pool.Exec(ctx, "ALTER PUBLICATION "+moves+" ADD TABLE "+t.sanitized()); err != nil {
+		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, sqlCatalogLockTimeout); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "ALTER PUBLICATION "+moves+" ADD TABLE "+t.sanitized())
+			return err
+		})
+		if err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710" || pgErr.Code == "42704" || pgErr.Code == "42501") {
 				continue // dropped meanwhile, added meanwhile, no moves publication, or not ours to change (logged at start)
@@ -319,6 +366,9 @@ func removeTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableIn
 		return fmt.Errorf("encode gap of %s: %w", t.qualified(), err)
 	}
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlCatalogLockTimeout); err != nil {
+			return err
+		}
 		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" DROP TABLE "+t.sanitized()); err != nil {
 			return err
 		}
@@ -342,22 +392,41 @@ func guardFunction(pub string) string {
 	return pgx.Identifier{"epitaph", "ddl_guard_" + pub}.Sanitize()
 }
 
-// sqlDDLGuard is the DDL guard's function: at the end of every DDL command
-// it applies reconcile's rules to the publication (%[1]s: the publication's
-// name as a literal; %[2]s: the configured tables as a text[] literal, NULL
-// for every safe table; %[3]s: set FULL, true or false; %[4]s the gap
-// message prefix and %[5]s its reason, as literals; %[6]s the function;
-// %[7]s: whether a table that is not FULL may be added, true or false). SECURITY DEFINER: the
-// application's role may not own the publication, and its DDL must never
-// fail because of the guard.
+// sqlDDLGuard is the DDL guard's function: at the end of a DDL command that
+// can change what the publication may hold (the event trigger's tags,
+// guardTags) it applies reconcile's rules to the tables that command
+// touched (%[1]s: the publication's name as a literal; %[2]s: the
+// configured tables as a text[] literal, NULL for every safe table; %[3]s:
+// set FULL, true or false; %[4]s the gap message prefix and %[5]s its
+// reason, as literals; %[6]s the function; %[7]s: whether a table that is
+// not FULL may be added, true or false). SECURITY DEFINER: the
+// application's role may not own the publication.
+//
+// It runs inside the application's transaction, so it must never make that
+// DDL fail, wait or take measurably longer:
+//   - it looks only at the tables of the command (their partition root, an
+//     index's table; after DROP INDEX, the tables left with a replica
+//     identity index that is gone), in one query that finds nothing to do
+//     for most DDL;
+//   - lock_timeout is guardLockTimeout: a lock another session or a
+//     prepared transaction holds (the publication, after it changed it in
+//     a transaction still open) is given up at once, and the table is left
+//     to the capture's catalog poll;
+//   - every error is caught and becomes a WARNING (a lock given up, a
+//     NOTICE).
+//
+// A table it leaves is published by the catalog poll once the lock is
+// gone, with a gap naming it when rows were deleted from it before.
 const sqlDDLGuard = `
 CREATE OR REPLACE FUNCTION %[6]s() RETURNS event_trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $guard$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog SET lock_timeout = '` + guardLockTimeout + `' AS $guard$
 DECLARE
   v_pub     constant text    := %[1]s;
   wanted    constant text[]  := %[2]s;
   set_full  constant boolean := %[3]s;
   key_ok    constant boolean := %[7]s;
+  v_pub_oid oid;
+  targets oid[];
   t record;
   l record;
   unsafe boolean;
@@ -366,75 +435,123 @@ BEGIN
   IF current_setting('epitaph.ddl_guard_running', true) = 'on' THEN
     RETURN;
   END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pg_publication.pubname = v_pub) THEN
-    RETURN;
-  END IF;
-  PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
-  -- Candidates: published tables, and tables that fit the configuration.
-  FOR t IN
-    SELECT c.oid, n.nspname, c.relname, c.relkind,
-           EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-                   WHERE p.pubname = v_pub AND pr.prrelid = c.oid) AS published
-    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-    WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
-      AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
-      AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$'
-      AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
-      AND (wanted IS NULL OR n.nspname || '.' || c.relname = ANY (wanted)
-           OR EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-                      WHERE p.pubname = v_pub AND pr.prrelid = c.oid))
-  LOOP
-    unsafe := false;
-    all_full := true;
-    FOR l IN
-      SELECT r.oid, rn.nspname, r.relname, r.relreplident,
-             EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
-             EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
-      FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace
-      WHERE r.oid = t.oid OR r.oid IN (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf)
+  BEGIN
+    SELECT p.oid INTO v_pub_oid FROM pg_publication p WHERE p.pubname = v_pub;
+    IF v_pub_oid IS NULL THEN
+      RETURN;
+    END IF;
+    IF TG_TAG = 'DROP INDEX' THEN
+      -- A replica identity index dropped: the tables left without it.
+      targets := ARRAY(
+        SELECT r.oid FROM pg_class r
+        WHERE r.relreplident = 'i' AND r.relkind IN ('r', 'p')
+          AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident));
+    ELSE
+      targets := ARRAY(
+        SELECT COALESCE((SELECT i.indrelid FROM pg_index i WHERE i.indexrelid = d.objid), d.objid)
+        FROM pg_event_trigger_ddl_commands() d WHERE d.classid = 'pg_class'::regclass);
+    END IF;
+    IF cardinality(targets) = 0 THEN
+      RETURN;
+    END IF;
+    targets := ARRAY(SELECT DISTINCT COALESCE(pg_partition_root(x), x) FROM unnest(targets) x);
+    -- The tables the command touched that need a change: most DDL finds
+    -- none here.
+    FOR t IN
+      SELECT c.oid, n.nspname, c.relname, c.relkind, s.published
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+      CROSS JOIN LATERAL (
+        SELECT EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prpubid = v_pub_oid AND pr.prrelid = c.oid) AS published,
+               bool_or(r.relreplident <> 'f') AS not_full,
+               bool_or(NOT (r.relreplident = 'f'
+                            OR (r.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary))
+                            OR (r.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident)))) AS unsafe
+        FROM pg_class r
+        WHERE r.oid = ANY (CASE WHEN c.relkind = 'p' THEN c.oid || ARRAY(SELECT relid FROM pg_partition_tree(c.oid) WHERE isleaf)
+                                ELSE ARRAY[c.oid] END)) s
+      WHERE c.oid = ANY (targets)
+        AND c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
+        AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
+        AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$'
+        AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
+        AND (wanted IS NULL OR n.nspname || '.' || c.relname = ANY (wanted) OR s.published)
+        AND ((set_full AND s.not_full) OR (s.unsafe AND s.published)
+             OR (NOT s.unsafe AND NOT s.published AND (key_ok OR NOT s.not_full)))
     LOOP
-      IF l.relreplident <> 'f' AND set_full THEN
-        BEGIN
-          -- Recorded first, for capture uninstall: never FULL without it.
-          INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
-          VALUES (v_pub, l.oid, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
-                  (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
-                    WHERE i.indrelid = l.oid AND i.indisreplident))
-          ON CONFLICT (publication, relid) DO NOTHING;
-          EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
-          RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
-          CONTINUE;
-        EXCEPTION WHEN OTHERS THEN
-          RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
-        END;
-      END IF;
-      IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
-        unsafe := true;
-      END IF;
-      IF l.relreplident <> 'f' THEN
-        all_full := false;
-      END IF;
+      PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
+      unsafe := false;
+      all_full := true;
+      FOR l IN
+        SELECT r.oid, rn.nspname, r.relname, r.relreplident,
+               EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
+               EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
+        FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace
+        WHERE r.oid = ANY (CASE WHEN t.relkind = 'p' THEN t.oid || ARRAY(SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf)
+                                ELSE ARRAY[t.oid] END)
+      LOOP
+        IF l.relreplident <> 'f' AND set_full THEN
+          BEGIN
+            -- Recorded first, for capture uninstall: never FULL without it.
+            INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
+            VALUES (v_pub, l.oid, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
+                    (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+                      WHERE i.indrelid = l.oid AND i.indisreplident))
+            ON CONFLICT (publication, relid) DO NOTHING;
+            EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
+            RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
+            CONTINUE;
+          EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE 'epitaph: %%.%% is in use by another transaction: REPLICA IDENTITY FULL is left to the capture', l.nspname, l.relname;
+          WHEN OTHERS THEN
+            RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
+          END;
+        END IF;
+        IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
+          unsafe := true;
+        END IF;
+        IF l.relreplident <> 'f' THEN
+          all_full := false;
+        END IF;
+      END LOOP;
+      BEGIN
+        IF unsafe AND t.published THEN
+          EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
+          PERFORM pg_logical_emit_message(true, %[4]s,
+            json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
+          RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
+        ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
+          -- ONLY: an inheritance parent's children are candidates of their own.
+          EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
+            CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
+        END IF;
+      EXCEPTION WHEN lock_not_available THEN
+        IF unsafe THEN
+          RAISE WARNING 'epitaph: %%.%% has no usable replica identity but publication %% is in use by another transaction: its DELETEs fail until the capture''s catalog poll removes it, once that transaction ends', t.nspname, t.relname, v_pub;
+        ELSE
+          RAISE NOTICE 'epitaph: publication %% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, t.nspname, t.relname;
+        END IF;
+      WHEN OTHERS THEN
+        RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
+      END;
     END LOOP;
-    -- The application's DDL never fails because of the guard: a step
-    -- that fails is a warning, and the catalog poll tries again.
-    BEGIN
-      IF unsafe AND t.published THEN
-        EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
-        PERFORM pg_logical_emit_message(true, %[4]s,
-          json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
-        RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
-      ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
-        -- ONLY: an inheritance parent's children are candidates of their own.
-        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
-          CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
-      END IF;
-    EXCEPTION WHEN OTHERS THEN
-      RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
-    END;
-  END LOOP;
-  PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
+    PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
+  EXCEPTION WHEN lock_not_available THEN
+    RAISE NOTICE 'epitaph: DDL guard skipped, a catalog is in use: the capture''s catalog poll takes over';
+  WHEN OTHERS THEN
+    -- The application's DDL never fails because of the guard.
+    RAISE WARNING 'epitaph: DDL guard skipped: %%', SQLERRM;
+  END;
 END
 $guard$`
+
+// guardLockTimeout is the guard's lock_timeout: the least PostgreSQL
+// takes, so a lock held elsewhere is given up at once (NOWAIT).
+const guardLockTimeout = "1ms"
+
+// guardTags are the commands the guard runs after: the ones that create a
+// table, change a table's key, identity, partitions, schema or name, or
+// drop an index (a replica identity index). Any other DDL pays nothing.
+var guardTags = []string{"CREATE TABLE", "CREATE TABLE AS", "SELECT INTO", "ALTER TABLE", "DROP INDEX"}
 
 // installDDLGuard (re)creates the DDL guard of cfg's publication: its
 // function in schema epitaph and an event trigger on ddl_command_end. It
@@ -465,6 +582,11 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
 		fmt.Sprint(!cfg.RefuseKeyOnly))
 	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
+	var tags []string
+	for _, tag := range guardTags {
+		tags = append(tags, pgquote.Literal(tag))
+	}
+	tagList := strings.Join(tags, ", ")
 	stmts := []string{"CREATE SCHEMA IF NOT EXISTS epitaph"}
 	if cfg.SetReplicaIdentityFull {
 		stmts = append(stmts, sqlIdentityTable) // where the guard records what it sets FULL
@@ -473,7 +595,7 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		for _, stmt := range append(stmts,
 			fn,
 			"DROP EVENT TRIGGER IF EXISTS "+trigger,
-			"CREATE EVENT TRIGGER "+trigger+" ON ddl_command_end EXECUTE FUNCTION "+guardFunction(cfg.PublicationName)+"()",
+			"CREATE EVENT TRIGGER "+trigger+" ON ddl_command_end WHEN TAG IN ("+tagList+") EXECUTE FUNCTION "+guardFunction(cfg.PublicationName)+"()",
 		) {
 			if _, err := tx.Exec(ctx, stmt); err != nil {
 				return err

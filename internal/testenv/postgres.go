@@ -287,6 +287,7 @@ max_wal_size = 4GB
 wal_sender_timeout = 60s
 log_min_messages = warning
 logical_decoding_work_mem = 64MB
+max_prepared_transactions = 16
 `, port, root)
 	f, err := os.OpenFile(filepath.Join(pg.DataDir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
