@@ -114,6 +114,8 @@ type row struct {
 	schema, table string
 	key, image    string
 	refs          []event.Ref
+	// columns are the event's column types; none: only id, a bigint key.
+	columns []event.Column
 }
 
 // txn is a published source transaction.
@@ -153,10 +155,13 @@ func (e *env) messages(tx *txn) []*nats.Msg {
 	var out []*nats.Msg
 	tables := map[string]int{}
 	for i, r := range tx.rows {
+		cols := r.columns
+		if cols == nil {
+			cols = []event.Column{{Name: "id", Type: "bigint", PK: true}}
+		}
 		ev := &event.Event{Op: event.OpDelete, Source: src, Schema: r.schema, Table: r.table, XID: tx.xid,
-			CommitLSN: tx.lsn, CommitTime: tx.time, Seq: i, Identity: event.IdentityFull,
-			Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}},
-			Key:     json.RawMessage(r.key), Row: json.RawMessage(r.image), Refs: r.refs}
+			CommitLSN: tx.lsn, CommitTime: tx.time, Seq: i, Identity: event.IdentityFull, Columns: cols,
+			Key: json.RawMessage(r.key), Row: json.RawMessage(r.image), Refs: r.refs}
 		tables[r.schema+"."+r.table]++
 		out = append(out, e.msg(event.DeleteSubject(src, tx.partition, r.schema, r.table), event.MsgID(src, tx.lsn, i), ev))
 	}

@@ -7,12 +7,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/projection/version"
+	"github.com/epitaph-dev/epitaph/restore"
 )
 
 // legacyArchiveDDL is archive v1 as an earlier release left it: one
@@ -140,6 +144,93 @@ func TestEraseAcrossPartitions(t *testing.T) {
 		"archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:order_lines:3000",
 		"archive_v1.rows_p20261001:order_lines:3001", "archive_v1.rows_p20261001:orders:3",
 	}, keysOf(t, c, where))
+}
+
+// Rows archived in three months, so three partitions, are restored from
+// two of them into the source, each restored row equal to its archived
+// image; an erasure then removes one customer's rows from the first and
+// the last month and leaves the other's, and an erased transaction can no
+// longer be restored.
+func TestRestoreAndEraseAcrossPartitions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srcURL := testenv.NewDatabase(t)
+	testenv.Exec(t, srcURL, `CREATE TABLE public.customers (id bigint PRIMARY KEY, email text NOT NULL);
+		CREATE TABLE public.orders (id bigint PRIMARY KEY, customer_id bigint NOT NULL REFERENCES public.customers, note text)`)
+	source, err := pgx.Connect(ctx, testenv.NoSearchPath(srcURL))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = source.Close(context.Background()) })
+	e := newEnv(t, 2)
+	e.start(retentionConfig(e, "w1"))
+
+	// A customer and one order, deleted in one transaction at "at".
+	customerCols := []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "email", Type: "text"}}
+	orderCols := []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "customer_id", Type: "bigint"}, {Name: "note", Type: "text"}}
+	deleted := func(customer int, email string, order int, at time.Time) *txn {
+		tx := e.nextTx(
+			row{schema: "public", table: "customers", key: fmt.Sprintf(`{"id":%d}`, customer),
+				image: fmt.Sprintf(`{"id":%d,"email":%q}`, customer, email), columns: customerCols},
+			row{schema: "public", table: "orders", key: fmt.Sprintf(`{"id":%d}`, order),
+				image:   fmt.Sprintf(`{"id":%d,"customer_id":%d,"note":"order %d of %s"}`, order, customer, order, email),
+				columns: orderCols,
+				refs:    []event.Ref{{Columns: []string{"customer_id"}, Schema: "public", Table: "customers", RefColumns: []string{"id"}}}})
+		tx.time = at
+		return tx
+	}
+	sep := deleted(42, "ann@example.com", 1, time.Date(2026, 9, 3, 8, 0, 0, 0, time.UTC))
+	oct := deleted(43, "bob@example.com", 3, time.Date(2026, 10, 3, 8, 0, 0, 0, time.UTC))
+	nov := deleted(42, "ann@example.com", 5, time.Date(2026, 11, 3, 8, 0, 0, 0, time.UTC))
+	for _, tx := range []*txn{sep, oct, nov} {
+		e.publish(tx)
+	}
+	e.heartbeat()
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 6 })
+	where := `SELECT tableoid::regclass::text || ':' || table_name || ':' || (key->>'id') FROM archive_v1.rows ORDER BY 1`
+	require.Equal(t, []string{
+		"archive_v1.rows_p20260901:customers:42", "archive_v1.rows_p20260901:orders:1",
+		"archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:orders:3",
+		"archive_v1.rows_p20261101:customers:42", "archive_v1.rows_p20261101:orders:5",
+	}, keysOf(t, c, where))
+	corr := func(tx *txn) string {
+		t.Helper()
+		var id string
+		require.NoError(t, c.QueryRow(ctx, `SELECT DISTINCT correlation_id FROM archive.rows WHERE xid = $1`, tx.xid).Scan(&id))
+		return id
+	}
+
+	target := newPool(t, e.url)
+	for _, tx := range []*txn{sep, oct} {
+		res, err := restore.Run(ctx, target, source, restore.Config{Source: src, CorrelationID: corr(tx), Actor: "dpo"})
+		require.NoError(t, err)
+		require.Equal(t, restore.OutcomeRestored, res.Outcome)
+		require.Equal(t, 2, res.Restored, "the customer and its order of %s", tx.time.Format(time.DateOnly))
+	}
+	// Row by row: the source now holds exactly the archived images of
+	// September's and October's rows.
+	rows, err := source.Query(ctx, `SELECT 'customers ' || to_jsonb(c)::text FROM public.customers c
+		UNION ALL SELECT 'orders ' || to_jsonb(o)::text FROM public.orders o ORDER BY 1`)
+	require.NoError(t, err)
+	inSource, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, keysOf(t, c, `SELECT table_name || ' ' || row::text FROM archive.rows WHERE correlation_id = ANY($1) ORDER BY 1`,
+		[]string{corr(sep), corr(oct)}), inSource)
+	require.Equal(t, []string{
+		`customers {"id": 42, "email": "ann@example.com"}`, `customers {"id": 43, "email": "bob@example.com"}`,
+		`orders {"id": 1, "note": "order 1 of ann@example.com", "customer_id": 42}`,
+		`orders {"id": 3, "note": "order 3 of bob@example.com", "customer_id": 43}`,
+	}, inSource)
+
+	sepCorr := corr(sep)
+	rc, err := erasure.Erase(ctx, target, erasure.EraseOptions{Table: "public.customers",
+		Match: json.RawMessage(`{"email":"ann@example.com"}`), WithChildren: true, Reason: "request 12", Actor: "dpo"})
+	require.NoError(t, err)
+	require.Equal(t, 4, rc.Removed["archive_v1.rows"], "ann and her orders, in September and November")
+	require.Equal(t, []string{"archive_v1.rows_p20261001:customers:43", "archive_v1.rows_p20261001:orders:3"}, keysOf(t, c, where))
+	_, err = restore.Run(ctx, target, source, restore.Config{Source: src, CorrelationID: sepCorr, Actor: "dpo", OnConflict: restore.OnConflictSkip})
+	var cannot *restore.CannotError
+	require.ErrorAs(t, err, &cannot, "an erased transaction is not restored")
+	require.Contains(t, err.Error(), "no archived rows of "+sepCorr+" match")
 }
 
 // A partition that cannot be made (a reader holds the rows table) never
