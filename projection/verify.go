@@ -688,9 +688,6 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 	}
 	if first > from {
 		c, err := w.stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-			// Named after the partition's own consumer, so a listing of
-			// the stream's consumers says whose it is.
-			NamePrefix:     w.lease.GroupConsumerName(w.group) + "-read",
 			FilterSubjects: []string{w.filter},
 			DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
 			OptStartSeq:    from,
