@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -227,4 +229,25 @@ func TestSeqTableOfAnotherRole(t *testing.T) {
 	require.NoError(t, svc.Stop(context.Background()))
 	require.NoError(t, svc.Wait())
 	require.Equal(t, "4", queryString(t, e.db, `SELECT seq::text FROM epitaph.capture_partition_seqs WHERE stream = 'EPITAPH_MAIN' AND partition = 0`))
+}
+
+// A data dir that does not exist yet, beside an external broker and a
+// signing key kept elsewhere: the capture makes it, writes the public key
+// there and records the partition sequences in it at its confirmations
+// (it used to log "cannot record the partition sequences" at every one).
+func TestDataDirMadeForAnExternalBroker(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE items (id int PRIMARY KEY); ALTER TABLE items REPLICA IDENTITY FULL;
+		INSERT INTO items SELECT generate_series(1, 4)`)
+	dir := filepath.Join(t.TempDir(), "not", "yet")
+	key := filepath.Join(t.TempDir(), "signing.key")
+	e.start(t, func(c *Config) { c.Partitions = 1; c.Tables = []string{"items"}; c.DataDir = dir; c.SigningKey = key })
+	e.exec(t, `DELETE FROM items`)
+	require.Eventually(t, func() bool {
+		b, err := os.ReadFile(seqFile(dir, "main"))
+		return err == nil && strings.Contains(string(b), `"seqs":[5]`)
+	}, 60*time.Second, 50*time.Millisecond, "the partition sequences recorded in the data dir")
+	_, err := os.Stat(filepath.Join(dir, "signing.pub"))
+	require.NoError(t, err, "the public key beside them")
 }

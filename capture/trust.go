@@ -6,6 +6,7 @@ import (
 	"crypto/ed25519"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -552,6 +553,13 @@ func (c *Config) signingKeyPath() string {
 // loadKey loads or creates the signing key, writes <data-dir>/signing.pub
 // when the key is elsewhere, and logs the public key and its id.
 func (s *Service) loadKey() error {
+	// The data dir holds the partition sequences' record too: made here,
+	// not left to the embedded server, which an external broker skips.
+	if s.cfg.DataDir != "" {
+		if err := os.MkdirAll(s.cfg.DataDir, 0o700); err != nil {
+			return configErr("data directory %s: %v", s.cfg.DataDir, err)
+		}
+	}
 	path := s.cfg.signingKeyPath()
 	priv, err := event.LoadOrCreateSigningKey(path)
 	if err != nil {
