@@ -421,9 +421,15 @@ func TestSoakWholeSystem(t *testing.T) {
 	// webhook.
 	s.finalDeliveries()
 
+	var deleted int64 // rows deleted at the source, last sampled
+	s.mu.Lock()
+	if len(s.history) > 0 {
+		deleted = s.history[len(s.history)-1].deleted
+	}
+	s.mu.Unlock()
 	readyMu.Lock()
-	t.Logf("soak %s over %d phases: actions %v; readiness samples %v; webhook requests=%d failed=%d hung=%d accepted ids=%d",
-		time.Since(start).Round(time.Second), phases, s.counts, readySamples, hook.requests, hook.failed, hook.hung, len(hook.ids))
+	t.Logf("soak %s over %d phases: deleted rows=%d; actions %v; readiness samples %v; webhook requests=%d failed=%d hung=%d accepted ids=%d",
+		time.Since(start).Round(time.Second), phases, deleted, s.counts, readySamples, hook.requests, hook.failed, hook.hung, len(hook.ids))
 	readyMu.Unlock()
 	t.Logf("%s", capture.Stats())
 	for _, tg := range s.targets {
