@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strconv"
 	"sync"
 	"testing"
@@ -24,12 +25,20 @@ import (
 // confirmed_flush_lsn every second: each commit must be confirmed within
 // the broker sync interval plus a second (and some slack for the test's
 // own timing) of being made, whatever comes after it. The confirm lag
-// gauge stays within the same bound. Embedded and external broker.
+// gauge stays within the same bound. Embedded and external broker. The
+// traffic lasts EPITAPH_CONFIRM_TRAFFIC (a Go duration, default 60s).
 func TestConfirmedFollowsSteadyTraffic(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs capture processes")
 	}
 	t.Parallel()
+	traffic := time.Minute
+	if v := os.Getenv("EPITAPH_CONFIRM_TRAFFIC"); v != "" {
+		d, err := time.ParseDuration(v)
+		require.NoError(t, err, "EPITAPH_CONFIRM_TRAFFIC")
+		require.GreaterOrEqual(t, d, 15*time.Second, "EPITAPH_CONFIRM_TRAFFIC: at least 15s, for samples past the bound")
+		traffic = d
+	}
 	bin := buildCapture(t)
 	for _, external := range []bool{false, true} {
 		name := "embedded"
@@ -38,16 +47,15 @@ func TestConfirmedFollowsSteadyTraffic(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			confirmUnderSteadyTraffic(t, bin, external)
+			confirmUnderSteadyTraffic(t, bin, external, traffic)
 		})
 	}
 }
 
-func confirmUnderSteadyTraffic(t *testing.T, bin string, external bool) {
+func confirmUnderSteadyTraffic(t *testing.T, bin string, external bool, traffic time.Duration) {
 	const (
 		syncInterval = 2 * time.Second
 		every        = 100 * time.Millisecond
-		traffic      = 25 * time.Second
 		// The promise is sync interval + 1s after the acknowledgement;
 		// the slack covers decoding, publishing, the status update and
 		// the one-second sampling on a loaded machine.
@@ -97,7 +105,7 @@ func confirmUnderSteadyTraffic(t *testing.T, bin string, external bool) {
 		mu      sync.Mutex
 		commits []commit
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), traffic+2*time.Minute)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, db)
 	require.NoError(t, err)

@@ -31,47 +31,10 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
 
-// purgeInsideSharedTx lets the soak erase with --purge-stream rows whose
-// source transaction also holds rows nobody erased. Off while such a purge
-// makes the next rebuild quarantine the transaction's other rows as
-// unauthenticated (a known defect being fixed); with it off, only rows
-// whose whole transaction is erased are purged, the others fenced only.
-const purgeInsideSharedTx = true
-
-// rebuildAfterPurgeFixed lets the soak purge before its rebuild. Off while
-// a rebuilt version quarantines the commit of a wholly purged transaction
-// as unauthenticated ("commit of a transaction none of whose rows is in
-// the stream") and records the purge as a blocking removed_from_stream gap,
-// so it never becomes ready (the known erasure-versus-signed-transactions
-// defect being fixed); with it off, purges start once the rebuild is done.
-const rebuildAfterPurgeFixed = true
-
-// eraseInsideSharedTx lets the soak erase an order whose source transaction
-// holds other orders too. Fenced erasures inside a shared transaction now
-// leave the other documents complete (each version discounts the rows it
-// will never hold), but one with --purge-stream before a rebuild reached the
-// transaction still leaves the rebuild's other documents pending ("public.orders
-// has 25 of 26 rows") and the version in catching_up: the rebuild never sees
-// the purged rows, so nothing discounts them. Off until that is fixed; off,
-// only orders whose whole transaction goes are erased.
-const eraseInsideSharedTx = false
-
-// readyAfterRestartFixed: archive.status.ready may read true after a worker
-// starts and before it has measured its lag (a known defect, fixed on
-// another branch). While false, readiness samples taken within
-// readyRestartGrace of a start of one of the target's workers are not
-// judged.
-const readyAfterRestartFixed = true
-
 // readyGrace: a sample is a violation only for rows whose deletes committed
 // at least this long before it (the capture's publish, the workers' lag
 // sample every 5 s and its application all take time).
 const readyGrace = 20 * time.Second
-
-// readyRestartGrace covers the defect's window: a killed worker's leases
-// expire (3 s), the partitions start again and their lag is sampled
-// (every 5 s).
-const readyRestartGrace = 12 * time.Second
 
 // soakReadyMaxLag is the workers' --ready-max-lag: small, so the readiness
 // check is sharp, but above the heartbeats an idle stream always has in
@@ -241,7 +204,6 @@ type soak struct {
 	last     []archRow // the first target's archive at the last checkpoint
 	counts   map[string]int
 	purgedAt time.Time
-	rebuilt  bool // the rebuild, compare, promote and rollback are done
 	tried    map[string]bool
 }
 
@@ -430,10 +392,13 @@ func TestSoakWholeSystem(t *testing.T) {
 		})
 	}()
 
-	phases := max(3, int(duration/(20*time.Second)))
+	// Phases of 20 s, and of a minute or more past 30 phases: each
+	// checkpoint reads everything so far (the oracle, both archives, the
+	// stream), so a long soak spends its time on phases, not checkpoints.
+	phases := max(3, min(int(duration/(20*time.Second)), max(30, int(duration/time.Minute))))
 	phaseLen := duration / time.Duration(phases)
-	// The rebuild comes early: the first phase has nothing to erase, and
-	// purges wait for it (rebuildAfterPurgeFixed).
+	// The rebuild comes early, after the first phases' purges (of rows
+	// inside shared transactions too), which it never sees in the stream.
 	rebuildAt := 1
 	start := time.Now()
 	for p := range phases {
@@ -456,9 +421,15 @@ func TestSoakWholeSystem(t *testing.T) {
 	// webhook.
 	s.finalDeliveries()
 
+	var deleted int64 // rows deleted at the source, last sampled
+	s.mu.Lock()
+	if len(s.history) > 0 {
+		deleted = s.history[len(s.history)-1].deleted
+	}
+	s.mu.Unlock()
 	readyMu.Lock()
-	t.Logf("soak %s over %d phases: actions %v; readiness samples %v; webhook requests=%d failed=%d hung=%d accepted ids=%d",
-		time.Since(start).Round(time.Second), phases, s.counts, readySamples, hook.requests, hook.failed, hook.hung, len(hook.ids))
+	t.Logf("soak %s over %d phases: deleted rows=%d; actions %v; readiness samples %v; webhook requests=%d failed=%d hung=%d accepted ids=%d",
+		time.Since(start).Round(time.Second), phases, deleted, s.counts, readySamples, hook.requests, hook.failed, hook.hung, len(hook.ids))
 	readyMu.Unlock()
 	t.Logf("%s", capture.Stats())
 	for _, tg := range s.targets {
@@ -694,9 +665,12 @@ func (s *soak) retrySource(f func(context.Context) error) error {
 	})
 }
 
-// candidates are the orders of the first target's archive at the last
-// checkpoint that may be erased: not erased, not restored, under no hold.
-func (s *soak) eraseCandidate(rng *rand.Rand, needWhole bool) (int64, []archRow, bool, bool) {
+// eraseCandidate picks an order of the first target's archive at the last
+// checkpoint that may be erased (not erased, not restored, under no hold),
+// with shared one whose source transaction holds other rows when there is
+// one, and returns it, what erasing it with its children removes, and
+// whether that is the whole of its source transaction.
+func (s *soak) eraseCandidate(rng *rand.Rand, shared bool) (int64, []archRow, bool, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	restoredLSN := map[string]bool{}
@@ -715,6 +689,11 @@ func (s *soak) eraseCandidate(rng *rand.Rand, needWhole bool) (int64, []archRow,
 	}
 	sort.Slice(orders, func(i, j int) bool { return orders[i] < orders[j] })
 	rng.Shuffle(len(orders), func(i, j int) { orders[i], orders[j] = orders[j], orders[i] })
+	type candidate struct {
+		order int64
+		set   []archRow
+	}
+	var fallback *candidate // a whole transaction, when shared finds none
 	for _, o := range orders {
 		set := erasedSet(s.last, o)
 		ok := true
@@ -728,6 +707,9 @@ func (s *soak) eraseCandidate(rng *rand.Rand, needWhole bool) (int64, []archRow,
 			inSet[r.rowKey] = true
 			lsns[r.commitLSN] = true
 		}
+		if !ok {
+			continue
+		}
 		// The whole transaction erased?
 		whole := true
 		for _, r := range s.last {
@@ -736,9 +718,16 @@ func (s *soak) eraseCandidate(rng *rand.Rand, needWhole bool) (int64, []archRow,
 				break
 			}
 		}
-		if ok && (whole || !needWhole) {
-			return o, set, whole, true
+		if whole && shared {
+			if fallback == nil {
+				fallback = &candidate{o, set}
+			}
+			continue
 		}
+		return o, set, whole, true
+	}
+	if fallback != nil {
+		return fallback.order, fallback.set, true, true
 	}
 	return 0, nil, false, false
 }
@@ -781,12 +770,18 @@ func erasedSet(rows []archRow, o int64) []archRow {
 	return out
 }
 
-// erase erases an archived order with its children on every target (purged
-// from the stream when its whole transaction goes, or always with
-// purgeInsideSharedTx); with hold, a legal hold on it first makes the
-// erasure refused (exit 3) and is removed again, the order kept.
+// erase erases an archived order with its children on every target, most
+// often purged from the stream too, whether its source transaction holds
+// other rows or not; the first purge is of an order inside a transaction
+// that holds others when there is one (before the rebuild: erasures start
+// in the phase that ends with it). With hold, a legal hold on the order
+// first makes the erasure refused (exit 3) and is removed again, the order
+// kept.
 func (s *soak) erase(rng *rand.Rand, hold bool) bool {
-	o, set, whole, ok := s.eraseCandidate(rng, !hold && !eraseInsideSharedTx)
+	s.mu.Lock()
+	first := !hold && s.counts["erase-purged"] == 0
+	s.mu.Unlock()
+	o, set, whole, ok := s.eraseCandidate(rng, first)
 	if !ok {
 		return false
 	}
@@ -816,12 +811,8 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 		}
 		return true
 	}
-	// Stream messages go only with the whole transaction (or with
-	// purgeInsideSharedTx); otherwise the erasure only fences.
-	s.mu.Lock()
-	mayPurge := rebuildAfterPurgeFixed || s.rebuilt
-	s.mu.Unlock()
-	purge := (whole || purgeInsideSharedTx) && mayPurge && rng.IntN(3) > 0
+	// Two in three purge the stream's messages; the others only fence.
+	purge := first || rng.IntN(3) > 0
 	var at time.Time // when the first target, the webhook's, finished erasing
 	for i, tg := range s.targets {
 		args := []string{"erase", "--table", "public.orders", "--key", key, "--with-children", "--reason", "soak", "--yes"}
@@ -845,6 +836,12 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 	if purge {
 		s.purgedAt = at
 		s.counts["erase-purged"]++
+		if !whole {
+			if s.counts["erase-purged-shared-tx"] == 0 {
+				s.t.Logf("order %d erased with --purge-stream inside a transaction that holds other rows (%d rows erased)", o, len(set))
+			}
+			s.counts["erase-purged-shared-tx"]++
+		}
 	}
 	s.counts["erased-rows"] += len(set)
 	for _, tg := range s.targets {
@@ -982,8 +979,7 @@ func (s *soak) sampleReadiness(ctx context.Context, counted func(string)) {
 					break
 				}
 			}
-			judged := want >= 0 && !recent(s.kills["capture"], now, readyGrace+10*time.Second) &&
-				(readyAfterRestartFixed || !recent(s.kills[tg.name], now, readyRestartGrace))
+			judged := want >= 0 && !recent(s.kills["capture"], now, readyGrace+10*time.Second)
 			phase := s.phase
 			s.mu.Unlock()
 			conn := conns[tg.name]
@@ -1101,9 +1097,6 @@ func (s *soak) checkpoint(rebuild bool) {
 		return
 	}
 	s.note("rollback")
-	s.mu.Lock()
-	s.rebuilt = true
-	s.mu.Unlock()
 	s.checkAll()
 }
 
@@ -1331,14 +1324,24 @@ func (s *soak) checkErasedGone(tg *soakTarget, erased map[rowKey]*erasedRow) {
 			ON convert_from(q.data, 'UTF8') LIKE '%' || split_part(e.t, '.', 2) || '%' AND convert_from(q.data, 'UTF8') ~ ('"id": ?' || e.id || '[,}]')`,
 		"delivery payload": `SELECT e.t || ' id=' || e.id || ' gen=' || e.gen || ' delivery ' || d.id FROM soak_erased e JOIN epitaph.deliveries d
 			ON d.commit_lsn = e.lsn AND d.seq = e.seq WHERE d.payload IS NOT NULL`,
-		"snapshot": `SELECT e.t || ' id=' || e.id || ' gen=' || e.gen FROM soak_erased e JOIN archive.snapshots s
-			ON jsonb_path_exists(to_jsonb(s), 'strict $.** ? (@.id == $id && @.customer_id == $c)', jsonb_build_object('id', e.id, 'c', e.cust))
+		// Every object of every document that has an id and a
+		// customer_id, read once (joined by hash, not evaluated per
+		// erased row and document).
+		"snapshot": `WITH o AS (
+			SELECT DISTINCT x->'id' AS id, x->'customer_id' AS c
+			  FROM archive.snapshots s, jsonb_path_query(to_jsonb(s), 'strict $.** ? (exists(@.id) && exists(@.customer_id))') AS x)
+			SELECT e.t || ' id=' || e.id || ' gen=' || e.gen FROM soak_erased e JOIN o ON o.id = to_jsonb(e.id) AND o.c = to_jsonb(e.cust)
 			WHERE e.t = 'public.orders'`,
 	}
 	for _, sc := range schemas {
+		// By position, or by table, id and generation: two joins (one
+		// with an OR would compare every erased row with every row).
+		r := pgx.Identifier{sc, "rows"}.Sanitize()
 		queries["row of "+sc] = `SELECT e.t || ' id=' || e.id || ' gen=' || e.gen || ' at ' || r.commit_lsn || '/' || r.seq FROM soak_erased e JOIN ` +
-			pgx.Identifier{sc, "rows"}.Sanitize() + ` r ON (r.commit_lsn = e.lsn AND r.seq = e.seq AND r.row IS NOT NULL)
-			OR (r.schema_name || '.' || r.table_name = e.t AND (r.row->>'id')::bigint = e.id AND (r.row->>'gen')::int = e.gen)`
+			r + ` r ON r.commit_lsn = e.lsn AND r.seq = e.seq AND r.row IS NOT NULL
+			UNION ALL
+			SELECT e.t || ' id=' || e.id || ' gen=' || e.gen || ' at ' || r.commit_lsn || '/' || r.seq FROM soak_erased e JOIN ` +
+			r + ` r ON r.schema_name || '.' || r.table_name = e.t AND (r.row->>'id')::bigint = e.id AND (r.row->>'gen')::int = e.gen`
 	}
 	names := make([]string, 0, len(queries))
 	for n := range queries {

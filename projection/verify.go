@@ -21,6 +21,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
 	"github.com/epitaph-dev/epitaph/projection/trust"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -314,6 +315,10 @@ type verdict struct {
 	// replayed counts the signed messages (commits, marks) ignored as
 	// replays; the rows they take along are not counted.
 	replayed int
+	// purged: members of verified transactions absent from the stream
+	// that the erasure ledger accounts for (erase --purge-stream); their
+	// transactions' snapshot documents do not expect them.
+	purged []snapshot.FencedRow
 }
 
 // verifyPage verifies a page (see the comment at the top of this file). It
@@ -576,12 +581,13 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 			// Every row purged by an erasure: the ledger may account for
 			// all of them (digest v2 only).
 			if v2 && want != "" {
-				chosen, purged, err := chooseCandidates(nil, b.ev.CommitLSN, b.ev.Rows, want, true, pv.purgedLookup(ctx, b.ev.CommitLSN))
+				chosen, absent, err := chooseCandidates(nil, b.ev.CommitLSN, b.ev.Rows, want, true, pv.purgedLookup(ctx, b.ev.CommitLSN))
 				if err != nil {
 					return 0, false, err
 				}
 				if chosen != nil {
-					return purged, false, nil
+					pv.vd.purged = append(pv.vd.purged, purgedRows(b.ev, chosen, absent)...)
+					return len(absent), false, nil
 				}
 			}
 			w.refuse(b, "commit of a transaction none of whose rows is in the stream")
@@ -595,9 +601,9 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 		return 0, false, err
 	}
 	var chosen map[*item]bool
-	purged := 0 // members absent from the stream that the erasure ledger accounts for
+	var absent []int // members absent from the stream that the erasure ledger accounts for
 	if kind == kindCommit {
-		chosen, purged, err = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want, v2, pv.purgedLookup(ctx, b.ev.CommitLSN))
+		chosen, absent, err = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want, v2, pv.purgedLookup(ctx, b.ev.CommitLSN))
 		if err != nil {
 			return 0, false, err
 		}
@@ -614,7 +620,8 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 	}
 	// Purged members count among the transaction's partition sequences:
 	// the jump they leave is no gap.
-	return n + purged, false, nil
+	pv.vd.purged = append(pv.vd.purged, purgedRows(b.ev, chosen, absent)...)
+	return n + len(absent), false, nil
 }
 
 // settleWindow decides every message of the slow path's window: the chosen
@@ -757,10 +764,10 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 // transaction's (forged) are never chosen. For a digest v2 (v2), a seq
 // with no candidate at all is looked up with purged (the erasure ledger):
 // its body hash stands for the absent message, which is not chosen (it is
-// not there) but counted in the second result. Errors are transient.
-func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 bool, purged func(seq int) (*[sha256.Size]byte, error)) (map[*item]bool, int, error) {
+// not there) but listed in the second result. Errors are transient.
+func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 bool, purged func(seq int) (*[sha256.Size]byte, error)) (map[*item]bool, []int, error) {
 	if want == "" {
-		return nil, 0, nil
+		return nil, nil, nil
 	}
 	bySeq := map[int][]*item{}
 	// Copies of one message (the capture sent it again: same partition
@@ -798,23 +805,23 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 		for s := 0; s < k && choices <= budget; s++ {
 			n, err := absent.choices(bySeq, s)
 			if err != nil {
-				return nil, 0, err
+				return nil, nil, err
 			}
 			choices *= n
 		}
 		if choices == 0 {
-			return nil, 0, nil // a seq below k is missing: so it is for every larger k
+			return nil, nil, nil // a seq below k is missing: so it is for every larger k
 		}
 		if choices > budget {
-			return nil, 0, nil
+			return nil, nil, nil
 		}
 		budget -= choices
 		pick := make([]int, k)
 		for n := 0; n < choices; n++ {
 			absent.hash(d, bySeq, pick)
 			if d.Sum() == want {
-				out, nAbsent := chosenSet(bySeq, copies, pick)
-				return out, nAbsent, nil
+				out, absent := chosenSet(bySeq, copies, pick)
+				return out, absent, nil
 			}
 			for s := 0; s < k; s++ { // next combination
 				pick[s]++
@@ -825,7 +832,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 			}
 		}
 	}
-	return nil, 0, nil
+	return nil, nil, nil
 }
 
 // applyVerdict writes the verdict's decisions that concern earlier pages
@@ -879,6 +886,9 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 		if err := recordGap(ctx, tx, v.Schema, l.Partition, g); err != nil {
 			return err
 		}
+	}
+	if err := s.discountPurged(ctx, tx, v, vd.purged); err != nil {
+		return err
 	}
 	for _, from := range vd.continued {
 		if _, err := tx.Exec(ctx, `UPDATE `+archive.Ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3

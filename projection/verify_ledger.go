@@ -3,11 +3,16 @@ package projection
 import (
 	"context"
 	"crypto/sha256"
+	"maps"
+	"slices"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
+	"github.com/epitaph-dev/epitaph/projection/snapshot"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // ledgerCache is one page's view of the erasure ledger (erasure.OpenLedger):
@@ -101,13 +106,14 @@ func (a *absentSums) hash(d *event.Digest, bySeq map[int][]*item, pick []int) {
 	}
 }
 
-// chosenSet is the choice pick's messages with their copies, and how many
-// of its seqs are absent (accounted for by the ledger).
-func chosenSet(bySeq map[int][]*item, copies map[*item][]*item, pick []int) (map[*item]bool, int) {
-	out, nAbsent := make(map[*item]bool, len(pick)), 0
+// chosenSet is the choice pick's messages with their copies, and its
+// seqs that are absent (accounted for by the ledger), in order.
+func chosenSet(bySeq map[int][]*item, copies map[*item][]*item, pick []int) (map[*item]bool, []int) {
+	out := make(map[*item]bool, len(pick))
+	var absent []int
 	for s := range pick {
 		if len(bySeq[s]) == 0 {
-			nAbsent++
+			absent = append(absent, s)
 			continue
 		}
 		c := bySeq[s][pick[s]]
@@ -116,5 +122,68 @@ func chosenSet(bySeq map[int][]*item, copies map[*item][]*item, pick []int) (map
 			out[cp] = true
 		}
 	}
-	return out, nAbsent
+	return out, absent
+}
+
+// purgedRows are the members of commit b's transaction that are absent
+// from the stream and accounted for by the ledger (seqs absent), as rows
+// the version will never hold: their transaction's snapshot documents do
+// not expect them (snapshot.Discount). Each is given a table from what
+// the signed commit counts per table less the deletes chosen (present);
+// the ledger's own word is not taken for it. When the absent members are
+// of several tables, which seq gets which table is arbitrary, but the
+// counts per table, all a document's completeness check reads, are exact.
+func purgedRows(b *event.Event, chosen map[*item]bool, absent []int) []snapshot.FencedRow {
+	if len(absent) == 0 {
+		return nil
+	}
+	left := maps.Clone(b.Tables)
+	seen := map[int]bool{}
+	for it := range chosen {
+		if it.ev.Op == event.OpDelete && !seen[it.ev.Seq] {
+			seen[it.ev.Seq] = true
+			if n := left[it.ev.QualifiedTable()]; n > 0 {
+				left[it.ev.QualifiedTable()] = n - 1
+			}
+		}
+	}
+	tables := slices.Sorted(maps.Keys(left))
+	out := make([]snapshot.FencedRow, 0, len(absent))
+	for _, s := range absent {
+		tbl := ""
+		for _, t := range tables {
+			if left[t] > 0 {
+				tbl = t
+				left[t]--
+				break
+			}
+		}
+		out = append(out, snapshot.FencedRow{CorrelationID: b.CorrelationID(), Source: b.Source, CommitLSN: b.CommitLSN, Seq: s, Table: tbl})
+	}
+	return out
+}
+
+// discountPurged records, in the page's transaction tx, the members of
+// verified transactions that were purged from the stream (verdict.purged)
+// as rows version v will never hold, so that their transactions' other
+// snapshot documents complete without them, as erased and fenced rows
+// are (snapshot.Discount: each row counts once however often the
+// transaction is verified). Jobs made before (a transaction applied again)
+// are due again with the counts they can meet.
+func (s *Service) discountPurged(ctx context.Context, tx pgx.Tx, v version.Version, purged []snapshot.FencedRow) error {
+	if len(purged) == 0 || s.extraDDL == nil {
+		return nil
+	}
+	n, err := snapshot.Discount(ctx, tx, v.Schema, purged)
+	if err != nil || n == 0 {
+		return err
+	}
+	var ids []string
+	for _, r := range purged {
+		if !slices.Contains(ids, r.CorrelationID) {
+			ids = append(ids, r.CorrelationID)
+		}
+	}
+	_, err = snapshot.Invalidate(ctx, tx, v.Schema, ids)
+	return err
 }
