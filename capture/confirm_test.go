@@ -210,10 +210,14 @@ func confirmUnderSteadyTraffic(t *testing.T, bin string, external bool, traffic 
 	require.Greater(t, n, int(traffic/every)*8/10, "the deleter kept its pace")
 	require.Greater(t, checked, int((traffic-bound)/time.Second)*8/10, "samples under traffic")
 	require.Greater(t, maxLag, 0.0, "the gauge saw positions waiting for their sync interval")
+	// Once the deletes stop, what waits is younger than a sync interval
+	// after each confirmation. Not necessarily nothing: the test cluster is
+	// shared, and other databases' WAL reaches the slot as keepalive
+	// positions that wait for their own interval.
 	require.Eventually(t, func() bool {
 		v, err := strconv.ParseFloat(scrapedValue(t, scrape(t, p), "epitaph_capture_confirm_lag_seconds"), 64)
-		return err == nil && v == 0
-	}, bound, 100*time.Millisecond, "nothing left to confirm once the traffic stopped")
+		return err == nil && v < syncInterval.Seconds()
+	}, bound, 100*time.Millisecond, "the confirm lag falls below the sync interval once the traffic stopped")
 
 	// Every deleted row is in the stream once.
 	_, e.js = e.nats.Connect(t)
