@@ -890,10 +890,16 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 	if err := s.discountPurged(ctx, tx, v, vd.purged); err != nil {
 		return err
 	}
-	for _, from := range vd.continued {
+	if len(vd.continued) > 0 {
+		// One statement for the page: a transaction of every few rows
+		// continues its partition's sequence, and this ran once each.
+		froms := make([]int64, len(vd.continued))
+		for i, from := range vd.continued {
+			froms[i] = int64(from + 1)
+		}
 		if _, err := tx.Exec(ctx, `UPDATE `+archive.Ident(v.Schema, "gaps")+` SET acknowledged_at = now(), ack_reason = $3
-			WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = $2 AND to_lsn IS NULL AND acknowledged_at IS NULL`,
-			l.Partition, int64(from+1), suspectedGapCleared); err != nil {
+			WHERE kind = 'removed_from_stream' AND partition = $1 AND from_seq = ANY($2::bigint[]) AND to_lsn IS NULL AND acknowledged_at IS NULL`,
+			l.Partition, froms, suspectedGapCleared); err != nil {
 			return fmt.Errorf("clear suspected gap: %w", err)
 		}
 	}
