@@ -5,6 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,7 +20,55 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
-func TestMain(m *testing.M) { testenv.MainNoLeaks(m) }
+func TestMain(m *testing.M) { testenv.MainNoLeaks(untouchedDefaultDataDir{m}) }
+
+// defaultDataDir is the capture binary's --data-dir default, relative to
+// the working directory: for a test, this package's source directory,
+// which every test shares.
+const defaultDataDir = "epitaph-data"
+
+// untouchedDefaultDataDir runs the tests and fails the binary when any of
+// them wrote to defaultDataDir (a capture started without a data dir of
+// its own): tests write only to temporary directories, and captures of
+// different tests sharing one would share their partition sequence
+// records.
+type untouchedDefaultDataDir struct{ m *testing.M }
+
+func (u untouchedDefaultDataDir) Run() int {
+	before := dirState(defaultDataDir)
+	code := u.m.Run()
+	after := dirState(defaultDataDir)
+	var written []string
+	for name, st := range after {
+		if before[name] != st {
+			written = append(written, name)
+		}
+	}
+	if len(written) > 0 {
+		slices.Sort(written)
+		wd, _ := os.Getwd()
+		fmt.Fprintf(os.Stderr, "capture tests wrote %s in %s: start every capture with a data dir of the test's (t.TempDir)\n",
+			strings.Join(written, ", "), filepath.Join(wd, defaultDataDir))
+		return 1
+	}
+	return code
+}
+
+// dirState is each file of dir by name, with its size and modification
+// time; nil when dir does not exist.
+func dirState(dir string) map[string]string {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	st := map[string]string{}
+	for _, e := range entries {
+		if info, err := e.Info(); err == nil {
+			st[e.Name()] = fmt.Sprint(info.Size(), info.ModTime().UnixNano())
+		}
+	}
+	return st
+}
 
 // env is one test's source database and JetStream server.
 type env struct {

@@ -370,6 +370,7 @@ func runCaptureOnce(t *testing.T, bin string, env map[string]string, timeout tim
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
+	ownDataDir(t, env)
 	cmd := exec.CommandContext(ctx, bin)
 	cmd.Env = captureEnv(env)
 	out, err := cmd.CombinedOutput()

@@ -81,6 +81,16 @@ func testSigningKey(t *testing.T) string {
 	return k.(string)
 }
 
+// ownDataDir gives a capture process a data dir of its own (the
+// partition sequences' record, the signing key's public half) unless env
+// names one: never the binary's default, relative to the working
+// directory, which every test of the package shares.
+func ownDataDir(t *testing.T, env map[string]string) {
+	if env["EPITAPH_DATA_DIR"] == "" {
+		env["EPITAPH_DATA_DIR"] = t.TempDir()
+	}
+}
+
 func startCapProc(t *testing.T, name, bin string, env map[string]string) *capProc {
 	t.Helper()
 	return startCapProcWith(t, name, bin, env, false)
@@ -95,10 +105,10 @@ func startCapProcWith(t *testing.T, name, bin string, env map[string]string, ses
 	env["EPITAPH_METRICS_ADDR"] = "127.0.0.1:" + strconv.Itoa(port)
 	if env["EPITAPH_DATA_DIR"] == "" && env["EPITAPH_SIGNING_KEY"] == "" {
 		// Every capture of one test signs with one key, as captures of
-		// one source (an active one and its standbys) must; not in the
-		// working directory's default data dir.
+		// one source (an active one and its standbys) must.
 		env["EPITAPH_SIGNING_KEY"] = testSigningKey(t)
 	}
+	ownDataDir(t, env)
 	p := &capProc{t: t, name: name, bin: bin, env: captureEnv(env), port: port, session: session,
 		log: filepath.Join(t.TempDir(), name+".log"), revive: make(chan struct{}), gone: make(chan struct{})}
 	started := make(chan error, 1)

@@ -427,14 +427,18 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // group, of disabled handlers, of Go handlers not in this Registry, or of
 // nats handlers without a JetStream, are not waited for.
 //
-// It claims like the claim loop does (a batch to revalidate together) and
+// It claims like the claim loop does (a batch to revalidate together,
+// claimAhead deliveries, or when the last claim held deliveries of
+// batching handlers at least what fills a batch of each of them) and
 // runs Parallelism at once; the next batch is claimed and revalidated
 // while the current one's handlers run (one batch ahead at most), so the
 // batch's evaluation overlaps the sends instead of preceding them. An
 // attempt whose verdict is older than verdictMaxAge when it starts is
 // still revalidated alone.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
-	cs, err := d.flushClaim(ctx, true)
+	ahead := claimAhead(d.cfg.Parallelism)
+	batchRoom := 0
+	cs, err := d.flushClaim(ctx, true, ahead)
 	for {
 		if err != nil {
 			return -1, err
@@ -449,16 +453,18 @@ func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 				return left, nil
 			case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
 			}
-			cs, err = d.flushClaim(ctx, false)
+			cs, err = d.flushClaim(ctx, false, max(ahead, batchRoom))
 			continue
 		}
-		ahead := make(chan claimedBatch, 1)
+		batchRoom = batchRoomFor(cs)
+		n := max(ahead, batchRoom)
+		claimed := make(chan claimedBatch, 1)
 		go func() {
-			next, err := d.flushClaim(ctx, false)
-			ahead <- claimedBatch{cs: next, err: err}
+			next, err := d.flushClaim(ctx, false, n)
+			claimed <- claimedBatch{cs: next, err: err}
 		}()
 		d.settle(ctx, d.runBatch(ctx, cs))
-		next := <-ahead
+		next := <-claimed
 		cs, err = next.cs, next.err
 		if ctx.Err() != nil && len(cs) > 0 {
 			// Claimed ahead but not started: handed back, no attempt spent.
@@ -474,12 +480,12 @@ type claimedBatch struct {
 	err error
 }
 
-// flushClaim is one claim of Flush with its maintenance and the batch's
-// revalidation. The claim is not cancelled by ctx (a claim statement
+// flushClaim is one claim of Flush, of at most n deliveries, with its
+// maintenance and the batch's revalidation. The claim is not cancelled by ctx (a claim statement
 // cancelled midway may commit on the server while its rows are lost here,
 // spending their attempts for nothing); it is bounded like the claim
 // loop's.
-func (d *Dispatcher) flushClaim(ctx context.Context, first bool) ([]*claimed, error) {
+func (d *Dispatcher) flushClaim(ctx context.Context, first bool, n int) ([]*claimed, error) {
 	if err := d.flushMaintain(ctx, first); err != nil {
 		return nil, err
 	}
@@ -488,7 +494,7 @@ func (d *Dispatcher) flushClaim(ctx context.Context, first bool) ([]*claimed, er
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claimStatementTimeout)
 	defer cancel()
-	cs, err := d.claim(cctx, claimAhead(d.cfg.Parallelism))
+	cs, err := d.claim(cctx, n)
 	if err != nil {
 		return nil, err
 	}

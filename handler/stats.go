@@ -32,15 +32,24 @@ import (
 // analyzed (not the payloads and row images, whose statistics cost the most
 // and plan nothing here), in the background of the claim loop: the claims
 // never wait for it.
+//
+// An archive's rows table partitioned by commit time has no row in
+// pg_stat_user_tables and autovacuum never analyzes it, only its
+// partitions; the planner estimates a query of the parent (every reader
+// view) with the parent's own statistics. Its rows are counted over its
+// partitions (pg_partition_tree; a plain table by its own row), and
+// ANALYZE of the parent samples them all and analyzes each partition too.
 const analyzeGrownSQL = `
 SELECT n.nspname, c.relname, c.relname = 'deliveries'
-FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE s.relid IN (SELECT to_regclass('epitaph.deliveries') WHERE EXISTS (SELECT 1 FROM epitaph.handlers)
-                  UNION ALL
-                  SELECT to_regclass(format('%I.rows', v.schema_name)) FROM epitaph.projection_versions v
-                  WHERE v.projection = 'archive' AND v.state = 'live'
-                    AND EXISTS (SELECT 1 FROM epitaph.handlers WHERE revalidate))
-  AND s.n_live_tup > $1 + 2 * greatest(c.reltuples, 0)`
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid IN (SELECT to_regclass('epitaph.deliveries') WHERE EXISTS (SELECT 1 FROM epitaph.handlers)
+                UNION ALL
+                SELECT to_regclass(format('%I.rows', v.schema_name)) FROM epitaph.projection_versions v
+                WHERE v.projection = 'archive' AND v.state = 'live'
+                  AND EXISTS (SELECT 1 FROM epitaph.handlers WHERE revalidate))
+  AND (SELECT coalesce(sum(s.n_live_tup), 0) FROM pg_stat_user_tables s
+       WHERE s.relid = c.oid OR s.relid IN (SELECT relid FROM pg_partition_tree(c.oid) WHERE isleaf))
+      > $1 + 2 * greatest(c.reltuples, 0)`
 
 // analyzeMinRows: smaller tables are left to autovacuum.
 const analyzeMinRows = 1000

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -314,6 +315,48 @@ func TestClaimFillsTheBatchesOfEveryBatchingHandler(t *testing.T) {
 	defer cancel()
 	require.NoError(t, d.Stop(sctx))
 	require.NoError(t, d.Wait())
+	for _, r := range e.deliveries() {
+		require.Equal(t, StateDone, r.State)
+	}
+}
+
+// Flush sizes its claims as the claim loop does: with three handlers of
+// batch size 100 interleaved in due order, its first claim of claimAhead
+// (64) fills none of their batches, and the claim after it takes the
+// other 236 at once, so the 300 deliveries go in six POSTs (three partial
+// batches, then one of each handler's remainder), not in a claim of 64
+// split three ways each time (fifteen).
+func TestFlushFillsTheBatchesOfEveryBatchingHandler(t *testing.T) {
+	e := newTenv(t)
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
+	tables := []string{"a", "b", "c"}
+	for _, tb := range tables {
+		e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
+			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, false, time.Minute })
+	}
+	rows := make([]Row, 300)
+	for i := range rows {
+		rows[i] = e.row(i + 1)
+		rows[i].Table = tables[i%3]
+	}
+	e.enqueue(1, rows...)
+	require.Equal(t, 64, claimAhead(1))
+
+	e.flush(e.dispatcher(Config{Parallelism: 1}))
+	posts := br.got()
+	var sizes []int
+	seen := map[string]bool{}
+	for _, p := range posts {
+		sizes = append(sizes, len(p.ds))
+		for _, id := range ids(p) {
+			require.False(t, seen[id], "delivery %s sent once", id)
+			seen[id] = true
+		}
+	}
+	slices.Sort(sizes)
+	require.Equal(t, []int{21, 21, 22, 78, 79, 79}, sizes, "a claim of 64 split three ways, then the rest at once")
+	require.Len(t, seen, 300)
 	for _, r := range e.deliveries() {
 		require.Equal(t, StateDone, r.State)
 	}

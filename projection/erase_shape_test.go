@@ -8,6 +8,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 )
 
@@ -72,4 +74,31 @@ func TestEraseRefusesSelectorThatCannotMatch(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, rc.Removed["archive_v1.rows"])
 	require.Zero(t, count(t, c, `SELECT count(*) FROM archive.rows`))
+}
+
+// A legal hold taken on a target where no version has been created yet
+// (the control schema is migrated, no archive exists) is recorded: there
+// is nothing archived to check its shape against, and the hold is what
+// keeps the rows once they come.
+func TestLegalHoldBeforeAnyArchiveIsRecorded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t, testenv.NewDatabase(t))
+	require.NoError(t, migrations.Apply(ctx, pool))
+	var archive bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass('archive.rows') IS NOT NULL`).Scan(&archive))
+	require.False(t, archive, "no archive on a target without a version")
+
+	byKey, err := erasure.AddLegalHold(ctx, pool, erasure.LegalHoldOptions{Table: "public.orders",
+		Key: json.RawMessage(`{"id": 88}`), Reason: "litigation", Actor: "dpo"})
+	require.NoError(t, err)
+	byMatch, err := erasure.AddLegalHold(ctx, pool, erasure.LegalHoldOptions{Table: "public.orders",
+		Match: json.RawMessage(`{"customer_id": 7}`), Reason: "litigation", Actor: "dpo"})
+	require.NoError(t, err)
+	hs, err := erasure.ListLegalHolds(ctx, pool)
+	require.NoError(t, err)
+	require.Len(t, hs, 2)
+	require.Equal(t, []int64{byKey.ID, byMatch.ID}, []int64{hs[0].ID, hs[1].ID})
+	require.JSONEq(t, `{"id": 88}`, string(hs[0].Key))
+	require.JSONEq(t, `{"customer_id": 7}`, string(hs[1].Match))
 }

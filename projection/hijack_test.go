@@ -5,10 +5,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/projection"
 )
 
 // A holder of the projector's credentials deletes a running target's
@@ -19,44 +21,14 @@ import (
 // as malformed.
 func TestHijackedHeadersOnlyConsumerIsReset(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 1)
-	cfg := e.config("w1")
-	svc := e.start(cfg)
-	c := e.conn()
-	var txs []*txn
-	for i := 1; i <= 3; i++ {
-		tx := e.nextTx(orderRows(i, 1)...)
-		e.publish(tx)
-		txs = append(txs, tx)
-	}
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
-
-	ctx := context.Background()
-	st, err := e.js.Stream(ctx, event.StreamName(src))
-	require.NoError(t, err)
-	name := e.consumerName(1, 0)
-	cons, err := st.Consumer(ctx, name)
-	require.NoError(t, err)
-	hijack := cons.CachedInfo().Config
-	require.False(t, hijack.HeadersOnly)
+	h := startHeadersOnlyRun(t)
+	hijack := h.cfg
 	hijack.HeadersOnly = true
 	hijack.DeliverPolicy, hijack.OptStartSeq = jetstream.DeliverAllPolicy, 0
-	require.NoError(t, st.DeleteConsumer(ctx, name))
-	_, err = st.CreateConsumer(ctx, hijack)
+	require.NoError(t, h.st.DeleteConsumer(h.ctx, h.name))
+	_, err := h.st.CreateConsumer(h.ctx, hijack)
 	require.NoError(t, err)
-
-	for i := 4; i <= 6; i++ {
-		tx := e.nextTx(orderRows(i, 1)...)
-		e.publish(tx)
-		txs = append(txs, tx)
-	}
-	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 18 })
-	require.Equal(t, expectedArchive(t, txs), archiveOf(t, c))
-	require.Empty(t, quarantined(t, c), "nothing quarantined as malformed")
-	cons, err = st.Consumer(ctx, name)
-	require.NoError(t, err)
-	require.False(t, cons.CachedInfo().Config.HeadersOnly, "the worker made its consumer anew")
-	require.Positive(t, metricSumLabel(t, svc, "epitaph_projector_consumer_resets_total", "reason", "config"))
+	h.requireReset(t)
 }
 
 // A consumer switched to headers only in place (a consumer update, which
@@ -67,40 +39,69 @@ func TestHijackedHeadersOnlyConsumerIsReset(t *testing.T) {
 // row by row and nothing is quarantined as malformed.
 func TestConsumerSwitchedToHeadersOnlyInPlaceIsReset(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 1)
-	svc := e.start(e.config("w1"))
-	c := e.conn()
-	var txs []*txn
-	for i := 1; i <= 3; i++ {
-		tx := e.nextTx(orderRows(i, 1)...)
-		e.publish(tx)
-		txs = append(txs, tx)
-	}
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
-
-	ctx := context.Background()
-	st, err := e.js.Stream(ctx, event.StreamName(src))
-	require.NoError(t, err)
-	name := e.consumerName(1, 0)
-	cons, err := st.Consumer(ctx, name)
-	require.NoError(t, err)
-	cfg := cons.CachedInfo().Config
-	require.False(t, cfg.HeadersOnly)
+	h := startHeadersOnlyRun(t)
+	cfg := h.cfg
 	cfg.HeadersOnly = true
-	updated, err := st.UpdateConsumer(ctx, cfg)
+	updated, err := h.st.UpdateConsumer(h.ctx, cfg)
 	require.NoError(t, err)
 	require.True(t, updated.CachedInfo().Config.HeadersOnly, "the server switched the running consumer in place")
+	h.requireReset(t)
+}
 
-	for i := 4; i <= 6; i++ {
-		tx := e.nextTx(orderRows(i, 1)...)
-		e.publish(tx)
-		txs = append(txs, tx)
+// headersOnlyRun is a one-partition target whose worker has applied three
+// transactions, with the configuration of its consumer as the worker made
+// it (full bodies).
+type headersOnlyRun struct {
+	ctx  context.Context
+	e    *env
+	svc  *projection.Service
+	c    *pgx.Conn
+	txs  []*txn
+	st   jetstream.Stream
+	name string
+	cfg  jetstream.ConsumerConfig
+}
+
+func startHeadersOnlyRun(t *testing.T) *headersOnlyRun {
+	t.Helper()
+	h := &headersOnlyRun{ctx: context.Background(), e: newEnv(t, 1)}
+	h.svc = h.e.start(h.e.config("w1"))
+	h.c = h.e.conn()
+	h.publish(1, 3)
+	eventually(t, 20*time.Second, func() bool { return count(t, h.c, `SELECT cursor FROM epitaph.progress`) == 9 })
+
+	var err error
+	h.st, err = h.e.js.Stream(h.ctx, event.StreamName(src))
+	require.NoError(t, err)
+	h.name = h.e.consumerName(1, 0)
+	cons, err := h.st.Consumer(h.ctx, h.name)
+	require.NoError(t, err)
+	h.cfg = cons.CachedInfo().Config
+	require.False(t, h.cfg.HeadersOnly)
+	return h
+}
+
+// publish publishes one transaction of one order for each id in [from, to].
+func (h *headersOnlyRun) publish(from, to int) {
+	for i := from; i <= to; i++ {
+		tx := h.e.nextTx(orderRows(i, 1)...)
+		h.e.publish(tx)
+		h.txs = append(h.txs, tx)
 	}
-	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 18 })
-	require.Equal(t, expectedArchive(t, txs), archiveOf(t, c))
-	require.Empty(t, quarantined(t, c), "nothing quarantined as malformed")
-	cons, err = st.Consumer(ctx, name)
+}
+
+// requireReset publishes three more transactions after the consumer was
+// tampered with and requires the worker to have made its consumer anew
+// (full bodies again, a reset counted for the configuration) with the
+// archive exact row by row and nothing quarantined.
+func (h *headersOnlyRun) requireReset(t *testing.T) {
+	t.Helper()
+	h.publish(4, 6)
+	eventually(t, 30*time.Second, func() bool { return count(t, h.c, `SELECT cursor FROM epitaph.progress`) == 18 })
+	require.Equal(t, expectedArchive(t, h.txs), archiveOf(t, h.c))
+	require.Empty(t, quarantined(t, h.c), "nothing quarantined as malformed")
+	cons, err := h.st.Consumer(h.ctx, h.name)
 	require.NoError(t, err)
 	require.False(t, cons.CachedInfo().Config.HeadersOnly, "the worker made its consumer anew")
-	require.Positive(t, metricSumLabel(t, svc, "epitaph_projector_consumer_resets_total", "reason", "config"))
+	require.Positive(t, metricSumLabel(t, h.svc, "epitaph_projector_consumer_resets_total", "reason", "config"))
 }

@@ -1,17 +1,13 @@
 package quarantine_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
-	"fmt"
 	"log/slog"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -38,18 +34,11 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 	url := testenv.NewDatabase(t)
 	ns := testenv.NewNATS(t)
 	nc, js := ns.Connect(t)
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: event.StreamName(src), Subjects: []string{event.StreamSubjects(src)}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "1", event.MetaSource: src, event.MetaWireVersion: "1"},
-	})
-	require.NoError(t, err)
+	testenv.NewSourceStream(t, js, src)
 
 	// Plain core-NATS publishes, as anyone could: the stream stores them.
 	published := 0
-	publish := func(subject, id string, body []byte) {
-		m := nats.NewMsg(subject)
-		m.Data = body
-		m.Header.Set(event.HeaderMsgID, id)
+	publish := func(m *nats.Msg) {
 		require.NoError(t, nc.PublishMsg(m))
 		published++
 	}
@@ -59,39 +48,18 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 	// its commit.
 	tx := func(alter func(seq int, body []byte) []byte, images ...string) event.LSN {
 		lsn += 0x100
-		for i, img := range images {
-			var row map[string]any
-			dec := json.NewDecoder(bytes.NewReader([]byte(img)))
-			dec.UseNumber()
-			require.NoError(t, dec.Decode(&row))
-			b, err := event.Encode(&event.Event{Op: event.OpDelete, Source: src, Schema: "public", Table: "orders",
-				XID: int64(lsn) / 16, CommitLSN: lsn, CommitTime: ctime, Seq: i, Identity: event.IdentityFull,
-				Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}},
-				Key:     json.RawMessage(fmt.Sprintf(`{"id":%v}`, row["id"])), Row: json.RawMessage(img)})
-			require.NoError(t, err)
-			if alter != nil {
-				b = alter(i, b)
-			}
-			publish(event.DeleteSubject(src, 0, "public", "orders"), event.MsgID(src, lsn, i), b)
+		for _, m := range testenv.OrdersTx(t, src, lsn, ctime, alter, images...) {
+			publish(m)
 		}
-		b, err := event.Encode(&event.Event{Op: event.OpCommit, Source: src, XID: int64(lsn) / 16, CommitLSN: lsn,
-			CommitTime: ctime, Rows: len(images), Tables: map[string]int{"public.orders": len(images)}})
-		require.NoError(t, err)
-		publish(event.CommitSubject(src, 0), event.CommitMsgID(src, lsn), b)
 		return lsn
 	}
-	toV2 := func(seq int, b []byte) []byte {
-		if seq != 0 {
-			return b
-		}
-		// An imagined v2 that renamed "row" to "image".
-		b = bytes.Replace(b, []byte(`"v":1`), []byte(`"v":2`), 1)
-		return bytes.Replace(b, []byte(`"row":`), []byte(`"image":`), 1)
-	}
+	junk := nats.NewMsg(event.CommitSubject(src, 0))
+	junk.Data = []byte("\x00\xffnot json at all")
+	junk.Header.Set(event.HeaderMsgID, "garbage-1")
 
-	publish(event.CommitSubject(src, 0), "garbage-1", []byte("\x00\xffnot json at all")) // seq 1
+	publish(junk)                                                                        // seq 1
 	tx(nil, `{"id":1,"total":"10.00"}`)                                                  // seq 2-3
-	v2 := tx(toV2, `{"id":2,"total":"20.00"}`, `{"id":20,"total":"0.50"}`)               // seq 4-6: row 0 is v2
+	v2 := tx(testenv.FirstRowV2, `{"id":2,"total":"20.00"}`, `{"id":20,"total":"0.50"}`) // seq 4-6: row 0 is v2
 	tx(nil, `{"id":3,"total":"30.00"}`)                                                  // seq 7-8
 	tx(nil, `{"id":4,"note":"nul \u0000 inside"}`)                                       // seq 9-10: jsonb refuses
 	tx(nil, `{"id":5,"total":"50.00"}`)                                                  // seq 11-12
@@ -165,16 +133,7 @@ func TestEndToEndQuarantineAndReplay(t *testing.T) {
 	require.Equal(t, 3.0, gauge(t, svc.Registry(), "epitaph_projector_quarantine_unresolved", "archive", "1"))
 
 	// Taught v2 through the runtime's replay hook: exactly once.
-	teach := &event.Decoder{Upgraders: map[int]func([]byte) ([]byte, error){2: func(b []byte) ([]byte, error) {
-		var m map[string]json.RawMessage
-		if err := json.Unmarshal(b, &m); err != nil {
-			return nil, err
-		}
-		m["v"], m["row"] = json.RawMessage("1"), m["image"]
-		delete(m, "image")
-		return json.Marshal(m)
-	}}}
-	apply := projection.ReplayFunc(projection.ReplayConfig{Decoder: teach})
+	apply := projection.ReplayFunc(projection.ReplayConfig{Decoder: testenv.V2Decoder()})
 	res, err := quarantine.Replay(ctx, pool, quarantine.Selection{Filter: quarantine.Filter{Projection: "archive"}}, apply)
 	require.NoError(t, err)
 	require.Len(t, res.Replayed, 1)

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"net"
 	"net/http"
@@ -15,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -32,15 +30,7 @@ import (
 // (it is never sent) instead of waiting for ever with no error.
 func TestFailedDeliveriesSayWhy(t *testing.T) {
 	t.Parallel()
-	bin := build(t)
-	url := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
-	ctx := context.Background()
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "1"}})
-	require.NoError(t, err)
+	bin, url, n, js := startTarget(t, 1)
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	env := append(os.Environ(), "EPITAPH_TARGET_URL="+url, "EPITAPH_SOURCE_URL=", "EPITAPH_NATS_URL="+n.URL,

@@ -26,6 +26,27 @@ import (
 
 func TestMain(m *testing.M) { testenv.Main(m) }
 
+// startTarget builds the real projector and gives it its own target
+// database and a real JetStream server holding the stream of source main
+// in partitions partitions.
+func startTarget(t *testing.T, partitions int) (bin, url string, n *testenv.NATS, js jetstream.JetStream) {
+	t.Helper()
+	bin, url, n = build(t), testenv.NewDatabase(t), testenv.NewNATS(t)
+	_, js = n.Connect(t)
+	createMainStream(t, js, partitions)
+	return bin, url, n, js
+}
+
+// createMainStream creates the file-stored stream of source main with the
+// partition count the projector reads from its metadata.
+func createMainStream(t *testing.T, js jetstream.JetStream, partitions int) {
+	t.Helper()
+	_, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: event.StreamName("main"),
+		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
+		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions)}})
+	require.NoError(t, err)
+}
+
 func build(t *testing.T) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "projector")
@@ -69,16 +90,9 @@ func publishTx(t *testing.T, js jetstream.JetStream, p int, lsn event.LSN, order
 // The real binary: migrate, run (SIGKILLed and restarted mid-stream), status.
 func TestBinaryRunKillRestartStatus(t *testing.T) {
 	t.Parallel()
-	bin := build(t)
-	url := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
-	ctx := context.Background()
 	const partitions = 2
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions)}})
-	require.NoError(t, err)
+	bin, url, n, js := startTarget(t, partitions)
+	ctx := context.Background()
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	env := append(os.Environ(), "EPITAPH_SOURCE_URL="+url, "EPITAPH_TARGET_URL=", "EPITAPH_NATS_URL="+n.URL,

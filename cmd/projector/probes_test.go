@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"io"
 	"net"
@@ -15,10 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -100,15 +97,7 @@ func probeStatus(addr, path string) int {
 // is back, the worker is ready again without a restart.
 func TestProbesDuringTargetOutage(t *testing.T) {
 	t.Parallel()
-	bin := build(t)
-	dbURL := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
-	ctx := context.Background()
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "2"}})
-	require.NoError(t, err)
+	bin, dbURL, n, _ := startTarget(t, 2)
 	u, err := url.Parse(dbURL)
 	require.NoError(t, err)
 	proxy := newOutageProxy(t, u.Host)

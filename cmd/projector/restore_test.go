@@ -11,7 +11,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -31,10 +30,7 @@ func TestRestoreCommand(t *testing.T) {
 	testenv.Exec(t, url, `CREATE TABLE public.orders (id bigint PRIMARY KEY, total numeric(12,2), score float8)`)
 	n := testenv.NewNATS(t)
 	_, js := n.Connect(t)
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "1"}})
-	require.NoError(t, err)
+	createMainStream(t, js, 1)
 	lsn := event.LSN(0x1000100)
 	pub := func(subject, id string, ev *event.Event) {
 		b, err := event.Encode(ev)

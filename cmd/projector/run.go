@@ -189,7 +189,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	defer waitPool.Close()
 	waitLimit := status.NewWaitLimiter(maxWaits)
 	srv.Handle("GET /wait", status.WaitHandler(waitPool, archive.Projection, status.WithWaitLimit(waitLimit)))
-	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token, WaitDB: waitPool, WaitLimit: waitLimit})
+	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, WaitDB: waitPool, WaitLimit: waitLimit})
 	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL,
 		Quarantine: actions, Logger: env.Logger})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"os"
 	"os/exec"
@@ -17,7 +16,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
@@ -57,11 +55,7 @@ func TestStatusCheckWhenItCannotMeasure(t *testing.T) {
 	defer nc.Close()
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
-	ctx := context.Background()
-	_, err = js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "2"}})
-	require.NoError(t, err)
+	createMainStream(t, js, 2)
 
 	port, err := testenv.FreePort()
 	require.NoError(t, err)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -14,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -53,16 +51,9 @@ type heldPage struct {
 
 func startHeldPage(t *testing.T) *heldPage {
 	t.Helper()
-	bin := build(t)
-	url := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
-	ctx := context.Background()
 	const partitions = 1
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions)}})
-	require.NoError(t, err)
+	bin, url, n, js := startTarget(t, partitions)
+	ctx := context.Background()
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	h := &heldPage{cmd: exec.Command(bin, "run"), logs: &syncBuffer{}, exited: make(chan error, 1)}

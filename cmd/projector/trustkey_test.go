@@ -13,7 +13,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
@@ -26,15 +25,8 @@ import (
 // after which what it signs is archived and both keys are listed.
 func TestTrustKeyFlow(t *testing.T) {
 	t.Parallel()
-	bin := build(t)
-	url := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
+	bin, url, n, js := startTarget(t, 1)
 	ctx := context.Background()
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "1"}})
-	require.NoError(t, err)
 	env := append(os.Environ(), "EPITAPH_TARGET_URL="+url, "EPITAPH_NATS_URL="+n.URL,
 		"EPITAPH_WORKER_ID=trust-1", "EPITAPH_LEASE_TTL=2s", "EPITAPH_METRICS_ADDR=127.0.0.1:0")
 
@@ -174,15 +166,8 @@ func pgxCollect(ctx context.Context, conn *pgx.Conn, sql string, dst *[]int) err
 // usage error that records nothing.
 func TestTrustKeyLegacyBoundary(t *testing.T) {
 	t.Parallel()
-	bin := build(t)
-	url := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
+	bin, url, n, js := startTarget(t, 2)
 	ctx := context.Background()
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "2"}})
-	require.NoError(t, err)
 	for i := 0; i < 3; i++ {
 		_, err := js.Publish(ctx, event.CommitSubject("main", i%2), []byte(`{}`))
 		require.NoError(t, err)

@@ -106,16 +106,9 @@ func metric(t *testing.T, addr, name, labels string) float64 {
 // `rollback`, roll forward, `retire 1 --drop`, and the archive complete.
 func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	t.Parallel()
-	bin := build(t)
-	url := testenv.NewDatabase(t)
-	n := testenv.NewNATS(t)
-	_, js := n.Connect(t)
-	ctx := context.Background()
 	const partitions = 4
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: event.StreamName("main"),
-		Subjects: []string{event.StreamSubjects("main")}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: strconv.Itoa(partitions)}})
-	require.NoError(t, err)
+	bin, url, n, js := startTarget(t, partitions)
+	ctx := context.Background()
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	addr := fmt.Sprintf("127.0.0.1:%d", port)

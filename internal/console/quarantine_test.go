@@ -1,7 +1,6 @@
 package console_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -15,8 +14,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
@@ -59,45 +56,16 @@ func TestConsoleReplaysQuarantine(t *testing.T) {
 	url := testenv.NewDatabase(t)
 	ns := testenv.NewNATS(t)
 	nc, js := ns.Connect(t)
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: event.StreamName(src), Subjects: []string{event.StreamSubjects(src)}, Storage: jetstream.FileStorage,
-		Metadata: map[string]string{event.MetaPartitions: "1", event.MetaSource: src, event.MetaWireVersion: "1"},
-	})
-	require.NoError(t, err)
+	testenv.NewSourceStream(t, js, src)
 
 	// Signed as a capture signs, so that the only thing wrong is the
 	// row's wire version.
 	signer := testenv.NewSignerV2()
-	lsn := event.LSN(0x5000100)
-	ctime := time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)
-	images := []string{`{"id":2,"total":"20.00"}`, `{"id":20,"total":"0.50"}`}
-	for i, img := range images {
-		var row map[string]any
-		require.NoError(t, json.Unmarshal([]byte(img), &row))
-		b, err := event.Encode(&event.Event{Op: event.OpDelete, Source: src, Schema: "public", Table: "orders",
-			XID: int64(lsn) / 16, CommitLSN: lsn, CommitTime: ctime, Seq: i, Identity: event.IdentityFull,
-			Columns: []event.Column{{Name: "id", Type: "bigint", PK: true}},
-			Key:     json.RawMessage(fmt.Sprintf(`{"id":%v}`, row["id"])), Row: json.RawMessage(img)})
-		require.NoError(t, err)
-		if i == 0 {
-			// An imagined v2 that renamed "row" to "image".
-			b = bytes.Replace(b, []byte(`"v":1`), []byte(`"v":2`), 1)
-			b = bytes.Replace(b, []byte(`"row":`), []byte(`"image":`), 1)
-		}
-		m := nats.NewMsg(event.DeleteSubject(src, 0, "public", "orders"))
-		m.Data = b
-		m.Header.Set(event.HeaderMsgID, event.MsgID(src, lsn, i))
+	for _, m := range testenv.OrdersTx(t, src, event.LSN(0x5000100), time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC),
+		testenv.FirstRowV2, `{"id":2,"total":"20.00"}`, `{"id":20,"total":"0.50"}`) {
 		signer.Sign(m)
 		require.NoError(t, nc.PublishMsg(m))
 	}
-	b, err := event.Encode(&event.Event{Op: event.OpCommit, Source: src, XID: int64(lsn) / 16, CommitLSN: lsn,
-		CommitTime: ctime, Rows: len(images), Tables: map[string]int{"public.orders": len(images)}})
-	require.NoError(t, err)
-	m := nats.NewMsg(event.CommitSubject(src, 0))
-	m.Data = b
-	m.Header.Set(event.HeaderMsgID, event.CommitMsgID(src, lsn))
-	signer.Sign(m)
-	require.NoError(t, nc.PublishMsg(m))
 	require.NoError(t, nc.Flush())
 
 	svc, err := projection.New(projection.Config{
@@ -146,22 +114,13 @@ func TestConsoleReplaysQuarantine(t *testing.T) {
 	before := rows()
 	require.Equal(t, []string{`orders 1 {"id": 20} {"id": 20, "total": "0.50"} true`}, before)
 
-	teach := &event.Decoder{Upgraders: map[int]func([]byte) ([]byte, error){2: func(b []byte) ([]byte, error) {
-		var m map[string]json.RawMessage
-		if err := json.Unmarshal(b, &m); err != nil {
-			return nil, err
-		}
-		m["v"], m["row"] = json.RawMessage("1"), m["image"]
-		delete(m, "image")
-		return json.Marshal(m)
-	}}}
 	file := filepath.Join(t.TempDir(), "token")
 	require.NoError(t, os.WriteFile(file, []byte(token), 0o600))
 	tok, err := httptoken.Load(file)
 	require.NoError(t, err)
 	mux := http.NewServeMux()
 	console.Register(mux, console.Config{DB: pool, Token: tok, Source: src, Logger: testLogger(),
-		Quarantine: statuspage.QuarantineActions(pool, projection.ReplayFunc(projection.ReplayConfig{Decoder: teach}))})
+		Quarantine: statuspage.QuarantineActions(pool, projection.ReplayFunc(projection.ReplayConfig{Decoder: testenv.V2Decoder()}))})
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 

@@ -20,14 +20,19 @@ WHERE r.schema_name = $1 AND r.table_name = $2 AND r.key = $3::jsonb
   AND ($4::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($4::pg_lsn, $5::int))
 ORDER BY r.commit_lsn DESC, r.seq DESC
 LIMIT $6`
-	// tableRowsSQL lists a table's rows deleted in [since, until).
+	// tableRowsSQL lists a table's rows deleted in [since, until). No
+	// index of (schema_name, table_name) orders them; with the source
+	// fixed, the rows' unique key (source, commit_lsn, seq, ...) does, so
+	// a page of a table with many rows reads about a page of that index
+	// instead of sorting all of the table's rows (for a table with few,
+	// the planner still takes rows_table_key_idx and sorts).
 	tableRowsSQL = `
 SELECT to_jsonb(r)::text, r.commit_lsn::text, r.seq FROM archive.rows r
-WHERE r.schema_name = $1 AND r.table_name = $2
-  AND ($3::timestamptz IS NULL OR r.commit_time >= $3) AND ($4::timestamptz IS NULL OR r.commit_time < $4)
-  AND ($5::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($5::pg_lsn, $6::int))
+WHERE r.source = $1 AND r.schema_name = $2 AND r.table_name = $3
+  AND ($4::timestamptz IS NULL OR r.commit_time >= $4) AND ($5::timestamptz IS NULL OR r.commit_time < $5)
+  AND ($6::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($6::pg_lsn, $7::int))
 ORDER BY r.commit_lsn DESC, r.seq DESC
-LIMIT $7`
+LIMIT $8`
 	// tableSeenSQL: whether the archive holds any row of the table (what
 	// retention or erasure removed does not count).
 	tableSeenSQL   = `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE schema_name = $1 AND table_name = $2)`
@@ -72,7 +77,7 @@ func (a *api) rows(ctx context.Context, _ *http.Request, req *request) (*page, e
 	if req.key != "" {
 		res, err = a.cfg.DB.Query(ctx, rowsSQL, req.schema, req.table, req.key, lsn, req.cursorInt("seq"), req.limit+1)
 	} else {
-		res, err = a.cfg.DB.Query(ctx, tableRowsSQL, req.schema, req.table, req.since, req.until, lsn, req.cursorInt("seq"), req.limit+1)
+		res, err = a.cfg.DB.Query(ctx, tableRowsSQL, a.cfg.Source, req.schema, req.table, req.since, req.until, lsn, req.cursorInt("seq"), req.limit+1)
 	}
 	if err != nil {
 		return nil, err

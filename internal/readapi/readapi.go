@@ -7,7 +7,8 @@
 //	GET /v1/transactions/{correlation_id}          the transaction's archived rows, in delete order
 //	GET /v1/snapshots?table=schema.table&key=JSON  the root's snapshots, newest first
 //
-// Without key=, /v1/rows lists the table's rows deleted in [since, until)
+// Without key=, /v1/rows lists the table's rows of the source
+// (Config.Source) deleted in [since, until)
 // (RFC 3339 times, both optional), and answers 404 naming a table the
 // archive holds no row of. Each takes limit= (default 100, at most 1000) and cursor= (next_cursor of
 // the previous page), and wait_lsn= (with timeout=, default 30s) to read
@@ -68,6 +69,9 @@ type Config struct {
 	Token *httptoken.Token
 	// Projection is the archive projection's name (default "archive").
 	Projection string
+	// Source is the source name (archive.rows.source) whose rows a
+	// table's listing shows (default "main").
+	Source string
 	// WaitDB, when set, is what wait_lsn polls (a small pool of the
 	// waits' own, status.NewWaitPool) instead of DB; WaitLimit bounds the
 	// waits at once (503 with Retry-After past it), shared with GET /wait.
@@ -81,6 +85,9 @@ func Register(mux interface {
 }, cfg Config) {
 	if cfg.Projection == "" {
 		cfg.Projection = archive.Projection
+	}
+	if cfg.Source == "" {
+		cfg.Source = "main"
 	}
 	a := &api{cfg: cfg}
 	mux.Handle("GET /v1/rows", a.endpoint(tableKeyOrRange, a.rows))

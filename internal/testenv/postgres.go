@@ -47,9 +47,12 @@ var (
 	dbCounter  atomic.Int64
 )
 
+// Runner runs a test binary's tests: a *testing.M, or a check around one.
+type Runner interface{ Run() int }
+
 // Main runs the tests of a package and stops the shared server afterwards.
 // Use it from TestMain: func TestMain(m *testing.M) { testenv.Main(m) }.
-func Main(m *testing.M) {
+func Main(m Runner) {
 	code := m.Run()
 	stopShared()
 	os.Exit(code)
@@ -60,7 +63,7 @@ func Main(m *testing.M) {
 // (go.uber.org/goleak), since a component that does not end what it
 // started leaks in production too. opts ignore goroutines that are known
 // to outlive the tests.
-func MainNoLeaks(m *testing.M, opts ...goleak.Option) {
+func MainNoLeaks(m Runner, opts ...goleak.Option) {
 	code := m.Run()
 	stopShared()
 	if code == 0 {

@@ -25,8 +25,10 @@ type LegalHold struct {
 	CreatedAt time.Time       `json:"created_at"`
 }
 
+// querier is what a pool, a connection and a transaction all do.
 type querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 func nullRaw(b json.RawMessage) *string {

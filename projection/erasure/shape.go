@@ -25,9 +25,9 @@ func checkShape(ctx context.Context, db querier, schema, name, mode string, sel 
 	want := decodeObject(sel)
 	if mode == EraseByKey {
 		var sample []byte
-		err := queryOne(ctx, db, `SELECT key::text FROM archive.rows
-			WHERE schema_name = $1 AND table_name = $2 AND key IS NOT NULL LIMIT 1`, []any{schema, name}, &sample)
-		if err != nil || sample == nil {
+		err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows
+			WHERE schema_name = $1 AND table_name = $2 AND key IS NOT NULL LIMIT 1`, schema, name).Scan(&sample)
+		if err = nothingArchived(err); err != nil || sample == nil {
 			return err
 		}
 		have := decodeObject(sample)
@@ -44,14 +44,16 @@ func checkShape(ctx context.Context, db querier, schema, name, mode string, sel 
 		return nil
 	}
 	var archived bool
-	if err := queryOne(ctx, db, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE schema_name = $1 AND table_name = $2)`,
-		[]any{schema, name}, &archived); err != nil || !archived {
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE schema_name = $1 AND table_name = $2)`,
+		schema, name).Scan(&archived)
+	if err = nothingArchived(err); err != nil || !archived {
 		return err
 	}
 	for _, c := range slices.Sorted(maps.Keys(want)) {
 		var has bool
-		if err := queryOne(ctx, db, `SELECT EXISTS (SELECT 1 FROM archive.rows
-			WHERE schema_name = $1 AND table_name = $2 AND row ? $3)`, []any{schema, name, c}, &has); err != nil {
+		err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows
+			WHERE schema_name = $1 AND table_name = $2 AND row ? $3)`, schema, name, c).Scan(&has)
+		if err = nothingArchived(err); err != nil {
 			return err
 		}
 		if !has {
@@ -62,22 +64,19 @@ func checkShape(ctx context.Context, db querier, schema, name, mode string, sel 
 	return nil
 }
 
-// queryOne scans the single row of sql into dst; no row leaves dst as is.
-func queryOne(ctx context.Context, db querier, sql string, args []any, dst any) error {
-	rows, err := db.Query(ctx, sql, args...)
-	if err == nil {
-		_, err = pgx.CollectOneRow(rows, func(r pgx.CollectableRow) (struct{}, error) { return struct{}{}, r.Scan(dst) })
-	}
+// nothingArchived passes err on with context, but for the errors that
+// only say there is nothing archived to check against: no row, or no
+// archive yet (no version has been created on this target).
+func nothingArchived(err error) error {
 	var pg *pgconn.PgError
 	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		// Nothing archived of the table.
+	case err == nil, errors.Is(err, pgx.ErrNoRows):
+		return nil
 	case errors.As(err, &pg) && (pg.Code == "42P01" || pg.Code == "3F000"):
-		// No archive yet: no version has been created on this target.
-	case err != nil:
+		return nil
+	default:
 		return fmt.Errorf("check the selector against the archive: %w", err)
 	}
-	return nil
 }
 
 func sameColumns(a, b map[string]json.RawMessage) bool {
