@@ -37,6 +37,7 @@ type untouchedDefaultDataDir struct{ m *testing.M }
 func (u untouchedDefaultDataDir) Run() int {
 	before := dirState(defaultDataDir)
 	code := u.m.Run()
+	_ = os.RemoveAll(signingKeysDir())
 	after := dirState(defaultDataDir)
 	var written []string
 	for name, st := range after {

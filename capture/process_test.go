@@ -73,12 +73,25 @@ func captureEnv(extra map[string]string) []string {
 	return env
 }
 
-var signingKeys sync.Map // top-level test name -> key file
+// signingKeysDir holds the test signing keys, one per top-level test, for
+// the whole test binary: a key kept in the first caller's t.TempDir would
+// be removed when that subtest ends, under the other subtests of its test
+// that share it. Removed by TestMain.
+var signingKeysDir = sync.OnceValue(func() string {
+	dir, err := os.MkdirTemp("", "epitaph-capture-keys-")
+	if err != nil {
+		panic(err)
+	}
+	return dir
+})
 
+// testSigningKey is the signing key file every capture of one top-level
+// test shares (all its subtests too).
 func testSigningKey(t *testing.T) string {
 	root, _, _ := strings.Cut(t.Name(), "/")
-	k, _ := signingKeys.LoadOrStore(root, filepath.Join(t.TempDir(), "signing.key"))
-	return k.(string)
+	dir := filepath.Join(signingKeysDir(), root)
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	return filepath.Join(dir, "signing.key")
 }
 
 // ownDataDir gives a capture process a data dir of its own (the
