@@ -3,6 +3,7 @@ package archive
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/epitaph-dev/epitaph/event"
 )
@@ -174,14 +176,52 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		}
 		query = insertStagedRowsSQL
 	}
-	res, err := tx.Query(ctx, fmt.Sprintf(query, Ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts,
-		refsSet.values, colsSet.values)
+	query = fmt.Sprintf(query, Ident(schema))
+	args := []any{sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts,
+		refsSet.values, colsSet.values}
+	// Plainly first, in a savepoint: almost every page is new rows, and
+	// ON CONFLICT's speculative insertion (a probe of the unique key before
+	// each row, a lock and a second WAL record for each) cost a tenth or
+	// more of Postgres's CPU per row. A page holding a row already archived
+	// fails with a unique violation and goes again with ON CONFLICT DO
+	// NOTHING, so the result is the same.
+	sp, err := tx.Begin(ctx)
 	if err != nil {
+		return nil, 0, fmt.Errorf("insert %d archive rows into %s: savepoint: %w", n, schema, err)
+	}
+	inserted, epoch, err := runInsert(ctx, sp, strings.Replace(query, onConflict, "", 1), args)
+	if err == nil {
+		if err := sp.Commit(ctx); err != nil {
+			return nil, 0, fmt.Errorf("insert %d archive rows into %s: release savepoint: %w", n, schema, err)
+		}
+		return inserted, epoch, nil
+	}
+	if rbErr := sp.Rollback(ctx); rbErr != nil || !uniqueViolation(err) {
 		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
-	// The statement returns each transaction once (not a row per row),
-	// and one row without a transaction: the erasure counter.
+	if inserted, epoch, err = runInsert(ctx, tx, query, args); err != nil {
+		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+	}
+	return inserted, epoch, nil
+}
+
+// onConflict is the clause insertRowsSQL and insertStagedRowsSQL have once.
+const onConflict = "ON CONFLICT DO NOTHING\n"
+
+func uniqueViolation(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && pg.Code == "23505"
+}
+
+// runInsert runs one of the insert statements and reads what it returns:
+// each transaction once (not a row per row), and one row without a
+// transaction: the erasure counter.
+func runInsert(ctx context.Context, tx pgx.Tx, query string, args []any) ([]Inserted, int64, error) {
+	res, err := tx.Query(ctx, query, args...)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer res.Close()
 	var epoch int64
 	var inserted []Inserted
 	for res.Next() {
@@ -189,8 +229,7 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		var corr *string
 		var at *time.Time
 		if err := res.Scan(&corr, &t.Rows, &at); err != nil {
-			res.Close()
-			return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+			return nil, 0, err
 		}
 		if corr == nil {
 			epoch = int64(t.Rows)
@@ -200,7 +239,7 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		inserted = append(inserted, t)
 	}
 	if err := res.Err(); err != nil {
-		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+		return nil, 0, err
 	}
 	return inserted, epoch, nil
 }

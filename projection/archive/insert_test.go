@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -77,4 +78,62 @@ func TestInsertRowsKeepsEachRowsRefsAndColumns(t *testing.T) {
 			require.JSONEq(t, string(want), *c.got, "row %d: %s", i, c.name)
 		}
 	}
+}
+
+// A page holding rows already archived archives only the others, keeps the
+// archived ones as they were, counts only what it inserted, and leaves its
+// transaction usable; a page of new rows after it is archived whole.
+func TestInsertRowsSkipsRowsAlreadyArchived(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	schema := archive.Schema(1)
+	_, err = pool.Exec(ctx, archive.DDL(schema))
+	require.NoError(t, err)
+
+	page := func(image string, seqs ...int) []archive.Row {
+		var rows []archive.Row
+		for _, seq := range seqs {
+			ev := &event.Event{Op: event.OpDelete, Source: "main", Schema: "public", Table: "orders", Identity: event.IdentityFull,
+				XID: 7, CommitLSN: 0x5000, CommitTime: time.Unix(1700000000, 0).UTC(), Seq: seq, Key: json.RawMessage(`{"id":1}`)}
+			rows = append(rows, archive.Row{Event: ev, Image: json.RawMessage(image), Verified: true})
+		}
+		return rows
+	}
+	insert := func(tx pgx.Tx, rows []archive.Row) int {
+		inserted, _, err := archive.InsertRows(ctx, tx, schema, rows)
+		require.NoError(t, err)
+		n := 0
+		for _, in := range inserted {
+			n += in.Rows
+		}
+		return n
+	}
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 3, insert(tx, page(`{"id":1,"v":"first"}`, 0, 1, 2)))
+	require.NoError(t, tx.Commit(ctx))
+
+	tx, err = pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	require.Equal(t, 2, insert(tx, page(`{"id":1,"v":"again"}`, 1, 2, 3, 4)), "seqs 3 and 4")
+	require.Zero(t, insert(tx, page(`{"id":1,"v":"again"}`, 0, 4)))
+	require.Equal(t, 2, insert(tx, page(`{"id":1,"v":"new"}`, 5, 6)))
+	require.NoError(t, tx.Commit(ctx))
+
+	rows, err := pool.Query(ctx, `SELECT seq, row->>'v' FROM `+archive.Ident(schema, "rows")+` ORDER BY seq`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct {
+		Seq int
+		V   string
+	}])
+	require.NoError(t, err)
+	require.Equal(t, []struct {
+		Seq int
+		V   string
+	}{{0, "first"}, {1, "first"}, {2, "first"}, {3, "again"}, {4, "again"}, {5, "new"}, {6, "new"}}, got)
 }
