@@ -48,6 +48,11 @@ func TestInsertStagedRowsSQL(t *testing.T) {
 		"LEFT JOIN pg_temp.epitaph_staged_rows st ON st.ord = u.ord\nON CONFLICT"} {
 		require.Equal(t, 1, strings.Count(insertStagedRowsSQL, part), part)
 	}
+	// InsertRows tries each without its conflict clause first.
+	for _, q := range []string{insertRowsSQL, insertStagedRowsSQL} {
+		require.Equal(t, 1, strings.Count(q, onConflict))
+		require.NotContains(t, strings.Replace(q, onConflict, "", 1), "ON CONFLICT")
+	}
 }
 
 // jsonSet numbers equal texts alike, from 1, whether they come in the same
