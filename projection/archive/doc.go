@@ -32,8 +32,9 @@
 // that make a partition count as failing there and in package
 // projection/status.
 //
-// InsertRows archives delete events (Row) with one set-based statement,
-// idempotently: an event applied twice is archived once. A row of a
+// InsertRows archives delete events (Row) with one set-based statement
+// (two when some of them are archived already), idempotently: an event
+// applied twice is archived once. A row of a
 // transaction not verified yet is inserted invisible. InsertGap records a
 // Gap inside the transaction that applies it, once per gap however many
 // partitions apply its copies.

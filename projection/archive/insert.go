@@ -3,6 +3,7 @@ package archive
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/epitaph-dev/epitaph/event"
 )
@@ -27,6 +29,11 @@ type Row struct {
 	Verified bool
 }
 
+// insertRowsSQL takes each row's refs and columns as an index into $18
+// and $19, the distinct ones of the statement (NULL for none): they are
+// the same for every row of a table, and Postgres parsing the same JSON
+// once per row was a visible share of the apply's CPU.
+//
 // insertRowsSQL names no conflict target: the rows table's unique key is
 // (source, commit_lsn, seq) in an unpartitioned table (an earlier
 // release's) and (source, commit_lsn, seq, commit_time) in a partitioned
@@ -37,10 +44,10 @@ WITH ins AS (
 INSERT INTO %s.rows (source, schema_name, table_name, key, row, identity, correlation_id, xid,
                      commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
 SELECT u.source, u.schema_name, u.table_name, u.key::jsonb, u.row::jsonb, u.identity, u.correlation_id, u.xid,
-       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, u.refs::jsonb, u.columns::jsonb, u.is_root, u.verified,
+       u.commit_lsn::pg_lsn, u.commit_time, u.seq, u.expires_at, ($18::jsonb[])[u.refs], ($19::jsonb[])[u.columns], u.is_root, u.verified,
        u.text_values::jsonb
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
-            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::text[], $14::text[], $15::boolean[],
+            $9::text[], $10::timestamptz[], $11::int[], $12::timestamptz[], $13::int[], $14::int[], $15::boolean[],
             $16::boolean[], $17::text[])
      AS u(source, schema_name, table_name, key, row, identity, correlation_id, xid,
           commit_lsn, commit_time, seq, expires_at, refs, columns, is_root, verified, text_values)
@@ -123,7 +130,8 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 	n := len(rows)
 	var (
 		sources, schemas, tables, idents, corrs, lsns = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-		keys, images, refs, cols                      = make([]*string, n), make([]*string, n), make([]*string, n), make([]*string, n)
+		keys, images                                  = make([]*string, n), make([]*string, n)
+		refs, cols                                    = make([]*int32, n), make([]*int32, n)
 		texts                                         = make([]*string, n)
 		xids                                          = make([]int64, n)
 		times, expires                                = make([]*time.Time, n), make([]*time.Time, n)
@@ -132,6 +140,7 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		verified                                      = make([]bool, n)
 	)
 	var enc schemaEncoder
+	var refsSet, colsSet jsonSet
 	var staged []int
 	for i, r := range rows {
 		e := r.Event
@@ -150,13 +159,15 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		expires[i] = r.ExpiresAt
 		roots[i] = r.IsRoot
 		verified[i] = r.Verified
-		var err error
-		if refs[i], err = enc.refs(e.Refs); err != nil {
+		rj, err := enc.refs(e.Refs)
+		if err != nil {
 			return nil, 0, err
 		}
-		if cols[i], err = enc.columns(e.Columns); err != nil {
+		cj, err := enc.columns(e.Columns)
+		if err != nil {
 			return nil, 0, err
 		}
+		refs[i], cols[i] = refsSet.index(rj), colsSet.index(cj)
 	}
 	query := insertRowsSQL
 	if len(staged) > 0 {
@@ -165,13 +176,52 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		}
 		query = insertStagedRowsSQL
 	}
-	res, err := tx.Query(ctx, fmt.Sprintf(query, Ident(schema)),
-		sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts)
+	query = fmt.Sprintf(query, Ident(schema))
+	args := []any{sources, schemas, tables, keys, images, idents, corrs, xids, lsns, times, seqs, expires, refs, cols, roots, verified, texts,
+		refsSet.values, colsSet.values}
+	// Plainly first, in a savepoint: almost every page is new rows, and
+	// ON CONFLICT's speculative insertion (a probe of the unique key before
+	// each row, a lock and a second WAL record for each) cost a tenth or
+	// more of Postgres's CPU per row. A page holding a row already archived
+	// fails with a unique violation and goes again with ON CONFLICT DO
+	// NOTHING, so the result is the same.
+	sp, err := tx.Begin(ctx)
 	if err != nil {
+		return nil, 0, fmt.Errorf("insert %d archive rows into %s: savepoint: %w", n, schema, err)
+	}
+	inserted, epoch, err := runInsert(ctx, sp, strings.Replace(query, onConflict, "", 1), args)
+	if err == nil {
+		if err := sp.Commit(ctx); err != nil {
+			return nil, 0, fmt.Errorf("insert %d archive rows into %s: release savepoint: %w", n, schema, err)
+		}
+		return inserted, epoch, nil
+	}
+	if rbErr := sp.Rollback(ctx); rbErr != nil || !uniqueViolation(err) {
 		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
 	}
-	// The statement returns each transaction once (not a row per row),
-	// and one row without a transaction: the erasure counter.
+	if inserted, epoch, err = runInsert(ctx, tx, query, args); err != nil {
+		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+	}
+	return inserted, epoch, nil
+}
+
+// onConflict is the clause insertRowsSQL and insertStagedRowsSQL have once.
+const onConflict = "ON CONFLICT DO NOTHING\n"
+
+func uniqueViolation(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && pg.Code == "23505"
+}
+
+// runInsert runs one of the insert statements and reads what it returns:
+// each transaction once (not a row per row), and one row without a
+// transaction: the erasure counter.
+func runInsert(ctx context.Context, tx pgx.Tx, query string, args []any) ([]Inserted, int64, error) {
+	res, err := tx.Query(ctx, query, args...)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer res.Close()
 	var epoch int64
 	var inserted []Inserted
 	for res.Next() {
@@ -179,8 +229,7 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		var corr *string
 		var at *time.Time
 		if err := res.Scan(&corr, &t.Rows, &at); err != nil {
-			res.Close()
-			return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+			return nil, 0, err
 		}
 		if corr == nil {
 			epoch = int64(t.Rows)
@@ -190,9 +239,40 @@ func InsertRows(ctx context.Context, tx pgx.Tx, schema string, rows []Row) ([]In
 		inserted = append(inserted, t)
 	}
 	if err := res.Err(); err != nil {
-		return nil, 0, fmt.Errorf("insert %d archive rows into %s: %w", n, schema, err)
+		return nil, 0, err
 	}
 	return inserted, epoch, nil
+}
+
+// jsonSet numbers the distinct JSON texts of a statement from 1 (Postgres
+// array subscripts), for a statement that takes them once and each row's
+// as its number.
+type jsonSet struct {
+	values []string
+	seen   map[string]int32
+	last   *string // the text of the previous index call, and its number
+	lastN  int32
+}
+
+// index is the number of s in the set, adding it if new; nil for nil.
+func (j *jsonSet) index(s *string) *int32 {
+	if s == nil {
+		return nil
+	}
+	if s != j.last {
+		n, ok := j.seen[*s]
+		if !ok {
+			if j.seen == nil {
+				j.seen = map[string]int32{}
+			}
+			j.values = append(j.values, *s)
+			n = int32(len(j.values))
+			j.seen[*s] = n
+		}
+		j.last, j.lastN = s, n
+	}
+	n := j.lastN
+	return &n
 }
 
 // schemaEncoder encodes the refs and columns of rows as JSON, reusing the

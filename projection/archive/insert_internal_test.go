@@ -48,4 +48,28 @@ func TestInsertStagedRowsSQL(t *testing.T) {
 		"LEFT JOIN pg_temp.epitaph_staged_rows st ON st.ord = u.ord\nON CONFLICT"} {
 		require.Equal(t, 1, strings.Count(insertStagedRowsSQL, part), part)
 	}
+	// InsertRows tries each without its conflict clause first.
+	for _, q := range []string{insertRowsSQL, insertStagedRowsSQL} {
+		require.Equal(t, 1, strings.Count(q, onConflict))
+		require.NotContains(t, strings.Replace(q, onConflict, "", 1), "ON CONFLICT")
+	}
+}
+
+// jsonSet numbers equal texts alike, from 1, whether they come in the same
+// string or in equal ones, and keeps each text once.
+func TestJSONSetNumbersDistinctTexts(t *testing.T) {
+	t.Parallel()
+	var set jsonSet
+	a, b, a2 := `{"a":1}`, `{"b":2}`, `{"a":1}`
+	var got []int32
+	for _, s := range []*string{&a, &a, &b, nil, &a2, &b, &a} {
+		n := set.index(s)
+		if s == nil {
+			require.Nil(t, n)
+			continue
+		}
+		got = append(got, *n)
+	}
+	require.Equal(t, []int32{1, 1, 2, 1, 2, 1}, got)
+	require.Equal(t, []string{a, b}, set.values)
 }
