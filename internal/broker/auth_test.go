@@ -18,6 +18,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -102,7 +103,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	require.ErrorIs(t, err, nats.ErrAuthorization)
 
 	// The capture's credentials: make the stream and an object, publish.
-	cnc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	cnc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.CaptureCreds()))
 	require.NoError(t, err)
 	defer cnc.Close()
 	cjs, err := jetstream.New(cnc)
@@ -120,7 +121,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 
 	// The projector's credentials: everything a projector reads...
 	var v violations
-	pnc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()), nats.ErrorHandler(v.handler))
+	pnc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()), nats.ErrorHandler(v.handler))
 	require.NoError(t, err)
 	defer pnc.Close()
 	pjs, err := jetstream.New(pnc)
@@ -189,7 +190,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 
 	// projector erase --purge-stream, with the erase credentials: it may
 	// securely delete a message, and read what it reads to find it.
-	enc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.EraseCreds()))
+	enc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.EraseCreds()))
 	require.NoError(t, err)
 	defer enc.Close()
 	ejs, err := jetstream.New(enc)
@@ -213,9 +214,9 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	// stay as they were.
 	victim, err := pstream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: "other_archive-v1-p0", FilterSubject: "epitaph.main.0.>", AckPolicy: jetstream.AckAllPolicy})
 	require.NoError(t, err)
-	proj := testenv.NewAttacker(t, s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	proj := testenv.NewAttacker(t, s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()))
 	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", "other_archive-v1-p0", 1))
-	capt := testenv.NewAttacker(t, s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	capt := testenv.NewAttacker(t, s.ClientURL(), natsconn.UserCredentials(s.CaptureCreds()))
 	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", "other_archive-v1-p0", 1))
 	vi, err := victim.Info(ctx)
 	require.NoError(t, err)
@@ -251,7 +252,7 @@ func TestEmbeddedServerKeepsIdentities(t *testing.T) {
 		require.NoError(t, err)
 		before[e.Name()] = b
 	}
-	nc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	nc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.CaptureCreds()))
 	require.NoError(t, err)
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
@@ -268,7 +269,7 @@ func TestEmbeddedServerKeepsIdentities(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, b, now, name)
 	}
-	nc, err = nats.Connect(s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	nc, err = nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()))
 	require.NoError(t, err)
 	defer nc.Close()
 	js, err = jetstream.New(nc)
@@ -298,7 +299,7 @@ func TestEmbeddedServerAdoptsUnauthenticatedData(t *testing.T) {
 	n.Stop()
 
 	s := startAuth(t, dir)
-	pnc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	pnc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()))
 	require.NoError(t, err)
 	defer pnc.Close()
 	pjs, err := jetstream.New(pnc)
