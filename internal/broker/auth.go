@@ -38,10 +38,17 @@ import (
 //     applied it is lost to those targets, so only the operator's erase
 //     may remove one.
 //
+// Each user subscribes only to its own inboxes, _INBOX.<user>.>
+// (natsconn.InboxPrefix), so no user reads another's JetStream replies or
+// deliveries. The projectors of one target may have a user of their own,
+// projector_<target> (WriteTargetCreds): the projector's permissions and
+// its own inboxes.
+//
 // The keys live in Dir and are made on the first start, so every restart
 // keeps the same identities; the users' credentials are Dir/capture.creds,
-// Dir/projector.creds and Dir/erase.creds in the standard NATS format
-// (nats.UserCredentials reads them). Dir is 0700, every file in it 0600.
+// Dir/projector.creds, Dir/erase.creds and Dir/projector_<target>.creds in
+// the standard NATS format (natsconn.UserCredentials reads them). Dir is
+// 0700, every file in it 0600.
 type Auth struct {
 	// Dir holds the keys and the credentials files. Required.
 	Dir string
