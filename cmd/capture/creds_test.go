@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/broker"
@@ -32,7 +33,8 @@ func credsUser(t *testing.T, path string) (name, pub string) {
 // credentials file the broker accepts at once: the user projector_<target>
 // may use JetStream through its own inboxes and may not read any other
 // client's. Nothing of the file is printed; a second run keeps its key;
-// a bad target or a data directory without keys is refused.
+// a bad target or a data directory without keys is refused; --revoke
+// removes the file and the broker refuses its key from its next start.
 func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 	t.Parallel()
 	data := t.TempDir()
@@ -85,4 +87,33 @@ func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 	require.Equal(t, 0, code, stderr)
 	name, _ = credsUser(t, out)
 	require.Equal(t, "projector_crm", name)
+
+	// --revoke: the file is gone; from the broker's next start its key is
+	// refused, while the other file (another key) still gets in, and
+	// credentials written again (a new key) do.
+	stolen := filepath.Join(t.TempDir(), "stolen.creds")
+	raw, err = os.ReadFile(path)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(stolen, raw, 0o600))
+	stdout, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--revoke")
+	require.Equal(t, 0, code, stderr)
+	require.Contains(t, stdout, "revoked "+path)
+	_, err = os.Stat(path)
+	require.ErrorIs(t, err, os.ErrNotExist)
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--revoke")
+	require.Equal(t, 1, code, stderr)
+	require.Contains(t, stderr, "no credentials file")
+	n.Restart()
+	_, err = nats.Connect(n.URL, natsconn.UserCredentials(stolen))
+	require.ErrorIs(t, err, nats.ErrAuthorization, "the revoked credentials")
+	nc, err := nats.Connect(n.URL, natsconn.UserCredentials(out))
+	require.NoError(t, err, "the other file")
+	nc.Close()
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm")
+	require.Equal(t, 0, code, stderr)
+	_, fresh := credsUser(t, path)
+	require.NotEqual(t, pub, fresh)
+	nc, err = nats.Connect(n.URL, natsconn.UserCredentials(path))
+	require.NoError(t, err, "credentials written again")
+	nc.Close()
 }

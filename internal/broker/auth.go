@@ -251,6 +251,13 @@ func ensureAuth(a Auth, opts *server.Options) (string, error) {
 	acc := jwt.NewAccountClaims(accPub)
 	acc.Name = AccountName
 	acc.Limits.JetStreamLimits = jwt.JetStreamLimits{MemoryStorage: -1, DiskStorage: -1, Streams: -1, Consumer: -1}
+	revoked, err := revokedUsers(a.Dir)
+	if err != nil {
+		return "", err
+	}
+	for _, pub := range revoked {
+		acc.Revoke(pub) // every JWT of that key issued until now
+	}
 	if id.accountJWT, err = acc.Encode(id.operator); err != nil {
 		return "", fmt.Errorf("embedded jetstream: account: %w", err)
 	}

@@ -6,8 +6,10 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nkeys"
 )
 
@@ -64,6 +66,76 @@ func WriteTargetCreds(dir, source, target, path string) error {
 	defer account.Wipe()
 	user := TargetUser(target)
 	return ensureCreds(path, user, account, ProjectorPermissions(source, user))
+}
+
+// revokedFile lists, one a line, the public keys of the users whose
+// credentials were revoked (RevokeTargetCreds).
+const revokedFile = "revoked-users"
+
+// RevokeTargetCreds revokes the credentials file at path (written by
+// WriteTargetCreds for the embedded broker whose keys are in dir): its
+// user's key is listed as revoked in dir and the file is removed. The
+// embedded broker refuses that key from its next start on (the account's
+// revocations are set when it starts); credentials written again get a
+// new key.
+func RevokeTargetCreds(dir, path string) error {
+	if _, err := os.Stat(filepath.Join(dir, accountSeedFile)); err != nil {
+		return fmt.Errorf("no embedded broker keys in %s", dir)
+	}
+	raw, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("no credentials file %s", path)
+	}
+	if err != nil {
+		return fmt.Errorf("read the target's credentials: %w", err)
+	}
+	kp, err := jwt.ParseDecoratedNKey(raw)
+	if err != nil {
+		return fmt.Errorf("%s: not a NATS credentials file", path)
+	}
+	pub, err := kp.PublicKey()
+	kp.Wipe()
+	if err != nil {
+		return fmt.Errorf("%s: not a NATS credentials file", path)
+	}
+	revoked, err := revokedUsers(dir)
+	if err != nil {
+		return err
+	}
+	if !slices.Contains(revoked, pub) {
+		revoked = append(revoked, pub)
+		if err := writeFileAtomic(filepath.Join(dir, revokedFile), []byte(strings.Join(revoked, "\n")+"\n")); err != nil {
+			return err
+		}
+	}
+	if err := os.Remove(path); err != nil {
+		return fmt.Errorf("remove %s: %w", path, err)
+	}
+	return nil
+}
+
+// revokedUsers reads the revoked users' public keys in dir (none when the
+// file does not exist).
+func revokedUsers(dir string) ([]string, error) {
+	raw, err := os.ReadFile(filepath.Join(dir, revokedFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("embedded jetstream: read the revoked users: %w", err)
+	}
+	var out []string
+	for _, l := range strings.Split(string(raw), "\n") {
+		l = strings.TrimSpace(l)
+		if l == "" {
+			continue
+		}
+		if !nkeys.IsValidPublicUserKey(l) {
+			return nil, fmt.Errorf("embedded jetstream: %s: %q is not a user's public key", filepath.Join(dir, revokedFile), l)
+		}
+		out = append(out, l)
+	}
+	return out, nil
 }
 
 // refreshTargetCreds brings the target credentials files in a.Dir

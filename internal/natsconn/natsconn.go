@@ -209,11 +209,11 @@ func urlHasCredentials(url string) bool {
 }
 
 // Options validates the settings, reads the secret files and returns the
-// nats.Options that authenticate with them, and the inbox prefix of the
-// user they name (InboxPrefix: the user of --nats-user or of the URL, the
-// name in the JWT of --nats-creds; an nkey alone names no user). Every file
-// is checked now, so a missing or unreadable one is one clear error at
-// start, not a refused connection later.
+// nats.Options that authenticate with them and take the inboxes of the
+// user they name (InboxPrefix of the user of --nats-user or of the URL, or
+// of the name in the JWT of --nats-creds; an nkey alone names no user, and
+// keeps _INBOX). Every file is checked now, so a missing or unreadable one
+// is one clear error at start, not a refused connection later.
 func (a Auth) Options(url string) ([]nats.Option, error) {
 	if err := a.Validate(url); err != nil {
 		return nil, err
