@@ -2,6 +2,8 @@ package projection_test
 
 import (
 	"context"
+	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -22,7 +24,8 @@ import (
 // acknowledgements or advisories, cannot list A's consumers, and find none
 // under the names consumers had before they carried a random part: looking
 // them up or deleting them finds nothing. A's archive stays exact row by
-// row, and A's consumers are never deleted or made anew.
+// row, A's consumers are never deleted or made anew, and neither A's
+// metrics nor its status show their names' random part.
 func TestTargetCredentialsCannotReachAnotherTargetsConsumers(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -93,4 +96,23 @@ func TestTargetCredentialsCannotReachAnotherTargetsConsumers(t *testing.T) {
 		require.Equal(t, before, info.CachedInfo().Created, "%s made anew", name)
 	}
 	require.Zero(t, metricSum(t, a, "epitaph_projector_consumer_resets_total"))
+
+	// Neither the metrics nor the status (what /status and the status
+	// page serve) show a consumer's random part.
+	st, err := a.Status(ctx)
+	require.NoError(t, err)
+	body, err := json.Marshal(st)
+	require.NoError(t, err)
+	var metrics strings.Builder
+	mfs, err := a.Registry().Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		metrics.WriteString(mf.String())
+	}
+	require.Greater(t, metrics.Len(), 1000)
+	for name := range created {
+		secret := name[strings.LastIndex(name, "-")+1:]
+		require.NotContains(t, string(body), secret, "the status shows %s", name)
+		require.NotContains(t, metrics.String(), secret, "the metrics show %s", name)
+	}
 }
