@@ -24,6 +24,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/observe"
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
 	"github.com/epitaph-dev/epitaph/internal/redact"
@@ -417,7 +418,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		// socket: ~20% more rows/s in bench-capture. Other processes
 		// (projectors) connect to its listen address. It authenticates as
 		// the capture role all the same.
-		extra = append(extra, nats.InProcessServer(s.embed), nats.UserCredentials(s.embed.CaptureCreds()))
+		extra = append(extra, nats.InProcessServer(s.embed), natsconn.UserCredentials(s.embed.CaptureCreds()))
 	} else {
 		auth, err := cfg.NATSAuth.Options(s.natsURL)
 		if err != nil {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -87,7 +88,7 @@ func confirmUnderSteadyTraffic(t *testing.T, bin string, external bool, traffic 
 		dataDir := t.TempDir()
 		procEnv["EPITAPH_DATA_DIR"] = dataDir
 		procEnv["EPITAPH_NATS_LISTEN"] = listen
-		creds := nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
+		creds := natsconn.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
 		e.nats = &testenv.NATS{URL: "nats://" + listen, Opts: []nats.Option{creds}}
 	}
 	p := startCapProc(t, "capture", bin, procEnv)

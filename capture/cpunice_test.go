@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -73,7 +74,7 @@ func TestTailNiceSetsTheAutogroup(t *testing.T) {
 		}
 		p := startCapProcWith(t, "capture-"+name, bin, env, session)
 		require.Eventually(t, func() bool { v, ok := p.active(); return ok && v == 1 }, 60*time.Second, 100*time.Millisecond)
-		return p, &testenv.NATS{URL: "nats://" + listen, Opts: []nats.Option{nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))}}
+		return p, &testenv.NATS{URL: "nats://" + listen, Opts: []nats.Option{natsconn.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))}}
 	}
 	status := func(p *capProc) Status {
 		t.Helper()

@@ -15,6 +15,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -50,7 +51,7 @@ func TestEmbeddedBrokerAndEndpoints(t *testing.T) {
 
 	_, err := nats.Connect(svc.NATSURL())
 	require.ErrorIs(t, err, nats.ErrAuthorization, "the embedded broker requires credentials")
-	creds := nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dir)))
+	creds := natsconn.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dir)))
 	nc, err := nats.Connect(svc.NATSURL(), creds)
 	require.NoError(t, err)
 	defer nc.Close()

@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -143,7 +144,7 @@ func TestCaptureCredentialsCannotEmptyTheStream(t *testing.T) {
 	require.NoError(t, svc.Start(context.Background()))
 	testenv.Exec(t, db, `DELETE FROM t`)
 
-	nc, err := nats.Connect(svc.NATSURL(), nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dir))))
+	nc, err := nats.Connect(svc.NATSURL(), natsconn.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dir))))
 	require.NoError(t, err)
 	defer nc.Close()
 	js, err := jetstream.New(nc)

@@ -23,6 +23,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
@@ -527,7 +528,7 @@ func TestEmbeddedBrokerServesThroughASourceOutage(t *testing.T) {
 	// A projector's connection to the embedded broker.
 	var disconnects int
 	var mu sync.Mutex
-	nc, err := nats.Connect("nats://"+listen, nats.UserCredentials(broker.ProjectorCreds(EmbeddedCredsDir(dataDir))),
+	nc, err := nats.Connect("nats://"+listen, natsconn.UserCredentials(broker.ProjectorCreds(EmbeddedCredsDir(dataDir))),
 		nats.DisconnectErrHandler(func(*nats.Conn, error) { mu.Lock(); disconnects++; mu.Unlock() }))
 	require.NoError(t, err)
 	defer nc.Close()

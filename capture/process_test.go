@@ -22,6 +22,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
@@ -557,7 +558,7 @@ func peakRSSOneMillionRowDelete(t *testing.T, embedded bool) {
 		listen := "127.0.0.1:" + strconv.Itoa(port)
 		dataDir := t.TempDir()
 		env["EPITAPH_DATA_DIR"], env["EPITAPH_NATS_LISTEN"] = dataDir, listen
-		creds := nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
+		creds := natsconn.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
 		srv = &testenv.NATS{URL: "nats://" + listen, Opts: []nats.Option{creds}}
 		bound = EmbeddedPeakRSSBound
 		env["GOMEMLIMIT"] = deployedMemoryLimit(t) // as deployed
@@ -635,7 +636,7 @@ func TestEmbeddedBrokerLosesAcknowledgedTail(t *testing.T) {
 	for i := range txs {
 		testenv.Exec(t, db, `DELETE FROM items WHERE id > $1 AND id <= $2`, i*rows/txs, (i+1)*rows/txs)
 	}
-	creds := nats.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
+	creds := natsconn.UserCredentials(broker.CaptureCreds(EmbeddedCredsDir(dataDir)))
 	e := &env{nats: &testenv.NATS{URL: "nats://" + listen, Opts: []nats.Option{creds}}}
 	nc, js := e.nats.Connect(t)
 	e.js = js

@@ -20,29 +20,70 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // requireRolePermissions: the config's users are the embedded broker's
-// roles with the same permissions (the capture's for every source).
-func requireRolePermissions(t *testing.T, opts *server.Options) {
+// roles with the same permissions (the capture's for every source), each
+// subscribing to its own inboxes only; with the example target user
+// enabled (withTarget), projector_crm is the projector with its own inboxes
+// (what capture creds --target crm writes).
+func requireRolePermissions(t *testing.T, opts *server.Options, withTarget bool) {
 	t.Helper()
 	users := map[string]*server.User{}
 	for _, u := range opts.Users {
 		users[u.Username] = u
 		require.Equal(t, "EPITAPH", u.Account.Name, "user %s", u.Username)
 	}
-	require.Len(t, users, 3, "the capture, projector and erase roles")
-	for name, want := range map[string]jwt.Permissions{"projector": broker.ProjectorPermissions("main"), "erase": broker.ErasePermissions("main")} {
-		require.Equal(t, []string(want.Pub.Allow), users[name].Permissions.Publish.Allow, name)
-		require.Equal(t, []string(want.Pub.Deny), users[name].Permissions.Publish.Deny, name)
-		require.Equal(t, []string(want.Sub.Allow), users[name].Permissions.Subscribe.Allow, name)
+	want := map[string]jwt.Permissions{
+		"capture":   broker.CapturePermissions("main", "capture"),
+		"projector": broker.ProjectorPermissions("main", "projector"),
+		"erase":     broker.ErasePermissions("main", "erase"),
+	}
+	if withTarget {
+		want[broker.TargetUser("crm")] = broker.ProjectorPermissions("main", broker.TargetUser("crm"))
+	}
+	require.Len(t, users, len(want), "the capture, projector and erase roles (and the example target's user)")
+	for name, w := range want {
+		require.Contains(t, users, name)
+		require.Equal(t, []string(w.Pub.Allow), users[name].Permissions.Publish.Allow, name)
+		require.Equal(t, []string(w.Pub.Deny), users[name].Permissions.Publish.Deny, name)
+		require.Equal(t, []string(w.Sub.Allow), users[name].Permissions.Subscribe.Allow, name)
+		require.Equal(t, []string{"_INBOX." + name + ".>"}, users[name].Permissions.Subscribe.Allow, name)
 	}
 	require.NotContains(t, users["projector"].Permissions.Publish.Allow, "$JS.API.STREAM.MSG.DELETE.*", "running projectors delete nothing")
-	capt := broker.CapturePermissions("main")
-	require.Equal(t, []string(capt.Pub.Allow), users["capture"].Permissions.Publish.Allow, "the capture user of source main")
-	require.Equal(t, []string(capt.Pub.Deny), users["capture"].Permissions.Publish.Deny)
-	require.Equal(t, []string(capt.Sub.Allow), users["capture"].Permissions.Subscribe.Allow)
 	require.Equal(t, "SYS", opts.SystemAccount)
+}
+
+// withExampleTarget writes nats.conf with its commented example user of
+// target "crm" enabled, and returns the file's path.
+func withExampleTarget(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("nats/nats.conf")
+	require.NoError(t, err)
+	lines := strings.Split(string(raw), "\n")
+	var example []string
+	start := -1
+	for i, l := range lines {
+		if strings.Contains(l, "EPITAPH_NATS_USER=projector_crm") {
+			start = i + 1
+		}
+		if start >= 0 && i >= start {
+			if l == "#" {
+				continue
+			}
+			if !strings.HasPrefix(l, "#      ") {
+				break
+			}
+			example = append(example, strings.TrimPrefix(l, "#"))
+		}
+	}
+	require.NotEmpty(t, example, "nats.conf has the example user of target crm")
+	conf := strings.Replace(string(raw), "    users: [\n", "    users: [\n"+strings.Join(example, "\n")+"\n", 1)
+	path := filepath.Join(t.TempDir(), "nats.conf")
+	require.NoError(t, os.WriteFile(path, []byte(conf), 0o600))
+	return path
 }
 
 var natsServerModuleRe = regexp.MustCompile(`(?m)^\s*github\.com/nats-io/nats-server/v2 v(\S+)`)
@@ -83,7 +124,7 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 
 	// The roles' passwords, as compose gives them to every node.
 	secrets := t.TempDir()
-	passwords := map[string]string{"capture": "capture-pw-1", "projector": "projector-pw-2", "erase": "erase-pw-3"}
+	passwords := map[string]string{"capture": "capture-pw-1", "projector": "projector-pw-2", "erase": "erase-pw-3", "projector_crm": "crm-pw-4"}
 	for role, pw := range passwords {
 		t.Setenv("EPITAPH_NATS_"+strings.ToUpper(role)+"_PASSWORD", pw)
 		require.NoError(t, os.WriteFile(filepath.Join(secrets, role), []byte(pw+"\n"), 0o600))
@@ -95,7 +136,11 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		t.Setenv("SERVER_NAME", c.Services[n].Environment["SERVER_NAME"])
 		opts, err := server.ProcessConfigFile("nats/nats.conf")
 		require.NoError(t, err)
-		requireRolePermissions(t, opts)
+		requireRolePermissions(t, opts, false)
+		// The nodes run it with the example target's user enabled.
+		opts, err = server.ProcessConfigFile(withExampleTarget(t))
+		require.NoError(t, err)
+		requireRolePermissions(t, opts, true)
 
 		require.Equal(t, n, opts.ServerName, "server_name from the node's SERVER_NAME")
 		require.Equal(t, 4222, opts.Port, "clients use 4222 (EPITAPH_NATS_URL)")
@@ -199,17 +244,40 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 	// each at once, what the role may not do (another target's consumer is
 	// the victim): the server refuses every attempt, and the stream and
 	// the consumer stay as they were.
-	victim, err := pstream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: "other_archive-v1-p0", FilterSubject: "epitaph.main.0.>", AckPolicy: jetstream.AckAllPolicy})
+	// The victim is a partition worker's consumer of the target whose
+	// projectors are the user projector: its name has a random part.
+	unit := progress.Key{Projection: "archive", Version: 1, Partition: 0}
+	victimName, err := version.NewUnitConsumer(unit, "other")
 	require.NoError(t, err)
+	victim, err := pstream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: victimName, FilterSubject: "epitaph.main.0.>", AckPolicy: jetstream.AckAllPolicy})
+	require.NoError(t, err)
+	created := victim.CachedInfo().Created
 	proj := testenv.NewAttacker(t, urls, role("projector")...)
-	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", "other_archive-v1-p0", 1))
+	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", victimName, 1))
 	capt := testenv.NewAttacker(t, urls, role("capture")...)
-	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", "other_archive-v1-p0", 1))
+	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", victimName, 1))
+	// Holders of another target's user (projector_crm) and of the
+	// capture's, answered on their own inboxes, cannot read the projector
+	// user's inboxes (or any other), acknowledgements or advisories, list
+	// the consumers, or find the victim under the names consumers had
+	// before they carried a random part.
+	crm := testenv.NewAttacker(t, urls, role("projector_crm")...)
+	for who, att := range map[string]*testenv.Attacker{"projector_crm": crm, "capture": capt} {
+		_, err := att.JS.AccountInfo(ctx)
+		require.NoError(t, err, who)
+		att.RequireRefused(t, ctx, append(att.SnoopAttempts("main", "projector"), att.ListConsumers("main")))
+		for _, guess := range []string{unit.GroupConsumerName("other"), unit.ConsumerName()} {
+			_, err := att.JS.Consumer(ctx, "EPITAPH_MAIN", guess)
+			require.ErrorIs(t, err, jetstream.ErrConsumerNotFound, "%s finds %s", who, guess)
+			require.ErrorIs(t, att.JS.DeleteConsumer(ctx, "EPITAPH_MAIN", guess), jetstream.ErrConsumerNotFound, "%s deletes %s", who, guess)
+		}
+	}
 	vi, err := victim.Info(ctx)
 	require.NoError(t, err)
 	require.Equal(t, uint64(4), vi.NumPending, "the other target's consumer still has its partition's messages pending")
 	require.False(t, vi.Paused, "not paused")
-	require.NoError(t, pstream.DeleteConsumer(ctx, "other_archive-v1-p0"))
+	require.Equal(t, created, vi.Created, "never made anew")
+	require.NoError(t, pstream.DeleteConsumer(ctx, victimName))
 
 	// The erase user (projector erase --purge-stream) securely deletes one
 	// message, and may not purge.

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	osexec "os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -20,8 +21,10 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
+	"github.com/epitaph-dev/epitaph/progress"
 )
 
 func httpBody(t *testing.T, url string) (int, string) {
@@ -98,7 +101,7 @@ func TestEmbeddedBrokerRefusesOutsideWriters(t *testing.T) {
 	_, err = natsgo.Connect(natsURL)
 	require.ErrorIs(t, err, natsgo.ErrAuthorization, "no credentials")
 
-	pnc, err := natsgo.Connect(natsURL, natsgo.UserCredentials(projectorCreds))
+	pnc, err := natsgo.Connect(natsURL, natsconn.UserCredentials(projectorCreds))
 	require.NoError(t, err)
 	defer pnc.Close()
 	pjs, err := jetstream.New(pnc)
@@ -184,14 +187,39 @@ func TestEmbeddedBrokerRefusesOutsideWriters(t *testing.T) {
 	}
 	require.NoError(t, vrows.Err())
 	require.Len(t, victims, 2, "one consumer a partition")
-	proj := testenv.NewAttacker(t, natsURL, natsgo.UserCredentials(projectorCreds))
+	proj := testenv.NewAttacker(t, natsURL, natsconn.UserCredentials(projectorCreds))
 	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", victims[0], 1))
-	capt := testenv.NewAttacker(t, natsURL, natsgo.UserCredentials(broker.CaptureCreds(credsDir)))
+	capt := testenv.NewAttacker(t, natsURL, natsconn.UserCredentials(broker.CaptureCreds(credsDir)))
 	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", victims[1], 1))
 
-	// What the projector's credentials may do to another target: delete
-	// its consumers and make them anew under the same names, filters and
-	// limits, delivering headers only. The running projector resets them
+	// Another target's own credentials, made by the real capture creds
+	// while the capture's broker runs, and the capture's: answered on
+	// their own inboxes, they cannot read the running projector's inboxes,
+	// acknowledgements or advisories, list its consumers or find them under
+	// the names consumers had before they carried a random part.
+	otherCreds := broker.TargetCreds(credsDir, "other")
+	cout, err := osexec.CommandContext(ctx, bins["capture"], "creds", "--target", "other", "--data-dir", dataDir).CombinedOutput()
+	require.NoError(t, err, string(cout))
+	require.Contains(t, string(cout), "wrote "+otherCreds)
+	group := strings.SplitN(victims[0], "_", 2)[0]
+	other := testenv.NewAttacker(t, natsURL, natsconn.UserCredentials(otherCreds))
+	for who, att := range map[string]*testenv.Attacker{"other target": other, "capture": capt} {
+		_, err := att.JS.AccountInfo(ctx)
+		require.NoError(t, err, who)
+		att.RequireRefused(t, ctx, append(att.SnoopAttempts("main", broker.ProjectorUser), att.ListConsumers("main")))
+		for p := range victims {
+			k := progress.Key{Projection: "archive", Version: 1, Partition: p}
+			for _, guess := range []string{k.GroupConsumerName(group), k.ConsumerName()} {
+				_, err := att.JS.Consumer(ctx, event.StreamName("main"), guess)
+				require.ErrorIs(t, err, jetstream.ErrConsumerNotFound, "%s finds %s", who, guess)
+			}
+		}
+	}
+
+	// What a holder of the projector's credentials who also reads the
+	// target's database (the recorded names) may do: delete its consumers
+	// and make them anew under the same names, filters and limits,
+	// delivering headers only. The running projector resets them
 	// at its cursors; the rows deleted next are archived once each, with
 	// their values, nothing quarantined as malformed.
 	for _, name := range victims {

@@ -45,10 +45,12 @@ func (k Key) ConsumerName() string {
 	return k.Projection + "-v" + strconv.Itoa(k.Version) + "-p" + strconv.Itoa(k.Partition)
 }
 
-// GroupConsumerName is the JetStream durable consumer of the unit for a
-// consumer group (one per target): <group>_<projection>-v<N>-p<p>. It is
-// never reused by another version or another group; an empty group gives
-// ConsumerName.
+// GroupConsumerName names the unit in a consumer group (one per target):
+// <group>_<projection>-v<N>-p<p>, never reused by another version or
+// another group; an empty group gives ConsumerName. A worker's durable
+// consumer is this name with a random part appended
+// (version.NewUnitConsumer), recorded on the progress row; this name alone
+// was the consumer of releases before that.
 func (k Key) GroupConsumerName(group string) string {
 	if group == "" {
 		return k.ConsumerName()
@@ -109,9 +111,9 @@ type Row struct {
 	Owner               string
 	Epoch               int64
 	LeaseExpiresAt      *time.Time
-	// Consumer is the JetStream consumer a worker last read the unit
-	// through (RecordConsumer); "" when none was recorded (no worker yet,
-	// or one from before consumer groups used ConsumerName).
+	// Consumer is the JetStream consumer of the unit (RecordConsumer),
+	// recorded before a worker makes it; "" when none was recorded (no
+	// worker yet, or one from before consumer groups used ConsumerName).
 	Consumer string
 	// StreamCreated is the creation time of the stream the cursor counts
 	// in (migration 0012); nil when not recorded yet.

@@ -3,7 +3,6 @@ package projection_test
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"regexp"
 	"sort"
 	"testing"
@@ -172,19 +171,21 @@ func TestTwoTargetsFromOneStream(t *testing.T) {
 	ga, gb := a.Group(), b.Group()
 	require.Equal(t, groupOf(t, e.url), ga)
 	require.Equal(t, groupOf(t, url2), gb)
+	// Each target's consumers are the ones recorded on its progress rows,
+	// named for its group with a random part.
 	require.Equal(t, map[string]bool{
-		ga + "_archive-v1-p0": true, ga + "_archive-v1-p1": true,
-		gb + "_archive-v1-p0": true, gb + "_archive-v1-p1": true,
+		recordedConsumer(t, e.url, ga, 1, 0): true, recordedConsumer(t, e.url, ga, 1, 1): true,
+		recordedConsumer(t, url2, gb, 1, 0): true, recordedConsumer(t, url2, gb, 1, 1): true,
 	}, names)
-	for _, c := range []*pgx.Conn{ca, cb} {
-		require.Equal(t, 2, count(t, c, `SELECT count(*) FROM epitaph.progress WHERE consumer LIKE '%\_archive-v1-p%'`))
-	}
 }
 
-// A deployment from before consumer groups read through archive-v1-p<p>.
-// After the upgrade the worker creates its group's consumer at the Postgres
-// cursor (the cursor is the truth), then deletes the old one; nothing is
-// lost or applied twice, and --group (Config.Group) names the consumers.
+// Deployments from before consumer names carried a random part read
+// through <group>_archive-v1-p<p> (recorded on the row) or, before consumer
+// groups, archive-v1-p<p> (nothing recorded). After the upgrade the worker
+// deletes the old consumer, records a new name of its group with a random
+// part and creates that consumer at the Postgres cursor (the cursor is the
+// truth); nothing is lost or applied twice, --group (Config.Group) names
+// the consumers, and a restart reuses the recorded names.
 func TestOldConsumersMigrateToTheGroup(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 2)
@@ -205,21 +206,31 @@ func TestOldConsumersMigrateToTheGroup(t *testing.T) {
 	s := e.start(cfg)
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 20 })
 	require.NoError(t, s.Stop(ctx))
+	first := []string{recordedConsumer(t, e.url, "blue", 1, 0), recordedConsumer(t, e.url, "blue", 1, 1)}
 
-	// Make it look like the old deployment: the consumers under the old
-	// names at the cursor, nothing recorded.
+	// A restart reuses the recorded names.
+	s = e.start(cfg)
+	publish(5)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 30 })
+	require.NoError(t, s.Stop(ctx))
+	require.Equal(t, first, []string{recordedConsumer(t, e.url, "blue", 1, 0), recordedConsumer(t, e.url, "blue", 1, 1)})
+
+	// Make it look like the old deployments: the consumers under the old
+	// names at the cursor; partition 0 records the group's name, partition
+	// 1 nothing.
 	stream, err := e.js.Stream(ctx, event.StreamName(src))
 	require.NoError(t, err)
+	old := []string{"blue_archive-v1-p0", "archive-v1-p1"}
 	for p := 0; p < 2; p++ {
 		var cursor uint64
 		require.NoError(t, c.QueryRow(ctx, `SELECT cursor FROM epitaph.progress WHERE partition = $1`, p).Scan(&cursor))
-		require.NoError(t, stream.DeleteConsumer(ctx, fmt.Sprintf("blue_archive-v1-p%d", p)))
-		_, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: fmt.Sprintf("archive-v1-p%d", p),
+		require.NoError(t, stream.DeleteConsumer(ctx, first[p]))
+		_, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: old[p],
 			FilterSubject: event.PartitionFilter(src, p), DeliverPolicy: jetstream.DeliverByStartSequencePolicy,
 			OptStartSeq: cursor + 1, AckPolicy: jetstream.AckAllPolicy})
 		require.NoError(t, err)
 	}
-	_, err = c.Exec(ctx, `UPDATE epitaph.progress SET consumer = NULL`)
+	_, err = c.Exec(ctx, `UPDATE epitaph.progress SET consumer = CASE partition WHEN 0 THEN 'blue_archive-v1-p0' END`)
 	require.NoError(t, err)
 	publish(10) // while no projector runs
 
@@ -228,17 +239,24 @@ func TestOldConsumersMigrateToTheGroup(t *testing.T) {
 	require.NoError(t, s2.Start(ctx))
 	t.Cleanup(func() { require.NoError(t, s2.Stop(context.Background())) })
 	publish(10)
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 60 })
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 70 })
 	require.Equal(t, expectedArchive(t, txs), archiveOf(t, c))
 	eventually(t, 10*time.Second, func() bool {
-		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE consumer LIKE 'blue\_archive-v1-p%'`) == 2
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE consumer LIKE 'blue\_archive-v1-p_-%'`) == 2
 	})
 	for p := 0; p < 2; p++ {
-		_, err := stream.Consumer(ctx, fmt.Sprintf("archive-v1-p%d", p))
+		_, err := stream.Consumer(ctx, old[p])
 		require.ErrorIs(t, err, jetstream.ErrConsumerNotFound, "old consumer of p%d", p)
-		_, err = stream.Consumer(ctx, fmt.Sprintf("blue_archive-v1-p%d", p))
+		name := recordedConsumer(t, e.url, "blue", 1, p)
+		require.NotEqual(t, first[p], name, "a new name")
+		_, err = stream.Consumer(ctx, name)
 		require.NoError(t, err)
 	}
+	names := map[string]bool{}
+	for n := range stream.ConsumerNames(ctx).Name() {
+		names[n] = true
+	}
+	require.Len(t, names, 2, "no consumer left behind: %v", names)
 	// The migration itself resets nothing; a partition restarted after a
 	// transient failure (a timeout on a loaded machine) resets its consumer
 	// to the cursor, and only that may.

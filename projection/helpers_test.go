@@ -22,7 +22,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -57,7 +60,21 @@ func newEnv(t *testing.T, partitions int) *env {
 
 func newEnvWith(t *testing.T, url string, partitions int) *env {
 	t.Helper()
-	e := &env{t: t, url: url, nats: testenv.NewNATS(t), partitions: partitions, signer: testenv.NewSigner()}
+	return newEnvOn(t, url, testenv.NewNATS(t), partitions)
+}
+
+// newEnvAuth is newEnv on an embedded broker that requires credentials
+// (its keys in credsDir); the test's own connection is the capture's.
+func newEnvAuth(t *testing.T, credsDir string, partitions int) *env {
+	t.Helper()
+	n := testenv.NewNATSWith(t, broker.Config{Auth: &broker.Auth{Dir: credsDir, Source: src}})
+	n.Opts = []nats.Option{natsconn.UserCredentials(broker.CaptureCreds(credsDir))}
+	return newEnvOn(t, testenv.NewDatabase(t), n, partitions)
+}
+
+func newEnvOn(t *testing.T, url string, n *testenv.NATS, partitions int) *env {
+	t.Helper()
+	e := &env{t: t, url: url, nats: n, partitions: partitions, signer: testenv.NewSigner()}
 	_, e.js = e.nats.Connect(t)
 	e.createStream()
 	e.lsn.Store(0x1000000)
@@ -306,14 +323,30 @@ func storeRow(t *testing.T, obs jetstream.ObjectStore, name string, row []byte) 
 }
 
 // consumerName is the durable consumer of partition p of archive version
-// n for the test's target (its default consumer group).
+// n for the test's target: the one recorded on its progress row, a name of
+// its default consumer group with a random part.
 func (e *env) consumerName(n, p int) string {
 	e.t.Helper()
+	return recordedConsumer(e.t, e.url, "", n, p)
+}
+
+// recordedConsumer is the consumer recorded on the progress row of
+// partition p of archive version n in the target at url; it must be one
+// of group (default: the target's default group) with a random part.
+func recordedConsumer(t *testing.T, url, group string, n, p int) string {
+	t.Helper()
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, e.url)
-	require.NoError(e.t, err)
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
 	defer conn.Close(ctx)
-	group, err := version.DefaultGroup(ctx, conn)
-	require.NoError(e.t, err)
-	return fmt.Sprintf("%s_archive-v%d-p%d", group, n, p)
+	if group == "" {
+		group, err = version.DefaultGroup(ctx, conn)
+		require.NoError(t, err)
+	}
+	var name *string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT consumer FROM epitaph.progress WHERE projection = 'archive' AND version = $1 AND partition = $2`, n, p).Scan(&name))
+	require.NotNil(t, name, "no consumer recorded for archive-v%d-p%d", n, p)
+	k := progress.Key{Projection: "archive", Version: n, Partition: p}
+	require.True(t, version.IsUnitConsumer(*name, k, group), "recorded consumer %q of group %s", *name, group)
+	return *name
 }

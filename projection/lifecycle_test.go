@@ -243,6 +243,10 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	err = version.Retire(ctx, pool, e.js, archive.Projection, 2, version.RetireOptions{Source: src})
 	require.Error(t, err)
 	published := stopTraffic()
+	v1 := make([]string, e.partitions)
+	for p := range v1 {
+		v1[p] = e.consumerName(1, p)
+	}
 	require.NoError(t, version.Retire(ctx, pool, e.js, archive.Projection, 1,
 		version.RetireOptions{Source: src, Drop: true}))
 	require.Equal(t, version.StateRetired, state(t, pool, 1))
@@ -251,7 +255,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	stream, err := e.js.Stream(ctx, event.StreamName(src))
 	require.NoError(t, err)
 	for p := 0; p < e.partitions; p++ {
-		_, err := stream.Consumer(ctx, e.consumerName(1, p))
+		_, err := stream.Consumer(ctx, v1[p])
 		require.True(t, errors.Is(err, jetstream.ErrConsumerNotFound), "consumer of v1 p%d: %v", p, err)
 	}
 	// The archive is complete: every published row, exactly once.

@@ -431,30 +431,30 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 
 // ensureConsumer keeps the durable consumer if it stands exactly at the
 // cursor with nothing in flight, else deletes and recreates it to start at
-// cursor+1: the Postgres cursor is the truth. The consumer is the group's
-// (version.UnitConsumer); once it stands at the cursor, the one used before (the name
-// from before consumer groups, or another group's recorded on the row) is
-// deleted.
+// cursor+1: the Postgres cursor is the truth. The consumer is the one
+// recorded on the progress row when it is the group's
+// (version.IsUnitConsumer), reused on every start. Otherwise a new name is
+// made (version.NewUnitConsumer): the consumer used before (recorded on the
+// row: one with a deterministic name, or another group's) and the
+// deterministic names are deleted, then the new name is recorded, and only
+// then is the consumer made, so that the row always names every consumer
+// of the unit that may exist and none is left behind by a crash.
 func (w *partitionWorker) ensureConsumer(ctx context.Context) error {
-	name := w.lease.GroupConsumerName(w.group)
-	prev := w.recorded
-	if prev == "" {
-		// Nothing recorded yet: record the name before the consumer exists,
-		// so that retire always knows it.
+	name := w.recorded
+	if !version.IsUnitConsumer(name, w.lease.Key, w.group) {
+		var err error
+		if name, err = version.NewUnitConsumer(w.lease.Key, w.group); err != nil {
+			return err
+		}
+		if err := deleteConsumers(ctx, w.stream, w.recorded, w.lease.GroupConsumerName(w.group), w.lease.ConsumerName()); err != nil {
+			return fmt.Errorf("delete the consumer used before: %w", err)
+		}
 		if err := w.recordConsumer(ctx, name); err != nil {
 			return err
 		}
+		w.log.Info("new consumer name recorded", "consumer", name)
 	}
-	if err := w.openConsumer(ctx, name); err != nil {
-		return err
-	}
-	if prev == name {
-		return nil
-	}
-	if err := deleteConsumers(ctx, w.stream, w.lease.ConsumerName(), prev); err != nil {
-		return fmt.Errorf("delete the consumer used before %s: %w", name, err)
-	}
-	return w.recordConsumer(ctx, name)
+	return w.openConsumer(ctx, name)
 }
 
 func (w *partitionWorker) recordConsumer(ctx context.Context, name string) error {

@@ -182,7 +182,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		nats.Name("epitaph-projector " + s.cfg.WorkerID),
 		nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond),
 		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1),
-		nats.ClosedHandler(s.natsClosed)}, auth...)...)
+		nats.ClosedHandler(s.natsClosed), nats.ErrorHandler(s.natsError)}, auth...)...)
 	if err != nil {
 		s.pool.Close()
 		return fmt.Errorf("connect to NATS %s: %w", redactURL(s.cfg.NATSURL), err)
@@ -285,6 +285,17 @@ func (s *Service) Err() error {
 		return *e
 	}
 	return nil
+}
+
+// natsError logs what the server reports asynchronously, such as a
+// permissions violation (a refused subscription leaves a fetch waiting
+// for replies that never come: the log says why).
+func (s *Service) natsError(_ *nats.Conn, sub *nats.Subscription, err error) {
+	if sub != nil {
+		s.log.Warn("NATS error", "subject", sub.Subject, "err", err)
+		return
+	}
+	s.log.Warn("NATS error", "err", err)
 }
 
 // natsClosed stops the service when its NATS connection is closed for good

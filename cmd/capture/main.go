@@ -188,6 +188,7 @@ is refused, never replaced by the default.`,
 		return <-ended
 	}
 	root.AddCommand(newUninstallCommand(stdout))
+	root.AddCommand(newCredsCommand(stdout))
 	cli.SetVersion(root)
 	cli.Prepare(root, stdout, stderr)
 	return root

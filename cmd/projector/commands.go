@@ -125,7 +125,7 @@ func commonFlags(cmd *cobra.Command, env *Env) *common {
 	for _, nf := range natsconn.Flags {
 		usage := nf.Usage
 		if nf.Name == "nats-creds" {
-			usage += "; with the capture's embedded broker: <its data dir>/nats/projector.creds"
+			usage += "; with the capture's embedded broker: <its data dir>/nats/projector.creds, or the target's own from capture creds --target NAME"
 		}
 		f.String(nf.Field(&c.natsAuth), nf.Name, nf.Env, "", usage)
 	}
@@ -159,7 +159,7 @@ func (c *common) natsConnect(opts ...nats.Option) (*nats.Conn, error) {
 func groupFlag(cmd *cobra.Command) *string {
 	g := new(string)
 	cli.Local(cmd).String(g, "group", "EPITAPH_GROUP", "",
-		"consumer group: durable consumers are <group>_<projection>-v<N>-p<p> (default: a hash of the target's system identifier and database name, so projectors of different targets never share consumers)")
+		"consumer group: durable consumers are <group>_<projection>-v<N>-p<p>-<random hex>, the name recorded on the progress row (default group: a hash of the target's system identifier and database name, so projectors of different targets never share consumers)")
 	return g
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -50,7 +51,7 @@ func TestStatusCheckWhenItCannotMeasure(t *testing.T) {
 	otherDir := filepath.Join(t.TempDir(), "nats")
 	testenv.NewNATSWith(t, broker.Config{Auth: &broker.Auth{Dir: otherDir, Source: "main"}})
 
-	nc, err := nats.Connect(n.URL, nats.UserCredentials(broker.CaptureCreds(authDir)))
+	nc, err := nats.Connect(n.URL, natsconn.UserCredentials(broker.CaptureCreds(authDir)))
 	require.NoError(t, err)
 	defer nc.Close()
 	js, err := jetstream.New(nc)

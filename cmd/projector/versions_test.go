@@ -25,6 +25,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
 
@@ -331,13 +332,16 @@ func TestBinaryRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Equal(t, 1, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
 	group, err := version.DefaultGroup(ctx, conn)
 	require.NoError(t, err)
-	_, err = stream.Consumer(ctx, group+"_archive-v1-p0")
-	require.NoError(t, err, "the consumer of the target's group exists before retire")
+	var consumer string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT consumer FROM epitaph.progress WHERE projection = 'archive' AND version = 1 AND partition = 0`).Scan(&consumer))
+	require.True(t, version.IsUnitConsumer(consumer, progress.Key{Projection: "archive", Version: 1}, group), "recorded consumer %s", consumer)
+	_, err = stream.Consumer(ctx, consumer)
+	require.NoError(t, err, "the consumer recorded on the progress row exists before retire")
 	rout, err = runBin(bin, env, "retire", "archive", "1", "--drop", "--yes")
 	require.NoError(t, err, rout)
 	require.Contains(t, rout, "archive v1 retired")
 	require.Equal(t, 0, q(`SELECT count(*) FROM pg_namespace WHERE nspname = 'archive_v1'`))
-	_, err = stream.Consumer(ctx, group+"_archive-v1-p0")
+	_, err = stream.Consumer(ctx, consumer)
 	require.ErrorIs(t, err, jetstream.ErrConsumerNotFound)
 
 	// The archive is complete: every deleted row, once, orders expiring.

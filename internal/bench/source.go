@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
@@ -143,7 +144,7 @@ func CaptureEnv(sourceURL, natsURL, listen, dataDir, metricsAddr, source, slot s
 // (nats.UserCredentials would refuse the option while the file is missing.)
 func EmbeddedCreds(dataDir string) nats.Option {
 	path := broker.ProjectorCreds(filepath.Join(dataDir, "nats"))
-	return nats.UserJWT(func() (string, error) {
+	creds := nats.UserJWT(func() (string, error) {
 		raw, err := os.ReadFile(path)
 		if errors.Is(err, fs.ErrNotExist) {
 			return "", nil // not yet: no credentials, the server refuses and the client retries
@@ -164,6 +165,12 @@ func EmbeddedCreds(dataDir string) nats.Option {
 		defer kp.Wipe()
 		return kp.Sign(nonce)
 	})
+	return func(o *nats.Options) error {
+		if err := creds(o); err != nil {
+			return err
+		}
+		return nats.CustomInboxPrefix(natsconn.InboxPrefix(broker.ProjectorUser))(o)
+	}
 }
 
 // ProjectorEnv is the environment of a projector worker.

@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 // StreamWatch counts the delete messages in a source's stream from outside
@@ -340,7 +341,7 @@ func WaitCreds(ctx context.Context, path string, timeout time.Duration) (nats.Op
 	deadline := time.Now().Add(timeout)
 	for {
 		if st, err := os.Stat(path); err == nil && st.Size() > 0 {
-			return nats.UserCredentials(path), nil
+			return natsconn.UserCredentials(path), nil
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("no credentials file %s after %s", path, timeout)

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nkeys"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 )
 
 // Auth makes an embedded server require credentials: one writer, the
@@ -37,10 +38,17 @@ import (
 //     applied it is lost to those targets, so only the operator's erase
 //     may remove one.
 //
+// Each user subscribes only to its own inboxes, _INBOX.<user>.>
+// (natsconn.InboxPrefix), so no user reads another's JetStream replies or
+// deliveries. The projectors of one target may have a user of their own,
+// projector_<target> (WriteTargetCreds): the projector's permissions and
+// its own inboxes.
+//
 // The keys live in Dir and are made on the first start, so every restart
 // keeps the same identities; the users' credentials are Dir/capture.creds,
-// Dir/projector.creds and Dir/erase.creds in the standard NATS format
-// (nats.UserCredentials reads them). Dir is 0700, every file in it 0600.
+// Dir/projector.creds, Dir/erase.creds and Dir/projector_<target>.creds in
+// the standard NATS format (natsconn.UserCredentials reads them). Dir is
+// 0700, every file in it 0600.
 type Auth struct {
 	// Dir holds the keys and the credentials files. Required.
 	Dir string
@@ -53,6 +61,13 @@ const (
 	CaptureCredsFile   = "capture.creds"
 	ProjectorCredsFile = "projector.creds"
 	EraseCredsFile     = "erase.creds"
+)
+
+// User names of the roles (the names in their JWTs, and of their inboxes).
+const (
+	CaptureUser   = "capture"
+	ProjectorUser = "projector"
+	EraseUser     = "erase"
 )
 
 // CaptureCreds and ProjectorCreds are the paths of the roles' credentials
@@ -111,7 +126,7 @@ func consumeStream(name string) []string {
 // read it back through consumers of its own); create and write the row
 // object store (an object put again purges the object's old chunks).
 // Nothing of any other stream, no other JetStream API.
-func CapturePermissions(source string) jwt.Permissions {
+func CapturePermissions(source, user string) jwt.Permissions {
 	stream, rows, _ := streamsOf(source)
 	allow := jwt.StringList{event.StreamSubjects(source), "$JS.API.INFO",
 		"$JS.API.STREAM.CREATE." + stream, "$JS.API.STREAM.UPDATE." + stream}
@@ -131,20 +146,30 @@ func CapturePermissions(source string) jwt.Permissions {
 				"$JS.API.STREAM.MSG.DELETE.*",
 				"$JS.API.STREAM.PURGE." + stream,
 			}},
-		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
+		Sub: inboxOnly(user),
 	}
 }
 
-// ProjectorPermissions are what the projector role of one source may do:
-// exactly what the projector (run, status, versions, quarantine replay,
-// wait) uses. It reads the source's stream, row object store and erasure
-// ledger, and consumes the stream and the object store; it cannot publish
-// to epitaph.>, write objects, delete or purge messages, or change a
-// stream. JetStream permissions are by subject token, and a consumer's
-// name is one token: the role reaches every consumer of its source's
-// stream, other targets' too (a worker resets a consumer it finds changed,
-// so such a change is seen and repaired, not believed).
-func ProjectorPermissions(source string) jwt.Permissions {
+// inboxOnly is subscribing only to the inboxes of user (the prefix every
+// Epitaph client of that user takes, natsconn.InboxPrefix): no other
+// client's replies or deliveries, whose reply subjects name consumers.
+func inboxOnly(user string) jwt.Permission {
+	return jwt.Permission{Allow: jwt.StringList{natsconn.InboxPrefix(user) + ".>"}}
+}
+
+// ProjectorPermissions are what the projector role of one source may do,
+// as the NATS user named user: exactly what the projector (run, status,
+// versions, quarantine replay, wait) uses. It reads the source's stream,
+// row object store and erasure ledger, and consumes the stream and the
+// object store; it cannot publish to epitaph.>, write objects, delete or
+// purge messages, or change a stream, and it subscribes to its own
+// inboxes only. JetStream permissions are by subject token and a
+// consumer's name is one token, so the role may reach any consumer of the
+// stream whose name it knows; it cannot list them, and a partition
+// worker's consumer name carries a random part recorded only in its
+// target's database, so another target's user (or the capture) cannot
+// find it.
+func ProjectorPermissions(source, user string) jwt.Permissions {
 	stream, rows, ledger := streamsOf(source)
 	allow := jwt.StringList{"$JS.API.INFO"}
 	for _, s := range []string{stream, rows, ledger} {
@@ -158,7 +183,7 @@ func ProjectorPermissions(source string) jwt.Permissions {
 			// Stated for whoever reads the JWT: never the stream, never objects.
 			Deny: jwt.StringList{event.SubjectPrefix + ".>", "$O.>"},
 		},
-		Sub: jwt.Permission{Allow: jwt.StringList{"_INBOX.>"}},
+		Sub: inboxOnly(user),
 	}
 }
 
@@ -167,9 +192,9 @@ func ProjectorPermissions(source string) jwt.Permissions {
 // its object's chunks) and the source's erasure ledger: creating its bucket
 // and putting there what it deletes (projector erase --purge-stream). No
 // purge, no stream delete. The projector role only reads the ledger.
-func ErasePermissions(source string) jwt.Permissions {
+func ErasePermissions(source, user string) jwt.Permissions {
 	stream, rows, ledger := streamsOf(source)
-	p := ProjectorPermissions(source)
+	p := ProjectorPermissions(source, user)
 	p.Pub.Allow = append(p.Pub.Allow,
 		"$JS.API.STREAM.MSG.DELETE."+stream, "$JS.API.STREAM.MSG.DELETE."+rows,
 		"$JS.API.STREAM.CREATE."+ledger,
@@ -226,17 +251,27 @@ func ensureAuth(a Auth, opts *server.Options) (string, error) {
 	acc := jwt.NewAccountClaims(accPub)
 	acc.Name = AccountName
 	acc.Limits.JetStreamLimits = jwt.JetStreamLimits{MemoryStorage: -1, DiskStorage: -1, Streams: -1, Consumer: -1}
+	revoked, err := revokedUsers(a.Dir)
+	if err != nil {
+		return "", err
+	}
+	for _, pub := range revoked {
+		acc.Revoke(pub) // every JWT of that key issued until now
+	}
 	if id.accountJWT, err = acc.Encode(id.operator); err != nil {
 		return "", fmt.Errorf("embedded jetstream: account: %w", err)
 	}
 
-	if err := ensureCreds(CaptureCreds(a.Dir), "capture", id.account, CapturePermissions(a.Source)); err != nil {
+	if err := ensureCreds(CaptureCreds(a.Dir), CaptureUser, id.account, CapturePermissions(a.Source, CaptureUser)); err != nil {
 		return "", err
 	}
-	if err := ensureCreds(ProjectorCreds(a.Dir), "projector", id.account, ProjectorPermissions(a.Source)); err != nil {
+	if err := ensureCreds(ProjectorCreds(a.Dir), ProjectorUser, id.account, ProjectorPermissions(a.Source, ProjectorUser)); err != nil {
 		return "", err
 	}
-	if err := ensureCreds(EraseCreds(a.Dir), "erase", id.account, ErasePermissions(a.Source)); err != nil {
+	if err := ensureCreds(EraseCreds(a.Dir), EraseUser, id.account, ErasePermissions(a.Source, EraseUser)); err != nil {
+		return "", err
+	}
+	if err := refreshTargetCreds(a, id.account); err != nil {
 		return "", err
 	}
 

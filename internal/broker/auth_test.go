@@ -12,12 +12,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nkeys"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -102,7 +105,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	require.ErrorIs(t, err, nats.ErrAuthorization)
 
 	// The capture's credentials: make the stream and an object, publish.
-	cnc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	cnc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.CaptureCreds()))
 	require.NoError(t, err)
 	defer cnc.Close()
 	cjs, err := jetstream.New(cnc)
@@ -120,7 +123,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 
 	// The projector's credentials: everything a projector reads...
 	var v violations
-	pnc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()), nats.ErrorHandler(v.handler))
+	pnc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()), nats.ErrorHandler(v.handler))
 	require.NoError(t, err)
 	defer pnc.Close()
 	pjs, err := jetstream.New(pnc)
@@ -189,7 +192,7 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 
 	// projector erase --purge-stream, with the erase credentials: it may
 	// securely delete a message, and read what it reads to find it.
-	enc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.EraseCreds()))
+	enc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.EraseCreds()))
 	require.NoError(t, err)
 	defer enc.Close()
 	ejs, err := jetstream.New(enc)
@@ -213,10 +216,17 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 	// stay as they were.
 	victim, err := pstream.CreateConsumer(ctx, jetstream.ConsumerConfig{Durable: "other_archive-v1-p0", FilterSubject: "epitaph.main.0.>", AckPolicy: jetstream.AckAllPolicy})
 	require.NoError(t, err)
-	proj := testenv.NewAttacker(t, s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	proj := testenv.NewAttacker(t, s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()))
 	proj.RequireRefused(t, ctx, proj.ProjectorAttempts("main", "other_archive-v1-p0", 1))
-	capt := testenv.NewAttacker(t, s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	capt := testenv.NewAttacker(t, s.ClientURL(), natsconn.UserCredentials(s.CaptureCreds()))
 	capt.RequireRefused(t, ctx, capt.CaptureAttempts("main", "other_archive-v1-p0", 1))
+	// Each role reads only its own inboxes: not every client's, not
+	// another role's, not the acknowledgements or consumer advisories
+	// (their subjects name consumers).
+	proj.RequireRefused(t, ctx, proj.SnoopAttempts("main", broker.CaptureUser))
+	capt.RequireRefused(t, ctx, capt.SnoopAttempts("main", broker.ProjectorUser))
+	erase := testenv.NewAttacker(t, s.ClientURL(), natsconn.UserCredentials(s.EraseCreds()))
+	erase.RequireRefused(t, ctx, erase.SnoopAttempts("main", broker.ProjectorUser))
 	vi, err := victim.Info(ctx)
 	require.NoError(t, err)
 	require.Equal(t, uint64(1), vi.NumPending, "the other target's consumer still has the message pending")
@@ -251,7 +261,7 @@ func TestEmbeddedServerKeepsIdentities(t *testing.T) {
 		require.NoError(t, err)
 		before[e.Name()] = b
 	}
-	nc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.CaptureCreds()))
+	nc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.CaptureCreds()))
 	require.NoError(t, err)
 	js, err := jetstream.New(nc)
 	require.NoError(t, err)
@@ -268,7 +278,7 @@ func TestEmbeddedServerKeepsIdentities(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, b, now, name)
 	}
-	nc, err = nats.Connect(s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	nc, err = nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()))
 	require.NoError(t, err)
 	defer nc.Close()
 	js, err = jetstream.New(nc)
@@ -278,6 +288,71 @@ func TestEmbeddedServerKeepsIdentities(t *testing.T) {
 	m, err := stream.GetMsg(ctx, 1)
 	require.NoError(t, err)
 	require.Equal(t, "kept", string(m.Data))
+}
+
+// TestTargetCredentialsAreKeptCurrent: a target's credentials file
+// (capture creds --target) written with other permissions than the
+// projector's, signed by the account, is brought to the projector's
+// permissions with the target's own inboxes at the next start, keeping its
+// key; the running broker accepts a file written while it runs. A target
+// name that is not one subject token is refused.
+func TestTargetCredentialsAreKeptCurrent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	creds := filepath.Join(dir, "nats")
+	s := startAuth(t, dir)
+	require.Error(t, broker.WriteTargetCreds(creds, "main", "a.b", broker.TargetCreds(creds, "x")))
+	require.ErrorContains(t, broker.WriteTargetCreds(t.TempDir(), "main", "crm", filepath.Join(t.TempDir(), "c")), "no embedded broker keys")
+	path := broker.TargetCreds(creds, "crm")
+	require.NoError(t, broker.WriteTargetCreds(creds, "main", "crm", path))
+	nc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(path))
+	require.NoError(t, err)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	_, err = js.AccountInfo(ctx)
+	require.NoError(t, err, "accepted by the running broker")
+	nc.Close()
+
+	// Rewrite it as an older release would have: subscribing to _INBOX.>.
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	user, err := jwt.ParseDecoratedNKey(raw)
+	require.NoError(t, err)
+	pub, err := user.PublicKey()
+	require.NoError(t, err)
+	seed, err := user.Seed()
+	require.NoError(t, err)
+	accSeed, err := os.ReadFile(filepath.Join(creds, "account.nk"))
+	require.NoError(t, err)
+	account, err := nkeys.FromSeed(bytes.TrimSpace(accSeed))
+	require.NoError(t, err)
+	uc := jwt.NewUserClaims(pub)
+	uc.Name = broker.TargetUser("crm")
+	uc.Permissions = broker.ProjectorPermissions("main", broker.TargetUser("crm"))
+	uc.Permissions.Sub.Allow = jwt.StringList{"_INBOX.>"}
+	tok, err := uc.Encode(account)
+	require.NoError(t, err)
+	old, err := jwt.FormatUserConfig(tok, seed)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(path, old, 0o644))
+
+	s.Shutdown()
+	startAuth(t, dir)
+	raw, err = os.ReadFile(path)
+	require.NoError(t, err)
+	tok, err = jwt.ParseDecoratedJWT(raw)
+	require.NoError(t, err)
+	got, err := jwt.DecodeUserClaims(tok)
+	require.NoError(t, err)
+	require.Equal(t, pub, got.Subject, "the same key")
+	require.Equal(t, "projector_crm", got.Name)
+	require.Equal(t, jwt.StringList{"_INBOX.projector_crm.>"}, got.Permissions.Sub.Allow)
+	require.Equal(t, broker.ProjectorPermissions("main", "projector_crm").Pub, got.Permissions.Pub)
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
 }
 
 // TestEmbeddedServerAdoptsUnauthenticatedData: a data dir written by an
@@ -298,7 +373,7 @@ func TestEmbeddedServerAdoptsUnauthenticatedData(t *testing.T) {
 	n.Stop()
 
 	s := startAuth(t, dir)
-	pnc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(s.ProjectorCreds()))
+	pnc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(s.ProjectorCreds()))
 	require.NoError(t, err)
 	defer pnc.Close()
 	pjs, err := jetstream.New(pnc)

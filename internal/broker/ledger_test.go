@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 )
 
@@ -27,7 +28,7 @@ func TestErasureLedgerRoles(t *testing.T) {
 	defer cancel()
 	s := startAuth(t, t.TempDir())
 	connect := func(creds string) jetstream.JetStream {
-		nc, err := nats.Connect(s.ClientURL(), nats.UserCredentials(creds))
+		nc, err := nats.Connect(s.ClientURL(), natsconn.UserCredentials(creds))
 		require.NoError(t, err)
 		t.Cleanup(nc.Close)
 		js, err := jetstream.New(nc)

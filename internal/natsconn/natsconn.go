@@ -3,6 +3,11 @@
 // --nats-tls-ca, --nats-tls-cert with --nats-tls-key) into nats.Options,
 // in one place. Secrets are read from files and never printed: errors name
 // the flag and the file, never its content.
+//
+// A client that authenticates as a named NATS user takes its replies and
+// deliveries on inboxes of its own, _INBOX.<user>.>: a server that lets
+// each user subscribe only there keeps one user from reading another's
+// JetStream replies (which name its consumers).
 package natsconn
 
 import (
@@ -11,9 +16,101 @@ import (
 	"os"
 	"strings"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nkeys"
 )
+
+// DefaultInboxPrefix is the inbox prefix of a client with no user name.
+const DefaultInboxPrefix = "_INBOX"
+
+// InboxPrefix is the inbox prefix of a client authenticated as user:
+// _INBOX.<user> (DefaultInboxPrefix for ""). A server lets the user
+// subscribe to InboxPrefix(user) + ".>" only.
+func InboxPrefix(user string) string {
+	if user == "" {
+		return DefaultInboxPrefix
+	}
+	return DefaultInboxPrefix + "." + user
+}
+
+// checkUser refuses a user name that is not one subject token (it could
+// not name the user's inboxes).
+func checkUser(what, user string) error {
+	if strings.ContainsAny(user, ". \t\r\n*>") {
+		return fmt.Errorf("%s: NATS user %q cannot name an inbox (_INBOX.<user>): use a name without '.', '*', '>' or spaces", what, user)
+	}
+	return nil
+}
+
+// CredsUser is the user name a .creds file authenticates as: the name of
+// its user JWT ("" when the JWT has none). The seed is not read.
+func CredsUser(path string) (string, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	tok, err := jwt.ParseDecoratedJWT(raw)
+	if err != nil {
+		return "", fmt.Errorf("%s: not a NATS credentials file", path)
+	}
+	uc, err := jwt.DecodeUserClaims(tok)
+	if err != nil {
+		return "", fmt.Errorf("%s: not a NATS credentials file (no user JWT)", path)
+	}
+	if err := checkUser(path, uc.Name); err != nil {
+		return "", err
+	}
+	return uc.Name, nil
+}
+
+// UserCredentials is nats.UserCredentials(path) with the inbox prefix of
+// the file's user (InboxPrefix(CredsUser(path))): what every Epitaph
+// client authenticating with a .creds file uses.
+func UserCredentials(path string) nats.Option {
+	return func(o *nats.Options) error {
+		user, err := CredsUser(path)
+		if err != nil {
+			return err
+		}
+		if err := nats.UserCredentials(path)(o); err != nil {
+			return err
+		}
+		return inbox(user)(o)
+	}
+}
+
+// inbox sets the inbox prefix of user (nothing for "").
+func inbox(user string) nats.Option {
+	return func(o *nats.Options) error {
+		if user == "" {
+			return nil
+		}
+		return nats.CustomInboxPrefix(InboxPrefix(user))(o)
+	}
+}
+
+// urlUser is the user of the first URL of a comma-separated list that
+// carries user:password ("" when none does; a lone token is no user).
+func urlUser(url string) string {
+	for _, u := range strings.Split(url, ",") {
+		u = strings.TrimSpace(u)
+		if i := strings.Index(u, "://"); i >= 0 {
+			u = u[i+3:]
+		}
+		if j := strings.IndexAny(u, "/?"); j >= 0 {
+			u = u[:j]
+		}
+		at := strings.LastIndex(u, "@")
+		if at < 0 {
+			continue
+		}
+		if user, _, ok := strings.Cut(u[:at], ":"); ok && user != "" {
+			return user
+		}
+	}
+	return ""
+}
 
 // Auth is how a client authenticates to a NATS server. The zero value
 // authenticates with what the URL carries (nothing, a token or user:pass).
@@ -112,9 +209,11 @@ func urlHasCredentials(url string) bool {
 }
 
 // Options validates the settings, reads the secret files and returns the
-// nats.Options that authenticate with them. Every file is checked now, so
-// a missing or unreadable one is one clear error at start, not a refused
-// connection later.
+// nats.Options that authenticate with them and take the inboxes of the
+// user they name (InboxPrefix of the user of --nats-user or of the URL, or
+// of the name in the JWT of --nats-creds; an nkey alone names no user, and
+// keeps _INBOX). Every file is checked now, so a missing or unreadable one
+// is one clear error at start, not a refused connection later.
 func (a Auth) Options(url string) ([]nats.Option, error) {
 	if err := a.Validate(url); err != nil {
 		return nil, err
@@ -125,7 +224,11 @@ func (a Auth) Options(url string) ([]nats.Option, error) {
 		if err := readable("--nats-creds", a.CredsFile); err != nil {
 			return nil, err
 		}
-		opts = append(opts, nats.UserCredentials(a.CredsFile))
+		user, err := CredsUser(a.CredsFile)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-creds %w", err)
+		}
+		opts = append(opts, nats.UserCredentials(a.CredsFile), inbox(user))
 	case a.NkeyFile != "":
 		raw, err := os.ReadFile(a.NkeyFile)
 		if err != nil {
@@ -154,7 +257,16 @@ func (a Auth) Options(url string) ([]nats.Option, error) {
 		if pw == "" {
 			return nil, fmt.Errorf("--nats-password-file %s is empty", a.PasswordFile)
 		}
-		opts = append(opts, nats.UserInfo(a.User, pw))
+		if err := checkUser("--nats-user", a.User); err != nil {
+			return nil, err
+		}
+		opts = append(opts, nats.UserInfo(a.User, pw), inbox(a.User))
+	default:
+		user := urlUser(url)
+		if err := checkUser("the NATS URL", user); err != nil {
+			return nil, err
+		}
+		opts = append(opts, inbox(user))
 	}
 	if a.TLSCA != "" {
 		if err := readable("--nats-tls-ca", a.TLSCA); err != nil {

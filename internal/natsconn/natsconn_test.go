@@ -1,6 +1,7 @@
 package natsconn_test
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -15,8 +16,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nkeys"
 	"github.com/stretchr/testify/require"
 
@@ -194,4 +197,85 @@ func makeCert(t *testing.T, dir, name string, parent *x509.Certificate, parentKe
 	cert, err := x509.ParseCertificate(der)
 	require.NoError(t, err)
 	return cert, key
+}
+
+// inboxOf is the inbox prefix the options of a give a client (with its
+// trailing dot).
+func inboxOf(t *testing.T, url string, a natsconn.Auth) string {
+	t.Helper()
+	opts, err := a.Options(url)
+	require.NoError(t, err)
+	o := nats.GetDefaultOptions()
+	for _, opt := range opts {
+		require.NoError(t, opt(&o))
+	}
+	if o.InboxPrefix == "" {
+		return nats.InboxPrefix
+	}
+	return o.InboxPrefix + "."
+}
+
+// TestOptionsTakeTheUsersInboxes: a client named as a user (--nats-user,
+// the URL's user, the name in a .creds file's JWT) takes its replies on
+// _INBOX.<user>.>; with no user name, on _INBOX.>. A user name that
+// cannot be one subject token is refused. On a server that lets the user
+// subscribe to its own inboxes only, JetStream requests are answered.
+func TestOptionsTakeTheUsersInboxes(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	pw := filepath.Join(dir, "pw")
+	require.NoError(t, os.WriteFile(pw, []byte("s3cret\n"), 0o600))
+	user, err := nkeys.CreateUser()
+	require.NoError(t, err)
+	seed, err := user.Seed()
+	require.NoError(t, err)
+	seedFile := filepath.Join(dir, "user.nk")
+	require.NoError(t, os.WriteFile(seedFile, seed, 0o600))
+
+	require.Equal(t, "_INBOX.projector_crm.", inboxOf(t, "nats://h:4222", natsconn.Auth{User: "projector_crm", PasswordFile: pw}))
+	require.Equal(t, "_INBOX.capture.", inboxOf(t, "nats://capture:pw@h:4222", natsconn.Auth{}))
+	require.Equal(t, "_INBOX.", inboxOf(t, "nats://tok@h:4222", natsconn.Auth{}))
+	require.Equal(t, "_INBOX.", inboxOf(t, "nats://h:4222", natsconn.Auth{NkeyFile: seedFile}))
+	require.Equal(t, "_INBOX.", inboxOf(t, "nats://h:4222", natsconn.Auth{}))
+	_, err = natsconn.Auth{User: "a.b", PasswordFile: pw}.Options("nats://h:4222")
+	require.ErrorContains(t, err, `NATS user "a.b" cannot name an inbox`)
+
+	account, err := nkeys.CreateAccount()
+	require.NoError(t, err)
+	pub, err := user.PublicKey()
+	require.NoError(t, err)
+	uc := jwt.NewUserClaims(pub)
+	uc.Name = "projector_crm"
+	tok, err := uc.Encode(account)
+	require.NoError(t, err)
+	creds, err := jwt.FormatUserConfig(tok, seed)
+	require.NoError(t, err)
+	credsFile := filepath.Join(dir, "user.creds")
+	require.NoError(t, os.WriteFile(credsFile, creds, 0o600))
+	require.Equal(t, "_INBOX.projector_crm.", inboxOf(t, "nats://h:4222", natsconn.Auth{CredsFile: credsFile}))
+	var o nats.Options
+	require.NoError(t, natsconn.UserCredentials(credsFile)(&o))
+	require.Equal(t, "_INBOX.projector_crm", o.InboxPrefix)
+	notCreds := filepath.Join(dir, "not.creds")
+	require.NoError(t, os.WriteFile(notCreds, []byte("SUsecretlookingbutwrong\n"), 0o600))
+	_, err = natsconn.Auth{CredsFile: notCreds}.Options("nats://h:4222")
+	require.ErrorContains(t, err, "not a NATS credentials file")
+	require.NotContains(t, err.Error(), "secretlooking")
+
+	// A server that lets each user subscribe to its own inboxes only.
+	url := startServer(t, &server.Options{JetStream: true, StoreDir: t.TempDir(), Users: []*server.User{{Username: "projector_crm", Password: "s3cret",
+		Permissions: &server.Permissions{
+			Publish:   &server.SubjectPermission{Allow: []string{"$JS.API.>"}},
+			Subscribe: &server.SubjectPermission{Allow: []string{"_INBOX.projector_crm.>"}}}}}})
+	opts, err := natsconn.Auth{User: "projector_crm", PasswordFile: pw}.Options(url)
+	require.NoError(t, err)
+	nc, err := nats.Connect(url, opts...)
+	require.NoError(t, err)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err = js.AccountInfo(ctx)
+	require.NoError(t, err, "a JetStream request answered on the user's inbox")
 }

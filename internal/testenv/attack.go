@@ -155,16 +155,7 @@ func (a *Attacker) common(source, victim string, seq uint64) []Attempt {
 			_, err := a.JS.ResetConsumerToSequence(ctx, name, victim, seq+1000)
 			return err
 		}},
-		{"list the consumers", "$JS.API.CONSUMER.NAMES." + name, func(ctx context.Context) error {
-			s, err := st(ctx)
-			if err != nil {
-				return err
-			}
-			l := s.ConsumerNames(ctx)
-			for range l.Name() {
-			}
-			return l.Err()
-		}},
+		a.ListConsumers(source),
 		{"create a stream", "$JS.API.STREAM.CREATE." + other, func(ctx context.Context) error {
 			_, err := a.JS.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{"evil.>"}, Storage: jetstream.MemoryStorage})
 			return err
@@ -232,5 +223,62 @@ func (a *Attacker) deleteMsg(name string, seq uint64, secure bool) Attempt {
 			return s.SecureDeleteMsg(ctx, seq)
 		}
 		return s.DeleteMsg(ctx, seq)
+	}}
+}
+
+// subscribe subscribes to subject: its error is the violation the server
+// reports; nil when none came within 10 s (see publish).
+func (a *Attacker) subscribe(ctx context.Context, subject string) error {
+	sub, err := a.NC.SubscribeSync(subject)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := a.NC.FlushWithContext(ctx); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !a.refused(subject) {
+		if time.Now().After(deadline) {
+			return nil
+		}
+		time.Sleep(20 * time.Millisecond) // the server's -ERR arrives asynchronously
+	}
+	return fmt.Errorf("subscription to %s refused", subject)
+}
+
+// SnoopAttempts are the subscriptions that would show another client's
+// JetStream traffic, whose subjects name its consumers: every inbox, the
+// inboxes of victimUser (another target's projector user), the
+// acknowledgements and the JetStream advisories of source's stream.
+func (a *Attacker) SnoopAttempts(source, victimUser string) []Attempt {
+	name := event.StreamName(source)
+	var out []Attempt
+	for _, s := range []struct{ what, subject string }{
+		{"read every client's inbox", "_INBOX.>"},
+		{"read another user's inboxes", "_INBOX." + victimUser + ".>"},
+		{"read the consumers' acknowledgements", "$JS.ACK." + name + ".>"},
+		{"read the consumer advisories", "$JS.EVENT.ADVISORY.CONSUMER.>"},
+	} {
+		out = append(out, Attempt{s.what, s.subject, func(ctx context.Context) error {
+			return a.subscribe(ctx, s.subject)
+		}})
+	}
+	return out
+}
+
+// ListConsumers is listing the consumers of source's stream (their names
+// are capabilities: no role may).
+func (a *Attacker) ListConsumers(source string) Attempt {
+	name := event.StreamName(source)
+	return Attempt{"list the consumers", "$JS.API.CONSUMER.NAMES." + name, func(ctx context.Context) error {
+		s, err := a.JS.Stream(ctx, name)
+		if err != nil {
+			return err
+		}
+		l := s.ConsumerNames(ctx)
+		for range l.Name() {
+		}
+		return l.Err()
 	}}
 }

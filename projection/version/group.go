@@ -2,9 +2,11 @@ package version
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"strings"
 
 	"github.com/epitaph-dev/epitaph/progress"
 )
@@ -39,8 +41,39 @@ func DefaultGroup(ctx context.Context, db progress.DB) (string, error) {
 	return hex.EncodeToString(sum[:])[:8], nil
 }
 
+// secretLen is the random hex digits ending a unit's consumer name.
+const secretLen = 32
+
+// NewUnitConsumer is a new name for the durable consumer of unit k in
+// group: <group>_<projection>-v<N>-p<p>-<32 random hex digits>. JetStream
+// permissions cannot limit a user to consumers whose names start with its
+// group, so the name is the capability: recorded only on the unit's
+// progress row (in the target's database), never listed (no role may list
+// consumers) and never shown without authentication, it keeps a holder of
+// another target's (or the capture's) NATS credentials from finding the
+// consumer to delete, re-create or acknowledge through it.
+func NewUnitConsumer(k progress.Key, group string) (string, error) {
+	b := make([]byte, secretLen/2)
+	if _, err := rand.Read(b); err != nil {
+		return "", fmt.Errorf("random consumer name: %w", err)
+	}
+	return k.GroupConsumerName(group) + "-" + hex.EncodeToString(b), nil
+}
+
+// IsUnitConsumer reports whether name is one NewUnitConsumer makes for k
+// in group.
+func IsUnitConsumer(name string, k progress.Key, group string) bool {
+	secret, ok := strings.CutPrefix(name, k.GroupConsumerName(group)+"-")
+	if !ok || len(secret) != secretLen {
+		return false
+	}
+	_, err := hex.DecodeString(secret)
+	return err == nil && strings.ToLower(secret) == secret
+}
+
 // UnitConsumer is the consumer a progress row's unit is read through: the
-// one recorded on the row, else the group's name for it.
+// one recorded on the row, else the group's deterministic name for it
+// (of projectors before consumer names carried a random part).
 func UnitConsumer(r progress.Row, group string) string {
 	if r.Consumer != "" {
 		return r.Consumer

@@ -125,8 +125,9 @@ func waitReleased(ctx context.Context, pool *pgxpool.Pool, v Version, limit time
 }
 
 // deleteVersionConsumers deletes every consumer the version's partitions
-// may have: the one recorded on its progress row, the group's, and the
-// name from before consumer groups.
+// may have: the one recorded on its progress row (with its random part),
+// and the names of older releases, the group's without a random part and
+// the one from before consumer groups.
 func deleteVersionConsumers(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, v Version, opts RetireOptions) error {
 	stream, err := js.Stream(ctx, event.StreamName(opts.Source))
 	if err != nil {

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/jwt/v2"
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/internal/broker"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+)
+
+// credsUser is the user name and public key of a credentials file.
+func credsUser(t *testing.T, path string) (name, pub string) {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	tok, err := jwt.ParseDecoratedJWT(raw)
+	require.NoError(t, err)
+	uc, err := jwt.DecodeUserClaims(tok)
+	require.NoError(t, err)
+	return uc.Name, uc.Subject
+}
+
+// capture creds --target writes, while the embedded broker runs, a 0600
+// credentials file the broker accepts at once: the user projector_<target>
+// may use JetStream through its own inboxes and may not read any other
+// client's. Nothing of the file is printed; a second run keeps its key;
+// a bad target or a data directory without keys is refused; --revoke
+// removes the file and the broker refuses its key from its next start.
+func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
+	t.Parallel()
+	data := t.TempDir()
+	dir := filepath.Join(data, "nats")
+	n := testenv.NewNATSWith(t, broker.Config{Auth: &broker.Auth{Dir: dir, Source: "main"}})
+
+	_, stderr, code := exec(nil, "creds", "--data-dir", data)
+	require.Equal(t, 2, code, stderr)
+	require.Contains(t, stderr, "--target is required")
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "a.b")
+	require.Equal(t, 2, code, stderr)
+	require.Contains(t, stderr, `target "a.b"`)
+	_, stderr, code = exec(nil, "creds", "--data-dir", t.TempDir(), "--target", "crm")
+	require.Equal(t, 1, code, stderr)
+	require.Contains(t, stderr, "no embedded broker keys")
+
+	stdout, stderr, code := exec(nil, "creds", "--data-dir", data, "--target", "crm")
+	require.Equal(t, 0, code, stderr)
+	path := broker.TargetCreds(dir, "crm")
+	require.Contains(t, stdout, "wrote "+path+": NATS user projector_crm (source main)")
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	for _, line := range strings.Split(string(raw), "\n") {
+		if line = strings.TrimSpace(line); len(line) > 20 && !strings.HasPrefix(line, "-----") {
+			require.NotContains(t, stdout+stderr, line, "a credential's content in the output")
+		}
+	}
+	name, pub := credsUser(t, path)
+	require.Equal(t, "projector_crm", name)
+
+	// Accepted by the running broker, through the user's own inboxes.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	att := testenv.NewAttacker(t, n.URL, natsconn.UserCredentials(path))
+	require.True(t, strings.HasPrefix(att.NC.NewInbox(), "_INBOX.projector_crm."), att.NC.NewInbox())
+	_, err = att.JS.AccountInfo(ctx)
+	require.NoError(t, err)
+	att.RequireRefused(t, ctx, att.SnoopAttempts("main", broker.ProjectorUser))
+
+	// Again: the same key; --out elsewhere.
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm")
+	require.Equal(t, 0, code, stderr)
+	_, again := credsUser(t, path)
+	require.Equal(t, pub, again)
+	out := filepath.Join(t.TempDir(), "crm.creds")
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--out", out)
+	require.Equal(t, 0, code, stderr)
+	name, _ = credsUser(t, out)
+	require.Equal(t, "projector_crm", name)
+
+	// --revoke: the file is gone; from the broker's next start its key is
+	// refused, while the other file (another key) still gets in, and
+	// credentials written again (a new key) do.
+	stolen := filepath.Join(t.TempDir(), "stolen.creds")
+	raw, err = os.ReadFile(path)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(stolen, raw, 0o600))
+	stdout, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--revoke")
+	require.Equal(t, 0, code, stderr)
+	require.Contains(t, stdout, "revoked "+path)
+	_, err = os.Stat(path)
+	require.ErrorIs(t, err, os.ErrNotExist)
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--revoke")
+	require.Equal(t, 1, code, stderr)
+	require.Contains(t, stderr, "no credentials file")
+	n.Restart()
+	_, err = nats.Connect(n.URL, natsconn.UserCredentials(stolen))
+	require.ErrorIs(t, err, nats.ErrAuthorization, "the revoked credentials")
+	nc, err := nats.Connect(n.URL, natsconn.UserCredentials(out))
+	require.NoError(t, err, "the other file")
+	nc.Close()
+	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm")
+	require.Equal(t, 0, code, stderr)
+	_, fresh := credsUser(t, path)
+	require.NotEqual(t, pub, fresh)
+	nc, err = nats.Connect(n.URL, natsconn.UserCredentials(path))
+	require.NoError(t, err, "credentials written again")
+	nc.Close()
+}
