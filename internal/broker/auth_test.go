@@ -331,7 +331,7 @@ func TestTargetCredentialsAreKeptCurrent(t *testing.T) {
 	uc := jwt.NewUserClaims(pub)
 	uc.Name = broker.TargetUser("crm")
 	uc.Permissions = broker.ProjectorPermissions("main", broker.TargetUser("crm"))
-	uc.Permissions.Sub.Allow = jwt.StringList{"_INBOX.>"}
+	uc.Sub.Allow = jwt.StringList{"_INBOX.>"}
 	tok, err := uc.Encode(account)
 	require.NoError(t, err)
 	old, err := jwt.FormatUserConfig(tok, seed)
@@ -348,8 +348,8 @@ func TestTargetCredentialsAreKeptCurrent(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, pub, got.Subject, "the same key")
 	require.Equal(t, "projector_crm", got.Name)
-	require.Equal(t, jwt.StringList{"_INBOX.projector_crm.>"}, got.Permissions.Sub.Allow)
-	require.Equal(t, broker.ProjectorPermissions("main", "projector_crm").Pub, got.Permissions.Pub)
+	require.Equal(t, jwt.StringList{"_INBOX.projector_crm.>"}, got.Sub.Allow)
+	require.Equal(t, broker.ProjectorPermissions("main", "projector_crm").Pub, got.Pub)
 	st, err := os.Stat(path)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
