@@ -467,33 +467,27 @@ BEGIN
             FROM pg_event_trigger_ddl_commands() d WHERE d.classid = 'pg_class'::regclass) s);
   END IF;
   FOREACH x IN ARRAY targets LOOP
+    -- No branch here depends on a parameter, so the generic plan is kept.
     SELECT r.relkind, r.relreplident,
            r.relkind IN ('r', 'p') AND NOT r.relispartition AND r.relpersistence = 'p'
              AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
              AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$' AS eligible,
-           n.nspname || '.' || r.relname AS qualified
+           n.nspname || '.' || r.relname AS qualified,
+           EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = v_pub_oid) AS published,
+           CASE r.relreplident
+             WHEN 'f' THEN false
+             WHEN 'd' THEN NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary)
+             WHEN 'i' THEN NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident)
+             ELSE true END AS unsafe
       INTO c
       FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace WHERE r.oid = x;
     CONTINUE WHEN NOT FOUND OR NOT c.eligible;
-    published := EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prpubid = v_pub_oid AND pr.prrelid = x);
-    CONTINUE WHEN NOT published AND wanted IS NOT NULL AND NOT (c.qualified = ANY (wanted));
-    IF c.relkind = 'r' THEN
-      -- A partitioned table's leaves are read below, under lock_timeout
-      -- (listing them locks them).
-      -- One query per case: a plan that can leave a branch out would be
-      -- planned anew at every call.
-      IF c.relreplident = 'f' THEN
-        unsafe := false;
-      ELSIF c.relreplident = 'd' THEN
-        unsafe := NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = x AND i.indisprimary);
-      ELSIF c.relreplident = 'i' THEN
-        unsafe := NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = x AND i.indisreplident);
-      ELSE
-        unsafe := true;
-      END IF;
-      CONTINUE WHEN NOT ((set_full AND c.relreplident <> 'f') OR (unsafe AND published)
-                         OR (NOT unsafe AND NOT published AND (key_ok OR c.relreplident = 'f')));
-    END IF;
+    CONTINUE WHEN NOT c.published AND wanted IS NOT NULL AND NOT (c.qualified = ANY (wanted));
+    -- A partitioned table's leaves are read below, under lock_timeout
+    -- (listing them locks them).
+    CONTINUE WHEN c.relkind = 'r'
+      AND NOT ((set_full AND c.relreplident <> 'f') OR (c.unsafe AND c.published)
+               OR (NOT c.unsafe AND NOT c.published AND (key_ok OR c.relreplident = 'f')));
     CONTINUE WHEN EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = x AND d.deptype = 'e');
     todo := todo || x;
   END LOOP;
