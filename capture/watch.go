@@ -432,14 +432,11 @@ DECLARE
   key_ok    constant boolean := %[7]s;
   v_pub_oid oid;
   targets oid[];
-  todo oid[] := '{}';
   x oid;
   leaf oid;
   leaves oid[];
   c record;
-  t record;
   l record;
-  published boolean;
   unsafe boolean;
   all_full boolean;
   saved_timeout text;
@@ -447,9 +444,10 @@ BEGIN
   IF current_setting('epitaph.ddl_guard_running', true) = 'on' THEN
     RETURN;
   END IF;
-  -- Reading only, no lock taken and no subtransaction: the tables the
-  -- command touched that need a change. Most DDL finds none and returns
-  -- here. Every query has scalar parameters, so its plan is cached.
+  -- Until a table needs a change: reading only, no lock taken, no
+  -- subtransaction, no setting changed. Most DDL returns from here. Every
+  -- query has scalar parameters and no branch a parameter could remove,
+  -- so its plan stays cached for the session.
   SELECT p.oid INTO v_pub_oid FROM pg_publication p WHERE p.pubname = v_pub;
   IF v_pub_oid IS NULL THEN
     RETURN;
@@ -457,7 +455,7 @@ BEGIN
   IF TG_TAG = 'DROP INDEX' THEN
     -- A replica identity index dropped: the tables left without it.
     targets := ARRAY(
-      SELECT r.oid FROM pg_class r
+      SELECT DISTINCT COALESCE(pg_partition_root(r.oid), r.oid) FROM pg_class r
       WHERE r.relreplident = 'i' AND r.relkind IN ('r', 'p')
         AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident));
   ELSE
@@ -467,12 +465,10 @@ BEGIN
             FROM pg_event_trigger_ddl_commands() d WHERE d.classid = 'pg_class'::regclass) s);
   END IF;
   FOREACH x IN ARRAY targets LOOP
-    -- No branch here depends on a parameter, so the generic plan is kept.
-    SELECT r.relkind, r.relreplident,
+    SELECT r.relkind, r.relreplident, n.nspname, r.relname,
            r.relkind IN ('r', 'p') AND NOT r.relispartition AND r.relpersistence = 'p'
              AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
              AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$' AS eligible,
-           n.nspname || '.' || r.relname AS qualified,
            EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = v_pub_oid) AS published,
            CASE r.relreplident
              WHEN 'f' THEN false
@@ -482,98 +478,88 @@ BEGIN
       INTO c
       FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace WHERE r.oid = x;
     CONTINUE WHEN NOT FOUND OR NOT c.eligible;
-    CONTINUE WHEN NOT c.published AND wanted IS NOT NULL AND NOT (c.qualified = ANY (wanted));
+    CONTINUE WHEN NOT c.published AND wanted IS NOT NULL AND NOT ((c.nspname || '.' || c.relname) = ANY (wanted));
     -- A partitioned table's leaves are read below, under lock_timeout
     -- (listing them locks them).
     CONTINUE WHEN c.relkind = 'r'
       AND NOT ((set_full AND c.relreplident <> 'f') OR (c.unsafe AND c.published)
                OR (NOT c.unsafe AND NOT c.published AND (key_ok OR c.relreplident = 'f')));
     CONTINUE WHEN EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = x AND d.deptype = 'e');
-    todo := todo || x;
-  END LOOP;
-  IF cardinality(todo) = 0 THEN
-    RETURN;
-  END IF;
-  saved_timeout := current_setting('lock_timeout');
-  BEGIN
-    -- From here on every lock is given up at once (a lock held elsewhere:
-    -- the table is left to the capture's catalog poll), and the
-    -- application's lock_timeout is put back at the end (a failed block
-    -- puts it back itself).
-    PERFORM set_config('lock_timeout', '` + guardLockTimeout + `', true);
-    PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
-    FOREACH x IN ARRAY todo LOOP
-      SELECT n.nspname, r.relname, r.relkind INTO t
-        FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace WHERE r.oid = x;
-      CONTINUE WHEN NOT FOUND;
-      published := EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prpubid = v_pub_oid AND pr.prrelid = x);
-      unsafe := false;
-      all_full := true;
-      -- ONLY: an inheritance parent's children are candidates of their own.
-      IF t.relkind = 'p' THEN
-        leaves := x || ARRAY(SELECT pt.relid FROM pg_partition_tree(x) pt WHERE pt.isleaf);
-      ELSE
-        leaves := ARRAY[x];
-      END IF;
-      FOREACH leaf IN ARRAY leaves LOOP
-        SELECT rn.nspname, r.relname, r.relreplident,
-               EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
-               EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
-          INTO l
-          FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace WHERE r.oid = leaf;
-        CONTINUE WHEN NOT FOUND;
-        IF l.relreplident <> 'f' AND set_full THEN
-          BEGIN
-            -- Recorded first, for capture uninstall: never FULL without it.
-            INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
-            VALUES (v_pub, leaf, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
-                    (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
-                      WHERE i.indrelid = leaf AND i.indisreplident))
-            ON CONFLICT (publication, relid) DO NOTHING;
-            EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
-            RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
-            CONTINUE;
-          EXCEPTION WHEN lock_not_available THEN
-            RAISE NOTICE 'epitaph: %%.%% is in use by another transaction: REPLICA IDENTITY FULL is left to the capture', l.nspname, l.relname;
-          WHEN OTHERS THEN
-            RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
-          END;
-        END IF;
-        IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
-          unsafe := true;
-        END IF;
-        IF l.relreplident <> 'f' THEN
-          all_full := false;
-        END IF;
-      END LOOP;
-      BEGIN
-        IF unsafe AND published THEN
-          EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
-          PERFORM pg_logical_emit_message(true, %[4]s,
-            json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
-          RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
-        ELSIF NOT unsafe AND NOT published AND (key_ok OR all_full) THEN
-          EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
-            CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
-        END IF;
-      EXCEPTION WHEN lock_not_available THEN
-        IF unsafe THEN
-          RAISE WARNING 'epitaph: %%.%% has no usable replica identity but publication %% is in use by another transaction: its DELETEs fail until the capture''s catalog poll removes it, once that transaction ends', t.nspname, t.relname, v_pub;
+    unsafe := c.unsafe;
+    all_full := c.relreplident = 'f';
+    IF saved_timeout IS NULL THEN
+      saved_timeout := current_setting('lock_timeout');
+    END IF;
+    BEGIN
+      -- A lock held elsewhere is given up at once and the table left to
+      -- the capture's catalog poll; the application's lock_timeout is put
+      -- back at the end (a failed block puts it back itself).
+      PERFORM set_config('lock_timeout', '` + guardLockTimeout + `', true);
+      IF c.relkind = 'p' OR set_full THEN
+        -- ONLY: an inheritance parent's children are candidates of their own.
+        IF c.relkind = 'p' THEN
+          leaves := x || ARRAY(SELECT pt.relid FROM pg_partition_tree(x) pt WHERE pt.isleaf);
         ELSE
-          RAISE NOTICE 'epitaph: publication %% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, t.nspname, t.relname;
+          leaves := ARRAY[x];
         END IF;
-      WHEN OTHERS THEN
-        RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
-      END;
-    END LOOP;
-    PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
-    PERFORM set_config('lock_timeout', saved_timeout, true);
-  EXCEPTION WHEN lock_not_available THEN
-    RAISE NOTICE 'epitaph: DDL guard skipped, a catalog is in use: the capture''s catalog poll takes over';
-  WHEN OTHERS THEN
-    -- The application's DDL never fails because of the guard.
-    RAISE WARNING 'epitaph: DDL guard skipped: %%', SQLERRM;
-  END;
+        unsafe := false;
+        all_full := true;
+        FOREACH leaf IN ARRAY leaves LOOP
+          SELECT rn.nspname, r.relname, r.relreplident,
+                 EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
+                 EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
+            INTO l
+            FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace WHERE r.oid = leaf;
+          CONTINUE WHEN NOT FOUND;
+          IF l.relreplident <> 'f' AND set_full THEN
+            BEGIN
+              -- The guard's own ALTER TABLE runs it again: it returns at once.
+              PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
+              -- Recorded first, for capture uninstall: never FULL without it.
+              INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
+              VALUES (v_pub, leaf, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
+                      (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+                        WHERE i.indrelid = leaf AND i.indisreplident))
+              ON CONFLICT (publication, relid) DO NOTHING;
+              EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
+              PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
+              RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
+              CONTINUE;
+            EXCEPTION WHEN lock_not_available THEN
+              RAISE NOTICE 'epitaph: %%.%% is in use by another transaction: REPLICA IDENTITY FULL is left to the capture', l.nspname, l.relname;
+            WHEN OTHERS THEN
+              RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
+            END;
+          END IF;
+          IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
+            unsafe := true;
+          END IF;
+          IF l.relreplident <> 'f' THEN
+            all_full := false;
+          END IF;
+        END LOOP;
+      END IF;
+      IF unsafe AND c.published THEN
+        EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, c.nspname, c.relname);
+        PERFORM pg_logical_emit_message(true, %[4]s,
+          json_build_object('schema', c.nspname, 'table', c.relname, 'reason', %[5]s)::text);
+        RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', c.nspname, c.relname, v_pub;
+      ELSIF NOT unsafe AND NOT c.published AND (key_ok OR all_full) THEN
+        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
+          CASE WHEN c.relkind = 'r' THEN 'ONLY ' ELSE '' END, c.nspname, c.relname);
+      END IF;
+      PERFORM set_config('lock_timeout', saved_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+      IF unsafe AND c.published THEN
+        RAISE WARNING 'epitaph: %%.%% has no usable replica identity but publication %% is in use by another transaction: its DELETEs fail until the capture''s catalog poll removes it, once that transaction ends', c.nspname, c.relname, v_pub;
+      ELSE
+        RAISE NOTICE 'epitaph: publication %% or %%.%% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, c.nspname, c.relname, c.nspname, c.relname;
+      END IF;
+    WHEN OTHERS THEN
+      -- The application's DDL never fails because of the guard.
+      RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, c.nspname, c.relname, SQLERRM;
+    END;
+  END LOOP;
 END
 $guard$`
 
