@@ -407,10 +407,11 @@ func guardFunction(pub string) string {
 //   - it looks only at the tables of the command (their partition root, an
 //     index's table; after DROP INDEX, the tables left with a replica
 //     identity index that is gone), first by reading the catalogs only:
-//     no lock, no subtransaction, no setting changed, and queries with
-//     scalar parameters whose plans stay cached for the session (a query
-//     whose custom plan can drop a branch is planned anew at every call,
-//     which cost more than the rest of the guard). Most DDL returns there;
+//     no lock on a table or the publication, no subtransaction, no
+//     setting changed, and queries with scalar parameters whose plans stay
+//     cached for the session (a query taking an array, or whose custom
+//     plan can leave out a branch, is planned anew at every call, which
+//     cost more than the rest of the guard). Most DDL returns there;
 //   - only with a table to change (or a partitioned table, whose leaves are
 //     locked to be listed) does it enter a block that catches every error
 //     (a WARNING; a lock given up, a NOTICE) with lock_timeout set to
