@@ -352,7 +352,20 @@ func loops(ctx context.Context, conn *pgx.Conn, all []variant, keyed bool, o opt
 		}
 	}
 	verdict(kind, keyed, ratio)
-	return functionTimes(ctx, conn, kind)
+	inside, err := functionTimes(ctx, conn, kind)
+	if err != nil {
+		return err
+	}
+	// The time inside the function moves less with the machine's load than
+	// the loops do: beside the pair without a trigger, it is what the guard
+	// adds short of PostgreSQL's event trigger machinery.
+	for _, v := range variants {
+		if ms, ok := inside[v.function]; ok && (v.name == "baseline" || v.name == "guard") {
+			bench.Figure(fmt.Sprintf("ddlguard.%s.%s.inside_vs_none_pct", kind, slug(v.name)), 100*ms/bench.Median(perPair["none"]),
+				"% of the median pair without a trigger spent inside the function")
+		}
+	}
+	return nil
 }
 
 func verdict(kind string, keyed bool, ratio func(a, b string) float64) {
@@ -371,7 +384,7 @@ func slug(name string) string { return strings.NewReplacer(" ", "_", "+", "_").R
 
 // functionTimes prints the time spent inside each variant's function per
 // call in the rounds of kind (pg_stat_user_functions).
-func functionTimes(ctx context.Context, conn *pgx.Conn, kind string) error {
+func functionTimes(ctx context.Context, conn *pgx.Conn, kind string) (map[string]float64, error) {
 	if _, err := conn.Exec(ctx, `SELECT pg_stat_force_next_flush()`); err != nil {
 		time.Sleep(1500 * time.Millisecond) // before PostgreSQL 15: the collector's next report
 	}
@@ -379,20 +392,23 @@ func functionTimes(ctx context.Context, conn *pgx.Conn, kind string) error {
 	rows, err := conn.Query(ctx, `SELECT schemaname || '.' || funcname, calls, total_time, self_time
 		FROM pg_stat_user_functions WHERE schemaname = 'epitaph' ORDER BY funcname`)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer rows.Close()
+	inside := make(map[string]float64)
 	for rows.Next() {
 		var name string
 		var calls int64
 		var total, self float64
 		if err := rows.Scan(&name, &calls, &total, &self); err != nil {
-			return err
+			return nil, err
 		}
-		bench.Figure("ddlguard."+kind+".function."+strings.TrimPrefix(name, "epitaph.")+".ms_per_call", total/float64(max(calls, 1)),
+		ms := total / float64(max(calls, 1))
+		inside[name] = ms
+		bench.Figure("ddlguard."+kind+".function."+strings.TrimPrefix(name, "epitaph.")+".ms_per_call", ms,
 			fmt.Sprintf("ms inside the function per call (total; self %.3f ms), %d calls", self/float64(max(calls, 1)), calls))
 	}
-	return rows.Err()
+	return inside, rows.Err()
 }
 
 // freshSessions times the first keyed CREATE TABLE of new sessions with no
