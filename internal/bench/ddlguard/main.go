@@ -319,6 +319,26 @@ func loops(ctx context.Context, conn *pgx.Conn, all []variant, keyed bool, o opt
 	if err := enable(ctx, conn, all, variant{}); err != nil {
 		return err
 	}
+	report(kind, keyed, variants, perPair, o)
+	inside, err := functionTimes(ctx, conn, kind)
+	if err != nil {
+		return err
+	}
+	// The time inside the function moves less with the machine's load than
+	// the loops do: beside the pair without a trigger, it is what the guard
+	// adds short of PostgreSQL's event trigger machinery.
+	for _, v := range variants {
+		if ms, ok := inside[v.function]; ok && (v.name == "baseline" || v.name == "guard") {
+			bench.Figure(fmt.Sprintf("ddlguard.%s.%s.inside_vs_none_pct", kind, slug(v.name)), 100*ms/bench.Median(perPair["none"]),
+				"% of the median pair without a trigger spent inside the function")
+		}
+	}
+	return nil
+}
+
+// report prints each variant's median per pair and its ratios to the loops
+// without a trigger and by hand of the same rounds, and the verdict.
+func report(kind string, keyed bool, variants []variant, perPair map[string][]float64, o options) {
 	// ratio is the median over the rounds of a's loop over b's in the same
 	// round, as a percentage added.
 	ratio := func(a, b string) float64 {
@@ -352,20 +372,6 @@ func loops(ctx context.Context, conn *pgx.Conn, all []variant, keyed bool, o opt
 		}
 	}
 	verdict(kind, keyed, ratio)
-	inside, err := functionTimes(ctx, conn, kind)
-	if err != nil {
-		return err
-	}
-	// The time inside the function moves less with the machine's load than
-	// the loops do: beside the pair without a trigger, it is what the guard
-	// adds short of PostgreSQL's event trigger machinery.
-	for _, v := range variants {
-		if ms, ok := inside[v.function]; ok && (v.name == "baseline" || v.name == "guard") {
-			bench.Figure(fmt.Sprintf("ddlguard.%s.%s.inside_vs_none_pct", kind, slug(v.name)), 100*ms/bench.Median(perPair["none"]),
-				"% of the median pair without a trigger spent inside the function")
-		}
-	}
-	return nil
 }
 
 func verdict(kind string, keyed bool, ratio func(a, b string) float64) {
