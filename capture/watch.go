@@ -431,8 +431,8 @@ DECLARE
   wanted    constant text[]  := %[2]s;
   set_full  constant boolean := %[3]s;
   key_ok    constant boolean := %[7]s;
-  v_pub_oid oid;
   targets oid[];
+  seen oid[] := '{}';
   x oid;
   leaf oid;
   leaves oid[];
@@ -449,35 +449,37 @@ BEGIN
   -- subtransaction, no setting changed. Most DDL returns from here. Every
   -- query has scalar parameters and no branch a parameter could remove,
   -- so its plan stays cached for the session.
-  SELECT p.oid INTO v_pub_oid FROM pg_publication p WHERE p.pubname = v_pub;
-  IF v_pub_oid IS NULL THEN
-    RETURN;
-  END IF;
   IF TG_TAG = 'DROP INDEX' THEN
     -- A replica identity index dropped: the tables left without it.
     targets := ARRAY(
-      SELECT DISTINCT COALESCE(pg_partition_root(r.oid), r.oid) FROM pg_class r
+      SELECT COALESCE(pg_partition_root(r.oid), r.oid) FROM pg_class r
       WHERE r.relreplident = 'i' AND r.relkind IN ('r', 'p')
         AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident));
   ELSE
     targets := ARRAY(
-      SELECT DISTINCT COALESCE(pg_partition_root(s.relid), s.relid)
+      SELECT COALESCE(pg_partition_root(s.relid), s.relid)
       FROM (SELECT COALESCE((SELECT i.indrelid FROM pg_index i WHERE i.indexrelid = d.objid), d.objid) AS relid
             FROM pg_event_trigger_ddl_commands() d WHERE d.classid = 'pg_class'::regclass) s);
   END IF;
   FOREACH x IN ARRAY targets LOOP
+    -- A table and its index, or two partitions of one root: once.
+    CONTINUE WHEN x = ANY (seen);
+    seen := seen || x;
     SELECT r.relkind, r.relreplident, n.nspname, r.relname,
            r.relkind IN ('r', 'p') AND NOT r.relispartition AND r.relpersistence = 'p'
              AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
              AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$' AS eligible,
-           EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = v_pub_oid) AS published,
+           EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = p.oid) AS published,
            CASE r.relreplident
              WHEN 'f' THEN false
              WHEN 'd' THEN NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary)
              WHEN 'i' THEN NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident)
              ELSE true END AS unsafe
       INTO c
-      FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace WHERE r.oid = x;
+      FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace
+      CROSS JOIN (SELECT p.oid FROM pg_publication p WHERE p.pubname = v_pub) p
+      WHERE r.oid = x;
+    -- Not found: no such table, or no publication.
     CONTINUE WHEN NOT FOUND OR NOT c.eligible;
     CONTINUE WHEN NOT c.published AND wanted IS NOT NULL AND NOT ((c.nspname || '.' || c.relname) = ANY (wanted));
     -- A partitioned table's leaves are read below, under lock_timeout
