@@ -469,11 +469,13 @@ BEGIN
            r.relkind IN ('r', 'p') AND NOT r.relispartition AND r.relpersistence = 'p'
              AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
              AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$' AS eligible,
-           EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = p.oid) AS published,
+           -- Not EXISTS: the planner may hash a whole small catalog for it
+           -- at every call.
+           (SELECT true FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = p.oid LIMIT 1) IS NOT NULL AS published,
            CASE r.relreplident
              WHEN 'f' THEN false
-             WHEN 'd' THEN NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary)
-             WHEN 'i' THEN NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident)
+             WHEN 'd' THEN (SELECT true FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary LIMIT 1) IS NULL
+             WHEN 'i' THEN (SELECT true FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident LIMIT 1) IS NULL
              ELSE true END AS unsafe
       INTO c
       FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace
