@@ -9,9 +9,10 @@
 //   - none: no event trigger (the application's DDL alone);
 //   - empty: an empty PL/pgSQL function (PostgreSQL's event trigger
 //     machinery and a call);
-//   - definer+set: empty, SECURITY DEFINER with the guard's SET clauses;
+//   - definer, definer+search_path, definer+set: empty, SECURITY DEFINER,
+//     then with SET search_path, then with the old guard's SET clauses;
 //   - definer+set+exception: that with an EXCEPTION block entered;
-//   - baseline: the guard before its fast exit (baseline.go);
+//   - baseline: the guard before its fast path (baseline.go);
 //   - guard: the capture's guard as installed by --install-ddl-guard;
 //   - by hand (keyed tables only): no trigger, ALTER PUBLICATION .. ADD
 //     TABLE written in the CREATE's transaction: the part of publishing a
@@ -19,13 +20,15 @@
 //
 // Unkeyed tables (nothing to publish) and keyed ones (the guard publishes
 // them) are measured separately. For each variant it prints the median
-// per pair and the median of the per-round ratios against the loop without
-// a trigger run in the same round (and for keyed tables against by hand),
-// beside their limits: the guard adds at most 5% where it has nothing to
-// do, and at most 5% over publishing by hand. Then the time spent inside
-// each function per call (pg_stat_user_functions, track_functions = all)
-// and the first CREATE TABLE of -sessions fresh sessions (the function
-// compiled and its queries planned anew in each session).
+// per pair, of wall-clock time and of the backend's CPU time, and the
+// median of the per-round ratios against the loop without a trigger run
+// in the same round (and for keyed tables against by hand), beside their
+// limits: the guard adds at most 5% where it has nothing to do, and at
+// most 5% over publishing by hand. Then the time spent inside each
+// function per call (pg_stat_user_functions, track_functions = all; for
+// the baseline and the guard also per round, with the least-disturbed
+// one) and the first CREATE TABLE of -sessions fresh sessions (the
+// function compiled and its queries planned anew in each session).
 //
 // Output lines are "BENCH <name> <value> <unit>" and "NOTE <text>".
 // EPITAPH_TEST_PG=<major> picks the server (see internal/testenv).
