@@ -240,6 +240,33 @@ func TestDDLGuardLeavesTheSessionAsItWas(t *testing.T) {
 	require.Contains(t, warnings()[0], "public.ri removed from publication")
 }
 
+// TestDDLGuardKeepsToTheConfiguredTables: with --tables the guard takes a
+// configured table out when it loses its key and back in when it gets one,
+// and leaves a table nobody configured alone, however safe. It acts in the
+// DDL's transaction: there is no catalog poll here.
+func TestDDLGuardKeepsToTheConfiguredTables(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE w (id int PRIMARY KEY, v text)`)
+	e.start(t, func(c *Config) { c.Tables = []string{"w"}; c.InstallDDLGuard = true; c.CatalogPoll = -1 })
+	published := func() []string {
+		got, err := publicationTablesOf(e.db, e.slotPub())
+		require.NoError(t, err)
+		return got
+	}
+	require.Equal(t, []string{"w"}, published())
+	app, warnings := e.connect(t)
+	timedExec(t, app, 5*time.Second, `CREATE TABLE other (id int PRIMARY KEY, v text)`)
+	require.Equal(t, []string{"w"}, published(), "a table not configured was published")
+	timedExec(t, app, 5*time.Second, `ALTER TABLE w DROP CONSTRAINT w_pkey`)
+	require.Empty(t, published(), "w lost its key but stayed published")
+	require.Len(t, warnings(), 1)
+	timedExec(t, app, 5*time.Second, `ALTER TABLE w ADD PRIMARY KEY (id)`)
+	require.Equal(t, []string{"w"}, published(), "w got its key back but was not published")
+	timedExec(t, app, 5*time.Second, `ALTER TABLE other ADD COLUMN n int`)
+	require.Equal(t, []string{"w"}, published())
+}
+
 // TestDDLGuardOverhead measures what the guard adds to the application's
 // DDL: a loop of CREATE TABLE (with a key: the guard publishes it) and
 // DROP TABLE, on a database that already holds a few hundred published

@@ -599,8 +599,12 @@ func InstallDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 			names = append(names, schema+"."+table)
 		}
 		slices.Sort(names)
-		b, _ := json.Marshal(names)
-		wanted = "ARRAY(SELECT json_array_elements_text(" + pgquote.Literal(string(b)) + "::json))"
+		// A text[] constant: no query at every call.
+		quoted := make([]string, len(names))
+		for i, n := range names {
+			quoted[i] = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(n) + `"`
+		}
+		wanted = pgquote.Literal("{"+strings.Join(quoted, ",")+"}") + "::text[]"
 	}
 	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
 		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
