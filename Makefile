@@ -19,7 +19,7 @@ PLAIN_PKGS = $(shell $(GO) list $(PKGS) | grep -vE '^github.com/epitaph-dev/epit
 # module proxy; Go's build cache keeps the build for the next run.
 LINT      := $(GO) tool -modfile=tools/go.mod golangci-lint
 
-.PHONY: all build dist docs demo test test-deps test-pg-matrix test-corpus vet lint fmt-check fuzz soak bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-scale clean
+.PHONY: all build dist docs demo test test-deps test-pg-matrix test-corpus vet lint fmt-check fuzz soak bench-capture bench-capture-large bench-projector bench-retention bench-handlers bench-revalidate bench-ddlguard bench-scale clean
 
 all: build
 
@@ -130,6 +130,10 @@ bench-handlers:
 ## bench-revalidate: revalidation per delivery (cheap path, full read) and the dispatcher's delivery rate with it off and on.
 bench-revalidate:
 	$(GO) run ./internal/bench/revalidate
+
+## bench-ddlguard: what the capture's DDL guard adds to CREATE TABLE + DROP TABLE, against no guard, publishing by hand and the guard before its fast exit.
+bench-ddlguard:
+	$(GO) run ./internal/bench/ddlguard
 
 clean:
 	rm -rf $(BIN) $(DIST) .demo .bench

@@ -400,7 +400,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		return err
 	}
 	if cfg.InstallDDLGuard {
-		if err := installDDLGuard(ctx, s.pool, cfg); err != nil {
+		if err := InstallDDLGuard(ctx, s.pool, cfg); err != nil {
 			return err
 		}
 		s.log.Info("DDL guard installed: the publication rules apply at the end of every DDL command", "event_trigger", guardTriggerName(cfg.PublicationName))

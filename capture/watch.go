@@ -406,141 +406,165 @@ func guardFunction(pub string) string {
 // DDL fail, wait or take measurably longer:
 //   - it looks only at the tables of the command (their partition root, an
 //     index's table; after DROP INDEX, the tables left with a replica
-//     identity index that is gone), in one query that finds nothing to do
-//     for most DDL;
-//   - lock_timeout is guardLockTimeout: a lock another session or a
+//     identity index that is gone), first by reading the catalogs only:
+//     no lock on a table or the publication, no subtransaction, no
+//     setting changed, and queries with scalar parameters whose plans stay
+//     cached for the session (a query taking an array, or whose custom
+//     plan can leave out a branch, is planned anew at every call, which
+//     cost more than the rest of the guard). Most DDL returns there;
+//   - only with a table to change (or a partitioned table, whose leaves are
+//     locked to be listed) does it enter a block that catches every error
+//     (a WARNING; a lock given up, a NOTICE) with lock_timeout set to
+//     guardLockTimeout for the block alone: a lock another session or a
 //     prepared transaction holds (the publication, after it changed it in
 //     a transaction still open) is given up at once, and the table is left
-//     to the capture's catalog poll;
-//   - every error is caught and becomes a WARNING (a lock given up, a
-//     NOTICE).
+//     to the capture's catalog poll. The application's lock_timeout is put
+//     back at the end of the block.
 //
 // A table it leaves is published by the catalog poll once the lock is
 // gone, with a gap naming it when rows were deleted from it before.
 const sqlDDLGuard = `
 CREATE OR REPLACE FUNCTION %[6]s() RETURNS event_trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog SET lock_timeout = '` + guardLockTimeout + `' AS $guard$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $guard$
 DECLARE
   v_pub     constant text    := %[1]s;
   wanted    constant text[]  := %[2]s;
   set_full  constant boolean := %[3]s;
   key_ok    constant boolean := %[7]s;
-  v_pub_oid oid;
   targets oid[];
-  t record;
+  seen oid[] := '{}';
+  x oid;
+  leaf oid;
+  leaves oid[];
+  c record;
   l record;
   unsafe boolean;
   all_full boolean;
+  saved_timeout text;
 BEGIN
   IF current_setting('epitaph.ddl_guard_running', true) = 'on' THEN
     RETURN;
   END IF;
-  BEGIN
-    SELECT p.oid INTO v_pub_oid FROM pg_publication p WHERE p.pubname = v_pub;
-    IF v_pub_oid IS NULL THEN
-      RETURN;
+  -- Until a table needs a change: reading only, no lock taken, no
+  -- subtransaction, no setting changed. Most DDL returns from here. Every
+  -- query has scalar parameters and no branch a parameter could remove,
+  -- so its plan stays cached for the session.
+  IF TG_TAG = 'DROP INDEX' THEN
+    -- A replica identity index dropped: the tables left without it.
+    targets := ARRAY(
+      SELECT COALESCE(pg_partition_root(r.oid), r.oid) FROM pg_class r
+      WHERE r.relreplident = 'i' AND r.relkind IN ('r', 'p')
+        AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident));
+  ELSE
+    targets := ARRAY(
+      SELECT COALESCE(pg_partition_root(s.relid), s.relid)
+      FROM (SELECT COALESCE((SELECT i.indrelid FROM pg_index i WHERE i.indexrelid = d.objid), d.objid) AS relid
+            FROM pg_event_trigger_ddl_commands() d WHERE d.classid = 'pg_class'::regclass) s);
+  END IF;
+  FOREACH x IN ARRAY targets LOOP
+    -- A table and its index, or two partitions of one root: once.
+    CONTINUE WHEN x = ANY (seen);
+    seen := seen || x;
+    SELECT r.relkind, r.relreplident, n.nspname, r.relname,
+           r.relkind IN ('r', 'p') AND NOT r.relispartition AND r.relpersistence = 'p'
+             AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
+             AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$' AS eligible,
+           -- Not EXISTS: the planner may hash a whole small catalog for it
+           -- at every call.
+           (SELECT true FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = p.oid LIMIT 1) IS NOT NULL AS published,
+           CASE r.relreplident
+             WHEN 'f' THEN false
+             WHEN 'd' THEN (SELECT true FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary LIMIT 1) IS NULL
+             WHEN 'i' THEN (SELECT true FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident LIMIT 1) IS NULL
+             ELSE true END AS unsafe
+      INTO c
+      FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace
+      CROSS JOIN (SELECT p.oid FROM pg_publication p WHERE p.pubname = v_pub) p
+      WHERE r.oid = x;
+    -- Not found: no such table, or no publication.
+    CONTINUE WHEN NOT FOUND OR NOT c.eligible;
+    CONTINUE WHEN NOT c.published AND wanted IS NOT NULL AND NOT ((c.nspname || '.' || c.relname) = ANY (wanted));
+    -- A partitioned table's leaves are read below, under lock_timeout
+    -- (listing them locks them).
+    CONTINUE WHEN c.relkind = 'r'
+      AND NOT ((set_full AND c.relreplident <> 'f') OR (c.unsafe AND c.published)
+               OR (NOT c.unsafe AND NOT c.published AND (key_ok OR c.relreplident = 'f')));
+    CONTINUE WHEN EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = x AND d.deptype = 'e');
+    unsafe := c.unsafe;
+    all_full := c.relreplident = 'f';
+    IF saved_timeout IS NULL THEN
+      saved_timeout := current_setting('lock_timeout');
     END IF;
-    IF TG_TAG = 'DROP INDEX' THEN
-      -- A replica identity index dropped: the tables left without it.
-      targets := ARRAY(
-        SELECT r.oid FROM pg_class r
-        WHERE r.relreplident = 'i' AND r.relkind IN ('r', 'p')
-          AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident));
-    ELSE
-      targets := ARRAY(
-        SELECT COALESCE((SELECT i.indrelid FROM pg_index i WHERE i.indexrelid = d.objid), d.objid)
-        FROM pg_event_trigger_ddl_commands() d WHERE d.classid = 'pg_class'::regclass);
-    END IF;
-    IF cardinality(targets) = 0 THEN
-      RETURN;
-    END IF;
-    targets := ARRAY(SELECT DISTINCT COALESCE(pg_partition_root(x), x) FROM unnest(targets) x);
-    -- The tables the command touched that need a change: most DDL finds
-    -- none here.
-    FOR t IN
-      SELECT c.oid, n.nspname, c.relname, c.relkind, s.published
-      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-      CROSS JOIN LATERAL (
-        SELECT EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prpubid = v_pub_oid AND pr.prrelid = c.oid) AS published,
-               bool_or(r.relreplident <> 'f') AS not_full,
-               bool_or(NOT (r.relreplident = 'f'
-                            OR (r.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary))
-                            OR (r.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident)))) AS unsafe
-        FROM pg_class r
-        WHERE r.oid = ANY (CASE WHEN c.relkind = 'p' THEN c.oid || ARRAY(SELECT relid FROM pg_partition_tree(c.oid) WHERE isleaf)
-                                ELSE ARRAY[c.oid] END)) s
-      WHERE c.oid = ANY (targets)
-        AND c.relkind IN ('r', 'p') AND NOT c.relispartition AND c.relpersistence = 'p'
-        AND n.nspname NOT IN ('information_schema', 'epitaph', 'archive', 'epitaph_capture')
-        AND n.nspname NOT LIKE 'pg\_%%' AND n.nspname !~ '^archive_v[0-9]+$'
-        AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')
-        AND (wanted IS NULL OR n.nspname || '.' || c.relname = ANY (wanted) OR s.published)
-        AND ((set_full AND s.not_full) OR (s.unsafe AND s.published)
-             OR (NOT s.unsafe AND NOT s.published AND (key_ok OR NOT s.not_full)))
-    LOOP
-      PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
-      unsafe := false;
-      all_full := true;
-      FOR l IN
-        SELECT r.oid, rn.nspname, r.relname, r.relreplident,
-               EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
-               EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
-        FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace
-        WHERE r.oid = ANY (CASE WHEN t.relkind = 'p' THEN t.oid || ARRAY(SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf)
-                                ELSE ARRAY[t.oid] END)
-      LOOP
-        IF l.relreplident <> 'f' AND set_full THEN
-          BEGIN
-            -- Recorded first, for capture uninstall: never FULL without it.
-            INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
-            VALUES (v_pub, l.oid, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
-                    (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
-                      WHERE i.indrelid = l.oid AND i.indisreplident))
-            ON CONFLICT (publication, relid) DO NOTHING;
-            EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
-            RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
-            CONTINUE;
-          EXCEPTION WHEN lock_not_available THEN
-            RAISE NOTICE 'epitaph: %%.%% is in use by another transaction: REPLICA IDENTITY FULL is left to the capture', l.nspname, l.relname;
-          WHEN OTHERS THEN
-            RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
-          END;
-        END IF;
-        IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
-          unsafe := true;
-        END IF;
-        IF l.relreplident <> 'f' THEN
-          all_full := false;
-        END IF;
-      END LOOP;
-      BEGIN
-        IF unsafe AND t.published THEN
-          EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, t.nspname, t.relname);
-          PERFORM pg_logical_emit_message(true, %[4]s,
-            json_build_object('schema', t.nspname, 'table', t.relname, 'reason', %[5]s)::text);
-          RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', t.nspname, t.relname, v_pub;
-        ELSIF NOT unsafe AND NOT t.published AND (key_ok OR all_full) THEN
-          -- ONLY: an inheritance parent's children are candidates of their own.
-          EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
-            CASE WHEN t.relkind = 'r' THEN 'ONLY ' ELSE '' END, t.nspname, t.relname);
-        END IF;
-      EXCEPTION WHEN lock_not_available THEN
-        IF unsafe THEN
-          RAISE WARNING 'epitaph: %%.%% has no usable replica identity but publication %% is in use by another transaction: its DELETEs fail until the capture''s catalog poll removes it, once that transaction ends', t.nspname, t.relname, v_pub;
+    BEGIN
+      -- A lock held elsewhere is given up at once and the table left to
+      -- the capture's catalog poll; the application's lock_timeout is put
+      -- back at the end (a failed block puts it back itself).
+      PERFORM set_config('lock_timeout', '` + guardLockTimeout + `', true);
+      IF c.relkind = 'p' OR set_full THEN
+        -- ONLY: an inheritance parent's children are candidates of their own.
+        IF c.relkind = 'p' THEN
+          leaves := x || ARRAY(SELECT pt.relid FROM pg_partition_tree(x) pt WHERE pt.isleaf);
         ELSE
-          RAISE NOTICE 'epitaph: publication %% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, t.nspname, t.relname;
+          leaves := ARRAY[x];
         END IF;
-      WHEN OTHERS THEN
-        RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, t.nspname, t.relname, SQLERRM;
-      END;
-    END LOOP;
-    PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
-  EXCEPTION WHEN lock_not_available THEN
-    RAISE NOTICE 'epitaph: DDL guard skipped, a catalog is in use: the capture''s catalog poll takes over';
-  WHEN OTHERS THEN
-    -- The application's DDL never fails because of the guard.
-    RAISE WARNING 'epitaph: DDL guard skipped: %%', SQLERRM;
-  END;
+        unsafe := false;
+        all_full := true;
+        FOREACH leaf IN ARRAY leaves LOOP
+          SELECT rn.nspname, r.relname, r.relreplident,
+                 EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
+                 EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
+            INTO l
+            FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace WHERE r.oid = leaf;
+          CONTINUE WHEN NOT FOUND;
+          IF l.relreplident <> 'f' AND set_full THEN
+            BEGIN
+              -- The guard's own ALTER TABLE runs it again: it returns at once.
+              PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
+              -- Recorded first, for capture uninstall: never FULL without it.
+              INSERT INTO epitaph_capture.replica_identity (publication, relid, relation, identity, index_name)
+              VALUES (v_pub, leaf, format('%%I.%%I', l.nspname, l.relname), l.relreplident,
+                      (SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+                        WHERE i.indrelid = leaf AND i.indisreplident))
+              ON CONFLICT (publication, relid) DO NOTHING;
+              EXECUTE format('ALTER TABLE %%I.%%I REPLICA IDENTITY FULL', l.nspname, l.relname);
+              PERFORM set_config('epitaph.ddl_guard_running', 'off', true);
+              RAISE NOTICE 'epitaph: set REPLICA IDENTITY FULL on %%.%% (--set-replica-identity-full)', l.nspname, l.relname;
+              CONTINUE;
+            EXCEPTION WHEN lock_not_available THEN
+              RAISE NOTICE 'epitaph: %%.%% is in use by another transaction: REPLICA IDENTITY FULL is left to the capture', l.nspname, l.relname;
+            WHEN OTHERS THEN
+              RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
+            END;
+          END IF;
+          IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
+            unsafe := true;
+          END IF;
+          IF l.relreplident <> 'f' THEN
+            all_full := false;
+          END IF;
+        END LOOP;
+      END IF;
+      IF unsafe AND c.published THEN
+        EXECUTE format('ALTER PUBLICATION %%I DROP TABLE %%I.%%I', v_pub, c.nspname, c.relname);
+        PERFORM pg_logical_emit_message(true, %[4]s,
+          json_build_object('schema', c.nspname, 'table', c.relname, 'reason', %[5]s)::text);
+        RAISE WARNING 'epitaph: %%.%% removed from publication %%: it has no usable replica identity, its deletes would fail (a gap is recorded)', c.nspname, c.relname, v_pub;
+      ELSIF NOT unsafe AND NOT c.published AND (key_ok OR all_full) THEN
+        EXECUTE format('ALTER PUBLICATION %%I ADD TABLE %%s%%I.%%I', v_pub,
+          CASE WHEN c.relkind = 'r' THEN 'ONLY ' ELSE '' END, c.nspname, c.relname);
+      END IF;
+      PERFORM set_config('lock_timeout', saved_timeout, true);
+    EXCEPTION WHEN lock_not_available THEN
+      IF unsafe AND c.published THEN
+        RAISE WARNING 'epitaph: %%.%% has no usable replica identity but publication %% is in use by another transaction: its DELETEs fail until the capture''s catalog poll removes it, once that transaction ends', c.nspname, c.relname, v_pub;
+      ELSE
+        RAISE NOTICE 'epitaph: publication %% or %%.%% is in use by another transaction: %%.%% is left to the capture''s catalog poll', v_pub, c.nspname, c.relname, c.nspname, c.relname;
+      END IF;
+    WHEN OTHERS THEN
+      -- The application's DDL never fails because of the guard.
+      RAISE WARNING 'epitaph: DDL guard could not update publication %% for %%.%%: %%', v_pub, c.nspname, c.relname, SQLERRM;
+    END;
+  END LOOP;
 END
 $guard$`
 
@@ -553,10 +577,10 @@ const guardLockTimeout = "1ms"
 // drop an index (a replica identity index). Any other DDL pays nothing.
 var guardTags = []string{"CREATE TABLE", "CREATE TABLE AS", "SELECT INTO", "ALTER TABLE", "DROP INDEX"}
 
-// installDDLGuard (re)creates the DDL guard of cfg's publication: its
+// InstallDDLGuard (re)creates the DDL guard of cfg's publication: its
 // function in schema epitaph and an event trigger on ddl_command_end. It
 // needs a superuser (event triggers do).
-func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
+func InstallDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 	var super bool
 	if err := pool.QueryRow(ctx, `SELECT rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&super); err != nil {
 		return fmt.Errorf("install DDL guard: %w", err)
@@ -575,8 +599,12 @@ func installDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 			names = append(names, schema+"."+table)
 		}
 		slices.Sort(names)
-		b, _ := json.Marshal(names)
-		wanted = "ARRAY(SELECT json_array_elements_text(" + pgquote.Literal(string(b)) + "::json))"
+		// A text[] constant: no query at every call.
+		quoted := make([]string, len(names))
+		for i, n := range names {
+			quoted[i] = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(n) + `"`
+		}
+		wanted = pgquote.Literal("{"+strings.Join(quoted, ",")+"}") + "::text[]"
 	}
 	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
 		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
