@@ -93,6 +93,18 @@ func inbox(user string) nats.Option {
 // urlUser is the user of the first URL of a comma-separated list that
 // carries user:password ("" when none does; a lone token is no user).
 func urlUser(url string) string {
+	for _, info := range urlUserinfos(url) {
+		if user, _, ok := strings.Cut(info, ":"); ok && user != "" {
+			return user
+		}
+	}
+	return ""
+}
+
+// urlUserinfos are the userinfo parts (a token or user:password) of the
+// URLs of a comma-separated list that have one.
+func urlUserinfos(url string) []string {
+	var out []string
 	for _, u := range strings.Split(url, ",") {
 		u = strings.TrimSpace(u)
 		if i := strings.Index(u, "://"); i >= 0 {
@@ -101,15 +113,11 @@ func urlUser(url string) string {
 		if j := strings.IndexAny(u, "/?"); j >= 0 {
 			u = u[:j]
 		}
-		at := strings.LastIndex(u, "@")
-		if at < 0 {
-			continue
-		}
-		if user, _, ok := strings.Cut(u[:at], ":"); ok && user != "" {
-			return user
+		if at := strings.LastIndex(u, "@"); at >= 0 {
+			out = append(out, u[:at])
 		}
 	}
-	return ""
+	return out
 }
 
 // Auth is how a client authenticates to a NATS server. The zero value
@@ -192,21 +200,7 @@ func (a Auth) Validate(url string) error {
 
 // urlHasCredentials reports whether any URL of a comma-separated list has
 // userinfo (a token or user:password).
-func urlHasCredentials(url string) bool {
-	for _, u := range strings.Split(url, ",") {
-		u = strings.TrimSpace(u)
-		if i := strings.Index(u, "://"); i >= 0 {
-			u = u[i+3:]
-		}
-		if j := strings.IndexAny(u, "/?"); j >= 0 {
-			u = u[:j]
-		}
-		if strings.Contains(u, "@") {
-			return true
-		}
-	}
-	return false
-}
+func urlHasCredentials(url string) bool { return len(urlUserinfos(url)) > 0 }
 
 // Options validates the settings, reads the secret files and returns the
 // nats.Options that authenticate with them and take the inboxes of the
