@@ -110,6 +110,13 @@ func (a *Attacker) publish(ctx context.Context, subject string, hdr nats.Header,
 	if err := a.NC.PublishMsg(&nats.Msg{Subject: subject, Header: hdr, Data: data}); err != nil {
 		return err
 	}
+	return a.awaitRefusal(ctx, "publish to", subject)
+}
+
+// awaitRefusal flushes, then waits up to 10 s for the server's permissions
+// violation on subject: an error naming what was refused, nil when none
+// came.
+func (a *Attacker) awaitRefusal(ctx context.Context, what, subject string) error {
 	if err := a.NC.FlushWithContext(ctx); err != nil {
 		return err
 	}
@@ -120,7 +127,7 @@ func (a *Attacker) publish(ctx context.Context, subject string, hdr nats.Header,
 		}
 		time.Sleep(20 * time.Millisecond) // the server's -ERR arrives asynchronously
 	}
-	return fmt.Errorf("publish to %s refused", subject)
+	return fmt.Errorf("%s %s refused", what, subject)
 }
 
 // common are the attempts no running role may make on source's stream:
@@ -234,17 +241,7 @@ func (a *Attacker) subscribe(ctx context.Context, subject string) error {
 		return err
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	if err := a.NC.FlushWithContext(ctx); err != nil {
-		return err
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for !a.refused(subject) {
-		if time.Now().After(deadline) {
-			return nil
-		}
-		time.Sleep(20 * time.Millisecond) // the server's -ERR arrives asynchronously
-	}
-	return fmt.Errorf("subscription to %s refused", subject)
+	return a.awaitRefusal(ctx, "subscription to", subject)
 }
 
 // SnoopAttempts are the subscriptions that would show another client's
