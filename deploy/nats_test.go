@@ -145,6 +145,7 @@ func TestNATSConfigFormsJetStreamCluster(t *testing.T) {
 		require.Equal(t, n, opts.ServerName, "server_name from the node's SERVER_NAME")
 		require.Equal(t, 4222, opts.Port, "clients use 4222 (EPITAPH_NATS_URL)")
 		require.Equal(t, 8222, opts.HTTPPort, "the compose health check calls :8222/healthz")
+		require.Equal(t, "127.0.0.1", opts.HTTPHost, "monitoring lists consumer names without authentication: loopback only")
 		require.True(t, opts.JetStream)
 		require.Equal(t, "/data", opts.StoreDir, "the compose volume is mounted at /data")
 		require.Equal(t, int32(1<<20), opts.MaxPayload)
