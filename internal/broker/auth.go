@@ -357,7 +357,13 @@ func ensureCreds(path, name string, account nkeys.KeyPair, perms jwt.Permissions
 	if err != nil {
 		return fmt.Errorf("embedded jetstream: %s credentials: %w", name, err)
 	}
-	return writeFileAtomic(path, creds)
+	// Said in the file, for whoever gives it to another NATS tool: the
+	// user may subscribe to its own inboxes only.
+	note := fmt.Sprintf("# NATS user %q of Epitaph's embedded broker. It receives replies only on\n"+
+		"# %s.>: clients other than Epitaph's must use that inbox prefix\n"+
+		"# (nats CLI: --inbox-prefix %s; nats.go: nats.CustomInboxPrefix).\n\n",
+		name, natsconn.InboxPrefix(name), natsconn.InboxPrefix(name))
+	return writeFileAtomic(path, append([]byte(note), creds...))
 }
 
 func samePermissions(a, b jwt.Permissions) bool {

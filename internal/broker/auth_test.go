@@ -86,6 +86,10 @@ func TestEmbeddedServerRequiresCredentials(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), f)
 	}
+	// The file tells other NATS tools where its user takes replies.
+	raw, err := os.ReadFile(s.ProjectorCreds())
+	require.NoError(t, err)
+	require.Contains(t, string(raw), "--inbox-prefix _INBOX.projector;")
 	st, err := os.Stat(filepath.Join(dir, "nats"))
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o700), st.Mode().Perm())
