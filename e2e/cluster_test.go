@@ -78,6 +78,14 @@ func (c *natsCluster) connect(t *testing.T, role string) []natsgo.Option {
 // followers.
 func waitStreamHealthy(ctx context.Context, t *testing.T, js jetstream.JetStream, stream string, n int, down string) (string, []string) {
 	t.Helper()
+	leader, followers, last, err := streamHealthy(ctx, js, stream, n, down)
+	require.NoError(t, err, "stream %s with a leader and %d live replicas; last seen: %s", stream, n-1, last)
+	return leader, followers
+}
+
+// streamHealthy is waitStreamHealthy's wait, returning its error and what
+// it saw last instead of failing the test.
+func streamHealthy(ctx context.Context, js jetstream.JetStream, stream string, n int, down string) (string, []string, string, error) {
 	var leader string
 	var followers []string
 	var last string
@@ -108,8 +116,7 @@ func waitStreamHealthy(ctx context.Context, t *testing.T, js jetstream.JetStream
 		leader = l
 		return true, nil
 	})
-	require.NoError(t, err, "stream %s with a leader and %d live replicas; last seen: %s", stream, n-1, last)
-	return leader, followers
+	return leader, followers, last, err
 }
 
 // restarts: EPITAPH_E2E_CLUSTER_RESTARTS=1 stops the stream's leader and
@@ -291,7 +298,17 @@ func clusterLosesNodesUnderLoad(t *testing.T, bins map[string]string, seed uint6
 			down = n.Name
 		}
 	}
-	waitStreamHealthy(ctx, t, js, stream, 3, down)
+	// The defect can also leave the two survivors without a leader after
+	// they elected one: the same skip, only with the defect's mark.
+	if _, _, last, err := streamHealthy(ctx, js, stream, 3, down); err != nil {
+		health := cluster.health()
+		if strings.Contains(health, "last msgid mismatch") {
+			*wedged = true
+			t.Skipf("the stream wedged on the nats-server defect, not Epitaph's doing (deploy/README.md): no healthy stream on the two nodes left (faults: %s; last seen: %s; nodes: %s)",
+				summary(faults), last, health)
+		}
+		require.NoError(t, err, "stream %s with a leader and 2 live replicas (faults: %s; last seen: %s; nodes: %s)", stream, summary(faults), last, health)
+	}
 	out := <-done
 	require.NoError(t, out.err)
 	t.Logf("faults: %s", summary(faults))
