@@ -268,19 +268,7 @@ func TestBatchSettingsAreValidated(t *testing.T) {
 func TestClaimFillsTheBatchesOfEveryBatchingHandler(t *testing.T) {
 	e := newTenv(t)
 	ctx := context.Background()
-	secret := NewSecret()
-	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
-	tables := []string{"a", "b", "c"}
-	for _, tb := range tables {
-		e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
-			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, false, time.Minute })
-	}
-	rows := make([]Row, 300)
-	for i := range rows {
-		rows[i] = e.row(i + 1)
-		rows[i].Table = tables[i%3]
-	}
-	e.enqueue(1, rows...)
+	br := threeBatchingWebhooks(t, e)
 
 	d := e.dispatcher(Config{Parallelism: 1})
 	take := func() []*claimed {
@@ -328,19 +316,7 @@ func TestClaimFillsTheBatchesOfEveryBatchingHandler(t *testing.T) {
 // split three ways each time (fifteen).
 func TestFlushFillsTheBatchesOfEveryBatchingHandler(t *testing.T) {
 	e := newTenv(t)
-	secret := NewSecret()
-	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
-	tables := []string{"a", "b", "c"}
-	for _, tb := range tables {
-		e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
-			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, false, time.Minute })
-	}
-	rows := make([]Row, 300)
-	for i := range rows {
-		rows[i] = e.row(i + 1)
-		rows[i].Table = tables[i%3]
-	}
-	e.enqueue(1, rows...)
+	br := threeBatchingWebhooks(t, e)
 	require.Equal(t, 64, claimAhead(1))
 
 	e.flush(e.dispatcher(Config{Parallelism: 1}))
@@ -374,4 +350,25 @@ func TestBatchRoomCountsEachBatchingHandlerOnce(t *testing.T) {
 		c("b", KindWebhook, 50), c("g", KindGo, 1)}))
 	require.Equal(t, maxBatchRoom, batchRoomFor([]*claimed{c("a", KindWebhook, MaxBatchSize),
 		c("b", KindWebhook, MaxBatchSize), c("c", KindWebhook, MaxBatchSize)}))
+}
+
+// threeBatchingWebhooks adds a webhook handler of batch size 100 on each of
+// the tables a, b and c, all to one receiver answering 200, and enqueues
+// 300 deliveries interleaved across them in due order.
+func threeBatchingWebhooks(t *testing.T, e *tenv) *batchReceiver {
+	t.Helper()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
+	tables := []string{"a", "b", "c"}
+	for _, tb := range tables {
+		e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
+			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, false, time.Minute })
+	}
+	rows := make([]Row, 300)
+	for i := range rows {
+		rows[i] = e.row(i + 1)
+		rows[i].Table = tables[i%3]
+	}
+	e.enqueue(1, rows...)
+	return br
 }

@@ -22,13 +22,7 @@ import (
 func TestInsertRowsKeepsEachRowsRefsAndColumns(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
-	require.NoError(t, err)
-	defer pool.Close()
-	require.NoError(t, migrations.Apply(ctx, pool))
-	schema := archive.Schema(1)
-	_, err = pool.Exec(ctx, archive.DDL(schema))
-	require.NoError(t, err)
+	pool, schema := newArchive(t)
 
 	itemCols := []event.Column{{Name: "id", Type: "bigint", PK: true}, {Name: "order_id", Type: "bigint"}}
 	itemRefs := []event.Ref{{Columns: []string{"order_id"}, Schema: "public", Table: "orders", RefColumns: []string{"id"}}}
@@ -86,13 +80,7 @@ func TestInsertRowsKeepsEachRowsRefsAndColumns(t *testing.T) {
 func TestInsertRowsSkipsRowsAlreadyArchived(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
-	require.NoError(t, err)
-	defer pool.Close()
-	require.NoError(t, migrations.Apply(ctx, pool))
-	schema := archive.Schema(1)
-	_, err = pool.Exec(ctx, archive.DDL(schema))
-	require.NoError(t, err)
+	pool, schema := newArchive(t)
 
 	page := func(image string, seqs ...int) []archive.Row {
 		var rows []archive.Row
@@ -136,4 +124,20 @@ func TestInsertRowsSkipsRowsAlreadyArchived(t *testing.T) {
 		Seq int
 		V   string
 	}{{0, "first"}, {1, "first"}, {2, "first"}, {3, "again"}, {4, "again"}, {5, "new"}, {6, "new"}}, got)
+}
+
+// newArchive is a fresh target database with the migrations applied and
+// version 1's archive made: its pool (closed when the test ends) and the
+// archive's schema.
+func newArchive(t *testing.T) (*pgxpool.Pool, string) {
+	t.Helper()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	require.NoError(t, migrations.Apply(ctx, pool))
+	schema := archive.Schema(1)
+	_, err = pool.Exec(ctx, archive.DDL(schema))
+	require.NoError(t, err)
+	return pool, schema
 }
