@@ -290,7 +290,7 @@ func (s *Service) startEndpoints(ctx context.Context) error {
 func (s *Service) startEmbedded() {
 	cfg := &s.cfg
 	bc := broker.Config{StoreDir: cfg.embeddedStoreDir(), Listen: cfg.EmbeddedListen,
-		Auth: &broker.Auth{Dir: EmbeddedCredsDir(cfg.DataDir), Source: cfg.SourceName}}
+		Auth: &broker.Auth{Dir: EmbeddedCredsDir(cfg.DataDir), Source: cfg.SourceName}, Logger: s.log}
 	if cfg.BrokerSyncInterval < 0 {
 		bc.SyncAlways = true
 	} else {

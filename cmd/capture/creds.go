@@ -38,11 +38,13 @@ run once with the embedded broker (it makes the keys).
 
 With --revoke it revokes the file instead (the one --out names, by default
 the target's in <data-dir>/nats): its key is listed in <data-dir>/nats and the
-file removed. The embedded broker refuses that key from the capture's next
-start on; run creds again for new credentials (a new key).`,
+file removed. A running capture's embedded broker reads that list every two
+seconds: within seconds it closes the connections made with that key and
+refuses new ones, with no restart; a capture started later refuses it from its
+start. Run creds again for new credentials (a new key).`,
 		Example: `  capture creds --target crm --data-dir /var/lib/epitaph
   projector run --nats-creds /var/lib/epitaph/nats/projector_crm.creds ...
-  capture creds --target crm --data-dir /var/lib/epitaph --revoke   # then restart the capture`,
+  capture creds --target crm --data-dir /var/lib/epitaph --revoke`,
 		Args: cli.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if target == "" {
@@ -63,7 +65,7 @@ start on; run creds again for new credentials (a new key).`,
 				if err := broker.RevokeTargetCreds(dir, path); err != nil {
 					return err
 				}
-				fmt.Fprintf(stdout, "revoked %s: the embedded broker refuses it from the capture's next start on\n", path)
+				fmt.Fprintf(stdout, "revoked %s: a running capture's embedded broker refuses it within seconds (closing its connections); otherwise from the capture's next start on\n", path)
 				return nil
 			}
 			if err := broker.WriteTargetCreds(dir, source, target, path); err != nil {
@@ -79,6 +81,6 @@ start on; run creds again for new credentials (a new key).`,
 	f.String(&source, "source-name", "EPITAPH_SOURCE_NAME", capture.DefaultSourceName, "source name (stream EPITAPH_<NAME>)", cli.KeepEmpty())
 	f.String(&target, "target", "", "", "name of the target: the user is projector_<NAME>")
 	f.String(&out, "out", "", "", "credentials file to write, or revoke (default: <data-dir>/nats/projector_<NAME>.creds)")
-	f.Bool(&revoke, "revoke", "", false, "revoke the credentials file instead (from the capture's next start on)")
+	f.Bool(&revoke, "revoke", "", false, "revoke the credentials file instead (a running embedded broker refuses it within seconds)")
 	return cmd
 }

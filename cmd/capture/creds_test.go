@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -34,7 +35,8 @@ func credsUser(t *testing.T, path string) (name, pub string) {
 // may use JetStream through its own inboxes and may not read any other
 // client's. Nothing of the file is printed; a second run keeps its key;
 // a bad target or a data directory without keys is refused; --revoke
-// removes the file and the broker refuses its key from its next start.
+// removes the file, and the running broker closes the connection made with
+// it and refuses its key within seconds, and after a restart too.
 func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 	t.Parallel()
 	data := t.TempDir()
@@ -88,25 +90,46 @@ func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 	name, _ = credsUser(t, out)
 	require.Equal(t, "projector_crm", name)
 
-	// --revoke: the file is gone; from the broker's next start its key is
-	// refused, while the other file (another key) still gets in, and
+	// --revoke: the file is gone; within seconds the running broker closes
+	// the connection made with it and refuses its key, as it does after a
+	// restart, while the other file (another key) still gets in, and
 	// credentials written again (a new key) do.
 	stolen := filepath.Join(t.TempDir(), "stolen.creds")
 	raw, err = os.ReadFile(path)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(stolen, raw, 0o600))
+	// A connection made with a copy (the file is removed), subscribed.
+	thief, err := nats.Connect(n.URL, natsconn.UserCredentials(stolen), nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	require.NoError(t, err)
+	defer thief.Close()
+	_, err = thief.SubscribeSync(thief.NewInbox())
+	require.NoError(t, err)
 	stdout, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--revoke")
 	require.Equal(t, 0, code, stderr)
-	require.Contains(t, stdout, "revoked "+path)
+	require.Contains(t, stdout, "revoked "+path+": a running capture's embedded broker refuses it within seconds")
 	_, err = os.Stat(path)
 	require.ErrorIs(t, err, os.ErrNotExist)
 	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--revoke")
 	require.Equal(t, 1, code, stderr)
 	require.Contains(t, stderr, "no credentials file")
+	// Cut off, and its reconnects refused until the client gives up.
+	require.Eventually(t, thief.IsClosed, 20*time.Second, 50*time.Millisecond,
+		"the connection made with the revoked credentials: %v", thief.Status())
+	require.ErrorIs(t, thief.LastError(), nats.ErrAuthorization)
+	require.Eventually(t, func() bool {
+		nc, err := nats.Connect(n.URL, natsconn.UserCredentials(stolen), nats.NoReconnect())
+		if err == nil {
+			nc.Close()
+		}
+		return errors.Is(err, nats.ErrAuthorization)
+	}, 10*time.Second, 100*time.Millisecond, "the revoked credentials, without a restart")
+	nc, err := nats.Connect(n.URL, natsconn.UserCredentials(out))
+	require.NoError(t, err, "the other file, without a restart")
+	nc.Close()
 	n.Restart()
 	_, err = nats.Connect(n.URL, natsconn.UserCredentials(stolen))
-	require.ErrorIs(t, err, nats.ErrAuthorization, "the revoked credentials")
-	nc, err := nats.Connect(n.URL, natsconn.UserCredentials(out))
+	require.ErrorIs(t, err, nats.ErrAuthorization, "the revoked credentials, after a restart")
+	nc, err = nats.Connect(n.URL, natsconn.UserCredentials(out))
 	require.NoError(t, err, "the other file")
 	nc.Close()
 	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm")

@@ -47,8 +47,9 @@ import (
 // The keys live in Dir and are made on the first start, so every restart
 // keeps the same identities; the users' credentials are Dir/capture.creds,
 // Dir/projector.creds, Dir/erase.creds and Dir/projector_<target>.creds in
-// the standard NATS format (natsconn.UserCredentials reads them). Dir is
-// 0700, every file in it 0600.
+// the standard NATS format (natsconn.UserCredentials reads them).
+// Dir/revoked-users lists the users' keys the server refuses
+// (RevokeTargetCreds). Dir is 0700, every file in it 0600.
 type Auth struct {
 	// Dir holds the keys and the credentials files. Required.
 	Dir string
@@ -210,28 +211,29 @@ type identities struct {
 }
 
 // ensureAuth makes (or loads) the keys and credentials under a.Dir and
-// sets the server options that enforce them. It returns the account's
-// public key (the name of its JetStream directory).
-func ensureAuth(a Auth, opts *server.Options) (string, error) {
+// sets the server options that enforce them. It returns what the running
+// server needs to apply later revocations (liveAuth), whose accPub is the
+// account's public key (the name of its JetStream directory).
+func ensureAuth(a Auth, opts *server.Options) (*liveAuth, error) {
 	if a.Dir == "" {
-		return "", errors.New("embedded jetstream: a credentials directory is required")
+		return nil, errors.New("embedded jetstream: a credentials directory is required")
 	}
 	if err := os.MkdirAll(a.Dir, 0o700); err != nil {
-		return "", fmt.Errorf("embedded jetstream: credentials directory: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: credentials directory: %w", err)
 	}
 	if err := os.Chmod(a.Dir, 0o700); err != nil {
-		return "", fmt.Errorf("embedded jetstream: credentials directory: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: credentials directory: %w", err)
 	}
 	var id identities
 	var err error
 	if id.operator, err = loadOrMakeSeed(filepath.Join(a.Dir, operatorSeedFile), nkeys.CreateOperator); err != nil {
-		return "", err
+		return nil, err
 	}
 	if id.system, err = loadOrMakeSeed(filepath.Join(a.Dir, systemSeedFile), nkeys.CreateAccount); err != nil {
-		return "", err
+		return nil, err
 	}
 	if id.account, err = loadOrMakeSeed(filepath.Join(a.Dir, accountSeedFile), nkeys.CreateAccount); err != nil {
-		return "", err
+		return nil, err
 	}
 	opPub, _ := id.operator.PublicKey()
 	sysPub, _ := id.system.PublicKey()
@@ -241,51 +243,59 @@ func ensureAuth(a Auth, opts *server.Options) (string, error) {
 	id.opClaims.Name = "epitaph"
 	id.opClaims.SystemAccount = sysPub
 	if _, err := id.opClaims.Encode(id.operator); err != nil {
-		return "", fmt.Errorf("embedded jetstream: operator: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: operator: %w", err)
 	}
 	sys := jwt.NewAccountClaims(sysPub)
 	sys.Name = "SYS"
 	if id.systemJWT, err = sys.Encode(id.operator); err != nil {
-		return "", fmt.Errorf("embedded jetstream: system account: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: system account: %w", err)
 	}
 	acc := jwt.NewAccountClaims(accPub)
 	acc.Name = AccountName
 	acc.Limits.JetStreamLimits = jwt.JetStreamLimits{MemoryStorage: -1, DiskStorage: -1, Streams: -1, Consumer: -1}
-	revoked, err := revokedUsers(a.Dir)
+	live := &liveAuth{dir: a.Dir, operator: id.operator, accPub: accPub, claims: acc, revoked: map[string]bool{}}
+	raw, err := os.ReadFile(filepath.Join(a.Dir, revokedFile))
+	live.seen = revokedSignature(raw, err)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("embedded jetstream: read the revoked users: %w", err)
+	}
+	revoked, err := parseRevoked(a.Dir, raw)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	for _, pub := range revoked {
 		acc.Revoke(pub) // every JWT of that key issued until now
+		live.revoked[pub] = true
 	}
 	if id.accountJWT, err = acc.Encode(id.operator); err != nil {
-		return "", fmt.Errorf("embedded jetstream: account: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: account: %w", err)
 	}
 
 	if err := ensureCreds(CaptureCreds(a.Dir), CaptureUser, id.account, CapturePermissions(a.Source, CaptureUser)); err != nil {
-		return "", err
+		return nil, err
 	}
 	if err := ensureCreds(ProjectorCreds(a.Dir), ProjectorUser, id.account, ProjectorPermissions(a.Source, ProjectorUser)); err != nil {
-		return "", err
+		return nil, err
 	}
 	if err := ensureCreds(EraseCreds(a.Dir), EraseUser, id.account, ErasePermissions(a.Source, EraseUser)); err != nil {
-		return "", err
+		return nil, err
 	}
 	if err := refreshTargetCreds(a, id.account); err != nil {
-		return "", err
+		return nil, err
 	}
 
 	res := &server.MemAccResolver{}
 	if err := res.Store(sysPub, id.systemJWT); err != nil {
-		return "", fmt.Errorf("embedded jetstream: system account: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: system account: %w", err)
 	}
 	if err := res.Store(accPub, id.accountJWT); err != nil {
-		return "", fmt.Errorf("embedded jetstream: account: %w", err)
+		return nil, fmt.Errorf("embedded jetstream: account: %w", err)
 	}
+	live.res = res
 	opts.TrustedOperators = []*jwt.OperatorClaims{id.opClaims}
 	opts.AccountResolver = res
 	opts.SystemAccount = sysPub
-	return accPub, nil
+	return live, nil
 }
 
 // loadOrMakeSeed reads an nkey seed file, or makes the key and writes it

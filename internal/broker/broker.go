@@ -6,8 +6,10 @@ package broker
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -33,13 +35,24 @@ type Config struct {
 	// Auth, when set, makes the server require credentials: the capture's
 	// and the projector's roles (see Auth). Nil accepts any client (a test
 	// stand-in for an external server; the capture always sets it).
+	// With Auth, the running server reads Auth.Dir's revoked users every
+	// two seconds and refuses the users revoked since its start
+	// (RevokeTargetCreds), closing their connections.
 	Auth *Auth
+	// Logger receives what the running server reports: revocations
+	// applied, a revoked users file it cannot read. Nil: slog.Default().
+	Logger *slog.Logger
 }
 
 // Server is a running embedded JetStream server.
 type Server struct {
 	ns  *server.Server
 	cfg Config
+	// stop ends the revocations' watch; watched is closed when it ended
+	// (nil without Auth).
+	stop     chan struct{}
+	stopOnce sync.Once
+	watched  chan struct{}
 }
 
 // DefaultListen is where an embedded server listens unless told otherwise,
@@ -83,12 +96,12 @@ func Start(cfg Config) (*Server, error) {
 	if cfg.SyncInterval > 0 {
 		opts.SyncInterval = cfg.SyncInterval
 	}
+	var live *liveAuth
 	if cfg.Auth != nil {
-		account, err := ensureAuth(*cfg.Auth, opts)
-		if err != nil {
+		if live, err = ensureAuth(*cfg.Auth, opts); err != nil {
 			return nil, err
 		}
-		if err := migrateGlobalAccount(cfg.StoreDir, account); err != nil {
+		if err := migrateGlobalAccount(cfg.StoreDir, live.accPub); err != nil {
 			return nil, err
 		}
 	}
@@ -105,7 +118,19 @@ func Start(cfg Config) (*Server, error) {
 		ns.Shutdown()
 		return nil, errors.New("embedded jetstream: JetStream did not start (check the store directory)")
 	}
-	return &Server{ns: ns, cfg: cfg}, nil
+	srv := &Server{ns: ns, cfg: cfg, stop: make(chan struct{})}
+	if live != nil {
+		log := cfg.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		srv.watched = make(chan struct{})
+		go func() {
+			defer close(srv.watched)
+			live.watch(ns, log, srv.stop)
+		}()
+	}
+	return srv, nil
 }
 
 // CaptureCreds and ProjectorCreds are the paths of the roles' credentials
@@ -157,6 +182,10 @@ func (s *Server) SyncInterval() time.Duration {
 
 // Shutdown stops the server and waits for it.
 func (s *Server) Shutdown() {
+	s.stopOnce.Do(func() { close(s.stop) })
+	if s.watched != nil {
+		<-s.watched
+	}
 	s.ns.Shutdown()
 	s.ns.WaitForShutdown()
 }

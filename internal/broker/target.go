@@ -74,10 +74,11 @@ const revokedFile = "revoked-users"
 
 // RevokeTargetCreds revokes the credentials file at path (written by
 // WriteTargetCreds for the embedded broker whose keys are in dir): its
-// user's key is listed as revoked in dir and the file is removed. The
-// embedded broker refuses that key from its next start on (the account's
-// revocations are set when it starts); credentials written again get a
-// new key.
+// user's key is listed as revoked in dir and the file is removed. A
+// running embedded broker reads the list every two seconds: within
+// seconds it closes the connections of that key and refuses new ones; a
+// broker started later refuses it from its start. Credentials written
+// again get a new key.
 func RevokeTargetCreds(dir, path string) error {
 	if _, err := os.Stat(filepath.Join(dir, accountSeedFile)); err != nil {
 		return fmt.Errorf("no embedded broker keys in %s", dir)
@@ -124,14 +125,21 @@ func revokedUsers(dir string) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("embedded jetstream: read the revoked users: %w", err)
 	}
+	return parseRevoked(dir, raw)
+}
+
+// parseRevoked reads the content of dir's revoked users file: one user's
+// public key a line, blank lines ignored.
+func parseRevoked(dir string, raw []byte) ([]string, error) {
 	var out []string
-	for _, l := range strings.Split(string(raw), "\n") {
+	for i, l := range strings.Split(string(raw), "\n") {
 		l = strings.TrimSpace(l)
 		if l == "" {
 			continue
 		}
 		if !nkeys.IsValidPublicUserKey(l) {
-			return nil, fmt.Errorf("embedded jetstream: %s: %q is not a user's public key", filepath.Join(dir, revokedFile), l)
+			// The line is not shown: it may be a secret pasted by mistake.
+			return nil, fmt.Errorf("embedded jetstream: %s line %d is not a user's public key", filepath.Join(dir, revokedFile), i+1)
 		}
 		out = append(out, l)
 	}
