@@ -665,7 +665,7 @@ WITH due AS (
       AND (h.batch_size <= 1 OR NOT EXISTS (
               SELECT 1 FROM epitaph.deliveries k
               WHERE k.handler_id = d.handler_id AND k.schema_name = d.schema_name AND k.table_name = d.table_name
-                AND k.key = d.key AND k.id <> d.id AND k.state IN ('pending', 'in_flight')
+                AND jsonb_hash(k.key) = jsonb_hash(d.key) AND k.key = d.key AND k.id <> d.id AND k.state IN ('pending', 'in_flight')
                 AND (k.commit_lsn, k.seq, k.generation) < (d.commit_lsn, d.seq, d.generation)))
     ORDER BY d.next_attempt_at
     LIMIT $1

@@ -40,6 +40,40 @@ func TestQueueLiveVersionOnlyAndOnce(t *testing.T) {
 	require.Equal(t, DeliveryID(h.ID, "main", r.CommitLSN, 1, 0), id)
 }
 
+// A page that repeats deliveries already queued (a replay) goes in with
+// its new ones, in a transaction that stays usable; a delivery stopped as
+// unverified is queued again, any other repeat left as it was.
+func TestQueueRepeatedPageKeepsNewRowsAndTheTransaction(t *testing.T) {
+	e := newTenv(t)
+	ctx := context.Background()
+	h := e.addHandler(KindGo, "x")
+	r1, r2, r3 := e.row(1), e.row(2), e.row(3)
+	e.enqueue(1, r1, r2)
+	_, err := e.pool.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = 'unverified', settled_at = now()
+		WHERE id = $1`, DeliveryID(h.ID, "main", r1.CommitLSN, 1, 0))
+	require.NoError(t, err)
+	_, err = e.pool.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'dead', outcome = 'gave_up', settled_at = now()
+		WHERE id = $1`, DeliveryID(h.ID, "main", r2.CommitLSN, 1, 0))
+	require.NoError(t, err)
+
+	c := NewCache(e.pool, time.Millisecond)
+	require.NoError(t, c.Refresh(ctx))
+	tx, err := e.pool.Begin(ctx)
+	require.NoError(t, err)
+	n, err := Enqueue(ctx, tx, c, "archive", 1, []Row{r1, r2, r3})
+	require.NoError(t, err)
+	require.Equal(t, 3, n)
+	var one int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one), "the transaction is still usable")
+	require.NoError(t, tx.Commit(ctx))
+
+	var states []string
+	for _, d := range e.deliveries() { // in key order: rows 1, 2, 3
+		states = append(states, string(d.State)+"/"+d.Outcome)
+	}
+	require.Equal(t, []string{string(StatePending) + "/", string(StateDead) + "/gave_up", string(StatePending) + "/"}, states)
+}
+
 func TestPriorityOrderWithinARow(t *testing.T) {
 	e := newTenv(t)
 	reg := NewRegistry()

@@ -209,7 +209,7 @@ WITH b AS (
 SELECT b.i::int, h.id IS NOT NULL, COALESCE(h.enabled, false), h.revoked_at IS NOT NULL,
        COALESCE(h.revalidate, true), h.source_url_file,
        EXISTS (SELECT 1 FROM epitaph.deliveries l
-               WHERE l.handler_id = b.hid AND l.schema_name = b.sch AND l.table_name = b.tbl AND l.key = b.key
+               WHERE l.handler_id = b.hid AND l.schema_name = b.sch AND l.table_name = b.tbl AND jsonb_hash(l.key) = jsonb_hash(b.key) AND l.key = b.key
                  AND l.source = b.src AND (l.commit_lsn, l.seq) > (b.lsn, b.seq)
                  -- A row not (yet) authenticated is no later deletion.
                  AND l.verified AND l.outcome IS DISTINCT FROM 'unverified'),

@@ -126,7 +126,7 @@ SELECT d.id::text, d.handler_id::text, d.source, d.commit_lsn::text, d.seq, d.ge
        COALESCE(h.revalidate, true), h.source_url_file,
        EXISTS (SELECT 1 FROM epitaph.deliveries l
                WHERE l.handler_id = d.handler_id AND l.schema_name = d.schema_name
-                 AND l.table_name = d.table_name AND l.key = d.key AND l.source = d.source
+                 AND l.table_name = d.table_name AND jsonb_hash(l.key) = jsonb_hash(d.key) AND l.key = d.key AND l.source = d.source
                  AND (l.commit_lsn, l.seq) > (d.commit_lsn, d.seq)
                  -- A row not (yet) authenticated is no later deletion: a
                  -- forgery must not silence a real one.

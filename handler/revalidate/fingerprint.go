@@ -65,6 +65,8 @@ FROM sets s
 WHERE d.source = $1 AND d.commit_lsn = s.commit_lsn AND d.schema_name = s.schema_name AND d.table_name = s.table_name
   AND d.state = 'pending' AND d.released_at IS NOT NULL AND d.fingerprint IS NULL
   AND EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = d.handler_id AND h.revalidate)
+  -- Uncorrelated: checked once, before any delivery is read.
+  AND EXISTS (SELECT 1 FROM epitaph.handlers WHERE revalidate)
   AND EXISTS (SELECT 1 FROM epitaph.projection_versions v
               WHERE v.projection = 'archive' AND v.schema_name = $3 AND v.state = 'live')`
 }
