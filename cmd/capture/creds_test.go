@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/require"
 
@@ -17,18 +16,6 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
-
-// credsUser is the user name and public key of a credentials file.
-func credsUser(t *testing.T, path string) (name, pub string) {
-	t.Helper()
-	raw, err := os.ReadFile(path)
-	require.NoError(t, err)
-	tok, err := jwt.ParseDecoratedJWT(raw)
-	require.NoError(t, err)
-	uc, err := jwt.DecodeUserClaims(tok)
-	require.NoError(t, err)
-	return uc.Name, uc.Subject
-}
 
 // capture creds --target writes, while the embedded broker runs, a 0600
 // credentials file the broker accepts at once: the user projector_<target>
@@ -67,7 +54,7 @@ func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 			require.NotContains(t, stdout+stderr, line, "a credential's content in the output")
 		}
 	}
-	name, pub := credsUser(t, path)
+	name, pub := testenv.CredsUser(t, path)
 	require.Equal(t, "projector_crm", name)
 
 	// Accepted by the running broker, through the user's own inboxes.
@@ -82,12 +69,12 @@ func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 	// Again: the same key; --out elsewhere.
 	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm")
 	require.Equal(t, 0, code, stderr)
-	_, again := credsUser(t, path)
+	_, again := testenv.CredsUser(t, path)
 	require.Equal(t, pub, again)
 	out := filepath.Join(t.TempDir(), "crm.creds")
 	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm", "--out", out)
 	require.Equal(t, 0, code, stderr)
-	name, _ = credsUser(t, out)
+	name, _ = testenv.CredsUser(t, out)
 	require.Equal(t, "projector_crm", name)
 
 	// --revoke: the file is gone; within seconds the running broker closes
@@ -134,7 +121,7 @@ func TestCredsCommandWritesATargetsCredentials(t *testing.T) {
 	nc.Close()
 	_, stderr, code = exec(nil, "creds", "--data-dir", data, "--target", "crm")
 	require.Equal(t, 0, code, stderr)
-	_, fresh := credsUser(t, path)
+	_, fresh := testenv.CredsUser(t, path)
 	require.NotEqual(t, pub, fresh)
 	nc, err = nats.Connect(n.URL, natsconn.UserCredentials(path))
 	require.NoError(t, err, "credentials written again")

@@ -203,7 +203,7 @@ func TestRevokedCredentialsAreRefusedWhileRunning(t *testing.T) {
 	opsPath := broker.TargetCreds(creds, "ops")
 	require.NoError(t, broker.WriteTargetCreds(creds, "main", "ops", opsPath))
 	stolen := copyFile(t, crmPath)
-	_, revokedPub := credsKey(t, crmPath)
+	_, revokedPub := testenv.CredsUser(t, crmPath)
 	crm := consume(crmPath, "crm")
 	ops := consume(opsPath, "ops")
 	proj := consume(s.ProjectorCreds(), "projector")
@@ -248,18 +248,6 @@ func TestRevokedCredentialsAreRefusedWhileRunning(t *testing.T) {
 	requireWorks(t, ctx, s.ClientURL(), crmPath, "credentials written again")
 }
 
-// credsKey is the user name and public key of a credentials file.
-func credsKey(t *testing.T, path string) (name, pub string) {
-	t.Helper()
-	raw, err := os.ReadFile(path)
-	require.NoError(t, err)
-	tok, err := jwt.ParseDecoratedJWT(raw)
-	require.NoError(t, err)
-	uc, err := jwt.DecodeUserClaims(tok)
-	require.NoError(t, err)
-	return uc.Name, uc.Subject
-}
-
 // TestBadRevokedUsersFileKeepsRevocations: once the running server refuses
 // a revoked key, a revoked users file it cannot parse (here with a seed
 // pasted in), or its removal, keeps that key refused and is logged once
@@ -280,8 +268,8 @@ func TestBadRevokedUsersFileKeepsRevocations(t *testing.T) {
 		require.NoError(t, broker.WriteTargetCreds(creds, "main", target, paths[target]))
 	}
 	stolenA := copyFile(t, paths["a"])
-	_, pubA := credsKey(t, paths["a"])
-	_, pubB := credsKey(t, paths["b"])
+	_, pubA := testenv.CredsUser(t, paths["a"])
+	_, pubB := testenv.CredsUser(t, paths["b"])
 	require.NoError(t, broker.RevokeTargetCreds(creds, paths["a"]))
 	requireRefused(t, s.ClientURL(), stolenA, "a")
 
