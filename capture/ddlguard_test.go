@@ -117,8 +117,12 @@ func neverWaitsBehindAPreparedTransaction(t *testing.T, mode string) {
 
 	// The capture streams meanwhile, its catalog poll blocked by nothing.
 	e.exec(t, `DELETE FROM keep WHERE id = 1`)
-	ds := e.deletes(t, "main", 1)
-	require.Len(t, deletesOf(ds, "public.keep"), 1)
+	keep := deletesOf(e.deletes(t, "main", 1), "public.keep")
+	for deadline := time.Now().Add(60 * time.Second); len(keep) == 0 && time.Now().Before(deadline); {
+		time.Sleep(50 * time.Millisecond)
+		keep = deletesOf(e.deletes(t, "main", 1), "public.keep")
+	}
+	require.Len(t, keep, 1)
 	pub, err := publicationTablesOf(e.db, e.slotPub())
 	require.NoError(t, err)
 	// PostgreSQL 15+ locks a publication while changing it, till the end of
