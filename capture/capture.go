@@ -93,6 +93,7 @@ type Service struct {
 	ownerWarned map[string]bool // tables warned about as not owned, under mu
 	catalogFP   string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
 	ddlListenUp atomic.Bool     // the notify guard's LISTEN is up (listenDDL)
+	ddlDue      atomic.Bool     // a catalog check for the notify guard's signals is due (ddlSignal)
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]

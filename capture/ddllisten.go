@@ -9,8 +9,8 @@ import (
 
 // listenDDL follows the notify guard's signals: on a connection of its own
 // it LISTENs on the publication's channel and asks the catalog watch for a
-// check at each notification (a burst makes one or two checks: kicks
-// coalesce). A lost connection is reconnected with backoff, the catalog
+// check at each notification (ddlSignal: a burst makes one check or a
+// few). A lost connection is reconnected with backoff, the catalog
 // poll covering the time between; it is logged once per outage and never
 // stops the capture.
 func (s *Service) listenDDL(ctx context.Context) {
@@ -68,7 +68,23 @@ func (s *Service) listenDDLOnce(ctx context.Context, up func()) error {
 		if _, err := conn.WaitForNotification(ctx); err != nil {
 			return err
 		}
-		s.kickCatalog()
+		s.ddlSignal()
+	}
+}
+
+// ddlSettle is how long a signal of the notify guard waits for the
+// others of its burst (a migration's DDL statements) before the catalog
+// check: one check per burst, not one per statement.
+const ddlSettle = 20 * time.Millisecond
+
+// ddlSignal asks the catalog watch for a check ddlSettle from now, unless
+// one is already due.
+func (s *Service) ddlSignal() {
+	if s.ddlDue.CompareAndSwap(false, true) {
+		time.AfterFunc(ddlSettle, func() {
+			s.ddlDue.Store(false)
+			s.kickCatalog()
+		})
 	}
 }
 

@@ -477,7 +477,7 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		// The notify guard, on a server with prepared transactions: its
 		// transaction has committed. Once more a moment later, in case it
 		// was not yet visible to the check.
-		st.s.kickCatalog()
+		st.s.ddlSignal()
 		time.AfterFunc(250*time.Millisecond, st.s.kickCatalog)
 		return nil
 	default:

@@ -17,8 +17,12 @@
 //   - notify: the capture's notify guard (--ddl-guard-mode notify, the
 //     default), as it runs on a server without prepared transactions
 //     (max_prepared_transactions = 0, which the bench sets): pg_notify;
+//   - notify unheard: the same on a channel nobody listens on (what NOTIFY
+//     costs the committing backend without waking a listener and its
+//     check);
 //   - message: the notify guard's other branch, on a server with prepared
-//     transactions: a transactional logical message;
+//     transactions: a transactional logical message (nothing decodes it
+//     here, so no check follows it);
 //   - by hand (keyed tables only): no trigger, ALTER PUBLICATION .. ADD
 //     TABLE written in the CREATE's transaction: the part of publishing a
 //     table that no guard can avoid.
@@ -46,6 +50,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -53,6 +58,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -71,6 +77,9 @@ const pub = "bench"
 // notifyPub is the publication of the notify guard (one guard per
 // publication).
 const notifyPub = "bench_notify"
+
+// quietPub is the publication of a notify guard nobody listens to.
+const quietPub = "bench_quiet"
 
 // warned returns an error naming the first WARNING the loops' session got.
 var warned = func() error { return nil }
@@ -222,8 +231,15 @@ func install(ctx context.Context, pool *pgxpool.Pool, o options) ([]variant, err
 	if _, err := pool.Exec(ctx, `CREATE PUBLICATION `+notifyPub); err != nil {
 		return nil, err
 	}
-	if err := capture.InstallDDLGuard(ctx, pool, &capture.Config{PublicationName: notifyPub, DDLGuardMode: capture.DDLGuardNotify}); err != nil {
-		return nil, err
+	for _, p := range []string{notifyPub, quietPub} {
+		if p == quietPub {
+			if _, err := pool.Exec(ctx, `CREATE PUBLICATION `+quietPub); err != nil {
+				return nil, err
+			}
+		}
+		if err := capture.InstallDDLGuard(ctx, pool, &capture.Config{PublicationName: p, DDLGuardMode: capture.DDLGuardNotify}); err != nil {
+			return nil, err
+		}
 	}
 	guardTrigger := "epitaph_ddl_guard_" + pub
 	var tags []string
@@ -264,12 +280,13 @@ func install(ctx context.Context, pool *pgxpool.Pool, o options) ([]variant, err
 		variant{name: "baseline", trigger: "bench_baseline", function: "epitaph.bench_baseline"},
 		variant{name: "guard", trigger: guardTrigger, function: "epitaph.ddl_guard_" + pub},
 		variant{name: "notify", trigger: "epitaph_ddl_guard_" + notifyPub, function: "epitaph.ddl_guard_" + notifyPub},
+		variant{name: "notify unheard", trigger: "epitaph_ddl_guard_" + quietPub, function: "epitaph.ddl_guard_" + quietPub},
 		variant{name: "by hand", byHand: true, keyedOnly: true})
 	for _, v := range variants {
 		if v.trigger == "" {
 			continue
 		}
-		if v.trigger != guardTrigger && v.name != "notify" {
+		if v.trigger != guardTrigger && !strings.HasPrefix(v.name, "notify") {
 			if _, err := pool.Exec(ctx, `CREATE EVENT TRIGGER `+v.trigger+` ON ddl_command_end `+when+` EXECUTE FUNCTION `+v.function+`()`); err != nil {
 				return nil, fmt.Errorf("create event trigger %s: %w", v.trigger, err)
 			}
@@ -528,8 +545,8 @@ func report(kind, what string, keyed bool, variants []variant, perPair map[strin
 	if pct > limitPct {
 		met = "NOT met"
 	}
-	bench.Note("%s, %s time: the notify guard adds %+.1f%% over no guard (the logical message instead %+.1f%%; limit %.0f%%: %s)",
-		kind, what, pct, ratio("message", "none"), limitPct, met)
+	bench.Note("%s, %s time: the notify guard adds %+.1f%% over no guard (unheard %+.1f%%, the logical message instead %+.1f%%; limit %.0f%%: %s)",
+		kind, what, pct, ratio("notify unheard", "none"), ratio("message", "none"), limitPct, met)
 }
 
 func slug(name string) string { return strings.NewReplacer(" ", "_", "+", "_").Replace(name) }
@@ -607,13 +624,18 @@ func freshSessions(ctx context.Context, admin *pgx.Conn, url string, all []varia
 	return nil
 }
 
+// settle is how long the capture lets a burst of the notify guard's
+// signals gather before its catalog check (capture's ddlSettle).
+const settle = 20 * time.Millisecond
+
 // notifyChannel is the channel of the notify guard of notifyPub (the
 // capture's guardChannel).
 const notifyChannel = "epitaph_ddl_" + notifyPub
 
 // listener is a capture-like follower of the notify guard: it LISTENs on
-// its channel and, at each notification, adds the tables named lat* that
-// notifyPub lacks, recording when each add committed.
+// its channel and, as the capture does, coalesces the notifications into
+// checks run one at a time: each adds the tables named lat* that
+// notifyPub lacks, reporting each add once committed.
 type listener struct {
 	conn      *pgx.Conn
 	cancel    context.CancelFunc
@@ -633,18 +655,47 @@ func listen(ctx context.Context, url string, pool *pgxpool.Pool) (*listener, err
 	}
 	lctx, cancel := context.WithCancel(ctx)
 	l := &listener{conn: conn, cancel: cancel, done: make(chan struct{}), published: make(chan string, 1024)}
+	kick := make(chan struct{}, 1)
+	checked := make(chan error, 1)
+	var due atomic.Bool
+	go func() {
+		for {
+			select {
+			case <-lctx.Done():
+				checked <- nil
+				return
+			case <-kick:
+			}
+			if err := l.publish(lctx, pool); err != nil {
+				cancel() // ends the wait for notifications too
+				checked <- err
+				return
+			}
+		}
+	}()
 	go func() {
 		defer close(l.done)
 		for {
 			if _, err := conn.WaitForNotification(lctx); err != nil {
-				if lctx.Err() == nil {
+				cancel()
+				switch cerr := <-checked; {
+				case cerr != nil:
+					l.err = cerr
+				case ctx.Err() == nil && !errors.Is(err, context.Canceled):
 					l.err = err
 				}
 				return
 			}
-			if err := l.publish(lctx, pool); err != nil {
-				l.err = err
-				return
+			// As the capture does: one check per burst, settle after
+			// the first signal.
+			if due.CompareAndSwap(false, true) {
+				time.AfterFunc(settle, func() {
+					due.Store(false)
+					select {
+					case kick <- struct{}{}:
+					default:
+					}
+				})
 			}
 		}
 	}()
