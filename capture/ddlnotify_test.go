@@ -198,3 +198,31 @@ func TestDDLGuardModeSwitchReplacesTheOther(t *testing.T) {
 	require.Empty(t, triggers)
 	require.Empty(t, source)
 }
+
+// TestDDLGuardNotifyForAnApplicationRole: DDL run by an application role
+// (no superuser, no REPLICATION) goes through the notify guard, whose
+// function runs as its owner, and a search_path the application put its
+// own functions and operators first in is not followed: the guard calls
+// PostgreSQL's, the DDL succeeds and the table is published.
+func TestDDLGuardNotifyForAnApplicationRole(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	db := dbName(t, e.db)
+	pg := testenv.SharedPostgres(t)
+	app := db + "_notified"
+	e.exec(t, `CREATE ROLE `+app+` LOGIN; GRANT CREATE ON SCHEMA public TO `+app+`; GRANT CREATE ON DATABASE `+db+` TO `+app)
+	t.Cleanup(func() { testenv.Exec(t, pg.URL("postgres"), `DROP OWNED BY `+app+` CASCADE`) })
+	e.start(t, notifyGuard)
+	appURL := pg.UserURL(app, db)
+	testenv.Exec(t, appURL, `CREATE SCHEMA trap;
+		CREATE FUNCTION trap.current_setting(text) RETURNS text LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'trap.current_setting called'; END$$;
+		CREATE FUNCTION trap.pg_notify(text, text) RETURNS void LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'trap.pg_notify called'; END$$;
+		CREATE FUNCTION trap.pg_logical_emit_message(boolean, text, text) RETURNS pg_lsn LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'trap.pg_logical_emit_message called'; END$$;
+		CREATE FUNCTION trap.texteq(text, text) RETURNS boolean LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'trap.= called'; END$$;
+		CREATE OPERATOR trap.= (LEFTARG = text, RIGHTARG = text, FUNCTION = trap.texteq)`)
+	testenv.Exec(t, appURL, `SET search_path = trap, pg_catalog, public;
+		CREATE TABLE public.fresh (id int PRIMARY KEY, v text); ALTER TABLE public.fresh REPLICA IDENTITY FULL`)
+	e.waitPublished(t, "fresh", 2*time.Second)
+	testenv.Exec(t, appURL, `INSERT INTO fresh VALUES (5, 'r5'); DELETE FROM fresh`)
+	e.requireFreshDeletes(t, "public.fresh", 5)
+}
