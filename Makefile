@@ -131,7 +131,7 @@ bench-handlers:
 bench-revalidate:
 	$(GO) run ./internal/bench/revalidate
 
-## bench-ddlguard: what the capture's DDL guard adds to CREATE TABLE + DROP TABLE, against no guard, publishing by hand and the guard before its fast exit.
+## bench-ddlguard: what the capture's DDL guards (inline, notify) add to CREATE TABLE + DROP TABLE, against no guard, publishing by hand and the inline guard before its fast exit; the notify guard's commit-to-published time.
 bench-ddlguard:
 	$(GO) run ./internal/bench/ddlguard
 

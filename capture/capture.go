@@ -92,6 +92,8 @@ type Service struct {
 	catalogKick chan struct{}   // a Relation message arrived: check the catalog
 	ownerWarned map[string]bool // tables warned about as not owned, under mu
 	catalogFP   string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
+	ddlListenUp atomic.Bool     // the notify guard's LISTEN is up (listenDDL)
+	ddlDue      atomic.Bool     // a catalog check for the notify guard's signals is due (ddlSignal)
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
@@ -403,7 +405,13 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		if err := InstallDDLGuard(ctx, s.pool, cfg); err != nil {
 			return err
 		}
-		s.log.Info("DDL guard installed: the publication rules apply at the end of every DDL command", "event_trigger", guardTriggerName(cfg.PublicationName))
+		if s.notifyGuard() {
+			s.log.Info("DDL guard installed: DDL that can change what the publication may hold signals the capture, which checks the catalog at once",
+				"event_trigger", guardTriggerName(cfg.PublicationName), "mode", cfg.DDLGuardMode, "channel", guardChannel(cfg.PublicationName))
+		} else {
+			s.log.Info("DDL guard installed: the publication rules apply at the end of every DDL command", "event_trigger", guardTriggerName(cfg.PublicationName),
+				"mode", cfg.DDLGuardMode)
+		}
 	}
 
 	// Broker.
@@ -730,6 +738,10 @@ func (s *Service) activate(ctx context.Context) {
 	go s.pollSlot(ctx)
 	go s.watchCatalog(ctx)
 	go s.watchLimits(ctx, s.st.js)
+	if s.notifyGuard() {
+		s.bgWG.Add(1)
+		go s.listenDDL(ctx)
+	}
 	if s.cpu != nil {
 		// The mode is decided before the first message is read: a start
 		// with a backlog catches up from its first row.

@@ -148,10 +148,15 @@ type Config struct {
 	// publication is synced at start only).
 	CatalogPoll time.Duration
 	// InstallDDLGuard installs an event trigger on the source (it needs a
-	// superuser) that applies the same rules at the end of every DDL
-	// command, so no DELETE can fail inside the poll window and a new table
-	// is published from the CREATE TABLE on.
+	// superuser) that runs at the end of the DDL commands that can change
+	// what the publication may hold; DDLGuardMode says what it does there.
 	InstallDDLGuard bool
+	// DDLGuardMode is the DDL guard's mode: DDLGuardNotify (the default)
+	// signals the capture, which checks the catalog at once, outside the
+	// application's transaction; DDLGuardInline applies the publication
+	// rules inside the DDL's transaction, so no DELETE can fail inside the
+	// poll window and a new table is published from the CREATE TABLE on.
+	DDLGuardMode string
 
 	// Sharing the source's CPUs (cpumode.go).
 
@@ -276,6 +281,9 @@ func (c *Config) setDefaults() {
 	if c.DuplicateWindow == 0 {
 		c.DuplicateWindow = DefaultDuplicateWindow
 	}
+	if c.DDLGuardMode == "" {
+		c.DDLGuardMode = DDLGuardNotify
+	}
 	if c.NATSURL == "" && c.EmbeddedListen == "" {
 		c.EmbeddedListen = broker.DefaultListen
 	}
@@ -311,6 +319,17 @@ const (
 	PersistAuto    = "auto"
 	PersistAsync   = "async"
 	PersistDefault = "default"
+)
+
+// DDL guard modes (Config.DDLGuardMode).
+const (
+	// DDLGuardNotify: the guard only signals the capture (NOTIFY on the
+	// publication's channel), which publishes a new table milliseconds after
+	// its creating transaction commits.
+	DDLGuardNotify = "notify"
+	// DDLGuardInline: the guard applies the publication rules inside the
+	// DDL's transaction.
+	DDLGuardInline = "inline"
 )
 
 // validate lists every problem of the configuration in one ConfigError.
@@ -367,6 +386,9 @@ func (c *Config) nameErrors(errs []string) []string {
 		if _, _, err := splitTable(t); err != nil {
 			errs = append(errs, err.Error())
 		}
+	}
+	if c.DDLGuardMode != DDLGuardNotify && c.DDLGuardMode != DDLGuardInline {
+		errs = append(errs, fmt.Sprintf("DDL guard mode %q: use %s or %s", c.DDLGuardMode, DDLGuardNotify, DDLGuardInline))
 	}
 	return errs
 }

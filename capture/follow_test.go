@@ -273,7 +273,7 @@ func TestDDLGuard(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	e.exec(t, `CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t SELECT g, 'v' FROM generate_series(1, 3) g`)
-	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true })
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.DDLGuardMode = DDLGuardInline })
 	e.exec(t, `BEGIN; ALTER TABLE t DROP CONSTRAINT t_pkey; DELETE FROM t WHERE id = 1; COMMIT`)
 	e.waitPublication(t, e.slotPub()) // empty: removed by the guard, not by a poll
 	ms := e.messages(t, "main", 4)
@@ -301,7 +301,12 @@ func TestDDLGuardSetsFull(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	e.exec(t, `CREATE TABLE r (id int, v text) PARTITION BY LIST (id); CREATE TABLE r1 PARTITION OF r FOR VALUES IN (1)`)
-	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.SetReplicaIdentityFull = true })
+	e.start(t, func(c *Config) {
+		c.CatalogPoll = -1
+		c.InstallDDLGuard = true
+		c.DDLGuardMode = DDLGuardInline
+		c.SetReplicaIdentityFull = true
+	})
 	e.exec(t, `CREATE TABLE r2 PARTITION OF r FOR VALUES IN (2); INSERT INTO r VALUES (2, 'two'); DELETE FROM r WHERE id = 2`)
 	ms := e.deletes(t, "main", 1)
 	require.Equal(t, event.IdentityFull, ms[0].ev.Identity)
@@ -317,7 +322,12 @@ func TestDDLGuardSetsFull(t *testing.T) {
 func TestDDLGuardRefusesKeyOnly(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
-	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.RefuseKeyOnly = true })
+	e.start(t, func(c *Config) {
+		c.CatalogPoll = -1
+		c.InstallDDLGuard = true
+		c.DDLGuardMode = DDLGuardInline
+		c.RefuseKeyOnly = true
+	})
 	e.exec(t, `CREATE TABLE keyed (id int PRIMARY KEY); CREATE TABLE whole (id int PRIMARY KEY); ALTER TABLE whole REPLICA IDENTITY FULL`)
 	e.waitPublication(t, e.slotPub(), "whole")
 	e.exec(t, `INSERT INTO keyed VALUES (1); INSERT INTO whole VALUES (1); DELETE FROM keyed; DELETE FROM whole`)
@@ -534,7 +544,7 @@ func TestDDLGuardForAnApplicationRole(t *testing.T) {
 	t.Cleanup(func() { testenv.Exec(t, pg.URL("postgres"), `DROP OWNED BY `+app+` CASCADE`) })
 	appURL := pg.UserURL(app, db)
 	testenv.Exec(t, appURL, `CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2)`)
-	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true })
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.DDLGuardMode = DDLGuardInline })
 	testenv.Exec(t, appURL, `CREATE TABLE fresh (id int PRIMARY KEY); INSERT INTO fresh VALUES (1); DELETE FROM fresh`)
 	testenv.Exec(t, appURL, `ALTER TABLE t DROP CONSTRAINT t_pkey; DELETE FROM t WHERE id = 1`)
 	e.waitPublication(t, e.slotPub(), "fresh")

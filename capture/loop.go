@@ -473,6 +473,13 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		kind = event.MarkUser
 	case m.Prefix == event.PrefixGap:
 		return st.handleTableGap(ctx, m, serverTime)
+	case m.Prefix == guardMessagePrefix:
+		// The notify guard, on a server with prepared transactions: its
+		// transaction has committed. Once more a moment later, in case it
+		// was not yet visible to the check.
+		st.s.ddlSignal()
+		time.AfterFunc(250*time.Millisecond, st.s.kickCatalog)
+		return nil
 	default:
 		return nil
 	}

@@ -44,6 +44,8 @@ type metrics struct {
 	tablesRemoved  prometheus.Counter
 	madeFull       prometheus.Counter
 	catalogErrors  prometheus.Counter
+	// ddlListenUp is 1 while the notify DDL guard's LISTEN is up.
+	ddlListenUp prometheus.Gauge
 	// The CPU mode (cpumode.go).
 	cpus            prometheus.Gauge
 	catchingUp      prometheus.Gauge
@@ -102,6 +104,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		tablesRemoved:   c("epitaph_capture_tables_removed_total", "Tables removed from the publication because they lost their usable replica identity (each records a gap)."),
 		madeFull:        c("epitaph_capture_replica_identity_set_full_total", "Relations set to REPLICA IDENTITY FULL by --set-replica-identity-full."),
 		catalogErrors:   c("epitaph_capture_catalog_poll_errors_total", "Catalog checks that failed (retried at the next poll)."),
+		ddlListenUp:     g("epitaph_capture_ddl_listen_up", "1 while the capture LISTENs for the notify DDL guard's signals (--install-ddl-guard --ddl-guard-mode notify), 0 while it reconnects (the catalog poll publishes new tables meanwhile) or without that guard."),
 		cpus:            g("epitaph_capture_cpus", "CPUs the capture process uses (GOMAXPROCS): --tail-cpus while tailing, every CPU while catching up or when not limited."),
 		cpuNice:         g("epitaph_capture_autogroup_nice", "Nice value the capture set on its scheduling group (its Linux autogroup): --tail-nice while tailing, 0 otherwise or when it cannot be set (see /status cpu_nice_unavailable)."),
 		catchingUp:      g("epitaph_capture_catching_up", "1 while the capture catches up on every CPU (a backlog of at least --catch-up-bytes, or found at start), 0 otherwise."),
@@ -147,7 +150,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		m.published, m.publishErrors, m.transactions, m.confirmedLSN, m.withoutFull, m.heartbeatAge, m.active, m.connected, m.largeRows, m.limitsRestored, m.streamUnsafe,
 		m.confirmLag, m.syncInterval,
 		m.foreign, m.implausible, m.collisions, m.sessions, m.tailRemoved, m.seqRecordErrors,
-		m.tablesAdded, m.partitionMoves, m.tablesRemoved, m.madeFull, m.catalogErrors,
+		m.tablesAdded, m.partitionMoves, m.tablesRemoved, m.madeFull, m.catalogErrors, m.ddlListenUp,
 		m.cpus, m.catchingUp, m.cpuNice, m.backlogBytes, m.cpuModeSwitches} {
 		if err := reg.Register(col); err != nil {
 			return nil, err

@@ -170,7 +170,7 @@ func TestDDLGuardPublishesInheritanceTrees(t *testing.T) {
 	t.Parallel()
 	e := setup(t)
 	e.exec(t, `CREATE TABLE base (id int PRIMARY KEY)`)
-	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true })
+	e.start(t, func(c *Config) { c.CatalogPoll = -1; c.InstallDDLGuard = true; c.DDLGuardMode = DDLGuardInline })
 	e.exec(t, `CREATE TABLE zparent (id int, v text); CREATE TABLE achild () INHERITS (zparent); ALTER TABLE achild ADD PRIMARY KEY (id)`)
 	e.waitPublication(t, e.slotPub(), "achild", "base") // the parent has no key yet
 	e.exec(t, `ALTER TABLE zparent ADD PRIMARY KEY (id)`)

@@ -102,17 +102,22 @@ type Status struct {
 	// Standby says what a waiting standby waits for, and who holds it.
 	Standby *StandbyStatus `json:"standby,omitempty"`
 	// ApplicationName of this capture's connections to the source.
-	ApplicationName    string    `json:"application_name"`
-	ConfirmedLSN       string    `json:"confirmed_lsn"`
-	LagBytes           int64     `json:"lag_bytes"`
-	LagSeconds         float64   `json:"lag_seconds"`
-	SlotStats          slotStats `json:"slot_stats"`
-	HeartbeatAgeSec    float64   `json:"heartbeat_age_seconds"`
-	PublicationTables  []string  `json:"publication_tables"`
-	SkippedTables      []string  `json:"skipped_tables"`
-	KeyIdentityTables  []string  `json:"key_identity_tables"`
-	Error              string    `json:"error,omitempty"`
-	BrokerSyncInterval string    `json:"broker_sync_interval"`
+	ApplicationName   string    `json:"application_name"`
+	ConfirmedLSN      string    `json:"confirmed_lsn"`
+	LagBytes          int64     `json:"lag_bytes"`
+	LagSeconds        float64   `json:"lag_seconds"`
+	SlotStats         slotStats `json:"slot_stats"`
+	HeartbeatAgeSec   float64   `json:"heartbeat_age_seconds"`
+	PublicationTables []string  `json:"publication_tables"`
+	SkippedTables     []string  `json:"skipped_tables"`
+	KeyIdentityTables []string  `json:"key_identity_tables"`
+	// DDLGuard is the mode of the DDL guard the capture installed (notify
+	// or inline; empty: none); DDLListenUp, with notify, whether its
+	// LISTEN connection is up.
+	DDLGuard           string `json:"ddl_guard,omitempty"`
+	DDLListenUp        *bool  `json:"ddl_listen_up,omitempty"`
+	Error              string `json:"error,omitempty"`
+	BrokerSyncInterval string `json:"broker_sync_interval"`
 	// CPUMode is all (not limited), tail (on --tail-cpus) or catch_up
 	// (every CPU); CPUs the GOMAXPROCS it runs with; BacklogBytes the WAL
 	// bytes it was behind the source at the last check (-1: not measured).
@@ -144,6 +149,13 @@ func (s *Service) CurrentStatus() Status {
 		SlotStats: s.slotStats, HeartbeatAgeSec: s.heartbeatAge(),
 		PublicationTables: s.pubTables, BrokerSyncInterval: s.cfg.BrokerSyncInterval.String(),
 		SigningKeyID: s.keyID, SigningPublicKeyFile: s.pubPath,
+	}
+	if s.cfg.InstallDDLGuard {
+		st.DDLGuard = s.cfg.DDLGuardMode
+		if s.notifyGuard() {
+			up := s.ddlListenUp.Load()
+			st.DDLListenUp = &up
+		}
 	}
 	st.CPUMode, st.CPUs, st.BacklogBytes = s.cpuState()
 	st.CPUNice, st.CPUNiceUnavailable = s.niceState()

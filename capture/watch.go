@@ -2,6 +2,8 @@ package capture
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -35,21 +37,37 @@ func (s *Service) kickCatalog() {
 	}
 }
 
+// notifyGuard reports whether the capture installs the notify DDL guard,
+// whose signals it follows.
+func (s *Service) notifyGuard() bool {
+	return s.cfg.InstallDDLGuard && s.cfg.DDLGuardMode != DDLGuardInline
+}
+
+// catalogRetry is how soon a failed catalog check is tried again with the
+// notify guard.
+const catalogRetry = time.Second
+
 // watchCatalog follows the source's tables while streaming: every
-// CatalogPoll and after every Relation message it runs reconcile.
+// CatalogPoll, after every Relation message and at every signal of the
+// notify DDL guard it runs reconcile. With a negative CatalogPoll it only
+// runs on the notify guard's signals (and without that guard not at all).
 func (s *Service) watchCatalog(ctx context.Context) {
 	defer s.bgWG.Done()
-	if s.cfg.CatalogPoll < 0 {
+	var tick <-chan time.Time
+	switch {
+	case s.cfg.CatalogPoll >= 0:
+		t := time.NewTicker(s.cfg.CatalogPoll)
+		defer t.Stop()
+		tick = t.C
+	case !s.notifyGuard():
 		return
 	}
-	t := time.NewTicker(s.cfg.CatalogPoll)
-	defer t.Stop()
 	failing := false
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-t.C:
+		case <-tick:
 		case <-s.catalogKick:
 		}
 		err := s.reconcileIfChanged(ctx)
@@ -62,6 +80,11 @@ func (s *Service) watchCatalog(ctx context.Context) {
 				s.log.Warn("catalog check failed; retrying at the next poll", "err", redactErr(err))
 			}
 			failing = true
+			if s.notifyGuard() {
+				// The guard's signal is spent: a table left for a lock held
+				// elsewhere is tried again soon, not only at the next poll.
+				time.AfterFunc(catalogRetry, s.kickCatalog)
+			}
 		default:
 			failing = false
 		}
@@ -577,9 +600,57 @@ const guardLockTimeout = "1ms"
 // drop an index (a replica identity index). Any other DDL pays nothing.
 var guardTags = []string{"CREATE TABLE", "CREATE TABLE AS", "SELECT INTO", "ALTER TABLE", "DROP INDEX"}
 
-// InstallDDLGuard (re)creates the DDL guard of cfg's publication: its
-// function in schema epitaph and an event trigger on ddl_command_end. It
-// needs a superuser (event triggers do).
+// guardChannel is the channel the notify guard of a publication signals on
+// (at most 63 bytes, as PostgreSQL's identifiers: a longer one would make
+// pg_notify fail, and with it the application's DDL).
+func guardChannel(pub string) string {
+	ch := "epitaph_ddl_" + pub
+	if len(ch) <= 63 {
+		return ch
+	}
+	sum := sha256.Sum256([]byte(pub))
+	return "epitaph_ddl_" + hex.EncodeToString(sum[:16])
+}
+
+// guardMessagePrefix is the transactional logical message the notify guard
+// writes instead of a notification when the server allows prepared
+// transactions (a transaction that ran NOTIFY cannot be prepared): the
+// capture decodes it once the transaction commits and checks the catalog.
+const guardMessagePrefix = "epitaph.ddl"
+
+// sqlNotifyGuard is the notify guard's function (%[1]s: the function;
+// %[2]s: the channel, %[3]s: the message prefix, as literals): it only
+// signals the capture, which checks the catalog once the DDL's transaction
+// has committed. It reads no catalog, takes no lock and changes nothing,
+// so the application's DDL cannot wait or fail on it.
+//
+// A notification is sent at commit and delivered once the transaction is
+// visible; but a transaction that ran NOTIFY cannot be prepared, so with
+// prepared transactions enabled (max_prepared_transactions above 0) it
+// writes a transactional logical message instead, which the capture
+// decodes from its slot at the commit (or COMMIT PREPARED).
+//
+// SECURITY DEFINER (writing a logical message needs the REPLICATION
+// attribute) with every name schema-qualified instead of a SET search_path
+// clause, which would cost a setting saved and restored at every call: the
+// application's search_path cannot put a function or operator of its own
+// in place of these (pg_temp is never searched for either).
+const sqlNotifyGuard = `
+CREATE OR REPLACE FUNCTION %[1]s() RETURNS event_trigger
+LANGUAGE plpgsql SECURITY DEFINER AS $guard$
+BEGIN
+  IF pg_catalog.current_setting('max_prepared_transactions') OPERATOR(pg_catalog.=) '0' THEN
+    PERFORM pg_catalog.pg_notify(%[2]s, '');
+  ELSE
+    PERFORM pg_catalog.pg_logical_emit_message(true, %[3]s, '');
+  END IF;
+END
+$guard$`
+
+// InstallDDLGuard (re)creates the DDL guard of cfg's publication in the
+// mode cfg.DDLGuardMode (notify when empty): its function in schema
+// epitaph and an event trigger on ddl_command_end, replacing the other
+// mode's. It needs a superuser (event triggers do).
 func InstallDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 	var super bool
 	if err := pool.QueryRow(ctx, `SELECT rolsuper FROM pg_roles WHERE rolname = current_user`).Scan(&super); err != nil {
@@ -588,39 +659,33 @@ func InstallDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 	if !super {
 		return configErr("--install-ddl-guard needs a superuser (event triggers do): run the capture once as a superuser with it, or leave it off and rely on the catalog poll (--catalog-poll)")
 	}
-	wanted := "NULL"
-	if len(cfg.Tables) > 0 {
-		var names []string
-		for _, n := range cfg.Tables {
-			schema, table, err := splitTable(n)
-			if err != nil {
-				return &ConfigError{Msg: err.Error()}
-			}
-			names = append(names, schema+"."+table)
+	var fn string
+	stmts := []string{"CREATE SCHEMA IF NOT EXISTS epitaph"}
+	switch cfg.DDLGuardMode {
+	case DDLGuardNotify, "":
+		fn = fmt.Sprintf(sqlNotifyGuard, guardFunction(cfg.PublicationName), pgquote.Literal(guardChannel(cfg.PublicationName)),
+			pgquote.Literal(guardMessagePrefix))
+	case DDLGuardInline:
+		var err error
+		if fn, err = inlineGuard(cfg); err != nil {
+			return err
 		}
-		slices.Sort(names)
-		// A text[] constant: no query at every call.
-		quoted := make([]string, len(names))
-		for i, n := range names {
-			quoted[i] = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(n) + `"`
+		if cfg.SetReplicaIdentityFull {
+			stmts = append(stmts, sqlIdentityTable) // where the guard records what it sets FULL
 		}
-		wanted = pgquote.Literal("{"+strings.Join(quoted, ",")+"}") + "::text[]"
+	default:
+		return &ConfigError{Msg: fmt.Sprintf("DDL guard mode %q: use %s or %s", cfg.DDLGuardMode, DDLGuardNotify, DDLGuardInline)}
 	}
-	fn := fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
-		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
-		fmt.Sprint(!cfg.RefuseKeyOnly))
 	trigger := pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize()
 	var tags []string
 	for _, tag := range guardTags {
 		tags = append(tags, pgquote.Literal(tag))
 	}
 	tagList := strings.Join(tags, ", ")
-	stmts := []string{"CREATE SCHEMA IF NOT EXISTS epitaph"}
-	if cfg.SetReplicaIdentityFull {
-		stmts = append(stmts, sqlIdentityTable) // where the guard records what it sets FULL
-	}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		for _, stmt := range append(stmts,
+			// One function per publication whatever the mode: the mode
+			// installed last replaces the other's.
 			fn,
 			"DROP EVENT TRIGGER IF EXISTS "+trigger,
 			"CREATE EVENT TRIGGER "+trigger+" ON ddl_command_end WHEN TAG IN ("+tagList+") EXECUTE FUNCTION "+guardFunction(cfg.PublicationName)+"()",
@@ -635,4 +700,29 @@ func InstallDDLGuard(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error
 		return fmt.Errorf("install DDL guard: %w", err)
 	}
 	return nil
+}
+
+// inlineGuard is the inline guard's function for cfg.
+func inlineGuard(cfg *Config) (string, error) {
+	wanted := "NULL"
+	if len(cfg.Tables) > 0 {
+		var names []string
+		for _, n := range cfg.Tables {
+			schema, table, err := splitTable(n)
+			if err != nil {
+				return "", &ConfigError{Msg: err.Error()}
+			}
+			names = append(names, schema+"."+table)
+		}
+		slices.Sort(names)
+		// A text[] constant: no query at every call.
+		quoted := make([]string, len(names))
+		for i, n := range names {
+			quoted[i] = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(n) + `"`
+		}
+		wanted = pgquote.Literal("{"+strings.Join(quoted, ",")+"}") + "::text[]"
+	}
+	return fmt.Sprintf(sqlDDLGuard, pgquote.Literal(cfg.PublicationName), wanted, fmt.Sprint(cfg.SetReplicaIdentityFull),
+		pgquote.Literal(event.PrefixGap), pgquote.Literal(reasonLostIdentity), guardFunction(cfg.PublicationName),
+		fmt.Sprint(!cfg.RefuseKeyOnly)), nil
 }

@@ -12,8 +12,17 @@
 //   - definer, definer+search_path, definer+set: empty, SECURITY DEFINER,
 //     then with SET search_path, then with the old guard's SET clauses;
 //   - definer+set+exception: that with an EXCEPTION block entered;
-//   - baseline: the guard before its fast path (baseline.go);
-//   - guard: the capture's guard as installed by --install-ddl-guard;
+//   - baseline: the inline guard before its fast path (baseline.go);
+//   - guard: the capture's inline guard (--ddl-guard-mode inline);
+//   - notify: the capture's notify guard (--ddl-guard-mode notify, the
+//     default), as it runs on a server without prepared transactions
+//     (max_prepared_transactions = 0, which the bench sets): pg_notify;
+//   - notify unheard: the same on a channel nobody listens on (what NOTIFY
+//     costs the committing backend without waking a listener and its
+//     check);
+//   - message: the notify guard's other branch, on a server with prepared
+//     transactions: a transactional logical message (nothing decodes it
+//     here, so no check follows it);
 //   - by hand (keyed tables only): no trigger, ALTER PUBLICATION .. ADD
 //     TABLE written in the CREATE's transaction: the part of publishing a
 //     table that no guard can avoid.
@@ -24,11 +33,16 @@
 // median of the per-round ratios against the loop without a trigger run
 // in the same round (and for keyed tables against by hand), beside their
 // limits: the guard adds at most 5% where it has nothing to do, and at
-// most 5% over publishing by hand. Then the time spent inside each
+// most 5% over publishing by hand; the notify guard at most 5% over no
+// trigger in both. Then the time spent inside each
 // function per call (pg_stat_user_functions, track_functions = all; for
 // the baseline and the guard also per round, with the least-disturbed
 // one) and the first CREATE TABLE of -sessions fresh sessions (the
 // function compiled and its queries planned anew in each session).
+// Last, -latency tables are created one at a time with the notify guard
+// while a capture-like loop LISTENs on its channel and publishes what it
+// finds at each notification: the time from the CREATE TABLE's commit to
+// the table being in the publication.
 //
 // Output lines are "BENCH <name> <value> <unit>" and "NOTE <text>".
 // EPITAPH_TEST_PG=<major> picks the server (see internal/testenv).
@@ -36,6 +50,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -43,6 +58,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -58,6 +74,13 @@ import (
 
 const pub = "bench"
 
+// notifyPub is the publication of the notify guard (one guard per
+// publication).
+const notifyPub = "bench_notify"
+
+// quietPub is the publication of a notify guard nobody listens to.
+const quietPub = "bench_quiet"
+
 // warned returns an error naming the first WARNING the loops' session got.
 var warned = func() error { return nil }
 
@@ -66,7 +89,7 @@ var warned = func() error { return nil }
 const limitPct = 5.0
 
 type options struct {
-	tables, pairs, rounds, sessions int
+	tables, pairs, rounds, sessions, latency int
 	// backend is the pid of the loops' session's backend, whose CPU time
 	// is read from /proc.
 	backend int
@@ -78,9 +101,10 @@ func main() {
 	flag.IntVar(&o.pairs, "pairs", 25, "CREATE TABLE + DROP TABLE pairs per loop")
 	flag.IntVar(&o.rounds, "rounds", 11, "interleaved rounds (every variant once per round; medians reported)")
 	flag.IntVar(&o.sessions, "sessions", 15, "fresh sessions timed on their first CREATE TABLE, per variant (0 skips)")
+	flag.IntVar(&o.latency, "latency", 30, "tables timed from their CREATE TABLE's commit to their publication by the notify guard's signal (0 skips)")
 	flag.Parse()
-	if o.tables < 0 || o.pairs < 1 || o.rounds < 1 || o.sessions < 0 {
-		fmt.Fprintln(os.Stderr, "bench-ddlguard: -pairs and -rounds must be at least 1, -tables and -sessions at least 0")
+	if o.tables < 0 || o.pairs < 1 || o.rounds < 1 || o.sessions < 0 || o.latency < 0 {
+		fmt.Fprintln(os.Stderr, "bench-ddlguard: -pairs and -rounds must be at least 1, -tables, -sessions and -latency at least 0")
 		os.Exit(2)
 	}
 	if err := run(context.Background(), o); err != nil {
@@ -108,6 +132,13 @@ func run(ctx context.Context, o options) error {
 		_ = pg.Stop()
 		_ = os.RemoveAll(filepath.Dir(pg.DataDir))
 	}()
+	// PostgreSQL's default: the notify guard sends a notification.
+	if err := pg.SetConfig("max_prepared_transactions = 0"); err != nil {
+		return err
+	}
+	if err := pg.Restart(); err != nil {
+		return err
+	}
 	url, err := bench.CreateDatabase(ctx, pg, "guard")
 	if err != nil {
 		return err
@@ -155,13 +186,25 @@ func run(ctx context.Context, o options) error {
 	if _, err := conn.Exec(ctx, `SET track_functions = 'all'`); err != nil {
 		return err
 	}
+	// The capture's LISTEN, there all along as in production: the notify
+	// guard's commits signal it.
+	lis, err := listen(ctx, url, pool)
+	if err != nil {
+		return err
+	}
+	defer lis.stop()
 	for _, keyed := range []bool{false, true} {
 		if err := loops(ctx, conn, variants, keyed, o); err != nil {
 			return err
 		}
 	}
 	if o.sessions > 0 {
-		return freshSessions(ctx, conn, url, variants, o)
+		if err := freshSessions(ctx, conn, url, variants, o); err != nil {
+			return err
+		}
+	}
+	if o.latency > 0 {
+		return latency(ctx, conn, variants, lis, o)
 	}
 	return nil
 }
@@ -182,8 +225,21 @@ func install(ctx context.Context, pool *pgxpool.Pool, o options) ([]variant, err
 			EXECUTE format('ALTER PUBLICATION `+pub+` ADD TABLE %I', r.relname); END LOOP; END $$`); err != nil {
 		return nil, fmt.Errorf("publish tables: %w", err)
 	}
-	if err := capture.InstallDDLGuard(ctx, pool, &capture.Config{PublicationName: pub}); err != nil {
+	if err := capture.InstallDDLGuard(ctx, pool, &capture.Config{PublicationName: pub, DDLGuardMode: capture.DDLGuardInline}); err != nil {
 		return nil, err
+	}
+	if _, err := pool.Exec(ctx, `CREATE PUBLICATION `+notifyPub); err != nil {
+		return nil, err
+	}
+	for _, p := range []string{notifyPub, quietPub} {
+		if p == quietPub {
+			if _, err := pool.Exec(ctx, `CREATE PUBLICATION `+quietPub); err != nil {
+				return nil, err
+			}
+		}
+		if err := capture.InstallDDLGuard(ctx, pool, &capture.Config{PublicationName: p, DDLGuardMode: capture.DDLGuardNotify}); err != nil {
+			return nil, err
+		}
 	}
 	guardTrigger := "epitaph_ddl_guard_" + pub
 	var tags []string
@@ -203,6 +259,9 @@ func install(ctx context.Context, pool *pgxpool.Pool, o options) ([]variant, err
 		{"definer+set", `LANGUAGE plpgsql ` + set + ` AS $f$ BEGIN END $f$`},
 		{"definer+set+exception", `LANGUAGE plpgsql ` + set + ` AS $f$ BEGIN
 			BEGIN PERFORM 1; EXCEPTION WHEN OTHERS THEN RAISE WARNING '%', SQLERRM; END; END $f$`},
+		// The notify guard's branch on a server with prepared transactions.
+		{"message", `LANGUAGE plpgsql SECURITY DEFINER AS $f$ BEGIN
+			PERFORM pg_catalog.pg_logical_emit_message(true, 'epitaph.ddl', ''); END $f$`},
 	}
 	variants := []variant{{name: "none"}}
 	for _, p := range probes {
@@ -220,12 +279,14 @@ func install(ctx context.Context, pool *pgxpool.Pool, o options) ([]variant, err
 	variants = append(variants,
 		variant{name: "baseline", trigger: "bench_baseline", function: "epitaph.bench_baseline"},
 		variant{name: "guard", trigger: guardTrigger, function: "epitaph.ddl_guard_" + pub},
+		variant{name: "notify", trigger: "epitaph_ddl_guard_" + notifyPub, function: "epitaph.ddl_guard_" + notifyPub},
+		variant{name: "notify unheard", trigger: "epitaph_ddl_guard_" + quietPub, function: "epitaph.ddl_guard_" + quietPub},
 		variant{name: "by hand", byHand: true, keyedOnly: true})
 	for _, v := range variants {
 		if v.trigger == "" {
 			continue
 		}
-		if v.trigger != guardTrigger {
+		if v.trigger != guardTrigger && !strings.HasPrefix(v.name, "notify") {
 			if _, err := pool.Exec(ctx, `CREATE EVENT TRIGGER `+v.trigger+` ON ddl_command_end `+when+` EXECUTE FUNCTION `+v.function+`()`); err != nil {
 				return nil, fmt.Errorf("create event trigger %s: %w", v.trigger, err)
 			}
@@ -355,7 +416,7 @@ func loops(ctx context.Context, conn *pgx.Conn, all []variant, keyed bool, o opt
 	// The least-disturbed rounds (the minimum) say most on a loaded
 	// machine.
 	for _, v := range variants {
-		if ms, ok := inside[v.function]; ok && (v.name == "baseline" || v.name == "guard") {
+		if ms, ok := inside[v.function]; ok && (v.name == "baseline" || v.name == "guard" || v.name == "notify") {
 			bench.Figure(fmt.Sprintf("ddlguard.%s.%s.inside_vs_none_cpu_pct", kind, slug(v.name)), 100*ms/bench.Median(cpuPerPair["none"]),
 				"% of the backend's median CPU time per pair without a trigger, spent inside the function")
 		}
@@ -405,7 +466,7 @@ func rounds(ctx context.Context, conn *pgx.Conn, all, variants []variant, keyed 
 			if err := enable(ctx, conn, all, v); err != nil {
 				return nil, nil, nil, err
 			}
-			timed := perRound && (v.name == "baseline" || v.name == "guard")
+			timed := perRound && (v.name == "baseline" || v.name == "guard" || v.name == "notify")
 			var ms0 float64
 			var calls0 int64
 			if timed {
@@ -457,7 +518,7 @@ func report(kind, what string, keyed bool, variants []variant, perPair map[strin
 			continue
 		}
 		note := "% added over no trigger (median of the rounds' ratios)"
-		if v.name == "guard" && !keyed {
+		if (v.name == "guard" && !keyed) || v.name == "notify" {
 			note += limit
 		}
 		bench.Figure(fmt.Sprintf("ddlguard.%s.%s.%s_vs_none_pct", kind, slug(v.name), what), ratio(v.name, "none"), note)
@@ -479,7 +540,13 @@ func report(kind, what string, keyed bool, variants []variant, perPair map[strin
 	if pct > limitPct {
 		met = "NOT met"
 	}
-	bench.Note("%s, %s time: the guard adds %+.1f%% over %s (the baseline %+.1f%%; limit %.0f%%: %s)", kind, what, pct, against, was, limitPct, met)
+	bench.Note("%s, %s time: the inline guard adds %+.1f%% over %s (the baseline %+.1f%%; limit %.0f%%: %s)", kind, what, pct, against, was, limitPct, met)
+	pct, met = ratio("notify", "none"), "met"
+	if pct > limitPct {
+		met = "NOT met"
+	}
+	bench.Note("%s, %s time: the notify guard adds %+.1f%% over no guard (unheard %+.1f%%, the logical message instead %+.1f%%; limit %.0f%%: %s)",
+		kind, what, pct, ratio("notify unheard", "none"), ratio("message", "none"), limitPct, met)
 }
 
 func slug(name string) string { return strings.NewReplacer(" ", "_", "+", "_").Replace(name) }
@@ -519,7 +586,7 @@ func functionTimes(ctx context.Context, conn *pgx.Conn, kind string) (map[string
 func freshSessions(ctx context.Context, admin *pgx.Conn, url string, all []variant, o options) error {
 	var variants []variant
 	for _, v := range all {
-		if v.name == "none" || v.name == "baseline" || v.name == "guard" {
+		if v.name == "none" || v.name == "baseline" || v.name == "guard" || v.name == "notify" {
 			variants = append(variants, v)
 		}
 	}
@@ -554,5 +621,155 @@ func freshSessions(ctx context.Context, admin *pgx.Conn, url string, all []varia
 		bench.Figure("ddlguard.fresh_session."+slug(v.name)+".first_create_ms", bench.Median(times[v.name]),
 			fmt.Sprintf("ms, a new session's first keyed CREATE TABLE (median of %d)", o.sessions))
 	}
+	return nil
+}
+
+// settle is how long the capture lets a burst of the notify guard's
+// signals gather before its catalog check (capture's ddlSettle).
+const settle = 20 * time.Millisecond
+
+// notifyChannel is the channel of the notify guard of notifyPub (the
+// capture's guardChannel).
+const notifyChannel = "epitaph_ddl_" + notifyPub
+
+// listener is a capture-like follower of the notify guard: it LISTENs on
+// its channel and, as the capture does, coalesces the notifications into
+// checks run one at a time: each adds the tables named lat* that
+// notifyPub lacks, reporting each add once committed.
+type listener struct {
+	conn      *pgx.Conn
+	cancel    context.CancelFunc
+	done      chan struct{}
+	published chan string // a table's name, once its add committed
+	err       error
+}
+
+func listen(ctx context.Context, url string, pool *pgxpool.Pool) (*listener, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{notifyChannel}.Sanitize()); err != nil {
+		_ = conn.Close(ctx)
+		return nil, err
+	}
+	lctx, cancel := context.WithCancel(ctx)
+	l := &listener{conn: conn, cancel: cancel, done: make(chan struct{}), published: make(chan string, 1024)}
+	kick := make(chan struct{}, 1)
+	checked := make(chan error, 1)
+	var due atomic.Bool
+	go func() {
+		for {
+			select {
+			case <-lctx.Done():
+				checked <- nil
+				return
+			case <-kick:
+			}
+			if err := l.publish(lctx, pool); err != nil {
+				cancel() // ends the wait for notifications too
+				checked <- err
+				return
+			}
+		}
+	}()
+	go func() {
+		defer close(l.done)
+		for {
+			if _, err := conn.WaitForNotification(lctx); err != nil {
+				cancel()
+				switch cerr := <-checked; {
+				case cerr != nil:
+					l.err = cerr
+				case ctx.Err() == nil && !errors.Is(err, context.Canceled):
+					l.err = err
+				}
+				return
+			}
+			// As the capture does: one check per burst, settle after
+			// the first signal.
+			if due.CompareAndSwap(false, true) {
+				time.AfterFunc(settle, func() {
+					due.Store(false)
+					select {
+					case kick <- struct{}{}:
+					default:
+					}
+				})
+			}
+		}
+	}()
+	return l, nil
+}
+
+// publish adds the lat* tables notifyPub lacks, as the capture's catalog
+// check adds new tables.
+func (l *listener) publish(ctx context.Context, pool *pgxpool.Pool) error {
+	rows, err := pool.Query(ctx, `SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relname LIKE 'lat%'
+		  AND NOT EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+		                  WHERE p.pubname = $1 AND pr.prrelid = c.oid)`, notifyPub)
+	if err != nil {
+		return err
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return err
+	}
+	for _, n := range names {
+		if _, err := pool.Exec(ctx, "ALTER PUBLICATION "+notifyPub+" ADD TABLE ONLY "+pgx.Identifier{n}.Sanitize()); err != nil {
+			return err
+		}
+		l.published <- n
+	}
+	return nil
+}
+
+func (l *listener) stop() {
+	l.cancel()
+	<-l.done
+	_ = l.conn.Close(context.Background())
+}
+
+// latency creates o.latency keyed tables one at a time with the notify
+// guard enabled and times each from its CREATE TABLE's commit to the
+// listener's add committing.
+func latency(ctx context.Context, conn *pgx.Conn, all []variant, l *listener, o options) error {
+	for _, v := range all {
+		if v.name != "notify" {
+			continue
+		}
+		if err := enable(ctx, conn, all, v); err != nil {
+			return err
+		}
+	}
+	var times []float64
+	for i := range o.latency {
+		name := fmt.Sprintf("lat%d", i)
+		if _, err := conn.Exec(ctx, "CREATE TABLE "+name+" (id int PRIMARY KEY, v text)"); err != nil {
+			return err
+		}
+		committed := time.Now()
+		select {
+		case got := <-l.published:
+			if got != name {
+				return fmt.Errorf("published %s, want %s", got, name)
+			}
+		case <-l.done:
+			return fmt.Errorf("the listener stopped: %v", l.err)
+		case <-time.After(10 * time.Second):
+			return fmt.Errorf("%s not published 10 s after its CREATE TABLE", name)
+		}
+		times = append(times, float64(time.Since(committed))/float64(time.Millisecond))
+		if _, err := conn.Exec(ctx, "DROP TABLE "+name); err != nil {
+			return err
+		}
+	}
+	if err := enable(ctx, conn, all, variant{}); err != nil {
+		return err
+	}
+	bench.Figure("ddlguard.notify.commit_to_published_ms", bench.Median(times),
+		fmt.Sprintf("ms from a keyed CREATE TABLE's commit to the table in the publication, LISTEN + check + ALTER PUBLICATION (median of %d; max %.1f)",
+			len(times), slices.Max(times)))
 	return nil
 }

@@ -1,0 +1,99 @@
+package capture
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// listenDDL follows the notify guard's signals: on a connection of its own
+// it LISTENs on the publication's channel and asks the catalog watch for a
+// check at each notification (ddlSignal: a burst makes one check or a
+// few). A lost connection is reconnected with backoff, the catalog
+// poll covering the time between; it is logged once per outage and never
+// stops the capture.
+func (s *Service) listenDDL(ctx context.Context) {
+	defer s.bgWG.Done()
+	defer s.setDDLListen(false)
+	b := newReconnectBackoff()
+	down := false
+	for {
+		err := s.listenDDLOnce(ctx, func() {
+			if down {
+				s.log.Info("DDL guard's LISTEN connection is back: new tables are published as they are created")
+			}
+			down = false
+			b.Reset()
+		})
+		s.setDDLListen(false)
+		if ctx.Err() != nil {
+			return
+		}
+		if !down {
+			s.log.Warn("DDL guard's LISTEN connection lost; reconnecting, the catalog poll (--catalog-poll) publishes new tables meanwhile",
+				"err", redactErr(err))
+			down = true
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(b.NextBackOff()):
+		}
+	}
+}
+
+// listenDDLOnce listens until the connection fails or ctx ends; up runs
+// once the LISTEN is in place.
+func (s *Service) listenDDLOnce(ctx context.Context, up func()) error {
+	pc, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	// Out of the pool for good: a listening session is nobody else's.
+	conn := pc.Hijack()
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{guardChannel(s.cfg.PublicationName)}.Sanitize()); err != nil {
+		return err
+	}
+	s.setDDLListen(true)
+	up()
+	// A table created while nobody listened: look now.
+	s.kickCatalog()
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		s.ddlSignal()
+	}
+}
+
+// ddlSettle is how long a signal of the notify guard waits for the
+// others of its burst (a migration's DDL statements) before the catalog
+// check: one check per burst, not one per statement.
+const ddlSettle = 20 * time.Millisecond
+
+// ddlSignal asks the catalog watch for a check ddlSettle from now, unless
+// one is already due.
+func (s *Service) ddlSignal() {
+	if s.ddlDue.CompareAndSwap(false, true) {
+		time.AfterFunc(ddlSettle, func() {
+			s.ddlDue.Store(false)
+			s.kickCatalog()
+		})
+	}
+}
+
+// setDDLListen records whether the notify guard's LISTEN is up.
+func (s *Service) setDDLListen(up bool) {
+	v := 0.0
+	if up {
+		v = 1
+	}
+	s.m.ddlListenUp.Set(v)
+	s.ddlListenUp.Store(up)
+}
