@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -332,7 +333,9 @@ func (e *env) consumerName(n, p int) string {
 
 // recordedConsumer is the consumer recorded on the progress row of
 // partition p of archive version n in the target at url; it must be one
-// of group (default: the target's default group) with a random part.
+// of group (default: the target's default group) with a random part. A
+// worker records it just after it takes the partition, so it waits up to
+// 10 s for one.
 func recordedConsumer(t *testing.T, url, group string, n, p int) string {
 	t.Helper()
 	ctx := context.Background()
@@ -344,8 +347,18 @@ func recordedConsumer(t *testing.T, url, group string, n, p int) string {
 		require.NoError(t, err)
 	}
 	var name *string
-	require.NoError(t, conn.QueryRow(ctx, `SELECT consumer FROM epitaph.progress WHERE projection = 'archive' AND version = $1 AND partition = $2`, n, p).Scan(&name))
-	require.NotNil(t, name, "no consumer recorded for archive-v%d-p%d", n, p)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		err := conn.QueryRow(ctx, `SELECT consumer FROM epitaph.progress WHERE projection = 'archive' AND version = $1 AND partition = $2`, n, p).Scan(&name)
+		if errors.Is(err, pgx.ErrNoRows) {
+			name = nil
+		} else {
+			require.NoError(t, err)
+		}
+		if name != nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	require.NotNil(t, name, "no consumer recorded for archive-v%d-p%d within 10 s", n, p)
 	k := progress.Key{Projection: "archive", Version: n, Partition: p}
 	require.True(t, version.IsUnitConsumer(*name, k, group), "recorded consumer %q of group %s", *name, group)
 	return *name
