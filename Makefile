@@ -75,7 +75,7 @@ test: test-deps vet fmt-check lint
 test-deps:
 	@bash scripts/test-deps.sh
 
-## test-pg-matrix: the capture's value-type and replica-identity tests and the exactly-once e2e on PostgreSQL 14, 16, 17 and 18 (PG_MATRIX); a major without binaries is skipped outside CI.
+## test-pg-matrix: the capture's value-type, replica-identity and DDL guard tests and the exactly-once e2e on PostgreSQL 14, 16, 17 and 18 (PG_MATRIX); a major without binaries is skipped outside CI.
 test-pg-matrix:
 	@GO=$(GO) bash scripts/test-pg-matrix.sh
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The version matrix: on each PostgreSQL major of PG_MATRIX (default 14 16
 # 17 18; Debian's 15 runs every test), the capture's value-type and
-# replica-identity tests and one exactly-once end-to-end run, through
+# replica-identity tests, the DDL guard's notify and prepared-transaction
+# tests, and one exactly-once end-to-end run, through
 # EPITAPH_TEST_PG. A major whose server binaries are absent (make test-deps
 # installs them) is skipped with a message, except under CI, where it fails.
 set -euo pipefail
@@ -9,7 +10,7 @@ set -euo pipefail
 GO="${GO:-go}"
 versions="${PG_MATRIX:-14 16 17 18}"
 # TestServerIsTheRequestedMajor proves each run is on the version it names.
-run='^(TestServerIsTheRequestedMajor|TestLosslessValues|TestReplicaIdentity|TestKeys|TestMixedIdentityPartitions|TestPartitionedTableNamesParent|TestPublicationRowFilterAndColumnListAreRemoved|TestSlotWithoutFailoverBefore17|TestPartitionMoveNotADelete|TestGeneratedColumns|TestCaptureExactlyOnceUnderKills)$'
+run='^(TestServerIsTheRequestedMajor|TestLosslessValues|TestReplicaIdentity|TestKeys|TestMixedIdentityPartitions|TestPartitionedTableNamesParent|TestPublicationRowFilterAndColumnListAreRemoved|TestSlotWithoutFailoverBefore17|TestPartitionMoveNotADelete|TestGeneratedColumns|TestDDLGuardNotifyPublishesPromptly|TestDDLGuardNotifyWithPreparedTransactions|TestDDLGuardNeverWaitsBehindAPreparedTransaction|TestCaptureExactlyOnceUnderKills)$'
 cache="${EPITAPH_PG_CACHE:-/var/cache/epitaph-pg}"
 
 skipped=()
