@@ -426,9 +426,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		// socket: ~20% more rows/s in bench-capture. Other processes
 		// (projectors) connect to its listen address. It authenticates as
 		// the capture role all the same.
-		extra = append(extra, nats.InProcessServer(s.embed), natsconn.UserCredentials(s.embed.CaptureCreds()))
+		extra = append(extra, nats.InProcessServer(s.embed), natsconn.UserCredentials(s.embed.CaptureCreds(), natsconn.WithLogger(s.log)))
 	} else {
-		auth, err := cfg.NATSAuth.Options(s.natsURL)
+		auth, err := cfg.NATSAuth.Options(s.natsURL, natsconn.WithLogger(s.log))
 		if err != nil {
 			return configErr("%v", err)
 		}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -173,7 +174,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		s.pool.Close()
 		return err
 	}
-	auth, err := s.cfg.NATSAuth.Options(s.cfg.NATSURL)
+	auth, err := s.cfg.NATSAuth.Options(s.cfg.NATSURL, natsconn.WithLogger(s.log))
 	if err != nil {
 		s.pool.Close()
 		return err

@@ -18,7 +18,6 @@ import (
 
 	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nkeys"
 )
 
 // DefaultInboxPrefix is the inbox prefix of a client with no user name.
@@ -64,19 +63,26 @@ func CredsUser(path string) (string, error) {
 	return uc.Name, nil
 }
 
-// UserCredentials is nats.UserCredentials(path) with the inbox prefix of
-// the file's user (InboxPrefix(CredsUser(path))): what every Epitaph
-// client authenticating with a .creds file uses.
-func UserCredentials(path string) nats.Option {
+// UserCredentials authenticates with the .creds file path and takes the
+// inboxes of its user (InboxPrefix(CredsUser(path))): what every Epitaph
+// client authenticating with a .creds file uses. The file must be usable
+// when the option is applied (nats.Connect fails otherwise); then it is
+// read again at every reconnect, so a rotated file is used from the next
+// connect, while a missing, unreadable or half-written one (or one of
+// another user name) keeps the credentials read last and is logged once
+// (WithLogger).
+func UserCredentials(path string, opts ...Option) nats.Option {
+	log := newSettings(opts).log
 	return func(o *nats.Options) error {
-		user, err := CredsUser(path)
+		c, err := readCreds(path)
 		if err != nil {
 			return err
 		}
-		if err := nats.UserCredentials(path)(o); err != nil {
+		defer wipe(c.seed)
+		if err := c.option(path, log)(o); err != nil {
 			return err
 		}
-		return inbox(user)(o)
+		return inbox(c.name)(o)
 	}
 }
 
@@ -207,41 +213,40 @@ func urlHasCredentials(url string) bool { return len(urlUserinfos(url)) > 0 }
 // user they name (InboxPrefix of the user of --nats-user or of the URL, or
 // of the name in the JWT of --nats-creds; an nkey alone names no user, and
 // keeps _INBOX). Every file is checked now, so a missing or unreadable one
-// is one clear error at start, not a refused connection later.
-func (a Auth) Options(url string) ([]nats.Option, error) {
+// is one clear error at start, not a refused connection later. The
+// --nats-creds and --nats-nkey files are read again at every reconnect
+// (UserCredentials): a rotated file is used from the next connect, and
+// one missing or unusable then keeps the credentials read last, logged
+// once (WithLogger).
+func (a Auth) Options(url string, options ...Option) ([]nats.Option, error) {
 	if err := a.Validate(url); err != nil {
 		return nil, err
 	}
+	log := newSettings(options).log
 	var opts []nats.Option
 	switch {
 	case a.CredsFile != "":
-		if err := readable("--nats-creds", a.CredsFile); err != nil {
-			return nil, err
+		raw, err := os.ReadFile(a.CredsFile)
+		if err != nil {
+			return nil, fmt.Errorf("--nats-creds: %w", err)
 		}
-		user, err := CredsUser(a.CredsFile)
+		c, err := parseCreds(a.CredsFile, raw)
+		wipe(raw)
 		if err != nil {
 			return nil, fmt.Errorf("--nats-creds %w", err)
 		}
-		opts = append(opts, nats.UserCredentials(a.CredsFile), inbox(user))
+		opts = append(opts, c.option(a.CredsFile, log), inbox(c.name))
 	case a.NkeyFile != "":
 		raw, err := os.ReadFile(a.NkeyFile)
 		if err != nil {
 			return nil, fmt.Errorf("--nats-nkey: %w", err)
 		}
-		kp, err := nkeys.FromSeed([]byte(strings.TrimSpace(string(raw))))
+		seed, pub, err := parseNkey(a.NkeyFile, raw)
+		wipe(raw)
 		if err != nil {
-			return nil, fmt.Errorf("--nats-nkey %s: not an nkey seed", a.NkeyFile)
+			return nil, fmt.Errorf("--nats-nkey %w", err)
 		}
-		pub, err := kp.PublicKey()
-		if err != nil || !nkeys.IsValidPublicUserKey(pub) {
-			return nil, fmt.Errorf("--nats-nkey %s: not a user nkey seed (SU...)", a.NkeyFile)
-		}
-		kp.Wipe()
-		opt, err := nats.NkeyOptionFromSeed(a.NkeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("--nats-nkey %s: not a user nkey seed", a.NkeyFile)
-		}
-		opts = append(opts, opt)
+		opts = append(opts, nkeyOption(a.NkeyFile, seed, pub, log))
 	case a.User != "":
 		raw, err := os.ReadFile(a.PasswordFile)
 		if err != nil {
