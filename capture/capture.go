@@ -224,6 +224,9 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		s.startEmbedded()
 	}
 	pcfg.MaxConns = 3
+	if pcfg.PingTimeout == 0 { // pool_ping_timeout in the source URL wins
+		pcfg.PingTimeout = sourcePingTimeout
+	}
 	pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
 	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
 		_, err := c.Exec(ctx, "SET search_path = pg_catalog")

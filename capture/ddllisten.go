@@ -2,17 +2,32 @@ package capture
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// sourcePingTimeout is how long a ping of a source connection may take:
+// the notify guard's LISTEN pings its connection after ddlListenQuiet
+// without a notification, and the pool pings a connection idle for more
+// than a second before handing it out. A connection whose path died
+// without a word (a NAT or firewall dropping the flow, a failover moving
+// the address) is given up and replaced then, instead of when TCP gives up
+// minutes later: the LISTEN at most about 20 s after its last sign of
+// life.
+const (
+	sourcePingTimeout = 5 * time.Second
+	ddlListenQuiet    = 15 * time.Second
 )
 
 // listenDDL follows the notify guard's signals: on a connection of its own
 // it LISTENs on the publication's channel and asks the catalog watch for a
 // check at each notification (ddlSignal: a burst makes one check or a
-// few). A lost connection is reconnected with backoff, the catalog
-// poll covering the time between; it is logged once per outage and never
-// stops the capture.
+// few). A lost connection, or one that stays quiet and does not answer a
+// ping, is reconnected with backoff, the catalog poll covering the time
+// between; it is logged once per outage and never stops the capture.
 func (s *Service) listenDDL(ctx context.Context) {
 	defer s.bgWG.Done()
 	defer s.setDDLListen(false)
@@ -43,8 +58,9 @@ func (s *Service) listenDDL(ctx context.Context) {
 	}
 }
 
-// listenDDLOnce listens until the connection fails or ctx ends; up runs
-// once the LISTEN is in place.
+// listenDDLOnce listens until the connection fails, stays quiet for
+// ddlListenQuiet and then does not answer a ping within
+// sourcePingTimeout, or ctx ends; up runs once the LISTEN is in place.
 func (s *Service) listenDDLOnce(ctx context.Context, up func()) error {
 	pc, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -65,10 +81,33 @@ func (s *Service) listenDDLOnce(ctx context.Context, up func()) error {
 	// A table created while nobody listened: look now.
 	s.kickCatalog()
 	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
+		wctx, cancel := context.WithTimeout(ctx, ddlListenQuiet)
+		_, err := conn.WaitForNotification(wctx)
+		cancel()
+		if err == nil {
+			s.ddlSignal()
+			continue
+		}
+		if ctx.Err() != nil {
 			return err
 		}
-		s.ddlSignal()
+		// The quiet period ended the wait. pgx ends it with a read
+		// deadline and keeps the connection, with any notification it had
+		// half read; a closed one is reconnected.
+		if !pgconn.Timeout(err) || conn.IsClosed() {
+			return err
+		}
+		// Notifications that arrive during the ping are kept by pgx for
+		// the next wait.
+		pctx, cancel := context.WithTimeout(ctx, sourcePingTimeout)
+		err = conn.Ping(pctx)
+		cancel()
+		if err != nil {
+			if ctx.Err() != nil {
+				return err
+			}
+			return fmt.Errorf("LISTEN connection quiet for %s and no answer to a ping within %s: %w", ddlListenQuiet, sourcePingTimeout, err)
+		}
 	}
 }
 

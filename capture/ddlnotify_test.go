@@ -60,7 +60,9 @@ func (e *env) waitPublished(t *testing.T, table string, bound time.Duration) tim
 	}
 }
 
-// listenPID is the backend of the capture's LISTEN, once it is there.
+// listenPID is the backend of the capture's LISTEN, once it is there
+// (found by its last query: within ddlListenQuiet of the LISTEN, before
+// its first ping).
 func (e *env) listenPID(t *testing.T, not int) int {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
