@@ -263,6 +263,12 @@ func (p *capProc) healthz() int {
 	return resp.StatusCode
 }
 
+// logCount is how many times substr occurs in the process's log so far.
+func (p *capProc) logCount(substr string) int {
+	b, _ := os.ReadFile(p.log)
+	return strings.Count(string(b), substr)
+}
+
 func (p *capProc) dumpLog() {
 	b, _ := os.ReadFile(p.log)
 	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
