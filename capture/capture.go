@@ -166,6 +166,10 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	s.links = newLinks(s.log, m.connected, s.now)
 	s.cpu = newCPUGovernor(&s.cfg)
 	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
+	if !userTimeoutApplies && cfg.SourceTCPTimeout > 0 {
+		s.log.Info("--source-tcp-timeout not applied: TCP_USER_TIMEOUT is Linux's; a silently dead path to the source is noticed when the system's TCP gives up",
+			"os", runtime.GOOS)
+	}
 	if g := s.cpu; g != nil && g.tailNice > 0 && g.setNice == nil {
 		s.log.Info("--tail-nice not applied: the source's backends get no precedence over the capture on shared CPUs",
 			"reason", g.niceWhy, "instead", "a lower CPU weight for the capture's cgroup (systemd: CPUWeight=), or --tail-cpus alone")
@@ -228,6 +232,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		pcfg.PingTimeout = sourcePingTimeout
 	}
 	pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
+	sourceDialer(&pcfg.ConnConfig.Config, cfg.SourceTCPTimeout)
 	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
 		_, err := c.Exec(ctx, "SET search_path = pg_catalog")
 		return err
@@ -266,7 +271,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		return nil
 	}
 
-	if s.lease, err = newLease(cfg.SourceURL, cfg.ApplicationName, db, cfg.SlotName); err != nil {
+	if s.lease, err = newLease(cfg.SourceURL, cfg.ApplicationName, db, cfg.SlotName, cfg.SourceTCPTimeout); err != nil {
 		return err
 	}
 	s.setRole(RoleStandby, &StandbyStatus{Since: s.now().UTC(), WaitingFor: "lease"})
@@ -604,6 +609,7 @@ func (s *Service) connectReplication(ctx context.Context) error {
 	}
 	rcfg.RuntimeParams["replication"] = "database"
 	rcfg.RuntimeParams["application_name"] = cfg.ApplicationName
+	sourceDialer(rcfg, cfg.SourceTCPTimeout)
 	// Text output the inverse casts read back exactly.
 	rcfg.RuntimeParams["DateStyle"] = "ISO, MDY"
 	rcfg.RuntimeParams["IntervalStyle"] = "postgres"

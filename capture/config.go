@@ -131,6 +131,20 @@ type Config struct {
 	// mode 0600). Empty: DataDir/signing.key, generated on first start.
 	// The public key is written beside it (signing.pub) and logged.
 	SigningKey string
+	// SourceTCPTimeout bounds how long what the capture sends to the
+	// source (a standby status update, a query, a keepalive probe) may
+	// stay unacknowledged before the connection is given up: every source
+	// connection is dialled with TCP_USER_TIMEOUT set to it and TCP
+	// keepalive probes every half of it, at most 15 s (Linux; other
+	// systems keep their own behaviour). A network path that dies without
+	// a FIN or RST (a NAT or firewall forgetting the flow, a failover
+	// moving the address) then fails the connection about this long after
+	// the capture next sends on it, or last heard from the server while it
+	// waits for an answer, and the capture reconnects, instead of waiting
+	// for TCP to give up after about 15 minutes. Default
+	// DefaultSourceTCPTimeout; negative: the system's default. At least
+	// 1s, at most 24h.
+	SourceTCPTimeout time.Duration
 	// ApplicationName is set on every connection to the source, so
 	// operators see who holds the slot and the lease in pg_stat_activity;
 	// default "epitaph-capture:<hostname>-<pid>".
@@ -202,6 +216,15 @@ const (
 	DefaultMaxInFlight         = 4096
 	DefaultCatalogPoll         = 5 * time.Second
 	DefaultStandbyPoll         = time.Second
+	DefaultSourceTCPTimeout    = 30 * time.Second
+)
+
+// The bounds of Config.SourceTCPTimeout: shorter would give up
+// connections on an ordinary retransmission; TCP_USER_TIMEOUT takes
+// milliseconds in a C int.
+const (
+	minSourceTCPTimeout = time.Second
+	maxSourceTCPTimeout = 24 * time.Hour
 )
 
 // EmbeddedSyncInterval is the file store sync interval of the embedded
@@ -293,6 +316,9 @@ func (c *Config) setDefaults() {
 	if c.StandbyPoll == 0 {
 		c.StandbyPoll = DefaultStandbyPoll
 	}
+	if c.SourceTCPTimeout == 0 {
+		c.SourceTCPTimeout = DefaultSourceTCPTimeout
+	}
 	if c.CatchUpBytes == 0 {
 		c.CatchUpBytes = DefaultCatchUpBytes
 	}
@@ -357,6 +383,9 @@ func (c *Config) connectionErrors(errs []string) []string {
 		errs = append(errs, "a data directory is required for the embedded JetStream server (EPITAPH_DATA_DIR)")
 	} else if c.DataDir == "" && c.SigningKey == "" {
 		errs = append(errs, "a data directory (EPITAPH_DATA_DIR) or a signing key file (EPITAPH_SIGNING_KEY) is required: the capture signs what it publishes")
+	}
+	if t := c.SourceTCPTimeout; t > 0 && (t < minSourceTCPTimeout || t > maxSourceTCPTimeout) {
+		errs = append(errs, fmt.Sprintf("source TCP timeout %v: use 1s to 24h (--source-tcp-timeout 0: the system's default)", t))
 	}
 	// NATS authentication.
 	if c.NATSURL == "" && !c.NATSAuth.IsZero() {

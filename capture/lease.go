@@ -47,12 +47,13 @@ func leaseKey(db, slot string) int64 {
 	return int64(h.Sum64())
 }
 
-func newLease(sourceURL, appName, db, slot string) (*lease, error) {
+func newLease(sourceURL, appName, db, slot string, tcpTimeout time.Duration) (*lease, error) {
 	cfg, err := pgx.ParseConfig(sourceURL)
 	if err != nil {
 		return nil, configErr("source URL %s: %v", RedactURL(sourceURL), redactErr(err))
 	}
 	cfg.RuntimeParams["application_name"] = appName
+	sourceDialer(&cfg.Config, tcpTimeout)
 	for k, v := range leaseKeepalive {
 		if _, set := cfg.RuntimeParams[k]; !set {
 			cfg.RuntimeParams[k] = v

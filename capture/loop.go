@@ -10,7 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -138,8 +138,11 @@ func (st *streamer) run(ctx context.Context) error {
 		}
 		raw, err := st.conn.ReceiveMessage(context.Background())
 		if err != nil {
-			var ne net.Error
-			if pgconn.Timeout(err) || (errors.As(err, &ne) && ne.Timeout()) {
+			// Only the read deadline above is a quiet moment. The kernel
+			// giving the connection up (ETIMEDOUT: what was sent stayed
+			// unacknowledged for --source-tcp-timeout) is a timeout to
+			// net.Error and pgx too, yet the connection is gone.
+			if errors.Is(err, os.ErrDeadlineExceeded) {
 				st.lastDL = time.Time{}
 				continue
 			}

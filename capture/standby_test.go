@@ -196,10 +196,10 @@ func TestLeaseSession(t *testing.T) {
 	t.Parallel()
 	db := setup(t).db
 	ctx := t.Context()
-	a, err := newLease(db, "epitaph-capture:lease-a", "somedb", "slot")
+	a, err := newLease(db, "epitaph-capture:lease-a", "somedb", "slot", DefaultSourceTCPTimeout)
 	require.NoError(t, err)
 	defer a.close()
-	b, err := newLease(db, "epitaph-capture:lease-b", "somedb", "slot")
+	b, err := newLease(db, "epitaph-capture:lease-b", "somedb", "slot", DefaultSourceTCPTimeout)
 	require.NoError(t, err)
 	defer b.close()
 	got, err := a.try(ctx)

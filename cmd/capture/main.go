@@ -45,6 +45,7 @@ func newCommand(lookup func(string) (string, bool), stdout, stderr io.Writer) *c
 	var tables, cpuProfile, heapProfile string
 	var allowKeyOnly bool
 	var failoverSlot bool
+	var sourceTCPTimeout time.Duration
 	root := &cobra.Command{
 		Use:   "capture [flags]",
 		Short: "publish the source database's deletes to JetStream",
@@ -70,6 +71,7 @@ is refused, never replaced by the default.`,
 	cli.ConfigFlag(root)
 	f := cli.Local(root)
 	f.String(&cfg.SourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "source database URL (postgres://user:pass@host:port/db)", cli.KeepEmpty())
+	f.Duration(&sourceTCPTimeout, "source-tcp-timeout", "EPITAPH_SOURCE_TCP_TIMEOUT", capture.DefaultSourceTCPTimeout, "how long what the capture sends to the source (a status update, a query, a keepalive probe) may stay unacknowledged before the connection is given up and the capture reconnects, so a network path that died silently is noticed within about this long (TCP_USER_TIMEOUT; Linux only; 1s to 24h; 0: the system's default, about 15 minutes)", cli.NotNegative())
 	f.String(&cfg.NATSURL, "nats-url", "EPITAPH_NATS_URL", "", "JetStream server URL; empty runs an embedded server", cli.KeepEmpty())
 	f.String(&cfg.EmbeddedListen, "nats-listen", "EPITAPH_NATS_LISTEN", broker.DefaultListen, "listen address of the embedded JetStream server", cli.KeepEmpty())
 	f.String(&cfg.DataDir, "data-dir", "EPITAPH_DATA_DIR", "./epitaph-data", "directory of the embedded JetStream server's files", cli.KeepEmpty())
@@ -115,6 +117,10 @@ is refused, never replaced by the default.`,
 	f.String(&heapProfile, "heap-profile", "EPITAPH_HEAP_PROFILE", "", "write a pprof heap profile to this file each time the live heap reaches a new high, so it holds the run's peak (diagnostics; empty: off)", cli.KeepEmpty())
 	root.RunE = func(cmd *cobra.Command, _ []string) error {
 		cfg.NoFailoverSlot = !failoverSlot
+		cfg.SourceTCPTimeout = sourceTCPTimeout
+		if sourceTCPTimeout == 0 {
+			cfg.SourceTCPTimeout = -1 // the library's zero is its default
+		}
 		for _, t := range strings.Split(tables, ",") {
 			if t = strings.TrimSpace(t); t != "" {
 				cfg.Tables = append(cfg.Tables, t)

@@ -56,6 +56,7 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 		"EPITAPH_STANDBY_POLL":       "0s",
 		"EPITAPH_STREAM_PERSIST":     "sometimes",
 		"EPITAPH_RETENTION":          "max-bytes=lots",
+		"EPITAPH_SOURCE_TCP_TIMEOUT": "-5s",
 	}
 	_, stderr, code := exec(vars, "--metrics-addr", "")
 	require.Equal(t, 2, code)
@@ -70,6 +71,7 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 		`EPITAPH_STANDBY_POLL="0s": must be positive`,
 		`EPITAPH_STREAM_PERSIST="sometimes": want one of auto, async, default`,
 		`EPITAPH_RETENTION="max-bytes=lots"`,
+		`EPITAPH_SOURCE_TCP_TIMEOUT="-5s": must not be negative`,
 	} {
 		require.Contains(t, stderr, want)
 	}
@@ -81,6 +83,21 @@ func TestBadEnvironmentIsRefused(t *testing.T) {
 		"--metrics-addr", "", "--partitions", "0", "--nats-url", "nats://127.0.0.1:1")
 	require.Equal(t, 2, code)
 	require.Contains(t, stderr, `invalid argument "0" for "--partitions" flag: must be at least 1`)
+}
+
+// --source-tcp-timeout takes 0 (the system's default) or 1s to 24h; a
+// value outside is refused with the range, never rounded or replaced.
+func TestSourceTCPTimeoutRange(t *testing.T) {
+	vars := map[string]string{"EPITAPH_SOURCE_URL": "postgres://u:secret@127.0.0.1:1/db", "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}
+	for _, v := range []string{"500ms", "25h"} {
+		_, stderr, code := exec(vars, "--metrics-addr", "", "--source-tcp-timeout", v)
+		require.Equal(t, 1, code, stderr)
+		require.Contains(t, stderr, "use 1s to 24h (--source-tcp-timeout 0: the system's default)")
+		require.NotContains(t, stderr, "secret")
+	}
+	_, stderr, code := exec(vars, "--metrics-addr", "", "--source-tcp-timeout", "-1s")
+	require.Equal(t, 2, code, stderr)
+	require.Contains(t, stderr, `invalid argument "-1s" for "--source-tcp-timeout" flag: must not be negative`)
 }
 
 // Every flag has its EPITAPH_ variable, named in its help, and the help

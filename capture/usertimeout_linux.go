@@ -1,0 +1,24 @@
+package capture
+
+import (
+	"fmt"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// userTimeoutApplies: setUserTimeout sets TCP_USER_TIMEOUT here.
+const userTimeoutApplies = true
+
+// setUserTimeout sets TCP_USER_TIMEOUT on the socket rc.
+func setUserTimeout(rc syscall.RawConn, timeout time.Duration) error {
+	var serr error
+	err := rc.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(timeout.Milliseconds()))
+	})
+	if err == nil && serr != nil {
+		err = fmt.Errorf("set TCP_USER_TIMEOUT to %v: %w", timeout, serr)
+	}
+	return err
+}
