@@ -54,6 +54,13 @@ type Service struct {
 	// failoverOnce: the server's lack of failover slots is logged once.
 	failoverOnce sync.Once
 
+	// walsender is the source backend of the replication connection that
+	// last started replication on the slot (0: none yet): after a lost
+	// session, the one walsender this process may end (walsender.go).
+	walsender uint32
+	// terminateRefused: ending a stale walsender was refused; said once.
+	terminateRefused sync.Once
+
 	// movesOff: the sessions do not read the moves publication
 	// (movesPublication), which keeps a row moved between partitions out of
 	// the archive. Set for the life of a process that created it for an
@@ -533,6 +540,7 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	if err != nil {
 		return fmt.Errorf("start replication on slot %s: %w", cfg.SlotName, slotErr(cfg.SlotName, err))
 	}
+	s.walsender = s.repl.PID()
 	return nil
 }
 
@@ -630,18 +638,24 @@ func (s *Service) connectReplication(ctx context.Context) error {
 	return nil
 }
 
-// prepareSlot reads the slot (on a later session, waiting up to a minute
-// for the previous walsender to let go of it), drops or creates it as
-// planSlot says for the stream's tail t, and returns the plan and the LSN
-// replication starts from.
+// prepareSlot reads the slot (on a later session, ending this process's
+// own stale walsender and waiting up to a minute for the slot to be let
+// go of), drops or creates it as planSlot says for the stream's tail t,
+// and returns the plan and the LSN replication starts from.
 func (s *Service) prepareSlot(ctx context.Context, first bool, t tail) (slotPlan, event.LSN, error) {
 	cfg := &s.cfg
 	slot, err := readSlot(ctx, s.pool, cfg.SlotName)
 	if err != nil {
 		return slotPlan{}, 0, err
 	}
+	decided := false // whether to end the slot's walsender
 	for deadline := s.now().Add(time.Minute); !first && slot.activePID != nil && s.now().Before(deadline); {
-		// The previous session's walsender may not have gone yet.
+		// The previous session's walsender may not have gone yet: after
+		// a silently dead path the source keeps it until
+		// wal_sender_timeout. This process's own is ended at once.
+		if !decided {
+			decided = s.endOwnWalsender(ctx, *slot.activePID)
+		}
 		select {
 		case <-ctx.Done():
 			return slotPlan{}, 0, ctx.Err()

@@ -72,8 +72,8 @@ func TestOutageClassificationOfAGivenUpConnection(t *testing.T) {
 // sequences are recorded on the source first, bounded by the timeout
 // too), and a query of its pool waiting for its answer fails within the
 // timeout plus a keepalive interval. It reconnects through
-// the proxy (its new session waits for the source to end the old
-// walsender: wal_sender_timeout, 5 s here) and streams on, and the stream
+// the proxy (its new session ends the lost session's walsender, which
+// the source keeps until wal_sender_timeout) and streams on, and the stream
 // holds every row the workload deleted exactly once, row by row and value
 // by value. Without TCP_USER_TIMEOUT (and the keepalive that goes with
 // it) the connections wait for TCP to give up (tcp_retries2: about 15
