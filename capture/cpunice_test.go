@@ -125,7 +125,6 @@ func TestAutogroupNiceUnprivileged(t *testing.T) {
 		return
 	}
 	autogroupsHere(t)
-	t.Parallel()
 	self, err := os.Executable()
 	require.NoError(t, err)
 	dir, err := os.MkdirTemp("", "epitaph-autogroup-") // t.TempDir's parent is the owner's alone
@@ -136,6 +135,10 @@ func TestAutogroupNiceUnprivileged(t *testing.T) {
 	b, err := os.ReadFile(self)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(bin, b, 0o755))
+	// Parallel only once the copy is written and closed: a test forking
+	// meanwhile would inherit its open descriptor, and the exec would fail
+	// with "text file busy".
+	t.Parallel()
 	cmd := exec.Command(bin, "-test.run=^TestAutogroupNiceUnprivileged$")
 	cmd.Env = append(os.Environ(), autogroupChildEnv+"=1")
 	cmd.Dir = "/"

@@ -452,7 +452,6 @@ func TestPageKeepsLastCopyWhenRefreshFails(t *testing.T) {
 // stand-in that kills itself with SIGSEGV on its first run prints on its
 // second, and one that exits 1 fails at once (checked by its run count).
 func TestBrowseRunsACrashedBrowserAgain(t *testing.T) {
-	t.Parallel()
 	dir := t.TempDir()
 	runs := filepath.Join(dir, "runs")
 	script := filepath.Join(dir, "browser")
@@ -461,6 +460,10 @@ echo run >> "`+runs+`"
 if [ "$(wc -l < "`+runs+`")" -eq 1 ]; then kill -SEGV $$; fi
 echo "<html>rendered</html>"
 `), 0o755))
+	// Parallel only once the stand-in is written and closed: a test forking
+	// meanwhile would inherit its open descriptor, and the exec would fail
+	// with "text file busy".
+	t.Parallel()
 	require.Equal(t, "<html>rendered</html>\n", browse(t, script, "http://127.0.0.1:1/"))
 	b, err := os.ReadFile(runs)
 	require.NoError(t, err)
