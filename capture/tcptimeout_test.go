@@ -191,23 +191,7 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 	out := <-ran
 	require.NoError(t, out.err)
 	t.Logf("workload: %d transactions, %d rows deleted, %d reinserts", out.res.Transactions, out.res.Deleted, out.res.Reinserted)
-	expected, err := workload.Expected(ctx, e.db)
-	require.NoError(t, err)
-	require.EqualValues(t, out.res.Deleted, len(expected))
-	var events []*event.Event
-	for deadline := time.Now().Add(2 * time.Minute); ; {
-		events, err = workload.StreamDeletes(ctx, e.nats.URL, "main")
-		require.NoError(t, err)
-		if len(events) >= len(expected) || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	rep, err := workload.VerifyStream(ctx, e.db, expected, events)
-	require.NoError(t, err)
-	require.True(t, rep.OK(), rep.String())
-	require.Len(t, events, len(expected))
-	t.Logf("stream: %s", rep.String())
+	requireWorkloadStream(t, ctx, e, out.res)
 }
 
 // requireUserTimeout checks TCP_USER_TIMEOUT on the capture's
