@@ -12,8 +12,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/epitaph-dev/epitaph/event"
-	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
 
@@ -85,15 +83,8 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	pg := testenv.NewPostgres(t)
-	require.NoError(t, pg.SetConfig("wal_sender_timeout = 5s"))
-	require.NoError(t, pg.Restart())
-	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
-	e.slot = dbName(t, e.db)
-	_, e.js = e.nats.Connect(t)
-	require.NoError(t, workload.Setup(ctx, e.db))
-	_, err := workload.Seed(ctx, e.db, workload.SeedConfig{Customers: 400, OrdersPerCustomer: 10})
-	require.NoError(t, err)
+	_, e := walSenderTimeoutEnv(t, "5s")
+	seedWorkload(t, ctx, e)
 
 	proxy, viaProxy := proxiedURL(t, e.db)
 	const tcpTimeout = 3 * time.Second
@@ -107,34 +98,10 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 	require.True(t, proxy.live(e.clientPort(t, walsender)), "the replication connection does not go through the proxy")
 	requireUserTimeout(t, svc, tcpTimeout)
 
-	type runOut struct {
-		res workload.Result
-		err error
-	}
 	runCtx, stopRun := context.WithCancel(ctx)
 	defer stopRun()
-	ran := make(chan runOut, 1)
-	go func() {
-		res, err := workload.Run(runCtx, e.db, workload.Plan{Seed: 5, MaxOrdersPerTx: 4, Reinserts: 3, Pause: 20 * time.Millisecond})
-		ran <- runOut{res, err}
-	}()
-	published := func() uint64 {
-		st, err := e.js.Stream(ctx, event.StreamName("main"))
-		if err != nil {
-			return 0
-		}
-		info, err := st.Info(ctx)
-		if err != nil {
-			return 0
-		}
-		return info.State.Msgs
-	}
-	progress := func(what string) {
-		t.Helper()
-		before := published()
-		require.Eventually(t, func() bool { return published() > before+100 }, 60*time.Second, 20*time.Millisecond,
-			"%s: the stream did not grow", what)
-	}
+	ran := runWorkload(runCtx, e.db, workload.Plan{Seed: 5, MaxOrdersPerTx: 4, Reinserts: 3, Pause: 20 * time.Millisecond})
+	progress := streamProgress(t, e)
 	progress("before the paths die")
 
 	// A query of the pool's sent before the paths die, whose answer

@@ -40,16 +40,9 @@ func TestCaptureEndsItsOwnStaleWalsender(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	pg := testenv.NewPostgres(t)
-	require.NoError(t, pg.SetConfig("wal_sender_timeout = 5min"))
-	require.NoError(t, pg.Restart())
-	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
-	e.slot = dbName(t, e.db)
-	_, e.js = e.nats.Connect(t)
+	_, e := walSenderTimeoutEnv(t, "5min")
 	require.Equal(t, "5min", queryString(t, e.db, `SHOW wal_sender_timeout`))
-	require.NoError(t, workload.Setup(ctx, e.db))
-	_, err := workload.Seed(ctx, e.db, workload.SeedConfig{Customers: 400, OrdersPerCustomer: 10})
-	require.NoError(t, err)
+	seedWorkload(t, ctx, e)
 
 	proxy, viaProxy := proxiedURL(t, e.db)
 	const tcpTimeout = 3 * time.Second
@@ -224,12 +217,7 @@ func TestCaptureWaitsForItsStaleWalsenderWhenRefused(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	pg := testenv.NewPostgres(t)
-	require.NoError(t, pg.SetConfig("wal_sender_timeout = 30s"))
-	require.NoError(t, pg.Restart())
-	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
-	e.slot = dbName(t, e.db)
-	_, e.js = e.nats.Connect(t)
+	pg, e := walSenderTimeoutEnv(t, "30s")
 	capRole := e.slot + "_capture"
 	e.exec(t, `CREATE ROLE `+capRole+` LOGIN REPLICATION;
 		GRANT CREATE ON DATABASE `+e.slot+` TO `+capRole+`;
@@ -288,6 +276,29 @@ func requireEachDeleteOnce(t *testing.T, e *env, n int) {
 type workloadRun struct {
 	res workload.Result
 	err error
+}
+
+// walSenderTimeoutEnv is an env on a PostgreSQL of the test's own whose
+// wal_sender_timeout is timeout (how long the source keeps a lost
+// session's walsender).
+func walSenderTimeoutEnv(t *testing.T, timeout string) (*testenv.Postgres, *env) {
+	t.Helper()
+	pg := testenv.NewPostgres(t)
+	require.NoError(t, pg.SetConfig("wal_sender_timeout = "+timeout))
+	require.NoError(t, pg.Restart())
+	e := &env{db: pg.NewDatabase(t), nats: testenv.NewNATS(t), dir: t.TempDir()}
+	e.slot = dbName(t, e.db)
+	_, e.js = e.nats.Connect(t)
+	return pg, e
+}
+
+// seedWorkload creates the workload's tables in e's database and seeds
+// them.
+func seedWorkload(t *testing.T, ctx context.Context, e *env) {
+	t.Helper()
+	require.NoError(t, workload.Setup(ctx, e.db))
+	_, err := workload.Seed(ctx, e.db, workload.SeedConfig{Customers: 400, OrdersPerCustomer: 10})
+	require.NoError(t, err)
 }
 
 // runWorkload runs plan on db until ctx ends.
