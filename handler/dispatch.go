@@ -60,6 +60,9 @@ type Config struct {
 	Logger     *slog.Logger
 	// Registerer gets the dispatcher's metrics (nil: none).
 	Registerer prometheus.Registerer
+	// Source is the source name whose archived rows cursor handlers
+	// deliver (default "main").
+	Source string
 }
 
 // Dispatcher claims due deliveries and runs them (a startstop service).
@@ -116,6 +119,8 @@ type Dispatcher struct {
 	// Batched webhook handlers' claimed deliveries waiting for their
 	// batch (webhook_batch.go).
 	heldState
+	// Cursor handlers' loop (cursor.go).
+	cursorState
 }
 
 // NewDispatcher builds a dispatcher on the target pool.
@@ -141,6 +146,9 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.Source == "" {
+		cfg.Source = "main"
+	}
 	if cfg.HTTPClient == nil {
 		cfg.HTTPClient = NewHTTPClient(cfg.Parallelism)
 	}
@@ -151,6 +159,7 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		wake:      make(chan struct{}, 1),
 		noAnalyze: map[string]bool{},
 	}
+	d.cursorWake, d.curBusy = make(chan struct{}, 1), map[string]bool{}
 	d.depth.Store(int64(claimAhead(cfg.Parallelism)))
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
@@ -241,6 +250,9 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 			}
 		}()
 	}
+	var cursors sync.WaitGroup
+	cursors.Add(1)
+	go func() { defer cursors.Done(); d.cursorLoop(soft, hard) }()
 	var stats sync.WaitGroup
 	t := time.NewTicker(d.cfg.Poll)
 	defer t.Stop()
@@ -266,6 +278,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 	stats.Wait()
 	workers.Wait()
 	d.dropHeld() // a partial batch is handed back unstarted
+	cursors.Wait()
 	close(d.settles)
 	settler.Wait()
 	d.ss.Finish(nil)

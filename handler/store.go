@@ -221,7 +221,7 @@ func Add(ctx context.Context, db DB, d Def) error {
 	if err != nil {
 		return fmt.Errorf("add handler: %w", err)
 	}
-	return nil
+	return startCursor(ctx, db, d)
 }
 
 // List returns every handler, by table, priority and id.

@@ -1,0 +1,381 @@
+package handler
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// UsesCursor reports whether d's deliveries follow a cursor over the
+// archive instead of a queued row each: a webhook that batches without
+// revalidation. The apply queues nothing for it; its pending deliveries
+// are the verified archived rows of its table after its cursor, up to the
+// archive's horizon (the smallest watermark of the live version's
+// partitions), and each delivery's row in epitaph.deliveries is written
+// once, settled, when its batch ends.
+func (d Def) UsesCursor() bool {
+	return d.Kind == KindWebhook && d.BatchSize > 1 && !d.Revalidate
+}
+
+// archiveProjection is the archive's projection name (projection/archive
+// imports this package).
+const archiveProjection = "archive"
+
+// cursorStartSQL creates a cursor handler's cursor at the archive's
+// horizon: rows archived before the handler existed are not delivered.
+const cursorStartSQL = `
+INSERT INTO epitaph.handler_cursors (handler_id, commit_lsn, seq)
+SELECT $1::uuid, COALESCE((SELECT min(p.source_lsn) FROM epitaph.progress p JOIN epitaph.projection_versions v
+                            ON v.projection = p.projection AND v.version = p.version
+                           WHERE v.projection = 'archive' AND v.state = 'live'), '0/0'::pg_lsn), 2147483647
+ON CONFLICT (handler_id) DO NOTHING`
+
+// startCursor creates d's cursor when d uses one (nothing otherwise).
+func startCursor(ctx context.Context, db DB, d Def) error {
+	if !d.UsesCursor() {
+		return nil
+	}
+	if _, err := db.Exec(ctx, cursorStartSQL, d.ID); err != nil {
+		return fmt.Errorf("start the handler's cursor: %w", err)
+	}
+	return nil
+}
+
+// cursorClaimSQL claims a handler's next batch in one statement (one
+// snapshot): the horizon, the rows of its table after its cursor up to
+// the horizon (a retried batch up to the range it claimed before), and,
+// when the batch is full, retried, or its first row has waited the
+// handler's batch wait, the cursor row's claim (claimed_to, token,
+// expiry, attempt). The cursor row is only claimed where it still is at
+// the position read (another dispatcher's settle moved it: nothing
+// claimed). It returns one row per claimed row, or one row with a NULL
+// token and the number of rows found when it claimed nothing. %s is the
+// live archive's rows table.
+const cursorClaimSQL = `
+WITH hz AS (SELECT min(source_lsn) AS lsn FROM epitaph.progress WHERE projection = 'archive' AND version = $2),
+cur AS (SELECT c.commit_lsn, c.seq, c.claimed_to_lsn, c.claimed_to_seq FROM epitaph.handler_cursors c
+        WHERE c.handler_id = $1::uuid AND (c.claim_token IS NULL OR c.claim_expires_at < now()) AND c.next_attempt_at <= now()),
+r AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlation_id, a.commit_lsn, a.seq, a.commit_time, a.archived_at
+      FROM %s a
+      WHERE a.source = $3::text AND (a.commit_lsn, a.seq) > ((SELECT commit_lsn FROM cur), (SELECT seq FROM cur))
+        AND a.commit_lsn <= (SELECT lsn FROM hz)
+        AND (a.commit_lsn, a.seq) <= (COALESCE((SELECT claimed_to_lsn FROM cur), 'FFFFFFFF/FFFFFFFF'::pg_lsn),
+                                      COALESCE((SELECT claimed_to_seq FROM cur), 2147483647))
+        AND a.schema_name = $4 AND a.table_name = $5 AND a.verified
+      ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
+n AS (SELECT count(*) AS found, min(archived_at) AS first_at FROM r),
+upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = l.commit_lsn, claimed_to_seq = l.seq,
+               claim_token = gen_random_uuid(), claim_expires_at = now() + $8::bigint * interval '1 millisecond',
+               attempt = c.attempt + 1, updated_at = now()
+        FROM cur, n, (SELECT commit_lsn, seq FROM r ORDER BY commit_lsn DESC, seq DESC LIMIT 1) l
+        WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
+          AND (c.claim_token IS NULL OR c.claim_expires_at < now())
+          AND (n.found >= $6::int OR cur.claimed_to_lsn IS NOT NULL OR n.first_at <= now() - $7::bigint * interval '1 millisecond')
+        RETURNING c.claim_token::text AS token, c.attempt)
+SELECT u.token, u.attempt, x.key, x.row, x.correlation_id, x.commit_lsn::text, x.seq, x.commit_time, n.found
+FROM n LEFT JOIN (upd u CROSS JOIN r x) ON true
+ORDER BY x.commit_lsn, x.seq`
+
+// cursorSettleSQL ends a claimed batch in one statement: the cursor
+// passes its range and the batch's deliveries are inserted settled ($9:
+// done or dead), guarded by the claim token (a reclaimed batch inserts
+// nothing).
+const cursorSettleSQL = `
+WITH adv AS (UPDATE epitaph.handler_cursors SET commit_lsn = claimed_to_lsn, seq = claimed_to_seq,
+                    claimed_to_lsn = NULL, claimed_to_seq = NULL, claim_token = NULL, claim_expires_at = NULL,
+                    attempt = 0, next_attempt_at = now(), updated_at = now()
+             WHERE handler_id = $1::uuid AND claim_token = $2::uuid RETURNING 1)
+INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id,
+    commit_time, version, phase, priority, released_at, verified, state, outcome, last_error, attempt, settled_at,
+    payload_scrubbed_at)
+SELECT u.id::uuid, $1::uuid, $3::text, u.lsn::pg_lsn, u.seq, $4::text, $5::text, u.key::jsonb, u.corr, u.ct, $6::int,
+       $7::text, $8::int, now(), true, $9::text, $10::text, $11::text, $12::int, now(), now()
+FROM unnest($13::text[], $14::text[], $15::int[], $16::text[], $17::text[], $18::timestamptz[])
+     AS u(id, lsn, seq, key, corr, ct)
+WHERE EXISTS (SELECT 1 FROM adv)`
+
+// cursorRetrySQL releases a failed batch's claim: its range stays claimed
+// (claimed_to), retried as a whole after the backoff.
+const cursorRetrySQL = `
+UPDATE epitaph.handler_cursors SET claim_token = NULL, claim_expires_at = NULL,
+       next_attempt_at = now() + $3::bigint * interval '1 millisecond', updated_at = now()
+WHERE handler_id = $1::uuid AND claim_token = $2::uuid`
+
+// liveArchive is the live archive version and its rows table.
+type liveArchive struct {
+	version int
+	rows    string
+}
+
+// cursorState is the Dispatcher's part for cursor handlers.
+type cursorState struct {
+	cursorWake chan struct{}
+	curMu      sync.Mutex
+	curBusy    map[string]bool
+	curNext    int
+	curLive    liveArchive
+	curLiveAt  time.Time
+}
+
+func (d *Dispatcher) wakeCursors() {
+	select {
+	case d.cursorWake <- struct{}{}:
+	default:
+	}
+}
+
+// cursorDefs are the enabled cursor handlers (the claim's handler cache).
+func (d *Dispatcher) cursorDefs(ctx context.Context) ([]Def, error) {
+	d.mu.Lock()
+	byID, fresh := d.defCache, time.Since(d.defAt) < time.Second
+	d.mu.Unlock()
+	if !fresh {
+		var err error
+		if byID, err = d.defs(ctx, nil); err != nil {
+			return nil, err
+		}
+	}
+	var out []Def
+	for _, def := range byID {
+		if def.UsesCursor() && def.Enabled && def.RevokedAt == nil {
+			out = append(out, def)
+		}
+	}
+	return out, nil
+}
+
+// live returns the live archive version (looked up at most every second).
+func (d *Dispatcher) live(ctx context.Context) (liveArchive, error) {
+	d.curMu.Lock()
+	l, at := d.curLive, d.curLiveAt
+	d.curMu.Unlock()
+	if l.version > 0 && time.Since(at) < time.Second {
+		return l, nil
+	}
+	var schema string
+	err := d.pool.QueryRow(ctx, `SELECT version, schema_name FROM epitaph.projection_versions
+		WHERE projection = $1 AND state = 'live'`, archiveProjection).Scan(&l.version, &schema)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return liveArchive{}, nil
+	}
+	if err != nil {
+		return liveArchive{}, fmt.Errorf("look up the live archive: %w", err)
+	}
+	l.rows = pgx.Identifier{schema, "rows"}.Sanitize()
+	d.curMu.Lock()
+	d.curLive, d.curLiveAt = l, time.Now()
+	d.curMu.Unlock()
+	return l, nil
+}
+
+// cursorLoop runs the cursor handlers' batches beside the claim loop, at
+// most Parallelism at once and one per handler at a time, until the soft
+// stop; batches in flight finish (their POSTs bounded by hard).
+func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
+	slots := make(chan struct{}, d.cfg.Parallelism)
+	var running sync.WaitGroup
+	t := time.NewTicker(d.cfg.Poll)
+	defer t.Stop()
+	for soft.Err() == nil {
+		defs, err := d.cursorDefs(soft)
+		if err != nil && soft.Err() == nil {
+			d.log.Warn("listing cursor handlers failed; retrying", "err", err)
+		}
+		d.curMu.Lock()
+		start := d.curNext
+		d.curNext++
+		d.curMu.Unlock()
+	handlers:
+		for i := range defs {
+			def := defs[(start+i)%len(defs)]
+			d.curMu.Lock()
+			busy := d.curBusy[def.ID]
+			d.curMu.Unlock()
+			if busy {
+				continue
+			}
+			select {
+			case slots <- struct{}{}:
+			default:
+				break handlers
+			}
+			d.curMu.Lock()
+			d.curBusy[def.ID] = true
+			d.curMu.Unlock()
+			running.Add(1)
+			go func() {
+				defer running.Done()
+				next, err := d.cursorStep(soft, hard, def)
+				if err != nil && soft.Err() == nil {
+					d.log.Warn("cursor batch failed; retrying", "handler", def.ID, "err", err)
+				}
+				d.curMu.Lock()
+				delete(d.curBusy, def.ID)
+				d.curMu.Unlock()
+				<-slots
+				switch {
+				case next == 0:
+					d.wakeCursors()
+				case next > 0:
+					time.AfterFunc(next, d.wakeCursors)
+				}
+			}()
+		}
+		select {
+		case <-soft.Done():
+		case <-t.C:
+		case <-d.cursorWake:
+		}
+	}
+	running.Wait()
+}
+
+// cursorStep claims, sends and settles one batch of def. It returns when
+// to look at def again: 0 at once (it sent a batch), > 0 after that long
+// (rows wait for the batch to fill), < 0 at the next poll (nothing to do).
+func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Duration, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(soft), claimStatementTimeout)
+	defer cancel()
+	live, err := d.live(ctx)
+	if err != nil || live.version == 0 {
+		return -1, err
+	}
+	source := d.cfg.Source
+	// One round trip: the claim in a transaction of its own with the
+	// claim's plan settings. Without them, on an archive growing faster
+	// than it is analyzed, the planner read every row of the handler's
+	// table through rows_table_key_idx for each batch (13 ms a claim on
+	// 43k rows) where walking rows_key from the cursor stops at the batch.
+	var b pgx.Batch
+	b.Queue(`BEGIN`)
+	for _, q := range claimPlan {
+		b.Queue(q)
+	}
+	b.Queue(fmt.Sprintf(cursorClaimSQL, live.rows), def.ID, live.version, source, def.Schema, def.Table,
+		def.BatchSize, def.BatchWait.Milliseconds(), def.ClaimTimeout.Milliseconds(), len(def.Columns) > 0)
+	b.Queue(`COMMIT`)
+	br := d.pool.SendBatch(ctx, &b)
+	defer br.Close()
+	for range 1 + len(claimPlan) {
+		if _, err := br.Exec(); err != nil {
+			return -1, fmt.Errorf("claim a batch: %w", err)
+		}
+	}
+	rows, err := br.Query()
+	if err != nil {
+		return -1, fmt.Errorf("claim a batch: %w", err)
+	}
+	var (
+		token         *string
+		attempt       *int
+		key, image    []byte
+		corr, lsn     *string
+		seq           *int
+		commitTime    *time.Time
+		found         int64
+		send          []Delivery
+		claimedAt     = time.Now()
+		columnsWanted = len(def.Columns) > 0
+	)
+	_, err = pgx.ForEachRow(rows, []any{&token, &attempt, &key, &image, &corr, &lsn, &seq, &commitTime, &found}, func() error {
+		if token == nil {
+			return nil
+		}
+		dv := Delivery{ID: DeliveryID(def.ID, source, *lsn, *seq, 0), HandlerID: def.ID, Source: source,
+			CommitLSN: *lsn, Seq: *seq, Schema: def.Schema, Table: def.Table, CorrelationID: *corr,
+			Version: live.version, Phase: def.Phase, Attempt: *attempt}
+		if len(key) > 0 {
+			dv.Key = json.RawMessage(append([]byte(nil), key...))
+		}
+		if commitTime != nil {
+			ct := *commitTime
+			dv.CommitTime = &ct
+		}
+		if columnsWanted && len(image) > 0 {
+			var img map[string]json.RawMessage
+			if json.Unmarshal(image, &img) == nil {
+				dv.Columns = map[string]json.RawMessage{}
+				for _, col := range def.Columns {
+					if v, ok := img[col]; ok {
+						dv.Columns[col] = v
+					}
+				}
+			}
+		}
+		send = append(send, dv)
+		return nil
+	})
+	if err != nil {
+		return -1, fmt.Errorf("claim a batch: %w", err)
+	}
+	if _, err := br.Exec(); err != nil {
+		// Not committed (or not known to be): the claim expires.
+		return -1, fmt.Errorf("claim a batch: commit: %w", err)
+	}
+	if err := br.Close(); err != nil {
+		return -1, fmt.Errorf("claim a batch: %w", err)
+	}
+	if len(send) == 0 {
+		if found > 0 {
+			return max(def.BatchWait/2, time.Millisecond), nil
+		}
+		return -1, nil
+	}
+	tok := *token
+	deadline := claimedAt.Add(def.ClaimTimeout * 9 / 10)
+	actx, acancel := context.WithDeadline(hard, deadline)
+	defer acancel()
+	body := BatchBody{Deliveries: make([]Body, len(send))}
+	ids := make([]string, len(send))
+	for i, dv := range send {
+		body.Deliveries[i], ids[i] = dv.Body(), dv.ID
+	}
+	at := send[0].Attempt
+	start := time.Now()
+	payload, err := json.Marshal(body)
+	if err == nil {
+		err = d.run.webhook(actx, def, BatchID(ids), at, len(send), payload)
+	} else {
+		err = Permanent("encode_body", err)
+	}
+	s := settlement{state: StateDone, outcome: OutcomeDone}
+	if err != nil {
+		c := &claimed{d: send[0], def: def}
+		s = d.failure(c, err)
+	}
+	for range send {
+		d.met.observe(def, s.outcome, time.Since(start))
+	}
+	sctx, scancel := context.WithTimeout(context.WithoutCancel(hard), 30*time.Second)
+	defer scancel()
+	if s.state == StatePending {
+		if _, err := d.pool.Exec(sctx, cursorRetrySQL, def.ID, tok, Backoff(def.Backoff, at).Milliseconds()); err != nil {
+			return -1, fmt.Errorf("release a failed batch: %w", err)
+		}
+		return -1, nil
+	}
+	lsns, seqs, keys, corrs := make([]string, len(send)), make([]int32, len(send)), make([]*string, len(send)), make([]string, len(send))
+	times := make([]*time.Time, len(send))
+	for i, dv := range send {
+		lsns[i], seqs[i], corrs[i], times[i] = dv.CommitLSN, int32(dv.Seq), dv.CorrelationID, dv.CommitTime
+		if len(dv.Key) > 0 {
+			k := string(dv.Key)
+			keys[i] = &k
+		}
+	}
+	tag, err := d.pool.Exec(sctx, cursorSettleSQL, def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
+		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times)
+	if err != nil {
+		return -1, fmt.Errorf("settle a batch of %d: %w", len(send), err)
+	}
+	if tag.RowsAffected() == 0 {
+		d.log.Warn("batch outcome discarded: its claim was reclaimed", "handler", def.ID, "deliveries", len(send))
+		d.met.stale.Add(float64(len(send)))
+	}
+	return 0, nil
+}
