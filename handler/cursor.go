@@ -48,7 +48,8 @@ func startCursor(ctx context.Context, db DB, d Def) error {
 
 // cursorClaimSQL claims a handler's next batch in one statement (one
 // snapshot): the horizon, the rows of its table after its cursor up to
-// the horizon (a retried batch up to the range it claimed before), and,
+// the horizon and before the first row not yet verified (a retried batch
+// up to the range it claimed before), and,
 // when the batch is full, retried, or its first row has waited the
 // handler's batch wait, the cursor row's claim (claimed_to, token,
 // expiry, attempt). The cursor row is only claimed where it still is at
@@ -60,14 +61,20 @@ const cursorClaimSQL = `
 WITH hz AS (SELECT min(source_lsn) AS lsn FROM epitaph.progress WHERE projection = 'archive' AND version = $2),
 cur AS (SELECT c.commit_lsn, c.seq, c.claimed_to_lsn, c.claimed_to_seq FROM epitaph.handler_cursors c
         WHERE c.handler_id = $1::uuid AND (c.claim_token IS NULL OR c.claim_expires_at < now()) AND c.next_attempt_at <= now()),
-r AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlation_id, a.commit_lsn, a.seq, a.commit_time, a.archived_at
+cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlation_id, a.commit_lsn, a.seq, a.commit_time,
+             a.archived_at, a.verified
       FROM %s a
       WHERE a.source = $3::text AND (a.commit_lsn, a.seq) > ((SELECT commit_lsn FROM cur), (SELECT seq FROM cur))
         AND a.commit_lsn <= (SELECT lsn FROM hz)
         AND (a.commit_lsn, a.seq) <= (COALESCE((SELECT claimed_to_lsn FROM cur), 'FFFFFFFF/FFFFFFFF'::pg_lsn),
                                       COALESCE((SELECT claimed_to_seq FROM cur), 2147483647))
-        AND a.schema_name = $4 AND a.table_name = $5 AND a.verified
+        AND a.schema_name = $4 AND a.table_name = $5
       ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
+-- A row behind the horizon may still wait for its transaction's signed
+-- commit (applied in another page or partition): the batch stops before
+-- the first unverified row, so the cursor never passes it.
+r AS (SELECT * FROM cand c
+      WHERE NOT EXISTS (SELECT 1 FROM cand u WHERE NOT u.verified AND (u.commit_lsn, u.seq) <= (c.commit_lsn, c.seq))),
 n AS (SELECT count(*) AS found, min(archived_at) AS first_at FROM r),
 upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = l.commit_lsn, claimed_to_seq = l.seq,
                claim_token = gen_random_uuid(), claim_expires_at = now() + $8::bigint * interval '1 millisecond',
@@ -378,4 +385,27 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 		d.met.stale.Add(float64(len(send)))
 	}
 	return 0, nil
+}
+
+// flushCursors sends the cursor handlers' batches until each has caught
+// up with the horizon, without waiting for batches to fill.
+// TODO(cursor): a failed batch waiting for its backoff is not waited for.
+func (d *Dispatcher) flushCursors(ctx context.Context) error {
+	defs, err := d.cursorDefs(ctx)
+	if err != nil {
+		return err
+	}
+	for _, def := range defs {
+		def.BatchWait = 0
+		for ctx.Err() == nil {
+			next, err := d.cursorStep(ctx, ctx, def)
+			if err != nil {
+				return err
+			}
+			if next != 0 {
+				break
+			}
+		}
+	}
+	return ctx.Err()
 }

@@ -449,6 +449,14 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // attempt whose verdict is older than verdictMaxAge when it starts is
 // still revalidated alone.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
+	if err := d.flushCursors(ctx); err != nil {
+		return -1, err
+	}
+	return d.flushRows(ctx)
+}
+
+// flushRows is Flush's part for queued deliveries.
+func (d *Dispatcher) flushRows(ctx context.Context) (int, error) {
 	ahead := claimAhead(d.cfg.Parallelism)
 	batchRoom := 0
 	cs, err := d.flushClaim(ctx, true, ahead)
