@@ -30,7 +30,7 @@ const archiveProjection = "archive"
 // horizon: rows archived before the handler existed are not delivered.
 const cursorStartSQL = `
 INSERT INTO epitaph.handler_cursors (handler_id, commit_lsn, seq)
-SELECT $1::uuid, COALESCE((SELECT min(p.source_lsn) FROM epitaph.progress p JOIN epitaph.projection_versions v
+SELECT $1::uuid, COALESCE((SELECT min(COALESCE(p.source_lsn, '0/0'::pg_lsn)) FROM epitaph.progress p JOIN epitaph.projection_versions v
                             ON v.projection = p.projection AND v.version = p.version
                            WHERE v.projection = 'archive' AND v.state = 'live'), '0/0'::pg_lsn), 2147483647
 ON CONFLICT (handler_id) DO NOTHING`
@@ -58,7 +58,10 @@ func startCursor(ctx context.Context, db DB, d Def) error {
 // token and the number of rows found when it claimed nothing. %s is the
 // live archive's rows table.
 const cursorClaimSQL = `
-WITH hz AS (SELECT min(source_lsn) AS lsn FROM epitaph.progress WHERE projection = 'archive' AND version = $2),
+-- A partition that has applied nothing yet (no watermark) holds the
+-- horizon at 0/0: min() alone would skip it, and the cursor would pass its
+-- rows before they are archived.
+WITH hz AS (SELECT min(COALESCE(source_lsn, '0/0'::pg_lsn)) AS lsn FROM epitaph.progress WHERE projection = 'archive' AND version = $2),
 cur AS (SELECT c.commit_lsn, c.seq, c.claimed_to_lsn, c.claimed_to_seq FROM epitaph.handler_cursors c
         WHERE c.handler_id = $1::uuid AND (c.claim_token IS NULL OR c.claim_expires_at < now()) AND c.next_attempt_at <= now()),
 cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlation_id, a.commit_lsn, a.seq, a.commit_time,

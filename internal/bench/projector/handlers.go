@@ -134,6 +134,7 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 					return err
 				}
 				if done != c.n {
+					missingRows(ctx, conn, c.source)
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, c.n)
 				}
 				// Every delivery reached the receiver once: its rows are
@@ -326,5 +327,35 @@ func (e *env) addHandlers(tables []string, hook, secretFile string, batch int) f
 			return pgStatsReset(ctx, url)
 		}
 		return nil
+	}
+}
+
+// missingRows prints the archived rows without a delivery done, by
+// transaction, beside the cursors: what a lost range looks like.
+func missingRows(ctx context.Context, conn *pgx.Conn, source string) {
+	rows, err := conn.Query(ctx, `SELECT a.table_name || ' ' || a.commit_lsn::text || ' rows=' || count(*) || ' verified=' || bool_and(a.verified)
+			|| ' archived=' || min(a.archived_at)::text || '..' || max(a.archived_at)::text
+		FROM archive_v1.rows a JOIN epitaph.handlers h ON h.schema_name = a.schema_name AND h.table_name = a.table_name
+		WHERE a.source = $1 AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d WHERE d.handler_id = h.id
+		      AND d.commit_lsn = a.commit_lsn AND d.seq = a.seq)
+		GROUP BY a.table_name, a.commit_lsn ORDER BY 1 LIMIT 20`, source)
+	if err == nil {
+		lines, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, l := range lines {
+			bench.Note("missing: %s", l)
+		}
+	}
+	rows, err = conn.Query(ctx, `SELECT h.table_name || ' cursor=' || c.commit_lsn::text || '/' || c.seq || ' updated=' || c.updated_at::text
+		FROM epitaph.handler_cursors c JOIN epitaph.handlers h ON h.id = c.handler_id ORDER BY 1`)
+	if err == nil {
+		lines, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, l := range lines {
+			bench.Note("cursor: %s", l)
+		}
+	}
+	rows, err = conn.Query(ctx, `SELECT partition || ' ' || source_lsn::text FROM epitaph.progress WHERE projection = 'archive' ORDER BY partition`)
+	if err == nil {
+		lines, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		bench.Note("watermarks: %v", lines)
 	}
 }
