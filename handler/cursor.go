@@ -255,6 +255,23 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	if err != nil || live.version == 0 {
 		return -1, err
 	}
+	claimedAt := time.Now()
+	send, tok, found, err := d.cursorClaim(ctx, def, live)
+	if err != nil {
+		return -1, err
+	}
+	if len(send) == 0 {
+		if found > 0 {
+			return max(def.BatchWait/2, time.Millisecond), nil
+		}
+		return -1, nil
+	}
+	return 0, d.cursorSend(hard, def, live, send, tok, claimedAt)
+}
+
+// cursorClaim runs cursorClaimSQL for def: the claimed batch's deliveries
+// and token, or none and how many rows wait for the batch to fill.
+func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive) ([]Delivery, string, int64, error) {
 	source := d.cfg.Source
 	// One round trip: the claim in a transaction of its own with the
 	// claim's plan settings. Without them, on an archive growing faster
@@ -273,12 +290,12 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	defer br.Close()
 	for range 1 + len(claimPlan) {
 		if _, err := br.Exec(); err != nil {
-			return -1, fmt.Errorf("claim a batch: %w", err)
+			return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
 		}
 	}
 	rows, err := br.Query()
 	if err != nil {
-		return -1, fmt.Errorf("claim a batch: %w", err)
+		return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
 	}
 	var (
 		token         *string
@@ -289,7 +306,6 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 		commitTime    *time.Time
 		found         int64
 		send          []Delivery
-		claimedAt     = time.Now()
 		columnsWanted = len(def.Columns) > 0
 	)
 	_, err = pgx.ForEachRow(rows, []any{&token, &attempt, &key, &image, &corr, &lsn, &seq, &commitTime, &found}, func() error {
@@ -321,22 +337,25 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 		return nil
 	})
 	if err != nil {
-		return -1, fmt.Errorf("claim a batch: %w", err)
+		return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
 	}
 	if _, err := br.Exec(); err != nil {
 		// Not committed (or not known to be): the claim expires.
-		return -1, fmt.Errorf("claim a batch: commit: %w", err)
+		return nil, "", 0, fmt.Errorf("claim a batch: commit: %w", err)
 	}
 	if err := br.Close(); err != nil {
-		return -1, fmt.Errorf("claim a batch: %w", err)
+		return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
 	}
 	if len(send) == 0 {
-		if found > 0 {
-			return max(def.BatchWait/2, time.Millisecond), nil
-		}
-		return -1, nil
+		return nil, "", found, nil
 	}
-	tok := *token
+	return send, *token, found, nil
+}
+
+// cursorSend sends a claimed batch and settles it: done (the cursor
+// passes it), retried as a whole after the backoff, or dead.
+func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive, send []Delivery, tok string, claimedAt time.Time) error {
+	source := d.cfg.Source
 	deadline := claimedAt.Add(def.ClaimTimeout * 9 / 10)
 	actx, acancel := context.WithDeadline(hard, deadline)
 	defer acancel()
@@ -365,9 +384,9 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	defer scancel()
 	if s.state == StatePending {
 		if _, err := d.pool.Exec(sctx, cursorRetrySQL, def.ID, tok, Backoff(def.Backoff, at).Milliseconds()); err != nil {
-			return -1, fmt.Errorf("release a failed batch: %w", err)
+			return fmt.Errorf("release a failed batch: %w", err)
 		}
-		return -1, nil
+		return nil
 	}
 	lsns, seqs, keys, corrs := make([]string, len(send)), make([]int32, len(send)), make([]*string, len(send)), make([]string, len(send))
 	times := make([]*time.Time, len(send))
@@ -381,13 +400,13 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	tag, err := d.pool.Exec(sctx, cursorSettleSQL, def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
 		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times)
 	if err != nil {
-		return -1, fmt.Errorf("settle a batch of %d: %w", len(send), err)
+		return fmt.Errorf("settle a batch of %d: %w", len(send), err)
 	}
 	if tag.RowsAffected() == 0 {
 		d.log.Warn("batch outcome discarded: its claim was reclaimed", "handler", def.ID, "deliveries", len(send))
 		d.met.stale.Add(float64(len(send)))
 	}
-	return 0, nil
+	return nil
 }
 
 // flushCursors sends the cursor handlers' batches until each has caught
