@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -112,7 +113,10 @@ ORDER BY x.commit_lsn, x.seq`
 // sent, and a settle that failed on it would be retried, and sent again,
 // forever. cursorSend reports such ids as an error. The claim's lock
 // keeps a late row off the cursor's batches once it is queued, so this
-// does not happen unless that serialisation is broken.
+// does not happen unless that serialisation is broken: the settle runs
+// without ON CONFLICT (cursorSettlePlainSQL; its speculative insertion
+// costs an index probe, a lock and a WAL record per delivery) and again
+// with it only after a unique violation.
 const cursorSettleSQL = `
 WITH adv AS (UPDATE epitaph.handler_cursors SET commit_lsn = claimed_to_lsn, seq = claimed_to_seq,
                     claimed_to_lsn = NULL, claimed_to_seq = NULL, claim_token = NULL, claim_expires_at = NULL,
@@ -129,6 +133,9 @@ WHERE EXISTS (SELECT 1 FROM adv)
 ON CONFLICT DO NOTHING
 RETURNING id::text)
 SELECT EXISTS (SELECT 1 FROM adv), ARRAY(SELECT id FROM ins)`
+
+// cursorSettlePlainSQL is cursorSettleSQL without its ON CONFLICT clause.
+var cursorSettlePlainSQL = strings.Replace(cursorSettleSQL, "ON CONFLICT DO NOTHING\n", "", 1)
 
 // cursorRetrySQL releases a failed batch's claim: its range stays claimed
 // (claimed_to), retried as a whole after the backoff.
@@ -437,8 +444,12 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 	}
 	var moved bool
 	var inserted []string
-	err = d.pool.QueryRow(sctx, cursorSettleSQL, def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
-		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times).Scan(&moved, &inserted)
+	args := []any{def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
+		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times}
+	err = d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted)
+	if uniqueViolation(err) {
+		err = d.pool.QueryRow(sctx, cursorSettleSQL, args...).Scan(&moved, &inserted)
+	}
 	if err != nil {
 		return fmt.Errorf("settle a batch of %d: %w", len(send), err)
 	}

@@ -170,6 +170,7 @@ func TestCursorSettleOverAQueuedDeliveryReportsItAndGoesOn(t *testing.T) {
 	d, err := NewDispatcher(e.pool, Config{Poll: 20 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	require.NoError(t, err)
 	e.flush(d)
+	require.NotContains(t, cursorSettlePlainSQL, "ON CONFLICT", "the common settle pays no speculative insertion")
 	require.Len(t, br.got(), 2, "both batches: the cursor passed the first")
 	require.Contains(t, logs.String(), "queued as rows too")
 	require.Contains(t, logs.String(), dup)
