@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -48,15 +49,22 @@ func startCursor(ctx context.Context, db DB, d Def) error {
 
 // cursorClaimSQL claims a handler's next batch in one statement (one
 // snapshot): the horizon, the rows of its table after its cursor up to
-// the horizon and before the first row not yet verified (a retried batch
-// up to the range it claimed before), and,
-// when the batch is full, retried, or its first row has waited the
-// handler's batch wait, the cursor row's claim (claimed_to, token,
-// expiry, attempt). The cursor row is only claimed where it still is at
-// the position read (another dispatcher's settle moved it: nothing
-// claimed). It returns one row per claimed row, or one row with a NULL
-// token and the number of rows found when it claimed nothing. %s is the
-// live archive's rows table.
+// the horizon and before the first row not yet verified, and, when the
+// batch is full, retried, or its first row has waited the handler's batch
+// wait, the cursor row's claim (claimed_to, token, expiry, attempt). The
+// cursor row is only claimed where it still is at the position read
+// (another dispatcher's settle moved it: nothing claimed). It returns one
+// row per claimed row, or one row with a NULL token and the number of rows
+// found when it claimed nothing. %s is the live archive's rows table.
+//
+// A retried batch (claimed_to set) is the range it claimed before, and
+// keeps that claimed_to: the claimed position never moves back. It leaves
+// out the rows of that range that have a delivery of the handler already:
+// rows archived late into the range after the first claim, which the
+// apply queued as rows (Enqueue), so the retry resends exactly the batch
+// it sent first. A first claim needs no such look-up: every row the apply
+// queued is at or behind the claimed position it read, and a first claim
+// starts after the cursor, which a settle moved to that position.
 const cursorClaimSQL = `
 -- A partition that has applied nothing yet (no watermark) holds the
 -- horizon at 0/0: min() alone would skip it, and the cursor would pass its
@@ -72,6 +80,9 @@ cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlatio
         AND (a.commit_lsn, a.seq) <= (COALESCE((SELECT claimed_to_lsn FROM cur), 'FFFFFFFF/FFFFFFFF'::pg_lsn),
                                       COALESCE((SELECT claimed_to_seq FROM cur), 2147483647))
         AND a.schema_name = $4 AND a.table_name = $5
+        AND ((SELECT claimed_to_lsn FROM cur) IS NULL
+             OR NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
+                              AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0))
       ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
 -- A row behind the horizon may still wait for its transaction's signed
 -- commit (applied in another page or partition): the batch stops before
@@ -79,7 +90,8 @@ cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlatio
 r AS (SELECT * FROM cand c
       WHERE NOT EXISTS (SELECT 1 FROM cand u WHERE NOT u.verified AND (u.commit_lsn, u.seq) <= (c.commit_lsn, c.seq))),
 n AS (SELECT count(*) AS found, min(archived_at) AS first_at FROM r),
-upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = l.commit_lsn, claimed_to_seq = l.seq,
+upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = COALESCE(cur.claimed_to_lsn, l.commit_lsn),
+               claimed_to_seq = COALESCE(cur.claimed_to_seq, l.seq),
                claim_token = gen_random_uuid(), claim_expires_at = now() + $8::bigint * interval '1 millisecond',
                attempt = c.attempt + 1, updated_at = now()
         FROM cur, n, (SELECT commit_lsn, seq FROM r ORDER BY commit_lsn DESC, seq DESC LIMIT 1) l
@@ -94,20 +106,36 @@ ORDER BY x.commit_lsn, x.seq`
 // cursorSettleSQL ends a claimed batch in one statement: the cursor
 // passes its range and the batch's deliveries are inserted settled ($9:
 // done or dead), guarded by the claim token (a reclaimed batch inserts
-// nothing).
+// nothing). It returns whether the cursor moved and the ids it inserted.
+//
+// A delivery whose id exists already (it was queued as a row too) is not
+// inserted again, and the cursor passes it all the same: the batch was
+// sent, and a settle that failed on it would be retried, and sent again,
+// forever. cursorSend reports such ids as an error. The claim's lock
+// keeps a late row off the cursor's batches once it is queued, so this
+// does not happen unless that serialisation is broken: the settle runs
+// without ON CONFLICT (cursorSettlePlainSQL; its speculative insertion
+// costs an index probe, a lock and a WAL record per delivery) and again
+// with it only after a unique violation.
 const cursorSettleSQL = `
 WITH adv AS (UPDATE epitaph.handler_cursors SET commit_lsn = claimed_to_lsn, seq = claimed_to_seq,
                     claimed_to_lsn = NULL, claimed_to_seq = NULL, claim_token = NULL, claim_expires_at = NULL,
                     attempt = 0, next_attempt_at = now(), updated_at = now()
-             WHERE handler_id = $1::uuid AND claim_token = $2::uuid RETURNING 1)
-INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id,
+             WHERE handler_id = $1::uuid AND claim_token = $2::uuid RETURNING 1),
+ins AS (INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id,
     commit_time, version, phase, priority, released_at, verified, state, outcome, last_error, attempt, settled_at,
     payload_scrubbed_at)
 SELECT u.id::uuid, $1::uuid, $3::text, u.lsn::pg_lsn, u.seq, $4::text, $5::text, u.key::jsonb, u.corr, u.ct, $6::int,
        $7::text, $8::int, now(), true, $9::text, $10::text, $11::text, $12::int, now(), now()
 FROM unnest($13::text[], $14::text[], $15::int[], $16::text[], $17::text[], $18::timestamptz[])
      AS u(id, lsn, seq, key, corr, ct)
-WHERE EXISTS (SELECT 1 FROM adv)`
+WHERE EXISTS (SELECT 1 FROM adv)
+ON CONFLICT DO NOTHING
+RETURNING id::text)
+SELECT EXISTS (SELECT 1 FROM adv), ARRAY(SELECT id FROM ins)`
+
+// cursorSettlePlainSQL is cursorSettleSQL without its ON CONFLICT clause.
+var cursorSettlePlainSQL = strings.Replace(cursorSettleSQL, "ON CONFLICT DO NOTHING\n", "", 1)
 
 // cursorRetrySQL releases a failed batch's claim: its range stays claimed
 // (claimed_to), retried as a whole after the backoff.
@@ -278,17 +306,34 @@ func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive)
 	// than it is analyzed, the planner read every row of the handler's
 	// table through rows_table_key_idx for each batch (13 ms a claim on
 	// 43k rows) where walking rows_key from the cursor stops at the batch.
+	//
+	// The cursor row is locked FOR UPDATE in a statement of its own, before
+	// the statement that reads the rows and the horizon. An apply that
+	// archives a row at or behind its partition's watermark (a late row:
+	// a replayed quarantined event, a rewound partition) reads the cursor
+	// FOR SHARE in its transaction and queues the row as a delivery when
+	// the claimed position (the cursor, or claimed_to) is at or past it
+	// (Enqueue). The two locks conflict, so one of them goes first: the
+	// claim waits for such an apply to commit, and under READ COMMITTED its
+	// next statement takes a new snapshot that holds the late row and its
+	// queued delivery (left out of a retried range, and a first claim
+	// starts after it). An apply that comes after the claim waits for the
+	// claim's commit and reads the new claimed_to (a locking read returns
+	// the row's latest version). Either way a late row is on exactly one
+	// path. Locking inside the claim statement would not do: its snapshot
+	// is taken before the lock is granted.
 	var b pgx.Batch
 	b.Queue(`BEGIN`)
 	for _, q := range claimPlan {
 		b.Queue(q)
 	}
+	b.Queue(`SELECT 1 FROM epitaph.handler_cursors WHERE handler_id = $1::uuid FOR UPDATE`, def.ID)
 	b.Queue(fmt.Sprintf(cursorClaimSQL, live.rows), def.ID, live.version, source, def.Schema, def.Table,
 		def.BatchSize, def.BatchWait.Milliseconds(), def.ClaimTimeout.Milliseconds(), len(def.Columns) > 0)
 	b.Queue(`COMMIT`)
 	br := d.pool.SendBatch(ctx, &b)
 	defer br.Close()
-	for range 1 + len(claimPlan) {
+	for range 2 + len(claimPlan) {
 		if _, err := br.Exec(); err != nil {
 			return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
 		}
@@ -397,16 +442,42 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 			keys[i] = &k
 		}
 	}
-	tag, err := d.pool.Exec(sctx, cursorSettleSQL, def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
-		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times)
+	var moved bool
+	var inserted []string
+	args := []any{def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
+		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times}
+	err = d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted)
+	if uniqueViolation(err) {
+		err = d.pool.QueryRow(sctx, cursorSettleSQL, args...).Scan(&moved, &inserted)
+	}
 	if err != nil {
 		return fmt.Errorf("settle a batch of %d: %w", len(send), err)
 	}
-	if tag.RowsAffected() == 0 {
+	if !moved {
 		d.log.Warn("batch outcome discarded: its claim was reclaimed", "handler", def.ID, "deliveries", len(send))
 		d.met.stale.Add(float64(len(send)))
+		return nil
+	}
+	if len(inserted) < len(ids) {
+		d.log.Error("a cursor batch held deliveries that were queued as rows too: they may be sent twice; the cursor passed them",
+			"handler", def.ID, "deliveries", missingIDs(ids, inserted))
 	}
 	return nil
+}
+
+// missingIDs returns the ids of want not in got.
+func missingIDs(want, got []string) []string {
+	in := make(map[string]bool, len(got))
+	for _, id := range got {
+		in[id] = true
+	}
+	var out []string
+	for _, id := range want {
+		if !in[id] {
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // flushCursors sends the cursor handlers' batches until each has caught
