@@ -1,14 +1,19 @@
 package capture
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // heartbeatParts is each heartbeat in ms (by its LSN) with the partitions
@@ -133,4 +138,57 @@ func TestQuietHeartbeatCarriesEveryPartitionPastABurst(t *testing.T) {
 	ms = e.messages(t, "main", 0)
 	require.Len(t, heartbeatsAfter(ms, next), 1, "one heartbeat per quiet period")
 	require.Len(t, heartbeatParts(ms)[heartbeatsAfter(ms, next)[0]], 4, "its mark is on every partition")
+}
+
+// TestQuietHeartbeatIsNothingOnAStandby: on a source in recovery (a
+// read-only physical standby) the quiet heartbeat writes nothing and logs
+// nothing, and is not tried again until the next transaction; the
+// interval's heartbeat fails there and logs one warning. On the primary
+// the same statement writes the heartbeat message.
+func TestQuietHeartbeatIsNothingOnAStandby(t *testing.T) {
+	t.Parallel()
+	pg := testenv.NewPostgres(t)
+	ctx := context.Background()
+	sb := pg.NewStandby(t) // restarts pg
+	primary, err := pgxpool.New(ctx, pg.URL("postgres"))
+	require.NoError(t, err)
+	defer primary.Close()
+	_, err = primary.Exec(ctx, `SELECT pg_create_logical_replication_slot('quiet_hb', 'test_decoding')`)
+	require.NoError(t, err)
+	defer func() { _, _ = primary.Exec(ctx, `SELECT pg_drop_replication_slot('quiet_hb')`) }()
+	standby, err := pgxpool.New(ctx, sb.URL("postgres"))
+	require.NoError(t, err)
+	defer standby.Close()
+	var inRecovery bool
+	require.NoError(t, standby.QueryRow(ctx, `SELECT pg_is_in_recovery()`).Scan(&inRecovery))
+	require.True(t, inRecovery, "precondition: the standby is in recovery")
+
+	var logs bytes.Buffer
+	s := &Service{pool: standby, log: slog.New(slog.NewTextHandler(&logs, nil))}
+	s.rowCommit.Store(1)
+	var hb heartbeater
+	s.emitHeartbeat(ctx, &hb, true)
+	require.Empty(t, logs.String(), "the quiet heartbeat says nothing on a standby")
+	require.False(t, hb.warned)
+	require.Equal(t, uint64(1), hb.covered, "not tried again before the next transaction")
+	require.False(t, hb.quiet(1))
+	require.False(t, hb.quiet(1), "covered: no quiet heartbeat due")
+	s.emitHeartbeat(ctx, &hb, false)
+	s.emitHeartbeat(ctx, &hb, false)
+	require.Equal(t, 1, strings.Count(logs.String(), "emit heartbeat"), "the interval's heartbeat warns once: %s", logs.String())
+
+	s.pool, hb.warned = primary, false
+	logs.Reset()
+	s.emitHeartbeat(ctx, &hb, true)
+	require.Empty(t, logs.String())
+	// Written, not flushed: the WAL writer flushes it within wal_writer_delay.
+	n := 0
+	require.Eventually(t, func() bool {
+		var got int
+		require.NoError(t, primary.QueryRow(ctx, `SELECT count(*) FROM pg_logical_slot_get_changes('quiet_hb', NULL, NULL)
+			WHERE data LIKE '%prefix: ' || $1 || '%'`, event.PrefixHeartbeat).Scan(&got))
+		n += got
+		return n > 0
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, 1, n, "the quiet heartbeat is written on the primary")
 }
