@@ -192,3 +192,28 @@ func TestQuietHeartbeatIsNothingOnAStandby(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond)
 	require.Equal(t, 1, n, "the quiet heartbeat is written on the primary")
 }
+
+// TestHeartbeaterQuietRule: a quiet heartbeat is due after two polls
+// without a new transaction with rows, once per such transaction, never
+// before the first one, and not for a transaction a heartbeat already
+// covered.
+func TestHeartbeaterQuietRule(t *testing.T) {
+	t.Parallel()
+	var h heartbeater
+	for range 5 {
+		require.False(t, h.quiet(0), "idle since the start: none")
+	}
+	require.False(t, h.quiet(10), "a transaction: the quiet time starts")
+	require.False(t, h.quiet(10))
+	require.False(t, h.quiet(20), "another one: it starts again")
+	require.False(t, h.quiet(20))
+	require.True(t, h.quiet(20), "two polls without one: due")
+	h.covered = 20 // emitHeartbeat
+	for range 5 {
+		require.False(t, h.quiet(20), "once per quiet period")
+	}
+	h.covered = 30 // the interval's heartbeat came after the next transaction
+	require.False(t, h.quiet(30))
+	require.False(t, h.quiet(30))
+	require.False(t, h.quiet(30), "covered by the interval's heartbeat")
+}
