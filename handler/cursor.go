@@ -94,7 +94,8 @@ ORDER BY x.commit_lsn, x.seq`
 // cursorSettleSQL ends a claimed batch in one statement: the cursor
 // passes its range and the batch's deliveries are inserted settled ($9:
 // done or dead), guarded by the claim token (a reclaimed batch inserts
-// nothing).
+// nothing). A row erased while its batch was in flight is left out: the
+// erasure recorded its delivery stopped, without its key.
 const cursorSettleSQL = `
 WITH adv AS (UPDATE epitaph.handler_cursors SET commit_lsn = claimed_to_lsn, seq = claimed_to_seq,
                     claimed_to_lsn = NULL, claimed_to_seq = NULL, claim_token = NULL, claim_expires_at = NULL,
@@ -107,7 +108,8 @@ SELECT u.id::uuid, $1::uuid, $3::text, u.lsn::pg_lsn, u.seq, $4::text, $5::text,
        $7::text, $8::int, now(), true, $9::text, $10::text, $11::text, $12::int, now(), now()
 FROM unnest($13::text[], $14::text[], $15::int[], $16::text[], $17::text[], $18::timestamptz[])
      AS u(id, lsn, seq, key, corr, ct)
-WHERE EXISTS (SELECT 1 FROM adv)`
+WHERE EXISTS (SELECT 1 FROM adv)
+  AND NOT EXISTS (SELECT 1 FROM epitaph.erased_rows e WHERE e.source = $3::text AND e.commit_lsn = u.lsn::pg_lsn AND e.seq = u.seq)`
 
 // cursorRetrySQL releases a failed batch's claim: its range stays claimed
 // (claimed_to), retried as a whole after the backoff.
