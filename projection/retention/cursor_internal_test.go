@@ -71,17 +71,21 @@ func TestCleanupKeepsRowsAfterCursorHandlers(t *testing.T) {
 	}))
 	// One transaction a month, all expired: August's at 1/0 (orders, seq
 	// 0-9), September's at 2/0 (orders, seq 0-9; customers, seq 10-14).
-	insert := func(table string, lsn string, at time.Time, from, to int) {
+	insert := func(source, table string, lsn string, at time.Time, from, to int) {
 		_, err := pool.Exec(ctx, `INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, correlation_id,
 			commit_lsn, commit_time, seq, expires_at)
-			SELECT 'main', 'public', $1, jsonb_build_object('id', s), jsonb_build_object('id', s), 'c' || $2,
+			SELECT $6, 'public', $1, jsonb_build_object('id', s), jsonb_build_object('id', s), 'c' || $2,
 			       $2::pg_lsn, $3, s, now() - interval '1 day'
-			FROM generate_series($4::int, $5::int) s`, table, lsn, at, from, to)
+			FROM generate_series($4::int, $5::int) s`, table, lsn, at, from, to, source)
 		require.NoError(t, err)
 	}
-	insert("orders", "1/0", aug, 0, 9)
-	insert("orders", "2/0", sep, 0, 9)
-	insert("customers", "2/0", sep, 10, 14)
+	insert("main", "orders", "1/0", aug, 0, 9)
+	insert("main", "orders", "2/0", sep, 0, 9)
+	insert("main", "customers", "2/0", sep, 10, 14)
+	// A row of another source in August, after both cursors by position:
+	// kept too (positions are compared without the source), found past
+	// the first source of the partition.
+	insert("zzz", "orders", "3/0", aug, 0, 0)
 
 	lead := cursorHandler(t, pool, "orders", "1/0", 4)
 	lag := cursorHandler(t, pool, "orders", "2/0", 2)
@@ -121,25 +125,29 @@ func TestCleanupKeepsRowsAfterCursorHandlers(t *testing.T) {
 	res, err := CleanupBatch(ctx, pool, CleanupOptions{Batch: 1000})
 	require.NoError(t, err)
 	require.Empty(t, res.Dropped, "August has rows after a cursor; September too")
-	require.Equal(t, slices.Concat(span("rows_p20260801", "orders", "1/0", 5, 9), span("rows_p20260901", "orders", "2/0", 0, 9)), left())
+	other := span("rows_p20260801", "orders", "3/0", 0, 0)
+	require.Equal(t, slices.Concat(span("rows_p20260801", "orders", "1/0", 5, 9), span("rows_p20260901", "orders", "2/0", 0, 9), other), left())
 	require.Equal(t, map[string]int{"public.orders": 5, "public.customers": 5}, res.ByTable)
 	require.Nil(t, res.OldestDue, "the rows left are held: none is due")
 
-	// The leading handler passes everything: the disabled one, at 2/0
-	// seq 2, holds the rest of September; August goes whole.
+	// The leading handler passes every row of the source: the disabled
+	// one, at 2/0 seq 2, holds the rest of September, and the other
+	// source's row keeps August, whose other rows go one by one.
 	moveCursor(t, pool, lead.ID, "2/0", 9)
 	res, err = CleanupBatch(ctx, pool, CleanupOptions{Batch: 1000})
 	require.NoError(t, err)
-	require.Equal(t, []string{"archive_v1.rows_p20260801"}, res.Dropped)
-	require.Equal(t, span("rows_p20260901", "orders", "2/0", 3, 9), left())
+	require.Empty(t, res.Dropped)
+	require.Equal(t, slices.Concat(span("rows_p20260901", "orders", "2/0", 3, 9), other), left())
 	require.Equal(t, 5+3, res.Deleted)
 
-	// Removed, the disabled handler holds nothing: September goes whole.
+	// Removed, the disabled handler holds nothing; the leading one has
+	// passed the other source's row too: both partitions go whole.
 	_, err = handler.Remove(ctx, pool, lag.ID)
 	require.NoError(t, err)
+	moveCursor(t, pool, lead.ID, "3/0", 0)
 	res, err = CleanupBatch(ctx, pool, CleanupOptions{Batch: 1000})
 	require.NoError(t, err)
-	require.Equal(t, []string{"archive_v1.rows_p20260901"}, res.Dropped)
+	require.Equal(t, []string{"archive_v1.rows_p20260801", "archive_v1.rows_p20260901"}, res.Dropped)
 	require.Empty(t, left())
-	require.Equal(t, 7, res.Deleted)
+	require.Equal(t, 1+7, res.Deleted)
 }
