@@ -106,7 +106,11 @@ ORDER BY x.commit_lsn, x.seq`
 // cursorSettleSQL ends a claimed batch in one statement: the cursor
 // passes its range and the batch's deliveries are inserted settled ($9:
 // done or dead), guarded by the claim token (a reclaimed batch inserts
-// nothing). It returns whether the cursor moved and the ids it inserted.
+// nothing). It returns whether the cursor moved, the ids it inserted and
+// the ids of erased rows it left out.
+//
+// A row erased while its batch was in flight is left out: the erasure
+// recorded its delivery stopped, without its key.
 //
 // A delivery whose id exists already (it was queued as a row too) is not
 // inserted again, and the cursor passes it all the same: the batch was
@@ -130,9 +134,12 @@ SELECT u.id::uuid, $1::uuid, $3::text, u.lsn::pg_lsn, u.seq, $4::text, $5::text,
 FROM unnest($13::text[], $14::text[], $15::int[], $16::text[], $17::text[], $18::timestamptz[])
      AS u(id, lsn, seq, key, corr, ct)
 WHERE EXISTS (SELECT 1 FROM adv)
+  AND NOT EXISTS (SELECT 1 FROM epitaph.erased_rows e WHERE e.source = $3::text AND e.commit_lsn = u.lsn::pg_lsn AND e.seq = u.seq)
 ON CONFLICT DO NOTHING
 RETURNING id::text)
-SELECT EXISTS (SELECT 1 FROM adv), ARRAY(SELECT id FROM ins)`
+SELECT EXISTS (SELECT 1 FROM adv), ARRAY(SELECT id FROM ins),
+       ARRAY(SELECT u.id FROM unnest($13::text[], $14::text[], $15::int[]) AS u(id, lsn, seq)
+             WHERE EXISTS (SELECT 1 FROM epitaph.erased_rows e WHERE e.source = $3::text AND e.commit_lsn = u.lsn::pg_lsn AND e.seq = u.seq))`
 
 // cursorSettlePlainSQL is cursorSettleSQL without its ON CONFLICT clause.
 var cursorSettlePlainSQL = strings.Replace(cursorSettleSQL, "ON CONFLICT DO NOTHING\n", "", 1)
@@ -443,12 +450,12 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 		}
 	}
 	var moved bool
-	var inserted []string
+	var inserted, erased []string
 	args := []any{def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
 		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times}
-	err = d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted)
+	err = d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted, &erased)
 	if uniqueViolation(err) {
-		err = d.pool.QueryRow(sctx, cursorSettleSQL, args...).Scan(&moved, &inserted)
+		err = d.pool.QueryRow(sctx, cursorSettleSQL, args...).Scan(&moved, &inserted, &erased)
 	}
 	if err != nil {
 		return fmt.Errorf("settle a batch of %d: %w", len(send), err)
@@ -458,9 +465,9 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 		d.met.stale.Add(float64(len(send)))
 		return nil
 	}
-	if len(inserted) < len(ids) {
+	if dup := missingIDs(ids, append(inserted, erased...)); len(dup) > 0 {
 		d.log.Error("a cursor batch held deliveries that were queued as rows too: they may be sent twice; the cursor passed them",
-			"handler", def.ID, "deliveries", missingIDs(ids, inserted))
+			"handler", def.ID, "deliveries", dup)
 	}
 	return nil
 }
