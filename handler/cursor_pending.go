@@ -129,6 +129,16 @@ func cursorRead(ctx context.Context, db DB, f func(q DB, rows string) error) err
 	return f(q, pgx.Identifier{schema, "rows"}.Sanitize())
 }
 
+// anyCursor reports whether one of defs uses a cursor.
+func anyCursor(defs []Def) bool {
+	for _, d := range defs {
+		if d.UsesCursor() && d.RevokedAt == nil {
+			return true
+		}
+	}
+	return false
+}
+
 // cursorHandlers reads the cursors of defs' cursor handlers, by handler.
 func cursorHandlers(ctx context.Context, q DB, defs []Def) (map[string]*CursorBacklog, error) {
 	uses := map[string]bool{}
@@ -180,7 +190,10 @@ func archiveSources(ctx context.Context, q DB, rowsTable string) ([]string, erro
 // after its cursor in the live archive, counted up to CursorCountCap, and
 // its claimed batch.
 func CursorBacklogs(ctx context.Context, db DB, defs []Def) (map[string]*CursorBacklog, error) {
-	var out map[string]*CursorBacklog
+	out := map[string]*CursorBacklog{}
+	if !anyCursor(defs) {
+		return out, nil
+	}
 	err := cursorRead(ctx, db, func(q DB, rowsTable string) error {
 		var err error
 		if out, err = cursorHandlers(ctx, q, defs); err != nil || len(out) == 0 || rowsTable == "" {
@@ -268,7 +281,7 @@ func ListCursorDeliveries(ctx context.Context, db DB, f Filter) ([]Info, error) 
 		f.Limit = 1000
 	}
 	defs, err := List(ctx, db)
-	if err != nil {
+	if err != nil || !anyCursor(defs) {
 		return nil, err
 	}
 	var out []Info
@@ -354,7 +367,7 @@ func listCursorRows(ctx context.Context, q DB, rowsTable string, d Def, b *Curso
 func cursorInfo(d Def, b *CursorBacklog, source, lsn string, seq int, key []byte, corr string, verified bool, archivedAt time.Time) Info {
 	i := Info{ID: DeliveryID(d.ID, source, lsn, seq, 0), HandlerID: d.ID, Schema: d.Schema, Table: d.Table,
 		CorrelationID: corr, State: StatePending, Phase: d.Phase, Priority: d.Priority, Released: true, Verified: verified,
-		NextAttemptAt: archivedAt, CreatedAt: archivedAt, UpdatedAt: archivedAt}
+		FromArchive: true, NextAttemptAt: archivedAt, CreatedAt: archivedAt, UpdatedAt: archivedAt}
 	if len(key) > 0 {
 		i.Key = json.RawMessage(append([]byte(nil), key...))
 	}
@@ -373,4 +386,30 @@ func cursorInfo(d Def, b *CursorBacklog, source, lsn string, seq int, key []byte
 func lsnSeqAfter(lsn string, seq int, toLSN string, toSeq int) bool {
 	a, b := parseLSN(lsn), parseLSN(toLSN)
 	return a > b || (a == b && seq > toSeq)
+}
+
+// ListWithCursors lists deliveries as ListDeliveries does, and beside
+// them the cursor handlers' pending and in-flight ones from the archive
+// (ListCursorDeliveries, FromArchive set), newest first, at most f.Limit.
+func ListWithCursors(ctx context.Context, db DB, f Filter) ([]Info, error) {
+	if f.Limit <= 0 {
+		f.Limit = 1000
+	}
+	queued, err := ListDeliveries(ctx, db, f)
+	if err != nil {
+		return nil, err
+	}
+	cursor, err := ListCursorDeliveries(ctx, db, f)
+	if err != nil {
+		return nil, err
+	}
+	if len(cursor) == 0 {
+		return queued, nil
+	}
+	out := append(queued, cursor...)
+	sort.SliceStable(out, func(i, j int) bool { return out[i].CreatedAt.After(out[j].CreatedAt) })
+	if len(out) > f.Limit {
+		out = out[:f.Limit]
+	}
+	return out, nil
 }

@@ -122,6 +122,28 @@ FROM (
 ) d
 GROUP BY 1, 2, 3`
 
+// OpenStats counts the open and dead deliveries by handler and state, as
+// StatsReader does at each read (the pending, in-flight and dead ones
+// through partial indexes, a cursor handler's pending and in-flight ones
+// from the archived rows after its cursor, up to CursorCountCap), without
+// the done and stopped ones. Handlers with none appear with state "" and
+// count 0.
+func OpenStats(ctx context.Context, db DB) ([]Stat, error) {
+	open, err := queryStats(ctx, db, openStatsSQL)
+	if err != nil {
+		return nil, err
+	}
+	defs, err := List(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	cursors, err := cursorStats(ctx, db, defs)
+	if err != nil {
+		return nil, err
+	}
+	return mergeStats(defs, open, cursors), nil
+}
+
 // finishedStatsSQL counts the done and stopped deliveries: the whole
 // table, so StatsReader runs it in the background, at most every
 // FinishedStatsRefresh.

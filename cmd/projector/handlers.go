@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -222,16 +223,36 @@ func handlersShowCommand(env *Env) *cobra.Command {
 			for _, s := range handler.States {
 				counts[s] = 0
 			}
+			var atLeast []string
+			var oldest float64
 			for _, s := range stats {
 				if s.HandlerID == d.ID && s.State != "" {
 					counts[s.State] = s.Count
+					if s.AtLeast {
+						atLeast = append(atLeast, s.State)
+					}
+					if s.State == handler.StatePending {
+						oldest = s.OldestSec
+					}
 				}
+			}
+			var cursor *handler.CursorBacklog
+			if d.UsesCursor() {
+				bs, err := handler.CursorBacklogs(ctx, pool, []handler.Def{d})
+				if err != nil {
+					return err
+				}
+				cursor = bs[d.ID]
 			}
 			if *asJSON {
 				return writeJSON(env.Stdout, struct {
 					handlerOut
 					Deliveries map[string]int64 `json:"deliveries"`
-				}{handlerJSON(d), counts})
+					// AtLeast: the states whose count is a lower bound.
+					AtLeast          []string               `json:"deliveries_at_least,omitempty"`
+					OldestPendingSec float64                `json:"oldest_pending_age_seconds"`
+					Cursor           *handler.CursorBacklog `json:"cursor,omitempty"`
+				}{handlerJSON(d), counts, atLeast, oldest, cursor})
 			}
 			tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
 			line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
@@ -258,12 +279,45 @@ func handlersShowCommand(env *Env) *cobra.Command {
 				line("signing", signingSummary(d.SecretFile, time.Now()))
 			}
 			for _, s := range handler.States {
+				if slices.Contains(atLeast, s) {
+					line("deliveries "+s, fmt.Sprintf("at least %d (counted up to %d)", counts[s], handler.CursorCountCap))
+					continue
+				}
 				line("deliveries "+s, counts[s])
+			}
+			if counts[handler.StatePending] > 0 {
+				line("oldest pending", time.Duration(oldest*float64(time.Second)).Truncate(time.Second))
+			}
+			if d.UsesCursor() {
+				writeCursor(line, cursor)
 			}
 			return tw.Flush()
 		})
 	}
 	return cmd
+}
+
+// writeCursor says where a cursor handler's deliveries stand: its cursor
+// and its claimed batch.
+func writeCursor(line func(string, any), b *handler.CursorBacklog) {
+	if b == nil {
+		line("cursor", "none: the handler delivers nothing until it has one")
+		return
+	}
+	line("cursor", fmt.Sprintf("%s seq %d (pending deliveries are the archived rows after it)", b.CommitLSN, b.Seq))
+	switch {
+	case b.ClaimedToLSN == nil || b.ClaimedToSeq == nil:
+		line("batch", "none claimed")
+	case b.Claimed:
+		exp := ""
+		if b.ClaimExpiresAt != nil {
+			exp = ", claim expires " + b.ClaimExpiresAt.UTC().Format(time.RFC3339)
+		}
+		line("batch", fmt.Sprintf("in flight up to %s seq %d, attempt %d%s", *b.ClaimedToLSN, *b.ClaimedToSeq, b.Attempt, exp))
+	default:
+		line("batch", fmt.Sprintf("up to %s seq %d failed attempt %d, next attempt %s", *b.ClaimedToLSN, *b.ClaimedToSeq,
+			b.Attempt, b.NextAttemptAt.UTC().Format(time.RFC3339)))
+	}
 }
 
 // notFound makes a missing handler or delivery exit 3 ("cannot").
@@ -364,6 +418,12 @@ completion now.`,
 
 func deliveriesListCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{Use: "list", Short: "list deliveries, newest first, without payloads",
+		Long: `list lists deliveries, newest first, without payloads. A cursor handler's
+pending and in-flight deliveries (a webhook batching without revalidation)
+have no row until their batch settles: they are listed from the archived
+rows after its cursor, with the ids their deliveries carry ("from_archive":
+true in --json, "(archive)" after the state otherwise); "deliveries show",
+retry and discard find them once settled.`,
 		Example: "  projector deliveries list --handler 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --state dead --json", Args: cli.NoArgs}
 	c := commonFlags(cmd, env)
 	var f handler.Filter
@@ -386,7 +446,7 @@ func deliveriesListCommand(env *Env) *cobra.Command {
 			f.Schema, f.Table = s, t
 		}
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
-			ds, err := handler.ListDeliveries(ctx, pool, f)
+			ds, err := handler.ListWithCursors(ctx, pool, f)
 			if err != nil {
 				return err
 			}
@@ -402,8 +462,12 @@ func deliveriesListCommand(env *Env) *cobra.Command {
 
 func writeDeliveries(w io.Writer, ds []handler.Info, now time.Time) {
 	writeTable(w, "ID\tHANDLER\tTABLE\tKEY\tSTATE\tATTEMPT\tOUTCOME\tAGE\tLAST ERROR", ds, "(no deliveries)", func(w io.Writer, d handler.Info) {
+		state := d.State
+		if d.FromArchive {
+			state += " (archive)"
+		}
 		fmt.Fprintf(w, "%s\t%s\t%s.%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.HandlerID, d.Schema, d.Table, oneLine(string(d.Key), 40),
-			d.State, d.Attempt, deref(d.Outcome), now.Sub(d.CreatedAt).Truncate(time.Second), deref(d.LastError))
+			state, d.Attempt, deref(d.Outcome), now.Sub(d.CreatedAt).Truncate(time.Second), deref(d.LastError))
 	})
 }
 
