@@ -105,4 +105,13 @@ func TestCursorHandlerBacklogInTheCommands(t *testing.T) {
 	out, err = run("deliveries", "list", "--state", "dead", "--json")
 	require.NoError(t, err, out)
 	require.JSONEq(t, `[]`, out)
+
+	// Revoked: its rows after the cursor are not sent, and said so.
+	out, err = run("handlers", "revoke", id)
+	require.NoError(t, err, out)
+	require.Contains(t, out, "3 pending deliveries (archived rows after its cursor) are not sent")
+	out, err = run("handlers", "show", id)
+	require.NoError(t, err, out)
+	require.Regexp(t, `(?m)^deliveries pending:\s+0$`, out)
+	require.Regexp(t, `(?m)^cursor:\s+revoked`, out)
 }

@@ -288,7 +288,10 @@ func handlersShowCommand(env *Env) *cobra.Command {
 			if counts[handler.StatePending] > 0 {
 				line("oldest pending", time.Duration(oldest*float64(time.Second)).Truncate(time.Second))
 			}
-			if d.UsesCursor() {
+			switch {
+			case d.UsesCursor() && d.RevokedAt != nil:
+				line("cursor", "revoked: the rows after it are not sent")
+			case d.UsesCursor():
 				writeCursor(line, cursor)
 			}
 			return tw.Flush()
@@ -370,7 +373,7 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 	cmd := &cobra.Command{Use: verb + " <id>", Short: short, Example: "  projector handlers " + verb + " 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90",
 		Args: cli.Args(1)}
 	c := commonFlags(cmd, env)
-	asJSON := jsonFlag(cmd, `{"id", "stopped": open deliveries stopped, "outcome"}`)
+	asJSON := jsonFlag(cmd, `{"id", "stopped": open deliveries stopped, "outcome", "not_sent": a cursor handler's pending rows}`)
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
 		ctx := cmd.Context()
 		if !handler.ValidID(args[0]) {
@@ -381,14 +384,35 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if verb == "remove" {
 				end = handler.Remove
 			}
+			// A cursor handler's pending deliveries have no rows to
+			// stop: say how many are not sent.
+			var backlog *handler.CursorBacklog
+			if d, err := handler.Get(ctx, pool, args[0]); err == nil && d.UsesCursor() {
+				bs, err := handler.CursorBacklogs(ctx, pool, []handler.Def{d})
+				if err != nil {
+					return err
+				}
+				backlog = bs[d.ID]
+			}
 			n, err := end(ctx, pool, args[0])
 			if err != nil {
 				return notFound(err)
 			}
 			if *asJSON {
-				return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
+				out := map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome}
+				if backlog != nil {
+					out["not_sent"], out["not_sent_at_least"] = backlog.Pending, backlog.AtLeast
+				}
+				return writeJSON(env.Stdout, out)
 			}
 			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], verb, n, outcome)
+			if backlog != nil && backlog.Pending > 0 {
+				atLeast := ""
+				if backlog.AtLeast {
+					atLeast = "at least "
+				}
+				fmt.Fprintf(env.Stdout, "%s%d pending deliveries (archived rows after its cursor) are not sent\n", atLeast, backlog.Pending)
+			}
 			return nil
 		})
 	}
