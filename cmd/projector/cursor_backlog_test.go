@@ -106,6 +106,15 @@ func TestCursorHandlerBacklogInTheCommands(t *testing.T) {
 	require.NoError(t, err, out)
 	require.JSONEq(t, `[]`, out)
 
+	// Nothing is behind the archive's horizon (no partition has a
+	// watermark): flush sends nothing, and says what it left.
+	out, err = run("deliveries", "flush", "--timeout", "20s", "--json")
+	require.NoError(t, err, out)
+	require.JSONEq(t, `{"remaining": 0, "cursor_pending": 3, "cursor_pending_at_least": false}`, out)
+	out, err = run("deliveries", "flush", "--timeout", "20s")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "no queued deliveries left; 3 pending after cursor handlers' cursors")
+
 	// Revoked: its rows after the cursor are not sent, and said so.
 	out, err = run("handlers", "revoke", id)
 	require.NoError(t, err, out)

@@ -603,8 +603,11 @@ func deliveriesFlushCommand(env *Env) *cobra.Command {
 		Long: `flush claims and runs due deliveries in this process (beside any running
 projector) until none that it can run is pending and released or in flight,
 waiting out backoffs. Deliveries waiting for their group, of disabled handlers
-or of Go handlers are not waited for. Exit 0 when done, 2 when --timeout
-passed first (naming how many remain).`,
+or of Go handlers are not waited for. A cursor handler's rows that cannot
+be sent yet (not yet verified, past the archive's horizon, or a batch
+waiting for its retry) are not waited for either: flush names how many
+are left after the cursors. Exit 0 when done, 2 when --timeout passed
+first (naming how many remain).`,
 		Example: "  projector deliveries flush --timeout 2m --json", Args: cli.NoArgs}
 	c := commonFlags(cmd, env)
 	var timeout time.Duration
@@ -613,7 +616,7 @@ passed first (naming how many remain).`,
 	cli.Local(cmd).Int(&parallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "deliveries run at once", cli.Min(1))
 	var sourceURL string
 	sourceURLFlag(cli.Local(cmd), &sourceURL)
-	asJSON := jsonFlag(cmd, `{"remaining": n}`)
+	asJSON := jsonFlag(cmd, `{"remaining": n, "cursor_pending": rows after cursor handlers' cursors (when any)}`)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 		defer cancel()
@@ -639,8 +642,19 @@ passed first (naming how many remain).`,
 			if err != nil && ctx.Err() == nil {
 				return err
 			}
+			// What the cursor handlers still have after their cursors
+			// (rows not yet verified or past the archive's horizon, a
+			// batch waiting for its retry): not waited for, but said.
+			cursorLeft, atLeast, cerr := cursorPending(context.WithoutCancel(ctx), pool)
+			if cerr != nil {
+				return cerr
+			}
 			if *asJSON {
-				if werr := writeJSON(env.Stdout, map[string]int{"remaining": max(left, 0)}); werr != nil {
+				out := map[string]any{"remaining": max(left, 0)}
+				if cursorLeft > 0 {
+					out["cursor_pending"], out["cursor_pending_at_least"] = cursorLeft, atLeast
+				}
+				if werr := writeJSON(env.Stdout, out); werr != nil {
 					return werr
 				}
 			}
@@ -648,12 +662,44 @@ passed first (naming how many remain).`,
 				return cli.WithCode(cli.ExitTimeout, fmt.Errorf("flush: %d deliveries still open after %s", max(left, 0), timeout))
 			}
 			if !*asJSON {
+				if cursorLeft > 0 {
+					fmt.Fprintf(env.Stdout, "flushed: no queued deliveries left; %s%d pending after cursor handlers' cursors "+
+						"(rows not yet verified or past the archive's horizon, or a batch waiting for its retry)\n",
+						map[bool]string{true: "at least "}[atLeast], cursorLeft)
+					return nil
+				}
 				fmt.Fprintln(env.Stdout, "flushed: no open deliveries left")
 			}
 			return nil
 		})
 	}
 	return cmd
+}
+
+// cursorPending sums the pending and in-flight deliveries of the enabled
+// cursor handlers (whether the sum is a lower bound).
+func cursorPending(ctx context.Context, pool *pgxpool.Pool) (int64, bool, error) {
+	defs, err := handler.List(ctx, pool)
+	if err != nil {
+		return 0, false, err
+	}
+	var enabled []handler.Def
+	for _, d := range defs {
+		if d.Enabled {
+			enabled = append(enabled, d)
+		}
+	}
+	bs, err := handler.CursorBacklogs(ctx, pool, enabled)
+	if err != nil {
+		return 0, false, err
+	}
+	var n int64
+	var atLeast bool
+	for _, b := range bs {
+		n += b.Pending + b.InFlight
+		atLeast = atLeast || b.AtLeast
+	}
+	return n, atLeast, nil
 }
 
 // signingSummary says, without a secret, how a webhook is signed now.
