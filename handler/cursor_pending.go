@@ -118,9 +118,12 @@ func cursorRead(ctx context.Context, db DB, f func(q DB, rows string) error) err
 		}
 	}
 	var schema string
-	err := q.QueryRow(ctx, `SELECT schema_name FROM epitaph.projection_versions WHERE projection = $1 AND state = 'live'`,
-		archiveProjection).Scan(&schema)
-	if errors.Is(err, pgx.ErrNoRows) {
+	var exists bool
+	err := q.QueryRow(ctx, `SELECT schema_name, to_regclass(format('%I.rows', schema_name)) IS NOT NULL
+		FROM epitaph.projection_versions WHERE projection = $1 AND state = 'live'`,
+		archiveProjection).Scan(&schema, &exists)
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && !exists) {
+		// No live archive, or one without rows yet: nothing is pending.
 		return f(q, "")
 	}
 	if err != nil {

@@ -2,6 +2,7 @@ package statuspage_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -84,11 +85,21 @@ func TestCursorHandlerBacklogOnThePage(t *testing.T) {
 		SELECT 'main', 'public', 'attachments', jsonb_build_object('id', g), jsonb_build_object('id', g), 'main:' || g,
 		       ('0/' || to_hex(4096 + g))::pg_lsn, now(), 0, now() - interval '3 hours'
 		FROM generate_series(1, 7) g`)
+	// Another one's backlog is larger than the count's cap.
+	const big = "4d0f3c8b-2e5a-4f7b-9c6d-8e0f1a2b3c4d"
+	def.ID, def.Table = big, "blobs"
+	require.NoError(t, handler.Add(ctx, pool, def))
+	testenv.Exec(t, url, fmt.Sprintf(`INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, correlation_id,
+		commit_lsn, commit_time, seq)
+		SELECT 'main', 'public', 'blobs', jsonb_build_object('id', g), jsonb_build_object('id', g), 'main:' || g,
+		       ('1/' || to_hex(g))::pg_lsn, now(), 0
+		FROM generate_series(1, %d) g`, handler.CursorCountCap+1))
 	h := statuspage.Handler(func(context.Context) (*status.Status, error) {
 		return &status.Status{Source: "main", At: time.Now()}, nil
 	}, statuspage.WithHandlerStats(pool, time.Second))
 	_, _, body := get(t, h, "/")
 	require.Contains(t, body, `data-handler="`+id+`"`)
 	require.Contains(t, body, `data-testid="handler-pending">7<`, body)
+	require.Contains(t, body, fmt.Sprintf(`data-testid="handler-pending">at least %d<`, handler.CursorCountCap), body)
 	require.Contains(t, body, `data-testid="handler-oldest"><span class="badge no">3h`, body)
 }
