@@ -166,9 +166,10 @@ const finishedStatsTimeout = 2 * time.Minute
 // StatsReader reads deliveries by handler and state for the metrics: the
 // pending, in-flight and dead ones exactly at every read (a look through
 // partial indexes; a cursor handler's pending and in-flight ones, the
-// archived rows after its cursor, up to CursorCountCap), the done and stopped ones from a count of the whole
-// table taken in the background at most every refresh, served as of that
-// count (none until the first one ends).
+// archived rows after its cursor, up to CursorCountCap), the done and
+// stopped ones from a count of the whole table taken in the background at
+// most every refresh, served as of that count (none until the first one
+// ends).
 type StatsReader struct {
 	db      DB
 	refresh time.Duration
