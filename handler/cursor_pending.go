@@ -30,8 +30,9 @@ type CursorBacklog struct {
 	CommitLSN string `json:"commit_lsn"`
 	Seq       int    `json:"seq"`
 	// ClaimedToLSN and ClaimedToSeq end the claimed batch (nil: none). It
-	// is in flight while its claim is held (Claimed), waiting for its next
-	// attempt (NextAttemptAt) after a failure otherwise.
+	// is in flight while its claim is held and not expired (Claimed),
+	// pending otherwise: waiting for its next attempt (NextAttemptAt)
+	// after a failure, or to be claimed again after its claim expired.
 	ClaimedToLSN   *string    `json:"claimed_to_lsn,omitempty"`
 	ClaimedToSeq   *int       `json:"claimed_to_seq,omitempty"`
 	Claimed        bool       `json:"claimed"`
@@ -53,10 +54,12 @@ type CursorBacklog struct {
 }
 
 // cursorsSQL reads the cursors of the handlers not revoked (a revoked
-// handler's rows are not delivered: nothing of it is pending).
+// handler's rows are not delivered: nothing of it is pending). A claim
+// that expired (its dispatcher died) is not held: its batch waits to be
+// claimed again, pending.
 const cursorsSQL = `
 SELECT c.handler_id::text, c.commit_lsn::text, c.seq, c.claimed_to_lsn::text, c.claimed_to_seq,
-       c.claim_token IS NOT NULL, c.claim_expires_at, c.attempt, c.next_attempt_at
+       c.claim_token IS NOT NULL AND c.claim_expires_at >= now(), c.claim_expires_at, c.attempt, c.next_attempt_at
 FROM epitaph.handler_cursors c JOIN epitaph.handlers h ON h.id = c.handler_id
 WHERE h.revoked_at IS NULL`
 

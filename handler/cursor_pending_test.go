@@ -187,6 +187,45 @@ func TestCursorHandlerBacklogBeyondTheCapIsALowerBound(t *testing.T) {
 	require.True(t, statsOf(stats, def.ID)[StatePending].AtLeast)
 }
 
+// A claimed batch whose claim expired (its dispatcher died) is not in
+// flight: its rows are pending, with their attempt, and their age counts
+// for the backlog.
+func TestCursorHandlerExpiredClaimIsPending(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	def := Def{ID: newUUID(), Schema: "public", Table: "orders", Kind: KindWebhook, Target: "https://example.invalid/hook",
+		MaxAttempts: 5, Backoff: time.Second, ClaimTimeout: 500 * time.Millisecond, BatchSize: 2, BatchWait: 50 * time.Millisecond}
+	require.NoError(t, Add(ctx, e.pool, def))
+	lsns := e.archive("orders", true, 1, 2)
+	_, err := e.pool.Exec(ctx, `UPDATE archive_v1.rows SET archived_at = now() - interval '1 hour'`)
+	require.NoError(t, err)
+	e.horizon(lsns[1])
+	d, err := NewDispatcher(e.pool, Config{})
+	require.NoError(t, err)
+	live, err := d.live(ctx)
+	require.NoError(t, err)
+	send, _, _, err := d.cursorClaim(ctx, def, live) // claimed, never sent: the dispatcher died
+	require.NoError(t, err)
+	require.Len(t, send, 2)
+	stats, err := Stats(ctx, e.pool)
+	require.NoError(t, err)
+	s := statsOf(stats, def.ID)
+	require.Equal(t, int64(2), s[StateInFlight].Count)
+	require.Zero(t, s[StatePending].Count)
+
+	time.Sleep(600 * time.Millisecond)
+	stats, err = Stats(ctx, e.pool)
+	require.NoError(t, err)
+	s = statsOf(stats, def.ID)
+	require.Zero(t, s[StateInFlight].Count)
+	require.Equal(t, int64(2), s[StatePending].Count)
+	require.Greater(t, s[StatePending].OldestSec, 1800.0)
+	list, err := ListCursorDeliveries(ctx, e.pool, Filter{HandlerID: def.ID, State: StatePending})
+	require.NoError(t, err)
+	require.Len(t, list, 2)
+	require.Equal(t, 1, list[0].Attempt)
+}
+
 func infoIDs(is []Info) []string {
 	out := make([]string, len(is))
 	for i, x := range is {

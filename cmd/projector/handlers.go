@@ -317,6 +317,9 @@ func writeCursor(line func(string, any), b *handler.CursorBacklog) {
 			exp = ", claim expires " + b.ClaimExpiresAt.UTC().Format(time.RFC3339)
 		}
 		line("batch", fmt.Sprintf("in flight up to %s seq %d, attempt %d%s", *b.ClaimedToLSN, *b.ClaimedToSeq, b.Attempt, exp))
+	case b.ClaimExpiresAt != nil:
+		line("batch", fmt.Sprintf("up to %s seq %d, attempt %d: its claim expired %s (its dispatcher stopped); claimed again by the next one",
+			*b.ClaimedToLSN, *b.ClaimedToSeq, b.Attempt, b.ClaimExpiresAt.UTC().Format(time.RFC3339)))
 	default:
 		line("batch", fmt.Sprintf("up to %s seq %d failed attempt %d, next attempt %s", *b.ClaimedToLSN, *b.ClaimedToSeq,
 			b.Attempt, b.NextAttemptAt.UTC().Format(time.RFC3339)))
