@@ -341,6 +341,10 @@ type Info struct {
 	SettledAt         *time.Time      `json:"settled_at"`
 	// Payload is set by Show only.
 	Payload json.RawMessage `json:"payload,omitempty"`
+	// FromArchive: a cursor handler's pending or in-flight delivery,
+	// listed from the archived row after its cursor; it has no row in
+	// epitaph.deliveries until its batch settles (ListCursorDeliveries).
+	FromArchive bool `json:"from_archive,omitempty"`
 }
 
 const infoColumns = `id::text, handler_id::text, schema_name, table_name, key, correlation_id, state, attempt, outcome,
