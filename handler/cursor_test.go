@@ -2,6 +2,7 @@ package handler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -21,6 +22,7 @@ import (
 // partitions) whose rows are written directly.
 type cursorEnv struct {
 	t    *testing.T
+	dsn  string
 	pool *pgxpool.Pool
 	lsn  int
 }
@@ -28,7 +30,8 @@ type cursorEnv struct {
 func newCursorEnv(t *testing.T) *cursorEnv {
 	t.Helper()
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
+	dsn := testenv.NewDatabase(t)
+	pool, err := pgxpool.New(ctx, dsn)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	require.NoError(t, migrations.Apply(ctx, pool))
@@ -37,7 +40,7 @@ func newCursorEnv(t *testing.T) *cursorEnv {
 		_, err := archive.EnsurePartitions(ctx, tx, archive.Schema(1), archive.DefaultPeriod, time.Now())
 		return err
 	}))
-	return &cursorEnv{t: t, pool: pool, lsn: 0x1000}
+	return &cursorEnv{t: t, dsn: dsn, pool: pool, lsn: 0x1000}
 }
 
 // archive writes rows of table (keys) in one transaction each, verified
@@ -70,8 +73,70 @@ func (e *cursorEnv) flush(d *Dispatcher) {
 	e.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	_, err := d.Flush(ctx)
+	left, err := d.Flush(ctx)
 	require.NoError(e.t, err)
+	require.Zero(e.t, left, "deliveries left open")
+}
+
+// handler adds a cursor handler of public.orders (batch 3) to target;
+// mod adjusts it first.
+func (e *cursorEnv) handler(target, secret string, mod ...func(*Def)) Def {
+	e.t.Helper()
+	def := Def{ID: newUUID(), Schema: "public", Table: "orders", Kind: KindWebhook, Target: target, MaxAttempts: 5,
+		Backoff: time.Millisecond, ClaimTimeout: 30 * time.Second, BatchSize: 3, BatchWait: time.Second,
+		SecretFile: writeSecret(e.t, secret)}
+	for _, m := range mod {
+		m(&def)
+	}
+	require.NoError(e.t, Add(context.Background(), e.pool, def))
+	def, err := Get(context.Background(), e.pool, def.ID)
+	require.NoError(e.t, err)
+	require.True(e.t, def.UsesCursor())
+	return def
+}
+
+// dispatcher is a dispatcher on the env's pool.
+func (e *cursorEnv) dispatcher() *Dispatcher {
+	e.t.Helper()
+	d, err := NewDispatcher(e.pool, Config{Poll: 20 * time.Millisecond})
+	require.NoError(e.t, err)
+	return d
+}
+
+// settled returns "state:outcome:attempt" of handler's deliveries in
+// commit order.
+func (e *cursorEnv) settled(handlerID string) []string {
+	e.t.Helper()
+	rows, err := e.pool.Query(context.Background(), `SELECT state || ':' || COALESCE(outcome, '') || ':' || attempt
+		FROM epitaph.deliveries WHERE handler_id = $1 ORDER BY commit_lsn, seq`, handlerID)
+	require.NoError(e.t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(e.t, err)
+	return out
+}
+
+// cursorAt returns handler's cursor position and whether it has one.
+func (e *cursorEnv) cursorAt(handlerID string) (string, bool) {
+	e.t.Helper()
+	var lsn string
+	err := e.pool.QueryRow(context.Background(), `SELECT commit_lsn::text FROM epitaph.handler_cursors WHERE handler_id = $1`,
+		handlerID).Scan(&lsn)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", false
+	}
+	require.NoError(e.t, err)
+	return lsn, true
+}
+
+// answers returns a receiver's answer function giving codes in turn,
+// then 200.
+func answers(codes ...int) func(int) int {
+	return func(n int) int {
+		if n <= len(codes) {
+			return codes[n-1]
+		}
+		return 200
+	}
 }
 
 // A cursor handler's deliveries are the verified archived rows of its
@@ -148,4 +213,148 @@ func TestCursorHandlerDeliversArchivedRowsOnceInBatches(t *testing.T) {
 	states, err = pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	require.Equal(t, strings.Split("done:2 done:2 done:2 done:1 done:1 done:1", " "), states)
+}
+
+// Each cursor handler claims its own batches: three handlers of batch size
+// 100 on three tables whose 300 rows are interleaved in commit order send
+// three full batches, without waiting for their batch wait, and Flush
+// sends the same three (where the queued path's claims, ordered across
+// handlers, need room for every handler's batch: see
+// TestClaimFillsTheBatchesOfEveryBatchingHandler).
+func TestCursorHandlersEachFillTheirOwnBatches(t *testing.T) {
+	for _, flush := range []bool{false, true} {
+		t.Run(fmt.Sprintf("flush=%v", flush), func(t *testing.T) {
+			e := newCursorEnv(t)
+			ctx := context.Background()
+			secret := NewSecret()
+			br, srv := newBatchReceiver(t, secret, answers())
+			tables := []string{"a", "b", "c"}
+			for _, tb := range tables {
+				e.handler(srv.URL, secret, func(d *Def) {
+					d.Table, d.BatchSize, d.BatchWait, d.ClaimTimeout = tb, 100, 5*time.Second, time.Minute
+				})
+			}
+			var last []string
+			for i := range 300 {
+				last = e.archive(tables[i%3], true, i+1)
+			}
+			e.horizon(last[0])
+			d := e.dispatcher()
+			start := time.Now()
+			if flush {
+				e.flush(d)
+			} else {
+				require.NoError(t, d.Start(ctx))
+				eventually(t, func() bool { return len(br.got()) == 3 }, "three batches")
+				require.Less(t, time.Since(start), 5*time.Second, "full batches do not wait")
+				sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+				defer cancel()
+				require.NoError(t, d.Stop(sctx))
+				require.NoError(t, d.Wait())
+			}
+			posts := br.got()
+			require.Len(t, posts, 3)
+			seen := map[string]bool{}
+			for _, p := range posts {
+				require.Len(t, p.ds, 100)
+				for _, id := range ids(p) {
+					require.False(t, seen[id], "delivery %s sent once", id)
+					seen[id] = true
+				}
+			}
+			var done int
+			require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done))
+			require.Equal(t, 300, done)
+		})
+	}
+}
+
+// A batch whose claim expired is reclaimed as an attempt, as a queued
+// delivery's is: re-sent while attempts remain, and written dead
+// (claim_expired, no POST) when the expired claim was the last attempt;
+// the cursor passes it. A permanent answer (4xx but 408 and 429) makes
+// the batch dead at once; 429 is retried.
+func TestCursorBatchDeadAtAnExpiredLastClaimOrAPermanentAnswer(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers(200, 400, 429, 200))
+	def := e.handler(srv.URL, secret, func(d *Def) {
+		d.BatchSize, d.MaxAttempts, d.ClaimTimeout, d.BatchWait = 2, 2, 300*time.Millisecond, 10*time.Millisecond
+	})
+	d := e.dispatcher()
+	// A dispatcher that claims a batch and dies before sending it.
+	dies := func() {
+		t.Helper()
+		live, err := d.live(ctx)
+		require.NoError(t, err)
+		send, _, _, err := d.cursorClaim(ctx, def, live)
+		require.NoError(t, err)
+		require.Len(t, send, 2)
+		eventually(t, func() bool {
+			var expired bool
+			require.NoError(t, e.pool.QueryRow(ctx, `SELECT claim_expires_at < now() FROM epitaph.handler_cursors
+				WHERE handler_id = $1`, def.ID).Scan(&expired))
+			return expired
+		}, "the claim expires")
+	}
+
+	e.horizon(e.archive("orders", true, 1, 2)[1])
+	dies()
+	e.flush(d)
+	posts := br.got()
+	require.Len(t, posts, 1, "reclaimed with an attempt left: sent")
+	require.Equal(t, "2", posts[0].attempt)
+	require.Equal(t, []string{"done:done:2", "done:done:2"}, e.settled(def.ID))
+
+	e.horizon(e.archive("orders", true, 3, 4)[1])
+	dies()
+	dies()
+	e.flush(d)
+	require.Equal(t, 1, len(br.got()), "an expired last attempt is not sent again")
+	require.Equal(t, []string{"done:done:2", "done:done:2", "dead:claim_expired:2", "dead:claim_expired:2"}, e.settled(def.ID))
+
+	e.horizon(e.archive("orders", true, 5, 6)[1])
+	e.flush(d)
+	require.Equal(t, 2, len(br.got()), "400: dead after one POST")
+	e.horizon(e.archive("orders", true, 7, 8)[1])
+	e.flush(d)
+	posts = br.got()
+	require.Len(t, posts, 4, "429: retried")
+	require.Equal(t, ids(posts[2]), ids(posts[3]))
+	got := e.settled(def.ID)
+	require.Equal(t, []string{"dead:failed:1", "dead:failed:1", "done:done:2", "done:done:2"}, got[4:])
+	var lastErr string
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT last_error FROM epitaph.deliveries WHERE handler_id = $1
+		AND outcome = 'failed'LIMIT 1`, def.ID).Scan(&lastErr))
+	require.Contains(t, lastErr, "code=http_400")
+	at, ok := e.cursorAt(def.ID)
+	require.True(t, ok)
+	require.Equal(t, fmt.Sprintf("0/%X", e.lsn), at, "the cursor passed every batch")
+}
+
+// Flush waits out a failed cursor batch's backoff, as it does a queued
+// delivery's, and when ctx ends first it returns how many deliveries are
+// still open, without an error.
+func TestFlushWaitsOutAFailedCursorBatchsBackoff(t *testing.T) {
+	e := newCursorEnv(t)
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers(503))
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = 300 * time.Millisecond })
+	e.horizon(e.archive("orders", true, 1, 2, 3)[2])
+	e.flush(e.dispatcher())
+	posts := br.got()
+	require.Len(t, posts, 2, "refused, then retried after the backoff within one Flush")
+	require.GreaterOrEqual(t, posts[1].at.Sub(posts[0].at), 200*time.Millisecond, "the backoff (300 ms, ±25%%)")
+	require.Equal(t, []string{"done:done:2", "done:done:2", "done:done:2"}, e.settled(def.ID))
+
+	slow, slowSrv := newBatchReceiver(t, secret, answers(503))
+	e.handler(slowSrv.URL, secret, func(d *Def) { d.Table, d.Backoff = "customers", time.Hour })
+	e.horizon(e.archive("customers", true, 1, 2)[1])
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	left, err := e.dispatcher().Flush(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 2, left, "the failed batch's two deliveries wait for their retry")
+	require.Len(t, slow.got(), 1)
 }
