@@ -358,3 +358,144 @@ func TestFlushWaitsOutAFailedCursorBatchsBackoff(t *testing.T) {
 	require.Equal(t, 2, left, "the failed batch's two deliveries wait for their retry")
 	require.Len(t, slow.got(), 1)
 }
+
+// archiveQueued archives rows of public.orders as archive does and queues
+// them as the apply does (for the handlers on the queued path).
+func (e *cursorEnv) archiveQueued(keys ...int) []string {
+	e.t.Helper()
+	ctx := context.Background()
+	lsns := e.archive("orders", true, keys...)
+	rows := make([]Row, len(keys))
+	for i, k := range keys {
+		ct := time.Now()
+		rows[i] = Row{Source: "main", Schema: "public", Table: "orders", Key: []byte(fmt.Sprintf(`{"id": %d}`, k)),
+			Image: []byte(fmt.Sprintf(`{"id": %d, "note": "n-%d"}`, k, k)), CorrelationID: "main:" + lsns[i],
+			CommitLSN: lsns[i], CommitTime: &ct, Verified: true, Committed: true}
+	}
+	c := NewCache(e.pool, time.Millisecond)
+	require.NoError(e.t, c.Refresh(ctx))
+	require.NoError(e.t, pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+		_, err := Enqueue(ctx, tx, c, "archive", 1, rows)
+		return err
+	}))
+	return lsns
+}
+
+// sentIDs are the delivery ids a receiver got, in order.
+func sentIDs(br *batchReceiver) []string {
+	var out []string
+	for _, p := range br.got() {
+		out = append(out, ids(p)...)
+	}
+	return out
+}
+
+func idsOf(handlerID string, lsns ...string) []string {
+	out := make([]string, len(lsns))
+	for i, l := range lsns {
+		out[i] = DeliveryID(handlerID, "main", l, 0, 0)
+	}
+	return out
+}
+
+// A cursor handler's lifecycle does to its pending rows what a queued
+// handler's does to its queued deliveries, side by side on one table:
+// neither delivers rows archived before it existed; disabled, both wait
+// and go out on enable; revoke and remove stop every pending one (a batch
+// in flight included, its attempt kept) as stop_revoked / stop_completed,
+// with the same count, and deliver nothing afterwards; remove deletes the
+// cursor.
+func TestCursorHandlerLifecycleMatchesTheQueuedPath(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	qr, qsrv := newBatchReceiver(t, secret, answers())
+	cr, csrv := newBatchReceiver(t, secret, answers())
+	pair := func() (q, c Def) {
+		t.Helper()
+		base := Def{Schema: "public", Table: "orders", Kind: KindWebhook, MaxAttempts: 5, Backoff: time.Millisecond,
+			ClaimTimeout: 30 * time.Second, BatchSize: 2, BatchWait: time.Second, SecretFile: writeSecret(t, secret)}
+		q, c = base, base
+		q.ID, q.Target, q.Revalidate = newUUID(), qsrv.URL, true
+		c.ID, c.Target = newUUID(), csrv.URL
+		require.NoError(t, Add(ctx, e.pool, q))
+		require.NoError(t, Add(ctx, e.pool, c))
+		require.False(t, q.UsesCursor())
+		require.True(t, c.UsesCursor())
+		return q, c
+	}
+	enable := func(on bool, defs ...Def) {
+		t.Helper()
+		for _, def := range defs {
+			require.NoError(t, SetEnabled(ctx, e.pool, def.ID, on))
+		}
+	}
+	d := e.dispatcher()
+
+	e.horizon(e.archiveQueued(1)[0])
+	q, c := pair()
+	enable(false, q, c)
+	lsns := e.archiveQueued(2, 3)
+	e.horizon(lsns[1])
+	e.flush(d)
+	require.Empty(t, qr.got(), "disabled: waits")
+	require.Empty(t, cr.got(), "disabled: waits")
+	require.Equal(t, []string{"pending::0", "pending::0"}, e.settled(q.ID))
+
+	enable(true, q, c)
+	e.flush(d)
+	require.Equal(t, idsOf(q.ID, lsns...), sentIDs(qr), "row 1 was archived before the handler: not delivered")
+	require.Equal(t, idsOf(c.ID, lsns...), sentIDs(cr), "row 1 was behind the horizon when the handler was added")
+
+	// Rows 4 and 5 pending, row 6 past the horizon.
+	lsns = e.archiveQueued(4, 5, 6)
+	e.horizon(lsns[1])
+	nq, err := Revoke(ctx, e.pool, q.ID)
+	require.NoError(t, err)
+	nc, err := Revoke(ctx, e.pool, c.ID)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), nq)
+	require.Equal(t, nq, nc)
+	stopped := []string{"done:done:1", "done:done:1", "stopped:stop_revoked:0", "stopped:stop_revoked:0", "stopped:stop_revoked:0"}
+	require.Equal(t, stopped, e.settled(q.ID))
+	require.Equal(t, stopped, e.settled(c.ID))
+	_, ok := e.cursorAt(c.ID)
+	require.False(t, ok, "a revoked handler's cursor is gone")
+	e.horizon(e.archiveQueued(7)[0])
+	e.flush(d)
+	require.Len(t, sentIDs(qr), 2)
+	require.Len(t, sentIDs(cr), 2)
+	require.Equal(t, stopped, e.settled(q.ID), "nothing queued after the revoke")
+	require.Equal(t, stopped, e.settled(c.ID))
+
+	// Remove, with a batch of each in flight (claimed by a worker that
+	// has not settled it).
+	q2, c2 := pair()
+	e.horizon(e.archiveQueued(8, 9)[1])
+	cs, err := d.claim(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, cs, 2)
+	live, err := d.live(ctx)
+	require.NoError(t, err)
+	send, tok, _, err := d.cursorClaim(ctx, c2, live)
+	require.NoError(t, err)
+	require.Len(t, send, 2)
+	nq, err = Remove(ctx, e.pool, q2.ID)
+	require.NoError(t, err)
+	nc, err = Remove(ctx, e.pool, c2.ID)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), nq)
+	require.Equal(t, nq, nc)
+	stopped = []string{"stopped:stop_completed:1", "stopped:stop_completed:1"}
+	require.Equal(t, stopped, e.settled(q2.ID))
+	require.Equal(t, stopped, e.settled(c2.ID))
+	_, ok = e.cursorAt(c2.ID)
+	require.False(t, ok, "a removed handler's cursor is deleted")
+	_, err = Get(ctx, e.pool, c2.ID)
+	require.ErrorIs(t, err, ErrNotFound)
+	// The batch in flight settles nothing afterwards.
+	require.NoError(t, d.cursorSettle(ctx, c2, live, send, tok, settlement{state: StateDone, outcome: OutcomeDone}, 1))
+	require.Equal(t, stopped, e.settled(c2.ID))
+	e.flush(d)
+	require.Len(t, sentIDs(cr), 2)
+}
