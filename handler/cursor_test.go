@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -498,4 +500,90 @@ func TestCursorHandlerLifecycleMatchesTheQueuedPath(t *testing.T) {
 	require.Equal(t, stopped, e.settled(c2.ID))
 	e.flush(d)
 	require.Len(t, sentIDs(cr), 2)
+}
+
+// Two workers' dispatchers (two pools) on one cursor handler, while rows
+// are archived and the horizon moves, never send two of its batches at
+// once, and every row goes out once, in commit order: a batch is sent
+// again only as a retry of a refused one (same webhook-id). The claim is
+// guarded by the cursor row (its token and position).
+func TestTwoDispatchersNeverRunACursorHandlersBatchTwiceAtOnce(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	var inFlight, overlaps atomic.Int32
+	br, srv := newBatchReceiver(t, secret, func(n int) int {
+		if inFlight.Add(1) > 1 {
+			overlaps.Add(1)
+		}
+		defer inFlight.Add(-1)
+		time.Sleep(time.Duration(n%4) * 3 * time.Millisecond)
+		if n%7 == 0 {
+			return 503
+		}
+		return 200
+	})
+	def := e.handler(srv.URL, secret, func(d *Def) { d.BatchSize, d.BatchWait = 5, 10*time.Millisecond })
+	pool2, err := pgxpool.New(ctx, e.dsn)
+	require.NoError(t, err)
+	t.Cleanup(pool2.Close)
+	var ds []*Dispatcher
+	var sent [2]atomic.Int32
+	for i, p := range []*pgxpool.Pool{e.pool, pool2} {
+		client := &http.Client{Transport: countingTransport{n: &sent[i], rt: http.DefaultTransport}}
+		d, err := NewDispatcher(p, Config{Poll: 5 * time.Millisecond, Parallelism: 4, HTTPClient: client})
+		require.NoError(t, err)
+		require.NoError(t, d.Start(ctx))
+		ds = append(ds, d)
+	}
+	const rows = 200
+	var want []string
+	for i := range rows {
+		l := e.archive("orders", true, i+1)
+		want = append(want, DeliveryID(def.ID, "main", l[0], 0, 0))
+		if i%10 == 9 {
+			e.horizon(l[0])
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	var done int
+	eventually(t, func() bool {
+		require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done))
+		return done == rows
+	}, "every row done")
+	for _, d := range ds {
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		require.NoError(t, d.Stop(sctx))
+		cancel()
+		require.NoError(t, d.Wait())
+	}
+	require.Zero(t, overlaps.Load(), "two batches of the handler at once")
+	require.Positive(t, sent[0].Load(), "the first worker sent batches")
+	require.Positive(t, sent[1].Load(), "the second worker sent batches")
+	posts := br.got()
+	var got []string
+	batchOf := map[string]string{}
+	for _, p := range posts {
+		for _, id := range ids(p) {
+			if b, ok := batchOf[id]; ok {
+				require.Equal(t, b, p.id, "delivery %s sent again in another batch", id)
+				continue
+			}
+			batchOf[id] = p.id
+			got = append(got, id)
+		}
+	}
+	require.Equal(t, want, got, "every row once, in commit order")
+	require.Greater(t, len(posts), rows/5, "some batches were refused and retried")
+}
+
+// countingTransport counts the requests sent through it.
+type countingTransport struct {
+	n  *atomic.Int32
+	rt http.RoundTripper
+}
+
+func (c countingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	c.n.Add(1)
+	return c.rt.RoundTrip(r)
 }
