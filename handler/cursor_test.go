@@ -2,6 +2,7 @@ package handler
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -586,4 +587,55 @@ type countingTransport struct {
 func (c countingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	c.n.Add(1)
 	return c.rt.RoundTrip(r)
+}
+
+// A cursor handler's dead delivery is retried like a queued one: its row
+// in epitaph.deliveries has no payload (written settled), so retry
+// rebuilds it from the live archive's row and the queued path sends it,
+// with the same delivery id and body as the batch that failed; discard
+// stops a dead one. A row no longer archived cannot be retried, and says
+// why.
+func TestRetryAndDiscardACursorHandlersDeadDelivery(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers(400))
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Columns = []string{"note"} })
+	lsns := e.archive("orders", true, 1, 2, 3)
+	e.horizon(lsns[2])
+	d := e.dispatcher()
+	e.flush(d)
+	require.Equal(t, []string{"dead:failed:1", "dead:failed:1", "dead:failed:1"}, e.settled(def.ID))
+	first := br.got()[0].ds
+	require.Len(t, first, 3)
+	dead := idsOf(def.ID, lsns...)
+	for _, id := range dead {
+		info, err := ShowDelivery(ctx, e.pool, id)
+		require.NoError(t, err)
+		require.True(t, info.PayloadScrubbed, "settled without a payload")
+	}
+
+	require.NoError(t, Retry(ctx, e.pool, dead[0]))
+	info, err := ShowDelivery(ctx, e.pool, dead[0])
+	require.NoError(t, err)
+	require.Equal(t, StatePending, info.State)
+	require.JSONEq(t, `{"key": {"id": 1}, "columns": {"note": "n-1"}}`, string(info.Payload))
+	require.NoError(t, Discard(ctx, e.pool, dead[1]))
+	e.flush(d)
+	posts := br.got()
+	require.Len(t, posts, 2)
+	require.Equal(t, []string{dead[0]}, ids(posts[1]))
+	require.Equal(t, "1", posts[1].attempt, "a fresh attempt count")
+	retried, err := json.Marshal(posts[1].ds[0])
+	require.NoError(t, err)
+	original, err := json.Marshal(first[0])
+	require.NoError(t, err)
+	require.JSONEq(t, string(original), string(retried), "the body the failed batch carried")
+	require.Equal(t, []string{"done:done:1", "stopped:discarded:1", "dead:failed:1"}, e.settled(def.ID))
+
+	_, err = e.pool.Exec(ctx, `DELETE FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, lsns[2])
+	require.NoError(t, err)
+	err = Retry(ctx, e.pool, dead[2])
+	require.ErrorContains(t, err, "cannot be retried")
+	require.Equal(t, "dead:failed:1", e.settled(def.ID)[2])
 }
