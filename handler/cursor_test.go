@@ -639,3 +639,96 @@ func TestRetryAndDiscardACursorHandlersDeadDelivery(t *testing.T) {
 	require.ErrorContains(t, err, "cannot be retried")
 	require.Equal(t, "dead:failed:1", e.settled(def.ID)[2])
 }
+
+// A cursor's position is a source position, the same in every archive
+// version: promoting a version ahead of the live one, rolling back to
+// one that lags, and promoting again one behind the cursor deliver every
+// row once, in commit order, each from whichever version is live.
+func TestCursorAcrossVersionPromoteAndRollback(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	_, err := e.pool.Exec(ctx, `INSERT INTO epitaph.projection_versions (projection, version, state, schema_name, partitions, boundary_seq)
+		VALUES ('archive', 2, 'ready', 'archive_v2', 2, 0)`)
+	require.NoError(t, err)
+	require.NoError(t, version.EnsureArchive(ctx, e.pool, 2, nil))
+	require.NoError(t, pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+		_, err := archive.EnsurePartitions(ctx, tx, archive.Schema(2), archive.DefaultPeriod, time.Now())
+		return err
+	}))
+	// copy archives in v2 the rows archived in v1 at lsns; only moves
+	// them there.
+	copyTo2 := func(only bool, lsns ...string) {
+		t.Helper()
+		_, err := e.pool.Exec(ctx, `INSERT INTO archive_v2.rows SELECT * FROM archive_v1.rows WHERE commit_lsn = ANY($1::pg_lsn[])`, lsns)
+		require.NoError(t, err)
+		if only {
+			_, err = e.pool.Exec(ctx, `DELETE FROM archive_v1.rows WHERE commit_lsn = ANY($1::pg_lsn[])`, lsns)
+			require.NoError(t, err)
+		}
+	}
+	horizon := func(v int, lsn string) {
+		t.Helper()
+		_, err := e.pool.Exec(ctx, `UPDATE epitaph.progress SET source_lsn = $2::pg_lsn
+			WHERE projection = 'archive' AND version = $1`, v, lsn)
+		require.NoError(t, err)
+	}
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers())
+	def := e.handler(srv.URL, secret)
+	d := e.dispatcher()
+
+	var all []string
+	l := e.archive("orders", true, 1, 2)
+	all = append(all, l...)
+	copyTo2(false, l...)
+	horizon(1, l[1])
+	horizon(2, l[1])
+	e.flush(d)
+	require.Equal(t, idsOf(def.ID, all...), sentIDs(br))
+
+	// v1 has rows 3 and 4; v2, ahead, has 3 to 6 too.
+	l = e.archive("orders", true, 3, 4)
+	all = append(all, l...)
+	copyTo2(false, l...)
+	horizon(1, l[1])
+	l = e.archive("orders", true, 5, 6)
+	all = append(all, l...)
+	copyTo2(true, l...)
+	horizon(2, l[1])
+	_, err = version.Promote(ctx, e.pool, "archive", 2, true)
+	require.NoError(t, err)
+	e.flush(d)
+	require.Equal(t, idsOf(def.ID, all...), sentIDs(br), "rows 3 to 6 from v2")
+
+	// Back to v1, which has not archived 5 and 6 yet: nothing sent again,
+	// and its rows after the cursor go out.
+	_, _, err = version.Rollback(ctx, e.pool, "archive")
+	require.NoError(t, err)
+	e.flush(d)
+	require.Len(t, sentIDs(br), 6)
+	_, err = e.pool.Exec(ctx, `INSERT INTO archive_v1.rows SELECT * FROM archive_v2.rows WHERE commit_lsn > $1::pg_lsn`, all[3])
+	require.NoError(t, err)
+	l = e.archive("orders", true, 7)
+	all = append(all, l...)
+	horizon(1, l[0])
+	e.flush(d)
+	require.Equal(t, idsOf(def.ID, all...), sentIDs(br), "rows 5 and 6 not again; row 7 from v1")
+
+	// v2 again, behind the cursor: it waits, then delivers from there.
+	_, err = version.Promote(ctx, e.pool, "archive", 2, true)
+	require.NoError(t, err)
+	e.flush(d)
+	require.Len(t, sentIDs(br), 7)
+	copyTo2(false, l...)
+	l = e.archive("orders", true, 8)
+	all = append(all, l...)
+	copyTo2(false, l...)
+	horizon(2, l[0])
+	e.flush(d)
+	require.Equal(t, idsOf(def.ID, all...), sentIDs(br), "every row once, in commit order")
+	done := e.settled(def.ID)
+	require.Len(t, done, 8)
+	for _, s := range done {
+		require.Equal(t, "done:done:1", s)
+	}
+}
