@@ -732,3 +732,33 @@ func TestCursorAcrossVersionPromoteAndRollback(t *testing.T) {
 		require.Equal(t, "done:done:1", s)
 	}
 }
+
+// A secret rotated while a cursor batch waits for its retry signs the
+// retry, as it would a queued delivery's: the same webhook-id and body,
+// verified with the new secret alone (a rotation window of 0).
+func TestRotatedSecretSignsACursorBatchsRetry(t *testing.T) {
+	e := newCursorEnv(t)
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers(503))
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = 1500 * time.Millisecond })
+	e.horizon(e.archive("orders", true, 1, 2)[1])
+	d := e.dispatcher()
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	left, err := d.Flush(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 2, left)
+
+	next := NewSecret()
+	_, err = RotateSecretFile(def.SecretFile, next, 0, time.Now())
+	require.NoError(t, err)
+	br.mu.Lock()
+	br.wh = verifier(t, next)
+	br.mu.Unlock()
+	e.flush(d)
+	posts := br.got()
+	require.Len(t, posts, 2)
+	require.Equal(t, posts[0].id, posts[1].id)
+	require.Equal(t, string(posts[0].body), string(posts[1].body))
+	require.Equal(t, []string{"done:done:2", "done:done:2"}, e.settled(def.ID))
+}
