@@ -543,7 +543,7 @@ passed first (naming how many remain).`,
 			}
 			defer ev.Close()
 			d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval,
-				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger})
+				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger, Source: c.sourceName})
 			if err != nil {
 				return err
 			}
