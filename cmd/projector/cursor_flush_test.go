@@ -24,8 +24,9 @@ import (
 
 // deliveries flush delivers a cursor handler's rows of the source named by
 // --source-name (a cursor handler's pending rows are the archived rows of
-// its source), and counts what remains of them.
-func TestDeliveriesFlushDeliversTheNamedSourcesCursorRows(t *testing.T) {
+// its source), and counts what remains of them; handlers remove stops its
+// pending rows, deletes its cursor and says so.
+func TestCursorHandlerFlushAndRemoveCommands(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := testenv.NewDatabase(t)
@@ -68,4 +69,16 @@ func TestDeliveriesFlushDeliversTheNamedSourcesCursorRows(t *testing.T) {
 	require.NoError(t, err, out)
 	require.JSONEq(t, `{"remaining":0}`, out)
 	require.EqualValues(t, 2, got.Load(), "the rows of source other")
+
+	// remove says what it did with the cursor and its pending row.
+	_, err = pool.Exec(ctx, `INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, correlation_id,
+		commit_lsn, commit_time, seq, verified) VALUES ('other', 'public', 'orders', '{"id":3}', '{}', 'c', '0/300', now(), 0, true)`)
+	require.NoError(t, err)
+	out, err = run("handlers", "remove", "0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e91")
+	require.NoError(t, err, out)
+	require.Equal(t, "handler 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e91 removed; 1 open deliveries stopped as stop_completed"+
+		" (the rows after its cursor among them; its cursor is deleted)\n", out)
+	var cursors int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM epitaph.handler_cursors`).Scan(&cursors))
+	require.Zero(t, cursors)
 }

@@ -327,6 +327,10 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if verb == "remove" {
 				end = handler.Remove
 			}
+			def, err := handler.Get(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
+			}
 			n, err := end(ctx, pool, args[0])
 			if err != nil {
 				return notFound(err)
@@ -334,7 +338,11 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if *asJSON {
 				return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
 			}
-			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], verb, n, outcome)
+			cursor := ""
+			if def.UsesCursor() {
+				cursor = " (the rows after its cursor among them; its cursor is deleted)"
+			}
+			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s%s\n", args[0], verb, n, outcome, cursor)
 			return nil
 		})
 	}
