@@ -26,25 +26,17 @@ func (d Def) UsesCursor() bool {
 // imports this package).
 const archiveProjection = "archive"
 
-// cursorStartSQL creates a cursor handler's cursor at the archive's
-// horizon: rows archived before the handler existed are not delivered.
+// cursorStartSQL follows the handler's INSERT (h, returning its id) in
+// one statement, so a cursor handler never exists without its cursor: it
+// creates the cursor at the archive's horizon, so that rows archived
+// before the handler existed are not delivered.
 const cursorStartSQL = `
 INSERT INTO epitaph.handler_cursors (handler_id, commit_lsn, seq)
-SELECT $1::uuid, COALESCE((SELECT min(COALESCE(p.source_lsn, '0/0'::pg_lsn)) FROM epitaph.progress p JOIN epitaph.projection_versions v
-                            ON v.projection = p.projection AND v.version = p.version
-                           WHERE v.projection = 'archive' AND v.state = 'live'), '0/0'::pg_lsn), 2147483647
+SELECT h.id, COALESCE((SELECT min(COALESCE(p.source_lsn, '0/0'::pg_lsn)) FROM epitaph.progress p JOIN epitaph.projection_versions v
+                        ON v.projection = p.projection AND v.version = p.version
+                       WHERE v.projection = 'archive' AND v.state = 'live'), '0/0'::pg_lsn), 2147483647
+FROM h
 ON CONFLICT (handler_id) DO NOTHING`
-
-// startCursor creates d's cursor when d uses one (nothing otherwise).
-func startCursor(ctx context.Context, db DB, d Def) error {
-	if !d.UsesCursor() {
-		return nil
-	}
-	if _, err := db.Exec(ctx, cursorStartSQL, d.ID); err != nil {
-		return fmt.Errorf("start the handler's cursor: %w", err)
-	}
-	return nil
-}
 
 // cursorClaimSQL claims a handler's next batch in one statement (one
 // snapshot): the horizon, the rows of its table after its cursor up to

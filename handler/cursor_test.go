@@ -762,3 +762,28 @@ func TestRotatedSecretSignsACursorBatchsRetry(t *testing.T) {
 	require.Equal(t, string(posts[0].body), string(posts[1].body))
 	require.Equal(t, []string{"done:done:2", "done:done:2"}, e.settled(def.ID))
 }
+
+// A cursor handler is added with its cursor or not at all: when the
+// cursor cannot be written, no handler is left without one (the apply
+// queues nothing for it, so its rows would go nowhere).
+func TestCursorHandlerIsAddedWithItsCursorOrNotAtAll(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	_, err := e.pool.Exec(ctx, `ALTER TABLE epitaph.handler_cursors RENAME TO handler_cursors_away`)
+	require.NoError(t, err)
+	def := Def{ID: newUUID(), Schema: "public", Table: "orders", Kind: KindWebhook, Target: "http://127.0.0.1:1/", MaxAttempts: 5,
+		Backoff: time.Millisecond, ClaimTimeout: 30 * time.Second, BatchSize: 3, BatchWait: time.Second}
+	require.True(t, def.UsesCursor())
+	require.Error(t, Add(ctx, e.pool, def))
+	_, err = Get(ctx, e.pool, def.ID)
+	require.ErrorIs(t, err, ErrNotFound)
+
+	_, err = e.pool.Exec(ctx, `ALTER TABLE epitaph.handler_cursors_away RENAME TO handler_cursors`)
+	require.NoError(t, err)
+	e.horizon(e.archive("orders", true, 1)[0])
+	require.NoError(t, Add(ctx, e.pool, def))
+	at, ok := e.cursorAt(def.ID)
+	require.True(t, ok)
+	require.Equal(t, fmt.Sprintf("0/%X", e.lsn), at, "at the horizon")
+	require.ErrorContains(t, Add(ctx, e.pool, def), "exists already")
+}

@@ -202,15 +202,17 @@ func scanDef(row pgx.Row) (Def, error) {
 // ErrNotFound says no handler or delivery has the id.
 var ErrNotFound = errors.New("not found")
 
-// Add inserts a handler. An id in use is an error.
+// Add inserts a handler; a cursor handler's cursor is created in the
+// same statement. An id in use is an error.
 func Add(ctx context.Context, db DB, d Def) error {
 	if err := d.Validate(); err != nil {
 		return err
 	}
-	_, err := db.Exec(ctx, `INSERT INTO epitaph.handlers (id, name, schema_name, table_name, kind, target, priority, phase,
-		columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled, batch_size, batch_wait)
-		VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11 * interval '1 millisecond', $12 * interval '1 millisecond',
-		        NULLIF($13, ''), $14, NULLIF($15, ''), true, $16, $17 * interval '1 millisecond')`,
+	stmt := addSQL
+	if d.UsesCursor() {
+		stmt = `WITH h AS (` + addSQL + ` RETURNING id)` + cursorStartSQL
+	}
+	_, err := db.Exec(ctx, stmt,
 		d.ID, d.Name, d.Schema, d.Table, d.Kind, d.Target, d.Priority, d.Phase, d.Columns, d.MaxAttempts,
 		d.Backoff.Milliseconds(), d.ClaimTimeout.Milliseconds(), d.SecretFile, d.Revalidate, d.SourceURLFile,
 		d.BatchSize, d.BatchWait.Milliseconds())
@@ -221,8 +223,14 @@ func Add(ctx context.Context, db DB, d Def) error {
 	if err != nil {
 		return fmt.Errorf("add handler: %w", err)
 	}
-	return startCursor(ctx, db, d)
+	return nil
 }
+
+// addSQL inserts a handler.
+const addSQL = `INSERT INTO epitaph.handlers (id, name, schema_name, table_name, kind, target, priority, phase,
+	columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled, batch_size, batch_wait)
+	VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11 * interval '1 millisecond', $12 * interval '1 millisecond',
+	        NULLIF($13, ''), $14, NULLIF($15, ''), true, $16, $17 * interval '1 millisecond')`
 
 // List returns every handler, by table, priority and id.
 func List(ctx context.Context, db DB) ([]Def, error) {
