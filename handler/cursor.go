@@ -386,6 +386,10 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 	if err != nil {
 		c := &claimed{d: send[0], def: def}
 		s = d.failure(c, err)
+		if s.state == StateDead {
+			// failure counted the first; the queued path counts each.
+			d.met.dead.WithLabelValues(def.ID).Add(float64(len(send) - 1))
+		}
 	}
 	for range send {
 		d.met.observe(def, s.outcome, time.Since(start))

@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
@@ -320,6 +321,9 @@ func TestCursorBatchDeadAtAnExpiredLastClaimOrAPermanentAnswer(t *testing.T) {
 	e.horizon(e.archive("orders", true, 5, 6)[1])
 	e.flush(d)
 	require.Equal(t, 2, len(br.got()), "400: dead after one POST")
+	var m dto.Metric
+	require.NoError(t, d.met.dead.WithLabelValues(def.ID).Write(&m))
+	require.Equal(t, 2.0, m.GetCounter().GetValue(), "each dead delivery counted")
 	e.horizon(e.archive("orders", true, 7, 8)[1])
 	e.flush(d)
 	posts = br.got()
