@@ -358,7 +358,7 @@ func TestFlushWaitsOutAFailedCursorBatchsBackoff(t *testing.T) {
 	slow, slowSrv := newBatchReceiver(t, secret, answers(503))
 	e.handler(slowSrv.URL, secret, func(d *Def) { d.Table, d.Backoff = "customers", time.Hour })
 	e.horizon(e.archive("customers", true, 1, 2)[1])
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	left, err := e.dispatcher().Flush(ctx)
 	require.NoError(t, err)
@@ -744,10 +744,12 @@ func TestRotatedSecretSignsACursorBatchsRetry(t *testing.T) {
 	e := newCursorEnv(t)
 	secret := NewSecret()
 	br, srv := newBatchReceiver(t, secret, answers(503))
-	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = 1500 * time.Millisecond })
+	// The retry waits longer than the first Flush, and than the secret
+	// cache's second.
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = 4 * time.Second })
 	e.horizon(e.archive("orders", true, 1, 2)[1])
 	d := e.dispatcher()
-	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	left, err := d.Flush(ctx)
 	require.NoError(t, err)
