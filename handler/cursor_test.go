@@ -357,12 +357,17 @@ func TestFlushWaitsOutAFailedCursorBatchsBackoff(t *testing.T) {
 
 	slow, slowSrv := newBatchReceiver(t, secret, answers(503))
 	e.handler(slowSrv.URL, secret, func(d *Def) { d.Table, d.Backoff = "customers", time.Hour })
+	// A queued delivery, left when ctx ends: counted too.
+	queued := Def{ID: newUUID(), Schema: "public", Table: "orders", Kind: KindWebhook, Target: slowSrv.URL, MaxAttempts: 5,
+		Backoff: time.Millisecond, ClaimTimeout: 30 * time.Second, Revalidate: true}
+	require.NoError(t, Add(context.Background(), e.pool, queued))
+	e.archiveQueued(10)
 	e.horizon(e.archive("customers", true, 1, 2)[1])
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	left, err := e.dispatcher().Flush(ctx)
 	require.NoError(t, err)
-	require.Equal(t, 2, left, "the failed batch's two deliveries wait for their retry")
+	require.Equal(t, 3, left, "the failed batch's two deliveries wait for their retry, and the queued one")
 	require.Len(t, slow.got(), 1)
 }
 

@@ -456,9 +456,18 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // still revalidated alone.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
 	left, err := d.flushCursors(ctx)
-	if err != nil || left > 0 {
-		// ctx ended while cursor batches were open.
-		return left, err
+	if err != nil {
+		return -1, err
+	}
+	if left > 0 {
+		// ctx ended while cursor batches were open: the queued ones count
+		// too (read past ctx, briefly).
+		octx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if rows, err := d.open(octx); err == nil {
+			left += rows
+		}
+		return left, nil
 	}
 	return d.flushRows(ctx)
 }
