@@ -446,17 +446,25 @@ after AS (SELECT a.commit_lsn, a.seq, a.verified FROM %s a, cur
             AND (a.commit_lsn, a.seq) > (cur.commit_lsn, cur.seq)
             AND (a.commit_lsn <= (SELECT lsn FROM hz) OR (a.commit_lsn, a.seq) <= (cur.to_lsn, cur.to_seq))),
 stop AS (SELECT commit_lsn, seq FROM after WHERE NOT verified ORDER BY commit_lsn, seq LIMIT 1)
-SELECT count(*) FROM after a
-WHERE NOT EXISTS (SELECT 1 FROM stop WHERE (stop.commit_lsn, stop.seq) <= (a.commit_lsn, a.seq))`
+SELECT (SELECT count(*) FROM after a
+        WHERE NOT EXISTS (SELECT 1 FROM stop WHERE (stop.commit_lsn, stop.seq) <= (a.commit_lsn, a.seq))),
+       EXISTS (SELECT 1 FROM cur)
+         OR NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = $1::uuid AND h.revoked_at IS NULL)`
 
-// cursorOpen counts the open deliveries of the cursor handlers defs.
+// cursorOpen counts the open deliveries of the cursor handlers defs. A
+// cursor handler without a cursor is an error: nothing would deliver its
+// rows, and a count of 0 would say all is done.
 func (d *Dispatcher) cursorOpen(ctx context.Context, live liveArchive, defs []Def) (int, error) {
 	total := 0
 	for _, def := range defs {
 		var n int
+		var hasCursor bool
 		if err := d.pool.QueryRow(ctx, fmt.Sprintf(cursorOpenSQL, live.rows), def.ID, live.version, d.cfg.Source,
-			def.Schema, def.Table).Scan(&n); err != nil {
+			def.Schema, def.Table).Scan(&n, &hasCursor); err != nil {
 			return -1, fmt.Errorf("count the open deliveries of handler %s: %w", def.ID, err)
+		}
+		if !hasCursor {
+			return -1, fmt.Errorf("handler %s batches without revalidation but has no cursor: its archived rows are not delivered", def.ID)
 		}
 		total += n
 	}

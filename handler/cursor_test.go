@@ -797,4 +797,11 @@ func TestCursorHandlerIsAddedWithItsCursorOrNotAtAll(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, fmt.Sprintf("0/%X", e.lsn), at, "at the horizon")
 	require.ErrorContains(t, Add(ctx, e.pool, def), "exists already")
+
+	// One without a cursor all the same (its row deleted by hand) is an
+	// error for Flush, not "nothing open".
+	_, err = e.pool.Exec(ctx, `DELETE FROM epitaph.handler_cursors`)
+	require.NoError(t, err)
+	_, err = e.dispatcher().Flush(ctx)
+	require.ErrorContains(t, err, "has no cursor")
 }
