@@ -27,25 +27,17 @@ func (d Def) UsesCursor() bool {
 // imports this package).
 const archiveProjection = "archive"
 
-// cursorStartSQL creates a cursor handler's cursor at the archive's
-// horizon: rows archived before the handler existed are not delivered.
+// cursorStartSQL follows the handler's INSERT (h, returning its id) in
+// one statement, so a cursor handler never exists without its cursor: it
+// creates the cursor at the archive's horizon, so that rows archived
+// before the handler existed are not delivered.
 const cursorStartSQL = `
 INSERT INTO epitaph.handler_cursors (handler_id, commit_lsn, seq)
-SELECT $1::uuid, COALESCE((SELECT min(COALESCE(p.source_lsn, '0/0'::pg_lsn)) FROM epitaph.progress p JOIN epitaph.projection_versions v
-                            ON v.projection = p.projection AND v.version = p.version
-                           WHERE v.projection = 'archive' AND v.state = 'live'), '0/0'::pg_lsn), 2147483647
+SELECT h.id, COALESCE((SELECT min(COALESCE(p.source_lsn, '0/0'::pg_lsn)) FROM epitaph.progress p JOIN epitaph.projection_versions v
+                        ON v.projection = p.projection AND v.version = p.version
+                       WHERE v.projection = 'archive' AND v.state = 'live'), '0/0'::pg_lsn), 2147483647
+FROM h
 ON CONFLICT (handler_id) DO NOTHING`
-
-// startCursor creates d's cursor when d uses one (nothing otherwise).
-func startCursor(ctx context.Context, db DB, d Def) error {
-	if !d.UsesCursor() {
-		return nil
-	}
-	if _, err := db.Exec(ctx, cursorStartSQL, d.ID); err != nil {
-		return fmt.Errorf("start the handler's cursor: %w", err)
-	}
-	return nil
-}
 
 // cursorClaimSQL claims a handler's next batch in one statement (one
 // snapshot): the horizon, the rows of its table after its cursor up to
@@ -174,9 +166,13 @@ func (d *Dispatcher) wakeCursors() {
 	}
 }
 
-// cursorDefs are the enabled cursor handlers (the claim's handler cache).
-func (d *Dispatcher) cursorDefs(ctx context.Context) ([]Def, error) {
+// cursorDefs are the enabled cursor handlers (the claim's handler cache,
+// or read now when reload).
+func (d *Dispatcher) cursorDefs(ctx context.Context, reload bool) ([]Def, error) {
 	d.mu.Lock()
+	if reload {
+		d.defAt = time.Time{}
+	}
 	byID, fresh := d.defCache, time.Since(d.defAt) < time.Second
 	d.mu.Unlock()
 	if !fresh {
@@ -227,7 +223,7 @@ func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
 	t := time.NewTicker(d.cfg.Poll)
 	defer t.Stop()
 	for soft.Err() == nil {
-		defs, err := d.cursorDefs(soft)
+		defs, err := d.cursorDefs(soft, false)
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("listing cursor handlers failed; retrying", "err", err)
 		}
@@ -283,6 +279,13 @@ func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
 // cursorStep claims, sends and settles one batch of def. It returns when
 // to look at def again: 0 at once (it sent a batch), > 0 after that long
 // (rows wait for the batch to fill), < 0 at the next poll (nothing to do).
+//
+// A claim that expired at the handler's last attempt (its dispatcher died
+// or stalled past the claim timeout) is reclaimed by the next claim with
+// one attempt more than the handler allows: as the queued path's
+// maintenance does with an expired claim at max attempts, its deliveries
+// are written dead (claim_expired) without another POST, and the cursor
+// passes them.
 func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Duration, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(soft), claimStatementTimeout)
 	defer cancel()
@@ -300,6 +303,14 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 			return max(def.BatchWait/2, time.Millisecond), nil
 		}
 		return -1, nil
+	}
+	if at := send[0].Attempt; at > def.MaxAttempts {
+		d.log.Warn("reclaimed a batch whose claim expired at its last attempt: its deliveries are dead",
+			"handler", def.ID, "deliveries", len(send), "attempt", at-1, "max_attempts", def.MaxAttempts)
+		d.met.reclaimed.Add(float64(len(send)))
+		msg := "type=claim_expired code=claim_expired diag=-"
+		s := settlement{state: StateDead, outcome: OutcomeClaimExpired, lastError: &msg}
+		return 0, d.cursorSettle(hard, def, live, send, tok, s, at-1)
 	}
 	return 0, d.cursorSend(hard, def, live, send, tok, claimedAt)
 }
@@ -407,7 +418,6 @@ func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive)
 // cursorSend sends a claimed batch and settles it: done (the cursor
 // passes it), retried as a whole after the backoff, or dead.
 func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive, send []Delivery, tok string, claimedAt time.Time) error {
-	source := d.cfg.Source
 	deadline := claimedAt.Add(def.ClaimTimeout * 9 / 10)
 	actx, acancel := context.WithDeadline(hard, deadline)
 	defer acancel()
@@ -428,10 +438,22 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 	if err != nil {
 		c := &claimed{d: send[0], def: def}
 		s = d.failure(c, err)
+		if s.state == StateDead {
+			// failure counted the first; the queued path counts each.
+			d.met.dead.WithLabelValues(def.ID).Add(float64(len(send) - 1))
+		}
 	}
 	for range send {
 		d.met.observe(def, s.outcome, time.Since(start))
 	}
+	return d.cursorSettle(hard, def, live, send, tok, s, at)
+}
+
+// cursorSettle records a claimed batch's result, guarded by its claim
+// token: a failure releases the claim for a retry of the whole range
+// after the backoff; done or dead inserts the batch's deliveries settled
+// (attempt at) and the cursor passes them.
+func (d *Dispatcher) cursorSettle(hard context.Context, def Def, live liveArchive, send []Delivery, tok string, s settlement, at int) error {
 	sctx, scancel := context.WithTimeout(context.WithoutCancel(hard), 30*time.Second)
 	defer scancel()
 	if s.state == StatePending {
@@ -440,10 +462,11 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 		}
 		return nil
 	}
+	ids := make([]string, len(send))
 	lsns, seqs, keys, corrs := make([]string, len(send)), make([]int32, len(send)), make([]*string, len(send)), make([]string, len(send))
 	times := make([]*time.Time, len(send))
 	for i, dv := range send {
-		lsns[i], seqs[i], corrs[i], times[i] = dv.CommitLSN, int32(dv.Seq), dv.CorrelationID, dv.CommitTime
+		ids[i], lsns[i], seqs[i], corrs[i], times[i] = dv.ID, dv.CommitLSN, int32(dv.Seq), dv.CorrelationID, dv.CommitTime
 		if len(dv.Key) > 0 {
 			k := string(dv.Key)
 			keys[i] = &k
@@ -451,9 +474,9 @@ func (d *Dispatcher) cursorSend(hard context.Context, def Def, live liveArchive,
 	}
 	var moved bool
 	var inserted, erased []string
-	args := []any{def.ID, tok, source, def.Schema, def.Table, live.version, def.Phase,
+	args := []any{def.ID, tok, d.cfg.Source, def.Schema, def.Table, live.version, def.Phase,
 		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times}
-	err = d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted, &erased)
+	err := d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted, &erased)
 	if uniqueViolation(err) {
 		err = d.pool.QueryRow(sctx, cursorSettleSQL, args...).Scan(&moved, &inserted, &erased)
 	}
@@ -487,25 +510,107 @@ func missingIDs(want, got []string) []string {
 	return out
 }
 
-// flushCursors sends the cursor handlers' batches until each has caught
-// up with the horizon, without waiting for batches to fill.
-// TODO(cursor): a failed batch waiting for its backoff is not waited for.
-func (d *Dispatcher) flushCursors(ctx context.Context) error {
-	defs, err := d.cursorDefs(ctx)
-	if err != nil {
-		return err
-	}
+// cursorOpenSQL counts a cursor handler's open deliveries as Flush waits
+// for them: the rows of its table after its cursor up to the horizon, or
+// up to its claimed range when that is further (a batch in flight or
+// waiting for its retry), before the first row still waiting for its
+// commit (the cursor stops there). %s is the live archive's rows table.
+const cursorOpenSQL = `
+WITH hz AS (SELECT min(COALESCE(source_lsn, '0/0'::pg_lsn)) AS lsn FROM epitaph.progress WHERE projection = 'archive' AND version = $2),
+cur AS (SELECT commit_lsn, seq, COALESCE(claimed_to_lsn, '0/0'::pg_lsn) AS to_lsn, COALESCE(claimed_to_seq, 0) AS to_seq
+        FROM epitaph.handler_cursors WHERE handler_id = $1::uuid),
+after AS (SELECT a.commit_lsn, a.seq, a.verified FROM %s a, cur
+          WHERE a.source = $3::text AND a.schema_name = $4 AND a.table_name = $5
+            AND (a.commit_lsn, a.seq) > (cur.commit_lsn, cur.seq)
+            AND (a.commit_lsn <= (SELECT lsn FROM hz) OR (a.commit_lsn, a.seq) <= (cur.to_lsn, cur.to_seq))),
+stop AS (SELECT commit_lsn, seq FROM after WHERE NOT verified ORDER BY commit_lsn, seq LIMIT 1)
+SELECT (SELECT count(*) FROM after a
+        WHERE NOT EXISTS (SELECT 1 FROM stop WHERE (stop.commit_lsn, stop.seq) <= (a.commit_lsn, a.seq))),
+       EXISTS (SELECT 1 FROM cur)
+         OR NOT EXISTS (SELECT 1 FROM epitaph.handlers h WHERE h.id = $1::uuid AND h.revoked_at IS NULL)`
+
+// cursorOpen counts the open deliveries of the cursor handlers defs. A
+// cursor handler without a cursor is an error: nothing would deliver its
+// rows, and a count of 0 would say all is done.
+func (d *Dispatcher) cursorOpen(ctx context.Context, live liveArchive, defs []Def) (int, error) {
+	total := 0
 	for _, def := range defs {
-		def.BatchWait = 0
-		for ctx.Err() == nil {
-			next, err := d.cursorStep(ctx, ctx, def)
-			if err != nil {
-				return err
-			}
-			if next != 0 {
-				break
+		var n int
+		var hasCursor bool
+		if err := d.pool.QueryRow(ctx, fmt.Sprintf(cursorOpenSQL, live.rows), def.ID, live.version, d.cfg.Source,
+			def.Schema, def.Table).Scan(&n, &hasCursor); err != nil {
+			return -1, fmt.Errorf("count the open deliveries of handler %s: %w", def.ID, err)
+		}
+		if !hasCursor {
+			return -1, fmt.Errorf("handler %s batches without revalidation but has no cursor: its archived rows are not delivered", def.ID)
+		}
+		total += n
+	}
+	return total, nil
+}
+
+// flushCursors is Flush's part for cursor handlers: it sends their
+// batches without waiting for batches to fill, and waits out a failed
+// batch's backoff (or another dispatcher's batch in flight), until no
+// enabled cursor handler has an open delivery, or ctx ends. It returns
+// how many remain (0 when done), as flushRows does.
+func (d *Dispatcher) flushCursors(ctx context.Context) (int, error) {
+	// The handlers and the live archive as they are now (an enable or a
+	// promote just before Flush counts).
+	d.curMu.Lock()
+	d.curLiveAt = time.Time{}
+	d.curMu.Unlock()
+	left := -1
+	// ended: ctx ended after a count, which is returned (as flushRows
+	// does), not ctx's error.
+	ended := func(err error) (int, error) {
+		if ctx.Err() != nil && left > 0 {
+			return left, nil
+		}
+		return -1, err
+	}
+	for {
+		defs, err := d.cursorDefs(ctx, true)
+		if err != nil {
+			return ended(err)
+		}
+		if len(defs) == 0 {
+			return 0, nil
+		}
+		for _, def := range defs {
+			def.BatchWait = 0
+			for ctx.Err() == nil {
+				next, err := d.cursorStep(ctx, ctx, def)
+				if err != nil {
+					return ended(err)
+				}
+				if next != 0 {
+					break
+				}
 			}
 		}
+		if ctx.Err() != nil {
+			return ended(ctx.Err())
+		}
+		live, err := d.live(ctx)
+		if err != nil {
+			return ended(err)
+		}
+		if live.version == 0 {
+			return 0, nil
+		}
+		n, err := d.cursorOpen(ctx, live, defs)
+		if err != nil {
+			return ended(err)
+		}
+		left = n
+		if left == 0 {
+			return 0, nil
+		}
+		select {
+		case <-ctx.Done():
+			return left, nil
+		case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
+		}
 	}
-	return ctx.Err()
 }

@@ -440,6 +440,12 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // group, of disabled handlers, of Go handlers not in this Registry, or of
 // nats handlers without a JetStream, are not waited for.
 //
+// Cursor handlers go first: their batches are sent without waiting to
+// fill, a failed batch's backoff (or another worker's batch in flight) is
+// waited out, and their open deliveries (the rows after each enabled
+// cursor handler's cursor, up to the horizon or its claimed range) count
+// in the number returned.
+//
 // It claims like the claim loop does (a batch to revalidate together,
 // claimAhead deliveries, or when the last claim held deliveries of
 // batching handlers at least what fills a batch of each of them) and
@@ -449,8 +455,19 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // attempt whose verdict is older than verdictMaxAge when it starts is
 // still revalidated alone.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
-	if err := d.flushCursors(ctx); err != nil {
+	left, err := d.flushCursors(ctx)
+	if err != nil {
 		return -1, err
+	}
+	if left > 0 {
+		// ctx ended while cursor batches were open: the queued ones count
+		// too (read past ctx, briefly).
+		octx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if rows, err := d.open(octx); err == nil {
+			left += rows
+		}
+		return left, nil
 	}
 	return d.flushRows(ctx)
 }

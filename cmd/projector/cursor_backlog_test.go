@@ -115,10 +115,10 @@ func TestCursorHandlerBacklogInTheCommands(t *testing.T) {
 	require.NoError(t, err, out)
 	require.Contains(t, out, "no queued deliveries left; 3 pending after cursor handlers' cursors")
 
-	// Revoked: its rows after the cursor are not sent, and said so.
+	// Revoked: its rows after the cursor are stopped, and said so.
 	out, err = run("handlers", "revoke", id)
 	require.NoError(t, err, out)
-	require.Contains(t, out, "3 pending deliveries (archived rows after its cursor) are not sent")
+	require.Contains(t, out, "3 open deliveries stopped as stop_revoked (the rows after its cursor among them; its cursor is deleted)")
 	out, err = run("handlers", "show", id)
 	require.NoError(t, err, out)
 	require.Regexp(t, `(?m)^deliveries pending:\s+0$`, out)

@@ -387,35 +387,22 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if verb == "remove" {
 				end = handler.Remove
 			}
-			// A cursor handler's pending deliveries have no rows to
-			// stop: say how many are not sent.
-			var backlog *handler.CursorBacklog
-			if d, err := handler.Get(ctx, pool, args[0]); err == nil && d.UsesCursor() {
-				bs, err := handler.CursorBacklogs(ctx, pool, []handler.Def{d})
-				if err != nil {
-					return err
-				}
-				backlog = bs[d.ID]
+			def, err := handler.Get(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
 			}
 			n, err := end(ctx, pool, args[0])
 			if err != nil {
 				return notFound(err)
 			}
 			if *asJSON {
-				out := map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome}
-				if backlog != nil {
-					out["not_sent"], out["not_sent_at_least"] = backlog.Pending, backlog.AtLeast
-				}
-				return writeJSON(env.Stdout, out)
+				return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
 			}
-			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], verb, n, outcome)
-			if backlog != nil && backlog.Pending > 0 {
-				atLeast := ""
-				if backlog.AtLeast {
-					atLeast = "at least "
-				}
-				fmt.Fprintf(env.Stdout, "%s%d pending deliveries (archived rows after its cursor) are not sent\n", atLeast, backlog.Pending)
+			cursor := ""
+			if def.UsesCursor() {
+				cursor = " (the rows after its cursor among them; its cursor is deleted)"
 			}
+			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s%s\n", args[0], verb, n, outcome, cursor)
 			return nil
 		})
 	}
@@ -637,7 +624,7 @@ first (naming how many remain).`,
 			}
 			defer ev.Close()
 			d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval,
-				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger})
+				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger, Source: c.sourceName})
 			if err != nil {
 				return err
 			}
