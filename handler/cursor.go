@@ -54,7 +54,10 @@ ON CONFLICT (handler_id) DO NOTHING`
 // out the rows of that range that have a delivery of the handler already:
 // rows archived late into the range after the first claim, which the
 // apply queued as rows (Enqueue), so the retry resends exactly the batch
-// it sent first. A first claim needs no such look-up: every row the apply
+// it sent first. It waits until the horizon covers its whole range again
+// (after a promotion of a version that lags, rows of the range may not be
+// in the live archive yet): resending part of it would settle, and pass,
+// the rest unsent. A first claim needs no such look-up: every row the apply
 // queued is at or behind the claimed position it read, and a first claim
 // starts after the cursor, which a settle moved to that position.
 const cursorClaimSQL = `
@@ -73,6 +76,8 @@ cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlatio
                                       COALESCE((SELECT claimed_to_seq FROM cur), 2147483647))
         AND a.schema_name = $4 AND a.table_name = $5
         AND ((SELECT claimed_to_lsn FROM cur) IS NULL
+             OR (SELECT claimed_to_lsn FROM cur) <= (SELECT lsn FROM hz))
+        AND ((SELECT claimed_to_lsn FROM cur) IS NULL
              OR NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
                               AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0))
       ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
@@ -90,7 +95,17 @@ upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = COALESCE(cur.claim
         WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
           AND (c.claim_token IS NULL OR c.claim_expires_at < now())
           AND (n.found >= $6::int OR cur.claimed_to_lsn IS NOT NULL OR n.first_at <= now() - $7::bigint * interval '1 millisecond')
-        RETURNING c.claim_token::text AS token, c.attempt)
+        RETURNING c.claim_token::text AS token, c.attempt),
+-- A retried range with no row left (every one erased since, or queued as
+-- a late row) is passed: there is nothing to resend, and a claim of
+-- nothing would hold the cursor for good.
+gone AS (UPDATE epitaph.handler_cursors c SET commit_lsn = cur.claimed_to_lsn, seq = cur.claimed_to_seq,
+                claimed_to_lsn = NULL, claimed_to_seq = NULL, claim_token = NULL, claim_expires_at = NULL,
+                attempt = 0, next_attempt_at = now(), updated_at = now()
+         FROM cur, n, hz
+         WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
+           AND (c.claim_token IS NULL OR c.claim_expires_at < now())
+           AND cur.claimed_to_lsn IS NOT NULL AND cur.claimed_to_lsn <= hz.lsn AND n.found = 0)
 SELECT u.token, u.attempt, x.key, x.row, x.correlation_id, x.commit_lsn::text, x.seq, x.commit_time, n.found
 FROM n LEFT JOIN (upd u CROSS JOIN r x) ON true
 ORDER BY x.commit_lsn, x.seq`
