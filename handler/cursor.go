@@ -49,17 +49,16 @@ ON CONFLICT (handler_id) DO NOTHING`
 // row per claimed row, or one row with a NULL token and the number of rows
 // found when it claimed nothing. %s is the live archive's rows table.
 //
-// A retried batch (claimed_to set) is the range it claimed before, and
-// keeps that claimed_to: the claimed position never moves back. It leaves
-// out the rows of that range that have a delivery of the handler already:
-// rows archived late into the range after the first claim, which the
-// apply queued as rows (Enqueue), so the retry resends exactly the batch
-// it sent first. It waits until the horizon covers its whole range again
-// (after a promotion of a version that lags, rows of the range may not be
-// in the live archive yet): resending part of it would settle, and pass,
-// the rest unsent. A first claim needs no such look-up: every row the apply
-// queued is at or behind the claimed position it read, and a first claim
-// starts after the cursor, which a settle moved to that position.
+// A claim leaves out the rows that have a delivery of the handler
+// already: rows archived late into a claimed range after its first
+// claim, which the apply queued as rows (Enqueue), so a retry resends
+// exactly the batch it sent first; rows a restore put back before their
+// batch (SupersedeCursorRows). A retried batch (claimed_to set) is the
+// range it claimed before, and keeps that claimed_to: the claimed
+// position never moves back. It waits until the horizon covers its whole
+// range again (after a promotion of a version that lags, rows of the
+// range may not be in the live archive yet): resending part of it would
+// settle, and pass, the rest unsent.
 const cursorClaimSQL = `
 -- A partition that has applied nothing yet (no watermark) holds the
 -- horizon at 0/0: min() alone would skip it, and the cursor would pass its
@@ -77,8 +76,7 @@ cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlatio
         AND a.schema_name = $4 AND a.table_name = $5
         AND ((SELECT claimed_to_lsn FROM cur) IS NULL
              OR (SELECT claimed_to_lsn FROM cur) <= (SELECT lsn FROM hz))
-        AND ((SELECT claimed_to_lsn FROM cur) IS NULL
-             OR NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
+        AND (NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
                               AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0))
       ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
 -- A row behind the horizon may still wait for its transaction's signed
@@ -537,7 +535,9 @@ cur AS (SELECT commit_lsn, seq, COALESCE(claimed_to_lsn, '0/0'::pg_lsn) AS to_ls
 after AS (SELECT a.commit_lsn, a.seq, a.verified FROM %s a, cur
           WHERE a.source = $3::text AND a.schema_name = $4 AND a.table_name = $5
             AND (a.commit_lsn, a.seq) > (cur.commit_lsn, cur.seq)
-            AND (a.commit_lsn <= (SELECT lsn FROM hz) OR (a.commit_lsn, a.seq) <= (cur.to_lsn, cur.to_seq))),
+            AND (a.commit_lsn <= (SELECT lsn FROM hz) OR (a.commit_lsn, a.seq) <= (cur.to_lsn, cur.to_seq))
+            AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
+                              AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0)),
 stop AS (SELECT commit_lsn, seq FROM after WHERE NOT verified ORDER BY commit_lsn, seq LIMIT 1)
 SELECT (SELECT count(*) FROM after a
         WHERE NOT EXISTS (SELECT 1 FROM stop WHERE (stop.commit_lsn, stop.seq) <= (a.commit_lsn, a.seq))),

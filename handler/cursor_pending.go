@@ -75,7 +75,9 @@ SELECT source FROM s WHERE source IS NOT NULL`
 // cursorCountSQL counts one handler's rows of one source after its cursor
 // ($2, $3), at most $8, walking the archive's key from the cursor: how
 // many, how many of them in the claimed range (up to $6, $7), and how
-// long ago the oldest of each was archived. %s is the rows table.
+// long ago the oldest of each was archived. A row with a delivery of the
+// handler ($9) already is not counted: queued as a late row (counted as
+// queued), or stopped (a restore superseded it). %s is the rows table.
 const cursorCountSQL = `
 SELECT count(*) FILTER (WHERE NOT x.claimed), count(*) FILTER (WHERE x.claimed),
        COALESCE(extract(epoch FROM now() - min(x.archived_at) FILTER (WHERE NOT x.claimed)), 0)::float8,
@@ -84,16 +86,21 @@ FROM (SELECT a.archived_at, (a.commit_lsn, a.seq) <= ($6::pg_lsn, $7::int) AS cl
       FROM %s a
       WHERE a.source = $1::text AND (a.commit_lsn, a.seq) > ($2::pg_lsn, $3::int)
         AND a.schema_name = $4 AND a.table_name = $5
+        AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $9::uuid AND q.source = a.source
+                          AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0)
       ORDER BY a.commit_lsn, a.seq LIMIT $8::int) x`
 
 // cursorListSQL lists one handler's rows of one source after ($2, $3)
-// up to ($7, $8), newest first, at most $6. %s is the rows table.
+// up to ($7, $8), newest first, at most $6, but for rows with a delivery
+// of the handler ($9) already (listed as such). %s is the rows table.
 const cursorListSQL = `
 SELECT a.commit_lsn::text, a.seq, a.key, a.correlation_id, a.verified, a.archived_at
 FROM %s a
 WHERE a.source = $1::text AND (a.commit_lsn, a.seq) > ($2::pg_lsn, $3::int)
   AND (a.commit_lsn, a.seq) <= ($7::pg_lsn, $8::int)
   AND a.schema_name = $4 AND a.table_name = $5
+  AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $9::uuid AND q.source = a.source
+                          AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0)
 ORDER BY a.commit_lsn DESC, a.seq DESC LIMIT $6::int`
 
 // cursorRead runs f in one read-only snapshot of db with the claim's plan
@@ -222,7 +229,7 @@ func CursorBacklogs(ctx context.Context, db DB, defs []Def) (map[string]*CursorB
 				var open, claimed int64
 				var openAge, claimedAge float64
 				err := q.QueryRow(ctx, fmt.Sprintf(cursorCountSQL, rowsTable), src, b.CommitLSN, b.Seq, d.Schema, d.Table,
-					toLSN, toSeq, CursorCountCap).Scan(&open, &claimed, &openAge, &claimedAge)
+					toLSN, toSeq, CursorCountCap, d.ID).Scan(&open, &claimed, &openAge, &claimedAge)
 				if err != nil {
 					return fmt.Errorf("count the pending deliveries of handler %s: %w", d.ID, err)
 				}
@@ -343,7 +350,7 @@ func listCursorRows(ctx context.Context, q DB, rowsTable string, d Def, b *Curso
 		fromLSN, fromSeq = *b.ClaimedToLSN, *b.ClaimedToSeq
 	}
 	rows, err := q.Query(ctx, fmt.Sprintf(cursorListSQL, rowsTable), src, fromLSN, fromSeq, d.Schema, d.Table, f.Limit,
-		toLSN, toSeq)
+		toLSN, toSeq, d.ID)
 	if err != nil {
 		return nil, fmt.Errorf("list the pending deliveries of handler %s: %w", d.ID, err)
 	}

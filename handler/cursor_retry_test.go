@@ -85,3 +85,50 @@ func TestCursorRetryWaitsForTheHorizonToCoverItsRange(t *testing.T) {
 	require.Equal(t, string(posts[0].body), string(posts[1].body), "byte-identical")
 	require.Equal(t, []string{"done:done:2", "done:done:2", "done:done:2"}, e.settled(def.ID))
 }
+
+// Rows a restore put back before their batch are stopped for a cursor
+// handler (SupersedeCursorRows): the cursor leaves them out, its backlog
+// does not count them, and Flush does not wait for them. Rows at or
+// behind its claimed position (delivered, or in a batch in flight) are
+// left alone: the batch in flight goes out whole.
+func TestCursorLeavesOutRowsARestoreSuperseded(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, refuseOnce)
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
+	first := e.archive("orders", true, 1, 2, 3)
+	e.horizon(first[2])
+	d := e.dispatcher()
+	flushBriefly(t, d) // refused: rows 1-3 are a batch waiting for its retry
+	require.Len(t, br.got(), 1)
+	more := e.archive("orders", true, 4, 5, 6)
+	supersede := func(lsns ...string) int {
+		var rows []CursorRow
+		for _, l := range lsns {
+			rows = append(rows, CursorRow{Source: "main", Schema: "public", Table: "orders", CommitLSN: l})
+		}
+		tx, err := e.pool.Begin(ctx)
+		require.NoError(t, err)
+		n, err := SupersedeCursorRows(ctx, tx, rows)
+		require.NoError(t, err)
+		require.NoError(t, tx.Commit(ctx))
+		return n
+	}
+	require.Equal(t, 1, supersede(first[1], more[1]), "row 2 is in the batch in flight; row 5 is pending")
+	require.Zero(t, supersede(more[1]), "once")
+
+	bs, err := CursorBacklogs(ctx, e.pool, []Def{def})
+	require.NoError(t, err)
+	require.Equal(t, int64(5), bs[def.ID].Pending, "rows 1-3 wait for their retry, 4 and 6 for the cursor; row 5 is stopped")
+
+	e.dueNow(def.ID)
+	e.horizon(more[2])
+	e.flush(d)
+	posts := br.got()
+	require.Len(t, posts, 3)
+	require.Equal(t, idsOf(def.ID, first...), ids(posts[1]), "the batch in flight, whole")
+	require.Equal(t, idsOf(def.ID, more[0], more[2]), ids(posts[2]), "row 5 left out")
+	require.Equal(t, []string{"done:done:2", "done:done:2", "done:done:2", "done:done:1", "stopped:stop_superseded:0", "done:done:1"},
+		e.settled(def.ID))
+}
