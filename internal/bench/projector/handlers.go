@@ -105,15 +105,6 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 			return err
 		}
 		defer conn.Close(context.WithoutCancel(ctx))
-		// What the capture's next heartbeat does (it is stopped here):
-		// every partition's watermark reaches the last commit. Without it
-		// a partition whose last transaction came early holds the
-		// archive's horizon, and the rows after it, from cursor handlers.
-		// Optimistic by up to the heartbeat interval (10 s by default).
-		if _, err := conn.Exec(ctx, `UPDATE epitaph.progress SET source_lsn = (SELECT max(source_lsn) FROM epitaph.progress
-			WHERE projection = 'archive') WHERE projection = 'archive'`); err != nil {
-			return fmt.Errorf("heartbeat: %w", err)
-		}
 		// Postgres CPU per delivery while only the dispatcher runs (from the
 		// last archived row to the last delivery done): meaningful on a
 		// loaded machine, where the rates are not.
