@@ -77,13 +77,15 @@ cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlatio
         AND ((SELECT claimed_to_lsn FROM cur) IS NULL
              OR (SELECT claimed_to_lsn FROM cur) <= (SELECT lsn FROM hz))
         AND (NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
-                              AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0))
+                              AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0 OFFSET 0))
       ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
 -- A row behind the horizon may still wait for its transaction's signed
 -- commit (applied in another page or partition): the batch stops before
 -- the first unverified row, so the cursor never passes it.
+-- (The first unverified row once, not an anti-join of the batch with itself.)
+stop AS (SELECT commit_lsn, seq FROM cand WHERE NOT verified ORDER BY commit_lsn, seq LIMIT 1),
 r AS (SELECT * FROM cand c
-      WHERE NOT EXISTS (SELECT 1 FROM cand u WHERE NOT u.verified AND (u.commit_lsn, u.seq) <= (c.commit_lsn, c.seq))),
+      WHERE NOT EXISTS (SELECT 1 FROM stop u WHERE (u.commit_lsn, u.seq) <= (c.commit_lsn, c.seq))),
 n AS (SELECT count(*) AS found, min(archived_at) AS first_at FROM r),
 upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = COALESCE(cur.claimed_to_lsn, l.commit_lsn),
                claimed_to_seq = COALESCE(cur.claimed_to_seq, l.seq),
@@ -104,7 +106,8 @@ gone AS (UPDATE epitaph.handler_cursors c SET commit_lsn = cur.claimed_to_lsn, s
          WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
            AND (c.claim_token IS NULL OR c.claim_expires_at < now())
            AND cur.claimed_to_lsn IS NOT NULL AND cur.claimed_to_lsn <= hz.lsn AND n.found = 0)
-SELECT u.token, u.attempt, x.key, x.row, x.correlation_id, x.commit_lsn::text, x.seq, x.commit_time, n.found
+SELECT u.token, u.attempt, x.key, x.row, x.correlation_id, x.commit_lsn::text, x.seq, x.commit_time, n.found,
+       GREATEST(0, ceil(extract(epoch FROM n.first_at + $7::bigint * interval '1 millisecond' - now()) * 1000))::bigint
 FROM n LEFT JOIN (upd u CROSS JOIN r x) ON true
 ORDER BY x.commit_lsn, x.seq`
 
@@ -307,13 +310,16 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 		return -1, err
 	}
 	claimedAt := time.Now()
-	send, tok, found, err := d.cursorClaim(ctx, def, live)
+	send, tok, found, wait, err := d.cursorClaim(ctx, def, live)
 	if err != nil {
 		return -1, err
 	}
 	if len(send) == 0 {
 		if found > 0 {
-			return max(def.BatchWait/2, time.Millisecond), nil
+			// Rows wait for the batch to fill: look again when the first
+			// of them has waited the batch wait (a claim that finds nothing
+			// due costs as much as one that sends).
+			return max(wait, time.Millisecond), nil
 		}
 		return -1, nil
 	}
@@ -330,7 +336,7 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 
 // cursorClaim runs cursorClaimSQL for def: the claimed batch's deliveries
 // and token, or none and how many rows wait for the batch to fill.
-func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive) ([]Delivery, string, int64, error) {
+func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive) ([]Delivery, string, int64, time.Duration, error) {
 	source := d.cfg.Source
 	// One round trip: the claim in a transaction of its own with the
 	// claim's plan settings. Without them, on an archive growing faster
@@ -366,12 +372,12 @@ func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive)
 	defer br.Close()
 	for range 2 + len(claimPlan) {
 		if _, err := br.Exec(); err != nil {
-			return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
+			return nil, "", 0, 0, fmt.Errorf("claim a batch: %w", err)
 		}
 	}
 	rows, err := br.Query()
 	if err != nil {
-		return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
+		return nil, "", 0, 0, fmt.Errorf("claim a batch: %w", err)
 	}
 	var (
 		token         *string
@@ -380,11 +386,11 @@ func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive)
 		corr, lsn     *string
 		seq           *int
 		commitTime    *time.Time
-		found         int64
+		found, waitMS int64
 		send          []Delivery
 		columnsWanted = len(def.Columns) > 0
 	)
-	_, err = pgx.ForEachRow(rows, []any{&token, &attempt, &key, &image, &corr, &lsn, &seq, &commitTime, &found}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&token, &attempt, &key, &image, &corr, &lsn, &seq, &commitTime, &found, &waitMS}, func() error {
 		if token == nil {
 			return nil
 		}
@@ -413,19 +419,19 @@ func (d *Dispatcher) cursorClaim(ctx context.Context, def Def, live liveArchive)
 		return nil
 	})
 	if err != nil {
-		return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
+		return nil, "", 0, 0, fmt.Errorf("claim a batch: %w", err)
 	}
 	if _, err := br.Exec(); err != nil {
 		// Not committed (or not known to be): the claim expires.
-		return nil, "", 0, fmt.Errorf("claim a batch: commit: %w", err)
+		return nil, "", 0, 0, fmt.Errorf("claim a batch: commit: %w", err)
 	}
 	if err := br.Close(); err != nil {
-		return nil, "", 0, fmt.Errorf("claim a batch: %w", err)
+		return nil, "", 0, 0, fmt.Errorf("claim a batch: %w", err)
 	}
 	if len(send) == 0 {
-		return nil, "", found, nil
+		return nil, "", found, time.Duration(waitMS) * time.Millisecond, nil
 	}
-	return send, *token, found, nil
+	return send, *token, found, 0, nil
 }
 
 // cursorSend sends a claimed batch and settles it: done (the cursor
@@ -537,7 +543,7 @@ after AS (SELECT a.commit_lsn, a.seq, a.verified FROM %s a, cur
             AND (a.commit_lsn, a.seq) > (cur.commit_lsn, cur.seq)
             AND (a.commit_lsn <= (SELECT lsn FROM hz) OR (a.commit_lsn, a.seq) <= (cur.to_lsn, cur.to_seq))
             AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $1::uuid AND q.source = a.source
-                              AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0)),
+                              AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0 OFFSET 0)),
 stop AS (SELECT commit_lsn, seq FROM after WHERE NOT verified ORDER BY commit_lsn, seq LIMIT 1)
 SELECT (SELECT count(*) FROM after a
         WHERE NOT EXISTS (SELECT 1 FROM stop WHERE (stop.commit_lsn, stop.seq) <= (a.commit_lsn, a.seq))),

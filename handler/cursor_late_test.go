@@ -109,7 +109,7 @@ func TestCursorLateRowBehindTheClaimIsQueuedOnce(t *testing.T) {
 
 	// The next batch (3+1, 4, 5) is claimed and refused; a row archived
 	// inside its range meanwhile is queued, and the retry is the same batch.
-	_, tok, _, err := d.cursorClaim(ctx, def, liveArchive{version: 1, rows: "archive_v1.rows"})
+	_, tok, _, _, err := d.cursorClaim(ctx, def, liveArchive{version: 1, rows: "archive_v1.rows"})
 	require.NoError(t, err)
 	require.NotEmpty(t, tok)
 	queued, err = lateApply(ctx, e.pool, c, "orders", more[0], 1, 41)

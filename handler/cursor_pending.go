@@ -87,7 +87,7 @@ FROM (SELECT a.archived_at, (a.commit_lsn, a.seq) <= ($6::pg_lsn, $7::int) AS cl
       WHERE a.source = $1::text AND (a.commit_lsn, a.seq) > ($2::pg_lsn, $3::int)
         AND a.schema_name = $4 AND a.table_name = $5
         AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $9::uuid AND q.source = a.source
-                          AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0)
+                          AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0 OFFSET 0)
       ORDER BY a.commit_lsn, a.seq LIMIT $8::int) x`
 
 // cursorListSQL lists one handler's rows of one source after ($2, $3)
@@ -100,7 +100,7 @@ WHERE a.source = $1::text AND (a.commit_lsn, a.seq) > ($2::pg_lsn, $3::int)
   AND (a.commit_lsn, a.seq) <= ($7::pg_lsn, $8::int)
   AND a.schema_name = $4 AND a.table_name = $5
   AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries q WHERE q.handler_id = $9::uuid AND q.source = a.source
-                          AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0)
+                          AND q.commit_lsn = a.commit_lsn AND q.seq = a.seq AND q.generation = 0 OFFSET 0)
 ORDER BY a.commit_lsn DESC, a.seq DESC LIMIT $6::int`
 
 // cursorRead runs f in one read-only snapshot of db with the claim's plan

@@ -109,7 +109,7 @@ func TestCursorHandlerBacklogIsCountedAndListed(t *testing.T) {
 	live, err := d.live(ctx)
 	require.NoError(t, err)
 	claimedAt := time.Now()
-	send, tok, _, err := d.cursorClaim(ctx, def, live)
+	send, tok, _, _, err := d.cursorClaim(ctx, def, live)
 	require.NoError(t, err)
 	require.Len(t, send, 3)
 	stats, err = Stats(ctx, e.pool)
@@ -204,7 +204,7 @@ func TestCursorHandlerExpiredClaimIsPending(t *testing.T) {
 	require.NoError(t, err)
 	live, err := d.live(ctx)
 	require.NoError(t, err)
-	send, _, _, err := d.cursorClaim(ctx, def, live) // claimed, never sent: the dispatcher died
+	send, _, _, _, err := d.cursorClaim(ctx, def, live) // claimed, never sent: the dispatcher died
 	require.NoError(t, err)
 	require.Len(t, send, 2)
 	stats, err := Stats(ctx, e.pool)

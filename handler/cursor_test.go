@@ -292,7 +292,7 @@ func TestCursorBatchDeadAtAnExpiredLastClaimOrAPermanentAnswer(t *testing.T) {
 		t.Helper()
 		live, err := d.live(ctx)
 		require.NoError(t, err)
-		send, _, _, err := d.cursorClaim(ctx, def, live)
+		send, _, _, _, err := d.cursorClaim(ctx, def, live)
 		require.NoError(t, err)
 		require.Len(t, send, 2)
 		eventually(t, func() bool {
@@ -489,7 +489,7 @@ func TestCursorHandlerLifecycleMatchesTheQueuedPath(t *testing.T) {
 	require.Len(t, cs, 2)
 	live, err := d.live(ctx)
 	require.NoError(t, err)
-	send, tok, _, err := d.cursorClaim(ctx, c2, live)
+	send, tok, _, _, err := d.cursorClaim(ctx, c2, live)
 	require.NoError(t, err)
 	require.Len(t, send, 2)
 	nq, err = Remove(ctx, e.pool, q2.ID)
