@@ -183,7 +183,7 @@ func (s *batchHook) handle(w http.ResponseWriter, r *http.Request) {
 
 // resentElsewhere says how many deliveries came under more than one
 // webhook-id (a receiver deduplicating by webhook-id processes them twice).
-func (s *batchHook) resentElsewhere() string {
+func (s *batchHook) resentElsewhere() (int, string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var ids []string
@@ -193,7 +193,7 @@ func (s *batchHook) resentElsewhere() string {
 		}
 	}
 	sort.Strings(ids)
-	return fmt.Sprintf("%d deliveries sent under several webhook-ids %v", len(ids), ids[:min(3, len(ids))])
+	return len(ids), fmt.Sprintf("%d deliveries sent under several webhook-ids %v", len(ids), ids[:min(3, len(ids))])
 }
 
 // busy reports whether a cursor batch is being answered slowly right now.
@@ -228,6 +228,8 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 	url := testenv.NewDatabase(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
+	waitCtx, cancelWait := context.WithCancel(ctx)
+	defer cancelWait()
 	require.NoError(t, workload.Setup(ctx, url))
 	_, err := workload.Seed(ctx, url, workload.SeedConfig{Customers: 150, OrdersPerCustomer: 6})
 	require.NoError(t, err)
@@ -339,8 +341,14 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 	}), "archive complete\n%s", pipelineState(ctx, url, watch))
 	// Both handlers caught up: the cursor past every archived order with
 	// no batch claimed, no queued delivery open.
+	// A delivery sent in a second batch ends the wait at once (its settle
+	// would collide with the first one's row and retry for ever).
 	var behind, open int64
-	err = workload.WaitFor(ctx, 5*time.Minute, 500*time.Millisecond, func(ctx context.Context) (bool, error) {
+	err = workload.WaitFor(waitCtx, 5*time.Minute, 500*time.Millisecond, func(ctx context.Context) (bool, error) {
+		if n, dup := srv.resentElsewhere(); n > 0 {
+			cancelWait()
+			return false, fmt.Errorf("sent twice: %s", dup)
+		}
 		var err error
 		if behind, err = bench.Count(ctx, url, `SELECT count(*) FROM archive.rows r, epitaph.handler_cursors c
 			WHERE c.handler_id = $1 AND r.source = 'main' AND r.table_name = 'orders' AND (r.commit_lsn, r.seq) > (c.commit_lsn, c.seq)`, cursorID); err != nil {
@@ -352,26 +360,21 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 		}
 		return behind == 0 && open == 0, nil
 	})
-	require.NoError(t, err, "%d orders after the cursor, %d deliveries or batches open; %s\n%s", behind, open, srv.resentElsewhere(), cursorState(ctx, conn, cursorID))
+	_, dup := srv.resentElsewhere()
+	require.NoError(t, err, "%d orders after the cursor, %d deliveries or batches open; %s\n%s", behind, open, dup, cursorState(ctx, conn, cursorID))
 	for _, w := range append([]*supervised{capture}, workers...) {
 		t.Logf("%s", w.Stats())
 	}
 
 	// The archived orders, in commit order, with the delivery id each must
 	// have had on either path.
-	type arch struct {
-		id, key, corr string
-		lsn           string
-		seq           int
-		pos           int // index in commit order
-	}
 	rows, err := conn.Query(ctx, `SELECT commit_lsn::text, seq, key::text, correlation_id FROM archive.rows
 		WHERE source = 'main' AND schema_name = 'public' AND table_name = 'orders' ORDER BY commit_lsn, seq`)
 	require.NoError(t, err)
-	var orders []arch
-	byID := map[string]*arch{}
+	var orders []archOrder
+	byID := map[string]*archOrder{}
 	for rows.Next() {
-		var a arch
+		var a archOrder
 		require.NoError(t, rows.Scan(&a.lsn, &a.seq, &a.key, &a.corr))
 		a.id, a.pos, a.key = handler.DeliveryID(cursorID, "main", a.lsn, a.seq, 0), len(orders), compactJSON(json.RawMessage(a.key))
 		orders = append(orders, a)
@@ -401,33 +404,65 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 		require.GreaterOrEqual(t, attempt, 1, id)
 	}
 	require.NoError(t, dbRows.Err())
+	var missing []string
+	for _, a := range orders {
+		if dbIDs[a.id] == 0 {
+			missing = append(missing, fmt.Sprintf("%s/%d %s", a.lsn, a.seq, a.key))
+		}
+	}
+	require.Zero(t, len(missing), "%d of %d archived orders without a delivery row, first %v", len(missing), len(orders), missing[:min(5, len(missing))])
 	require.Len(t, dbIDs, len(orders), "one delivery row per archived order")
 	for id, n := range dbIDs {
 		require.Equal(t, 1, n, "delivery %s settled %d times", id, n)
 	}
 
-	srv.mu.Lock()
-	defer srv.mu.Unlock()
-	require.Zero(t, srv.unverified, "every request verifies with the Standard Webhooks library: %v", srv.verifyErr)
-	require.Empty(t, srv.misfits)
+	stats := srv.checkCursor(t, orders, byID)
+	midMu.Lock()
+	mid := midKills
+	midMu.Unlock()
+	t.Logf("orders archived %d (+%d other rows); %s; kills while a batch was answered %d", len(orders), otherRows, stats, mid)
+
+	// The queued revalidating handler beside it: one delivery per archived
+	// order, settled (done, or stopped as superseded by a later deletion
+	// of its key), each done one received under its id with one body.
+	checkQueuedBeside(ctx, t, conn, srv, queuedID, len(orders))
+}
+
+// archOrder is an archived order with the delivery id it must have had.
+type archOrder struct {
+	id, key, corr string
+	lsn           string
+	seq           int
+	pos           int // index in commit order
+}
+
+// checkCursor checks, row by row, what the receiver got from the cursor
+// handler against the archived orders (in commit order), and returns a
+// summary of what it saw.
+func (s *batchHook) checkCursor(t *testing.T, orders []archOrder, byID map[string]*archOrder) string {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	require.Zero(t, s.unverified, "every request verifies with the Standard Webhooks library: %v", s.verifyErr)
+	require.Empty(t, s.misfits)
 	// The receiver: every archived order's delivery answered 2xx, under
 	// exactly one webhook-id, with the archived row's key and correlation.
 	for _, a := range orders {
-		require.Positive(t, srv.accepted[a.id], "the receiver never accepted the delivery of order row %s/%d %s", a.lsn, a.seq, a.key)
-		require.Len(t, srv.batchOf[a.id], 1, "delivery %s (%s/%d) sent under several webhook-ids", a.id, a.lsn, a.seq)
-		el := srv.element[a.id]
+		require.Positive(t, s.accepted[a.id], "the receiver never accepted the delivery of order row %s/%d %s", a.lsn, a.seq, a.key)
+		require.Len(t, s.batchOf[a.id], 1, "delivery %s (%s/%d) sent under several webhook-ids", a.id, a.lsn, a.seq)
+		el := s.element[a.id]
 		require.Equal(t, "public.orders", el.Table, a.id)
 		require.Equal(t, a.key, compactJSON(el.Key), a.id)
 		require.Equal(t, a.corr, el.CorrelationID, a.id)
 	}
-	for id := range srv.batchOf {
+	for id := range s.batchOf {
 		require.Contains(t, byID, id, "the receiver got a delivery %s of no archived order (another table, or forged)", id)
 	}
 	// Every batch: one body byte for byte over its resends, accepted in the
 	// end (a refused, hung or cut-short batch sent again whole), its
 	// deliveries in commit order.
 	var refused, hung, resent, acceptedTwice int
-	for id, hb := range srv.batches {
+	for id, hb := range s.batches {
 		require.Len(t, hb.bodies, 1, "batch %s resent with another body", id)
 		require.Positive(t, hb.ok, "batch %s (%d requests) never accepted: not retried as a whole", id, hb.requests)
 		if hb.refused {
@@ -451,30 +486,33 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 		}
 	}
 	// Each key's deliveries reached the receiver in commit order.
-	lastOfKey := map[string]*arch{}
+	lastOfKey := map[string]*archOrder{}
 	reKeyed := 0
 	for i := range orders {
 		a := &orders[i]
 		if prev := lastOfKey[a.key]; prev != nil {
 			reKeyed++
-			require.Less(t, srv.firstArr[prev.id], srv.firstArr[a.id], "key %s: %s/%d reached the receiver before %s/%d", a.key, a.lsn, a.seq, prev.lsn, prev.seq)
+			require.Less(t, s.firstArr[prev.id], s.firstArr[a.id], "key %s: %s/%d reached the receiver before %s/%d", a.key, a.lsn, a.seq, prev.lsn, prev.seq)
 		}
 		lastOfKey[a.key] = a
 	}
-	midMu.Lock()
-	mid := midKills
-	midMu.Unlock()
-	t.Logf("orders archived %d (+%d other rows); batches %d, POSTs %d: refused once %d, hung once %d, sent again %d, accepted twice %d; "+
-		"keys delivered again after a re-insert %d; kills while a batch was answered %d, POSTs cut short by a kill %d",
-		len(orders), otherRows, len(srv.batches), srv.cursorPOST, refused, hung, resent, acceptedTwice, reKeyed, mid, srv.cutShort)
-	require.Positive(t, refused, "some batch refused with a 503")
-	require.Positive(t, hung, "some batch hung")
-	require.Positive(t, reKeyed, "some key deleted twice")
-	require.Positive(t, srv.cutShort, "some POST in progress when its worker was killed")
+	summary := fmt.Sprintf("batches %d, POSTs %d: refused once %d, hung once %d, sent again %d, accepted twice %d; "+
+		"keys delivered again after a re-insert %d; POSTs cut short by a kill %d",
+		len(s.batches), s.cursorPOST, refused, hung, resent, acceptedTwice, reKeyed, s.cutShort)
+	require.Positive(t, refused, "some batch refused with a 503: %s", summary)
+	require.Positive(t, hung, "some batch hung: %s", summary)
+	require.Positive(t, reKeyed, "some key deleted twice: %s", summary)
+	require.Positive(t, s.cutShort, "some POST in progress when its worker was killed: %s", summary)
+	return summary
+}
 
-	// The queued revalidating handler beside it: one delivery per archived
-	// order, settled (done, or stopped as superseded by a later deletion
-	// of its key), each done one received under its id with one body.
+// checkQueuedBeside checks the queued handler's deliveries: one per
+// archived order, done (received under its id with one body) or stopped
+// as superseded.
+func checkQueuedBeside(ctx context.Context, t *testing.T, conn *pgx.Conn, srv *batchHook, queuedID string, orders int) {
+	t.Helper()
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
 	qRows, err := conn.Query(ctx, `SELECT d.id::text, d.state, COALESCE(d.outcome, '') FROM archive.rows r
 		LEFT JOIN epitaph.deliveries d ON d.handler_id = $1 AND d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq
 		WHERE r.source = 'main' AND r.table_name = 'orders'`, queuedID)
@@ -496,9 +534,9 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 		}
 	}
 	require.NoError(t, qRows.Err())
-	n, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries WHERE handler_id = $1`, queuedID)
-	require.NoError(t, err)
-	require.Equal(t, int64(len(orders)), n, "one queued delivery per archived order")
+	var n int64
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE handler_id = $1`, queuedID).Scan(&n))
+	require.Equal(t, int64(orders), n, "one queued delivery per archived order")
 	t.Logf("queued handler: %v", states)
 }
 
