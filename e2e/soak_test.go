@@ -125,7 +125,12 @@ type flakyHook struct {
 	batches  int // requests carrying a batch
 	// acceptedBy: per handler, the delivery ids it accepted.
 	acceptedBy map[string]map[string]bool
-	stop       chan struct{}
+	// members: per webhook-id of a batch, its delivery ids; batchesOf: per
+	// delivery id, the webhook-ids of the batches that carried it
+	// (accepted or not).
+	members   map[string][]string
+	batchesOf map[string]map[string]bool
+	stop      chan struct{}
 }
 
 func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
@@ -149,8 +154,17 @@ func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
 	inTime := true
 	h.mu.Lock()
 	h.requests++
-	if r.Header.Get(handler.HeaderBatchSize) != "" {
+	if wid := r.Header.Get(handler.HeaderWebhookID); r.Header.Get(handler.HeaderBatchSize) != "" {
 		h.batches++
+		if h.members[wid] == nil {
+			for _, d := range batch.Deliveries {
+				h.members[wid] = append(h.members[wid], d.DeliveryID)
+				if h.batchesOf[d.DeliveryID] == nil {
+					h.batchesOf[d.DeliveryID] = map[string]bool{}
+				}
+				h.batchesOf[d.DeliveryID][wid] = true
+			}
+		}
 	}
 	h.mu.Unlock()
 	switch {
@@ -326,7 +340,7 @@ func TestSoakWholeSystem(t *testing.T) {
 	require.NoError(t, err)
 
 	hook := &flakyHook{accepted: map[string]map[string]bool{}, acceptAt: map[string][]time.Time{}, ids: map[string]bool{},
-		acceptedBy: map[string]map[string]bool{}, stop: make(chan struct{})}
+		acceptedBy: map[string]map[string]bool{}, members: map[string][]string{}, batchesOf: map[string]map[string]bool{}, stop: make(chan struct{})}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	hs := &http.Server{Handler: http.HandlerFunc(hook.handle), ReadHeaderTimeout: 5 * time.Second}
@@ -1447,8 +1461,10 @@ func (s *soak) checkStream() {
 func (s *soak) checkDeliveries() {
 	s.mu.Lock()
 	erasedAt := map[string]time.Time{}
+	erasedIDs := map[string]bool{}
 	for _, e := range s.erased {
 		if e.table == "public.orders" {
+			erasedIDs[handler.DeliveryID(soakCursorID, "main", e.commitLSN, e.seq, 0)] = true
 			for _, h := range soakHandlers {
 				erasedAt[fmt.Sprintf("%s public.orders {\"id\":%d} %s", h, e.id, e.correlation)] = e.at
 			}
@@ -1476,6 +1492,32 @@ func (s *soak) checkDeliveries() {
 				}
 			}
 		}
+	}
+	// A batch is resent whole under its webhook-id: a delivery in two
+	// batches is sent twice to a receiver that deduplicates by webhook-id,
+	// unless the batches differ only by erased rows (an erasure takes its
+	// rows out of a batch being retried).
+	var regrouped []string
+	for id, wids := range s.hook.batchesOf {
+		if len(wids) < 2 {
+			continue
+		}
+		count := map[string]int{}
+		for wid := range wids {
+			for _, m := range s.hook.members[wid] {
+				count[m]++
+			}
+		}
+		for m, n := range count {
+			if n < len(wids) && !erasedIDs[m] {
+				regrouped = append(regrouped, fmt.Sprintf("delivery %s in %d batches that differ by %s", id, len(wids), m))
+				break
+			}
+		}
+	}
+	sort.Strings(regrouped)
+	if len(regrouped) > 0 {
+		s.violation("%d deliveries sent in several batches: %s", len(regrouped), strings.Join(regrouped[:min(5, len(regrouped))], "; "))
 	}
 	sort.Strings(twice)
 	sort.Strings(late)
