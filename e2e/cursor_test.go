@@ -66,6 +66,11 @@ type batchHook struct {
 	misfits    []string
 	stop       chan struct{}
 	cursorPOST int
+	// afterOK, when set, runs right after a 2xx to the first accepted
+	// request of some batches (at most killsAfterOK times): it kills the
+	// workers before the sender can record the batch done.
+	afterOK      func()
+	killsAfterOK int
 }
 
 type hookBatch struct {
@@ -179,6 +184,13 @@ func (s *batchHook) handle(w http.ResponseWriter, r *http.Request) {
 		s.accepted[d.DeliveryID]++
 	}
 	w.WriteHeader(http.StatusOK)
+	if s.afterOK != nil && hb.ok == 1 && h[2] < 32 && s.killsAfterOK > 0 {
+		s.killsAfterOK--
+		if f, ok := w.(http.Flusher); ok {
+			f.Flush()
+		}
+		s.afterOK()
+	}
 }
 
 // resentElsewhere says how many deliveries came under more than one
@@ -208,8 +220,8 @@ func (s *batchHook) busy() bool {
 // one, both on public.orders, through the real binaries while the
 // cascading workload deletes and the two projector workers are SIGKILLed
 // over and over, most kills landing while the receiver is in the middle
-// of answering a batch. The receiver refuses some batches once (503),
-// hangs on others and answers the rest slowly. At the end, row by row:
+// of answering a batch or right after its 2xx. The receiver refuses some
+// batches once (503), hangs on others and answers the rest slowly. At the end, row by row:
 // every archived order's delivery reached the receiver and was answered
 // 2xx, under one webhook-id whose every resend had the same body byte for
 // byte; each batch in commit order and each key's deliveries in commit
@@ -318,6 +330,11 @@ func TestCursorHandlerExactlyOnceUnderKills(t *testing.T) {
 		}
 	}
 	both := func() { workers[0].Kill(); workers[1].Kill() }
+	// Some kills right after a batch's 2xx, before it is recorded done:
+	// the batch goes out again, under the same webhook-id.
+	srv.mu.Lock()
+	srv.afterOK, srv.killsAfterOK = both, 4
+	srv.mu.Unlock()
 	actions := map[string]func(){
 		"kill-projector0":       workers[0].Kill,
 		"kill-projector1":       workers[1].Kill,
@@ -505,6 +522,7 @@ func (s *batchHook) checkCursor(t *testing.T, orders []archOrder, byID map[strin
 	require.Positive(t, hung, "some batch hung: %s", summary)
 	require.Positive(t, reKeyed, "some key deleted twice: %s", summary)
 	require.Positive(t, s.cutShort, "some POST in progress when its worker was killed: %s", summary)
+	require.Positive(t, acceptedTwice, "some batch sent again after a kill between its 2xx and its settle: %s", summary)
 	return summary
 }
 
