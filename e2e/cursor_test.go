@@ -124,26 +124,7 @@ func (s *batchHook) handle(w http.ResponseWriter, r *http.Request) {
 	if n, _ := strconv.Atoi(r.Header.Get(handler.HeaderBatchSize)); n != len(body.Deliveries) {
 		s.misfits = append(s.misfits, fmt.Sprintf("batch %s: %s %s for %d deliveries", id, handler.HeaderBatchSize, r.Header.Get(handler.HeaderBatchSize), len(body.Deliveries)))
 	}
-	s.cursorPOST++
-	s.arrivals++
-	hb := s.batches[id]
-	if hb == nil {
-		hb = &hookBatch{bodies: map[string]bool{}}
-		s.batches[id] = hb
-	}
-	hb.bodies[string(b)] = true
-	hb.requests++
-	for _, d := range body.Deliveries {
-		if d.HandlerID != s.cursorID {
-			s.misfits = append(s.misfits, fmt.Sprintf("batch %s carries a delivery of handler %s", id, d.HandlerID))
-		}
-		if s.batchOf[d.DeliveryID] == nil {
-			s.batchOf[d.DeliveryID] = map[string]bool{}
-			s.firstArr[d.DeliveryID] = s.arrivals
-			s.element[d.DeliveryID] = d
-		}
-		s.batchOf[d.DeliveryID][id] = true
-	}
+	hb := s.record(id, b, body)
 	h := sha256.Sum256([]byte(id))
 	first := hb.requests == 1
 	switch {
@@ -206,6 +187,31 @@ func (s *batchHook) resentElsewhere() (int, string) {
 	}
 	sort.Strings(ids)
 	return len(ids), fmt.Sprintf("%d deliveries sent under several webhook-ids %v", len(ids), ids[:min(3, len(ids))])
+}
+
+// record notes a batch's request (s.mu held) and returns its batch.
+func (s *batchHook) record(id string, b []byte, body handler.BatchBody) *hookBatch {
+	s.cursorPOST++
+	s.arrivals++
+	hb := s.batches[id]
+	if hb == nil {
+		hb = &hookBatch{bodies: map[string]bool{}}
+		s.batches[id] = hb
+	}
+	hb.bodies[string(b)] = true
+	hb.requests++
+	for _, d := range body.Deliveries {
+		if d.HandlerID != s.cursorID {
+			s.misfits = append(s.misfits, fmt.Sprintf("batch %s carries a delivery of handler %s", id, d.HandlerID))
+		}
+		if s.batchOf[d.DeliveryID] == nil {
+			s.batchOf[d.DeliveryID] = map[string]bool{}
+			s.firstArr[d.DeliveryID] = s.arrivals
+			s.element[d.DeliveryID] = d
+		}
+		s.batchOf[d.DeliveryID][id] = true
+	}
+	return hb
 }
 
 // busy reports whether a cursor batch is being answered slowly right now.
