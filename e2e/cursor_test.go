@@ -594,3 +594,130 @@ func cursorState(ctx context.Context, conn *pgx.Conn, handlerID string) string {
 	}
 	return b.String()
 }
+
+// TestCursorBatchInFlightOverAnErasure erases an order while a cursor
+// handler's batch carrying it is being answered (the receiver holds the
+// POST), then lets the batch succeed: the batch's delivery rows, written
+// when it settles, must not bring the erased row's key back into
+// epitaph.deliveries (an erasure clears the key of every delivery of its
+// rows), and the other orders of the batch are delivered once.
+func TestCursorBatchInFlightOverAnErasure(t *testing.T) {
+	t.Parallel()
+	bins := binaries(t)
+	url := testenv.NewDatabase(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	require.NoError(t, workload.Setup(ctx, url))
+	_, err := workload.Seed(ctx, url, workload.SeedConfig{Customers: 3, OrdersPerCustomer: 3})
+	require.NoError(t, err)
+
+	const cursorID = "e1e1e1e1-e1e1-4e1e-8e1e-e1e1e1e1e1e1"
+	var (
+		mu       sync.Mutex
+		requests []handler.BatchBody
+	)
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	hs := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body handler.BatchBody
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			w.WriteHeader(400)
+			return
+		}
+		mu.Lock()
+		requests = append(requests, body)
+		first := len(requests) == 1
+		mu.Unlock()
+		if first {
+			once.Do(func() { close(held) })
+			select {
+			case <-release:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		w.WriteHeader(http.StatusOK)
+	})}
+	go func() { _ = hs.Serve(ln) }()
+	defer hs.Close()
+
+	listen, err := bench.LocalAddr()
+	require.NoError(t, err)
+	natsURL := "nats://" + listen
+	metrics, err := bench.LocalAddr()
+	require.NoError(t, err)
+	dataDir := t.TempDir()
+	cenv := bench.CaptureEnv(url, "", listen, dataDir, metrics, "main", "epitaph_e2e_cursor_erase")
+	supervise(t, "capture", bins["capture"], joinEnv(cenv, "EPITAPH_HEARTBEAT_INTERVAL=1s"), 1)
+	projectorCreds := broker.ProjectorCreds(capturepkg.EmbeddedCredsDir(dataDir))
+	creds, err := bench.WaitCreds(ctx, projectorCreds, time.Minute)
+	require.NoError(t, err)
+	watch, err := bench.WatchStream(natsURL, "main", creds)
+	require.NoError(t, err)
+	defer watch.Close()
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_cursor_erase", captureReadyTimeout, nil))
+	cliEnv := joinEnv(bench.ProjectorEnv(url, natsURL, "", "main", "cli"), "EPITAPH_NATS_CREDS="+projectorCreds)
+	projector := func(args ...string) string {
+		t.Helper()
+		cmd := exec.Command(bins["projector"], args...)
+		cmd.Env = append(os.Environ(), cliEnv...)
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, string(out))
+		return string(out)
+	}
+	projector("handlers", "add", "--id", cursorID, "--table", "public.orders", "--kind", "webhook", "--target", "http://"+ln.Addr().String()+"/hook",
+		"--batch-size", "5", "--batch-wait", "100ms", "--no-revalidate", "--claim-timeout", "60s", "--backoff", "100ms", "--max-attempts", "5")
+	superviseProjectors(t, bins["projector"], url, natsURL, 1, 1, "EPITAPH_NATS_CREDS="+projectorCreds)
+
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(context.WithoutCancel(ctx))
+	var ids []int64
+	rows, err := conn.Query(ctx, `SELECT id FROM public.orders ORDER BY id LIMIT 3`)
+	require.NoError(t, err)
+	ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
+	require.Len(t, ids, 3)
+	_, err = conn.Exec(ctx, `DELETE FROM public.orders WHERE id = ANY($1)`, ids)
+	require.NoError(t, err)
+
+	select {
+	case <-held:
+	case <-time.After(3 * time.Minute):
+		t.Fatal("no batch reached the receiver")
+	}
+	mu.Lock()
+	first := requests[0]
+	mu.Unlock()
+	require.Len(t, first.Deliveries, 3, "the three orders in one batch")
+	erased := first.Deliveries[1]
+	var lsn string
+	var seq int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT commit_lsn::text, seq FROM archive.rows WHERE table_name = 'orders' AND key = $1::jsonb`,
+		string(erased.Key)).Scan(&lsn, &seq))
+	projector("erase", "--table", "public.orders", "--key", string(erased.Key), "--with-children", "--reason", "test", "--yes")
+	close(release)
+
+	// The batch settles: every order after the cursor, nothing claimed.
+	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT (SELECT count(*) FROM archive.rows r, epitaph.handler_cursors c WHERE c.handler_id = $1
+			AND r.table_name = 'orders' AND (r.commit_lsn, r.seq) > (c.commit_lsn, c.seq))
+			+ (SELECT count(*) FROM epitaph.handler_cursors WHERE handler_id = $1 AND claimed_to_lsn IS NOT NULL)`, cursorID)
+		return n == 0, err
+	}))
+	var keyed, done int64
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FILTER (WHERE key IS NOT NULL), count(*) FROM epitaph.deliveries
+		WHERE handler_id = $1 AND commit_lsn = $2::pg_lsn AND seq = $3`, cursorID, lsn, seq).Scan(&keyed, &done))
+	t.Logf("erased order %s at %s/%d: %d delivery rows, %d with its key; %d requests", erased.Key, lsn, seq, done, keyed, len(requests))
+	require.Zero(t, keyed, "the erased order's key is back in epitaph.deliveries after its batch settled")
+	for _, d := range first.Deliveries {
+		if d.DeliveryID == erased.DeliveryID {
+			continue
+		}
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries WHERE id = $1::uuid AND state = 'done'`, d.DeliveryID)
+		require.NoError(t, err)
+		require.Equal(t, int64(1), n, "delivery %s of the batch done once", d.DeliveryID)
+	}
+}
