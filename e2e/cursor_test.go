@@ -603,6 +603,22 @@ func cursorState(ctx context.Context, conn *pgx.Conn, handlerID string) string {
 // rows), and the other orders of the batch are delivered once.
 func TestCursorBatchInFlightOverAnErasure(t *testing.T) {
 	t.Parallel()
+	runCursorErasure(t, false)
+}
+
+// TestCursorBatchErasedWholeBeforeItsRetry erases every order of a cursor
+// handler's batch while its POST is held, then refuses it (503): the retry
+// finds none of its rows, and the orders deleted after it must still be
+// delivered (the cursor must not stay behind the emptied batch).
+func TestCursorBatchErasedWholeBeforeItsRetry(t *testing.T) {
+	t.Parallel()
+	runCursorErasure(t, true)
+}
+
+// runCursorErasure deletes orders in one transaction, holds the cursor
+// handler's batch of them at the receiver, erases one of them (whole: all
+// of them, and the held POST is then refused) and checks what follows.
+func runCursorErasure(t *testing.T, whole bool) {
 	bins := binaries(t)
 	url := testenv.NewDatabase(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
@@ -635,6 +651,10 @@ func TestCursorBatchInFlightOverAnErasure(t *testing.T) {
 			select {
 			case <-release:
 			case <-r.Context().Done():
+				return
+			}
+			if whole {
+				w.WriteHeader(http.StatusServiceUnavailable)
 				return
 			}
 		}
@@ -674,13 +694,12 @@ func TestCursorBatchInFlightOverAnErasure(t *testing.T) {
 	conn, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	defer conn.Close(context.WithoutCancel(ctx))
-	var ids []int64
-	rows, err := conn.Query(ctx, `SELECT id FROM public.orders ORDER BY id LIMIT 3`)
+	rows, err := conn.Query(ctx, `SELECT id FROM public.orders ORDER BY id LIMIT 4`)
 	require.NoError(t, err)
-	ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	require.NoError(t, err)
-	require.Len(t, ids, 3)
-	_, err = conn.Exec(ctx, `DELETE FROM public.orders WHERE id = ANY($1)`, ids)
+	require.Len(t, ids, 4)
+	_, err = conn.Exec(ctx, `DELETE FROM public.orders WHERE id = ANY($1)`, ids[:3])
 	require.NoError(t, err)
 
 	select {
@@ -692,32 +711,55 @@ func TestCursorBatchInFlightOverAnErasure(t *testing.T) {
 	first := requests[0]
 	mu.Unlock()
 	require.Len(t, first.Deliveries, 3, "the three orders in one batch")
-	erased := first.Deliveries[1]
-	var lsn string
-	var seq int
-	require.NoError(t, conn.QueryRow(ctx, `SELECT commit_lsn::text, seq FROM archive.rows WHERE table_name = 'orders' AND key = $1::jsonb`,
-		string(erased.Key)).Scan(&lsn, &seq))
-	projector("erase", "--table", "public.orders", "--key", string(erased.Key), "--with-children", "--reason", "test", "--yes")
+	erased := first.Deliveries[1:2]
+	if whole {
+		erased = first.Deliveries
+	}
+	type pos struct {
+		lsn string
+		seq int
+	}
+	var at []pos
+	for _, e := range erased {
+		var p pos
+		require.NoError(t, conn.QueryRow(ctx, `SELECT commit_lsn::text, seq FROM archive.rows WHERE table_name = 'orders' AND key = $1::jsonb`,
+			string(e.Key)).Scan(&p.lsn, &p.seq))
+		at = append(at, p)
+		projector("erase", "--table", "public.orders", "--key", string(e.Key), "--with-children", "--reason", "test", "--yes")
+	}
 	close(release)
+	if whole {
+		// An order deleted after the emptied batch.
+		_, err = conn.Exec(ctx, `DELETE FROM public.orders WHERE id = $1`, ids[3])
+		require.NoError(t, err)
+	}
 
-	// The batch settles: every order after the cursor, nothing claimed.
-	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
+	// Every order after the cursor delivered, nothing claimed.
+	var state string
+	err = workload.WaitFor(ctx, time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
 		n, err := bench.Count(ctx, url, `SELECT (SELECT count(*) FROM archive.rows r, epitaph.handler_cursors c WHERE c.handler_id = $1
 			AND r.table_name = 'orders' AND (r.commit_lsn, r.seq) > (c.commit_lsn, c.seq))
 			+ (SELECT count(*) FROM epitaph.handler_cursors WHERE handler_id = $1 AND claimed_to_lsn IS NOT NULL)`, cursorID)
 		return n == 0, err
-	}))
-	var keyed, done int64
-	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FILTER (WHERE key IS NOT NULL), count(*) FROM epitaph.deliveries
-		WHERE handler_id = $1 AND commit_lsn = $2::pg_lsn AND seq = $3`, cursorID, lsn, seq).Scan(&keyed, &done))
-	t.Logf("erased order %s at %s/%d: %d delivery rows, %d with its key; %d requests", erased.Key, lsn, seq, done, keyed, len(requests))
-	require.Zero(t, keyed, "the erased order's key is back in epitaph.deliveries after its batch settled")
-	for _, d := range first.Deliveries {
-		if d.DeliveryID == erased.DeliveryID {
-			continue
-		}
-		n, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries WHERE id = $1::uuid AND state = 'done'`, d.DeliveryID)
-		require.NoError(t, err)
-		require.Equal(t, int64(1), n, "delivery %s of the batch done once", d.DeliveryID)
+	})
+	if err != nil {
+		state = cursorState(ctx, conn, cursorID)
 	}
+	mu.Lock()
+	t.Logf("%d requests; erased %d orders", len(requests), len(erased))
+	mu.Unlock()
+	require.NoError(t, err, "the cursor did not catch up\n%s", state)
+	for _, p := range at {
+		var keyed int64
+		require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries
+			WHERE handler_id = $1 AND commit_lsn = $2::pg_lsn AND seq = $3 AND key IS NOT NULL`, cursorID, p.lsn, p.seq).Scan(&keyed))
+		require.Zero(t, keyed, "the key of the erased order at %s/%d is back in epitaph.deliveries after its batch settled", p.lsn, p.seq)
+	}
+	var done int64
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries d JOIN archive.rows r
+		ON r.source = d.source AND r.commit_lsn = d.commit_lsn AND r.seq = d.seq WHERE d.handler_id = $1 AND d.state = 'done'`, cursorID).Scan(&done))
+	var live int64
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM archive.rows WHERE table_name = 'orders'`).Scan(&live))
+	require.Equal(t, live, done, "every order still archived delivered once")
+	require.Positive(t, live)
 }
