@@ -732,6 +732,10 @@ func runCursorErasure(t *testing.T, whole bool) {
 		// An order deleted after the emptied batch.
 		_, err = conn.Exec(ctx, `DELETE FROM public.orders WHERE id = $1`, ids[3])
 		require.NoError(t, err)
+		require.NoError(t, workload.WaitFor(ctx, time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+			n, err := bench.Count(ctx, url, `SELECT count(*) FROM archive.rows WHERE table_name = 'orders' AND key = jsonb_build_object('id', $1::bigint)`, ids[3])
+			return n == 1, err
+		}), "the order deleted after the batch archived")
 	}
 
 	// Every order after the cursor delivered, nothing claimed.
