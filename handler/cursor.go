@@ -134,20 +134,20 @@ WITH adv AS (UPDATE epitaph.handler_cursors SET commit_lsn = claimed_to_lsn, seq
                     claimed_to_lsn = NULL, claimed_to_seq = NULL, claim_token = NULL, claim_expires_at = NULL,
                     attempt = 0, next_attempt_at = now(), updated_at = now()
              WHERE handler_id = $1::uuid AND claim_token = $2::uuid RETURNING 1),
+u AS (SELECT u.*, EXISTS (SELECT 1 FROM epitaph.erased_rows e
+                          WHERE e.source = $3::text AND e.commit_lsn = u.lsn::pg_lsn AND e.seq = u.seq) AS erased
+      FROM unnest($13::text[], $14::text[], $15::int[], $16::text[], $17::text[], $18::timestamptz[])
+           AS u(id, lsn, seq, key, corr, ct)),
 ins AS (INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id,
     commit_time, version, phase, priority, released_at, verified, state, outcome, last_error, attempt, settled_at,
     payload_scrubbed_at)
 SELECT u.id::uuid, $1::uuid, $3::text, u.lsn::pg_lsn, u.seq, $4::text, $5::text, u.key::jsonb, u.corr, u.ct, $6::int,
        $7::text, $8::int, now(), true, $9::text, $10::text, $11::text, $12::int, now(), now()
-FROM unnest($13::text[], $14::text[], $15::int[], $16::text[], $17::text[], $18::timestamptz[])
-     AS u(id, lsn, seq, key, corr, ct)
-WHERE EXISTS (SELECT 1 FROM adv)
-  AND NOT EXISTS (SELECT 1 FROM epitaph.erased_rows e WHERE e.source = $3::text AND e.commit_lsn = u.lsn::pg_lsn AND e.seq = u.seq)
+FROM u
+WHERE EXISTS (SELECT 1 FROM adv) AND NOT u.erased
 ON CONFLICT DO NOTHING
 RETURNING id::text)
-SELECT EXISTS (SELECT 1 FROM adv), ARRAY(SELECT id FROM ins),
-       ARRAY(SELECT u.id FROM unnest($13::text[], $14::text[], $15::int[]) AS u(id, lsn, seq)
-             WHERE EXISTS (SELECT 1 FROM epitaph.erased_rows e WHERE e.source = $3::text AND e.commit_lsn = u.lsn::pg_lsn AND e.seq = u.seq))`
+SELECT EXISTS (SELECT 1 FROM adv), ARRAY(SELECT id FROM ins), ARRAY(SELECT id FROM u WHERE erased)`
 
 // cursorSettlePlainSQL is cursorSettleSQL without its ON CONFLICT clause.
 var cursorSettlePlainSQL = strings.Replace(cursorSettleSQL, "ON CONFLICT DO NOTHING\n", "", 1)
