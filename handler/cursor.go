@@ -87,11 +87,20 @@ stop AS (SELECT commit_lsn, seq FROM cand WHERE NOT verified ORDER BY commit_lsn
 r AS (SELECT * FROM cand c
       WHERE NOT EXISTS (SELECT 1 FROM stop u WHERE (u.commit_lsn, u.seq) <= (c.commit_lsn, c.seq))),
 n AS (SELECT count(*) AS found, min(archived_at) AS first_at FROM r),
-upd AS (UPDATE epitaph.handler_cursors c SET claimed_to_lsn = COALESCE(cur.claimed_to_lsn, l.commit_lsn),
-               claimed_to_seq = COALESCE(cur.claimed_to_seq, l.seq),
+-- Fewer rows than a batch, none unverified: every row of the table up to
+-- the horizon is read, so the batch claims up to the horizon, and the
+-- cursor passes the rows of other tables after its last row (a table
+-- deleted from rarely would otherwise walk the stream from its last row
+-- at every claim).
+whole AS (SELECT count(*) < $6::int AND NOT EXISTS (SELECT 1 FROM stop) AS read FROM cand),
+upd AS (UPDATE epitaph.handler_cursors c
+           SET claimed_to_lsn = CASE WHEN cur.claimed_to_lsn IS NOT NULL THEN cur.claimed_to_lsn
+                                     WHEN whole.read THEN hz.lsn ELSE l.commit_lsn END,
+               claimed_to_seq = CASE WHEN cur.claimed_to_lsn IS NOT NULL THEN cur.claimed_to_seq
+                                     WHEN whole.read THEN 2147483647 ELSE l.seq END,
                claim_token = gen_random_uuid(), claim_expires_at = now() + $8::bigint * interval '1 millisecond',
                attempt = c.attempt + 1, updated_at = now()
-        FROM cur, n, (SELECT commit_lsn, seq FROM r ORDER BY commit_lsn DESC, seq DESC LIMIT 1) l
+        FROM cur, n, hz, whole, (SELECT commit_lsn, seq FROM r ORDER BY commit_lsn DESC, seq DESC LIMIT 1) l
         WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
           AND (c.claim_token IS NULL OR c.claim_expires_at < now())
           AND (n.found >= $6::int OR cur.claimed_to_lsn IS NOT NULL OR n.first_at <= now() - $7::bigint * interval '1 millisecond')
@@ -105,7 +114,15 @@ gone AS (UPDATE epitaph.handler_cursors c SET commit_lsn = cur.claimed_to_lsn, s
          FROM cur, n, hz
          WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
            AND (c.claim_token IS NULL OR c.claim_expires_at < now())
-           AND cur.claimed_to_lsn IS NOT NULL AND cur.claimed_to_lsn <= hz.lsn AND n.found = 0)
+           AND cur.claimed_to_lsn IS NOT NULL AND cur.claimed_to_lsn <= hz.lsn AND n.found = 0),
+-- No row of the table up to the horizon: the cursor moves to it, so the
+-- next claim reads only the rows archived since.
+pass AS (UPDATE epitaph.handler_cursors c SET commit_lsn = hz.lsn, seq = 2147483647, updated_at = now()
+         FROM cur, hz, whole
+         WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
+           AND (c.claim_token IS NULL OR c.claim_expires_at < now())
+           AND cur.claimed_to_lsn IS NULL AND whole.read AND NOT EXISTS (SELECT 1 FROM cand)
+           AND (cur.commit_lsn, cur.seq) < (hz.lsn, 2147483647))
 SELECT u.token, u.attempt, x.key, x.row, x.correlation_id, x.commit_lsn::text, x.seq, x.commit_time, n.found,
        GREATEST(0, ceil(extract(epoch FROM n.first_at + $7::bigint * interval '1 millisecond' - now()) * 1000))::bigint
 FROM n LEFT JOIN (upd u CROSS JOIN r x) ON true

@@ -100,14 +100,15 @@ func TestCursorLateRowBehindTheClaimIsQueuedOnce(t *testing.T) {
 	queued, err := lateApply(ctx, e.pool, c, "orders", lsns[1], 1, 21)
 	require.NoError(t, err)
 	require.True(t, queued, "behind the cursor")
-	// Ahead of the cursor: the cursor's.
+	// Ahead of the cursor (which passed the horizon: no row of the table
+	// was left behind it): the cursor's.
 	more := e.archive("orders", true, 4, 5, 6)
-	queued, err = lateApply(ctx, e.pool, c, "orders", lsns[2], 1, 31)
+	queued, err = lateApply(ctx, e.pool, c, "orders", more[0], 2, 31)
 	require.NoError(t, err)
 	require.False(t, queued, "ahead of the cursor")
 	e.horizon(more[2])
 
-	// The next batch (3+1, 4, 5) is claimed and refused; a row archived
+	// The next batch (4, 4+2, 5) is claimed and refused; a row archived
 	// inside its range meanwhile is queued, and the retry is the same batch.
 	_, tok, _, _, err := d.cursorClaim(ctx, def, liveArchive{version: 1, rows: "archive_v1.rows"})
 	require.NoError(t, err)
@@ -132,7 +133,7 @@ func TestCursorLateRowBehindTheClaimIsQueuedOnce(t *testing.T) {
 			cursorPosts = append(cursorPosts, ids(p))
 		}
 	}
-	wantBatch := []string{id(lsns[2], 1), id(more[0], 0), id(more[1], 0)}
+	wantBatch := []string{id(more[0], 0), id(more[0], 2), id(more[1], 0)}
 	require.Equal(t, [][]string{wantBatch, wantBatch, {id(more[2], 0)}}, cursorPosts,
 		"refused, retried whole without the late row, then the rest")
 	require.ElementsMatch(t, []string{id(lsns[1], 1), id(more[0], 1)}, rowDeliveries, "the late rows, on the queued path, once")

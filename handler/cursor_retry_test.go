@@ -132,3 +132,39 @@ func TestCursorLeavesOutRowsARestoreSuperseded(t *testing.T) {
 	require.Equal(t, []string{"done:done:2", "done:done:2", "done:done:2", "done:done:1", "stopped:stop_superseded:0", "done:done:1"},
 		e.settled(def.ID))
 }
+
+// A handler of a table deleted from rarely passes the rows of other
+// tables up to the horizon, with a partial batch or with none: its next
+// claim reads only the rows archived since, not the stream from its last
+// row (which every claim, and every poll, read before). A row of its table
+// applied behind it later is then a late row, queued.
+func TestCursorPassesOtherTablesUpToTheHorizon(t *testing.T) {
+	e := newCursorEnv(t)
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
+	def := e.handler(srv.URL, secret) // Flush sends a partial batch at once
+	order := e.archive("orders", true, 1)
+	lines := e.archive("lines", true, 11, 12, 13)
+	e.horizon(lines[2])
+	d := e.dispatcher()
+	e.flush(d)
+	require.Len(t, br.got(), 1)
+	require.Equal(t, idsOf(def.ID, order...), ids(br.got()[0]), "a partial batch of the one order")
+	at, ok := e.cursorAt(def.ID)
+	require.True(t, ok)
+	require.Equal(t, lines[2], at, "the partial batch claimed up to the horizon")
+
+	more := e.archive("lines", true, 14, 15)
+	e.horizon(more[1])
+	e.flush(d)
+	require.Len(t, br.got(), 1, "nothing of the table: nothing sent")
+	at, _ = e.cursorAt(def.ID)
+	require.Equal(t, more[1], at, "no row of the table: the cursor moved to the horizon")
+
+	last := e.archive("orders", true, 2)
+	e.horizon(last[0])
+	e.flush(d)
+	require.Len(t, br.got(), 2)
+	require.Equal(t, idsOf(def.ID, last...), ids(br.got()[1]))
+	require.Equal(t, []string{"done:done:1", "done:done:1"}, e.settled(def.ID))
+}
