@@ -119,7 +119,7 @@ func cursorRead(ctx context.Context, db DB, f func(q DB, rows string) error) err
 				return fmt.Errorf("read the cursor handlers' backlog: %w", err)
 			}
 			defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-			for _, s := range claimPlan {
+			for _, s := range cursorPlan {
 				if _, err := tx.Exec(ctx, s); err != nil {
 					return fmt.Errorf("read the cursor handlers' backlog: %w", err)
 				}
