@@ -78,6 +78,11 @@ type Service struct {
 	cpu      *cpuGovernor
 	received atomic.Uint64
 
+	// rowCommit is the commit LSN of the last transaction with rows the
+	// stream loop handled; heartbeats watches it for the source going
+	// quiet (Config.HeartbeatQuiet).
+	rowCommit atomic.Uint64
+
 	ss      startstop.Base
 	hardCtx context.Context    // done: the hard stop
 	cancel  context.CancelFunc // ends the stream loop and the background work
@@ -999,6 +1004,15 @@ func (st *streamer) publishGap(ctx context.Context, g gapInfo) error {
 	return st.tr.drain(ctx, st.now)
 }
 
+// heartbeats emits a heartbeat every HeartbeatInterval and, after a
+// transaction with rows, one more once the source has been quiet for
+// HeartbeatQuiet, so that a partition the last transactions of a burst
+// did not reach has its watermark moved past them at once, not at the
+// next interval. The stream loop only stores each such transaction's
+// commit LSN (rowCommit); this goroutine polls it every half
+// HeartbeatQuiet, so the heartbeat follows the last commit after one to
+// one and a half HeartbeatQuiet. An idle source gets none: a heartbeat is
+// no transaction with rows.
 func (s *Service) heartbeats(ctx context.Context) {
 	defer s.bgWG.Done()
 	if s.cfg.HeartbeatInterval < 0 {
@@ -1006,22 +1020,72 @@ func (s *Service) heartbeats(ctx context.Context) {
 	}
 	t := time.NewTicker(s.cfg.HeartbeatInterval)
 	defer t.Stop()
-	warned := false
+	var poll <-chan time.Time
+	if s.cfg.HeartbeatQuiet > 0 {
+		p := time.NewTicker(s.cfg.HeartbeatQuiet / 2)
+		defer p.Stop()
+		poll = p.C
+	}
+	var hb heartbeater
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-		}
-		_, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(false, $1, '')`, event.PrefixHeartbeat)
-		if err != nil && ctx.Err() == nil && !warned {
-			if _, ok := outage(err); !ok { // else the outage's own line says it
-				s.log.Warn("emit heartbeat", "err", err)
+			s.emitHeartbeat(ctx, &hb, false)
+		case <-poll:
+			if hb.quiet(s.rowCommit.Load()) {
+				s.emitHeartbeat(ctx, &hb, true)
 			}
-			warned = true
-		} else if err == nil {
-			warned = false
 		}
+	}
+}
+
+// heartbeater is the heartbeats goroutine's state.
+type heartbeater struct {
+	seen    uint64 // rowCommit at the last poll
+	still   int    // polls in a row that found rowCommit unchanged
+	covered uint64 // rowCommit when the last heartbeat was emitted (or tried)
+	warned  bool   // a failed emit was logged; cleared by the next success
+}
+
+// quiet reports, at a poll that read rowCommit c, whether a quiet
+// heartbeat is due: no transaction with rows for two polls (one
+// HeartbeatQuiet), and none since the last heartbeat, which covers every
+// transaction the loop handled before it was emitted (its WAL record comes
+// after their commits).
+func (h *heartbeater) quiet(c uint64) bool {
+	if c != h.seen {
+		h.seen, h.still = c, 0
+		return false
+	}
+	h.still++
+	return h.still >= 2 && c != h.covered
+}
+
+// sqlQuietHeartbeat emits a heartbeat unless the source is in recovery: a
+// read-only standby cannot write WAL, and the quiet heartbeat is not
+// worth an error there (the interval's heartbeat reports it).
+const sqlQuietHeartbeat = `SELECT pg_logical_emit_message(false, $1, '') WHERE NOT pg_is_in_recovery()`
+
+// emitHeartbeat writes a heartbeat message into the source's WAL; the
+// stream loop publishes it as a signed heartbeat mark on every partition
+// (handleMessage). A failed emit is tried again at the next interval or,
+// for a quiet heartbeat, after the next transaction with rows.
+func (s *Service) emitHeartbeat(ctx context.Context, h *heartbeater, quiet bool) {
+	h.covered = s.rowCommit.Load()
+	sql := `SELECT pg_logical_emit_message(false, $1, '')`
+	if quiet {
+		sql = sqlQuietHeartbeat
+	}
+	_, err := s.pool.Exec(ctx, sql, event.PrefixHeartbeat)
+	if err != nil && ctx.Err() == nil && !h.warned {
+		if _, ok := outage(err); !ok { // else the outage's own line says it
+			s.log.Warn("emit heartbeat", "err", err)
+		}
+		h.warned = true
+	} else if err == nil {
+		h.warned = false
 	}
 }
 

@@ -73,8 +73,14 @@ type Config struct {
 	// survives their promotion; older servers have no failover slots.
 	NoFailoverSlot bool
 	// HeartbeatInterval between pg_logical_emit_message heartbeats; default
-	// 10s. Negative disables heartbeats.
+	// 10s. Negative disables heartbeats, HeartbeatQuiet's too.
 	HeartbeatInterval time.Duration
+	// HeartbeatQuiet: after a transaction with rows, one heartbeat is
+	// emitted once no other such transaction has followed for this long,
+	// so every partition's watermark reaches the last commit soon after a
+	// burst instead of at the next HeartbeatInterval. Default 250ms;
+	// negative: none.
+	HeartbeatQuiet time.Duration
 	// MaxInFlight bounds the messages in flight (published, not yet proven
 	// stored by an acknowledgement); default 4096.
 	MaxInFlight int
@@ -213,11 +219,16 @@ const (
 	DefaultPublicationName     = "epitaph"
 	DefaultStreamCheckInterval = 10 * time.Second
 	DefaultHeartbeatInterval   = 10 * time.Second
+	DefaultHeartbeatQuiet      = 250 * time.Millisecond
 	DefaultMaxInFlight         = 4096
 	DefaultCatalogPoll         = 5 * time.Second
 	DefaultStandbyPoll         = time.Second
 	DefaultSourceTCPTimeout    = 30 * time.Second
 )
+
+// minHeartbeatQuiet is the shortest Config.HeartbeatQuiet: shorter would
+// emit a heartbeat between the transactions of an ordinary busy source.
+const minHeartbeatQuiet = 50 * time.Millisecond
 
 // The bounds of Config.SourceTCPTimeout: shorter would give up
 // connections on an ordinary retransmission; TCP_USER_TIMEOUT takes
@@ -277,6 +288,18 @@ func WithLogger(l *slog.Logger) Option { return func(s *Service) { s.log = l } }
 func WithRegistry(r *prometheus.Registry) Option { return func(s *Service) { s.reg = r } }
 
 func (c *Config) setDefaults() {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{
+		{&c.StreamCheckInterval, DefaultStreamCheckInterval}, {&c.HeartbeatInterval, DefaultHeartbeatInterval},
+		{&c.HeartbeatQuiet, DefaultHeartbeatQuiet}, {&c.DuplicateWindow, DefaultDuplicateWindow},
+		{&c.CatalogPoll, DefaultCatalogPoll}, {&c.StandbyPoll, DefaultStandbyPoll}, {&c.SourceTCPTimeout, DefaultSourceTCPTimeout},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
 	if c.SourceName == "" {
 		c.SourceName = DefaultSourceName
 	}
@@ -289,35 +312,17 @@ func (c *Config) setDefaults() {
 	if c.PublicationName == "" {
 		c.PublicationName = DefaultPublicationName
 	}
-	if c.StreamCheckInterval == 0 {
-		c.StreamCheckInterval = DefaultStreamCheckInterval
-	}
-	if c.HeartbeatInterval == 0 {
-		c.HeartbeatInterval = DefaultHeartbeatInterval
-	}
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = DefaultMaxInFlight
 	}
 	if c.Replicas == 0 {
 		c.Replicas = 1
 	}
-	if c.DuplicateWindow == 0 {
-		c.DuplicateWindow = DefaultDuplicateWindow
-	}
 	if c.DDLGuardMode == "" {
 		c.DDLGuardMode = DDLGuardNotify
 	}
 	if c.NATSURL == "" && c.EmbeddedListen == "" {
 		c.EmbeddedListen = broker.DefaultListen
-	}
-	if c.CatalogPoll == 0 {
-		c.CatalogPoll = DefaultCatalogPoll
-	}
-	if c.StandbyPoll == 0 {
-		c.StandbyPoll = DefaultStandbyPoll
-	}
-	if c.SourceTCPTimeout == 0 {
-		c.SourceTCPTimeout = DefaultSourceTCPTimeout
 	}
 	if c.CatchUpBytes == 0 {
 		c.CatchUpBytes = DefaultCatchUpBytes
@@ -363,6 +368,9 @@ func (c *Config) validate() error {
 	errs := c.connectionErrors(nil)
 	errs = c.nameErrors(errs)
 	errs = c.streamErrors(errs)
+	if c.HeartbeatQuiet > 0 && c.HeartbeatQuiet < minHeartbeatQuiet {
+		errs = append(errs, fmt.Sprintf("heartbeat quiet time must be at least %s (negative: none), got %s", minHeartbeatQuiet, c.HeartbeatQuiet))
+	}
 	if len(errs) > 0 {
 		return &ConfigError{Msg: strings.Join(errs, "; ")}
 	}

@@ -605,6 +605,7 @@ func (st *streamer) handleCommit(ctx context.Context, m *pglogrepl.CommitMessage
 			st.s.m.transactions.Inc()
 		}
 		st.s.setLag(st.now().Sub(st.tx.commitTime))
+		st.s.rowCommit.Store(uint64(st.tx.commitLSN)) // the quiet heartbeat's cue (heartbeats)
 	}
 	st.tr.mark(event.LSN(m.TransactionEndLSN), st.now())
 	st.s.received.Store(uint64(m.TransactionEndLSN))

@@ -55,6 +55,7 @@ func TestConfigErrors(t *testing.T) {
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", Replicas: 3}, "1-replica stream"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", StreamPersist: "async", BrokerSyncInterval: -1}, "positive --broker-sync-interval"},
 		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", DuplicateWindow: 50 * time.Millisecond}, "duplicate window must be at least 100ms (JetStream's minimum), got 50ms"},
+		{Config{SourceURL: "postgres://x/db", NATSURL: "nats://x", HeartbeatQuiet: 10 * time.Millisecond}, "heartbeat quiet time must be at least 50ms (negative: none), got 10ms"},
 	} {
 		_, err := New(tc.cfg)
 		requireFix(t, err, tc.want)

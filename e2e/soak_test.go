@@ -46,6 +46,14 @@ const soakReadyMaxLag = 20
 // target.
 const soakHandlerID = "5a5a5a5a-5a5a-4a5a-8a5a-5a5a5a5a5a5a"
 
+// soakCursorID is the first target's cursor handler on public.orders: a
+// webhook batching without revalidation, beside soakHandlerID on the same
+// rows and the same receiver.
+const soakCursorID = "c5c5c5c5-c5c5-4c5c-8c5c-c5c5c5c5c5c5"
+
+// soakHandlers are the first target's handlers the oracle checks.
+var soakHandlers = []string{soakHandlerID, soakCursorID}
+
 type rowKey struct {
 	table string
 	id    int64
@@ -102,7 +110,7 @@ type histPoint struct {
 
 // flakyHook is the soak's webhook: it fails ~30% of requests, hangs ~5%
 // past the claim timeout before accepting, and records every delivery it
-// accepted.
+// accepted (each delivery of a batch as if it had come alone).
 type flakyHook struct {
 	mu sync.Mutex
 	// "handler table key correlation" -> delivery id -> accepted in time
@@ -114,21 +122,50 @@ type flakyHook struct {
 	requests int
 	failed   int
 	hung     int
-	stop     chan struct{}
+	batches  int // requests carrying a batch
+	// acceptedBy: per handler, the delivery ids it accepted.
+	acceptedBy map[string]map[string]bool
+	// members: per webhook-id of a batch, its delivery ids; batchesOf: per
+	// delivery id, the webhook-ids of the batches that carried it
+	// (accepted or not).
+	members   map[string][]string
+	batchesOf map[string]map[string]bool
+	stop      chan struct{}
 }
 
 func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
-	var body handler.Body
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
-		w.WriteHeader(400)
-		return
+	var batch handler.BatchBody
+	if r.Header.Get(handler.HeaderBatchSize) != "" {
+		if err := json.NewDecoder(r.Body).Decode(&batch); err != nil || len(batch.Deliveries) == 0 {
+			w.WriteHeader(400)
+			return
+		}
+	} else {
+		var body handler.Body
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			w.WriteHeader(400)
+			return
+		}
+		body.DeliveryID = r.Header.Get(handler.HeaderDeliveryID)
+		batch.Deliveries = []handler.Body{body}
 	}
 	arrived := time.Now()
-	id := r.Header.Get(handler.HeaderDeliveryID)
 	x := rand.IntN(100)
 	inTime := true
 	h.mu.Lock()
 	h.requests++
+	if wid := r.Header.Get(handler.HeaderWebhookID); r.Header.Get(handler.HeaderBatchSize) != "" {
+		h.batches++
+		if h.members[wid] == nil {
+			for _, d := range batch.Deliveries {
+				h.members[wid] = append(h.members[wid], d.DeliveryID)
+				if h.batchesOf[d.DeliveryID] == nil {
+					h.batchesOf[d.DeliveryID] = map[string]bool{}
+				}
+				h.batchesOf[d.DeliveryID][wid] = true
+			}
+		}
+	}
 	h.mu.Unlock()
 	switch {
 	case x < 30:
@@ -151,16 +188,23 @@ func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
 		}
 		inTime = false
 	}
-	k := fmt.Sprintf("%s %s %s %s", body.HandlerID, body.Table, compactJSON(body.Key), body.CorrelationID)
 	h.mu.Lock()
-	if h.accepted[k] == nil {
-		h.accepted[k] = map[string]bool{}
+	for _, body := range batch.Deliveries {
+		id := body.DeliveryID
+		k := fmt.Sprintf("%s %s %s %s", body.HandlerID, body.Table, compactJSON(body.Key), body.CorrelationID)
+		if h.accepted[k] == nil {
+			h.accepted[k] = map[string]bool{}
+		}
+		h.accepted[k][id] = h.accepted[k][id] || inTime
+		// When the request arrived: a request sent before an erasure may be
+		// answered after it.
+		h.acceptAt[k] = append(h.acceptAt[k], arrived)
+		h.ids[id] = true
+		if h.acceptedBy[body.HandlerID] == nil {
+			h.acceptedBy[body.HandlerID] = map[string]bool{}
+		}
+		h.acceptedBy[body.HandlerID][id] = true
 	}
-	h.accepted[k][id] = h.accepted[k][id] || inTime
-	// When the request arrived: a request sent before an erasure may be
-	// answered after it.
-	h.acceptAt[k] = append(h.acceptAt[k], arrived)
-	h.ids[id] = true
 	h.mu.Unlock()
 	w.WriteHeader(http.StatusOK)
 }
@@ -295,7 +339,8 @@ func TestSoakWholeSystem(t *testing.T) {
 	_, err := workload.Seed(ctx, src, workload.SeedConfig{Customers: 150, OrdersPerCustomer: 8})
 	require.NoError(t, err)
 
-	hook := &flakyHook{accepted: map[string]map[string]bool{}, acceptAt: map[string][]time.Time{}, ids: map[string]bool{}, stop: make(chan struct{})}
+	hook := &flakyHook{accepted: map[string]map[string]bool{}, acceptAt: map[string][]time.Time{}, ids: map[string]bool{},
+		acceptedBy: map[string]map[string]bool{}, members: map[string][]string{}, batchesOf: map[string]map[string]bool{}, stop: make(chan struct{})}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	hs := &http.Server{Handler: http.HandlerFunc(hook.handle), ReadHeaderTimeout: 5 * time.Second}
@@ -357,6 +402,10 @@ func TestSoakWholeSystem(t *testing.T) {
 	out, code := s.projector(s.targets[0], time.Minute, "handlers", "add", "--id", soakHandlerID, "--table", "public.orders",
 		"--kind", "webhook", "--target", "http://"+ln.Addr().String()+"/hook", "--backoff", "100ms", "--claim-timeout", "3s",
 		"--max-attempts", "60", "--secret-file", secretFile)
+	require.Zero(t, code, out)
+	out, code = s.projector(s.targets[0], time.Minute, "handlers", "add", "--id", soakCursorID, "--table", "public.orders",
+		"--kind", "webhook", "--target", "http://"+ln.Addr().String()+"/hook", "--backoff", "100ms", "--claim-timeout", "3s",
+		"--max-attempts", "60", "--secret-file", secretFile, "--batch-size", "10", "--batch-wait", "100ms", "--no-revalidate")
 	require.Zero(t, code, out)
 	for ti, tg := range s.targets {
 		n := 2
@@ -428,8 +477,9 @@ func TestSoakWholeSystem(t *testing.T) {
 	}
 	s.mu.Unlock()
 	readyMu.Lock()
-	t.Logf("soak %s over %d phases: deleted rows=%d; actions %v; readiness samples %v; webhook requests=%d failed=%d hung=%d accepted ids=%d",
-		time.Since(start).Round(time.Second), phases, deleted, s.counts, readySamples, hook.requests, hook.failed, hook.hung, len(hook.ids))
+	t.Logf("soak %s over %d phases: deleted rows=%d; actions %v; readiness samples %v; webhook requests=%d (batches %d) failed=%d hung=%d accepted ids=%d (cursor handler %d)",
+		time.Since(start).Round(time.Second), phases, deleted, s.counts, readySamples, hook.requests, hook.batches, hook.failed, hook.hung,
+		len(hook.ids), len(hook.acceptedBy[soakCursorID]))
 	readyMu.Unlock()
 	t.Logf("%s", capture.Stats())
 	for _, tg := range s.targets {
@@ -1324,6 +1374,10 @@ func (s *soak) checkErasedGone(tg *soakTarget, erased map[rowKey]*erasedRow) {
 			ON convert_from(q.data, 'UTF8') LIKE '%' || split_part(e.t, '.', 2) || '%' AND convert_from(q.data, 'UTF8') ~ ('"id": ?' || e.id || '[,}]')`,
 		"delivery payload": `SELECT e.t || ' id=' || e.id || ' gen=' || e.gen || ' delivery ' || d.id FROM soak_erased e JOIN epitaph.deliveries d
 			ON d.commit_lsn = e.lsn AND d.seq = e.seq WHERE d.payload IS NOT NULL`,
+		// A cursor handler's batch in flight over the erasure settles
+		// after it: its delivery row must not bring the key back.
+		"delivery key": `SELECT e.t || ' id=' || e.id || ' gen=' || e.gen || ' delivery ' || d.id FROM soak_erased e JOIN epitaph.deliveries d
+			ON d.commit_lsn = e.lsn AND d.seq = e.seq WHERE d.key IS NOT NULL`,
 		// Every object of every document that has an id and a
 		// customer_id, read once (joined by hash, not evaluated per
 		// erased row and document).
@@ -1407,9 +1461,13 @@ func (s *soak) checkStream() {
 func (s *soak) checkDeliveries() {
 	s.mu.Lock()
 	erasedAt := map[string]time.Time{}
+	erasedIDs := map[string]bool{}
 	for _, e := range s.erased {
 		if e.table == "public.orders" {
-			erasedAt[fmt.Sprintf("%s public.orders {\"id\":%d} %s", soakHandlerID, e.id, e.correlation)] = e.at
+			erasedIDs[handler.DeliveryID(soakCursorID, "main", e.commitLSN, e.seq, 0)] = true
+			for _, h := range soakHandlers {
+				erasedAt[fmt.Sprintf("%s public.orders {\"id\":%d} %s", h, e.id, e.correlation)] = e.at
+			}
 		}
 	}
 	s.mu.Unlock()
@@ -1435,6 +1493,32 @@ func (s *soak) checkDeliveries() {
 			}
 		}
 	}
+	// A batch is resent whole under its webhook-id: a delivery in two
+	// batches is sent twice to a receiver that deduplicates by webhook-id,
+	// unless the batches differ only by erased rows (an erasure takes its
+	// rows out of a batch being retried).
+	var regrouped []string
+	for id, wids := range s.hook.batchesOf {
+		if len(wids) < 2 {
+			continue
+		}
+		count := map[string]int{}
+		for wid := range wids {
+			for _, m := range s.hook.members[wid] {
+				count[m]++
+			}
+		}
+		for m, n := range count {
+			if n < len(wids) && !erasedIDs[m] {
+				regrouped = append(regrouped, fmt.Sprintf("delivery %s in %d batches that differ by %s", id, len(wids), m))
+				break
+			}
+		}
+	}
+	sort.Strings(regrouped)
+	if len(regrouped) > 0 {
+		s.violation("%d deliveries sent in several batches: %s", len(regrouped), strings.Join(regrouped[:min(5, len(regrouped))], "; "))
+	}
 	sort.Strings(twice)
 	sort.Strings(late)
 	if len(twice) > 0 {
@@ -1445,17 +1529,30 @@ func (s *soak) checkDeliveries() {
 	}
 }
 
-// finalDeliveries waits for the first target's deliveries to settle and
-// checks each done one was accepted by the webhook, and each live archived
-// order has its delivery.
+// finalDeliveries waits for the first target's handlers to catch up (no
+// queued delivery open; the cursor handler's cursor past every archived
+// order, no batch claimed) and checks, for each handler, that each done
+// delivery was accepted by the webhook, each live archived order has one
+// delivery, settled once, and, for the cursor handler, that every delivery
+// the webhook accepted is recorded done (unless its row was erased since).
 func (s *soak) finalDeliveries() {
 	a := s.targets[0]
+	var open, behind int64
 	err := workload.WaitFor(s.ctx, 4*time.Minute, 500*time.Millisecond, func(ctx context.Context) (bool, error) {
-		n, err := bench.Count(ctx, a.url, "SELECT count(*) FROM epitaph.deliveries WHERE state IN ('pending', 'in_flight')")
-		return n == 0, err
+		var err error
+		if open, err = bench.Count(ctx, a.url, `SELECT (SELECT count(*) FROM epitaph.deliveries WHERE state IN ('pending', 'in_flight'))
+			+ (SELECT count(*) FROM epitaph.handler_cursors WHERE claimed_to_lsn IS NOT NULL)`); err != nil {
+			return false, err
+		}
+		if behind, err = bench.Count(ctx, a.url, `SELECT count(*) FROM archive.rows r, epitaph.handler_cursors c
+			WHERE c.handler_id = $1 AND r.source = 'main' AND r.schema_name = 'public' AND r.table_name = 'orders'
+			AND (r.commit_lsn, r.seq) > (c.commit_lsn, c.seq)`, soakCursorID); err != nil {
+			return false, err
+		}
+		return open == 0 && behind == 0, nil
 	})
 	if err != nil {
-		s.violation("deliveries still open: %v", err)
+		s.violation("deliveries still open: %d open deliveries or claimed batches, %d orders after the cursor: %v", open, behind, err)
 		return
 	}
 	conn, err := pgx.Connect(s.ctx, a.url)
@@ -1464,7 +1561,26 @@ func (s *soak) finalDeliveries() {
 		return
 	}
 	defer conn.Close(context.WithoutCancel(s.ctx))
-	rows, err := conn.Query(s.ctx, `SELECT id::text, state, coalesce(outcome, '') FROM epitaph.deliveries WHERE handler_id = $1`, soakHandlerID)
+	s.mu.Lock()
+	erasedIDs := map[string]bool{}
+	for _, e := range s.erased {
+		if e.table == "public.orders" {
+			erasedIDs[handler.DeliveryID(soakCursorID, "main", e.commitLSN, e.seq, 0)] = true
+		}
+	}
+	s.mu.Unlock()
+	for _, h := range soakHandlers {
+		s.checkHandlerDeliveries(conn, h, erasedIDs)
+	}
+}
+
+// checkHandlerDeliveries checks one handler of the first target at the
+// end: each done delivery accepted by the webhook, each live archived
+// order with a delivery and none done twice, and, for the cursor handler,
+// each delivery the webhook accepted recorded done (unless its row was
+// erased: erasedIDs).
+func (s *soak) checkHandlerDeliveries(conn *pgx.Conn, h string, erasedIDs map[string]bool) {
+	rows, err := conn.Query(s.ctx, `SELECT id::text, state, coalesce(outcome, '') FROM epitaph.deliveries WHERE handler_id = $1`, h)
 	if err != nil {
 		s.violation("read deliveries: %v", err)
 		return
@@ -1480,39 +1596,68 @@ func (s *soak) finalDeliveries() {
 		all = append(all, d)
 	}
 	rows.Close()
-	var unseen, bad []string
+	var unseen, bad, unrecorded []string
 	states := map[string]int{}
+	done := map[string]bool{}
 	s.hook.mu.Lock()
 	for _, d := range all {
 		states[d.state+"/"+d.outcome]++
-		switch d.state {
-		case "done":
+		switch {
+		case d.state == "done":
+			done[d.id] = true
 			if !s.hook.ids[d.id] {
 				unseen = append(unseen, d.id)
 			}
-		case "stopped":
+		case d.state == "stopped" && h != soakCursorID:
 		default:
 			bad = append(bad, d.id+" "+d.state+" "+d.outcome)
 		}
 	}
+	accepted := len(s.hook.acceptedBy[h])
+	if h == soakCursorID {
+		for id := range s.hook.acceptedBy[h] {
+			if !done[id] && !erasedIDs[id] {
+				unrecorded = append(unrecorded, id)
+			}
+		}
+	}
 	s.hook.mu.Unlock()
-	s.t.Logf("deliveries by state/outcome: %v", states)
+	sort.Strings(unrecorded)
+	s.t.Logf("handler %s: deliveries by state/outcome: %v; the webhook accepted %d of its delivery ids", h, states, accepted)
 	if len(unseen) > 0 {
-		s.violation("%d deliveries done that the webhook never accepted: %s", len(unseen), strings.Join(unseen[:min(5, len(unseen))], "; "))
+		s.violation("handler %s: %d deliveries done that the webhook never accepted: %s", h, len(unseen), strings.Join(unseen[:min(5, len(unseen))], "; "))
 	}
 	if len(bad) > 0 {
-		s.violation("%d deliveries neither done nor stopped: %s", len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
+		s.violation("handler %s: %d deliveries not settled as expected: %s", h, len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
 	}
-	var without []string
-	rows, err = conn.Query(s.ctx, `SELECT r.table_name || ' ' || r.key::text || ' ' || r.commit_lsn FROM archive.rows r
+	if len(unrecorded) > 0 {
+		s.violation("handler %s: %d deliveries accepted by the webhook but not recorded done: %s", h, len(unrecorded), strings.Join(unrecorded[:min(5, len(unrecorded))], "; "))
+	}
+	var without, twice []string
+	rows, err = conn.Query(s.ctx, `SELECT r.table_name || ' ' || r.key::text || ' ' || r.commit_lsn || '/' || r.seq FROM archive.rows r
 		WHERE r.table_name = 'orders' AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
-		WHERE d.handler_id = $1 AND d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq) LIMIT 5`, soakHandlerID)
+		WHERE d.handler_id = $1 AND d.source = r.source AND d.commit_lsn = r.commit_lsn AND d.seq = r.seq) LIMIT 5`, h)
 	if err == nil {
 		without, err = pgx.CollectRows(rows, pgx.RowTo[string])
 	}
+	if err == nil {
+		// Several deliveries of a row are legitimate (revalidation
+		// stops one as changed and starts the next generation), several
+		// done ones are not.
+		rows, err = conn.Query(s.ctx, `SELECT commit_lsn || '/' || seq || ' done x' || count(*) FROM epitaph.deliveries
+			WHERE handler_id = $1 AND state = 'done' GROUP BY source, commit_lsn, seq HAVING count(*) > 1 LIMIT 5`, h)
+	}
+	if err == nil {
+		twice, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	}
 	if err != nil {
 		s.violation("read deliveries: %v", err)
-	} else if len(without) > 0 {
-		s.violation("archived orders without a delivery: %s", strings.Join(without, "; "))
+		return
+	}
+	if len(without) > 0 {
+		s.violation("handler %s: archived orders without a delivery: %s", h, strings.Join(without, "; "))
+	}
+	if len(twice) > 0 {
+		s.violation("handler %s: rows with several done deliveries: %s", h, strings.Join(twice, "; "))
 	}
 }

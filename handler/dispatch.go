@@ -60,6 +60,9 @@ type Config struct {
 	Logger     *slog.Logger
 	// Registerer gets the dispatcher's metrics (nil: none).
 	Registerer prometheus.Registerer
+	// Source is the source name whose archived rows cursor handlers
+	// deliver (default "main").
+	Source string
 }
 
 // Dispatcher claims due deliveries and runs them (a startstop service).
@@ -116,6 +119,8 @@ type Dispatcher struct {
 	// Batched webhook handlers' claimed deliveries waiting for their
 	// batch (webhook_batch.go).
 	heldState
+	// Cursor handlers' loop (cursor.go).
+	cursorState
 }
 
 // NewDispatcher builds a dispatcher on the target pool.
@@ -141,6 +146,9 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.Source == "" {
+		cfg.Source = "main"
+	}
 	if cfg.HTTPClient == nil {
 		cfg.HTTPClient = NewHTTPClient(cfg.Parallelism)
 	}
@@ -151,6 +159,7 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		wake:      make(chan struct{}, 1),
 		noAnalyze: map[string]bool{},
 	}
+	d.cursorWake, d.curBusy = make(chan struct{}, 1), map[string]bool{}
 	d.depth.Store(int64(claimAhead(cfg.Parallelism)))
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {
@@ -241,6 +250,9 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 			}
 		}()
 	}
+	var cursors sync.WaitGroup
+	cursors.Add(1)
+	go func() { defer cursors.Done(); d.cursorLoop(soft, hard) }()
 	var stats sync.WaitGroup
 	t := time.NewTicker(d.cfg.Poll)
 	defer t.Stop()
@@ -266,6 +278,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 	stats.Wait()
 	workers.Wait()
 	d.dropHeld() // a partial batch is handed back unstarted
+	cursors.Wait()
 	close(d.settles)
 	settler.Wait()
 	d.ss.Finish(nil)
@@ -427,6 +440,12 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // group, of disabled handlers, of Go handlers not in this Registry, or of
 // nats handlers without a JetStream, are not waited for.
 //
+// Cursor handlers go first: their batches are sent without waiting to
+// fill, a failed batch's backoff (or another worker's batch in flight) is
+// waited out, and their open deliveries (the rows after each enabled
+// cursor handler's cursor, up to the horizon or its claimed range) count
+// in the number returned.
+//
 // It claims like the claim loop does (a batch to revalidate together,
 // claimAhead deliveries, or when the last claim held deliveries of
 // batching handlers at least what fills a batch of each of them) and
@@ -436,6 +455,25 @@ func (d *Dispatcher) settler(ctx context.Context) {
 // attempt whose verdict is older than verdictMaxAge when it starts is
 // still revalidated alone.
 func (d *Dispatcher) Flush(ctx context.Context) (int, error) {
+	left, err := d.flushCursors(ctx)
+	if err != nil {
+		return -1, err
+	}
+	if left > 0 {
+		// ctx ended while cursor batches were open: the queued ones count
+		// too (read past ctx, briefly).
+		octx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if rows, err := d.open(octx); err == nil {
+			left += rows
+		}
+		return left, nil
+	}
+	return d.flushRows(ctx)
+}
+
+// flushRows is Flush's part for queued deliveries.
+func (d *Dispatcher) flushRows(ctx context.Context) (int, error) {
 	ahead := claimAhead(d.cfg.Parallelism)
 	batchRoom := 0
 	cs, err := d.flushClaim(ctx, true, ahead)

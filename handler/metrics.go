@@ -64,6 +64,9 @@ type Stat struct {
 	Table     string `json:"table"`
 	State     string `json:"state"`
 	Count     int64  `json:"count"`
+	// AtLeast: Count is a lower bound (a cursor handler's backlog,
+	// counted up to CursorCountCap rows).
+	AtLeast bool `json:"at_least,omitempty"`
 	// OldestAge: of the oldest delivery in this state (pending: the
 	// backlog's age).
 	OldestAge time.Duration `json:"-"`
@@ -71,7 +74,9 @@ type Stat struct {
 }
 
 // Stats counts deliveries by handler and state, exactly (one read of the
-// whole table; handlers with none appear with state "" and count 0). The
+// whole table; handlers with none appear with state "" and count 0). A
+// cursor handler's pending and in-flight deliveries are the archived rows
+// after its cursor (CursorBacklogs), counted up to CursorCountCap. The
 // metrics and the status page read through a StatsReader instead.
 func Stats(ctx context.Context, db DB) ([]Stat, error) {
 	stats, err := queryStats(ctx, db, allStatsSQL)
@@ -82,7 +87,11 @@ func Stats(ctx context.Context, db DB) ([]Stat, error) {
 	if err != nil {
 		return nil, err
 	}
-	return mergeStats(defs, stats), nil
+	cursors, err := cursorStats(ctx, db, defs)
+	if err != nil {
+		return nil, err
+	}
+	return mergeStats(defs, stats, cursors), nil
 }
 
 // allStatsSQL counts every delivery (Stats).
@@ -113,6 +122,28 @@ FROM (
 ) d
 GROUP BY 1, 2, 3`
 
+// OpenStats counts the open and dead deliveries by handler and state, as
+// StatsReader does at each read (the pending, in-flight and dead ones
+// through partial indexes, a cursor handler's pending and in-flight ones
+// from the archived rows after its cursor, up to CursorCountCap), without
+// the done and stopped ones. Handlers with none appear with state "" and
+// count 0.
+func OpenStats(ctx context.Context, db DB) ([]Stat, error) {
+	open, err := queryStats(ctx, db, openStatsSQL)
+	if err != nil {
+		return nil, err
+	}
+	defs, err := List(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	cursors, err := cursorStats(ctx, db, defs)
+	if err != nil {
+		return nil, err
+	}
+	return mergeStats(defs, open, cursors), nil
+}
+
 // finishedStatsSQL counts the done and stopped deliveries: the whole
 // table, so StatsReader runs it in the background, at most every
 // FinishedStatsRefresh.
@@ -134,9 +165,11 @@ const finishedStatsTimeout = 2 * time.Minute
 
 // StatsReader reads deliveries by handler and state for the metrics: the
 // pending, in-flight and dead ones exactly at every read (a look through
-// partial indexes), the done and stopped ones from a count of the whole
-// table taken in the background at most every refresh, served as of that
-// count (none until the first one ends).
+// partial indexes; a cursor handler's pending and in-flight ones, the
+// archived rows after its cursor, up to CursorCountCap), the done and
+// stopped ones from a count of the whole table taken in the background at
+// most every refresh, served as of that count (none until the first one
+// ends).
 type StatsReader struct {
 	db      DB
 	refresh time.Duration
@@ -195,7 +228,11 @@ func (r *StatsReader) Read(ctx context.Context) ([]Stat, error) {
 	if err != nil {
 		return nil, err
 	}
-	return mergeStats(defs, open, finished), nil
+	cursors, err := cursorStats(ctx, r.db, defs)
+	if err != nil {
+		return nil, err
+	}
+	return mergeStats(defs, open, cursors, finished), nil
 }
 
 // countFinished counts the done and stopped deliveries and keeps the
@@ -238,14 +275,17 @@ func queryStats(ctx context.Context, db DB, sql string) ([]Stat, error) {
 }
 
 // mergeStats names the stats by their handlers (a delivery of a removed
-// handler keeps its table), adds the handlers without any, and orders
-// them by table, handler and state, as Stats does.
+// handler keeps its table), sums those of one handler and state (a
+// cursor handler's pending rows after its cursor and its queued ones),
+// adds the handlers without any, and orders them by table, handler and
+// state, as Stats does.
 func mergeStats(defs []Def, parts ...[]Stat) []Stat {
 	byID := map[string]Def{}
 	for _, d := range defs {
 		byID[d.ID] = d
 	}
 	seen := map[string]bool{}
+	at := map[[2]string]int{}
 	var out []Stat
 	for _, part := range parts {
 		for _, s := range part {
@@ -253,6 +293,17 @@ func mergeStats(defs []Def, parts ...[]Stat) []Stat {
 				s.Name, s.Table = d.Name, d.QualifiedTable()
 			}
 			seen[s.HandlerID] = true
+			k := [2]string{s.HandlerID, s.State}
+			if i, ok := at[k]; ok {
+				o := &out[i]
+				o.Count += s.Count
+				o.AtLeast = o.AtLeast || s.AtLeast
+				if s.OldestSec > o.OldestSec {
+					o.OldestSec, o.OldestAge = s.OldestSec, s.OldestAge
+				}
+				continue
+			}
+			at[k] = len(out)
 			out = append(out, s)
 		}
 	}

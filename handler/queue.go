@@ -26,6 +26,12 @@ type Row struct {
 	// Committed: its source transaction's commit is applied (in the same
 	// page).
 	Committed bool
+	// Late: the apply's transaction inserted the row at or behind its
+	// partition's watermark (or cannot tell the watermark): a cursor
+	// handler may have claimed past it already. A row ahead of the
+	// watermark is ahead of every cursor's claimed position (a claim never
+	// goes past the smallest watermark), so it needs no look at them.
+	Late bool
 }
 
 // Cache keeps the handlers per table for the apply: it is reloaded when
@@ -126,13 +132,33 @@ ON CONFLICT (handler_id, source, commit_lsn, seq, generation) DO UPDATE
     -- the slow path of verification re-inserts the real row (trust.go).
     WHERE epitaph.deliveries.state = 'stopped' AND epitaph.deliveries.outcome = 'unverified'`
 
+// enqueueLateSQL queues late rows for cursor handlers: a row gets its
+// delivery only when the handler's claimed position (its cursor, or the
+// end of the range it claimed) is at or past it; otherwise the cursor will
+// reach it. The cursor rows are read FOR SHARE: a claim locks its cursor
+// row FOR UPDATE before it reads rows (cursorClaim), so either the claim
+// waits for this transaction and then sees the row and its delivery, or
+// this statement waits for the claim and reads its claimed_to.
+var enqueueLateSQL = `
+WITH cur AS MATERIALIZED (
+    SELECT c.handler_id, c.commit_lsn, c.seq, c.claimed_to_lsn, c.claimed_to_seq FROM epitaph.handler_cursors c
+    WHERE c.handler_id = ANY($4::text[]::uuid[]) ORDER BY c.handler_id FOR SHARE)
+` + strings.Replace(enqueueSQL, "\nWHERE EXISTS", `
+JOIN cur ON cur.handler_id = u.handler_id::uuid
+WHERE ((u.commit_lsn::pg_lsn, u.seq) <= (cur.commit_lsn, cur.seq)
+       OR (u.commit_lsn::pg_lsn, u.seq) <= (cur.claimed_to_lsn, cur.claimed_to_seq))
+  AND EXISTS`, 1)
+
 // Enqueue inserts, in tx (the transaction that archives rows), one
 // delivery per (handler of the row's table, row) when version is the live
 // version of projection, and nothing otherwise (a rebuild never creates
-// deliveries). Idempotent by the delivery identity. It returns how many
-// rows it offered (0 without a query when no row has a handler).
+// deliveries). Idempotent by the delivery identity. A cursor handler
+// (Def.UsesCursor) gets a delivery only for a Late row its cursor has
+// claimed past (enqueueLateSQL); no query for it otherwise. It returns how
+// many deliveries it offered (0 without a query when no row has a
+// handler).
 func Enqueue(ctx context.Context, tx pgx.Tx, c *Cache, projection string, version int, rows []Row) (int, error) {
-	var a enqueueArgs
+	var a, late enqueueArgs
 	for i := range rows {
 		r := &rows[i]
 		defs := c.For(r.Schema + "." + r.Table)
@@ -141,6 +167,14 @@ func Enqueue(ctx context.Context, tx pgx.Tx, c *Cache, projection string, versio
 		}
 		var image map[string]json.RawMessage
 		for _, d := range defs {
+			to := &a
+			if d.UsesCursor() {
+				if !r.Late {
+					// Its cursor will reach the row.
+					continue
+				}
+				to = &late
+			}
 			p := storedPayload{Key: r.Key, Columns: map[string]json.RawMessage{}}
 			if len(d.Columns) > 0 && image == nil {
 				if err := json.Unmarshal(r.Image, &image); err != nil {
@@ -157,14 +191,25 @@ func Enqueue(ctx context.Context, tx pgx.Tx, c *Cache, projection string, versio
 				return 0, fmt.Errorf("encode delivery payload: %w", err)
 			}
 			released := r.Verified && (d.Phase == PhaseImmediate || r.Committed)
-			a.add(d, r, string(b), released)
+			to.add(d, r, string(b), released)
 		}
 	}
+	n, err := a.insert(ctx, tx, projection, version)
+	if err != nil || len(late.ids) == 0 {
+		return n, err
+	}
+	if _, err := tx.Exec(ctx, enqueueLateSQL, late.args(projection, version)...); err != nil {
+		return n, fmt.Errorf("queue %d late deliveries of cursor handlers: %w", len(late.ids), err)
+	}
+	return n + len(late.ids), nil
+}
+
+// insert queues a's deliveries (the queued path).
+func (a *enqueueArgs) insert(ctx context.Context, tx pgx.Tx, projection string, version int) (int, error) {
 	if len(a.ids) == 0 {
 		return 0, nil
 	}
-	args := []any{version, projection, a.ids, a.handlers, a.sources, a.lsns, a.seqs, a.schemas,
-		a.tables, a.keys, a.corrs, a.times, a.phases, a.prios, a.released, a.verified, a.payloads}
+	args := a.args(projection, version)
 	// Plainly first, in a savepoint: a page's deliveries are almost always
 	// new, and ON CONFLICT's speculative insertion costs a probe of the
 	// unique index, a lock and a second WAL record for each. A page that
@@ -204,6 +249,11 @@ type enqueueArgs struct {
 	seqs, prios                                                            []int32
 	times                                                                  []*time.Time
 	released, verified                                                     []bool
+}
+
+func (a *enqueueArgs) args(projection string, version int) []any {
+	return []any{version, projection, a.ids, a.handlers, a.sources, a.lsns, a.seqs, a.schemas,
+		a.tables, a.keys, a.corrs, a.times, a.phases, a.prios, a.released, a.verified, a.payloads}
 }
 
 func (a *enqueueArgs) add(d Def, r *Row, payload string, released bool) {

@@ -104,3 +104,43 @@ func TestMaintainAnalyzesThePartitionedArchive(t *testing.T) {
 	}
 	require.Equal(t, analyzed, partitionsAnalyzed(), "not analyzed again: its statistics are current")
 }
+
+// While every handler follows a cursor, epitaph.deliveries only gains the
+// rows of settled batches, which no claim plans on: the dispatcher leaves
+// it to autovacuum however far it outgrows its statistics; once a handler
+// queues rows again, the grown table is analyzed.
+func TestMaintainLeavesTheCursorHandlersSettledRowsAlone(t *testing.T) {
+	e := newTenv(t)
+	ctx := context.Background()
+	cur := e.addHandler(KindWebhook, "http://127.0.0.1:1/hook", func(d *Def) {
+		d.Revalidate, d.BatchSize, d.BatchWait = false, 100, 100*time.Millisecond
+	})
+	require.True(t, cur.UsesCursor())
+	_, err := e.pool.Exec(ctx, `
+		INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key,
+		    correlation_id, version, state, outcome, attempt, settled_at)
+		SELECT gen_random_uuid(), $1::uuid, 'main', ('0/' || to_hex(g))::pg_lsn, 0, 'public', 'orders',
+		       jsonb_build_object('id', g), 'main:' || g, 1, 'done', 'done', 1, now()
+		FROM generate_series(1, $2::int) g`, cur.ID, 3*analyzeMinRows)
+	require.NoError(t, err)
+	analyzed := func() (n int) {
+		require.NoError(t, e.pool.QueryRow(ctx, `SELECT analyze_count FROM pg_stat_user_tables
+			WHERE relid = 'epitaph.deliveries'::regclass`).Scan(&n))
+		return n
+	}
+	eventually(t, func() bool {
+		var live int64
+		require.NoError(t, e.pool.QueryRow(ctx, `SELECT n_live_tup FROM pg_stat_user_tables
+			WHERE relid = 'epitaph.deliveries'::regclass`).Scan(&live))
+		return live >= 3*analyzeMinRows
+	}, "the settled rows counted by the statistics collector")
+	d := e.dispatcher(Config{})
+	for range 3 {
+		require.NoError(t, d.analyzeGrown(ctx))
+	}
+	require.Zero(t, analyzed(), "only cursor handlers: their settled rows are not analyzed")
+
+	e.addHandler(KindGo, "noop") // queues a row per delivery
+	require.NoError(t, d.analyzeGrown(ctx))
+	require.Equal(t, 1, analyzed(), "a queued handler's claims plan on the grown table")
+}

@@ -202,15 +202,17 @@ func scanDef(row pgx.Row) (Def, error) {
 // ErrNotFound says no handler or delivery has the id.
 var ErrNotFound = errors.New("not found")
 
-// Add inserts a handler. An id in use is an error.
+// Add inserts a handler; a cursor handler's cursor is created in the
+// same statement. An id in use is an error.
 func Add(ctx context.Context, db DB, d Def) error {
 	if err := d.Validate(); err != nil {
 		return err
 	}
-	_, err := db.Exec(ctx, `INSERT INTO epitaph.handlers (id, name, schema_name, table_name, kind, target, priority, phase,
-		columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled, batch_size, batch_wait)
-		VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11 * interval '1 millisecond', $12 * interval '1 millisecond',
-		        NULLIF($13, ''), $14, NULLIF($15, ''), true, $16, $17 * interval '1 millisecond')`,
+	stmt := addSQL
+	if d.UsesCursor() {
+		stmt = `WITH h AS (` + addSQL + ` RETURNING id)` + cursorStartSQL
+	}
+	_, err := db.Exec(ctx, stmt,
 		d.ID, d.Name, d.Schema, d.Table, d.Kind, d.Target, d.Priority, d.Phase, d.Columns, d.MaxAttempts,
 		d.Backoff.Milliseconds(), d.ClaimTimeout.Milliseconds(), d.SecretFile, d.Revalidate, d.SourceURLFile,
 		d.BatchSize, d.BatchWait.Milliseconds())
@@ -223,6 +225,12 @@ func Add(ctx context.Context, db DB, d Def) error {
 	}
 	return nil
 }
+
+// addSQL inserts a handler.
+const addSQL = `INSERT INTO epitaph.handlers (id, name, schema_name, table_name, kind, target, priority, phase,
+	columns, max_attempts, backoff, claim_timeout, secret_file, revalidate, source_url_file, enabled, batch_size, batch_wait)
+	VALUES ($1, NULLIF($2, ''), $3, $4, $5, $6, $7, $8, $9, $10, $11 * interval '1 millisecond', $12 * interval '1 millisecond',
+	        NULLIF($13, ''), $14, NULLIF($15, ''), true, $16, $17 * interval '1 millisecond')`
 
 // List returns every handler, by table, priority and id.
 func List(ctx context.Context, db DB) ([]Def, error) {
@@ -253,7 +261,9 @@ func Get(ctx context.Context, db DB, id string) (Def, error) {
 }
 
 // SetEnabled enables or disables a handler: a disabled handler's
-// deliveries are still queued, and wait.
+// deliveries are still queued, and wait (a cursor handler's rows wait
+// after its cursor, which stays where it is); enabled again, it delivers
+// them.
 func SetEnabled(ctx context.Context, db DB, id string, enabled bool) error {
 	if !ValidID(id) {
 		return fmt.Errorf("handler id %q is not a UUID", id)
@@ -269,7 +279,10 @@ func SetEnabled(ctx context.Context, db DB, id string, enabled bool) error {
 }
 
 // Revoke marks a handler revoked (no more deliveries are queued for it)
-// and stops its open deliveries as stop_revoked; it returns how many.
+// and stops its open deliveries as stop_revoked; it returns how many. A
+// cursor handler's pending rows (every archived row of its table after its
+// cursor) are written as such stopped deliveries, and its cursor is
+// deleted.
 func Revoke(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, id string) (int64, error) {
@@ -278,7 +291,8 @@ func Revoke(ctx context.Context, db interface {
 }
 
 // Remove deletes a handler; its open deliveries end stopped as
-// stop_completed. It returns how many.
+// stop_completed. It returns how many. A cursor handler's cursor is
+// deleted with it, its pending rows written as such stopped deliveries.
 func Remove(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, id string) (int64, error) {
@@ -296,14 +310,23 @@ func endHandler(ctx context.Context, db interface {
 		return 0, fmt.Errorf("begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	tag, err := tx.Exec(ctx, stmt, id)
-	if err != nil {
-		return 0, fmt.Errorf("update handler %s: %w", id, err)
-	}
-	if tag.RowsAffected() == 0 {
+	def, err := scanDef(tx.QueryRow(ctx, `SELECT `+defColumns+` FROM epitaph.handlers WHERE id = $1 FOR UPDATE`, id))
+	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, fmt.Errorf("handler %s: %w", id, ErrNotFound)
 	}
-	tag, err = tx.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = $2, claim_token = NULL,
+	if err != nil {
+		return 0, fmt.Errorf("read handler %s: %w", id, err)
+	}
+	// The cursor's pending rows first, as stopped deliveries, so the
+	// handler's row is still there to describe them.
+	fromCursor, err := stopCursor(ctx, tx, def, outcome)
+	if err != nil {
+		return 0, err
+	}
+	if _, err := tx.Exec(ctx, stmt, id); err != nil {
+		return 0, fmt.Errorf("update handler %s: %w", id, err)
+	}
+	tag, err := tx.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = $2, claim_token = NULL,
 		claim_expires_at = NULL, settled_at = now(), updated_at = now(), payload = NULL, payload_scrubbed_at = now()
 		WHERE handler_id = $1 AND state IN ('pending', 'in_flight')`, id, outcome)
 	if err != nil {
@@ -312,7 +335,131 @@ func endHandler(ctx context.Context, db interface {
 	if err := tx.Commit(ctx); err != nil {
 		return 0, fmt.Errorf("commit: %w", err)
 	}
-	return tag.RowsAffected(), nil
+	return tag.RowsAffected() + fromCursor, nil
+}
+
+// stopCursorPage bounds the rows stopCursor reads and writes at once.
+const stopCursorPage = 5000
+
+// stopCursorRowsSQL reads a page of a cursor handler's pending rows: the
+// archived rows of its table after (commit_lsn, seq), whatever the
+// horizon or their verification (the queued path had queued a delivery
+// for each of them, released or not). %s is the live archive's rows
+// table.
+const stopCursorRowsSQL = `
+SELECT a.source, a.commit_lsn::text, a.seq, a.key::text, a.correlation_id, a.commit_time, a.verified
+FROM %s a
+WHERE a.schema_name = $1 AND a.table_name = $2 AND (a.commit_lsn, a.seq) > ($3::pg_lsn, $4::int)
+ORDER BY a.commit_lsn, a.seq LIMIT $5`
+
+// stopCursorInsertSQL writes a page of a cursor handler's pending rows as
+// stopped deliveries ($7: the outcome); a row queued for it already (a
+// late row, a retried one) keeps its own delivery, which endHandler stops.
+const stopCursorInsertSQL = `
+INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key, correlation_id,
+    commit_time, version, phase, priority, released_at, verified, state, outcome, attempt, settled_at, payload_scrubbed_at)
+SELECT u.id::uuid, $1::uuid, u.source, u.lsn::pg_lsn, u.seq, $2::text, $3::text, u.key::jsonb, u.corr, u.ct, $4::int,
+       $5::text, $6::int, CASE WHEN u.verified THEN now() END, u.verified, 'stopped', $7::text, u.attempt, now(), now()
+FROM unnest($8::text[], $9::text[], $10::text[], $11::int[], $12::text[], $13::text[], $14::timestamptz[], $15::boolean[], $16::int[])
+     AS u(id, source, lsn, seq, key, corr, ct, verified, attempt)
+ON CONFLICT DO NOTHING`
+
+// stopCursor ends a cursor handler's pending work in tx, as endHandler
+// ends a queued handler's open deliveries: every archived row of its table
+// after its cursor (its batch in flight included, with the attempts spent
+// on it) is written as a stopped delivery with outcome, and the cursor is
+// deleted (a batch in flight settles nothing: its claim is gone). It
+// returns how many deliveries it wrote; nothing for a handler without a
+// cursor.
+func stopCursor(ctx context.Context, tx pgx.Tx, def Def, outcome string) (int64, error) {
+	var (
+		lsn, toLSN *string
+		seq, toSeq *int32
+		attempt    int32
+	)
+	err := tx.QueryRow(ctx, `SELECT commit_lsn::text, seq, claimed_to_lsn::text, claimed_to_seq, attempt
+		FROM epitaph.handler_cursors WHERE handler_id = $1 FOR UPDATE`, def.ID).Scan(&lsn, &seq, &toLSN, &toSeq, &attempt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("read the cursor of handler %s: %w", def.ID, err)
+	}
+	if _, err := tx.Exec(ctx, `DELETE FROM epitaph.handler_cursors WHERE handler_id = $1`, def.ID); err != nil {
+		return 0, fmt.Errorf("delete the cursor of handler %s: %w", def.ID, err)
+	}
+	var (
+		schema  string
+		version int
+	)
+	err = tx.QueryRow(ctx, `SELECT v.version, v.schema_name FROM epitaph.projection_versions v
+		WHERE v.projection = $1 AND v.state = 'live' AND to_regclass(quote_ident(v.schema_name) || '.rows') IS NOT NULL`,
+		archiveProjection).Scan(&version, &schema)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil // no archive: no pending row
+	}
+	if err != nil {
+		return 0, fmt.Errorf("look up the live archive: %w", err)
+	}
+	read := fmt.Sprintf(stopCursorRowsSQL, pgx.Identifier{schema, "rows"}.Sanitize())
+	atLSN, atSeq := *lsn, *seq
+	var total int64
+	for {
+		rows, err := tx.Query(ctx, read, def.Schema, def.Table, atLSN, atSeq, stopCursorPage)
+		if err != nil {
+			return 0, fmt.Errorf("read the pending rows of handler %s: %w", def.ID, err)
+		}
+		var (
+			ids, sources, lsns, corrs []string
+			keys                      []*string
+			seqs, attempts            []int32
+			times                     []*time.Time
+			verified                  []bool
+		)
+		var (
+			src, l, corr string
+			key          *string
+			sq           int32
+			ct           *time.Time
+			ver          bool
+		)
+		_, err = pgx.ForEachRow(rows, []any{&src, &l, &sq, &key, &corr, &ct, &ver}, func() error {
+			ids = append(ids, DeliveryID(def.ID, src, l, int(sq), 0))
+			sources, lsns, seqs, keys, corrs = append(sources, src), append(lsns, l), append(seqs, sq), append(keys, key), append(corrs, corr)
+			times, verified = append(times, ct), append(verified, ver)
+			// The rows of the batch in flight carry its attempts.
+			spent := int32(0)
+			if toLSN != nil && !lsnAfter(l, sq, *toLSN, *toSeq) {
+				spent = attempt
+			}
+			attempts = append(attempts, spent)
+			return nil
+		})
+		if err != nil {
+			return 0, fmt.Errorf("read the pending rows of handler %s: %w", def.ID, err)
+		}
+		if len(ids) == 0 {
+			return total, nil
+		}
+		tag, err := tx.Exec(ctx, stopCursorInsertSQL, def.ID, def.Schema, def.Table, version, def.Phase, def.Priority, outcome,
+			ids, sources, lsns, seqs, keys, corrs, times, verified, attempts)
+		if err != nil {
+			return 0, fmt.Errorf("stop the pending rows of handler %s: %w", def.ID, err)
+		}
+		total += tag.RowsAffected()
+		atLSN, atSeq = lsns[len(lsns)-1], seqs[len(seqs)-1]
+		if len(ids) < stopCursorPage {
+			return total, nil
+		}
+	}
+}
+
+// lsnAfter reports whether (lsn, seq) is after (toLSN, toSeq).
+func lsnAfter(lsn string, seq int32, toLSN string, toSeq int32) bool {
+	if a, b := parseLSN(lsn), parseLSN(toLSN); a != b {
+		return a > b
+	}
+	return seq > toSeq
 }
 
 // Info is a delivery as operators see it (never its payload in lists).
@@ -341,6 +488,10 @@ type Info struct {
 	SettledAt         *time.Time      `json:"settled_at"`
 	// Payload is set by Show only.
 	Payload json.RawMessage `json:"payload,omitempty"`
+	// FromArchive: a cursor handler's pending or in-flight delivery,
+	// listed from the archived row after its cursor; it has no row in
+	// epitaph.deliveries until its batch settles (ListCursorDeliveries).
+	FromArchive bool `json:"from_archive,omitempty"`
 }
 
 const infoColumns = `id::text, handler_id::text, schema_name, table_name, key, correlation_id, state, attempt, outcome,

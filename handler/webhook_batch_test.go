@@ -354,15 +354,19 @@ func TestBatchRoomCountsEachBatchingHandlerOnce(t *testing.T) {
 
 // threeBatchingWebhooks adds a webhook handler of batch size 100 on each of
 // the tables a, b and c, all to one receiver answering 200, and enqueues
-// 300 deliveries interleaved across them in due order.
+// 300 deliveries interleaved across them in due order. The handlers
+// revalidate, which keeps them on the queued path (a batching webhook
+// without revalidation follows a cursor: see
+// TestCursorHandlersEachFillTheirOwnBatches).
 func threeBatchingWebhooks(t *testing.T, e *tenv) *batchReceiver {
 	t.Helper()
 	secret := NewSecret()
 	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
 	tables := []string{"a", "b", "c"}
 	for _, tb := range tables {
-		e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
-			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, false, time.Minute })
+		def := e.addHandler(KindWebhook, srv.URL, batchHandler(t, 100, 5*time.Second, secret),
+			func(d *Def) { d.Table, d.Revalidate, d.ClaimTimeout = tb, true, time.Minute })
+		require.False(t, def.UsesCursor())
 	}
 	rows := make([]Row, 300)
 	for i := range rows {

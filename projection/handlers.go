@@ -2,12 +2,14 @@ package projection
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/handler/revalidate"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // queueDeliveries is the row handlers' part of a page's transaction:
@@ -17,6 +19,16 @@ import (
 // transactions whose commit this page applied are released. Nothing at all
 // (no query) while no handler exists. rows are the rows of page p that
 // were archived.
+//
+// A cursor handler gets no delivery row for a row its cursor will reach.
+// A row at or behind its partition's watermark before the page (the
+// position the page's transaction advances from, fenced by its lease) may
+// be behind a cursor: a replayed quarantined event, a row re-applied after
+// the partition rewound, a row re-inserted verified by the slow path of
+// verification. Such a row of a table with cursor handlers is marked late
+// when this transaction inserted it (one look-up), and Enqueue queues it
+// for the handlers whose cursor claimed past it. A row ahead of the
+// watermark costs nothing more.
 func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, p *applyPlan, rows []*archiveRow) error {
 	v, commits, inPage, vd := p.v, p.commits, p.inPage, p.vd
 	if s.handlers == nil || !s.handlers.Any() {
@@ -47,9 +59,11 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, p *applyPlan, 
 		release = append(release, l.String())
 	}
 	var queue []handler.Row
+	var behind []int // rows of queue at or behind the watermark, of tables with cursor handlers
 	for _, r := range rows {
 		e := r.ev
-		if r.item.category != "" || len(s.handlers.For(e.QualifiedTable())) == 0 {
+		defs := s.handlers.For(e.QualifiedTable())
+		if r.item.category != "" || len(defs) == 0 {
 			continue
 		}
 		hr := handler.Row{Source: e.Source, Schema: e.Schema, Table: e.Table, Key: e.Key, Image: r.row,
@@ -59,7 +73,13 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, p *applyPlan, 
 			t := e.CommitTime
 			hr.CommitTime = &t
 		}
+		if e.CommitLSN <= p.pos.SourceLSN && anyCursor(defs) {
+			behind = append(behind, len(queue))
+		}
 		queue = append(queue, hr)
+	}
+	if err := markLate(ctx, tx, v.Schema, s.cfg.SourceName, queue, behind); err != nil {
+		return err
 	}
 	if _, err := handler.Enqueue(ctx, tx, s.handlers, v.Projection, v.Version, queue); err != nil {
 		return err
@@ -93,4 +113,47 @@ func distinct(lsns []string) []string {
 		}
 	}
 	return out
+}
+
+// anyCursor reports whether one of defs is a cursor handler.
+func anyCursor(defs []handler.Def) bool {
+	for _, d := range defs {
+		if d.UsesCursor() {
+			return true
+		}
+	}
+	return false
+}
+
+// insertedNowSQL returns which of the rows (ordinal, from 1) this
+// transaction inserted: archived_at is its inserting transaction's now().
+// A row there before (a rewound partition applies its page again) was
+// judged by the transaction that inserted it.
+const insertedNowSQL = `
+SELECT u.i FROM unnest($2::text[], $3::int[]) WITH ORDINALITY AS u(lsn, seq, i)
+WHERE EXISTS (SELECT 1 FROM %s r WHERE r.source = $1 AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq
+                AND r.archived_at = now())`
+
+// markLate marks late the rows of queue at the indexes behind that this
+// transaction inserted (one query; none without such rows).
+func markLate(ctx context.Context, tx pgx.Tx, schema, source string, queue []handler.Row, behind []int) error {
+	if len(behind) == 0 {
+		return nil
+	}
+	lsns, seqs := make([]string, len(behind)), make([]int32, len(behind))
+	for i, q := range behind {
+		lsns[i], seqs[i] = queue[q].CommitLSN, int32(queue[q].Seq)
+	}
+	rows, err := tx.Query(ctx, fmt.Sprintf(insertedNowSQL, archive.Ident(schema, "rows")), source, lsns, seqs)
+	if err != nil {
+		return fmt.Errorf("look up late rows: %w", err)
+	}
+	ords, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return fmt.Errorf("look up late rows: %w", err)
+	}
+	for _, o := range ords {
+		queue[behind[o-1]].Late = true
+	}
+	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -126,7 +127,10 @@ func (r *replayer) applyOne(ctx context.Context, tx pgx.Tx, v version.Version, p
 		return err
 	}
 	vd := &verdict{pending: map[*item]bool{}}
-	p := &applyPlan{v: v, l: progress.Lease{Key: progress.Key{Projection: v.Projection, Version: v.Version, Partition: partition}}, items: []*item{it}, vd: vd, open: map[event.LSN]*openTx{}}
+	p := &applyPlan{v: v, l: progress.Lease{Key: progress.Key{Projection: v.Projection, Version: v.Version, Partition: partition}}, items: []*item{it}, vd: vd, open: map[event.LSN]*openTx{},
+		// The partition went on without the event: its row is behind
+		// the watermark, and a cursor handler's cursor may be past it.
+		pos: progress.Position{SourceLSN: event.LSN(math.MaxUint64)}}
 	if p.rows, err = s.pageRows(ctx, p.items, vd); err != nil {
 		return err
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
@@ -280,17 +281,27 @@ func settle(ctx context.Context, target *pgxpool.Pool, res *Result, rows []*arch
 	err := pgx.BeginFunc(context.WithoutCancel(ctx), target, func(tx pgx.Tx) error {
 		var sources, lsns []string
 		var seqs []int32
+		var cursorRows []handler.CursorRow
 		for _, a := range rows {
 			if !a.restored {
 				continue
 			}
 			sources, lsns, seqs = append(sources, a.source), append(lsns, a.commitLSN), append(seqs, int32(a.seq))
+			cursorRows = append(cursorRows, handler.CursorRow{Source: a.source, Schema: a.schema, Table: a.table,
+				CommitLSN: a.commitLSN, Seq: a.seq})
 		}
 		tag, err := tx.Exec(ctx, supersedeSQL, sources, lsns, seqs)
 		if err != nil {
 			return fmt.Errorf("stop deliveries of restored rows: %w", err)
 		}
 		n = int(tag.RowsAffected())
+		// A handler that follows a cursor has no row for a pending
+		// delivery: it gets a stopped one, which keeps the cursor from it.
+		c, err := handler.SupersedeCursorRows(ctx, tx, cursorRows)
+		if err != nil {
+			return err
+		}
+		n += c
 		return finish(ctx, tx, res, nil)
 	})
 	return n, err

@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/restore"
 )
 
@@ -134,12 +135,27 @@ func TestRestoreCustomerWithEverything(t *testing.T) {
 	require.Zero(t, e.shopOf(42, 44).rows(), "a dry run writes nothing")
 	require.Zero(t, e.count(`SELECT count(*) FROM epitaph.restores`), "a dry run records nothing")
 
+	// A webhook that batches without revalidation follows a cursor over
+	// the archive: its pending deliveries of the orders have no rows.
+	hook := handler.Def{ID: "0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90", Schema: "public", Table: "orders", Kind: handler.KindWebhook,
+		Target: "http://127.0.0.1:1/hook", MaxAttempts: 5, Backoff: time.Second, ClaimTimeout: time.Minute,
+		BatchSize: 10, BatchWait: 100 * time.Millisecond}
+	require.True(t, hook.UsesCursor())
+	require.NoError(t, handler.Add(ctx, e.target, hook))
+	_, err = e.target.Exec(ctx, `UPDATE epitaph.handler_cursors SET commit_lsn = '0/0', seq = 0 WHERE handler_id = $1`, hook.ID)
+	require.NoError(t, err)
+
 	cfg.DryRun = false
 	res, err := restore.Run(ctx, e.target, e.source, cfg)
 	require.NoError(t, err)
 	require.Equal(t, restore.OutcomeRestored, res.Outcome)
 	require.Equal(t, 8, res.Restored)
-	require.Equal(t, 1, res.Superseded)
+	require.Equal(t, 1+2, res.Superseded, "the queued delivery, and the cursor's two orders of customer 42")
+	require.Equal(t, 2, e.count(`SELECT count(*) FROM epitaph.deliveries d JOIN archive.rows a USING (source, commit_lsn, seq)
+		WHERE d.handler_id = $1 AND d.state = 'stopped' AND d.outcome = 'stop_superseded'
+		  AND a.correlation_id = $2 AND a.table_name = 'orders' AND a.row->>'customer_id' = '42'`, hook.ID, corr),
+		"customer 42's orders stopped for the cursor handler; customer 44's left to it")
+	require.Equal(t, 2, e.count(`SELECT count(*) FROM epitaph.deliveries WHERE handler_id = $1`, hook.ID))
 	require.Equal(t, before, e.shopOf(42), "restored equal by row::text")
 	require.Zero(t, e.shopOf(44).rows(), "only customer 42's subtree")
 	require.Equal(t, []string{"ADA"}, e.texts(`SELECT name_upper FROM public.customers WHERE id = 42`), "the generated column is computed")

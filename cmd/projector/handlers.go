@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -222,16 +223,36 @@ func handlersShowCommand(env *Env) *cobra.Command {
 			for _, s := range handler.States {
 				counts[s] = 0
 			}
+			var atLeast []string
+			var oldest float64
 			for _, s := range stats {
 				if s.HandlerID == d.ID && s.State != "" {
 					counts[s.State] = s.Count
+					if s.AtLeast {
+						atLeast = append(atLeast, s.State)
+					}
+					if s.State == handler.StatePending {
+						oldest = s.OldestSec
+					}
 				}
+			}
+			var cursor *handler.CursorBacklog
+			if d.UsesCursor() {
+				bs, err := handler.CursorBacklogs(ctx, pool, []handler.Def{d})
+				if err != nil {
+					return err
+				}
+				cursor = bs[d.ID]
 			}
 			if *asJSON {
 				return writeJSON(env.Stdout, struct {
 					handlerOut
 					Deliveries map[string]int64 `json:"deliveries"`
-				}{handlerJSON(d), counts})
+					// AtLeast: the states whose count is a lower bound.
+					AtLeast          []string               `json:"deliveries_at_least,omitempty"`
+					OldestPendingSec float64                `json:"oldest_pending_age_seconds"`
+					Cursor           *handler.CursorBacklog `json:"cursor,omitempty"`
+				}{handlerJSON(d), counts, atLeast, oldest, cursor})
 			}
 			tw := tabwriter.NewWriter(env.Stdout, 0, 4, 2, ' ', 0)
 			line := func(k string, v any) { fmt.Fprintf(tw, "%s:\t%v\n", k, v) }
@@ -258,12 +279,51 @@ func handlersShowCommand(env *Env) *cobra.Command {
 				line("signing", signingSummary(d.SecretFile, time.Now()))
 			}
 			for _, s := range handler.States {
+				if slices.Contains(atLeast, s) {
+					line("deliveries "+s, fmt.Sprintf("at least %d (counted up to %d)", counts[s], handler.CursorCountCap))
+					continue
+				}
 				line("deliveries "+s, counts[s])
+			}
+			if counts[handler.StatePending] > 0 {
+				line("oldest pending", time.Duration(oldest*float64(time.Second)).Truncate(time.Second))
+			}
+			switch {
+			case d.UsesCursor() && d.RevokedAt != nil:
+				line("cursor", "revoked: the rows after it are not sent")
+			case d.UsesCursor():
+				writeCursor(line, cursor)
 			}
 			return tw.Flush()
 		})
 	}
 	return cmd
+}
+
+// writeCursor says where a cursor handler's deliveries stand: its cursor
+// and its claimed batch.
+func writeCursor(line func(string, any), b *handler.CursorBacklog) {
+	if b == nil {
+		line("cursor", "none: the handler delivers nothing until it has one")
+		return
+	}
+	line("cursor", fmt.Sprintf("%s seq %d (pending deliveries are the archived rows after it)", b.CommitLSN, b.Seq))
+	switch {
+	case b.ClaimedToLSN == nil || b.ClaimedToSeq == nil:
+		line("batch", "none claimed")
+	case b.Claimed:
+		exp := ""
+		if b.ClaimExpiresAt != nil {
+			exp = ", claim expires " + b.ClaimExpiresAt.UTC().Format(time.RFC3339)
+		}
+		line("batch", fmt.Sprintf("in flight up to %s seq %d, attempt %d%s", *b.ClaimedToLSN, *b.ClaimedToSeq, b.Attempt, exp))
+	case b.ClaimExpiresAt != nil:
+		line("batch", fmt.Sprintf("up to %s seq %d, attempt %d: its claim expired %s (its dispatcher stopped); claimed again by the next one",
+			*b.ClaimedToLSN, *b.ClaimedToSeq, b.Attempt, b.ClaimExpiresAt.UTC().Format(time.RFC3339)))
+	default:
+		line("batch", fmt.Sprintf("up to %s seq %d failed attempt %d, next attempt %s", *b.ClaimedToLSN, *b.ClaimedToSeq,
+			b.Attempt, b.NextAttemptAt.UTC().Format(time.RFC3339)))
+	}
 }
 
 // notFound makes a missing handler or delivery exit 3 ("cannot").
@@ -316,7 +376,7 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 	cmd := &cobra.Command{Use: verb + " <id>", Short: short, Example: "  projector handlers " + verb + " 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90",
 		Args: cli.Args(1)}
 	c := commonFlags(cmd, env)
-	asJSON := jsonFlag(cmd, `{"id", "stopped": open deliveries stopped, "outcome"}`)
+	asJSON := jsonFlag(cmd, `{"id", "stopped": open deliveries stopped, "outcome", "not_sent": a cursor handler's pending rows}`)
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
 		ctx := cmd.Context()
 		if !handler.ValidID(args[0]) {
@@ -327,6 +387,10 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if verb == "remove" {
 				end = handler.Remove
 			}
+			def, err := handler.Get(ctx, pool, args[0])
+			if err != nil {
+				return notFound(err)
+			}
 			n, err := end(ctx, pool, args[0])
 			if err != nil {
 				return notFound(err)
@@ -334,7 +398,11 @@ func handlersEndCommand(env *Env, verb string) *cobra.Command {
 			if *asJSON {
 				return writeJSON(env.Stdout, map[string]any{"id": strings.ToLower(args[0]), "stopped": n, "outcome": outcome})
 			}
-			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s\n", args[0], verb, n, outcome)
+			cursor := ""
+			if def.UsesCursor() {
+				cursor = " (the rows after its cursor among them; its cursor is deleted)"
+			}
+			fmt.Fprintf(env.Stdout, "handler %s %sd; %d open deliveries stopped as %s%s\n", args[0], verb, n, outcome, cursor)
 			return nil
 		})
 	}
@@ -364,6 +432,12 @@ completion now.`,
 
 func deliveriesListCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{Use: "list", Short: "list deliveries, newest first, without payloads",
+		Long: `list lists deliveries, newest first, without payloads. A cursor handler's
+pending and in-flight deliveries (a webhook batching without revalidation)
+have no row until their batch settles: they are listed from the archived
+rows after its cursor, with the ids their deliveries carry ("from_archive":
+true in --json, "(archive)" after the state otherwise); "deliveries show",
+retry and discard find them once settled.`,
 		Example: "  projector deliveries list --handler 0b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90 --state dead --json", Args: cli.NoArgs}
 	c := commonFlags(cmd, env)
 	var f handler.Filter
@@ -386,7 +460,7 @@ func deliveriesListCommand(env *Env) *cobra.Command {
 			f.Schema, f.Table = s, t
 		}
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
-			ds, err := handler.ListDeliveries(ctx, pool, f)
+			ds, err := handler.ListWithCursors(ctx, pool, f)
 			if err != nil {
 				return err
 			}
@@ -402,8 +476,12 @@ func deliveriesListCommand(env *Env) *cobra.Command {
 
 func writeDeliveries(w io.Writer, ds []handler.Info, now time.Time) {
 	writeTable(w, "ID\tHANDLER\tTABLE\tKEY\tSTATE\tATTEMPT\tOUTCOME\tAGE\tLAST ERROR", ds, "(no deliveries)", func(w io.Writer, d handler.Info) {
+		state := d.State
+		if d.FromArchive {
+			state += " (archive)"
+		}
 		fmt.Fprintf(w, "%s\t%s\t%s.%s\t%s\t%s\t%d\t%s\t%s\t%s\n", d.ID, d.HandlerID, d.Schema, d.Table, oneLine(string(d.Key), 40),
-			d.State, d.Attempt, deref(d.Outcome), now.Sub(d.CreatedAt).Truncate(time.Second), deref(d.LastError))
+			state, d.Attempt, deref(d.Outcome), now.Sub(d.CreatedAt).Truncate(time.Second), deref(d.LastError))
 	})
 }
 
@@ -515,8 +593,11 @@ func deliveriesFlushCommand(env *Env) *cobra.Command {
 		Long: `flush claims and runs due deliveries in this process (beside any running
 projector) until none that it can run is pending and released or in flight,
 waiting out backoffs. Deliveries waiting for their group, of disabled handlers
-or of Go handlers are not waited for. Exit 0 when done, 2 when --timeout
-passed first (naming how many remain).`,
+or of Go handlers are not waited for. A cursor handler's rows that cannot
+be sent yet (not yet verified, past the archive's horizon, or a batch
+waiting for its retry) are not waited for either: flush names how many
+are left after the cursors. Exit 0 when done, 2 when --timeout passed
+first (naming how many remain).`,
 		Example: "  projector deliveries flush --timeout 2m --json", Args: cli.NoArgs}
 	c := commonFlags(cmd, env)
 	var timeout time.Duration
@@ -525,7 +606,7 @@ passed first (naming how many remain).`,
 	cli.Local(cmd).Int(&parallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "deliveries run at once", cli.Min(1))
 	var sourceURL string
 	sourceURLFlag(cli.Local(cmd), &sourceURL)
-	asJSON := jsonFlag(cmd, `{"remaining": n}`)
+	asJSON := jsonFlag(cmd, `{"remaining": n, "cursor_pending": rows after cursor handlers' cursors (when any)}`)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 		defer cancel()
@@ -543,7 +624,7 @@ passed first (naming how many remain).`,
 			}
 			defer ev.Close()
 			d, err := handler.NewDispatcher(pool, handler.Config{Parallelism: parallelism, JetStream: js, Revalidate: reval,
-				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger})
+				RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger, Source: c.sourceName})
 			if err != nil {
 				return err
 			}
@@ -551,8 +632,19 @@ passed first (naming how many remain).`,
 			if err != nil && ctx.Err() == nil {
 				return err
 			}
+			// What the cursor handlers still have after their cursors
+			// (rows not yet verified or past the archive's horizon, a
+			// batch waiting for its retry): not waited for, but said.
+			cursorLeft, atLeast, cerr := cursorPending(context.WithoutCancel(ctx), pool)
+			if cerr != nil {
+				return cerr
+			}
 			if *asJSON {
-				if werr := writeJSON(env.Stdout, map[string]int{"remaining": max(left, 0)}); werr != nil {
+				out := map[string]any{"remaining": max(left, 0)}
+				if cursorLeft > 0 {
+					out["cursor_pending"], out["cursor_pending_at_least"] = cursorLeft, atLeast
+				}
+				if werr := writeJSON(env.Stdout, out); werr != nil {
 					return werr
 				}
 			}
@@ -560,12 +652,44 @@ passed first (naming how many remain).`,
 				return cli.WithCode(cli.ExitTimeout, fmt.Errorf("flush: %d deliveries still open after %s", max(left, 0), timeout))
 			}
 			if !*asJSON {
+				if cursorLeft > 0 {
+					fmt.Fprintf(env.Stdout, "flushed: no queued deliveries left; %s%d pending after cursor handlers' cursors "+
+						"(rows not yet verified or past the archive's horizon, or a batch waiting for its retry)\n",
+						map[bool]string{true: "at least "}[atLeast], cursorLeft)
+					return nil
+				}
 				fmt.Fprintln(env.Stdout, "flushed: no open deliveries left")
 			}
 			return nil
 		})
 	}
 	return cmd
+}
+
+// cursorPending sums the pending and in-flight deliveries of the enabled
+// cursor handlers (whether the sum is a lower bound).
+func cursorPending(ctx context.Context, pool *pgxpool.Pool) (int64, bool, error) {
+	defs, err := handler.List(ctx, pool)
+	if err != nil {
+		return 0, false, err
+	}
+	var enabled []handler.Def
+	for _, d := range defs {
+		if d.Enabled {
+			enabled = append(enabled, d)
+		}
+	}
+	bs, err := handler.CursorBacklogs(ctx, pool, enabled)
+	if err != nil {
+		return 0, false, err
+	}
+	var n int64
+	var atLeast bool
+	for _, b := range bs {
+		n += b.Pending + b.InFlight
+		atLeast = atLeast || b.AtLeast
+	}
+	return n, atLeast, nil
 }
 
 // signingSummary says, without a secret, how a webhook is signed now.

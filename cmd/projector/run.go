@@ -160,7 +160,8 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	defer ev.Close()
 	disp, err := handler.NewDispatcher(svc.Pool(), handler.Config{Parallelism: o.handlerParallelism,
 		GroupSettleTimeout: o.settleTimeout, PayloadRetention: o.payloadRetention, JetStream: svc.JetStream(),
-		Revalidate: reval, RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger, Registerer: reg})
+		Revalidate: reval, RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger, Registerer: reg,
+		Source: c.sourceName})
 	if err == nil {
 		err = disp.Start(runCtx)
 	}

@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -352,4 +353,39 @@ func WaitCreds(ctx context.Context, path string, timeout time.Duration) (nats.Op
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// WaitMarksAfter waits until every partition of the stream has a mark
+// (a heartbeat's copy) stored after sequence seq: what a capture's
+// heartbeat after the stream's last commit publishes, so every
+// partition's watermark reaches the last commit once it is applied.
+func (w *StreamWatch) WaitMarksAfter(ctx context.Context, seq uint64, timeout time.Duration) error {
+	s, err := w.js.Stream(ctx, event.StreamName(w.source))
+	if err != nil {
+		return err
+	}
+	parts, err := strconv.Atoi(s.CachedInfo().Config.Metadata[event.MetaPartitions])
+	if err != nil {
+		return fmt.Errorf("stream metadata %s: %w", event.MetaPartitions, err)
+	}
+	deadline := time.Now().Add(timeout)
+	for p := 0; p < parts; {
+		m, err := s.GetLastMsgForSubject(ctx, event.MarkSubject(w.source, p))
+		if err == nil && m.Sequence > seq {
+			p++
+			continue
+		}
+		if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("partition %d has no mark after stream sequence %d in %s", p, seq, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	return nil
 }

@@ -536,6 +536,9 @@ func (c *console) restoreRecord(r *http.Request, v *view) (string, error) {
 type failedData struct {
 	Handlers   []handlerView
 	Deliveries []handler.Info
+	// Actionable: the deliveries listed that retry and discard apply to
+	// (not those listed from the archive).
+	Actionable int
 	Filter     handler.Filter
 	States     []string
 	// Quarantine is the open entries (never their message).
@@ -551,8 +554,47 @@ type workerView struct {
 	Dead      bool
 }
 
+// handlerView is a handler with its open work: Pending ("at least N"
+// when counted up to handler.CursorCountCap), InFlight, Dead and how long
+// the oldest pending delivery has waited.
 type handlerView struct {
 	ID, Name, Table, Kind, Target string
+	Pending, OldestPending        string
+	InFlight, Dead                int64
+	Backlog                       bool
+}
+
+// backlogWarnAge is the age of an oldest pending delivery the page flags
+// (the EpitaphDeliveryBacklog alert's).
+const backlogWarnAge = 30 * time.Minute
+
+// openWork fills v's open work from stats.
+func openWork(v handlerView, stats []handler.Stat) handlerView {
+	var pending int64
+	var atLeast bool
+	var oldest float64
+	for _, s := range stats {
+		if s.HandlerID != v.ID {
+			continue
+		}
+		switch s.State {
+		case handler.StatePending:
+			pending, atLeast, oldest = s.Count, s.AtLeast, s.OldestSec
+		case handler.StateInFlight:
+			v.InFlight = s.Count
+		case handler.StateDead:
+			v.Dead = s.Count
+		}
+	}
+	v.Pending, v.OldestPending = strconv.FormatInt(pending, 10), "-"
+	if atLeast {
+		v.Pending = "at least " + v.Pending
+	}
+	if pending > 0 {
+		age := time.Duration(oldest * float64(time.Second))
+		v.OldestPending, v.Backlog = age.Truncate(time.Second).String(), age > backlogWarnAge
+	}
+	return v
 }
 
 // FailedLimit bounds the deliveries the page lists.
@@ -570,9 +612,13 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 	if err != nil {
 		return "failed", err
 	}
+	stats, err := handler.OpenStats(r.Context(), c.cfg.DB)
+	if err != nil {
+		return "failed", err
+	}
 	for _, h := range defs {
-		d.Handlers = append(d.Handlers, handlerView{ID: h.ID, Name: h.Name, Table: h.Schema + "." + h.Table, Kind: h.Kind,
-			Target: handler.RedactTarget(h.Kind, h.Target)})
+		d.Handlers = append(d.Handlers, openWork(handlerView{ID: h.ID, Name: h.Name, Table: h.Schema + "." + h.Table, Kind: h.Kind,
+			Target: handler.RedactTarget(h.Kind, h.Target)}, stats))
 	}
 	if d.Filter.HandlerID != "" && !handler.ValidID(d.Filter.HandlerID) {
 		return "failed", fail(http.StatusBadRequest, "handler %q: not a handler id", d.Filter.HandlerID)
@@ -581,8 +627,15 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 	if s, t, ok := strings.Cut(f.Table, "."); ok {
 		f.Schema, f.Table = s, t
 	}
-	if d.Deliveries, err = handler.ListDeliveries(r.Context(), c.cfg.DB, f); err != nil {
+	// A cursor handler's pending deliveries are listed from the archive
+	// (no row until their batch settles: not selectable).
+	if d.Deliveries, err = handler.ListWithCursors(r.Context(), c.cfg.DB, f); err != nil {
 		return "failed", err
+	}
+	for _, x := range d.Deliveries {
+		if !x.FromArchive {
+			d.Actionable++
+		}
 	}
 	d.Quarantine, err = quarantine.List(r.Context(), c.cfg.DB, quarantine.Filter{Status: quarantine.StatusOpen, Limit: FailedLimit})
 	if err != nil {

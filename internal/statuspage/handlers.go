@@ -2,6 +2,7 @@ package statuspage
 
 import (
 	"context"
+	"strconv"
 	"time"
 
 	rowhandler "github.com/epitaph-dev/epitaph/handler"
@@ -16,10 +17,13 @@ func WithHandlerStats(db rowhandler.DB, interval time.Duration) Option {
 	return func(o *options) { o.handlers, o.handlersInterval = db, interval }
 }
 
-// handlerRow is one row handler on the page.
+// handlerRow is one row handler on the page. Pending is a count, or
+// "at least N" for a cursor handler's backlog counted up to
+// rowhandler.CursorCountCap rows.
 type handlerRow struct {
 	ID, Name, Table            string
-	Pending, InFlight, Done    int64
+	Pending                    string
+	InFlight, Done             int64
 	Stopped, Dead              int64
 	OldestPending              string
 	HasDead, HasBacklogWarning bool
@@ -64,13 +68,19 @@ func (h *handler) handlerStats(ctx context.Context) ([]handlerRow, string, bool)
 		if !ok {
 			i = len(rows)
 			idx[s.HandlerID] = i
-			rows = append(rows, handlerRow{ID: s.HandlerID, Name: s.Name, Table: s.Table, OldestPending: "-"})
+			rows = append(rows, handlerRow{ID: s.HandlerID, Name: s.Name, Table: s.Table, Pending: "0", OldestPending: "-"})
 		}
 		r := &rows[i]
 		switch s.State {
 		case rowhandler.StatePending:
-			r.Pending, r.OldestPending = s.Count, age(s.OldestSec)
-			r.HasBacklogWarning = s.OldestSec > 1800
+			r.Pending = strconv.FormatInt(s.Count, 10)
+			if s.AtLeast {
+				r.Pending = "at least " + r.Pending
+			}
+			if s.Count > 0 {
+				r.OldestPending = age(s.OldestSec)
+			}
+			r.HasBacklogWarning = s.Count > 0 && s.OldestSec > 1800
 		case rowhandler.StateInFlight:
 			r.InFlight = s.Count
 		case rowhandler.StateDone:

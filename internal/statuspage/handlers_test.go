@@ -2,9 +2,11 @@ package statuspage_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -12,7 +14,9 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/statuspage"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
+	projversion "github.com/epitaph-dev/epitaph/projection/version"
 )
 
 // The page lists every row handler with its deliveries by state, the dead
@@ -52,4 +56,50 @@ func TestHandlersOnThePage(t *testing.T) {
 		return &status.Status{Source: "main", At: time.Now()}, nil
 	}), "/")
 	require.Contains(t, body, `data-testid="handlers-note">not shown`)
+}
+
+// A cursor handler (a webhook batching without revalidation) writes no
+// delivery row before its batch settles: the page counts its archived rows
+// after its cursor as pending and flags the oldest one's age.
+func TestCursorHandlerBacklogOnThePage(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testenv.NewDatabase(t)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	require.NoError(t, migrations.Apply(ctx, pool))
+	require.NoError(t, projversion.EnsureArchive(ctx, pool, 1, nil))
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := archive.EnsurePartitions(ctx, tx, archive.Schema(1), archive.DefaultPeriod, time.Now())
+		return err
+	}))
+	const id = "3c9e2b7a-1d4f-4e6a-8b5c-7d9e0f1a2b3c"
+	def := handler.Def{ID: id, Name: "batched", Schema: "public", Table: "attachments", Kind: handler.KindWebhook,
+		Target: "https://example.invalid/hook", MaxAttempts: 3, Backoff: time.Second, ClaimTimeout: time.Minute,
+		BatchSize: 100, BatchWait: time.Second}
+	require.True(t, def.UsesCursor())
+	require.NoError(t, handler.Add(ctx, pool, def))
+	testenv.Exec(t, url, `INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, correlation_id,
+		commit_lsn, commit_time, seq, archived_at)
+		SELECT 'main', 'public', 'attachments', jsonb_build_object('id', g), jsonb_build_object('id', g), 'main:' || g,
+		       ('0/' || to_hex(4096 + g))::pg_lsn, now(), 0, now() - interval '3 hours'
+		FROM generate_series(1, 7) g`)
+	// Another one's backlog is larger than the count's cap.
+	const big = "4d0f3c8b-2e5a-4f7b-9c6d-8e0f1a2b3c4d"
+	def.ID, def.Table = big, "blobs"
+	require.NoError(t, handler.Add(ctx, pool, def))
+	testenv.Exec(t, url, fmt.Sprintf(`INSERT INTO archive_v1.rows (source, schema_name, table_name, key, row, correlation_id,
+		commit_lsn, commit_time, seq)
+		SELECT 'main', 'public', 'blobs', jsonb_build_object('id', g), jsonb_build_object('id', g), 'main:' || g,
+		       ('1/' || to_hex(g))::pg_lsn, now(), 0
+		FROM generate_series(1, %d) g`, handler.CursorCountCap+1))
+	h := statuspage.Handler(func(context.Context) (*status.Status, error) {
+		return &status.Status{Source: "main", At: time.Now()}, nil
+	}, statuspage.WithHandlerStats(pool, time.Second))
+	_, _, body := get(t, h, "/")
+	require.Contains(t, body, `data-handler="`+id+`"`)
+	require.Contains(t, body, `data-testid="handler-pending">7<`, body)
+	require.Contains(t, body, fmt.Sprintf(`data-testid="handler-pending">at least %d<`, handler.CursorCountCap), body)
+	require.Contains(t, body, `data-testid="handler-oldest"><span class="badge no">3h`, body)
 }

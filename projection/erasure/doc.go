@@ -10,7 +10,9 @@
 // the archive, their snapshot documents (rebuilt without them), their
 // deliveries, and the matching quarantine entries; it records a Receipt
 // (epitaph.erasures) that says what was removed where and how many, never
-// the data. It waits for applies in flight (the erasure lock, bounded by
+// the data; an erased row's pending delivery to a cursor handler (it has
+// no row until its batch settles) is recorded stopped, keyless. It waits
+// for applies in flight (the erasure lock, bounded by
 // LockTimeout), so an apply that started before sees the rows gone and
 // one that starts after sees the fence. A legal hold covering a matched
 // row makes Erase fail with ErrHeld and change nothing, unless

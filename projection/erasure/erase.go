@@ -200,11 +200,14 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, p eraseParams) error {
 		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = 0; SET LOCAL jit = off`); err != nil {
 			return err
 		}
-		ids, parents, err := eraseVersions(ctx, tx, p)
+		ids, refs, parents, err := eraseVersions(ctx, tx, p)
 		if err != nil {
 			return err
 		}
 		if err := insertErasedParents(ctx, tx, key, parents); err != nil {
+			return err
+		}
+		if err := stopCursorDeliveries(ctx, tx, refs); err != nil {
 			return err
 		}
 		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
@@ -311,12 +314,13 @@ const eraseSnapshotsSQL = `, docs AS (
 )`
 
 // eraseVersions removes the matched rows from every version of the archive
-// and returns their identities.
-func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity, []parentRow, error) {
+// and returns their identities (and, in the same order, their tables and
+// transactions).
+func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity, []erasedRef, []parentRow, error) {
 	id, mode, withChildren, removed := p.id, p.mode, p.opts.WithChildren, p.removed
 	vss, err := allVersionSchemas(ctx, tx)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	cond := `r.key = $3::jsonb`
 	if mode == EraseByMatch {
@@ -324,6 +328,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 	}
 	seen := map[rowIdentity]bool{}
 	var ids []rowIdentity
+	var refs []erasedRef
 	var parents []parentRow // with children: kept for the pages not applied yet (fence_children.go)
 	for _, vs := range vss {
 		extra, docs := "", "0"
@@ -333,7 +338,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, archive.Ident(vs.Schema, "rows"), extra, cond, docs),
 			p.schema, p.name, string(p.sel), withChildren, id)
 		if err != nil {
-			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
+			return nil, nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 		}
 		var r rowIdentity
 		var lsn, corr, tbl string
@@ -355,6 +360,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			if !seen[r] {
 				seen[r] = true
 				ids = append(ids, r)
+				refs = append(refs, erasedRef{id: r, table: tbl, corr: corr})
 				if withChildren {
 					parents = append(parents, parentRow{id: r, table: tbl, row: slices.Clone(row), erasure: id})
 				}
@@ -362,7 +368,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			return nil
 		})
 		if err != nil {
-			return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
+			return nil, nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 		}
 		if vs.Snapshots && len(corrs) > 0 {
 			list := make([]string, 0, len(corrs))
@@ -377,16 +383,16 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			var fencedTable bool
 			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`,
 				archive.Ident(vs.Schema, "snapshot_fenced")).Scan(&fencedTable); err != nil {
-				return nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
+				return nil, nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 			}
 			if fencedTable {
 				if _, err := snapshot.Discount(ctx, tx, vs.Schema, gone); err != nil {
-					return nil, nil, err
+					return nil, nil, nil, err
 				}
 			}
 			n, err := snapshot.Invalidate(ctx, tx, vs.Schema, list)
 			if err != nil {
-				return nil, nil, err
+				return nil, nil, nil, err
 			}
 			removed[vs.Schema+".snapshots_rebuilt"] += n
 		}
@@ -394,7 +400,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			delete(removed, vs.Schema+".snapshots")
 		}
 	}
-	return ids, parents, nil
+	return ids, refs, parents, nil
 }
 
 // allVersionSchemas are the archive schemas of every version of every

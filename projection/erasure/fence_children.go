@@ -101,6 +101,13 @@ func (f *FenceSet) Record(ctx context.Context, tx pgx.Tx, schema string, snapsho
 		SELECT * FROM unnest($1::text[], $2::pg_lsn[], $3::int[], $4::bigint[]) ON CONFLICT DO NOTHING`, sources, lsns, seqs, erasures); err != nil {
 		return 0, fmt.Errorf("record erased rows: %w", err)
 	}
+	refs := make([]erasedRef, len(children))
+	for i, c := range children {
+		refs[i] = erasedRef{id: c.id, table: c.table, corr: c.corr}
+	}
+	if err := stopCursorDeliveries(ctx, tx, refs); err != nil {
+		return 0, err
+	}
 	if err := eraseDeliveries(ctx, tx, ids, map[string]int{}); err != nil {
 		return 0, err
 	}

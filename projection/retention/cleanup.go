@@ -59,14 +59,16 @@ type CleanupResult struct {
 	// Full: the batch deleted as many rows as it could; more may be due.
 	Full bool `json:"full"`
 	// Dropped are the partitions ("schema.table") dropped whole, their rows
-	// all expired, none held, none with an open delivery (their rows are
-	// counted in Deleted, ByTable and ByVersion too).
+	// all expired, none held, none with an open delivery, none after a
+	// cursor handler's cursor (their rows are counted in Deleted, ByTable
+	// and ByVersion too).
 	Dropped []string `json:"dropped,omitempty"`
 	// Skipped are the version schemas another cleaner was cleaning (this
 	// batch left them to it).
 	Skipped []string `json:"skipped,omitempty"`
 	// OldestDue is the expires_at of the oldest row still expired, present
-	// and deletable (not held, no open delivery) after the batch; nil: none.
+	// and deletable (not held, no open delivery, not after a cursor handler's
+	// cursor) after the batch; nil: none.
 	// After a full batch it is the newest expires_at the batch deleted (the
 	// oldest left is at least as new; not looked up).
 	OldestDue *time.Time    `json:"oldest_due"`
@@ -75,7 +77,8 @@ type CleanupResult struct {
 
 // cleanupSQL is one version's batch. The victims are found by the
 // expires_at index in expiry order (each checked against the holds and the
-// open deliveries by index) and deleted by their tuple ids in the same
+// open deliveries by index, and against the cursor handlers' positions of
+// its table: cursorKeptSQL) and deleted by their tuple ids in the same
 // statement: a join back to the table on its key made Postgres hash the
 // whole archive (a sequential scan of every row) for each batch. They are
 // not locked first (FOR UPDATE SKIP LOCKED wrote a lock record per row, a
@@ -97,7 +100,8 @@ type CleanupResult struct {
 // row only within its partition (every partition of a partitioned rows
 // table has a tuple (0,1)), so the delete matches the victims' table too.
 const cleanupSQL = `
-WITH victims AS (
+WITH cursors AS MATERIALIZED (` + cursorHoldsSQL + `),
+victims AS (
     SELECT r.tableoid AS rel, r.ctid AS tid FROM %[1]s r
     WHERE r.expires_at <= now()
       AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
@@ -106,7 +110,7 @@ WITH victims AS (
       AND (NOT (SELECT EXISTS (SELECT 1 FROM epitaph.legal_holds))
            OR NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
                           WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
-                            AND (h.key = r.key OR r.row @> h.match)))
+                            AND (h.key = r.key OR r.row @> h.match)))` + cursorKeptSQL + `
     ORDER BY r.expires_at
     LIMIT $1
 ), del AS (
@@ -148,6 +152,7 @@ const cleanupSnapshotsSQL = `, snaps AS (
 )`
 
 const oldestDueSQL = `
+WITH cursors AS MATERIALIZED (` + cursorHoldsSQL + `)
 SELECT r.expires_at FROM %[1]s r
 WHERE r.expires_at <= now()
   AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d
@@ -155,7 +160,7 @@ WHERE r.expires_at <= now()
                     AND d.state IN ('pending', 'in_flight'))
   AND NOT EXISTS (SELECT 1 FROM epitaph.legal_holds h
                   WHERE h.schema_name = r.schema_name AND h.table_name = r.table_name
-                    AND (h.key = r.key OR r.row @> h.match))
+                    AND (h.key = r.key OR r.row @> h.match))` + cursorKeptSQL + `
 ORDER BY r.expires_at LIMIT 1`
 
 // CleanupBatch runs one retention batch and returns: it deletes at most

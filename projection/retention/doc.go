@@ -6,8 +6,10 @@
 // A row past expires_at is hidden from archive.rows at once (the reader
 // view filters it; package projection/archive) and deleted here later. A
 // row is kept (hidden, present) while a delivery of it is pending or in
-// flight (epitaph.deliveries) or a legal hold covers it
-// (epitaph.legal_holds); its terminal deliveries are deleted with it once
+// flight (epitaph.deliveries), while it is after the cursor of a cursor
+// handler of its table (epitaph.handler_cursors: such a handler's pending
+// deliveries have no row until they settle) or while a legal hold covers
+// it (epitaph.legal_holds); its terminal deliveries are deleted with it once
 // no version holds it. Snapshot documents go with their root row; a
 // snapshot group goes with the last row of its transaction.
 //

@@ -22,13 +22,17 @@ const dropLockTimeout = 500 * time.Millisecond
 
 // dropExpiredPartitions drops each partition of the version's rows table
 // whose period is over and whose rows are all expired, none under a legal
-// hold and none with an open (pending, in flight) delivery: a DROP costs
+// hold, none with an open (pending, in flight) delivery and none after the
+// cursor of a cursor handler of its table (cursorHoldsSQL): a DROP costs
 // milliseconds whatever the partition's size, where deleting its rows
 // costs a write per row and leaves the table to vacuum. Each partition is
 // decided and dropped in a transaction of its own that first locks it (no
 // apply, erasure or reader meanwhile), the holds and the deliveries (no
 // new hold, no delivery retried back to open meanwhile), then checks, so
-// nothing the check cleared can change before the drop. With the rows go,
+// nothing the check cleared can change before the drop. The cursors are not
+// locked: a cursor only moves forward (releasing rows), and a handler
+// added meanwhile starts at the archive's horizon and is owed only the
+// rows archived after it, which the locked partition cannot receive. With the rows go,
 // as with the row-by-row delete, the snapshot documents rooted at them,
 // the groups of their transactions (a transaction's rows share its
 // commit_time, hence a partition) and their terminal deliveries unless
@@ -56,7 +60,8 @@ func dropExpiredPartitions(ctx context.Context, cp cleanupParams, vs archive.Ver
 }
 
 // partitionKeptSQL says why a partition must stay, if it must: a row not
-// expired (or never expiring), held, or with an open delivery.
+// expired (or never expiring), held, with an open delivery, or after the
+// cursor of a cursor handler of its table (a pending delivery too).
 const partitionKeptSQL = `
 SELECT CASE
     WHEN EXISTS (SELECT 1 FROM %[1]s WHERE expires_at IS NULL) OR EXISTS (SELECT 1 FROM %[1]s WHERE expires_at > now())
@@ -68,6 +73,8 @@ SELECT CASE
     WHEN EXISTS (SELECT 1 FROM epitaph.deliveries d WHERE d.state IN ('pending', 'in_flight') AND EXISTS (
             SELECT 1 FROM %[1]s r WHERE r.source = d.source AND r.commit_lsn = d.commit_lsn AND r.seq = d.seq))
         THEN 'open delivery'
+    WHEN ` + partitionCursorSQL + `
+        THEN 'cursor handler'
     ELSE '' END`
 
 func dropPartition(ctx context.Context, p cleanupParams, vs archive.VersionSchema, name string) error {

@@ -57,6 +57,7 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 		out[prefix+figure+"|"+unit] = append(out[prefix+figure+"|"+unit], v)
 	}
 	var hits, bodyBytes atomic.Int64
+	receivedDeliveries.Store(0)
 	ln, srv, err := webhookServer(&hits, &bodyBytes)
 	if err != nil {
 		return 0, err
@@ -114,7 +115,7 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 		}
 		for {
 			var open bool
-			if err := conn.QueryRow(ctx, openDeliveriesSQL).Scan(&open); err != nil {
+			if err := conn.QueryRow(ctx, openDeliveriesSQL, c.source).Scan(&open); err != nil {
 				return err
 			}
 			if !open {
@@ -124,8 +125,16 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 					return err
 				}
 				if done != c.n {
+					missingRows(ctx, conn, c.source)
 					return fmt.Errorf("deliveries: %d of %d done, none open", done, c.n)
 				}
+				// Every delivery reached the receiver once: its rows are
+				// unique by id, and the receiver counted the deliveries of
+				// every POST.
+				if got := receivedDeliveries.Load(); got != c.n {
+					return fmt.Errorf("deliveries: the receiver got %d, want %d", got, c.n)
+				}
+				bench.Note("handlers: %d deliveries done, %d received, one each", done, receivedDeliveries.Load())
 				return e.drained(ctx, url, &lim, drainProbe{n: c.n, done0: done0, cpu0: cpu0, parallelism: c.parallelism, hits: &hits, bodyBytes: &bodyBytes,
 					secretFile: secretFile, busy0: busy0, total0: total0}, record)
 			}
@@ -246,9 +255,15 @@ func (e *env) loneRevalidations(ctx context.Context, record func(string, float64
 
 // openDeliveriesSQL: is any delivery pending (released or not) or in
 // flight? Each part is answered by a partial index.
+// A cursor handler's open deliveries are its claimed batch and the rows of
+// its table after its cursor (read through rows_key from the cursor on).
 const openDeliveriesSQL = `SELECT EXISTS (SELECT 1 FROM epitaph.deliveries WHERE state = 'pending' AND released_at IS NOT NULL)
 	OR EXISTS (SELECT 1 FROM epitaph.deliveries WHERE state = 'pending' AND released_at IS NULL)
-	OR EXISTS (SELECT 1 FROM epitaph.deliveries WHERE state = 'in_flight')`
+	OR EXISTS (SELECT 1 FROM epitaph.deliveries WHERE state = 'in_flight')
+	OR EXISTS (SELECT 1 FROM epitaph.handler_cursors WHERE claim_token IS NOT NULL)
+	OR EXISTS (SELECT 1 FROM epitaph.handler_cursors c JOIN epitaph.handlers h ON h.id = c.handler_id
+	           WHERE EXISTS (SELECT 1 FROM archive_v1.rows a WHERE a.source = $1 AND (a.commit_lsn, a.seq) > (c.commit_lsn, c.seq)
+	                         AND a.schema_name = h.schema_name AND a.table_name = h.table_name))`
 
 func splitTable(t string) (string, string) {
 	for i := range len(t) {
@@ -303,5 +318,35 @@ func (e *env) addHandlers(tables []string, hook, secretFile string, batch int) f
 			return pgStatsReset(ctx, url)
 		}
 		return nil
+	}
+}
+
+// missingRows prints the archived rows without a delivery done, by
+// transaction, beside the cursors: what a lost range looks like.
+func missingRows(ctx context.Context, conn *pgx.Conn, source string) {
+	rows, err := conn.Query(ctx, `SELECT a.table_name || ' ' || a.commit_lsn::text || ' rows=' || count(*) || ' verified=' || bool_and(a.verified)
+			|| ' archived=' || min(a.archived_at)::text || '..' || max(a.archived_at)::text
+		FROM archive_v1.rows a JOIN epitaph.handlers h ON h.schema_name = a.schema_name AND h.table_name = a.table_name
+		WHERE a.source = $1 AND NOT EXISTS (SELECT 1 FROM epitaph.deliveries d WHERE d.handler_id = h.id
+		      AND d.commit_lsn = a.commit_lsn AND d.seq = a.seq)
+		GROUP BY a.table_name, a.commit_lsn ORDER BY 1 LIMIT 20`, source)
+	if err == nil {
+		lines, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, l := range lines {
+			bench.Note("missing: %s", l)
+		}
+	}
+	rows, err = conn.Query(ctx, `SELECT h.table_name || ' cursor=' || c.commit_lsn::text || '/' || c.seq || ' updated=' || c.updated_at::text
+		FROM epitaph.handler_cursors c JOIN epitaph.handlers h ON h.id = c.handler_id ORDER BY 1`)
+	if err == nil {
+		lines, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, l := range lines {
+			bench.Note("cursor: %s", l)
+		}
+	}
+	rows, err = conn.Query(ctx, `SELECT partition || ' ' || source_lsn::text FROM epitaph.progress WHERE projection = 'archive' ORDER BY partition`)
+	if err == nil {
+		lines, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		bench.Note("watermarks: %v", lines)
 	}
 }

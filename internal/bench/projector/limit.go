@@ -50,6 +50,10 @@ const floorCalls = 20_000
 
 // webhookServer is the round's local webhook server: it reads the body
 // and answers 200 at once, counting calls and body bytes.
+// receivedDeliveries counts the deliveries the round's webhook server got
+// (a batch counts its size).
+var receivedDeliveries atomic.Int64
+
 func webhookServer(hits, bodyBytes *atomic.Int64) (net.Listener, *http.Server, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -57,6 +61,11 @@ func webhookServer(hits, bodyBytes *atomic.Int64) (net.Listener, *http.Server, e
 	}
 	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		k, _ := io.Copy(io.Discard, r.Body)
+		n := int64(1)
+		if b, err := strconv.ParseInt(r.Header.Get(handler.HeaderBatchSize), 10, 64); err == nil {
+			n = b
+		}
+		receivedDeliveries.Add(n)
 		hits.Add(1)
 		bodyBytes.Add(k)
 		w.WriteHeader(http.StatusOK)

@@ -505,6 +505,14 @@ func (e *env) buildStream(ctx context.Context, source string, rows, perTx int) (
 		return 0, 0, bench.Stalled(ctx, p, metrics, err)
 	}
 	rate := float64(n) / end.Sub(p.Started()).Seconds()
+	// The capture's heartbeat once the source is quiet carries every
+	// partition past the last commit: the archive's horizon, which
+	// batching webhook handlers deliver up to, reaches the end.
+	if last, err := watch.LastSeq(ctx); err != nil {
+		return 0, 0, err
+	} else if err := watch.WaitMarksAfter(ctx, last, 30*time.Second); err != nil {
+		return 0, 0, fmt.Errorf("the heartbeat after the last commit: %w", err)
+	}
 	bench.Figure(figures+"stream_delete_events", float64(n), fmt.Sprintf("events (%d orders per transaction)", perTx))
 	bench.Figure(figures+"capture_backlog_rows_per_sec", rate, "rows/s (capture draining the backlog into the stream)")
 	if err := p.Stop(30 * time.Second); err != nil {
