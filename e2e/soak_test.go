@@ -1578,7 +1578,8 @@ func (s *soak) finalDeliveries() {
 // end: each done delivery accepted by the webhook, each live archived
 // order with a delivery and none done twice, and, for the cursor handler,
 // each delivery the webhook accepted recorded done (unless its row was
-// erased: erasedIDs).
+// erased: erasedIDs) and each stopped one stopped by an erasure of its
+// row or a restore.
 func (s *soak) checkHandlerDeliveries(conn *pgx.Conn, h string, erasedIDs map[string]bool) {
 	rows, err := conn.Query(s.ctx, `SELECT id::text, state, coalesce(outcome, '') FROM epitaph.deliveries WHERE handler_id = $1`, h)
 	if err != nil {
@@ -1609,6 +1610,11 @@ func (s *soak) checkHandlerDeliveries(conn *pgx.Conn, h string, erasedIDs map[st
 				unseen = append(unseen, d.id)
 			}
 		case d.state == "stopped" && h != soakCursorID:
+		// The cursor handler's pending delivery of an erased row is
+		// recorded stopped (stop_revoked) and never sent; of a restored
+		// row, stopped as superseded, as a queued one.
+		case d.state == "stopped" && d.outcome == "stop_revoked" && erasedIDs[d.id]:
+		case d.state == "stopped" && d.outcome == "stop_superseded":
 		default:
 			bad = append(bad, d.id+" "+d.state+" "+d.outcome)
 		}
