@@ -1574,6 +1574,14 @@ func (s *soak) finalDeliveries() {
 	}
 }
 
+// stoppedAsExpected reports whether a stopped delivery of handler h may
+// be stopped: any of a queued handler's; of the cursor handler, the
+// pending delivery of an erased row (stop_revoked, never sent) or of a
+// restored one (stop_superseded, as a queued one).
+func stoppedAsExpected(h, id, outcome string, erasedIDs map[string]bool) bool {
+	return h != soakCursorID || (outcome == "stop_revoked" && erasedIDs[id]) || outcome == "stop_superseded"
+}
+
 // checkHandlerDeliveries checks one handler of the first target at the
 // end: each done delivery accepted by the webhook, each live archived
 // order with a delivery and none done twice, and, for the cursor handler,
@@ -1609,12 +1617,7 @@ func (s *soak) checkHandlerDeliveries(conn *pgx.Conn, h string, erasedIDs map[st
 			if !s.hook.ids[d.id] {
 				unseen = append(unseen, d.id)
 			}
-		case d.state == "stopped" && h != soakCursorID:
-		// The cursor handler's pending delivery of an erased row is
-		// recorded stopped (stop_revoked) and never sent; of a restored
-		// row, stopped as superseded, as a queued one.
-		case d.state == "stopped" && d.outcome == "stop_revoked" && erasedIDs[d.id]:
-		case d.state == "stopped" && d.outcome == "stop_superseded":
+		case d.state == "stopped" && stoppedAsExpected(h, d.id, d.outcome, erasedIDs):
 		default:
 			bad = append(bad, d.id+" "+d.state+" "+d.outcome)
 		}
