@@ -23,6 +23,10 @@ func (d Def) UsesCursor() bool {
 	return d.Kind == KindWebhook && d.BatchSize > 1 && !d.Revalidate
 }
 
+// CursorHandlerSQL is Def.UsesCursor as a condition on a row h of
+// epitaph.handlers, for the statements that find the cursor handlers.
+const CursorHandlerSQL = `h.kind = 'webhook' AND h.batch_size > 1 AND NOT h.revalidate`
+
 // archiveProjection is the archive's projection name (projection/archive
 // imports this package).
 const archiveProjection = "archive"

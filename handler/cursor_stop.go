@@ -29,7 +29,7 @@ SELECT h.id::text, h.schema_name || '.' || h.table_name, h.phase, h.priority,
             THEN c.claimed_to_seq ELSE c.seq END,
        COALESCE((SELECT max(version) FROM epitaph.projection_versions WHERE projection = 'archive' AND state = 'live'), 0)
 FROM epitaph.handlers h JOIN epitaph.handler_cursors c ON c.handler_id = h.id
-WHERE h.kind = 'webhook' AND h.batch_size > 1 AND NOT h.revalidate AND h.revoked_at IS NULL
+WHERE ` + CursorHandlerSQL + ` AND h.revoked_at IS NULL
   AND h.schema_name || '.' || h.table_name = ANY ($1::text[])
 ORDER BY h.id
 FOR SHARE OF c`

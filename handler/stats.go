@@ -46,7 +46,7 @@ const analyzeGrownSQL = `
 SELECT n.nspname, c.relname, c.relname = 'deliveries'
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid IN (SELECT to_regclass('epitaph.deliveries') WHERE EXISTS (SELECT 1 FROM epitaph.handlers h
-                WHERE NOT (h.kind = 'webhook' AND h.batch_size > 1 AND NOT h.revalidate))
+                WHERE NOT (` + CursorHandlerSQL + `))
                 UNION ALL
                 SELECT to_regclass(format('%I.rows', v.schema_name)) FROM epitaph.projection_versions v
                 WHERE v.projection = 'archive' AND v.state = 'live'

@@ -26,7 +26,7 @@ const cursorHandlersSQL = `
 SELECT h.id::text, h.schema_name || '.' || h.table_name, h.phase, h.priority, c.commit_lsn::text, c.seq,
        COALESCE((SELECT max(version) FROM epitaph.projection_versions WHERE projection = 'archive' AND state = 'live'), 0)
 FROM epitaph.handlers h JOIN epitaph.handler_cursors c ON c.handler_id = h.id
-WHERE h.kind = 'webhook' AND h.batch_size > 1 AND NOT h.revalidate AND h.revoked_at IS NULL
+WHERE ` + handler.CursorHandlerSQL + ` AND h.revoked_at IS NULL
   AND h.schema_name || '.' || h.table_name = ANY ($1::text[])`
 
 // stopCursorDeliveries records, in the erasure's transaction, the

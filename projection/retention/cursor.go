@@ -1,5 +1,7 @@
 package retention
 
+import "github.com/epitaph-dev/epitaph/handler"
+
 // cursorHoldsSQL is, per source table, the smallest cursor position
 // (commit_lsn, seq) of the table's cursor handlers (handler.Def.UsesCursor:
 // webhooks that batch without revalidation): a cursor handler's pending
@@ -22,7 +24,7 @@ package retention
 const cursorHoldsSQL = `
 SELECT DISTINCT ON (h.schema_name, h.table_name) h.schema_name, h.table_name, c.commit_lsn, c.seq
 FROM epitaph.handlers h JOIN epitaph.handler_cursors c ON c.handler_id = h.id
-WHERE h.kind = 'webhook' AND h.batch_size > 1 AND NOT h.revalidate AND h.revoked_at IS NULL
+WHERE ` + handler.CursorHandlerSQL + ` AND h.revoked_at IS NULL
 ORDER BY h.schema_name, h.table_name, c.commit_lsn, c.seq`
 
 // cursorKeptSQL is the victims' condition (on a row r) of a statement
