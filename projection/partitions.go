@@ -14,49 +14,95 @@ import (
 
 // partitionCache remembers, per version schema, the periods this worker
 // has made sure have a partition, so a page whose rows fall in known
-// periods costs no query.
+// periods costs no query, and the periods it failed to make, so they are
+// tried again on a later page even when that page has no row of theirs
+// (their rows wait in the default partition until then).
 type partitionCache struct {
 	mu    sync.Mutex
 	known map[string]map[time.Time]bool
-	// failed: when making a schema's partitions last failed; the pages
-	// of the next partitionRetry do not try again (each try may wait out
-	// its lock timeout behind a long reader).
-	failed map[string]time.Time
+	// owed: periods a failed attempt did not make.
+	owed map[string]map[time.Time]bool
+	// failed: when making a schema's partitions last failed, and how many
+	// attempts in a row have; the pages of the backoff that follows do
+	// not try again (each try may wait out its lock timeout behind a long
+	// reader).
+	failed map[string]partitionFailure
 }
 
-// partitionRetry is how long after a failed attempt partitions are not
-// tried again (rows meanwhile go to the default partition).
-const partitionRetry = time.Minute
+type partitionFailure struct {
+	at    time.Time
+	tries int
+}
+
+// Partitions not made are tried again after partitionRetryMin, doubling
+// per failure in a row up to partitionRetryMax: a lock held for a moment
+// costs a second, a reader holding the table for hours one try a minute.
+const (
+	partitionRetryMin = time.Second
+	partitionRetryMax = time.Minute
+)
+
+func (f partitionFailure) retryIn() time.Duration {
+	d := partitionRetryMin
+	for i := 1; i < f.tries && d < partitionRetryMax; i++ {
+		d *= 2
+	}
+	return min(d, partitionRetryMax)
+}
 
 func (c *partitionCache) backingOff(schema string, now time.Time) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	t, ok := c.failed[schema]
-	return ok && now.Sub(t) < partitionRetry
+	f, ok := c.failed[schema]
+	return ok && now.Sub(f.at) < f.retryIn()
 }
 
-func (c *partitionCache) fail(schema string, now time.Time) {
+// fail records a failed attempt at making need, and returns when the
+// next attempt may be.
+func (c *partitionCache) fail(schema string, need []time.Time, now time.Time) time.Duration {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.failed == nil {
-		c.failed = map[string]time.Time{}
+		c.failed = map[string]partitionFailure{}
+		c.owed = map[string]map[time.Time]bool{}
 	}
-	c.failed[schema] = now
+	f := c.failed[schema]
+	f.at, f.tries = now, f.tries+1
+	c.failed[schema] = f
+	if c.owed[schema] == nil {
+		c.owed[schema] = map[time.Time]bool{}
+	}
+	for _, t := range need {
+		c.owed[schema][t] = true
+	}
+	return f.retryIn()
 }
 
+// missing returns the periods of starts, and those owed by an earlier
+// failure, that are not known to have a partition.
 func (c *partitionCache) missing(schema string, starts []time.Time) []time.Time {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var out []time.Time
+	seen := map[time.Time]bool{}
 	for _, t := range starts {
-		if !c.known[schema][t] {
+		if !c.known[schema][t] && !seen[t] {
+			seen[t] = true
+			out = append(out, t)
+		}
+	}
+	for t := range c.owed[schema] {
+		if !c.known[schema][t] && !seen[t] {
+			seen[t] = true
 			out = append(out, t)
 		}
 	}
 	return out
 }
 
-func (c *partitionCache) add(schema string, starts []time.Time) {
+// add records made as having a partition, after an attempt that made
+// every period it tried: the schema's backoff is over.
+func (c *partitionCache) add(schema string, made []time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.known == nil {
@@ -65,9 +111,11 @@ func (c *partitionCache) add(schema string, starts []time.Time) {
 	if c.known[schema] == nil {
 		c.known[schema] = map[time.Time]bool{}
 	}
-	for _, t := range starts {
+	for _, t := range made {
 		c.known[schema][t] = true
+		delete(c.owed[schema], t)
 	}
+	delete(c.failed, schema)
 }
 
 // ensurePartitions makes the partitions of the periods holding the rows'
@@ -108,9 +156,9 @@ func (s *Service) ensurePartitions(ctx context.Context, v version.Version, rows 
 	})
 	if err != nil {
 		if ctx.Err() == nil {
-			s.partitionsKnown.fail(v.Schema, now)
+			retry := s.partitionsKnown.fail(v.Schema, need, now)
 			s.log.Warn("archive partitions not created; rows go to the default partition meanwhile", "schema", v.Schema,
-				"retry_in", partitionRetry, "err", quarantine.Sanitize(err))
+				"retry_in", retry, "err", quarantine.Sanitize(err))
 		}
 		return
 	}
