@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -131,6 +132,8 @@ type flakyHook struct {
 	members   map[string][]string
 	batchesOf map[string]map[string]bool
 	stop      chan struct{}
+	// calm: the storm is over; every request is accepted.
+	calm atomic.Bool
 }
 
 func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
@@ -151,6 +154,9 @@ func (h *flakyHook) handle(w http.ResponseWriter, r *http.Request) {
 	}
 	arrived := time.Now()
 	x := rand.IntN(100)
+	if h.calm.Load() {
+		x = 100
+	}
 	inTime := true
 	h.mu.Lock()
 	h.requests++
@@ -1536,25 +1542,92 @@ func (s *soak) checkDeliveries() {
 // delivery, settled once, and, for the cursor handler, that every delivery
 // the webhook accepted is recorded done (unless its row was erased since).
 func (s *soak) finalDeliveries() {
-	a := s.targets[0]
-	var open, behind int64
-	err := workload.WaitFor(s.ctx, 4*time.Minute, 500*time.Millisecond, func(ctx context.Context) (bool, error) {
-		var err error
-		if open, err = bench.Count(ctx, a.url, `SELECT (SELECT count(*) FROM epitaph.deliveries WHERE state IN ('pending', 'in_flight'))
-			+ (SELECT count(*) FROM epitaph.handler_cursors WHERE claimed_to_lsn IS NOT NULL)`); err != nil {
-			return false, err
-		}
-		if behind, err = bench.Count(ctx, a.url, `SELECT count(*) FROM archive.rows r, epitaph.handler_cursors c
-			WHERE c.handler_id = $1 AND r.source = 'main' AND r.schema_name = 'public' AND r.table_name = 'orders'
-			AND (r.commit_lsn, r.seq) > (c.commit_lsn, c.seq)`, soakCursorID); err != nil {
-			return false, err
-		}
-		return open == 0 && behind == 0, nil
-	})
-	if err != nil {
-		s.violation("deliveries still open: %d open deliveries or claimed batches, %d orders after the cursor: %v", open, behind, err)
+	if !s.drainDeliveries() {
 		return
 	}
+	s.settledDeliveries()
+}
+
+// drainDeliveries waits for the first target's handlers to catch up, and
+// reports whether they did.
+func (s *soak) drainDeliveries() bool {
+	a := s.targets[0]
+	// The storm is over: the webhook accepts every request from now on, so
+	// each open delivery settles at its next attempt. A delivery that
+	// failed a dozen times in a row waits minutes for that attempt (the
+	// backoff doubles): past the first minutes the drain waits only while
+	// every open delivery's next attempt (or claim expiry) is ahead or
+	// just passed, never for one overdue.
+	s.hook.calm.Store(true)
+	const budget, limit, late = 4 * time.Minute, 12 * time.Minute, 30 * time.Second
+	start := time.Now()
+	var open, behind, overdue int64
+	var err error
+	for {
+		if open, err = bench.Count(s.ctx, a.url, `SELECT (SELECT count(*) FROM epitaph.deliveries WHERE state IN ('pending', 'in_flight'))
+			+ (SELECT count(*) FROM epitaph.handler_cursors WHERE claimed_to_lsn IS NOT NULL)`); err == nil {
+			behind, err = bench.Count(s.ctx, a.url, `SELECT count(*) FROM archive.rows r, epitaph.handler_cursors c
+			WHERE c.handler_id = $1 AND r.source = 'main' AND r.schema_name = 'public' AND r.table_name = 'orders'
+			AND (r.commit_lsn, r.seq) > (c.commit_lsn, c.seq)`, soakCursorID)
+		}
+		if err == nil && open == 0 && behind == 0 {
+			return true
+		}
+		if err == nil && time.Since(start) > budget {
+			// Open work whose time has come more than late ago: a
+			// delivery or a claimed batch due (its backoff over, its claim
+			// expired), or a cursor behind the archive and free to claim.
+			overdue, err = bench.Count(s.ctx, a.url, `SELECT (SELECT count(*) FROM epitaph.deliveries
+				WHERE state IN ('pending', 'in_flight') AND greatest(next_attempt_at, claim_expires_at) < now() - $1::interval)
+				+ (SELECT count(*) FROM epitaph.handler_cursors
+				WHERE (claimed_to_lsn IS NOT NULL OR (handler_id = $3 AND $2::bigint > 0))
+				AND greatest(next_attempt_at, claim_expires_at) < now() - $1::interval)`,
+				late.String(), behind, soakCursorID)
+		}
+		switch {
+		case err != nil && s.ctx.Err() != nil:
+			s.violation("deliveries: %v", err)
+			return false
+		case err == nil && overdue > 0, time.Since(start) > limit:
+			s.violation("deliveries still open after %s: %d open deliveries or claimed batches, %d orders after the cursor, %d overdue by %s (err %v): %s",
+				time.Since(start).Round(time.Second), open, behind, overdue, late, err, openWork(s.ctx, a.url))
+			return false
+		}
+		select {
+		case <-s.ctx.Done():
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// openWork describes a target's open deliveries and cursors, for a
+// violation.
+func openWork(ctx context.Context, url string) string {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err.Error()
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var out string
+	err = conn.QueryRow(ctx, `SELECT concat_ws('; ',
+		(SELECT string_agg(format('delivery %s of %s: %s, attempt %s, next in %s, claim ends in %s, error %s', id, handler_id, state, attempt,
+			next_attempt_at - now(), claim_expires_at - now(), left(last_error, 80)), '; ')
+			FROM (SELECT * FROM epitaph.deliveries WHERE state IN ('pending', 'in_flight') ORDER BY next_attempt_at LIMIT 10) d),
+		(SELECT string_agg(format('cursor %s at %s/%s, claimed to %s/%s, attempt %s, next in %s, claim ends in %s', handler_id,
+			commit_lsn, seq, claimed_to_lsn, claimed_to_seq, attempt, next_attempt_at - now(), claim_expires_at - now()), '; ')
+			FROM epitaph.handler_cursors))`).Scan(&out)
+	if err != nil {
+		return err.Error()
+	}
+	return out
+}
+
+// settledDeliveries checks, for each handler, that each done delivery was
+// accepted by the webhook, each live archived order has one delivery,
+// settled once, and, for the cursor handler, that every delivery the
+// webhook accepted is recorded done (unless its row was erased since).
+func (s *soak) settledDeliveries() {
+	a := s.targets[0]
 	conn, err := pgx.Connect(s.ctx, a.url)
 	if err != nil {
 		s.violation("connect: %v", err)
