@@ -274,4 +274,47 @@ func TestEmbeddedBrokerRefusesOutsideWriters(t *testing.T) {
 		require.NoError(t, err)
 		require.NotContains(t, string(m.Data), "forged", "sequence %d", seq)
 	}
+
+	// erase --purge-stream with the projector's credentials is refused
+	// before it erases anything (exit 3: the row still archived, no
+	// erasure recorded, its message still in the stream); with the erase
+	// role's it erases and purges.
+	erase := func(creds string) (string, int) {
+		cmd := osexec.CommandContext(ctx, bins["projector"], "erase", "--table", "public.items", "--key", `{"id":3}`,
+			"--purge-stream", "--reason", "test", "--yes", "--nats-creds", creds)
+		cmd.Env = append(os.Environ(), "EPITAPH_TARGET_URL="+url, "EPITAPH_NATS_URL="+natsURL, "EPITAPH_METRICS_ADDR=")
+		out, err := cmd.CombinedOutput()
+		var ee *osexec.ExitError
+		if errors.As(err, &ee) {
+			return string(out), ee.ExitCode()
+		}
+		require.NoError(t, err, string(out))
+		return string(out), 0
+	}
+	inStream := func() int {
+		n := 0
+		for seq := uint64(1); seq <= after.State.LastSeq; seq++ {
+			if m, err := stream.GetMsg(ctx, seq); err == nil && strings.Contains(string(m.Data), `"item 3"`) {
+				n++
+			}
+		}
+		return n
+	}
+	require.Equal(t, 1, inStream())
+	out, code := erase(projectorCreds)
+	require.Equal(t, 3, code, out)
+	require.Contains(t, out, "nothing was erased", out)
+	n, err = bench.Count(ctx, url, `SELECT count(*) FROM archive.rows WHERE table_name = 'items' AND key = '{"id":3}'`)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "the refused erase erased nothing")
+	n, err = bench.Count(ctx, url, `SELECT count(*) FROM epitaph.erasures`)
+	require.NoError(t, err)
+	require.Zero(t, n, "no erasure recorded")
+	require.Equal(t, 1, inStream())
+	out, code = erase(broker.EraseCreds(credsDir))
+	require.Equal(t, 0, code, out)
+	n, err = bench.Count(ctx, url, `SELECT count(*) FROM archive.rows WHERE table_name = 'items' AND key = '{"id":3}'`)
+	require.NoError(t, err)
+	require.Zero(t, n, "erased")
+	require.Zero(t, inStream(), "purged from the stream")
 }

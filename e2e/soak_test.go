@@ -225,15 +225,17 @@ func compactJSON(b json.RawMessage) string {
 }
 
 type soak struct {
-	t         *testing.T
-	ctx       context.Context
-	seed      uint64
-	rng       *rand.Rand
-	bins      map[string]string
-	src       string
-	natsURL   string
-	creds     string
-	credsOpts []natsgo.Option
+	t       *testing.T
+	ctx     context.Context
+	seed    uint64
+	rng     *rand.Rand
+	bins    map[string]string
+	src     string
+	natsURL string
+	creds   string
+	// eraseCreds: the erase role's credentials (erase --purge-stream).
+	eraseCreds string
+	credsOpts  []natsgo.Option
 	// jetStream is the external broker the schedule restarts; nil with
 	// the embedded one.
 	jetStream *testenv.NATS
@@ -274,13 +276,18 @@ func (s *soak) violation(format string, args ...any) {
 // projector runs the projector CLI against target tg and returns its output
 // and exit status.
 func (s *soak) projector(tg *soakTarget, timeout time.Duration, args ...string) (string, int) {
+	return s.projectorAs(s.creds, tg, timeout, args...)
+}
+
+// projectorAs is projector with the credentials file creds (none: "").
+func (s *soak) projectorAs(creds string, tg *soakTarget, timeout time.Duration, args ...string) (string, int) {
 	ctx, cancel := context.WithTimeout(s.ctx, timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, s.bins["projector"], args...)
 	cmd.Env = append(os.Environ(), soakEnv(tg.url, s.src, s.natsURL, "cli")...)
 	cmd.Env = append(cmd.Env, "EPITAPH_METRICS_ADDR=")
-	if s.creds != "" {
-		cmd.Env = append(cmd.Env, "EPITAPH_NATS_CREDS="+s.creds)
+	if creds != "" {
+		cmd.Env = append(cmd.Env, "EPITAPH_NATS_CREDS="+creds)
 	}
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
@@ -365,10 +372,10 @@ func TestSoakWholeSystem(t *testing.T) {
 	dataDir := t.TempDir()
 	const slot = "epitaph_e2e_soak"
 	var (
-		natsURL, projectorCreds string
-		credsOpts               []natsgo.Option
-		jetStream               *testenv.NATS
-		cenv                    []string
+		natsURL, projectorCreds, eraseCreds string
+		credsOpts                           []natsgo.Option
+		jetStream                           *testenv.NATS
+		cenv                                []string
 	)
 	if embedded {
 		listen, err := bench.LocalAddr()
@@ -376,6 +383,7 @@ func TestSoakWholeSystem(t *testing.T) {
 		natsURL = "nats://" + listen
 		cenv = bench.CaptureEnv(src, "", listen, dataDir, metrics, "main", slot)
 		projectorCreds = broker.ProjectorCreds(capturepkg.EmbeddedCredsDir(dataDir))
+		eraseCreds = broker.EraseCreds(capturepkg.EmbeddedCredsDir(dataDir))
 	} else {
 		jetStream = testenv.NewNATS(t)
 		natsURL = jetStream.URL
@@ -394,7 +402,7 @@ func TestSoakWholeSystem(t *testing.T) {
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, src, slot, captureReadyTimeout, nil))
 
 	s := &soak{t: t, ctx: ctx, seed: seed, rng: rand.New(rand.NewPCG(seed, 36)), bins: bins, src: src, natsURL: natsURL,
-		creds: projectorCreds, credsOpts: credsOpts, jetStream: jetStream, capture: capture, hook: hook, watch: watch, phase: "setup",
+		creds: projectorCreds, eraseCreds: eraseCreds, credsOpts: credsOpts, jetStream: jetStream, capture: capture, hook: hook, watch: watch, phase: "setup",
 		erased: map[rowKey]*erasedRow{}, restored: map[rowKey]int{}, restRows: map[rowKey]workload.Row{}, held: map[int64]bool{},
 		kills: map[string][]time.Time{}, counts: map[string]int{}, tried: map[string]bool{}}
 	s.targets = []*soakTarget{{name: "target-a", url: testenv.NewDatabase(t)}, {name: "target-b", url: testenv.NewDatabase(t)}}
@@ -872,10 +880,14 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 	var at time.Time // when the first target, the webhook's, finished erasing
 	for i, tg := range s.targets {
 		args := []string{"erase", "--table", "public.orders", "--key", key, "--with-children", "--reason", "soak", "--yes"}
+		creds := s.creds
 		if purge && i == 0 {
+			// The erase role (the embedded broker's; an external server
+			// here has no users).
 			args = append(args, "--purge-stream")
+			creds = s.eraseCreds
 		}
-		out, code := s.projector(tg, 2*time.Minute, args...)
+		out, code := s.projectorAs(creds, tg, 2*time.Minute, args...)
 		if code != 0 {
 			s.violation("erase order %d on %s (purge=%v): exit %d: %s", o, tg.name, purge && i == 0, code, out)
 			return false

@@ -422,6 +422,7 @@ func TestErasePurgeStream(t *testing.T) {
 	c := e.conn()
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 8 })
 	pool := newPool(t, e.url)
+	require.NoError(t, erasure.CheckPurge(ctx, e.js, src))
 	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.customers", Key: json.RawMessage(`{"id":42}`),
 		WithChildren: true, Actor: "dpo", PurgeStream: true})
 	require.NoError(t, err)
@@ -457,6 +458,7 @@ func TestErasePurgeStream(t *testing.T) {
 	_, err = e.js.UpdateStream(ctx, cfg)
 	require.NoError(t, err)
 	require.ErrorIs(t, erasure.CheckStreamDeletes(ctx, e.js, src), erasure.ErrStreamDeniesDeletes)
+	require.ErrorIs(t, erasure.CheckPurge(ctx, e.js, src), erasure.ErrStreamDeniesDeletes)
 	_, err = erasure.PurgeStream(ctx, pool, e.js, src, rc.ID)
 	require.ErrorIs(t, err, erasure.ErrStreamDeniesDeletes)
 }

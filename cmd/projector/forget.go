@@ -254,7 +254,8 @@ erased row by foreign key. --purge-stream also securely deletes the matching
 messages (and their large-row objects) from the stream, and checks they are
 gone; it needs the erase NATS role (--nats-creds <capture data dir>/nats/erase.creds
 with the embedded broker, --nats-user erase with deploy/nats/nats.conf): running
-projectors' credentials may not delete messages. Running it again is harmless. A row under a legal hold is not erased:
+projectors' credentials may not delete messages (checked first: exit 3, nothing
+erased). Running it again is harmless. A row under a legal hold is not erased:
 the command changes nothing and exits 3 (--ignore-holds erases it anyway).
 Exit status 3 also when the stream refuses deletes.`,
 		Example: `  projector erase --table public.customers --match '{"email": "ann@example.com"}' --with-children --reason "GDPR request 12" --yes`,
@@ -303,8 +304,11 @@ Exit status 3 also when the stream refuses deletes.`,
 			if js, err = jetstream.New(nc); err != nil {
 				return fmt.Errorf("jetstream: %w", err)
 			}
-			if err := erasure.CheckStreamDeletes(ctx, js, c.sourceName); err != nil {
-				return cli.WithCode(3, err)
+			if err := erasure.CheckPurge(ctx, js, c.sourceName); err != nil {
+				if errors.Is(err, erasure.ErrStreamDeniesDeletes) {
+					return cli.WithCode(3, err)
+				}
+				return err
 			}
 		}
 		rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: sel.table, Key: key, Match: match,

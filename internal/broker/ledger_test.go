@@ -39,6 +39,15 @@ func TestErasureLedgerRoles(t *testing.T) {
 	_, err := cjs.CreateStream(ctx, jetstream.StreamConfig{Name: "EPITAPH_MAIN", Subjects: []string{"epitaph.main.>"}, Storage: jetstream.FileStorage})
 	require.NoError(t, err)
 
+	// erase --purge-stream's check, before it erases anything: the
+	// projector role may neither make the ledger nor delete (refused as
+	// ErrStreamDeniesDeletes, exit 3, after the probe's timeout, as the
+	// server does not answer a request it refuses); the erase role may.
+	// The projector's failed check leaves no ledger behind.
+	err = erasure.CheckPurge(ctx, pjs, "main")
+	require.ErrorIs(t, err, erasure.ErrStreamDeniesDeletes)
+	require.Contains(t, err.Error(), "nothing was erased")
+
 	// No ledger yet: the projector reads "nothing was purged".
 	kv, err := erasure.OpenLedger(ctx, pjs, "main", false)
 	require.NoError(t, err)
@@ -77,6 +86,8 @@ func TestErasureLedgerRoles(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, ok, "the projector's put was refused")
 
+	require.NoError(t, erasure.CheckPurge(ctx, ejs, "main"), "the erase role, the ledger made")
+
 	_, err = erasure.OpenLedger(short(t, ctx), ejs, "other", true)
 	require.Error(t, err, "the erase role making another source's ledger")
 
@@ -89,6 +100,7 @@ func TestErasureLedgerRoles(t *testing.T) {
 	require.NoError(t, err)
 	_, err = cobs.PutBytes(ctx, "row", bytes.Repeat([]byte("r"), 300_000))
 	require.NoError(t, err)
+	require.NoError(t, erasure.CheckPurge(ctx, ejs, "main"), "the erase role may delete objects' messages too")
 	eobs, err := ejs.ObjectStore(ctx, bucket)
 	require.NoError(t, err)
 	oinfo, err := eobs.GetInfo(ctx, "row")

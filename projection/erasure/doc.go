@@ -17,8 +17,8 @@
 // one that starts after sees the fence. A legal hold covering a matched
 // row makes Erase fail with ErrHeld and change nothing, unless
 // IgnoreHolds. PurgeStream then deletes the matching messages (and large
-// row objects) from the source's stream; CheckStreamDeletes tells first
-// whether the stream allows it.
+// row objects) from the source's stream; CheckPurge tells first, before
+// anything is erased, whether the stream and the credentials allow it.
 //
 // Fences. A fence holds no erased value: the table, the sorted names of
 // the matched columns and an HMAC-SHA256 of their canonical values

@@ -34,6 +34,57 @@ func CheckStreamDeletes(ctx context.Context, js jetstream.JetStream, source stri
 	return nil
 }
 
+// purgeProbeTimeout bounds each of CheckPurge's requests. A request the
+// credentials may not make gets no answer (the server refuses it to the
+// connection, not to the request), so a refusal shows as this timeout.
+const purgeProbeTimeout = 5 * time.Second
+
+// CheckPurge checks, before anything is erased, that PurgeStream can be
+// done with js's credentials: the stream allows deletes (else
+// ErrStreamDeniesDeletes), the erasure ledger opens (it is created when
+// missing: an empty ledger records nothing) and the server answers a
+// delete request on the stream and, when it exists, the row object store's
+// stream (of sequence 0, which holds no message: "no message found" is the
+// answer of a role that may delete). A role that may not (the projector's)
+// fails here with ErrStreamDeniesDeletes, instead of after the archive's
+// rows were erased.
+func CheckPurge(ctx context.Context, js jetstream.JetStream, source string) error {
+	if err := CheckStreamDeletes(ctx, js, source); err != nil {
+		return err
+	}
+	refused := func(what string, err error) error {
+		return fmt.Errorf("%w: the credentials may not %s (erase --purge-stream needs the erase role; nothing was erased): %w",
+			ErrStreamDeniesDeletes, what, err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, purgeProbeTimeout)
+	defer cancel()
+	if _, err := OpenLedger(pctx, js, source, true); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return refused("create the erasure ledger "+event.ErasedBucket(source), err)
+	}
+	streams := []string{event.StreamName(source)}
+	if _, err := js.Stream(pctx, "OBJ_"+event.RowBucket(source)); err == nil {
+		streams = append(streams, "OBJ_"+event.RowBucket(source))
+	}
+	for _, name := range streams {
+		stream, err := js.Stream(pctx, name)
+		if err != nil {
+			return fmt.Errorf("open stream %s: %w", name, err)
+		}
+		err = stream.SecureDeleteMsg(pctx, 0)
+		if err == nil || errors.Is(err, jetstream.ErrMsgDeleteUnsuccessful) {
+			continue // answered ("no message found"): the request was allowed
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return refused("delete messages of "+name, err)
+	}
+	return nil
+}
+
 // PurgeStream securely deletes (JetStream's secure delete: the message is
 // overwritten on disk) from the source's stream every delete event of a
 // row erasure id covers (its fence, the rows it erased, and with children
