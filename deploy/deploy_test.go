@@ -85,6 +85,7 @@ var exportedMetrics = []exportedMetric{
 	{"epitaph_projector_delivery_dead_letters_total", []string{"handler"}},
 	{"epitaph_projector_delivery_reclaims_total", nil},
 	{"epitaph_projector_delivery_stale_settles_total", nil},
+	{"epitaph_projector_delivery_duplicates_total", []string{"handler"}},
 	{"epitaph_delivery_revalidations_total", []string{"handler", "outcome"}},
 	{"epitaph_delivery_revalidation_set_checks_total", []string{"path"}},
 }

@@ -40,6 +40,7 @@ var absentUntilProvoked = map[string]string{
 	"epitaph_projector_delivery_oldest_pending_age_seconds": "only while row handlers exist",
 	"epitaph_projector_delivery_attempts_total":             "only after a row handler ran",
 	"epitaph_projector_delivery_dead_letters_total":         "only after a delivery went dead",
+	"epitaph_projector_delivery_duplicates_total":           "only after a cursor batch sent a delivery queued as a row too (never, normally)",
 	"epitaph_delivery_revalidations_total":                  "only after a delivery was revalidated",
 	"epitaph_delivery_revalidation_set_checks_total":        "only after a delivery was revalidated",
 }

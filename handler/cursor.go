@@ -542,6 +542,7 @@ func (d *Dispatcher) cursorSettle(hard context.Context, def Def, live liveArchiv
 	if dup := missingIDs(ids, append(inserted, erased...)); len(dup) > 0 {
 		d.log.Error("a cursor batch held deliveries that were queued as rows too: they may be sent twice; the cursor passed them",
 			"handler", def.ID, "deliveries", dup)
+		d.met.duplicates.WithLabelValues(def.ID).Add(float64(len(dup)))
 	}
 	return nil
 }

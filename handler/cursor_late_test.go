@@ -18,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 )
 
@@ -179,12 +180,14 @@ func TestCursorSettleOverAQueuedDeliveryReportsItAndGoesOn(t *testing.T) {
 	dup = DeliveryID(def.ID, "main", lsns[1], 0, 0)
 
 	logs := &syncBuffer{}
-	d, err := NewDispatcher(e.pool, Config{Poll: 20 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	reg := prometheus.NewRegistry()
+	d, err := NewDispatcher(e.pool, Config{Poll: 20 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: reg})
 	require.NoError(t, err)
 	e.flush(d)
 	require.NotContains(t, cursorSettlePlainSQL, "ON CONFLICT", "the common settle pays no speculative insertion")
 	require.Len(t, br.got(), 2, "both batches: the cursor passed the first")
 	require.Contains(t, logs.String(), "queued as rows too")
+	require.Equal(t, 1.0, counterValue(t, reg, "epitaph_projector_delivery_duplicates_total", def.ID), "counted")
 	require.Contains(t, logs.String(), dup)
 	states := settledStates(t, e.pool)
 	require.Len(t, states, 4)
@@ -392,4 +395,24 @@ func TestCursorLateAppliesRacingTheClaimDeliverEveryRowOnce(t *testing.T) {
 		queued.Load(), cursors.Load(), ar.posts)
 	require.NotZero(t, queued.Load(), "late rows behind the claimed position")
 	require.NotZero(t, cursors.Load(), "late rows ahead of it")
+}
+
+// counterValue is the value of the counter name with label handler.
+func counterValue(t *testing.T, reg *prometheus.Registry, name, handler string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "handler" && l.GetValue() == handler {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
 }

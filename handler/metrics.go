@@ -24,6 +24,9 @@ type metrics struct {
 	// alone: attempts revalidated alone at their start (no batch verdict,
 	// or one older than verdictMaxAge).
 	alone *prometheus.CounterVec
+	// duplicates: deliveries a cursor batch sent that were queued as rows
+	// too (the serialisation with the apply broken: sent twice, perhaps).
+	duplicates *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, db DB, log *slog.Logger) (*metrics, error) {
@@ -40,11 +43,13 @@ func newMetrics(reg prometheus.Registerer, db DB, log *slog.Logger) (*metrics, e
 			Help: "Attempt outcomes discarded because the delivery's claim had been reclaimed."}),
 		alone: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_delivery_revalidations_alone_total",
 			Help: "Attempts revalidated alone when they started, by handler: no verdict of their claimed batch, or one older than a second."}, []string{"handler"}),
+		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "epitaph_projector_delivery_duplicates_total",
+			Help: "Deliveries a batching handler's cursor sent that were queued as rows too, so may be sent twice, by handler (should stay 0)."}, []string{"handler"}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.attempts, m.duration, m.dead, m.reclaimed, m.stale, m.alone, NewCollector(db, log)} {
+	for _, c := range []prometheus.Collector{m.attempts, m.duration, m.dead, m.reclaimed, m.stale, m.alone, m.duplicates, NewCollector(db, log)} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register delivery metrics: %w", err)
 		}
