@@ -175,3 +175,37 @@ func requireUserTimeout(t *testing.T, svc *Service, want time.Duration) {
 	require.NoError(t, err)
 	require.Equal(t, want, got, "a pool connection's TCP_USER_TIMEOUT")
 }
+
+// TestUninstallGivesUpOnASilentSource: uninstall against a server that
+// accepts the TCP connection and never answers fails after its timeout
+// (the URL sets no connect_timeout), naming the source without its
+// password, instead of hanging until TCP gives up.
+func TestUninstallGivesUpOnASilentSource(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		var held []net.Conn // accepted, never answered
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				for _, c := range held {
+					c.Close()
+				}
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	old := uninstallTimeout
+	uninstallTimeout = time.Second
+	defer func() { uninstallTimeout = old }()
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err = PlanUninstall(ctx, UninstallConfig{SourceURL: "postgres://epitaph:s3cret@" + ln.Addr().String() + "/app?sslmode=disable"})
+	require.Error(t, err)
+	require.Less(t, time.Since(start), 10*time.Second, "gave up after its timeout: %v", err)
+	require.Contains(t, err.Error(), "connect to source")
+	require.NotContains(t, err.Error(), "s3cret")
+}

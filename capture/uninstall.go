@@ -96,9 +96,9 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	if cfg.SourceURL == "" {
 		return nil, configErr("EPITAPH_SOURCE_URL is required (--source-url)")
 	}
-	conn, err := pgx.Connect(ctx, cfg.SourceURL)
+	conn, err := uninstallConnect(ctx, cfg.SourceURL)
 	if err != nil {
-		return nil, fmt.Errorf("connect to source %s: %s", RedactURL(cfg.SourceURL), redactErr(err))
+		return nil, err
 	}
 	defer conn.Close(context.Background())
 	p := &UninstallPlan{cfg: cfg}
@@ -229,9 +229,9 @@ ORDER BY r.relation`, p.cfg.PublicationName)
 // table, and its schema, go when no other publication's records are left.
 // A failed step stops it; running uninstall again picks up from there.
 func (p *UninstallPlan) Apply(ctx context.Context) error {
-	conn, err := pgx.Connect(ctx, p.cfg.SourceURL)
+	conn, err := uninstallConnect(ctx, p.cfg.SourceURL)
 	if err != nil {
-		return fmt.Errorf("connect to source %s: %s", RedactURL(p.cfg.SourceURL), redactErr(err))
+		return err
 	}
 	defer conn.Close(context.Background())
 	for _, s := range p.Steps {
@@ -277,4 +277,29 @@ func (p *UninstallPlan) String() string {
 		b.WriteString("  note: " + n + "\n")
 	}
 	return b.String()
+}
+
+// uninstallTimeout bounds uninstall's connect (unless the URL sets
+// connect_timeout) and how long its sent data may go unacknowledged.
+var uninstallTimeout = DefaultSourceTCPTimeout
+
+// uninstallConnect connects to the source as the capture does: a source
+// that does not answer fails the connect after uninstallTimeout (the
+// URL's connect_timeout when it sets one), and a network path that dies
+// mid-statement fails it about as soon (TCP_USER_TIMEOUT), instead of
+// when TCP gives up minutes later.
+func uninstallConnect(ctx context.Context, url string) (*pgx.Conn, error) {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return nil, configErr("EPITAPH_SOURCE_URL: %s", redactErr(err))
+	}
+	if cfg.ConnectTimeout <= 0 {
+		cfg.ConnectTimeout = uninstallTimeout
+	}
+	sourceDialer(&cfg.Config, uninstallTimeout)
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to source %s: %s", RedactURL(url), redactErr(err))
+	}
+	return conn, nil
 }
