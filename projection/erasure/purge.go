@@ -142,7 +142,7 @@ func PurgeStream(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream
 		if err := RecordErased(ctx, ledger, entries[i]); err != nil {
 			return Receipt{}, err
 		}
-		if err := stream.SecureDeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		if err := stream.SecureDeleteMsg(ctx, seq); !gone(err) {
 			return Receipt{}, deleteRefused(event.StreamName(source), err)
 		}
 	}
@@ -169,6 +169,16 @@ func PurgeStream(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream
 		return Receipt{}, fmt.Errorf("record stream purge: %w", err)
 	}
 	return GetErasure(ctx, pool, id)
+}
+
+// gone reports whether a delete's answer leaves the message gone: deleted
+// now, or already (another purge of the same erasure ran at the same time:
+// the server answers "no message found", which nats.go wraps as
+// ErrMsgDeleteUnsuccessful with the server's text). The read-back checks
+// either way.
+func gone(err error) bool {
+	return err == nil || errors.Is(err, jetstream.ErrMsgNotFound) ||
+		(errors.Is(err, jetstream.ErrMsgDeleteUnsuccessful) && strings.Contains(err.Error(), "no message found"))
 }
 
 func deleteRefused(stream string, err error) error {
@@ -294,7 +304,7 @@ func purgeObject(ctx context.Context, js jetstream.JetStream, ref *event.ObjectR
 		return 0, fmt.Errorf("object %s/%s meta: %w", ref.Bucket, ref.Name, err)
 	}
 	for _, seq := range append(seqs, meta.Sequence) {
-		if err := stream.SecureDeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		if err := stream.SecureDeleteMsg(ctx, seq); !gone(err) {
 			return 0, deleteRefused("OBJ_"+ref.Bucket, err)
 		}
 	}
