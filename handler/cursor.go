@@ -341,6 +341,13 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	if err != nil || live.version == 0 {
 		return -1, err
 	}
+	var idle bool
+	if err := d.pool.QueryRow(ctx, cursorIdleSQL, def.ID, live.version).Scan(&idle); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return -1, fmt.Errorf("read the cursor: %w", err)
+	}
+	if idle {
+		return -1, nil
+	}
 	claimedAt := time.Now()
 	send, tok, found, wait, err := d.cursorClaim(ctx, def, live)
 	if err != nil {
@@ -365,6 +372,17 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	}
 	return 0, d.cursorSend(hard, def, live, send, tok, claimedAt)
 }
+
+// cursorIdleSQL tells, without a lock or a write, a cursor with nothing
+// to claim: no range claimed (nothing to retry) and the position at the
+// horizon, past its last row (a claim or a pass put it there). A claim
+// locks the cursor row, which assigns a transaction id and writes WAL: an
+// idle handler polled twice a second would burn both for nothing.
+const cursorIdleSQL = `
+SELECT COALESCE(c.claimed_to_lsn IS NULL AND c.seq = 2147483647
+       AND c.commit_lsn >= (SELECT min(COALESCE(source_lsn, '0/0'::pg_lsn)) FROM epitaph.progress
+                            WHERE projection = 'archive' AND version = $2), false)
+FROM epitaph.handler_cursors c WHERE c.handler_id = $1::uuid`
 
 // cursorClaim runs cursorClaimSQL for def: the claimed batch's deliveries
 // and token, or none and how many rows wait for the batch to fill.

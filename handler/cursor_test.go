@@ -805,3 +805,41 @@ func TestCursorHandlerIsAddedWithItsCursorOrNotAtAll(t *testing.T) {
 	_, err = e.dispatcher().Flush(ctx)
 	require.ErrorContains(t, err, "has no cursor")
 }
+
+// An idle cursor handler (nothing claimed, its position at the horizon)
+// is polled without locking its cursor row: no transaction id, no WAL,
+// however often the dispatcher looks. Rows archived later go out as
+// before.
+func TestIdleCursorIsPolledWithoutALock(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, func(int) int { return 200 })
+	def := e.handler(srv.URL, secret, func(d *Def) { d.BatchWait = 10 * time.Millisecond })
+	first := e.archive("orders", true, 1, 2)
+	e.horizon(first[1])
+	d, err := NewDispatcher(e.pool, Config{Poll: 5 * time.Millisecond})
+	require.NoError(t, err)
+	require.NoError(t, d.Start(ctx))
+	defer func() {
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		require.NoError(t, d.Stop(sctx))
+		require.NoError(t, d.Wait())
+	}()
+	eventually(t, func() bool { return len(e.settled(def.ID)) == 2 }, "the first rows done")
+	locker := func() string {
+		var x string
+		require.NoError(t, e.pool.QueryRow(ctx, `SELECT xmax::text FROM epitaph.handler_cursors WHERE handler_id = $1`, def.ID).Scan(&x))
+		return x
+	}
+	before := locker()
+	time.Sleep(500 * time.Millisecond) // about a hundred polls
+	require.Equal(t, before, locker(), "an idle poll locked the cursor row")
+
+	more := e.archive("orders", true, 3)
+	e.horizon(more[0])
+	eventually(t, func() bool { return len(e.settled(def.ID)) == 3 }, "a later row done")
+	require.Len(t, br.got(), 2)
+	require.Equal(t, idsOf(def.ID, more[0]), ids(br.got()[1]))
+}
