@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
@@ -22,6 +23,10 @@ type partitionCache struct {
 	known map[string]map[time.Time]bool
 	// owed: periods a failed attempt did not make.
 	owed map[string]map[time.Time]bool
+	// swept: schemas whose default partition this worker has read for
+	// rows of periods without a partition (left there by a failed attempt
+	// of this or another worker, or of one that stopped before its retry).
+	swept map[string]bool
 	// failed: when making a schema's partitions last failed, and how many
 	// attempts in a row have; the pages of the backoff that follows do
 	// not try again (each try may wait out its lock timeout behind a long
@@ -76,6 +81,34 @@ func (c *partitionCache) fail(schema string, need []time.Time, now time.Time) ti
 		c.owed[schema][t] = true
 	}
 	return f.retryIn()
+}
+
+// needsSweep reports whether schema's default partition is still to be
+// read by this worker.
+func (c *partitionCache) needsSweep(schema string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return !c.swept[schema]
+}
+
+// swept records that schema's default partition was read, and owes the
+// periods of the rows found there.
+func (c *partitionCache) sweep(schema string, periods []time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.swept == nil {
+		c.swept = map[string]bool{}
+	}
+	c.swept[schema] = true
+	if c.owed == nil {
+		c.owed = map[string]map[time.Time]bool{}
+	}
+	if c.owed[schema] == nil {
+		c.owed[schema] = map[time.Time]bool{}
+	}
+	for _, t := range periods {
+		c.owed[schema][t] = true
+	}
 }
 
 // missing returns the periods of starts, and those owed by an earlier
@@ -139,6 +172,14 @@ func (s *Service) ensurePartitions(ctx context.Context, v version.Version, rows 
 			starts = append(starts, t)
 		}
 	}
+	if s.partitionsKnown.needsSweep(v.Schema) {
+		if periods, err := strayPeriods(ctx, s.pool, v); err == nil {
+			s.partitionsKnown.sweep(v.Schema, periods)
+		} else if ctx.Err() == nil {
+			s.log.Warn("reading the archive's default partition failed; trying again on the next page", "schema", v.Schema,
+				"err", quarantine.Sanitize(err))
+		}
+	}
 	need := s.partitionsKnown.missing(v.Schema, starts)
 	if len(need) == 0 || s.partitionsKnown.backingOff(v.Schema, now) {
 		return
@@ -166,4 +207,36 @@ func (s *Service) ensurePartitions(ctx context.Context, v version.Version, rows 
 		made = need
 	}
 	s.partitionsKnown.add(v.Schema, made)
+}
+
+// strayPeriods returns the periods (their starts) of the rows in v's
+// default partition that have a commit time: rows that went there while
+// their partition could not be made. A worker reads them once per schema
+// (the default partition is empty or small), so that rows a failed attempt
+// left behind are moved even when the worker that owed them stopped. None
+// for a rows table that is not partitioned.
+func strayPeriods(ctx context.Context, pool *pgxpool.Pool, v version.Version) ([]time.Time, error) {
+	def := archive.Ident(v.Schema, archive.DefaultPartition)
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, def).Scan(&exists); err != nil || !exists {
+		return nil, err
+	}
+	unit := map[string]string{archive.PeriodDay: "day", archive.PeriodWeek: "week"}[v.Period]
+	if unit == "" {
+		unit = "month"
+	}
+	rows, err := pool.Query(ctx, `SELECT DISTINCT date_trunc('`+unit+`', commit_time AT TIME ZONE 'UTC') FROM `+def+`
+		WHERE commit_time IS NOT NULL`)
+	if err != nil {
+		return nil, err
+	}
+	var out []time.Time
+	var t time.Time
+	if _, err := pgx.ForEachRow(rows, []any{&t}, func() error {
+		out = append(out, archive.PeriodStart(v.Period, time.Date(t.Year(), t.Month(), t.Day(), 0, 0, 0, 0, time.UTC)))
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	return out, nil
 }

@@ -274,3 +274,37 @@ func TestApplyDoesNotWaitForAPartition(t *testing.T) {
 	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.rows_default`))
 	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
 }
+
+// Rows a failed attempt left in the default partition are moved by a
+// worker that never owed them: one started after the worker that failed
+// stopped reads the default partition once and makes their periods.
+func TestRowsLeftInTheDefaultMoveAfterARestart(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	first := e.start(e.config("w1"))
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	c := e.conn()
+	ctx := context.Background()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+
+	reader := e.conn()
+	tx, err := reader.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `LOCK TABLE archive_v1.rows IN ACCESS SHARE MODE`)
+	require.NoError(t, err)
+	old := e.nextTx(orderRows(2, 1)...)
+	old.time = time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC)
+	e.publish(old)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v1.rows_default`) == 2 })
+	require.NoError(t, first.Stop(ctx))
+	require.NoError(t, tx.Rollback(ctx))
+
+	e.start(e.config("w2"))
+	eventually(t, 20*time.Second, func() bool {
+		e.heartbeat()
+		return count(t, c, `SELECT count(*) FROM archive_v1.rows_p20240201`) == 2
+	}, "the stray period's partition made by the new worker")
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.rows_default`))
+	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
+}
