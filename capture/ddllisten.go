@@ -45,6 +45,12 @@ func (s *Service) listenDDL(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		// What took the LISTEN connection (a NAT or firewall forgetting
+		// flows, a failover, a restart) most likely took the pool's idle
+		// connections too: each would cost a ping timeout when next
+		// handed out (the reconnect's and the catalog checks' acquires
+		// among them). Closed now, they are dialled afresh.
+		s.pool.Reset()
 		if !down {
 			s.log.Warn("DDL guard's LISTEN connection lost; reconnecting, the catalog poll (--catalog-poll) publishes new tables meanwhile",
 				"err", redactErr(err))
