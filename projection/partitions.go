@@ -69,17 +69,11 @@ func (c *partitionCache) fail(schema string, need []time.Time, now time.Time) ti
 	defer c.mu.Unlock()
 	if c.failed == nil {
 		c.failed = map[string]partitionFailure{}
-		c.owed = map[string]map[time.Time]bool{}
 	}
 	f := c.failed[schema]
 	f.at, f.tries = now, f.tries+1
 	c.failed[schema] = f
-	if c.owed[schema] == nil {
-		c.owed[schema] = map[time.Time]bool{}
-	}
-	for _, t := range need {
-		c.owed[schema][t] = true
-	}
+	c.owe(schema, need)
 	return f.retryIn()
 }
 
@@ -100,6 +94,11 @@ func (c *partitionCache) sweep(schema string, periods []time.Time) {
 		c.swept = map[string]bool{}
 	}
 	c.swept[schema] = true
+	c.owe(schema, periods)
+}
+
+// owe records periods as still to be made for schema; c.mu is held.
+func (c *partitionCache) owe(schema string, periods []time.Time) {
 	if c.owed == nil {
 		c.owed = map[string]map[time.Time]bool{}
 	}

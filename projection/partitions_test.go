@@ -236,6 +236,40 @@ func TestRestoreAndEraseAcrossPartitions(t *testing.T) {
 	require.Contains(t, err.Error(), "no archived rows of "+sepCorr+" match")
 }
 
+// strandInDefault archives one order (so the current periods have their
+// partitions), then, while a reader holds archive_v1.rows so no partition
+// can be made, one dated 29 February 2024: it waits until both orders are
+// archived and returns the held reader's transaction and the late one.
+func strandInDefault(t *testing.T, e *env, c *pgx.Conn) (pgx.Tx, *txn) {
+	t.Helper()
+	ctx := context.Background()
+	e.publish(e.nextTx(orderRows(1, 1)...))
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+	tx, err := e.conn().Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	_, err = tx.Exec(ctx, `LOCK TABLE archive_v1.rows IN ACCESS SHARE MODE`)
+	require.NoError(t, err)
+	old := e.nextTx(orderRows(2, 1)...)
+	old.time = time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC)
+	e.publish(old)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4 })
+	return tx, old
+}
+
+// movedOutOfDefault waits, with a heartbeat page each time, for the late
+// order's rows to be in their own partition, and checks the default
+// partition is empty.
+func movedOutOfDefault(t *testing.T, e *env, c *pgx.Conn, msg string) {
+	t.Helper()
+	eventually(t, 20*time.Second, func() bool {
+		e.heartbeat()
+		return count(t, c, `SELECT count(*) FROM archive_v1.rows_p20240201`) == 2
+	}, msg)
+	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.rows_default`))
+	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
+}
+
 // A partition that cannot be made (a reader holds the rows table) never
 // holds up or fails the apply: the rows go to the default partition, and
 // move to their own when it is made on a later page.
@@ -243,22 +277,8 @@ func TestApplyDoesNotWaitForAPartition(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
 	e.start(e.config("w1"))
-	first := e.nextTx(orderRows(1, 1)...)
-	e.publish(first)
 	c := e.conn()
-	ctx := context.Background()
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
-
-	reader := e.conn()
-	tx, err := reader.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, `LOCK TABLE archive_v1.rows IN ACCESS SHARE MODE`)
-	require.NoError(t, err)
-	old := e.nextTx(orderRows(2, 1)...)
-	old.time = time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC)
-	e.publish(old)
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4 })
+	tx, old := strandInDefault(t, e, c)
 	require.Equal(t, []string{"archive_v1.rows_default", "archive_v1.rows_default"},
 		keysOf(t, c, `SELECT tableoid::regclass::text FROM archive_v1.rows WHERE commit_lsn = $1::pg_lsn`, old.lsn.String()))
 	require.Zero(t, count(t, c, `SELECT count(*) FROM pg_class WHERE relname = 'rows_p20240201'`))
@@ -266,13 +286,8 @@ func TestApplyDoesNotWaitForAPartition(t *testing.T) {
 	// The reader goes; the period is owed, so a later page with no row of
 	// it (a heartbeat) makes its partition, once the backoff is over, and
 	// its rows move out of the default.
-	require.NoError(t, tx.Rollback(ctx))
-	eventually(t, 20*time.Second, func() bool {
-		e.heartbeat()
-		return count(t, c, `SELECT count(*) FROM archive_v1.rows_p20240201`) == 2
-	}, "the late period's partition made on a later page")
-	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.rows_default`))
-	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
+	require.NoError(t, tx.Rollback(context.Background()))
+	movedOutOfDefault(t, e, c, "the late period's partition made on a later page")
 }
 
 // Rows a failed attempt left in the default partition are moved by a
@@ -282,29 +297,13 @@ func TestRowsLeftInTheDefaultMoveAfterARestart(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
 	first := e.start(e.config("w1"))
-	e.publish(e.nextTx(orderRows(1, 1)...))
 	c := e.conn()
+	tx, _ := strandInDefault(t, e, c)
+	require.Equal(t, 2, count(t, c, `SELECT count(*) FROM archive_v1.rows_default`))
 	ctx := context.Background()
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
-
-	reader := e.conn()
-	tx, err := reader.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, `LOCK TABLE archive_v1.rows IN ACCESS SHARE MODE`)
-	require.NoError(t, err)
-	old := e.nextTx(orderRows(2, 1)...)
-	old.time = time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC)
-	e.publish(old)
-	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive_v1.rows_default`) == 2 })
 	require.NoError(t, first.Stop(ctx))
 	require.NoError(t, tx.Rollback(ctx))
 
 	e.start(e.config("w2"))
-	eventually(t, 20*time.Second, func() bool {
-		e.heartbeat()
-		return count(t, c, `SELECT count(*) FROM archive_v1.rows_p20240201`) == 2
-	}, "the stray period's partition made by the new worker")
-	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.rows_default`))
-	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
+	movedOutOfDefault(t, e, c, "the stray period's partition made by the new worker")
 }
