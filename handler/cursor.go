@@ -202,9 +202,13 @@ type cursorState struct {
 	cursorWake chan struct{}
 	curMu      sync.Mutex
 	curBusy    map[string]bool
-	curNext    int
-	curLive    liveArchive
-	curLiveAt  time.Time
+	// curQuiet: handlers whose last step found nothing to claim; only
+	// their next step reads the cursor before claiming (cursorIdleSQL), so
+	// a busy handler pays no extra round trip per batch.
+	curQuiet  map[string]bool
+	curNext   int
+	curLive   liveArchive
+	curLiveAt time.Time
 }
 
 func (d *Dispatcher) wakeCursors() {
@@ -341,18 +345,26 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	if err != nil || live.version == 0 {
 		return -1, err
 	}
-	var idle bool
-	if err := d.pool.QueryRow(ctx, cursorIdleSQL, def.ID, live.version).Scan(&idle); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		return -1, fmt.Errorf("read the cursor: %w", err)
-	}
-	if idle {
-		return -1, nil
+	d.curMu.Lock()
+	quiet := d.curQuiet[def.ID]
+	d.curMu.Unlock()
+	if quiet {
+		var idle bool
+		if err := d.pool.QueryRow(ctx, cursorIdleSQL, def.ID, live.version).Scan(&idle); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return -1, fmt.Errorf("read the cursor: %w", err)
+		}
+		if idle {
+			return -1, nil
+		}
 	}
 	claimedAt := time.Now()
 	send, tok, found, wait, err := d.cursorClaim(ctx, def, live)
 	if err != nil {
 		return -1, err
 	}
+	d.curMu.Lock()
+	d.curQuiet[def.ID] = len(send) == 0 && found == 0
+	d.curMu.Unlock()
 	if len(send) == 0 {
 		if found > 0 {
 			// Rows wait for the batch to fill: look again when the first

@@ -833,7 +833,15 @@ func TestIdleCursorIsPolledWithoutALock(t *testing.T) {
 		require.NoError(t, e.pool.QueryRow(ctx, `SELECT xmax::text FROM epitaph.handler_cursors WHERE handler_id = $1`, def.ID).Scan(&x))
 		return x
 	}
+	// The step after the last batch claims once more and finds nothing;
+	// from then on the handler is idle.
 	before := locker()
+	eventually(t, func() bool {
+		time.Sleep(50 * time.Millisecond)
+		now := locker()
+		defer func() { before = now }()
+		return now == before
+	}, "the cursor row settles")
 	time.Sleep(500 * time.Millisecond) // about a hundred polls
 	require.Equal(t, before, locker(), "an idle poll locked the cursor row")
 
