@@ -205,7 +205,10 @@ type cursorState struct {
 	// curQuiet: handlers whose last step found nothing to claim; only
 	// their next step reads the cursor before claiming (cursorIdleSQL), so
 	// a busy handler pays no extra round trip per batch.
-	curQuiet  map[string]bool
+	curQuiet map[string]bool
+	// curOwed: the loop left a handler for want of a slot since a slot
+	// was last given back.
+	curOwed   bool
 	curNext   int
 	curLive   liveArchive
 	curLiveAt time.Time
@@ -292,12 +295,20 @@ func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
 			if busy {
 				continue
 			}
+			// A handler left for want of a slot is owed a pass when one
+			// frees: the step that frees it may have found nothing (and
+			// would wake no one), and the handler would wait a poll per
+			// batch. The slot is taken, and the debt recorded, under
+			// curMu, as the slot is given back, so a step ending between
+			// the two cannot miss it.
+			d.curMu.Lock()
 			select {
 			case slots <- struct{}{}:
 			default:
+				d.curOwed = true
+				d.curMu.Unlock()
 				break handlers
 			}
-			d.curMu.Lock()
 			d.curBusy[def.ID] = true
 			d.curMu.Unlock()
 			running.Add(1)
@@ -309,12 +320,14 @@ func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
 				}
 				d.curMu.Lock()
 				delete(d.curBusy, def.ID)
-				d.curMu.Unlock()
 				<-slots
-				switch {
-				case next == 0:
+				owed := d.curOwed
+				d.curOwed = false
+				d.curMu.Unlock()
+				if next == 0 || owed {
 					d.wakeCursors()
-				case next > 0:
+				}
+				if next > 0 {
 					time.AfterFunc(next, d.wakeCursors)
 				}
 			}()
