@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -208,16 +209,53 @@ type cursorState struct {
 	curQuiet map[string]bool
 	// curOwed: the loop left a handler for want of a slot since a slot
 	// was last given back.
-	curOwed   bool
-	curNext   int
-	curLive   liveArchive
-	curLiveAt time.Time
+	curOwed bool
+	// curNotBefore: handlers whose rows wait for their batch to fill are
+	// not claimed again before this (a wake by every commit would
+	// otherwise claim them at every commit).
+	curNotBefore map[string]time.Time
+	// Archived's last wake (unix ns) and whether one is due at the end
+	// of its gap.
+	curArchivedAt  atomic.Int64
+	curArchivedDue atomic.Bool
+	curNext        int
+	curLive        liveArchive
+	curLiveAt      time.Time
 }
 
 func (d *Dispatcher) wakeCursors() {
 	select {
 	case d.cursorWake <- struct{}{}:
 	default:
+	}
+}
+
+// archivedWakeGap is the least time between two wakes by Archived: a busy
+// apply commits hundreds of pages a second, and each wake costs every
+// idle cursor handler a read.
+const archivedWakeGap = 20 * time.Millisecond
+
+// Archived tells the dispatcher that the archive committed rows or moved
+// a watermark: the cursor handlers look for rows to send now rather than
+// at the next poll, so a batch leaves within milliseconds of its rows'
+// horizon (at most one wake per archivedWakeGap; one that comes sooner is
+// kept for the end of the gap, so the last commit of a burst is never
+// left to the poll). Safe to call from any goroutine, and cheap.
+func (d *Dispatcher) Archived() {
+	now := time.Now().UnixNano()
+	last := d.curArchivedAt.Load()
+	if wait := time.Duration(last + int64(archivedWakeGap) - now); wait > 0 {
+		if d.curArchivedDue.CompareAndSwap(false, true) {
+			time.AfterFunc(wait, func() {
+				d.curArchivedDue.Store(false)
+				d.curArchivedAt.Store(time.Now().UnixNano())
+				d.wakeCursors()
+			})
+		}
+		return
+	}
+	if d.curArchivedAt.CompareAndSwap(last, now) {
+		d.wakeCursors()
 	}
 }
 
@@ -290,7 +328,7 @@ func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
 		for i := range defs {
 			def := defs[(start+i)%len(defs)]
 			d.curMu.Lock()
-			busy := d.curBusy[def.ID]
+			busy := d.curBusy[def.ID] || time.Now().Before(d.curNotBefore[def.ID])
 			d.curMu.Unlock()
 			if busy {
 				continue
@@ -320,6 +358,13 @@ func (d *Dispatcher) cursorLoop(soft, hard context.Context) {
 				}
 				d.curMu.Lock()
 				delete(d.curBusy, def.ID)
+				delete(d.curNotBefore, def.ID)
+				if next > 0 {
+					// Looked at again when its first row has waited the
+					// batch wait, or at the poll if that is sooner (rows may
+					// fill the batch before).
+					d.curNotBefore[def.ID] = time.Now().Add(min(next, d.cfg.Poll))
+				}
 				<-slots
 				owed := d.curOwed
 				d.curOwed = false

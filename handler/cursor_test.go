@@ -903,3 +903,59 @@ func TestCursorHandlersBeyondTheParallelismDoNotWaitForThePoll(t *testing.T) {
 		}
 	}
 }
+
+// Archived wakes the cursor handlers at once, so a batch leaves as soon
+// as its rows are behind the horizon rather than at the next poll.
+func TestArchivedWakesCursorHandlersBeforeThePoll(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers())
+	def := e.handler(srv.URL, secret, func(d *Def) { d.BatchWait = 10 * time.Millisecond })
+	const poll = 10 * time.Second
+	d, err := NewDispatcher(e.pool, Config{Poll: poll})
+	require.NoError(t, err)
+	require.NoError(t, d.Start(ctx))
+	defer func() {
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		require.NoError(t, d.Stop(sctx))
+		require.NoError(t, d.Wait())
+	}()
+	// The first pass finds nothing; the next would be the poll's.
+	time.Sleep(300 * time.Millisecond)
+	require.Empty(t, br.got())
+	lsns := e.archive("orders", true, 1, 2, 3)
+	e.horizon(lsns[2])
+	start := time.Now()
+	d.Archived()
+	eventually(t, func() bool { return len(br.got()) == 1 }, "the batch sent")
+	require.Less(t, time.Since(start), poll/2, "the batch waited for the poll")
+	require.Equal(t, idsOf(def.ID, lsns...), ids(br.got()[0]))
+}
+
+// Archived wakes at most once per archivedWakeGap, and a call inside the
+// gap is not lost: it wakes at the gap's end, once however many came.
+func TestArchivedWakesAreSpacedAndNoneLost(t *testing.T) {
+	d := &Dispatcher{cursorState: cursorState{cursorWake: make(chan struct{}, 1)}}
+	woken := func() bool {
+		select {
+		case <-d.cursorWake:
+			return true
+		default:
+			return false
+		}
+	}
+	d.Archived()
+	require.True(t, woken(), "the first call wakes at once")
+	for range 5 {
+		d.Archived()
+	}
+	require.False(t, woken(), "calls inside the gap wait for its end")
+	time.Sleep(archivedWakeGap + 50*time.Millisecond)
+	require.True(t, woken(), "the calls inside the gap woke at its end")
+	time.Sleep(archivedWakeGap + 50*time.Millisecond)
+	require.False(t, woken(), "one wake for the calls inside the gap")
+	d.Archived()
+	require.True(t, woken(), "a call after the gap wakes at once")
+}

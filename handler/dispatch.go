@@ -159,7 +159,7 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 		wake:      make(chan struct{}, 1),
 		noAnalyze: map[string]bool{},
 	}
-	d.cursorWake, d.curBusy, d.curQuiet = make(chan struct{}, 1), map[string]bool{}, map[string]bool{}
+	d.cursorWake, d.curBusy, d.curQuiet, d.curNotBefore = make(chan struct{}, 1), map[string]bool{}, map[string]bool{}, map[string]time.Time{}
 	d.depth.Store(int64(claimAhead(cfg.Parallelism)))
 	met, err := newMetrics(cfg.Registerer, pool, cfg.Logger)
 	if err != nil {

@@ -275,6 +275,9 @@ func (s *Service) applyTx(ctx context.Context, p *applyPlan, careful bool) (appl
 	if err := tx.Commit(ctx); err != nil {
 		return res, fmt.Errorf("commit apply: %w", err)
 	}
+	if f := s.archived.Load(); f != nil && p.v.Projection == archive.Projection {
+		(*f)()
+	}
 	if res.snapshotsPending > 0 && s.batcher != nil {
 		s.snapshotsCommitted(ctx, p.v, p.commits, res.snapshotsPending)
 	}

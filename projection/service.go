@@ -63,6 +63,10 @@ type Service struct {
 	// (partitions.go).
 	partitionsKnown partitionCache
 
+	// archived: called after each page the archive commits
+	// (OnArchiveCommit).
+	archived atomic.Pointer[func()]
+
 	fences    *erasure.FenceSet  // erasure fences (fencecheck.go)
 	retention *retention.Metrics // cleanup and fence metrics
 	cleaner   *retention.Cleaner // cleaner.go; nil when disabled
@@ -126,6 +130,13 @@ func (s *Service) Pool() *pgxpool.Pool { return s.pool }
 // JetStream is the service's JetStream context (valid after Start), for
 // what reads the stream beside it (a replay's large rows).
 func (s *Service) JetStream() jetstream.JetStream { return s.js }
+
+// OnArchiveCommit has f called after each page an archive version
+// commits (rows archived, or a watermark moved): the webhook dispatcher's
+// cue to look for rows to send (handler.Dispatcher.Archived) rather than
+// wait for its poll. f runs on the partition's worker: it must return at
+// once.
+func (s *Service) OnArchiveCommit(f func()) { s.archived.Store(&f) }
 
 // Start connects to the target (and applies the control-schema
 // migrations) and to NATS, then runs in the background until Stop or ctx

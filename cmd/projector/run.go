@@ -163,6 +163,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		Revalidate: reval, RevalidateBatch: ev.BatchRevalidator(), Logger: env.Logger, Registerer: reg,
 		Source: c.sourceName})
 	if err == nil {
+		svc.OnArchiveCommit(disp.Archived) // batches leave as their rows are archived
 		err = disp.Start(runCtx)
 	}
 	if err != nil {
