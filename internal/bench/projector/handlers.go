@@ -119,10 +119,17 @@ func (e *env) handlersRound(ctx context.Context, c handlersCase, out map[string]
 				return err
 			}
 			if !open {
-				deliveredAt = time.Now()
+				// The last delivery done is the last settle's time, not this
+				// poll's: the poll's 250 ms (and its own query) are not the
+				// dispatcher's. Same host, same clock.
 				var done int64
-				if err := conn.QueryRow(ctx, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done); err != nil {
+				var last *time.Time
+				if err := conn.QueryRow(ctx, `SELECT count(*), max(settled_at) FROM epitaph.deliveries WHERE state = 'done'`).Scan(&done, &last); err != nil {
 					return err
+				}
+				deliveredAt = time.Now()
+				if last != nil && last.Before(deliveredAt) {
+					deliveredAt = *last
 				}
 				if done != c.n {
 					missingRows(ctx, conn, c.source)
