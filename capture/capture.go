@@ -26,6 +26,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
 	"github.com/epitaph-dev/epitaph/internal/observe"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
 	"github.com/epitaph-dev/epitaph/internal/redact"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
@@ -178,7 +179,7 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	s.links = newLinks(s.log, m.connected, s.now)
 	s.cpu = newCPUGovernor(&s.cfg)
 	s.m.cpus.Set(float64(runtime.GOMAXPROCS(0)))
-	if !userTimeoutApplies && cfg.SourceTCPTimeout > 0 {
+	if !pgdial.UserTimeoutApplies && cfg.SourceTCPTimeout > 0 {
 		s.log.Info("--source-tcp-timeout not applied: TCP_USER_TIMEOUT is Linux's; a silently dead path to the source is noticed when the system's TCP gives up",
 			"os", runtime.GOOS)
 	}
@@ -244,7 +245,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		pcfg.PingTimeout = sourcePingTimeout
 	}
 	pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.ApplicationName
-	sourceDialer(&pcfg.ConnConfig.Config, cfg.SourceTCPTimeout)
+	pgdial.Set(&pcfg.ConnConfig.Config, cfg.SourceTCPTimeout)
 	pcfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
 		_, err := c.Exec(ctx, "SET search_path = pg_catalog")
 		return err
@@ -622,7 +623,7 @@ func (s *Service) connectReplication(ctx context.Context) error {
 	}
 	rcfg.RuntimeParams["replication"] = "database"
 	rcfg.RuntimeParams["application_name"] = cfg.ApplicationName
-	sourceDialer(rcfg, cfg.SourceTCPTimeout)
+	pgdial.Set(rcfg, cfg.SourceTCPTimeout)
 	// Text output the inverse casts read back exactly.
 	rcfg.RuntimeParams["DateStyle"] = "ISO, MDY"
 	rcfg.RuntimeParams["IntervalStyle"] = "postgres"

@@ -16,6 +16,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/broker"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 )
 
 // Config of a capture service. Zero values take the documented defaults.
@@ -230,14 +231,6 @@ const (
 // emit a heartbeat between the transactions of an ordinary busy source.
 const minHeartbeatQuiet = 50 * time.Millisecond
 
-// The bounds of Config.SourceTCPTimeout: shorter would give up
-// connections on an ordinary retransmission; TCP_USER_TIMEOUT takes
-// milliseconds in a C int.
-const (
-	minSourceTCPTimeout = time.Second
-	maxSourceTCPTimeout = 24 * time.Hour
-)
-
 // EmbeddedSyncInterval is the file store sync interval of the embedded
 // JetStream server the capture runs itself.
 const EmbeddedSyncInterval = 10 * time.Second
@@ -392,8 +385,8 @@ func (c *Config) connectionErrors(errs []string) []string {
 	} else if c.DataDir == "" && c.SigningKey == "" {
 		errs = append(errs, "a data directory (EPITAPH_DATA_DIR) or a signing key file (EPITAPH_SIGNING_KEY) is required: the capture signs what it publishes")
 	}
-	if t := c.SourceTCPTimeout; t > 0 && (t < minSourceTCPTimeout || t > maxSourceTCPTimeout) {
-		errs = append(errs, fmt.Sprintf("source TCP timeout %v: use 1s to 24h (--source-tcp-timeout 0: the system's default)", t))
+	if err := pgdial.CheckTimeout("source TCP timeout", "--source-tcp-timeout", c.SourceTCPTimeout); err != nil {
+		errs = append(errs, err.Error())
 	}
 	// NATS authentication.
 	if c.NATSURL == "" && !c.NATSAuth.IsZero() {

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
 // waitListenUp waits at most bound for the capture's ddl_listen_up (in
@@ -41,14 +43,14 @@ func waitListenUp(t *testing.T, svc *Service, want bool, bound time.Duration) ti
 func TestDDLGuardListenNoticesSilentDeath(t *testing.T) {
 	t.Parallel()
 	e := setupNoTwoPhase(t)
-	proxy, viaProxy := proxiedURL(t, e.db)
+	proxy, viaProxy := testenv.ProxiedURL(t, e.db)
 	svc := e.start(t, func(c *Config) {
 		notifyGuard(c)
 		c.SourceURL = viaProxy
 	})
 	pid := e.listenPID(t, 0)
 	port := e.clientPort(t, pid)
-	require.True(t, proxy.has(port), "the LISTEN session does not go through the proxy")
+	require.True(t, proxy.Has(port), "the LISTEN session does not go through the proxy")
 	waitListenUp(t, svc, true, 5*time.Second)
 
 	// Quiet for longer than ddlListenQuiet: the ping answers, the same
@@ -71,7 +73,7 @@ func TestDDLGuardListenNoticesSilentDeath(t *testing.T) {
 	// is kept to keep the test on the LISTEN: a silent death of that one
 	// is not noticed here.
 	walsender := e.walsenderPID(t, 0, 5*time.Second)
-	killed := proxy.blackholeAllBut(t, e.clientPort(t, walsender))
+	killed := proxy.BlackholeAllBut(t, e.clientPort(t, walsender))
 	require.GreaterOrEqual(t, killed, 2, "the LISTEN and at least one idle pool connection")
 	t.Logf("%d connections silently dead", killed)
 	took = waitListenUp(t, svc, false, 30*time.Second)
@@ -80,7 +82,7 @@ func TestDDLGuardListenNoticesSilentDeath(t *testing.T) {
 	t.Logf("and up again %s later", took)
 	again := e.listenPID(t, pid)
 	port = e.clientPort(t, again)
-	require.True(t, proxy.has(port), "the new LISTEN session does not go through the proxy")
+	require.True(t, proxy.Has(port), "the new LISTEN session does not go through the proxy")
 
 	time.Sleep(300 * time.Millisecond) // the reconnect's own catalog check is done
 	e.exec(t, `CREATE TABLE later (id int PRIMARY KEY, v text); ALTER TABLE later REPLICA IDENTITY FULL`)

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 )
 
 // leaseKeepalive are the TCP settings asked of the source for the lease
@@ -53,7 +55,7 @@ func newLease(sourceURL, appName, db, slot string, tcpTimeout time.Duration) (*l
 		return nil, configErr("source URL %s: %v", RedactURL(sourceURL), redactErr(err))
 	}
 	cfg.RuntimeParams["application_name"] = appName
-	sourceDialer(&cfg.Config, tcpTimeout)
+	pgdial.Set(&cfg.Config, tcpTimeout)
 	for k, v := range leaseKeepalive {
 		if _, set := cfg.RuntimeParams[k]; !set {
 			cfg.RuntimeParams[k] = v

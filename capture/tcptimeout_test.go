@@ -12,6 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
 )
 
@@ -86,7 +87,7 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 	_, e := walSenderTimeoutEnv(t, "5s")
 	seedWorkload(t, ctx, e)
 
-	proxy, viaProxy := proxiedURL(t, e.db)
+	proxy, viaProxy := testenv.ProxiedURL(t, e.db)
 	const tcpTimeout = 3 * time.Second
 	svc := e.start(t, func(c *Config) {
 		c.SourceURL = viaProxy
@@ -95,7 +96,7 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 		c.HeartbeatInterval = time.Second // the pool is busy too
 	})
 	walsender := e.walsenderPID(t, 0, 10*time.Second)
-	require.True(t, proxy.live(e.clientPort(t, walsender)), "the replication connection does not go through the proxy")
+	require.True(t, proxy.Live(e.clientPort(t, walsender)), "the replication connection does not go through the proxy")
 	requireUserTimeout(t, svc, tcpTimeout)
 
 	runCtx, stopRun := context.WithCancel(ctx)
@@ -121,7 +122,7 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 			WHERE datname = current_database() AND state = 'active' AND query = 'SELECT pg_sleep(120)'`) == "1"
 	}, 10*time.Second, 10*time.Millisecond, "the pool's query did not start")
 
-	killed := proxy.blackholeAllBut(t, 0)
+	killed := proxy.BlackholeAllBut(t, 0)
 	died := time.Now()
 	require.GreaterOrEqual(t, killed, 2, "the replication connection and at least one of the pool's")
 	t.Logf("%d connections silently dead", killed)
@@ -150,7 +151,7 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 	requireStreamsAgain(t, svc)
 	t.Logf("streaming again %s after the source was reported lost", (time.Since(died) - noticed).Round(time.Millisecond))
 	again := e.walsenderPID(t, walsender, 10*time.Second)
-	require.True(t, proxy.live(e.clientPort(t, again)), "the new replication connection does not go through the proxy")
+	require.True(t, proxy.Live(e.clientPort(t, again)), "the new replication connection does not go through the proxy")
 	requireUserTimeout(t, svc, tcpTimeout)
 	progress("after the reconnect")
 
@@ -165,13 +166,13 @@ func TestCaptureNoticesASilentlyDeadSource(t *testing.T) {
 // replication connection and on a connection of its pool.
 func requireUserTimeout(t *testing.T, svc *Service, want time.Duration) {
 	t.Helper()
-	got, err := userTimeoutOf(svc.repl.Conn())
+	got, err := testenv.UserTimeoutOf(svc.repl.Conn())
 	require.NoError(t, err)
 	require.Equal(t, want, got, "the replication connection's TCP_USER_TIMEOUT")
 	c, err := svc.pool.Acquire(t.Context())
 	require.NoError(t, err)
 	defer c.Release()
-	got, err = userTimeoutOf(c.Conn().PgConn().Conn())
+	got, err = testenv.UserTimeoutOf(c.Conn().PgConn().Conn())
 	require.NoError(t, err)
 	require.Equal(t, want, got, "a pool connection's TCP_USER_TIMEOUT")
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/internal/pgquote"
 )
 
@@ -296,7 +297,7 @@ func uninstallConnect(ctx context.Context, url string) (*pgx.Conn, error) {
 	if cfg.ConnectTimeout <= 0 {
 		cfg.ConnectTimeout = uninstallTimeout
 	}
-	sourceDialer(&cfg.Config, uninstallTimeout)
+	pgdial.Set(&cfg.Config, uninstallTimeout)
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to source %s: %s", RedactURL(url), redactErr(err))

@@ -44,7 +44,7 @@ func TestCaptureEndsItsOwnStaleWalsender(t *testing.T) {
 	require.Equal(t, "5min", queryString(t, e.db, `SHOW wal_sender_timeout`))
 	seedWorkload(t, ctx, e)
 
-	proxy, viaProxy := proxiedURL(t, e.db)
+	proxy, viaProxy := testenv.ProxiedURL(t, e.db)
 	const tcpTimeout = 3 * time.Second
 	var logs lockedBuffer
 	cfg := e.config()
@@ -58,7 +58,7 @@ func TestCaptureEndsItsOwnStaleWalsender(t *testing.T) {
 	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	require.NoError(t, svc.Start(ctx))
 	walsender := e.walsenderPID(t, 0, 10*time.Second)
-	require.True(t, proxy.live(e.clientPort(t, walsender)), "the replication connection does not go through the proxy")
+	require.True(t, proxy.Live(e.clientPort(t, walsender)), "the replication connection does not go through the proxy")
 	require.Equal(t, cfg.ApplicationName[:63], queryString(t, e.db, `SELECT application_name FROM pg_stat_activity WHERE pid = $1`, walsender))
 
 	runCtx, stopRun := context.WithCancel(ctx)
@@ -67,7 +67,7 @@ func TestCaptureEndsItsOwnStaleWalsender(t *testing.T) {
 	progress := streamProgress(t, e)
 	progress("before the paths die")
 
-	killed := proxy.blackholeAllBut(t, 0)
+	killed := proxy.BlackholeAllBut(t, 0)
 	died := time.Now()
 	require.GreaterOrEqual(t, killed, 1, "the replication connection at least")
 	bound := statusInterval + 2*tcpTimeout + 2*time.Second
@@ -92,7 +92,7 @@ func TestCaptureEndsItsOwnStaleWalsender(t *testing.T) {
 	require.Equal(t, "0", queryString(t, e.db, `SELECT count(*)::text FROM pg_stat_activity WHERE pid = $1`, walsender),
 		"the stale walsender is gone")
 	again := e.walsenderPID(t, walsender, 10*time.Second)
-	require.True(t, proxy.live(e.clientPort(t, again)), "the new replication connection does not go through the proxy")
+	require.True(t, proxy.Live(e.clientPort(t, again)), "the new replication connection does not go through the proxy")
 	require.Equal(t, 1, strings.Count(logs.String(), endedOwnWalsender), "logged once")
 	require.Contains(t, logs.String(), endedOwnWalsender+" slot="+e.slot+" walsender_pid="+strconv.Itoa(walsender))
 	require.NotContains(t, logs.String(), "cannot end this capture's own stale walsender")
@@ -227,7 +227,7 @@ func TestCaptureWaitsForItsStaleWalsenderWhenRefused(t *testing.T) {
 	testenv.Exec(t, capURL, `CREATE TABLE items (id int PRIMARY KEY, v text); ALTER TABLE items REPLICA IDENTITY FULL;
 		INSERT INTO items SELECT i, 'v' || i FROM generate_series(1, 30) i`)
 
-	proxy, viaProxy := proxiedURL(t, capURL)
+	proxy, viaProxy := testenv.ProxiedURL(t, capURL)
 	var logs lockedBuffer
 	cfg := e.config()
 	cfg.SourceURL = viaProxy
@@ -241,7 +241,7 @@ func TestCaptureWaitsForItsStaleWalsenderWhenRefused(t *testing.T) {
 	e.deletes(t, "main", 10)
 	walsender := e.walsenderPID(t, 0, 10*time.Second)
 
-	require.GreaterOrEqual(t, proxy.blackholeAllBut(t, 0), 1)
+	require.GreaterOrEqual(t, proxy.BlackholeAllBut(t, 0), 1)
 	e.exec(t, `DELETE FROM items WHERE id > 10 AND id <= 20`)
 	require.Eventually(t, func() bool { return metricValue(t, svc.m.connected.WithLabelValues(linkSource)) == 0 },
 		statusInterval+10*time.Second, 10*time.Millisecond, "the source reported lost")

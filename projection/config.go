@@ -12,6 +12,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/projection/retention"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -80,6 +81,19 @@ type Config struct {
 	// MaxBackoff caps the exponential backoff of transient failures.
 	// Default 30s.
 	MaxBackoff time.Duration
+	// TargetTCPTimeout bounds how long what the projector sends to the
+	// target (a page, a lease renewal, a keepalive probe) may stay
+	// unacknowledged before the connection is given up: every target
+	// connection is dialled with TCP_USER_TIMEOUT set to it and TCP
+	// keepalive probes every half of it, at most 15 s (Linux; other
+	// systems keep their own behaviour). A path to the target that dies
+	// without a FIN or RST (a managed Postgres failing over to another
+	// address, a NAT forgetting the flow) then fails the page about this
+	// long after it was sent, and the partition retries on a new
+	// connection, instead of hanging until TCP gives up after about 15
+	// minutes. Default DefaultTargetTCPTimeout; negative: the system's
+	// default. At least 1s, at most 24h.
+	TargetTCPTimeout time.Duration
 	// MaxConns bounds the target connection pool; set, it overrides
 	// pool_max_conns of TargetURL. Default: pool_max_conns of TargetURL
 	// (pgx's default without it), raised to at least 20.
@@ -135,6 +149,7 @@ const (
 	DefaultRebuildShare       = 0.5
 	DefaultReadyMaxLag        = 1000
 	DefaultReadyMaxPendingAge = 30 * time.Second
+	DefaultTargetTCPTimeout   = 30 * time.Second
 )
 
 func (c *Config) setDefaults() {
@@ -177,6 +192,9 @@ func (c *Config) setDefaults() {
 	if c.MaxRowBytes == 0 {
 		c.MaxRowBytes = DefaultMaxRowBytes
 	}
+	if c.TargetTCPTimeout == 0 {
+		c.TargetTCPTimeout = DefaultTargetTCPTimeout
+	}
 }
 
 func (c *Config) validate() error {
@@ -202,6 +220,7 @@ func (c *Config) validate() error {
 	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
 		errs = append(errs, fmt.Errorf("batch size %d: must be 1..%d", c.BatchSize, MaxBatchSize))
 	}
+	errs = append(errs, pgdial.CheckTimeout("target TCP timeout", "--target-tcp-timeout", c.TargetTCPTimeout))
 	if c.LeaseTTL < 100*time.Millisecond {
 		errs = append(errs, fmt.Errorf("lease TTL %s is too short", c.LeaseTTL))
 	}

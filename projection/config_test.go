@@ -50,10 +50,21 @@ func TestConfigValidation(t *testing.T) {
 		"root":            func(c *projection.Config) { c.SnapshotRoots = []string{"orders"} },
 		"balance >= ttl":  func(c *projection.Config) { c.LeaseTTL, c.BalanceInterval = time.Second, time.Second },
 		"max row bytes":   func(c *projection.Config) { c.MaxRowBytes = -1 },
+		"tcp timeout":     func(c *projection.Config) { c.TargetTCPTimeout = 500 * time.Millisecond },
+		"tcp timeout big": func(c *projection.Config) { c.TargetTCPTimeout = 25 * time.Hour },
 	} {
 		c := ok
 		mutate(&c)
 		_, err := projection.New(c)
 		require.Error(t, err, name)
+	}
+	c := ok
+	c.TargetTCPTimeout = 500 * time.Millisecond
+	_, err = projection.New(c)
+	require.ErrorContains(t, err, "target TCP timeout 500ms: use 1s to 24h (--target-tcp-timeout 0: the system's default)")
+	for _, d := range []time.Duration{-1, time.Second, 24 * time.Hour} {
+		c.TargetTCPTimeout = d
+		_, err = projection.New(c)
+		require.NoError(t, err, "%v", d)
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -163,6 +164,7 @@ func (s *Service) Start(ctx context.Context) (err error) {
 	if _, set := pcfg.ConnConfig.RuntimeParams["jit"]; !set {
 		pcfg.ConnConfig.RuntimeParams["jit"] = "off"
 	}
+	pgdial.Set(&pcfg.ConnConfig.Config, s.cfg.TargetTCPTimeout)
 	if s.cfg.MaxConns > 0 {
 		pcfg.MaxConns = s.cfg.MaxConns
 	} else {

@@ -29,7 +29,7 @@ func TestWaitsBeyondTheCapAreRefusedAndTheApplyKeepsItsPace(t *testing.T) {
 	e.start(e.config("w1"))
 	c := e.conn()
 	ctx := context.Background()
-	pool, err := status.NewWaitPool(ctx, e.url)
+	pool, err := status.NewWaitPool(ctx, e.url, 0)
 	require.NoError(t, err)
 	defer pool.Close()
 	const limit = 4

@@ -286,7 +286,7 @@ func TestReadAPIWaitLimit(t *testing.T) {
 	e.deleteTx(42)
 	e.startProjector()
 	ctx := context.Background()
-	waits, err := status.NewWaitPool(ctx, e.url)
+	waits, err := status.NewWaitPool(ctx, e.url, 0)
 	require.NoError(t, err)
 	defer waits.Close()
 	limit := status.NewWaitLimiter(1)

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -133,12 +134,13 @@ func (l *WaitLimiter) Refuse(w http.ResponseWriter) {
 const WaitPoolConns = 4
 
 // NewWaitPool opens the small pool the waits poll the target on, apart
-// from the apply's.
-func NewWaitPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+// from the apply's, dialled with tcpTimeout as the apply's (pgdial.Set).
+func NewWaitPool(ctx context.Context, url string, tcpTimeout time.Duration) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, err
 	}
+	pgdial.Set(&cfg.ConnConfig.Config, tcpTimeout)
 	cfg.MaxConns, cfg.MinConns = WaitPoolConns, 0
 	return pgxpool.NewWithConfig(ctx, cfg)
 }

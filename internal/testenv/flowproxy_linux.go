@@ -1,4 +1,6 @@
-package capture
+//go:build linux
+
+package testenv
 
 import (
 	"fmt"
@@ -29,8 +31,8 @@ func unsilence(c net.Conn) error {
 	})
 }
 
-// userTimeoutOf reads TCP_USER_TIMEOUT of c (0: the system's default).
-func userTimeoutOf(c net.Conn) (time.Duration, error) {
+// UserTimeoutOf reads TCP_USER_TIMEOUT of c (0: the system's default).
+func UserTimeoutOf(c net.Conn) (time.Duration, error) {
 	var ms int
 	err := sockopt(c, func(fd int) error {
 		var err error

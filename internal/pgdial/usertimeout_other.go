@@ -1,15 +1,15 @@
 //go:build !linux
 
-package capture
+package pgdial
 
 import (
 	"syscall"
 	"time"
 )
 
-// userTimeoutApplies: only Linux has TCP_USER_TIMEOUT; elsewhere the
+// UserTimeoutApplies: only Linux has TCP_USER_TIMEOUT; elsewhere the
 // system's retransmission limits apply.
-const userTimeoutApplies = false
+const UserTimeoutApplies = false
 
 // setUserTimeout does nothing off Linux.
 func setUserTimeout(syscall.RawConn, time.Duration) error { return nil }

@@ -1,4 +1,4 @@
-package capture
+package pgdial
 
 import (
 	"fmt"
@@ -8,8 +8,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// userTimeoutApplies: setUserTimeout sets TCP_USER_TIMEOUT here.
-const userTimeoutApplies = true
+// UserTimeoutApplies: Set gives sockets TCP_USER_TIMEOUT here.
+const UserTimeoutApplies = true
 
 // setUserTimeout sets TCP_USER_TIMEOUT on the socket rc.
 func setUserTimeout(rc syscall.RawConn, timeout time.Duration) error {

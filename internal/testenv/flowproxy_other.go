@@ -1,6 +1,6 @@
 //go:build !linux
 
-package capture
+package testenv
 
 import (
 	"errors"
@@ -12,4 +12,4 @@ var errNoSocketFilter = errors.New("socket filters and TCP_USER_TIMEOUT are Linu
 
 func silence(net.Conn) error                        { return errNoSocketFilter }
 func unsilence(net.Conn) error                      { return nil }
-func userTimeoutOf(net.Conn) (time.Duration, error) { return 0, errNoSocketFilter }
+func UserTimeoutOf(net.Conn) (time.Duration, error) { return 0, errNoSocketFilter }
