@@ -116,47 +116,6 @@ func TestTailNiceRetried(t *testing.T) {
 	require.Equal(t, []int{19, 19, 0, 19, 19, 19, 19}, calls)
 }
 
-// cpuCgroup: the root CPU cgroup in cgroup v1 and v2 texts.
-func TestCPUCgroup(t *testing.T) {
-	t.Parallel()
-	none := func(string) ([]byte, error) { return []byte("memory pids"), nil }
-	withCPU := func(dir string) ([]byte, error) {
-		if dir == "/system.slice/epitaph.service" || dir == "/system.slice" {
-			return []byte("cpuset cpu io memory pids"), nil
-		}
-		return []byte("memory pids"), nil
-	}
-	for _, c := range []struct {
-		text     string
-		ctl      func(string) ([]byte, error)
-		wantPath string
-		root     bool
-	}{
-		{"4:memory:/x\n1:cpu,cpuacct:/\n0::/\n", none, "/", true},                       // v1, cpu at the root
-		{"1:cpu,cpuacct:/docker/abc\n0::/\n", none, "/docker/abc", false},               // v1, in a container's group
-		{"0::/\n", none, "/", true},                                                     // v2 at the root
-		{"0::/user.slice/session-3.scope\n", none, "/user.slice/session-3.scope", true}, // v2, no cpu controller below the root
-		{"0::/system.slice/epitaph.service\n", withCPU, "/system.slice/epitaph.service", false},
-		{"", none, "(unknown)", false},
-	} {
-		p, root := cpuCgroup([]byte(c.text), c.ctl)
-		require.Equal(t, c.wantPath, p, "%q", c.text)
-		require.Equal(t, c.root, root, "%q", c.text)
-	}
-	unreadable := func(string) ([]byte, error) { return nil, errors.New("no such file") }
-	_, root := cpuCgroup([]byte("0::/a/b\n"), unreadable)
-	require.False(t, root, "cannot tell: not applied")
-}
-
-func TestSessionOf(t *testing.T) {
-	t.Parallel()
-	sid, ok := sessionOf([]byte("4242 (a (strange) name) S 1 4242 4240 0 -1 4194560"))
-	require.True(t, ok)
-	require.Equal(t, 4240, sid)
-	_, ok = sessionOf([]byte("4242 (cut"))
-	require.False(t, ok)
-}
-
 // A real capture started with a backlog catches up on every CPU and drops
 // to --tail-cpus once caught up; a lag past --catch-up-bytes while it
 // tails (here: the capture held at a commit while the source writes WAL)

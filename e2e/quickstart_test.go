@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 )
 
@@ -144,7 +145,7 @@ func TestREADMEQuickStart(t *testing.T) {
 	cmd.Stdout, cmd.Stderr = &out, &out
 	// Its own process group: the capture and the projector it starts in
 	// the background are stopped with it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = bench.DiesWithParent(&syscall.SysProcAttr{Setpgid: true})
 	require.NoError(t, cmd.Start())
 	pgid := cmd.Process.Pid
 	stopAll := func() {

@@ -71,13 +71,13 @@ func StartProc(name, bin string, env []string, logDir string, args ...string) (*
 	// Its own process group (a signal to the test's group does not reach
 	// it), and killed if the test or bench process dies first (a go test
 	// timeout), so nothing is left running.
-	return startProc(name, bin, env, logDir, &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}, args...)
+	return startProc(name, bin, env, logDir, DiesWithParent(&syscall.SysProcAttr{Setpgid: true}), args...)
 }
 
 // StartSessionProc is StartProc with the process in a session of its own
 // (setsid), as a service manager starts one: its own autogroup on Linux.
 func StartSessionProc(name, bin string, env []string, logDir string, args ...string) (*Proc, error) {
-	return startProc(name, bin, env, logDir, &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}, args...)
+	return startProc(name, bin, env, logDir, DiesWithParent(&syscall.SysProcAttr{Setsid: true}), args...)
 }
 
 func startProc(name, bin string, env []string, logDir string, attr *syscall.SysProcAttr, args ...string) (*Proc, error) {

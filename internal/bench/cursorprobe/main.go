@@ -565,7 +565,7 @@ func startReceiver(secretFile string) (*receiver, error) {
 	cmd := exec.Command(self)
 	cmd.Env = append(os.Environ(), receiverEnv+"="+secretFile)
 	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = bench.DiesWithParent(&syscall.SysProcAttr{})
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		return nil, err
