@@ -309,3 +309,31 @@ func TestRoomDeepensOnlyForFastRevalidatedBatches(t *testing.T) {
 	require.Equal(t, 2*ahead, roomFor(ahead, true, fast), "fast workers, revalidated batches: twice")
 	require.Equal(t, ahead, roomFor(ahead, true, 0), "no rate yet: claimAhead")
 }
+
+// Archived wakes the claim loop too: a delivery the apply queued leaves
+// at once rather than at the next poll.
+func TestArchivedWakesTheClaimLoopBeforeThePoll(t *testing.T) {
+	e := newTenv(t)
+	var hits atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer srv.Close()
+	e.addHandler(KindWebhook, srv.URL+"/hook", func(d *Def) { d.Revalidate = false })
+	const poll = 10 * time.Second
+	d := e.dispatcher(Config{Poll: poll})
+	require.NoError(t, d.Start(context.Background()))
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		require.NoError(t, d.Stop(ctx))
+		require.NoError(t, d.Wait())
+	}()
+	time.Sleep(300 * time.Millisecond) // the first claim finds nothing
+	e.enqueue(1, e.row(1))
+	start := time.Now()
+	d.Archived()
+	eventually(t, func() bool { return hits.Load() == 1 }, "the delivery sent")
+	require.Less(t, time.Since(start), poll/2, "the delivery waited for the poll")
+}

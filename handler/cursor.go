@@ -236,11 +236,13 @@ func (d *Dispatcher) wakeCursors() {
 const archivedWakeGap = 20 * time.Millisecond
 
 // Archived tells the dispatcher that the archive committed rows or moved
-// a watermark: the cursor handlers look for rows to send now rather than
-// at the next poll, so a batch leaves within milliseconds of its rows'
-// horizon (at most one wake per archivedWakeGap; one that comes sooner is
-// kept for the end of the gap, so the last commit of a burst is never
-// left to the poll). Safe to call from any goroutine, and cheap.
+// a watermark: its claim loop (deliveries the apply queued and released)
+// and its cursor handlers (rows now behind the horizon) look for work
+// now rather than at the next poll, so a delivery leaves within
+// milliseconds of its row's commit (at most one wake per
+// archivedWakeGap; one that comes sooner is kept for the end of the gap,
+// so the last commit of a burst is never left to the poll). Safe to call
+// from any goroutine, and cheap.
 func (d *Dispatcher) Archived() {
 	now := time.Now().UnixNano()
 	last := d.curArchivedAt.Load()
@@ -249,13 +251,36 @@ func (d *Dispatcher) Archived() {
 			time.AfterFunc(wait, func() {
 				d.curArchivedDue.Store(false)
 				d.curArchivedAt.Store(time.Now().UnixNano())
-				d.wakeCursors()
+				d.wakeForArchive()
 			})
 		}
 		return
 	}
 	if d.curArchivedAt.CompareAndSwap(last, now) {
-		d.wakeCursors()
+		d.wakeForArchive()
+	}
+}
+
+// wakeForArchive wakes the cursor loop, and the claim loop when its last
+// claim found nothing, unless every handler is a cursor handler (nothing
+// for it to claim that the apply could have queued, but a late row: the
+// poll finds that).
+func (d *Dispatcher) wakeForArchive() {
+	d.wakeCursors()
+	if !d.claimIdle.Load() {
+		return
+	}
+	d.mu.Lock()
+	queued := d.defCache == nil
+	for _, def := range d.defCache {
+		if !def.UsesCursor() {
+			queued = true
+			break
+		}
+	}
+	d.mu.Unlock()
+	if queued {
+		d.Wake()
 	}
 }
 

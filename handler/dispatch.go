@@ -114,6 +114,10 @@ type Dispatcher struct {
 	// analyzeGrown is going (stats.go).
 	noAnalyze map[string]bool
 	analyzing atomic.Bool
+	// claimIdle: the claim loop's last claim found nothing and nothing
+	// claimed waits for a worker (Archived wakes it only then: a busy loop
+	// claims again as its workers drain the queue).
+	claimIdle atomic.Bool
 	// hook: tests see settle calls (nil in production).
 	beforeSettle func(ctx context.Context, id string) error
 	// Batched webhook handlers' claimed deliveries waiting for their
@@ -264,6 +268,7 @@ func (d *Dispatcher) loop(soft, hard context.Context) {
 		if err != nil && soft.Err() == nil {
 			d.log.Warn("claiming deliveries failed; retrying", "err", err)
 		}
+		d.claimIdle.Store(n == 0 && err == nil && len(d.queue) == 0 && d.inEval.Load() == 0)
 		if n > 0 && len(d.queue) <= int(d.depth.Load())/2 {
 			continue // more may be due
 		}
