@@ -323,13 +323,7 @@ func TestArchivedWakesTheClaimLoopBeforeThePoll(t *testing.T) {
 	e.addHandler(KindWebhook, srv.URL+"/hook", func(d *Def) { d.Revalidate = false })
 	const poll = 10 * time.Second
 	d := e.dispatcher(Config{Poll: poll})
-	require.NoError(t, d.Start(context.Background()))
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		require.NoError(t, d.Stop(ctx))
-		require.NoError(t, d.Wait())
-	}()
+	startUntilCleanup(t, d)
 	time.Sleep(300 * time.Millisecond) // the first claim finds nothing
 	e.enqueue(1, e.row(1))
 	start := time.Now()

@@ -820,13 +820,7 @@ func TestIdleCursorIsPolledWithoutALock(t *testing.T) {
 	e.horizon(first[1])
 	d, err := NewDispatcher(e.pool, Config{Poll: 5 * time.Millisecond})
 	require.NoError(t, err)
-	require.NoError(t, d.Start(ctx))
-	defer func() {
-		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		require.NoError(t, d.Stop(sctx))
-		require.NoError(t, d.Wait())
-	}()
+	startUntilCleanup(t, d)
 	eventually(t, func() bool { return len(e.settled(def.ID)) == 2 }, "the first rows done")
 	locker := func() string {
 		var x string
@@ -860,7 +854,6 @@ func TestIdleCursorIsPolledWithoutALock(t *testing.T) {
 // tables at parallelism 1.)
 func TestCursorHandlersBeyondTheParallelismDoNotWaitForThePoll(t *testing.T) {
 	e := newCursorEnv(t)
-	ctx := context.Background()
 	secret := NewSecret()
 	br, srv := newBatchReceiver(t, secret, answers())
 	for _, tb := range []string{"idle1", "busy1", "idle2", "busy2"} {
@@ -877,13 +870,7 @@ func TestCursorHandlersBeyondTheParallelismDoNotWaitForThePoll(t *testing.T) {
 	d, err := NewDispatcher(e.pool, Config{Poll: poll, Parallelism: 1})
 	require.NoError(t, err)
 	start := time.Now()
-	require.NoError(t, d.Start(ctx))
-	defer func() {
-		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		require.NoError(t, d.Stop(sctx))
-		require.NoError(t, d.Wait())
-	}()
+	startUntilCleanup(t, d)
 	deadline := time.Now().Add(2 * time.Minute)
 	for len(br.got()) < 10 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
@@ -908,20 +895,13 @@ func TestCursorHandlersBeyondTheParallelismDoNotWaitForThePoll(t *testing.T) {
 // as its rows are behind the horizon rather than at the next poll.
 func TestArchivedWakesCursorHandlersBeforeThePoll(t *testing.T) {
 	e := newCursorEnv(t)
-	ctx := context.Background()
 	secret := NewSecret()
 	br, srv := newBatchReceiver(t, secret, answers())
 	def := e.handler(srv.URL, secret, func(d *Def) { d.BatchWait = 10 * time.Millisecond })
 	const poll = 10 * time.Second
 	d, err := NewDispatcher(e.pool, Config{Poll: poll})
 	require.NoError(t, err)
-	require.NoError(t, d.Start(ctx))
-	defer func() {
-		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		require.NoError(t, d.Stop(sctx))
-		require.NoError(t, d.Wait())
-	}()
+	startUntilCleanup(t, d)
 	// The first pass finds nothing; the next would be the poll's.
 	time.Sleep(300 * time.Millisecond)
 	require.Empty(t, br.got())

@@ -152,3 +152,16 @@ func eventually(t *testing.T, cond func() bool, msg string) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// startUntilCleanup starts d and stops it (soft stop, at most 30 s) when
+// the test ends.
+func startUntilCleanup(t *testing.T, d *Dispatcher) {
+	t.Helper()
+	require.NoError(t, d.Start(context.Background()))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		require.NoError(t, d.Stop(ctx))
+		require.NoError(t, d.Wait())
+	})
+}
