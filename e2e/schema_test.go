@@ -388,3 +388,128 @@ func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
 	require.Equal(t, `full:{"id": 1}:{"v": "v1", "id": 1} key:{"id": 3}:{"id": 3}`, got,
 		"rows 1 and 3 archived; row 2 was deleted while the table was not published (the gap)")
 }
+
+// TestKillInsideATransactionThatDropsItsTable SIGKILLs the capture while it
+// publishes a transaction that deletes every row of a table and drops it.
+// The restarted capture decodes the transaction again with the table gone
+// (no primary key to read: its rows come without a key, as documented), so
+// the rows it had stored before the kill are not what it publishes now: it
+// publishes the whole transaction again, and its signed commit covers that
+// replay. The projector archives the replay, each row once and equal to
+// what the source deleted, and quarantines the stale prefix alone; the
+// stream holds nothing else of the transaction.
+func TestKillInsideATransactionThatDropsItsTable(t *testing.T) {
+	t.Parallel()
+	bins := binaries(t)
+	seed := testSeed(t)
+	const rows = 60_000
+	url := testenv.NewDatabase(t) // source and target
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, fmt.Sprintf(`CREATE TABLE gone (id bigint PRIMARY KEY, v text);
+		INSERT INTO gone SELECT g, 'v' || g FROM generate_series(1, %d) g`, rows))
+	require.NoError(t, err)
+
+	listen, err := bench.LocalAddr()
+	require.NoError(t, err)
+	natsURL := "nats://" + listen
+	dataDir := t.TempDir()
+	metrics, err := bench.LocalAddr()
+	require.NoError(t, err)
+	cenv := joinEnv(bench.CaptureEnv(url, "", listen, dataDir, metrics, "main", "epitaph_e2e_gone"),
+		"EPITAPH_TABLES=", "EPITAPH_SET_REPLICA_IDENTITY_FULL=true", "EPITAPH_HEARTBEAT_INTERVAL=1s")
+	capture := supervise(t, "capture", bins["capture"], cenv, seed)
+	watch, err := bench.WatchStream(natsURL, "main", bench.EmbeddedCreds(dataDir))
+	require.NoError(t, err)
+	defer watch.Close()
+	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_gone", captureReadyTimeout, nil))
+	m, err := bench.LocalAddr()
+	require.NoError(t, err)
+	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"),
+		"EPITAPH_NATS_CREDS="+filepath.Join(dataDir, "nats", "projector.creds")), seed+1, "run")
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_class WHERE relname = 'gone' AND relreplident = 'f'`)
+		return n == 1, err
+	}), "the capture set the table FULL")
+
+	var ledger migrationLedger
+	require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if err := ledger.deleteReturning(ctx, tx, "public.gone", `DELETE FROM gone t RETURNING id, to_jsonb(t)`, true); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `DROP TABLE gone`)
+		return err
+	}))
+	require.Len(t, ledger.rows, rows)
+	// Kill once some of its rows are stored, well before its commit.
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := watch.Deletes(ctx)
+		return n >= 500, err
+	}))
+	capture.Kill()
+	stored, err := watch.Deletes(ctx)
+	require.NoError(t, err)
+	require.Less(t, stored, int64(rows), "killed inside the transaction")
+
+	_, err = watch.WaitDeletes(ctx, rows+1, 3*time.Minute, nil) // the replay follows the stale prefix
+	require.NoError(t, err, "the restarted capture publishes the transaction again\n%s", pipelineState(ctx, url, watch))
+	inStream, err := watch.Deletes(ctx)
+	require.NoError(t, err)
+	require.NoError(t, workload.WaitFor(ctx, 3*time.Minute, 250*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, "SELECT count(*) FROM archive.rows WHERE source = 'main'")
+		if err != nil || n < rows {
+			return false, err
+		}
+		q, err := bench.Count(ctx, url, "SELECT count(*) FROM epitaph.quarantine")
+		return n+q >= inStream, err
+	}), "archive catching up\n%s", pipelineState(ctx, url, watch))
+
+	got := map[int64][]json.RawMessage{}
+	rs, err := conn.Query(ctx, `SELECT (row->>'id')::bigint, row, key, identity FROM archive.rows WHERE source = 'main' AND table_name = 'gone'`)
+	require.NoError(t, err)
+	for rs.Next() {
+		var id int64
+		var row, key json.RawMessage
+		var identity string
+		require.NoError(t, rs.Scan(&id, &row, &key, &identity))
+		require.Equal(t, "full", identity)
+		require.True(t, len(key) == 0 || string(key) == "null" || jsonEqual(key, json.RawMessage(fmt.Sprintf(`{"id":%d}`, id))),
+			"row %d: key %s", id, key)
+		got[id] = append(got[id], row)
+	}
+	require.NoError(t, rs.Err())
+	var problems []string
+	for _, d := range ledger.rows {
+		switch as := got[d.id]; {
+		case len(as) != 1:
+			problems = append(problems, fmt.Sprintf("row %d archived %d times", d.id, len(as)))
+		case !jsonEqual(as[0], d.row):
+			problems = append(problems, fmt.Sprintf("row %d: archived %s, deleted %s", d.id, as[0], d.row))
+		}
+		delete(got, d.id)
+	}
+	for id := range got {
+		problems = append(problems, fmt.Sprintf("row %d archived but never deleted", id))
+	}
+	sort.Strings(problems)
+	if len(problems) > 10 {
+		problems = append(problems[:10], fmt.Sprintf("... %d more", len(problems)-10))
+	}
+	require.Empty(t, problems, "archive vs deleted rows")
+
+	// The quarantine holds the stale prefix alone: rows of the
+	// transaction, as many as the stream holds beyond the transaction.
+	var quarantined int64
+	var subjects, cats []string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*), COALESCE(array_agg(DISTINCT regexp_replace(subject, '^epitaph\.main\.[0-9]+\.', '')), '{}'),
+		COALESCE(array_agg(DISTINCT category), '{}') FROM epitaph.quarantine`).Scan(&quarantined, &subjects, &cats))
+	require.Equal(t, inStream-rows, quarantined, "the stale prefix, and nothing else, is quarantined")
+	require.Positive(t, quarantined, "the replay differed from the stored prefix (the case under test)")
+	require.Equal(t, []string{"delete.public.gone"}, subjects)
+	require.Equal(t, []string{"unauthenticated"}, cats)
+	t.Logf("%d rows archived once each; the stale prefix of %d rows quarantined (%d acknowledged before the kill: the embedded broker died with the capture)",
+		rows, quarantined, stored)
+}

@@ -237,6 +237,71 @@ func TestForgedRowPreemptingARealOneLoses(t *testing.T) {
 	}
 }
 
+// A capture SIGKILLed inside a transaction stored a prefix of its rows;
+// restarted, it decoded them again against a catalog that had changed
+// since (a key replaced, a table dropped), found the stored prefix not
+// what it publishes now and published the
+// whole transaction again, the prefix's ids taken, after it. The commit's
+// digest covers the replay. Every seq of the prefix has two candidates,
+// 2^24 choices, far more than the slow path's budget: the replay (the last
+// copy of each seq) is archived, each row once with its value, and only
+// the stale prefix is quarantined. With a page of 2 events the prefix is
+// archived invisibly first and replaced at the commit.
+func TestTransactionRepublishedAfterAStalePrefixIsArchived(t *testing.T) {
+	t.Parallel()
+	const lines, stale = 29, 24 // 30 rows, the first 24 stored before the kill
+	for _, tc := range []struct {
+		batch int
+		v2    bool
+	}{{2, true}, {500, true}, {500, false}} {
+		t.Run(fmt.Sprintf("%d/v2=%v", tc.batch, tc.v2), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, 1)
+			if tc.v2 {
+				e.signer = testenv.NewSignerV2()
+			}
+			cfg := e.config("w1")
+			cfg.BatchSize = tc.batch
+			e.start(cfg)
+			c := e.conn()
+
+			before := e.nextTx(orderRows(1, 1)...)
+			e.publish(before) // seq 1-3
+			tx := e.nextTx(orderRows(2, lines)...)
+			msgs := e.signed(e.signer, tx) // the replay, numbered and signed as the capture does
+			var prefix []*nats.Msg
+			for i, m := range msgs[:stale] {
+				var ev event.Event
+				require.NoError(t, json.Unmarshal(m.Data, &ev))
+				ev.Key = json.RawMessage(fmt.Sprintf(`{"line":%d}`, i)) // a key the first run read, since replaced
+				p := nats.NewMsg(m.Subject)
+				p.Header = nats.Header{}
+				for k, v := range m.Header {
+					p.Header[k] = slices.Clone(v)
+				}
+				var err error
+				p.Data, err = event.Encode(&ev)
+				require.NoError(t, err)
+				prefix = append(prefix, p)
+				m.Header.Set(event.HeaderMsgID, event.RepublishedMsgID(m.Header.Get(event.HeaderMsgID), 1))
+			}
+			e.publishRaw(prefix) // seq 4-27: the killed run's
+			e.publishRaw(msgs)   // seq 28-58: the replay and its commit
+			after := e.nextTx(orderRows(3, 1)...)
+			e.publish(after) // seq 59-61
+
+			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 61 })
+			want := expected(t, c, before, tx, after)
+			require.Len(t, want, 2+lines+1+2)
+			require.Equal(t, want, archived(t, c, "archive.rows"), "the replay archived, each row once, with its value")
+			require.Equal(t, want, archived(t, c, "archive_v1.rows"), "nothing of the stale prefix left, not even invisibly")
+			require.Equal(t, seqs(4, 3+stale, subjects(prefix), trust.CategoryUnauthenticated), quarantined(t, c),
+				"only the stale prefix is quarantined")
+			require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.gaps`))
+		})
+	}
+}
+
 // A forged mark (unsigned, or signed by an untrusted key) claiming a far
 // future LSN is quarantined and does not move the partition's watermark.
 func TestForgedMarkDoesNotMoveSourceLSN(t *testing.T) {

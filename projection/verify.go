@@ -44,7 +44,8 @@ import (
 //     re-published after a foreign one took its id) the window is read
 //     again from the stream and, among the candidates with the commit's LSN,
 //     the choice of one message per seq whose digest is the signed one is
-//     the transaction (bounded: maxChoices). Whatever else was pending is
+//     the transaction (the last copy of each seq first, then every
+//     combination, bounded: maxChoices). Whatever else was pending is
 //     quarantined as unauthenticated, and so is all of it when no choice
 //     matches.
 //   - At a verified mark, heartbeat or gap, whatever is pending cannot be
@@ -760,8 +761,10 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 // that claim commit LSN lsn, one per seq 0..k-1 such that their digest in
 // seq order is want, for the smallest k >= rows (the commit's count of
 // deletes; truncates add to it) that has one; nil when there is no such
-// choice within maxChoices digests. Candidates with a seq beyond the
-// transaction's (forged) are never chosen. For a digest v2 (v2), a seq
+// choice within maxChoices digests. For each k the last candidate of each
+// seq in stream order is tried first (a capture's replay of a transaction
+// follows what it stored before a restart). Candidates with a seq beyond
+// the transaction's (forged) are never chosen. For a digest v2 (v2), a seq
 // with no candidate at all is looked up with purged (the erasure ledger):
 // its body hash stands for the absent message, which is not chosen (it is
 // not there) but listed in the second result. Errors are transient.
@@ -769,11 +772,78 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 	if want == "" {
 		return nil, nil, nil
 	}
-	bySeq := map[int][]*item{}
-	// Copies of one message (the capture sent it again: same partition
-	// sequence and body) are one candidate; all copies go with it.
-	copies := map[*item][]*item{}
-	maxSeq := -1
+	bySeq, copies, maxSeq := candidatesBySeq(window, lsn)
+	budget := maxChoices
+	d := event.NewDigest()
+	d.ResetAlg(v2)
+	lastK := maxSeq + 1
+	var absent *absentSums // absent seqs the ledger accounts for (v2 only)
+	if v2 && purged != nil {
+		lastK = max(lastK, rows) // the last members may be the purged ones
+		absent = &absentSums{lookup: purged, sums: map[int]*[sha256.Size]byte{}}
+	}
+	for k := max(rows, 1); k <= lastK && budget > 0; k++ {
+		choices := 1
+		for s := 0; s < k; s++ {
+			n, err := absent.choices(bySeq, s)
+			if err != nil {
+				return nil, nil, err
+			}
+			choices = min(choices*n, budget+1) // saturates: only "more than the budget" matters
+		}
+		if choices == 0 {
+			return nil, nil, nil // a seq below k is missing: so it is for every larger k
+		}
+		// The last copy of each seq first, in one digest: a capture
+		// restarted inside a transaction publishes it again after what it
+		// had stored, and that earlier prefix may differ (it was decoded
+		// against a catalog that changed before the restart: a table
+		// dropped, a key replaced). Every seq of such a prefix has two
+		// candidates, more choices than the budget from a few dozen rows
+		// on, and the replayed copies are the last ones.
+		pick := make([]int, k)
+		for s := range pick {
+			pick[s] = max(len(bySeq[s])-1, 0)
+		}
+		absent.hash(d, bySeq, pick)
+		budget--
+		if d.Sum() == want {
+			out, absent := chosenSet(bySeq, copies, pick)
+			return out, absent, nil
+		}
+		if choices == 1 {
+			continue // that was the only choice
+		}
+		if choices > budget {
+			return nil, nil, nil
+		}
+		budget -= choices
+		clear(pick)
+		for n := 0; n < choices; n++ {
+			absent.hash(d, bySeq, pick)
+			if d.Sum() == want {
+				out, absent := chosenSet(bySeq, copies, pick)
+				return out, absent, nil
+			}
+			for s := 0; s < k; s++ { // next combination
+				pick[s]++
+				if pick[s] < len(bySeq[s]) {
+					break
+				}
+				pick[s] = 0
+			}
+		}
+	}
+	return nil, nil, nil
+}
+
+// candidatesBySeq groups the window's decodable row messages that claim
+// commit LSN lsn by seq, in stream order, and returns the highest seq (-1:
+// none). Copies of one message (the capture sent it again: same partition
+// sequence and body) are one candidate, the first; copies lists the others
+// with it, so they go where it goes.
+func candidatesBySeq(window []*item, lsn event.LSN) (bySeq map[int][]*item, copies map[*item][]*item, maxSeq int) {
+	bySeq, copies, maxSeq = map[int][]*item{}, map[*item][]*item{}, -1
 	for _, it := range window {
 		if it.ev == nil || it.category != "" || it.ev.CommitLSN != lsn || it.ev.Seq < 0 {
 			continue
@@ -791,48 +861,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 		}
 		maxSeq = max(maxSeq, it.ev.Seq)
 	}
-	budget := maxChoices
-	d := event.NewDigest()
-	d.ResetAlg(v2)
-	lastK := maxSeq + 1
-	var absent *absentSums // absent seqs the ledger accounts for (v2 only)
-	if v2 && purged != nil {
-		lastK = max(lastK, rows) // the last members may be the purged ones
-		absent = &absentSums{lookup: purged, sums: map[int]*[sha256.Size]byte{}}
-	}
-	for k := max(rows, 1); k <= lastK && budget > 0; k++ {
-		choices := 1
-		for s := 0; s < k && choices <= budget; s++ {
-			n, err := absent.choices(bySeq, s)
-			if err != nil {
-				return nil, nil, err
-			}
-			choices *= n
-		}
-		if choices == 0 {
-			return nil, nil, nil // a seq below k is missing: so it is for every larger k
-		}
-		if choices > budget {
-			return nil, nil, nil
-		}
-		budget -= choices
-		pick := make([]int, k)
-		for n := 0; n < choices; n++ {
-			absent.hash(d, bySeq, pick)
-			if d.Sum() == want {
-				out, absent := chosenSet(bySeq, copies, pick)
-				return out, absent, nil
-			}
-			for s := 0; s < k; s++ { // next combination
-				pick[s]++
-				if pick[s] < len(bySeq[s]) {
-					break
-				}
-				pick[s] = 0
-			}
-		}
-	}
-	return nil, nil, nil
+	return bySeq, copies, maxSeq
 }
 
 // applyVerdict writes the verdict's decisions that concern earlier pages
