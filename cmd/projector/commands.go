@@ -7,12 +7,15 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/natsconn"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	redactpkg "github.com/epitaph-dev/epitaph/internal/redact"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/version"
@@ -107,18 +110,21 @@ func dispatch(ctx context.Context, args []string, env *Env) error {
 
 // common holds the connection settings every subcommand shares.
 type common struct {
-	targetURL  string
-	natsURL    string
-	sourceName string
-	natsAuth   natsconn.Auth
-	env        *Env
+	targetURL        string
+	targetTCPTimeout time.Duration
+	natsURL          string
+	sourceName       string
+	natsAuth         natsconn.Auth
+	env              *Env
 }
 
-// commonFlags registers --target-url, --nats-url and --source-name.
+// commonFlags registers --target-url, --target-tcp-timeout, --nats-url,
+// --source-name and the NATS authentication flags.
 func commonFlags(cmd *cobra.Command, env *Env) *common {
 	c := &common{env: env}
 	f := cli.Local(cmd)
 	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: EPITAPH_SOURCE_URL)")
+	f.Duration(&c.targetTCPTimeout, "target-tcp-timeout", "EPITAPH_TARGET_TCP_TIMEOUT", projection.DefaultTargetTCPTimeout, "how long what the projector sends to the target (a statement, a page, a lease renewal, a keepalive probe while it waits for an answer) may stay unacknowledged before the connection is given up, so a path to the target that died silently (a failover to another address) is noticed within about this long: run retries the work on a new connection, a one-shot command fails (TCP_USER_TIMEOUT; Linux only; 1s to 24h; 0: the system's default, about 15 minutes)", cli.NotNegative())
 	f.String(&c.natsURL, "nats-url", "EPITAPH_NATS_URL", "nats://127.0.0.1:4222", "JetStream URL")
 	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", projection.DefaultSourceName, "source name")
 	// NATS authentication: the flags both binaries share.
@@ -139,10 +145,39 @@ func (c *common) check() error {
 	if c.targetURL == "" {
 		return cli.Usage("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
 	}
+	if err := pgdial.CheckTimeout("--target-tcp-timeout", "--target-tcp-timeout", c.targetTCPTimeout); err != nil {
+		return cli.Usage("%w", err)
+	}
 	if err := c.natsAuth.Validate(c.natsURL); err != nil {
 		return cli.Usage("%w", err)
 	}
 	return nil
+}
+
+// tcpTimeout is --target-tcp-timeout as projection.Config and pgdial.Set
+// take it: 0 (the system's default) is negative there, where 0 is the
+// default.
+func (c *common) tcpTimeout() time.Duration {
+	if c.targetTCPTimeout == 0 {
+		return -1
+	}
+	return c.targetTCPTimeout
+}
+
+// targetPool opens a pool on the target for a command, dialled as run
+// dials it (--target-tcp-timeout): a statement whose path died silently
+// fails within about the timeout instead of waiting for TCP to give up.
+func (c *common) targetPool(ctx context.Context) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(c.targetURL)
+	if err != nil {
+		return nil, cli.Usage("target URL %s: %w", redact(c.targetURL), err)
+	}
+	pgdial.Set(&cfg.ConnConfig.Config, c.tcpTimeout())
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
+	}
+	return pool, nil
 }
 
 // natsConnect connects to NATS with the authentication flags.

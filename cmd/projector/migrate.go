@@ -9,7 +9,6 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
@@ -118,9 +117,9 @@ func migrateUp(ctx context.Context, c *common, o *migrateUpOptions, env *Env) er
 	if err := c.check(); err != nil {
 		return err
 	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
+	pool, err := c.targetPool(ctx)
 	if err != nil {
-		return cli.Usage("target URL %s: %w", redact(c.targetURL), err)
+		return err
 	}
 	defer pool.Close()
 	var st migrations.State

@@ -75,11 +75,7 @@ func targetPool(ctx context.Context, c *common) (*pgxpool.Pool, error) {
 	if err := c.check(); err != nil {
 		return nil, err
 	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
-	if err != nil {
-		return nil, fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
-	}
-	return pool, nil
+	return c.targetPool(ctx)
 }
 
 func entryID(s string) (int64, error) {

@@ -30,7 +30,7 @@ type runOptions struct {
 	worker, metrics, ttls, roots, captureStatus string
 	group                                       *string
 	tokenFile                                   string
-	leaseTTL, targetTCPTimeout                  time.Duration
+	leaseTTL                                    time.Duration
 	batch                                       int
 	share                                       float64
 	hold                                        bool
@@ -73,7 +73,6 @@ address (run refuses to start without it).`,
 	f.String(&o.archivePartition, "archive-partition", "EPITAPH_ARCHIVE_PARTITION", archive.DefaultPeriod, "partition the archive's rows by commit_time: day, week or month (for archive v1 when this worker creates it; a rebuild takes its own)")
 	f.String(&o.roots, "snapshot-roots", "EPITAPH_SNAPSHOT_ROOTS", "", "comma-separated schema.table roots of snapshot documents")
 	f.Duration(&o.leaseTTL, "lease-ttl", "EPITAPH_LEASE_TTL", projection.DefaultLeaseTTL, "partition lease TTL", cli.Positive())
-	f.Duration(&o.targetTCPTimeout, "target-tcp-timeout", "EPITAPH_TARGET_TCP_TIMEOUT", projection.DefaultTargetTCPTimeout, "how long what the projector sends to the target (a page, a lease renewal, a keepalive probe) may stay unacknowledged before the connection is given up and the work retried on a new one, so a path to the target that died silently (a failover to another address) is noticed within about this long (TCP_USER_TIMEOUT; Linux only; 1s to 24h; 0: the system's default, about 15 minutes)", cli.NotNegative())
 	f.String(&o.captureStatus, "capture-status-url", "EPITAPH_CAPTURE_STATUS_URL", "", "the capture's /status URL, for its slot lag on the status page at /")
 	f.String(&o.tokenFile, "http-token-file", "EPITAPH_HTTP_TOKEN_FILE", "", "file holding the bearer token (not world-readable) that the HTTP actions and the read API require: the status page's quarantine replay/discard (without it they answer 401) and /v1/... (without it open, allowed on a loopback --metrics-addr only)")
 	f.Int(&o.batch, "batch-size", "EPITAPH_BATCH_SIZE", projection.MaxBatchSize, "events per applied page", cli.Min(1), cli.Max(projection.MaxBatchSize))
@@ -136,7 +135,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
 		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
-		CleanupRate: cleanupRate(o.cleanupRate), ArchivePartition: o.archivePartition, TargetTCPTimeout: tcpTimeout(o.targetTCPTimeout),
+		CleanupRate: cleanupRate(o.cleanupRate), ArchivePartition: o.archivePartition, TargetTCPTimeout: c.tcpTimeout(),
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
 		return err
@@ -183,7 +182,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	// Waits (GET /wait, the read API's wait_lsn) poll on a small pool of
 	// their own, a bounded number at once: however many arrive, the apply
 	// keeps its connections.
-	waitPool, err := status.NewWaitPool(ctx, c.targetURL, tcpTimeout(o.targetTCPTimeout))
+	waitPool, err := status.NewWaitPool(ctx, c.targetURL, c.tcpTimeout())
 	if err != nil {
 		_ = disp.Stop(context.WithoutCancel(ctx))
 		_ = svc.Stop(context.WithoutCancel(ctx))
@@ -277,12 +276,3 @@ func loopback(addr string) bool {
 // maxWaits bounds the waits (GET /wait, wait_lsn) a projector runs at
 // once; more are answered 503 with Retry-After.
 const maxWaits = 64
-
-// tcpTimeout is --target-tcp-timeout as the Config takes it: 0 (the
-// system's default) is negative there, where 0 is the default.
-func tcpTimeout(d time.Duration) time.Duration {
-	if d == 0 {
-		return -1
-	}
-	return d
-}

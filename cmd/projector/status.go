@@ -6,7 +6,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
@@ -51,9 +50,9 @@ there is no live version.`,
 		if err := c.check(); err != nil {
 			return err
 		}
-		pool, err := pgxpool.New(ctx, c.targetURL)
+		pool, err := c.targetPool(ctx)
 		if err != nil {
-			return cli.Usage("target URL %s: %w", redact(c.targetURL), err)
+			return err
 		}
 		defer pool.Close()
 		if err := pool.Ping(ctx); err != nil {

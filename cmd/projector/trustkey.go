@@ -8,7 +8,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
@@ -108,9 +107,9 @@ func trustKey(ctx context.Context, c *common, env *Env, p trustKeyParams) error 
 		}
 		pub = k
 	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
+	pool, err := c.targetPool(ctx)
 	if err != nil {
-		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
+		return err
 	}
 	defer pool.Close()
 	if err := migrations.Apply(ctx, pool); err != nil {
@@ -250,9 +249,9 @@ func legacyBoundary(ctx context.Context, c *common, env *Env, spec string) error
 			return cli.Usage("--legacy-boundary: stream %s has %d partitions, no partition %d", name, parts, p)
 		}
 	}
-	pool, err := pgxpool.New(ctx, c.targetURL)
+	pool, err := c.targetPool(ctx)
 	if err != nil {
-		return fmt.Errorf("connect to target %s: %w", redact(c.targetURL), err)
+		return err
 	}
 	defer pool.Close()
 	if err := migrations.Apply(ctx, pool); err != nil {
