@@ -6,6 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"sync"
@@ -15,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/bench"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/internal/workload"
@@ -397,7 +402,10 @@ func TestLostIdentityIsAGapInTheArchive(t *testing.T) {
 // publishes the whole transaction again, and its signed commit covers that
 // replay. The projector archives the replay, each row once and equal to
 // what the source deleted, and quarantines the stale prefix alone; the
-// stream holds nothing else of the transaction.
+// stream holds nothing else of the transaction. A webhook on the table
+// (queued, --no-revalidate, the table being gone) is sent each row of the
+// replay and never one of the stale copies, whose deliveries were queued
+// unverified and replaced at the commit by the replay's.
 func TestKillInsideATransactionThatDropsItsTable(t *testing.T) {
 	t.Parallel()
 	bins := binaries(t)
@@ -426,10 +434,43 @@ func TestKillInsideATransactionThatDropsItsTable(t *testing.T) {
 	require.NoError(t, err)
 	defer watch.Close()
 	require.NoError(t, bench.WaitCaptureReady(ctx, watch, url, "epitaph_e2e_gone", captureReadyTimeout, nil))
+	// The webhook: it accepts every request and counts, per row id, the
+	// requests whose key is the replay's (none) and those with a key.
+	var hookMu sync.Mutex
+	sent, keyed := map[int64]int{}, 0
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	hs := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body handler.Body
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		var id int64
+		_ = json.Unmarshal(body.Columns["id"], &id)
+		hookMu.Lock()
+		sent[id]++
+		if string(body.Key) != "null" {
+			keyed++
+		}
+		hookMu.Unlock()
+		w.WriteHeader(http.StatusOK)
+	})}
+	go func() { _ = hs.Serve(ln) }()
+	defer hs.Close()
+	secretFile := filepath.Join(t.TempDir(), "hook.secret")
+	require.NoError(t, os.WriteFile(secretFile, []byte(handler.NewSecret()+"\n"), 0o600))
+	pcreds := "EPITAPH_NATS_CREDS=" + filepath.Join(dataDir, "nats", "projector.creds")
+	add := exec.Command(bins["projector"], "handlers", "add", "--id", "55555555-5555-4555-8555-555555555555", "--table", "public.gone",
+		"--kind", "webhook", "--target", "http://"+ln.Addr().String()+"/hook", "--backoff", "100ms", "--secret-file", secretFile,
+		"--columns", "id,v", "--no-revalidate")
+	add.Env = append(os.Environ(), joinEnv(bench.ProjectorEnv(url, natsURL, "", "main", "cli"), pcreds)...)
+	out, err := add.CombinedOutput()
+	require.NoError(t, err, string(out))
+
 	m, err := bench.LocalAddr()
 	require.NoError(t, err)
-	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"),
-		"EPITAPH_NATS_CREDS="+filepath.Join(dataDir, "nats", "projector.creds")), seed+1, "run")
+	supervise(t, "projector", bins["projector"], joinEnv(bench.ProjectorEnv(url, natsURL, m, "main", "worker-0"), pcreds), seed+1, "run")
 	require.NoError(t, workload.WaitFor(ctx, time.Minute, 20*time.Millisecond, func(ctx context.Context) (bool, error) {
 		n, err := bench.Count(ctx, url, `SELECT count(*) FROM pg_class WHERE relname = 'gone' AND relreplident = 'f'`)
 		return n == 1, err
@@ -510,6 +551,29 @@ func TestKillInsideATransactionThatDropsItsTable(t *testing.T) {
 	require.Positive(t, quarantined, "the replay differed from the stored prefix (the case under test)")
 	require.Equal(t, []string{"delete.public.gone"}, subjects)
 	require.Equal(t, []string{"unauthenticated"}, cats)
+	// The webhook: every row of the replay sent (once, as nothing fails),
+	// none of the stale copies.
+	require.NoError(t, workload.WaitFor(ctx, 2*time.Minute, 100*time.Millisecond, func(context.Context) (bool, error) {
+		hookMu.Lock()
+		defer hookMu.Unlock()
+		return len(sent) >= rows, nil
+	}), "the webhook is sent every row")
+	require.NoError(t, workload.WaitFor(ctx, time.Minute, 100*time.Millisecond, func(ctx context.Context) (bool, error) {
+		n, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries WHERE state NOT IN ('done', 'stopped')`)
+		return n == 0, err
+	}), "every delivery settled")
+	hookMu.Lock()
+	defer hookMu.Unlock()
+	require.Zero(t, keyed, "no stale copy (the rows with a key) was ever sent")
+	for _, d := range ledger.rows {
+		require.Equal(t, 1, sent[d.id], "row %d sent once", d.id)
+	}
+	require.Len(t, sent, rows, "nothing else sent")
+	done, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`)
+	require.NoError(t, err)
+	all, err := bench.Count(ctx, url, `SELECT count(*) FROM epitaph.deliveries`)
+	require.NoError(t, err)
+	require.Equal(t, []int64{rows, rows}, []int64{done, all}, "one delivery per row, done: a stale copy's was replaced by the replay's")
 	t.Logf("%d rows archived once each; the stale prefix of %d rows quarantined (%d acknowledged before the kill: the embedded broker died with the capture)",
 		rows, quarantined, stored)
 }
