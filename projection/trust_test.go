@@ -302,6 +302,68 @@ func TestTransactionRepublishedAfterAStalePrefixIsArchived(t *testing.T) {
 	}
 }
 
+// A holder of the stream's publish credentials copies every row of a
+// 30-row transaction with other values (forged ids, the real partition
+// sequences), all before the real rows or all after them, before the
+// signed commit: 2^30 combinations, far past the slow path's budget. The
+// real transaction is archived row by row and the 30 forgeries are
+// quarantined; without trying the first and the last copies the whole
+// transaction, real rows included, would be.
+func TestForgedCopiesOfEveryRowLose(t *testing.T) {
+	t.Parallel()
+	const lines = 29
+	for _, before := range []bool{true, false} {
+		t.Run(fmt.Sprintf("before=%v", before), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, 1)
+			e.signer = testenv.NewSignerV2()
+			cfg := e.config("w1")
+			cfg.BatchSize = 7 // the forgeries and the real rows span pages
+			e.start(cfg)
+			c := e.conn()
+
+			tx := e.nextTx(orderRows(1, lines)...)
+			msgs := e.signed(e.signer, tx)
+			rows, commit := msgs[:len(msgs)-1], msgs[len(msgs)-1]
+			var forged []*nats.Msg
+			for i, m := range rows {
+				var ev event.Event
+				require.NoError(t, json.Unmarshal(m.Data, &ev))
+				ev.Row = json.RawMessage(fmt.Sprintf(`{"id":%d,"order_id":1,"qty":999}`, 5000+i))
+				f := nats.NewMsg(m.Subject)
+				f.Header = nats.Header{}
+				f.Header.Set(event.HeaderPartitionSeq, m.Header.Get(event.HeaderPartitionSeq))
+				f.Header.Set(event.HeaderDigestAlg, event.DigestAlgV2)
+				f.Header.Set(event.HeaderMsgID, fmt.Sprintf("forged-%d", i))
+				var err error
+				f.Data, err = event.Encode(&ev)
+				require.NoError(t, err)
+				forged = append(forged, f)
+			}
+			first, then := forged, rows // seq 1-30, then 31-60
+			if !before {
+				first, then = rows, forged
+			}
+			e.publishRaw(first)
+			e.publishRaw(then)
+			e.publishRaw([]*nats.Msg{commit}) // seq 61
+			after := e.nextTx(orderRows(2, 1)...)
+			e.publish(after) // seq 62-64
+
+			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 64 })
+			want := expected(t, c, tx, after)
+			require.Equal(t, want, archived(t, c, "archive.rows"), "the real transaction archived, row by row")
+			require.Equal(t, want, archived(t, c, "archive_v1.rows"), "no forgery left, not even invisibly")
+			from := int64(1)
+			if !before {
+				from = 31
+			}
+			require.Equal(t, seqs(from, from+lines, subjects(forged), trust.CategoryUnauthenticated), quarantined(t, c),
+				"the forgeries, and nothing else, quarantined")
+		})
+	}
+}
+
 // A forged mark (unsigned, or signed by an untrusted key) claiming a far
 // future LSN is quarantined and does not move the partition's watermark.
 func TestForgedMarkDoesNotMoveSourceLSN(t *testing.T) {

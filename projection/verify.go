@@ -44,8 +44,8 @@ import (
 //     re-published after a foreign one took its id) the window is read
 //     again from the stream and, among the candidates with the commit's LSN,
 //     the choice of one message per seq whose digest is the signed one is
-//     the transaction (the last copy of each seq first, then every
-//     combination, bounded: maxChoices). Whatever else was pending is
+//     the transaction (the last copy of each seq first, then the first
+//     copy, then every combination, bounded: maxChoices). Whatever else was pending is
 //     quarantined as unauthenticated, and so is all of it when no choice
 //     matches.
 //   - At a verified mark, heartbeat or gap, whatever is pending cannot be
@@ -763,8 +763,9 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 // deletes; truncates add to it) that has one; nil when there is no such
 // choice within maxChoices digests. For each k the last candidate of each
 // seq in stream order is tried first (a capture's replay of a transaction
-// follows what it stored before a restart). Candidates with a seq beyond
-// the transaction's (forged) are never chosen. For a digest v2 (v2), a seq
+// follows what it stored before a restart), then the first one, whatever
+// the number of combinations. Candidates with a seq beyond the
+// transaction's (forged) are never chosen. For a digest v2 (v2), a seq
 // with no candidate at all is looked up with purged (the erasure ledger):
 // its body hash stands for the absent message, which is not chosen (it is
 // not there) but listed in the second result. Errors are transient.
@@ -794,24 +795,31 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 		if choices == 0 {
 			return nil, nil, nil // a seq below k is missing: so it is for every larger k
 		}
-		// The last copy of each seq first, in one digest: a capture
+		// The last copy of each seq first, then the first copy, one
+		// digest each, whatever the number of choices: a capture
 		// restarted inside a transaction publishes it again after what it
 		// had stored, and that earlier prefix may differ (it was decoded
 		// against a catalog that changed before the restart: a table
-		// dropped, a key replaced). Every seq of such a prefix has two
-		// candidates, more choices than the budget from a few dozen rows
-		// on, and the replayed copies are the last ones.
+		// dropped, a key replaced), so the replay is the last copy; copies
+		// a forger adds after the real rows leave the real ones first.
+		// Every seq of such a prefix has two candidates: more choices than
+		// the budget from 9 rows on. (These two do not count against it.)
 		pick := make([]int, k)
 		for s := range pick {
 			pick[s] = max(len(bySeq[s])-1, 0)
 		}
-		absent.hash(d, bySeq, pick)
-		budget--
-		if d.Sum() == want {
-			out, absent := chosenSet(bySeq, copies, pick)
-			return out, absent, nil
+		for try := 0; try < 2 && (try == 0 || choices > 1); try++ {
+			if try == 1 {
+				clear(pick)
+			}
+			absent.hash(d, bySeq, pick)
+			if d.Sum() == want {
+				out, absent := chosenSet(bySeq, copies, pick)
+				return out, absent, nil
+			}
 		}
 		if choices == 1 {
+			budget--
 			continue // that was the only choice
 		}
 		if choices > budget {
