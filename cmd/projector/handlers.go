@@ -605,7 +605,9 @@ first (naming how many remain).`,
 	cli.Local(cmd).Duration(&timeout, "timeout", "", time.Minute, "give up after this long", cli.Positive())
 	cli.Local(cmd).Int(&parallelism, "handler-parallelism", "EPITAPH_HANDLER_PARALLELISM", handler.DefaultParallelism, "deliveries run at once", cli.Min(1))
 	var sourceURL string
+	var sourceTCPTimeout time.Duration
 	sourceURLFlag(cli.Local(cmd), &sourceURL)
+	sourceTCPTimeoutFlag(cli.Local(cmd), &sourceTCPTimeout)
 	asJSON := jsonFlag(cmd, `{"remaining": n, "cursor_pending": rows after cursor handlers' cursors (when any)}`)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
@@ -618,7 +620,7 @@ first (naming how many remain).`,
 			} else {
 				env.Logger.Warn("no NATS connection: nats handlers' deliveries will be retried", "nats", redact(c.natsURL))
 			}
-			ev, reval, err := newRevalidator(pool, sourceURL, env, nil)
+			ev, reval, err := newRevalidator(pool, sourceURL, sourceTCPTimeout, env, nil)
 			if err != nil {
 				return err
 			}

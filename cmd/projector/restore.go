@@ -7,11 +7,12 @@ import (
 	"io"
 	"os/user"
 	"strings"
+	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/restore"
 )
 
@@ -20,6 +21,7 @@ func init() { register(restoreCommand) }
 type restoreOptions struct {
 	correlation, rootKey, table, key, sourceURL, onConflict, actor string
 	dryRun                                                         bool
+	sourceTCPTimeout                                               time.Duration
 }
 
 func restoreCommand(env *Env) *cobra.Command {
@@ -61,6 +63,7 @@ its key only.`,
 	c := commonFlags(cmd, env)
 	f := cli.Local(cmd)
 	f.String(&o.sourceURL, "source-url", "EPITAPH_SOURCE_URL", "", "the source Postgres URL to restore into")
+	sourceTCPTimeoutFlag(f, &o.sourceTCPTimeout)
 	cmd.Flags().StringVar(&o.correlation, "correlation", "", "the source transaction: archive.rows.correlation_id (<src>:<xid>:<commit_lsn>)")
 	cmd.Flags().StringVar(&o.rootKey, "root-key", "", `restore this root's snapshot subtree only, e.g. '{"id": 42}'`)
 	cmd.Flags().StringVar(&o.table, "table", "", "schema.table: of the row (--key) or of the root (--root-key)")
@@ -77,13 +80,17 @@ its key only.`,
 		if o.sourceURL == "" {
 			return cli.Usage("no source database: set EPITAPH_SOURCE_URL or --source-url")
 		}
+		srcTimeout, err := dialTimeout("source-tcp-timeout", o.sourceTCPTimeout)
+		if err != nil {
+			return err
+		}
 		ctx := cmd.Context()
 		pool, err := targetPool(ctx, c)
 		if err != nil {
 			return err
 		}
 		defer pool.Close()
-		source, err := pgx.Connect(ctx, o.sourceURL)
+		source, err := pgdial.Connect(ctx, o.sourceURL, srcTimeout)
 		if err != nil {
 			return fmt.Errorf("connect to source %s: %w", redact(o.sourceURL), err)
 		}

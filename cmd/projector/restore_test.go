@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"strconv"
 	"testing"
 	"time"
@@ -123,9 +124,53 @@ func TestRestoreCommand(t *testing.T) {
 		{[]string{"restore", "--correlation", corr, "--table", "public.orders", "--key", `[1]`}, `--key "[1]": want a JSON object`},
 		{[]string{"restore", "--correlation", corr, "--table", "orders", "--key", `{"id":1}`}, `--table "orders": want schema.table`},
 		{[]string{"restore", "--correlation", corr, "--root-key", `{"id":1}`, "--key", `{"id":1}`}, "--root-key and --key exclude each other"},
+		{[]string{"restore", "--correlation", corr, "--source-tcp-timeout", "500ms"}, "--source-tcp-timeout 500ms: use 1s to 24h"},
 	} {
 		code, _, stderr := projector(t, vars, tc.args...)
 		require.Equal(t, 2, code, "%v: %s", tc.args, stderr)
 		require.Contains(t, stderr, tc.msg, strconv.Quote(stderr))
 	}
+
+	// A path to the source that dies silently while the restore waits for
+	// an answer (its read of the existing keys waits behind a lock; the
+	// lock is released once every path through the proxy is dead): with
+	// --source-tcp-timeout 2s the restore fails within seconds, nothing
+	// written, instead of waiting for TCP keepalive to give up (about two
+	// and a half minutes; this test's bound is 20 s).
+	if runtime.GOOS != "linux" {
+		return // TCP_USER_TIMEOUT and the proxy's socket filters are Linux's
+	}
+	proxy, viaProxy := testenv.ProxiedURL(t, url)
+	lock, err := conn.Begin(ctx)
+	require.NoError(t, err)
+	_, err = lock.Exec(ctx, `LOCK TABLE public.orders IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	done := make(chan [3]string, 1)
+	go func() {
+		code, out, stderr := projector(t, map[string]string{"EPITAPH_TARGET_URL": url, "EPITAPH_SOURCE_URL": testenv.NoSearchPath(viaProxy),
+			"EPITAPH_SOURCE_TCP_TIMEOUT": "2s", "USER": "erin"}, "restore", "--correlation", corr, "--on-conflict", "skip")
+		done <- [3]string{strconv.Itoa(code), out, stderr}
+	}()
+	waiting := func() bool {
+		c2, err := pgx.Connect(ctx, url)
+		if err != nil {
+			return false
+		}
+		defer c2.Close(ctx)
+		var n int
+		return c2.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%orders%'`).Scan(&n) == nil && n == 1
+	}
+	require.Eventually(t, waiting, 20*time.Second, 20*time.Millisecond, "the restore waits behind the lock")
+	require.Positive(t, proxy.BlackholeAllBut(t, 0), "the restore's connection goes through the proxy")
+	start := time.Now()
+	require.NoError(t, lock.Rollback(ctx))
+	select {
+	case r := <-done:
+		require.NotEqual(t, "0", r[0], "the answer was lost with the path: %s", r[1])
+		require.Contains(t, r[2], "timed out", r[2])
+		t.Logf("the restore failed %s after the path died: %s", time.Since(start).Round(time.Millisecond), r[2])
+	case <-time.After(20 * time.Second):
+		t.Fatal("the restore still waits 20 s after its path to the source died")
+	}
+	require.Equal(t, []string{"(7,1.50,-0)", "(8,1.50,-0)"}, orders(), "nothing written")
 }

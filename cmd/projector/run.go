@@ -30,7 +30,7 @@ type runOptions struct {
 	worker, metrics, ttls, roots, captureStatus string
 	group                                       *string
 	tokenFile                                   string
-	leaseTTL                                    time.Duration
+	leaseTTL, sourceTCPTimeout                  time.Duration
 	batch                                       int
 	share                                       float64
 	hold                                        bool
@@ -90,16 +90,27 @@ address (run refuses to start without it).`,
 	f.Duration(&o.settleTimeout, "group-settle-timeout", "EPITAPH_GROUP_SETTLE_TIMEOUT", handler.DefaultGroupSettleTimeout, "after-group deliveries of a transaction whose commit never arrives are released after this, marked released_unsettled (rows of unsigned streams only)", cli.Positive())
 	f.Duration(&o.payloadRetention, "delivery-payload-retention", "EPITAPH_DELIVERY_PAYLOAD_RETENTION", handler.DefaultPayloadRetention, "delivery payloads older than this are scrubbed; queued work whose payload was scrubbed is dead-lettered", cli.Positive())
 	sourceURLFlag(f, &o.sourceURL)
+	sourceTCPTimeoutFlag(f, &o.sourceTCPTimeout)
 	f.String(&o.cpuProfile, "cpu-profile", "EPITAPH_CPU_PROFILE", "", "write a pprof CPU profile of the whole run to this file (diagnostics; empty: off)", cli.KeepEmpty())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), c, o, env) }
 	return cmd
+}
+
+// check refuses a bad --group or --source-tcp-timeout before anything
+// starts, and returns the source's dial timeout as pgdial.Set takes it.
+func (o runOptions) check() (srcTimeout time.Duration, err error) {
+	if err := checkGroup(*o.group); err != nil {
+		return 0, err
+	}
+	return dialTimeout("source-tcp-timeout", o.sourceTCPTimeout)
 }
 
 func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err := c.check(); err != nil {
 		return err
 	}
-	if err := checkGroup(*o.group); err != nil {
+	srcTimeout, err := o.check()
+	if err != nil {
 		return err
 	}
 	if o.worker == "" {
@@ -152,7 +163,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
-	ev, reval, err := newRevalidator(svc.Pool(), o.sourceURL, env, reg)
+	ev, reval, err := newRevalidator(svc.Pool(), o.sourceURL, o.sourceTCPTimeout, env, reg)
 	if err != nil {
 		_ = svc.Stop(context.WithoutCancel(ctx))
 		return err
@@ -192,7 +203,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	waitLimit := status.NewWaitLimiter(maxWaits)
 	srv.Handle("GET /wait", status.WaitHandler(waitPool, archive.Projection, status.WithWaitLimit(waitLimit)))
 	readapi.Register(srv, readapi.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, WaitDB: waitPool, WaitLimit: waitLimit})
-	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL,
+	console.Register(srv, console.Config{DB: svc.Pool(), Token: token, Source: c.sourceName, SourceURL: o.sourceURL, SourceTCPTimeout: srcTimeout,
 		Quarantine: actions, Logger: env.Logger})
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), stopTimeout)
 	defer stopCancel()

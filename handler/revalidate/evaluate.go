@@ -14,6 +14,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 )
 
 // DB is the target database: a pool (or a connection) on which the
@@ -33,6 +35,11 @@ type Config struct {
 	SourceTimeout time.Duration
 	// SourceMaxConns is the size of each source pool; default 4.
 	SourceMaxConns int32
+	// SourceTCPTimeout is the TCP_USER_TIMEOUT of the source pools'
+	// connections (pgdial.Set): a path to the source that died silently
+	// fails a read about this long after it was sent. 0 or negative: the
+	// system's default.
+	SourceTCPTimeout time.Duration
 	// SourceTracer, when set, traces every query on the source pools
 	// (tests count the reads with it).
 	SourceTracer pgx.QueryTracer
@@ -296,6 +303,7 @@ func (e *Evaluator) pool(ctx context.Context, url string) (*pgxpool.Pool, error)
 	}
 	pc.MaxConns = e.cfg.SourceMaxConns
 	pc.ConnConfig.Tracer = e.cfg.SourceTracer
+	pgdial.Set(&pc.ConnConfig.Config, e.cfg.SourceTCPTimeout)
 	p, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return nil, fmt.Errorf("open source pool: %w", err)

@@ -11,9 +11,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/internal/pgdial"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/erasure"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -111,7 +110,7 @@ func (c *console) restore(r *http.Request, body []byte) (int, any) {
 		return errorAnswer(http.StatusServiceUnavailable, "restores are off: the projector has no source database (--source-url)")
 	}
 	ctx := r.Context()
-	src, err := pgx.Connect(ctx, c.cfg.SourceURL)
+	src, err := pgdial.Connect(ctx, c.cfg.SourceURL, c.cfg.SourceTCPTimeout)
 	if err != nil {
 		return errorAnswer(http.StatusServiceUnavailable, "the source database cannot be reached: %s", quarantine.Sanitize(err))
 	}

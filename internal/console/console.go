@@ -66,6 +66,9 @@ type Config struct {
 	// Source is the source name (archive.rows.source) and SourceURL its
 	// database, where restores write; empty SourceURL: restores are off.
 	Source, SourceURL string
+	// SourceTCPTimeout is the TCP_USER_TIMEOUT of a restore's connection
+	// to the source (pgdial.Set); 0 or negative: the system's default.
+	SourceTCPTimeout time.Duration
 	// Quarantine replays and discards quarantine entries (the status
 	// page's actions, statuspage.QuarantineActions); nil: the console
 	// lists the entries only.

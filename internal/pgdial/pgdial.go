@@ -6,11 +6,14 @@
 package pgdial
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net"
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -45,6 +48,17 @@ func Set(c *pgconn.Config, timeout time.Duration) {
 		}
 	}
 	c.DialFunc = d.DialContext
+}
+
+// Connect opens one connection to url dialled by Set with timeout. A
+// malformed URL's error does not quote it (it may hold a password).
+func Connect(ctx context.Context, url string, timeout time.Duration) (*pgx.Conn, error) {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return nil, errors.New("invalid database URL")
+	}
+	Set(&cfg.Config, timeout)
+	return pgx.ConnectConfig(ctx, cfg)
 }
 
 // The bounds of a timeout Set is given: shorter would give up
