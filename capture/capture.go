@@ -419,6 +419,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
 	s.cat = newCatalog(s.pool)
+	s.cat.store = newFactsStore(ctx, s.pool, cfg.PublicationName, cfg.Standby, s.log)
 	if err := s.cat.remember(ctx, sel.oids()); err != nil {
 		return err
 	}

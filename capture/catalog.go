@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
@@ -27,6 +28,9 @@ type catalog struct {
 	// streamer and filled by the catalog watch too (remember), under mu.
 	mu    sync.Mutex
 	known map[uint32]tableFacts
+	// store keeps the facts on the source across restarts (nil: memory
+	// only).
+	store *factsStore
 }
 
 type tableFacts struct {
@@ -170,12 +174,27 @@ func (c *catalog) table(ctx context.Context, relID uint32) (cur, before tableFac
 		return f, before, err
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	before = c.known[relID]
+	before, known := c.known[relID]
+	if f.exists {
+		c.known[relID] = f
+	}
+	c.mu.Unlock()
 	if !f.exists {
+		if !known {
+			// Dropped before this capture read it: what an earlier run
+			// recorded, if any.
+			if kept, ok := c.store.load(ctx, relID); ok {
+				before = kept
+				c.mu.Lock()
+				c.known[relID] = kept
+				c.mu.Unlock()
+			}
+		}
 		return before, before, nil
 	}
-	c.known[relID] = f
+	if !known || !reflect.DeepEqual(before, f) {
+		c.store.save(ctx, relID, f)
+	}
 	return f, before, nil
 }
 
@@ -197,6 +216,7 @@ func (c *catalog) remember(ctx context.Context, relIDs []uint32) error {
 			c.mu.Lock()
 			c.known[id] = f
 			c.mu.Unlock()
+			c.store.save(ctx, id, f)
 		}
 	}
 	return nil

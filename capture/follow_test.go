@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"slices"
@@ -363,6 +364,38 @@ func TestKeys(t *testing.T) {
 	require.JSONEq(t, `{"id":1}`, keys["ren"], "FULL, key column renamed since: found by position")
 	require.JSONEq(t, `{"id":1}`, keys["renk"], "key identity, key column renamed since: the message's flags")
 	require.JSONEq(t, `{"id":1}`, keys["gone"], "dropped since: the message's flags")
+}
+
+// TestKeysOfAFullTableDroppedWhileStopped: a FULL table's Relation
+// message flags every column, so only the catalog says which is the key.
+// The capture records what it read of each published relation on the
+// source (epitaph_capture.relation_facts): a capture started after the
+// table was dropped, its deletes still in the slot, still gives them the
+// primary key and the foreign keys. Before the record they came without
+// a key.
+func TestKeysOfAFullTableDroppedWhileStopped(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE parent (id int PRIMARY KEY); INSERT INTO parent VALUES (7);
+		CREATE TABLE gonefull (id int PRIMARY KEY, parent_id int REFERENCES parent, v text); ALTER TABLE gonefull REPLICA IDENTITY FULL;
+		INSERT INTO gonefull VALUES (1, 7, 'a'), (2, 7, 'b')`)
+	svc := e.start(t, func(c *Config) { c.CatalogPoll = -1 })
+	require.NoError(t, svc.Stop(context.Background()))
+	require.NoError(t, svc.Wait())
+	require.Equal(t, `epitaph public.gonefull ["id"], epitaph public.parent ["id"]`, queryString(t, e.db,
+		`SELECT string_agg(publication || ' ' || relation || ' ' || (facts->>'pk'), ', ' ORDER BY relation) FROM epitaph_capture.relation_facts`),
+		"what the capture read of each published table, recorded on the source")
+	e.exec(t, `DELETE FROM gonefull; DROP TABLE gonefull`)
+	e.start(t, func(c *Config) { c.CatalogPoll = -1 })
+	ms := e.deletes(t, "main", 2)
+	for _, m := range ms {
+		require.Equal(t, "gonefull", m.ev.Table)
+		var row struct{ ID int }
+		require.NoError(t, json.Unmarshal(m.ev.Row, &row))
+		require.JSONEq(t, fmt.Sprintf(`{"id":%d}`, row.ID), string(m.ev.Key), "the primary key the capture recorded")
+		require.Equal(t, []event.Ref{{Columns: []string{"parent_id"}, Schema: "public", Table: "parent", RefColumns: []string{"id"}}}, m.ev.Refs)
+		require.Equal(t, []event.Column{{Name: "id", Type: "integer", PK: true}, {Name: "parent_id", Type: "integer"}, {Name: "v", Type: "text"}}, m.ev.Columns)
+	}
 }
 
 // TestGeneratedColumns: a generated column is listed, marked, where the

@@ -432,7 +432,7 @@ func (a *adopter) find(ctx context.Context, out outMsg, alg string) (ok bool, st
 		}
 		// A forger's, or a copy an earlier run published before a
 		// restart and decodes differently now (the catalog changed
-		// since: a table dropped, a key replaced): either way the
+		// since: a type renamed, a key replaced): either way the
 		// replay is published after it, and the commit's digest covers
 		// the replay, which the projector chooses.
 		a.s.foreign(m.seq, m.subject, "does not match what the capture publishes at position "+out.pos+

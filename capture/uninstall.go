@@ -158,6 +158,13 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	if err := p.planIdentities(ctx, conn); err != nil {
 		return nil, err
 	}
+	var facts bool
+	if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, factsTable).Scan(&facts); err != nil {
+		return nil, fmt.Errorf("read %s: %w", factsTable, err)
+	}
+	if facts {
+		p.Steps = append(p.Steps, "DELETE FROM "+factsTable+" WHERE publication = "+pgquote.Literal(p.cfg.PublicationName))
+	}
 	p.Notes = append(p.Notes, "the JetStream stream and the capture's data directory are left as they are")
 	return p, nil
 }
@@ -240,27 +247,41 @@ func (p *UninstallPlan) Apply(ctx context.Context) error {
 			return fmt.Errorf("%s: %w", s, err)
 		}
 	}
-	var left bool
-	err = conn.QueryRow(ctx, `SELECT to_regclass('epitaph_capture.replica_identity') IS NOT NULL`).Scan(&left)
-	if err != nil || !left {
-		return err
+	// Each record table goes when no other publication's records are
+	// left in it; the schema when both are gone.
+	gone := 0
+	for _, table := range []string{stateSchema + ".replica_identity", factsTable} {
+		var exists, left bool
+		if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
+			return fmt.Errorf("read %s: %w", table, err)
+		}
+		if exists {
+			if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+table+`)`).Scan(&left); err != nil {
+				return fmt.Errorf("read %s: %w", table, err)
+			}
+			if left {
+				continue
+			}
+			if _, err := conn.Exec(ctx, `DROP TABLE `+table); err != nil {
+				return fmt.Errorf("drop %s: %w", table, err)
+			}
+		}
+		gone++
 	}
-	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM epitaph_capture.replica_identity)`).Scan(&left); err != nil {
-		return fmt.Errorf("read recorded replica identities: %w", err)
+	var schema bool
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, stateSchema).Scan(&schema); err != nil {
+		return fmt.Errorf("read schema %s: %w", stateSchema, err)
 	}
-	if left {
+	if gone < 2 || !schema {
 		return nil
 	}
-	if _, err := conn.Exec(ctx, `DROP TABLE epitaph_capture.replica_identity`); err != nil {
-		return fmt.Errorf("drop epitaph_capture.replica_identity: %w", err)
-	}
 	// The schema only when empty (RESTRICT): nothing else of ours is there.
-	if _, err := conn.Exec(ctx, `DROP SCHEMA epitaph_capture`); err != nil {
+	if _, err := conn.Exec(ctx, `DROP SCHEMA `+stateSchema); err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "2BP01" {
 			return nil
 		}
-		return fmt.Errorf("drop schema epitaph_capture: %w", err)
+		return fmt.Errorf("drop schema %s: %w", stateSchema, err)
 	}
 	return nil
 }

@@ -58,8 +58,9 @@ type supervised struct {
 	proc     *bench.Proc
 	starts   int
 	kills    int
-	selfExit int         // exits the test did not cause (e.g. Postgres restarted)
-	killed   *bench.Proc // the process the test last killed
+	selfExit int           // exits the test did not cause (e.g. Postgres restarted)
+	killed   *bench.Proc   // the process the test last killed
+	held     chan struct{} // non-nil: the next restart waits until it is closed (KillHeld)
 	stop     chan struct{}
 	done     chan struct{}
 }
@@ -123,10 +124,39 @@ func (s *supervised) loop() {
 			return
 		case <-time.After(time.Duration(100+s.rng.IntN(500)) * time.Millisecond):
 		}
+		s.mu.Lock()
+		held := s.held
+		s.mu.Unlock()
+		if held != nil {
+			select {
+			case <-s.stop:
+				return
+			case <-held:
+			}
+		}
 		if err := s.start(); err != nil {
 			s.t.Errorf("restart %s: %v", s.name, err)
 			return
 		}
+	}
+}
+
+// KillHeld SIGKILLs the running process and holds its restart until
+// Release: what the test does in between happens while it is down.
+func (s *supervised) KillHeld() {
+	s.mu.Lock()
+	s.held = make(chan struct{})
+	s.mu.Unlock()
+	s.Kill()
+}
+
+// Release lets the supervisor restart the process KillHeld killed.
+func (s *supervised) Release() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.held != nil {
+		close(s.held)
+		s.held = nil
 	}
 }
 

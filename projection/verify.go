@@ -799,8 +799,8 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 		// digest each, whatever the number of choices: a capture
 		// restarted inside a transaction publishes it again after what it
 		// had stored, and that earlier prefix may differ (it was decoded
-		// against a catalog that changed before the restart: a table
-		// dropped, a key replaced), so the replay is the last copy; copies
+		// against a catalog that changed before the restart: a type
+		// renamed, a key replaced), so the replay is the last copy; copies
 		// a forger adds after the real rows leave the real ones first.
 		// Every seq of such a prefix has two candidates: more choices than
 		// the budget from 9 rows on. (These two do not count against it.)
