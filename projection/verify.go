@@ -804,18 +804,18 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 		// a forger adds after the real rows leave the real ones first.
 		// Every seq of such a prefix has two candidates: more choices than
 		// the budget from 9 rows on. (These two do not count against it.)
-		pick := make([]int, k)
-		for s := range pick {
-			pick[s] = max(len(bySeq[s])-1, 0)
+		last := make([]int, k)
+		for s := range last {
+			last[s] = max(len(bySeq[s])-1, 0)
 		}
-		for try := 0; try < 2 && (try == 0 || choices > 1); try++ {
-			if try == 1 {
-				clear(pick)
-			}
+		for _, pick := range [][]int{last, make([]int, k)} {
 			absent.hash(d, bySeq, pick)
 			if d.Sum() == want {
 				out, absent := chosenSet(bySeq, copies, pick)
 				return out, absent, nil
+			}
+			if choices == 1 {
+				break // the last copies are the first ones
 			}
 		}
 		if choices == 1 {
@@ -826,7 +826,7 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 			return nil, nil, nil
 		}
 		budget -= choices
-		clear(pick)
+		pick := make([]int, k)
 		for n := 0; n < choices; n++ {
 			absent.hash(d, bySeq, pick)
 			if d.Sum() == want {
