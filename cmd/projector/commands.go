@@ -145,8 +145,8 @@ func (c *common) check() error {
 	if c.targetURL == "" {
 		return cli.Usage("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
 	}
-	if err := pgdial.CheckTimeout("--target-tcp-timeout", "--target-tcp-timeout", c.targetTCPTimeout); err != nil {
-		return cli.Usage("%w", err)
+	if _, err := dialTimeout("target-tcp-timeout", c.targetTCPTimeout); err != nil {
+		return err
 	}
 	if err := c.natsAuth.Validate(c.natsURL); err != nil {
 		return cli.Usage("%w", err)
@@ -155,14 +155,8 @@ func (c *common) check() error {
 }
 
 // tcpTimeout is --target-tcp-timeout as projection.Config and pgdial.Set
-// take it: 0 (the system's default) is negative there, where 0 is the
-// default.
-func (c *common) tcpTimeout() time.Duration {
-	if c.targetTCPTimeout == 0 {
-		return -1
-	}
-	return c.targetTCPTimeout
-}
+// take it (systemDefault).
+func (c *common) tcpTimeout() time.Duration { return systemDefault(c.targetTCPTimeout) }
 
 // targetPool opens a pool on the target for a command, dialled as run
 // dials it (--target-tcp-timeout): a statement whose path died silently

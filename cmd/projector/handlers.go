@@ -610,6 +610,10 @@ first (naming how many remain).`,
 	sourceTCPTimeoutFlag(cli.Local(cmd), &sourceTCPTimeout)
 	asJSON := jsonFlag(cmd, `{"remaining": n, "cursor_pending": rows after cursor handlers' cursors (when any)}`)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		srcTimeout, err := dialTimeout("source-tcp-timeout", sourceTCPTimeout)
+		if err != nil {
+			return err
+		}
 		ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 		defer cancel()
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
@@ -620,7 +624,7 @@ first (naming how many remain).`,
 			} else {
 				env.Logger.Warn("no NATS connection: nats handlers' deliveries will be retried", "nats", redact(c.natsURL))
 			}
-			ev, reval, err := newRevalidator(pool, sourceURL, sourceTCPTimeout, env, nil)
+			ev, reval, err := newRevalidator(pool, sourceURL, srcTimeout, env, nil)
 			if err != nil {
 				return err
 			}

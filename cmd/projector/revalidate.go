@@ -26,30 +26,33 @@ func sourceTCPTimeoutFlag(f cli.Flags, p *time.Duration) {
 	f.Duration(p, "source-tcp-timeout", "EPITAPH_SOURCE_TCP_TIMEOUT", projection.DefaultTargetTCPTimeout, "how long what the projector sends to the source (a revalidation read, a restore's statement, a keepalive probe while it waits for an answer) may stay unacknowledged before the connection is given up, so a path to the source that died silently fails the read or the restore within about this long (TCP_USER_TIMEOUT; Linux only; 1s to 24h; 0: the system's default, about 15 minutes)", cli.NotNegative())
 }
 
-// dialTimeout is a --*-tcp-timeout as pgdial.Set takes it (0, the
-// system's default, is negative there), or a usage error naming the flag
-// when it is out of range.
+// dialTimeout is a --*-tcp-timeout as pgdial.Set takes it (systemDefault),
+// or a usage error naming the flag when it is out of range.
 func dialTimeout(flag string, d time.Duration) (time.Duration, error) {
 	if err := pgdial.CheckTimeout("--"+flag, "--"+flag, d); err != nil {
 		return 0, cli.Usage("%w", err)
 	}
+	return systemDefault(d), nil
+}
+
+// systemDefault maps a --*-tcp-timeout's 0 (the system's default) to the
+// negative value pgdial.Set and projection.Config take for it (0 is the
+// default there).
+func systemDefault(d time.Duration) time.Duration {
 	if d == 0 {
-		return -1, nil
+		return -1
 	}
-	return d, nil
+	return d
 }
 
 // newRevalidator builds the evaluator the dispatcher calls before every
-// attempt. Close it after the dispatcher stopped.
+// attempt, dialling the source with sourceTCPTimeout (dialTimeout's).
+// Close it after the dispatcher stopped.
 func newRevalidator(pool *pgxpool.Pool, sourceURL string, sourceTCPTimeout time.Duration, env *Env, reg prometheus.Registerer) (*revalidate.Evaluator, handler.Revalidator, error) {
 	if sourceURL == "" {
 		env.Logger.Warn("no EPITAPH_SOURCE_URL (--source-url): every attempt of a handler that revalidates and has no source URL file fails, naming the setting; set it or add the handler with --no-revalidate")
 	}
-	t, err := dialTimeout("source-tcp-timeout", sourceTCPTimeout)
-	if err != nil {
-		return nil, nil, err
-	}
-	ev, err := revalidate.New(pool, revalidate.Config{SourceURL: sourceURL, SourceTCPTimeout: t, Logger: env.Logger, Registerer: reg})
+	ev, err := revalidate.New(pool, revalidate.Config{SourceURL: sourceURL, SourceTCPTimeout: sourceTCPTimeout, Logger: env.Logger, Registerer: reg})
 	if err != nil {
 		return nil, nil, err
 	}

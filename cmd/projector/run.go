@@ -163,7 +163,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	if err != nil {
 		return err
 	}
-	ev, reval, err := newRevalidator(svc.Pool(), o.sourceURL, o.sourceTCPTimeout, env, reg)
+	ev, reval, err := newRevalidator(svc.Pool(), o.sourceURL, srcTimeout, env, reg)
 	if err != nil {
 		_ = svc.Stop(context.WithoutCancel(ctx))
 		return err
