@@ -100,7 +100,7 @@ type soakTarget struct {
 	url     string
 	workers []*supervised
 	// erasedRows: archive rows erased on this target (for the readiness
-	// lower bound).
+	// lower bound), counted as each erase starts.
 	erasedRows int
 }
 
@@ -887,6 +887,12 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 			args = append(args, "--purge-stream")
 			creds = s.eraseCreds
 		}
+		// Counted before the erase runs: its rows leave this target's
+		// archive at its commit, before the command returns, and a
+		// readiness sample in between must not take them for lost.
+		s.mu.Lock()
+		tg.erasedRows += len(set)
+		s.mu.Unlock()
 		out, code := s.projectorAs(creds, tg, 2*time.Minute, args...)
 		if code != 0 {
 			s.violation("erase order %d on %s (purge=%v): exit %d: %s", o, tg.name, purge && i == 0, code, out)
@@ -912,9 +918,6 @@ func (s *soak) erase(rng *rand.Rand, hold bool) bool {
 		}
 	}
 	s.counts["erased-rows"] += len(set)
-	for _, tg := range s.targets {
-		tg.erasedRows += len(set)
-	}
 	s.mu.Unlock()
 	return true
 }
