@@ -69,7 +69,7 @@ var cursorPlan = append(append([]string{}, claimPlan...), `SET LOCAL plan_cache_
 // already: rows archived late into a claimed range after its first
 // claim, which the apply queued as rows (Enqueue), so a retry resends
 // exactly the batch it sent first; rows a restore put back before their
-// batch (SupersedeCursorRows). A retried batch (claimed_to set) is the
+// batch (StopCursorRows). A retried batch (claimed_to set) is the
 // range it claimed before, and keeps that claimed_to: the claimed
 // position never moves back. It waits until the horizon covers its whole
 // range again (after a promotion of a version that lags, rows of the

@@ -87,7 +87,7 @@ func TestCursorRetryWaitsForTheHorizonToCoverItsRange(t *testing.T) {
 }
 
 // Rows a restore put back before their batch are stopped for a cursor
-// handler (SupersedeCursorRows): the cursor leaves them out, its backlog
+// handler (StopCursorRows): the cursor leaves them out, its backlog
 // does not count them, and Flush does not wait for them. Rows at or
 // behind its claimed position (delivered, or in a batch in flight) are
 // left alone: the batch in flight goes out whole.
@@ -110,7 +110,7 @@ func TestCursorLeavesOutRowsARestoreSuperseded(t *testing.T) {
 		}
 		tx, err := e.pool.Begin(ctx)
 		require.NoError(t, err)
-		n, err := SupersedeCursorRows(ctx, tx, rows)
+		n, err := StopCursorRows(ctx, tx, rows, StopRestored)
 		require.NoError(t, err)
 		require.NoError(t, tx.Commit(ctx))
 		return n

@@ -297,7 +297,7 @@ func settle(ctx context.Context, target *pgxpool.Pool, res *Result, rows []*arch
 		n = int(tag.RowsAffected())
 		// A handler that follows a cursor has no row for a pending
 		// delivery: it gets a stopped one, which keeps the cursor from it.
-		c, err := handler.SupersedeCursorRows(ctx, tx, cursorRows)
+		c, err := handler.StopCursorRows(ctx, tx, cursorRows, handler.StopRestored)
 		if err != nil {
 			return err
 		}
