@@ -139,6 +139,14 @@ type Config struct {
 	// that is fetched; a bigger one is quarantined as "oversized" without
 	// being read. Default DefaultMaxRowBytes (256 MiB).
 	MaxRowBytes int64
+	// VerifyWindowBytes bounds the memory of verification's slow path
+	// (verify.go): the messages of a transaction whose rows failed the
+	// fast check that it reads back from the stream, each counted as its
+	// body and windowMsgOverhead. A transaction that needs more is not
+	// guessed at: its partition stops there with a transient error
+	// (kind verify_window) until the bound is raised. Default
+	// DefaultVerifyWindowBytes (256 MiB).
+	VerifyWindowBytes int64
 }
 
 // Defaults of the Config fields left zero, which the projector command's
@@ -150,6 +158,7 @@ const (
 	DefaultReadyMaxLag        = 1000
 	DefaultReadyMaxPendingAge = 30 * time.Second
 	DefaultTargetTCPTimeout   = 30 * time.Second
+	DefaultVerifyWindowBytes  = int64(256 << 20)
 )
 
 func (c *Config) setDefaults() {
@@ -195,6 +204,9 @@ func (c *Config) setDefaults() {
 	if c.TargetTCPTimeout == 0 {
 		c.TargetTCPTimeout = DefaultTargetTCPTimeout
 	}
+	if c.VerifyWindowBytes == 0 {
+		c.VerifyWindowBytes = DefaultVerifyWindowBytes
+	}
 }
 
 func (c *Config) validate() error {
@@ -238,6 +250,9 @@ func (c *Config) validate() error {
 	}
 	if c.MaxRowBytes < 0 {
 		errs = append(errs, fmt.Errorf("max row bytes %d must not be negative", c.MaxRowBytes))
+	}
+	if c.VerifyWindowBytes < 0 {
+		errs = append(errs, fmt.Errorf("verify window bytes %d must not be negative", c.VerifyWindowBytes))
 	}
 	for k, v := range c.ArchiveTTL {
 		if k != "*" && !strings.Contains(k, ".") {

@@ -237,6 +237,31 @@ func TestForgedRowPreemptingARealOneLoses(t *testing.T) {
 	}
 }
 
+// stalePrefix is what a capture killed inside the transaction msgs had
+// stored of it: copies of its first n rows with a key the first run read,
+// since replaced (so the copies differ from msgs). msgs become the
+// replay: their ids are republished ones, as the capture's.
+func stalePrefix(t *testing.T, msgs []*nats.Msg, n int) []*nats.Msg {
+	t.Helper()
+	var prefix []*nats.Msg
+	for i, m := range msgs[:n] {
+		var ev event.Event
+		require.NoError(t, json.Unmarshal(m.Data, &ev))
+		ev.Key = json.RawMessage(fmt.Sprintf(`{"line":%d}`, i))
+		p := nats.NewMsg(m.Subject)
+		p.Header = nats.Header{}
+		for k, v := range m.Header {
+			p.Header[k] = slices.Clone(v)
+		}
+		var err error
+		p.Data, err = event.Encode(&ev)
+		require.NoError(t, err)
+		prefix = append(prefix, p)
+		m.Header.Set(event.HeaderMsgID, event.RepublishedMsgID(m.Header.Get(event.HeaderMsgID), 1))
+	}
+	return prefix
+}
+
 // A capture SIGKILLed inside a transaction stored a prefix of its rows;
 // restarted, it decoded them again against a catalog that had changed
 // since (a key replaced, a table dropped), found the stored prefix not
@@ -269,22 +294,7 @@ func TestTransactionRepublishedAfterAStalePrefixIsArchived(t *testing.T) {
 			e.publish(before) // seq 1-3
 			tx := e.nextTx(orderRows(2, lines)...)
 			msgs := e.signed(e.signer, tx) // the replay, numbered and signed as the capture does
-			var prefix []*nats.Msg
-			for i, m := range msgs[:stale] {
-				var ev event.Event
-				require.NoError(t, json.Unmarshal(m.Data, &ev))
-				ev.Key = json.RawMessage(fmt.Sprintf(`{"line":%d}`, i)) // a key the first run read, since replaced
-				p := nats.NewMsg(m.Subject)
-				p.Header = nats.Header{}
-				for k, v := range m.Header {
-					p.Header[k] = slices.Clone(v)
-				}
-				var err error
-				p.Data, err = event.Encode(&ev)
-				require.NoError(t, err)
-				prefix = append(prefix, p)
-				m.Header.Set(event.HeaderMsgID, event.RepublishedMsgID(m.Header.Get(event.HeaderMsgID), 1))
-			}
+			prefix := stalePrefix(t, msgs, stale)
 			e.publishRaw(prefix) // seq 4-27: the killed run's
 			e.publishRaw(msgs)   // seq 28-58: the replay and its commit
 			after := e.nextTx(orderRows(3, 1)...)
@@ -300,6 +310,51 @@ func TestTransactionRepublishedAfterAStalePrefixIsArchived(t *testing.T) {
 			require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.gaps`))
 		})
 	}
+}
+
+// The slow path's memory is bounded: the same republished transaction,
+// read back in pages of 2, with VerifyWindowBytes far below its window.
+// The partition waits at the transaction (transient kind verify_window):
+// nothing of it archived, nothing quarantined, no gap, the transaction
+// after it not passed. A worker with the default bound takes over and
+// archives the replay, quarantining only the stale prefix.
+func TestSlowPathPastItsMemoryBoundHoldsThePartition(t *testing.T) {
+	t.Parallel()
+	const lines, stale = 29, 24
+	e := newEnv(t, 1)
+	e.signer = testenv.NewSignerV2()
+	cfg := e.config("w1")
+	cfg.BatchSize = 2
+	cfg.VerifyWindowBytes = 20 << 10 // about ten messages of the window's 54
+	s := e.start(cfg)
+	c := e.conn()
+
+	before := e.nextTx(orderRows(1, 1)...)
+	e.publish(before) // seq 1-3
+	tx := e.nextTx(orderRows(2, lines)...)
+	msgs := e.signed(e.signer, tx)
+	prefix := stalePrefix(t, msgs, stale)
+	e.publishRaw(prefix) // seq 4-27
+	e.publishRaw(msgs)   // seq 28-58
+	after := e.nextTx(orderRows(3, 1)...)
+	e.publish(after) // seq 59-61
+
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT count(*) FROM epitaph.progress WHERE last_failure_category = 'transient:verify_window'`) == 1
+	})
+	require.Less(t, count(t, c, `SELECT cursor FROM epitaph.progress`), 58, "the commit is not passed")
+	require.Equal(t, expected(t, c, before), archived(t, c, "archive.rows"), "only the transaction before it is archived")
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM epitaph.quarantine`), "nothing quarantined on a guess")
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.gaps`))
+
+	require.NoError(t, s.Stop(context.Background()))
+	cfg.WorkerID, cfg.VerifyWindowBytes = "w2", 0 // the default
+	e.start(cfg)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 61 })
+	want := expected(t, c, before, tx, after)
+	require.Equal(t, want, archived(t, c, "archive.rows"), "the replay archived, each row once")
+	require.Equal(t, seqs(4, 3+stale, subjects(prefix), trust.CategoryUnauthenticated), quarantined(t, c),
+		"only the stale prefix is quarantined")
 }
 
 // A holder of the stream's publish credentials copies every row of a

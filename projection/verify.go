@@ -68,8 +68,33 @@ import (
 // signed digest before the transaction is refused.
 const maxChoices = 256
 
-// maxWindow bounds how many messages the slow path re-reads.
-const maxWindow = 500_000
+// windowMsgOverhead is what a message the slow path reads back holds
+// besides its body (its item, headers and decoded event: about 1.5 KiB
+// measured for a row of 400 bytes), for Config.VerifyWindowBytes.
+const windowMsgOverhead = 1536
+
+// windowTooLarge is the transient error of a slow path whose window
+// would take more memory than Config.VerifyWindowBytes: the partition
+// waits at the transaction, nothing of it archived or quarantined, until
+// the bound is raised. Refusing the transaction instead would quarantine
+// real rows on a guess; reading on would risk the worker's memory and
+// every partition it holds.
+type windowTooLarge struct {
+	lsn      event.LSN
+	from, to uint64
+	read     int
+	budget   int64
+}
+
+func (e *windowTooLarge) Error() string {
+	return fmt.Sprintf("the rows of the transaction with commit LSN %s failed the fast check, and reading them back "+
+		"(stream sequences %d to %d, %d messages read) would take more than --verify-window-bytes (%d bytes): "+
+		"the partition waits here until it is raised", e.lsn, e.from, e.to, e.read, e.budget)
+}
+
+// TransientKind names it in metrics, progress and logs
+// (quarantine.TransientKind).
+func (e *windowTooLarge) TransientKind() string { return "verify_window" }
 
 type msgKind int
 
@@ -598,6 +623,12 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 	}
 	inPage := pv.pageIndex()
 	window, err := w.readWindow(ctx, st.TxStart+1, b.seq-1, inPage)
+	var big *windowTooLarge
+	if errors.As(err, &big) {
+		big.lsn = b.ev.CommitLSN
+		w.log.Error("a transaction cannot be verified within --verify-window-bytes; the partition waits",
+			"commit_lsn", b.ev.CommitLSN.String(), "stream_seq", b.seq, "read", big.read, "verify_window_bytes", big.budget)
+	}
 	if err != nil {
 		return 0, false, err
 	}
@@ -681,12 +712,15 @@ func heldRows(window []*item, b *item) (int, bool) {
 }
 
 // readWindow reads the partition's messages with stream sequences in
-// [from, to], using this page's items where they are in it.
+// [from, to], using this page's items where they are in it. The messages
+// read back may take at most Config.VerifyWindowBytes (a *windowTooLarge
+// error past it).
 func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPage map[uint64]*item) ([]*item, error) {
 	if to < from {
 		return nil, nil
 	}
 	var out []*item
+	var size int64 // of the messages read back
 	// Earlier pages: read back with an ordered consumer.
 	first := to + 1
 	for seq := range inPage {
@@ -722,6 +756,9 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 				if md.Sequence.Stream >= first {
 					return got, true, nil
 				}
+				if size += int64(len(m.Data())) + windowMsgOverhead; size > w.cfg.VerifyWindowBytes {
+					return got, false, &windowTooLarge{from: from, to: to, read: len(out), budget: w.cfg.VerifyWindowBytes}
+				}
 				it := &item{seq: md.Sequence.Stream, subject: m.Subject(), headers: m.Headers(), data: m.Data(), stored: md.Timestamp}
 				it.id = identityOf(it.headers, it.data)
 				if kindOf(it.subject) != kindRow {
@@ -739,8 +776,12 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 			}
 			return got, false, batch.Error()
 		}
-		for len(out) < maxWindow {
+		for {
 			got, past, err := fetch()
+			var big *windowTooLarge
+			if errors.As(err, &big) {
+				return nil, err
+			}
 			if err != nil {
 				return nil, fmt.Errorf("read back the pending transaction: %w", err)
 			}

@@ -70,8 +70,14 @@ func Classify(err error) (cat Category, permanent bool) {
 // TransientKind names the kind of a transient error for the
 // epitaph_projector_transient_errors_total{kind} metric: "connection",
 // "timeout", "serialization", "deadlock", "shutdown", "canceled", "postgres"
-// (other server errors) or "other".
+// (other server errors), the kind an error names itself with a
+// TransientKind() string method (the projection's "verify_window"), or
+// "other".
 func TransientKind(err error) string {
+	var named interface{ TransientKind() string }
+	if errors.As(err, &named) {
+		return named.TransientKind()
+	}
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
 		switch {

@@ -34,7 +34,7 @@ type runOptions struct {
 	batch                                       int
 	share                                       float64
 	hold                                        bool
-	maxRow                                      int64
+	maxRow, verifyWindow                        int64
 	readyLag                                    int64
 	readyAge                                    time.Duration
 	cleanupInterval, cleanupTimeout             time.Duration
@@ -79,6 +79,7 @@ address (run refuses to start without it).`,
 	f.Float64(&o.share, "rebuild-share", "EPITAPH_REBUILD_SHARE", projection.DefaultRebuildShare, "while the live version is busy, the most of this worker (a fraction of P concurrent pages) that versions being built may use", cli.Positive(), cli.Max(1))
 	f.Bool(&o.hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false, "hold mode: later events of a source row whose event is quarantined are quarantined as held (released in order by replay) instead of applied")
 	f.Int64(&o.maxRow, "max-row-bytes", "EPITAPH_MAX_ROW_BYTES", projection.DefaultMaxRowBytes, "largest large-row object fetched; a bigger one is quarantined as oversized", cli.Positive())
+	f.Int64(&o.verifyWindow, "verify-window-bytes", "EPITAPH_VERIFY_WINDOW_BYTES", projection.DefaultVerifyWindowBytes, "most memory verification may take to read back a transaction whose rows failed the fast check (each message counted as its body + 1.5 KiB); one that needs more holds its partition (transient kind verify_window) until this is raised", cli.Min(1<<20))
 	f.Int64(&o.readyLag, "ready-max-lag", "EPITAPH_READY_MAX_LAG", projection.DefaultReadyMaxLag, "archive.status is ready (and a rebuilt version becomes ready) only with at most this many events not yet applied", cli.Min(1))
 	f.Duration(&o.readyAge, "ready-max-pending-age", "EPITAPH_READY_MAX_PENDING_AGE", projection.DefaultReadyMaxPendingAge, "... and its oldest unapplied event at most this old", cli.Positive())
 	o.group = groupFlag(cmd)
@@ -144,7 +145,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	svc, err := projection.New(projection.Config{
 		TargetURL: c.targetURL, NATSURL: c.natsURL, NATSAuth: c.natsAuth, SourceName: c.sourceName, WorkerID: o.worker, Group: *o.group,
 		LeaseTTL: o.leaseTTL, BatchSize: o.batch, ArchiveTTL: ttlMap, SnapshotRoots: splitList(o.roots), RebuildShare: o.share,
-		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
+		HoldOnQuarantine: o.hold, MaxRowBytes: o.maxRow, VerifyWindowBytes: o.verifyWindow, ReadyMaxLag: uint64(o.readyLag), ReadyMaxPendingAge: o.readyAge,
 		CleanupInterval: cleanupInterval(o.cleanupInterval), CleanupBatch: o.cleanupBatch, CleanupTimeout: o.cleanupTimeout,
 		CleanupRate: cleanupRate(o.cleanupRate), ArchivePartition: o.archivePartition, TargetTCPTimeout: c.tcpTimeout(),
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
