@@ -756,14 +756,14 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 				if md.Sequence.Stream >= first {
 					return got, true, nil
 				}
+				if kindOf(m.Subject()) != kindRow {
+					continue
+				}
 				if size += int64(len(m.Data())) + windowMsgOverhead; size > w.cfg.VerifyWindowBytes {
 					return got, false, &windowTooLarge{from: from, to: to, read: len(out), budget: w.cfg.VerifyWindowBytes}
 				}
 				it := &item{seq: md.Sequence.Stream, subject: m.Subject(), headers: m.Headers(), data: m.Data(), stored: md.Timestamp}
 				it.id = identityOf(it.headers, it.data)
-				if kindOf(it.subject) != kindRow {
-					continue
-				}
 				if ev, err := w.cfg.Decoder.Decode(it.data); err == nil {
 					it.ev = ev
 					if event.Partition(ev.CommitLSN, w.partitions) != w.lease.Partition {
