@@ -145,7 +145,7 @@ func TestRestoreCommand(t *testing.T) {
 	require.NoError(t, err)
 	_, err = lock.Exec(ctx, `LOCK TABLE public.orders IN ACCESS EXCLUSIVE MODE`)
 	require.NoError(t, err)
-	err = deadPathFailsTheCommand(t, url, "%orders%", proxy, lock, func() error {
+	err = testenv.AnswerLostOnADeadPath(t, url, "%orders%", proxy, lock, func() error {
 		code, out, stderr := projector(t, map[string]string{"EPITAPH_TARGET_URL": url, "EPITAPH_SOURCE_URL": testenv.NoSearchPath(viaProxy),
 			"EPITAPH_SOURCE_TCP_TIMEOUT": "2s", "USER": "erin"}, "restore", "--correlation", corr, "--on-conflict", "skip")
 		if code == 0 {
@@ -153,6 +153,7 @@ func TestRestoreCommand(t *testing.T) {
 		}
 		return fmt.Errorf("exit %d: %s%s", code, out, stderr)
 	})
+	require.Error(t, err, "the answer was lost with the path")
 	require.Contains(t, err.Error(), "timed out")
 	require.Equal(t, []string{"(7,1.50,-0)", "(8,1.50,-0)"}, orders(), "nothing written")
 }
