@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
@@ -168,7 +169,8 @@ func TestCursorHandlerDeliversArchivedRowsOnceInBatches(t *testing.T) {
 	e.archive("customers", true, 9)             // another table's row
 	unverified := e.archive("orders", false, 5) // waits for its commit: the cursor stops before it
 	late := e.archive("orders", true, 6)        // past the horizon
-	d, err := NewDispatcher(e.pool, Config{Poll: 20 * time.Millisecond})
+	preg := prometheus.NewRegistry()
+	d, err := NewDispatcher(e.pool, Config{Poll: 20 * time.Millisecond, Registerer: preg})
 	require.NoError(t, err)
 	// One partition has applied nothing yet: its rows may still come,
 	// so nothing is behind the horizon.
@@ -217,6 +219,12 @@ func TestCursorHandlerDeliversArchivedRowsOnceInBatches(t *testing.T) {
 	states, err = pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	require.Equal(t, strings.Split("done:2 done:2 done:2 done:1 done:1 done:1", " "), states)
+
+	// Each delivery of a batch counts as an attempt, with its duration.
+	m := metricValues(t, preg)
+	require.Equal(t, 6.0, m["epitaph_projector_delivery_attempts_total,handler="+def.ID+",result=done"])
+	require.Equal(t, 3.0, m["epitaph_projector_delivery_attempts_total,handler="+def.ID+",result=failed"])
+	require.Equal(t, 9.0, m["epitaph_projector_delivery_attempt_seconds,handler="+def.ID])
 }
 
 // Each cursor handler claims its own batches: three handlers of batch size

@@ -499,23 +499,7 @@ func TestMetrics(t *testing.T) {
 	d := e.dispatcher(Config{Registry: reg, Registerer: preg})
 	e.flush(d)
 	e.enqueue(1, e.row(4)) // pending
-	got := map[string]float64{}
-	mfs, err := preg.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		for _, m := range mf.GetMetric() {
-			name := mf.GetName()
-			for _, l := range m.GetLabel() {
-				name += "," + l.GetName() + "=" + l.GetValue()
-			}
-			switch {
-			case m.GetGauge() != nil:
-				got[name] = m.GetGauge().GetValue()
-			case m.GetCounter() != nil:
-				got[name] = m.GetCounter().GetValue()
-			}
-		}
-	}
+	got := metricValues(t, preg)
 	require.Equal(t, 2.0, got["epitaph_projector_deliveries,handler="+h.ID+",state=done"])
 	require.Equal(t, 1.0, got["epitaph_projector_deliveries,handler="+h.ID+",state=dead"])
 	require.Equal(t, 1.0, got["epitaph_projector_deliveries,handler="+h.ID+",state=pending"])

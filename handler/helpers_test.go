@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/internal/testenv"
@@ -164,4 +165,31 @@ func startUntilCleanup(t *testing.T, d *Dispatcher) {
 		require.NoError(t, d.Stop(ctx))
 		require.NoError(t, d.Wait())
 	})
+}
+
+// metricValues gathers reg: each series by its name and labels
+// ("name,label=value,..."), a gauge's or counter's value, a histogram's
+// sample count.
+func metricValues(t *testing.T, reg *prometheus.Registry) map[string]float64 {
+	t.Helper()
+	got := map[string]float64{}
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			name := mf.GetName()
+			for _, l := range m.GetLabel() {
+				name += "," + l.GetName() + "=" + l.GetValue()
+			}
+			switch {
+			case m.GetGauge() != nil:
+				got[name] = m.GetGauge().GetValue()
+			case m.GetCounter() != nil:
+				got[name] = m.GetCounter().GetValue()
+			case m.GetHistogram() != nil:
+				got[name] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return got
 }

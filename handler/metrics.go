@@ -58,8 +58,17 @@ func newMetrics(reg prometheus.Registerer, db DB, log *slog.Logger) (*metrics, e
 }
 
 func (m *metrics) observe(def Def, outcome string, d time.Duration) {
-	m.attempts.WithLabelValues(def.ID, outcome).Inc()
-	m.duration.WithLabelValues(def.ID).Observe(d.Seconds())
+	m.observeN(def, outcome, d, 1)
+}
+
+// observeN is observe for the n deliveries of one attempt of a batch:
+// each counts as an attempt that took d; the children are looked up once.
+func (m *metrics) observeN(def Def, outcome string, d time.Duration, n int) {
+	m.attempts.WithLabelValues(def.ID, outcome).Add(float64(n))
+	h := m.duration.WithLabelValues(def.ID)
+	for range n {
+		h.Observe(d.Seconds())
+	}
 }
 
 // Stat is one handler's deliveries in one state.
