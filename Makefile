@@ -61,8 +61,11 @@ docs:
 	$(GO) test ./cmd/capture ./cmd/projector -run '^TestCLIReferenceIsCurrent$$' -count=1 -update-docs
 
 ## demo: throwaway Postgres + capture (embedded JetStream) + projector, a shop workload, the archive; runs until Ctrl-C (DEMO_FLAGS=-exit: stops at once).
+# Built, then run (not `go run`, which exits 1 on Ctrl-C whatever the demo
+# does): Ctrl-C ends it with make's "Interrupt" once it has stopped everything.
 demo: build
-	$(GO) run ./internal/demo $(DEMO_FLAGS)
+	$(GO) build -o $(BIN)/demo ./internal/demo
+	$(BIN)/demo $(DEMO_FLAGS)
 
 ## test: lint, then every test against a real PostgreSQL and a real JetStream server (the concurrent packages under the race detector), then a bounded fuzz run.
 test: test-deps vet fmt-check lint

@@ -238,7 +238,7 @@ type limitInputs struct {
 	plain      plainApply
 	withCPU    cpuTimes // the apply with handlers (from its start to archive count = N)
 	drainCPU   cpuTimes // from the last archived row to the last delivery done
-	done0      int64    // deliveries done when the last row was archived
+	done0      int64    // deliveries received when the last row was archived
 	bodySize   int
 	floor      floorFigures
 	deliveries float64 // deliveries/s from the projector's start
