@@ -168,3 +168,71 @@ func TestCursorPassesOtherTablesUpToTheHorizon(t *testing.T) {
 	require.Equal(t, idsOf(def.ID, last...), ids(br.got()[1]))
 	require.Equal(t, []string{"done:done:1", "done:done:1"}, e.settled(def.ID))
 }
+
+// A batch in flight whose settle Postgres aborts in a deadlock with an
+// erasure of two of its rows (the erasure stops row 3's delivery, the
+// settle inserts rows 1 and 2 and waits for row 3, the erasure then
+// stops row 1's) is settled again: row 2, sent and accepted, is recorded
+// done once and never sent again, rows 1 and 3 stay stopped, and the
+// cursor passes the batch. (StopCursorRows inserts one call's rows in
+// commit order, so one erasure cannot wait in this order; the two calls
+// here take the locks of two erasures of the same batch.) Without the
+// settle's retry, the claim stayed held until it expired and row 2 was
+// sent a second time under another webhook-id.
+func TestCursorSettleOutlivesADeadlockWithAnErasure(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers())
+	def := e.handler(srv.URL, secret, func(d *Def) { d.ClaimTimeout = 30 * time.Second })
+	lsns := e.archive("orders", true, 1, 2, 3)
+	e.horizon(lsns[2])
+	d := e.dispatcher()
+	live, err := d.live(ctx)
+	require.NoError(t, err)
+	send, tok, _, _, err := d.cursorClaim(ctx, def, live)
+	require.NoError(t, err)
+	require.Len(t, send, 3)
+
+	row := func(l string) []CursorRow {
+		return []CursorRow{{Source: "main", Schema: "public", Table: "orders", CommitLSN: l}}
+	}
+	etx, err := e.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer etx.Rollback(ctx) //nolint:errcheck
+	_, err = etx.Exec(ctx, `DELETE FROM archive_v1.rows WHERE commit_lsn = ANY($1::pg_lsn[])`, []string{lsns[0], lsns[2]})
+	require.NoError(t, err)
+	_, err = StopCursorRows(ctx, etx, row(lsns[2]), StopErased)
+	require.NoError(t, err)
+
+	settled := make(chan error, 1)
+	go func() { settled <- d.cursorSend(context.Background(), def, live, send, tok, time.Now()) }()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%WITH adv AS (UPDATE epitaph.handler_cursors%'`).Scan(&n))
+		return n > 0
+	}, 10*time.Second, 10*time.Millisecond, "the settle waits for the erasure's row 3")
+	require.Len(t, br.got(), 1, "the batch was sent and accepted")
+
+	// The erasure now waits for the settle's row 1: Postgres aborts one
+	// of them (the settle, which waited first, in practice).
+	_, eraseErr := StopCursorRows(ctx, etx, row(lsns[0]), StopErased)
+	if eraseErr != nil {
+		t.Skip("the erasure was the deadlock's victim (erase retries it): this run does not test the settle")
+	}
+	require.NoError(t, etx.Commit(ctx))
+	select {
+	case err := <-settled:
+		require.NoError(t, err, "the settle runs again after the deadlock")
+	case <-time.After(20 * time.Second):
+		t.Fatal("the settle did not end")
+	}
+	require.Equal(t, []string{"stopped:stop_revoked:0", "done:done:1", "stopped:stop_revoked:0"}, e.settled(def.ID))
+	at, _ := e.cursorAt(def.ID)
+	require.Equal(t, lsns[2], at, "the cursor passed the batch")
+	_, err = e.pool.Exec(ctx, `UPDATE epitaph.handler_cursors SET claim_expires_at = now() - interval '1 second' WHERE handler_id = $1`, def.ID)
+	require.NoError(t, err)
+	e.flush(d)
+	require.Equal(t, idsOf(def.ID, lsns...), sentIDs(br), "every row sent once, in the one batch")
+}

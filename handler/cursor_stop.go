@@ -1,8 +1,11 @@
 package handler
 
 import (
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/jackc/pgx/v5"
 
@@ -114,6 +117,26 @@ func StopCursorRows(ctx context.Context, tx pgx.Tx, rows []CursorRow, why Cursor
 		return nil
 	}); err != nil {
 		return 0, fmt.Errorf("read the cursor handlers: %w", err)
+	}
+	// Each handler's rows in commit order, the order a batch's settle
+	// inserts them in: two transactions inserting the same delivery ids in
+	// opposite orders wait for each other (a deadlock).
+	for _, rs := range byTable {
+		var bad error
+		slices.SortFunc(rs, func(a, b CursorRow) int {
+			la, errA := event.ParseLSN(a.CommitLSN)
+			lb, errB := event.ParseLSN(b.CommitLSN)
+			if bad == nil {
+				bad = errors.Join(errA, errB)
+			}
+			if c := cmp.Compare(la, lb); c != 0 {
+				return c
+			}
+			return cmp.Compare(a.Seq, b.Seq)
+		})
+		if bad != nil {
+			return 0, fmt.Errorf("stop cursor deliveries: %w", bad)
+		}
 	}
 	var ids, handlers, sources, lsns, schemas, names, phases, corrs []string
 	var seqs, prios, vers []int32

@@ -243,6 +243,13 @@ func uniqueViolation(err error) bool {
 	return errors.As(err, &pg) && pg.Code == "23505"
 }
 
+// deadlock reports a statement Postgres aborted to break a deadlock
+// (40P01): nothing of it was done, and running it again is safe.
+func deadlock(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && pg.Code == "40P01"
+}
+
 type enqueueArgs struct {
 	ids, handlers, sources, lsns, schemas, tables, corrs, phases, payloads []string
 	keys                                                                   []*string
