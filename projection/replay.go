@@ -97,6 +97,9 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 	if err != nil {
 		return err
 	}
+	if err := notYetVerified(ctx, tx, v, e, ev); err != nil {
+		return err
+	}
 	it := &item{seq: e.StreamSeq, subject: e.Subject, headers: e.Headers, data: e.Data, ev: ev, after: e.After}
 	for {
 		// An erasure recorded meanwhile (erasure.ErrFencesChanged): apply again,
@@ -196,4 +199,40 @@ func transactionCommitted(ctx context.Context, tx pgx.Tx, schema string, ev *eve
 		return false, fmt.Errorf("replay: look up transaction: %w", err)
 	}
 	return committed, nil
+}
+
+// notYetVerified refuses, for now, to replay a row whose transaction is
+// not verified yet: replay archives a row visible (verified), as its
+// signed commit would have, so the entry must lie in a window a signed
+// commit closed. A row of the partition's open window (after its last
+// verified boundary, with rows pending) waits for that commit: its
+// transaction may yet be refused, and the entry with it (unauthenticated).
+// A transaction whose commit was applied must have no row claiming it
+// still unverified: replay makes them visible with it (they are copies or
+// forgeries pending in the open window, which its boundary refuses).
+func notYetVerified(ctx context.Context, tx pgx.Tx, v version.Version, e quarantine.Entry, ev *event.Event) error {
+	if ev.Op == event.OpCommit {
+		return nil
+	}
+	var open, unverified bool
+	err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT
+		EXISTS (SELECT 1 FROM epitaph.progress WHERE projection = $1 AND version = $2 AND partition = $3
+		               AND tx_pending > 0 AND $4 > COALESCE(tx_start, 0)),
+		EXISTS (SELECT 1 FROM %s.rows WHERE source = $5 AND commit_lsn = $6::pg_lsn AND NOT verified)`, archive.Ident(v.Schema)),
+		v.Projection, v.Version, e.Partition, int64(e.StreamSeq), ev.Source, ev.CommitLSN.String()).Scan(&open, &unverified)
+	if err != nil {
+		return fmt.Errorf("replay: look up the partition's open transaction: %w", err)
+	}
+	// The entry stays open under its own category, its error saying why:
+	// a later replay takes it.
+	cat := quarantine.Category(e.Category)
+	if open {
+		return quarantine.Permanent(cat, errors.New("not replayed yet: its transaction's signed commit is not applied "+
+			"(the row is in the partition's open window); replay it once the partition has passed the commit"))
+	}
+	if unverified {
+		return quarantine.Permanent(cat, fmt.Errorf("not replayed yet: rows not verified yet claim its transaction (commit LSN %s) "+
+			"in the partition's open window; replay it once the partition has passed them", ev.CommitLSN))
+	}
+	return nil
 }

@@ -677,8 +677,19 @@ func (pv *pageVerifier) settleWindow(window []*item, inPage map[uint64]*item, ki
 			}
 			vd.drop = append(vd.drop, rowID{it.ev.CommitLSN, it.ev.Seq})
 			vd.extraRows = append(vd.extraRows, it)
+		case it.category == trust.CategoryUnauthenticated:
+			// Refused on arrival (another partition's): quarantined so.
 		case it.ev == nil || it.category != "":
-			// Undecodable or refused on arrival: quarantined then (or now).
+			// Undecodable (a version this build does not know, malformed)
+			// or set aside on arrival: quarantined then, under a category
+			// that replay takes. No signed commit covers it, so it is
+			// refused like the others, its entry too when it came in an
+			// earlier page: replayed after an upgrade, it would be
+			// archived as verified.
+			pv.w.refuse(it, "row message not part of a verified transaction (it could not be decoded when it arrived)")
+			if !here {
+				vd.extraQuar = append(vd.extraQuar, it)
+			}
 		default:
 			why := "row message not part of a verified transaction"
 			if kind == kindCommit && chosen != nil {
