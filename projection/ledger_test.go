@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 
 	"github.com/stretchr/testify/require"
 
@@ -362,4 +363,72 @@ func TestV2TransactionSpanningPages(t *testing.T) {
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 41 })
 	require.Equal(t, expected(t, c, tx), archived(t, c, "archive.rows"))
 	require.Empty(t, quarantined(t, c))
+}
+
+// A digest v2 transaction of a TRUNCATE (seq 0) and two deletes (seq 1,
+// 2) whose delete is purged (erase --purge-stream, recorded in the
+// erasure ledger) verifies with the ledger's hash for it: its other rows
+// archived, nothing quarantined, no gap. Its members are three, one more
+// than the commit's count of deletes: with its last delete purged, the
+// members tried stopped at two, and the transaction was refused.
+func TestPurgedLastDeleteAfterATruncateCostsNoOtherRow(t *testing.T) {
+	t.Parallel()
+	// purge: the seq purged (0: none, the control; 1: the middle member,
+	// which verifies; 2: the last member, the defect).
+	for _, purge := range []int{0, 1, 2} {
+		t.Run(fmt.Sprintf("purge=%d", purge), func(t *testing.T) {
+			t.Parallel()
+			purgedAfterATruncate(t, purge)
+		})
+	}
+}
+
+func purgedAfterATruncate(t *testing.T, purge int) {
+	e := newEnv(t, 1)
+	e.signer = testenv.NewSignerV2()
+	ctx := context.Background()
+
+	tx := e.nextTx(orderRows(1, 1)...) // the deletes: orders 1 (seq 1), order_lines 1000 (seq 2)
+	msgs := e.messages(tx)
+	// Shift the deletes' seqs by one and put a truncate at seq 0.
+	var out []*nats.Msg
+	trunc := &event.Event{Op: event.OpTruncate, Source: src, Schema: "public", Table: "audit", XID: tx.xid,
+		CommitLSN: tx.lsn, CommitTime: tx.time, Seq: 0}
+	out = append(out, e.msg(event.TruncateSubject(src, tx.partition, "public", "audit"), event.MsgID(src, tx.lsn, 0), trunc))
+	for i, m := range msgs[:len(msgs)-1] {
+		var ev event.Event
+		require.NoError(t, json.Unmarshal(m.Data, &ev))
+		ev.Seq = i + 1
+		out = append(out, e.msg(m.Subject, event.MsgID(src, tx.lsn, i+1), &ev))
+	}
+	out = append(out, msgs[len(msgs)-1]) // the commit: rows 2
+	var seqs []uint64
+	for _, m := range out {
+		ack, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+		seqs = append(seqs, ack.Sequence)
+	}
+	after := e.nextTx(orderRows(2, 1)...)
+	publishSeqs(t, e, after)
+
+	// erase --purge-stream of a delete: ledger first.
+	if purge > 0 {
+		purgeRow(t, e, tx, seqs, purge, true)
+	}
+
+	e.start(e.config("w1"))
+	c := e.conn()
+	last := streamLast(t, e)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == int(last) })
+
+	q := quarantined(t, c)
+	g := gaps(t, c, 0)
+	t.Logf("archived: %v\nquarantined: %+v\ngaps: %+v", archived(t, c, "archive.rows"), q, g)
+	kept := tx
+	if purge > 0 {
+		kept = without(tx, purge-1) // tx.rows[i] has seq i+1
+	}
+	require.Equal(t, expected(t, c, kept, after), archived(t, c, "archive.rows"), "the other rows are archived")
+	require.Empty(t, g, "no gap")
+	require.Empty(t, q, fmt.Sprintf("nothing quarantined: %+v", q))
 }

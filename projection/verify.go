@@ -834,6 +834,19 @@ func chooseCandidates(window []*item, lsn event.LSN, rows int, want string, v2 b
 	if v2 && purged != nil {
 		lastK = max(lastK, rows) // the last members may be the purged ones
 		absent = &absentSums{lookup: purged, sums: map[int]*[sha256.Size]byte{}}
+		// ... past the commit's count of deletes too: a transaction's
+		// truncates take seqs of its own. Every seq after the last one
+		// present that the ledger accounts for may be a member.
+		for {
+			n, err := absent.choices(bySeq, lastK)
+			if err != nil {
+				return nil, nil, err
+			}
+			if n == 0 {
+				break
+			}
+			lastK++
+		}
 	}
 	for k := max(rows, 1); k <= lastK && budget > 0; k++ {
 		choices := 1
