@@ -73,8 +73,9 @@ var cursorPlan = append(append([]string{}, claimPlan...), `SET LOCAL plan_cache_
 // range it claimed before, and keeps that claimed_to: the claimed
 // position never moves back. It waits until the horizon covers its whole
 // range again (after a promotion of a version that lags, rows of the
-// range may not be in the live archive yet): resending part of it would
-// settle, and pass, the rest unsent.
+// range may not be in the live archive yet), and while a row of the range
+// reads unverified: resending part of it would settle, and pass, the rest
+// unsent.
 const cursorClaimSQL = `
 -- A partition that has applied nothing yet (no watermark) holds the
 -- horizon at 0/0: min() alone would skip it, and the cursor would pass its
@@ -120,6 +121,9 @@ upd AS (UPDATE epitaph.handler_cursors c
         WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
           AND (c.claim_token IS NULL OR c.claim_expires_at < now())
           AND (n.found >= $6::int OR cur.claimed_to_lsn IS NOT NULL OR n.first_at <= now() - $7::bigint * interval '1 millisecond')
+          -- A retry resends its whole range: it waits while a row of it
+          -- reads unverified (the settle passes the range).
+          AND (cur.claimed_to_lsn IS NULL OR NOT EXISTS (SELECT 1 FROM stop))
         RETURNING c.claim_token::text AS token, c.attempt),
 -- A retried range with no row left (every one erased since, or queued as
 -- a late row) is passed: there is nothing to resend, and a claim of
@@ -130,7 +134,7 @@ gone AS (UPDATE epitaph.handler_cursors c SET commit_lsn = cur.claimed_to_lsn, s
          FROM cur, n, hz
          WHERE c.handler_id = $1::uuid AND c.commit_lsn = cur.commit_lsn AND c.seq = cur.seq
            AND (c.claim_token IS NULL OR c.claim_expires_at < now())
-           AND cur.claimed_to_lsn IS NOT NULL AND cur.claimed_to_lsn <= hz.lsn AND n.found = 0),
+           AND cur.claimed_to_lsn IS NOT NULL AND cur.claimed_to_lsn <= hz.lsn AND n.found = 0 AND NOT EXISTS (SELECT 1 FROM stop)),
 -- No row of the table up to the horizon: the cursor moves to it, so the
 -- next claim reads only the rows archived since.
 pass AS (UPDATE epitaph.handler_cursors c SET commit_lsn = hz.lsn, seq = 2147483647, updated_at = now()

@@ -2,6 +2,7 @@ package handler
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -235,4 +236,44 @@ func TestCursorSettleOutlivesADeadlockWithAnErasure(t *testing.T) {
 	require.NoError(t, err)
 	e.flush(d)
 	require.Equal(t, idsOf(def.ID, lsns...), sentIDs(br), "every row sent once, in the one batch")
+}
+
+// A retry resends its batch's whole range: while a row of the range reads
+// unverified (a version promoted while the batch waited for its retry may
+// not have applied the row's commit yet), the retry waits, and sends the
+// whole range once it is verified. Before, the retry sent the rows before
+// it and the settle passed the rest, never sent; with the first row
+// unverified, the whole range was passed unsent.
+func TestCursorRetryWaitsForAnUnverifiedRowOfItsRange(t *testing.T) {
+	for _, unverified := range []int{0, 1} {
+		t.Run(fmt.Sprint("row ", unverified+1), func(t *testing.T) {
+			e := newCursorEnv(t)
+			ctx := context.Background()
+			secret := NewSecret()
+			br, srv := newBatchReceiver(t, secret, refuseOnce)
+			def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
+			lsns := e.archive("orders", true, 1, 2, 3)
+			e.horizon(lsns[2])
+			d := e.dispatcher()
+			flushBriefly(t, d)
+			require.Len(t, br.got(), 1, "rows 1-3 sent and refused: the range waits for its retry")
+
+			setVerified := func(v bool) {
+				_, err := e.pool.Exec(ctx, `UPDATE archive_v1.rows SET verified = $2 WHERE commit_lsn = $1::pg_lsn`, lsns[unverified], v)
+				require.NoError(t, err)
+			}
+			setVerified(false)
+			e.dueNow(def.ID)
+			flushBriefly(t, d)
+			require.Len(t, br.got(), 1, "no partial resend")
+			require.Empty(t, e.settled(def.ID), "nothing passed")
+
+			setVerified(true)
+			flushBriefly(t, d)
+			posts := br.got()
+			require.Len(t, posts, 2)
+			require.Equal(t, ids(posts[0]), ids(posts[1]), "the whole range, resent")
+			require.Equal(t, []string{"done:done:2", "done:done:2", "done:done:2"}, e.settled(def.ID))
+		})
+	}
 }
