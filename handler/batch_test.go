@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 )
 
@@ -330,4 +331,70 @@ func TestArchivedWakesTheClaimLoopBeforeThePoll(t *testing.T) {
 	d.Archived()
 	eventually(t, func() bool { return hits.Load() == 1 }, "the delivery sent")
 	require.Less(t, time.Since(start), poll/2, "the delivery waited for the poll")
+}
+
+// A batch's settle that Postgres aborts in a deadlock with an erasure
+// (which stopped the batch's third delivery, then waits for the first,
+// which the settle holds) records the batch again: the second delivery
+// is done once, the erased ones stay stopped, and nothing is left in
+// flight to be sent again when its claim expires.
+func TestBatchSettleOutlivesADeadlockWithAnErasure(t *testing.T) {
+	e := newTenv(t)
+	ctx := context.Background()
+	reg := NewRegistry()
+	e.goHandler(reg, func(context.Context, Delivery) error { return nil }, func(d *Def) { d.ClaimTimeout = time.Minute })
+	e.enqueue(1, e.row(1), e.row(2), e.row(3))
+	d := e.dispatcher(Config{Registry: reg})
+	cs, err := d.claim(ctx, 3)
+	require.NoError(t, err)
+	require.Len(t, cs, 3)
+	batch := make([]result, 0, len(cs))
+	for _, c := range cs {
+		batch = append(batch, result{c: c, s: d.decide(ctx, c)})
+	}
+	byKey := map[string]string{}
+	for _, c := range cs {
+		byKey[string(c.d.Key)] = c.d.ID
+	}
+	first, third := byKey[`{"id": 1}`], byKey[`{"id": 3}`]
+	require.NotEmpty(t, first)
+	require.NotEmpty(t, third)
+
+	// The erasure's transaction (eraseDeliveries' statement, one row at a
+	// time to fix the order).
+	stop := func(tx pgx.Tx, id string) error {
+		_, err := tx.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = 'stop_revoked', settled_at = now(),
+			claim_token = NULL, claim_expires_at = NULL, key = NULL, payload = NULL, payload_scrubbed_at = now(), updated_at = now()
+			WHERE id = $1::uuid`, id)
+		return err
+	}
+	etx, err := e.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer etx.Rollback(ctx) //nolint:errcheck
+	require.NoError(t, stop(etx, third))
+
+	done := make(chan struct{})
+	go func() { defer close(done); d.settle(context.Background(), batch) }()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%epitaph.deliveries%'`).Scan(&n))
+		return n > 0
+	}, 10*time.Second, 10*time.Millisecond, "the settle waits for the erasure's third delivery")
+	if err := stop(etx, first); err != nil {
+		t.Skipf("the erasure was the deadlock's victim (erase retries it): this run does not test the settle: %v", err)
+	}
+	require.NoError(t, etx.Commit(ctx))
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the settle did not end")
+	}
+	var states []string
+	for _, r := range e.deliveries() {
+		states = append(states, r.State+":"+r.Outcome)
+	}
+	// (The erased ones lost their keys: they sort last.)
+	require.Equal(t, []string{"done:done", "stopped:stop_revoked", "stopped:stop_revoked"}, states)
+	require.NotContains(t, e.logs.String(), "stays in flight")
 }

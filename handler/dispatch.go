@@ -1013,6 +1013,13 @@ func (d *Dispatcher) settle(ctx context.Context, batch []result) {
 		return
 	}
 	settled, err := d.settleTx(ctx, batch)
+	// Chosen as a deadlock's victim (an erasure stopping deliveries of
+	// the batch locks them in another order), it ran nothing: it runs
+	// again, rather than leave the batch in flight to be sent again.
+	for attempt := 1; deadlock(err) && attempt < 5; attempt++ {
+		d.log.Warn("recording a batch's outcomes was chosen as a deadlock's victim; recording again", "deliveries", len(batch), "attempt", attempt)
+		settled, err = d.settleTx(ctx, batch)
+	}
 	if err != nil {
 		for _, r := range batch {
 			d.log.Error("recording a delivery's outcome failed: it stays in flight until its claim expires",
