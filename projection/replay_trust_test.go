@@ -66,6 +66,9 @@ func TestAnUndecodableForgedRowIsNeverReplayedAsVerified(t *testing.T) {
 			forged.Data = bytes.Replace(data, []byte(`"v":1`), []byte(`"v":2`), 1)
 			forged.Header.Set(event.HeaderMsgID, "forged-666")
 			e.foreign(forged) // stream seq 4
+			// Applied (quarantined) in a page of its own: the window is
+			// read back when it closes.
+			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 4 })
 
 			tx2 := e.nextTx(orderRows(2, 1)...)
 			e.publish(tx2) // stream seqs 5-7: its commit closes the forgery's window

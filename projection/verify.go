@@ -2,6 +2,7 @@ package projection
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/ed25519"
 	"crypto/sha256"
@@ -677,10 +678,12 @@ func (pv *pageVerifier) settleWindow(window []*item, inPage map[uint64]*item, ki
 			}
 			vd.drop = append(vd.drop, rowID{it.ev.CommitLSN, it.ev.Seq})
 			vd.extraRows = append(vd.extraRows, it)
-		case it.category == trust.CategoryUnauthenticated:
-			// Refused on arrival (another partition's): quarantined so.
+		case it.category == trust.CategoryUnauthenticated || it.category == string(event.CategoryMalformed) ||
+			it.category == string(event.CategoryInvalid):
+			// Refused on arrival (another partition's), or a body no
+			// version of the decoder reads: quarantined so, for good.
 		case it.ev == nil || it.category != "":
-			// Undecodable (a version this build does not know, malformed)
+			// Undecodable by this build (a wire version it does not know)
 			// or set aside on arrival: quarantined then, under a category
 			// that replay takes. No signed commit covers it, so it is
 			// refused like the others, its entry too when it came in an
@@ -781,7 +784,9 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 						it.category = trust.CategoryUnauthenticated // refused on arrival
 					}
 				} else {
-					it.category = "malformed"
+					// The category it was quarantined under on its page.
+					cat, _ := quarantine.Classify(err)
+					it.category = cmp.Or(string(cat), string(event.CategoryMalformed))
 				}
 				out = append(out, it)
 			}
