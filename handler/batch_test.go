@@ -375,12 +375,7 @@ func TestBatchSettleOutlivesADeadlockWithAnErasure(t *testing.T) {
 
 	done := make(chan struct{})
 	go func() { defer close(done); d.settle(context.Background(), batch) }()
-	require.Eventually(t, func() bool {
-		var n int
-		require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%epitaph.deliveries%'`).Scan(&n))
-		return n > 0
-	}, 10*time.Second, 10*time.Millisecond, "the settle waits for the erasure's third delivery")
+	waitsForALock(t, e.pool, "epitaph.deliveries", "the settle waits for the erasure's third delivery")
 	if err := stop(etx, first); err != nil {
 		t.Skipf("the erasure was the deadlock's victim (erase retries it): this run does not test the settle: %v", err)
 	}

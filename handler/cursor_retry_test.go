@@ -34,19 +34,28 @@ func (e *cursorEnv) dueNow(handlerID string) {
 	require.NoError(e.t, err)
 }
 
+// refusedRange is a cursor handler (an hour's backoff) whose first batch,
+// rows 1-3 of public.orders, was sent and refused: the range waits for
+// its retry. It returns the rows' LSNs.
+func (e *cursorEnv) refusedRange() (*batchReceiver, Def, []string, *Dispatcher) {
+	e.t.Helper()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(e.t, secret, refuseOnce)
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
+	lsns := e.archive("orders", true, 1, 2, 3)
+	e.horizon(lsns[2])
+	d := e.dispatcher()
+	flushBriefly(e.t, d)
+	require.Len(e.t, br.got(), 1, "rows 1-3 sent and refused: the range waits for its retry")
+	return br, def, lsns, d
+}
+
 // A refused batch whose rows were all erased before its retry has
 // nothing to resend: the cursor passes its range, and the rows after it
 // are delivered (it was held for good before).
 func TestCursorRetryOfAnErasedRangePassesIt(t *testing.T) {
 	e := newCursorEnv(t)
-	secret := NewSecret()
-	br, srv := newBatchReceiver(t, secret, refuseOnce)
-	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
-	lsns := e.archive("orders", true, 1, 2, 3)
-	e.horizon(lsns[2])
-	d := e.dispatcher()
-	flushBriefly(t, d)
-	require.Len(t, br.got(), 1, "the batch was sent and refused")
+	br, def, _, d := e.refusedRange()
 
 	_, err := e.pool.Exec(context.Background(), `DELETE FROM archive_v1.rows WHERE table_name = 'orders'`)
 	require.NoError(t, err)
@@ -64,14 +73,7 @@ func TestCursorRetryOfAnErasedRangePassesIt(t *testing.T) {
 // behind the horizon would settle, and pass, the rest unsent.
 func TestCursorRetryWaitsForTheHorizonToCoverItsRange(t *testing.T) {
 	e := newCursorEnv(t)
-	secret := NewSecret()
-	br, srv := newBatchReceiver(t, secret, refuseOnce)
-	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
-	lsns := e.archive("orders", true, 1, 2, 3)
-	e.horizon(lsns[2])
-	d := e.dispatcher()
-	flushBriefly(t, d)
-	require.Len(t, br.got(), 1)
+	br, def, lsns, d := e.refusedRange()
 
 	e.horizon(lsns[1]) // the range's last row is past the horizon now
 	e.dueNow(def.ID)
@@ -95,14 +97,7 @@ func TestCursorRetryWaitsForTheHorizonToCoverItsRange(t *testing.T) {
 func TestCursorLeavesOutRowsARestoreSuperseded(t *testing.T) {
 	e := newCursorEnv(t)
 	ctx := context.Background()
-	secret := NewSecret()
-	br, srv := newBatchReceiver(t, secret, refuseOnce)
-	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
-	first := e.archive("orders", true, 1, 2, 3)
-	e.horizon(first[2])
-	d := e.dispatcher()
-	flushBriefly(t, d) // refused: rows 1-3 are a batch waiting for its retry
-	require.Len(t, br.got(), 1)
+	br, def, first, d := e.refusedRange()
 	more := e.archive("orders", true, 4, 5, 6)
 	supersede := func(lsns ...string) int {
 		var rows []CursorRow
@@ -208,12 +203,7 @@ func TestCursorSettleOutlivesADeadlockWithAnErasure(t *testing.T) {
 
 	settled := make(chan error, 1)
 	go func() { settled <- d.cursorSend(context.Background(), def, live, send, tok, time.Now()) }()
-	require.Eventually(t, func() bool {
-		var n int
-		require.NoError(t, e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%WITH adv AS (UPDATE epitaph.handler_cursors%'`).Scan(&n))
-		return n > 0
-	}, 10*time.Second, 10*time.Millisecond, "the settle waits for the erasure's row 3")
+	waitsForALock(t, e.pool, "WITH adv AS (UPDATE epitaph.handler_cursors", "the settle waits for the erasure's row 3")
 	require.Len(t, br.got(), 1, "the batch was sent and accepted")
 
 	// The erasure now waits for the settle's row 1: Postgres aborts one
@@ -249,14 +239,7 @@ func TestCursorRetryWaitsForAnUnverifiedRowOfItsRange(t *testing.T) {
 		t.Run(fmt.Sprint("row ", unverified+1), func(t *testing.T) {
 			e := newCursorEnv(t)
 			ctx := context.Background()
-			secret := NewSecret()
-			br, srv := newBatchReceiver(t, secret, refuseOnce)
-			def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff = time.Hour })
-			lsns := e.archive("orders", true, 1, 2, 3)
-			e.horizon(lsns[2])
-			d := e.dispatcher()
-			flushBriefly(t, d)
-			require.Len(t, br.got(), 1, "rows 1-3 sent and refused: the range waits for its retry")
+			br, def, lsns, d := e.refusedRange()
 
 			setVerified := func(v bool) {
 				_, err := e.pool.Exec(ctx, `UPDATE archive_v1.rows SET verified = $2 WHERE commit_lsn = $1::pg_lsn`, lsns[unverified], v)

@@ -193,3 +193,15 @@ func metricValues(t *testing.T, reg *prometheus.Registry) map[string]float64 {
 	}
 	return got
 }
+
+// waitsForALock waits until a statement of this test's database whose
+// text holds like waits for a lock.
+func waitsForALock(t *testing.T, pool *pgxpool.Pool, like, msg string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%' || $1 || '%'`, like).Scan(&n))
+		return n > 0
+	}, 10*time.Second, 10*time.Millisecond, msg)
+}
