@@ -642,21 +642,13 @@ func (d *Dispatcher) cursorSettle(hard context.Context, def Def, live liveArchiv
 	var inserted, erased []string
 	args := []any{def.ID, tok, d.cfg.Source, def.Schema, def.Table, live.version, def.Phase,
 		def.Priority, s.state, s.outcome, s.lastError, at, ids, lsns, seqs, keys, corrs, times}
-	var err error
-	// A batch sent is settled: a settle that Postgres aborts in a
-	// deadlock (with an erasure stopping rows of the batch: see
-	// StopCursorRows) runs again, rather than leave the claim to expire
-	// and the batch, accepted, to be sent again.
-	for attempt := 1; ; attempt++ {
-		err = d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted, &erased)
+	err := d.settleAgainOnDeadlock(func() error {
+		err := d.pool.QueryRow(sctx, cursorSettlePlainSQL, args...).Scan(&moved, &inserted, &erased)
 		if uniqueViolation(err) {
 			err = d.pool.QueryRow(sctx, cursorSettleSQL, args...).Scan(&moved, &inserted, &erased)
 		}
-		if !deadlock(err) || attempt == 5 {
-			break
-		}
-		d.log.Warn("a batch's settle was chosen as a deadlock's victim; settling again", "handler", def.ID, "attempt", attempt)
-	}
+		return err
+	}, "handler", def.ID, "deliveries", len(send))
 	if err != nil {
 		return fmt.Errorf("settle a batch of %d: %w", len(send), err)
 	}

@@ -3,7 +3,6 @@ package handler
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 
@@ -89,14 +88,30 @@ func StopCursorRows(ctx context.Context, tx pgx.Tx, rows []CursorRow, why Cursor
 	if len(rows) == 0 {
 		return 0, nil
 	}
-	byTable := map[string][]CursorRow{}
+	type row struct {
+		CursorRow
+		lsn event.LSN
+	}
+	byTable := map[string][]row{}
 	var tables []string
 	for _, r := range rows {
+		l, err := event.ParseLSN(r.CommitLSN)
+		if err != nil {
+			return 0, fmt.Errorf("row %s/%d: %w", r.CommitLSN, r.Seq, err)
+		}
 		t := r.Schema + "." + r.Table
 		if _, ok := byTable[t]; !ok {
 			tables = append(tables, t)
 		}
-		byTable[t] = append(byTable[t], r)
+		byTable[t] = append(byTable[t], row{r, l})
+	}
+	// Each handler's rows in commit order, the order a batch's settle
+	// inserts them in: two transactions inserting the same delivery ids in
+	// opposite orders wait for each other (a deadlock).
+	for _, rs := range byTable {
+		slices.SortFunc(rs, func(a, b row) int {
+			return cmp.Or(cmp.Compare(a.lsn, b.lsn), cmp.Compare(a.Seq, b.Seq))
+		})
 	}
 	type cursor struct {
 		id, table, phase, lsn, claimedLSN string
@@ -118,26 +133,6 @@ func StopCursorRows(ctx context.Context, tx pgx.Tx, rows []CursorRow, why Cursor
 	}); err != nil {
 		return 0, fmt.Errorf("read the cursor handlers: %w", err)
 	}
-	// Each handler's rows in commit order, the order a batch's settle
-	// inserts them in: two transactions inserting the same delivery ids in
-	// opposite orders wait for each other (a deadlock).
-	for _, rs := range byTable {
-		var bad error
-		slices.SortFunc(rs, func(a, b CursorRow) int {
-			la, errA := event.ParseLSN(a.CommitLSN)
-			lb, errB := event.ParseLSN(b.CommitLSN)
-			if bad == nil {
-				bad = errors.Join(errA, errB)
-			}
-			if c := cmp.Compare(la, lb); c != 0 {
-				return c
-			}
-			return cmp.Compare(a.Seq, b.Seq)
-		})
-		if bad != nil {
-			return 0, fmt.Errorf("stop cursor deliveries: %w", bad)
-		}
-	}
 	var ids, handlers, sources, lsns, schemas, names, phases, corrs []string
 	var seqs, prios, vers []int32
 	for _, c := range curs {
@@ -150,10 +145,7 @@ func StopCursorRows(ctx context.Context, tx pgx.Tx, rows []CursorRow, why Cursor
 			return 0, fmt.Errorf("the cursor of handler %s: %w", c.id, err)
 		}
 		for _, r := range byTable[c.table] {
-			l, err := event.ParseLSN(r.CommitLSN)
-			if err != nil {
-				return 0, fmt.Errorf("row %s/%d: %w", r.CommitLSN, r.Seq, err)
-			}
+			l := r.lsn
 			if l < at || (l == at && r.Seq <= posSeq) {
 				continue // its delivery is recorded, or (restored) in a batch in flight
 			}

@@ -1012,14 +1012,11 @@ func (d *Dispatcher) settle(ctx context.Context, batch []result) {
 	if len(batch) == 0 {
 		return
 	}
-	settled, err := d.settleTx(ctx, batch)
-	// Chosen as a deadlock's victim (an erasure stopping deliveries of
-	// the batch locks them in another order), it ran nothing: it runs
-	// again, rather than leave the batch in flight to be sent again.
-	for attempt := 1; deadlock(err) && attempt < 5; attempt++ {
-		d.log.Warn("recording a batch's outcomes was chosen as a deadlock's victim; recording again", "deliveries", len(batch), "attempt", attempt)
+	var settled map[string]bool
+	err := d.settleAgainOnDeadlock(func() (err error) {
 		settled, err = d.settleTx(ctx, batch)
-	}
+		return err
+	}, "deliveries", len(batch))
 	if err != nil {
 		for _, r := range batch {
 			d.log.Error("recording a delivery's outcome failed: it stays in flight until its claim expires",

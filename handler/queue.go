@@ -250,6 +250,19 @@ func deadlock(err error) bool {
 	return errors.As(err, &pg) && pg.Code == "40P01"
 }
 
+// settleAgainOnDeadlock runs settle, and again (five runs at most) while
+// Postgres aborts it to break a deadlock: a batch sent is recorded, rather
+// than left in flight until its claim expires and sent again. An erasure
+// stopping deliveries of the batch locks them in another order.
+func (d *Dispatcher) settleAgainOnDeadlock(settle func() error, logArgs ...any) error {
+	err := settle()
+	for attempt := 1; deadlock(err) && attempt < 5; attempt++ {
+		d.log.Warn("recording a batch's outcome was chosen as a deadlock's victim; recording it again", append(logArgs, "attempt", attempt)...)
+		err = settle()
+	}
+	return err
+}
+
 type enqueueArgs struct {
 	ids, handlers, sources, lsns, schemas, tables, corrs, phases, payloads []string
 	keys                                                                   []*string
