@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -95,6 +96,9 @@ func (r *replayer) apply(ctx context.Context, tx pgx.Tx, e quarantine.Entry) err
 	}
 	ev, err := r.dec.Decode(e.Data)
 	if err != nil {
+		return err
+	}
+	if err := verifyBoundary(ctx, tx, e, ev); err != nil {
 		return err
 	}
 	if err := notYetVerified(ctx, tx, v, e, ev); err != nil {
@@ -199,6 +203,52 @@ func transactionCommitted(ctx context.Context, tx pgx.Tx, schema string, ev *eve
 		return false, fmt.Errorf("replay: look up transaction: %w", err)
 	}
 	return committed, nil
+}
+
+// verifyBoundary checks the signature of a replayed commit, gap or mark,
+// as verification does at arrival (keyring.verify): a boundary quarantined
+// because this build could not decode it (unknown_version) was never
+// verified, and applying a forger's would record a gap that never
+// happened, or decide a transaction's roots. Only messages at or before
+// the partition's legacy boundary (written before signing) are believed
+// unsigned. A boundary that fails is refused as unauthenticated; rows are
+// not signed one by one (their transaction's commit covers them:
+// notYetVerified).
+func verifyBoundary(ctx context.Context, tx pgx.Tx, e quarantine.Entry, ev *event.Event) error {
+	if ev.Op != event.OpCommit && ev.Op != event.OpGap && ev.Op != event.OpMark {
+		return nil
+	}
+	var legacy int64
+	err := tx.QueryRow(ctx, `SELECT COALESCE((SELECT boundary_seq FROM epitaph.legacy_boundaries WHERE stream = $1 AND partition = $2), 0)`,
+		event.StreamName(ev.Source), e.Partition).Scan(&legacy)
+	if err != nil {
+		return fmt.Errorf("replay: read the legacy boundary: %w", err)
+	}
+	if e.StreamSeq <= uint64(legacy) {
+		return nil
+	}
+	h := nats.Header(e.Headers)
+	refused := func(why string) error {
+		return quarantine.Permanent(quarantine.CategoryUnauthenticated, fmt.Errorf("not replayed: the %s message failed verification: %s", ev.Op, why))
+	}
+	if h.Get(event.HeaderSignature) == "" {
+		return refused("it is unsigned")
+	}
+	keys, err := trust.TrustedKeys(ctx, tx)
+	if err != nil {
+		return fmt.Errorf("replay: %w", err)
+	}
+	id := h.Get(event.HeaderKeyID)
+	for _, k := range keys {
+		if k.KeyID != id {
+			continue
+		}
+		if err := event.VerifyMessage(k.PublicKey, e.Subject, h, e.Data); err != nil {
+			return refused(err.Error())
+		}
+		return nil
+	}
+	return refused(fmt.Sprintf("signed with key %q, which this target does not trust", id))
 }
 
 // notYetVerified refuses, for now, to replay a row whose transaction is

@@ -11,6 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/internal/testenv"
+	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection"
 	"github.com/epitaph-dev/epitaph/projection/trust"
 	"github.com/epitaph-dev/epitaph/quarantine"
@@ -170,4 +172,64 @@ func TestReplayWaitsOutForgedRowsClaimingItsTransaction(t *testing.T) {
 	res = upgradedReplay(t, e, "unknown_version")
 	require.Len(t, res.Replayed, 1)
 	require.Equal(t, expected(t, c, tx, tx2), archived(t, c, "archive.rows"), "the replayed line; never the forged one")
+}
+
+// A gap message this build cannot decode is quarantined as it arrives
+// (unknown_version), unverified: it is not a boundary to this build.
+// Replayed after an upgrade, it is verified as at arrival: a forger's gap,
+// unsigned or signed with a key the target does not trust, is refused as
+// unauthenticated and records nothing. The capture's own is recorded
+// (TestReplayGapRecordsIt), and so is an unsigned one at or before the
+// partition's legacy boundary (written before signing).
+func TestReplayVerifiesAnUndecodableGap(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		sign   func(m *nats.Msg)
+		legacy bool // an operator vouched for the partition's unsigned messages up to the gap
+	}{
+		{"unsigned", func(*nats.Msg) {}, false},
+		{"signed with an untrusted key", func(m *nats.Msg) { testenv.NewSigner().Sign(m) }, false},
+		{"unsigned, before the legacy boundary", func(*nats.Msg) {}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, 1)
+			ctx := context.Background()
+			e.publish(e.nextTx(orderRows(1, 1)...)) // signed by the capture: its key is trusted
+			from := e.heartbeat()
+			to := event.LSN(e.lsn.Add(0x10000))
+			ev := &event.Event{Op: event.OpGap, Source: src, Partition: 0, FromLSN: from, ToLSN: to, LSN: to,
+				Reason: "slot recreated", Time: time.Now().UTC()}
+			m := e.msg(event.GapSubject(src, 0), event.GapMsgID(src, from, to, 0), ev)
+			m.Data = bytes.Replace(m.Data, []byte(`"v":1`), []byte(`"v":2`), 1)
+			tc.sign(m)
+			e.foreign(m) // stream seq 5
+			c := e.conn()
+			if tc.legacy {
+				pool := newPool(t, e.url)
+				require.NoError(t, migrations.Apply(ctx, pool))
+				require.NoError(t, trust.RecordLegacyBoundary(ctx, pool, event.StreamName(src), 0, 5))
+			}
+			e.start(e.config("w1"))
+			eventually(t, 20*time.Second, func() bool {
+				return count(t, c, `SELECT count(*) FROM epitaph.quarantine WHERE category = 'unknown_version'`) == 1
+			})
+
+			res := upgradedReplay(t, e, "unknown_version")
+			if tc.legacy {
+				require.Len(t, res.Replayed, 1)
+				require.Equal(t, []string{"lost_upstream " + from.String() + " " + to.String()},
+					keysOf(t, c, `SELECT concat_ws(' ', kind, from_lsn::text, to_lsn::text) FROM archive.gaps`))
+				return
+			}
+			require.Empty(t, res.Replayed)
+			require.Len(t, res.Failed, 1)
+			var why, category string
+			require.NoError(t, c.QueryRow(ctx, `SELECT error, category FROM epitaph.quarantine WHERE id = $1`, res.Failed[0]).Scan(&why, &category))
+			require.Equal(t, trust.CategoryUnauthenticated, category)
+			require.Contains(t, why, "failed verification")
+			require.Zero(t, count(t, c, `SELECT count(*) FROM archive.gaps`), "no gap recorded")
+		})
+	}
 }
