@@ -801,8 +801,16 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 			if err != nil {
 				return nil, fmt.Errorf("read back the pending transaction: %w", err)
 			}
-			if past || got == 0 {
-				break // reached the page, or the stream no longer holds the rest of it
+			if past {
+				break // reached the page
+			}
+			if got == 0 {
+				// The stream no longer holds the rest of the window (a
+				// purge), or a fetch timed out before it sent any.
+				if err := w.emptyReadBack(ctx, from, first); err != nil {
+					return nil, err
+				}
+				break
 			}
 		}
 	}
@@ -812,6 +820,25 @@ func (w *partitionWorker) readWindow(ctx context.Context, from, to uint64, inPag
 		}
 	}
 	return out, nil
+}
+
+// emptyReadBack decides what an empty fetch of a read-back from stream
+// sequence from means: the end of it (nil) only when the stream no longer
+// holds the message at first (the page's first in the window, or its
+// boundary), which the read-back would otherwise reach. While it does, the
+// fetch came back empty because the server did not answer in time (a 408
+// carries no error): a window cut there would refuse the real transaction
+// and invent a gap, so the read-back fails (transient) instead.
+func (w *partitionWorker) emptyReadBack(ctx context.Context, from, first uint64) error {
+	_, err := w.stream.GetMsg(ctx, first)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read back the pending transaction: look up stream sequence %d: %w", first, err)
+	}
+	return fmt.Errorf("read back the pending transaction: a fetch from stream sequence %d returned nothing "+
+		"before the page's message at %d, which the stream holds: the server did not answer in time", from, first)
 }
 
 // chooseCandidates picks, among the decodable row messages of the window
