@@ -102,3 +102,24 @@ func TestLegalHoldBeforeAnyArchiveIsRecorded(t *testing.T) {
 	require.JSONEq(t, `{"id": 88}`, string(hs[0].Key))
 	require.JSONEq(t, `{"customer_id": 7}`, string(hs[1].Match))
 }
+
+// TestEraseByTheCurrentKeyAfterAKeyChange: the table's key changed (from id
+// to tenant and id, a migration the capture follows). An erasure by the key
+// the rows have now is refused as a bad selector ("the archived keys have
+// id"), because the shape check samples one archived key, an old one.
+func TestEraseByTheCurrentKeyAfterAKeyChange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 2)
+	e.start(e.config("w1"))
+	e.publish(e.nextTx(row{schema: "public", table: "accounts", key: `{"id":42}`, image: `{"id":42,"tenant":1,"email":"old@example.com"}`}))
+	e.publish(e.nextTx(row{schema: "public", table: "accounts", key: `{"tenant":1,"id":43}`, image: `{"id":43,"tenant":1,"email":"ann@example.com"}`}))
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 2 })
+
+	pool := newPool(t, e.url)
+	rc, err := erasure.Erase(ctx, pool, erasure.EraseOptions{Table: "public.accounts",
+		Key: json.RawMessage(`{"tenant": 1, "id": 43}`), Reason: "GDPR", Actor: "dpo"})
+	require.NoError(t, err, "a row archived under exactly this key exists")
+	require.Equal(t, 1, rc.Removed["archive_v1.rows"])
+}

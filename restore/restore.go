@@ -198,7 +198,7 @@ func Run(ctx context.Context, target *pgxpool.Pool, source *pgx.Conn, cfg Config
 			return nil, err
 		}
 	}
-	err = restoreInSource(ctx, source, cfg, rows, res)
+	err = restoreInSource(ctx, target, source, cfg, rows, res)
 	if cfg.DryRun {
 		if err == nil {
 			res.Outcome = OutcomePlanned
@@ -231,9 +231,45 @@ func outcomeOf(err error) string {
 	}
 }
 
+// holdUnerased takes the erasure lock shared (as every apply does, in
+// epitaph.erasure_epoch()) in a target transaction and checks that every
+// row is still archived: an erasure that ran since the restore read them
+// removed them, and they must not go back into the source. The release
+// ends the transaction; until then no erasure can start.
+func holdUnerased(ctx context.Context, target *pgxpool.Pool, rows []*archived) (release func(), err error) {
+	guard, err := target.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("check the rows are not erased: %w", err)
+	}
+	release = func() { _ = guard.Rollback(context.WithoutCancel(ctx)) }
+	srcs, lsns, seqs := make([]string, len(rows)), make([]string, len(rows)), make([]int32, len(rows))
+	for i, a := range rows {
+		srcs[i], lsns[i], seqs[i] = a.source, a.commitLSN, int32(a.seq)
+	}
+	// The lock first, in a statement of its own: the check's snapshot is
+	// taken after it, so it sees an erasure that committed meanwhile.
+	if _, err := guard.Exec(ctx, `SELECT epitaph.erasure_epoch()`); err != nil {
+		release()
+		return nil, fmt.Errorf("check the rows are not erased: %w", err)
+	}
+	var present int
+	err = guard.QueryRow(ctx, `SELECT count(*) FROM unnest($1::text[], $2::pg_lsn[], $3::int[]) AS u(source, commit_lsn, seq)
+		WHERE EXISTS (SELECT 1 FROM archive.rows r WHERE r.source = u.source AND r.commit_lsn = u.commit_lsn AND r.seq = u.seq)`,
+		srcs, lsns, seqs).Scan(&present)
+	if err != nil {
+		release()
+		return nil, fmt.Errorf("check the rows are not erased: %w", err)
+	}
+	if present != len(rows) {
+		release()
+		return nil, cannot("%d of the rows were erased or expired while the restore ran; nothing was written", len(rows)-present)
+	}
+	return release, nil
+}
+
 // restoreInSource plans and (unless a dry run) inserts in one source
 // transaction.
-func restoreInSource(ctx context.Context, source *pgx.Conn, cfg Config, rows []*archived, res *Result) error {
+func restoreInSource(ctx context.Context, target *pgxpool.Pool, source *pgx.Conn, cfg Config, rows []*archived, res *Result) error {
 	opts := pgx.TxOptions{}
 	if cfg.DryRun {
 		opts.AccessMode = pgx.ReadOnly
@@ -260,6 +296,13 @@ func restoreInSource(ctx context.Context, source *pgx.Conn, cfg Config, rows []*
 	if err := insertAll(ctx, tx, p, cfg.OnConflict == OnConflictSkip, res); err != nil {
 		return err
 	}
+	// An erasure that ran since the rows were read wins: they are checked
+	// again under the erasure lock, held until the source commits.
+	release, err := holdUnerased(ctx, target, rows)
+	if err != nil {
+		return err
+	}
+	defer release()
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("commit restore in the source: %w", err)
 	}

@@ -2,6 +2,7 @@ package erasure
 
 import (
 	"context"
+	"encoding/json"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -15,6 +16,7 @@ type erasedRef struct {
 	id    rowIdentity
 	table string
 	corr  string
+	key   json.RawMessage // the row's archived key (scrubRestores)
 }
 
 // stopCursorDeliveries records, in the erasure's transaction, the

@@ -213,6 +213,9 @@ func eraseOnce(ctx context.Context, pool *pgxpool.Pool, p eraseParams) error {
 		if err := eraseDeliveries(ctx, tx, ids, removed); err != nil {
 			return err
 		}
+		if err := scrubRestores(ctx, tx, refs, removed); err != nil {
+			return err
+		}
 		q := quarantineMatcher{key: key, table: opts.Table, mode: p.mode, cols: p.cols, sel: decodeObject(p.sel), digest: p.digest, erased: ids}
 		unchecked, err := q.erase(ctx, tx, id, removed)
 		if err != nil {
@@ -298,13 +301,13 @@ WITH RECURSIVE hit AS (
     DELETE FROM %[1]s r USING hit h
     WHERE r.source = h.source AND r.commit_lsn = h.commit_lsn AND r.seq = h.seq
     RETURNING r.source, r.commit_lsn, r.seq, r.correlation_id, r.schema_name || '.' || r.table_name AS tbl,
-              CASE WHEN $4 THEN COALESCE(r.row, r.key) END AS row
+              CASE WHEN $4 THEN COALESCE(r.row, r.key) END AS row, r.key
 ), fenced AS (
     INSERT INTO epitaph.erased_rows (source, commit_lsn, seq, erasure_id)
     SELECT source, commit_lsn, seq, $5 FROM del
     ON CONFLICT DO NOTHING
 )%[2]s
-SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, %[4]s FROM del`
+SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, %[4]s, key FROM del`
 
 const eraseSnapshotsSQL = `, docs AS (
     DELETE FROM %[1]s s USING del d
@@ -342,11 +345,11 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 		}
 		var r rowIdentity
 		var lsn, corr, tbl string
-		var row json.RawMessage
+		var row, rkey json.RawMessage
 		var ndocs int
 		corrs := map[string]bool{}
 		var gone []snapshot.FencedRow
-		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &ndocs}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &ndocs, &rkey}, func() error {
 			l, err := event.ParseLSN(lsn)
 			if err != nil {
 				return err
@@ -360,7 +363,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			if !seen[r] {
 				seen[r] = true
 				ids = append(ids, r)
-				refs = append(refs, erasedRef{id: r, table: tbl, corr: corr})
+				refs = append(refs, erasedRef{id: r, table: tbl, corr: corr, key: slices.Clone(rkey)})
 				if withChildren {
 					parents = append(parents, parentRow{id: r, table: tbl, row: slices.Clone(row), erasure: id})
 				}
@@ -494,4 +497,46 @@ func ListErasures(ctx context.Context, db interface {
 		return nil, fmt.Errorf("list erasures: %w", err)
 	}
 	return out, nil
+}
+
+// scrubRestores clears, in epitaph.restores, what names an erased row:
+// the key or root key a restore was asked for, and an error naming the
+// row (a conflict names the rows' table and key).
+func scrubRestores(ctx context.Context, tx pgx.Tx, refs []erasedRef, removed map[string]int) error {
+	var corrs, tables, keys, names []string
+	for _, r := range refs {
+		if len(r.key) == 0 {
+			continue
+		}
+		var v any
+		if json.Unmarshal(r.key, &v) != nil {
+			continue
+		}
+		compact, err := json.Marshal(v) // as restore.RowRef names it
+		if err != nil {
+			continue
+		}
+		corrs, tables, keys = append(corrs, r.corr), append(tables, r.table), append(keys, string(r.key))
+		names = append(names, r.table+" "+string(compact))
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	tag, err := tx.Exec(ctx, `
+		UPDATE epitaph.restores x
+		   SET key = CASE WHEN x.key = e.key::jsonb AND x.table_name = e.tbl THEN NULL ELSE x.key END,
+		       root_key = CASE WHEN x.root_key = e.key::jsonb AND COALESCE(x.root_table, e.tbl) = e.tbl THEN NULL ELSE x.root_key END,
+		       error = CASE WHEN strpos(x.error, e.name) > 0 THEN 'the error named a row erased since' ELSE x.error END
+		  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS e(corr, tbl, key, name)
+		 WHERE x.correlation_id = e.corr
+		   AND ((x.key = e.key::jsonb AND x.table_name = e.tbl)
+		     OR (x.root_key = e.key::jsonb AND COALESCE(x.root_table, e.tbl) = e.tbl)
+		     OR strpos(x.error, e.name) > 0)`, corrs, tables, keys, names)
+	if err != nil {
+		return fmt.Errorf("erase restore records: %w", err)
+	}
+	if tag.RowsAffected() > 0 {
+		removed["epitaph.restores"] += int(tag.RowsAffected())
+	}
+	return nil
 }

@@ -24,8 +24,16 @@ import (
 func checkShape(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) error {
 	want := decodeObject(sel)
 	if mode == EraseByKey {
+		// A key archived as given is right, whatever other keys the
+		// table had before or since (its key may have changed).
+		var exact bool
+		err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows
+			WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb)`, schema, name, string(sel)).Scan(&exact)
+		if err = nothingArchived(err); err != nil || exact {
+			return err
+		}
 		var sample []byte
-		err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows
+		err = db.QueryRow(ctx, `SELECT key::text FROM archive.rows
 			WHERE schema_name = $1 AND table_name = $2 AND key IS NOT NULL LIMIT 1`, schema, name).Scan(&sample)
 		if err = nothingArchived(err); err != nil || sample == nil {
 			return err
