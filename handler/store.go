@@ -523,9 +523,7 @@ func ListDeliveries(ctx context.Context, db DB, f Filter) ([]Info, error) {
 	if f.Limit <= 0 {
 		f.Limit = 1000
 	}
-	rows, err := db.Query(ctx, `SELECT `+infoColumns+` FROM epitaph.deliveries
-		WHERE ($1 = '' OR handler_id = NULLIF($1, '')::uuid) AND ($2 = '' OR state = $2)
-		  AND ($3 = '' OR schema_name = $3) AND ($4 = '' OR table_name = $4)
+	rows, err := db.Query(ctx, `SELECT `+infoColumns+` FROM epitaph.deliveries WHERE `+filterSQL+`
 		ORDER BY created_at DESC, id LIMIT $5`, f.HandlerID, f.State, f.Schema, f.Table, f.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("list deliveries: %w", err)
@@ -535,6 +533,28 @@ func ListDeliveries(ctx context.Context, db DB, f Filter) ([]Info, error) {
 		return nil, fmt.Errorf("list deliveries: %w", err)
 	}
 	return out, nil
+}
+
+// filterSQL is a Filter's condition ($1-$4) on epitaph.deliveries.
+const filterSQL = `($1 = '' OR handler_id = NULLIF($1, '')::uuid) AND ($2 = '' OR state = $2)
+		  AND ($3 = '' OR schema_name = $3) AND ($4 = '' OR table_name = $4)`
+
+// CountDeliveries counts the deliveries ListDeliveries lists with the same
+// filter (its limit included): what an action on "all matching" acts on.
+func CountDeliveries(ctx context.Context, db DB, f Filter) (int, error) {
+	if f.HandlerID != "" && !ValidID(f.HandlerID) {
+		return 0, fmt.Errorf("handler id %q is not a UUID", f.HandlerID)
+	}
+	if f.Limit <= 0 {
+		f.Limit = 1000
+	}
+	var n int
+	err := db.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM epitaph.deliveries WHERE `+filterSQL+` LIMIT $5) x`,
+		f.HandlerID, f.State, f.Schema, f.Table, f.Limit).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count deliveries: %w", err)
+	}
+	return n, nil
 }
 
 // ShowDelivery returns one delivery with its payload.

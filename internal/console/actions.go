@@ -338,6 +338,11 @@ func (c *console) quarantine(r *http.Request, body []byte) (int, any) {
 	if len(req.IDs) > MaxSelection {
 		return errorAnswer(http.StatusBadRequest, "%d entries: at most %d an action", len(req.IDs), MaxSelection)
 	}
+	for _, id := range req.IDs {
+		if id <= 0 {
+			return errorAnswer(http.StatusBadRequest, "entry id %d: want a positive number", id)
+		}
+	}
 	ans := DeliveriesAnswer{Action: req.Action, Failed: map[string]string{}}
 	switch req.Action {
 	case "replay":

@@ -290,8 +290,8 @@ WHERE ($1::text IS NULL OR (r.schema_name = $1 AND r.table_name = $2))
   AND ($3::jsonb IS NULL OR r.key = $3)
   AND ($4::timestamptz IS NULL OR r.commit_time >= $4) AND ($5::timestamptz IS NULL OR r.commit_time < $5)
   AND ($6::text IS NULL OR r.correlation_id = $6)
-  AND ($7::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($7::pg_lsn, $8::int))
-ORDER BY r.commit_lsn DESC, r.seq DESC
+  AND ($7::pg_lsn IS NULL OR (r.commit_lsn, r.seq, r.source) < ($7::pg_lsn, $8::int, $10::text))
+ORDER BY r.commit_lsn DESC, r.seq DESC, r.source DESC
 LIMIT $9`
 
 func (c *console) search(r *http.Request, v *view) (string, error) {
@@ -308,7 +308,7 @@ func (c *console) search(r *http.Request, v *view) (string, error) {
 		return "search", err
 	}
 	schema, table, lsn := a.schema, a.table, a.lsn
-	rows, err := c.cfg.DB.Query(r.Context(), searchSQL, a.schema, a.table, a.key, a.since, a.until, a.corr, a.lsn, a.seq, PageSize+1)
+	rows, err := c.cfg.DB.Query(r.Context(), searchSQL, a.schema, a.table, a.key, a.since, a.until, a.corr, a.lsn, a.seq, PageSize+1, a.source)
 	if err != nil {
 		return "search", err
 	}
@@ -319,7 +319,7 @@ func (c *console) search(r *http.Request, v *view) (string, error) {
 	if len(d.Rows) > PageSize {
 		d.Rows = d.Rows[:PageSize]
 		last := d.Rows[PageSize-1]
-		d.Next = encodeCursor(last.CommitLSN, last.Seq)
+		d.Next = encodeCursor(last.CommitLSN, last.Seq, last.Source)
 	}
 	if len(d.Rows) == 0 && lsn == nil && schema != nil {
 		var seen bool
@@ -336,9 +336,9 @@ func (c *console) search(r *http.Request, v *view) (string, error) {
 
 // searchArgs are the search's query parameters (nil: unbounded).
 type searchArgs struct {
-	schema, table, key, corr, lsn *string
-	since, until                  *time.Time
-	seq                           *int
+	schema, table, key, corr, lsn, source *string
+	since, until                          *time.Time
+	seq                                   *int
 }
 
 func parseSearch(d *searchData, cursor string) (searchArgs, error) {
@@ -371,11 +371,11 @@ func parseSearch(d *searchData, cursor string) (searchArgs, error) {
 		return a, err
 	}
 	if cursor != "" {
-		l, n, ok := decodeCursor(cursor)
+		l, n, src, ok := decodeCursor(cursor)
 		if !ok {
 			return a, fail(http.StatusBadRequest, "cursor: not one of this page's")
 		}
-		a.lsn, a.seq = &l, &n
+		a.lsn, a.seq, a.source = &l, &n, &src
 	}
 	return a, nil
 }
@@ -392,24 +392,29 @@ func parseTime(name, s string) (*time.Time, error) {
 	return nil, fail(http.StatusBadRequest, "%s %q: want a time such as 2026-11-24T09:00:00Z or 2026-11-24", name, s)
 }
 
-func encodeCursor(lsn string, seq int) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(lsn + " " + strconv.Itoa(seq)))
+func encodeCursor(lsn string, seq int, source string) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(lsn + " " + strconv.Itoa(seq) + " " + source))
 }
 
-func decodeCursor(s string) (string, int, bool) {
+func decodeCursor(s string) (string, int, string, bool) {
 	b, err := base64.RawURLEncoding.DecodeString(s)
 	if err != nil {
-		return "", 0, false
+		return "", 0, "", false
 	}
-	l, n, ok := strings.Cut(string(b), " ")
-	seq, err := strconv.Atoi(n)
-	if !ok || err != nil {
-		return "", 0, false
+	l, rest, ok := strings.Cut(string(b), " ")
+	n, src, ok2 := strings.Cut(rest, " ")
+	if !ok || !ok2 {
+		return "", 0, "", false
 	}
-	if _, err := event.ParseLSN(l); err != nil {
-		return "", 0, false
+	seq, err := strconv.ParseInt(n, 10, 32)
+	if err != nil || seq < 0 {
+		return "", 0, "", false
 	}
-	return l, seq, true
+	lsn, err := event.ParseLSN(l)
+	if err != nil {
+		return "", 0, "", false
+	}
+	return lsn.String(), int(seq), src, true
 }
 
 // txData is a transaction: its rows by table and its snapshot documents.
@@ -505,12 +510,16 @@ func (c *console) row(r *http.Request, v *view) (string, error) {
 	if err != nil {
 		return "row", err
 	}
-	for _, t := range d.Tables {
-		for i := range t.Rows {
-			if t.Rows[i].Seq == seq {
-				d.Row = &t.Rows[i]
-			}
-		}
+	rows, err := c.cfg.DB.Query(r.Context(), `SELECT `+rowColumns+` FROM archive.rows r WHERE r.correlation_id = $1 AND r.seq = $2`, corr, seq)
+	if err != nil {
+		return "row", err
+	}
+	found, err := scanRows(rows)
+	if err != nil {
+		return "row", err
+	}
+	if len(found) > 0 {
+		d.Row = &found[0]
 	}
 	if d.Row == nil {
 		return "row", fail(http.StatusNotFound, "transaction %s has no archived row %d (expired or erased)", corr, seq)
@@ -635,10 +644,12 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 	if d.Deliveries, err = handler.ListWithCursors(r.Context(), c.cfg.DB, f); err != nil {
 		return "failed", err
 	}
-	for _, x := range d.Deliveries {
-		if !x.FromArchive {
-			d.Actionable++
-		}
+	// What "all matching" acts on: every queued delivery of the filter (the
+	// action's ListDeliveries), up to MaxSelection, not the listed page.
+	af := f
+	af.Limit = MaxSelection
+	if d.Actionable, err = handler.CountDeliveries(r.Context(), c.cfg.DB, af); err != nil {
+		return "failed", err
 	}
 	d.Quarantine, err = quarantine.List(r.Context(), c.cfg.DB, quarantine.Filter{Status: quarantine.StatusOpen, Limit: FailedLimit})
 	if err != nil {

@@ -53,10 +53,10 @@ func TestReadAPILookupsUseIndexes(t *testing.T) {
 	// other partitions hold a row or none and are rightly scanned whole.
 	const tableKey, correlation = `(rows_table_key_idx|rows_default_schema_name_table_name_key_idx)`, `(rows_correlation_idx|rows_default_correlation_id_idx)`
 	const bigSeqScan = `Seq Scan on (rows|rows_default|snapshots) `
-	plan := explain(rowsSQL, "public", "t7", `{"id": 7}`, nil, nil, 101)
+	plan := explain(rowsSQL, "public", "t7", `{"id": 7}`, nil, nil, 101, nil)
 	require.Regexp(t, "Index Scan using "+tableKey, plan)
 	require.NotRegexp(t, bigSeqScan, plan)
-	plan = explain(rowsSQL, "public", "t7", `{"id": 7}`, "0/10", 3, 101)
+	plan = explain(rowsSQL, "public", "t7", `{"id": 7}`, "0/10", 3, 101, "main")
 	require.Regexp(t, tableKey, plan)
 	require.NotRegexp(t, bigSeqScan, plan)
 	// A table's rows: a backward scan of the unique key (the partitions'

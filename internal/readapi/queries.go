@@ -2,6 +2,7 @@ package readapi
 
 import (
 	"context"
+	"math"
 	"net/http"
 
 	"github.com/jackc/pgx/v5"
@@ -15,10 +16,10 @@ import (
 // the view's field names.
 const (
 	rowsSQL = `
-SELECT to_jsonb(r)::text, r.commit_lsn::text, r.seq FROM archive.rows r
+SELECT to_jsonb(r)::text, r.commit_lsn::text, r.seq, r.source FROM archive.rows r
 WHERE r.schema_name = $1 AND r.table_name = $2 AND r.key = $3::jsonb
-  AND ($4::pg_lsn IS NULL OR (r.commit_lsn, r.seq) < ($4::pg_lsn, $5::int))
-ORDER BY r.commit_lsn DESC, r.seq DESC
+  AND ($4::pg_lsn IS NULL OR (r.commit_lsn, r.seq, r.source) < ($4::pg_lsn, $5::int, COALESCE($7::text, '')))
+ORDER BY r.commit_lsn DESC, r.seq DESC, r.source DESC
 LIMIT $6`
 	// tableRowsSQL lists a table's rows deleted in [since, until). No
 	// index of (schema_name, table_name) orders them; with the source
@@ -64,18 +65,40 @@ func (req *request) cursorInt(name string) *int64 {
 	return nil
 }
 
-func (a *api) rows(ctx context.Context, _ *http.Request, req *request) (*page, error) {
-	lsn := req.cursorString("commit_lsn")
-	if lsn != nil {
-		if _, err := event.ParseLSN(*lsn); err != nil {
-			return nil, fail(http.StatusBadRequest, "cursor: not a next_cursor of this API")
+// validCursor refuses a cursor whose fields the queries cannot take: an
+// LSN pg_lsn does not read, a seq beyond int4, an id beyond 2^53.
+func (req *request) validCursor() error {
+	bad := fail(http.StatusBadRequest, "cursor: not a next_cursor of this API")
+	if s := req.cursorString("commit_lsn"); s != nil {
+		lsn, err := event.ParseLSN(*s)
+		if err != nil {
+			return bad
+		}
+		req.cursor["commit_lsn"] = lsn.String()
+	}
+	if v, ok := req.cursor["seq"]; ok {
+		f, isNum := v.(float64)
+		if !isNum || f != math.Trunc(f) || f < -1 || f > math.MaxInt32 {
+			return bad
 		}
 	}
+	if v, ok := req.cursor["id"]; ok {
+		f, isNum := v.(float64)
+		if !isNum || f != math.Trunc(f) || f < 0 || f > 1<<53 {
+			return bad
+		}
+	}
+	return nil
+}
+
+func (a *api) rows(ctx context.Context, _ *http.Request, req *request) (*page, error) {
+	lsn := req.cursorString("commit_lsn")
 	cursorOf := func(v []any) map[string]any { return map[string]any{"commit_lsn": v[1], "seq": v[2]} }
 	var res pgx.Rows
 	var err error
 	if req.key != "" {
-		res, err = a.cfg.DB.Query(ctx, rowsSQL, req.schema, req.table, req.key, lsn, req.cursorInt("seq"), req.limit+1)
+		cursorOf = func(v []any) map[string]any { return map[string]any{"commit_lsn": v[1], "seq": v[2], "source": v[3]} }
+		res, err = a.cfg.DB.Query(ctx, rowsSQL, req.schema, req.table, req.key, lsn, req.cursorInt("seq"), req.limit+1, req.cursorString("source"))
 	} else {
 		res, err = a.cfg.DB.Query(ctx, tableRowsSQL, a.cfg.Source, req.schema, req.table, req.since, req.until, lsn, req.cursorInt("seq"), req.limit+1)
 	}

@@ -252,6 +252,9 @@ func parseRequest(w http.ResponseWriter, r *http.Request) (*request, error) {
 		if err != nil || json.Unmarshal(b, &req.cursor) != nil {
 			return nil, fail(http.StatusBadRequest, "cursor: not a next_cursor of this API")
 		}
+		if err := req.validCursor(); err != nil {
+			return nil, err
+		}
 	}
 	if s := q.Get("wait_lsn"); s != "" {
 		lsn, err := event.ParseLSN(s)
