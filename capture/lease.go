@@ -266,8 +266,20 @@ func (s *Service) acquire(ctx context.Context) error {
 	for {
 		slot, err := readSlot(ctx, s.pool, cfg.SlotName)
 		if err != nil {
-			return err
+			// A pool connection lost while waiting (the lease, checked by
+			// watchLease, is what decides): wait on, as for the lease.
+			if _, transient := outage(err); !transient || ctx.Err() != nil {
+				return err
+			}
+			s.updateStandby(func(sb *StandbyStatus) { sb.LastError = redactErr(err) })
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(poll):
+			}
+			continue
 		}
+		s.updateStandby(func(sb *StandbyStatus) { sb.LastError = "" })
 		if !slot.exists || slot.activePID == nil {
 			break
 		}
