@@ -155,6 +155,11 @@ func NewDispatcher(pool *pgxpool.Pool, cfg Config) (*Dispatcher, error) {
 	}
 	if cfg.HTTPClient == nil {
 		cfg.HTTPClient = NewHTTPClient(cfg.Parallelism)
+	} else {
+		// A copy that never follows a redirect (see noRedirect).
+		c := *cfg.HTTPClient
+		c.CheckRedirect = noRedirect
+		cfg.HTTPClient = &c
 	}
 	d := &Dispatcher{pool: pool, cfg: cfg, log: cfg.Logger,
 		run:       runner{client: cfg.HTTPClient, js: cfg.JetStream, registry: cfg.Registry},
@@ -218,8 +223,13 @@ func NewHTTPClient(parallelism int) *http.Client {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConns = max(t.MaxIdleConns, 2*parallelism)
 	t.MaxIdleConnsPerHost = max(parallelism, 16)
-	return &http.Client{Transport: t}
+	return &http.Client{Transport: t, CheckRedirect: noRedirect}
 }
+
+// noRedirect: a webhook's answer is the answer to its POST. A redirect
+// followed would turn the POST into a GET of another URL (301, 302, 303)
+// whose 2xx would count as the delivery done, though nothing received it.
+func noRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // loop is the dispatcher's claim loop: it keeps the queue of claimed
 // deliveries fed for the workers and, on the soft stop, lets them finish
@@ -931,6 +941,7 @@ func (d *Dispatcher) failure(c *claimed, err error) settlement {
 // Backoff is the delay before the attempt after the attempt-th one:
 // exponential from base (doubling, at most an hour) with ±25% jitter.
 func Backoff(base time.Duration, attempt int) time.Duration {
+	base = min(base, time.Hour) // at most an hour (±25%), a larger base included
 	b := backoff.NewExponentialBackOff(backoff.WithInitialInterval(base), backoff.WithMultiplier(2),
 		backoff.WithRandomizationFactor(0.25), backoff.WithMaxInterval(time.Hour), backoff.WithMaxElapsedTime(0))
 	delay := base

@@ -582,10 +582,11 @@ func Retry(ctx context.Context, db DB, id string) error {
 		return fmt.Errorf("delivery id %q is not a UUID", id)
 	}
 	var state string
-	var hasPayload, archived bool
+	var hasPayload, archived, handlerExists, revoked bool
 	err := db.QueryRow(ctx, `SELECT d.state, d.payload IS NOT NULL,
-		  to_regclass('archive.rows') IS NOT NULL
-		FROM epitaph.deliveries d WHERE d.id = $1`, id).Scan(&state, &hasPayload, &archived)
+		  to_regclass('archive.rows') IS NOT NULL, h.id IS NOT NULL, h.revoked_at IS NOT NULL
+		FROM epitaph.deliveries d LEFT JOIN epitaph.handlers h ON h.id = d.handler_id WHERE d.id = $1`, id).Scan(
+		&state, &hasPayload, &archived, &handlerExists, &revoked)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("delivery %s: %w", id, ErrNotFound)
 	}
@@ -594,6 +595,13 @@ func Retry(ctx context.Context, db DB, id string) error {
 	}
 	if state != StateDead && state != StateStopped {
 		return fmt.Errorf("delivery %s is %s: only dead or stopped deliveries are retried", id, state)
+	}
+	// Never claimed again: it would stay pending for ever.
+	if !handlerExists {
+		return fmt.Errorf("delivery %s: its handler was removed: it cannot be retried", id)
+	}
+	if revoked {
+		return fmt.Errorf("delivery %s: its handler is revoked: it cannot be retried", id)
 	}
 	payload, from := `d.payload`, ` WHERE`
 	if !hasPayload {

@@ -35,6 +35,9 @@ type Env struct {
 	Stderr io.Writer
 	// Logger, when nil, is built from --log-level and --log-format.
 	Logger *slog.Logger
+	// configSourceURL: source-url in the --config file, the target's
+	// default after EPITAPH_SOURCE_URL.
+	configSourceURL string
 }
 
 func (e *Env) lookup(key string) (string, bool) {
@@ -85,6 +88,7 @@ wait: see its help).`,
 		if err := cli.ApplyEnv(cmd, env.lookup); err != nil {
 			return err
 		}
+		env.configSourceURL, _ = cli.ConfigValue(cmd, "source-url")
 		if env.Logger == nil {
 			env.Logger = logging.Logger(env.Stderr)
 		}
@@ -143,7 +147,10 @@ func (c *common) check() error {
 		c.targetURL, _ = c.env.lookup("EPITAPH_SOURCE_URL")
 	}
 	if c.targetURL == "" {
-		return cli.Usage("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL) or --target-url")
+		c.targetURL = c.env.configSourceURL
+	}
+	if c.targetURL == "" {
+		return cli.Usage("no target database: set EPITAPH_TARGET_URL (or EPITAPH_SOURCE_URL), --target-url, or target-url (source-url) in --config")
 	}
 	if _, err := dialTimeout("target-tcp-timeout", c.targetTCPTimeout); err != nil {
 		return err

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -102,6 +103,13 @@ func handlersAddCommand(env *Env) *cobra.Command {
 			if d.Kind != handler.KindWebhook {
 				return cli.Usage("--secret-file signs webhooks only")
 			}
+			// Stored as an absolute path: the projectors read it from
+			// their own working directories.
+			abs, err := filepath.Abs(d.SecretFile)
+			if err != nil {
+				return cli.Usage("--secret-file %s: %w", d.SecretFile, err)
+			}
+			d.SecretFile = abs
 			secrets, err := handler.ReadSecrets(d.SecretFile)
 			if errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission) {
 				return cli.Usage("--secret-file %s cannot be read", d.SecretFile)

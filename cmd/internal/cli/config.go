@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"sort"
-	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -32,42 +31,59 @@ func ConfigFlag(root *cobra.Command) {
 }
 
 // configValues reads the file at path: one value per key, as the text a
-// flag parses (a list joined with commas, null empty).
+// flag parses (the scalar's text as written, so a password such as 0123 is
+// not read as a number and printed again as 83; a list joined with commas,
+// null empty). Errors never quote the file's content (it may be a secret
+// file named by mistake).
 func configValues(path string) (map[string]string, error) {
 	raw, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
-	var doc map[string]any
+	var doc yaml.Node
 	if err := yaml.Unmarshal(raw, &doc); err != nil {
+		// A syntax error (decoding into a node has no type errors, whose
+		// messages quote values): its line and what is wrong, no content.
 		return nil, fmt.Errorf("not YAML of key: value lines: %s", strings.TrimPrefix(err.Error(), "yaml: "))
 	}
-	out := make(map[string]string, len(doc))
-	for k, v := range doc {
+	out := map[string]string{}
+	if doc.Kind == 0 || (doc.Kind == yaml.DocumentNode && len(doc.Content) == 0) {
+		return out, nil // empty
+	}
+	if doc.Kind != yaml.DocumentNode || len(doc.Content) != 1 || doc.Content[0].Kind != yaml.MappingNode {
+		return nil, fmt.Errorf("line %d: not YAML of key: value lines", doc.Line)
+	}
+	m := doc.Content[0]
+	for i := 0; i+1 < len(m.Content); i += 2 {
+		k, v := m.Content[i], m.Content[i+1]
+		if k.Kind != yaml.ScalarNode {
+			return nil, fmt.Errorf("line %d: a key is a flag's name", k.Line)
+		}
 		s, err := configText(v)
 		if err != nil {
-			return nil, fmt.Errorf("%s: %w", k, err)
+			return nil, fmt.Errorf("%s: %w", k.Value, err)
 		}
-		out[k] = s
+		out[k.Value] = s
 	}
 	return out, nil
 }
 
-func configText(v any) (string, error) {
-	switch v := v.(type) {
-	case nil:
-		return "", nil
-	case string:
-		return v, nil
-	case bool:
-		return strconv.FormatBool(v), nil
-	case int:
-		return strconv.Itoa(v), nil
-	case float64:
-		return strconv.FormatFloat(v, 'g', -1, 64), nil
-	case []any:
-		parts := make([]string, len(v))
-		for i, e := range v {
+func configText(n *yaml.Node) (string, error) {
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	switch n.Kind {
+	case yaml.ScalarNode:
+		if n.ShortTag() == "!!null" {
+			return "", nil
+		}
+		return n.Value, nil
+	case yaml.SequenceNode:
+		parts := make([]string, len(n.Content))
+		for i, e := range n.Content {
+			if e.Kind != yaml.ScalarNode {
+				return "", errors.New("want a list of plain values")
+			}
 			s, err := configText(e)
 			if err != nil || strings.Contains(s, ",") {
 				return "", errors.New("want a list of plain values")
@@ -76,7 +92,7 @@ func configText(v any) (string, error) {
 		}
 		return strings.Join(parts, ","), nil
 	}
-	return "", fmt.Errorf("want a value or a list, not %T", v)
+	return "", errors.New("want a value or a list, not a mapping")
 }
 
 // flagNames are the names of every flag of the command tree of cmd.
@@ -133,4 +149,20 @@ func applyConfig(cmd *cobra.Command, skip map[string]bool) error {
 		return Usage("--config %s: %s", path, strings.Join(bad, "; "))
 	}
 	return nil
+}
+
+// ConfigValue is key's value in the file --config names, if the file sets
+// it (a setting another flag defaults to, such as the projector's
+// --target-url to source-url, whichever command reads the file).
+func ConfigValue(cmd *cobra.Command, key string) (string, bool) {
+	fl := cmd.Flags().Lookup(configFlag)
+	if fl == nil || fl.Value.String() == "" {
+		return "", false
+	}
+	values, err := configValues(fl.Value.String())
+	if err != nil {
+		return "", false // reported by ApplyEnv
+	}
+	v, ok := values[key]
+	return v, ok && v != ""
 }
