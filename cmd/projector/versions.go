@@ -74,7 +74,7 @@ PARTIAL, from --from-time) beside the live version, which keeps serving.`,
 		Args: cli.Args(1),
 	}
 	c := commonFlags(cmd, env)
-	cmd.Flags().Bool("from-start", true, "rebuild from the start of the stream (the default)")
+	fromStart := cmd.Flags().Bool("from-start", true, "rebuild from the start of the stream (the default)")
 	fromTime := cmd.Flags().String("from-time", "", "PARTIAL rebuild: start every partition at its first message stored at or after this RFC 3339 time; older deletes are not in the new version")
 	wait := cmd.Flags().Bool("wait", false, "wait until the version is ready, showing progress (a bar on a terminal, lines otherwise)")
 	note := cmd.Flags().String("note", "", "why, recorded in the version's config")
@@ -85,6 +85,12 @@ PARTIAL, from --from-time) beside the live version, which keeps serving.`,
 		opts := version.RebuildOptions{Projection: pos[0], Source: c.sourceName, Note: *note, Period: *period}
 		if _, err := archive.ParsePeriod(*period); err != nil {
 			return cli.Usage("--archive-partition %q: want day, week or month", *period)
+		}
+		switch {
+		case !*fromStart && *fromTime == "":
+			return cli.Usage("--from-start=false: say where to start with --from-time")
+		case *fromStart && cmd.Flags().Changed("from-start") && *fromTime != "":
+			return cli.Usage("--from-start and --from-time: give one of them")
 		}
 		if *fromTime != "" {
 			t, err := time.Parse(time.RFC3339, *fromTime)

@@ -55,11 +55,20 @@ func Backlog(ctx context.Context, db rowQuerier, schema string) (pending int64, 
 // behindSQL counts the jobs of the candidate that are pending or failed
 // while the same document (transaction, root table, root key) is complete
 // in the other version: what a reader would lose by switching.
+//
+// A document the candidate has no job for counts too when the candidate
+// has not archived its root row yet (the transaction is within its lag):
+// switching would take the document from readers altogether. A candidate
+// that archived the root row without a job (other snapshot roots) does
+// not count: that is an intended difference (compare --ignore snapshots).
 const behindSQL = `
 SELECT count(*)
-  FROM %[1]s c
-  JOIN %[2]s l ON l.correlation_id = c.correlation_id AND l.root_table = c.root_table AND l.root_key = c.root_key
- WHERE c.status IN ('pending', 'failed') AND l.status = 'complete'`
+  FROM %[2]s l
+  LEFT JOIN %[1]s c ON l.correlation_id = c.correlation_id AND l.root_table = c.root_table AND l.root_key = c.root_key
+ WHERE l.status = 'complete'
+   AND (c.status IN ('pending', 'failed')
+        OR (c.correlation_id IS NULL AND NOT EXISTS (SELECT 1 FROM %[3]s r
+             WHERE r.source = l.source AND r.commit_lsn = l.commit_lsn AND r.seq = l.root_seq)))`
 
 // Behind counts the documents that are complete in schema than but
 // pending or failed in schema candidate: switching readers from than to
@@ -70,7 +79,7 @@ func Behind(ctx context.Context, db rowQuerier, candidate, than string) (int64, 
 		return 0, err
 	}
 	var n int64
-	err := db.QueryRow(ctx, fmt.Sprintf(behindSQL, table(candidate, "snapshots"), table(than, "snapshots"))).Scan(&n)
+	err := db.QueryRow(ctx, fmt.Sprintf(behindSQL, table(candidate, "snapshots"), table(than, "snapshots"), table(candidate, "rows"))).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("compare snapshot documents of %s with %s: %w", candidate, than, err)
 	}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -241,12 +242,62 @@ func startsAt(ctx context.Context, stream jetstream.Stream, source string, parti
 				return nil, fmt.Errorf("probe partition %d: %w", p, err)
 			}
 			if first > 0 {
+				// Never start inside a transaction: back up to its first
+				// row, so the version holds it whole (its rows stored
+				// before t, its commit after) and verifies it.
+				if first, err = transactionStart(ctx, stream, p, first); err != nil {
+					return nil, fmt.Errorf("probe partition %d: %w", p, err)
+				}
 				out[p] = first - 1
 			}
 		}
 		_ = stream.DeleteConsumer(ctx, name)
 	}
 	return out, nil
+}
+
+// isRowSubject reports whether a subject is a row message's
+// (epitaph.<src>.<p>.delete|truncate...): one of a transaction before its
+// commit.
+func isRowSubject(subject string) bool {
+	parts := strings.SplitN(subject, ".", 5)
+	return len(parts) >= 4 && (parts[3] == "delete" || parts[3] == "truncate")
+}
+
+// transactionStart is the stream sequence of the first row message of the
+// transaction that the message at seq (of partition p) belongs to: seq
+// itself unless it is a row message preceded, in its partition, by more
+// row messages (a transaction's messages are contiguous in its partition,
+// up to its commit).
+func transactionStart(ctx context.Context, stream jetstream.Stream, p int, seq uint64) (uint64, error) {
+	raw, err := stream.GetMsg(ctx, seq)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return seq, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if !isRowSubject(raw.Subject) {
+		return seq, nil
+	}
+	start := seq
+	for s := seq - 1; s >= 1; s-- {
+		raw, err := stream.GetMsg(ctx, s)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return 0, err
+		}
+		if q, err := event.PartitionOf(raw.Subject); err != nil || q != p {
+			continue
+		}
+		if !isRowSubject(raw.Subject) {
+			break
+		}
+		start = s
+	}
+	return start, nil
 }
 
 // firstSequence is the stream sequence of the first message c delivers,
