@@ -78,6 +78,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	return m
 }
 
+// lagUnknown drops the lag series: the status could not be collected, so
+// no lag was measured (an unknown lag has no series, never a stale value).
+func (m *metrics) lagUnknown() {
+	m.lagEvents.Reset()
+	m.lagSeconds.Reset()
+	m.partitionOldest.Reset()
+	m.oldestPending.Reset()
+}
+
 // publish sets the gauges from a status document.
 func (m *metrics) publish(st *status.Status) {
 	m.lagEvents.Reset()

@@ -406,12 +406,9 @@ func (s *Service) run(soft, ctx context.Context) {
 
 // balance is one coordinator round.
 func (s *Service) balance(ctx context.Context) error {
-	if err := s.leaser.Heartbeat(ctx); err != nil {
-		return err
-	}
-	if _, err := s.leaser.PruneWorkers(ctx, workerRetention); err != nil {
-		return err
-	}
+	// A worker counts in the others' fair share from its first heartbeat:
+	// one that cannot work yet (no stream, the broker unreachable) must
+	// not heartbeat, or the others give partitions back that it never takes.
 	if s.partitions == 0 {
 		stream, err := s.js.Stream(ctx, event.StreamName(s.cfg.SourceName))
 		if err != nil {
@@ -422,6 +419,12 @@ func (s *Service) balance(ctx context.Context) error {
 			return err
 		}
 		s.partitions = n
+	}
+	if err := s.leaser.Heartbeat(ctx); err != nil {
+		return err
+	}
+	if _, err := s.leaser.PruneWorkers(ctx, workerRetention); err != nil {
+		return err
 	}
 	vs, err := version.ListVersions(ctx, s.pool, archive.Projection)
 	if err != nil {
@@ -623,6 +626,9 @@ func (s *Service) refreshStatus(ctx context.Context) {
 	st, err := s.Status(c)
 	if err != nil {
 		s.metrics.statusRefreshErr.Inc()
+		// Not measured now: no lag series rather than the last values
+		// (a 0 from before the target went down says "caught up").
+		s.metrics.lagUnknown()
 		return
 	}
 	if err := s.recordLag(c, st); err != nil {
