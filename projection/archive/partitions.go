@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -181,26 +180,32 @@ type PartitionInfo struct {
 func Partitions(ctx context.Context, db interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }, schema string) ([]PartitionInfo, error) {
+	// The bounds are read back as timestamptz by the server: their text
+	// (pg_get_expr) follows the session's DateStyle and TimeZone, and the
+	// cast reads it under the same settings.
 	rows, err := db.Query(ctx, `
-		SELECT c.relname, pg_get_expr(c.relpartbound, c.oid)
+		SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), b[1]::timestamptz, b[2]::timestamptz
 		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		CROSS JOIN LATERAL (SELECT regexp_match(pg_get_expr(c.relpartbound, c.oid),
+		                                        $re$^FOR VALUES FROM \('([^']*)'\) TO \('([^']*)'\)$$re$) AS b) m
 		WHERE i.inhparent = to_regclass($1)`, Ident(schema, "rows"))
 	if err != nil {
 		return nil, fmt.Errorf("partitions of %s: %w", schema, err)
 	}
 	var out, def []PartitionInfo
 	var name, bound string
-	_, err = pgx.ForEachRow(rows, []any{&name, &bound}, func() error {
+	var from, to *time.Time
+	_, err = pgx.ForEachRow(rows, []any{&name, &bound, &from, &to}, func() error {
 		p := PartitionInfo{Name: name}
 		if bound == "DEFAULT" {
 			def = append(def, p)
 			return nil
 		}
-		from, to, ok := parseBound(bound)
-		if !ok {
+		if from == nil || to == nil {
 			return fmt.Errorf("partition %s: bound %q", name, bound)
 		}
-		p.From, p.To = &from, &to
+		f, t := from.UTC(), to.UTC()
+		p.From, p.To = &f, &t
 		out = append(out, p)
 		return nil
 	})
@@ -213,24 +218,4 @@ func Partitions(ctx context.Context, db interface {
 		}
 	}
 	return append(out, def...), nil
-}
-
-// parseBound reads "FOR VALUES FROM ('2026-12-01 00:00:00+00') TO ('...')".
-func parseBound(s string) (time.Time, time.Time, bool) {
-	parts := strings.Split(s, "'")
-	if len(parts) < 4 {
-		return time.Time{}, time.Time{}, false
-	}
-	from, err1 := parsePGTime(parts[1])
-	to, err2 := parsePGTime(parts[3])
-	return from, to, err1 == nil && err2 == nil
-}
-
-func parsePGTime(s string) (time.Time, error) {
-	for _, layout := range []string{"2006-01-02 15:04:05-07", "2006-01-02 15:04:05-07:00", "2006-01-02 15:04:05.999999-07"} {
-		if t, err := time.Parse(layout, s); err == nil {
-			return t, nil
-		}
-	}
-	return time.Time{}, fmt.Errorf("time %q", s)
 }

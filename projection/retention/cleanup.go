@@ -63,6 +63,9 @@ type CleanupResult struct {
 	// cursor handler's cursor (their rows are counted in Deleted, ByTable
 	// and ByVersion too).
 	Dropped []string `json:"dropped,omitempty"`
+	// droppedRows: how many of Deleted went with Dropped (a DROP each,
+	// not a write per row: not paced).
+	droppedRows int
 	// Skipped are the version schemas another cleaner was cleaning (this
 	// batch left them to it).
 	Skipped []string `json:"skipped,omitempty"`
@@ -217,17 +220,53 @@ func CleanupBatch(ctx context.Context, pool *pgxpool.Pool, opts CleanupOptions) 
 		res.Duration = time.Since(start)
 		return res, nil
 	}
-	for _, vs := range schemas {
-		var t *time.Time
-		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, archive.Ident(vs.Schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return res, fmt.Errorf("oldest expired row of %s: %w", vs.Schema, err)
-		}
-		if t != nil && (res.OldestDue == nil || t.Before(*res.OldestDue)) {
-			res.OldestDue = t
-		}
+	if res.OldestDue, err = oldestDue(ctx, pool, schemas); err != nil {
+		return res, err
 	}
 	res.Duration = time.Since(start)
 	return res, nil
+}
+
+// oldestDue is the expires_at of the oldest row of the versions that is
+// expired, present and deletable; nil: none.
+func oldestDue(ctx context.Context, pool *pgxpool.Pool, schemas []archive.VersionSchema) (*time.Time, error) {
+	var oldest *time.Time
+	for _, vs := range schemas {
+		var t *time.Time
+		if err := pool.QueryRow(ctx, fmt.Sprintf(oldestDueSQL, archive.Ident(vs.Schema, "rows"))).Scan(&t); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return nil, fmt.Errorf("oldest expired row of %s: %w", vs.Schema, err)
+		}
+		if t != nil && (oldest == nil || t.Before(*oldest)) {
+			oldest = t
+		}
+	}
+	return oldest, nil
+}
+
+// failedDue sets the oldest-due gauge after a failed batch: a batch that
+// fails deletes nothing, so the rows due keep ageing (a cleanup failing
+// every batch must raise EpitaphRetentionBehind). Read without the batch's
+// writes (a batch failing on a lock or a timeout leaves reads possible);
+// when that fails too, the oldest due row known from the last batch keeps
+// ageing.
+func (c *Cleaner) failedDue(ctx context.Context) {
+	rctx, cancel := context.WithTimeout(ctx, c.cfg.StatementTimeout)
+	defer cancel()
+	projection := c.cfg.Projection
+	if projection == "" {
+		projection = archive.Projection
+	}
+	schemas, err := VersionSchemas(rctx, c.pool, projection)
+	var t *time.Time
+	if err == nil {
+		t, err = oldestDue(rctx, c.pool, schemas)
+	}
+	if err != nil {
+		t = c.lastDue
+	}
+	if t != nil {
+		c.m.oldestDue.Set(max(0, time.Since(*t).Seconds()))
+	}
 }
 
 // VersionSchemas are the schemas of every version of projection whose
@@ -280,6 +319,13 @@ func cleanupVersion(ctx context.Context, p cleanupParams, vs archive.VersionSche
 	if !mine { // another cleaner is on this version
 		res.Skipped = append(res.Skipped, vs.Schema)
 		return 0, nil, nil
+	}
+	// No hold added while the batch is in flight: the statement reads the
+	// holds in its snapshot, so a hold committed after it (and reported
+	// added) would not keep its row. A hold being added waits for the
+	// batch, and the batch for it (as the partition drop does).
+	if _, err := tx.Exec(ctx, `LOCK TABLE epitaph.legal_holds IN SHARE MODE`); err != nil {
+		return 0, nil, fmt.Errorf("lock the legal holds for %s: %w", vs.Schema, err)
 	}
 	extra, counts := "", "0, 0"
 	if vs.Snapshots {
@@ -397,7 +443,9 @@ type Cleaner struct {
 	// behindSince: since when full batches have deleted rows expired
 	// more than cleanupBehind ago (zero: the last one did not).
 	behindSince time.Time
-	ss          startstop.Base
+	// lastDue: the last successful batch's OldestDue.
+	lastDue *time.Time
+	ss      startstop.Base
 }
 
 // NewCleaner returns a Cleaner of pool; zero fields of cfg take their
@@ -474,12 +522,14 @@ func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
 			c.batch = max(MinCleanupBatch, c.batch/4)
 		}
 		c.cfg.Logger.Warn("retention cleanup batch failed", "err", quarantine.Sanitize(err), "batch", c.batch)
+		c.failedDue(ctx)
 		return false, 0
 	}
 	for _, tbl := range slices.Sorted(maps.Keys(res.ByTable)) {
 		c.m.expired.WithLabelValues(tbl).Add(float64(res.ByTable[tbl]))
 	}
 	c.m.oldestDue.Set(0)
+	c.lastDue = res.OldestDue
 	if res.OldestDue != nil {
 		c.m.oldestDue.Set(max(0, time.Since(*res.OldestDue).Seconds()))
 	}
@@ -497,7 +547,9 @@ func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
 	if !res.Full || !c.paced(res.OldestDue) {
 		return res.Full, 0
 	}
-	return true, max(0, time.Duration(float64(res.Deleted)/float64(c.cfg.Rate)*float64(time.Second))-res.Duration)
+	// Paced by the rows deleted one by one: a dropped partition costs a
+	// DROP, whatever its rows.
+	return true, max(0, time.Duration(float64(res.Deleted-res.droppedRows)/float64(c.cfg.Rate)*float64(time.Second))-res.Duration)
 }
 
 // paced: the next batch is paced (Rate set, the projector applying, and
