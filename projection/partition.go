@@ -343,10 +343,14 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 		return err
 	}
 	target = min(target, w.pos.Cursor)
-	// Verification starts afresh at the target (a transaction boundary);
-	// the partition sequence is not known again until a verified message.
+	// Verification starts afresh at the target (a transaction boundary),
+	// but the last verified partition sequence is kept: the messages
+	// re-applied up to the old cursor are replays of it (ignored), and the
+	// first verified message past it must continue it, or what the stream
+	// lost of the partition after the cursor is a removed_from_stream gap
+	// (forgetting it would take any next message as a continuation).
 	next := progress.Position{Cursor: target, CommitLSN: w.pos.CommitLSN, Seq: -1, SourceLSN: w.pos.SourceLSN,
-		Trust: progress.Trust{TxStart: target}}
+		Trust: progress.Trust{TxStart: target, PartSeq: w.pos.Trust.PartSeq}}
 	if target > 0 {
 		raw, err := w.stream.GetMsg(ctx, target)
 		switch {
@@ -895,6 +899,14 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		return err
 	}
 	vd, err := w.verifyPage(ctx, fresh) // verify.go
+	if err == nil && (len(vd.gaps) > 0 || refusedAny(fresh)) {
+		// A gap or a refusal is believed only of a page that holds every
+		// message of the partition between its first and its last: a
+		// consumer whose filter was narrowed in place (the credential
+		// that may create consumers may update them) skips messages the
+		// stream still holds, which would otherwise be taken as removed.
+		err = w.checkContiguous(ctx, fresh)
+	}
 	if err != nil {
 		release()
 		return err
@@ -918,6 +930,36 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	w.metrics.replayed.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(vd.replayed))
 	for cat, n := range res.quarantined {
 		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
+	}
+	return nil
+}
+
+// refusedAny tells whether verification refused any item of the page.
+func refusedAny(items []*item) bool {
+	for _, it := range items {
+		if it.category != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// checkContiguous checks that the stream holds no message of the partition
+// between two consecutive items of the page (a reset when it does: the
+// consumer did not deliver it).
+func (w *partitionWorker) checkContiguous(ctx context.Context, items []*item) error {
+	for i := 1; i < len(items); i++ {
+		if items[i].seq == items[i-1].seq+1 {
+			continue
+		}
+		raw, err := w.stream.GetMsg(ctx, items[i-1].seq+1, jetstream.WithGetMsgSubject(w.filter))
+		if err != nil {
+			return fmt.Errorf("check the page after stream sequence %d: %w", items[i-1].seq, err)
+		}
+		if raw.Sequence != items[i].seq {
+			return resetf("page_hole", "the page skips stream sequence %d of the partition (between %d and %d): its consumer did not deliver it",
+				raw.Sequence, items[i-1].seq, items[i].seq)
+		}
 	}
 	return nil
 }

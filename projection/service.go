@@ -414,7 +414,7 @@ func (s *Service) balance(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("stream %s (is the capture running?): %w", event.StreamName(s.cfg.SourceName), err)
 		}
-		n, err := version.StreamPartitions(stream.CachedInfo())
+		n, err := version.CheckedPartitions(ctx, stream, s.cfg.SourceName)
 		if err != nil {
 			return err
 		}

@@ -315,6 +315,10 @@ type rowID struct {
 type gapRow struct {
 	fromSeq, toSeq uint64
 	fromLSN, toLSN event.LSN
+	// head: the partition's first messages are missing (checkPartSeq); not
+	// recorded again when the version has the stream's removed head as a
+	// gap of every partition already.
+	head bool
 }
 
 // A suspected gap (recordSuspectedGap) has no to_lsn: the stream's first
@@ -534,14 +538,22 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 	// an earlier point, so what it numbered past it may be gone. Never a
 	// continuation.
 	regressed := st.PartSeq > 0 && ps > 0 && ps < st.PartSeq+1+uint64(rows)
-	if short || regressed || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
+	// head: the partition's first verified message in a version that reads
+	// it from the stream's beginning (nothing of it verified or set aside
+	// before, no legacy boundary): the capture numbers from 1, so a
+	// sequence past 1 + its rows says the partition's first messages were
+	// removed, even when the stream still starts at sequence 1 (a limit
+	// per subject, or removals of one partition only).
+	head := st.PartSeq == 0 && st.TxStart == 0 && pv.w.legacy == 0 && ps > 1+uint64(rows)
+	if short || regressed || head || (st.PartSeq > 0 && ps > st.PartSeq+1+uint64(rows)) {
 		// Messages removed before the open transaction's first end the
 		// range there; members missing from it (short) put it inside.
 		to := b.seq - 1
 		if !short && st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
-		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev)})
+		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev),
+			head: head && !short})
 		msg := "messages were removed from the stream before this version applied them: recorded a removed_from_stream gap"
 		if regressed {
 			msg = "the partition sequence went back on a new message (the capture numbered again, so messages it numbered may be gone): recorded a removed_from_stream gap"
@@ -1061,8 +1073,10 @@ func recordGap(ctx context.Context, tx pgx.Tx, schema string, partition int, g g
 		return nil
 	}
 	if _, err := tx.Exec(ctx, `INSERT INTO `+archive.Ident(schema, "gaps")+` (kind, partition, from_lsn, to_lsn, from_seq, to_seq)
-		VALUES ('removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5)`,
-		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), fromSeq, toSeq); err != nil {
+		SELECT 'removed_from_stream', $1, $2::pg_lsn, $3::pg_lsn, $4, $5
+		WHERE NOT $6 OR NOT EXISTS (SELECT 1 FROM `+archive.Ident(schema, "gaps")+`
+			WHERE kind = 'removed_from_stream' AND partition IS NULL AND from_seq = 1)`,
+		partition, nullLSNText(g.fromLSN), nullLSNText(g.toLSN), fromSeq, toSeq, g.head); err != nil {
 		return fmt.Errorf("record removed_from_stream gap: %w", err)
 	}
 	return nil

@@ -107,7 +107,7 @@ func planRebuild(ctx context.Context, js jetstream.JetStream, opts RebuildOption
 		return nil, fmt.Errorf("stream info: %w", err)
 	}
 	p := &rebuildPlan{boundary: info.State.LastSeq}
-	if p.partitions, err = StreamPartitions(info); err != nil {
+	if p.partitions, err = CheckedPartitions(ctx, stream, opts.Source); err != nil {
 		return nil, err
 	}
 	if p.boundaryLSN, err = boundaryLSN(ctx, stream, p.boundary); err != nil {

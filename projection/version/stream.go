@@ -1,6 +1,8 @@
 package version
 
 import (
+	"context"
+	"errors"
 	"fmt"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -33,4 +35,29 @@ func StreamPartitions(info *jetstream.StreamInfo) (int, error) {
 		return 0, fmt.Errorf("stream %s: bad epitaph.partitions %q", info.Config.Name, s)
 	}
 	return n, nil
+}
+
+// CheckedPartitions is StreamPartitions checked against the stream itself.
+// The metadata is not signed, and whoever may update the stream (the
+// capture's credential) may rewrite it: a count below the real one would
+// have a new version consume only the first partitions and be ready while
+// the others are never read. Partitions are numbered from 0 and the
+// capture publishes to each (heartbeats at least), so a message on a
+// subject of partition n (the count) shows the count is wrong; it is
+// refused loudly.
+func CheckedPartitions(ctx context.Context, stream jetstream.Stream, source string) (int, error) {
+	info := stream.CachedInfo()
+	n, err := StreamPartitions(info)
+	if err != nil {
+		return 0, err
+	}
+	raw, err := stream.GetMsg(ctx, 1, jetstream.WithGetMsgSubject(event.PartitionFilter(source, n)))
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return n, nil
+	case err != nil:
+		return 0, fmt.Errorf("stream %s: check its partition count: %w", info.Config.Name, err)
+	}
+	return 0, fmt.Errorf("stream %s: its epitaph.partitions metadata says %d partitions, but it holds messages of partition %d (%s at sequence %d): "+
+		"the metadata was changed; restore it to the capture's --partitions", info.Config.Name, n, n, raw.Subject, raw.Sequence)
 }
