@@ -898,15 +898,7 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	if err != nil {
 		return err
 	}
-	vd, err := w.verifyPage(ctx, fresh) // verify.go
-	if err == nil && (len(vd.gaps) > 0 || refusedAny(fresh)) {
-		// A gap or a refusal is believed only of a page that holds every
-		// message of the partition between its first and its last: a
-		// consumer whose filter was narrowed in place (the credential
-		// that may create consumers may update them) skips messages the
-		// stream still holds, which would otherwise be taken as removed.
-		err = w.checkContiguous(ctx, fresh)
-	}
+	vd, err := w.verifiedPage(ctx, fresh)
 	if err != nil {
 		release()
 		return err
@@ -932,6 +924,25 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
 	}
 	return nil
+}
+
+// verifiedPage verifies a page (verify.go). A gap or a refusal is
+// believed only of a page that holds every message of the partition
+// between its first and its last: a consumer whose filter was narrowed in
+// place (the credential that may create consumers may update them) skips
+// messages the stream still holds, which would otherwise be taken as
+// removed.
+func (w *partitionWorker) verifiedPage(ctx context.Context, fresh []*item) (*verdict, error) {
+	vd, err := w.verifyPage(ctx, fresh)
+	if err != nil {
+		return nil, err
+	}
+	if len(vd.gaps) > 0 || refusedAny(fresh) {
+		if err := w.checkContiguous(ctx, fresh); err != nil {
+			return nil, err
+		}
+	}
+	return vd, nil
 }
 
 // refusedAny tells whether verification refused any item of the page.
