@@ -121,13 +121,8 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 	if opts.Reason != "" {
 		reason = &opts.Reason
 	}
-	if err := checkShape(ctx, pool, schema, name, mode, sel); err != nil {
+	if sel, err = checkShape(ctx, pool, schema, name, mode, sel); err != nil {
 		return Receipt{}, err
-	}
-	if mode == EraseByKey {
-		if sel, err = archivedKey(ctx, pool, schema, name, sel); err != nil {
-			return Receipt{}, err
-		}
 	}
 	digest, _ := rowDigest(key, opts.Table, mode, cols, sel)
 	if !opts.IgnoreHolds {
@@ -175,25 +170,6 @@ func Erase(ctx context.Context, pool *pgxpool.Pool, opts EraseOptions) (Receipt,
 		return Receipt{}, fmt.Errorf("erase from %s (erasure %d recorded; run erase again to finish): %w", opts.Table, id, err)
 	}
 	return GetErasure(ctx, pool, id)
-}
-
-// archivedKey is an erasure's --key as the archive holds it, when a row
-// of the table is archived under an equal key. The archive compares keys
-// as jsonb, by value ({"id": 42.0} finds {"id": 42}), but the fence
-// compares a digest of the text the events carry, which the archive
-// keeps: a fence of the text as typed would miss the next delete of the
-// row it erased. With nothing archived under the key, it stays as given.
-func archivedKey(ctx context.Context, db querier, schema, name string, sel json.RawMessage) (json.RawMessage, error) {
-	var have []byte
-	err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb LIMIT 1`,
-		schema, name, string(sel)).Scan(&have)
-	if err = nothingArchived(err); err != nil {
-		return nil, err
-	}
-	if have == nil {
-		return sel, nil
-	}
-	return have, nil
 }
 
 // eraseParams is one removal of Erase: the erasure's fence and its

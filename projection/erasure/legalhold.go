@@ -53,7 +53,7 @@ func AddLegalHold(ctx context.Context, db querier, opts LegalHoldOptions) (Legal
 	if err != nil {
 		return LegalHold{}, err
 	}
-	if err := checkShape(ctx, db, schema, name, mode, sel); err != nil {
+	if _, err := checkShape(ctx, db, schema, name, mode, sel); err != nil {
 		return LegalHold{}, err
 	}
 	if opts.Reason == "" {

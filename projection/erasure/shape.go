@@ -21,19 +21,26 @@ import (
 // and a --match naming a column no archived row of the table has. A table
 // with nothing archived passes: its rows may still be on their way, and
 // the fence is what keeps them out.
-func checkShape(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) error {
-	want := decodeObject(sel)
+//
+// It returns the selector to record: for a --key archived under an equal
+// key, that key as the archive holds it (archivedKey); sel otherwise.
+func checkShape(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) (json.RawMessage, error) {
 	if mode == EraseByKey {
 		// A key archived as given is right, whatever other keys the
 		// table had before or since (its key may have changed).
-		var exact bool
-		err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows
-			WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb)`, schema, name, string(sel)).Scan(&exact)
-		if err = nothingArchived(err); err != nil || exact {
-			return err
+		if have, err := archivedKey(ctx, db, schema, name, sel); err != nil || have != nil {
+			return have, err
 		}
+	}
+	return sel, shapeErr(ctx, db, schema, name, mode, sel)
+}
+
+// shapeErr is checkShape's refusal of a selector no archived key equals.
+func shapeErr(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) error {
+	want := decodeObject(sel)
+	if mode == EraseByKey {
 		var sample []byte
-		err = db.QueryRow(ctx, `SELECT key::text FROM archive.rows
+		err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows
 			WHERE schema_name = $1 AND table_name = $2 AND key IS NOT NULL LIMIT 1`, schema, name).Scan(&sample)
 		if err = nothingArchived(err); err != nil || sample == nil {
 			return err
@@ -116,4 +123,20 @@ func kindOf(v json.RawMessage) string {
 	default:
 		return "number"
 	}
+}
+
+// archivedKey is an erasure's --key as the archive holds it, when a row
+// of the table is archived under an equal key. The archive compares keys
+// as jsonb, by value ({"id": 42.0} finds {"id": 42}), but the fence
+// compares a digest of the text the events carry, which the archive
+// keeps: a fence of the text as typed would miss the next delete of the
+// row it erased. nil: nothing archived under an equal key.
+func archivedKey(ctx context.Context, db querier, schema, name string, sel json.RawMessage) (json.RawMessage, error) {
+	var have []byte
+	err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb LIMIT 1`,
+		schema, name, string(sel)).Scan(&have)
+	if err = nothingArchived(err); err != nil || have == nil {
+		return nil, err
+	}
+	return have, nil
 }
