@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -887,6 +888,9 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 			return resetf("out_of_order", "deliveries out of order at %d (another reader on %s?)", fresh[i].seq, w.lease.ConsumerName())
 		}
 	}
+	if err := w.ownSubjects(fresh); err != nil {
+		return err
+	}
 	raw, err := w.stream.GetMsg(ctx, w.pos.Cursor+1, jetstream.WithGetMsgSubject(w.filter))
 	if err != nil {
 		return fmt.Errorf("check the next message after cursor %d: %w", w.pos.Cursor, err)
@@ -922,6 +926,20 @@ func (w *partitionWorker) process(ctx context.Context, items []*item) error {
 	w.metrics.replayed.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Add(float64(vd.replayed))
 	for cat, n := range res.quarantined {
 		w.metrics.quarantined.WithLabelValues(w.ver.Projection, itoa(w.ver.Version), cat).Add(float64(n))
+	}
+	return nil
+}
+
+// ownSubjects checks that every item of a page is of the partition: a
+// consumer whose filter was widened or switched in place (the credential
+// that may create consumers may update them) delivers messages of other
+// partitions, authentic and not this partition's.
+func (w *partitionWorker) ownSubjects(items []*item) error {
+	prefix := strings.TrimSuffix(w.filter, ">")
+	for _, it := range items {
+		if !strings.HasPrefix(it.subject, prefix) {
+			return resetf("foreign_subject", "the consumer delivered %s (stream sequence %d), outside the partition's %s", it.subject, it.seq, w.filter)
+		}
 	}
 	return nil
 }

@@ -220,3 +220,117 @@ func TestNewTargetOnAStreamMissingAPartitionsHistoryIsAGap(t *testing.T) {
 	require.Positive(t, count(t, c, `SELECT count(*) FROM archive_v1.gaps WHERE kind = 'removed_from_stream'`), "tx1 and tx2 were removed")
 	require.False(t, rs[0].Ready)
 }
+
+// A holder of the projector's NATS credential switches the filter of
+// partition 0's consumer, in place, to partition 1's subjects while its
+// worker waits in a fetch. The worker is then delivered partition 1's
+// transaction and mark (signed, for their own subjects) instead of its
+// own. Believed, partition 1's mark moves partition 0's watermark past
+// partition 0's transaction that was never delivered: the archive says it
+// is complete up to an LSN it lacks a transaction below, and partition 1's
+// sequence numbers make a gap in partition 0 that did not happen. A
+// worker must take nothing from a message outside its partition.
+func TestSwitchedConsumerFilterIsNotBelieved(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	txIn := func(p int, rows []row) *txn {
+		for {
+			if tx := e.nextTx(rows...); tx.partition == p {
+				return tx
+			}
+		}
+	}
+	cfg := e.config("w1")
+	cfg.FetchWait = 3 * time.Second // the worker waits in its fetch most of the time
+	cfg.LeaseTTL = 15 * time.Second
+	e.start(cfg)
+	c := e.conn()
+	a0, b0 := txIn(0, orderRows(1, 1)), txIn(1, orderRows(2, 1))
+	e.publish(a0)
+	e.publish(b0)
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4 })
+	time.Sleep(500 * time.Millisecond) // the workers are idle, waiting in a fetch
+
+	st, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	cons, err := st.Consumer(ctx, e.consumerName(1, 0))
+	require.NoError(t, err)
+	cc := cons.CachedInfo().Config
+	cc.FilterSubject = event.PartitionFilter(src, 1)
+	_, err = st.UpdateConsumer(ctx, cc) // the projector's credential may (CONSUMER.CREATE)
+	require.NoError(t, err)
+
+	a1, b1 := txIn(0, orderRows(3, 1)), txIn(1, orderRows(4, 1))
+	e.publish(a1)
+	e.publish(b1)
+	hb := e.heartbeat()
+	require.Greater(t, hb, a1.lsn)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		var wm *string
+		require.NoError(t, c.QueryRow(ctx, `SELECT source_lsn::text FROM epitaph.progress WHERE projection = 'archive' AND partition = 0`).Scan(&wm))
+		have := count(t, c, `SELECT count(*) FROM archive.rows WHERE key = '{"id":3}'`) == 1
+		if wm != nil && !have {
+			at, err := event.ParseLSN(*wm)
+			require.NoError(t, err)
+			require.Less(t, at, a1.lsn, "partition 0's watermark passed its transaction %s, never applied", a1.lsn)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows WHERE key = '{"id":3}'`) == 1 })
+	require.Empty(t, gaps(t, c, 0), "nothing was removed from partition 0")
+	require.Empty(t, gaps(t, c, 1), "nothing was removed from partition 1")
+	require.Equal(t, expected(t, c, a0, b0, a1, b1), archived(t, c, "archive.rows"))
+}
+
+// The same holder widens partition 0's consumer filter to every subject of
+// the stream. Partition 0's next page then starts with its own next
+// message (so the page's start is right) and carries partition 1's
+// transaction between partition 0's own. Partition sequences count per
+// partition: when partition 1's transaction carries the numbers partition
+// 0 expects next, it passes for partition 0's continuation, and partition
+// 0's own next transaction, with the same numbers, for a replay.
+func TestWidenedConsumerFilterIsNotBelieved(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	txIn := func(p int, rows []row) *txn {
+		for {
+			if tx := e.nextTx(rows...); tx.partition == p {
+				return tx
+			}
+		}
+	}
+	cfg := e.config("w1")
+	cfg.FetchWait = 10 * time.Second
+	cfg.LeaseTTL = 30 * time.Second
+	e.start(cfg)
+	c := e.conn()
+	a0, b0, b0b := txIn(0, orderRows(1, 1)), txIn(1, orderRows(2, 1)), txIn(1, orderRows(3, 1))
+	e.publish(a0)  // partition 0, partition sequences 1-3
+	e.publish(b0)  // partition 1, 1-3
+	e.publish(b0b) // partition 1, 4-6
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 6 })
+	time.Sleep(500 * time.Millisecond)
+
+	st, err := e.js.Stream(ctx, event.StreamName(src))
+	require.NoError(t, err)
+	cons, err := st.Consumer(ctx, e.consumerName(1, 0))
+	require.NoError(t, err)
+	cc := cons.CachedInfo().Config
+	cc.FilterSubject = event.StreamSubjects(src)
+	_, err = st.UpdateConsumer(ctx, cc)
+	require.NoError(t, err)
+
+	a1, b1, a2 := txIn(0, orderRows(4, 1)), txIn(1, orderRows(5, 1)), txIn(0, orderRows(6, 1))
+	e.publish(a1) // partition 0, 4-6
+	e.publish(b1) // partition 1, 7-9: what partition 0 expects after a1
+	e.publish(a2) // partition 0, 7-9
+	e.heartbeat()
+	eventually(t, 30*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 12 })
+	require.Empty(t, gaps(t, c, 0), "nothing was removed from partition 0")
+	require.Empty(t, gaps(t, c, 1), "nothing was removed from partition 1")
+	require.Zero(t, count(t, c, `SELECT count(*) FROM epitaph.quarantine`), "partition 1's messages are authentic, and partition 1's")
+	require.Equal(t, expected(t, c, a0, b0, b0b, a1, b1, a2), archived(t, c, "archive.rows"))
+}
