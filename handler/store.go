@@ -620,6 +620,17 @@ func Retry(ctx context.Context, db DB, id string) error {
 		return fmt.Errorf("retry delivery %s: %w", id, err)
 	}
 	if tag.RowsAffected() == 0 {
+		// Another retry or discard may have changed it since it was read:
+		// say what it is now rather than blame its row.
+		err := db.QueryRow(ctx, `SELECT state FROM epitaph.deliveries WHERE id = $1`, id).Scan(&state)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return fmt.Errorf("delivery %s: %w", id, ErrNotFound)
+		case err != nil:
+			return fmt.Errorf("read delivery %s: %w", id, err)
+		case state != StateDead && state != StateStopped:
+			return fmt.Errorf("delivery %s is %s: only dead or stopped deliveries are retried", id, state)
+		}
 		return fmt.Errorf("delivery %s: its payload was scrubbed and its row (or handler) is gone: it cannot be retried", id)
 	}
 	return nil

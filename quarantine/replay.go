@@ -24,6 +24,12 @@ type Beginner interface {
 type Selection struct {
 	ID     int64
 	Filter Filter
+	// Hold: the projector runs in hold mode (Config.HoldOnQuarantine of
+	// package projection), so every entry of a source row waits behind an
+	// earlier open entry of that row, whatever its category: an event that
+	// failed on its own behind one (unknown_version, say) kept its category
+	// instead of held, and must not reach the read model ahead of it.
+	Hold bool
 }
 
 // ReplayResult lists the entries replayed, still failing, and still held
@@ -39,9 +45,10 @@ type ReplayResult struct {
 // replayed in the same transaction that applied it, so a replay is applied
 // exactly once even when replays race (the entry row is locked and must
 // still be open). On a permanent failure the entry stays open with attempts
-// incremented and the new category and error. A held entry is not replayed
-// while an earlier open entry for the same source row remains. A transient
-// error stops the replay and is returned; entries not reached stay open.
+// incremented and the new category and error. A held entry (in hold mode,
+// sel.Hold, any entry) is not replayed while an earlier open entry for the
+// same source row remains. A transient error stops the replay and is
+// returned; entries not reached stay open.
 //
 // Selecting a single entry that is not open returns ErrNotOpen (or
 // ErrNotFound).
@@ -52,7 +59,7 @@ func Replay(ctx context.Context, db Beginner, sel Selection, apply ApplyFunc) (R
 		return res, err
 	}
 	for _, id := range ids {
-		outcome, err := replayOne(ctx, db, id, apply)
+		outcome, err := replayOne(ctx, db, id, sel.Hold, apply)
 		if errors.Is(err, ErrNotOpen) && sel.ID == 0 {
 			continue // resolved meanwhile by someone else
 		}
@@ -103,7 +110,7 @@ const (
 	held
 )
 
-func replayOne(ctx context.Context, db Beginner, id int64, apply ApplyFunc) (outcome, error) {
+func replayOne(ctx context.Context, db Beginner, id int64, hold bool, apply ApplyFunc) (outcome, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("replay quarantine entry %d: %w", id, err)
@@ -121,7 +128,7 @@ func replayOne(ctx context.Context, db Beginner, id int64, apply ApplyFunc) (out
 	if r.Status != StatusOpen {
 		return 0, fmt.Errorf("replay quarantine entry %d: %w (%s)", id, ErrNotOpen, r.Status)
 	}
-	if Category(r.Category) == CategoryHeld && r.SourceKey != nil {
+	if (hold || Category(r.Category) == CategoryHeld) && r.SourceKey != nil {
 		var blocked bool
 		err := tx.QueryRow(ctx, `
 SELECT EXISTS (

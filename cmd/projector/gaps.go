@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -70,7 +71,7 @@ func gapsAckCommand(env *Env) *cobra.Command {
 		if err != nil || id <= 0 {
 			return cli.Usage("gap id %q: want a positive number", pos[0])
 		}
-		if *reason == "" {
+		if strings.TrimSpace(*reason) == "" {
 			return cli.Usage("gaps ack needs --reason TEXT (kept in archive.gaps.ack_reason)")
 		}
 		pool, err := targetPool(ctx, c)

@@ -269,11 +269,14 @@ Exit status 1 when entries still fail.`,
 	c := commonFlags(cmd, env)
 	f := filterFlags(cmd)
 	all := cmd.Flags().Bool("all", false, "replay every open entry (matching --projection/--version/--category)")
+	var hold bool
+	cli.Local(cmd).Bool(&hold, "hold-on-quarantine", "EPITAPH_HOLD_ON_QUARANTINE", false,
+		"hold mode, as for run: an entry of any category waits behind an earlier open entry of the same source row")
 	asJSON := jsonFlag(cmd, "the outcome (replayed, failed and held entry ids)")
 	applier := replayApplier(cmd, env)
 	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
 		ctx := cmd.Context()
-		var sel quarantine.Selection
+		sel := quarantine.Selection{Hold: hold}
 		var err error
 		switch {
 		case *all && len(pos) == 0:

@@ -186,7 +186,7 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		Status:  func(ctx context.Context) (any, error) { return svc.Status(ctx) },
 		Healthy: svc.Healthy, Live: svc.Live, Ready: svc.Healthy})
 	actions := statuspage.QuarantineActions(svc.Pool(), projection.ReplayFunc(projection.ReplayConfig{ArchiveTTL: ttlMap,
-		SnapshotRoots: splitList(o.roots), MaxRowBytes: o.maxRow, JetStream: svc.JetStream()}))
+		SnapshotRoots: splitList(o.roots), MaxRowBytes: o.maxRow, JetStream: svc.JetStream()}), statuspage.HoldMode(o.hold))
 	srv.Handle("GET /{$}", statuspage.Handler(svc.Status, statuspage.WithCaptureStatusURL(o.captureStatus),
 		statuspage.WithSnapshotStats(svc.Pool(), 0), statuspage.WithQuarantineEntries(svc.Pool(), 0),
 		statuspage.WithHandlerStats(svc.Pool(), 0), statuspage.WithActions(actions, token), statuspage.WithLogger(env.Logger)))

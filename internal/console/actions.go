@@ -133,7 +133,9 @@ func (c *console) restore(r *http.Request, body []byte) (int, any) {
 	case res == nil && strings.HasPrefix(err.Error(), "restore: "):
 		return errorAnswer(http.StatusBadRequest, "%s", err.Error())
 	}
-	c.cfg.Logger.Warn("console: restore failed", "correlation_id", req.CorrelationID, "err", err)
+	// The error may quote the row's values (a server error, a trigger's
+	// message): logged sanitized, as the answer is.
+	c.cfg.Logger.Warn("console: restore failed", "correlation_id", req.CorrelationID, "err", quarantine.Sanitize(err))
 	return http.StatusServiceUnavailable, map[string]any{"error": "the restore failed: " + quarantine.Sanitize(err), "record_url": ans.RecordURL}
 }
 
@@ -166,7 +168,7 @@ func (c *console) erase(r *http.Request, body []byte) (int, any) {
 	case errors.Is(err, erasure.ErrHeld):
 		return errorAnswer(http.StatusConflict, "%s", err.Error())
 	}
-	c.cfg.Logger.Warn("console: erase failed", "table", req.Table, "err", err)
+	c.cfg.Logger.Warn("console: erase failed", "table", req.Table, "err", quarantine.Sanitize(err))
 	return errorAnswer(http.StatusServiceUnavailable, "the erasure failed: %s", quarantine.Sanitize(err))
 }
 

@@ -636,8 +636,12 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 		return "failed", fail(http.StatusBadRequest, "handler %q: not a handler id", d.Filter.HandlerID)
 	}
 	f := d.Filter
+	// schema.table, as the actions and `deliveries list --table` take it:
+	// a bare name would list rows that "all matching" then refuses.
 	if s, t, ok := strings.Cut(f.Table, "."); ok {
 		f.Schema, f.Table = s, t
+	} else if f.Table != "" {
+		return "failed", fail(http.StatusBadRequest, "table %q: want schema.table", d.Filter.Table)
 	}
 	// A cursor handler's pending deliveries are listed from the archive
 	// (no row until their batch settles: not selectable).

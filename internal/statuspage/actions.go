@@ -39,17 +39,30 @@ type actionDB interface {
 // `discard`, through db with apply (projection.ReplayFunc): the same code,
 // so an entry replayed from the page is applied exactly once as from the
 // command line.
-func QuarantineActions(db actionDB, apply quarantine.ApplyFunc) Actions {
-	return quarantineActions{db: db, apply: apply}
+func QuarantineActions(db actionDB, apply quarantine.ApplyFunc, opts ...ActionsOption) Actions {
+	a := quarantineActions{db: db, apply: apply}
+	for _, o := range opts {
+		o(&a)
+	}
+	return a
 }
+
+// ActionsOption configures QuarantineActions.
+type ActionsOption func(*quarantineActions)
+
+// HoldMode says whether the projector runs in hold mode: replay then keeps
+// every entry of a source row behind an earlier open one
+// (quarantine.Selection.Hold).
+func HoldMode(on bool) ActionsOption { return func(a *quarantineActions) { a.hold = on } }
 
 type quarantineActions struct {
 	db    actionDB
 	apply quarantine.ApplyFunc
+	hold  bool
 }
 
 func (a quarantineActions) Replay(ctx context.Context, id int64) (quarantine.ReplayResult, error) {
-	return quarantine.Replay(ctx, a.db, quarantine.Selection{ID: id}, a.apply)
+	return quarantine.Replay(ctx, a.db, quarantine.Selection{ID: id, Hold: a.hold}, a.apply)
 }
 
 func (a quarantineActions) Discard(ctx context.Context, id int64, reason string) error {
