@@ -82,8 +82,9 @@ func (d *Def) Validate() error {
 	if d.MaxAttempts <= 0 {
 		return errors.New("--max-attempts must be at least 1")
 	}
-	if d.Backoff <= 0 || d.ClaimTimeout <= 0 {
-		return errors.New("--backoff and --claim-timeout must be positive")
+	// The target keeps these in whole milliseconds.
+	if d.Backoff < time.Millisecond || d.ClaimTimeout < time.Millisecond {
+		return errors.New("--backoff and --claim-timeout must be at least a millisecond")
 	}
 	if d.BatchSize == 0 {
 		d.BatchSize = 1
@@ -94,8 +95,8 @@ func (d *Def) Validate() error {
 	if d.BatchSize > 1 && d.Kind != KindWebhook {
 		return errors.New("--batch-size: only webhooks send batches")
 	}
-	if d.BatchWait < 0 || (d.BatchSize > 1 && (d.BatchWait <= 0 || d.BatchWait > d.ClaimTimeout/10)) {
-		return errors.New("--batch-wait must be positive and at most a tenth of --claim-timeout (its deliveries are claimed while they wait)")
+	if d.BatchWait < 0 || (d.BatchSize > 1 && (d.BatchWait < time.Millisecond || d.BatchWait > d.ClaimTimeout/10)) {
+		return errors.New("--batch-wait must be at least a millisecond and at most a tenth of --claim-timeout (its deliveries are claimed while they wait)")
 	}
 	if d.BatchSize == 1 {
 		d.BatchWait = 0

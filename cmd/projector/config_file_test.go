@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -59,4 +60,25 @@ func TestConfigSourceURLIsTheTargetDefault(t *testing.T) {
 	require.Equal(t, 0, code, stderr)
 	code, _, stderr = projector(t, map[string]string{"EPITAPH_CONFIG": cfg}, "handlers", "list")
 	require.Equal(t, 0, code, "by the file: %s", stderr)
+}
+
+// The target stores a handler's durations in whole milliseconds: one
+// below a millisecond is a usage error (exit 2), said as such, not the
+// database's check refusing a zero interval (exit 1), nor a --batch-wait
+// silently stored as 0.
+func TestHandlersAddRefusesDurationsBelowAMillisecond(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testenv.NewDatabase(t)
+	env := &Env{Getenv: func(k string) string {
+		return map[string]string{"EPITAPH_TARGET_URL": url}[k]
+	}, Stdout: io.Discard, Stderr: io.Discard, Logger: slog.New(slog.DiscardHandler)}
+	for _, flag := range [][]string{{"--backoff", "500us"}, {"--claim-timeout", "900us"}, {"--batch-size", "10", "--batch-wait", "200us"}} {
+		args := append([]string{"handlers", "add", "--table", "public.orders", "--kind", "webhook",
+			"--target", "https://hooks.example/p"}, flag...)
+		err := dispatch(ctx, args, env)
+		require.Error(t, err, "%v", flag)
+		require.Equal(t, cli.ExitUsage, cli.Code(err), "%v: %v", flag, err)
+		require.ErrorContains(t, err, "millisecond", "%v", flag)
+	}
 }
