@@ -423,8 +423,11 @@ type txData struct {
 	CommitTime    *time.Time
 	CommitLSN     string
 	Rows          int
-	Tables        []tableRows
-	Snapshots     []snapshotDoc
+	// Shown: the rows the page shows when the transaction has more than
+	// maxTxRows (0: it shows them all).
+	Shown     int
+	Tables    []tableRows
+	Snapshots []snapshotDoc
 	// Row is the row the page is about (the row page only).
 	Row *Row
 }
@@ -446,7 +449,7 @@ type snapshotDoc struct {
 const maxTxRows = 2000
 
 func (c *console) loadTx(ctx context.Context, corr string) (*txData, error) {
-	rows, err := c.cfg.DB.Query(ctx, `SELECT `+rowColumns+` FROM archive.rows r WHERE r.correlation_id = $1 ORDER BY r.seq LIMIT $2`, corr, maxTxRows)
+	rows, err := c.cfg.DB.Query(ctx, `SELECT `+rowColumns+` FROM archive.rows r WHERE r.correlation_id = $1 ORDER BY r.seq LIMIT $2`, corr, maxTxRows+1)
 	if err != nil {
 		return nil, err
 	}
@@ -458,6 +461,14 @@ func (c *console) loadTx(ctx context.Context, corr string) (*txData, error) {
 		return nil, fail(http.StatusNotFound, "no archived rows of transaction %s (not archived, expired or erased)", corr)
 	}
 	d := &txData{CorrelationID: corr, CommitTime: all[0].CommitTime, CommitLSN: all[0].CommitLSN, Rows: len(all)}
+	if len(all) > maxTxRows {
+		// Said, not hidden: the page shows the first rows of the count.
+		all = all[:maxTxRows]
+		d.Shown = maxTxRows
+		if err := c.cfg.DB.QueryRow(ctx, `SELECT count(*) FROM archive.rows r WHERE r.correlation_id = $1`, corr).Scan(&d.Rows); err != nil {
+			return nil, err
+		}
+	}
 	idx := map[string]int{}
 	for _, r := range all {
 		i, ok := idx[r.QualifiedTable()]

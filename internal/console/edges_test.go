@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -128,6 +129,13 @@ func TestConsoleRowPageOfABigTransaction(t *testing.T) {
 	require.Contains(t, body, `/console/row?correlation_id=`+url.QueryEscape(corr)+`&amp;seq=2000`)
 	code, body = edgeGet(t, srv.URL+"/console/row?"+url.Values{"correlation_id": {corr}, "seq": {"2000"}}.Encode())
 	require.Equal(t, http.StatusOK, code, "the row is archived: %s", regexp.MustCompile(`data-testid="error">[^<]*`).FindString(body))
+
+	// The transaction's page shows 2,000 of its 2,001 rows, and says so.
+	code, body = edgeGet(t, srv.URL+"/console/tx?"+url.Values{"correlation_id": {corr}}.Encode())
+	require.Equal(t, http.StatusOK, code)
+	require.True(t, strings.Contains(body, "2001 archived rows deleted"), "the count: %s", regexp.MustCompile(`· \d+ archived rows deleted`).FindString(body))
+	require.True(t, strings.Contains(body, `data-testid="tx-cut">This page shows the first 2000 rows of 2001`), "the page says it shows part")
+	require.Equal(t, 2000, strings.Count(body, `href="/console/row?`), "the rows shown")
 }
 
 // A cursor the page did not make, but that decodeCursor accepts, is a
