@@ -127,7 +127,7 @@ func runExec(ctx context.Context, def Def, d Delivery, body []byte) error {
 	cmd.Stdin = bytes.NewReader(body)
 	// The body is the same on every attempt: the attempt is in the
 	// environment, as it is in a webhook's headers.
-	cmd.Env = append(os.Environ(), "EPITAPH_DELIVERY_ID="+d.ID, "EPITAPH_ATTEMPT="+strconv.Itoa(d.Attempt))
+	cmd.Env = commandEnv(os.Environ(), d)
 	// Output is the command's own business: never kept (it may hold data).
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	cmd.WaitDelay = 5 * time.Second
@@ -151,6 +151,23 @@ func runExec(ctx context.Context, def Def, d Delivery, body []byte) error {
 		// The program could not be started (missing, not executable).
 		return kindError("start_failed", false, "", err)
 	}
+}
+
+// commandEnv is a command's environment: the process's own without its
+// settings and secrets, which a command (often a third party's script) has
+// no use for: every EPITAPH_* variable (the source, target and NATS URLs
+// carry passwords) and every PG* one (libpq's and pgx's connection
+// settings, PGPASSWORD among them). PATH, HOME, the locale and the rest
+// pass; then the delivery's id and attempt.
+func commandEnv(environ []string, d Delivery) []string {
+	env := make([]string, 0, len(environ)+2)
+	for _, kv := range environ {
+		if strings.HasPrefix(kv, "EPITAPH_") || strings.HasPrefix(kv, "PG") {
+			continue
+		}
+		env = append(env, kv)
+	}
+	return append(env, "EPITAPH_DELIVERY_ID="+d.ID, "EPITAPH_ATTEMPT="+strconv.Itoa(d.Attempt))
 }
 
 func (r *runner) publish(ctx context.Context, def Def, d Delivery, body []byte) error {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/internal/pgdial"
+	"github.com/epitaph-dev/epitaph/quarantine"
 	"github.com/epitaph-dev/epitaph/restore"
 )
 
@@ -110,10 +111,23 @@ its key only.`,
 		if errors.As(err, &ce) || errors.As(err, &cn) {
 			return cli.WithCode(cli.ExitNotEqual, err)
 		}
-		return err
+		if err != nil {
+			return sanitizedError{err}
+		}
+		return nil
 	}
 	return cmd
 }
+
+// sanitizedError prints a failed restore's error as epitaph.restores and
+// the console keep it (quarantine.Sanitize): the source's message may
+// quote the row's values (a trigger's, an invalid input value), and a
+// job's stderr goes to logs read more widely than the archive, out of an
+// erasure's reach.
+type sanitizedError struct{ err error }
+
+func (e sanitizedError) Error() string { return quarantine.Sanitize(e.err) }
+func (e sanitizedError) Unwrap() error { return e.err }
 
 func (o *restoreOptions) config(source string) (restore.Config, error) {
 	cfg := restore.Config{Source: source, CorrelationID: o.correlation, OnConflict: o.onConflict,

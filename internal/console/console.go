@@ -60,8 +60,9 @@ type Config struct {
 	// DB is the target database.
 	DB *pgxpool.Pool
 	// Token guards the console (--http-token-file); nil: reads are open
-	// (cmd/projector allows that on a loopback address only) and writes
-	// are off.
+	// (cmd/projector allows that on a loopback address only) to requests
+	// for a loopback host only (httptoken.LoopbackHost; 403 otherwise: DNS
+	// rebinding), and writes are off.
 	Token *httptoken.Token
 	// Source is the source name (archive.rows.source) and SourceURL its
 	// database, where restores write; empty SourceURL: restores are off.
@@ -198,6 +199,10 @@ func (c *console) read(page func(*http.Request, *view) (string, error)) http.Han
 		w.Header().Set("Cache-Control", "no-store")
 		w.Header().Set("X-Frame-Options", "DENY")
 		w.Header().Set("Content-Security-Policy", "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'")
+		if c.cfg.Token == nil && !httptoken.LoopbackHost(r) {
+			http.Error(w, httptoken.LoopbackOnly, http.StatusForbidden)
+			return
+		}
 		if !c.readAuthorized(r) {
 			w.Header().Set("WWW-Authenticate", `Basic realm="epitaph console (the password is the --http-token-file token)", charset="UTF-8"`)
 			http.Error(w, "the console shows deleted data: the --http-token-file token is required", http.StatusUnauthorized)

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -88,3 +89,27 @@ func (t *Token) String() string { return "[redacted]" }
 
 // GoString hides the token from %#v.
 func (t *Token) GoString() string { return "[redacted]" }
+
+// LoopbackHost reports whether r is addressed to a loopback host: its Host
+// is localhost or a loopback IP address (127.0.0.0/8, ::1), with or without
+// a port. Without a token the projector's HTTP address is on loopback only,
+// yet a browser reaches it under any name that resolves there, and lets
+// that name's pages read the answers (DNS rebinding): such a request names
+// another host, so an open endpoint answers only requests for which
+// LoopbackHost is true.
+func LoopbackHost(r *http.Request) bool {
+	host := r.Host
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	} else if strings.HasPrefix(host, "[") && strings.HasSuffix(host, "]") {
+		host = host[1 : len(host)-1] // an IPv6 literal without a port
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// LoopbackOnly is the answer's text for a request LoopbackHost refuses.
+const LoopbackOnly = "without --http-token-file only requests for localhost or a loopback address (127.0.0.1, [::1]) are answered: use one of those, or set a token"

@@ -65,7 +65,9 @@ type Config struct {
 	DB progress.DB
 	// Token, when set, is the bearer token every request must carry
 	// (Authorization: Bearer <token>; --http-token-file). nil: the API is
-	// open, which cmd/projector allows on a loopback address only.
+	// open, which cmd/projector allows on a loopback address only, to
+	// requests for a loopback host only (httptoken.LoopbackHost; 403
+	// otherwise: DNS rebinding).
 	Token *httptoken.Token
 	// Projection is the archive projection's name (default "archive").
 	Projection string
@@ -122,6 +124,10 @@ func (a *api) endpoint(parse func(*http.Request, *request) error, query queryFun
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Cache-Control", "no-store")
+		if a.cfg.Token == nil && !httptoken.LoopbackHost(r) {
+			writeJSON(w, http.StatusForbidden, map[string]any{"error": httptoken.LoopbackOnly})
+			return
+		}
 		if !a.authorized(r) {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="epitaph"`)
 			writeJSON(w, http.StatusUnauthorized, map[string]any{"error": "a bearer token is required (Authorization: Bearer <the --http-token-file token>)"})
