@@ -638,20 +638,26 @@ func Retry(ctx context.Context, db DB, id string) error {
 }
 
 // Discard stops a pending or dead delivery (outcome discarded) and scrubs
-// its payload.
+// its payload. An in-flight one is refused: its attempt is under way and
+// the receiver may get it whatever the record says; discard it once the
+// attempt settles (pending again, or dead).
 func Discard(ctx context.Context, db DB, id string) error {
 	if !ValidID(id) {
 		return fmt.Errorf("delivery id %q is not a UUID", id)
 	}
 	tag, err := db.Exec(ctx, `UPDATE epitaph.deliveries SET state = 'stopped', outcome = 'discarded', claim_token = NULL,
 		claim_expires_at = NULL, settled_at = now(), updated_at = now(), payload = NULL, payload_scrubbed_at = now()
-		WHERE id = $1 AND state IN ('pending', 'in_flight', 'dead')`, id)
+		WHERE id = $1 AND state IN ('pending', 'dead')`, id)
 	if err != nil {
 		return fmt.Errorf("discard delivery %s: %w", id, err)
 	}
 	if tag.RowsAffected() == 0 {
-		if _, err := ShowDelivery(ctx, db, id); err != nil {
+		d, err := ShowDelivery(ctx, db, id)
+		if err != nil {
 			return err
+		}
+		if d.State == StateInFlight {
+			return fmt.Errorf("delivery %s is in_flight: its attempt is under way; discard it once it settles", id)
 		}
 		return fmt.Errorf("delivery %s is done or stopped already", id)
 	}

@@ -107,14 +107,17 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13::text::pg_lsn)
 ON CONFLICT ON CONSTRAINT quarantine_event_once DO UPDATE
 SET attempts        = q.attempts + 1,
     last_attempt_at = now(),
-    -- an event re-delivered behind itself in hold mode keeps its own category
-    category        = CASE WHEN EXCLUDED.category = 'held' THEN q.category ELSE EXCLUDED.category END,
-    error           = CASE WHEN EXCLUDED.category = 'held' THEN q.error ELSE EXCLUDED.error END`
+    -- an event re-delivered behind itself in hold mode keeps its own category;
+    -- a resolved entry keeps those it was resolved with (its audit record)
+    category        = CASE WHEN EXCLUDED.category = 'held' OR q.status <> 'open' THEN q.category ELSE EXCLUDED.category END,
+    error           = CASE WHEN EXCLUDED.category = 'held' OR q.status <> 'open' THEN q.error ELSE EXCLUDED.error END`
 
 // Insert records e in tx, the transaction that advances the cursor past the
 // event. It is idempotent per (projection, version, stream sequence): a
 // re-delivered event is not quarantined twice; the existing entry's attempts
-// are bumped and its error updated (a resolved entry stays resolved).
+// are bumped and, while it is open, its category and error updated. A
+// resolved entry stays resolved with the category and error it was resolved
+// with (its audit record).
 //
 // Insert never fails because of what the message holds: text that Postgres
 // cannot store (NUL bytes, invalid UTF-8) is cleaned, and the source row key

@@ -427,8 +427,9 @@ last_error (error type, machine code, diagnostic id, and for webhooks,
 commands and NATS subjects the cause, e.g. "dial tcp 10.0.0.7:443: connect:
 connection refused", URL credentials redacted); the projector's log line
 with that diagnostic id has the whole error. retry puts a dead or stopped one back
-(a fresh attempt count); discard gives one up; flush runs queued work to
-completion now.`,
+(a fresh attempt count); discard gives up a pending or dead one (an
+in-flight one is refused until its attempt settles); flush runs queued work
+to completion now.`,
 		Example: `  projector deliveries list --state dead --json
   projector deliveries retry 3f0c2b1e-...
   projector deliveries flush --timeout 2m`,
@@ -559,7 +560,7 @@ func deliveriesShowCommand(env *Env) *cobra.Command {
 func deliveriesActCommand(env *Env, verb string) *cobra.Command {
 	short := "put a dead or stopped delivery back to pending with a fresh attempt count"
 	if verb == "discard" {
-		short = "give up a pending or dead delivery (stopped, outcome discarded; payload scrubbed)"
+		short = "give up a pending or dead delivery (stopped, outcome discarded; payload scrubbed); an in-flight one is refused"
 	}
 	cmd := &cobra.Command{Use: verb + " <id>", Short: short, Example: "  projector deliveries " + verb + " 3f0c2b1e-9d7a-8c1b-a2e4-5f6a7b8c9d0e",
 		Args: cli.Args(1)}

@@ -97,7 +97,7 @@ func quarantineListCommand(env *Env) *cobra.Command {
 	f := filterFlags(cmd)
 	var status string
 	cli.Local(cmd).Enum(&status, "status", "", "open", []string{"open", "replayed", "discarded", "all"}, "open, replayed, discarded or all")
-	cmd.Flags().IntVar(&f.Limit, "limit", 1000, "at most this many entries (0: all)")
+	cmd.Flags().IntVar(&f.Limit, "limit", 1000, "at most this many entries (0: all); when more match, stderr says so")
 	asJSON := jsonFlag(cmd, "the entries")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -109,9 +109,18 @@ func quarantineListCommand(env *Env) *cobra.Command {
 			return err
 		}
 		defer pool.Close()
-		recs, err := quarantine.List(ctx, pool, *f)
+		// One more than asked, to tell when more match than are shown.
+		q, limit := *f, f.Limit
+		if limit > 0 {
+			q.Limit = limit + 1
+		}
+		recs, err := quarantine.List(ctx, pool, q)
 		if err != nil {
 			return err
+		}
+		if limit > 0 && len(recs) > limit {
+			recs = recs[:limit]
+			fmt.Fprintf(env.Stderr, "more entries match: the first %d shown (--limit N or --limit 0 for all)\n", limit)
 		}
 		if *asJSON {
 			if recs == nil {
@@ -262,7 +271,8 @@ func quarantineReplayCommand(env *Env) *cobra.Command {
 entry is marked replayed in the transaction that applied it, so it is applied
 once even when replays race. With --all, progress (entries done of the total,
 rate, ETA) is shown on stderr: a bar on a terminal, a line every 2s otherwise.
-Exit status 1 when entries still fail.`,
+Exit status 1 when entries still fail, or when the one entry asked for is held
+behind an earlier open entry of the same row (nothing was replayed).`,
 		Example: "  projector quarantine replay 42\n  projector quarantine replay --all --projection archive --category incompatible",
 		Args:    cli.RangeArgs(0, 1),
 	}
@@ -335,6 +345,9 @@ Exit status 1 when entries still fail.`,
 		}
 		if len(res.Failed) > 0 {
 			return fmt.Errorf("%d entries still fail", len(res.Failed))
+		}
+		if sel.ID != 0 && len(res.Held) > 0 {
+			return fmt.Errorf("entry %d is held behind an earlier open entry of the same row: replay or discard that one first", sel.ID)
 		}
 		return nil
 	}

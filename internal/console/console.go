@@ -565,10 +565,12 @@ type failedData struct {
 	Handlers   []handlerView
 	Deliveries []handler.Info
 	// Actionable: the deliveries listed that retry and discard apply to
-	// (not those listed from the archive).
+	// (not those listed from the archive), at most MaxSelection.
 	Actionable int
-	Filter     handler.Filter
-	States     []string
+	// More: more than MaxSelection match; one action takes MaxSelection.
+	More   bool
+	Filter handler.Filter
+	States []string
 	// Quarantine is the open entries (never their message).
 	Quarantine []quarantine.Record
 	Workers    []workerView
@@ -665,11 +667,15 @@ func (c *console) failed(r *http.Request, v *view) (string, error) {
 		return "failed", err
 	}
 	// What "all matching" acts on: every queued delivery of the filter (the
-	// action's ListDeliveries), up to MaxSelection, not the listed page.
+	// action's ListDeliveries), up to MaxSelection, not the listed page;
+	// counted one further to tell when more match than an action takes.
 	af := f
-	af.Limit = MaxSelection
+	af.Limit = MaxSelection + 1
 	if d.Actionable, err = handler.CountDeliveries(r.Context(), c.cfg.DB, af); err != nil {
 		return "failed", err
+	}
+	if d.Actionable > MaxSelection {
+		d.Actionable, d.More = MaxSelection, true
 	}
 	d.Quarantine, err = quarantine.List(r.Context(), c.cfg.DB, quarantine.Filter{Status: quarantine.StatusOpen, Limit: FailedLimit})
 	if err != nil {
