@@ -454,7 +454,7 @@ retry and discard find them once settled.`,
 	cmd.Flags().StringVar(&f.HandlerID, "handler", "", "only this handler's (id)")
 	cli.Local(cmd).Enum(&f.State, "state", "", "", handler.States, "only this state: "+strings.Join(handler.States, ", "))
 	cmd.Flags().StringVar(&table, "table", "", "only this table's (schema.table)")
-	cmd.Flags().IntVar(&f.Limit, "limit", 1000, "at most this many")
+	cmd.Flags().IntVar(&f.Limit, "limit", 1000, "at most this many; when more match, stderr says so")
 	asJSON := jsonFlag(cmd, "the deliveries")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
@@ -469,9 +469,20 @@ retry and discard find them once settled.`,
 			f.Schema, f.Table = s, t
 		}
 		return withTargetPool(ctx, c, func(pool *pgxpool.Pool) error {
-			ds, err := handler.ListWithCursors(ctx, pool, f)
+			// One more than asked, to tell when more match than are shown.
+			limit := f.Limit
+			if limit <= 0 {
+				limit = 1000
+			}
+			q := f
+			q.Limit = limit + 1
+			ds, err := handler.ListWithCursors(ctx, pool, q)
 			if err != nil {
 				return err
+			}
+			if len(ds) > limit {
+				ds = ds[:limit]
+				fmt.Fprintf(env.Stderr, "more deliveries match: the newest %d shown (--limit N for more)\n", limit)
 			}
 			if *asJSON {
 				return writeJSONList(env.Stdout, ds)

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/testenv"
 	"github.com/epitaph-dev/epitaph/migrations"
 	"github.com/epitaph-dev/epitaph/projection/snapshot"
@@ -102,5 +103,46 @@ func TestQuarantineListSaysWhenMoreEntriesMatchThanItShows(t *testing.T) {
 	require.Contains(t, errOut, "more")
 	out, errOut = run("--limit", "0")
 	require.Equal(t, 1002, bytes.Count([]byte(out), []byte("\n")), "all of them")
+	require.Empty(t, errOut)
+}
+
+// deliveries list stops at --limit (1,000 by default) as quarantine list
+// does, and says so when more match.
+func TestDeliveriesListSaysWhenMoreMatchThanItShows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testenv.NewDatabase(t)
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	const id = "5b6f5e43-3d0e-4c2b-9a51-6f7f2a8c1e90"
+	require.NoError(t, handler.Add(ctx, pool, handler.Def{ID: id, Schema: "public", Table: "orders", Kind: handler.KindNATS,
+		Target: "orders.deleted", MaxAttempts: 3, Backoff: time.Second, ClaimTimeout: time.Minute}))
+	_, err = pool.Exec(ctx, `INSERT INTO epitaph.deliveries (id, handler_id, source, commit_lsn, seq, schema_name, table_name, key,
+			correlation_id, version, state, outcome, settled_at)
+		SELECT gen_random_uuid(), $1, 'main', '0/1000', g, 'public', 'orders', jsonb_build_object('id', g), 'main:1:0/1000', 1,
+		       'dead', 'test', now()
+		FROM generate_series(1, 3) g`, id)
+	require.NoError(t, err)
+
+	run := func(args ...string) (string, string) {
+		var out, errOut bytes.Buffer
+		env := &Env{Getenv: func(k string) string {
+			return map[string]string{"EPITAPH_TARGET_URL": url}[k]
+		}, Stdout: &out, Stderr: &errOut, Logger: slog.New(slog.DiscardHandler)}
+		require.NoError(t, dispatch(ctx, append([]string{"deliveries", "list"}, args...), env))
+		return out.String(), errOut.String()
+	}
+	out, errOut := run("--limit", "2")
+	require.Equal(t, 3, bytes.Count([]byte(out), []byte("\n")), "a header and 2 deliveries:\n%s", out)
+	require.Contains(t, errOut, "more", "3 deliveries match, 2 are shown: say so")
+	out, errOut = run("--limit", "2", "--json")
+	var ds []handler.Info
+	require.NoError(t, json.Unmarshal([]byte(out), &ds))
+	require.Len(t, ds, 2)
+	require.Contains(t, errOut, "more")
+	out, errOut = run("--limit", "3")
+	require.Equal(t, 4, bytes.Count([]byte(out), []byte("\n")), "all of them:\n%s", out)
 	require.Empty(t, errOut)
 }
