@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -388,9 +389,7 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		s.log.Info("set REPLICA IDENTITY FULL (--set-replica-identity-full)", "tables", sel.madeFull)
 		s.m.madeFull.Add(float64(len(sel.madeFull)))
 	}
-	for _, sk := range sel.skipped {
-		s.log.Warn("table not captured", "table", sk)
-	}
+	s.warnSelection(sel)
 	if cfg.RefuseKeyOnly && len(sel.keyOnly) > 0 {
 		return &KeyOnlyError{Tables: sel.keyOnly}
 	}
@@ -549,6 +548,20 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	}
 	s.walsender = s.repl.PID()
 	return nil
+}
+
+// warnSelection logs, at start, what the selection leaves out and what of
+// the selected tables PostgreSQL does not send.
+func (s *Service) warnSelection(sel *tableSelection) {
+	for _, sk := range sel.skipped {
+		s.log.Warn("table not captured", "table", sk)
+		if strings.Contains(sk, unloggedPartition) {
+			s.warnedOwner(sk) // said once: not again by the catalog poll
+		}
+	}
+	if parts := sel.partitioned(); len(parts) > 0 {
+		s.log.Warn(msgPartitionTruncate, "tables", parts)
+	}
 }
 
 // setupMoves syncs the moves publication with sel; created now for a slot

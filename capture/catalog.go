@@ -49,6 +49,9 @@ type tableFacts struct {
 	partitioned bool
 	// weakLeaves: partitioned, and a leaf is not REPLICA IDENTITY FULL.
 	weakLeaves bool
+	// indexLeaves: partitioned, and a leaf is REPLICA IDENTITY USING
+	// INDEX, whose columns need not be the primary key's.
+	indexLeaves bool
 	// pkPos are the positions of the primary key columns among the columns
 	// pgoutput sends today (not dropped, not generated, attnum order), and
 	// ncols how many those are: a key column renamed since a delete was
@@ -150,7 +153,9 @@ SELECT c.relkind = 'p',
         WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord),
   (SELECT count(*)::int FROM cols),
   c.relkind = 'p' AND EXISTS (SELECT 1 FROM pg_partition_tree(c.oid) t JOIN pg_class l ON l.oid = t.relid
-                               WHERE t.isleaf AND l.relreplident <> 'f')
+                               WHERE t.isleaf AND l.relreplident <> 'f'),
+  c.relkind = 'p' AND EXISTS (SELECT 1 FROM pg_partition_tree(c.oid) t JOIN pg_class l ON l.oid = t.relid
+                               WHERE t.isleaf AND l.relreplident = 'i')
 FROM pg_class c WHERE c.oid = $1::oid`
 
 // sqlGenerated lists the generated columns, each with the name of the
@@ -233,7 +238,7 @@ JOIN pg_attribute a ON a.attrelid = t.relid AND a.attnum = k.attnum`
 
 func (c *catalog) read(ctx context.Context, relID uint32) (tableFacts, error) {
 	var f tableFacts
-	err := c.pool.QueryRow(ctx, sqlRelationFacts, relID).Scan(&f.partitioned, &f.replIdx, &f.pkPos, &f.ncols, &f.weakLeaves)
+	err := c.pool.QueryRow(ctx, sqlRelationFacts, relID).Scan(&f.partitioned, &f.replIdx, &f.pkPos, &f.ncols, &f.weakLeaves, &f.indexLeaves)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return f, nil
 	}

@@ -100,6 +100,7 @@ type factsRecord struct {
 	Generated   []generatedJSON `json:"generated,omitempty"`
 	Partitioned bool            `json:"partitioned,omitempty"`
 	WeakLeaves  bool            `json:"weak_leaves,omitempty"`
+	IndexLeaves bool            `json:"index_leaves,omitempty"`
 	PKPos       []int           `json:"pk_pos,omitempty"`
 	NCols       int             `json:"ncols"`
 	PartCols    []string        `json:"part_cols,omitempty"`
@@ -113,7 +114,7 @@ type generatedJSON struct {
 
 func recordOf(f tableFacts) factsRecord {
 	r := factsRecord{PK: f.pk, ReplIdx: f.replIdx, Refs: f.refs, Partitioned: f.partitioned, WeakLeaves: f.weakLeaves,
-		PKPos: f.pkPos, NCols: f.ncols, PartCols: f.partCols}
+		IndexLeaves: f.indexLeaves, PKPos: f.pkPos, NCols: f.ncols, PartCols: f.partCols}
 	for _, g := range f.generated {
 		r.Generated = append(r.Generated, generatedJSON{Name: g.name, Type: g.typ, After: g.after})
 	}
@@ -122,7 +123,7 @@ func recordOf(f tableFacts) factsRecord {
 
 func (r factsRecord) facts() tableFacts {
 	f := tableFacts{exists: true, pk: r.PK, replIdx: r.ReplIdx, refs: r.Refs, partitioned: r.Partitioned, weakLeaves: r.WeakLeaves,
-		pkPos: r.PKPos, ncols: r.NCols, partCols: r.PartCols}
+		indexLeaves: r.IndexLeaves, pkPos: r.PKPos, ncols: r.NCols, partCols: r.PartCols}
 	for _, g := range r.Generated {
 		f.generated = append(f.generated, generatedColumn{name: g.Name, typ: g.Type, after: g.After})
 	}

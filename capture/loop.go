@@ -318,7 +318,11 @@ func (st *streamer) movedRow(msg []byte) (bool, error) {
 	if ins.RelationID != d.RelationID || d.OldTuple == nil {
 		return false, nil
 	}
-	for _, i := range r.moveIdx {
+	cols := r.moveColumns(d.OldTuple)
+	if len(cols) == 0 {
+		return false, nil
+	}
+	for _, i := range cols {
 		if i >= len(d.OldTuple.Columns) || i >= len(ins.Tuple.Columns) {
 			return false, nil
 		}

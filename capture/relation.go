@@ -32,11 +32,16 @@ type relation struct {
 	// root's, while pgoutput labels every old tuple by the root's.
 	partitioned bool
 	weakLeaves  bool
+	indexLeaves bool // a leaf identifies rows by an index of its own
 	// moveIdx are the key columns (primary key, else replica identity
 	// index) outside every partition key: a delete followed at once by an
 	// insert equal in them is a row an UPDATE moved to another partition.
 	// Nil when there are none, so no move can be told from a delete.
 	moveIdx []int
+	// outsidePart are the columns outside every partition key: a leaf
+	// identified by an index of its own (indexLeaves) sends those of its
+	// index only, which tell its moves instead.
+	outsidePart []int
 
 	name      string // schema.table
 	what      string // "delete schema.table", for errors
@@ -113,7 +118,7 @@ func buildRelation(ctx context.Context, env relationEnv, m *pglogrepl.RelationMe
 	if err != nil {
 		return nil, fmt.Errorf("relation %s.%s: %w", m.Namespace, m.RelationName, err)
 	}
-	r.partitioned, r.weakLeaves = facts.partitioned, facts.weakLeaves
+	r.partitioned, r.weakLeaves, r.indexLeaves = facts.partitioned, facts.weakLeaves, facts.indexLeaves
 	allFlagged := len(m.Columns) > 0
 	for i, c := range m.Columns {
 		label, _ := json.Marshal(c.Name)
@@ -129,8 +134,8 @@ func buildRelation(ctx context.Context, env relationEnv, m *pglogrepl.RelationMe
 	// none added or dropped); else as the catalog was read before (a key
 	// dropped since), or as the relation before this one knew it.
 	r.pkIdx = indexesOf(m, facts.pk)
-	if r.pkIdx == nil && len(facts.pkPos) > 0 && facts.ncols == len(m.Columns) {
-		r.pkIdx = slices.Clone(facts.pkPos)
+	if r.pkIdx == nil {
+		r.pkIdx = pkByPosition(m, facts)
 	}
 	if r.pkIdx == nil {
 		r.pkIdx = indexesOf(m, before.pk)
@@ -158,6 +163,11 @@ func buildRelation(ctx context.Context, env relationEnv, m *pglogrepl.RelationMe
 				r.moveIdx = append(r.moveIdx, i)
 			}
 		}
+		for i, c := range r.cols {
+			if !slices.Contains(facts.partCols, c.name) {
+				r.outsidePart = append(r.outsidePart, i)
+			}
+		}
 	}
 	isPK := make([]bool, len(m.Columns))
 	for _, i := range r.pkIdx {
@@ -178,6 +188,53 @@ func buildRelation(ctx context.Context, env relationEnv, m *pglogrepl.RelationMe
 	r.deletes = env.published.WithLabelValues(r.schema, r.table, string(event.OpDelete))
 	r.truncates = env.published.WithLabelValues(r.schema, r.table, string(event.OpTruncate))
 	return r, nil
+}
+
+// moveColumns are the columns of old, a held delete's tuple, that an
+// insert must equal to be the other half of a move: the key columns
+// outside the partition keys, or, for a row of a leaf identified by an
+// index of its own (NULL in one of those), the columns outside the
+// partition keys its tuple holds.
+func (r *relation) moveColumns(old *pglogrepl.TupleData) []int {
+	if !r.indexLeaves || !slices.ContainsFunc(r.moveIdx, func(i int) bool {
+		return i < len(old.Columns) && old.Columns[i].DataType == pglogrepl.TupleDataTypeNull
+	}) {
+		return r.moveIdx
+	}
+	var out []int
+	for _, i := range r.outsidePart {
+		if i < len(old.Columns) && old.Columns[i].DataType != pglogrepl.TupleDataTypeNull {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// pkByPosition finds the primary key by the positions of its columns among
+// the message's columns that are not generated (PostgreSQL 18 sends the
+// stored generated ones too), when there are as many as the catalog has
+// (a key column renamed since, none added or dropped); nil otherwise.
+func pkByPosition(m *pglogrepl.RelationMessage, f tableFacts) []int {
+	if len(f.pkPos) == 0 {
+		return nil
+	}
+	plain := make([]int, 0, len(m.Columns))
+	for i, c := range m.Columns {
+		if !slices.ContainsFunc(f.generated, func(g generatedColumn) bool { return g.name == c.Name }) {
+			plain = append(plain, i)
+		}
+	}
+	if len(plain) != f.ncols {
+		return nil
+	}
+	out := make([]int, len(f.pkPos))
+	for j, p := range f.pkPos {
+		if p < 0 || p >= len(plain) {
+			return nil
+		}
+		out[j] = plain[p]
+	}
+	return out
 }
 
 func (r *relation) identNames() []string {
@@ -312,25 +369,33 @@ func (r *relation) allKey(idx []int) bool {
 }
 
 // leafKeyOnly says whether a "full" tuple of a partitioned table may be a
-// leaf's key-only one: NULL in every column outside the primary key (a
-// table with other columns), or, without a primary key and with a leaf
-// that is not FULL, NULL in any column.
+// leaf's key-only one: NULL in a primary key column (which no whole row
+// has: a leaf with REPLICA IDENTITY USING INDEX on other columns sends
+// those only), NULL in every column outside the primary key (a table with
+// other columns), or, without a primary key and with a leaf that is not
+// FULL, or with a leaf identified by an index (whose columns may be more
+// than the primary key's), NULL in any column.
 func (r *relation) leafKeyOnly(tup *pglogrepl.TupleData) bool {
-	if len(r.pkIdx) > 0 {
-		if len(r.pkIdx) == len(r.cols) {
-			return false
-		}
-		for i, c := range tup.Columns {
-			if c.DataType != pglogrepl.TupleDataTypeNull && !slices.Contains(r.pkIdx, i) {
-				return false
-			}
-		}
-		return true
+	if r.indexLeaves || (len(r.pkIdx) == 0 && r.weakLeaves) {
+		return slices.ContainsFunc(tup.Columns, func(c *pglogrepl.TupleDataColumn) bool { return c.DataType == pglogrepl.TupleDataTypeNull })
 	}
-	if !r.weakLeaves {
+	if len(r.pkIdx) == 0 {
 		return false
 	}
-	return slices.ContainsFunc(tup.Columns, func(c *pglogrepl.TupleDataColumn) bool { return c.DataType == pglogrepl.TupleDataTypeNull })
+	for _, i := range r.pkIdx {
+		if tup.Columns[i].DataType == pglogrepl.TupleDataTypeNull {
+			return true
+		}
+	}
+	if len(r.pkIdx) == len(r.cols) {
+		return false
+	}
+	for i, c := range tup.Columns {
+		if c.DataType != pglogrepl.TupleDataTypeNull && !slices.Contains(r.pkIdx, i) {
+			return false
+		}
+	}
+	return true
 }
 
 func appendColumn(dst []byte, typeOID uint32, c *pglogrepl.TupleDataColumn) []byte {

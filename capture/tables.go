@@ -92,6 +92,22 @@ type tableInfo struct {
 	notFull []string
 	// notFullOwned is false when one of notFull is not owned by us.
 	notFullOwned bool
+	// unlogged are the leaf partitions that are unlogged, "schema.name":
+	// their deletes are not in the WAL.
+	unlogged []string
+	// virtual: the table (or a leaf) has a virtual generated column
+	// (PostgreSQL 18), which no publication can send: with REPLICA
+	// IDENTITY FULL its DELETEs fail ("Replica identity must not contain
+	// unpublished generated columns") once it is published.
+	virtual bool
+}
+
+// noIdentity says why t has no usable replica identity, and the way out.
+func (t *tableInfo) noIdentity() string {
+	if t.virtual {
+		return "no usable replica identity: REPLICA IDENTITY FULL with a virtual generated column, which no publication sends, would make its DELETEs fail (use a primary key and REPLICA IDENTITY DEFAULT, with --allow-key-only)"
+	}
+	return "no usable replica identity (add a primary key or use --set-replica-identity-full)"
 }
 
 func (t *tableInfo) qualified() string { return t.schema + "." + t.name }
@@ -132,7 +148,8 @@ const sqlLeafIdentity = `
 SELECT n.nspname, c.relname, c.relreplident::text,
   EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
   EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident),
-  pg_has_role(c.relowner, 'USAGE')
+  pg_has_role(c.relowner, 'USAGE'), c.relpersistence <> 'p',
+  EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = 'v')
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = $1::oid
    OR c.oid IN (SELECT relid FROM pg_partition_tree($1::oid::regclass) WHERE isleaf AND relid <> $1::oid)`
@@ -165,14 +182,23 @@ func loadIdentity(ctx context.Context, pool *pgxpool.Pool, t *tableInfo) error {
 	n := 0
 	for rows.Next() {
 		var (
-			schema, name, ident string
-			hasPK, hasIdx, own  bool
+			schema, name, ident                   string
+			hasPK, hasIdx, own, unlogged, virtual bool
 		)
-		if err := rows.Scan(&schema, &name, &ident, &hasPK, &hasIdx, &own); err != nil {
+		if err := rows.Scan(&schema, &name, &ident, &hasPK, &hasIdx, &own, &unlogged, &virtual); err != nil {
 			return fmt.Errorf("read replica identity of %s: %w", t.qualified(), err)
 		}
 		n++
+		if unlogged {
+			t.unlogged = append(t.unlogged, schema+"."+name)
+		}
 		id := identityOf(ident, hasPK, hasIdx)
+		if virtual {
+			t.virtual = true
+			if id == "full" {
+				id = "" // its DELETEs fail once published
+			}
+		}
 		if id != "full" {
 			t.notFull = append(t.notFull, pgx.Identifier{schema, name}.Sanitize())
 			if !own {
@@ -223,6 +249,17 @@ type tableSelection struct {
 	pub string
 }
 
+// partitioned are the selected partitioned tables, "schema.table".
+func (s *tableSelection) partitioned() []string {
+	var out []string
+	for _, t := range s.tables {
+		if t.kind == 'p' {
+			out = append(out, t.qualified())
+		}
+	}
+	return out
+}
+
 // oids are the relations the selection publishes: the tables and, for a
 // partitioned table, its leaves are not needed (events name the root).
 func (s *tableSelection) oids() []uint32 {
@@ -240,6 +277,10 @@ func (s *tableSelection) names() []string {
 	}
 	return out
 }
+
+// unloggedPartition names, in tableSelection.skipped, an unlogged leaf of
+// a published partitioned table.
+const unloggedPartition = ": unlogged partition of "
 
 // selectTables resolves the configured tables (or every eligible one),
 // checking identity; with setFull it makes every selected table REPLICA
@@ -270,6 +311,9 @@ func selectTables(ctx context.Context, pool *pgxpool.Pool, pub string, names []s
 		}
 		if err := sel.add(ctx, pool, t, setFull, watching, len(names) > 0); err != nil {
 			return nil, err
+		}
+		for _, leaf := range t.unlogged {
+			sel.skipped = append(sel.skipped, leaf+unloggedPartition+t.qualified()+": its deletes are not in the WAL and are not captured")
 		}
 	}
 	return sel, nil
@@ -342,7 +386,7 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 			return sel.makeFull(ctx, pool, t)
 		}
 		if !watching {
-			return configErr("cannot set REPLICA IDENTITY FULL on %s (--set-replica-identity-full): %s, so the application's UPDATEs and DELETEs would fail (\"column list used by the publication does not cover the replica identity\"); drop the column list, or leave the table out of EPITAPH_TABLES", t.qualified(), blocker)
+			return configErr("cannot set REPLICA IDENTITY FULL on %s (--set-replica-identity-full): %s, so the application's UPDATEs and DELETEs would fail (PostgreSQL refuses a replica identity a publication does not send whole); change that, or leave the table out of EPITAPH_TABLES", t.qualified(), blocker)
 		}
 		sel.skipped = append(sel.skipped, t.qualified()+": not set FULL: "+blocker)
 		if t.identity == "" {
@@ -353,13 +397,13 @@ func (sel *tableSelection) add(ctx context.Context, pool *pgxpool.Pool, t *table
 	if t.identity == "" {
 		if watching {
 			sel.unsafe = append(sel.unsafe, t)
-			sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
+			sel.skipped = append(sel.skipped, t.qualified()+": "+t.noIdentity())
 			return nil
 		}
 		if named {
 			return configErr("table %s has no usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, or NOTHING): its deletes would fail once published. Add a primary key, run ALTER TABLE %s REPLICA IDENTITY FULL, or start with --set-replica-identity-full", t.qualified(), t.sanitized())
 		}
-		sel.skipped = append(sel.skipped, t.qualified()+": no usable replica identity (add a primary key or use --set-replica-identity-full)")
+		sel.skipped = append(sel.skipped, t.qualified()+": "+t.noIdentity())
 		return nil
 	}
 	sel.keyOnly = append(sel.keyOnly, t.qualified())
@@ -383,9 +427,31 @@ WHERE pr.prattrs IS NOT NULL AND p.pubname <> $2 AND (p.pubdelete OR p.pubupdate
               AND NOT a.attisdropped AND a.attgenerated = '' AND NOT a.attnum = ANY (pr.prattrs::int2[]))
 ORDER BY p.pubname LIMIT 1`
 
+// sqlGeneratedBlocker finds a publication other than $2 that publishes the
+// table $1, one of its leaves or one of its ancestors (by name, by schema
+// or all tables, without a column list) with updates or deletes but not
+// its stored generated columns: once it is REPLICA IDENTITY FULL,
+// PostgreSQL 18 refuses its UPDATEs and DELETEs ("Replica identity must
+// not contain unpublished generated columns").
+const sqlGeneratedBlocker = `
+WITH rels AS (SELECT $1::oid::regclass AS relid
+              UNION SELECT relid FROM pg_partition_tree($1::oid::regclass)
+              UNION SELECT relid FROM pg_partition_ancestors($1::oid::regclass))
+SELECT format('publication %I publishes %s without its stored generated columns (publish_generated_columns)', p.pubname, r.relid)
+FROM pg_publication p CROSS JOIN rels r JOIN pg_class c ON c.oid = r.relid
+WHERE p.pubname <> $2 AND (p.pubdelete OR p.pubupdate) AND to_jsonb(p) ->> 'pubgencols' IS DISTINCT FROM 's'
+  AND EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = $1::oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = 's')
+  AND (p.puballtables
+       OR EXISTS (SELECT 1 FROM pg_publication_rel pr WHERE pr.prpubid = p.oid AND pr.prrelid = r.relid AND pr.prattrs IS NULL)
+       OR EXISTS (SELECT 1 FROM pg_publication_namespace pn WHERE pn.pnpubid = p.oid AND pn.pnnspid = c.relnamespace))
+ORDER BY p.pubname LIMIT 1`
+
 // columnListBlocker says why t cannot be made REPLICA IDENTITY FULL
 // without breaking the application's DELETEs ("" when nothing stops it).
 func columnListBlocker(ctx context.Context, pool *pgxpool.Pool, t *tableInfo, pub string) (string, error) {
+	if t.virtual {
+		return "it has a virtual generated column, which no publication sends (PostgreSQL 18: \"Replica identity must not contain unpublished generated columns\")", nil
+	}
 	var version int
 	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
 		return "", fmt.Errorf("read server version: %w", err)
@@ -395,6 +461,9 @@ func columnListBlocker(ctx context.Context, pool *pgxpool.Pool, t *tableInfo, pu
 	}
 	var why string
 	err := pool.QueryRow(ctx, sqlColumnListBlocker, t.oid, pub).Scan(&why)
+	if errors.Is(err, pgx.ErrNoRows) && version >= 180000 {
+		err = pool.QueryRow(ctx, sqlGeneratedBlocker, t.oid, pub).Scan(&why)
+	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", nil
 	}
@@ -460,18 +529,21 @@ func syncPublication(ctx context.Context, pool *pgxpool.Pool, name string, sel *
 			return false, configErr("must own table %s to publish it: as a superuser, run GRANT <owner role of %s> TO <capture role> (membership is enough; ALTER TABLE .. OWNER TO would break the application's migrations), then start again", t.qualified(), t.sanitized())
 		}
 	}
-	stmts := cur.statements(pub, list, want)
+	// opts are the options the publication needs, all of them named in
+	// the refusal: a publication made as it says is then accepted.
+	stmts, opts := cur.statements(pub, list, want), publicationOptions
 	if gen, err := hasGeneratedColumnsOption(ctx, pool); err != nil {
 		return false, err
 	} else if gen {
-		stmts = cur.statementsWith(pub, list, want, publicationOptions+", "+generatedOption,
+		opts = publicationOptions + ", " + generatedOption
+		stmts = cur.statementsWith(pub, list, want, opts,
 			cur.ins || cur.upd || !cur.del || !cur.trunc || !cur.root || cur.gencols != "s")
 	}
 	for _, s := range stmts {
 		if _, err := pool.Exec(ctx, s); err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && pgErr.Code == "42501" {
-				return false, configErr("cannot create or change publication %q: %s (grant CREATE on the database, or have its owner create it FOR TABLE %s WITH (%s))", name, pgErr.Message, strings.Join(list, ", "), publicationOptions)
+				return false, configErr("cannot create or change publication %q: %s (grant CREATE on the database, or have its owner create it FOR TABLE %s WITH (%s))", name, pgErr.Message, strings.Join(list, ", "), opts)
 			}
 			return false, fmt.Errorf("sync publication %s: %w", name, err)
 		}

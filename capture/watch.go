@@ -26,6 +26,11 @@ type tableGap struct {
 	Reason string `json:"reason"`
 }
 
+// msgPartitionTruncate warns of what PostgreSQL never sends: a partitioned
+// table is published via its root, and pgoutput then leaves out a TRUNCATE
+// of one of its partitions (not of the table itself) altogether.
+const msgPartitionTruncate = "TRUNCATE of a single partition of these partitioned tables is NOT captured: PostgreSQL does not send it when publishing via the root, so nothing is published and the rows are not archived; truncate the partitioned table itself (a truncate event), or DELETE"
+
 const reasonLostIdentity = "removed from the publication: it lost its usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, NOTHING, or a leaf partition without one), so its deletes would fail; its deletes are not captured until it is added again"
 
 // kickCatalog asks the catalog watch for a check now (a Relation message
@@ -144,6 +149,9 @@ func (s *Service) reconcile(ctx context.Context) error {
 		s.m.madeFull.Add(float64(len(sel.madeFull)))
 	}
 	for _, sk := range sel.skipped {
+		if strings.Contains(sk, unloggedPartition) && s.warnedOwner(sk) {
+			s.log.Warn("table not captured", "table", sk)
+		}
 		if strings.Contains(sk, ": not set FULL: ") && s.warnedOwner("column list "+sk) {
 			s.log.Warn("table not set REPLICA IDENTITY FULL: another publication publishes it with a column list, and FULL would make the application's UPDATEs and DELETEs fail", "table", sk)
 		}
@@ -247,6 +255,9 @@ func (s *Service) addNewTables(ctx context.Context, pub string, sel *tableSelect
 		}
 		s.m.tablesAdded.Inc()
 		s.log.Info("table added to the publication: its deletes are captured from now on", "table", t.qualified(), "identity", t.identity)
+		if t.kind == 'p' {
+			s.log.Warn(msgPartitionTruncate, "tables", []string{t.qualified()})
+		}
 	}
 	return busy, nil
 }
