@@ -121,6 +121,9 @@ type Service struct {
 	// (streaming goroutine only) log a failing record once.
 	seqTableOK                      atomic.Bool
 	seqFileFailing, seqTableFailing bool
+	// timeline: the source's timeline in this session, recorded with
+	// the slot's position (timeline.go).
+	timeline atomic.Int32
 
 	// Trust (trust.go): the signing key, and the foreign and implausible
 	// messages already reported (by stream sequence).
@@ -499,10 +502,19 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 	if err != nil {
 		return err
 	}
-	t := tail{has: rp.has, pos: rp.pos}
+	t := tail{has: rp.has, pos: rp.pos, recorded: rp.slotLSN, timeline: rp.timeline}
 	if err := s.connectReplication(ctx); err != nil {
 		return err
 	}
+	tli, err := s.sourceTimeline(ctx)
+	if err != nil {
+		return err
+	}
+	fork, err := s.checkTimeline(ctx, t, tli)
+	if err != nil {
+		return err
+	}
+	s.timeline.Store(tli)
 	plan, startLSN, err := s.prepareSlot(ctx, first, t)
 	if err != nil {
 		return err
@@ -534,6 +546,14 @@ func (s *Service) startSession(ctx context.Context, first bool) (err error) {
 		}
 		s.log.Warn("gap recorded: deletes in this LSN range were lost upstream", "from", from.String(), "to", startLSN.String(), "reason", plan.gap)
 	}
+	if fork != nil {
+		if err := st.publishGap(ctx, *fork); err != nil {
+			return err
+		}
+		s.log.Warn("gap recorded: deletes in this LSN range were lost upstream", "from", fork.from.String(), "to", fork.to.String(), "reason", fork.reason)
+	}
+	// The timeline is recorded before anything is published on it.
+	s.recordTimeline(ctx, startLSN)
 
 	err = pglogrepl.StartReplication(ctx, s.repl, cfg.SlotName, 0, pglogrepl.StartReplicationOptions{
 		Mode: pglogrepl.LogicalReplication,
@@ -625,6 +645,7 @@ func (s *Service) resumeFrom(ctx context.Context, stream jetstream.Stream) (resu
 		return rp, err
 	}
 	s.raiseSeqs(rp.partSeq, recs)
+	rp.slotLSN, rp.timeline = recs.slotLSN, recs.timeline
 	return rp, nil
 }
 

@@ -73,6 +73,9 @@ type streamer struct {
 	careful      int
 	seqBuf       [20]byte
 	sigBuf       []byte
+	// recordedLSN: the confirmed position last recorded with
+	// recordedSeqs.
+	recordedLSN event.LSN
 
 	inTx   bool
 	tx     txInfo
@@ -970,11 +973,14 @@ func (st *streamer) sendStatus(now time.Time, safe event.LSN) error {
 		// would confirm what is not safe yet.
 		written = 0
 	}
-	if safe > 0 && seqsChanged(st.recordedSeqs, st.tr.safeSeqs) {
+	if safe > 0 && (safe > st.recordedLSN || seqsChanged(st.recordedSeqs, st.tr.safeSeqs)) {
 		// Recorded before the slot is told: a start after this
-		// confirmation finds every sequence it covers.
-		st.s.recordSeqs(safe, st.tr.safeSeqs)
-		st.recordedSeqs = append(st.recordedSeqs[:0], st.tr.safeSeqs...)
+		// confirmation finds every sequence it covers, and a slot
+		// confirmed past the record is not the capture's (planSlot).
+		if st.s.recordSeqs(safe, st.tr.safeSeqs) {
+			st.recordedSeqs = append(st.recordedSeqs[:0], st.tr.safeSeqs...)
+			st.recordedLSN = safe
+		}
 	}
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), st.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: pglogrepl.LSN(written),

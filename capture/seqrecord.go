@@ -48,11 +48,23 @@ const sqlSeqTable = `CREATE TABLE IF NOT EXISTS ` + seqTable + ` (
   PRIMARY KEY (stream, partition)
 )`
 
+// slotPosPartition is the row of seqTable, per stream, whose
+// confirmed_lsn is the highest position the capture confirmed to its slot
+// (recorded before every confirmation) and whose seq is the highest
+// timeline of the source it streamed from (recorded at every session's
+// start, before anything is published; timeline.go). A partition's
+// row records its confirmed_lsn only when its sequence moves, and captures
+// older than this row wrote none: a start compares the slot's confirmed
+// position with it only where it exists (slotPastRecord).
+const slotPosPartition = -1
+
 // sqlSeqRecord raises the recorded sequences ($2, indexed by partition
-// from 0) of stream $1; a lower one (a standby with an older view) never
+// from 0) of stream $1, and the confirmed position $3 and timeline $4
+// (slotPosPartition); a lower one (a standby with an older view) never
 // lowers them.
 const sqlSeqRecord = `INSERT INTO ` + seqTable + ` AS r (stream, partition, seq, confirmed_lsn)
 SELECT $1, u.p - 1, u.s, $3::pg_lsn FROM unnest($2::bigint[]) WITH ORDINALITY AS u(s, p) WHERE u.s > 0
+UNION ALL SELECT $1, -1, $4::bigint, $3::pg_lsn
 ON CONFLICT (stream, partition) DO UPDATE SET seq = greatest(r.seq, excluded.seq),
   confirmed_lsn = greatest(r.confirmed_lsn, excluded.confirmed_lsn), updated_at = now()
 WHERE excluded.seq > r.seq OR excluded.confirmed_lsn > r.confirmed_lsn`
@@ -68,6 +80,12 @@ type seqFileBody struct {
 // session's start.
 type seqRecords struct {
 	file, source []uint64
+	// slotLSN is the highest position recorded as confirmed to the slot:
+	// the source's slotPosPartition row, raised to the data dir's record
+	// (0: the source has no such row).
+	slotLSN event.LSN
+	// timeline is the source's timeline recorded with it (0: none).
+	timeline int32
 }
 
 // ensureSeqTable makes the source's record if it is missing. A source
@@ -100,6 +118,7 @@ func (s *Service) ensureSeqTable(ctx context.Context) {
 // none).
 func (s *Service) readSeqRecords(ctx context.Context) (seqRecords, error) {
 	var r seqRecords
+	var fileLSN event.LSN
 	stream := event.StreamName(s.cfg.SourceName)
 	if s.cfg.DataDir != "" {
 		path := seqFile(s.cfg.DataDir, s.cfg.SourceName)
@@ -115,11 +134,12 @@ func (s *Service) readSeqRecords(ctx context.Context) (seqRecords, error) {
 			}
 			if body.Stream == stream {
 				r.file = body.Seqs
+				fileLSN, _ = event.ParseLSN(body.ConfirmedLSN)
 			}
 		}
 	}
 	if s.seqTableOK.Load() {
-		rows, err := s.pool.Query(ctx, `SELECT partition, seq FROM `+seqTable+` WHERE stream = $1`, stream)
+		rows, err := s.pool.Query(ctx, `SELECT partition, seq, confirmed_lsn::text FROM `+seqTable+` WHERE stream = $1`, stream)
 		if err != nil {
 			return r, fmt.Errorf("read the partition sequences recorded in %s: %s", seqTable, redactErr(err))
 		}
@@ -127,8 +147,16 @@ func (s *Service) readSeqRecords(ctx context.Context) (seqRecords, error) {
 		for rows.Next() {
 			var p int
 			var seq int64
-			if err := rows.Scan(&p, &seq); err != nil {
+			var lsn string
+			if err := rows.Scan(&p, &seq, &lsn); err != nil {
 				return r, fmt.Errorf("read the partition sequences recorded in %s: %w", seqTable, err)
+			}
+			if p == slotPosPartition {
+				if r.slotLSN, err = event.ParseLSN(lsn); err != nil {
+					return r, fmt.Errorf("read the confirmed position recorded in %s: %w", seqTable, err)
+				}
+				r.slotLSN, r.timeline = max(r.slotLSN, fileLSN), int32(seq)
+				continue
 			}
 			if p < 0 || seq <= 0 {
 				continue
@@ -174,8 +202,10 @@ func (s *Service) raiseSeqs(partSeq []uint64, r seqRecords) {
 // position lsn, in the data dir and on the source, before lsn is
 // confirmed. A record that fails is logged (once until one succeeds
 // again) and does not stop the capture: the other record, and the stream,
-// still hold.
-func (s *Service) recordSeqs(lsn event.LSN, seqs []uint64) {
+// still hold. ok is false when the source's record failed: the caller
+// records again at its next confirmation.
+func (s *Service) recordSeqs(lsn event.LSN, seqs []uint64) (ok bool) {
+	ok = true
 	if s.cfg.DataDir != "" {
 		b, _ := json.Marshal(seqFileBody{Stream: event.StreamName(s.cfg.SourceName), ConfirmedLSN: lsn.String(), Seqs: seqs})
 		err := writeFileAtomic(seqFile(s.cfg.DataDir, s.cfg.SourceName), append(b, '\n'))
@@ -188,9 +218,11 @@ func (s *Service) recordSeqs(lsn event.LSN, seqs []uint64) {
 		for i, v := range seqs {
 			vals[i] = int64(v)
 		}
-		_, err := s.pool.Exec(ctx, sqlSeqRecord, event.StreamName(s.cfg.SourceName), vals, lsn.String())
+		_, err := s.pool.Exec(ctx, sqlSeqRecord, event.StreamName(s.cfg.SourceName), vals, lsn.String(), int64(s.timeline.Load()))
 		s.recordFailed("source", &s.seqTableFailing, err)
+		ok = err == nil
 	}
+	return ok
 }
 
 func (s *Service) recordFailed(where string, failing *bool, err error) {

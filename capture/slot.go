@@ -25,6 +25,9 @@ type slotState struct {
 	walStatus *string
 	confirmed *string
 	failover  bool // created or altered with FAILOVER (PostgreSQL 17+)
+	// synced: a copy a standby synced from its primary's slot (PostgreSQL
+	// 17+; still true once that standby is promoted).
+	synced bool
 	// invalidation is pg_replication_slots.invalidation_reason
 	// (PostgreSQL 17+; 18 adds idle_timeout, idle_replication_slot_timeout),
 	// "" when valid or not reported.
@@ -35,12 +38,13 @@ type slotState struct {
 // PostgreSQL 17 on, and the same query serves every version.
 const sqlSlot = `
 SELECT slot_type, coalesce(plugin, ''), coalesce(database::text, ''), active_pid, wal_status, confirmed_flush_lsn::text,
-       coalesce((to_jsonb(s) ->> 'failover')::boolean, false), coalesce(to_jsonb(s) ->> 'invalidation_reason', '')
+       coalesce((to_jsonb(s) ->> 'failover')::boolean, false), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''),
+       coalesce((to_jsonb(s) ->> 'synced')::boolean, false)
 FROM pg_replication_slots s WHERE slot_name = $1`
 
 func readSlot(ctx context.Context, pool *pgxpool.Pool, name string) (slotState, error) {
 	var s slotState
-	err := pool.QueryRow(ctx, sqlSlot, name).Scan(&s.slotType, &s.plugin, &s.database, &s.activePID, &s.walStatus, &s.confirmed, &s.failover, &s.invalidation)
+	err := pool.QueryRow(ctx, sqlSlot, name).Scan(&s.slotType, &s.plugin, &s.database, &s.activePID, &s.walStatus, &s.confirmed, &s.failover, &s.invalidation, &s.synced)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return slotState{}, nil
 	}
@@ -94,7 +98,34 @@ func planSlot(s slotState, name, db string, t tail, streamName string, recreate 
 		}
 		return slotPlan{create: true, drop: true, gap: fmt.Sprintf("replication slot %q was invalidated (%s)", name, why)}, nil
 	}
+	if from, ok := slotPastRecord(s, t); ok {
+		if !recreate {
+			return slotPlan{}, configErr("replication slot %q starts at %s, past %s, the last position this capture confirmed to it and the last one stream %s holds: it was dropped and created again, or advanced, by someone else while the capture was away, and deletes since then may have been lost. Restart once with --recreate-slot to record a gap event", name, *s.confirmed, from, streamName)
+		}
+		return slotPlan{gap: fmt.Sprintf("replication slot %q started at %s, past the capture's last confirmed position %s (created again or advanced by someone else)", name, *s.confirmed, from)}, nil
+	}
 	return slotPlan{}, nil
+}
+
+// slotPastRecord reports whether the healthy slot s starts past every
+// position the capture confirmed to its slot (t.recorded, recorded before
+// each confirmation) and past the stream's tail: PostgreSQL streams from
+// the slot's confirmed position whatever the capture asks, so the WAL in
+// between was never decoded for the capture. A slot a promoted standby
+// synced (s.synced) is the capture's own, and its record may not have
+// reached the standby before the slot's position did; without a record
+// (a capture older than it, no table on the source) nothing is known.
+// It returns the position the capture had reached.
+func slotPastRecord(s slotState, t tail) (event.LSN, bool) {
+	if !t.has || t.recorded == 0 || s.synced || s.confirmed == nil {
+		return 0, false
+	}
+	c, err := event.ParseLSN(*s.confirmed)
+	if err != nil {
+		return 0, false
+	}
+	reached := max(t.recorded, t.pos.lsn)
+	return reached, c > reached
 }
 
 // invalidationCause says why PostgreSQL invalidated slot s, for a user.

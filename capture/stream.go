@@ -61,6 +61,11 @@ func parsePosition(s string) (position, error) {
 type tail struct {
 	has bool
 	pos position
+	// recorded: the highest position the capture recorded, before
+	// confirming it, as confirmed to its slot (0: no record).
+	recorded event.LSN
+	// timeline: the source's timeline recorded with it (0: none).
+	timeline int32
 }
 
 // openStream opens the source's stream and checks it was made for this

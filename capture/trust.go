@@ -99,6 +99,11 @@ type resumePoint struct {
 	// adoptFrom..adoptTo are the stream sequences after the verified
 	// boundary message: candidates for adoption (0, 0: none).
 	adoptFrom, adoptTo uint64
+	// slotLSN: the highest position recorded as confirmed to the slot
+	// (seqRecords.slotLSN; 0: none).
+	slotLSN event.LSN
+	// timeline: the source's timeline recorded with it (0: none).
+	timeline int32
 }
 
 // streamReader is the part of jetstream.Stream the resume reads.

@@ -237,7 +237,11 @@ func (s *Service) addNewTables(ctx context.Context, pub string, sel *tableSelect
 			}
 			continue
 		}
-		lost, err := addTable(ctx, s.pool, pub, t, !s.knewTable(t.oid))
+		// The same table (oid) in the publication at the last look: removed
+		// since by someone else.
+		knew := s.knewTable(t.oid)
+		removed := knew && s.wasPublished(t.qualified())
+		lost, err := addTable(ctx, s.pool, pub, t, !knew, removed)
 		if err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "42710") {
@@ -249,7 +253,11 @@ func (s *Service) addNewTables(ctx context.Context, pub string, sel *tableSelect
 			}
 			return busy, fmt.Errorf("add %s to publication %s: %w", t.qualified(), s.cfg.PublicationName, err)
 		}
-		if lost > 0 {
+		switch {
+		case removed:
+			s.log.Warn("table was removed from the publication by someone else: its deletes while it was out are not captured; a gap naming it is recorded",
+				"table", t.qualified())
+		case lost > 0:
 			s.log.Warn("new table had deletes before it was published: they are not captured; a gap naming it is recorded",
 				"table", t.qualified(), "deleted_rows", lost)
 		}
@@ -287,11 +295,15 @@ FROM (SELECT $1::oid::regclass AS relid UNION SELECT relid FROM pg_partition_tre
 
 const reasonDeletedBefore = "deleted before it was published: rows were deleted from this new table before the catalog poll added it to the publication, and those deletes are not captured"
 
+const reasonRemovedElsewhere = "removed from the publication by someone else: its deletes from the removal until the catalog poll added it again are not captured"
+
 // addTable adds t to the publication pub. For a table new to the capture
 // (fresh) it also reads how many rows the statistics say were deleted from
 // it and, when any were, writes a gap naming it in the same transaction:
-// a new table's deletes before it was published are never silent.
-func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo, fresh bool) (lost int64, err error) {
+// a new table's deletes before it was published are never silent. A table
+// the publication had and someone else removed (removed) gets a gap
+// whatever the statistics say: they cannot tell when it was out.
+func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo, fresh, removed bool) (lost int64, err error) {
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, sqlCatalogLockTimeout); err != nil {
 			return err
@@ -299,16 +311,20 @@ func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo,
 		if _, err := tx.Exec(ctx, "ALTER PUBLICATION "+pub+" ADD TABLE "+t.member()); err != nil {
 			return err
 		}
-		if !fresh {
-			return nil
+		reason := reasonRemovedElsewhere
+		if !removed {
+			if !fresh {
+				return nil
+			}
+			if err := tx.QueryRow(ctx, sqlDeletedBefore, t.oid).Scan(&lost); err != nil {
+				return err
+			}
+			if lost == 0 {
+				return nil
+			}
+			reason = reasonDeletedBefore
 		}
-		if err := tx.QueryRow(ctx, sqlDeletedBefore, t.oid).Scan(&lost); err != nil {
-			return err
-		}
-		if lost == 0 {
-			return nil
-		}
-		content, err := json.Marshal(tableGap{Schema: t.schema, Table: t.name, Reason: reasonDeletedBefore})
+		content, err := json.Marshal(tableGap{Schema: t.schema, Table: t.name, Reason: reason})
 		if err != nil {
 			return err
 		}
@@ -316,6 +332,14 @@ func addTable(ctx context.Context, pool *pgxpool.Pool, pub string, t *tableInfo,
 		return err
 	})
 	return lost, err
+}
+
+// wasPublished reports whether the publication had the table (schema.name)
+// at the capture's last look at it (start, or the last catalog check).
+func (s *Service) wasPublished(table string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Contains(s.pubTables, table)
 }
 
 // knewTable reports whether the capture's last selection held the table
