@@ -165,7 +165,8 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	if facts {
 		p.Steps = append(p.Steps, "DELETE FROM "+factsTable+" WHERE publication = "+pgquote.Literal(p.cfg.PublicationName))
 	}
-	p.Notes = append(p.Notes, "the JetStream stream and the capture's data directory are left as they are")
+	p.Notes = append(p.Notes, "the JetStream stream and the capture's data directory are left as they are, and so is "+
+		seqTable+" (the stream's partition sequences, kept while the stream is)")
 	return p, nil
 }
 

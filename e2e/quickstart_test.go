@@ -128,7 +128,7 @@ func TestREADMEQuickStart(t *testing.T) {
 	first := blocks[0]
 	first = replaceOnce(t, first, "make build\n", ": make build: the test built bin/capture and bin/projector\n")
 	first = replaceOnce(t, first, "'postgres://epitaph_capture:secret@db:5432/app'", "'"+source+"'")
-	first = replaceOnce(t, first, "'postgres://epitaph:secret@db:5432/archive'", "'"+target+"'")
+	first = replaceOnce(t, first, "'postgres://epitaph_projector:secret@db:5432/archive'", "'"+target+"'")
 	first = replaceOnce(t, first, "'https://hooks.example/order-deleted'", "'"+hook.URL+"/order-deleted'")
 	script := "set -e\n" + first + "\n# the application deletes an order\npsql \"$EPITAPH_SOURCE_URL\" -c '" + deleteOrder + "'\n" + blocks[1]
 	require.NoError(t, os.WriteFile(filepath.Join(work, "quickstart.sh"), []byte(script), 0o644))

@@ -24,7 +24,9 @@ replication slot (which otherwise keeps holding WAL), and the replica
 identities --set-replica-identity-full changed, put back as they were
 (recorded in schema epitaph_capture when they were changed; a table changed
 again since is left as it is). Stop the capture first: a slot in use is
-refused. The JetStream stream and the data directory are left.
+refused. The JetStream stream and the data directory are left, and so is
+the table epitaph.capture_partition_seqs (the stream's partition sequences,
+in schema epitaph): drop it when the stream is deleted too.
 
 Without --yes it prints the statements it would run and exits 2.`,
 		Example: `  capture uninstall --source-url postgres://epitaph@db:5432/app          # the plan

@@ -330,13 +330,15 @@ Exit status 3 also when the stream refuses deletes.`,
 		if *asJSON {
 			return writeJSON(env.Stdout, rc)
 		}
-		writeReceipt(env, rc)
+		writeReceipt(env, rc, false)
 		return nil
 	}
 	return cmd
 }
 
-func writeReceipt(env *Env, rc erasure.Receipt) {
+// writeReceipt prints one receipt on a line; withTime adds when it was
+// recorded (the listing: erase's own receipt is of now).
+func writeReceipt(env *Env, rc erasure.Receipt, withTime bool) {
 	var parts []string
 	for _, k := range slices.Sorted(maps.Keys(rc.Removed)) {
 		parts = append(parts, fmt.Sprintf("%s %d", k, rc.Removed[k]))
@@ -353,8 +355,12 @@ func writeReceipt(env *Env, rc erasure.Receipt) {
 	for _, k := range slices.Sorted(maps.Keys(rc.Unchecked)) {
 		unchecked += fmt.Sprintf("; could not check %s %d (undecodable, not matched by what could be read)", k, rc.Unchecked[k])
 	}
+	actor := rc.Actor
+	if withTime {
+		actor += " at " + rc.CreatedAt.UTC().Format(time.RFC3339)
+	}
 	fmt.Fprintf(env.Stdout, "erasure %d of %s by %s [%s] by %s%s, %d run(s): removed %s%s\n", rc.ID, rc.Table, rc.Mode,
-		strings.Join(rc.Columns, ","), rc.Actor, reason, rc.Runs, removed, unchecked)
+		strings.Join(rc.Columns, ","), actor, reason, rc.Runs, removed, unchecked)
 }
 
 func erasuresCommand(env *Env) *cobra.Command {
@@ -379,7 +385,7 @@ func erasuresCommand(env *Env) *cobra.Command {
 				fmt.Fprintln(env.Stdout, "no erasures")
 			}
 			for _, rc := range rs {
-				writeReceipt(env, rc)
+				writeReceipt(env, rc, true)
 			}
 			return nil
 		})

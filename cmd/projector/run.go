@@ -222,10 +222,19 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 	}
 	stopCtx, stopCancel = context.WithTimeout(context.WithoutCancel(ctx), stopTimeout) // from the signal on
 	defer stopCancel()
-	err = disp.Stop(stopCtx)
-	if serr := svc.Stop(stopCtx); err == nil {
-		err = serr
+	// The dispatcher first (its settles use the service's pool), within a
+	// share of the bound: an attempt that outlasts it (a slow receiver may
+	// take up to 9/10 of its handler's claim timeout) is cancelled, its
+	// delivery attempted again later (at the latest once its claim
+	// expires), so that the partitions still have their soft stop (pages
+	// committed, leases handed over).
+	dispCtx, dispCancel := context.WithTimeout(stopCtx, dispatcherStopTimeout)
+	if disp.Stop(dispCtx) != nil { // the dispatcher's hard stop: nothing more to report
+		env.Logger.Warn("delivery attempts still in flight at the stop were cancelled; their deliveries will be attempted again",
+			"timeout", dispatcherStopTimeout)
 	}
+	dispCancel()
+	err = svc.Stop(stopCtx)
 	if serr := srv.Stop(stopCtx); err == nil {
 		err = serr
 	}
@@ -260,6 +269,10 @@ func cleanupInterval(d time.Duration) time.Duration {
 // hard (pages in flight roll back). Below the grace period of
 // deploy/kubernetes/projector.yaml (60s).
 const stopTimeout = 50 * time.Second
+
+// dispatcherStopTimeout is the share of stopTimeout the delivery attempts
+// in flight may take; the partitions have the rest.
+const dispatcherStopTimeout = 20 * time.Second
 
 // splitList splits a comma-separated list, dropping empty items.
 func splitList(s string) []string {

@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/epitaph-dev/epitaph/projection/archive"
 )
 
 // checkShape refuses a selector that can never match what the archive
@@ -35,12 +37,31 @@ func checkShape(ctx context.Context, db querier, schema, name, mode string, sel 
 	return sel, shapeErr(ctx, db, schema, name, mode, sel)
 }
 
+// archivedRows is what checkShape reads: the live version's verified
+// rows, expired ones included (a row past its expiry that a legal hold,
+// an open delivery or a cleanup batch not run yet still keeps shows the
+// table's keys and columns as well as a row readers see). "" when no
+// version is live yet.
+func archivedRows(ctx context.Context, db querier) (string, error) {
+	var schema string
+	err := db.QueryRow(ctx, `SELECT schema_name FROM epitaph.projection_versions WHERE projection = $1 AND state = 'live'`,
+		archive.Projection).Scan(&schema)
+	if err != nil {
+		return "", nothingArchived(err)
+	}
+	return `(SELECT * FROM ` + pgx.Identifier{schema, "rows"}.Sanitize() + ` WHERE verified)`, nil
+}
+
 // shapeErr is checkShape's refusal of a selector no archived key equals.
 func shapeErr(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) error {
 	want := decodeObject(sel)
+	rows, err := archivedRows(ctx, db)
+	if err != nil || rows == "" {
+		return err
+	}
 	if mode == EraseByKey {
 		var sample []byte
-		err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows
+		err := db.QueryRow(ctx, `SELECT key::text FROM `+rows+` r
 			WHERE schema_name = $1 AND table_name = $2 AND key IS NOT NULL LIMIT 1`, schema, name).Scan(&sample)
 		if err = nothingArchived(err); err != nil || sample == nil {
 			return err
@@ -59,14 +80,14 @@ func shapeErr(ctx context.Context, db querier, schema, name, mode string, sel js
 		return nil
 	}
 	var archived bool
-	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows WHERE schema_name = $1 AND table_name = $2)`,
+	err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+rows+` r WHERE schema_name = $1 AND table_name = $2)`,
 		schema, name).Scan(&archived)
 	if err = nothingArchived(err); err != nil || !archived {
 		return err
 	}
 	for _, c := range slices.Sorted(maps.Keys(want)) {
 		var has bool
-		err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM archive.rows
+		err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+rows+` r
 			WHERE schema_name = $1 AND table_name = $2 AND row ? $3)`, schema, name, c).Scan(&has)
 		if err = nothingArchived(err); err != nil {
 			return err
@@ -132,8 +153,12 @@ func kindOf(v json.RawMessage) string {
 // keeps: a fence of the text as typed would miss the next delete of the
 // row it erased. nil: nothing archived under an equal key.
 func archivedKey(ctx context.Context, db querier, schema, name string, sel json.RawMessage) (json.RawMessage, error) {
+	rows, err := archivedRows(ctx, db)
+	if err != nil || rows == "" {
+		return nil, err
+	}
 	var have []byte
-	err := db.QueryRow(ctx, `SELECT key::text FROM archive.rows WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb LIMIT 1`,
+	err = db.QueryRow(ctx, `SELECT key::text FROM `+rows+` r WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb LIMIT 1`,
 		schema, name, string(sel)).Scan(&have)
 	if err = nothingArchived(err); err != nil || have == nil {
 		return nil, err

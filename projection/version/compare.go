@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sort"
+	"time"
 
 	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/progress"
@@ -140,7 +141,7 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 		c.UpTo = upTo.String()
 		bound = c.UpTo
 	}
-	q := rowQueries{db: db, a: ident(va.Schema), b: ident(vb.Schema), bound: bound}
+	q := rowQueries{db: db, a: ident(va.Schema), b: ident(vb.Schema), bound: bound, at: time.Now()}
 	tables := tableSet{}
 	if err := q.checksums(ctx, tables); err != nil {
 		return nil, err
@@ -152,7 +153,7 @@ func Compare(ctx context.Context, db progress.DB, o CompareOptions) (*Comparison
 	if c.DifferingKeys, err = q.differingKeys(ctx, !o.IgnoreExpiresAt, o.MaxKeys); err != nil {
 		return nil, err
 	}
-	if err := c.compareSnapshotsOf(ctx, db, va.Schema, vb.Schema, bound, o.MaxKeys); err != nil {
+	if err := c.compareSnapshotsOf(ctx, db, va.Schema, vb.Schema, bound, q.at, o.MaxKeys); err != nil {
 		return nil, err
 	}
 	c.Equal = c.ContentEqual && (o.IgnoreSnapshots || c.SnapshotsEqual) && (o.IgnoreExpiresAt || c.ExpiresAtDiffers == 0)
@@ -177,48 +178,54 @@ func (ts tableSet) get(s, t string) *TableComparison {
 }
 
 // rowQueries compares the rows of the schemas a and b (quoted) of
-// transactions committed at or before bound (nil: all).
+// transactions committed at or before bound (nil: all). A row that had
+// expired at the time at in every version that holds it is hidden from
+// readers in each (the reader views' rule) and is left out: whether
+// retention has deleted it from a version yet makes no difference. A row
+// one version still shows is compared as before (an expires_at
+// difference when the other holds it expired).
 type rowQueries struct {
 	db    progress.DB
 	a, b  string
 	bound any
+	at    time.Time
 }
 
 // join is the FROM clause pairing the compared rows of both versions by
-// their identity.
-func (q rowQueries) join() string {
+// their identity, and the WHERE clause leaving out the rows expired in
+// both; at is the placeholder of the time.
+func (q rowQueries) join(at string) string {
+	shown := func(r string) string {
+		return `(` + r + `.seq IS NOT NULL AND (` + r + `.expires_at IS NULL OR ` + r + `.expires_at > ` + at + `::timestamptz))`
+	}
 	return ` FROM (SELECT * FROM ` + q.a + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) a
 		FULL JOIN (SELECT * FROM ` + q.b + `.rows WHERE verified AND ($1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn)) b
-		ON a.source = b.source AND a.commit_lsn = b.commit_lsn AND a.seq = b.seq `
+		ON a.source = b.source AND a.commit_lsn = b.commit_lsn AND a.seq = b.seq
+		WHERE (` + shown("a") + ` OR ` + shown("b") + `) `
 }
 
 // checksums counts and checksums the rows per source table of both
 // versions.
 func (q rowQueries) checksums(ctx context.Context, tables tableSet) error {
-	for i, schema := range []string{q.a, q.b} {
-		rows, err := q.db.Query(ctx, `SELECT schema_name, table_name, count(*), COALESCE(sum(`+hash64(fmt.Sprintf(rowContent, "r"))+`), 0)::text
-			FROM `+schema+`.rows r WHERE r.verified AND ($1::pg_lsn IS NULL OR r.commit_lsn <= $1::pg_lsn) GROUP BY 1, 2`, q.bound)
-		if err != nil {
-			return fmt.Errorf("checksum %s: %w", schema, err)
+	rows, err := q.db.Query(ctx, `SELECT COALESCE(a.schema_name, b.schema_name), COALESCE(a.table_name, b.table_name),
+		count(a.seq), COALESCE(sum(`+hash64(fmt.Sprintf(rowContent, "a"))+`) FILTER (WHERE a.seq IS NOT NULL), 0)::text,
+		count(b.seq), COALESCE(sum(`+hash64(fmt.Sprintf(rowContent, "b"))+`) FILTER (WHERE b.seq IS NOT NULL), 0)::text`+
+		q.join("$2")+`GROUP BY 1, 2`, q.bound, q.at)
+	if err != nil {
+		return fmt.Errorf("checksum %s and %s: %w", q.a, q.b, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var s, t, sumA, sumB string
+		var nA, nB int64
+		if err := rows.Scan(&s, &t, &nA, &sumA, &nB, &sumB); err != nil {
+			return fmt.Errorf("checksum %s and %s: %w", q.a, q.b, err)
 		}
-		for rows.Next() {
-			var s, t, sum string
-			var n int64
-			if err := rows.Scan(&s, &t, &n, &sum); err != nil {
-				rows.Close()
-				return fmt.Errorf("checksum %s: %w", schema, err)
-			}
-			tc := tables.get(s, t)
-			if i == 0 {
-				tc.RowsA, tc.ChecksumA = n, sum
-			} else {
-				tc.RowsB, tc.ChecksumB = n, sum
-			}
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return fmt.Errorf("checksum %s: %w", schema, err)
-		}
+		tc := tables.get(s, t)
+		tc.RowsA, tc.ChecksumA, tc.RowsB, tc.ChecksumB = nA, sumA, nB, sumB
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("checksum %s and %s: %w", q.a, q.b, err)
 	}
 	return nil
 }
@@ -230,7 +237,7 @@ func (q rowQueries) rowDifferences(ctx context.Context, tables tableSet) error {
 		count(*) FILTER (WHERE b.seq IS NULL), count(*) FILTER (WHERE a.seq IS NULL),
 		count(*) FILTER (WHERE a.seq IS NOT NULL AND b.seq IS NOT NULL AND `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+`),
 		count(*) FILTER (WHERE a.seq IS NOT NULL AND b.seq IS NOT NULL AND a.expires_at IS DISTINCT FROM b.expires_at)`+
-		q.join()+`GROUP BY 1, 2`, q.bound)
+		q.join("$2")+`GROUP BY 1, 2`, q.bound, q.at)
 	if err != nil {
 		return fmt.Errorf("compare rows: %w", err)
 	}
@@ -262,8 +269,8 @@ func (q rowQueries) differingKeys(ctx context.Context, expires bool, limit int) 
 		COALESCE(a.key, b.key), COALESCE(a.commit_lsn, b.commit_lsn)::text, COALESCE(a.seq, b.seq),
 		CASE WHEN b.seq IS NULL THEN 'only_a' WHEN a.seq IS NULL THEN 'only_b'
 		     WHEN `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` THEN 'content' ELSE 'expires_at' END`+
-		q.join()+`WHERE a.seq IS NULL OR b.seq IS NULL OR `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` OR `+expiresCond+`
-		ORDER BY 4, 5 LIMIT $2`, q.bound, limit)
+		q.join("$3")+`AND (a.seq IS NULL OR b.seq IS NULL OR `+fmt.Sprintf(rowContent, "a")+` <> `+fmt.Sprintf(rowContent, "b")+` OR `+expiresCond+`)
+		ORDER BY 4, 5 LIMIT $2`, q.bound, limit, q.at)
 	if err != nil {
 		return nil, fmt.Errorf("list differing rows: %w", err)
 	}
@@ -304,9 +311,9 @@ func (c *Comparison) addTables(tables tableSet) {
 
 // compareSnapshotsOf compares the snapshot jobs and the documents of the
 // schemas a and b and sets whether they are equal.
-func (c *Comparison) compareSnapshotsOf(ctx context.Context, db progress.DB, a, b string, bound any, maxKeys int) error {
+func (c *Comparison) compareSnapshotsOf(ctx context.Context, db progress.DB, a, b string, bound any, at time.Time, maxKeys int) error {
 	var err error
-	if c.Snapshots, err = compareSnapshots(ctx, db, a, b, bound); err != nil {
+	if c.Snapshots, err = compareSnapshots(ctx, db, a, b, bound, at); err != nil {
 		return err
 	}
 	c.SnapshotsEqual = true
@@ -339,10 +346,17 @@ func (c *Comparison) compareSnapshotsOf(ctx context.Context, db progress.DB, a, 
 }
 
 // compareSnapshots counts snapshot jobs by root table and status in both
-// schemas (versions without a snapshots table count none).
-func compareSnapshots(ctx context.Context, db progress.DB, a, b string, bound any) ([]SnapshotComparison, error) {
+// schemas (versions without a snapshots table count none). A job whose
+// root row had expired at the time at in both versions (or expired in one
+// and gone from the other) is left out, as its row is (rowQueries): the
+// reader views hide it with its root.
+func compareSnapshots(ctx context.Context, db progress.DB, a, b string, bound any, at time.Time) ([]SnapshotComparison, error) {
 	counts := map[snapshotKey]*SnapshotComparison{}
 	for i, schema := range []string{a, b} {
+		other := b
+		if i == 1 {
+			other = a
+		}
 		var exists bool
 		if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, ident(schema, "snapshots")).Scan(&exists); err != nil {
 			return nil, fmt.Errorf("look up %s.snapshots: %w", schema, err)
@@ -350,8 +364,13 @@ func compareSnapshots(ctx context.Context, db progress.DB, a, b string, bound an
 		if !exists {
 			continue
 		}
-		rows, err := db.Query(ctx, `SELECT root_table, status, count(*) FROM `+ident(schema, "snapshots")+`
-			WHERE $1::pg_lsn IS NULL OR commit_lsn <= $1::pg_lsn GROUP BY 1, 2`, bound)
+		rows, err := db.Query(ctx, `SELECT s.root_table, s.status, count(*) FROM `+ident(schema, "snapshots")+` s
+			WHERE ($1::pg_lsn IS NULL OR s.commit_lsn <= $1::pg_lsn)
+			  AND NOT (EXISTS (SELECT 1 FROM `+ident(schema, "rows")+` r WHERE r.source = s.source AND r.commit_lsn = s.commit_lsn
+			                   AND r.seq = s.root_seq AND r.expires_at <= $2::timestamptz)
+			       AND NOT EXISTS (SELECT 1 FROM `+ident(other, "rows")+` r WHERE r.source = s.source AND r.commit_lsn = s.commit_lsn
+			                   AND r.seq = s.root_seq AND (r.expires_at IS NULL OR r.expires_at > $2::timestamptz)))
+			GROUP BY 1, 2`, bound, at)
 		if err != nil {
 			return nil, fmt.Errorf("count snapshots of %s: %w", schema, err)
 		}
