@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -111,4 +112,37 @@ func TestAnotherPublicationWithoutGeneratedColumnsKeepsATableFromFullOn18(t *tes
 	e.exec(t, `DELETE FROM gs WHERE id = 2`)
 	ms := e.deletes(t, "main", 1)
 	require.JSONEq(t, `{"id":2,"v":"b","d":4}`, string(ms[0].ev.Row))
+}
+
+// TestInlineGuardNeverMakesAVirtualGeneratedColumnsTableFull: the inline
+// DDL guard acts in the application's DDL transaction. Setting a new
+// table with a virtual generated column REPLICA IDENTITY FULL
+// (--set-replica-identity-full) would make every DELETE of the
+// application on it fail once it is published (no publication sends a
+// virtual column): it leaves the table as it is and publishes it by its
+// key, so its DELETEs work and are captured.
+func TestInlineGuardNeverMakesAVirtualGeneratedColumnsTableFull(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	if queryString(t, e.db, `SELECT (current_setting('server_version_num')::int >= 180000)::text`) != "true" {
+		t.Skip("virtual generated columns are PostgreSQL 18+")
+	}
+	e.start(t, func(c *Config) {
+		c.InstallDDLGuard, c.DDLGuardMode, c.CatalogPoll = true, DDLGuardInline, -1
+		c.SetReplicaIdentityFull = true
+	})
+	app, _ := e.connect(t)
+	timedExec(t, app, 5*time.Second, `CREATE TABLE gvi (id int PRIMARY KEY, v text, d int GENERATED ALWAYS AS (id * 2) VIRTUAL)`)
+	require.Equal(t, "d", queryString(t, e.db, `SELECT relreplident::text FROM pg_class WHERE relname = 'gvi'`), "left as it was")
+	timedExec(t, app, 5*time.Second, `INSERT INTO gvi (id, v) VALUES (1, 'a'), (2, 'b')`)
+	timedExec(t, app, 5*time.Second, `DELETE FROM gvi WHERE id = 1`)
+	ms := e.deletes(t, "main", 1)
+	require.Equal(t, []string{"delete public.gvi"}, ops(ms))
+
+	// A virtual column added to a published FULL table: the guard takes
+	// the table out of the publication (a gap), so its DELETEs still work.
+	timedExec(t, app, 5*time.Second, `CREATE TABLE gvf (id int PRIMARY KEY, v text); INSERT INTO gvf VALUES (1, 'a'), (2, 'b')`)
+	require.Equal(t, "f", queryString(t, e.db, `SELECT relreplident::text FROM pg_class WHERE relname = 'gvf'`))
+	timedExec(t, app, 5*time.Second, `ALTER TABLE gvf ADD COLUMN d int GENERATED ALWAYS AS (id * 2) VIRTUAL`)
+	timedExec(t, app, 5*time.Second, `DELETE FROM gvf WHERE id = 1`)
 }

@@ -531,7 +531,10 @@ BEGIN
            -- at every call.
            (SELECT true FROM pg_publication_rel pr WHERE pr.prrelid = r.oid AND pr.prpubid = p.oid LIMIT 1) IS NOT NULL AS published,
            CASE r.relreplident
-             WHEN 'f' THEN false
+             -- FULL with a virtual generated column (PostgreSQL 18), which no
+             -- publication sends: its DELETEs would fail once published.
+             WHEN 'f' THEN (SELECT true FROM pg_attribute a WHERE a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped
+                             AND a.attgenerated = 'v' LIMIT 1) IS NOT NULL
              WHEN 'd' THEN (SELECT true FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary LIMIT 1) IS NULL
              WHEN 'i' THEN (SELECT true FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident LIMIT 1) IS NULL
              ELSE true END AS unsafe
@@ -570,11 +573,15 @@ BEGIN
         FOREACH leaf IN ARRAY leaves LOOP
           SELECT rn.nspname, r.relname, r.relreplident,
                  EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisprimary) AS has_pk,
-                 EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx
+                 EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = r.oid AND i.indisreplident) AS has_idx,
+                 -- PostgreSQL 18: no publication sends a virtual generated
+                 -- column, so FULL would make the table's DELETEs fail.
+                 EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = r.oid AND a.attnum > 0
+                          AND NOT a.attisdropped AND a.attgenerated = 'v') AS has_virtual
             INTO l
             FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace WHERE r.oid = leaf;
           CONTINUE WHEN NOT FOUND;
-          IF l.relreplident <> 'f' AND set_full THEN
+          IF l.relreplident <> 'f' AND set_full AND NOT l.has_virtual THEN
             BEGIN
               -- The guard's own ALTER TABLE runs it again: it returns at once.
               PERFORM set_config('epitaph.ddl_guard_running', 'on', true);
@@ -594,7 +601,7 @@ BEGIN
               RAISE WARNING 'epitaph: could not set REPLICA IDENTITY FULL on %%.%%: %%', l.nspname, l.relname, SQLERRM;
             END;
           END IF;
-          IF NOT (l.relreplident = 'f' OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
+          IF NOT ((l.relreplident = 'f' AND NOT l.has_virtual) OR (l.relreplident = 'd' AND l.has_pk) OR (l.relreplident = 'i' AND l.has_idx)) THEN
             unsafe := true;
           END IF;
           IF l.relreplident <> 'f' THEN
