@@ -480,10 +480,7 @@ retry and discard find them once settled.`,
 			if err != nil {
 				return err
 			}
-			if len(ds) > limit {
-				ds = ds[:limit]
-				fmt.Fprintf(env.Stderr, "more deliveries match: the newest %d shown (--limit N for more)\n", limit)
-			}
+			ds = cutAtLimit(env.Stderr, ds, limit, "more deliveries match: the newest %d shown (--limit N for more)")
 			if *asJSON {
 				return writeJSONList(env.Stdout, ds)
 			}

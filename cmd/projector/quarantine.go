@@ -118,9 +118,8 @@ func quarantineListCommand(env *Env) *cobra.Command {
 		if err != nil {
 			return err
 		}
-		if limit > 0 && len(recs) > limit {
-			recs = recs[:limit]
-			fmt.Fprintf(env.Stderr, "more entries match: the first %d shown (--limit N or --limit 0 for all)\n", limit)
+		if limit > 0 {
+			recs = cutAtLimit(env.Stderr, recs, limit, "more entries match: the first %d shown (--limit N or --limit 0 for all)")
 		}
 		if *asJSON {
 			if recs == nil {

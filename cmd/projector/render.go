@@ -295,3 +295,14 @@ func writeComparison(w io.Writer, c *version.Comparison) error {
 	fmt.Fprintf(tw, "\n%s\n", strings.Join(verdict, "; "))
 	return tw.Flush()
 }
+
+// cutAtLimit returns the first limit items of a list read with one item
+// more than asked, and says on w (format, with the limit) when there was
+// more: a list never stops at its limit without a word.
+func cutAtLimit[T any](w io.Writer, items []T, limit int, format string) []T {
+	if len(items) <= limit {
+		return items
+	}
+	fmt.Fprintf(w, format+"\n", limit)
+	return items[:limit]
+}
