@@ -27,14 +27,18 @@ import (
 // It returns the selector to record: for a --key archived under an equal
 // key, that key as the archive holds it (archivedKey); sel otherwise.
 func checkShape(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) (json.RawMessage, error) {
+	rows, err := archivedRows(ctx, db)
+	if err != nil || rows == "" {
+		return sel, err
+	}
 	if mode == EraseByKey {
 		// A key archived as given is right, whatever other keys the
 		// table had before or since (its key may have changed).
-		if have, err := archivedKey(ctx, db, schema, name, sel); err != nil || have != nil {
+		if have, err := archivedKey(ctx, db, rows, schema, name, sel); err != nil || have != nil {
 			return have, err
 		}
 	}
-	return sel, shapeErr(ctx, db, schema, name, mode, sel)
+	return sel, shapeErr(ctx, db, rows, schema, name, mode, sel)
 }
 
 // archivedRows is what checkShape reads: the live version's verified
@@ -52,13 +56,10 @@ func archivedRows(ctx context.Context, db querier) (string, error) {
 	return `(SELECT * FROM ` + pgx.Identifier{schema, "rows"}.Sanitize() + ` WHERE verified)`, nil
 }
 
-// shapeErr is checkShape's refusal of a selector no archived key equals.
-func shapeErr(ctx context.Context, db querier, schema, name, mode string, sel json.RawMessage) error {
+// shapeErr is checkShape's refusal of a selector no archived key equals;
+// rows is archivedRows'.
+func shapeErr(ctx context.Context, db querier, rows, schema, name, mode string, sel json.RawMessage) error {
 	want := decodeObject(sel)
-	rows, err := archivedRows(ctx, db)
-	if err != nil || rows == "" {
-		return err
-	}
 	if mode == EraseByKey {
 		var sample []byte
 		err := db.QueryRow(ctx, `SELECT key::text FROM `+rows+` r
@@ -80,7 +81,7 @@ func shapeErr(ctx context.Context, db querier, schema, name, mode string, sel js
 		return nil
 	}
 	var archived bool
-	err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+rows+` r WHERE schema_name = $1 AND table_name = $2)`,
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+rows+` r WHERE schema_name = $1 AND table_name = $2)`,
 		schema, name).Scan(&archived)
 	if err = nothingArchived(err); err != nil || !archived {
 		return err
@@ -151,14 +152,11 @@ func kindOf(v json.RawMessage) string {
 // as jsonb, by value ({"id": 42.0} finds {"id": 42}), but the fence
 // compares a digest of the text the events carry, which the archive
 // keeps: a fence of the text as typed would miss the next delete of the
-// row it erased. nil: nothing archived under an equal key.
-func archivedKey(ctx context.Context, db querier, schema, name string, sel json.RawMessage) (json.RawMessage, error) {
-	rows, err := archivedRows(ctx, db)
-	if err != nil || rows == "" {
-		return nil, err
-	}
+// row it erased. nil: nothing archived under an equal key. rows is
+// archivedRows'.
+func archivedKey(ctx context.Context, db querier, rows, schema, name string, sel json.RawMessage) (json.RawMessage, error) {
 	var have []byte
-	err = db.QueryRow(ctx, `SELECT key::text FROM `+rows+` r WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb LIMIT 1`,
+	err := db.QueryRow(ctx, `SELECT key::text FROM `+rows+` r WHERE schema_name = $1 AND table_name = $2 AND key = $3::jsonb LIMIT 1`,
 		schema, name, string(sel)).Scan(&have)
 	if err = nothingArchived(err); err != nil || have == nil {
 		return nil, err
