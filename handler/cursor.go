@@ -98,9 +98,23 @@ cand AS (SELECT a.key, CASE WHEN $9::boolean THEN a.row END AS row, a.correlatio
       ORDER BY a.commit_lsn, a.seq LIMIT $6::int),
 -- A row behind the horizon may still wait for its transaction's signed
 -- commit (applied in another page or partition): the batch stops before
--- the first unverified row, so the cursor never passes it.
--- (The first unverified row once, not an anti-join of the batch with itself.)
-stop AS (SELECT commit_lsn, seq FROM cand WHERE NOT verified ORDER BY commit_lsn, seq LIMIT 1),
+-- the first unverified row, so the cursor never passes it. It stops too
+-- before a row whose key has an earlier delivery of the handler queued
+-- and not yet terminal (a late row, or one an older build queued): a
+-- key's deliveries go out in commit order. The handler's open queued
+-- deliveries are looked up once first (deliveries_open_idx; there are
+-- none but for such rows): a batch's rows are probed for their key only
+-- while there are any.
+-- (The first such row once, not an anti-join of the batch with itself.)
+stop AS (SELECT c.commit_lsn, c.seq FROM cand c
+         WHERE NOT c.verified
+            OR ((SELECT EXISTS (SELECT 1 FROM epitaph.deliveries o
+                                WHERE o.handler_id = $1::uuid AND o.state IN ('pending', 'in_flight')))
+                AND EXISTS (SELECT 1 FROM epitaph.deliveries k
+                       WHERE k.handler_id = $1::uuid AND jsonb_hash(k.key) = jsonb_hash(c.key) AND k.key = c.key
+                         AND k.source = $3::text AND k.schema_name = $4 AND k.table_name = $5
+                         AND k.state IN ('pending', 'in_flight') AND (k.commit_lsn, k.seq) < (c.commit_lsn, c.seq)))
+         ORDER BY c.commit_lsn, c.seq LIMIT 1),
 r AS (SELECT * FROM cand c
       WHERE NOT EXISTS (SELECT 1 FROM stop u WHERE (u.commit_lsn, u.seq) <= (c.commit_lsn, c.seq))),
 n AS (SELECT count(*) AS found, min(archived_at) AS first_at FROM r),
@@ -780,12 +794,38 @@ func (d *Dispatcher) flushCursors(ctx context.Context) (int, error) {
 		if left == 0 {
 			return 0, nil
 		}
+		// A cursor's rows may wait for an earlier delivery of their key
+		// that is queued (a late row, or one an older build queued): those
+		// go first.
+		if queued, err := d.cursorsQueued(ctx, defs); err != nil {
+			return ended(err)
+		} else if queued {
+			if _, err := d.flushRows(ctx); err != nil {
+				return ended(err)
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return left, nil
 		case <-time.After(min(d.cfg.Poll, 200*time.Millisecond)):
 		}
 	}
+}
+
+// cursorsQueued reports whether a cursor handler of defs has a queued
+// delivery not yet terminal.
+func (d *Dispatcher) cursorsQueued(ctx context.Context, defs []Def) (bool, error) {
+	ids := make([]string, len(defs))
+	for i, def := range defs {
+		ids[i] = def.ID
+	}
+	var queued bool
+	err := d.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM epitaph.deliveries
+		WHERE handler_id = ANY($1::text[]::uuid[]) AND state IN ('pending', 'in_flight'))`, ids).Scan(&queued)
+	if err != nil {
+		return false, fmt.Errorf("look up the queued deliveries of cursor handlers: %w", err)
+	}
+	return queued, nil
 }
 
 // quoteLiteral is s as an SQL string literal.

@@ -416,3 +416,37 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name, handler string) 
 	}
 	return 0
 }
+
+// A late row's queued delivery goes out before a later deletion of the
+// same key that the cursor sends (DESIGN 10: "deliveries of one (table,
+// key) stay in order"): while the late row waits for its retry, the
+// cursor's batch stops before the key's later row, and the rows after it
+// wait too.
+func TestCursorWaitsForALateRowOfTheSameKeyQueuedBeforeIt(t *testing.T) {
+	e := newCursorEnv(t)
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers(200, 503)) // the late row's first attempt is refused
+	def := e.handler(srv.URL, secret, func(d *Def) { d.Backoff, d.BatchWait = time.Second, 10*time.Millisecond })
+	c := e.cache()
+	d := e.dispatcher()
+
+	lsns := e.archive("orders", true, 1, 2, 3)
+	e.horizon(lsns[2])
+	e.flush(d)
+	require.Len(t, br.got(), 1)
+	queued, err := lateApply(ctx, e.pool, c, "orders", lsns[1], 1, 21)
+	require.NoError(t, err)
+	require.True(t, queued, "behind the cursor")
+	late := DeliveryID(def.ID, "main", lsns[1], 1, 0)
+
+	startUntilCleanup(t, d)
+	eventually(t, func() bool { return len(br.got()) == 2 }, "the late row's first attempt")
+	// Key 21 is deleted again, with rows of other keys after it, while
+	// the late row waits out its backoff.
+	more := e.archive("orders", true, 21, 22, 23)
+	e.horizon(more[2])
+	eventually(t, func() bool { return len(sentIDs(br)) == 8 }, "every delivery sent")
+	require.Equal(t, append([]string{late}, idsOf(def.ID, more...)...), sentIDs(br)[4:],
+		"the late row's retry, then key 21's later row and the rest")
+}

@@ -115,4 +115,38 @@ func TestBatchingWebhookAddedBeforeHandlerCursorsDeliversAfterTheUpgrade(t *test
 	sent := sentIDs(br)
 	require.ElementsMatch(t, idsOf(def.ID, old[0], old[1], fresh[0], fresh[1]), sent,
 		"every row of the handler's table, queued by the old build or archived after the upgrade, delivered once")
+	var key1 []string
+	for _, id := range sent {
+		if id == idsOf(def.ID, old[0])[0] || id == idsOf(def.ID, fresh[0])[0] {
+			key1 = append(key1, id)
+		}
+	}
+	require.Equal(t, idsOf(def.ID, old[0], fresh[0]), key1, "key 1's deliveries in commit order")
+}
+
+// A key's deliveries stay in commit order across the upgrade (DESIGN 10:
+// "deliveries of one (table, key) stay in order"): a delivery the old
+// build queued that waits for its retry goes out before the same key's
+// later deletion, which the new build's cursor sends.
+func TestKeysDeliveryQueuedBeforeHandlerCursorsGoesOutBeforeItsLaterOne(t *testing.T) {
+	ctx := context.Background()
+	secret := NewSecret()
+	br, srv := newBatchReceiver(t, secret, answers())
+	e, def := oldBuildEnv(t, srv.URL, secret)
+	old := e.archiveAsOldBuild(def, 1)
+	e.horizon(old[0])
+	// The old build's attempt failed: it waits for its retry.
+	_, err := e.pool.Exec(ctx, `UPDATE epitaph.deliveries SET attempt = 1, next_attempt_at = now() + interval '2 seconds'
+		WHERE handler_id = $1`, def.ID)
+	require.NoError(t, err)
+
+	require.NoError(t, migrations.Apply(ctx, e.pool))
+	// Key 1 is inserted again and deleted again, archived by the new build.
+	fresh := e.archive("orders", true, 1)
+	e.horizon(fresh[0])
+
+	d := e.dispatcher()
+	startUntilCleanup(t, d)
+	eventually(t, func() bool { return len(sentIDs(br)) >= 2 }, "both deliveries of key 1 sent")
+	require.Equal(t, idsOf(def.ID, old[0], fresh[0]), sentIDs(br), "key 1's deliveries in commit order")
 }
