@@ -319,6 +319,9 @@ type options struct {
 	logger   *slog.Logger
 	registry *prometheus.Registry
 	now      func() time.Time
+	// firstBackoff is a partition's first wait after a transient failure
+	// (tests lengthen it).
+	firstBackoff time.Duration
 }
 
 // WithLogger sets the logger (default slog.Default()).

@@ -150,6 +150,10 @@ type workerRuntime interface {
 	apply(ctx context.Context, in applyParams) (applyResult, error)
 	afterPage(ctx context.Context, v version.Version, partition int, items []*item)
 	leaseLost(w *partitionWorker)
+	// firstBackoffWait is the first wait after a transient failure.
+	firstBackoffWait() time.Duration
+	// reconnectedCh is closed at the next NATS reconnection.
+	reconnectedCh() <-chan struct{}
 }
 
 func newPartitionWorker(s *Service, v version.Version, l progress.Lease) *partitionWorker {
@@ -178,13 +182,16 @@ func (w *partitionWorker) run(ctx context.Context) {
 	defer w.Finish(nil)
 	defer w.dropPrefetch()
 	bo := backoff.NewExponentialBackOff()
-	bo.InitialInterval = 100 * time.Millisecond
+	bo.InitialInterval = w.svc.firstBackoffWait()
 	bo.MaxInterval = w.cfg.MaxBackoff
 	bo.MaxElapsedTime = 0
 	needInit, resets := true, 0
 	w.restart = "start"
 	failed := false // a failure is recorded and not yet cleared
 	for !w.StopRequested() && ctx.Err() == nil {
+		// Taken before the step: a reconnection during a failing step
+		// ends the wait after it at once.
+		back := w.svc.reconnectedCh()
 		var err error
 		if needInit {
 			err = w.init(ctx)
@@ -235,19 +242,33 @@ func (w *partitionWorker) run(ctx context.Context) {
 		w.log.Warn("transient failure; retrying", "kind", kind, "err", quarantine.Sanitize(err), "retry_in", wait)
 		w.recordFailure(ctx, kind)
 		failed = true
-		w.wait(ctx, wait)
+		if w.waitOrReconnect(ctx, wait, back) {
+			// The broker is back: a failure it caused is over, and the
+			// next one, if any, starts the backoff again.
+			w.log.Info("NATS connection back; retrying now")
+			bo.Reset()
+		}
 	}
 }
 
 // wait sleeps for d unless the worker is stopped first.
 func (w *partitionWorker) wait(ctx context.Context, d time.Duration) {
+	w.waitOrReconnect(ctx, d, nil)
+}
+
+// waitOrReconnect sleeps for d unless the worker is stopped first or back
+// is closed (the NATS connection came back); it reports the latter.
+func (w *partitionWorker) waitOrReconnect(ctx context.Context, d time.Duration, back <-chan struct{}) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
 	case <-w.Stopping():
 	case <-ctx.Done():
+	case <-back:
+		return true
 	}
+	return false
 }
 
 func (w *partitionWorker) clearFailures(ctx context.Context) error {

@@ -72,13 +72,21 @@ type Service struct {
 	retention *retention.Metrics // cleanup and fence metrics
 	cleaner   *retention.Cleaner // cleaner.go; nil when disabled
 
-	mu         sync.Mutex
-	closing    bool
-	workers    map[progress.Key]*partitionWorker
-	partitions int
-	versions   string                      // fingerprint of the active versions last ensured
-	live       map[string]int              // live version per projection, as of the last balance
-	throttled  map[version.VersionKey]bool // versions building or catching up (RebuildShare applies)
+	// firstBackoff is a partition's first wait after a transient failure.
+	firstBackoff time.Duration
+
+	mu      sync.Mutex
+	closing bool
+	// reconnected is closed when the NATS connection comes back, and
+	// replaced: partitions waiting out a backoff retry then, rather than at
+	// its end (a broker restart would otherwise cost up to MaxBackoff and
+	// its jitter of lag after the broker is back).
+	reconnected chan struct{}
+	workers     map[progress.Key]*partitionWorker
+	partitions  int
+	versions    string                      // fingerprint of the active versions last ensured
+	live        map[string]int              // live version per projection, as of the last balance
+	throttled   map[version.VersionKey]bool // versions building or catching up (RebuildShare applies)
 	// rebuildGate bounds the pages of non-live versions applied at once
 	// (Config.RebuildShare); nil until the partition count is known.
 	rebuildGate  chan struct{}
@@ -103,13 +111,14 @@ func New(cfg Config, opts ...Option) (*Service, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("projector config: %w", err)
 	}
-	o := options{logger: slog.Default(), registry: prometheus.NewRegistry(), now: time.Now}
+	o := options{logger: slog.Default(), registry: prometheus.NewRegistry(), now: time.Now,
+		firstBackoff: 100 * time.Millisecond}
 	for _, opt := range opts {
 		opt(&o)
 	}
 	s := &Service{
 		cfg: cfg, log: o.logger, reg: o.registry, now: o.now,
-		workers: map[progress.Key]*partitionWorker{},
+		workers: map[progress.Key]*partitionWorker{}, firstBackoff: o.firstBackoff, reconnected: make(chan struct{}),
 	}
 	s.metrics = newMetrics(o.registry)
 	s.lifecycle = newLifecycleMetrics(o.registry)
@@ -196,7 +205,8 @@ func (s *Service) Start(ctx context.Context) (err error) {
 		nats.Name("epitaph-projector " + s.cfg.WorkerID),
 		nats.MaxReconnects(-1), nats.ReconnectWait(250 * time.Millisecond),
 		nats.RetryOnFailedConnect(true), nats.ReconnectBufSize(-1),
-		nats.ClosedHandler(s.natsClosed), nats.ErrorHandler(s.natsError)}, auth...)...)
+		nats.ClosedHandler(s.natsClosed), nats.ErrorHandler(s.natsError),
+		nats.ReconnectHandler(s.natsReconnected)}, auth...)...)
 	if err != nil {
 		s.pool.Close()
 		return fmt.Errorf("connect to NATS %s: %w", redactURL(s.cfg.NATSURL), err)
@@ -310,6 +320,24 @@ func (s *Service) natsError(_ *nats.Conn, sub *nats.Subscription, err error) {
 		return
 	}
 	s.log.Warn("NATS error", "err", err)
+}
+
+// natsReconnected wakes the partitions waiting out a backoff.
+func (s *Service) natsReconnected(*nats.Conn) {
+	s.log.Info("NATS connection back", "url", redactURL(s.cfg.NATSURL))
+	s.mu.Lock()
+	close(s.reconnected)
+	s.reconnected = make(chan struct{})
+	s.mu.Unlock()
+}
+
+func (s *Service) firstBackoffWait() time.Duration { return s.firstBackoff }
+
+// reconnectedCh is closed at the next NATS reconnection.
+func (s *Service) reconnectedCh() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.reconnected
 }
 
 // natsClosed stops the service when its NATS connection is closed for good
