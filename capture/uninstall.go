@@ -80,13 +80,16 @@ type UninstallPlan struct {
 	// Notes say what is left as it is, and why.
 	Notes []string
 	cfg   UninstallConfig
+	// inUse is the process streaming the slot when the plan was made (0:
+	// none): Apply refuses the plan.
+	inUse int32
 }
 
 // PlanUninstall reads the source and says what Uninstall would do: drop
 // the DDL guard of the publication, the publication and the slot, and put
 // back the replica identities the capture set FULL (those still FULL).
-// It changes nothing. A slot in use (a capture streaming it) is a
-// *ConfigError: stop the capture first.
+// It changes nothing. A slot in use (a capture streaming it) is planned
+// and noted, and InUse says so: Apply refuses it (stop the capture first).
 func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, error) {
 	if cfg.SlotName == "" {
 		cfg.SlotName = "epitaph"
@@ -147,7 +150,8 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	case slotDB != curDB:
 		p.Notes = append(p.Notes, fmt.Sprintf("replication slot %q belongs to database %q, not this one: left as it is", cfg.SlotName, slotDB))
 	case activePID != nil:
-		return nil, configErr("replication slot %q is in use by process %d (a capture streaming it): stop the capture, then uninstall", cfg.SlotName, *activePID)
+		p.inUse, slotExists = *activePID, true
+		p.Notes = append(p.Notes, fmt.Sprintf("replication slot %q is in use by process %d (a capture streaming it): stop the capture first", cfg.SlotName, *activePID))
 	default:
 		slotExists = true
 	}
@@ -232,12 +236,25 @@ ORDER BY r.relation`, p.cfg.PublicationName)
 	return nil
 }
 
+// InUse is a *ConfigError when a process streamed the slot as the plan
+// was made (Apply refuses the plan), nil otherwise.
+func (p *UninstallPlan) InUse() error {
+	if p.inUse == 0 {
+		return nil
+	}
+	return configErr("replication slot %q is in use by process %d (a capture streaming it): stop the capture, then uninstall", p.cfg.SlotName, p.inUse)
+}
+
 // Apply runs the plan's statements in order, the publication dropped
 // before any replica identity is put back (a published table without a
 // usable identity would make the application's DELETEs fail). The record
 // table, and its schema, go when no other publication's records are left.
 // A failed step stops it; running uninstall again picks up from there.
+// A plan whose slot was in use (InUse) is refused, nothing run.
 func (p *UninstallPlan) Apply(ctx context.Context) error {
+	if err := p.InUse(); err != nil {
+		return err
+	}
 	conn, err := uninstallConnect(ctx, p.cfg.SourceURL)
 	if err != nil {
 		return err

@@ -167,7 +167,7 @@ is refused, never replaced by the default.`,
 		defer stop()
 		svc, err := capture.New(cfg, capture.WithLogger(log), capture.WithRegistry(reg))
 		if err != nil {
-			return err
+			return settingsUsage(err)
 		}
 		// The service runs on a context of its own: cancelling it is the
 		// hard stop. A signal during Start aborts the start; once started,
@@ -210,6 +210,18 @@ func keyOnlyUsage(err error) error {
 	var ko *capture.KeyOnlyError
 	if errors.As(err, &ko) {
 		return cli.WithCode(cli.ExitUsage, err)
+	}
+	return err
+}
+
+// settingsUsage makes the refusal of the settings by capture.New (a
+// *capture.ConfigError: a missing, out-of-range or contradictory value
+// from a flag, a variable or the --config file; nothing connected yet) a
+// usage error, exit 2 like a malformed value.
+func settingsUsage(err error) error {
+	var ce *capture.ConfigError
+	if errors.As(err, &ce) {
+		return &cli.UsageError{Err: err}
 	}
 	return err
 }

@@ -23,7 +23,7 @@ func exec(vars map[string]string, args ...string) (stdout, stderr string, code i
 
 func TestMissingSourceURL(t *testing.T) {
 	_, stderr, code := exec(map[string]string{"EPITAPH_SOURCE_URL": ""}, "--metrics-addr", "")
-	require.Equal(t, 1, code)
+	require.Equal(t, 2, code)
 	require.Contains(t, stderr, "EPITAPH_SOURCE_URL")
 }
 
@@ -38,7 +38,7 @@ func TestFlagsFromEnv(t *testing.T) {
 func TestStandbyNeedsExternalBroker(t *testing.T) {
 	_, stderr, code := exec(map[string]string{"EPITAPH_SOURCE_URL": "postgres://u:secret@127.0.0.1:1/db", "EPITAPH_NATS_URL": "",
 		"EPITAPH_STANDBY": "true"}, "--metrics-addr", "")
-	require.Equal(t, 1, code)
+	require.Equal(t, 2, code)
 	require.Contains(t, stderr, "standby needs an external JetStream server (EPITAPH_NATS_URL)")
 }
 
@@ -91,7 +91,7 @@ func TestSourceTCPTimeoutRange(t *testing.T) {
 	vars := map[string]string{"EPITAPH_SOURCE_URL": "postgres://u:secret@127.0.0.1:1/db", "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}
 	for _, v := range []string{"500ms", "25h"} {
 		_, stderr, code := exec(vars, "--metrics-addr", "", "--source-tcp-timeout", v)
-		require.Equal(t, 1, code, stderr)
+		require.Equal(t, 2, code, stderr)
 		require.Contains(t, stderr, "use 1s to 24h (--source-tcp-timeout 0: the system's default)")
 		require.NotContains(t, stderr, "secret")
 	}

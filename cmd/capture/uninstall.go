@@ -23,16 +23,21 @@ guard of the publication (--install-ddl-guard), the publication, the
 replication slot (which otherwise keeps holding WAL), and the replica
 identities --set-replica-identity-full changed, put back as they were
 (recorded in schema epitaph_capture when they were changed; a table changed
-again since is left as it is). Stop the capture first: a slot in use is
-refused. The JetStream stream and the data directory are left, and so is
-the table epitaph.capture_partition_seqs (the stream's partition sequences,
-in schema epitaph): drop it when the stream is deleted too.
+again since is left as it is). Stop the capture first: with --yes a slot
+in use is refused (exit 1). The JetStream stream and the data directory are
+left, and so is the table epitaph.capture_partition_seqs (the stream's
+partition sequences, in schema epitaph): drop it when the stream is deleted
+too.
 
-Without --yes it prints the statements it would run and exits 2.`,
+Without --yes it prints the statements it would run (and whether the slot is
+in use) and exits 2.`,
 		Example: `  capture uninstall --source-url postgres://epitaph@db:5432/app          # the plan
   capture uninstall --source-url postgres://epitaph@db:5432/app --yes    # do it`,
 		Args: cli.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cfg.SourceURL == "" {
+				return cli.Usage("a source database URL is required (--source-url, EPITAPH_SOURCE_URL)")
+			}
 			plan, err := capture.PlanUninstall(cmd.Context(), cfg)
 			if err != nil {
 				return err
@@ -41,6 +46,9 @@ Without --yes it prints the statements it would run and exits 2.`,
 			// configuration file that would uninstall at every run.
 			if !yes || !cmd.Flags().Changed("yes") {
 				fmt.Fprintf(stdout, "capture uninstall would run, on the source:\n%s", plan)
+				if err := plan.InUse(); err != nil {
+					return cli.Usage("nothing done: %v with --yes", err)
+				}
 				return cli.Usage("nothing done: run again with --yes to do it")
 			}
 			if err := plan.Apply(cmd.Context()); err != nil {

@@ -181,13 +181,21 @@ func (c *common) targetPool(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// natsConnect connects to NATS with the authentication flags.
+// natsConnect connects to NATS with the authentication flags. The
+// connection's asynchronous errors (a permissions violation) go to the
+// debug log, not to stderr as the NATS client's default handler writes
+// them: the command reports what they cost in its own one line.
 func (c *common) natsConnect(opts ...nats.Option) (*nats.Conn, error) {
 	auth, err := c.natsAuth.Options(c.natsURL)
 	if err != nil {
 		return nil, err
 	}
-	return nats.Connect(c.natsURL, append(opts, auth...)...)
+	quiet := nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+		if c.env != nil && c.env.Logger != nil {
+			c.env.Logger.Debug("nats", "err", redactpkg.Text(err.Error()))
+		}
+	})
+	return nats.Connect(c.natsURL, append(append([]nats.Option{quiet}, opts...), auth...)...)
 }
 
 // groupFlag registers --group, the consumer group, on

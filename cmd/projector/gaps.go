@@ -81,7 +81,7 @@ func gapsAckCommand(env *Env) *cobra.Command {
 		defer pool.Close()
 		g, err := status.AckGap(ctx, pool, *proj, *version, id, *reason)
 		if err != nil {
-			return err
+			return notFound(err)
 		}
 		if *asJSON {
 			return writeJSON(env.Stdout, g)

@@ -21,6 +21,8 @@ import (
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
 	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection/status"
+	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
 func init() {
@@ -334,9 +336,11 @@ func writeCursor(line func(string, any), b *handler.CursorBacklog) {
 	}
 }
 
-// notFound makes a missing handler or delivery exit 3 ("cannot").
+// notFound makes an id or name that names nothing (a handler, a
+// delivery, a gap, a quarantine entry) exit 3 ("cannot"), as `hold remove`
+// of an unknown hold does.
 func notFound(err error) error {
-	if errors.Is(err, handler.ErrNotFound) {
+	if errors.Is(err, handler.ErrNotFound) || errors.Is(err, status.ErrGapNotFound) || errors.Is(err, quarantine.ErrNotFound) {
 		return cli.WithCode(cli.ExitNotEqual, err)
 	}
 	return err

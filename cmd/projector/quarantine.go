@@ -180,7 +180,7 @@ func quarantineShowCommand(env *Env) *cobra.Command {
 		defer pool.Close()
 		r, err := quarantine.Show(ctx, pool, id, *payload)
 		if err != nil {
-			return err
+			return notFound(err)
 		}
 		if *asJSON {
 			return writeJSON(env.Stdout, r)
@@ -251,7 +251,7 @@ func quarantineDiscardCommand(env *Env) *cobra.Command {
 		}
 		defer pool.Close()
 		if err := quarantine.Discard(ctx, pool, id, *reason); err != nil {
-			return err
+			return notFound(err)
 		}
 		if *asJSON {
 			return writeJSON(env.Stdout, map[string]any{"id": id, "status": quarantine.StatusDiscarded, "reason": *reason})
@@ -270,8 +270,9 @@ func quarantineReplayCommand(env *Env) *cobra.Command {
 entry is marked replayed in the transaction that applied it, so it is applied
 once even when replays race. With --all, progress (entries done of the total,
 rate, ETA) is shown on stderr: a bar on a terminal, a line every 2s otherwise.
-Exit status 1 when entries still fail, or when the one entry asked for is held
-behind an earlier open entry of the same row (nothing was replayed).`,
+Exit status 1 when entries still fail, or stay held behind an earlier open
+entry of the same row (the one asked for, or with --all any of them: those
+were not replayed).`,
 		Example: "  projector quarantine replay 42\n  projector quarantine replay --all --projection archive --category incompatible",
 		Args:    cli.RangeArgs(0, 1),
 	}
@@ -340,13 +341,16 @@ behind an earlier open entry of the same row (nothing was replayed).`,
 			}
 		}
 		if err != nil {
-			return err
+			return notFound(err)
 		}
 		if len(res.Failed) > 0 {
 			return fmt.Errorf("%d entries still fail", len(res.Failed))
 		}
 		if sel.ID != 0 && len(res.Held) > 0 {
 			return fmt.Errorf("entry %d is held behind an earlier open entry of the same row: replay or discard that one first", sel.ID)
+		}
+		if len(res.Held) > 0 {
+			return fmt.Errorf("%d entries stay held behind an earlier open entry of the same row: replay or discard those first", len(res.Held))
 		}
 		return nil
 	}

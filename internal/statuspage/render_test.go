@@ -62,7 +62,7 @@ func sampleStatus() *status.Status {
 func get(t *testing.T, h http.Handler, target string) (int, http.Header, string) {
 	t.Helper()
 	rec := httptest.NewRecorder()
-	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, target, nil))
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "http://127.0.0.1:9188"+target, nil))
 	b, err := io.ReadAll(rec.Result().Body)
 	require.NoError(t, err)
 	return rec.Code, rec.Result().Header, string(b)

@@ -19,6 +19,10 @@
 // with their message. When the target cannot be read, every section says
 // "unavailable" with the class of reason, never a false "nothing".
 //
+// Without a token (WithActions, --http-token-file) the page answers
+// requests for a loopback host only (httptoken.LoopbackHost; 403
+// otherwise: DNS rebinding), as the read API and the console do.
+//
 // The page only reads, except for its replay and discard buttons: those
 // are rendered only for a request that carries the bearer token
 // (WithActions, --http-token-file) in its Authorization header, which the
@@ -189,6 +193,14 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodGet && r.Method != http.MethodHead {
 		w.Header().Set("Allow", "GET, HEAD")
 		http.Error(w, "method not allowed", http.StatusMethodNotAllowed)
+		return
+	}
+	// Without a token the page, like the read API and the console, answers
+	// requests for a loopback host only: it names tables and quarantined
+	// rows' keys, which another name resolving to loopback (DNS
+	// rebinding) would let that name's pages read.
+	if h.o.token == nil && !httptoken.LoopbackHost(r) {
+		http.Error(w, httptoken.LoopbackOnly, http.StatusForbidden)
 		return
 	}
 	ctx := r.Context()
