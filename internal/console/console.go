@@ -313,7 +313,7 @@ func (c *console) search(r *http.Request, v *view) (string, error) {
 		return "search", err
 	}
 	schema, table, lsn := a.schema, a.table, a.lsn
-	rows, err := c.cfg.DB.Query(r.Context(), searchSQL, a.schema, a.table, a.key, a.since, a.until, a.corr, a.lsn, a.seq, PageSize+1, a.source)
+	rows, err := c.cfg.DB.Query(r.Context(), searchQuery(a), a.schema, a.table, a.key, a.since, a.until, a.corr, a.lsn, a.seq, PageSize+1, a.source)
 	if err != nil {
 		return "search", err
 	}
@@ -433,6 +433,10 @@ type txData struct {
 	Shown     int
 	Tables    []tableRows
 	Snapshots []snapshotDoc
+	// SnapshotsShown: the documents the page shows when the transaction
+	// has more than maxTxSnapshots (0: it shows them all), of
+	// SnapshotCount.
+	SnapshotsShown, SnapshotCount int
 	// Row is the row the page is about (the row page only).
 	Row *Row
 }
@@ -453,7 +457,19 @@ type snapshotDoc struct {
 // maxTxRows bounds the rows a transaction page shows.
 const maxTxRows = 2000
 
-func (c *console) loadTx(ctx context.Context, corr string) (*txData, error) {
+// maxTxSnapshots bounds the snapshot documents a transaction or row page
+// shows: a bulk delete of a root table has a document per row, each with
+// its descendants.
+const maxTxSnapshots = 100
+
+// txSnapshotsSQL reads the first documents of a transaction, the one
+// rooted at the page's row ($2, $3; NULL on the transaction's page) first.
+const txSnapshotsSQL = `SELECT s.id, s.root_table, s.root_key, s.status, s.payload FROM archive.snapshots s
+		WHERE s.correlation_id = $1 ORDER BY (s.root_table = $2 AND s.root_key = $3::jsonb) IS TRUE DESC, s.id LIMIT $4`
+
+// loadTx reads transaction corr for its page, or for the page of its row
+// (nil: the transaction's page).
+func (c *console) loadTx(ctx context.Context, corr string, row *Row) (*txData, error) {
 	rows, err := c.cfg.DB.Query(ctx, `SELECT `+rowColumns+` FROM archive.rows r WHERE r.correlation_id = $1 ORDER BY r.seq LIMIT $2`, corr, maxTxRows+1)
 	if err != nil {
 		return nil, err
@@ -484,8 +500,12 @@ func (c *console) loadTx(ctx context.Context, corr string) (*txData, error) {
 		}
 		d.Tables[i].Rows = append(d.Tables[i].Rows, r)
 	}
-	snaps, err := c.cfg.DB.Query(ctx, `SELECT s.id, s.root_table, s.root_key, s.status, s.payload FROM archive.snapshots s
-		WHERE s.correlation_id = $1 ORDER BY s.id`, corr)
+	var rootTable, rootKey *string
+	if row != nil {
+		t, k := row.QualifiedTable(), string(row.Key)
+		rootTable, rootKey = &t, &k
+	}
+	snaps, err := c.cfg.DB.Query(ctx, txSnapshotsSQL, corr, rootTable, rootKey, maxTxSnapshots+1)
 	if err != nil {
 		if strings.Contains(err.Error(), "42P01") {
 			return d, nil // no snapshot roots configured
@@ -497,6 +517,11 @@ func (c *console) loadTx(ctx context.Context, corr string) (*txData, error) {
 		err := r.Scan(&s.ID, &s.RootTable, &s.RootKey, &s.Status, &s.Payload)
 		return s, err
 	})
+	if err != nil || len(d.Snapshots) <= maxTxSnapshots {
+		return d, err
+	}
+	d.Snapshots, d.SnapshotsShown = d.Snapshots[:maxTxSnapshots], maxTxSnapshots
+	err = c.cfg.DB.QueryRow(ctx, `SELECT count(*) FROM archive.snapshots s WHERE s.correlation_id = $1`, corr).Scan(&d.SnapshotCount)
 	return d, err
 }
 
@@ -506,7 +531,7 @@ func (c *console) transaction(r *http.Request, v *view) (string, error) {
 		return "tx", fail(http.StatusBadRequest, "a transaction is named by correlation_id=")
 	}
 	v.Title = "Transaction " + corr
-	d, err := c.loadTx(r.Context(), corr)
+	d, err := c.loadTx(r.Context(), corr, nil)
 	if err != nil {
 		return "tx", err
 	}
@@ -522,10 +547,6 @@ func (c *console) row(r *http.Request, v *view) (string, error) {
 		return "row", fail(http.StatusBadRequest, "a row is named by correlation_id= and seq=")
 	}
 	v.Title = "Row"
-	d, err := c.loadTx(r.Context(), corr)
-	if err != nil {
-		return "row", err
-	}
 	rows, err := c.cfg.DB.Query(r.Context(), `SELECT `+rowColumns+` FROM archive.rows r WHERE r.correlation_id = $1 AND r.seq = $2`, corr, seq)
 	if err != nil {
 		return "row", err
@@ -534,9 +555,15 @@ func (c *console) row(r *http.Request, v *view) (string, error) {
 	if err != nil {
 		return "row", err
 	}
+	var row *Row
 	if len(found) > 0 {
-		d.Row = &found[0]
+		row = &found[0]
 	}
+	d, err := c.loadTx(r.Context(), corr, row)
+	if err != nil {
+		return "row", err
+	}
+	d.Row = row
 	if d.Row == nil {
 		return "row", fail(http.StatusNotFound, "transaction %s has no archived row %d (expired or erased)", corr, seq)
 	}
@@ -699,4 +726,42 @@ func (c *console) holds(r *http.Request, v *view) (string, error) {
 	hs, err := erasure.ListLegalHolds(r.Context(), c.cfg.DB)
 	v.Data = hs
 	return "holds", err
+}
+
+// tableSearchSQL is searchSQL for a table without a key or correlation id.
+// No index orders a table's rows by (commit_lsn, seq, source): searchSQL
+// read every row of the table (of the whole archive, when the table holds
+// most of it) and sorted them, for every page. Per source, the rows' unique
+// key (source, commit_lsn, seq, ...) orders them, so this reads about a
+// page per source of it, backwards, and merges: the sources come from
+// the same key, one index probe each (a skip scan); the cursor's position
+// bounds each source's scan, the exact comparison (its source included)
+// filters.
+const tableSearchSQL = `WITH RECURSIVE src AS (
+    SELECT min(s.source) AS source FROM archive.rows s
+  UNION ALL
+    SELECT (SELECT min(s.source) FROM archive.rows s WHERE s.source > src.source) FROM src WHERE src.source IS NOT NULL
+)
+SELECT ` + rowColumns + ` FROM src CROSS JOIN LATERAL (
+    SELECT x.source, x.schema_name, x.table_name, x.key, x.row, x.correlation_id, x.is_root, x.commit_lsn,
+           x.commit_time, x.seq, x.archived_at, x.expires_at
+    FROM archive.rows x
+    WHERE x.source = src.source AND x.schema_name = $1 AND x.table_name = $2 AND $3::jsonb IS NULL AND $6::text IS NULL
+      AND ($4::timestamptz IS NULL OR x.commit_time >= $4) AND ($5::timestamptz IS NULL OR x.commit_time < $5)
+      AND ($7::pg_lsn IS NULL OR ((x.commit_lsn, x.seq) <= ($7::pg_lsn, $8::int)
+                                  AND (x.commit_lsn, x.seq, x.source) < ($7::pg_lsn, $8::int, $10::text)))
+    ORDER BY x.commit_lsn DESC, x.seq DESC
+    LIMIT $9) r
+WHERE src.source IS NOT NULL
+ORDER BY r.commit_lsn DESC, r.seq DESC, r.source DESC
+LIMIT $9`
+
+// searchQuery is the statement of a search: tableSearchSQL for a table
+// alone (with or without a time range), searchSQL otherwise (a key or a
+// correlation id has its index; a time range alone its own).
+func searchQuery(a searchArgs) string {
+	if a.schema != nil && a.key == nil && a.corr == nil {
+		return tableSearchSQL
+	}
+	return searchSQL
 }

@@ -74,7 +74,7 @@ func TestReadAPILookupsUseIndexes(t *testing.T) {
 	plan = explain(transactionSQL, "main:77:0/4d", -1, 101)
 	require.Regexp(t, correlation, plan)
 	require.NotRegexp(t, bigSeqScan, plan)
-	plan = explain(snapshotsSQL, "public.t3", `{"id": 3}`, nil, 101)
+	plan = explain(snapshotsSQL, "public.t3", `{"id": 3}`, nil, 101, nil)
 	require.Contains(t, plan, "snapshots_root_idx", plan)
 	require.NotRegexp(t, bigSeqScan, plan)
 	// The README's support query.

@@ -4,6 +4,8 @@ import (
 	"context"
 	"math"
 	"net/http"
+	"slices"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 
@@ -42,10 +44,28 @@ SELECT to_jsonb(r)::text, r.seq FROM archive.rows r
 WHERE r.correlation_id = $1 AND r.seq > $2
 ORDER BY r.seq
 LIMIT $3`
+	// transactionKeySQL is transactionSQL for a correlation id that names
+	// its source and commit LSN (all of them do): by rows_correlation_idx a
+	// page read every row of the transaction and sorted them, for every
+	// page (a bulk delete of a million rows read a million rows per page);
+	// with (source, commit_lsn) fixed the rows' unique key
+	// (source, commit_lsn, seq, ...) reads them in seq order from the
+	// cursor on, about a page.
+	transactionKeySQL = `
+SELECT to_jsonb(r)::text, r.seq FROM archive.rows r
+WHERE r.source = $4 AND r.commit_lsn = $5::pg_lsn AND r.correlation_id = $1 AND r.seq > $2
+ORDER BY r.seq
+LIMIT $3`
+	// snapshotsSQL pages a root's documents by their transaction
+	// (commit_lsn, source: a root has one document per transaction), which
+	// every version shares: a version's row ids are its own (a rebuilt one
+	// numbers its documents in the order it made them), so a cursor by id
+	// read after a promotion or rollback repeated or skipped documents.
 	snapshotsSQL = `
-SELECT to_jsonb(s)::text, s.id FROM archive.snapshots s
-WHERE s.root_table = $1 AND s.root_key = $2::jsonb AND ($3::bigint IS NULL OR s.id < $3)
-ORDER BY s.id DESC
+SELECT to_jsonb(s)::text, s.commit_lsn::text, s.source FROM archive.snapshots s
+WHERE s.root_table = $1 AND s.root_key = $2::jsonb
+  AND ($3::pg_lsn IS NULL OR (s.commit_lsn, s.source) < ($3::pg_lsn, COALESCE($5::text, '')))
+ORDER BY s.commit_lsn DESC, s.source DESC
 LIMIT $4`
 )
 
@@ -127,7 +147,8 @@ func (a *api) transaction(ctx context.Context, r *http.Request, req *request) (*
 	if n := req.cursorInt("seq"); n != nil {
 		after = *n
 	}
-	res, err := a.cfg.DB.Query(ctx, transactionSQL, corr, after, req.limit+1)
+	sql, args := transactionQuery(corr, after, req.limit+1)
+	res, err := a.cfg.DB.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -142,13 +163,33 @@ func (a *api) transaction(ctx context.Context, r *http.Request, req *request) (*
 }
 
 func (a *api) snapshots(ctx context.Context, _ *http.Request, req *request) (*page, error) {
-	res, err := a.cfg.DB.Query(ctx, snapshotsSQL, req.schema+"."+req.table, req.key, req.cursorInt("id"), req.limit+1)
+	res, err := a.cfg.DB.Query(ctx, snapshotsSQL, req.schema+"."+req.table, req.key, req.cursorString("commit_lsn"), req.limit+1,
+		req.cursorString("source"))
 	var p *page
 	if err == nil {
-		p, err = collect(res, "snapshots", req.limit, func(v []any) map[string]any { return map[string]any{"id": v[1]} })
+		p, err = collect(res, "snapshots", req.limit, func(v []any) map[string]any { return map[string]any{"commit_lsn": v[1], "source": v[2]} })
 	}
 	if undefinedTable(err) {
 		return nil, fail(http.StatusNotFound, "no snapshots: the projector keeps none (--snapshot-roots)")
 	}
 	return p, err
+}
+
+// transactionQuery is the statement of a page of transaction corr: its
+// rows after seq after, at most limit.
+func transactionQuery(corr string, after int64, limit int) (string, []any) {
+	// "<source>:<xid>:<commit_lsn>" (event.CorrelationID), read from the
+	// right: the LSN and the xid hold no colon.
+	l, rest, ok := strings.Cut(reverse(corr), ":")
+	_, src, ok2 := strings.Cut(rest, ":")
+	if lsn, err := event.ParseLSN(reverse(l)); ok && ok2 && err == nil && src != "" {
+		return transactionKeySQL, []any{corr, after, limit, reverse(src), lsn.String()}
+	}
+	return transactionSQL, []any{corr, after, limit}
+}
+
+func reverse(s string) string {
+	b := []byte(s)
+	slices.Reverse(b)
+	return string(b)
 }

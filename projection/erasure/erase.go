@@ -280,16 +280,16 @@ func refuseHeld(ctx context.Context, pool *pgxpool.Pool, schema, name, mode stri
 }
 
 // eraseRowsSQL deletes the rows matched ($3: key or match) of one version,
-// with their children when $4, records their identities as erased and
-// deletes the snapshot documents rooted at them. Two indexed passes: the
-// match (GIN or key index) and, per erased row, its transaction's rows by
-// the primary key (the LATERAL .. OFFSET 0 keeps the planner from hashing
-// the whole archive for the recursive step, which it did).
+// with their children when $4, and records their identities as erased.
+// Two indexed passes: the match (GIN or key index) and, per erased row,
+// its transaction's rows by the primary key (the LATERAL .. OFFSET 0 keeps
+// the planner from hashing the whole archive for the recursive step, which
+// it did).
 const eraseRowsSQL = `
 WITH RECURSIVE hit AS (
     SELECT r.source, r.commit_lsn, r.seq, r.schema_name, r.table_name, r.row
     FROM %[1]s r
-    WHERE r.schema_name = $1 AND r.table_name = $2 AND %[3]s
+    WHERE r.schema_name = $1 AND r.table_name = $2 AND %[2]s
   UNION
     SELECT c.source, c.commit_lsn, c.seq, c.schema_name, c.table_name, c.row
     FROM hit p, LATERAL (
@@ -306,15 +306,20 @@ WITH RECURSIVE hit AS (
     INSERT INTO epitaph.erased_rows (source, commit_lsn, seq, erasure_id)
     SELECT source, commit_lsn, seq, $5 FROM del
     ON CONFLICT DO NOTHING
-)%[2]s
-SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, %[4]s, key FROM del`
+)
+SELECT source, commit_lsn::text, seq, correlation_id, tbl, row, key FROM del`
 
-const eraseSnapshotsSQL = `, docs AS (
-    DELETE FROM %[1]s s USING del d
-    WHERE s.correlation_id = d.correlation_id
-      AND s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq
-    RETURNING 1
-)`
+// eraseSnapshotsSQL deletes the snapshot documents rooted at the erased
+// rows of one version. A statement of its own, after eraseRowsSQL: an
+// apply of a transaction's commit that inserts no row (its rows came in
+// earlier pages) does not take the erasure lock; it makes the rows
+// visible and their jobs, and eraseRowsSQL waits for those rows. The jobs
+// committed meanwhile are not in eraseRowsSQL's snapshot but are in this
+// statement's.
+const eraseSnapshotsSQL = `
+DELETE FROM %s s USING unnest($1::text[], $2::pg_lsn[], $3::int[], $4::text[]) AS d(source, commit_lsn, seq, correlation_id)
+ WHERE s.correlation_id = d.correlation_id
+   AND s.source = d.source AND s.commit_lsn = d.commit_lsn AND s.root_seq = d.seq`
 
 // eraseVersions removes the matched rows from every version of the archive
 // and returns their identities (and, in the same order, their tables and
@@ -334,11 +339,7 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 	var refs []erasedRef
 	var parents []parentRow // with children: kept for the pages not applied yet (fence_children.go)
 	for _, vs := range vss {
-		extra, docs := "", "0"
-		if vs.Snapshots {
-			extra, docs = fmt.Sprintf(eraseSnapshotsSQL, archive.Ident(vs.Schema, "snapshots")), "(SELECT count(*)::int FROM docs)"
-		}
-		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, archive.Ident(vs.Schema, "rows"), extra, cond, docs),
+		rows, err := tx.Query(ctx, fmt.Sprintf(eraseRowsSQL, archive.Ident(vs.Schema, "rows"), cond),
 			p.schema, p.name, string(p.sel), withChildren, id)
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
@@ -346,10 +347,9 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 		var r rowIdentity
 		var lsn, corr, tbl string
 		var row, rkey json.RawMessage
-		var ndocs int
 		corrs := map[string]bool{}
 		var gone []snapshot.FencedRow
-		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &ndocs, &rkey}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&r.source, &lsn, &r.seq, &corr, &tbl, &row, &rkey}, func() error {
 			l, err := event.ParseLSN(lsn)
 			if err != nil {
 				return err
@@ -357,7 +357,6 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			r.lsn = l
 			removed[vs.Schema+".rows"]++
 			removed["rows:"+tbl]++
-			removed[vs.Schema+".snapshots"] = max(removed[vs.Schema+".snapshots"], ndocs)
 			corrs[corr] = true
 			gone = append(gone, snapshot.FencedRow{CorrelationID: corr, Source: r.source, CommitLSN: r.lsn, Seq: r.seq, Table: tbl})
 			if !seen[r] {
@@ -374,6 +373,9 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 			return nil, nil, nil, fmt.Errorf("erase rows of %s: %w", vs.Schema, err)
 		}
 		if vs.Snapshots && len(corrs) > 0 {
+			if err := eraseSnapshots(ctx, tx, vs.Schema, gone, removed); err != nil {
+				return nil, nil, nil, err
+			}
 			list := make([]string, 0, len(corrs))
 			for c := range corrs {
 				list = append(list, c)
@@ -404,6 +406,21 @@ func eraseVersions(ctx context.Context, tx pgx.Tx, p eraseParams) ([]rowIdentity
 		}
 	}
 	return ids, refs, parents, nil
+}
+
+// eraseSnapshots deletes the snapshot documents of version schema rooted
+// at the erased rows gone (eraseSnapshotsSQL).
+func eraseSnapshots(ctx context.Context, tx pgx.Tx, schema string, gone []snapshot.FencedRow, removed map[string]int) error {
+	sources, lsns, seqs, corrs := make([]string, len(gone)), make([]string, len(gone)), make([]int32, len(gone)), make([]string, len(gone))
+	for i, g := range gone {
+		sources[i], lsns[i], seqs[i], corrs[i] = g.Source, g.CommitLSN.String(), int32(g.Seq), g.CorrelationID
+	}
+	tag, err := tx.Exec(ctx, fmt.Sprintf(eraseSnapshotsSQL, archive.Ident(schema, "snapshots")), sources, lsns, seqs, corrs)
+	if err != nil {
+		return fmt.Errorf("erase snapshots of %s: %w", schema, err)
+	}
+	removed[schema+".snapshots"] += int(tag.RowsAffected())
+	return nil
 }
 
 // allVersionSchemas are the archive schemas of every version of every
