@@ -36,8 +36,8 @@ build:
 ## dist: release archives of both binaries for linux and darwin (amd64, arm64) under dist/, each with its CycloneDX SBOM, and SHA256SUMS (docs/release.md).
 DIST           := dist
 DIST_PLATFORMS := linux/amd64 linux/arm64 darwin/amd64 darwin/arm64
-# The commit's time stamps the archives' files and the SBOMs, so one commit
-# always gives the same bytes.
+# The commit's time stamps the archives' files and the SBOMs, and their
+# modes are set whatever the umask, so one commit always gives the same bytes.
 DIST_EPOCH     ?= $(shell git log -1 --format=%ct 2>/dev/null || date +%s)
 DIST_TIME       = $(shell date -u -d @$(DIST_EPOCH) +%Y-%m-%dT%H:%M:%SZ)
 DIST_LDFLAGS    = -X $(CLI_PKG).version=$(VERSION) -X $(CLI_PKG).commit=$(COMMIT) -X $(CLI_PKG).buildTime=$(DIST_TIME)
@@ -51,7 +51,7 @@ dist:
 	  cp LICENSE README.md CHANGELOG.md $$dir/; \
 	  $(GO) run ./internal/sbom -name epitaph -version $(VERSION) -time $(DIST_TIME) $$dir/capture $$dir/projector > $(DIST)/$$name.cdx.json; \
 	  cp $(DIST)/$$name.cdx.json $$dir/sbom.cdx.json; \
-	  tar -C $(DIST) --sort=name --owner=0 --group=0 --numeric-owner --mtime=@$(DIST_EPOCH) -cf - $$name | gzip -n > $(DIST)/$$name.tar.gz; \
+	  tar -C $(DIST) --sort=name --owner=0 --group=0 --numeric-owner --mode=a+rX,u+w,go-w --mtime=@$(DIST_EPOCH) -cf - $$name | gzip -n > $(DIST)/$$name.tar.gz; \
 	  rm -rf $$dir; \
 	done; \
 	cd $(DIST) && sha256sum *.tar.gz *.cdx.json > SHA256SUMS && cat SHA256SUMS

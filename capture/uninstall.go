@@ -108,14 +108,18 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	p := &UninstallPlan{cfg: cfg}
 	pub := pgx.Identifier{cfg.PublicationName}.Sanitize()
 
-	var guard bool
-	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_event_trigger WHERE evtname = $1)`,
-		guardTriggerName(cfg.PublicationName)).Scan(&guard); err != nil {
+	// The trigger and its function are dropped by two statements: a run
+	// stopped between them leaves the function, which the next one drops.
+	var guard, guardFn bool
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_event_trigger WHERE evtname = $1), to_regprocedure($2) IS NOT NULL`,
+		guardTriggerName(cfg.PublicationName), guardFunction(cfg.PublicationName)+"()").Scan(&guard, &guardFn); err != nil {
 		return nil, fmt.Errorf("read event triggers: %w", err)
 	}
 	if guard {
-		p.Steps = append(p.Steps, "DROP EVENT TRIGGER "+pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize(),
-			"DROP FUNCTION IF EXISTS "+guardFunction(cfg.PublicationName)+"()")
+		p.Steps = append(p.Steps, "DROP EVENT TRIGGER "+pgx.Identifier{guardTriggerName(cfg.PublicationName)}.Sanitize())
+	}
+	if guard || guardFn {
+		p.Steps = append(p.Steps, "DROP FUNCTION IF EXISTS "+guardFunction(cfg.PublicationName)+"()")
 	}
 
 	var pubExists bool

@@ -1,8 +1,10 @@
 package cli
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"sort"
 	"strings"
@@ -41,10 +43,20 @@ func configValues(path string) (map[string]string, error) {
 		return nil, err
 	}
 	var doc yaml.Node
-	if err := yaml.Unmarshal(raw, &doc); err != nil {
+	dec := yaml.NewDecoder(bytes.NewReader(raw))
+	if err := dec.Decode(&doc); err != nil && !errors.Is(err, io.EOF) {
 		// A syntax error (decoding into a node has no type errors, whose
 		// messages quote values): its line and what is wrong, no content.
 		return nil, fmt.Errorf("not YAML of key: value lines: %s", strings.TrimPrefix(err.Error(), "yaml: "))
+	}
+	// One document: settings after a second one (---) would be dropped.
+	var next yaml.Node
+	switch err := dec.Decode(&next); {
+	case errors.Is(err, io.EOF):
+	case err != nil:
+		return nil, fmt.Errorf("not YAML of key: value lines: %s", strings.TrimPrefix(err.Error(), "yaml: "))
+	default:
+		return nil, fmt.Errorf("line %d: a second document: want one document of key: value lines", next.Line)
 	}
 	out := map[string]string{}
 	if doc.Kind == 0 || (doc.Kind == yaml.DocumentNode && len(doc.Content) == 0) {
@@ -58,6 +70,9 @@ func configValues(path string) (map[string]string, error) {
 		k, v := m.Content[i], m.Content[i+1]
 		if k.Kind != yaml.ScalarNode {
 			return nil, fmt.Errorf("line %d: a key is a flag's name", k.Line)
+		}
+		if _, twice := out[k.Value]; twice {
+			return nil, fmt.Errorf("line %d: %s: given twice", k.Line, k.Value)
 		}
 		s, err := configText(v)
 		if err != nil {
@@ -114,7 +129,8 @@ func flagNames(cmd *cobra.Command) map[string]bool {
 // applyConfig sets the flags of cmd that neither the command line nor the
 // environment set (skip) from the file --config names, if any. A key that
 // is no flag of the binary is refused (a typo would otherwise be silently
-// the default); a flag of another command of it is left for that command.
+// the default); a flag of another command of it is left for that command,
+// and so is a flag without a variable (an argument, not a setting).
 func applyConfig(cmd *cobra.Command, skip map[string]bool) error {
 	fl := cmd.Flags().Lookup(configFlag)
 	if fl == nil || fl.Value.String() == "" {
@@ -137,8 +153,11 @@ func applyConfig(cmd *cobra.Command, skip map[string]bool) error {
 			bad = append(bad, fmt.Sprintf("%s: not a flag of %s", k, cmd.Root().Name()))
 			continue
 		}
+		// A flag without a variable is an argument of its command, not a
+		// setting: the same name may be another command's setting
+		// (handlers add --batch-size beside run's EPITAPH_BATCH_SIZE).
 		f := cmd.Flags().Lookup(k)
-		if f == nil || f.Changed || skip[k] {
+		if f == nil || f.Changed || skip[k] || EnvOf(f) == "" {
 			continue
 		}
 		if err := f.Value.Set(values[k]); err != nil {
