@@ -84,7 +84,7 @@ func deref(s *string) string {
 func List(ctx context.Context, db Querier, f Filter) ([]Record, error) {
 	var args []any
 	sql := "SELECT " + fmt.Sprintf(recordColumns, "NULL::bytea") + " FROM epitaph.quarantine WHERE " +
-		f.where(&args) + " ORDER BY projection, version, stream_seq"
+		f.where(&args) + " ORDER BY projection, version, stream_created, stream_seq"
 	if f.Limit > 0 {
 		sql += fmt.Sprintf(" LIMIT %d", f.Limit)
 	}

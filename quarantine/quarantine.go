@@ -102,8 +102,12 @@ const maxErrorLen = 2000
 const insertSQL = `
 INSERT INTO epitaph.quarantine AS q
     (projection, version, partition, stream_seq, subject, headers, data,
-     category, error, source_schema, source_table, source_key, after_lsn)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13::text::pg_lsn)
+     category, error, source_schema, source_table, source_key, after_lsn, stream_created)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13::text::pg_lsn,
+        -- the stream the partition's cursor counts in (its sequences are
+        -- that stream's): a stream made anew numbers from 1 again
+        COALESCE((SELECT p.stream_created FROM epitaph.progress p
+                  WHERE p.projection = $1 AND p.version = $2 AND p.partition = $3), '-infinity'))
 ON CONFLICT ON CONSTRAINT quarantine_event_once DO UPDATE
 SET attempts        = q.attempts + 1,
     last_attempt_at = now(),
@@ -113,8 +117,9 @@ SET attempts        = q.attempts + 1,
     error           = CASE WHEN EXCLUDED.category = 'held' OR q.status <> 'open' THEN q.error ELSE EXCLUDED.error END`
 
 // Insert records e in tx, the transaction that advances the cursor past the
-// event. It is idempotent per (projection, version, stream sequence): a
-// re-delivered event is not quarantined twice; the existing entry's attempts
+// event. It is idempotent per (projection, version, stream, stream
+// sequence), the stream named by the creation time the partition's cursor
+// records (a stream made anew numbers from 1 again): a re-delivered event is not quarantined twice; the existing entry's attempts
 // are bumped and, while it is open, its category and error updated. A
 // resolved entry stays resolved with the category and error it was resolved
 // with (its audit record).

@@ -91,7 +91,7 @@ func replayIDs(ctx context.Context, db Beginner, sel Selection) ([]int64, error)
 	f.Status, f.Limit = StatusOpen, 0
 	var args []any
 	rows, err := tx.Query(ctx, "SELECT id FROM epitaph.quarantine WHERE "+f.where(&args)+
-		" ORDER BY stream_seq, projection, version", args...)
+		" ORDER BY stream_created, stream_seq, projection, version", args...)
 	if err != nil {
 		return nil, fmt.Errorf("replay quarantine: select entries: %w", err)
 	}
@@ -133,9 +133,10 @@ func replayOne(ctx context.Context, db Beginner, id int64, hold bool, apply Appl
 		err := tx.QueryRow(ctx, `
 SELECT EXISTS (
     SELECT 1 FROM epitaph.quarantine
-    WHERE projection = $1 AND version = $2 AND status = 'open' AND stream_seq < $3
+    WHERE projection = $1 AND version = $2 AND status = 'open'
+      AND (stream_created, stream_seq) < ((SELECT stream_created FROM epitaph.quarantine WHERE id = $7), $3)
       AND source_schema = $4 AND source_table = $5 AND source_key = $6)`,
-			r.Projection, r.Version, int64(r.StreamSeq), r.SourceSchema, r.SourceTable, []byte(r.SourceKey)).Scan(&blocked)
+			r.Projection, r.Version, int64(r.StreamSeq), r.SourceSchema, r.SourceTable, []byte(r.SourceKey), id).Scan(&blocked)
 		if err != nil {
 			return 0, fmt.Errorf("replay quarantine entry %d: check hold: %w", id, err)
 		}
