@@ -92,7 +92,7 @@ func TestTruncateOfOnePartitionIsAnnounced(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	require.NoError(t, svc.Start(context.Background()))
-	require.Contains(t, logs.String(), `msg="TRUNCATE of a single partition of these partitioned tables is NOT captured`)
+	require.Contains(t, logs.String(), `msg="TRUNCATE, DROP or DETACH of a single partition of these partitioned tables is NOT captured`)
 	require.Contains(t, logs.String(), `tables=[public.pm]`)
 
 	// What the warning is about: the partition's TRUNCATE publishes
