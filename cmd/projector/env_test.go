@@ -78,3 +78,22 @@ func TestNATSAuthFlagsAreChecked(t *testing.T) {
 		require.ErrorContains(t, err, "NATS credentials given twice (--nats-creds, --nats-nkey)", "%v", cmd)
 	}
 }
+
+// A setting the projector refuses before it connects is a usage error
+// (exit 2), as docs/cli gives a bad value, wherever it came from.
+func TestRunSettingsRefusedBeforeConnectingExitTwo(t *testing.T) {
+	t.Parallel()
+	vars := map[string]string{"EPITAPH_TARGET_URL": "postgres://nobody:secret@127.0.0.1:1/none", "EPITAPH_NATS_URL": "nats://127.0.0.1:1"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"run", "--metrics-addr", "127.0.0.1:0", "--archive-partition", "year"}, `archive partition "year"`},
+		{[]string{"run", "--metrics-addr", "127.0.0.1:0", "--source", "no spaces allowed"}, "source"},
+	} {
+		code, _, stderr := projector(t, vars, tc.args...)
+		require.Equal(t, 2, code, "%v: %s", tc.args, stderr)
+		require.Contains(t, stderr, tc.want)
+		require.NotContains(t, stderr, "secret")
+	}
+}

@@ -150,7 +150,9 @@ func runWorker(ctx context.Context, c *common, o runOptions, env *Env) error {
 		CleanupRate: cleanupRate(o.cleanupRate), ArchivePartition: o.archivePartition, TargetTCPTimeout: c.tcpTimeout(),
 	}, projection.WithLogger(env.Logger), projection.WithRegistry(reg))
 	if err != nil {
-		return err
+		// New connects nothing: what it refuses is a setting (a flag, a
+		// variable or the --config file), exit 2 like a malformed value.
+		return &cli.UsageError{Err: err}
 	}
 	// ctx is done on SIGINT/SIGTERM. The service and the endpoints run on a
 	// context of their own, whose cancellation is the hard stop: a signal
