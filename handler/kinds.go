@@ -170,6 +170,13 @@ func commandEnv(environ []string, d Delivery) []string {
 	return append(env, "EPITAPH_DELIVERY_ID="+d.ID, "EPITAPH_ATTEMPT="+strconv.Itoa(d.Attempt))
 }
 
+// natsPublishTimeout bounds a nats handler's publish. JetStream answers in
+// milliseconds (seconds while a cluster elects a leader); a publish the
+// server refuses, for want of permission on the subject, is dropped and
+// never answered, and would otherwise hold the delivery in flight until
+// its attempt's deadline (90% of the claim timeout).
+const natsPublishTimeout = 10 * time.Second
+
 func (r *runner) publish(ctx context.Context, def Def, d Delivery, body []byte) error {
 	if r.js == nil {
 		return kindError("no_nats", false, "", errors.New("no NATS connection"))
@@ -179,12 +186,24 @@ func (r *runner) publish(ctx context.Context, def Def, d Delivery, body []byte) 
 	msg.Header.Set(jetstream.MsgIDHeader, d.ID)
 	msg.Header.Set(HeaderDeliveryID, d.ID)
 	msg.Header.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
-	if _, err := r.js.PublishMsg(ctx, msg); err != nil {
+	before := r.js.Conn().LastError()
+	pctx, cancel := context.WithTimeout(ctx, natsPublishTimeout)
+	defer cancel()
+	if _, err := r.js.PublishMsg(pctx, msg); err != nil {
 		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
 			return kindError("no_stream", false, "", err)
 		}
 		if ctx.Err() != nil {
 			return kindError("deadline_exceeded", false, "", ctx.Err())
+		}
+		if pctx.Err() != nil {
+			// The server says why it dropped a publish only on the
+			// connection: a refusal since this publish began names it.
+			if le := r.js.Conn().LastError(); le != nil && le != before && errors.Is(le, nats.ErrPermissionViolation) &&
+				strings.Contains(le.Error(), strconv.Quote(def.Target)) {
+				return kindError("permission", false, "", fmt.Errorf("the projector's NATS credential may not publish to %s: %w", def.Target, le))
+			}
+			return kindError("publish_timeout", false, "", fmt.Errorf("JetStream did not answer a publish to %s within %s", def.Target, natsPublishTimeout))
 		}
 		return kindError("publish", false, "", err)
 	}
