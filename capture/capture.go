@@ -106,8 +106,11 @@ type Service struct {
 	catalogKick chan struct{}   // a Relation message arrived: check the catalog
 	ownerWarned map[string]bool // tables warned about as not owned, under mu
 	catalogFP   string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
-	ddlListenUp atomic.Bool     // the notify guard's LISTEN is up (listenDDL)
-	ddlDue      atomic.Bool     // a catalog check for the notify guard's signals is due (ddlSignal)
+	// leaves are the published partitioned tables' leaves at the last look
+	// (setup, then watchCatalog's goroutine; leaves.go).
+	leaves      map[uint32]leafOf
+	ddlListenUp atomic.Bool // the notify guard's LISTEN is up (listenDDL)
+	ddlDue      atomic.Bool // a catalog check for the notify guard's signals is due (ddlSignal)
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]
@@ -420,6 +423,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	s.mu.Lock()
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
+	if err := s.trackLeaves(ctx); err != nil {
+		return err
+	}
 	s.cat = newCatalog(s.pool)
 	s.cat.store = newFactsStore(ctx, s.pool, cfg.PublicationName, cfg.Standby, s.log)
 	if err := s.cat.remember(ctx, sel.oids()); err != nil {

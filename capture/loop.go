@@ -483,6 +483,8 @@ func (st *streamer) handleMessage(ctx context.Context, m *pglogrepl.LogicalDecod
 		kind = event.MarkUser
 	case m.Prefix == event.PrefixGap:
 		return st.handleTableGap(ctx, m, serverTime)
+	case m.Prefix == partitionRemovedPrefix:
+		return st.handleLeafRemoved(ctx, m)
 	case m.Prefix == guardMessagePrefix:
 		// The notify guard, on a server with prepared transactions: its
 		// transaction has committed. Once more a moment later, in case it

@@ -92,7 +92,7 @@ func TestTruncateOfOnePartitionIsAnnounced(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
 	require.NoError(t, svc.Start(context.Background()))
-	require.Contains(t, logs.String(), `msg="TRUNCATE, DROP or DETACH of a single partition of these partitioned tables is NOT captured`)
+	require.Contains(t, logs.String(), `msg="TRUNCATE of a single partition of these partitioned tables is NOT captured`)
 	require.Contains(t, logs.String(), `tables=[public.pm]`)
 
 	// What the warning is about: the partition's TRUNCATE publishes
@@ -170,4 +170,51 @@ func TestRowMovedOutOfALeafIdentifiedByItsOwnIndexIsNoDelete(t *testing.T) {
 	require.Equal(t, []string{"delete public.pv", "delete public.other"}, ops(ms), "the moves publish nothing")
 	require.Equal(t, event.IdentityKey, ms[0].ev.Identity)
 	require.JSONEq(t, `{"code":"c3"}`, string(ms[0].ev.Row))
+}
+
+// TestDroppedOrDetachedPartitionIsRecordedAsATruncate: dropping or
+// detaching a partition takes its rows out of the partitioned table with
+// no row change in the WAL. The capture notices the partition gone at its
+// next catalog check and publishes a truncate of the partitioned table in
+// a transaction of its own (readers are told, as for a TRUNCATE), while
+// the other partitions' deletes go on being captured. (A detached
+// partition is a table of its own: with every table captured, the
+// catalog poll publishes it.)
+func TestDroppedOrDetachedPartitionIsRecordedAsATruncate(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE pd (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+		CREATE TABLE pd_eu PARTITION OF pd FOR VALUES IN ('eu');
+		CREATE TABLE pd_us PARTITION OF pd FOR VALUES IN ('us');
+		CREATE TABLE pd_ap PARTITION OF pd FOR VALUES IN ('ap');
+		INSERT INTO pd VALUES (1, 'eu', 'a'), (2, 'us', 'b'), (3, 'ap', 'c'), (4, 'ap', 'd')`)
+	var logs lockedBuffer
+	cfg := e.config()
+	fastPoll(&cfg)
+	cfg.SetReplicaIdentityFull = true
+	svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
+	require.NoError(t, svc.Start(context.Background()))
+
+	e.exec(t, `DROP TABLE pd_eu`)
+	ms := e.messages(t, "main", 2)
+	require.Equal(t, []string{"truncate public.pd", "commit"}, ops(ms), "the drop, as a truncate of the partitioned table")
+	e.exec(t, `ALTER TABLE pd DETACH PARTITION pd_us`)
+	ms = e.messages(t, "main", 4)
+	require.Equal(t, []string{"truncate public.pd", "commit"}, ops(ms[2:4]), "the detach")
+	e.exec(t, `DELETE FROM pd WHERE id = 3`)
+	ms = e.messages(t, "main", 6)
+	require.Equal(t, []string{"delete public.pd", "commit"}, ops(ms[4:6]), "a delete of a partition still there")
+	require.Contains(t, logs.String(), `partition=public.pd_eu`)
+	require.Contains(t, logs.String(), `msg="partition dropped: `)
+	require.Contains(t, logs.String(), `msg="partition detached: `)
+
+	// Anyone may write such a message: one naming a table the capture does
+	// not publish is ignored, the others are published only in a
+	// transaction.
+	e.exec(t, `SELECT pg_logical_emit_message(true, 'epitaph.partition_removed', '{"schema":"public","table":"nope","leaf":"x","how":"dropped"}');
+		DELETE FROM pd WHERE id = 4`)
+	ms = e.messages(t, "main", 8)
+	require.Equal(t, []string{"delete public.pd", "commit"}, ops(ms[6:8]))
 }

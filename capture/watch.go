@@ -28,10 +28,10 @@ type tableGap struct {
 
 // msgPartitionTruncate warns of what PostgreSQL never sends: a partitioned
 // table is published via its root, and pgoutput then leaves out a TRUNCATE
-// of one of its partitions (not of the table itself) altogether; dropping
-// or detaching a partition takes its rows out of the table with no row
-// change in the WAL at all.
-const msgPartitionTruncate = "TRUNCATE, DROP or DETACH of a single partition of these partitioned tables is NOT captured: PostgreSQL sends no event for them when publishing via the root (a partition's TRUNCATE is left out; DROP and DETACH write no row changes), so nothing is published and the rows are not archived; truncate the partitioned table itself (a truncate event), or DELETE"
+// of one of its partitions (not of the table itself) altogether. (A
+// partition dropped or detached is noticed by the catalog watch:
+// leaves.go.)
+const msgPartitionTruncate = "TRUNCATE of a single partition of these partitioned tables is NOT captured: PostgreSQL does not send it when publishing via the root, so nothing is published and the rows are not archived; truncate the partitioned table itself (a truncate event), or DELETE"
 
 const reasonLostIdentity = "removed from the publication: it lost its usable replica identity (no primary key and REPLICA IDENTITY DEFAULT, NOTHING, or a leaf partition without one), so its deletes would fail; its deletes are not captured until it is added again"
 
@@ -204,7 +204,7 @@ func (s *Service) reconcile(ctx context.Context) error {
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
 	s.m.withoutFull.Set(float64(len(sel.keyOnly)))
-	return nil
+	return s.trackLeaves(ctx)
 }
 
 // sqlCatalogLockTimeout bounds the wait of the capture's own publication
