@@ -327,7 +327,8 @@ func soakEnv(target, source, natsURL, worker string) []string {
 // erased, an erased row nowhere, nothing forged, every accepted delivery
 // once per row and none after its row's erasure; all along it samples
 // archive.status and fails a sample that says ready while rows deleted
-// long enough before are missing.
+// long enough before are missing or while its own lag is above
+// --ready-max-lag (and the soak when no sample could be judged).
 func TestSoakWholeSystem(t *testing.T) {
 	t.Parallel()
 	duration := 2 * time.Minute
@@ -479,6 +480,12 @@ func TestSoakWholeSystem(t *testing.T) {
 	s.checkpoint(false)
 	stopSampling()
 	samplers.Wait()
+	// A readiness check that judged no sample checked nothing.
+	for _, tg := range s.targets {
+		if n := readySamples[tg.name+":ready-judged"]; n == 0 {
+			s.violation("%s: no readiness sample was judged (samples %v): the readiness check checked nothing", tg.name, readySamples)
+		}
+	}
 
 	// Every delivery the first target settled as done was accepted by the
 	// webhook.
@@ -1031,9 +1038,11 @@ func (s *soak) recordHistory(ctx context.Context) {
 // sampleReadiness reads archive.status of each target's live version and,
 // when it says ready, counts the archive: a ready archive holding fewer
 // rows than were deleted readyGrace before (less what was erased there) is
-// a violation. The oracle's figure is taken before status is read.
+// a violation, and so is a ready status whose lag is above
+// soakReadyMaxLag. The oracle's figure is taken before status is read.
 func (s *soak) sampleReadiness(ctx context.Context, counted func(string)) {
 	conns := map[string]*pgx.Conn{}
+	contradicted := map[string]bool{}
 	defer func() {
 		for _, c := range conns {
 			c.Close(context.WithoutCancel(ctx))
@@ -1080,6 +1089,14 @@ func (s *soak) sampleReadiness(ctx context.Context, counted func(string)) {
 					}, reasons[0]))
 				}
 				continue
+			}
+			// Ready says the lag is within --ready-max-lag: a ready status
+			// whose own lag is above it contradicts itself, whatever the
+			// archive holds (the rows check below needs a lag of readyGrace).
+			if (lag == nil || *lag > soakReadyMaxLag) && !contradicted[tg.name+" "+phase] {
+				contradicted[tg.name+" "+phase] = true // once per target and phase
+				s.violation("%s (during %s): archive.status v%d ready with lag %v events, above --ready-max-lag %d",
+					tg.name, phase, version, deref(lag), soakReadyMaxLag)
 			}
 			var have int64
 			if err := conn.QueryRow(ctx, `SELECT count(*) FROM archive.rows WHERE source = 'main'`).Scan(&have); err != nil {
@@ -1354,8 +1371,17 @@ func (s *soak) checkTarget(tg *soakTarget, expected []workload.Row) []archRow {
 	return got
 }
 
+// snapshotQuery finds the erased orders (soak_erased) in the snapshot
+// documents of the table %s.
+const snapshotQuery = `WITH o AS (
+	SELECT DISTINCT x->'id' AS id, x->'customer_id' AS c
+	  FROM %s s, jsonb_path_query(to_jsonb(s), 'strict $.** ? (exists(@.id) && exists(@.customer_id))') AS x)
+	SELECT e.t || ' id=' || e.id || ' gen=' || e.gen FROM soak_erased e JOIN o ON o.id = to_jsonb(e.id) AND o.c = to_jsonb(e.cust)
+	WHERE e.t = 'public.orders'`
+
 // checkErasedGone looks for erased rows in every archive version, the
-// snapshots, the quarantine and the delivery payloads of a target.
+// snapshots (the live ones and every version's), the quarantine and the
+// delivery payloads of a target.
 func (s *soak) checkErasedGone(tg *soakTarget, erased map[rowKey]*erasedRow) {
 	conn, err := pgx.Connect(s.ctx, tg.url)
 	if err != nil {
@@ -1402,13 +1428,18 @@ func (s *soak) checkErasedGone(tg *soakTarget, erased map[rowKey]*erasedRow) {
 		// Every object of every document that has an id and a
 		// customer_id, read once (joined by hash, not evaluated per
 		// erased row and document).
-		"snapshot": `WITH o AS (
-			SELECT DISTINCT x->'id' AS id, x->'customer_id' AS c
-			  FROM archive.snapshots s, jsonb_path_query(to_jsonb(s), 'strict $.** ? (exists(@.id) && exists(@.customer_id))') AS x)
-			SELECT e.t || ' id=' || e.id || ' gen=' || e.gen FROM soak_erased e JOIN o ON o.id = to_jsonb(e.id) AND o.c = to_jsonb(e.cust)
-			WHERE e.t = 'public.orders'`,
+		"snapshot": fmt.Sprintf(snapshotQuery, "archive.snapshots"),
 	}
 	for _, sc := range schemas {
+		// Every version's documents: an erasure deletes them in each.
+		var snapshots bool
+		if err := conn.QueryRow(s.ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{sc, "snapshots"}.Sanitize()).Scan(&snapshots); err != nil {
+			s.violation("%s: look up %s.snapshots: %v", tg.name, sc, err)
+			return
+		}
+		if snapshots {
+			queries["snapshot of "+sc] = fmt.Sprintf(snapshotQuery, pgx.Identifier{sc, "snapshots"}.Sanitize())
+		}
 		// By position, or by table, id and generation: two joins (one
 		// with an OR would compare every erased row with every row).
 		r := pgx.Identifier{sc, "rows"}.Sanitize()
