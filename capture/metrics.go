@@ -72,7 +72,7 @@ func newMetrics(reg *prometheus.Registry, heartbeatAge func() float64, now func(
 		lagBytes:      g("epitaph_capture_replication_lag_bytes", "WAL bytes between the source's current position and the LSN capture confirmed to its slot."),
 		lagSeconds:    g("epitaph_capture_replication_lag_seconds", "Seconds between a source commit (or heartbeat) and its publication, at the last one published."),
 		retainedWAL:   g("epitaph_capture_slot_retained_wal_bytes", "WAL bytes the replication slot keeps on the source (current LSN - restart_lsn)."),
-		safeWAL:       g("epitaph_capture_slot_safe_wal_bytes", "WAL bytes that can still be written before the slot is invalidated (-1: unlimited)."),
+		safeWAL:       g("epitaph_capture_slot_safe_wal_bytes", "WAL bytes that can still be written before the slot is invalidated (-1: unlimited; 0: past the limit, lost at the next checkpoint)."),
 		timeToInvalid: g("epitaph_capture_slot_time_to_invalidation_seconds", "Estimated seconds until the slot is invalidated at the current WAL rate (-1: unlimited or unknown)."),
 		slotFailover:  g("epitaph_capture_slot_failover", "1 when the replication slot has FAILOVER (PostgreSQL 17+: standbys with sync_replication_slots keep a copy that survives their promotion), 0 otherwise."),
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{

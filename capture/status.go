@@ -67,7 +67,10 @@ func (s *Service) readSlotStats(ctx context.Context) {
 	s.mu.Lock()
 	prev := s.slotStats
 	if safe != nil {
-		st.SafeBytes = *safe
+		// Past max_slot_wal_keep_size (wal_status "unreserved", lost at the
+		// next checkpoint) PostgreSQL reports a negative size: nothing is
+		// left, and only -1 may mean unlimited.
+		st.SafeBytes = max(*safe, 0)
 		if !prev.At.IsZero() && st.currentLSNValue > prev.currentLSNValue {
 			rate := float64(st.currentLSNValue-prev.currentLSNValue) / st.At.Sub(prev.At).Seconds()
 			if rate > 0 {

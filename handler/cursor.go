@@ -446,6 +446,9 @@ func (d *Dispatcher) cursorStep(soft, hard context.Context, def Def) (time.Durat
 	if err != nil || live.version == 0 {
 		return -1, err
 	}
+	// At 0 before any duplicate: increase() (EpitaphDeliveriesDuplicated)
+	// cannot see a series' first sample.
+	d.met.duplicates.WithLabelValues(def.ID)
 	d.curMu.Lock()
 	quiet := d.curQuiet[def.ID]
 	d.curMu.Unlock()

@@ -15,13 +15,16 @@ func (s *Service) liveBusy() bool {
 	return !s.lastLivePage.IsZero() && s.now().Sub(s.lastLivePage) <= liveIdle
 }
 
-// startCleaner starts the service's retention worker unless disabled.
+// startCleaner starts the service's retention worker; when disabled, one
+// that only measures the rows due (epitaph_projector_expired_oldest_seconds
+// is then measured, never a 0 nobody read).
 func (s *Service) startCleaner(ctx context.Context) error {
+	cfg := retention.CleanerConfig{Interval: s.cfg.CleanupInterval, Batch: s.cfg.CleanupBatch,
+		StatementTimeout: s.cfg.CleanupTimeout, Rate: max(0, s.cfg.CleanupRate), Busy: s.liveBusy, Logger: s.log}
 	if s.cfg.CleanupInterval < 0 {
-		return nil
+		cfg = retention.CleanerConfig{StatementTimeout: s.cfg.CleanupTimeout, Logger: s.log, MeasureOnly: true}
 	}
-	s.cleaner = retention.NewCleaner(s.pool, retention.CleanerConfig{Interval: s.cfg.CleanupInterval, Batch: s.cfg.CleanupBatch,
-		StatementTimeout: s.cfg.CleanupTimeout, Rate: max(0, s.cfg.CleanupRate), Busy: s.liveBusy, Logger: s.log}, s.retention)
+	s.cleaner = retention.NewCleaner(s.pool, cfg, s.retention)
 	if err := s.cleaner.Start(ctx); err != nil {
 		return fmt.Errorf("retention cleanup: %w", err)
 	}

@@ -60,7 +60,8 @@ type Config struct {
 	ArchiveTTL map[string]time.Duration
 	// CleanupInterval is how often the retention worker (package retention)
 	// looks for expired rows when the last batch was not full; default
-	// 10s, negative: no retention worker in this process.
+	// 10s, negative: this process deletes nothing (it only measures the rows
+	// due, for epitaph_projector_expired_oldest_seconds).
 	CleanupInterval time.Duration
 	// CleanupBatch is the retention worker's first batch size (it adapts);
 	// CleanupTimeout its statement timeout (default 10s).

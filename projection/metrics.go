@@ -9,6 +9,7 @@ import (
 	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
+	"github.com/epitaph-dev/epitaph/quarantine"
 )
 
 func itoa(i int) string { return strconv.Itoa(i) }
@@ -78,13 +79,18 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	return m
 }
 
-// lagUnknown drops the lag series: the status could not be collected, so
-// no lag was measured (an unknown lag has no series, never a stale value).
-func (m *metrics) lagUnknown() {
+// statusUnknown drops the series of what changes with time: the status
+// could not be collected, so no lag was measured, and the leases (they
+// expire) and heartbeats (they age) were not read (an unknown value has no
+// series, never a stale one).
+func (m *metrics) statusUnknown() {
 	m.lagEvents.Reset()
 	m.lagSeconds.Reset()
 	m.partitionOldest.Reset()
 	m.oldestPending.Reset()
+	m.owned.Reset()
+	m.unowned.Reset()
+	m.heartbeatAge.Reset()
 }
 
 // publish sets the gauges from a status document.
@@ -109,6 +115,11 @@ func (m *metrics) publish(st *status.Status) {
 		}
 		if v.State == version.StateRetired {
 			continue
+		}
+		// Every category exists at 0 before its first event: increase()
+		// (EpitaphQuarantineGrowing) cannot see a series' first sample.
+		for _, c := range quarantine.Categories {
+			m.quarantined.WithLabelValues(v.Projection, ver, string(c))
 		}
 		if v.LagUnknown == "" { // an unknown lag has no series, never a 0
 			m.oldestPending.WithLabelValues(v.Projection, ver).Set(v.OldestPendingAgeSeconds)

@@ -654,9 +654,10 @@ func (s *Service) refreshStatus(ctx context.Context) {
 	st, err := s.Status(c)
 	if err != nil {
 		s.metrics.statusRefreshErr.Inc()
-		// Not measured now: no lag series rather than the last values
-		// (a 0 from before the target went down says "caught up").
-		s.metrics.lagUnknown()
+		// Not measured now: no lag, lease or heartbeat series rather than
+		// the last values (a 0 from before the target went down says
+		// "caught up", "every partition leased").
+		s.metrics.statusUnknown()
 		return
 	}
 	if err := s.recordLag(c, st); err != nil {

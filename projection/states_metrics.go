@@ -41,10 +41,15 @@ func (m *lifecycleMetrics) publish(st *status.Status) {
 			continue
 		}
 		l := []string{v.Projection, itoa(v.Version)}
+		m.boundary.WithLabelValues(l...).Set(float64(lc.BoundarySeq))
+		if v.LagUnknown != "" {
+			// Measured against the stream, which could not be read: no
+			// series rather than a 0 nobody measured.
+			continue
+		}
 		m.progress.WithLabelValues(l...).Set(lc.Progress)
 		m.rate.WithLabelValues(l...).Set(lc.EventsPerSecond)
 		m.eta.WithLabelValues(l...).Set(lc.ETASeconds)
-		m.boundary.WithLabelValues(l...).Set(float64(lc.BoundarySeq))
 		m.atBoundary.WithLabelValues(l...).Set(float64(lc.PartitionsAtBoundary))
 	}
 }

@@ -306,6 +306,12 @@ func newRebuildView(v status.VersionStatus) (rebuildView, bool) {
 	}
 	frac = min(max(frac, 0), 1)
 	r.Pct, r.PctText = int(math.Floor(100*frac)), fmt.Sprintf("%.1f%%", math.Floor(1000*frac)/10)
+	if v.LagUnknown != "" { // counted against the stream, which could not be read
+		r.Pct, r.PctText, r.Rate = 0, "unknown", "unknown events/s"
+		if v.State != version.StateFailed {
+			r.ETA = "unknown (the stream cannot be read)"
+		}
+	}
 	boundary := uint64(max(lc.BoundarySeq, 0))
 	for _, ps := range v.Partitions {
 		pos := ps.Cursor

@@ -250,6 +250,34 @@ func oldestDue(ctx context.Context, pool *pgxpool.Pool, schemas []archive.Versio
 // when that fails too, the oldest due row known from the last batch keeps
 // ageing.
 func (c *Cleaner) failedDue(ctx context.Context) {
+	t, err := c.readDue(ctx)
+	if err != nil {
+		t = c.lastDue
+	}
+	if t != nil {
+		c.m.oldestDue.Set(max(0, time.Since(*t).Seconds()))
+	}
+}
+
+// measureDue is a step of a cleaner that only measures: the oldest-due
+// gauge follows the rows due (0 when none), as read now; when they cannot
+// be read, the oldest known keeps ageing.
+func (c *Cleaner) measureDue(ctx context.Context) {
+	t, err := c.readDue(ctx)
+	if err != nil {
+		t = c.lastDue
+	} else {
+		c.lastDue = t
+		c.m.oldestDue.Set(0)
+	}
+	if t != nil {
+		c.m.oldestDue.Set(max(0, time.Since(*t).Seconds()))
+	}
+}
+
+// readDue reads the expires_at of the oldest row due (nil: none), without
+// writing.
+func (c *Cleaner) readDue(ctx context.Context) (*time.Time, error) {
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.StatementTimeout)
 	defer cancel()
 	projection := c.cfg.Projection
@@ -257,16 +285,10 @@ func (c *Cleaner) failedDue(ctx context.Context) {
 		projection = archive.Projection
 	}
 	schemas, err := VersionSchemas(rctx, c.pool, projection)
-	var t *time.Time
-	if err == nil {
-		t, err = oldestDue(rctx, c.pool, schemas)
-	}
 	if err != nil {
-		t = c.lastDue
+		return nil, err
 	}
-	if t != nil {
-		c.m.oldestDue.Set(max(0, time.Since(*t).Seconds()))
-	}
+	return oldestDue(rctx, c.pool, schemas)
 }
 
 // VersionSchemas are the schemas of every version of projection whose
@@ -423,6 +445,10 @@ type CleanerConfig struct {
 	Rate   int
 	Busy   func() bool
 	Logger *slog.Logger
+	// MeasureOnly: delete nothing, only keep the oldest-due gauge current
+	// every Interval (a projector whose cleanup is off still reports the
+	// rows nobody deletes: EpitaphRetentionBehind).
+	MeasureOnly bool
 }
 
 // cleanupBehind is how far past expiry the newest row a full batch
@@ -505,6 +531,10 @@ func (c *Cleaner) loop(soft, hard context.Context) {
 // step runs one batch, records it and adapts the batch size; it reports
 // whether more is due, and how long to wait before it (the pace).
 func (c *Cleaner) step(ctx context.Context) (bool, time.Duration) {
+	if c.cfg.MeasureOnly {
+		c.measureDue(ctx)
+		return false, 0
+	}
 	paced := c.paced(nil)
 	batch := c.batch
 	if paced {

@@ -81,6 +81,9 @@ func (st *Status) FillRates(prev *Status) {
 	dt := st.At.Sub(prev.At).Seconds()
 	before := map[version.VersionKey]*VersionLifecycle{}
 	for _, v := range prev.Versions {
+		if v.LagUnknown != "" {
+			continue // nothing was counted against the stream: no base for a rate
+		}
 		before[version.VersionKey{Projection: v.Projection, Version: v.Version}] = v.Lifecycle
 	}
 	for i := range st.Versions {
