@@ -764,6 +764,15 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 		st.tagger = nil
 	}
 	st.tr.startSeqs(rp.partSeq)
+	watch := leaderWatch(stream)
+	st.tr.stalled = func() bool {
+		err := watch()
+		if err != nil {
+			s.links.lost(linkBroker, err)
+		}
+		return err != nil
+	}
+	st.tr.unstalled = func() { s.links.connected(linkBroker) }
 	if rp.adoptFrom != 0 {
 		st.adopt = &adopter{s: s, st: stream, next: rp.adoptFrom, to: rp.adoptTo}
 	}

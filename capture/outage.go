@@ -230,6 +230,12 @@ const (
 // the background).
 var errBrokerDown = errors.New("the NATS connection is reconnecting")
 
+// errLeaderMoved: the stream's leader changed, or it has none or no
+// quorum, while a publish was unanswered: a leader that lost its
+// leadership drops what it had not stored without a reply, and one without
+// a quorum stores nothing.
+var errLeaderMoved = errors.New("the stream's leader changed or cannot store: a publish in flight is unanswered")
+
 // serverEndedError: the source ended replication (CopyDone), as a
 // PostgreSQL shutdown does once the capture has confirmed what it sent.
 type serverEndedError struct{ slot string }

@@ -130,8 +130,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *Config, enfo
 type limitsEnforcer func(ctx context.Context, js jetstream.JetStream, sc jetstream.StreamConfig) error
 
 // checkStream checks that an existing stream was made by Epitaph for this
-// source and partition count, brings its dedupe window to the configured
-// one, and has enforce check its limits.
+// source and partition count, and is replicated if the capture confirms as
+// for a replicated one; brings its dedupe window to the configured one,
+// and has enforce check its limits.
 func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Stream, cfg *Config, enforce limitsEnforcer) error {
 	name := event.StreamName(cfg.SourceName)
 	info, err := st.Info(ctx)
@@ -151,6 +152,9 @@ func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Strea
 	if info.Config.PersistMode == jetstream.AsyncPersistMode && cfg.BrokerSyncInterval < 0 {
 		return configErr("stream %s was made with persist mode async: its server may lose acknowledged messages it has not written yet, so confirmations must trail it (a positive --broker-sync-interval)", name)
 	}
+	if info.Config.Replicas == 1 && cfg.Replicas > 1 && cfg.BrokerSyncInterval < 0 {
+		return configErr("stream %s was made with 1 replica, capture is configured with %d and confirms without trailing the broker (--broker-sync-interval -1): a power loss of its one server may lose acknowledged messages the slot no longer holds; raise the stream's replicas (nats stream edit %s --replicas %d) or give a positive --broker-sync-interval", name, cfg.Replicas, name, cfg.Replicas)
+	}
 	sc := info.Config
 	if cfg.DuplicateWindow != sc.Duplicates {
 		sc.Duplicates = cfg.DuplicateWindow
@@ -165,6 +169,63 @@ func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Strea
 	}
 	return nil
 }
+
+// leaderWatch says, while a publish is unanswered, why the broker cannot
+// answer it now: the stream's leader is another than the one the session
+// started with (a leader that steps down, or whose node stops, drops the
+// publishes it had not stored without answering them), or the stream has
+// no leader, does not answer, or its leader has lost touch with its quorum
+// (a cluster with two of three nodes down). The capture reports the broker
+// unavailable meanwhile instead of healthy, until the acknowledgement or
+// its timeout (a minute).
+func leaderWatch(stream jetstream.Stream) func() error {
+	var leader string
+	if ci := stream.CachedInfo(); ci != nil && ci.Cluster != nil {
+		leader = ci.Cluster.Leader
+	}
+	return func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), stalledCheck)
+		defer cancel()
+		info, err := stream.Info(ctx)
+		if err != nil {
+			if to, ok := outage(err); ok && to == linkBroker {
+				// No leader (a cluster without its quorum) or no answer.
+				return fmt.Errorf("%w: %v", errLeaderMoved, err)
+			}
+			return nil // cannot tell: the acknowledgement's timeout decides
+		}
+		if info.Cluster == nil {
+			return nil // not told: the acknowledgement's timeout decides
+		}
+		if info.Cluster.Leader == "" {
+			return fmt.Errorf("%w: the stream has no leader", errLeaderMoved)
+		}
+		if leader == "" {
+			leader = info.Cluster.Leader
+			return nil
+		}
+		if info.Cluster.Leader != leader {
+			return fmt.Errorf("%w (now %s, was %s)", errLeaderMoved, info.Cluster.Leader, leader)
+		}
+		// A leader that lost touch with its quorum goes on calling itself
+		// the leader for a while, storing nothing.
+		live := 1
+		for _, r := range info.Cluster.Replicas {
+			if !r.Offline && r.Active < quorumSilence {
+				live++
+			}
+		}
+		if n := len(info.Cluster.Replicas) + 1; live < n/2+1 {
+			return fmt.Errorf("%w: leader %s hears from %d of its %d replicas, short of a quorum", errLeaderMoved, leader, live-1, n-1)
+		}
+		return nil
+	}
+}
+
+// quorumSilence is how long a stream's leader may not have heard from a
+// replica before leaderWatch counts the replica lost (a busy or idle
+// replica is heard from every second at least).
+const quorumSilence = 5 * time.Second
 
 func persistMode(s string) jetstream.PersistModeType {
 	if s == PersistAsync {

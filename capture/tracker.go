@@ -90,6 +90,25 @@ type tracker struct {
 	// names a message of an unfinished transaction.
 	acked    []uint64
 	safeSeqs []uint64
+
+	// stalled, when set, is called while the oldest publish has been
+	// unanswered for stalledCheck, and again every stalledCheck, to find
+	// out (and report: true) whether the broker cannot answer it now;
+	// unstalled is called on the next acknowledgement after a report.
+	// Neither ends the session: the acknowledgement's own timeout does (a
+	// session started while a leader without its quorum still answers
+	// reads a stale tail, and what the old one had in flight would be
+	// stored twice).
+	stalled   func() bool
+	unstalled func()
+	stalledOn bool // stalled reported since the last acknowledgement
+	// pops counts the acknowledged publishes popped: the front's identity
+	// for checkStalled, with frontSince (when poll first found it
+	// unanswered) and asked (when stalled was last asked about it).
+	pops       uint64
+	frontPops  uint64
+	frontSince time.Time
+	asked      time.Time
 }
 
 // startSeqs starts the partition sequences at seqs (copied).
@@ -210,6 +229,7 @@ func (t *tracker) poll(now time.Time) error {
 				return it.err(err)
 			default:
 				t.compact()
+				t.checkStalled(now)
 				return nil
 			}
 			t.popFuture(now)
@@ -224,8 +244,10 @@ func (t *tracker) poll(now time.Time) error {
 }
 
 // waitFront blocks until the oldest publish is resolved (or ctx ends),
-// pops it, then polls the rest.
+// pops it, then polls the rest. While it waits, stalled (when set) is
+// called every stalledCheck.
 func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
+	var check *time.Ticker
 	for t.len() > 0 {
 		it := t.q[t.head]
 		if it.fut == nil {
@@ -233,6 +255,14 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 				return err
 			}
 			continue
+		}
+		if t.stalled != nil && check == nil {
+			check = time.NewTicker(stalledCheck)
+			defer check.Stop()
+		}
+		var checkC <-chan time.Time
+		if check != nil {
+			checkC = check.C
 		}
 		select {
 		case a := <-it.fut.Ok():
@@ -245,12 +275,36 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 			return t.poll(now())
 		case err := <-it.fut.Err():
 			return it.err(err)
+		case <-checkC:
+			t.stalledOn = t.stalled() || t.stalledOn
 		case <-ctx.Done():
 			return fmt.Errorf("wait for publish acknowledgement: %w", ctx.Err())
 		}
 	}
 	return nil
 }
+
+// checkStalled calls stalled, at most every stalledCheck, once poll has
+// found the same oldest publish unanswered for stalledCheck.
+func (t *tracker) checkStalled(now time.Time) {
+	if t.stalled == nil {
+		return
+	}
+	if t.frontSince.IsZero() || t.frontPops != t.pops {
+		t.frontPops, t.frontSince, t.asked = t.pops, now, time.Time{}
+		return
+	}
+	if now.Sub(t.frontSince) < stalledCheck || now.Sub(t.asked) < stalledCheck {
+		return
+	}
+	t.asked = now
+	t.stalledOn = t.stalled() || t.stalledOn
+}
+
+// stalledCheck is how long waitFront (and poll) wait for the oldest
+// publish's acknowledgement before they call stalled, and again between
+// two calls.
+const stalledCheck = 2 * time.Second
 
 func (it trackItem) err(err error) error {
 	if it.msgs > 1 {
@@ -274,6 +328,13 @@ func (it trackItem) duplicate(a *jetstream.PubAck) error {
 
 func (t *tracker) popFuture(now time.Time) {
 	it := t.q[t.head]
+	t.pops++
+	if t.stalledOn {
+		t.stalledOn = false
+		if t.unstalled != nil {
+			t.unstalled()
+		}
+	}
 	t.lastAckAt = now
 	if it.partSeq > 0 && it.part < len(t.acked) {
 		t.acked[it.part] = max(t.acked[it.part], it.partSeq)
