@@ -156,6 +156,9 @@ type testHooks struct {
 	// untaggedIDs: publish plain message ids, as a capture before
 	// event.MsgIDTagger did.
 	untaggedIDs bool
+	// afterMembers runs in a catalog reconcile once it has read the
+	// publication's members (on the catalog watch's goroutine).
+	afterMembers func()
 }
 
 // New validates cfg and builds a service. It connects to nothing.

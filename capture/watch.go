@@ -158,12 +158,16 @@ func (s *Service) reconcile(ctx context.Context) error {
 			s.log.Warn("table not set REPLICA IDENTITY FULL: another publication publishes it with a column list, and FULL would make the application's UPDATEs and DELETEs fail", "table", sk)
 		}
 	}
-	current, err := publicationOIDs(ctx, s.pool, cfg.PublicationName)
+	current, members, err := publicationMembers(ctx, s.pool, cfg.PublicationName)
 	if err != nil {
 		return err
 	}
+	if h := s.hooks; h != nil && h.afterMembers != nil {
+		h.afterMembers()
+	}
 	pub := pgx.Identifier{cfg.PublicationName}.Sanitize()
-	var busy []string // tables whose change waited too long for a lock: the next poll tries again
+	var busy []string                // tables whose change waited too long for a lock: the next poll tries again
+	removedHere := map[string]bool{} // tables this reconcile removed (with their gap)
 	for _, t := range sel.unsafe {
 		if !current[t.oid] {
 			continue
@@ -175,6 +179,7 @@ func (s *Service) reconcile(ctx context.Context) error {
 			}
 			return err
 		}
+		removedHere[t.qualified()] = true
 		s.m.tablesRemoved.Inc()
 		s.log.Warn("table removed from the publication: it lost its usable replica identity, so its deletes would fail; a gap is recorded and it is added again once it has one (a primary key, or REPLICA IDENTITY FULL)",
 			"table", t.qualified(), "relations", t.notFull)
@@ -200,6 +205,16 @@ func (s *Service) reconcile(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// A table the publication held when this reconcile began and someone
+	// else removed while it ran is still "published at the last look": the
+	// next reconcile, which adds it again, then records its gap (read only
+	// now, it would look new to the publication, and get none).
+	for _, m := range members {
+		if !removedHere[m] && !slices.Contains(pubTables, m) {
+			pubTables = append(pubTables, m)
+		}
+	}
+	slices.Sort(pubTables)
 	s.mu.Lock()
 	s.sel, s.pubTables = sel, pubTables
 	s.mu.Unlock()
@@ -400,6 +415,30 @@ func (s *Service) addMoves(ctx context.Context, sel *tableSelection) error {
 		}
 	}
 	return nil
+}
+
+// publicationMembers is publicationOIDs with the members' names
+// ("schema.table"), read in the same statement.
+func publicationMembers(ctx context.Context, pool *pgxpool.Pool, name string) (map[uint32]bool, []string, error) {
+	rows, err := pool.Query(ctx, `SELECT pr.prrelid, n.nspname || '.' || c.relname
+		FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+		JOIN pg_class c ON c.oid = pr.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE p.pubname = $1`, name)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	oids := map[uint32]bool{}
+	var names []string
+	var oid uint32
+	var member string
+	if _, err := pgx.ForEachRow(rows, []any{&oid, &member}, func() error {
+		oids[oid] = true
+		names = append(names, member)
+		return nil
+	}); err != nil {
+		return nil, nil, fmt.Errorf("read tables of publication %s: %w", name, err)
+	}
+	return oids, names, nil
 }
 
 func publicationOIDs(ctx context.Context, pool *pgxpool.Pool, name string) (map[uint32]bool, error) {
