@@ -122,19 +122,6 @@ func (st *streamer) handleLeafRemoved(ctx context.Context, m *pglogrepl.LogicalD
 		st.s.log.Warn("ignored an "+partitionRemovedPrefix+" message", "lsn", event.LSN(m.LSN).String())
 		return nil
 	}
-	seq := st.seq
-	st.seq++
-	pos, skip := st.nextPos(st.tx.commitLSN, &st.txN)
-	if skip {
-		return nil
-	}
-	e := &event.Event{Op: event.OpTruncate, Source: st.src, Schema: r.Schema, Table: r.Table,
-		XID: int64(st.tx.xid), CommitLSN: st.tx.commitLSN, CommitTime: st.tx.commitTime, Seq: seq}
-	body, err := event.Encode(e)
-	if err != nil {
-		return fmt.Errorf("encode truncate: %w", err)
-	}
-	return st.publish(ctx, outMsg{subject: event.TruncateSubject(st.src, st.txPart, r.Schema, r.Table), part: st.txPart,
-		msgID: st.tx.msgID(seq), pos: pos.String(), body: body, what: "truncate " + r.Schema + "." + r.Table + " (partition " + r.How + ")",
-		kind: kindRow})
+	_, err := st.publishTruncate(ctx, r.Schema, r.Table, false, false, "truncate "+r.Schema+"."+r.Table+" (partition "+r.How+")")
+	return err
 }

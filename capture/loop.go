@@ -446,31 +446,40 @@ func (st *streamer) handleTruncate(ctx context.Context, m *pglogrepl.TruncateMes
 		if err != nil {
 			return err
 		}
-		seq := st.seq
-		st.seq++
-		pos, skip := st.nextPos(st.tx.commitLSN, &st.txN)
-		if skip {
-			continue
-		}
-		st.s.log.Warn("TRUNCATE captured: the truncated rows are not in the WAL and are NOT archived", "table", r.qualified(), "commit_lsn", st.tx.commitLSN.String())
-		e := &event.Event{
-			Op: event.OpTruncate, Source: st.src, Schema: r.schema, Table: r.table,
-			XID: int64(st.tx.xid), CommitLSN: st.tx.commitLSN, CommitTime: st.tx.commitTime, Seq: seq,
-			Cascade:         m.Option&pglogrepl.TruncateOptionCascade != 0,
-			RestartIdentity: m.Option&pglogrepl.TruncateOptionRestartIdentity != 0,
-		}
-		body, err := event.Encode(e)
+		sent, err := st.publishTruncate(ctx, r.schema, r.table, m.Option&pglogrepl.TruncateOptionCascade != 0,
+			m.Option&pglogrepl.TruncateOptionRestartIdentity != 0, "truncate "+r.qualified())
 		if err != nil {
-			return fmt.Errorf("encode truncate: %w", err)
-		}
-		subject := event.TruncateSubject(st.src, st.txPart, r.schema, r.table)
-		if err := st.publish(ctx, outMsg{subject: subject, part: st.txPart, msgID: st.tx.msgID(seq),
-			pos: pos.String(), body: body, what: "truncate " + r.qualified(), kind: kindRow}); err != nil {
 			return err
 		}
-		r.truncates.Inc()
+		if sent {
+			st.s.log.Warn("TRUNCATE captured: the truncated rows are not in the WAL and are NOT archived", "table", r.qualified(), "commit_lsn", st.tx.commitLSN.String())
+			r.truncates.Inc()
+		}
 	}
 	return nil
+}
+
+// publishTruncate publishes a truncate of schema.table as the current
+// transaction's next row message, unless the stream has it already (a
+// re-send after a restart: sent is false then).
+func (st *streamer) publishTruncate(ctx context.Context, schema, table string, cascade, restartIdentity bool, what string) (sent bool, err error) {
+	seq := st.seq
+	st.seq++
+	pos, skip := st.nextPos(st.tx.commitLSN, &st.txN)
+	if skip {
+		return false, nil
+	}
+	e := &event.Event{
+		Op: event.OpTruncate, Source: st.src, Schema: schema, Table: table,
+		XID: int64(st.tx.xid), CommitLSN: st.tx.commitLSN, CommitTime: st.tx.commitTime, Seq: seq,
+		Cascade: cascade, RestartIdentity: restartIdentity,
+	}
+	body, err := event.Encode(e)
+	if err != nil {
+		return false, fmt.Errorf("encode truncate: %w", err)
+	}
+	return true, st.publish(ctx, outMsg{subject: event.TruncateSubject(st.src, st.txPart, schema, table), part: st.txPart,
+		msgID: st.tx.msgID(seq), pos: pos.String(), body: body, what: what, kind: kindRow})
 }
 
 // handleMessage publishes marks and heartbeats to every partition.

@@ -442,19 +442,8 @@ func publicationMembers(ctx context.Context, pool *pgxpool.Pool, name string) (m
 }
 
 func publicationOIDs(ctx context.Context, pool *pgxpool.Pool, name string) (map[uint32]bool, error) {
-	rows, err := pool.Query(ctx, `SELECT pr.prrelid FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1`, name)
-	if err != nil {
-		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
-	}
-	oids, err := pgx.CollectRows(rows, pgx.RowTo[uint32])
-	if err != nil {
-		return nil, fmt.Errorf("read tables of publication %s: %w", name, err)
-	}
-	out := make(map[uint32]bool, len(oids))
-	for _, o := range oids {
-		out[o] = true
-	}
-	return out, nil
+	oids, _, err := publicationMembers(ctx, pool, name)
+	return oids, err
 }
 
 // removeTable drops t from the publication and writes the gap message in
