@@ -108,6 +108,26 @@ func TestWaitUsageExitsOne(t *testing.T) {
 	}
 }
 
+// A projection that does not exist is refused at once, naming the one
+// that does: wait would otherwise wait out its timeout for a live version
+// that never comes, and gaps say "no active version" with exit 0.
+func TestUnknownProjectionIsAUsageError(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"wait", "--lsn", "0/1", "--projection", "archiv"}, 1},
+		{[]string{"gaps", "--projection", "archiv"}, 2},
+		{[]string{"gaps", "ack", "1", "--reason", "r", "--projection", "archiv"}, 2},
+	} {
+		code, stdout, stderr := projector(t, map[string]string{"EPITAPH_TARGET_URL": "postgres://u@127.0.0.1:1/db"}, c.args...)
+		require.Equal(t, c.code, code, "%q: %s", c.args, stderr)
+		require.Contains(t, stderr, `--projection "archiv": no such projection (the only one is "archive")`, c.args)
+		require.Empty(t, stdout, c.args)
+	}
+}
+
 // Every flag that has a variable has the EPITAPH_ one named after it and
 // says so in its help; the help never shows values from the environment.
 func TestEveryFlagHasItsVariable(t *testing.T) {

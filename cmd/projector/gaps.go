@@ -27,10 +27,13 @@ keep archive.status not ready until acknowledged with "gaps ack".`,
 		Args: cli.NoArgs,
 	}
 	c := commonFlags(cmd, env)
-	proj := cmd.Flags().String("projection", archive.Projection, "projection")
+	proj := projectionFlag(cmd)
 	asJSON := jsonFlag(cmd, "one object per active version with its gaps")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
+		if err := checkProjection(*proj); err != nil {
+			return err
+		}
 		pool, err := targetPool(ctx, c)
 		if err != nil {
 			return err
@@ -61,7 +64,7 @@ func gapsAckCommand(env *Env) *cobra.Command {
 		Args:    cli.Args(1),
 	}
 	c := commonFlags(cmd, env)
-	proj := cmd.Flags().String("projection", archive.Projection, "projection")
+	proj := projectionFlag(cmd)
 	version := cmd.Flags().Int("version", 0, "the version whose gap it is (default: the live version)")
 	reason := cmd.Flags().String("reason", "", "why the loss is accepted (required; kept in archive.gaps.ack_reason)")
 	asJSON := jsonFlag(cmd, "the acknowledged gap")
@@ -73,6 +76,9 @@ func gapsAckCommand(env *Env) *cobra.Command {
 		}
 		if strings.TrimSpace(*reason) == "" {
 			return cli.Usage("gaps ack needs --reason TEXT (kept in archive.gaps.ack_reason)")
+		}
+		if err := checkProjection(*proj); err != nil {
+			return err
 		}
 		pool, err := targetPool(ctx, c)
 		if err != nil {
@@ -90,4 +96,18 @@ func gapsAckCommand(env *Env) *cobra.Command {
 		return nil
 	}
 	return cmd
+}
+
+// projectionFlag is --projection, the projection a command reads.
+func projectionFlag(cmd *cobra.Command) *string {
+	return cmd.Flags().String("projection", archive.Projection, "projection (the only one is "+archive.Projection+")")
+}
+
+// checkProjection refuses a projection that does not exist (a typo would
+// otherwise read as "no active version", or wait out a timeout).
+func checkProjection(name string) error {
+	if name != archive.Projection {
+		return cli.Usage("--projection %q: no such projection (the only one is %q)", name, archive.Projection)
+	}
+	return nil
 }

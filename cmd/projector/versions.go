@@ -524,13 +524,16 @@ before it is quarantined, or an unacknowledged gap starts at or before it
 	lsnText := cmd.Flags().String("lsn", "", "source LSN: SELECT pg_current_wal_insert_lsn() in the session, after your delete committed (pg_current_wal_lsn() lags it with synchronous_commit = off)")
 	var timeout time.Duration
 	cli.Local(cmd).Duration(&timeout, "timeout", "", 30*time.Second, "give up after this long (exit status 2)", cli.Positive())
-	proj := cmd.Flags().String("projection", archive.Projection, "projection")
+	proj := projectionFlag(cmd)
 	asJSON := jsonFlag(cmd, "the live version's readiness (archive.status) once complete")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		ctx := cmd.Context()
 		lsn, err := event.ParseLSN(*lsnText)
 		if err != nil || lsn == 0 {
 			return cli.Usage("--lsn %q: want a source LSN such as 0/1A2B3C8 (usage: %s)", *lsnText, cmd.UseLine())
+		}
+		if err := checkProjection(*proj); err != nil {
+			return err
 		}
 		pool, err := targetPool(ctx, c)
 		if err != nil {
