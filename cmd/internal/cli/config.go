@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"sort"
 	"strings"
@@ -80,7 +81,53 @@ func configValues(path string) (map[string]string, error) {
 		}
 		out[k.Value] = s
 	}
+	if err := checkSecretsPrivate(path, out); err != nil {
+		return nil, err
+	}
 	return out, nil
+}
+
+// checkSecretsPrivate refuses a file everyone may read (mode o+r) that
+// holds a password: a URL's (postgres://user:password@…) or a libpq
+// keyword's (password=…). Group read is allowed (root:epitaph 0640, as a
+// service's configuration is often kept); a file without a password may
+// be read by anyone.
+func checkSecretsPrivate(path string, values map[string]string) error {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	if fi.Mode().Perm()&0o004 == 0 {
+		return nil
+	}
+	var keys []string
+	for k, v := range values {
+		if holdsPassword(v) {
+			keys = append(keys, k)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	sort.Strings(keys)
+	return fmt.Errorf("holds a password (%s) and everyone may read it (mode %#o): chmod o-r it, or keep the password out of it (PGPASSFILE, --nats-password-file)",
+		strings.Join(keys, ", "), fi.Mode().Perm())
+}
+
+// holdsPassword says whether v is a URL with a password or a libpq
+// keyword/value string with a password.
+func holdsPassword(v string) bool {
+	if u, err := url.Parse(v); err == nil && u.User != nil {
+		if _, ok := u.User.Password(); ok {
+			return true
+		}
+	}
+	for _, f := range strings.Fields(v) {
+		if k, _, ok := strings.Cut(f, "="); ok && strings.TrimSpace(k) == "password" {
+			return true
+		}
+	}
+	return false
 }
 
 func configText(n *yaml.Node) (string, error) {

@@ -79,3 +79,45 @@ optional: [x, y]
 		})
 	}
 }
+
+// A configuration file that holds a password and that everyone may read
+// is refused, naming the keys, never the password; one that only its
+// group may read, or that holds no password, is read.
+func TestConfigFileWithAPasswordMustNotBeWorldReadable(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string, mode os.FileMode) string {
+		p := filepath.Join(dir, name)
+		require.NoError(t, os.WriteFile(p, []byte(body), 0o600))
+		require.NoError(t, os.Chmod(p, mode))
+		return p
+	}
+	for _, tc := range []struct {
+		name, body string
+		mode       os.FileMode
+		err        string
+	}{
+		{"url password, world-readable", "name: postgres://u:hunter2@h/db\n", 0o644, `holds a password (name) and everyone may read it (mode 0644)`},
+		{"keyword password, world-readable", "optional: host=h password=hunter2\n", 0o604, `holds a password (optional)`},
+		{"url password, group-readable", "name: postgres://u:hunter2@h/db\n", 0o640, ""},
+		{"no password, world-readable", "name: postgres://u@h/db\noptional: host=h user=u\n", 0o644, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var s settings
+			cmd := testCommand(&s)
+			ConfigFlag(cmd)
+			cmd.PersistentPreRunE = func(cmd *cobra.Command, _ []string) error {
+				return ApplyEnv(cmd, func(string) (string, bool) { return "", false })
+			}
+			Prepare(cmd, &bytes.Buffer{}, &bytes.Buffer{})
+			cmd.SetArgs([]string{"--config", write(tc.name+".yaml", tc.body, tc.mode)})
+			err := cmd.Execute()
+			if tc.err == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.err)
+			require.Equal(t, ExitUsage, Code(err))
+			require.NotContains(t, err.Error(), "hunter2")
+		})
+	}
+}
