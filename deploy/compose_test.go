@@ -36,8 +36,9 @@ type composeFile struct {
 type composeService struct {
 	Image string `yaml:"image"`
 	Build *struct {
-		Context    string `yaml:"context"`
-		Dockerfile string `yaml:"dockerfile"`
+		Context    string            `yaml:"context"`
+		Dockerfile string            `yaml:"dockerfile"`
+		Args       map[string]string `yaml:"args"`
 	} `yaml:"build"`
 	Entrypoint  []string          `yaml:"entrypoint"`
 	Command     []string          `yaml:"command"`
@@ -464,6 +465,18 @@ func TestDockerfile(t *testing.T) {
 	require.Equal(t, want[1:], got[1:], "Dockerfile Go version vs go.mod")
 	require.Contains(t, string(df), "CGO_ENABLED=0", "static binaries for the alpine stage")
 	require.Regexp(t, `(?m)^USER \d+`, string(df), "the image does not run as root")
+
+	// The image compose builds says which version it is: every build
+	// argument the Dockerfile takes for --version is passed, from a
+	// variable the header's command line sets.
+	for _, name := range epitaphServices(loadCompose(t)) {
+		b := loadCompose(t).Services[name].Build
+		require.NotNil(t, b, name)
+		for _, arg := range []string{"VERSION", "COMMIT"} {
+			require.Regexp(t, `(?m)^ARG `+arg+`=`, string(df))
+			require.Equal(t, "${EPITAPH_"+arg+":-}", b.Args[arg], "%s: build argument %s", name, arg)
+		}
+	}
 
 	// The ignore file keeps nothing out that the build needs: go.mod,
 	// go.sum and every directory with Go code of the binaries.
