@@ -33,7 +33,7 @@ LDFLAGS    := -X $(CLI_PKG).version=$(VERSION) -X $(CLI_PKG).commit=$(COMMIT) -X
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/capture ./cmd/projector
 
-## dist: release archives of both binaries for linux and darwin (amd64, arm64) under dist/, each with its CycloneDX SBOM, and SHA256SUMS (docs/release.md).
+## dist: release archives of both binaries for linux and darwin (amd64, arm64) under dist/, each with its CycloneDX SBOM and third-party licences, and SHA256SUMS (docs/release.md).
 DIST           := dist
 DIST_PLATFORMS := linux/amd64 linux/arm64 darwin/amd64 darwin/arm64
 # The commit's time stamps the archives' files and the SBOMs, and their
@@ -49,7 +49,7 @@ dist:
 	  echo "dist: $$name"; mkdir -p $$dir; \
 	  CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags "$(DIST_LDFLAGS)" -o $$dir/ ./cmd/capture ./cmd/projector; \
 	  cp LICENSE README.md CHANGELOG.md $$dir/; \
-	  $(GO) run ./internal/sbom -name epitaph -version $(VERSION) -time $(DIST_TIME) $$dir/capture $$dir/projector > $(DIST)/$$name.cdx.json; \
+	  $(GO) run ./internal/sbom -name epitaph -version $(VERSION) -time $(DIST_TIME) -notices $$dir/THIRD_PARTY_NOTICES $$dir/capture $$dir/projector > $(DIST)/$$name.cdx.json; \
 	  cp $(DIST)/$$name.cdx.json $$dir/sbom.cdx.json; \
 	  tar -C $(DIST) --sort=name --owner=0 --group=0 --numeric-owner --mode=a+rX,u+w,go-w --mtime=@$(DIST_EPOCH) -cf - $$name | gzip -n > $(DIST)/$$name.tar.gz; \
 	  rm -rf $$dir; \

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -12,7 +13,8 @@ import (
 
 // distStandInGo stands in for go in `make dist`: build writes two small
 // executables where -o says (as go build does, their mode from the
-// umask), run prints a fixed SBOM. The packaging (cp, tar, gzip,
+// umask), run prints a fixed SBOM and writes the notices file -notices
+// names. The packaging (cp, tar, gzip,
 // sha256sum) is the Makefile's own; compiling four platforms twice would
 // take minutes and prove nothing more about it.
 const distStandInGo = `#!/bin/sh
@@ -21,7 +23,9 @@ build)
   out=""
   while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
   for b in capture projector; do printf '%s\n' "$b" > "$out/$b"; chmod +x "$out/$b"; done;;
-run) echo '{}';;
+run)
+  while [ $# -gt 0 ]; do [ "$1" = "-notices" ] && printf 'notices\n' > "$2"; shift; done
+  echo '{}';;
 esac
 `
 
@@ -58,5 +62,11 @@ func TestDistArchiveDoesNotDependOnTheUmask(t *testing.T) {
 			return string(out)
 		}
 		t.Fatalf("the archive differs with the umask:\numask 022:\n%s\numask 002:\n%s", list("022"), list("002"))
+	}
+	// What docs/release.md says each archive holds.
+	names, err := exec.Command("tar", "-tzf", filepath.Join(dir, "dist022", "epitaph_v0.0.0-test_linux_amd64.tar.gz")).Output()
+	require.NoError(t, err)
+	for _, f := range []string{"capture", "projector", "LICENSE", "README.md", "CHANGELOG.md", "sbom.cdx.json", "THIRD_PARTY_NOTICES"} {
+		require.Contains(t, strings.Fields(string(names)), "epitaph_v0.0.0-test_linux_amd64/"+f)
 	}
 }

@@ -4,10 +4,13 @@ import (
 	"bytes"
 	"debug/buildinfo"
 	"encoding/json"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -68,4 +71,48 @@ func TestPURL(t *testing.T) {
 	} {
 		require.Equal(t, c.want, purl(c.path, c.version))
 	}
+}
+
+// -notices writes, for every module a real binary links and for the Go
+// toolchain, its name and version and its licence texts from the module
+// cache; a module directory without a licence file is an error.
+func TestNoticesCarryEveryLinkedModulesLicence(t *testing.T) {
+	exe := filepath.Join(t.TempDir(), "projector")
+	build := exec.Command("go", "build", "-o", exe, "github.com/epitaph-dev/epitaph/cmd/projector")
+	build.Stderr = os.Stderr
+	require.NoError(t, build.Run())
+	notices := filepath.Join(t.TempDir(), "THIRD_PARTY_NOTICES")
+	require.NoError(t, run([]string{"-notices", notices, exe}, io.Discard))
+	raw, err := os.ReadFile(notices)
+	require.NoError(t, err)
+	sections := strings.Split(string(raw), "\n"+strings.Repeat("=", 78)+"\n")[1:]
+	byName := map[string]string{}
+	for _, s := range sections {
+		head, body, _ := strings.Cut(s, "\n")
+		byName[head] = body
+	}
+	bi, err := buildinfo.ReadFile(exe)
+	require.NoError(t, err)
+	require.Len(t, byName, len(bi.Deps)+1, "every module, and the toolchain")
+	for _, m := range append(bi.Deps, &debug.Module{Path: "Go", Version: runtime.Version() + " (its standard library)"}) {
+		if m.Replace != nil {
+			m = m.Replace
+		}
+		body, ok := byName[m.Path+" "+m.Version]
+		require.True(t, ok, "%s %s", m.Path, m.Version)
+		require.Regexp(t, `(?s)^\n--- (?i:licen[cs]e|copying|notice)[^\n]* ---\n\n.{200,}`, body, m.Path)
+	}
+	require.Contains(t, byName["github.com/jackc/pgx/v5 "+versionOf(bi, "github.com/jackc/pgx/v5")], "MIT")
+
+	_, err = licenceFiles(t.TempDir())
+	require.ErrorContains(t, err, "no licence file")
+}
+
+func versionOf(bi *buildinfo.BuildInfo, path string) string {
+	for _, m := range bi.Deps {
+		if m.Path == path {
+			return m.Version
+		}
+	}
+	return ""
 }
