@@ -109,6 +109,7 @@ type Service struct {
 	// leaves are the published partitioned tables' leaves at the last look
 	// (setup, then watchCatalog's goroutine; leaves.go).
 	leaves      map[uint32]leafOf
+	leafRec     *leafRecord // nil until the first look
 	ddlListenUp atomic.Bool // the notify guard's LISTEN is up (listenDDL)
 	ddlDue      atomic.Bool // a catalog check for the notify guard's signals is due (ddlSignal)
 

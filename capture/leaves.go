@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -23,9 +24,122 @@ import (
 // archive.gaps, which readers see and which does not hold readiness).
 // Found at the catalog check after the command (the notify guard's signal
 // for a DETACH, the catalog poll for a DROP), so its position is a little
-// after the command's; a leaf dropped while the capture is stopped is not
-// seen.
+// after the command's. The leaves are kept in leavesTable too, so a leaf
+// removed while the capture was stopped is found at its next start (and
+// recorded then); the message and the leaf's record row go in one
+// transaction, so a crash between them records a leaf neither twice nor
+// never.
 const partitionRemovedPrefix = "epitaph.partition_removed"
+
+// leavesTable keeps, per publication, the published partitioned tables'
+// leaves at the capture's last look: a capture started again compares them
+// with the catalog. In the capture's own schema; capture uninstall removes
+// it.
+const leavesTable = stateSchema + ".partition_leaves"
+
+const sqlLeavesTable = `
+CREATE SCHEMA IF NOT EXISTS ` + stateSchema + `;
+CREATE TABLE IF NOT EXISTS ` + leavesTable + ` (
+  publication text NOT NULL,
+  relid oid NOT NULL,
+  leaf text NOT NULL,
+  root_schema text NOT NULL,
+  root text NOT NULL,
+  PRIMARY KEY (publication, relid))`
+
+// sqlSaveLeaves makes the publication's ($1) record the leaves given
+// (relids $2, names $3, their tables' schemas $4 and names $5). A write
+// that changes nothing writes nothing.
+const sqlSaveLeaves = `
+WITH now (relid, leaf, root_schema, root) AS (
+  SELECT * FROM unnest($2::oid[], $3::text[], $4::text[], $5::text[])
+), gone AS (
+  DELETE FROM ` + leavesTable + ` l WHERE l.publication = $1 AND NOT EXISTS (SELECT 1 FROM now WHERE now.relid = l.relid)
+)
+INSERT INTO ` + leavesTable + ` AS l (publication, relid, leaf, root_schema, root)
+SELECT $1, relid, leaf, root_schema, root FROM now
+ON CONFLICT (publication, relid) DO UPDATE SET leaf = excluded.leaf, root_schema = excluded.root_schema, root = excluded.root
+WHERE (l.leaf, l.root_schema, l.root) IS DISTINCT FROM (excluded.leaf, excluded.root_schema, excluded.root)`
+
+// leafRecord reads and writes leavesTable. Like the facts record, its
+// failures never stop the capture: one that cannot be kept warns once,
+// and a leaf removed while the capture is stopped is then not seen.
+type leafRecord struct {
+	readable, writable, warned bool
+}
+
+// openLeafRecord makes leavesTable when it is missing and says whether it can be read and written.
+func (s *Service) openLeafRecord(ctx context.Context) *leafRecord {
+	r := &leafRecord{}
+	var exists bool
+	err := s.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, leavesTable).Scan(&exists)
+	if err == nil && !exists {
+		_, err = s.pool.Exec(ctx, sqlLeavesTable)
+		exists = err == nil
+	}
+	if err == nil && exists {
+		err = s.pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT, UPDATE, DELETE')`, leavesTable).
+			Scan(&r.readable, &r.writable)
+		if err == nil && !r.writable {
+			err = fmt.Errorf("permission denied: grant SELECT, INSERT, UPDATE, DELETE ON %s to the capture's role", leavesTable)
+		}
+	}
+	if err != nil || !exists {
+		s.warnLeafRecord(r, err)
+	}
+	return r
+}
+
+func (s *Service) warnLeafRecord(r *leafRecord, err error) {
+	if r.warned {
+		return
+	}
+	r.warned = true
+	if err == nil {
+		err = fmt.Errorf("the record is missing")
+	}
+	s.log.Warn("cannot keep the published partitions on the source (only in memory): a partition dropped or detached while the capture is stopped is not recorded",
+		"table", leavesTable, "err", redactErr(err))
+}
+
+// loadLeaves reads the recorded leaves (nil when there is no record).
+func (s *Service) loadLeaves(ctx context.Context, r *leafRecord) map[uint32]leafOf {
+	if !r.readable {
+		return nil
+	}
+	rows, err := s.pool.Query(ctx, `SELECT relid, leaf, root_schema, root FROM `+leavesTable+` WHERE publication = $1`, s.cfg.PublicationName)
+	if err != nil {
+		s.warnLeafRecord(r, err)
+		return nil
+	}
+	out := map[uint32]leafOf{}
+	var oid uint32
+	var l leafOf
+	if _, err := pgx.ForEachRow(rows, []any{&oid, &l.leaf, &l.schema, &l.root}, func() error {
+		out[oid] = l
+		return nil
+	}); err != nil {
+		s.warnLeafRecord(r, err)
+		return nil
+	}
+	return out
+}
+
+// saveLeaves makes the record hold leaves.
+func (s *Service) saveLeaves(ctx context.Context, r *leafRecord, leaves map[uint32]leafOf) {
+	if !r.writable {
+		return
+	}
+	oids := make([]uint32, 0, len(leaves))
+	var names, schemas, roots []string
+	for oid, l := range leaves {
+		oids = append(oids, oid)
+		names, schemas, roots = append(names, l.leaf), append(schemas, l.schema), append(roots, l.root)
+	}
+	if _, err := s.pool.Exec(ctx, sqlSaveLeaves, s.cfg.PublicationName, oids, names, schemas, roots); err != nil {
+		s.warnLeafRecord(r, err)
+	}
+}
 
 // removedLeaf is the content of a partitionRemovedPrefix message.
 type removedLeaf struct {
@@ -54,10 +168,15 @@ JOIN pg_class lc ON lc.oid = l.relid
 JOIN pg_namespace ln ON ln.oid = lc.relnamespace
 WHERE p.pubname = $1 AND l.isleaf AND l.relid <> rc.oid`
 
-// trackLeaves reads the published leaves and, unless this is the first
-// look, writes a partitionRemovedPrefix message for each leaf of a table
-// still published that is gone since the last one.
+// trackLeaves reads the published leaves and writes a
+// partitionRemovedPrefix message for each leaf of a table still published
+// that is gone since the last look: this process's, or at its first, the
+// record's (none on a first start ever).
 func (s *Service) trackLeaves(ctx context.Context) error {
+	if s.leafRec == nil {
+		s.leafRec = s.openLeafRecord(ctx)
+		s.leaves = s.loadLeaves(ctx, s.leafRec)
+	}
 	rows, err := s.pool.Query(ctx, sqlPublishedLeaves, s.cfg.PublicationName)
 	if err != nil {
 		return fmt.Errorf("read the published partitions: %w", err)
@@ -84,6 +203,9 @@ func (s *Service) trackLeaves(ctx context.Context) error {
 			return err
 		}
 	}
+	if !maps.Equal(before, now) || before == nil {
+		s.saveLeaves(ctx, s.leafRec, now)
+	}
 	s.leaves = now
 	return nil
 }
@@ -103,7 +225,18 @@ func (s *Service) recordLeafRemoved(ctx context.Context, oid uint32, l leafOf) e
 	if err != nil {
 		return err
 	}
-	if _, err := s.pool.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, partitionRemovedPrefix, string(content)); err != nil {
+	// The message and the leaf's record row go together.
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_logical_emit_message(true, $1, $2::text)`, partitionRemovedPrefix, string(content)); err != nil {
+			return err
+		}
+		if s.leafRec.writable {
+			_, err := tx.Exec(ctx, `DELETE FROM `+leavesTable+` WHERE publication = $1 AND relid = $2`, s.cfg.PublicationName, oid)
+			return err
+		}
+		return nil
+	})
+	if err != nil {
 		return fmt.Errorf("record partition %s %s: %w", l.leaf, how, err)
 	}
 	s.log.Warn("partition "+how+": its rows left the partitioned table without deletes (not archived); recorded as a truncate of the table",

@@ -218,3 +218,51 @@ func TestDroppedOrDetachedPartitionIsRecordedAsATruncate(t *testing.T) {
 	ms = e.messages(t, "main", 8)
 	require.Equal(t, []string{"delete public.pd", "commit"}, ops(ms[6:8]))
 }
+
+// TestPartitionRemovedWhileTheCaptureWasStoppedIsRecordedAtItsStart: the
+// published partitions are recorded on the source, so a partition dropped
+// or detached while the capture was stopped (a retention job's nightly
+// drop during a deploy) is recorded as a truncate of its table when the
+// capture starts again, once: a later start records nothing more.
+func TestPartitionRemovedWhileTheCaptureWasStoppedIsRecordedAtItsStart(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.exec(t, `CREATE TABLE pd (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+		CREATE TABLE pd_eu PARTITION OF pd FOR VALUES IN ('eu');
+		CREATE TABLE pd_us PARTITION OF pd FOR VALUES IN ('us');
+		CREATE TABLE pd_ap PARTITION OF pd FOR VALUES IN ('ap');
+		INSERT INTO pd VALUES (1, 'eu', 'a'), (2, 'us', 'b'), (3, 'ap', 'c'), (4, 'eu', 'd'), (5, 'eu', 'e')`)
+	start := func() (*Service, *lockedBuffer) {
+		var logs lockedBuffer
+		cfg := e.config()
+		fastPoll(&cfg)
+		cfg.SetReplicaIdentityFull = true
+		svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+		require.NoError(t, err)
+		require.NoError(t, svc.Start(context.Background()))
+		return svc, &logs
+	}
+	svc, _ := start()
+	e.exec(t, `DELETE FROM pd WHERE id = 1`)
+	require.Equal(t, []string{"delete public.pd", "commit"}, ops(e.messages(t, "main", 2)))
+	require.NoError(t, svc.Stop(context.Background()))
+
+	e.exec(t, `DROP TABLE pd_us; ALTER TABLE pd DETACH PARTITION pd_ap`)
+	svc, logs := start()
+	e.exec(t, `DELETE FROM pd WHERE id = 4`)
+	ms := e.messages(t, "main", 8)
+	require.Equal(t, []string{"truncate public.pd", "commit", "truncate public.pd", "commit", "delete public.pd", "commit"}, ops(ms[2:8]),
+		"the drop and the detach, recorded at the start")
+	require.Contains(t, logs.String(), `partition=public.pd_us`)
+	require.Contains(t, logs.String(), `msg="partition dropped: `)
+	require.Contains(t, logs.String(), `partition=public.pd_ap`)
+	require.Contains(t, logs.String(), `msg="partition detached: `)
+	require.NoError(t, svc.Stop(context.Background()))
+
+	svc, logs = start()
+	e.exec(t, `DELETE FROM pd WHERE id = 5`)
+	ms = e.messages(t, "main", 10)
+	require.Equal(t, []string{"delete public.pd", "commit"}, ops(ms[8:10]), "nothing recorded twice")
+	require.NotContains(t, logs.String(), `msg="partition`)
+	require.NoError(t, svc.Stop(context.Background()))
+}

@@ -166,12 +166,14 @@ func PlanUninstall(ctx context.Context, cfg UninstallConfig) (*UninstallPlan, er
 	if err := p.planIdentities(ctx, conn); err != nil {
 		return nil, err
 	}
-	var facts bool
-	if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, factsTable).Scan(&facts); err != nil {
-		return nil, fmt.Errorf("read %s: %w", factsTable, err)
-	}
-	if facts {
-		p.Steps = append(p.Steps, "DELETE FROM "+factsTable+" WHERE publication = "+pgquote.Literal(p.cfg.PublicationName))
+	for _, table := range []string{factsTable, leavesTable} {
+		var exists bool
+		if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
+			return nil, fmt.Errorf("read %s: %w", table, err)
+		}
+		if exists {
+			p.Steps = append(p.Steps, "DELETE FROM "+table+" WHERE publication = "+pgquote.Literal(p.cfg.PublicationName))
+		}
 	}
 	p.Notes = append(p.Notes, "the JetStream stream and the capture's data directory are left as they are, and so is "+
 		seqTable+" (the stream's partition sequences, kept while the stream is)")
@@ -270,9 +272,10 @@ func (p *UninstallPlan) Apply(ctx context.Context) error {
 		}
 	}
 	// Each record table goes when no other publication's records are
-	// left in it; the schema when both are gone.
+	// left in it; the schema when all are gone.
+	records := []string{stateSchema + ".replica_identity", factsTable, leavesTable}
 	gone := 0
-	for _, table := range []string{stateSchema + ".replica_identity", factsTable} {
+	for _, table := range records {
 		var exists, left bool
 		if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
 			return fmt.Errorf("read %s: %w", table, err)
@@ -294,7 +297,7 @@ func (p *UninstallPlan) Apply(ctx context.Context) error {
 	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, stateSchema).Scan(&schema); err != nil {
 		return fmt.Errorf("read schema %s: %w", stateSchema, err)
 	}
-	if gone < 2 || !schema {
+	if gone < len(records) || !schema {
 		return nil
 	}
 	// The schema only when empty (RESTRICT): nothing else of ours is there.
