@@ -54,7 +54,11 @@ func (e *env) waitPublished(t *testing.T, table string, bound time.Duration) tim
 			return time.Since(start)
 		}
 		if time.Since(start) > bound {
-			t.Fatalf("%s not in the publication after %s (it holds %v)", table, bound, got)
+			// What the source's sessions were doing, to tell a lock or a
+			// dead connection from a missed signal.
+			activity := queryString(t, e.db, `SELECT coalesce(string_agg(format('%s %s %s/%s xact=%s: %s', pid, state, wait_event_type, wait_event,
+				now() - xact_start, left(query, 60)), E'\n'), '') FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()`)
+			t.Fatalf("%s not in the publication after %s (it holds %v); sessions:\n%s", table, bound, got, activity)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -85,6 +85,8 @@ func (s *Service) watchCatalog(ctx context.Context) {
 			s.m.catalogErrors.Inc()
 			if _, ok := outage(err); !ok && !failing { // an outage has the stream loop's line
 				s.log.Warn("catalog check failed; retrying at the next poll", "err", redactErr(err))
+			} else {
+				s.log.Debug("catalog check failed; retrying", "err", redactErr(err))
 			}
 			failing = true
 			if s.notifyGuard() {
