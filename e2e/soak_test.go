@@ -999,8 +999,11 @@ func (s *soak) restore(rng *rand.Rand) bool {
 		out, code = s.projector(a, 2*time.Minute, "restore", "--correlation", c)
 		if code != 0 {
 			// A concurrent delete of the customer makes it fail as a
-			// whole: nothing was written.
+			// whole (a foreign key), and so does the soak's end (killed):
+			// nothing was written. Any other failure, or a row of it in
+			// the source, is the restore's fault.
 			s.t.Logf("restore %s: exit %d (nothing restored): %s", c, code, out)
+			s.checkFailedRestore(conn, c, code, out, rows)
 			return false
 		}
 		s.mu.Lock()
@@ -1013,6 +1016,23 @@ func (s *soak) restore(rng *rand.Rand) bool {
 		return true
 	}
 	return false
+}
+
+// checkFailedRestore judges a restore of correlation c that exited code
+// with out: only a concurrent delete of its customer (a foreign key) or
+// the soak's end (killed) may fail it, and a failed restore wrote none of
+// its rows.
+func (s *soak) checkFailedRestore(conn *pgx.Conn, c string, code int, out string, rows []archRow) {
+	if code != -1 && (code != 1 || !strings.Contains(out, "foreign key")) {
+		s.violation("restore %s failed for another reason than a concurrent delete of its customer: exit %d: %s", c, code, out)
+	}
+	for _, r := range rows {
+		var n int64
+		q := "SELECT count(*) FROM " + pgx.Identifier(strings.Split(r.table, ".")).Sanitize() + " WHERE id = $1"
+		if err := conn.QueryRow(context.WithoutCancel(s.ctx), q, r.id).Scan(&n); err == nil && n > 0 {
+			s.violation("restore %s failed (exit %d) yet %s %d is in the source: a restore is all or nothing", c, code, r.table, r.id)
+		}
+	}
 }
 
 // recordHistory samples how many ledger rows are deleted, every half
