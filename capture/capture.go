@@ -476,11 +476,9 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 		return err
 	}
 	s.links.connected(linkBroker)
-	js, err := jetstream.New(s.nc,
-		jetstream.WithPublishAsyncMaxPending(cfg.MaxInFlight+64),
-		jetstream.WithPublishAsyncTimeout(time.Minute))
+	js, err := s.publishJS()
 	if err != nil {
-		return fmt.Errorf("jetstream: %w", err)
+		return err
 	}
 	objJS, err := jetstream.New(s.nc)
 	if err != nil {
@@ -492,6 +490,17 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	}
 	s.db, s.js, s.obs = db, js, obs
 	return s.startSession(ctx, true)
+}
+
+// publishJS is a JetStream context for a session's publishes.
+func (s *Service) publishJS() (jetstream.JetStream, error) {
+	js, err := jetstream.New(s.nc,
+		jetstream.WithPublishAsyncMaxPending(s.cfg.MaxInFlight+64),
+		jetstream.WithPublishAsyncTimeout(time.Minute))
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	return js, nil
 }
 
 // startSession reads where to resume, opens the replication connection,
@@ -774,6 +783,9 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 		if err != nil {
 			s.links.lost(linkBroker, err)
 		}
+		if errors.Is(err, errLeaderChanged) {
+			st.tr.abandon = err
+		}
 		return err != nil
 	}
 	st.tr.unstalled = func() { s.links.connected(linkBroker) }
@@ -870,7 +882,7 @@ func (s *Service) runLoop(ctx context.Context) {
 			} else {
 				break
 			}
-			err = s.restartSession(ctx, wait)
+			err = s.restartSession(ctx, wait, err)
 			restarted = true
 		}
 		if restarted && err == nil && ctx.Err() != nil {
@@ -917,15 +929,25 @@ func (s *Service) runLoop(ctx context.Context) {
 	}
 }
 
-// restartSession ends the current session (its publishes are answered or
-// abandoned, the replication connection closed) and starts the next one
-// after wait, once the broker is connected.
-func (s *Service) restartSession(ctx context.Context, wait time.Duration) error {
-	select {
-	case <-s.js.PublishAsyncComplete():
-	case <-time.After(30 * time.Second):
-	case <-ctx.Done():
-		return nil
+// restartSession ends the current session, which ended on cause (its
+// publishes are answered or abandoned, the replication connection closed)
+// and starts the next one after wait, once the broker is connected.
+func (s *Service) restartSession(ctx context.Context, wait time.Duration, cause error) error {
+	if errors.Is(cause, errLeaderChanged) {
+		// The old leader answers none of them: they time out on the old
+		// context, unseen, and take none of the next session's room.
+		js, err := s.publishJS()
+		if err != nil {
+			return err
+		}
+		s.js = js
+	} else {
+		select {
+		case <-s.js.PublishAsyncComplete():
+		case <-time.After(30 * time.Second):
+		case <-ctx.Done():
+			return nil
+		}
 	}
 	if s.repl != nil {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -148,6 +148,9 @@ func outage(err error) (to string, ok bool) {
 	if errors.As(err, &ce) || errors.As(err, &le) || errors.As(err, &lm) {
 		return "", false
 	}
+	if errors.Is(err, errLeaderMoved) {
+		return linkBroker, true
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return linkSource, transientSQLState(pgErr.Code)
@@ -235,6 +238,14 @@ var errBrokerDown = errors.New("the NATS connection is reconnecting")
 // leadership drops what it had not stored without a reply, and one without
 // a quorum stores nothing.
 var errLeaderMoved = errors.New("the stream's leader changed or cannot store: a publish in flight is unanswered")
+
+// errLeaderChanged (an errLeaderMoved): the stream's leader is another
+// than the one the session published to. The old one dropped what it had
+// not stored without a reply, so waiting for those acknowledgements only
+// waits out their timeout (a minute): the session ends at once, and the
+// next one resumes after what the new leader holds (trust.go), its
+// publishes on a JetStream context of their own.
+var errLeaderChanged = fmt.Errorf("%w", errLeaderMoved)
 
 // serverEndedError: the source ended replication (CopyDone), as a
 // PostgreSQL shutdown does once the capture has confirmed what it sent.

@@ -177,7 +177,8 @@ func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Strea
 // no leader, does not answer, or its leader has lost touch with its quorum
 // (a cluster with two of three nodes down). The capture reports the broker
 // unavailable meanwhile instead of healthy, until the acknowledgement or
-// its timeout (a minute).
+// its timeout (a minute); another leader (errLeaderChanged) ends the
+// session at once.
 func leaderWatch(stream jetstream.Stream) func() error {
 	var leader string
 	if ci := stream.CachedInfo(); ci != nil && ci.Cluster != nil {
@@ -205,7 +206,7 @@ func leaderWatch(stream jetstream.Stream) func() error {
 			return nil
 		}
 		if info.Cluster.Leader != leader {
-			return fmt.Errorf("%w (now %s, was %s)", errLeaderMoved, info.Cluster.Leader, leader)
+			return fmt.Errorf("%w (now %s, was %s)", errLeaderChanged, info.Cluster.Leader, leader)
 		}
 		// A leader that lost touch with its quorum goes on calling itself
 		// the leader for a while, storing nothing.

@@ -95,13 +95,17 @@ type tracker struct {
 	// unanswered for stalledCheck, and again every stalledCheck, to find
 	// out (and report: true) whether the broker cannot answer it now;
 	// unstalled is called on the next acknowledgement after a report.
-	// Neither ends the session: the acknowledgement's own timeout does (a
-	// session started while a leader without its quorum still answers
-	// reads a stale tail, and what the old one had in flight would be
-	// stored twice).
+	// Neither ends the session, but for a leader other than the session's
+	// (abandon): the acknowledgement's own timeout does (a session started
+	// while a leader without its quorum still answers reads a stale tail,
+	// and what the old one had in flight would be stored twice).
 	stalled   func() bool
 	unstalled func()
 	stalledOn bool // stalled reported since the last acknowledgement
+	// abandon, set by stalled, ends the session at the next poll or
+	// check (errLeaderChanged: the publishes in flight will never be
+	// answered).
+	abandon error
 	// pops counts the acknowledged publishes popped: the front's identity
 	// for checkStalled, with frontSince (when poll first found it
 	// unanswered) and asked (when stalled was last asked about it).
@@ -230,7 +234,7 @@ func (t *tracker) poll(now time.Time) error {
 			default:
 				t.compact()
 				t.checkStalled(now)
-				return nil
+				return t.abandon
 			}
 			t.popFuture(now)
 			continue
@@ -277,6 +281,9 @@ func (t *tracker) waitFront(ctx context.Context, now func() time.Time) error {
 			return it.err(err)
 		case <-checkC:
 			t.stalledOn = t.stalled() || t.stalledOn
+			if t.abandon != nil {
+				return t.abandon
+			}
 		case <-ctx.Done():
 			return fmt.Errorf("wait for publish acknowledgement: %w", ctx.Err())
 		}
