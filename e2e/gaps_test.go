@@ -229,6 +229,10 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 	out, code = projector("gaps")
 	require.Equal(t, 0, code, out)
 	require.Contains(t, out, "lost_upstream")
+	// status --check: the live version misses deletes nobody accepted.
+	out, code = projector("status", "--check")
+	require.Equal(t, 3, code, out)
+	require.Contains(t, out, "archive v1 misses deletes: 1 unacknowledged gaps (lost_upstream; projector gaps)")
 	out, code = projector("gaps", "ack", strconv.FormatInt(id, 10))
 	require.Equal(t, 2, code, out, "a usage error")
 	require.Contains(t, out, "--reason")
@@ -248,7 +252,9 @@ func TestRecreatedSlotIsAGapReadersSee(t *testing.T) {
 	require.Contains(t, out, "complete up to ")
 	require.NotContains(t, out, "complete up to 0/0")
 
-	// The status command shows the gap.
+	// The status command shows the gap; once accepted, --check passes.
+	out, code = projector("status", "--check")
+	require.Equal(t, 0, code, out)
 	out, code = projector("status")
 	require.Equal(t, 0, code, out)
 	require.Contains(t, out, "archive v1 gaps")

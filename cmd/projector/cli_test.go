@@ -193,6 +193,11 @@ func TestVersionAndCompletion(t *testing.T) {
 	}
 }
 
+func withGaps(v status.VersionStatus, gs ...status.GapCount) status.VersionStatus {
+	v.GapCounts = gs
+	return v
+}
+
 func TestStatusCheckRule(t *testing.T) {
 	t.Parallel()
 	v := func(state, health string) status.VersionStatus {
@@ -208,6 +213,12 @@ func TestStatusCheckRule(t *testing.T) {
 		{[]status.VersionStatus{v("live", "live"), v("building", "unavailable")}, ""},
 		{[]status.VersionStatus{v("live", "quarantined")}, "archive v1 is quarantined"},
 		{[]status.VersionStatus{v("live", "unavailable")}, "archive v1 is unavailable"},
+		{[]status.VersionStatus{withGaps(v("live", "live"), status.GapCount{Kind: "lost_upstream", Count: 2},
+			status.GapCount{Kind: "removed_from_stream", Count: 1})},
+			"archive v1 misses deletes: 3 unacknowledged gaps (lost_upstream, removed_from_stream; projector gaps)"},
+		{[]status.VersionStatus{withGaps(v("live", "live"), status.GapCount{Kind: "lost_upstream", Acknowledged: true, Count: 2},
+			status.GapCount{Kind: "truncate", Count: 4})}, ""},
+		{[]status.VersionStatus{withGaps(v("building", "building"), status.GapCount{Kind: "lost_upstream", Count: 1}), v("live", "live")}, ""},
 	} {
 		err := statusCheck(&status.Status{Versions: tc.versions})
 		if tc.fail == "" {

@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/epitaph-dev/epitaph/cmd/internal/cli"
+	"github.com/epitaph-dev/epitaph/event"
 	"github.com/epitaph-dev/epitaph/projection/status"
 	"github.com/epitaph-dev/epitaph/projection/version"
 )
@@ -32,7 +33,8 @@ Exit status: 0 printed (without --check, also when the lag is unknown);
 measured (NATS unreachable or refusing the credentials, no stream); 2
 usage; 3 with --check, everything was measured and a live version is not
 healthy (health "live": leased, not failing, nothing in quarantine) or
-there is no live version.`,
+has an unacknowledged gap (deletes lost upstream or removed from the
+stream: projector gaps), or there is no live version.`,
 		Example: `  projector status
   projector status --json | jq '.versions[] | {projection, version, state, lag_events}'
   projector status --check || echo "needs attention"
@@ -42,7 +44,7 @@ there is no live version.`,
 	c := commonFlags(cmd, env)
 	asJSON := jsonFlag(cmd, "the status document")
 	follow := cmd.Flags().Bool("wait", false, "follow every version being built until it is ready, with a progress bar on a terminal")
-	check := cmd.Flags().Bool("check", false, "exit 3 unless there is a live version and every live version is healthy; exit 1 when NATS or the target cannot be read or a lag is unknown")
+	check := cmd.Flags().Bool("check", false, "exit 3 unless there is a live version and every live version is healthy, without an unacknowledged gap; exit 1 when NATS or the target cannot be read or a lag is unknown")
 	var sample time.Duration
 	cli.Local(cmd).Duration(&sample, "sample", "", time.Second, "while a version is being rebuilt, sample twice this far apart for events/s and ETA (0: once)", cli.NotNegative())
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
@@ -129,6 +131,19 @@ func statusCheck(st *status.Status) error {
 		live++
 		if v.Health != version.StateLive {
 			bad = append(bad, fmt.Sprintf("%s v%d is %s", v.Projection, v.Version, v.Health))
+		}
+		// A gap readers must know of (not a truncate) and nobody has
+		// accepted: the version is known to miss deletes.
+		var kinds []string
+		missing := 0
+		for _, g := range v.GapCounts {
+			if !g.Acknowledged && g.Kind != event.GapTruncate && g.Count > 0 {
+				missing += g.Count
+				kinds = append(kinds, g.Kind)
+			}
+		}
+		if missing > 0 {
+			bad = append(bad, fmt.Sprintf("%s v%d misses deletes: %d unacknowledged gaps (%s; projector gaps)", v.Projection, v.Version, missing, strings.Join(kinds, ", ")))
 		}
 	}
 	if live == 0 {
