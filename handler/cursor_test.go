@@ -719,7 +719,7 @@ func TestCursorAcrossVersionPromoteAndRollback(t *testing.T) {
 
 	// Back to v1, which has not archived 5 and 6 yet: nothing sent again,
 	// and its rows after the cursor go out.
-	_, _, err = version.Rollback(ctx, e.pool, "archive")
+	_, _, err = version.Rollback(ctx, e.pool, "archive", false)
 	require.NoError(t, err)
 	e.flush(d)
 	require.Len(t, sentIDs(br), 6)

@@ -222,7 +222,7 @@ func TestRebuildPromoteRollbackRetire(t *testing.T) {
 	require.Equal(t, version.StateReady, state(t, pool, 1), "the old live version stays ready for a rollback")
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	for i := 0; i < 5; i++ {
-		from, to, err := version.Rollback(ctx, pool, archive.Projection)
+		from, to, err := version.Rollback(ctx, pool, archive.Projection, false)
 		require.NoError(t, err)
 		require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 		require.Contains(t, viewTarget(t, c), "archive_v1.rows")
@@ -287,7 +287,7 @@ func TestPromoteRefusesUnlessReady(t *testing.T) {
 	s := e.start(cfg)
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 10 })
 	require.NoError(t, s.Stop(context.Background())) // nothing builds v2
-	_, _, err = version.Rollback(ctx, pool, archive.Projection)
+	_, _, err = version.Rollback(ctx, pool, archive.Projection, false)
 	require.Error(t, err)
 
 	v2, err := version.CreateVersion(ctx, pool, e.js, version.RebuildOptions{Source: src})
@@ -299,7 +299,7 @@ func TestPromoteRefusesUnlessReady(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive.rows`), "forced: the empty version is served")
-	from, to, err := version.Rollback(ctx, pool, archive.Projection)
+	from, to, err := version.Rollback(ctx, pool, archive.Projection, false)
 	require.NoError(t, err)
 	require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 	require.Equal(t, 10, count(t, c, `SELECT count(*) FROM archive.rows`))

@@ -88,7 +88,7 @@ func TestPartitionedArchiveRebuildPromoteRollback(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, viewTarget(t, c), "archive_v2.rows")
 	same()
-	from, to, err := version.Rollback(ctx, pool, archive.Projection)
+	from, to, err := version.Rollback(ctx, pool, archive.Projection, false)
 	require.NoError(t, err)
 	require.Equal(t, [2]int{2, 1}, [2]int{from, to})
 	require.Contains(t, viewTarget(t, c), "archive_v1.rows")

@@ -407,13 +407,19 @@ func orDashText(s string) string {
 
 func rollbackCommand(env *Env) *cobra.Command {
 	cmd := &cobra.Command{
-		Use:     "rollback <projection>",
-		Short:   "make the previous live version live again (it kept consuming)",
+		Use:   "rollback <projection>",
+		Short: "make the previous live version live again (it kept consuming)",
+		Long: `rollback makes the previous live version live again, re-pointing the reader
+views in one transaction. It kept consuming, so it is normally current; it
+is refused, as promote refuses, when it is not ready (behind: catching up)
+or has unresolved quarantined events, unacknowledged gaps, or snapshot
+documents behind the live version's, unless --force.`,
 		Example: "  projector rollback archive",
 		Args:    cli.Args(1),
 	}
 	c := commonFlags(cmd, env)
 	asJSON := jsonFlag(cmd, "the outcome")
+	force := cmd.Flags().Bool("force", false, "roll back to a previous version that is not ready (behind, quarantined events, unacknowledged gaps, snapshots behind): readers then see it as it is")
 	cmd.RunE = func(cmd *cobra.Command, pos []string) error {
 		ctx := cmd.Context()
 		pool, err := targetPool(ctx, c)
@@ -421,7 +427,7 @@ func rollbackCommand(env *Env) *cobra.Command {
 			return err
 		}
 		defer pool.Close()
-		from, to, err := version.Rollback(ctx, pool, pos[0])
+		from, to, err := version.Rollback(ctx, pool, pos[0], *force)
 		if err != nil {
 			return err
 		}

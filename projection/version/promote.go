@@ -124,8 +124,11 @@ func switchLive(ctx context.Context, tx pgx.Tx, name string, version int) (previ
 
 // Rollback makes the previous live version (the active version other than
 // the live one that was live most recently; it kept consuming) live again
-// in one transaction with the view switch, and returns (from, to).
-func Rollback(ctx context.Context, pool *pgxpool.Pool, name string) (from, to int, err error) {
+// in one transaction with the view switch, and returns (from, to). Unless
+// force, it refuses (ErrNotReady) as Promote does: a previous version not
+// ready (behind, catching up), with unresolved quarantine, unacknowledged
+// gaps or snapshot documents behind the live version's.
+func Rollback(ctx context.Context, pool *pgxpool.Pool, name string, force bool) (from, to int, err error) {
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if err := LockVersions(ctx, tx); err != nil {
 			return err
@@ -138,6 +141,20 @@ func Rollback(ctx context.Context, pool *pgxpool.Pool, name string) (from, to in
 		}
 		if err != nil {
 			return fmt.Errorf("find the previous live version: %w", err)
+		}
+		if !force {
+			// What promote asks of a version: readers switched to one
+			// behind, or missing events, would see an older archive.
+			v, err := GetVersion(ctx, tx, name, to)
+			if err != nil {
+				return err
+			}
+			if v.State != StateReady {
+				return fmt.Errorf("rollback %s to v%d: it is %s: %w (wait for it, or --force)", name, to, v.State, ErrNotReady)
+			}
+			if err := promotable(ctx, tx, v); err != nil {
+				return fmt.Errorf("rollback %s to v%d: %w (or --force)", name, to, err)
+			}
 		}
 		from, err = switchLive(ctx, tx, name, to)
 		return err

@@ -25,8 +25,9 @@ const src = "main"
 // The administration without workers: what CreateVersion refuses and
 // records (boundary, partitions, progress at the start or at a time),
 // Promote refusing a version that is not ready, Retire refusing the live
-// one, Rollback without a previous one, Compare of two empty versions,
-// and a forced promotion, rollback and retirement with its cleanup.
+// one, Rollback without a previous one or to one not ready (a gap, catching
+// up), Compare of two empty versions, and a forced promotion, rollback and
+// retirement with its cleanup.
 func TestAdministrationWithoutWorkers(t *testing.T) {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, testenv.NewDatabase(t))
@@ -67,7 +68,7 @@ func TestAdministrationWithoutWorkers(t *testing.T) {
 	require.ErrorIs(t, err, version.ErrNoVersion)
 	err = version.Retire(ctx, pool, js, "archive", 1, version.RetireOptions{})
 	require.ErrorContains(t, err, "archive v1 is live: promote another version (or roll back) first")
-	_, _, err = version.Rollback(ctx, pool, "archive")
+	_, _, err = version.Rollback(ctx, pool, "archive", false)
 	require.ErrorContains(t, err, "rollback archive: no previous live version is still active")
 
 	cmp, err := version.Compare(ctx, pool, version.CompareOptions{A: 1, B: 2, All: true})
@@ -91,7 +92,24 @@ func TestAdministrationWithoutWorkers(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, prev)
 	require.Equal(t, map[int]string{1: "ready", 2: "live", 3: "building"}, states(t, pool))
-	from2, to, err := version.Rollback(ctx, pool, "archive")
+	// Rollback asks of v1 what promote asks: ready, nothing missing.
+	var gap int64
+	require.NoError(t, pool.QueryRow(ctx, `INSERT INTO archive_v1.gaps (kind, partition, from_lsn, to_lsn)
+		VALUES ('lost_upstream', 0, '0/100', '0/200') RETURNING id`).Scan(&gap))
+	_, _, err = version.Rollback(ctx, pool, "archive", false)
+	require.ErrorIs(t, err, version.ErrNotReady)
+	require.ErrorContains(t, err, "rollback archive to v1: archive v1 has 1 unacknowledged gaps")
+	_, err = pool.Exec(ctx, `UPDATE archive_v1.gaps SET acknowledged_at = now(), ack_reason = 'test' WHERE id = $1`, gap)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE epitaph.projection_versions SET state = 'catching_up' WHERE version = 1`)
+	require.NoError(t, err)
+	_, _, err = version.Rollback(ctx, pool, "archive", false)
+	require.ErrorIs(t, err, version.ErrNotReady)
+	require.ErrorContains(t, err, "rollback archive to v1: it is catching_up")
+	require.Equal(t, map[int]string{1: "catching_up", 2: "live", 3: "building"}, states(t, pool), "nothing switched")
+	_, err = pool.Exec(ctx, `UPDATE epitaph.projection_versions SET state = 'ready' WHERE version = 1`)
+	require.NoError(t, err)
+	from2, to, err := version.Rollback(ctx, pool, "archive", false)
 	require.NoError(t, err)
 	require.Equal(t, []int{2, 1}, []int{from2, to})
 	require.Equal(t, map[int]string{1: "live", 2: "ready", 3: "building"}, states(t, pool))
