@@ -78,7 +78,9 @@ func (s *Service) openLeafRecord(ctx context.Context) *leafRecord {
 		exists = err == nil
 	}
 	if err == nil && exists {
-		err = s.pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT, UPDATE, DELETE')`, leavesTable).
+		// Each privilege on its own: a list is true when any one is held.
+		err = s.pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'),
+			has_table_privilege($1, 'INSERT') AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')`, leavesTable).
 			Scan(&r.readable, &r.writable)
 		if err == nil && !r.writable {
 			err = fmt.Errorf("permission denied: grant SELECT, INSERT, UPDATE, DELETE ON %s to the capture's role", leavesTable)
@@ -156,17 +158,21 @@ type leafOf struct {
 }
 
 // sqlPublishedLeaves lists the leaves of the partitioned tables the
-// publication holds ($1).
+// publication holds ($1), and once with a NULL leaf each such table
+// without any (its last partition dropped or detached: still published).
 const sqlPublishedLeaves = `
-SELECT l.relid::oid, quote_ident(ln.nspname) || '.' || quote_ident(lc.relname), rn.nspname, rc.relname
+SELECT l.relid, l.leaf, rn.nspname, rc.relname
 FROM pg_publication p
 JOIN pg_publication_rel pr ON pr.prpubid = p.oid
 JOIN pg_class rc ON rc.oid = pr.prrelid AND rc.relkind = 'p'
 JOIN pg_namespace rn ON rn.oid = rc.relnamespace
-CROSS JOIN LATERAL pg_partition_tree(rc.oid) l
-JOIN pg_class lc ON lc.oid = l.relid
-JOIN pg_namespace ln ON ln.oid = lc.relnamespace
-WHERE p.pubname = $1 AND l.isleaf AND l.relid <> rc.oid`
+LEFT JOIN LATERAL (
+  SELECT t.relid::oid AS relid, quote_ident(ln.nspname) || '.' || quote_ident(lc.relname) AS leaf
+  FROM pg_partition_tree(rc.oid) t
+  JOIN pg_class lc ON lc.oid = t.relid
+  JOIN pg_namespace ln ON ln.oid = lc.relnamespace
+  WHERE t.isleaf AND t.relid <> rc.oid) l ON true
+WHERE p.pubname = $1`
 
 // trackLeaves reads the published leaves and writes a
 // partitionRemovedPrefix message for each leaf of a table still published
@@ -182,21 +188,26 @@ func (s *Service) trackLeaves(ctx context.Context) error {
 		return fmt.Errorf("read the published partitions: %w", err)
 	}
 	now := map[uint32]leafOf{}
-	roots := map[string]bool{}
-	var oid uint32
+	roots := map[string]bool{} // the published partitioned tables, with or without leaves
+	var oid *uint32
+	var leaf *string
 	var l leafOf
-	if _, err := pgx.ForEachRow(rows, []any{&oid, &l.leaf, &l.schema, &l.root}, func() error {
-		now[oid] = l
+	if _, err := pgx.ForEachRow(rows, []any{&oid, &leaf, &l.schema, &l.root}, func() error {
 		roots[l.schema+"."+l.root] = true
+		if oid != nil && leaf != nil {
+			l.leaf = *leaf
+			now[*oid] = l
+		}
 		return nil
 	}); err != nil {
 		return fmt.Errorf("read the published partitions: %w", err)
 	}
 	before := s.leaves
 	for oid, l := range before {
-		if _, ok := now[oid]; ok || !roots[l.schema+"."+l.root] {
-			// Still there, or its table is no longer published (dropped,
-			// or removed with a gap of its own).
+		if n, ok := now[oid]; (ok && n.schema == l.schema && n.root == l.root) || !roots[l.schema+"."+l.root] {
+			// Still there (a leaf now of another table left this one),
+			// or its table is no longer published (dropped, renamed, or
+			// removed with a gap of its own).
 			continue
 		}
 		if err := s.recordLeafRemoved(ctx, oid, l); err != nil {

@@ -177,50 +177,78 @@ func checkStream(ctx context.Context, js jetstream.JetStream, st jetstream.Strea
 // no leader, does not answer, or its leader has lost touch with its quorum
 // (a cluster with two of three nodes down). The capture reports the broker
 // unavailable meanwhile instead of healthy, until the acknowledgement or
-// its timeout (a minute); another leader (errLeaderChanged) ends the
-// session at once.
+// its timeout (a minute); another leader (errLeaderChanged), once its
+// quorum has held for longer than quorumSilence, ends the session.
 func leaderWatch(stream jetstream.Stream) func() error {
 	var leader string
 	if ci := stream.CachedInfo(); ci != nil && ci.Cluster != nil {
 		leader = ci.Cluster.Leader
 	}
+	changed := 0 // consecutive checks that found another leader with a quorum
 	return func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), stalledCheck)
-		defer cancel()
-		info, err := stream.Info(ctx)
-		if err != nil {
-			if to, ok := outage(err); ok && to == linkBroker {
-				// No leader (a cluster without its quorum) or no answer.
-				return fmt.Errorf("%w: %v", errLeaderMoved, err)
-			}
-			return nil // cannot tell: the acknowledgement's timeout decides
+		now, err := checkLeader(stream, &leader)
+		if now == "" {
+			changed = 0
+			return err
 		}
-		if info.Cluster == nil {
-			return nil // not told: the acknowledgement's timeout decides
+		// The session's publishes may have gone to this leader (a
+		// step-down while nothing was in flight) just before it lost its
+		// quorum: a replica stopped a moment ago still counts as heard
+		// from. Only a quorum that holds for longer than quorumSilence
+		// proves the publishes went to the old leader, which dropped them.
+		if changed++; changed < leaderChangedChecks {
+			return fmt.Errorf("%w (now %s, was %s)", errLeaderMoved, now, leader)
 		}
-		if info.Cluster.Leader == "" {
-			return fmt.Errorf("%w: the stream has no leader", errLeaderMoved)
-		}
-		if leader == "" {
-			leader = info.Cluster.Leader
-			return nil
-		}
-		if info.Cluster.Leader != leader {
-			return fmt.Errorf("%w (now %s, was %s)", errLeaderChanged, info.Cluster.Leader, leader)
-		}
-		// A leader that lost touch with its quorum goes on calling itself
-		// the leader for a while, storing nothing.
-		live := 1
-		for _, r := range info.Cluster.Replicas {
-			if !r.Offline && r.Active < quorumSilence {
-				live++
-			}
-		}
-		if n := len(info.Cluster.Replicas) + 1; live < n/2+1 {
-			return fmt.Errorf("%w: leader %s hears from %d of its %d replicas, short of a quorum", errLeaderMoved, leader, live-1, n-1)
-		}
-		return nil
+		return fmt.Errorf("%w (now %s, was %s)", errLeaderChanged, now, leader)
 	}
+}
+
+// leaderChangedChecks is how many checks in a row (stalledCheck apart)
+// must find another leader with a quorum before the session ends: they
+// span more than quorumSilence.
+const leaderChangedChecks = int(quorumSilence/stalledCheck) + 2
+
+// checkLeader is one check of leaderWatch (leader: the session's, set at
+// the first check when unknown): an errLeaderMoved, or now, another leader
+// than the session's, with a quorum.
+func checkLeader(stream jetstream.Stream, leader *string) (now string, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), stalledCheck)
+	defer cancel()
+	info, err := stream.Info(ctx)
+	if err != nil {
+		if to, ok := outage(err); ok && to == linkBroker {
+			// No leader (a cluster without its quorum) or no answer.
+			return "", fmt.Errorf("%w: %v", errLeaderMoved, err)
+		}
+		return "", nil // cannot tell: the acknowledgement's timeout decides
+	}
+	if info.Cluster == nil {
+		return "", nil // not told: the acknowledgement's timeout decides
+	}
+	if info.Cluster.Leader == "" {
+		return "", fmt.Errorf("%w: the stream has no leader", errLeaderMoved)
+	}
+	// A leader that lost touch with its quorum goes on calling itself
+	// the leader for a while, storing nothing; what was sent to it may
+	// still be stored once the quorum is back, so even another leader
+	// than the session's is waited for then.
+	live := 1
+	for _, r := range info.Cluster.Replicas {
+		if !r.Offline && r.Active < quorumSilence {
+			live++
+		}
+	}
+	if n := len(info.Cluster.Replicas) + 1; live < n/2+1 {
+		return "", fmt.Errorf("%w: leader %s hears from %d of its %d replicas, short of a quorum", errLeaderMoved, info.Cluster.Leader, live-1, n-1)
+	}
+	if *leader == "" {
+		*leader = info.Cluster.Leader
+		return "", nil
+	}
+	if info.Cluster.Leader != *leader {
+		return info.Cluster.Leader, nil
+	}
+	return "", nil
 }
 
 // quorumSilence is how long a stream's leader may not have heard from a

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/url"
 	"os"
+	"regexp"
 	"sort"
 	"strings"
 
@@ -114,21 +115,30 @@ func checkSecretsPrivate(path string, values map[string]string) error {
 		strings.Join(keys, ", "), fi.Mode().Perm())
 }
 
-// holdsPassword says whether v is a URL with a password or a libpq
-// keyword/value string with a password.
+// holdsPassword says whether v is a URL with a password (in its user
+// information or its password parameter; each of a comma-separated list,
+// one without a scheme as nats.go takes it) or a libpq keyword/value
+// string with a password (spaces around the = allowed, as libpq and pgx
+// do).
 func holdsPassword(v string) bool {
-	if u, err := url.Parse(v); err == nil && u.User != nil {
-		if _, ok := u.User.Password(); ok {
-			return true
-		}
+	if keywordPassword.MatchString(v) {
+		return true
 	}
-	for _, f := range strings.Fields(v) {
-		if k, _, ok := strings.Cut(f, "="); ok && strings.TrimSpace(k) == "password" {
-			return true
+	for _, p := range strings.Split(v, ",") {
+		if p = strings.TrimSpace(p); !strings.Contains(p, "://") {
+			p = "nats://" + p
+		}
+		if u, err := url.Parse(p); err == nil {
+			if _, ok := u.User.Password(); ok || u.Query().Has("password") { // nil User: none
+				return true
+			}
 		}
 	}
 	return false
 }
+
+// keywordPassword finds libpq's password keyword in a keyword/value string.
+var keywordPassword = regexp.MustCompile(`(^|\s)password\s*=`)
 
 func configText(n *yaml.Node) (string, error) {
 	if n.Kind == yaml.AliasNode && n.Alias != nil {
