@@ -120,14 +120,15 @@ type common struct {
 	sourceName       string
 	natsAuth         natsconn.Auth
 	env              *Env
+	cmd              *cobra.Command
 }
 
 // commonFlags registers --target-url, --target-tcp-timeout, --nats-url,
 // --source-name and the NATS authentication flags.
 func commonFlags(cmd *cobra.Command, env *Env) *common {
-	c := &common{env: env}
+	c := &common{env: env, cmd: cmd}
 	f := cli.Local(cmd)
-	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: EPITAPH_SOURCE_URL)")
+	f.String(&c.targetURL, "target-url", "EPITAPH_TARGET_URL", "", "target Postgres URL (default: the source URL, EPITAPH_SOURCE_URL or --source-url where the command has it)")
 	f.Duration(&c.targetTCPTimeout, "target-tcp-timeout", "EPITAPH_TARGET_TCP_TIMEOUT", projection.DefaultTargetTCPTimeout, "how long what the projector sends to the target (a statement, a page, a lease renewal, a keepalive probe while it waits for an answer) may stay unacknowledged before the connection is given up, so a path to the target that died silently (a failover to another address) is noticed within about this long: run retries the work on a new connection, a one-shot command fails (TCP_USER_TIMEOUT; Linux only; 1s to 24h; 0: the system's default, about 15 minutes)", cli.NotNegative())
 	f.String(&c.natsURL, "nats-url", "EPITAPH_NATS_URL", "nats://127.0.0.1:4222", "JetStream URL")
 	f.String(&c.sourceName, "source-name", "EPITAPH_SOURCE_NAME", projection.DefaultSourceName, "source name")
@@ -143,6 +144,11 @@ func commonFlags(cmd *cobra.Command, env *Env) *common {
 }
 
 func (c *common) check() error {
+	if f := c.cmd.Flags().Lookup("source-url"); c.targetURL == "" && f != nil {
+		// The command's own --source-url (run's revalidation source,
+		// restore's): set by flag, EPITAPH_SOURCE_URL or the file.
+		c.targetURL = f.Value.String()
+	}
 	if c.targetURL == "" {
 		c.targetURL, _ = c.env.lookup("EPITAPH_SOURCE_URL")
 	}

@@ -72,6 +72,11 @@ func TestRestoreCommand(t *testing.T) {
 	code, out, stderr := projector(t, vars, "restore", "--correlation", corr, "--dry-run")
 	require.Equal(t, 0, code, stderr)
 	require.Contains(t, out, "plan for "+corr+" (2 rows, on conflict: abort)")
+	// --source-url on the command line is the target's default too, as
+	// EPITAPH_SOURCE_URL is.
+	code, flagOut, stderr := projector(t, map[string]string{"USER": "carol"}, "restore", "--source-url", url, "--correlation", corr, "--dry-run")
+	require.Equal(t, 0, code, stderr)
+	require.Equal(t, out, flagOut)
 	require.Contains(t, out, "1. public.orders: 2 rows")
 	require.Contains(t, out, "dry run: nothing written")
 	orders := func() []string {
