@@ -652,6 +652,9 @@ func (s *Service) resumeFrom(ctx context.Context, stream jetstream.Stream) (resu
 	if stream == nil {
 		return rp, nil
 	}
+	if err := settle(ctx, s.js, stream, cfg.SourceName); err != nil {
+		return rp, err
+	}
 	current, err := sourceWALPosition(ctx, s.pool)
 	if err != nil {
 		return rp, err

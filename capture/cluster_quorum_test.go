@@ -92,6 +92,25 @@ func clusterDeletes(t *testing.T, js jetstream.JetStream, n int, bound time.Dura
 	return out
 }
 
+// clusterAll returns ms (read by clusterDeletes) and every message after
+// them to the stream's end.
+func clusterAll(t *testing.T, js jetstream.JetStream, ms []msg) []msg {
+	t.Helper()
+	ctx := context.Background()
+	st, err := js.Stream(ctx, event.StreamName("main"))
+	require.NoError(t, err)
+	info, err := st.Info(ctx)
+	require.NoError(t, err)
+	for seq := ms[len(ms)-1].seq + 1; seq <= info.State.LastSeq; seq++ {
+		m, err := st.GetMsg(ctx, seq)
+		require.NoError(t, err)
+		ev, err := event.Decode(m.Data)
+		require.NoError(t, err)
+		ms = append(ms, msg{seq: m.Sequence, subject: m.Subject, msgID: m.Header.Get(event.HeaderMsgID), pos: m.Header.Get(HeaderPosition), ev: ev})
+	}
+	return ms
+}
+
 // A stream leader step-down (JetStream's API; the old leader stays up)
 // while the capture publishes a transaction: the publishes the old leader
 // had in flight are never answered. The capture says the broker is
@@ -159,15 +178,7 @@ func TestStreamLeaderStepDownIsReportedAndStoresEveryRowOnce(t *testing.T) {
 	t.Logf("complete %.1fs after the step-down", complete.Seconds())
 	require.Less(t, complete, 45*time.Second, "the capture waited out the dropped publishes' one-minute timeout")
 	// Every message to the stream's end (the transaction's commit too).
-	info, err := st.Info(ctx)
-	require.NoError(t, err)
-	for seq := ms[len(ms)-1].seq + 1; seq <= info.State.LastSeq; seq++ {
-		m, err := st.GetMsg(ctx, seq)
-		require.NoError(t, err)
-		ev, err := event.Decode(m.Data)
-		require.NoError(t, err)
-		ms = append(ms, msg{seq: m.Sequence, subject: m.Subject, msgID: m.Header.Get(event.HeaderMsgID), pos: m.Header.Get(HeaderPosition), ev: ev})
-	}
+	ms = clusterAll(t, e.js, ms)
 	require.Contains(t, ops(ms), "commit", "the transaction's commit is stored")
 	requireOnce(t, ms, rows)
 }

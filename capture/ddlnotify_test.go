@@ -3,6 +3,7 @@ package capture
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -58,10 +59,24 @@ func (e *env) waitPublished(t *testing.T, table string, bound time.Duration) tim
 			// dead connection from a missed signal.
 			activity := queryString(t, e.db, `SELECT coalesce(string_agg(format('%s %s %s/%s xact=%s: %s', pid, state, wait_event_type, wait_event,
 				now() - xact_start, left(query, 60)), E'\n'), '') FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()`)
-			t.Fatalf("%s not in the publication after %s (it holds %v); sessions:\n%s", table, bound, got, activity)
+			t.Fatalf("%s not in the publication after %s (it holds %v); sessions:\n%s\nthe capture's goroutines:\n%s", table, bound, got, activity, captureStacks())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// captureStacks is the stacks of this process's goroutines that run the
+// capture's code (where a catalog check waits, if it does).
+func captureStacks() string {
+	buf := make([]byte, 8<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "epitaph/capture.(*Service)") {
+			out = append(out, g)
+		}
+	}
+	return strings.Join(out, "\n\n")
 }
 
 // listenPID is the backend of the capture's LISTEN, once it is there

@@ -251,6 +251,85 @@ func checkLeader(stream jetstream.Stream, leader *string) (now string, err error
 	return "", nil
 }
 
+// settle returns once the stream's leader holds no publish it has not
+// stored yet, so that what the stream then says it holds is all it will
+// ever hold of what was sent before (findResume reads it next).
+//
+// A stream's leader answers what the stream holds (its info, its last
+// messages) from what it has stored. A leader that lost its quorum goes on
+// taking publishes for a while (the previous session's, or a killed
+// process's) and stores them once a quorum answers it again, possibly
+// after the new session read where the stream ends: the session would
+// publish them again (its first message expects no last id, and the
+// dedupe window is far shorter than an outage), and the stream would hold
+// them twice. A new leader is no such risk: it takes nothing before it has
+// stored what its predecessors left in its log.
+//
+// The leader counts the publishes it has taken (stored or not), and checks
+// a publish's Nats-Expected-Last-Sequence against that count before it
+// takes it. So settle reads the stream's last sequence, then sends a probe
+// expecting it, which the leader always refuses, never storing it: "wrong
+// last sequence" while it has taken more than it stored, or, once it holds
+// nothing unstored, the probe's other, invalid header (an expected
+// subject without its sequence). A single server, which stores what it
+// takes at once, answers the latter at once. The probe goes on the
+// connection the earlier publishes went on, to the stream's subjects, so
+// the leader counts those first. A stream whose leader holds publishes for
+// longer than settleTimeout (no quorum) ends the session start as an
+// outage of the broker, retried.
+func settle(ctx context.Context, js jetstream.JetStream, stream jetstream.Stream, src string) error {
+	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	subject := event.SettleSubject(src)
+	for {
+		info, err := stream.Info(ctx)
+		if err != nil {
+			return fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), brokerIO(err))
+		}
+		m := nats.NewMsg(subject)
+		m.Header.Set(jetstream.ExpectedLastSeqHeader, strconv.FormatUint(info.State.LastSeq, 10))
+		m.Header.Set(expectedLastSubjectSeqSubject, subject)
+		_, err = js.PublishMsg(ctx, m, noRetries)
+		var apiErr *jetstream.APIError
+		switch {
+		case errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeExpectedLastSubjectSeqMissing:
+			return nil
+		case errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeWrongLastSeq:
+			// Taken but not stored yet (or stored between the two
+			// requests): ask again.
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), ctx.Err())
+			case <-time.After(settlePoll):
+			}
+		case err != nil:
+			return fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), brokerIO(err))
+		default:
+			// A server that does not know the invalid header stored the
+			// probe (outside every partition: no projector reads it),
+			// after everything it had taken.
+			return nil
+		}
+	}
+}
+
+// expectedLastSubjectSeqSubject is JetStream's
+// Nats-Expected-Last-Subject-Sequence-Subject header: the subject a
+// Nats-Expected-Last-Subject-Sequence is checked on.
+const expectedLastSubjectSeqSubject = "Nats-Expected-Last-Subject-Sequence-Subject"
+
+// JetStream's refusals of settle's probe.
+const (
+	jsErrCodeWrongLastSeq                  jetstream.ErrorCode = 10071 // wrong last sequence: {seq}
+	jsErrCodeExpectedLastSubjectSeqMissing jetstream.ErrorCode = 10193 // missing sequence for expected last sequence per subject
+)
+
+// settleTimeout bounds settle; settlePoll is how often it asks again.
+const (
+	settleTimeout = 30 * time.Second
+	settlePoll    = 100 * time.Millisecond
+)
+
 // quorumSilence is how long a stream's leader may not have heard from a
 // replica before leaderWatch counts the replica lost (a busy or idle
 // replica is heard from every second at least).

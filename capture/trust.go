@@ -545,6 +545,12 @@ func interference(err error) bool {
 	if errors.As(err, &ce) || errors.Is(err, errChainBroken) {
 		return true
 	}
+	return wrongLastMsgID(err)
+}
+
+// wrongLastMsgID reports whether err is JetStream's refusal of a message
+// whose Nats-Expected-Last-Msg-Id is not the stream's last.
+func wrongLastMsgID(err error) bool {
 	var apiErr *jetstream.APIError
 	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeWrongLastMsgID
 }

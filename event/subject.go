@@ -102,6 +102,11 @@ func MarkSubject(src string, p int) string { return base(src, p) + ".mark" }
 // GapSubject is epitaph.<src>.<p>.gap.
 func GapSubject(src string, p int) string { return base(src, p) + ".gap" }
 
+// SettleSubject is epitaph.<src>.settle, outside every partition: the
+// capture's probe at the start of a session, which JetStream refuses (an
+// invalid header), so nothing is stored under it.
+func SettleSubject(src string) string { return SubjectPrefix + "." + src + ".settle" }
+
 // PartitionFilter matches every subject of one partition.
 func PartitionFilter(src string, p int) string { return base(src, p) + ".>" }
 

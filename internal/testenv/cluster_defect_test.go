@@ -111,3 +111,47 @@ func TestNATSDefectPlainChainAfterLeaderRestart(t *testing.T) {
 	t.Logf("published %d", <-done)
 	require.NoError(t, err)
 }
+
+// TestNATSDefectOneWrongExpectedLastMsgIDWedgesTheStream reproduces, with
+// nats-server alone, the root of the defect above: one publish whose
+// Nats-Expected-Last-Msg-Id is not the stream's last id, to a stream of
+// three replicas, is refused ("wrong last msg ID") when it is applied, and
+// every replica stops at "stream write error: last msgid mismatch": no
+// leader, nothing stored again. A single server refuses it and goes on.
+// Opt-in (EPITAPH_NATS_DEFECT_REPRO=1) while the server has the defect: on
+// nats-server v2.15.3 it fails in every run.
+func TestNATSDefectOneWrongExpectedLastMsgIDWedgesTheStream(t *testing.T) {
+	if os.Getenv("EPITAPH_NATS_DEFECT_REPRO") != "1" {
+		t.Skip("reproduces an open nats-server defect; set EPITAPH_NATS_DEFECT_REPRO=1 to run")
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	nc, err := nats.Connect(c.URL)
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		_, err = js.CreateStream(cctx, jetstream.StreamConfig{Name: "R3", Subjects: []string{"r3.>"}, Storage: jetstream.FileStorage, Replicas: 3})
+		return err == nil
+	}, time.Minute, 250*time.Millisecond)
+	_, err = js.Publish(ctx, "r3.a", []byte("1"), jetstream.WithMsgID("a"))
+	require.NoError(t, err)
+	m := nats.NewMsg("r3.b")
+	m.Header.Set(jetstream.ExpectedLastMsgIDHeader, "not-the-last")
+	_, err = js.PublishMsg(ctx, m)
+	var apiErr *jetstream.APIError
+	require.ErrorAs(t, err, &apiErr)
+	require.Equal(t, jetstream.ErrorCode(10070), apiErr.ErrorCode, "wrong last msg ID")
+	require.Eventually(t, func() bool {
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		_, err := js.Publish(cctx, "r3.c", []byte("2"))
+		if err != nil {
+			t.Logf("publish after the refusal: %v", err)
+		}
+		return err == nil
+	}, 30*time.Second, 500*time.Millisecond, "the stream stores again after one refused publish")
+}
