@@ -67,7 +67,7 @@ func newFactsStore(ctx context.Context, pool *pgxpool.Pool, publication string, 
 	}
 	if err == nil && exists {
 		var r, w bool
-		err = pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT, UPDATE')`, factsTable).Scan(&r, &w)
+		err = pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT') AND has_table_privilege($1, 'UPDATE')`, factsTable).Scan(&r, &w)
 		st.readable.Store(r)
 		st.writable.Store(w && !standby)
 		if err == nil && !w && !standby {

@@ -163,3 +163,38 @@ func TestSubPartitionedPartitionDetachedIsRecordedAsATruncate(t *testing.T) {
 	ms := e.messages(t, "main", 4)
 	require.ElementsMatch(t, []string{"truncate public.ms", "commit", "delete public.ms", "commit"}, ops(ms), "the detach")
 }
+
+// TestRecordsGrantedInPartAreWarnedOfAtStart: a capture role granted
+// SELECT and INSERT on the capture's records (made by another role), but
+// not UPDATE or DELETE, is told at start that they cannot be kept,
+// instead of failing at every write afterwards: PostgreSQL's
+// has_table_privilege with a list of privileges is true when any one is
+// held, so each is asked.
+func TestRecordsGrantedInPartAreWarnedOfAtStart(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	db := dbName(t, e.db)
+	pg := testenv.SharedPostgres(t)
+	capRole := db + "_capture"
+	e.exec(t, `CREATE ROLE `+capRole+` LOGIN REPLICATION;
+		GRANT CREATE ON DATABASE `+db+` TO `+capRole+`;
+		CREATE TABLE items (id int PRIMARY KEY); ALTER TABLE items REPLICA IDENTITY FULL;
+		ALTER TABLE items OWNER TO `+capRole+`;
+		CREATE SCHEMA IF NOT EXISTS epitaph; `+sqlSeqTable+`;
+		`+sqlFactsTable+`;
+		GRANT USAGE ON SCHEMA epitaph, `+stateSchema+` TO `+capRole+`;
+		GRANT SELECT, INSERT ON `+seqTable+`, `+factsTable+` TO `+capRole)
+	t.Cleanup(func() {
+		testenv.Exec(t, pg.URL("postgres"), `DROP OWNED BY `+capRole+` CASCADE`)
+	})
+	var logs lockedBuffer
+	cfg := e.config()
+	cfg.SourceURL = pg.UserURL(capRole, db)
+	cfg.Tables = []string{"items"}
+	svc, err := New(cfg, WithLogger(slog.New(slog.NewTextHandler(io.MultiWriter(&logs, testLogWriter{t}), nil))))
+	require.NoError(t, err)
+	require.NoError(t, svc.Start(context.Background()))
+	t.Cleanup(func() { require.NoError(t, svc.Stop(context.Background())) })
+	require.Contains(t, logs.String(), "grant SELECT, INSERT, UPDATE, DELETE ON "+seqTable, "the sequences' record, at start")
+	require.Contains(t, logs.String(), "grant SELECT, INSERT, UPDATE ON "+factsTable, "the facts' record, at start")
+}
