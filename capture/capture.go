@@ -102,10 +102,12 @@ type Service struct {
 	role        string
 	standby     *StandbyStatus
 
-	cat         *catalog        // shared by the streamer and the catalog watch
-	catalogKick chan struct{}   // a Relation message arrived: check the catalog
-	ownerWarned map[string]bool // tables warned about as not owned, under mu
-	catalogFP   string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
+	cat         *catalog      // shared by the streamer and the catalog watch
+	catalogKick chan struct{} // a Relation message arrived: check the catalog
+
+	settleStoredWarned atomic.Bool     // settleStoredWarning was logged
+	ownerWarned        map[string]bool // tables warned about as not owned, under mu
+	catalogFP          string          // catalog fingerprint at the last reconcile (watchCatalog's goroutine)
 	// leaves are the published partitioned tables' leaves at the last look
 	// (setup, then watchCatalog's goroutine; leaves.go).
 	leaves      map[uint32]leafOf
@@ -652,8 +654,12 @@ func (s *Service) resumeFrom(ctx context.Context, stream jetstream.Stream) (resu
 	if stream == nil {
 		return rp, nil
 	}
-	if err := settle(ctx, s.js, stream, cfg.SourceName); err != nil {
+	stored, err := settle(ctx, s.js, stream, cfg.SourceName)
+	if err != nil {
 		return rp, err
+	}
+	if stored && !s.settleStoredWarned.Swap(true) {
+		s.log.Warn(settleStoredWarning, "subject", event.SettleSubject(cfg.SourceName))
 	}
 	current, err := sourceWALPosition(ctx, s.pool)
 	if err != nil {

@@ -117,8 +117,47 @@ func TestSettleProbeIsRefusedAtOnceOnASingleServer(t *testing.T) {
 	st, err := e.js.Stream(ctx, event.StreamName("main"))
 	require.NoError(t, err)
 	began := time.Now()
-	require.NoError(t, settle(ctx, e.js, st, "main"))
+	stored, err := settle(ctx, e.js, st, "main")
+	require.NoError(t, err)
+	require.False(t, stored)
 	require.Less(t, time.Since(began), time.Second)
 	_, err = st.GetLastMsgForSubject(ctx, event.SettleSubject("main"))
 	require.ErrorIs(t, err, jetstream.ErrMsgNotFound, "a settle probe was stored")
+}
+
+// A server older than 2.12 stores the settle probe (it does not refuse
+// its invalid header): the resume skips such messages, without counting
+// them as foreign, and every row is stored once after them.
+func TestStoredSettleProbesAreSkippedAtResume(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	itemsTable(t, e, 30)
+	ctx := context.Background()
+	svc := e.start(t, nil)
+	e.exec(t, `DELETE FROM items WHERE id <= 10`)
+	e.messages(t, "main", 11)
+	require.NoError(t, svc.Stop(ctx))
+	// What an older server keeps of two session starts.
+	for range 2 {
+		_, err := e.js.Publish(ctx, event.SettleSubject("main"), nil)
+		require.NoError(t, err)
+	}
+	svc = e.start(t, nil)
+	e.exec(t, `DELETE FROM items WHERE id > 10`)
+	var raw []*jetstream.RawStreamMsg
+	require.Eventually(t, func() bool {
+		raw = e.rawMsgs(t, "main")
+		return len(raw) >= 11+2+21
+	}, time.Minute, 50*time.Millisecond)
+	var mine []msg
+	for _, m := range raw {
+		if m.Subject == event.SettleSubject("main") {
+			continue
+		}
+		ev, err := event.Decode(m.Data)
+		require.NoError(t, err)
+		mine = append(mine, msg{seq: m.Sequence, subject: m.Subject, msgID: m.Header.Get(event.HeaderMsgID), ev: ev})
+	}
+	requireOnce(t, mine, 30)
+	require.Equal(t, 0.0, counterValue(t, svc.m.foreign), "a stored probe counted as foreign")
 }

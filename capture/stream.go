@@ -277,14 +277,14 @@ func checkLeader(stream jetstream.Stream, leader *string) (now string, err error
 // the leader counts those first. A stream whose leader holds publishes for
 // longer than settleTimeout (no quorum) ends the session start as an
 // outage of the broker, retried.
-func settle(ctx context.Context, js jetstream.JetStream, stream jetstream.Stream, src string) error {
+func settle(ctx context.Context, js jetstream.JetStream, stream jetstream.Stream, src string) (stored bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
 	defer cancel()
 	subject := event.SettleSubject(src)
 	for {
-		info, err := stream.Info(ctx)
-		if err != nil {
-			return fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), brokerIO(err))
+		info, ierr := stream.Info(ctx)
+		if ierr != nil {
+			return false, fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), brokerIO(ierr))
 		}
 		m := nats.NewMsg(subject)
 		m.Header.Set(jetstream.ExpectedLastSeqHeader, strconv.FormatUint(info.State.LastSeq, 10))
@@ -293,22 +293,23 @@ func settle(ctx context.Context, js jetstream.JetStream, stream jetstream.Stream
 		var apiErr *jetstream.APIError
 		switch {
 		case errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeExpectedLastSubjectSeqMissing:
-			return nil
+			return false, nil
 		case errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeWrongLastSeq:
 			// Taken but not stored yet (or stored between the two
 			// requests): ask again.
 			select {
 			case <-ctx.Done():
-				return fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), ctx.Err())
+				return false, fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), ctx.Err())
 			case <-time.After(settlePoll):
 			}
 		case err != nil:
-			return fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), brokerIO(err))
+			return false, fmt.Errorf("wait for stream %s to store what its leader holds: %w", event.StreamName(src), brokerIO(err))
 		default:
-			// A server that does not know the invalid header stored the
-			// probe (outside every partition: no projector reads it),
-			// after everything it had taken.
-			return nil
+			// A server older than 2.12, which does not refuse the
+			// invalid header, stored the probe (outside every partition:
+			// no projector reads it, the resume skips it) after
+			// everything it had taken.
+			return true, nil
 		}
 	}
 }
@@ -317,6 +318,9 @@ func settle(ctx context.Context, js jetstream.JetStream, stream jetstream.Stream
 // Nats-Expected-Last-Subject-Sequence-Subject header: the subject a
 // Nats-Expected-Last-Subject-Sequence is checked on.
 const expectedLastSubjectSeqSubject = "Nats-Expected-Last-Subject-Sequence-Subject"
+
+// settleStoredWarning is logged once when the server stored a settle probe.
+const settleStoredWarning = "the NATS server stored the capture's settle probe (a server older than 2.12 does not refuse it): one empty message on the settle subject per session start, which no projector reads and the capture skips; upgrade the server to stop them"
 
 // JetStream's refusals of settle's probe.
 const (

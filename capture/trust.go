@@ -287,6 +287,9 @@ func (s *Service) walkBackResume(ctx context.Context, rs resumeStream, first, la
 		if err != nil {
 			return v, fmt.Errorf("read stream message %d: %w", seq, err)
 		}
+		if m.Subject == event.SettleSubject(src) {
+			continue // a settle probe an older server stored (settle)
+		}
 		_, signed, ok := signedSubject(src, m.Subject)
 		if !ok {
 			s.foreign(seq, m.Subject, "not an epitaph subject of this source")
@@ -413,6 +416,9 @@ func (a *adopter) find(ctx context.Context, out outMsg, alg string) (ok bool, st
 		m, more, err := a.read(ctx)
 		if err != nil || !more {
 			return false, "", err
+		}
+		if m.subject == event.SettleSubject(a.s.cfg.SourceName) {
+			continue // a settle probe an older server stored (settle)
 		}
 		storedAlg = m.header.Get(event.HeaderDigestAlg)
 		// The id without a republish suffix, and without a tag on
