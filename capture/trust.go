@@ -287,8 +287,8 @@ func (s *Service) walkBackResume(ctx context.Context, rs resumeStream, first, la
 		if err != nil {
 			return v, fmt.Errorf("read stream message %d: %w", seq, err)
 		}
-		if m.Subject == event.SettleSubject(src) {
-			continue // a settle probe an older server stored (settle)
+		if storedProbe(src, m.Subject, m.Data) {
+			continue
 		}
 		_, signed, ok := signedSubject(src, m.Subject)
 		if !ok {
@@ -417,8 +417,8 @@ func (a *adopter) find(ctx context.Context, out outMsg, alg string) (ok bool, st
 		if err != nil || !more {
 			return false, "", err
 		}
-		if m.subject == event.SettleSubject(a.s.cfg.SourceName) {
-			continue // a settle probe an older server stored (settle)
+		if storedProbe(a.s.cfg.SourceName, m.subject, m.data) {
+			continue
 		}
 		storedAlg = m.header.Get(event.HeaderDigestAlg)
 		// The id without a republish suffix, and without a tag on
@@ -552,6 +552,13 @@ func interference(err error) bool {
 		return true
 	}
 	return wrongLastMsgID(err)
+}
+
+// storedProbe reports whether a stored message is a settle probe an older
+// server stored (settle): empty, on the settle subject. Anything else
+// there is not the capture's, and foreign like any other message.
+func storedProbe(src, subject string, data []byte) bool {
+	return subject == event.SettleSubject(src) && len(data) == 0
 }
 
 // wrongLastMsgID reports whether err is JetStream's refusal of a message
