@@ -70,7 +70,7 @@ func newFactsStore(ctx context.Context, pool *pgxpool.Pool, publication string, 
 		err = pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT') AND has_table_privilege($1, 'UPDATE')`, factsTable).Scan(&r, &w)
 		st.readable.Store(r)
 		st.writable.Store(w && !standby)
-		if err == nil && !w && !standby {
+		if err == nil && (!r || !w) && !standby {
 			err = errors.New("permission denied: grant SELECT, INSERT, UPDATE ON " + factsTable + " to the capture's role")
 		}
 	}
