@@ -67,7 +67,7 @@ func newFactsStore(ctx context.Context, pool *pgxpool.Pool, publication string, 
 	}
 	if err == nil && exists {
 		var r, w bool
-		err = pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), has_table_privilege($1, 'INSERT') AND has_table_privilege($1, 'UPDATE')`, factsTable).Scan(&r, &w)
+		r, w, err = tablePrivileges(ctx, pool, factsTable, "INSERT", "UPDATE")
 		st.readable.Store(r)
 		st.writable.Store(w && !standby)
 		if err == nil && (!r || !w) && !standby {
@@ -78,6 +78,15 @@ func newFactsStore(ctx context.Context, pool *pgxpool.Pool, publication string, 
 		st.warn(err)
 	}
 	return st
+}
+
+// tablePrivileges reports whether the role may read table and whether it
+// holds every one of write. Each privilege is asked on its own:
+// has_table_privilege with a list is true when any one of them is held.
+func tablePrivileges(ctx context.Context, pool *pgxpool.Pool, table string, write ...string) (read, writeAll bool, err error) {
+	err = pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'), bool_and(has_table_privilege($1, p)) FROM unnest($2::text[]) p`,
+		table, write).Scan(&read, &writeAll)
+	return read, writeAll, err
 }
 
 func (st *factsStore) warn(err error) {

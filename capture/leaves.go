@@ -78,10 +78,7 @@ func (s *Service) openLeafRecord(ctx context.Context) *leafRecord {
 		exists = err == nil
 	}
 	if err == nil && exists {
-		// Each privilege on its own: a list is true when any one is held.
-		err = s.pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT'),
-			has_table_privilege($1, 'INSERT') AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')`, leavesTable).
-			Scan(&r.readable, &r.writable)
+		r.readable, r.writable, err = tablePrivileges(ctx, s.pool, leavesTable, "INSERT", "UPDATE", "DELETE")
 		if err == nil && !r.writable {
 			err = fmt.Errorf("permission denied: grant SELECT, INSERT, UPDATE, DELETE ON %s to the capture's role", leavesTable)
 		}

@@ -99,12 +99,9 @@ func (s *Service) ensureSeqTable(ctx context.Context) {
 		_, err = s.pool.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS epitaph; `+sqlSeqTable)
 	}
 	if err == nil {
-		// Made by another role (a first run as a superuser, say). A list
-		// of privileges asks whether any one of them is held: each is
-		// asked.
-		var ok bool
-		if err = s.pool.QueryRow(ctx, `SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT')
-			AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')`, seqTable).Scan(&ok); err == nil && !ok {
+		// Made by another role (a first run as a superuser, say).
+		var read, write bool
+		if read, write, err = tablePrivileges(ctx, s.pool, seqTable, "INSERT", "UPDATE", "DELETE"); err == nil && !(read && write) {
 			err = errors.New("permission denied: grant SELECT, INSERT, UPDATE, DELETE ON " + seqTable + " to the capture's role")
 		}
 	}

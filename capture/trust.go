@@ -551,7 +551,8 @@ func interference(err error) bool {
 	if errors.As(err, &ce) || errors.Is(err, errChainBroken) {
 		return true
 	}
-	return wrongLastMsgID(err)
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeWrongLastMsgID
 }
 
 // storedProbe reports whether a stored message is a settle probe an older
@@ -559,13 +560,6 @@ func interference(err error) bool {
 // there is not the capture's, and foreign like any other message.
 func storedProbe(src, subject string, data []byte) bool {
 	return subject == event.SettleSubject(src) && len(data) == 0
-}
-
-// wrongLastMsgID reports whether err is JetStream's refusal of a message
-// whose Nats-Expected-Last-Msg-Id is not the stream's last.
-func wrongLastMsgID(err error) bool {
-	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeWrongLastMsgID
 }
 
 // jsErrCodeWrongLastMsgID is JetStream's "wrong last msg ID" (10070).
