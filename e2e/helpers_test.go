@@ -312,6 +312,9 @@ func pipelineState(ctx context.Context, url string, watch *bench.StreamWatch) st
 		`SELECT format('quarantine %s %s: %s', partition, category, left(error, 200)) FROM epitaph.quarantine`,
 		`SELECT format('archived %s: %s', t, n) FROM (SELECT schema_name || '.' || table_name AS t, count(*) AS n
 			FROM archive.rows GROUP BY 1) x ORDER BY 1`,
+		// Rows archived but not visible: their transaction's commit never verified.
+		`SELECT format('unverified commit_lsn=%s rows=%s seqs=%s..%s', commit_lsn, count(*), min(seq), max(seq))
+			FROM archive_v1.rows WHERE NOT verified GROUP BY commit_lsn ORDER BY commit_lsn`,
 		`SELECT format('backend pid=%s app=%s state=%s wait=%s/%s running=%s query=%s', pid, application_name, state,
 			wait_event_type, wait_event, now() - query_start, left(regexp_replace(query, '\s+', ' ', 'g'), 100))
 			FROM pg_stat_activity WHERE datname = current_database() AND state <> 'idle' AND pid <> pg_backend_pid()`,

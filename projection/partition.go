@@ -12,12 +12,15 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/progress"
+	"github.com/epitaph-dev/epitaph/projection/archive"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -389,6 +392,9 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 		return err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
+	if err := w.dropOpenWindow(ctx, tx); err != nil {
+		return err
+	}
 	if err := progress.Advance(ctx, tx, w.lease, w.pos.Cursor, next, w.cfg.LeaseTTL); err != nil {
 		return err
 	}
@@ -400,6 +406,70 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 	w.metrics.rewinds.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
 	w.pos = next
 	return nil
+}
+
+// dropOpenWindow deletes, in the rewind's transaction tx, what the
+// partition archived of transactions not verified yet at or after the last
+// applied commit LSN (the open window: rows inserted invisible, truncates
+// waiting) and stops their deliveries, as verification's slow path drops
+// rows it refuses. The rewind applies those messages again from the
+// stream, and the copies written before must not stay: a transaction
+// re-applied whole in one page inserts its rows verified, ON CONFLICT DO
+// NOTHING kept the invisible copies instead, and the transaction's rows
+// were never seen, with no gap; and a copy of a message the stream lost
+// and nobody re-sent is not the capture's to keep.
+func (w *partitionWorker) dropOpenWindow(ctx context.Context, tx pgx.Tx) error {
+	rs, err := tx.Query(ctx, `SELECT commit_lsn::text, seq FROM `+archive.Ident(w.ver.Schema, "rows")+`
+		WHERE source = $1 AND NOT verified AND commit_lsn >= $2::pg_lsn
+		UNION ALL
+		SELECT commit_lsn::text, seq FROM `+archive.Ident(w.ver.Schema, "pending_truncates")+`
+		WHERE partition = $3 AND commit_lsn >= $2::pg_lsn`,
+		w.cfg.SourceName, w.pos.CommitLSN.String(), w.lease.Partition)
+	if err != nil {
+		return fmt.Errorf("read the open window: %w", err)
+	}
+	var drop []rowID
+	for rs.Next() {
+		var lsn string
+		var seq int
+		if err := rs.Scan(&lsn, &seq); err != nil {
+			rs.Close()
+			return fmt.Errorf("read the open window: %w", err)
+		}
+		l, err := event.ParseLSN(lsn)
+		if err != nil {
+			rs.Close()
+			return fmt.Errorf("read the open window: %w", err)
+		}
+		if event.Partition(l, w.partitions) == w.lease.Partition {
+			drop = append(drop, rowID{lsn: l, seq: seq})
+		}
+	}
+	rs.Close()
+	if err := rs.Err(); err != nil {
+		return fmt.Errorf("read the open window: %w", err)
+	}
+	if len(drop) == 0 {
+		return nil
+	}
+	if err := dropUnverified(ctx, tx, w.ver.Schema, w.cfg.SourceName, w.lease.Partition, drop); err != nil {
+		return err
+	}
+	w.log.Warn("rewind: dropped the open transaction's rows not verified yet, to apply them again from the stream",
+		"rows", len(drop), "from_commit_lsn", w.pos.CommitLSN.String())
+	var live bool
+	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM epitaph.projection_versions
+		WHERE projection = $1 AND version = $2 AND state = 'live')`, w.ver.Projection, w.ver.Version).Scan(&live); err != nil {
+		return fmt.Errorf("read the version's state: %w", err)
+	}
+	if !live {
+		return nil // deliveries are the live version's (a rebuild makes none)
+	}
+	lsns, seqs := make([]string, len(drop)), make([]int32, len(drop))
+	for i, r := range drop {
+		lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
+	}
+	return handler.StopUnverified(ctx, tx, w.cfg.SourceName, lsns, seqs)
 }
 
 // rewindTarget binary-searches the stream in [first, bound] for the first

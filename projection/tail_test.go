@@ -6,9 +6,13 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/epitaph-dev/epitaph/event"
+	"github.com/epitaph-dev/epitaph/handler"
+	"github.com/epitaph-dev/epitaph/migrations"
+	"github.com/epitaph-dev/epitaph/projection"
 )
 
 func streamLast(t *testing.T, e *env) uint64 {
@@ -103,4 +107,71 @@ func TestDeletedTailRepublished(t *testing.T) {
 	require.Equal(t, 7, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root`))
 	_, err = s.GetMsg(ctx, 20)
 	require.ErrorIs(t, err, jetstream.ErrMsgNotFound)
+}
+
+// The stream loses its tail in the middle of a transaction whose rows the
+// projector had archived (invisible, waiting for the commit), and the
+// capture re-sends the lost rows and the commit: after the rewind the whole
+// transaction is one page. Its rows must become visible, each once.
+func TestTailLostInsideAnOpenTransaction(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	tx1 := e.nextTx(orderRows(1, 3)...)
+	tx2 := e.nextTx(orderRows(2, 7)...)
+	for tx2.partition != tx1.partition {
+		tx2 = e.nextTx(orderRows(2, 7)...)
+	}
+	other := e.nextTx(orderRows(3, 1)...)
+	for other.partition == tx1.partition {
+		other = e.nextTx(orderRows(3, 1)...)
+	}
+	m1, m2, mo := e.messages(tx1), e.messages(tx2), e.messages(other)
+	ctx := context.Background()
+	pool := e.pool()
+	require.NoError(t, migrations.Apply(ctx, pool))
+	addGoHandler(t, pool, "7a1c3f00-0000-4000-8000-0000000000a1", "orders", "rec", handler.PhaseImmediate)
+	addGoHandler(t, pool, "7a1c3f00-0000-4000-8000-0000000000a2", "order_lines", "rec", handler.PhaseImmediate)
+	reg := handler.NewRegistry()
+	rec := &recorder{}
+	require.NoError(t, reg.Register("rec", rec))
+	disp, err := handler.NewDispatcher(pool, handler.Config{Registry: reg, Logger: testLogger(t)})
+	require.NoError(t, err)
+	for _, m := range append(m1, m2[:len(m2)-1]...) { // tx2 without its commit
+		_, err := e.pubMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	svc, err := projection.New(e.config("w1"), projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
+	require.NoError(t, err)
+	require.NoError(t, svc.Start(ctx))
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool {
+		return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == len(m1)+len(m2)-1
+	})
+	require.Equal(t, 4, count(t, c, `SELECT count(*) FROM archive.rows`))
+	require.Equal(t, 8, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE NOT verified`), "tx2's rows wait for its commit")
+	require.Equal(t, 8, count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE released_at IS NULL`), "so do their deliveries")
+	require.NoError(t, svc.Stop(ctx))
+
+	// Power loss: the stream comes back empty; the capture re-sends what
+	// it had not confirmed, another partition's transaction first, so
+	// another message sits at the cursor. The projector rewinds and finds
+	// the whole of tx2 in one page.
+	require.NoError(t, e.js.DeleteStream(ctx, event.StreamName(src)))
+	e.createStream()
+	for _, m := range append(append(mo, m1...), m2...) {
+		e.signer.Sign(m) // signed already, except tx2's commit
+		_, err := e.js.PublishMsg(ctx, m)
+		require.NoError(t, err)
+	}
+	e.start(e.config("w1"))
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == len(mo)+len(m1)+len(m2) })
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4+8+2 },
+		"rows: %d, unverified: %d", count(t, c, `SELECT count(*) FROM archive.rows`), count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE NOT verified`))
+	require.Equal(t, 0, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE NOT verified`))
+	require.Equal(t, 3, count(t, c, `SELECT count(*) FROM archive.rows WHERE is_root`))
+	// Every row's delivery runs, once.
+	require.Zero(t, flushAll(t, disp))
+	require.Equal(t, 14, rec.count())
+	require.Equal(t, 14, count(t, c, `SELECT count(*) FROM epitaph.deliveries WHERE state = 'done'`))
+	require.Equal(t, 14, count(t, c, `SELECT count(*) FROM epitaph.deliveries`))
 }

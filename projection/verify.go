@@ -987,19 +987,8 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 	if vd == nil {
 		return nil
 	}
-	if len(vd.drop) > 0 {
-		lsns, seqs := make([]string, len(vd.drop)), make([]int32, len(vd.drop))
-		for i, r := range vd.drop {
-			lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
-		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(v.Schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
-			WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, s.cfg.SourceName, lsns, seqs); err != nil {
-			return fmt.Errorf("drop unverified rows: %w", err)
-		}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(v.Schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
-			WHERE p.partition = $1 AND p.commit_lsn = u.lsn::pg_lsn AND p.seq = u.seq`, l.Partition, lsns, seqs); err != nil {
-			return fmt.Errorf("drop unverified truncates: %w", err)
-		}
+	if err := dropUnverified(ctx, tx, v.Schema, s.cfg.SourceName, l.Partition, vd.drop); err != nil {
+		return err
 	}
 	if len(vd.promote) > 0 {
 		lsns := make([]string, len(vd.promote))
@@ -1048,6 +1037,27 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 			l.Partition, froms, suspectedGapCleared); err != nil {
 			return fmt.Errorf("clear suspected gap: %w", err)
 		}
+	}
+	return nil
+}
+
+// dropUnverified deletes, in tx, the unverified rows and truncates drop
+// of a partition from the archive of schema.
+func dropUnverified(ctx context.Context, tx pgx.Tx, schema, source string, partition int, drop []rowID) error {
+	if len(drop) == 0 {
+		return nil
+	}
+	lsns, seqs := make([]string, len(drop)), make([]int32, len(drop))
+	for i, r := range drop {
+		lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
+	}
+	if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, source, lsns, seqs); err != nil {
+		return fmt.Errorf("drop unverified rows: %w", err)
+	}
+	if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(schema, "pending_truncates")+` p USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
+		WHERE p.partition = $1 AND p.commit_lsn = u.lsn::pg_lsn AND p.seq = u.seq`, partition, lsns, seqs); err != nil {
+		return fmt.Errorf("drop unverified truncates: %w", err)
 	}
 	return nil
 }
