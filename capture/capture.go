@@ -114,6 +114,9 @@ type Service struct {
 	leafRec     *leafRecord // nil until the first look
 	ddlListenUp atomic.Bool // the notify guard's LISTEN is up (listenDDL)
 	ddlDue      atomic.Bool // a catalog check for the notify guard's signals is due (ddlSignal)
+	// catalogAbort cancels the catalog check running, if any
+	// (abortCatalogCheck).
+	catalogAbort atomic.Pointer[context.CancelFunc]
 
 	lease    *lease // with Config.Standby
 	leaseErr atomic.Pointer[LeaseLostError]

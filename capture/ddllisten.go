@@ -51,6 +51,7 @@ func (s *Service) listenDDL(ctx context.Context) {
 		// handed out (the reconnect's and the catalog checks' acquires
 		// among them). Closed now, they are dialled afresh.
 		s.pool.Reset()
+		s.abortCatalogCheck()
 		if !down {
 			s.log.Warn("DDL guard's LISTEN connection lost; reconnecting, the catalog poll (--catalog-poll) publishes new tables meanwhile",
 				"err", redactErr(err))

@@ -50,6 +50,18 @@ func (s *Service) notifyGuard() bool {
 	return s.cfg.InstallDDLGuard && s.cfg.DDLGuardMode != DDLGuardInline
 }
 
+// abortCatalogCheck cancels the catalog check running, if any: the notify
+// guard's LISTEN was lost, and what took it most likely took the
+// connection the check waits on, where it would wait for the source's TCP
+// timeout (the pool hands out a connection used under a second ago
+// without a ping), holding up the checks the LISTEN's return asks for.
+// The watch checks again at once.
+func (s *Service) abortCatalogCheck() {
+	if cancel := s.catalogAbort.Load(); cancel != nil {
+		(*cancel)()
+	}
+}
+
 // catalogRetry is how soon a failed catalog check is tried again with the
 // notify guard.
 const catalogRetry = time.Second
@@ -77,10 +89,18 @@ func (s *Service) watchCatalog(ctx context.Context) {
 		case <-tick:
 		case <-s.catalogKick:
 		}
-		err := s.reconcileIfChanged(ctx)
+		cctx, cancel := context.WithCancel(ctx)
+		s.catalogAbort.Store(&cancel)
+		err := s.reconcileIfChanged(cctx)
+		s.catalogAbort.Store(nil)
+		aborted := cctx.Err() != nil
+		cancel()
 		switch {
 		case err != nil && ctx.Err() != nil:
 			return
+		case err != nil && aborted:
+			s.log.Info("catalog check abandoned: the source connection it waited on most likely died with the DDL guard's LISTEN; checking again")
+			s.kickCatalog()
 		case err != nil:
 			s.m.catalogErrors.Inc()
 			if _, ok := outage(err); !ok && !failing { // an outage has the stream loop's line
