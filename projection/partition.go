@@ -392,7 +392,8 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 		return err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	if err := w.dropOpenWindow(ctx, tx); err != nil {
+	dropped, err := w.dropOpenWindow(ctx, tx)
+	if err != nil {
 		return err
 	}
 	if err := progress.Advance(ctx, tx, w.lease, w.pos.Cursor, next, w.cfg.LeaseTTL); err != nil {
@@ -402,7 +403,8 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 		return fmt.Errorf("commit rewind: %w", err)
 	}
 	w.log.Warn("stream lost its tail: rewound the partition to re-apply idempotently",
-		"reason", why, "from", w.pos.Cursor, "to", target, "last_commit_lsn", w.pos.CommitLSN.String())
+		"reason", why, "from", w.pos.Cursor, "to", target, "last_commit_lsn", w.pos.CommitLSN.String(),
+		"unverified_rows_dropped", dropped)
 	w.metrics.rewinds.WithLabelValues(w.ver.Projection, itoa(w.ver.Version)).Inc()
 	w.pos = next
 	return nil
@@ -412,64 +414,56 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 // partition archived of transactions not verified yet at or after the last
 // applied commit LSN (the open window: rows inserted invisible, truncates
 // waiting) and stops their deliveries, as verification's slow path drops
-// rows it refuses. The rewind applies those messages again from the
-// stream, and the copies written before must not stay: a transaction
-// re-applied whole in one page inserts its rows verified, ON CONFLICT DO
-// NOTHING kept the invisible copies instead, and the transaction's rows
-// were never seen, with no gap; and a copy of a message the stream lost
-// and nobody re-sent is not the capture's to keep.
-func (w *partitionWorker) dropOpenWindow(ctx context.Context, tx pgx.Tx) error {
-	rs, err := tx.Query(ctx, `SELECT commit_lsn::text, seq FROM `+archive.Ident(w.ver.Schema, "rows")+`
+// rows it refuses; it returns how many. The rewind applies those messages
+// again from the stream, and the copies written before must not stay: a
+// transaction re-applied whole in one page inserts its rows verified, ON
+// CONFLICT DO NOTHING would keep the invisible copies instead, and the
+// transaction's rows would never be seen, with no gap; and a copy of a
+// message the stream lost and nobody sent again is not to be kept.
+func (w *partitionWorker) dropOpenWindow(ctx context.Context, tx pgx.Tx) (int, error) {
+	rs, _ := tx.Query(ctx, `SELECT commit_lsn::text, seq FROM `+archive.Ident(w.ver.Schema, "rows")+`
 		WHERE source = $1 AND NOT verified AND commit_lsn >= $2::pg_lsn
 		UNION ALL
 		SELECT commit_lsn::text, seq FROM `+archive.Ident(w.ver.Schema, "pending_truncates")+`
 		WHERE partition = $3 AND commit_lsn >= $2::pg_lsn`,
 		w.cfg.SourceName, w.pos.CommitLSN.String(), w.lease.Partition)
-	if err != nil {
-		return fmt.Errorf("read the open window: %w", err)
-	}
-	var drop []rowID
-	for rs.Next() {
+	window, err := pgx.CollectRows(rs, func(r pgx.CollectableRow) (rowID, error) {
 		var lsn string
-		var seq int
-		if err := rs.Scan(&lsn, &seq); err != nil {
-			rs.Close()
-			return fmt.Errorf("read the open window: %w", err)
+		var id rowID
+		err := r.Scan(&lsn, &id.seq)
+		if err == nil {
+			id.lsn, err = event.ParseLSN(lsn)
 		}
-		l, err := event.ParseLSN(lsn)
-		if err != nil {
-			rs.Close()
-			return fmt.Errorf("read the open window: %w", err)
-		}
-		if event.Partition(l, w.partitions) == w.lease.Partition {
-			drop = append(drop, rowID{lsn: l, seq: seq})
-		}
+		return id, err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("read the open window: %w", err)
 	}
-	rs.Close()
-	if err := rs.Err(); err != nil {
-		return fmt.Errorf("read the open window: %w", err)
+	drop := window[:0]
+	for _, id := range window {
+		if event.Partition(id.lsn, w.partitions) == w.lease.Partition {
+			drop = append(drop, id)
+		}
 	}
 	if len(drop) == 0 {
-		return nil
+		return 0, nil
 	}
 	if err := dropUnverified(ctx, tx, w.ver.Schema, w.cfg.SourceName, w.lease.Partition, drop); err != nil {
-		return err
+		return 0, err
 	}
-	w.log.Warn("rewind: dropped the open transaction's rows not verified yet, to apply them again from the stream",
-		"rows", len(drop), "from_commit_lsn", w.pos.CommitLSN.String())
 	var live bool
 	if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM epitaph.projection_versions
 		WHERE projection = $1 AND version = $2 AND state = 'live')`, w.ver.Projection, w.ver.Version).Scan(&live); err != nil {
-		return fmt.Errorf("read the version's state: %w", err)
+		return 0, fmt.Errorf("read the version's state: %w", err)
 	}
 	if !live {
-		return nil // deliveries are the live version's (a rebuild makes none)
+		return len(drop), nil // deliveries are the live version's (a rebuild makes none)
 	}
 	lsns, seqs := make([]string, len(drop)), make([]int32, len(drop))
 	for i, r := range drop {
 		lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
 	}
-	return handler.StopUnverified(ctx, tx, w.cfg.SourceName, lsns, seqs)
+	return len(drop), handler.StopUnverified(ctx, tx, w.cfg.SourceName, lsns, seqs)
 }
 
 // rewindTarget binary-searches the stream in [first, bound] for the first
