@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"crypto/sha256"
@@ -8,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 
@@ -21,6 +23,7 @@ import (
 	"github.com/epitaph-dev/epitaph/internal/startstop"
 	"github.com/epitaph-dev/epitaph/progress"
 	"github.com/epitaph-dev/epitaph/projection/archive"
+	"github.com/epitaph-dev/epitaph/projection/trust"
 	"github.com/epitaph-dev/epitaph/projection/version"
 	"github.com/epitaph-dev/epitaph/quarantine"
 )
@@ -387,6 +390,10 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 			return fmt.Errorf("read message at %d: %w", target, err)
 		}
 	}
+	lost, err := w.lostWindowEntries(ctx)
+	if err != nil {
+		return err
+	}
 	tx, err := w.pool.Begin(ctx)
 	if err != nil {
 		return err
@@ -394,6 +401,9 @@ func (w *partitionWorker) rewind(ctx context.Context, first, last uint64, why st
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	dropped, err := w.dropOpenWindow(ctx, tx)
 	if err != nil {
+		return err
+	}
+	if err := w.refuseEntries(ctx, tx, lost); err != nil {
 		return err
 	}
 	if err := progress.Advance(ctx, tx, w.lease, w.pos.Cursor, next, w.cfg.LeaseTTL); err != nil {
@@ -466,9 +476,92 @@ func (w *partitionWorker) dropOpenWindow(ctx context.Context, tx pgx.Tx) (int, e
 	return len(drop), handler.StopUnverified(ctx, tx, w.cfg.SourceName, lsns, seqs)
 }
 
+// openWindowLost is the error of a quarantined row of the open window
+// that the stream lost (lostWindowEntries).
+const openWindowLost = "row message of a transaction whose signed commit was not seen, lost from the stream with its tail; " +
+	"the partition applied the stream again from before it (what the stream still holds of it is quarantined anew)"
+
+// lostWindowEntries returns the open quarantine entries of the row
+// messages in the partition's open window (after its last verified
+// boundary, up to the cursor) that the stream no longer holds at their
+// sequence: the rewind refuses them (refuseEntries), as verification
+// refuses the rows of a window no signed commit closes. Their invisible
+// siblings are dropped (dropOpenWindow), and the open window's trust state
+// with the rewind: nothing would tell a replay any more that no signed
+// commit covers them, and it would archive such a row visible. An entry
+// whose message is still there is left as it is: the partition applies it
+// again, in its window.
+func (w *partitionWorker) lostWindowEntries(ctx context.Context) ([]int64, error) {
+	if w.pos.Trust.Pending == 0 {
+		return nil, nil
+	}
+	type entry struct {
+		id, seq int64
+		subject string
+		headers map[string][]string
+		data    []byte
+	}
+	rs, err := w.pool.Query(ctx, `SELECT id, stream_seq, subject, headers, data FROM epitaph.quarantine
+		WHERE projection = $1 AND version = $2 AND partition = $3 AND status = 'open' AND category <> $4
+		  AND stream_seq > $5 AND stream_seq <= $6`,
+		w.ver.Projection, w.ver.Version, w.lease.Partition, trust.CategoryUnauthenticated,
+		int64(w.pos.Trust.TxStart), int64(w.pos.Cursor))
+	if err != nil {
+		return nil, fmt.Errorf("read the open window's quarantine entries: %w", err)
+	}
+	entries, err := pgx.CollectRows(rs, func(r pgx.CollectableRow) (entry, error) {
+		var e entry
+		err := r.Scan(&e.id, &e.seq, &e.subject, &e.headers, &e.data)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read the open window's quarantine entries: %w", err)
+	}
+	var lost []int64
+	for _, e := range entries {
+		if kindOf(e.subject) != kindRow {
+			continue
+		}
+		raw, err := w.stream.GetMsg(ctx, uint64(e.seq))
+		switch {
+		case errors.Is(err, jetstream.ErrMsgNotFound):
+		case err != nil:
+			return nil, fmt.Errorf("read message at %d: %w", e.seq, err)
+		case identityOf(raw.Header, raw.Data) == identityOf(e.headers, e.data) && bytes.Equal(raw.Data, e.data):
+			continue
+		}
+		lost = append(lost, e.id)
+	}
+	return lost, nil
+}
+
+// refuseEntries refuses, in the rewind's transaction tx, the quarantine
+// entries ids (lostWindowEntries) as unauthenticated.
+func (w *partitionWorker) refuseEntries(ctx context.Context, tx pgx.Tx, ids []int64) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	tag, err := tx.Exec(ctx, `UPDATE epitaph.quarantine SET category = $2, error = $3, last_attempt_at = now()
+		WHERE id = ANY($1::bigint[]) AND status = 'open'`, ids, trust.CategoryUnauthenticated, openWindowLost)
+	if err != nil {
+		return fmt.Errorf("refuse the open window's lost quarantine entries: %w", err)
+	}
+	w.log.Warn("rewind: refused the quarantined row messages of the open transaction that the stream lost (its signed commit was not seen)",
+		"entries", tag.RowsAffected(), "from_seq", w.pos.Trust.TxStart+1, "to_seq", w.pos.Cursor)
+	return nil
+}
+
 // rewindTarget binary-searches the stream in [first, bound] for the first
 // partition message whose position is >= the last applied commit LSN and
 // returns the sequence just before it (bound when there is none).
+//
+// When there is none, the partition's next message past bound may be the
+// tail of a copy of a transaction applied before (the stream holds the
+// partition's messages at other sequences than before, another
+// partition's first): the target is then before that copy's first message,
+// so that the copy is applied again whole (a replay, ignored). Started
+// inside it, its tail would open the next transaction's window and be
+// refused with it, quarantined as not part of a verified transaction.
 func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64) (uint64, error) {
 	want := w.pos.CommitLSN
 	if want == 0 || first == 0 || bound < first {
@@ -477,29 +570,25 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 		}
 		return 0, nil
 	}
-	// next returns the first partition message at or after seq (within
-	// bound), its position, and whether there is one.
-	next := func(seq uint64) (uint64, event.LSN, bool, error) {
-		raw, err := w.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(w.filter))
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			return 0, 0, false, nil
-		}
-		if err != nil {
-			return 0, 0, false, fmt.Errorf("search stream from %d: %w", seq, err)
-		}
-		if raw.Sequence > bound {
-			return 0, 0, false, nil
-		}
-		e, err := w.cfg.Decoder.Decode(raw.Data)
-		if err != nil {
-			return raw.Sequence, 0, true, nil // unknown position: treat as "at or after"
-		}
-		return raw.Sequence, version.PositionLSN(e), true, nil
+	target, err := w.searchPosition(ctx, first, bound, want)
+	if err != nil || target < bound {
+		return target, err
 	}
+	_, lsn, ok, err := w.partitionMsgFrom(ctx, bound+1, math.MaxUint64)
+	if err != nil || !ok || lsn >= want {
+		return bound, err
+	}
+	return w.searchPosition(ctx, first, bound, lsn)
+}
+
+// searchPosition binary-searches the stream in [first, bound] for the
+// first partition message whose position is >= want and returns the
+// sequence just before it (bound when there is none).
+func (w *partitionWorker) searchPosition(ctx context.Context, first, bound uint64, want event.LSN) (uint64, error) {
 	lo, hi := first, bound+1 // invariant: the answer m is in [lo, hi]
 	for lo < hi {
 		mid := lo + (hi-lo)/2
-		_, lsn, ok, err := next(mid)
+		_, lsn, ok, err := w.partitionMsgFrom(ctx, mid, bound)
 		if err != nil {
 			return 0, err
 		}
@@ -509,7 +598,7 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 			lo = mid + 1
 		}
 	}
-	seq, _, ok, err := next(lo)
+	seq, _, ok, err := w.partitionMsgFrom(ctx, lo, bound)
 	if err != nil {
 		return 0, err
 	}
@@ -518,6 +607,33 @@ func (w *partitionWorker) rewindTarget(ctx context.Context, first, bound uint64)
 	}
 	return seq - 1, nil
 }
+
+// partitionMsgFrom returns the first partition message at or after seq
+// (within bound), its position (unknownPosition when it cannot be
+// decoded), and whether there is one.
+func (w *partitionWorker) partitionMsgFrom(ctx context.Context, seq, bound uint64) (uint64, event.LSN, bool, error) {
+	raw, err := w.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(w.filter))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0, 0, false, nil
+	}
+	if err != nil {
+		return 0, 0, false, fmt.Errorf("search stream from %d: %w", seq, err)
+	}
+	if raw.Sequence > bound {
+		return 0, 0, false, nil
+	}
+	e, err := w.cfg.Decoder.Decode(raw.Data)
+	if err != nil {
+		return raw.Sequence, unknownPosition, true, nil
+	}
+	return raw.Sequence, version.PositionLSN(e), true, nil
+}
+
+// unknownPosition is the position of a message that cannot be decoded: at
+// or after any, so that a rewind starts before it rather than after (a row
+// of the transaction it rewinds to, skipped, would make the transaction
+// fail its signed digest).
+const unknownPosition = event.LSN(math.MaxUint64)
 
 // ensureConsumer keeps the durable consumer if it stands exactly at the
 // cursor with nothing in flight, else deletes and recreates it to start at
