@@ -2,7 +2,6 @@ package capture
 
 import (
 	"context"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -25,18 +24,7 @@ func TestCatalogCheckStuckOnADeadPathIsAbandonedWhenTheListenIsLost(t *testing.T
 	notifyGuard(&cfg)
 	cfg.SourceURL = viaProxy
 	svc := newService(t, cfg)
-	var armed atomic.Bool
-	held, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
-	t.Cleanup(func() { close(done) }) // never leave the watch held (runs before the stop)
-	svc.hooks = &testHooks{afterMembers: func() {
-		if armed.CompareAndSwap(true, false) {
-			close(held)
-			select {
-			case <-release:
-			case <-done:
-			}
-		}
-	}}
+	armed, held, release := holdReconcile(t, svc)
 	require.NoError(t, svc.Start(context.Background()))
 	pid := e.listenPID(t, 0)
 	waitListenUp(t, svc, true, 5*time.Second)

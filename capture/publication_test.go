@@ -42,6 +42,26 @@ func TestTableRemovedFromThePublicationBySomeoneElseRecordsAGap(t *testing.T) {
 	require.Contains(t, gaps[0], "removed from the publication by someone else")
 }
 
+// holdReconcile makes svc's next catalog reconcile, once armed, stop
+// after it has read the publication's members: held is closed then, and
+// it goes on when release is closed (or the test ends).
+func holdReconcile(t *testing.T, svc *Service) (armed *atomic.Bool, held, release chan struct{}) {
+	t.Helper()
+	armed = &atomic.Bool{}
+	held, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	t.Cleanup(func() { close(done) }) // never leave the watch held (runs before the stop)
+	svc.hooks = &testHooks{afterMembers: func() {
+		if armed.CompareAndSwap(true, false) {
+			close(held)
+			select {
+			case <-release:
+			case <-done:
+			}
+		}
+	}}
+	return armed, held, release
+}
+
 // TestTableRemovedWhileAReconcileRunsStillRecordsAGap: someone removes a
 // captured table from the publication while a catalog reconcile (for
 // another table) is under way: it read the publication before the removal
@@ -55,18 +75,7 @@ func TestTableRemovedWhileAReconcileRunsStillRecordsAGap(t *testing.T) {
 	cfg := e.config()
 	fastPoll(&cfg)
 	svc := newService(t, cfg)
-	var armed atomic.Bool
-	held, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
-	t.Cleanup(func() { close(done) }) // never leave the watch held (runs before the stop)
-	svc.hooks = &testHooks{afterMembers: func() {
-		if armed.CompareAndSwap(true, false) {
-			close(held)
-			select {
-			case <-release:
-			case <-done:
-			}
-		}
-	}}
+	armed, held, release := holdReconcile(t, svc)
 	require.NoError(t, svc.Start(context.Background()))
 	e.exec(t, `DELETE FROM g WHERE id = 1`)
 	e.messages(t, "main", 2)

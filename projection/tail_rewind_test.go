@@ -115,44 +115,13 @@ func TestReplayAfterRewindKeepsAnUnverifiedTransactionsRowOut(t *testing.T) {
 // not leave tx1's tail in tx2's window, refused as a forgery.
 func TestRewindPastAReappliedTransactionsTail(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 2)
-	tx1 := e.nextTx(orderRows(1, 3)...)
-	tx2 := e.nextTx(orderRows(2, 7)...)
-	for tx2.partition != tx1.partition {
-		tx2 = e.nextTx(orderRows(2, 7)...)
-	}
-	other := e.nextTx(orderRows(3, 8)...)
-	for other.partition == tx1.partition {
-		other = e.nextTx(orderRows(3, 8)...)
-	}
-	m1, m2, mo := e.messages(tx1), e.messages(tx2), e.messages(other)
-	ctx := context.Background()
-	require.NoError(t, migrations.Apply(ctx, e.pool()))
-	for _, m := range append(append([]*nats.Msg{}, m1...), m2[:len(m2)-1]...) {
-		_, err := e.pubMsg(ctx, m)
-		require.NoError(t, err)
-	}
-	svc, err := projection.New(e.config("w1"), projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
-	require.NoError(t, err)
-	require.NoError(t, svc.Start(ctx))
-	c := e.conn()
-	eventually(t, 20*time.Second, func() bool {
-		return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == len(m1)+len(m2)-1
-	})
-	require.NoError(t, svc.Stop(ctx))
-	require.NoError(t, e.js.DeleteStream(ctx, event.StreamName(src)))
-	e.createStream()
-	for _, m := range append(append(append([]*nats.Msg{}, mo...), m1...), m2...) {
-		e.signer.Sign(m)
-		_, err := e.js.PublishMsg(ctx, m)
-		require.NoError(t, err)
-	}
-	e.start(e.config("w1"))
+	sc := newTailScene(t, 8, nil, nil)
+	c := sc.c
+	sc.resend(t)
+	sc.e.start(sc.e.config("w1"))
 	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT count(*) FROM archive.rows`) == 4+8+9 },
 		"rows: %d", count(t, c, `SELECT count(*) FROM archive.rows`))
-	eventually(t, 20*time.Second, func() bool {
-		return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == len(mo)+len(m1)+len(m2)
-	})
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == sc.all() })
 	require.Zero(t, count(t, c, `SELECT count(*) FROM archive_v1.rows WHERE NOT verified`))
 	require.Empty(t, keysOf(t, c, `SELECT format('%s %s %s', stream_seq, category, error) FROM epitaph.quarantine`))
 }
@@ -164,45 +133,15 @@ func TestRewindPastAReappliedTransactionsTail(t *testing.T) {
 // matching its signed digest.
 func TestRewindSearchOverAnUndecodableRowKeepsTheTransaction(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 2)
-	tx1 := e.nextTx(orderRows(1, 3)...)
-	tx2 := e.nextTx(orderRows(2, 7)...)
-	for tx2.partition != tx1.partition {
-		tx2 = e.nextTx(orderRows(2, 7)...)
-	}
-	other := e.nextTx(orderRows(3, 1)...)
-	for other.partition == tx1.partition {
-		other = e.nextTx(orderRows(3, 1)...)
-	}
-	m1, m2, mo := e.messages(tx1), e.messages(tx2), e.messages(other)
-	// After the loss the stream is mo (1-3), tx1 (4-8), tx2 (9-17): the
+	// After the loss the stream is other (1-3), tx1 (4-8), tx2 (9-17): the
 	// search in [1, 13] (the old cursor) reads sequence 11, this row.
-	m2[2].Data = bytes.Replace(m2[2].Data, []byte(`"v":1`), []byte(`"v":2`), 1)
-	ctx := context.Background()
-	require.NoError(t, migrations.Apply(ctx, e.pool()))
-	for _, m := range append(append([]*nats.Msg{}, m1...), m2[:len(m2)-1]...) {
-		_, err := e.pubMsg(ctx, m)
-		require.NoError(t, err)
-	}
-	svc, err := projection.New(e.config("w1"), projection.WithLogger(testLogger(t)), projection.WithRegistry(prometheus.NewRegistry()))
-	require.NoError(t, err)
-	require.NoError(t, svc.Start(ctx))
-	c := e.conn()
-	eventually(t, 20*time.Second, func() bool {
-		return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == len(m1)+len(m2)-1
-	})
-	require.NoError(t, svc.Stop(ctx))
-	require.NoError(t, e.js.DeleteStream(ctx, event.StreamName(src)))
-	e.createStream()
-	for _, m := range append(append(append([]*nats.Msg{}, mo...), m1...), m2...) {
-		e.signer.Sign(m)
-		_, err := e.js.PublishMsg(ctx, m)
-		require.NoError(t, err)
-	}
+	sc := newTailScene(t, 1, func(m2 []*nats.Msg) {
+		m2[2].Data = bytes.Replace(m2[2].Data, []byte(`"v":1`), []byte(`"v":2`), 1)
+	}, nil)
+	e, c, tx2 := sc.e, sc.c, sc.tx2
+	sc.resend(t)
 	e.start(e.config("w1"))
-	eventually(t, 20*time.Second, func() bool {
-		return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == len(mo)+len(m1)+len(m2)
-	})
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT max(cursor) FROM epitaph.progress`) == sc.all() })
 	eventually(t, 20*time.Second, func() bool {
 		return count(t, c, `SELECT count(*) FROM archive.rows WHERE commit_lsn = $1::pg_lsn`, tx2.lsn.String()) == 7
 	}, "tx2's rows: %d; quarantine: %v", count(t, c, `SELECT count(*) FROM archive.rows WHERE commit_lsn = $1::pg_lsn`, tx2.lsn.String()),
