@@ -455,8 +455,8 @@ func (s *Service) applyCommits(ctx context.Context, tx pgx.Tx, p *applyPlan, arc
 func (s *Service) applyGaps(ctx context.Context, tx pgx.Tx, p *applyPlan, careful bool) error {
 	var gaps []*item
 	for _, it := range append(p.vd.extraRows[:len(p.vd.extraRows):len(p.vd.extraRows)], p.items...) {
-		if it.ev == nil || it.category != "" || (it.ev.Op != event.OpGap && it.ev.Op != event.OpTruncate) {
-			continue
+		if it.ev == nil || it.category != "" || it.replay || (it.ev.Op != event.OpGap && it.ev.Op != event.OpTruncate) {
+			continue // a replay's truncate was recorded with the transaction it copies
 		}
 		if p.vd.pending[it] {
 			if err := stagePendingTruncate(ctx, tx, p.v.Schema, p.l.Partition, it.ev); err != nil {

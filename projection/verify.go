@@ -43,8 +43,10 @@ import (
 //     messages are the transaction when their digest is the signed one
 //     (the fast path). Otherwise (a foreign message among them, a real row
 //     re-published after a foreign one took its id) the window is read
-//     again from the stream and, among the candidates with the commit's LSN,
-//     the choice of one message per seq whose digest is the signed one is
+//     again from the stream: when its messages, exact copies set aside,
+//     are the signed digest's, they are the transaction (members this build
+//     cannot decode too); otherwise, among the candidates with the commit's
+//     LSN, the choice of one message per seq whose digest is the signed one is
 //     the transaction (the last copy of each seq first, then the first
 //     copy, then every combination, bounded: maxChoices). Whatever else was pending is
 //     quarantined as unauthenticated, and so is all of it when no choice
@@ -363,6 +365,9 @@ func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdi
 			if kind == kindCommit || kind == kindMarker || pv.st.Pending == 0 {
 				pv.reset(it)
 			}
+			if (kind == kindCommit || kind == kindMarker) && it.ev != nil && it.category == "" {
+				pv.lsn = max(pv.lsn, version.PositionLSN(it.ev)) // believed as before: applied (advance)
+			}
 			pv.st.PartSeq = 0
 			continue
 		}
@@ -394,7 +399,7 @@ type pageVerifier struct {
 	inPage map[uint64]*item // built when the slow path needs it
 	page   []*item          // this page's pending rows
 	ledger *ledgerCache     // the erasure ledger's answers, this page only (verify_ledger.go)
-	lsn    event.LSN        // the source position applied so far (replayed)
+	lsn    event.LSN        // the source position applied so far, as advance moves it (replayed, a gap's from_lsn)
 }
 
 func newPageVerifier(w *partitionWorker, items []*item) *pageVerifier {
@@ -481,7 +486,11 @@ func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) er
 	}
 	pv.checkPartSeq(it, rows, short)
 	pv.reset(it)
-	if l := version.PositionLSN(it.ev); l > pv.lsn {
+	// The source position moves as the page's apply moves the partition's
+	// (advance): a commit refused here is not applied, and a copy of its
+	// transaction later in the stream is no replay, in this page or in the
+	// next (which starts from the applied position).
+	if l := version.PositionLSN(it.ev); l > pv.lsn && it.category == "" {
 		pv.lsn = l
 	}
 	return nil
@@ -552,7 +561,7 @@ func (pv *pageVerifier) checkPartSeq(b *item, rows int, short bool) {
 		if !short && st.Pending > 0 && st.TxFirst > 0 && rows > 0 {
 			to = st.TxFirst - 1
 		}
-		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.w.pos.SourceLSN, toLSN: version.PositionLSN(b.ev),
+		pv.vd.gaps = append(pv.vd.gaps, gapRow{fromSeq: st.TxStart + 1, toSeq: to, fromLSN: pv.lsn, toLSN: version.PositionLSN(b.ev),
 			head: head && !short})
 		msg := "messages were removed from the stream before this version applied them: recorded a removed_from_stream gap"
 		if regressed {
@@ -648,6 +657,10 @@ func (pv *pageVerifier) closeWindow(ctx context.Context, b *item, kind msgKind) 
 	var chosen map[*item]bool
 	var absent []int // members absent from the stream that the erasure ledger accounts for
 	if kind == kindCommit {
+		if whole, n := wholeWithCopies(window, want, v2); whole != nil {
+			pv.settleWindow(window, inPage, kind, whole)
+			return n, false, nil
+		}
 		chosen, absent, err = chooseCandidates(window, b.ev.CommitLSN, b.ev.Rows, want, v2, pv.purgedLookup(ctx, b.ev.CommitLSN))
 		if err != nil {
 			return 0, false, err
@@ -679,6 +692,10 @@ func (pv *pageVerifier) settleWindow(window []*item, inPage map[uint64]*item, ki
 	for _, it := range window {
 		_, here := inPage[it.seq]
 		switch {
+		case chosen[it] && (it.ev == nil || it.category != ""):
+			// A member set aside on arrival (a wire version this build
+			// does not know): it keeps its entry and category, which
+			// replay takes, as on the fast path.
 		case chosen[it]:
 			if !counted[it.ev.Seq] {
 				counted[it.ev.Seq] = true
@@ -713,12 +730,56 @@ func (pv *pageVerifier) settleWindow(window []*item, inPage map[uint64]*item, ki
 			delete(vd.pending, it)
 			pv.w.refuse(it, why)
 			if !here {
+				// Met in an earlier page of this window: the partition's
+				// watermark then is the window's, as advance sets it on the
+				// page's items.
+				it.after = pv.lsn
 				vd.drop = append(vd.drop, rowID{it.ev.CommitLSN, it.ev.Seq})
 				vd.extraQuar = append(vd.extraQuar, it)
 			}
 		}
 	}
 	return n
+}
+
+// wholeWithCopies is the window as commit's transaction when it is
+// exactly its messages with copies of some (the capture sent them again:
+// same partition sequence and body): its distinct messages, in stream
+// order, hash to the signed digest want, as on the fast path. Members this
+// build cannot decode count too (no seq is needed to hash them, and
+// chooseCandidates, which needs one, would refuse the whole transaction
+// for them). It returns every message of the window (copies included) and
+// the number of distinct ones, or nil.
+func wholeWithCopies(window []*item, want string, v2 bool) (map[*item]bool, int) {
+	if want == "" || len(window) == 0 {
+		return nil, 0
+	}
+	d := event.NewDigest()
+	d.ResetAlg(v2)
+	byPartSeq := map[uint64][]*item{}
+	n := 0
+	for _, it := range window {
+		ps, dup := partSeqOf(it), false
+		for _, o := range byPartSeq[ps] {
+			if bytes.Equal(o.data, it.data) {
+				dup = true
+				break
+			}
+		}
+		if !dup {
+			byPartSeq[ps] = append(byPartSeq[ps], it)
+			d.Add(ps, it.data)
+			n++
+		}
+	}
+	if d.Sum() != want {
+		return nil, 0
+	}
+	all := make(map[*item]bool, len(window))
+	for _, it := range window {
+		all[it] = true
+	}
+	return all, n
 }
 
 // heldRows counts the distinct rows of commit b's transaction the stream
@@ -1012,7 +1073,7 @@ func (s *Service) applyVerdict(ctx context.Context, tx pgx.Tx, v version.Version
 		if err := quarantine.Insert(ctx, tx, quarantine.Entry{
 			Projection: v.Projection, Version: v.Version, Partition: l.Partition,
 			StreamSeq: it.seq, Subject: it.subject, Headers: it.headers, Data: it.data,
-			Category: it.category, Error: quarantine.Sanitize(it.failure),
+			Category: it.category, Error: quarantine.Sanitize(it.failure), After: it.after,
 		}); err != nil {
 			return err
 		}
