@@ -676,6 +676,7 @@ func (s *Service) resumeFrom(ctx context.Context, stream jetstream.Stream) (resu
 		return rp, err
 	}
 	s.raiseSeqs(rp.partSeq, recs)
+	rp.recorded = recs.seqs(cfg.Partitions)
 	rp.slotLSN, rp.timeline = recs.slotLSN, recs.timeline
 	return rp, nil
 }
@@ -788,7 +789,7 @@ func (s *Service) newStreamer(rp resumePoint, stream jetstream.Stream, first boo
 	if s.hooks != nil && s.hooks.untaggedIDs {
 		st.tagger = nil
 	}
-	st.tr.startSeqs(rp.partSeq)
+	st.tr.startSeqs(rp.partSeq, rp.recorded)
 	watch := leaderWatch(stream)
 	st.tr.stalled = func() bool {
 		err := watch()

@@ -173,6 +173,20 @@ func (s *Service) readSeqRecords(ctx context.Context) (seqRecords, error) {
 	return r, nil
 }
 
+// seqs is the highest of both records per partition (parts of them).
+func (r seqRecords) seqs(parts int) []uint64 {
+	out := make([]uint64, parts)
+	for p := range out {
+		if p < len(r.file) {
+			out[p] = r.file[p]
+		}
+		if p < len(r.source) {
+			out[p] = max(out[p], r.source[p])
+		}
+	}
+	return out
+}
+
 // raiseSeqs raises the stream's partition sequences (partSeq) to the
 // records, logging and counting every partition whose stored messages end
 // below what the capture recorded as published: those messages were

@@ -151,7 +151,7 @@ func TestTrackerSafeSeqsFollowTheSafePosition(t *testing.T) {
 	t.Parallel()
 	t0 := time.Date(2026, 12, 6, 4, 0, 0, 0, time.UTC)
 	tr := newTracker(10*time.Second, t0)
-	tr.startSeqs([]uint64{5, 7})
+	tr.startSeqs([]uint64{5, 7}, []uint64{5, 7})
 
 	row, commit1, commit2 := newFake(), newFake(), newFake()
 	tr.add(row, 10, "row")                      // partition 0, seq 6: not signed

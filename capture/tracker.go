@@ -115,10 +115,18 @@ type tracker struct {
 	asked      time.Time
 }
 
-// startSeqs starts the partition sequences at seqs (copied).
-func (t *tracker) startSeqs(seqs []uint64) {
+// startSeqs starts the partition sequences at seqs (copied) and the safe
+// ones at recorded, those recorded with the slot's confirmed position
+// (copied, as long as seqs). The stream's tail a session starts from is
+// no safer than it was when the previous session left it: until a position
+// of this session is safe, the records must not claim it, or a broker that
+// loses that tail within its sync interval would have the next session
+// number the replayed messages after it (a false gap, stored rows not
+// adopted).
+func (t *tracker) startSeqs(seqs, recorded []uint64) {
 	t.acked = append([]uint64(nil), seqs...)
-	t.safeSeqs = append([]uint64(nil), seqs...)
+	t.safeSeqs = make([]uint64, len(seqs))
+	copy(t.safeSeqs, recorded)
 }
 
 // newTracker starts a tracker at now: the stream's tail, written by an

@@ -99,6 +99,9 @@ type resumePoint struct {
 	// adoptFrom..adoptTo are the stream sequences after the verified
 	// boundary message: candidates for adoption (0, 0: none).
 	adoptFrom, adoptTo uint64
+	// recorded per partition: the highest sequence recorded outside the
+	// stream (seqRecords.seqs), as of slotLSN.
+	recorded []uint64
 	// slotLSN: the highest position recorded as confirmed to the slot
 	// (seqRecords.slotLSN; 0: none).
 	slotLSN event.LSN

@@ -53,6 +53,10 @@ import (
 //     matches.
 //   - At a verified mark, heartbeat or gap, whatever is pending cannot be
 //     a transaction's (its commit would have come first): unauthenticated.
+//     Except a transactional mark (pg_logical_emit_message(true, ...)) of
+//     the transaction whose rows are pending, numbered right after them:
+//     the capture publishes it between them, and the commit closes the
+//     window (openTxMark).
 //   - An unsigned commit, mark, heartbeat or gap, one with a bad signature
 //     or signed by a key this target does not trust, is quarantined as
 //     unauthenticated and believed in nothing (it moves neither the
@@ -375,6 +379,12 @@ func (w *partitionWorker) verifyPage(ctx context.Context, items []*item) (*verdi
 		case kindRow:
 			pv.row(it)
 		case kindCommit, kindMarker:
+			if kind == kindMarker && pv.openTxMark(it) {
+				if err := pv.txMark(ctx, it); err != nil {
+					return nil, err
+				}
+				continue
+			}
 			if err := pv.boundary(ctx, it, kind); err != nil {
 				return nil, err
 			}
@@ -493,6 +503,39 @@ func (pv *pageVerifier) boundary(ctx context.Context, it *item, kind msgKind) er
 	if l := version.PositionLSN(it.ev); l > pv.lsn && it.category == "" {
 		pv.lsn = l
 	}
+	return nil
+}
+
+// openTxMark tells whether marker m is a transactional mark
+// (pg_logical_emit_message(true, ...)) of the transaction whose rows are
+// pending: the capture publishes it between them, numbered after them, on
+// every partition. It closes no window there: the commit does.
+func (pv *pageVerifier) openTxMark(m *item) bool {
+	if m.ev == nil || m.category != "" || m.ev.Op != event.OpMark || m.ev.CommitLSN == 0 || pv.st.Pending == 0 {
+		return false
+	}
+	if event.Partition(m.ev.CommitLSN, pv.w.partitions) != pv.w.lease.Partition {
+		return false
+	}
+	if n := len(pv.page); n > 0 && pv.page[n-1].ev.CommitLSN != m.ev.CommitLSN {
+		return false
+	}
+	return partSeqOf(m) == pv.st.PartSeq+uint64(pv.st.Pending)+1
+}
+
+// txMark verifies an open transaction's mark (openTxMark) and counts its
+// partition sequence, so that the commit continues after it; the window
+// stays open.
+func (pv *pageVerifier) txMark(ctx context.Context, m *item) error {
+	if err := pv.w.keys.verify(ctx, m, pv.w.streamKey); err != nil {
+		var r *refusal
+		if !errors.As(err, &r) {
+			return err
+		}
+		pv.w.refuse(m, r.msg)
+		return nil
+	}
+	pv.st.PartSeq++
 	return nil
 }
 
