@@ -35,6 +35,30 @@ func pageSplitEndState(t *testing.T, c *pgx.Conn) pageSplitState {
 	return pageSplitState{rows: archived(t, c, "archive.rows"), quarantine: quarantined(t, c), gaps: g}
 }
 
+// applyInPages starts a worker that applies e's stream in pages of size
+// events, waits until its cursor is at last, and returns a connection to
+// the archive and what a reader can tell.
+func applyInPages(t *testing.T, e *env, size, last int) (*pgx.Conn, pageSplitState) {
+	t.Helper()
+	cfg := e.config("w1")
+	cfg.BatchSize = size
+	e.start(cfg)
+	c := e.conn()
+	eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == last })
+	return c, pageSplitEndState(t, c)
+}
+
+// sameAsFirst keeps got as the first run's end state, or requires the
+// same.
+func sameAsFirst(t *testing.T, first **pageSplitState, got pageSplitState) {
+	t.Helper()
+	if *first == nil {
+		*first = &got
+		return
+	}
+	require.Equal(t, **first, got, "the same archive as with the first page size")
+}
+
 // A signed transaction one of whose rows was deleted from the stream is
 // refused at its commit (a removed_from_stream gap says so). The capture's
 // copy of the whole transaction, stored again later, is its real rows and
@@ -62,19 +86,9 @@ func TestACopyOfARefusedTransactionIsAppliedWhateverThePageSize(t *testing.T) {
 			}
 			signedTx(t, e, tx2) // seq 7-9, partition sequences 4-6
 
-			cfg := e.config("w1")
-			cfg.BatchSize = size
-			e.start(cfg)
-			c := e.conn()
-			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 9 })
-
-			got := pageSplitEndState(t, c)
+			c, got := applyInPages(t, e, size, 9)
 			require.Equal(t, expected(t, c, tx1, tx2), got.rows, "the copy's rows are tx1's real rows, signed")
-			if first == nil {
-				first = &got
-				return
-			}
-			require.Equal(t, *first, got, "the same archive as with pages of 1")
+			sameAsFirst(t, &first, got)
 		})
 	}
 }
@@ -110,21 +124,11 @@ func TestAReplayedTruncateIsNoSecondGapWhateverThePageSize(t *testing.T) {
 			}
 			signedTx(t, e, tx2) // seq 9-11
 
-			cfg := e.config("w1")
-			cfg.BatchSize = size
-			e.start(cfg)
-			c := e.conn()
-			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 11 })
-
-			got := pageSplitEndState(t, c)
+			c, got := applyInPages(t, e, size, 11)
 			require.Equal(t, expected(t, c, tx1, tx2), got.rows)
 			require.Empty(t, got.quarantine)
 			require.Equal(t, []string{fmt.Sprintf("truncate %s %s  ", tx1.lsn, tx1.lsn)}, got.gaps, "one truncate, recorded once")
-			if first == nil {
-				first = &got
-				return
-			}
-			require.Equal(t, *first, got, "the same archive as with pages of 1")
+			sameAsFirst(t, &first, got)
 		})
 	}
 }
@@ -155,24 +159,14 @@ func TestARemovedTransactionsGapStartsAtTheLastAppliedCommitWhateverThePageSize(
 				require.NoError(t, st.DeleteMsg(ctx, seq))
 			}
 
-			cfg := e.config("w1")
-			cfg.BatchSize = size
-			e.start(cfg)
-			c := e.conn()
-			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 12 })
-
-			got := pageSplitEndState(t, c)
+			c, got := applyInPages(t, e, size, 12)
 			require.Equal(t, expected(t, c, tx1, tx2, tx4), got.rows)
 			require.Equal(t, []string{fmt.Sprintf("removed_from_stream %s %s 7 9", tx2.lsn, tx4.lsn)}, got.gaps,
 				"the loss lies after tx2, up to tx4")
 			bs, err := status.Blockers(ctx, c, archive.Projection, tx2.lsn, 10)
 			require.NoError(t, err)
 			require.Empty(t, bs, "tx2 is complete: nothing blocks a wait for it")
-			if first == nil {
-				first = &got
-				return
-			}
-			require.Equal(t, *first, got, "the same archive as with pages of 1")
+			sameAsFirst(t, &first, got)
 		})
 	}
 }
@@ -196,13 +190,7 @@ func TestARefusedForgeryLiesWhereItWasMetWhateverThePageSize(t *testing.T) {
 			e.foreign(e.messages(forged)[0]) // seq 4: a row, unsigned, no commit
 			signedTx(t, e, tx2)              // seq 5-7
 
-			cfg := e.config("w1")
-			cfg.BatchSize = size
-			e.start(cfg)
-			c := e.conn()
-			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 7 })
-
-			got := pageSplitEndState(t, c)
+			c, got := applyInPages(t, e, size, 7)
 			require.Equal(t, expected(t, c, tx1, tx2), got.rows)
 			require.Empty(t, got.gaps)
 			bs, err := status.Blockers(ctx, c, archive.Projection, tx1.lsn, 10)
@@ -369,13 +357,7 @@ func TestAnUnknownVersionRowsTransactionWithACopyIsVerifiedWhateverThePageSize(t
 			require.NoError(t, err) // seq 5: the commit
 			signedTx(t, e, tx2)     // seq 6-8
 
-			cfg := e.config("w1")
-			cfg.BatchSize = size
-			e.start(cfg)
-			c := e.conn()
-			eventually(t, 20*time.Second, func() bool { return count(t, c, `SELECT cursor FROM epitaph.progress`) == 8 })
-
-			got := pageSplitEndState(t, c)
+			c, got := applyInPages(t, e, size, 8)
 			require.Empty(t, got.gaps, "nothing was removed")
 			require.Equal(t, []qrow{{seq: 3, subject: m1[2].Subject, category: "unknown_version"}}, got.quarantine)
 			want := expected(t, c, tx1, tx2)
