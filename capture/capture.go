@@ -489,7 +489,14 @@ func (s *Service) setup(ctx context.Context, db string) (err error) {
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
-	obs, err := ensureRowBucket(ctx, objJS, cfg)
+	// The first JetStream request: a server that accepts connections may
+	// not answer JetStream yet (the embedded one still starting it under
+	// load: no responders), waited for like a broker that is down.
+	var obs jetstream.ObjectStore
+	err = s.untilReachable(ctx, linkBroker, func() (err error) {
+		obs, err = ensureRowBucket(ctx, objJS, cfg)
+		return err
+	})
 	if err != nil {
 		return err
 	}
