@@ -35,10 +35,7 @@ func (s *Service) queueDeliveries(ctx context.Context, tx pgx.Tx, p *applyPlan, 
 		return nil
 	}
 	if len(vd.drop) > 0 {
-		lsns, seqs := make([]string, len(vd.drop)), make([]int32, len(vd.drop))
-		for i, r := range vd.drop {
-			lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
-		}
+		lsns, seqs := rowIDArgs(vd.drop)
 		if err := handler.StopUnverified(ctx, tx, s.cfg.SourceName, lsns, seqs); err != nil {
 			return err
 		}

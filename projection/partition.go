@@ -469,10 +469,7 @@ func (w *partitionWorker) dropOpenWindow(ctx context.Context, tx pgx.Tx) (int, e
 	if !live {
 		return len(drop), nil // deliveries are the live version's (a rebuild makes none)
 	}
-	lsns, seqs := make([]string, len(drop)), make([]int32, len(drop))
-	for i, r := range drop {
-		lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
-	}
+	lsns, seqs := rowIDArgs(drop)
 	return len(drop), handler.StopUnverified(ctx, tx, w.cfg.SourceName, lsns, seqs)
 }
 

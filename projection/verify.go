@@ -317,6 +317,16 @@ type rowID struct {
 	seq int
 }
 
+// rowIDArgs is ids as the two arrays a statement unnests: commit LSNs (as
+// text) and seqs.
+func rowIDArgs(ids []rowID) (lsns []string, seqs []int32) {
+	lsns, seqs = make([]string, len(ids)), make([]int32, len(ids))
+	for i, r := range ids {
+		lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
+	}
+	return lsns, seqs
+}
+
 // gapRow is a removed_from_stream gap to record.
 type gapRow struct {
 	fromSeq, toSeq uint64
@@ -1151,10 +1161,7 @@ func dropUnverified(ctx context.Context, tx pgx.Tx, schema, source string, parti
 	if len(drop) == 0 {
 		return nil
 	}
-	lsns, seqs := make([]string, len(drop)), make([]int32, len(drop))
-	for i, r := range drop {
-		lsns[i], seqs[i] = r.lsn.String(), int32(r.seq)
-	}
+	lsns, seqs := rowIDArgs(drop)
 	if _, err := tx.Exec(ctx, `DELETE FROM `+archive.Ident(schema, "rows")+` r USING unnest($2::text[], $3::int[]) AS u(lsn, seq)
 		WHERE r.source = $1 AND NOT r.verified AND r.commit_lsn = u.lsn::pg_lsn AND r.seq = u.seq`, source, lsns, seqs); err != nil {
 		return fmt.Errorf("drop unverified rows: %w", err)
